@@ -1,0 +1,34 @@
+"""heterog: plan and run fast training on clusters of unlike GPUs.
+
+The stable Python API (same keys as the CLI's --json output):
+capture, load_cluster, predict, plan, simulate, run. Imports are lazy so that the command
+line starts fast and stages load only what they use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "capture": "heterog.capture.capture",
+    "load_cluster": "heterog.hardware.spec",
+    "predict": "heterog.cost.predict",
+    "simulate": "heterog.simulate.simulator",
+    "plan": "heterog.search.planner",
+    "run": "heterog.execute.api",
+    "OpGraph": "heterog.ir.opgraph",
+    "Plan": "heterog.ir.plan",
+    "Cluster": "heterog.hardware.cluster",
+    "HeterogError": "heterog.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'heterog' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""The `heterog` command line: one module per command, registered in main.py."""

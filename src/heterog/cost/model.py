@@ -1,0 +1,62 @@
+"""The interface between costs and their consumers (simulator, search, predict).
+
+`CostModel` is what the simulator and the search call; the analytic roofline model
+(cost.analytic) and measured profiles implement it. Times are uncontended: the simulator
+adds contention by occupying the links named by `Cluster.path`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, Sequence
+
+Phase = Literal["fwd", "bwd"]
+Collective = Literal["allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
+
+
+class CostModel(Protocol):
+    precision: str          # 'fp32' | 'amp-bf16' | 'fp16'
+    optimizer: str          # 'sgd' | 'adamw'
+
+    def compute_time_s(self, node: str, device: str, batch: float, phase: Phase) -> float:
+        """Time of one node's forward or backward on `device` for `batch` samples (0 → 0)."""
+        ...
+
+    def optimizer_time_s(self, nodes: Sequence[str], device: str) -> float:
+        """Time of the optimizer step over the parameters of `nodes` on `device`."""
+        ...
+
+    def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
+        """Point-to-point time over the real path: latency + bytes / bottleneck bandwidth."""
+        ...
+
+    def collective_time_s(self, op: Collective, nbytes: float, devices: Sequence[str],
+                          method: str = "ring") -> float:
+        """A collective over `devices` ('ring', 'tree', 'hierarchical'), limited by the
+        slowest link it crosses. nbytes is the full buffer size on each member."""
+        ...
+
+    def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:
+        """Parameter server: every replica sends its gradient to `server`, which sums and
+        sends the parameters back; limited by the server's links."""
+        ...
+
+    # -- memory (bytes) ----------------------------------------------------------------------
+    def persistent_bytes(self, nodes: Sequence[str], device: str) -> float:
+        """Parameters + gradients + optimizer state of `nodes` held on one replica."""
+        ...
+
+    def activation_bytes(self, nodes: Sequence[str], batch: float, recompute: bool = False) -> float:
+        """Activations saved for backward by `nodes` at `batch` samples."""
+        ...
+
+    def workspace_bytes(self, nodes: Sequence[str], batch: float) -> float:
+        """Largest transient buffer while any of `nodes` runs."""
+        ...
+
+    def gradient_bytes(self, nodes: Sequence[str]) -> float:
+        """Bytes of the gradients of `nodes` as synchronised (in the gradient dtype)."""
+        ...
+
+    def activation_transfer_bytes(self, src: str, dst: str, batch: float) -> float:
+        """Bytes on the graph edge src → dst for `batch` samples (0 if no edge)."""
+        ...

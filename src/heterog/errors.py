@@ -1,0 +1,45 @@
+"""Typed errors. User mistakes raise a subclass of HeterogError whose message says what is
+wrong, where, and how to fix it; the CLI prints it as one paragraph (traceback with --debug).
+Broken internal invariants are plain asserts."""
+
+from __future__ import annotations
+
+
+class HeterogError(Exception):
+    """Base of every error meant for the user."""
+
+
+class ModelError(HeterogError):
+    """Unknown zoo model, failing factory, bad model arguments or example inputs."""
+
+
+class GraphError(HeterogError):
+    """A malformed OpGraph (file or in memory)."""
+
+
+class ClusterError(HeterogError):
+    """A malformed cluster spec or an unknown GPU type."""
+
+
+class PlanError(HeterogError):
+    """A malformed or inconsistent Plan."""
+
+
+class InfeasibleError(HeterogError):
+    """No deployment fits in the cluster's memory."""
+
+
+class ArtifactError(HeterogError):
+    """A JSON artifact that cannot be read: wrong kind, version or syntax."""
+
+
+class RankError(HeterogError):
+    """A distributed rank failed or hung. Carries the rank so the message survives pickling."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(rank, message)
+        self.rank = rank
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.message}"

@@ -1,0 +1,158 @@
+"""Cluster: devices grouped into nodes, joined by directional links.
+
+Topology model. Every device has a port to its node's fabric (NVLink or PCIe), one link per
+direction; every node has a NIC to the switch, one link per direction; a switch core link
+is added when the switch is oversubscribed. A transfer occupies every link on its path, so
+transfers that share a NIC contend; up and down directions do not (links are full duplex).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from heterog.errors import ClusterError
+from heterog.hardware.gputype import GpuType
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Link:
+    name: str                       # e.g. 'node0/gpu1.up', 'node0.nic.down', 'switch.core'
+    kind: str                       # 'nvlink', 'pcie', 'nic', 'switch', 'loopback'
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device:
+    name: str                       # unique, e.g. 'node0/gpu1'
+    gpu_type: str                   # key into Cluster.gpu_types
+    node: str
+    slowdown: float = 1.0           # emulated clusters: compute runs this many times slower
+    memory_bytes: int | None = None  # override of the type's memory (emulated / partial GPUs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Node:
+    name: str
+    devices: tuple[str, ...]
+    nic_bandwidth_bytes_per_s: float
+    nic_latency_s: float
+    intra_latency_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    name: str
+    kind: str = "real"              # 'real' or 'emulated' (local processes)
+    gpu_types: dict[str, GpuType]
+    nodes: tuple[Node, ...]
+    devices: tuple[Device, ...]
+    links: dict[str, Link]
+    switch_core: str | None = None  # name of the oversubscribed switch link, if any
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- look-ups ------------------------------------------------------------------------
+    @cached_property
+    def device_index(self) -> dict[str, int]:
+        return {d.name: i for i, d in enumerate(self.devices)}
+
+    def device(self, name: str) -> Device:
+        try:
+            return self.devices[self.device_index[name]]
+        except KeyError:
+            known = ", ".join(d.name for d in self.devices[:12])
+            raise ClusterError(f"no device {name!r} in cluster {self.name!r}; devices: {known}"
+                               f"{' …' if len(self.devices) > 12 else ''}.") from None
+
+    def gpu(self, device: str) -> GpuType:
+        return self.gpu_types[self.device(device).gpu_type]
+
+    def memory_bytes(self, device: str) -> int:
+        d = self.device(device)
+        return d.memory_bytes if d.memory_bytes is not None else self.gpu_types[d.gpu_type].memory_bytes
+
+    @cached_property
+    def node_of(self) -> dict[str, str]:
+        return {d.name: d.node for d in self.devices}
+
+    @cached_property
+    def node_index(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @staticmethod
+    def port(device: str, direction: str) -> str:
+        return f"{device}.{direction}"
+
+    @staticmethod
+    def nic(node: str, direction: str) -> str:
+        return f"{node}.nic.{direction}"
+
+    def path(self, src: str, dst: str) -> tuple[str, ...]:
+        """Names of the links a transfer from src to dst occupies, in order."""
+        if src == dst:
+            return ()
+        a, b = self.node_of[src], self.node_of[dst]
+        if a == b:
+            return (self.port(src, "up"), self.port(dst, "down"))
+        core = (self.switch_core,) if self.switch_core else ()
+        return (self.port(src, "up"), self.nic(a, "up"), *core, self.nic(b, "down"), self.port(dst, "down"))
+
+    def bottleneck_bandwidth_bytes_per_s(self, src: str, dst: str) -> float:
+        return min((self.links[l].bandwidth_bytes_per_s for l in self.path(src, dst)), default=float("inf"))
+
+    def latency_s(self, src: str, dst: str) -> float:
+        return sum(self.links[l].latency_s for l in self.path(src, dst))
+
+    def fingerprint(self) -> str:
+        body = {
+            "devices": [[d.name, d.gpu_type, d.node, d.slowdown, d.memory_bytes] for d in self.devices],
+            "links": sorted([l.name, l.bandwidth_bytes_per_s, l.latency_s] for l in self.links.values()),
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_cluster(*, name: str, gpu_types: dict[str, GpuType], nodes: list[dict[str, Any]],
+                  kind: str = "real", switch_core_bandwidth_bytes_per_s: float | None = None,
+                  switch_latency_s: float = 0.0, meta: dict[str, Any] | None = None) -> Cluster:
+    """Make a Cluster and its links from plain node descriptions.
+
+    Each node dict: name, devices (list of dicts: name, gpu_type, slowdown?, memory_bytes?,
+    intra_bandwidth_bytes_per_s?), nic_bandwidth_bytes_per_s, nic_latency_s, intra_latency_s.
+    The YAML loader (hardware.spec) validates user input and calls this.
+    """
+    links: dict[str, Link] = {}
+    devices: list[Device] = []
+    node_objs: list[Node] = []
+    for n in nodes:
+        names = []
+        for d in n["devices"]:
+            gt = gpu_types[d["gpu_type"]]
+            dev = Device(name=d["name"], gpu_type=d["gpu_type"], node=n["name"],
+                         slowdown=d.get("slowdown", 1.0), memory_bytes=d.get("memory_bytes"))
+            devices.append(dev)
+            names.append(dev.name)
+            bw = d.get("intra_bandwidth_bytes_per_s") or gt.intra_node_bandwidth_bytes_per_s
+            link_kind = "nvlink" if gt.intra_node_link.startswith("nvlink") else (
+                "loopback" if gt.vendor == "cpu" else "pcie")
+            for direction in ("up", "down"):
+                ln = Cluster.port(dev.name, direction)
+                links[ln] = Link(name=ln, kind=link_kind, bandwidth_bytes_per_s=bw,
+                                 latency_s=n["intra_latency_s"] / 2)
+        for direction in ("up", "down"):
+            ln = Cluster.nic(n["name"], direction)
+            links[ln] = Link(name=ln, kind="nic", bandwidth_bytes_per_s=n["nic_bandwidth_bytes_per_s"],
+                             latency_s=n["nic_latency_s"] / 2)
+        node_objs.append(Node(name=n["name"], devices=tuple(names),
+                              nic_bandwidth_bytes_per_s=n["nic_bandwidth_bytes_per_s"],
+                              nic_latency_s=n["nic_latency_s"], intra_latency_s=n["intra_latency_s"]))
+    core = None
+    if switch_core_bandwidth_bytes_per_s is not None:
+        core = "switch.core"
+        links[core] = Link(name=core, kind="switch", bandwidth_bytes_per_s=switch_core_bandwidth_bytes_per_s,
+                           latency_s=switch_latency_s)
+    return Cluster(name=name, kind=kind, gpu_types=dict(gpu_types), nodes=tuple(node_objs),
+                   devices=tuple(devices), links=links, switch_core=core, meta=meta or {})

@@ -1,0 +1,254 @@
+"""Plan: a deployment strategy, the only thing the search emits and the executor obeys.
+
+Vocabulary (DESIGN.md): the OpGraph's nodes are partitioned into *groups*; each group has a
+*placement*, a tuple of *replicas* (device, share of every micro-batch); a replicated group's
+gradients are synchronised by `sync`. One replica with share 1.0 is model parallelism; all
+devices is data parallelism; a subset is hybrid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from heterog.errors import ArtifactError, PlanError
+from heterog.jsonio import load_artifact, parse_artifact, save_artifact
+
+SCHEMA_VERSION = 1
+KIND = "heterog.Plan"
+
+SYNC_METHODS = ("none", "ring", "tree", "hierarchical", "ps")
+SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("fp32", "amp-bf16", "fp16")
+OPTIMIZERS = ("sgd", "adamw")
+SHARE_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Replica:
+    device: str
+    share: float  # fraction of every micro-batch this replica computes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Group:
+    name: str
+    nodes: tuple[str, ...]          # OpGraph node names, in graph order
+    replicas: tuple[Replica, ...]
+    sync: str = "none"              # how gradients of a replicated group are combined
+    ps_device: str | None = None    # the parameter server, when sync == 'ps'
+    recompute: bool = False         # recompute activations in backward instead of saving them
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(r.device for r in self.replicas)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """What to capture to rebuild the graph the plan was made for."""
+    name: str                                        # zoo name or 'path/file.py:factory'
+    args: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 1
+    seq_len: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    strategy: str                   # 'even-dp-allreduce', 'search', ... (see search/)
+    model: ModelSpec
+    precision: str = "fp32"
+    optimizer: str = "sgd"
+    groups: tuple[Group, ...]
+    num_microbatches: int = 1
+    schedule: str = "gpipe"
+    bucket_bytes: int = 25 * 2**20  # gradient bucket size for overlapping sync with backward
+    priorities: dict[str, float] = field(default_factory=dict)  # node → priority; higher first
+    cluster: dict[str, Any] = field(default_factory=dict)       # the cluster spec (self-contained)
+    graph_fingerprint: str = ""
+    cluster_fingerprint: str = ""
+    predicted_iteration_time_s: float | None = None
+    predicted_peak_memory_bytes: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()     # the explanation: why this plan
+
+    @property
+    def batch_size(self) -> int:
+        return self.model.batch_size
+
+    def devices(self) -> tuple[str, ...]:
+        """Every device the plan uses, in first-use order."""
+        seen: dict[str, None] = {}
+        for g in self.groups:
+            for r in g.replicas:
+                seen.setdefault(r.device, None)
+        return tuple(seen)
+
+    def microbatch_size(self, index: int) -> int:
+        """Samples in micro-batch `index`; the batch is split as evenly as integers allow."""
+        return split_samples(self.batch_size, [1.0] * self.num_microbatches)[index]
+
+    def replica_samples(self, group: Group, microbatch: int) -> list[int]:
+        """Integer samples of each replica of `group` in one micro-batch (largest remainder)."""
+        return split_samples(self.microbatch_size(microbatch), [r.share for r in group.replicas])
+
+    def with_prediction(self, iteration_time_s: float, peak_memory_bytes: dict[str, int]) -> "Plan":
+        return replace(self, predicted_iteration_time_s=iteration_time_s,
+                       predicted_peak_memory_bytes=dict(peak_memory_bytes))
+
+    # -- validation -----------------------------------------------------------------------
+    def validate(self, graph=None, cluster=None) -> "Plan":
+        """Check the plan alone, and against a graph and cluster when given."""
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}.")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
+        if self.model.batch_size < 1:
+            raise PlanError(f"model.batch_size must be ≥ 1, found {self.model.batch_size}.")
+        if not 1 <= self.num_microbatches <= self.model.batch_size:
+            raise PlanError(f"num_microbatches must lie in 1..batch_size ({self.model.batch_size}), "
+                            f"found {self.num_microbatches}.")
+        if not self.groups:
+            raise PlanError("the plan has no groups; every graph node must belong to one group.")
+        names: set[str] = set()
+        for g in self.groups:
+            where = f"group {g.name!r}"
+            if g.name in names:
+                raise PlanError(f"{where}: duplicate group name.")
+            names.add(g.name)
+            if not g.nodes:
+                raise PlanError(f"{where}: holds no nodes.")
+            if not g.replicas:
+                raise PlanError(f"{where}: has no replicas; place it on at least one device.")
+            devs = [r.device for r in g.replicas]
+            if len(set(devs)) != len(devs):
+                raise PlanError(f"{where}: a device appears twice in its replicas ({devs}).")
+            for r in g.replicas:
+                if not (r.share > 0 and math.isfinite(r.share)):
+                    raise PlanError(f"{where} replica on {r.device!r}: share must be > 0, found {r.share}.")
+            total = sum(r.share for r in g.replicas)
+            if abs(total - 1.0) > SHARE_TOLERANCE:
+                raise PlanError(f"{where}: replica shares sum to {total:.6g}, not 1; "
+                                f"shares are fractions of each micro-batch.")
+            if g.sync not in SYNC_METHODS:
+                raise PlanError(f"{where}: sync {g.sync!r} is not one of {', '.join(SYNC_METHODS)}.")
+            if g.sync == "ps" and g.ps_device is None:
+                raise PlanError(f"{where}: sync is 'ps' but ps_device is not set; name the device "
+                                f"that holds the parameter server.")
+            if g.sync != "ps" and g.ps_device is not None:
+                raise PlanError(f"{where}: ps_device is set but sync is {g.sync!r}, not 'ps'.")
+            if len(g.replicas) > 1 and g.sync == "none" and graph is not None:
+                if any(graph.node(n).param_count for n in g.nodes if n in graph.index):
+                    raise PlanError(f"{where}: replicated on {len(g.replicas)} devices and holds "
+                                    f"parameters, but sync is 'none'; its replicas would diverge. "
+                                    f"Choose ring, tree, hierarchical or ps.")
+        if cluster is not None:
+            known = set(cluster.device_index)
+            for g in self.groups:
+                for d in [*g.devices, *([g.ps_device] if g.ps_device else [])]:
+                    if d not in known:
+                        raise PlanError(f"group {g.name!r}: device {d!r} is not in cluster "
+                                        f"{cluster.name!r}.")
+            if self.cluster_fingerprint and self.cluster_fingerprint != cluster.fingerprint():
+                raise PlanError(f"the plan was made for a different cluster (fingerprint "
+                                f"{self.cluster_fingerprint}, this one {cluster.fingerprint()}); "
+                                f"re-plan for this cluster.")
+        if graph is not None:
+            owner: dict[str, str] = {}
+            for g in self.groups:
+                for n in g.nodes:
+                    if n not in graph.index:
+                        raise PlanError(f"group {g.name!r}: node {n!r} is not in the graph of {graph.model}.")
+                    if n in owner:
+                        raise PlanError(f"node {n!r} is in two groups ({owner[n]!r} and {g.name!r}).")
+                    owner[n] = g.name
+            missing = [n.name for n in graph.nodes if n.name not in owner]
+            if missing:
+                raise PlanError(f"{len(missing)} graph node(s) belong to no group, e.g. {missing[:3]}; "
+                                f"every node must be in exactly one group.")
+            if self.graph_fingerprint and self.graph_fingerprint != graph.fingerprint():
+                raise PlanError(f"the plan was made for a different model graph (fingerprint "
+                                f"{self.graph_fingerprint}, this one {graph.fingerprint()}).")
+        return self
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "model":
+                v = {"name": v.name, "args": v.args, "batch_size": v.batch_size, "seq_len": v.seq_len}
+            elif f.name == "groups":
+                v = [{"name": g.name, "nodes": list(g.nodes),
+                      "replicas": [[r.device, r.share] for r in g.replicas],
+                      "sync": g.sync, "ps_device": g.ps_device, "recompute": g.recompute} for g in v]
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": KIND, "version": SCHEMA_VERSION, **self.to_dict()})
+
+    def save(self, path) -> None:
+        save_artifact(path, KIND, SCHEMA_VERSION, self.to_dict())
+
+    @staticmethod
+    def load(path) -> "Plan":
+        return Plan.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        return Plan.from_dict(parse_artifact(text, KIND, SCHEMA_VERSION), "<plan>")
+
+    @staticmethod
+    def from_dict(doc: dict[str, Any], source: str = "<plan>") -> "Plan":
+        try:
+            m = doc["model"]
+            groups = []
+            for i, g in enumerate(doc["groups"]):
+                where = f"{source}: group {i} ({g.get('name', '?')!r})"
+                try:
+                    replicas = tuple(Replica(device=d, share=float(s)) for d, s in g["replicas"])
+                except (TypeError, ValueError):
+                    raise PlanError(f"{where}: replicas must be [[device, share], ...], "
+                                    f"found {g.get('replicas')!r}.") from None
+                groups.append(Group(name=g["name"], nodes=tuple(g["nodes"]), replicas=replicas,
+                                    sync=g.get("sync", "none"), ps_device=g.get("ps_device"),
+                                    recompute=bool(g.get("recompute", False))))
+            known = {f.name for f in fields(Plan)}
+            rest = {k: v for k, v in doc.items() if k in known and k not in ("model", "groups")}
+            for k in ("notes",):
+                if k in rest:
+                    rest[k] = tuple(rest[k])
+            plan = Plan(model=ModelSpec(name=m["name"], args=m.get("args", {}),
+                                        batch_size=m["batch_size"], seq_len=m.get("seq_len")),
+                        groups=tuple(groups), **rest)
+        except KeyError as e:
+            raise PlanError(f"{source}: missing field {e.args[0]!r}.") from None
+        except (TypeError, AttributeError) as e:
+            raise PlanError(f"{source}: malformed plan ({e}).") from None
+        except ArtifactError:
+            raise
+        try:
+            return plan.validate()
+        except PlanError as e:
+            raise PlanError(f"{source}: {e}") from None
+
+
+def split_samples(total: int, shares: list[float]) -> list[int]:
+    """Integer parts of `total` proportional to `shares`, summing to `total` (largest remainder).
+
+    The simulator and the executor both use this, so they agree on every replica's samples.
+    """
+    s = sum(shares)
+    exact = [total * x / s for x in shares]
+    counts = [int(math.floor(e)) for e in exact]
+    rest = total - sum(counts)
+    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:rest]:
+        counts[i] += 1
+    return counts

@@ -1,0 +1,65 @@
+"""Versioned JSON artifacts written atomically (never a half-written file over user data)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from heterog.errors import ArtifactError
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to path through a temporary file in the same folder and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_artifact(path: str | os.PathLike, kind: str, version: int, body: dict[str, Any]) -> None:
+    """Save `body` as an artifact of `kind` at schema `version`."""
+    doc = {"kind": kind, "version": version, **body}
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
+
+
+def load_artifact(path: str | os.PathLike, kind: str, version: int) -> dict[str, Any]:
+    """Read an artifact file and check its kind and version; the caller validates the body."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no such file; check the path.") from None
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot be read ({e.strerror}).") from None
+    return parse_artifact(text, kind, version, source=str(path))
+
+
+def parse_artifact(text: str, kind: str, version: int, *, source: str = "<string>") -> dict[str, Any]:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ArtifactError(
+            f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}). "
+            f"Was it written by heterog, and completely?") from None
+    if not isinstance(doc, dict):
+        raise ArtifactError(f"{source}: expected a JSON object holding a {kind}, found {type(doc).__name__}.")
+    if doc.get("kind") != kind:
+        raise ArtifactError(
+            f"{source}: this file holds a {doc.get('kind')!r} artifact, but a {kind!r} was expected.")
+    if doc.get("version") != version:
+        raise ArtifactError(
+            f"{source}: {kind} schema version {doc.get('version')!r} is not supported "
+            f"(this heterog reads version {version}); re-create the file with this version.")
+    return doc
