@@ -29,7 +29,7 @@ class Affine:
         return Affine(value_a - per_sample * batch_a, per_sample)
 
     def to_json(self) -> list[float]:
-        return [self.fixed, self.per_sample]
+        return [float(self.fixed), float(self.per_sample)]
 
     @staticmethod
     def from_json(value: object) -> "Affine":
