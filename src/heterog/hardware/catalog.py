@@ -1,0 +1,253 @@
+"""The GPU catalog (catalog.yaml: data sheets with their sources) and the `cpu` device type,
+whose rates are measured on this machine by a short probe and cached.
+
+`get_gpu(name)` is the one way to turn a type name into a GpuType; unknown names raise a
+ClusterError that suggests close names (matching ignores case, '-' and '_', and knows aliases).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from heterog.errors import ClusterError
+from heterog.hardware.gputype import PRECISIONS, GpuType
+from heterog.jsonio import write_atomic
+
+CPU_TYPE = "cpu"
+_PROBE_VERSION = 2
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "").replace(" ", "")
+
+
+@lru_cache(maxsize=1)
+def _catalog_doc() -> dict[str, Any]:
+    text = resources.files("heterog.hardware").joinpath("catalog.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def _gpu_from_entry(e: dict[str, Any]) -> GpuType:
+    return GpuType(
+        name=e["name"], vendor=e["vendor"],
+        peak_flops_per_s={p: float(e["peak_tflops"].get(p, 0)) * 1e12 for p in PRECISIONS},
+        memory_bandwidth_bytes_per_s=float(e["memory_bandwidth_gbytes_per_s"]) * 1e9,
+        memory_bytes=int(float(e["memory_gib"]) * 2**30),
+        intra_node_link=e["intra_node_link"],
+        intra_node_bandwidth_bytes_per_s=float(e["intra_node_bandwidth_gbytes_per_s"]) * 1e9,
+        sources=dict(e.get("sources", {})))
+
+
+@lru_cache(maxsize=1)
+def _gpu_table() -> tuple[dict[str, GpuType], dict[str, str]]:
+    """(types by canonical name, normalised name or alias → canonical name)."""
+    types: dict[str, GpuType] = {}
+    lookup: dict[str, str] = {}
+    for e in _catalog_doc()["gpus"]:
+        g = _gpu_from_entry(e)
+        types[g.name] = g
+        for alias in [g.name, *e.get("aka", [])]:
+            lookup[_norm(alias)] = g.name
+    return types, lookup
+
+
+def list_gpus(*, include_cpu: bool = False) -> list[GpuType]:
+    """Every catalog GPU type, in catalog order; with include_cpu, the measured `cpu` type too."""
+    out = list(_gpu_table()[0].values())
+    if include_cpu:
+        out.append(cpu_gpu_type())
+    return out
+
+
+def gpu_names() -> list[str]:
+    return [*_gpu_table()[0], CPU_TYPE]
+
+
+def get_gpu(name: str) -> GpuType:
+    """The GpuType called `name` (case-insensitive, aliases allowed); 'cpu' is measured here."""
+    if _norm(name) == CPU_TYPE:
+        return cpu_gpu_type()
+    types, lookup = _gpu_table()
+    canonical = lookup.get(_norm(name))
+    if canonical is None:
+        raise ClusterError(unknown_gpu_message(name))
+    return types[canonical]
+
+
+def unknown_gpu_message(name: str) -> str:
+    _, lookup = _gpu_table()
+    close = difflib.get_close_matches(_norm(name), list(lookup), n=3, cutoff=0.5)
+    names = sorted({lookup[c] for c in close})
+    hint = f" Did you mean {', '.join(names)}?" if names else ""
+    return (f"unknown GPU type {name!r}.{hint} Known types: {', '.join(gpu_names())} "
+            f"(`heterog gpus` lists them with their rates).")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostOverheads:
+    """Per-kernel host costs of eager PyTorch on one device type (seconds)."""
+    dispatch_s: float               # Python + dispatcher per op; GPU: overlapped with device work
+    kernel_gap_s: float             # device-side minimum per kernel
+    optimizer_per_tensor_s: float   # optimizer loop cost per parameter tensor
+    synchronous: bool = False       # CPU: host cost adds to compute instead of overlapping
+    backward_dispatch_s: float | None = None  # autograd engine per backward op (CPU measured)
+
+
+def host_overheads(gpu: GpuType) -> HostOverheads:
+    if gpu.vendor == "cpu":
+        p = measure_cpu()
+        return HostOverheads(dispatch_s=p.dispatch_s, kernel_gap_s=0.0,
+                             optimizer_per_tensor_s=p.dispatch_s, synchronous=True,
+                             backward_dispatch_s=p.backward_dispatch_s)
+    table = _catalog_doc()["host_overheads"]
+    e = table.get(gpu.vendor, table["nvidia"])
+    return HostOverheads(dispatch_s=float(e["dispatch_s"]), kernel_gap_s=float(e["kernel_gap_s"]),
+                         optimizer_per_tensor_s=float(e["optimizer_per_tensor_s"]))
+
+
+# -- the `cpu` device type, measured -------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CpuProbe:
+    """Rates of this machine's CPU under the current torch thread count."""
+    key: str                                    # cpu model | threads | torch version
+    matmul_flops_per_s: dict[int, float]        # square fp32 size n → achieved FLOP/s
+    bf16_matmul_flops_per_s: float
+    conv_flops_per_s: float                     # a mid-sized 3x3 convolution, forward
+    copy_bandwidth_bytes_per_s: float           # bytes read + written per second
+    dispatch_s: float                           # one small op with autograd recording
+    backward_dispatch_s: float                  # one small op's backward in the autograd engine
+    memory_bytes: int
+
+    @property
+    def peak_flops_per_s(self) -> float:
+        return max(self.matmul_flops_per_s.values())
+
+
+def _cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _probe_key() -> str:
+    import torch
+    return f"{_cpu_model_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|v{_PROBE_VERSION}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HETEROG_CACHE_DIR", Path.home() / ".cache" / "heterog"))
+
+
+def _median_time_s(fn, *, repeats: int, min_time_s: float = 0.0) -> float:
+    fn()  # warm-up (allocations, one-time kernel selection)
+    times = []
+    start = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - start < min_time_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) > 50 * repeats:
+            break
+    return statistics.median(times)
+
+
+def _run_probe() -> CpuProbe:
+    """About one second of matmuls, a convolution, a copy and tiny ops under autograd."""
+    import psutil
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        mm: dict[int, float] = {}
+        for n in (64, 128, 256, 512, 1024):
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            t = _median_time_s(lambda: torch.mm(a, b), repeats=5 if n >= 512 else 20)
+            mm[n] = 2 * n**3 / t
+        a16, b16 = torch.randn(512, 512).bfloat16(), torch.randn(512, 512).bfloat16()
+        bf16 = 2 * 512**3 / _median_time_s(lambda: torch.mm(a16, b16), repeats=3)
+        x, w = torch.randn(8, 64, 32, 32), torch.randn(64, 64, 3, 3)
+        conv = 2 * 8 * 64 * 32 * 32 * 64 * 9 / _median_time_s(lambda: F.conv2d(x, w, padding=1), repeats=5)
+        src = torch.randn(16 * 2**20 // 4 * 4)  # 64 MiB: larger than any last-level cache here
+        dst = torch.empty_like(src)
+        copy = 2 * src.numel() * 4 / _median_time_s(lambda: dst.copy_(src), repeats=5)
+    p = torch.ones(4, requires_grad=True)
+    q = torch.ones(4)
+    chain = 200
+
+    def forward_chain():
+        y = p
+        for _ in range(chain):
+            y = y * q
+        return y
+
+    fwd_s = _median_time_s(forward_chain, repeats=5) / chain
+    total_s = _median_time_s(lambda: forward_chain().sum().backward(), repeats=5) / chain
+    return CpuProbe(key=_probe_key(), matmul_flops_per_s=mm, bf16_matmul_flops_per_s=bf16,
+                    conv_flops_per_s=conv, copy_bandwidth_bytes_per_s=copy, dispatch_s=fwd_s,
+                    backward_dispatch_s=max(total_s - fwd_s, 0.2 * fwd_s),
+                    memory_bytes=int(psutil.virtual_memory().total))
+
+
+@lru_cache(maxsize=4)
+def _measure_cpu_for(key: str) -> CpuProbe:
+    path = cache_dir() / "cpu_probe.json"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key) if isinstance(cached, dict) else None
+    if isinstance(entry, dict):
+        try:
+            entry = dict(entry)
+            entry["matmul_flops_per_s"] = {int(k): float(v) for k, v in entry["matmul_flops_per_s"].items()}
+            return CpuProbe(**entry)
+        except (TypeError, KeyError, ValueError):
+            pass  # a stale or damaged entry: measure again
+    probe = _run_probe()
+    doc = {k: v for k, v in cached.items()} if isinstance(cached, dict) else {}
+    body = {f: getattr(probe, f) for f in probe.__dataclass_fields__}
+    body["matmul_flops_per_s"] = {str(k): v for k, v in probe.matmul_flops_per_s.items()}
+    doc[key] = body
+    try:
+        write_atomic(path, json.dumps(doc, indent=1))
+    except OSError:
+        pass  # a read-only home: the probe is cheap enough to repeat next time
+    return probe
+
+
+def measure_cpu() -> CpuProbe:
+    """This machine's CPU rates, cached under ~/.cache/heterog (or $HETEROG_CACHE_DIR) and
+    measured again when the CPU model, torch thread count or torch version changes."""
+    return _measure_cpu_for(_probe_key())
+
+
+def cpu_gpu_type() -> GpuType:
+    p = measure_cpu()
+    fp32 = p.peak_flops_per_s
+    return GpuType(
+        name=CPU_TYPE, vendor="cpu",
+        peak_flops_per_s={"fp32": fp32, "tf32": 0.0, "fp16": 0.0, "bf16": p.bf16_matmul_flops_per_s},
+        memory_bandwidth_bytes_per_s=p.copy_bandwidth_bytes_per_s, memory_bytes=p.memory_bytes,
+        intra_node_link="loopback",
+        # gloo between local processes: shared-memory copies through the loopback interface
+        intra_node_bandwidth_bytes_per_s=2e9,
+        sources={"peak_flops_per_s": f"measured on this machine ({p.key})",
+                 "memory_bandwidth_bytes_per_s": "measured: 64 MiB copy, bytes read + written",
+                 "intra_node_link": "TOOLCHAIN.md: gloo point-to-point ~2 GB/s on one machine"})

@@ -1,0 +1,366 @@
+"""Cluster specs: YAML (or a plain dict) → a validated Cluster, and back.
+
+Schema (units in field names; every bandwidth may be given as *_gbps = 1e9 bit/s, as NICs are
+sold, *_gbytes_per_s = 1e9 byte/s, or *_bytes_per_s; latencies as *_us or *_s; memory as
+memory_gib or memory_bytes):
+
+    name: mixed-16
+    kind: real                       # or 'emulated': local CPU processes (heterog.execute)
+    switch:                          # optional: an oversubscribed core that every
+      core_bandwidth_gbps: 400       #   inter-node transfer crosses
+      latency_us: 1
+    nodes:
+      - name: a100                   # with `count: k`, write '{i}' in the name: n{i} → n0, n1, …
+        nic_bandwidth_gbps: 200
+        nic_latency_us: 10           # default 10
+        intra_latency_us: 3          # default 3
+        devices:
+          - {type: A100-80GB, count: 4}          # named a100/gpu0 … a100/gpu3
+          - {type: cpu, name: w0, slowdown: 2}   # emulated: `slowdown` × slower compute
+    gpu_types: {NAME: {...}}         # optional custom types (cluster_to_dict writes them all)
+
+Errors name the file, line and field, and say how to fix them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from heterog.errors import ClusterError
+from heterog.hardware import catalog
+from heterog.hardware.cluster import Cluster, build_cluster
+from heterog.hardware.gputype import PRECISIONS, GpuType
+
+SPEC_VERSION = 1
+DEFAULT_NIC_LATENCY_S = 10e-6    # RDMA/TCP one-way latency order; HeteroG used 12 µs per transfer
+DEFAULT_INTRA_LATENCY_S = 3e-6   # NVLink/PCIe peer copy including the launch
+KINDS = ("real", "emulated")
+
+_TOP = {"name", "kind", "description", "switch", "nodes", "gpu_types", "meta", "version"}
+_NODE = {"name", "count", "devices", "nic_bandwidth_gbps", "nic_bandwidth_gbytes_per_s",
+         "nic_bandwidth_bytes_per_s", "nic_latency_us", "nic_latency_s", "intra_latency_us",
+         "intra_latency_s"}
+_DEVICE = {"type", "count", "name", "slowdown", "memory_gib", "memory_bytes", "intra_bandwidth_gbps",
+           "intra_bandwidth_gbytes_per_s", "intra_bandwidth_bytes_per_s"}
+_SWITCH = {"core_bandwidth_gbps", "core_bandwidth_gbytes_per_s", "core_bandwidth_bytes_per_s",
+           "latency_us", "latency_s"}
+
+
+# -- YAML with line numbers -------------------------------------------------------------------
+
+class _Map(dict):
+    """A mapping that remembers the line of each key (1-based) and of itself."""
+    line: int | None = None
+    key_lines: dict[str, int]
+
+
+class _LineLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_map(loader: _LineLoader, node: yaml.MappingNode) -> _Map:
+    out = _Map()
+    out.line = node.start_mark.line + 1
+    out.key_lines = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in out:
+            raise ClusterError(f"line {key_node.start_mark.line + 1}: field {key!r} appears twice "
+                               f"in one mapping; keep one.")
+        out[key] = loader.construct_object(value_node, deep=True)
+        out.key_lines[key] = key_node.start_mark.line + 1
+    return out
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_map)
+
+
+class _Ctx:
+    """Where we are in the document, to name it in errors."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, where: str, mapping: Any, key: str | None, message: str) -> ClusterError:
+        line = None
+        if isinstance(mapping, _Map):
+            line = mapping.key_lines.get(key, mapping.line) if key is not None else mapping.line
+        loc = f"{self.source}:{line}" if line else self.source
+        field = f"{where}.{key}" if key and where else (key or where or "(top)")
+        return ClusterError(f"{loc}: field {field}: {message}")
+
+
+def _check_keys(ctx: _Ctx, where: str, m: Any, allowed: set[str]) -> None:
+    if not isinstance(m, dict):
+        raise ctx.fail(where, None, None, f"expected a mapping, found {type(m).__name__} {m!r}.")
+    for k in m:
+        if k not in allowed:
+            close = difflib.get_close_matches(str(k), sorted(allowed), n=2, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            raise ctx.fail(where, m, k, f"unknown field.{hint} Allowed: {', '.join(sorted(allowed))}.")
+
+
+def _number(ctx: _Ctx, where: str, m: dict, key: str, *, positive: bool = True) -> float:
+    v = m[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ctx.fail(where, m, key, f"expected a finite number, found {v!r}.")
+    if positive and v <= 0:
+        raise ctx.fail(where, m, key, f"must be > 0, found {v!r}; a link or size cannot be zero "
+                                      f"or negative.")
+    if not positive and v < 0:
+        raise ctx.fail(where, m, key, f"must be ≥ 0, found {v!r}.")
+    return float(v)
+
+
+def _bandwidth(ctx: _Ctx, where: str, m: dict, stem: str, default: float | None) -> float | None:
+    """Bytes per second from stem_gbps (bits), stem_gbytes_per_s or stem_bytes_per_s."""
+    given = [k for k in (f"{stem}_gbps", f"{stem}_gbytes_per_s", f"{stem}_bytes_per_s") if k in m]
+    if len(given) > 1:
+        raise ctx.fail(where, m, given[1], f"give the bandwidth once (found {', '.join(given)}).")
+    if not given:
+        return default
+    k = given[0]
+    v = _number(ctx, where, m, k)
+    return v * 1e9 / 8 if k.endswith("_gbps") else v * 1e9 if k.endswith("_gbytes_per_s") else v
+
+
+def _latency(ctx: _Ctx, where: str, m: dict, stem: str, default: float) -> float:
+    if f"{stem}_us" in m and f"{stem}_s" in m:
+        raise ctx.fail(where, m, f"{stem}_s", "give the latency once, in _us or in _s.")
+    if f"{stem}_us" in m:
+        return _number(ctx, where, m, f"{stem}_us", positive=False) * 1e-6
+    if f"{stem}_s" in m:
+        return _number(ctx, where, m, f"{stem}_s", positive=False)
+    return default
+
+
+def _gpu_type_from_dict(ctx: _Ctx, where: str, d: Any, name: str) -> GpuType:
+    try:
+        return GpuType(name=name, vendor=d["vendor"],
+                       peak_flops_per_s={p: float(d["peak_flops_per_s"].get(p, 0.0)) for p in PRECISIONS},
+                       memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]),
+                       memory_bytes=int(d["memory_bytes"]), intra_node_link=d["intra_node_link"],
+                       intra_node_bandwidth_bytes_per_s=float(d["intra_node_bandwidth_bytes_per_s"]),
+                       sources=dict(d.get("sources", {})))
+    except KeyError as e:
+        raise ctx.fail(where, d, None, f"GPU type {name!r} lacks {e.args[0]!r}.") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ctx.fail(where, d, None, f"GPU type {name!r} is malformed ({e}).") from None
+
+
+def _parse(doc: Any, source: str) -> Cluster:
+    ctx = _Ctx(source)
+    _check_keys(ctx, "", doc, _TOP)
+    for req in ("name", "nodes"):
+        if req not in doc:
+            raise ctx.fail("", doc, None, f"missing required field {req!r}.")
+    name = str(doc["name"])
+    kind = doc.get("kind", "real")
+    if kind not in KINDS:
+        raise ctx.fail("", doc, "kind", f"must be one of {', '.join(KINDS)}, found {kind!r}.")
+
+    custom: dict[str, GpuType] = {}
+    if "gpu_types" in doc:
+        if not isinstance(doc["gpu_types"], dict):
+            raise ctx.fail("", doc, "gpu_types", "expected a mapping of type name → fields.")
+        for tname, tdoc in doc["gpu_types"].items():
+            custom[str(tname)] = _gpu_type_from_dict(ctx, f"gpu_types.{tname}", tdoc, str(tname))
+
+    def resolve(where: str, m: dict, key: str) -> GpuType:
+        tname = m[key]
+        if not isinstance(tname, str):
+            raise ctx.fail(where, m, key, f"expected a GPU type name, found {tname!r}.")
+        if tname in custom:
+            return custom[tname]
+        try:
+            return catalog.get_gpu(tname)
+        except ClusterError as e:
+            raise ctx.fail(where, m, key, str(e)) from None
+
+    switch_bw = None
+    switch_latency_s = 0.0
+    if "switch" in doc and doc["switch"] is not None:
+        sw = doc["switch"]
+        _check_keys(ctx, "switch", sw, _SWITCH)
+        switch_bw = _bandwidth(ctx, "switch", sw, "core_bandwidth", None)
+        if switch_bw is None:
+            raise ctx.fail("switch", sw, None, "a switch needs core_bandwidth_gbps (the oversubscribed "
+                                               "core); omit `switch` for a non-blocking switch.")
+        switch_latency_s = _latency(ctx, "switch", sw, "latency", 0.0)
+
+    raw_nodes = doc["nodes"]
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ctx.fail("", doc, "nodes", "expected a non-empty list of nodes.")
+    gpu_types: dict[str, GpuType] = {}
+    nodes: list[dict[str, Any]] = []
+    node_where: dict[str, str] = {}
+    device_node: dict[str, str] = {}
+    for i, n in enumerate(raw_nodes):
+        where = f"nodes[{i}]"
+        _check_keys(ctx, where, n, _NODE)
+        for req in ("name", "devices"):
+            if req not in n:
+                raise ctx.fail(where, n, None, f"missing required field {req!r}.")
+        count = 1
+        if "count" in n:
+            count = n["count"]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ctx.fail(where, n, "count", f"must be a positive integer, found {count!r}.")
+            if count > 1 and "{i}" not in str(n["name"]):
+                raise ctx.fail(where, n, "name", f"a node with count {count} needs '{{i}}' in its "
+                                                 f"name (e.g. 'node{{i}}') so each copy is unique.")
+        nic_bw = _bandwidth(ctx, where, n, "nic_bandwidth", None)
+        if nic_bw is None:
+            raise ctx.fail(where, n, None, "missing nic_bandwidth_gbps (the node's network card).")
+        nic_lat = _latency(ctx, where, n, "nic_latency", DEFAULT_NIC_LATENCY_S)
+        intra_lat = _latency(ctx, where, n, "intra_latency", DEFAULT_INTRA_LATENCY_S)
+        if not isinstance(n["devices"], list) or not n["devices"]:
+            raise ctx.fail(where, n, "devices", "expected a non-empty list of devices.")
+        for copy in range(count):
+            node_name = str(n["name"]).replace("{i}", str(copy))
+            if node_name in node_where:
+                raise ctx.fail(where, n, "name", f"duplicate node name {node_name!r} (also "
+                                                 f"{node_where[node_name]}); node names must be unique.")
+            node_where[node_name] = where
+            devices: list[dict[str, Any]] = []
+            k_by_prefix: dict[str, int] = {}
+            for j, d in enumerate(n["devices"]):
+                dwhere = f"{where}.devices[{j}]"
+                _check_keys(ctx, dwhere, d, _DEVICE)
+                if "type" not in d:
+                    raise ctx.fail(dwhere, d, None, "missing required field 'type' (a GPU type, "
+                                                    "see `heterog gpus`).")
+                gt = resolve(dwhere, d, "type")
+                gpu_types[gt.name] = gt
+                dcount = d.get("count", 1)
+                if isinstance(dcount, bool) or not isinstance(dcount, int) or dcount < 1:
+                    raise ctx.fail(dwhere, d, "count", f"must be a positive integer, found {dcount!r}.")
+                if "name" in d and dcount > 1:
+                    raise ctx.fail(dwhere, d, "name", "a named device entry must have count 1.")
+                slowdown = _number(ctx, dwhere, d, "slowdown") if "slowdown" in d else 1.0
+                if kind == "emulated" and gt.vendor != "cpu":
+                    raise ctx.fail(dwhere, d, "type", f"an emulated cluster runs local CPU processes; "
+                                                      f"use type 'cpu' (with a slowdown), not {gt.name!r}.")
+                mem = None
+                if "memory_gib" in d and "memory_bytes" in d:
+                    raise ctx.fail(dwhere, d, "memory_bytes", "give memory once (memory_gib or memory_bytes).")
+                if "memory_gib" in d:
+                    mem = int(_number(ctx, dwhere, d, "memory_gib") * 2**30)
+                elif "memory_bytes" in d:
+                    mem = int(_number(ctx, dwhere, d, "memory_bytes"))
+                intra_bw = _bandwidth(ctx, dwhere, d, "intra_bandwidth", None)
+                prefix = "cpu" if gt.vendor == "cpu" else "gpu"
+                for _ in range(dcount):
+                    if "name" in d:
+                        dev_name = str(d["name"])
+                    else:
+                        k = k_by_prefix.get(prefix, 0)
+                        k_by_prefix[prefix] = k + 1
+                        dev_name = f"{node_name}/{prefix}{k}"
+                    if dev_name in device_node:
+                        other = device_node[dev_name]
+                        msg = (f"duplicate device name {dev_name!r} in node {node_name!r}"
+                               if other == node_name else
+                               f"device {dev_name!r} is in two nodes ({other!r} and {node_name!r}); "
+                               f"a device belongs to exactly one node: rename one")
+                        raise ctx.fail(dwhere, d, "name" if "name" in d else None, msg + ".")
+                    device_node[dev_name] = node_name
+                    dev: dict[str, Any] = {"name": dev_name, "gpu_type": gt.name, "slowdown": slowdown}
+                    if mem is not None:
+                        dev["memory_bytes"] = mem
+                    if intra_bw is not None:
+                        dev["intra_bandwidth_bytes_per_s"] = intra_bw
+                    devices.append(dev)
+            nodes.append({"name": node_name, "devices": devices, "nic_bandwidth_bytes_per_s": nic_bw,
+                          "nic_latency_s": nic_lat, "intra_latency_s": intra_lat})
+    meta = dict(doc.get("meta") or {})
+    if "description" in doc:
+        meta["description"] = str(doc["description"])
+    return build_cluster(name=name, gpu_types=gpu_types, nodes=nodes, kind=kind,
+                         switch_core_bandwidth_bytes_per_s=switch_bw, switch_latency_s=switch_latency_s,
+                         meta=meta)
+
+
+# -- public API ----------------------------------------------------------------------------------
+
+def builtin_clusters() -> list[str]:
+    folder = resources.files("heterog.hardware").joinpath("clusters")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _builtin_text(name: str) -> str | None:
+    f = resources.files("heterog.hardware").joinpath("clusters", f"{name}.yaml")
+    return f.read_text() if f.is_file() else None
+
+
+def parse_cluster_yaml(text: str, source: str = "<yaml>") -> Cluster:
+    try:
+        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as e:
+        line = e.problem_mark.line + 1 if e.problem_mark else "?"
+        raise ClusterError(f"{source}:{line}: not valid YAML ({e.problem}).") from None
+    except ClusterError as e:
+        raise ClusterError(f"{source}: {e}") from None
+    return _parse(doc, source)
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A built-in cluster by name ('paper-8gpu', 'mixed-16', …) or a YAML file."""
+    text = _builtin_text(str(name_or_path)) if "/" not in str(name_or_path) and not str(
+        name_or_path).endswith((".yaml", ".yml")) else None
+    if text is not None:
+        return parse_cluster_yaml(text, f"<built-in {name_or_path}>")
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ClusterError(f"no cluster {str(name_or_path)!r}: not a built-in "
+                           f"({', '.join(builtin_clusters())}) and no such file.")
+    return parse_cluster_yaml(path.read_text(), str(path))
+
+
+def cluster_from_dict(doc: dict[str, Any]) -> Cluster:
+    """The inverse of cluster_to_dict (also accepts the YAML schema as a dict)."""
+    return _parse(doc, f"<cluster {doc.get('name', '?') if isinstance(doc, dict) else '?'}>")
+
+
+def _gpu_type_to_dict(g: GpuType) -> dict[str, Any]:
+    return {"vendor": g.vendor, "peak_flops_per_s": dict(g.peak_flops_per_s),
+            "memory_bandwidth_bytes_per_s": g.memory_bandwidth_bytes_per_s,
+            "memory_bytes": g.memory_bytes, "intra_node_link": g.intra_node_link,
+            "intra_node_bandwidth_bytes_per_s": g.intra_node_bandwidth_bytes_per_s,
+            "sources": dict(g.sources)}
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """A self-contained plain dict (exact units, GPU types included) that cluster_from_dict
+    turns back into an equal Cluster; Plan.cluster stores it."""
+    nodes = []
+    for n in cluster.nodes:
+        devices = []
+        for dn in n.devices:
+            d = cluster.device(dn)
+            gt = cluster.gpu_types[d.gpu_type]
+            entry: dict[str, Any] = {"name": d.name, "type": d.gpu_type, "slowdown": d.slowdown}
+            if d.memory_bytes is not None:
+                entry["memory_bytes"] = d.memory_bytes
+            port_bw = cluster.links[Cluster.port(d.name, "up")].bandwidth_bytes_per_s
+            if port_bw != gt.intra_node_bandwidth_bytes_per_s:
+                entry["intra_bandwidth_bytes_per_s"] = port_bw
+            devices.append(entry)
+        nodes.append({"name": n.name, "nic_bandwidth_bytes_per_s": n.nic_bandwidth_bytes_per_s,
+                      "nic_latency_s": n.nic_latency_s, "intra_latency_s": n.intra_latency_s,
+                      "devices": devices})
+    out: dict[str, Any] = {"version": SPEC_VERSION, "name": cluster.name, "kind": cluster.kind,
+                           "gpu_types": {k: _gpu_type_to_dict(g) for k, g in cluster.gpu_types.items()},
+                           "nodes": nodes}
+    if cluster.switch_core:
+        core = cluster.links[cluster.switch_core]
+        out["switch"] = {"core_bandwidth_bytes_per_s": core.bandwidth_bytes_per_s, "latency_s": core.latency_s}
+    if cluster.meta:
+        out["meta"] = dict(cluster.meta)
+    return out
