@@ -1,0 +1,176 @@
+"""The strategies heterog compares itself against, each built as a Strategy (then a Plan).
+
+- single-device: the whole model on the fastest device that holds it;
+- even-dp-allreduce: every device a replica, equal shares, ring all-reduce (Horovod / DDP);
+- even-dp-ps: equal shares, gradients through parameter servers sharded over the devices
+  (group g's server is device g mod n, as TensorFlow's PS strategy spreads variables);
+- proportional-dp: shares proportional to each device's throughput, ring all-reduce;
+- model-parallel: contiguous stages, one device each, balanced by the devices' speeds;
+- pipeline: contiguous stages, each data-parallel over a block of devices, an uneven split of
+  the layers proportional to each block's speed, and GPipe micro-batches.
+Baselines ignore memory, as the systems they stand for do; the planner reports them
+infeasible when they overflow.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from heterog.search.estimate import estimate
+from heterog.search.problem import Placement, Problem, Strategy
+from heterog.search.shares import balanced_shares
+
+BASELINES = ("single-device", "even-dp-allreduce", "even-dp-ps", "proportional-dp", "model-parallel", "pipeline")
+MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
+
+
+def _uniform(prob: Problem, placement: Placement, microbatches: int = 1) -> Strategy:
+    return Strategy(tuple(placement for _ in range(prob.n_groups)), microbatches)
+
+
+def _dp_devices(prob: Problem) -> list[int]:
+    """Data parallelism cannot use more replicas than samples: keep the fastest ones."""
+    return sorted(prob.speed_order[: min(prob.n_devices, prob.batch_size)])
+
+
+def single_device(prob: Problem) -> Strategy:
+    best = None
+    for d in prob.speed_order:
+        s = _uniform(prob, Placement((d,), (1.0,)))
+        if best is None:
+            best = s
+        if estimate(prob, s).feasible:
+            return s
+    return best
+
+
+def even_dp(prob: Problem, sync: str = "ring") -> Strategy:
+    devs = tuple(_dp_devices(prob))
+    n = len(devs)
+    if n == 1:
+        return single_device(prob)
+    share = tuple([1.0 / n] * n)
+    if sync == "ps":
+        return Strategy(tuple(Placement(devs, share, "ps", devs[g % n]) for g in range(prob.n_groups)))
+    return _uniform(prob, Placement(devs, share, sync))
+
+
+def proportional_dp(prob: Problem) -> Strategy:
+    devs = _dp_devices(prob)
+    if len(devs) == 1:
+        return single_device(prob)
+    speed = 1.0 / prob.device_time_per_sample_s[devs]
+    shares = speed / speed.sum()
+    return _uniform(prob, Placement(tuple(devs), tuple(float(x) for x in shares), "ring"))
+
+
+def device_blocks(prob: Problem, k: int) -> list[list[int]]:
+    """k blocks of devices, contiguous in node order (a stage stays inside nodes when it can)."""
+    order = sorted(range(prob.n_devices), key=lambda i: (prob.node_of_device[i], i))
+    n = len(order)
+    return [order[j * n // k:(j + 1) * n // k] for j in range(k)]
+
+
+def partition_stages(prob: Problem, blocks: list[list[int]]) -> list[tuple[int, int]] | None:
+    """Contiguous group ranges, one per block in order, minimising the slowest stage.
+
+    Stage time = the groups' per-sample time on the block's reference speed × batch / the
+    block's aggregate speed (linear partition DP, O(k·G²)); a range whose persistent state
+    does not fit on every device of its block is excluded. None if no split exists.
+    """
+    G, k = prob.n_groups, len(blocks)
+    if k > G:
+        return None
+    per_class = prob.fwd[:, :, 1] + prob.bwd[:, :, 1] + (prob.fwd[:, :, 0] + prob.bwd[:, :, 0]) / prob.batch_size
+    pre_t = np.vstack([np.zeros(per_class.shape[1]), np.cumsum(per_class, axis=0)])
+    pre_mem = np.vstack([np.zeros(per_class.shape[1]), np.cumsum(prob.persistent_bytes, axis=0)])
+    pre_act = np.concatenate([[0.0], np.cumsum(prob.act_per_sample[:, 0])])
+    B = prob.batch_size
+
+    def stage_cost(j: int, a: int, b: int) -> float:
+        devs = np.asarray(blocks[j])
+        cls = prob.dev_class[devs]
+        t = pre_t[b, cls] - pre_t[a, cls]           # per-sample time of groups a..b-1 per device
+        rate = (1.0 / np.maximum(t, 1e-30)).sum()   # samples per second of the block
+        share = (1.0 / np.maximum(t, 1e-30)) / rate
+        mem = pre_mem[b, cls] - pre_mem[a, cls] + (pre_act[b] - pre_act[a]) * share * B
+        if np.any(mem > prob.memory_bytes[devs]):
+            return np.inf
+        return B / rate
+
+    inf = float("inf")
+    best = np.full((k + 1, G + 1), inf)
+    arg = np.zeros((k + 1, G + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for j in range(1, k + 1):
+        for b in range(j, G - (k - j) + 1):
+            for a in range(j - 1, b):
+                if best[j - 1, a] == inf:
+                    continue
+                v = max(best[j - 1, a], stage_cost(j - 1, a, b))
+                if v < best[j, b]:
+                    best[j, b], arg[j, b] = v, a
+    if best[k, G] == inf:
+        return None
+    ranges, b = [], G
+    for j in range(k, 0, -1):
+        a = int(arg[j, b])
+        ranges.append((a, b))
+        b = a
+    return ranges[::-1]
+
+
+def _staged(prob: Problem, blocks: list[list[int]], ranges: list[tuple[int, int]], microbatches: int) -> Strategy:
+    placements: list[Placement] = [None] * prob.n_groups  # type: ignore[list-item]
+    for devs, (a, b) in zip(blocks, ranges):
+        groups = list(range(a, b))
+        d, sh = balanced_shares(prob, groups, devs, microbatches=microbatches)
+        p = Placement(d, sh, "ring" if len(d) > 1 else "none")
+        for g in groups:
+            placements[g] = p
+    return Strategy(tuple(placements), microbatches)
+
+
+def _best(prob: Problem, candidates: list[Strategy]) -> Strategy:
+    return min(candidates, key=lambda s: estimate(prob, s).score)
+
+
+def model_parallel(prob: Problem) -> Strategy:
+    """One stage per device over the fastest min(n, G) devices (in node order), no micro-batches."""
+    k = min(prob.n_devices, prob.n_groups)
+    fastest = sorted(prob.speed_order[:k], key=lambda i: (prob.node_of_device[i], i))
+    blocks = [[d] for d in fastest]
+    while k > 1:
+        ranges = partition_stages(prob, blocks)
+        if ranges is not None:
+            return _staged(prob, blocks, ranges, 1)
+        k -= 1  # cannot happen with fewer groups than devices unless memory is short; keep trying
+        blocks = [[d] for d in fastest[:k]]
+    return single_device(prob)
+
+
+def pipeline(prob: Problem) -> Strategy:
+    """Stages over blocks of devices (2, 4, 8, … stages), uneven layer split, best micro-batch count."""
+    candidates: list[Strategy] = []
+    k = 2
+    while k <= min(prob.n_devices, prob.n_groups):
+        blocks = device_blocks(prob, k)
+        ranges = partition_stages(prob, blocks)
+        if ranges is not None:
+            for m in MICROBATCH_CHOICES:
+                if m > 1 and prob.batch_size % m == 0 and prob.batch_size // m >= max(len(b) for b in blocks):
+                    candidates.append(_staged(prob, blocks, ranges, m))
+        k *= 2
+    return _best(prob, candidates) if candidates else model_parallel(prob)
+
+
+BASELINE_BUILDERS: dict[str, Callable[[Problem], Strategy]] = {
+    "single-device": single_device,
+    "even-dp-allreduce": lambda p: even_dp(p, "ring"),
+    "even-dp-ps": lambda p: even_dp(p, "ps"),
+    "proportional-dp": proportional_dp,
+    "model-parallel": model_parallel,
+    "pipeline": pipeline,
+}

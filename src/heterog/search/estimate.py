@@ -1,0 +1,154 @@
+"""A fast, group-level estimate of one iteration under a Strategy, used to rank search moves.
+
+The simulator (heterog.simulate) has the final word on every candidate the planner reports;
+this estimate exists because the search scores thousands of moves and a 1024-GPU plan has
+too many per-op events to simulate each time. It is a list schedule at group granularity:
+
+- GPipe: all forward micro-batches, then all backward ones in reverse group order; each
+  device runs its work in that order (one queue per device), each replica starts when its
+  device is free and its inputs have arrived;
+- a group placed exactly like its producer reads its input locally, replica by replica;
+  otherwise the batch is re-partitioned: each destination replica receives the overlap of its
+  sample interval with each source replica's (alpha–beta time per pair, cost-model figures);
+- gradient synchronisation of a group starts when its last backward finishes on every
+  replica, on a communication queue per device (overlapping later backward compute), then
+  each device runs its optimizer step;
+- peak memory per device: persistent state (parameters, gradients, optimizer state) of every
+  group it holds + activations of all its in-flight micro-batches (GPipe keeps them all until
+  backward) + the largest workspace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from heterog.search.problem import Placement, Problem, Strategy
+
+INFEASIBLE_PENALTY = 10.0  # score multiplier per unit of relative memory overflow
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    iteration_time_s: float
+    peak_memory_bytes: np.ndarray   # per device index
+    overflow: float                 # max over devices of (peak − memory) / memory, ≥ 0
+
+    @property
+    def feasible(self) -> bool:
+        return self.overflow <= 0.0
+
+    @property
+    def score(self) -> float:
+        """Iteration time, inflated smoothly by memory overflow so the search can climb out."""
+        return self.iteration_time_s * (1.0 + INFEASIBLE_PENALTY * (self.overflow + (self.overflow > 0)))
+
+
+def _overlap_transfer_s(prob: Problem, src: Placement, dst: Placement, nbytes: float) -> np.ndarray:
+    """Per destination replica: time to receive its samples from the source replicas."""
+    out = np.zeros(len(dst.devices))
+    i = j = 0
+    a_lo = b_lo = 0.0
+    a_hi, b_hi = src.shares[0], dst.shares[0]
+    while i < len(src.devices) and j < len(dst.devices):
+        ov = min(a_hi, b_hi) - max(a_lo, b_lo)
+        if ov > 1e-12 and src.devices[i] != dst.devices[j]:
+            lat, per_byte = prob.pair_cost(src.devices[i], dst.devices[j])
+            out[j] += lat + ov * nbytes * per_byte
+        if a_hi <= b_hi:
+            i += 1
+            a_lo = a_hi
+            a_hi = a_lo + (src.shares[i] if i < len(src.devices) else 0.0)
+        else:
+            j += 1
+            b_lo = b_hi
+            b_hi = b_lo + (dst.shares[j] if j < len(dst.devices) else 0.0)
+    return out
+
+
+def estimate(prob: Problem, s: Strategy) -> Estimate:
+    G = prob.n_groups
+    M = max(1, s.microbatches)
+    b_m = prob.batch_size / M
+    P = s.placements
+    dev = [np.asarray(p.devices, dtype=np.int64) for p in P]
+    shares = [np.asarray(p.shares) for p in P]
+    cls = [prob.dev_class[d] for d in dev]
+    t_f = [prob.fwd[g, cls[g], 0] + prob.fwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
+    t_b = [prob.bwd[g, cls[g], 0] + prob.bwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
+    for g in range(G):
+        if P[g].recompute:
+            t_b[g] = t_b[g] + t_f[g]
+    same_as = [[P[p].devices == P[g].devices and P[p].shares == P[g].shares for p in prob.preds[g]]
+               for g in range(G)]
+    xfer_cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def xfer(a: int, b: int) -> np.ndarray:
+        hit = xfer_cache.get((a, b))
+        if hit is None:
+            hit = _overlap_transfer_s(prob, P[a], P[b], prob.edges[(a, b)].at(b_m))
+            xfer_cache[(a, b)] = hit
+        return hit
+
+    def grad_xfer(a: int, b: int) -> np.ndarray:
+        """Gradient of edge a → b flowing back: from b's layout into a's."""
+        hit = xfer_cache.get((b, a))
+        if hit is None:
+            hit = _overlap_transfer_s(prob, P[b], P[a], prob.edges[(a, b)].at(b_m))
+            xfer_cache[(b, a)] = hit
+        return hit
+
+    free = np.zeros(prob.n_devices)
+    fin_f = [[None] * M for _ in range(G)]
+    for m in range(M):
+        for g in range(G):
+            ready = np.zeros(len(dev[g]))
+            for k, p in enumerate(prob.preds[g]):
+                if same_as[g][k]:
+                    ready = np.maximum(ready, fin_f[p][m])
+                else:
+                    ready = np.maximum(ready, fin_f[p][m].max() + xfer(p, g))
+            start = np.maximum(free[dev[g]], ready)
+            fin = start + t_f[g]
+            free[dev[g]] = fin
+            fin_f[g][m] = fin
+    fin_b = [[None] * M for _ in range(G)]
+    comm_free = np.zeros(prob.n_devices)
+    sync_end = np.zeros(G)
+    for m in range(M):
+        for g in reversed(range(G)):
+            ready = fin_f[g][m].copy()
+            for c in prob.succs[g]:
+                if P[c].devices == P[g].devices and P[c].shares == P[g].shares:
+                    ready = np.maximum(ready, fin_b[c][m])
+                else:
+                    ready = np.maximum(ready, fin_b[c][m].max() + grad_xfer(g, c))
+            start = np.maximum(free[dev[g]], ready)
+            fin = start + t_b[g]
+            free[dev[g]] = fin
+            fin_b[g][m] = fin
+            if m == M - 1:
+                t_sync = prob.sync_time_s(g, P[g])
+                begin = max(fin.max(), comm_free[dev[g]].max()) if t_sync > 0 else fin.max()
+                sync_end[g] = begin + t_sync
+                if t_sync > 0:
+                    comm_free[dev[g]] = sync_end[g]
+    end = free.copy()
+    for g in range(G):
+        np.maximum.at(end, dev[g], sync_end[g])
+    for g in range(G):
+        end[dev[g]] += prob.opt_time_s[g, cls[g]]
+    # -- memory ------------------------------------------------------------------------------
+    peak = np.zeros(prob.n_devices)
+    work = np.zeros(prob.n_devices)
+    for g in range(G):
+        local = shares[g] * prob.batch_size  # GPipe: every micro-batch's activations are live
+        act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local
+        np.add.at(peak, dev[g], prob.persistent_bytes[g, cls[g]] + act)
+        np.maximum.at(work, dev[g], prob.workspace_per_sample[g] * shares[g] * b_m)
+        if P[g].sync == "ps" and P[g].ps is not None and P[g].ps not in P[g].devices:
+            peak[P[g].ps] += 2 * prob.grad_bytes[g]  # the server holds the sum and the parameters
+    peak += work
+    overflow = float(np.max((peak - prob.memory_bytes) / prob.memory_bytes))
+    return Estimate(iteration_time_s=float(end.max()), peak_memory_bytes=peak, overflow=max(0.0, overflow))

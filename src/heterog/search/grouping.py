@@ -1,0 +1,110 @@
+"""Coarsen an OpGraph into at most K groups that the search places as units.
+
+HeteroG clustered ops around the k most expensive ones; its groups could interleave, so a
+group's inputs might come from a later group. Here a group is a contiguous segment of the
+graph's topological (execution) order, so every edge between groups points forward: the
+group graph is a DAG and groups execute in order. Segments are balanced by weight (compute
+time on a reference device plus the time to synchronise the node's gradients), heavy nodes
+(weight ≥ one segment's share) are isolated as centres of their own group, as HeteroG did,
+and each cut is moved, within a band of ±25% of the target weight, to where the fewest
+activation bytes cross it (a cheaper boundary for model or pipeline parallelism).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from itertools import accumulate
+from typing import Sequence
+
+from heterog.cost.model import CostModel
+from heterog.hardware.cluster import Cluster
+from heterog.ir.opgraph import OpGraph
+
+
+def node_weights_s(graph: OpGraph, cluster: Cluster, costs: CostModel) -> list[float]:
+    """Per node: forward + backward time at the full batch on the median-speed device, plus
+    the time to move its gradient once over the cluster's slowest pair of devices."""
+    devices = [d.name for d in cluster.devices]
+    ref = devices[len(devices) // 2]
+    if len(devices) > 1:
+        t1 = costs.transfer_time_s(1e6, devices[0], devices[-1])
+        t2 = costs.transfer_time_s(2e6, devices[0], devices[-1])
+        per_byte_s = max(0.0, (t2 - t1) / 1e6)
+    else:
+        per_byte_s = 0.0
+    b = float(graph.batch_size)
+    out = []
+    for n in graph.nodes:
+        t = costs.compute_time_s(n.name, ref, b, "fwd") + costs.compute_time_s(n.name, ref, b, "bwd")
+        out.append(t + 2.0 * n.param_bytes * per_byte_s)
+    return out
+
+
+def crossing_bytes(graph: OpGraph) -> list[float]:
+    """crossing[i]: activation bytes (at the reference batch) on edges that a cut just before
+    node i would sever; crossing[0] = 0."""
+    n = len(graph.nodes)
+    diff = [0.0] * (n + 1)
+    idx = graph.index
+    for e in graph.edges:
+        a, b = idx[e.src], idx[e.dst]
+        nbytes = e.bytes.at(graph.batch_size)
+        diff[a + 1] += nbytes
+        diff[b + 1] -= nbytes
+    out = list(accumulate(diff))[:n]
+    out[0] = 0.0
+    return out
+
+
+def contiguous_groups(graph: OpGraph, weights: Sequence[float], max_groups: int) -> list[tuple[str, ...]]:
+    """Split the nodes (in graph order) into ≤ max_groups contiguous, weight-balanced segments."""
+    n = len(graph.nodes)
+    assert len(weights) == n and max_groups >= 1
+    if n <= max_groups:
+        return [(node.name,) for node in graph.nodes]
+    prefix = [0.0, *accumulate(max(w, 0.0) for w in weights)]
+    total = prefix[-1] or 1.0
+    target = total / max_groups
+    cross = crossing_bytes(graph)
+    cuts: set[int] = set()  # a cut at i separates node i-1 from node i
+    for k in range(1, max_groups):
+        ideal = k * target
+        lo = bisect_left(prefix, ideal - 0.25 * target)
+        hi = bisect_left(prefix, ideal + 0.25 * target)
+        lo, hi = max(1, lo), min(n - 1, max(lo, hi))
+        if lo > hi:
+            continue
+        # fewest bytes crossing; ties broken by closeness to the balanced position
+        best = min(range(lo, hi + 1), key=lambda i: (cross[i], abs(prefix[i] - ideal)))
+        cuts.add(best)
+    for i, w in enumerate(weights):  # heavy nodes are centres of their own group
+        if w >= target:
+            if i > 0:
+                cuts.add(i)
+            if i + 1 < n:
+                cuts.add(i + 1)
+    bounds = [0, *sorted(cuts), n]
+    segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    while len(segments) > max_groups:  # merge the lightest adjacent pair
+        j = min(range(len(segments) - 1),
+                key=lambda s: prefix[segments[s + 1][1]] - prefix[segments[s][0]])
+        segments[j:j + 2] = [(segments[j][0], segments[j + 1][1])]
+    names = [node.name for node in graph.nodes]
+    return [tuple(names[a:b]) for a, b in segments]
+
+
+def group_graph(graph: OpGraph, groups: Sequence[Sequence[str]]) -> dict[tuple[int, int], object]:
+    """Edges between groups: (src group, dst group) → summed Affine bytes."""
+    owner = {name: gi for gi, names in enumerate(groups) for name in names}
+    out: dict[tuple[int, int], object] = {}
+    for e in graph.edges:
+        a, b = owner[e.src], owner[e.dst]
+        if a != b:
+            out[(a, b)] = out[(a, b)] + e.bytes if (a, b) in out else e.bytes
+    return out
+
+
+def make_groups(graph: OpGraph, cluster: Cluster, costs: CostModel,
+                max_groups: int = 32) -> list[tuple[str, ...]]:
+    """The search's unit of placement: ≤ max_groups contiguous, balanced segments."""
+    return contiguous_groups(graph, node_weights_s(graph, cluster, costs), max_groups)

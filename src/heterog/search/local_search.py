@@ -1,0 +1,199 @@
+"""Combinatorial search over group placements: local moves with simulated annealing.
+
+State: a Strategy. A *segment* is a maximal run of consecutive groups with the same
+placement (a data-parallel block, a pipeline stage). Moves (each followed, where devices
+change, by the LP batch-share optimiser on the affected segment):
+  move      – put one group (or a segment) on a single device (model parallelism);
+  merge     – give a group its neighbour's placement (grows a segment);
+  split     – cut a segment and give its tail half the devices (a new pipeline stage);
+  drop/add  – remove a device from, or add one to, a segment's replica set;
+  sync      – change a segment's gradient synchronisation (ring, tree, hierarchical, PS on
+              a chosen device);
+  micro     – change the number of micro-batches;
+  recompute – toggle activation recomputation on a segment (trades time for memory);
+  reshare   – re-run the share optimiser on a segment.
+Scored by `estimate` (estimate.py); a worse move is accepted with probability
+exp(−Δ/(T·score)) (Kirkpatrick et al. 1983), T cooling geometrically with the iteration
+count, so a run is reproducible for a seed and an iteration limit; the wall-clock budget
+only cuts it short. Anytime: `best` is valid whenever it stops.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+from heterog.search.estimate import Estimate, estimate
+from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
+from heterog.search.shares import balanced_shares
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    best: Strategy
+    best_estimate: Estimate
+    iterations: int
+    time_s: float
+    elite: list[tuple[float, Strategy]] = field(default_factory=list)  # best distinct, by score
+
+
+def segments(s: Strategy) -> list[tuple[int, int]]:
+    out, a = [], 0
+    P = s.placements
+    for g in range(1, len(P) + 1):
+        if g == len(P) or P[g] != P[a]:
+            out.append((a, g))
+            a = g
+    return out
+
+
+def _with(s: Strategy, a: int, b: int, p: Placement) -> Strategy:
+    P = list(s.placements)
+    P[a:b] = [p] * (b - a)
+    return Strategy(tuple(P), s.microbatches)
+
+
+def _reshaped(prob: Problem, s: Strategy, a: int, b: int, devices: Sequence[int], sync: str, ps: int | None,
+              recompute: bool) -> Strategy:
+    devs, shares = balanced_shares(prob, range(a, b), sorted(set(devices)), microbatches=s.microbatches,
+                                   recompute=recompute)
+    if len(devs) == 1:
+        sync, ps = "none", None
+    else:
+        if sync == "none":
+            sync = "ring"
+        if sync == "ps" and ps not in devs:
+            ps = devs[0]
+        if sync != "ps":
+            ps = None
+    return _with(s, a, b, Placement(devs, shares, sync, ps, recompute))
+
+
+class Annealer:
+    def __init__(self, prob: Problem, seed: int = 0, *, elite_size: int = 8,
+                 scorer: Callable[[Problem, Strategy], Estimate] = estimate):
+        self.prob = prob
+        self.rng = random.Random(seed)
+        self.score_fn = scorer
+        self.elite_size = elite_size
+        self.microbatch_choices = [m for m in (1, 2, 4, 8, 16, 32)
+                                   if prob.batch_size % m == 0]
+        fast = prob.speed_order
+        # devices drawn for single-device moves: faster ones more often (rank-weighted)
+        self.device_weights = [1.0 / (1 + r) ** 0.5 for r in range(len(fast))]
+        self.fast = fast
+
+    def _device(self) -> int:
+        return self.rng.choices(self.fast, weights=self.device_weights)[0]
+
+    def propose(self, s: Strategy) -> Strategy:
+        rng, prob = self.rng, self.prob
+        segs = segments(s)
+        a, b = rng.choice(segs)
+        p = s.placements[a]
+        kind = rng.choices(("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare"),
+                           weights=(3, 3, 2, 2, 2, 2, 1, 1, 1))[0]
+        if kind == "move":
+            if rng.random() < 0.5:
+                a = rng.randrange(prob.n_groups)
+                b = a + 1
+            return _reshaped(prob, s, a, b, [self._device()], "none", None, s.placements[a].recompute)
+        if kind == "merge":
+            g = rng.randrange(prob.n_groups)
+            nb = g - 1 if (g == prob.n_groups - 1 or (g > 0 and rng.random() < 0.5)) else g + 1
+            if not 0 <= nb < prob.n_groups:
+                return s
+            return _with(s, g, g + 1, s.placements[nb])
+        if kind == "split":
+            if b - a < 2 or len(p.devices) < 2:
+                return s
+            cut = rng.randrange(a + 1, b)
+            devs = list(p.devices)
+            half = rng.randrange(1, len(devs))
+            head, tail = devs[:half], devs[half:]
+            s = _reshaped(prob, s, a, cut, head, p.sync, p.ps, p.recompute)
+            return _reshaped(prob, s, cut, b, tail, p.sync, p.ps, p.recompute)
+        if kind == "drop":
+            if len(p.devices) < 2:
+                return s
+            devs = list(p.devices)
+            devs.remove(rng.choice(devs))
+            return _reshaped(prob, s, a, b, devs, p.sync, p.ps, p.recompute)
+        if kind == "add":
+            free = [d for d in range(prob.n_devices) if d not in p.devices]
+            if not free:
+                return s
+            # add several at once on big clusters, so a block can grow in reasonable time
+            k = 1 if len(free) < 16 else rng.randint(1, max(1, len(free) // 4))
+            add = rng.sample(free, k)
+            return _reshaped(prob, s, a, b, [*p.devices, *add], p.sync, p.ps, p.recompute)
+        if kind == "sync":
+            if len(p.devices) < 2:
+                return s
+            sync = rng.choice(SYNC_CHOICES)
+            ps = rng.choice(p.devices) if sync == "ps" else None
+            return _with(s, a, b, replace(p, sync=sync, ps=ps))
+        if kind == "micro":
+            m = rng.choice(self.microbatch_choices)
+            t = Strategy(s.placements, m)
+            return t
+        if kind == "recompute":
+            return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, not p.recompute)
+        return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, p.recompute)
+
+    def run(self, starts: Sequence[Strategy], *, budget_s: float, max_iters: int | None = None,
+            t0: float = 0.05, cooling_iters: int = 2000, progress: Callable[[float], None] | None = None) -> SearchResult:
+        """Anneal from the best of `starts`; restart from the elite when stuck."""
+        begin = time.perf_counter()
+        seen: dict[tuple, float] = {}
+        elite: list[tuple[float, Strategy]] = []
+
+        def score(s: Strategy) -> float:
+            k = s.key()
+            v = seen.get(k)
+            if v is None:
+                v = self.score_fn(self.prob, s).score
+                seen[k] = v
+                if len(elite) < self.elite_size or v < elite[-1][0]:
+                    elite.append((v, s))  # keys are unique: only unseen strategies get here
+                    elite.sort(key=lambda e: e[0])
+                    del elite[self.elite_size:]
+            return v
+
+        scored = sorted(((score(s), i) for i, s in enumerate(starts)))
+        cur = starts[scored[0][1]]
+        cur_v = scored[0][0]
+        best, best_v = cur, cur_v
+        it = stale = 0
+        while True:
+            if max_iters is not None and it >= max_iters:
+                break
+            if time.perf_counter() - begin >= budget_s:
+                break
+            temp = t0 * 0.5 ** (it / cooling_iters)
+            cand = self.propose(cur)
+            it += 1
+            if cand is cur:
+                continue
+            v = score(cand)
+            if v < cur_v or self.rng.random() < math.exp(-(v - cur_v) / max(temp * cur_v, 1e-30)):
+                cur, cur_v = cand, v
+            if cur_v < best_v - 1e-15:
+                best, best_v, stale = cur, cur_v, 0
+            else:
+                stale += 1
+            if stale > 300:  # stuck: restart from a random elite strategy
+                cur_v, cur = self.rng.choice(elite)
+                stale = 0
+            if progress is not None and it % 50 == 0:
+                progress(min(1.0, (time.perf_counter() - begin) / budget_s))
+        return SearchResult(best=best, best_estimate=self.score_fn(self.prob, best), iterations=it,
+                            time_s=time.perf_counter() - begin, elite=elite)
+
+
+def anneal(prob: Problem, starts: Sequence[Strategy], *, budget_s: float, seed: int = 0,
+           max_iters: int | None = None, progress: Callable[[float], None] | None = None) -> SearchResult:
+    return Annealer(prob, seed).run(starts, budget_s=budget_s, max_iters=max_iters, progress=progress)

@@ -1,0 +1,207 @@
+"""The search's view of one planning problem: grouped costs as tables, and strategies.
+
+Every cost the search needs is read from the CostModel once, here: per group and per device
+class (devices of one GPU type, slowdown and memory behave alike, so a 1024-GPU cluster of
+four types costs four look-ups, not 1024) the forward/backward time as an Affine in the batch,
+optimizer time, persistent and activation memory; per group its gradient bytes; per pair of
+groups the activation bytes between them. A `Strategy` is the search's compact plan
+(device indices instead of names); `to_plan` turns it into the Plan artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+from heterog.cost.model import CostModel
+from heterog.hardware.cluster import Cluster
+from heterog.ir.affine import Affine
+from heterog.ir.opgraph import OpGraph
+from heterog.ir.plan import Group, ModelSpec, Plan, Replica, split_samples
+from heterog.search.grouping import group_graph
+
+SYNC_CHOICES = ("ring", "tree", "hierarchical", "ps")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one group runs: device indices (sorted), each one's share, how gradients sync."""
+    devices: tuple[int, ...]
+    shares: tuple[float, ...]
+    sync: str = "none"
+    ps: int | None = None
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        assert len(self.devices) == len(self.shares) and self.devices, self
+        assert abs(sum(self.shares) - 1.0) < 1e-6, self.shares
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    placements: tuple[Placement, ...]
+    microbatches: int = 1
+
+    def key(self) -> tuple:
+        """Identity for de-duplication (shares rounded so float noise does not count)."""
+        return (self.microbatches, tuple((p.devices, tuple(round(s, 4) for s in p.shares), p.sync,
+                                          p.ps, p.recompute) for p in self.placements))
+
+
+def _fit(t_lo: float, t_hi: float, b_lo: float, b_hi: float) -> Affine:
+    if b_hi == b_lo:
+        return Affine(0.0, t_hi / b_hi)
+    a = Affine.fit(b_lo, t_lo, b_hi, t_hi)
+    # a time never falls with the batch, nor is it negative at zero samples
+    return Affine(max(a.fixed, 0.0), max(a.per_sample, 0.0))
+
+
+@dataclass(kw_only=True)
+class Problem:
+    graph: OpGraph
+    cluster: Cluster
+    costs: CostModel
+    groups: list[tuple[str, ...]]
+    batch_size: int
+    model_spec: ModelSpec | None = None
+    precision: str = "fp32"
+    optimizer: str = "sgd"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = self.cluster
+        self.device_names = [d.name for d in c.devices]
+        self.n_devices = len(self.device_names)
+        self.memory_bytes = np.array([float(c.memory_bytes(d)) for d in self.device_names])
+        classes: dict[tuple, int] = {}
+        self.dev_class = np.zeros(self.n_devices, dtype=np.int64)
+        self.class_rep: list[str] = []
+        for i, d in enumerate(c.devices):
+            k = (d.gpu_type, d.slowdown, c.memory_bytes(d.name))
+            if k not in classes:
+                classes[k] = len(self.class_rep)
+                self.class_rep.append(d.name)
+            self.dev_class[i] = classes[k]
+        self.node_of_device = [c.node_of[d] for d in self.device_names]
+        G, C = len(self.groups), len(self.class_rep)
+        B = float(self.batch_size)
+        b_lo = max(1.0, B / 8.0)
+        self.fwd = np.zeros((G, C, 2))  # [..., 0] fixed time, [..., 1] time per sample
+        self.bwd = np.zeros((G, C, 2))
+        self.opt_time_s = np.zeros((G, C))
+        self.persistent_bytes = np.zeros((G, C))
+        self.act_per_sample = np.zeros((G, 2))  # without / with recompute
+        self.workspace_per_sample = np.zeros(G)
+        self.grad_bytes = np.zeros(G)
+        self.flops_per_sample = np.zeros(G)
+        self.param_bytes = np.zeros(G)
+        nodes = {n.name: n for n in self.graph.nodes}
+        for g, names in enumerate(self.groups):
+            for ci, rep in enumerate(self.class_rep):
+                for arr, phase in ((self.fwd, "fwd"), (self.bwd, "bwd")):
+                    lo = sum(self.costs.compute_time_s(n, rep, b_lo, phase) for n in names)
+                    hi = sum(self.costs.compute_time_s(n, rep, B, phase) for n in names)
+                    a = _fit(lo, hi, b_lo, B)
+                    arr[g, ci] = (a.fixed, a.per_sample)
+                self.opt_time_s[g, ci] = self.costs.optimizer_time_s(names, rep)
+                self.persistent_bytes[g, ci] = self.costs.persistent_bytes(names, rep)
+            self.act_per_sample[g, 0] = self.costs.activation_bytes(names, B, False) / B
+            self.act_per_sample[g, 1] = self.costs.activation_bytes(names, B, True) / B
+            self.workspace_per_sample[g] = self.costs.workspace_bytes(names, B) / B
+            self.grad_bytes[g] = self.costs.gradient_bytes(names)
+            self.flops_per_sample[g] = sum(nodes[n].fwd_flops.at(B) + nodes[n].bwd_flops.at(B)
+                                           for n in names) / B
+            self.param_bytes[g] = sum(nodes[n].param_bytes for n in names)
+        self.edges = {k: v for k, v in group_graph(self.graph, self.groups).items()}
+        self.preds: list[list[int]] = [[] for _ in range(G)]
+        self.succs: list[list[int]] = [[] for _ in range(G)]
+        for (a, b) in self.edges:
+            self.preds[b].append(a)
+            self.succs[a].append(b)
+        self._pair_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._sync_cache: dict[tuple, float] = {}
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.groups)
+
+    # -- per-device speed ----------------------------------------------------------------
+    @cached_property
+    def device_time_per_sample_s(self) -> np.ndarray:
+        """Whole-graph forward + backward time per sample on each device (at the full batch)."""
+        per_class = (self.fwd[:, :, 1] + self.bwd[:, :, 1]).sum(axis=0) + \
+            (self.fwd[:, :, 0] + self.bwd[:, :, 0]).sum(axis=0) / self.batch_size
+        return per_class[self.dev_class]
+
+    @cached_property
+    def speed_order(self) -> list[int]:
+        """Devices from fastest to slowest (ties by index, so it is deterministic)."""
+        t = self.device_time_per_sample_s
+        return sorted(range(self.n_devices), key=lambda i: (t[i], i))
+
+    # -- communication look-ups (cached) ---------------------------------------------------
+    def pair_cost(self, src: int, dst: int) -> tuple[float, float]:
+        """(latency_s, seconds per byte) between two devices, from the cost model."""
+        key = (src, dst)
+        hit = self._pair_cache.get(key)
+        if hit is None:
+            a, b = self.device_names[src], self.device_names[dst]
+            t1 = self.costs.transfer_time_s(1e6, a, b)
+            t2 = self.costs.transfer_time_s(2e6, a, b)
+            per_byte = max(0.0, (t2 - t1) / 1e6)
+            hit = (max(0.0, t1 - 1e6 * per_byte), per_byte)
+            self._pair_cache[key] = hit
+        return hit
+
+    def sync_time_s(self, g: int, p: Placement) -> float:
+        if len(p.devices) < 2 or self.grad_bytes[g] <= 0:
+            return 0.0
+        key = (g, p.devices, p.sync, p.ps)
+        hit = self._sync_cache.get(key)
+        if hit is None:
+            names = [self.device_names[i] for i in p.devices]
+            if p.sync == "ps":
+                hit = self.costs.ps_sync_time_s(self.grad_bytes[g], names, self.device_names[p.ps])
+            else:
+                hit = self.costs.collective_time_s("allreduce", self.grad_bytes[g], names, p.sync)
+            self._sync_cache[key] = hit
+        return hit
+
+    # -- turning a strategy into the artifact ------------------------------------------------
+    def integer_placement(self, p: Placement, microbatch_samples: int) -> Placement:
+        """Shares as whole samples of a micro-batch; replicas left with none are dropped."""
+        counts = split_samples(microbatch_samples, list(p.shares))
+        keep = [i for i, k in enumerate(counts) if k > 0]
+        devs = tuple(p.devices[i] for i in keep)
+        shares = tuple(counts[i] / microbatch_samples for i in keep)
+        sync, ps = p.sync, p.ps
+        if len(devs) == 1:
+            sync, ps = "none", None
+        elif sync == "none":
+            sync = "ring"
+        if sync == "ps" and ps is None:
+            ps = devs[0]
+        return Placement(devs, shares, sync, ps if sync == "ps" else None, p.recompute)
+
+    def finalize(self, s: Strategy) -> Strategy:
+        m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
+        mb = self.batch_size // m
+        return Strategy(tuple(self.integer_placement(p, mb) for p in s.placements), m)
+
+    def to_plan(self, s: Strategy, strategy_name: str, notes: Sequence[str] = ()) -> Plan:
+        s = self.finalize(s)
+        groups = []
+        for g, (names, p) in enumerate(zip(self.groups, s.placements)):
+            replicas = tuple(Replica(device=self.device_names[d], share=sh) for d, sh in zip(p.devices, p.shares))
+            groups.append(Group(name=f"g{g}", nodes=tuple(names), replicas=replicas, sync=p.sync,
+                                ps_device=self.device_names[p.ps] if p.sync == "ps" else None,
+                                recompute=p.recompute))
+        spec = self.model_spec or ModelSpec(name=self.graph.model, batch_size=self.batch_size,
+                                            seq_len=self.graph.seq_len)
+        return Plan(strategy=strategy_name, model=spec, precision=self.precision, optimizer=self.optimizer,
+                    groups=tuple(groups), num_microbatches=s.microbatches, notes=tuple(notes),
+                    graph_fingerprint=self.graph.fingerprint(),
+                    cluster_fingerprint=self.cluster.fingerprint())
