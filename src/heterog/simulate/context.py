@@ -1,0 +1,279 @@
+"""What the simulator computes once and reuses across calls: the group DAG of a grouping,
+per-group costs on each device class, link indices and paths of a cluster.
+
+The search calls `simulate` thousands of times with small changes to one plan (a group moved,
+a share nudged). Everything here depends only on (graph, grouping), (graph, costs) or the
+cluster, so it is cached by object identity (a strong reference is kept with each entry so an
+id cannot be reused while cached) and the per-call work is proportional to the plan's tasks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+from heterog.errors import PlanError
+from heterog.hardware.cluster import Cluster
+from heterog.ir.opgraph import OpGraph
+
+_MAX_CACHED = 8            # distinct graphs / clusters / cost models kept alive
+_MAX_ENTRIES = 500_000     # entries in one cost table before it is cleared
+
+
+def _remember(cache: dict, key, make):
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= _MAX_CACHED:
+            cache.pop(next(iter(cache)))
+        hit = make()
+        cache[key] = hit
+    return hit
+
+
+class ClusterInfo:
+    """Integer ids for devices and links, cached paths, and device classes.
+
+    Devices of one GPU type with equal slowdown and memory are one *class*: the cost model
+    gives them the same node times (the analytic model and type-level profiles both do), so
+    node times are computed once per class, which keeps a 1024-device plan cheap.
+    """
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.devices = [d.name for d in cluster.devices]
+        self.dev_id = {n: i for i, n in enumerate(self.devices)}
+        self.links = list(cluster.links)
+        self.link_id = {n: i for i, n in enumerate(self.links)}
+        node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
+        self.node_rank = [node_order[d.node] for d in cluster.devices]
+        rep: dict[tuple, str] = {}
+        self.dev_class: list[str] = []
+        for d in cluster.devices:
+            self.dev_class.append(rep.setdefault((d.gpu_type, d.slowdown, d.memory_bytes), d.name))
+        self.capacity_bytes = [cluster.memory_bytes(n) for n in self.devices]
+        self._paths: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
+
+    def path(self, src: int, dst: int) -> tuple[int, ...]:
+        key = (src, dst)
+        p = self._paths.get(key)
+        if p is None:
+            p = tuple(self.link_id[l] for l in self.cluster.path(self.devices[src], self.devices[dst]))
+            self._paths[key] = p
+        return p
+
+    def ring(self, members: tuple[int, ...]) -> tuple[tuple[int, ...], dict[int, float]]:
+        """Links a collective over `members` occupies, and the share of the buffer each carries.
+
+        Members are ordered by node so the ring crosses each NIC once per direction (what NCCL's
+        topology-aware rings do). A ring all-reduce sends 2(n−1)/n of the buffer over every hop
+        (Patarasuk & Yuan 2009); tree and hierarchical all-reduce cross the same NICs and are
+        charged the same link set. Returns (link ids, {link id: bytes per buffer byte}).
+        """
+        hit = self._rings.get(members)
+        if hit is None:
+            order = sorted(members, key=lambda d: (self.node_rank[d], d))
+            n = len(order)
+            per_hop = 2.0 * (n - 1) / n if n > 1 else 0.0
+            load: dict[int, float] = {}
+            for i in range(n):
+                for l in self.path(order[i], order[(i + 1) % n]):
+                    load[l] = load.get(l, 0.0) + per_hop
+            hit = (tuple(sorted(load)), load)
+            self._rings[members] = hit
+        return hit
+
+    def star(self, members: tuple[int, ...], server: int) -> tuple[tuple[int, ...], dict[int, float]]:
+        """Parameter server: each member sends its gradient to the server and gets parameters back."""
+        load: dict[int, float] = {}
+        for d in members:
+            for l in self.path(d, server) + self.path(server, d):
+                load[l] = load.get(l, 0.0) + 1.0
+        return tuple(sorted(load)), load
+
+
+class Grouping:
+    """The plan's partition of the graph as a DAG of groups (depends on graph + node sets only)."""
+
+    def __init__(self, graph: OpGraph, group_names: Sequence[str], group_nodes: Sequence[tuple[str, ...]]):
+        owner: dict[str, int] = {}
+        index = graph.index
+        for gi, nodes in enumerate(group_nodes):
+            for n in nodes:
+                if n not in index:
+                    raise PlanError(f"group {group_names[gi]!r} field 'nodes': node {n!r} is not in "
+                                    f"the graph of {graph.model}.")
+                if n in owner:
+                    raise PlanError(f"group {group_names[gi]!r} field 'nodes': node {n!r} is also in "
+                                    f"group {group_names[owner[n]]!r}; a node belongs to one group.")
+                owner[n] = gi
+        if len(owner) != len(graph.nodes):
+            missing = [n.name for n in graph.nodes if n.name not in owner]
+            raise PlanError(f"{len(missing)} graph node(s) belong to no group (e.g. {missing[:3]}); "
+                            f"add them to a group's 'nodes' so every node is placed.")
+        self.owner = owner
+        self.nodes = tuple(group_nodes)
+        g = len(group_nodes)
+        self.succ: list[set[int]] = [set() for _ in range(g)]
+        self.pred: list[set[int]] = [set() for _ in range(g)]
+        self.cross: dict[tuple[int, int], list[tuple[str, str]]] = {}
+        for e in graph.edges:
+            a, b = owner[e.src], owner[e.dst]
+            if a != b:
+                self.succ[a].add(b)
+                self.pred[b].add(a)
+                self.cross.setdefault((a, b), []).append((e.src, e.dst))
+        # graph nodes are in topological order; a group's position is that of its first node
+        self.first = [min(index[n] for n in nodes) for nodes in group_nodes]
+        self._check_acyclic(group_names)
+
+    def _check_acyclic(self, names: Sequence[str]) -> None:
+        order = self.order([0.0] * len(self.nodes))
+        if len(order) < len(self.nodes):
+            stuck = set(range(len(self.nodes))) - set(order)
+            a = min(stuck)
+            b = next(s for s in self.succ[a] if s in stuck)
+            raise PlanError(f"groups {names[a]!r} and {names[b]!r} depend on each other through "
+                            f"their 'nodes' (a cycle among groups): neither could start first. "
+                            f"Make each group a contiguous piece of the graph.")
+
+    def order(self, priority: Sequence[float]) -> list[int]:
+        """A topological order of the groups that runs the highest priority first among
+        those whose inputs are ready (Kahn's algorithm with a max-heap; ties: graph order)."""
+        indeg = [len(p) for p in self.pred]
+        heap = [(-priority[g], self.first[g], g) for g in range(len(indeg)) if indeg[g] == 0]
+        heapq.heapify(heap)
+        out: list[int] = []
+        while heap:
+            g = heapq.heappop(heap)[2]
+            out.append(g)
+            for s in self.succ[g]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    heapq.heappush(heap, (-priority[s], self.first[s], s))
+        return out
+
+
+class CostTable:
+    """Cost-model answers per group, memoised (the cost model is pure for fixed inputs)."""
+
+    def __init__(self, graph: OpGraph, costs):
+        self.graph = graph
+        self.costs = costs
+        self._time: dict = {}
+        self._mem: dict = {}
+        self._edge: dict[tuple[str, str], tuple[float, float]] = {}
+        self._comm: dict = {}
+
+    def _trim(self) -> None:
+        for d in (self._time, self._mem, self._comm):
+            if len(d) > _MAX_ENTRIES:
+                d.clear()
+
+    def times_s(self, nodes: tuple[str, ...], device: str, samples: int) -> tuple[float, float]:
+        """(forward, backward) time of a group's nodes run back to back at `samples`."""
+        key = (nodes, device, samples)
+        hit = self._time.get(key)
+        if hit is None:
+            if samples <= 0:
+                hit = (0.0, 0.0)
+            else:
+                ct = self.costs.compute_time_s
+                hit = (sum(ct(n, device, samples, "fwd") for n in nodes),
+                       sum(ct(n, device, samples, "bwd") for n in nodes))
+            self._trim()
+            self._time[key] = hit
+        return hit
+
+    def optimizer_s(self, nodes: tuple[str, ...], device: str) -> float:
+        key = ("opt", nodes, device)
+        hit = self._time.get(key)
+        if hit is None:
+            hit = self._time[key] = float(self.costs.optimizer_time_s(nodes, device))
+        return hit
+
+    def activation_bytes(self, nodes: tuple[str, ...], samples: int, recompute: bool) -> float:
+        key = ("act", nodes, samples, recompute)
+        hit = self._mem.get(key)
+        if hit is None:
+            hit = 0.0 if samples <= 0 else float(self.costs.activation_bytes(nodes, samples, recompute))
+            self._trim()
+            self._mem[key] = hit
+        return hit
+
+    def workspace_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
+        key = ("ws", nodes, samples)
+        hit = self._mem.get(key)
+        if hit is None:
+            hit = 0.0 if samples <= 0 else float(self.costs.workspace_bytes(nodes, samples))
+            self._trim()
+            self._mem[key] = hit
+        return hit
+
+    def persistent_bytes(self, nodes: tuple[str, ...], device: str) -> float:
+        key = ("pers", nodes, device)
+        hit = self._mem.get(key)
+        if hit is None:
+            hit = self._mem[key] = float(self.costs.persistent_bytes(nodes, device))
+        return hit
+
+    def gradient_bytes(self, nodes: tuple[str, ...]) -> float:
+        key = ("grad", nodes)
+        hit = self._mem.get(key)
+        if hit is None:
+            hit = self._mem[key] = float(self.costs.gradient_bytes(nodes))
+        return hit
+
+    def edge_bytes(self, src: str, dst: str) -> tuple[float, float]:
+        """(fixed, per-sample) bytes on edge src → dst; the cost model is affine in the batch."""
+        hit = self._edge.get((src, dst))
+        if hit is None:
+            at0 = float(self.costs.activation_transfer_bytes(src, dst, 0))
+            at1 = float(self.costs.activation_transfer_bytes(src, dst, 1))
+            hit = self._edge[(src, dst)] = (at0, at1 - at0)
+        return hit
+
+    def transfer_s(self, nbytes: float, src: str, dst: str) -> float:
+        key = ("p2p", nbytes, src, dst)
+        hit = self._comm.get(key)
+        if hit is None:
+            hit = float(self.costs.transfer_time_s(nbytes, src, dst))
+            self._trim()
+            self._comm[key] = hit
+        return hit
+
+    def sync_s(self, method: str, nbytes: float, devices: tuple[str, ...], server: str | None) -> float:
+        key = (method, nbytes, devices, server)
+        hit = self._comm.get(key)
+        if hit is None:
+            if method == "ps":
+                hit = float(self.costs.ps_sync_time_s(nbytes, devices, server))
+            else:
+                hit = float(self.costs.collective_time_s("allreduce", nbytes, devices, method))
+            self._trim()
+            self._comm[key] = hit
+        return hit
+
+
+_clusters: dict[int, tuple[Cluster, ClusterInfo]] = {}
+_groupings: dict[tuple, tuple[OpGraph, Grouping]] = {}
+_tables: dict[tuple[int, int], tuple[OpGraph, object, CostTable]] = {}
+
+
+def cluster_info(cluster: Cluster) -> ClusterInfo:
+    return _remember(_clusters, id(cluster), lambda: (cluster, ClusterInfo(cluster)))[1]
+
+
+def grouping(graph: OpGraph, names: Sequence[str], nodes: Sequence[tuple[str, ...]]) -> Grouping:
+    key = (id(graph), tuple(nodes))
+    hit = _groupings.get(key)
+    if hit is None or hit[0] is not graph:
+        if len(_groupings) >= 64:
+            _groupings.pop(next(iter(_groupings)))
+        hit = (graph, Grouping(graph, names, nodes))
+        _groupings[key] = hit
+    return hit[1]
+
+
+def cost_table(graph: OpGraph, costs) -> CostTable:
+    return _remember(_tables, (id(graph), id(costs)), lambda: (graph, costs, CostTable(graph, costs)))[2]

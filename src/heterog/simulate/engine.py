@@ -1,0 +1,206 @@
+"""The two event loops of one simulation.
+
+1. `reference_order` — list scheduling: each device runs, among its ready compute tasks, the
+   one with the smallest key (schedule phase, micro-batch, block order from the plan's
+   priorities); communication takes no time here. GPipe: a device starts backward only when
+   all its forwards are done. 1F1B: backward first, and a device admits a new micro-batch only
+   while fewer than its stage limit are in flight. The result is the *order* in which each
+   device runs its compute and each link serves its transfers (by reference start).
+2. `run` — the timed simulation that follows those orders: a compute task starts when its
+   inputs are ready and it is next on its device; a transfer or collective starts when its
+   inputs are ready and it is next on every link it occupies, and holds all of them for its
+   whole (uncontended) time. Links are therefore FIFO and exclusive: two transfers sharing a
+   NIC take twice as long as one.
+
+Why fixed orders: a rank executes a fixed program order (the executor follows the plan's
+priorities), and with fixed orders every start time is a max of sums of durations (a max-plus
+system, Baccelli et al. 1992), so the iteration time never grows when a link gets faster or a
+task shorter. Dynamic list scheduling and first-come links both have Graham-style anomalies.
+The orders do not depend on link bandwidths, only on compute times and priorities.
+"""
+
+from __future__ import annotations
+
+from heapq import heappop, heappush
+
+from heterog.simulate.tasks import BWD, FWD, OPT, Tasks
+
+
+def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight: bool = True) -> list[int] | None:
+    """Start order of all tasks under list scheduling with zero-time communication; None if
+    the 1F1B admission rule deadlocks on this placement (the caller retries without it)."""
+    kind, dur, dev, succ, key, mb = tasks.kind, tasks.dur, tasks.dev, tasks.succ, tasks.key, tasks.mb
+    left = tasks.npred[:]
+    n = len(kind)
+    ready: list[list] = [[] for _ in range(n_devices)]
+    busy = [False] * n_devices
+    gpipe = schedule == "gpipe"
+    one_f1b = not gpipe and limit_in_flight
+    fwd_left = [0] * n_devices
+    if gpipe:
+        for t in range(n):
+            if kind[t] == FWD:
+                fwd_left[dev[t]] += 1
+    limit = tasks.stage_limit
+    bwd_left = dict(tasks.bwd_count)
+    in_flight: list[set[int]] = [set() for _ in range(n_devices)]
+    events: list[tuple[float, int]] = []
+    order: list[int] = []
+
+    def dispatch(d: int, now: float) -> None:
+        if busy[d]:
+            return
+        q = ready[d]
+        if not q:
+            return
+        t = q[0][1]
+        k = kind[t]
+        if gpipe and k == BWD and fwd_left[d] > 0:
+            return
+        if one_f1b and k == FWD:
+            fl = in_flight[d]
+            if mb[t] not in fl and len(fl) >= limit[d]:
+                return
+        heappop(q)
+        if one_f1b and k != OPT:
+            in_flight[d].add(mb[t])
+        busy[d] = True
+        order.append(t)
+        heappush(events, (now + dur[t], t))
+
+    def became_ready(t: int, now: float) -> None:
+        d = dev[t]
+        if d < 0:
+            order.append(t)
+            heappush(events, (now, t))
+        else:
+            heappush(ready[d], (key[t], t))
+            dispatch(d, now)
+
+    for t in range(n):
+        if left[t] == 0:
+            became_ready(t, 0.0)
+    while events:
+        now, t = heappop(events)
+        d = dev[t]
+        if d >= 0:
+            busy[d] = False
+            k = kind[t]
+            if gpipe and k == FWD:
+                fwd_left[d] -= 1
+            elif one_f1b and k == BWD:
+                km = (d, mb[t])
+                bwd_left[km] -= 1
+                if bwd_left[km] == 0:
+                    in_flight[d].discard(mb[t])
+        for s in succ[t]:
+            left[s] -= 1
+            if left[s] == 0:
+                became_ready(s, now)
+        if d >= 0:
+            dispatch(d, now)
+    if len(order) < n:
+        return None
+    return order
+
+
+def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
+        capacity_bytes: list[int], record: bool):
+    """Timed simulation following `order`. Returns (start, end, peak, overflow, mem_trace)
+    with overflow = (device, time) of the first device to exceed its memory, or None."""
+    dur, dev, links, succ = tasks.dur, tasks.dev, tasks.links, tasks.succ
+    mem_start, mem_end = tasks.mem_start, tasks.mem_end
+    n = len(dur)
+    dev_order: list[list[int]] = [[] for _ in range(n_devices)]
+    link_order: list[list[int]] = [[] for _ in range(n_links)]
+    for t in order:
+        d = dev[t]
+        if d >= 0:
+            dev_order[d].append(t)
+        else:
+            for l in links[t]:
+                link_order[l].append(t)
+    dpos = [0] * n_devices
+    lpos = [0] * n_links
+    left = tasks.npred[:]
+    started = bytearray(n)
+    start = [0.0] * n
+    end = [0.0] * n
+    cur = list(tasks.persistent_bytes)
+    peak = list(cur)
+    overflow = None
+    for d in range(n_devices):
+        if cur[d] > capacity_bytes[d] and overflow is None:
+            overflow = (d, 0.0)
+    trace: list[list[tuple[float, float]]] | None = None
+    if record:
+        trace = [[(0.0, cur[d])] if cur[d] else [] for d in range(n_devices)]
+    events: list[tuple[float, int]] = []
+    ready_now: list[int] = [t for t in range(n) if left[t] == 0]
+    now = 0.0
+    while True:
+        # start every ready task that is at the head of all its queues
+        while ready_now:
+            t = ready_now.pop()
+            if started[t]:
+                continue
+            d = dev[t]
+            if d >= 0:
+                do = dev_order[d]
+                if do[dpos[d]] != t:
+                    continue
+            else:
+                ok = True
+                for l in links[t]:
+                    if link_order[l][lpos[l]] != t:
+                        ok = False
+                        break
+                if not ok:
+                    continue
+            started[t] = 1
+            start[t] = now
+            heappush(events, (now + dur[t], t))
+            ms = mem_start[t]
+            if ms is not None:
+                for md, delta in ms:
+                    c = cur[md] + delta
+                    cur[md] = c
+                    if c > peak[md]:
+                        peak[md] = c
+                        if overflow is None and c > capacity_bytes[md]:
+                            overflow = (md, now)
+                    if record:
+                        trace[md].append((now, c))
+        if not events:
+            break
+        now, t = heappop(events)
+        end[t] = now
+        me = mem_end[t]
+        if me is not None:
+            for md, delta in me:
+                c = cur[md] + delta
+                cur[md] = c
+                if record:
+                    trace[md].append((now, c))
+        d = dev[t]
+        if d >= 0:
+            dpos[d] += 1
+            do = dev_order[d]
+            if dpos[d] < len(do):
+                h = do[dpos[d]]
+                if left[h] == 0:
+                    ready_now.append(h)
+        else:
+            for l in links[t]:
+                lpos[l] += 1
+                lo = link_order[l]
+                if lpos[l] < len(lo):
+                    h = lo[lpos[l]]
+                    if left[h] == 0:
+                        ready_now.append(h)
+        for s in succ[t]:
+            left[s] -= 1
+            if left[s] == 0:
+                ready_now.append(s)
+    assert all(started), "fixed orders taken from a feasible schedule cannot deadlock"
+    return start, end, peak, overflow, trace
