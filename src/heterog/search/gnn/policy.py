@@ -1,0 +1,159 @@
+"""The GNN policy as the planner uses it: sample actions, turn them into Strategies, save/load.
+
+The shipped pre-trained weights live next to this module (policy.pt, trained by
+`heterog train-policy` on synthetic problems, see train.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from heterog.errors import ArtifactError
+from heterog.search.gnn.features import Features, build_features
+from heterog.search.gnn.model import ALL, MICROBATCH_OPTIONS, SAME, PolicyConfig, PolicyNet, PolicyOutput
+from heterog.search.problem import Placement, Problem, Strategy
+from heterog.search.shares import balanced_shares
+
+SHIPPED_POLICY = Path(__file__).with_name("policy.pt")
+FORMAT = "heterog.GnnPolicy/1"
+
+
+@dataclass(frozen=True, slots=True)
+class Actions:
+    placement: torch.Tensor  # [G] long
+    sync: torch.Tensor       # [G] long
+    micro: torch.Tensor      # [] long
+
+    def key(self) -> tuple:
+        return (tuple(self.placement.tolist()), tuple(self.sync.tolist()), int(self.micro))
+
+
+def _dists(out: PolicyOutput):
+    return (torch.distributions.Categorical(logits=out.placement_logits),
+            torch.distributions.Categorical(logits=out.sync_logits),
+            torch.distributions.Categorical(logits=out.micro_logits))
+
+
+def sample_actions(out: PolicyOutput, generator: torch.Generator | None = None, greedy: bool = False) -> Actions:
+    if greedy:
+        return Actions(out.placement_logits.argmax(dim=1), out.sync_logits.argmax(dim=1), out.micro_logits.argmax())
+    probs = [torch.softmax(t.detach(), dim=-1) for t in (out.placement_logits, out.sync_logits, out.micro_logits)]
+    p = torch.multinomial(probs[0], 1, generator=generator).squeeze(1)
+    s = torch.multinomial(probs[1], 1, generator=generator).squeeze(1)
+    m = torch.multinomial(probs[2], 1, generator=generator).squeeze()
+    return Actions(p, s, m)
+
+
+def log_prob(out: PolicyOutput, a: Actions) -> torch.Tensor:
+    dp, ds, dm = _dists(out)
+    return dp.log_prob(a.placement).sum() + ds.log_prob(a.sync).sum() + dm.log_prob(a.micro)
+
+
+def entropy(out: PolicyOutput) -> torch.Tensor:
+    dp, ds, dm = _dists(out)
+    return dp.entropy().mean() + ds.entropy().mean() + dm.entropy()
+
+
+def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strategy:
+    """Actions → Strategy; shares of each run of identically placed groups from the share LP."""
+    n_nodes = f.n_nodes
+    dp_limit = sorted(prob.speed_order[: min(prob.n_devices, prob.batch_size)])
+    node_members: list[list[int]] = [[] for _ in range(n_nodes)]
+    for d, k in enumerate(f.node_of_device.tolist()):
+        node_members[k].append(d)
+    scores = out.pair_scores.detach()
+    choice: list[tuple[tuple[int, ...], str]] = []
+    for g in range(prob.n_groups):
+        act = int(a.placement[g])
+        if act == SAME and g > 0:
+            choice.append(choice[-1])
+            continue
+        if act in (SAME, ALL):
+            devs = tuple(dp_limit)
+        elif act < 2 + n_nodes:
+            devs = tuple(node_members[act - 2][: prob.batch_size])
+        else:
+            devs = (act - 2 - n_nodes,)
+        sync = "none" if len(devs) == 1 else ("ps" if int(a.sync[g]) == 1 else "ring")
+        choice.append((devs, sync))
+    micro = MICROBATCH_OPTIONS[int(a.micro)]
+    if prob.batch_size % micro:
+        micro = 1
+    placements: list[Placement] = []
+    g = 0
+    while g < prob.n_groups:
+        end = g
+        while end + 1 < prob.n_groups and choice[end + 1] == choice[g]:
+            end += 1
+        devs, sync = choice[g]
+        d, sh = balanced_shares(prob, range(g, end + 1), devs, microbatches=micro)
+        if len(d) == 1:
+            p = Placement(d, sh)
+        elif sync == "ps":
+            server = max(d, key=lambda i: float(scores[g, i]))
+            p = Placement(d, sh, "ps", server)
+        else:
+            p = Placement(d, sh, "ring")
+        placements.extend([p] * (end - g + 1))
+        g = end + 1
+    return Strategy(tuple(placements), micro)
+
+
+class Policy:
+    def __init__(self, net: PolicyNet, meta: dict[str, Any] | None = None):
+        self.net = net
+        self.meta = meta or {}
+
+    def propose(self, prob: Problem, *, samples: int = 8, seed: int = 0) -> list[Strategy]:
+        """The greedy decode plus up to samples−1 sampled ones, distinct."""
+        f = build_features(prob)
+        with torch.no_grad():
+            out = self.net(f)
+        gen = torch.Generator().manual_seed(seed)
+        seen: set[tuple] = set()
+        result: list[Strategy] = []
+        for i in range(samples):
+            a = sample_actions(out, gen, greedy=(i == 0))
+            if a.key() in seen:
+                continue
+            seen.add(a.key())
+            result.append(decode(prob, f, out, a))
+        return result
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save({"format": FORMAT, "config": self.net.config.to_dict(),
+                    "state_dict": self.net.state_dict(), "meta": self.meta}, tmp)
+        tmp.replace(path)
+
+
+def new_policy(config: PolicyConfig | None = None, seed: int = 0) -> Policy:
+    torch.manual_seed(seed)
+    return Policy(PolicyNet(config or PolicyConfig()))
+
+
+def load_policy(source: Any = None) -> Policy | None:
+    """None → the shipped file (None if it is missing); a path → that file; a Policy → itself."""
+    if isinstance(source, Policy):
+        return source
+    path = SHIPPED_POLICY if source is None else Path(source)
+    if not path.exists():
+        if source is None:
+            return None
+        raise ArtifactError(f"{path}: no such policy file; train one with `heterog train-policy --out {path}`.")
+    try:
+        doc = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a corrupt or foreign file
+        raise ArtifactError(f"{path}: not a readable policy file ({type(e).__name__}: {e}).") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a heterog GNN policy (expected format {FORMAT}).")
+    net = PolicyNet(PolicyConfig(**doc["config"]))
+    net.load_state_dict(doc["state_dict"])
+    net.eval()
+    return Policy(net, doc.get("meta", {}))
