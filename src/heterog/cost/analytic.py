@@ -1,0 +1,290 @@
+"""The analytic cost model: roofline compute times per node × device type × batch × phase,
+the memory model, and communication over the cluster — everything the simulator and the
+search ask through the CostModel protocol (cost/model.py).
+
+Compute time of one node (Williams, Waterman & Patterson, "Roofline", CACM 2009):
+
+    t_math = F_tc / (P_tc · e(kind, n)) + F_other / (P_fp32 · E_VECTOR)
+    t_mem  = bytes / (BW · e_mem)
+    roof   = max(t_math, t_mem)
+    GPU:   t = max(roof + k · kernel_gap, k · dispatch)      (the host runs ahead, asynchronously)
+    CPU:   t = roof + k · dispatch                            (the host does the work itself)
+
+F_tc is the node's FLOPs in matmul/conv/attention kernels (tensor_core_flops_fraction), k its
+kernel count, n = (F_tc / k / 2)^(1/3) the equivalent square-product size that picks the
+efficiency from the calibrated curve (cost/efficiency.py). P_tc by precision, as PyTorch runs
+by default: fp32 — matmul and attention at the FP32 rate, cuDNN convolutions at TF32
+(torch.backends.cudnn.allow_tf32 is on, cuda.matmul.allow_tf32 is off); amp-bf16 — BF16
+tensor cores; fp16 — FP16. A precision with no fast path on a type falls back to FP32.
+A measured profile (cost/profile.py), when given, replaces the estimate per node.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from heterog.errors import ClusterError, PlanError
+from heterog.hardware.catalog import host_overheads
+from heterog.hardware.cluster import Cluster
+from heterog.hardware.gputype import GpuType
+from heterog.ir.opgraph import OpGraph
+from heterog.cost import comm
+from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
+from heterog.cost.memory import TENSOR_CORE_KINDS, MemoryModel, activation_factor
+from heterog.cost.profile import Profile
+
+PRECISIONS = ("fp32", "amp-bf16", "fp16")
+E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math rarely beats half of peak
+# Kernel efficiency relative to a square GEMM of the same work: cuDNN convolutions pay for
+# im2col/implicit-GEMM tiling; attention kernels for the softmax between their two products.
+KIND_FACTOR_GPU = {"matmul": 1.0, "conv": 0.8, "attention": 0.7}
+# Optimizer traffic per parameter byte (reads + writes of fp32 tensors) and ops per tensor.
+# SGD-momentum: buf = m·buf + g; p -= lr·buf → reads p, g, buf twice, writes buf, p.
+# AdamW: decay, two moment updates, sqrt, division, update (torch.optim._multi_tensor_adamw).
+OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 6.0, "adamw": 16.0}
+OPTIMIZER_OPS_PER_TENSOR = {"sgd": 3, "adamw": 10}
+
+
+def _matmul_precision(kind: str, precision: str, gpu: GpuType) -> str:
+    """The catalog precision whose peak a tensor-core kernel of `kind` runs at."""
+    if precision == "amp-bf16":
+        want = "bf16"
+    elif precision == "fp16":
+        want = "fp16"
+    else:
+        want = "tf32" if kind == "conv" else "fp32"
+    return want if gpu.peak_flops_per_s.get(want, 0.0) > 0 else "fp32"
+
+
+class _TypeTable:
+    """Per-node arrays for one GPU type, one precision, one phase: what the roofline needs."""
+
+    def __init__(self, graph: OpGraph, gpu: GpuType, precision: str, phase: str):
+        nodes = graph.nodes
+        fw = phase == "fwd"
+        flops_fixed = np.array([(n.fwd_flops if fw else n.bwd_flops).fixed for n in nodes])
+        flops_ps = np.array([(n.fwd_flops if fw else n.bwd_flops).per_sample for n in nodes])
+        tc = np.array([n.tensor_core_flops_fraction if n.kind in TENSOR_CORE_KINDS or
+                       n.tensor_core_flops_fraction > 0 else 0.0 for n in nodes])
+        factor = np.array([activation_factor(n.kind, precision) for n in nodes])
+        bytes_obj = [(n.fwd_bytes if fw else n.bwd_bytes) for n in nodes]
+        self.bytes_fixed = np.array([b.fixed for b in bytes_obj]) * factor
+        self.bytes_ps = np.array([b.per_sample for b in bytes_obj]) * factor
+        if precision in ("amp-bf16", "fp16") and fw:
+            # autocast casts each fp32 weight to half once per forward: read 4 B, write 2 B
+            self.bytes_fixed = self.bytes_fixed + np.array(
+                [1.5 * n.param_bytes if n.kind in TENSOR_CORE_KINDS else 0.0 for n in nodes])
+        self.tc_fixed, self.tc_ps = flops_fixed * tc, flops_ps * tc
+        self.other_fixed, self.other_ps = flops_fixed * (1 - tc), flops_ps * (1 - tc)
+        kernels = np.array([float(n.fwd_kernels if fw else n.bwd_kernels) for n in nodes])
+        has_work = (flops_fixed + flops_ps + self.bytes_fixed + self.bytes_ps) > 0
+        self.kernels = np.where((kernels == 0) & has_work, 1.0, kernels)
+        # one curve per distinct (precision used) — conv may differ from matmul
+        self.peak_tc = np.zeros(len(nodes))
+        self.kind_factor = np.ones(len(nodes))
+        self.curve_of: list[Curve] = []
+        curve_index = np.zeros(len(nodes), dtype=np.int64)
+        curves: dict[str, int] = {}
+        for i, n in enumerate(nodes):
+            p = _matmul_precision(n.kind, precision, gpu)
+            if p not in curves:
+                curves[p] = len(self.curve_of)
+                self.curve_of.append(gpu_curve(gpu, p))
+            curve_index[i] = curves[p]
+            self.peak_tc[i] = gpu.peak_flops_per_s[p]
+            self.kind_factor[i] = _kind_factor(n.kind, gpu)
+        self.curve_index = curve_index
+        self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
+        self.bandwidth = gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu)
+        oh = host_overheads(gpu)
+        self.synchronous = oh.synchronous
+        self.dispatch = oh.dispatch_s if fw or oh.backward_dispatch_s is None else oh.backward_dispatch_s
+        self.kernel_gap = oh.kernel_gap_s
+
+    def times_s(self, idx: np.ndarray, batch: float) -> np.ndarray:
+        tc = self.tc_fixed[idx] + self.tc_ps[idx] * batch
+        other = self.other_fixed[idx] + self.other_ps[idx] * batch
+        nbytes = self.bytes_fixed[idx] + self.bytes_ps[idx] * batch
+        k = self.kernels[idx]
+        size = np.cbrt(np.maximum(tc / np.maximum(k, 1.0) / 2.0, 1.0))
+        eff = np.empty(len(idx))
+        ci = self.curve_index[idx]
+        for c, curve in enumerate(self.curve_of):
+            sel = ci == c
+            if sel.any():
+                eff[sel] = curve.at(size[sel])
+        t_math = tc / (self.peak_tc[idx] * eff * self.kind_factor[idx]) + other / self.peak_vector
+        roof = np.maximum(t_math, nbytes / self.bandwidth)
+        if self.synchronous:
+            return roof + k * self.dispatch
+        return np.maximum(roof + k * self.kernel_gap, k * self.dispatch)
+
+
+def _kind_factor(kind: str, gpu: GpuType) -> float:
+    if gpu.vendor != "cpu":
+        return KIND_FACTOR_GPU.get(kind, 1.0)
+    if kind == "conv":
+        from heterog.hardware.catalog import measure_cpu
+        p = measure_cpu()
+        # oneDNN convolutions vs the same work as GEMM, measured on this machine
+        return float(np.clip(p.conv_flops_per_s / p.peak_flops_per_s, 0.25, 2.0))
+    return 1.0 if kind == "matmul" else 0.8
+
+
+class AnalyticCostModel:
+    """Implements heterog.cost.model.CostModel for one graph, cluster, precision, optimizer."""
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, *, precision: str = "fp32",
+                 optimizer: str = "sgd", profile: Profile | None = None, recompute: bool = False):
+        if precision not in PRECISIONS:
+            raise PlanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
+        self.graph = graph
+        self.cluster = cluster
+        self.precision = precision
+        self.optimizer = optimizer
+        self.recompute = recompute
+        self.profile = profile
+        allocator = "cpu" if all(g.vendor == "cpu" for g in cluster.gpu_types.values()) else "cuda"
+        self.memory = MemoryModel(graph, precision=precision, optimizer=optimizer, allocator=allocator)
+        self._tables: dict[tuple[str, str], _TypeTable] = {}
+        self._node_cache: dict[tuple[int, str, float, str], float] = {}
+        self._index_cache: dict[tuple[str, ...], np.ndarray] = {}
+        self._in_block = self.memory.in_block()
+        self._edges = {(e.src, e.dst): e.bytes for e in graph.edges}
+        self._n_tensors = np.array([float(len(n.param_names) or (1 if n.param_count else 0))
+                                    for n in graph.nodes])
+        if profile is not None:
+            profile.check_against(graph)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _table(self, gpu_type: str, phase: str) -> _TypeTable:
+        key = (gpu_type, phase)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = _TypeTable(self.graph, self.cluster.gpu_types[gpu_type],
+                                               self.precision, phase)
+        return t
+
+    def _idx(self, nodes: Sequence[str]) -> np.ndarray:
+        key = tuple(nodes)
+        idx = self._index_cache.get(key)
+        if idx is None:
+            gi = self.graph.index
+            try:
+                idx = np.fromiter((gi[n] for n in key), dtype=np.int64, count=len(key))
+            except KeyError as e:
+                raise PlanError(f"node {e.args[0]!r} is not in the graph of {self.graph.model}.") from None
+            self._index_cache[key] = idx
+        return idx
+
+    def _device(self, device: str):
+        try:
+            return self.cluster.device(device)
+        except ClusterError:
+            raise
+
+    def _phase_times_s(self, idx: np.ndarray, gpu_type: str, batch: float, phase: str) -> np.ndarray:
+        if phase not in ("fwd", "bwd"):
+            raise PlanError(f"unknown phase {phase!r}; use 'fwd' or 'bwd'.")
+        times = self._table(gpu_type, phase).times_s(idx, batch)
+        if self.profile is not None:
+            for j, i in enumerate(idx):
+                measured = self.profile.time_s(self.graph.nodes[i].name, gpu_type, phase, batch)
+                if measured is not None:
+                    times[j] = measured
+        if phase == "bwd" and self.recompute:
+            fwd = self._phase_times_s(idx, gpu_type, batch, "fwd")
+            times = times + np.where(self._in_block[idx], fwd, 0.0)
+        return times
+
+    # -- compute --------------------------------------------------------------------------------
+    def compute_time_s(self, node: str, device: str, batch: float, phase: str) -> float:
+        if batch <= 0:
+            return 0.0
+        d = self._device(device)
+        i = self.graph.index.get(node)
+        if i is None:
+            raise PlanError(f"node {node!r} is not in the graph of {self.graph.model}.")
+        key = (i, d.gpu_type, float(batch), phase)
+        t = self._node_cache.get(key)
+        if t is None:
+            t = self._node_cache[key] = float(self._phase_times_s(np.array([i]), d.gpu_type, batch, phase)[0])
+        return t * d.slowdown
+
+    def group_time_s(self, nodes: Sequence[str], device: str, batch: float, phase: str) -> float:
+        """Sum of compute_time_s over `nodes` (vectorised; the search's hot path)."""
+        if batch <= 0 or not nodes:
+            return 0.0
+        d = self._device(device)
+        return float(self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase).sum()) * d.slowdown
+
+    def node_times_s(self, nodes: Sequence[str], device: str, batch: float, phase: str) -> np.ndarray:
+        """compute_time_s of every node in `nodes`, as an array."""
+        if batch <= 0 or not nodes:
+            return np.zeros(len(nodes))
+        d = self._device(device)
+        return self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase) * d.slowdown
+
+    def recompute_time_s(self, nodes: Sequence[str], device: str, batch: float) -> float:
+        """Extra backward time if `nodes` are recomputed (their block members' forward again);
+        already included in 'bwd' times when the model was built with recompute=True."""
+        if batch <= 0 or not nodes:
+            return 0.0
+        d = self._device(device)
+        idx = self._idx(nodes)
+        fwd = self._table(d.gpu_type, "fwd").times_s(idx, batch)
+        return float(np.where(self._in_block[idx], fwd, 0.0).sum()) * d.slowdown
+
+    def optimizer_time_s(self, nodes: Sequence[str], device: str) -> float:
+        idx = self._idx(nodes)
+        pbytes = float(self.memory.param_bytes[idx].sum())
+        if pbytes <= 0:
+            return 0.0
+        d = self._device(device)
+        gpu = self.cluster.gpu_types[d.gpu_type]
+        oh = host_overheads(gpu)
+        tensors = float(self._n_tensors[idx].sum())
+        traffic_s = OPTIMIZER_BYTES_PER_PARAM_BYTE[self.optimizer] * pbytes / (
+            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu))
+        if oh.synchronous:
+            # CPU: torch.optim's default is the per-tensor for-loop (foreach is CUDA-only)
+            host_s = tensors * OPTIMIZER_OPS_PER_TENSOR[self.optimizer] * oh.dispatch_s
+            return (traffic_s + host_s) * d.slowdown
+        # GPU: foreach kernels; host cost per tensor overlaps the device's streaming
+        return max(traffic_s, tensors * oh.optimizer_per_tensor_s) * d.slowdown
+
+    # -- communication ---------------------------------------------------------------------------
+    def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
+        return comm.p2p_time_s(self.cluster, nbytes, src, dst)
+
+    def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
+        return comm.collective_time_s(self.cluster, op, nbytes, devices, method)
+
+    def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:
+        return comm.ps_sync_time_s(self.cluster, nbytes, devices, server)
+
+    # -- memory ----------------------------------------------------------------------------------
+    def persistent_bytes(self, nodes: Sequence[str], device: str) -> float:
+        self._device(device)
+        return self.memory.persistent_bytes(self._idx(nodes))
+
+    def activation_bytes(self, nodes: Sequence[str], batch: float, recompute: bool = False) -> float:
+        if batch <= 0 or not nodes:
+            return 0.0
+        return self.memory.saved_bytes(self._idx(nodes), batch, recompute or self.recompute)
+
+    def workspace_bytes(self, nodes: Sequence[str], batch: float) -> float:
+        if batch <= 0 or not nodes:
+            return 0.0
+        return self.memory.workspace_bytes(self._idx(nodes), batch)
+
+    def gradient_bytes(self, nodes: Sequence[str]) -> float:
+        return self.memory.grads_bytes(self._idx(nodes))
+
+    def activation_transfer_bytes(self, src: str, dst: str, batch: float) -> float:
+        b = self._edges.get((src, dst))
+        if b is None or batch <= 0:
+            return 0.0
+        return b.at(batch) * activation_factor(self.graph.node(src).kind, self.precision)

@@ -1,0 +1,176 @@
+"""Communication times over a Cluster's real paths (alpha-beta model, uncontended by other
+traffic; the simulator adds contention between concurrent transfers).
+
+Every collective is timed as a sequence of steps; in each step a set of transfers runs at
+once, and the step lasts as long as its most loaded link needs (bytes on the link / its
+bandwidth) plus the largest path latency. Links shared by several transfers of the same step
+(two ring edges leaving one node through its NIC) divide their bandwidth. This is how a ring
+across two nodes ends up limited by the NIC rather than by NVLink.
+
+Formulas (n members, N bytes per member):
+- ring all-reduce: 2(n-1) steps of N/n each — time 2(n-1)/n · N/B + 2(n-1)·α
+  (Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005);
+- reduce-scatter, all-gather: (n-1) steps of N/n (Thakur et al. 2005);
+- tree all-reduce: pipelined double binary tree as in NCCL ≥ 2.4 (Sanders, Speck & Träff
+  2009): each tree carries N/2 up (reduce) then down (broadcast): ≈ 2·N/B + 2⌈log2 n⌉·α;
+- broadcast / reduce: pipelined binomial tree, N/B + ⌈log2 n⌉·α;
+- hierarchical all-reduce: intra-node reduce-scatter, an all-reduce of each shard across
+  node leaders (all shards of a node share its NIC), intra-node all-gather
+  (the two-level scheme of Horovod/NCCL "hierarchical allreduce");
+- parameter server: every other replica pushes N to the server, then pulls N back; the
+  server's port and NIC carry (n-1)·N each way (Li et al., OSDI 2014).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+from heterog.errors import PlanError
+from heterog.hardware.cluster import Cluster
+
+METHODS = ("ring", "tree", "hierarchical")
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+def p2p_time_s(cluster: Cluster, nbytes: float, src: str, dst: str) -> float:
+    """latency + bytes / bottleneck bandwidth over Cluster.path (0 on the same device)."""
+    if src == dst or nbytes <= 0:
+        return 0.0
+    return cluster.latency_s(src, dst) + nbytes / cluster.bottleneck_bandwidth_bytes_per_s(src, dst)
+
+
+def step_time_s(cluster: Cluster, transfers: Iterable[tuple[str, str, float]]) -> float:
+    """One step of concurrent transfers (src, dst, bytes): the most loaded link sets the pace."""
+    load: dict[str, float] = defaultdict(float)
+    latency = 0.0
+    for src, dst, nbytes in transfers:
+        if src == dst or nbytes <= 0:
+            continue
+        path = cluster.path(src, dst)
+        for link in path:
+            load[link] += nbytes
+        latency = max(latency, sum(cluster.links[l].latency_s for l in path))
+    if not load:
+        return 0.0
+    return latency + max(b / cluster.links[l].bandwidth_bytes_per_s for l, b in load.items())
+
+
+def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:
+    """Members ordered node by node, so the ring leaves each node once (what NCCL does)."""
+    node_rank = {n.name: i for i, n in enumerate(cluster.nodes)}
+    return sorted(dict.fromkeys(devices), key=lambda d: (node_rank[cluster.node_of[d]],
+                                                         cluster.device_index[d]))
+
+
+def _ring_step_s(cluster: Cluster, ring: list[str], chunk_bytes: float) -> float:
+    n = len(ring)
+    return step_time_s(cluster, ((ring[i], ring[(i + 1) % n], chunk_bytes) for i in range(n)))
+
+
+def ring_collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequence[str]) -> float:
+    ring = ring_order(cluster, devices)
+    n = len(ring)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    step = _ring_step_s(cluster, ring, nbytes / n)
+    if op == "allreduce":
+        return 2 * (n - 1) * step
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) * step
+    if op in ("broadcast", "reduce"):
+        # pipelined chain: the data crosses n-1 hops, chunks overlap: ≈ N/B + (n-1) α
+        return tree_collective_time_s(cluster, op, nbytes, devices)
+    raise PlanError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVES)}.")
+
+
+def _tree_edges(cluster: Cluster, devices: Sequence[str]) -> tuple[list[tuple[str, str]], int]:
+    """Parent → child edges of the tree NCCL builds: a binary tree over the nodes' first
+    devices (heap layout) and a chain inside each node; and the tree's depth in hops."""
+    by_node: dict[str, list[str]] = defaultdict(list)
+    for d in ring_order(cluster, devices):
+        by_node[cluster.node_of[d]].append(d)
+    groups = list(by_node.values())
+    leaders = [g[0] for g in groups]
+    edges = [(leaders[(i - 1) // 2], leaders[i]) for i in range(1, len(leaders))]
+    for g in groups:
+        edges += [(g[i], g[i + 1]) for i in range(len(g) - 1)]
+    depth = (math.ceil(math.log2(len(leaders) + 1)) - 1) + max(len(g) for g in groups) - 1
+    return edges, max(depth, 1)
+
+
+def tree_collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequence[str]) -> float:
+    if op in ("reduce_scatter", "all_gather"):
+        return ring_collective_time_s(cluster, op, nbytes, devices)
+    if op not in COLLECTIVES:
+        raise PlanError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVES)}.")
+    if len(set(devices)) <= 1 or nbytes <= 0:
+        return 0.0
+    edges, depth = _tree_edges(cluster, devices)
+    # pipelined: the bandwidth term is one pass of the data over the tree's busiest link
+    # (all edges active at once); the latency term is the depth.
+    # double binary tree (all-reduce): two trees each carry N/2 and each device is internal
+    # in at most one, so modelling one tree whose edges carry N/2 gives an internal device's
+    # port N per direction (Sanders et al. 2009). A single pipelined tree carries N per edge.
+    per_edge = nbytes / 2 if op == "allreduce" else nbytes
+    down = step_time_s(cluster, ((p, c, per_edge) for p, c in edges))
+    up = step_time_s(cluster, ((c, p, per_edge) for p, c in edges))
+    max_lat = max(cluster.latency_s(p, c) for p, c in edges)
+    bw_down, bw_up = down - max_lat, up - max_lat
+    if op == "allreduce":
+        return bw_up + bw_down + 2 * depth * max_lat
+    if op == "broadcast":
+        return bw_down + depth * max_lat
+    return bw_up + depth * max_lat  # reduce
+
+
+def hierarchical_collective_time_s(cluster: Cluster, op: str, nbytes: float,
+                                   devices: Sequence[str]) -> float:
+    """Intra-node reduce-scatter → inter-node ring all-reduce of each shard → intra all-gather.
+    Nodes proceed in parallel; each phase lasts as long as its slowest node."""
+    by_node: dict[str, list[str]] = defaultdict(list)
+    for d in ring_order(cluster, devices):
+        by_node[cluster.node_of[d]].append(d)
+    groups = list(by_node.values())
+    if len(groups) == 1 or op not in ("allreduce", "reduce_scatter", "all_gather"):
+        return ring_collective_time_s(cluster, op, nbytes, devices)
+    intra = max(ring_collective_time_s(cluster, "reduce_scatter", nbytes, g) for g in groups)
+    k_max = max(len(g) for g in groups)
+    # Inter-node: shard s of every node is all-reduced in a ring over the nodes' s-th
+    # devices; all k rings run at once and share each node's NIC, which therefore carries
+    # the whole buffer — as one ring over node leaders with N bytes.
+    rings = [[g[s] for g in groups if s < len(g)] for s in range(k_max)]
+    m = len(groups)
+    transfers = []
+    for ring in rings:
+        if len(ring) > 1:
+            transfers += [(ring[i], ring[(i + 1) % len(ring)], nbytes / k_max / m) for i in range(len(ring))]
+    inter_step = step_time_s(cluster, transfers)
+    if op == "allreduce":
+        return 2 * intra + 2 * (m - 1) * inter_step
+    return intra + (m - 1) * inter_step
+
+
+def collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequence[str],
+                      method: str = "ring") -> float:
+    if op not in COLLECTIVES:
+        raise PlanError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVES)}.")
+    if method == "ring":
+        return ring_collective_time_s(cluster, op, nbytes, devices)
+    if method == "tree":
+        return tree_collective_time_s(cluster, op, nbytes, devices)
+    if method == "hierarchical":
+        return hierarchical_collective_time_s(cluster, op, nbytes, devices)
+    raise PlanError(f"unknown collective method {method!r}; use one of {', '.join(METHODS)} "
+                    f"(or sync 'ps' with ps_sync_time_s).")
+
+
+def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], server: str) -> float:
+    """Push every replica's gradient to `server` at once, then pull the parameters back."""
+    others = [d for d in dict.fromkeys(devices) if d != server]
+    if not others or nbytes <= 0:
+        return 0.0
+    push = step_time_s(cluster, ((d, server, nbytes) for d in others))
+    pull = step_time_s(cluster, ((server, d, nbytes) for d in others))
+    return push + pull

@@ -1,0 +1,102 @@
+"""Efficiency curves: the fraction of a device's data-sheet peak that a kernel of a given
+size reaches. Calibrated on one H200 (data/h200_micro.json) and scaled to other GPUs; the
+`cpu` type uses the curve its own probe measured (hardware.catalog.measure_cpu).
+
+Calibration. Each H200 point is a square n×n×n product timed with CUDA events around one
+call; the smallest sizes all take ~20 µs, which is launch + event latency, not kernel time.
+We subtract a measurement floor (MEASUREMENT_FLOOR_S) before computing the efficiency, since
+the cost model adds its own per-kernel costs (hardware.catalog.host_overheads).
+
+Scaling to other GPUs. A product saturates a GPU once it has enough output tiles for all
+its SMs; tiles grow as n², SM count roughly as the peak, so a GPU with peak P reaches the
+H200's efficiency at size n·sqrt(P / P_H200): eff_X(n) = eff_H200(n · sqrt(P_H200 / P_X)).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+
+from heterog.hardware.gputype import GpuType
+
+MEASUREMENT_FLOOR_S = 15e-6
+# H200 SXM data-sheet dense peaks (catalog.yaml) that the measured throughputs are divided by.
+_H200_PEAK_FLOPS_PER_S = {"fp32": 67e12, "tf32": 494.7e12, "fp16": 989.4e12, "bf16": 989.4e12}
+_H200_BANDWIDTH_BYTES_PER_S = 4.8e12
+MIN_EFFICIENCY = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """Efficiency as a piecewise-linear function of log(n), flat beyond the ends except
+    that below the smallest size it falls in proportion to n³/n_min³ (too little work to
+    fill the device: the kernel takes about as long as the smallest one)."""
+    log_sizes: np.ndarray
+    efficiency: np.ndarray
+
+    def at(self, n: np.ndarray | float) -> np.ndarray:
+        n = np.maximum(np.asarray(n, dtype=float), 1.0)
+        logn = np.log(n)
+        eff = np.interp(logn, self.log_sizes, self.efficiency)
+        small = logn < self.log_sizes[0]
+        if np.any(small):
+            eff = np.where(small, self.efficiency[0] * np.exp(3 * (logn - self.log_sizes[0])), eff)
+        return np.maximum(eff, MIN_EFFICIENCY)
+
+    def scaled(self, size_factor: float) -> "Curve":
+        """eff'(n) = eff(n · size_factor)."""
+        return Curve(self.log_sizes - math.log(size_factor), self.efficiency)
+
+
+@lru_cache(maxsize=1)
+def _h200_doc() -> dict:
+    return json.loads(resources.files("heterog.cost").joinpath("data", "h200_micro.json").read_text())
+
+
+@lru_cache(maxsize=8)
+def h200_curve(precision: str) -> Curve:
+    """precision in fp32 / tf32 / fp16 / bf16."""
+    pts = sorted((r["m"], r["median_ms"] * 1e-3) for r in _h200_doc()["matmul"] if r["dtype"] == precision)
+    assert pts, f"no H200 points for {precision}"
+    peak = _H200_PEAK_FLOPS_PER_S[precision]
+    best = max(2 * n**3 / t for n, t in pts) / peak  # the large-size plateau, uncorrected
+    sizes, effs = [], []
+    for n, t in pts:
+        kernel_s = max(t - MEASUREMENT_FLOOR_S, 2 * n**3 / (peak * best), 1e-9)
+        sizes.append(math.log(n))
+        effs.append(min(2 * n**3 / kernel_s / peak, best))
+    return Curve(np.array(sizes), np.maximum.accumulate(np.array(effs)))
+
+
+def h200_copy_efficiency() -> float:
+    return min(_h200_doc()["copy"]["gbps"] * 1e9 / _H200_BANDWIDTH_BYTES_PER_S, 1.0)
+
+
+def gpu_curve(gpu: GpuType, precision: str) -> Curve:
+    """The matmul efficiency curve of `gpu` at a catalog precision (fp32/tf32/fp16/bf16)."""
+    if gpu.vendor == "cpu":
+        return cpu_curve()
+    base = h200_curve(precision if precision in _H200_PEAK_FLOPS_PER_S else "fp32")
+    peak = gpu.peak_flops_per_s.get(precision) or gpu.peak_flops_per_s["fp32"]
+    return base.scaled(math.sqrt(_H200_PEAK_FLOPS_PER_S[precision] / peak))
+
+
+@lru_cache(maxsize=1)
+def cpu_curve() -> Curve:
+    from heterog.hardware.catalog import measure_cpu
+    p = measure_cpu()
+    peak = p.peak_flops_per_s
+    sizes = sorted(p.matmul_flops_per_s)
+    effs = np.maximum.accumulate(np.array([p.matmul_flops_per_s[n] / peak for n in sizes]))
+    return Curve(np.log(np.array(sizes, dtype=float)), effs)
+
+
+def memory_efficiency(gpu: GpuType) -> float:
+    """Achievable fraction of data-sheet memory bandwidth for streaming kernels. The CPU's
+    bandwidth is itself measured by a copy, so its efficiency is 1."""
+    return 1.0 if gpu.vendor == "cpu" else h200_copy_efficiency()

@@ -1,0 +1,255 @@
+"""Memory model: what one replica of a set of OpGraph nodes holds, and the peak of a whole
+training step on one device.
+
+Persistent state per parameter (fp32 master weights in every precision, as torch.autocast
+keeps them): weights, gradients, and optimizer state — SGD with momentum one copy (the
+momentum buffer), AdamW two (exp_avg, exp_avg_sq) (torch.optim docs).
+
+Activations are what autograd saves for backward (OpNode.saved_bytes, de-duplicated by the
+capture). Under amp-bf16/fp16 the tensors produced by autocast-eligible ops are half size,
+and autocast's bf16 copy of each weight is saved for the backward of its matmul/conv.
+
+Recompute (activation checkpointing of each transformer/residual block, inferred from module
+paths): a block keeps only its inputs; during its backward its activations exist again, one
+block at a time.
+
+Allocator: PyTorch's CUDA caching allocator rounds every block to 512 B and carves blocks
+from 2 MiB segments (small pool, ≤ 1 MiB requests) or larger segments; the gap between
+reserved and allocated memory (fragmentation) is modelled as a fraction of the peak.
+(PyTorch docs, "CUDA semantics — memory management"; c10/cuda/CUDACachingAllocator.cpp.)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from heterog.errors import PlanError
+from heterog.ir.affine import ZERO, Affine
+from heterog.ir.opgraph import OpGraph
+
+OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
+# Share of a parameter tensor an optimizer step allocates as temporaries: AdamW's foreach
+# path materialises sqrt(exp_avg_sq) for all parameters; SGD with momentum updates in place.
+OPTIMIZER_TRANSIENT_COPIES = {"sgd": 0.0, "adamw": 1.0}
+# Op kinds whose outputs autocast produces in half precision (matmul/conv inputs and the
+# element-wise ops that follow keep that dtype); norms, embeddings and losses stay fp32.
+HALF_UNDER_AUTOCAST = frozenset({"matmul", "conv", "attention", "elementwise", "pool", "memory"})
+TENSOR_CORE_KINDS = frozenset({"matmul", "conv", "attention"})
+CUDA_BLOCK_BYTES = 512
+CUDA_SEGMENT_BYTES = 2 * 2**20
+FRAGMENTATION = {"cuda": 0.05, "cpu": 0.0}   # reserved / allocated − 1 at the peak
+CUDA_CONTEXT_BYTES = 500 * 2**20            # CUDA context + cuBLAS/cuDNN handles (not in the allocator)
+
+_INDEX = re.compile(r"^\d+$")
+
+
+def block_of(module_path: str) -> str | None:
+    """The repeated block a module belongs to: its path up to the first numeric component
+    ('transformer.h.3.attn.c_attn' → 'transformer.h.3', 'layer1.0.conv1' → 'layer1.0')."""
+    parts = module_path.split(".") if module_path else []
+    for i, p in enumerate(parts):
+        if _INDEX.match(p):
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def activation_factor(kind: str, precision: str) -> float:
+    if precision in ("amp-bf16", "fp16") and kind in HALF_UNDER_AUTOCAST:
+        return 0.5
+    return 1.0
+
+
+def round_allocation(nbytes: float, allocator: str) -> float:
+    if allocator == "cuda" and nbytes > 0:
+        return math.ceil(nbytes / CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepMemory:
+    """The peak of one training step on one device, and what it is made of (bytes)."""
+    peak_bytes: float
+    params_bytes: float
+    grads_bytes: float
+    optimizer_state_bytes: float
+    activations_bytes: float      # saved for backward at the peak's batch (after recompute)
+    transient_bytes: float        # workspace + in-flight gradients at the peak
+    peak_phase: str               # 'forward', 'backward', 'optimizer'
+    reserved_bytes: float         # with allocator fragmentation; `fits` compares this
+
+    def to_dict(self) -> dict[str, float | str]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+class MemoryModel:
+    """Per-node memory terms as arrays over the graph, summed for any subset of nodes."""
+
+    def __init__(self, graph: OpGraph, *, precision: str = "fp32", optimizer: str = "sgd",
+                 allocator: str = "cuda"):
+        if optimizer not in OPTIMIZER_STATE_COPIES:
+            raise PlanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_COPIES)}.")
+        self.graph = graph
+        self.precision = precision
+        self.optimizer = optimizer
+        self.allocator = allocator
+        nodes = graph.nodes
+        half = precision in ("amp-bf16", "fp16")
+        self.param_bytes = np.array([float(n.param_bytes) for n in nodes])
+        factor = np.array([activation_factor(n.kind, precision) for n in nodes])
+        # autocast's half copy of each tensor-core weight, saved for backward (batch-independent)
+        cast = np.array([2.0 * n.param_count if half and n.kind in TENSOR_CORE_KINDS else 0.0 for n in nodes])
+        self.saved_fixed = np.array([n.saved_bytes.fixed for n in nodes]) * factor + cast
+        self.saved_per_sample = np.array([n.saved_bytes.per_sample for n in nodes]) * factor
+        self.work_fixed = np.array([n.workspace_bytes.fixed for n in nodes]) * factor
+        self.work_per_sample = np.array([n.workspace_bytes.per_sample for n in nodes]) * factor
+        self.out_fixed = np.array([n.output_bytes.fixed for n in nodes]) * factor
+        self.out_per_sample = np.array([n.output_bytes.per_sample for n in nodes]) * factor
+        self._factor = factor
+        self._blocks = self._find_blocks()
+
+    # -- blocks for recompute -----------------------------------------------------------------
+    def _find_blocks(self) -> dict[str, list[int]]:
+        blocks: dict[str, list[int]] = defaultdict(list)
+        for i, n in enumerate(self.graph.nodes):
+            b = block_of(n.module_path)
+            if b is not None:
+                blocks[b].append(i)
+        return {b: idx for b, idx in blocks.items() if len(idx) >= 2}
+
+    @property
+    def blocks(self) -> dict[str, list[int]]:
+        return self._blocks
+
+    def block_input_bytes(self, block: str) -> Affine:
+        """Bytes of the tensors entering a block from outside it (each source once)."""
+        idx = self._blocks[block]
+        names = {self.graph.nodes[i].name for i in idx}
+        per_src: dict[str, Affine] = {}
+        for e in self.graph.edges:
+            if e.dst in names and e.src not in names:
+                f = activation_factor(self.graph.node(e.src).kind, self.precision)
+                b = e.bytes.scaled(f)
+                if e.src not in per_src or b.at(1) > per_src[e.src].at(1):
+                    per_src[e.src] = b
+        if per_src:
+            total = ZERO
+            for b in per_src.values():
+                total = total + b
+            return total
+        first = idx[0]  # no edges recorded: the previous node's output feeds the block
+        if first == 0:
+            return ZERO
+        return Affine(self.out_fixed[first - 1], self.out_per_sample[first - 1])
+
+    def in_block(self) -> np.ndarray:
+        mask = np.zeros(len(self.graph.nodes), dtype=bool)
+        for idx in self._blocks.values():
+            mask[idx] = True
+        return mask
+
+    # -- sums over node subsets --------------------------------------------------------------
+    def index(self, nodes: Iterable[str]) -> np.ndarray:
+        gi = self.graph.index
+        return np.fromiter((gi[n] for n in nodes), dtype=np.int64)
+
+    def params_bytes(self, idx: np.ndarray) -> float:
+        return float(self.param_bytes[idx].sum())
+
+    def grads_bytes(self, idx: np.ndarray) -> float:
+        return self.params_bytes(idx)   # gradients in the master (parameter) dtype
+
+    def optimizer_state_bytes(self, idx: np.ndarray) -> float:
+        return OPTIMIZER_STATE_COPIES[self.optimizer] * self.params_bytes(idx)
+
+    def persistent_bytes(self, idx: np.ndarray) -> float:
+        return (2 + OPTIMIZER_STATE_COPIES[self.optimizer]) * self.params_bytes(idx)
+
+    def saved_bytes(self, idx: np.ndarray, batch: float, recompute: bool = False) -> float:
+        per_node = self.saved_fixed[idx] + self.saved_per_sample[idx] * batch
+        if not recompute or not self._blocks:
+            return float(per_node.sum())
+        chosen = set(idx.tolist())
+        mask = self.in_block()[idx]
+        total = float(per_node[~mask].sum())
+        largest_block = 0.0
+        for b, bidx in self._blocks.items():
+            members = [i for i in bidx if i in chosen]
+            if not members:
+                continue
+            total += self.block_input_bytes(b).at(batch)
+            largest_block = max(largest_block, float(sum(self.saved_fixed[i] + self.saved_per_sample[i] * batch
+                                                         for i in members)))
+        return total + largest_block  # one block's activations live again during its backward
+
+    def workspace_bytes(self, idx: np.ndarray, batch: float) -> float:
+        if len(idx) == 0:
+            return 0.0
+        return float((self.work_fixed[idx] + self.work_per_sample[idx] * batch).max())
+
+    # -- the whole step on one device ------------------------------------------------------------
+    def step_peak(self, batch: float, *, recompute: bool = False) -> StepMemory:
+        """Walk forward then backward through the nodes in execution order, tracking what is
+        live: persistent state, saved activations, gradients as they appear, and each node's
+        output, output-gradient and workspace while it runs (zero_grad(set_to_none=True) before
+        the forward, the PyTorch default, so gradients do not exist during the forward)."""
+        n = len(self.graph.nodes)
+        all_idx = np.arange(n)
+        params = self.params_bytes(all_idx)
+        opt = self.optimizer_state_bytes(all_idx)
+        base = params + opt
+        saved = self.saved_fixed + self.saved_per_sample * batch
+        out = self.out_fixed + self.out_per_sample * batch
+        work = self.work_fixed + self.work_per_sample * batch
+        if recompute and self._blocks:
+            saved_eff = saved.copy()
+            block_total = {}
+            for b, bidx in self._blocks.items():
+                block_total[b] = float(saved[bidx].sum())
+                saved_eff[bidx] = 0.0
+                saved_eff[bidx[0]] = self.block_input_bytes(b).at(batch)
+            extra_bwd = max(block_total.values(), default=0.0)
+        else:
+            saved_eff, extra_bwd = saved, 0.0
+        cum_saved = np.cumsum(saved_eff)
+        total_saved = float(cum_saved[-1]) if n else 0.0
+        fwd_live = base + cum_saved + out + work
+        fwd_peak_i = int(np.argmax(fwd_live)) if n else 0
+        fwd_peak = float(fwd_live[fwd_peak_i]) if n else base
+        # backward of node i: saved activations of nodes ≤ i still held, gradients of nodes
+        # ≥ i accumulated, and the output gradient plus input gradient in flight.
+        grads_from = np.cumsum(self.param_bytes[::-1])[::-1]
+        bwd_live = base + cum_saved + grads_from + 2 * out + work + extra_bwd
+        bwd_peak_i = int(np.argmax(bwd_live)) if n else 0
+        bwd_peak = float(bwd_live[bwd_peak_i]) if n else base
+        opt_transient = OPTIMIZER_TRANSIENT_COPIES[self.optimizer] * params
+        opt_peak = base + params + opt_transient
+        phase, peak = max((("forward", fwd_peak), ("backward", bwd_peak), ("optimizer", opt_peak)),
+                          key=lambda kv: kv[1])
+        if phase == "forward":
+            acts, grads = float(cum_saved[fwd_peak_i]), 0.0
+        elif phase == "backward":
+            acts, grads = float(cum_saved[bwd_peak_i]) + extra_bwd, float(grads_from[bwd_peak_i])
+        else:
+            acts, grads = 0.0, params
+        transient = peak - params - opt - acts - grads
+        reserved = peak * (1 + FRAGMENTATION.get(self.allocator, 0.0))
+        if self.allocator == "cuda":
+            reserved = math.ceil(reserved / CUDA_SEGMENT_BYTES) * CUDA_SEGMENT_BYTES
+        return StepMemory(peak_bytes=peak, params_bytes=params, grads_bytes=grads,
+                          optimizer_state_bytes=opt, activations_bytes=acts,
+                          transient_bytes=max(transient, 0.0), peak_phase=phase,
+                          reserved_bytes=reserved)
+
+    def total_saved_bytes(self, batch: float, recompute: bool = False) -> float:
+        return self.saved_bytes(np.arange(len(self.graph.nodes)), batch, recompute)
+
+
+def node_indices(graph: OpGraph, nodes: Sequence[str]) -> np.ndarray:
+    gi = graph.index
+    return np.fromiter((gi[n] for n in nodes), dtype=np.int64, count=len(nodes))

@@ -1,0 +1,122 @@
+"""Measured per-node times that override the analytic estimate.
+
+File format (a versioned heterog artifact, JSON):
+
+    {"kind": "heterog.Profile", "version": 1,
+     "model": "resnet50", "graph_fingerprint": "…",        # optional: checked when present
+     "precision": "fp32",
+     "times": {"layer1.0.conv1": {"A100-80GB": {"fwd": [[8, 0.00012], [32, 0.00041]],
+                                                  "bwd": [[8, 0.00025], [32, 0.00080]]}}}}
+
+Each list holds [batch, time_s] measurements. Between them the time is interpolated
+linearly; beyond the largest batch it follows the line through the last two points (HeteroG
+fitted time linearly in the batch), below the smallest it scales down proportionally;
+batch 0 takes 0 s.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from heterog.errors import ArtifactError
+from heterog.jsonio import load_artifact, parse_artifact, save_artifact
+
+KIND = "heterog.Profile"
+SCHEMA_VERSION = 1
+PHASES = ("fwd", "bwd")
+
+
+class ProfileError(ArtifactError):
+    """A malformed measured-profile file, or one made for another graph."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    model: str = ""
+    precision: str = "fp32"
+    graph_fingerprint: str = ""
+    # node → device type → phase → ((batch, time_s), …) sorted by batch
+    times: dict[str, dict[str, dict[str, tuple[tuple[float, float], ...]]]] = field(default_factory=dict)
+
+    def time_s(self, node: str, gpu_type: str, phase: str, batch: float) -> float | None:
+        pts = self.times.get(node, {}).get(gpu_type, {}).get(phase)
+        if not pts:
+            return None
+        if batch <= 0:
+            return 0.0
+        batches = [b for b, _ in pts]
+        if len(pts) == 1:
+            b0, t0 = pts[0]
+            return t0 * batch / b0
+        if batch <= batches[0]:
+            return pts[0][1] * batch / batches[0]
+        j = bisect_left(batches, batch)
+        (b0, t0), (b1, t1) = (pts[-2], pts[-1]) if j >= len(pts) else (pts[j - 1], pts[j])
+        return max(t0 + (t1 - t0) * (batch - b0) / (b1 - b0), 0.0)
+
+    def check_against(self, graph) -> None:
+        if self.graph_fingerprint and self.graph_fingerprint != graph.fingerprint():
+            raise ProfileError(f"the profile was measured for another graph (fingerprint "
+                               f"{self.graph_fingerprint}, this one {graph.fingerprint()}); "
+                               f"profile this model again.")
+        unknown = [n for n in self.times if n not in graph.index]
+        if unknown:
+            raise ProfileError(f"the profile names {len(unknown)} node(s) not in the graph of "
+                               f"{graph.model}, e.g. {unknown[:3]}; was it measured for another model?")
+
+    # -- serialisation --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "precision": self.precision, "graph_fingerprint": self.graph_fingerprint,
+                "times": {n: {g: {p: [list(x) for x in pts] for p, pts in ph.items()} for g, ph in by.items()}
+                          for n, by in self.times.items()}}
+
+    def save(self, path: str | Path) -> None:
+        save_artifact(path, KIND, SCHEMA_VERSION, self.to_dict())
+
+    @staticmethod
+    def load(path: str | Path) -> "Profile":
+        return Profile.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
+
+    @staticmethod
+    def from_json(text: str) -> "Profile":
+        return Profile.from_dict(parse_artifact(text, KIND, SCHEMA_VERSION), "<profile>")
+
+    @staticmethod
+    def from_dict(doc: dict[str, Any], source: str = "<profile>") -> "Profile":
+        raw = doc.get("times")
+        if not isinstance(raw, dict):
+            raise ProfileError(f"{source}: 'times' must map node → device type → phase → [[batch, time_s], …].")
+        times: dict[str, dict[str, dict[str, tuple[tuple[float, float], ...]]]] = {}
+        for node, by_type in raw.items():
+            if not isinstance(by_type, dict):
+                raise ProfileError(f"{source}: times[{node!r}] must map device type → phases.")
+            times[node] = {}
+            for gtype, phases in by_type.items():
+                if not isinstance(phases, dict):
+                    raise ProfileError(f"{source}: times[{node!r}][{gtype!r}] must map 'fwd'/'bwd' → points.")
+                times[node][gtype] = {}
+                for phase, pts in phases.items():
+                    where = f"{source}: times[{node!r}][{gtype!r}][{phase!r}]"
+                    if phase not in PHASES:
+                        raise ProfileError(f"{where}: unknown phase; use 'fwd' or 'bwd'.")
+                    if not isinstance(pts, list) or not pts:
+                        raise ProfileError(f"{where}: expected a non-empty list of [batch, time_s].")
+                    clean = []
+                    for k, p in enumerate(pts):
+                        ok = (isinstance(p, (list, tuple)) and len(p) == 2 and
+                              all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                                  for v in p))
+                        if not ok or p[0] <= 0 or p[1] < 0:
+                            raise ProfileError(f"{where}[{k}]: expected [batch > 0, time_s ≥ 0], found {p!r}.")
+                        clean.append((float(p[0]), float(p[1])))
+                    clean.sort()
+                    if len({b for b, _ in clean}) != len(clean):
+                        raise ProfileError(f"{where}: a batch size appears twice; keep one measurement "
+                                           f"per batch (e.g. the minimum of repeated runs).")
+                    times[node][gtype][phase] = tuple(clean)
+        return Profile(model=str(doc.get("model", "")), precision=str(doc.get("precision", "fp32")),
+                       graph_fingerprint=str(doc.get("graph_fingerprint", "") or ""), times=times)
