@@ -1,0 +1,173 @@
+"""`heterog.run`: carry out a Plan on local processes and compare with the simulator.
+
+run(plan, steps=…) → {"measured_iteration_time_s", "predicted_iteration_time_s", "per_rank",
+"losses", "link_shaping", "notes", …}. The executor decides nothing: ranks, groups, shares,
+sync and micro-batches all come from the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+from pathlib import Path
+from typing import Any
+
+from heterog.errors import HeterogError, PlanError
+from heterog.execute.launcher import LaunchConfig, launch_local
+from heterog.execute.netns import LinkShaping, ShapingUnavailable
+from heterog.hardware.cluster import Cluster
+from heterog.ir.plan import Plan
+
+MAX_LOCAL_RANKS = 16
+
+
+def plan_cluster(plan: Plan) -> Cluster | None:
+    if not plan.cluster:
+        return None
+    from heterog.hardware.spec import cluster_from_dict
+    return cluster_from_dict(plan.cluster)
+
+
+def rank_devices(plan: Plan, cluster: Cluster | None) -> tuple[str, ...]:
+    """Rank → device: the plan's devices (and parameter servers) in the cluster's order."""
+    used = set(plan.devices()) | {g.ps_device for g in plan.groups if g.ps_device}
+    if cluster is None:
+        return tuple(dict.fromkeys([*plan.devices(), *(g.ps_device for g in plan.groups if g.ps_device)]))
+    return tuple(d.name for d in cluster.devices if d.name in used)
+
+
+def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, ...],
+                       emulated: bool) -> dict[str, float]:
+    """Each rank's compute slowdown: declared on emulated clusters; from peak FLOP/s when a
+    real cluster is emulated (the fastest device runs at this CPU's speed)."""
+    if cluster is None:
+        return {}
+    if cluster.kind == "emulated":
+        return {d: cluster.device(d).slowdown for d in devices}
+    if not emulated:
+        raise PlanError(
+            f"the plan's cluster {cluster.name!r} is a real GPU cluster of {len(devices)} device(s) "
+            f"({', '.join(sorted({cluster.device(d).gpu_type for d in devices}))}); this launcher "
+            f"runs local CPU processes. Use --emulated to emulate it here (each device paced by "
+            f"its speed relative to the fastest), or --torchrun for the per-node commands.")
+    key = "fp32" if plan.precision == "fp32" else "bf16"
+    peak = {d: cluster.gpu(d).peak_flops_per_s.get(key) or cluster.gpu(d).peak_flops_per_s["fp32"]
+            for d in devices}
+    top = max(peak.values())
+    return {d: top / peak[d] for d in devices}
+
+
+def predict_iteration_time(plan: Plan, cluster: Cluster | None) -> tuple[float | None, str]:
+    """The simulator's iteration time for the plan, or the plan's recorded prediction."""
+    if cluster is not None:
+        try:
+            from heterog.capture import capture_model
+            from heterog.cost import build_cost_model
+            from heterog.simulate.simulator import simulate
+            graph = capture_model(plan.model.name, plan.model.args or None,
+                                  batch_size=plan.batch_size, seq_len=plan.model.seq_len)
+            costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer)
+            return float(simulate(graph, cluster, plan, costs).iteration_time_s), "simulator"
+        except (ImportError, HeterogError) as e:
+            reason = f"simulator unavailable ({type(e).__name__}: {str(e)[:120]})"
+        else:  # pragma: no cover
+            reason = ""
+    else:
+        reason = "plan has no cluster"
+    if plan.predicted_iteration_time_s is not None:
+        return plan.predicted_iteration_time_s, f"plan file ({reason})"
+    return None, reason
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM → KeyboardInterrupt, so cleanup in finally blocks runs (main thread only)."""
+    try:
+        old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
+    steps = len(results[0]["steps"])
+    first = warmup_steps if steps > warmup_steps else 0
+    per_step = [max(r["steps"][k]["step_time_s"] for r in results) for k in range(first, steps)]
+    per_rank = []
+    for r in results:
+        measured = r["steps"][first:]
+
+        def med(key: str) -> float:
+            return statistics.median(s[key] for s in measured)
+        per_rank.append({"rank": r["rank"], "device": r["device"], "slowdown": r["slowdown"],
+                         "groups": r["groups"], "step_time_s": med("step_time_s"),
+                         "compute_s": med("compute_s"), "paced_s": med("paced_s"),
+                         "recv_wait_s": med("recv_wait_s"), "sync_s": med("sync_s"),
+                         "sent_bytes_total": r["sent_bytes"]})
+    losses = [sum(r["steps"][k]["loss"] for r in results) for k in range(steps)]
+    return {"measured_iteration_time_s": statistics.median(per_step), "measured_steps": len(per_step),
+            "per_rank": per_rank, "losses": losses}
+
+
+def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = False,
+        timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, shape_links: bool | None = None,
+        pin_cores: bool = False, predict: bool = True, out_dir: str | os.PathLike | None = None,
+        dump_params: bool = False, fault: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
+
+    shape_links: None → shape NIC bandwidths with netns + tc when running as root on an
+    emulated cluster, else not; False → never. out_dir keeps the ranks' logs and, with
+    dump_params, their final parameters (params_rank<R>.pt).
+    """
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if steps < 1:
+        raise PlanError(f"steps must be ≥ 1, found {steps}.")
+    cluster = plan_cluster(plan)
+    devices = rank_devices(plan, cluster)
+    if len(devices) > MAX_LOCAL_RANKS:
+        raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
+                        f"{MAX_LOCAL_RANKS} processes on one machine. Use --torchrun on a real cluster.")
+    slowdowns = emulated_slowdowns(plan, cluster, devices, emulated)
+    notes: list[str] = []
+    if plan.schedule == "1f1b":
+        notes.append("schedule 1f1b ran in GPipe order (same gradients; more activation memory)")
+    shaping: dict[str, Any] = {"enabled": False}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_sigterm_as_interrupt())
+        cfg_net: dict[str, Any] = {}
+        want = shape_links if shape_links is not None else (cluster is not None and cluster.kind == "emulated")
+        if want and cluster is not None and len({cluster.node_of[d] for d in devices}) > 1:
+            try:
+                links = stack.enter_context(LinkShaping(cluster=cluster, devices=devices))
+                cfg_net = {"wrap": links.wrap, "env": links.env, "master_addr": links.master_addr}
+                shaping = {"enabled": True, "method": "netns+veth+tc-tbf",
+                           "nic_bandwidth_bytes_per_s": links.links}
+            except ShapingUnavailable as e:
+                shaping = {"enabled": False, "reason": str(e)}
+                notes.append(f"links not shaped: {e}")
+        cfg = LaunchConfig(devices=devices, steps=steps, timeout_s=timeout_s, seed=seed,
+                           slowdowns=slowdowns, pin_cores=pin_cores, dump_params=dump_params,
+                           fault=fault, **cfg_net)
+        results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None)
+    for r in results:
+        for w in r["warnings"]:
+            if w not in notes:
+                notes.append(w)
+    out: dict[str, Any] = {"strategy": plan.strategy, "model": plan.model.name,
+                           "cluster": cluster.name if cluster else None, "devices": list(devices),
+                           "steps": steps, "warmup_steps": warmup_steps, **summarize(results, warmup_steps)}
+    predicted, source = predict_iteration_time(plan, cluster) if predict else (None, "not requested")
+    out["predicted_iteration_time_s"] = predicted
+    out["prediction_source"] = source
+    measured = out["measured_iteration_time_s"]
+    out["relative_error"] = (measured - predicted) / predicted if predicted else None
+    out["link_shaping"] = shaping
+    out["notes"] = notes
+    return out

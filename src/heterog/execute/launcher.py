@@ -1,0 +1,166 @@
+"""Start the ranks of a plan: locally (one process per device) or by torchrun on each node.
+
+Local launch: every rank is a `heterog.execute.worker` process in its own session (so a
+SIGINT to the terminal reaches only us, and we can kill a rank's whole process group), with
+one thread each. The launcher watches them; when one fails it names the culprit:
+  - a rank that died (signal, exit without an error report, or a non-communication error);
+  - else, when the others timed out waiting, the ranks still running: they hung;
+  - else the first rank that failed.
+It then kills every rank left, so no orphans remain, and raises RankError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from heterog.errors import RankError
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    devices: tuple[str, ...]                  # rank → device
+    steps: int
+    timeout_s: float = 60.0                   # every collective / p2p op and the start-up
+    seed: int = 0
+    slowdowns: dict[str, float] = field(default_factory=dict)
+    pin_cores: bool = False
+    dump_params: bool = False
+    fault: dict[str, Any] | None = None       # test hook: {"rank", "kind": die|hang, "step"}
+    wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
+    env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
+    master_addr: str = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None) -> list[dict]:
+    """Run every rank on this machine; return the per-rank results (rank order)."""
+    own_dir = out_dir is None
+    work = Path(tempfile.mkdtemp(prefix="heterog-run-")) if own_dir else Path(out_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    try:
+        for rank in range(len(cfg.devices)):
+            spec = {"rank": rank, "devices": list(cfg.devices), "plan": plan_doc, "steps": cfg.steps,
+                    "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
+                    "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault,
+                    "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
+            spec_path = work / f"spec_rank{rank}.json"
+            spec_path.write_text(json.dumps(spec))
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **cfg.env.get(rank, {})}
+            cmd = [*cfg.wrap.get(rank, []), sys.executable, "-m", "heterog.execute.worker", str(spec_path)]
+            log = work / f"log_rank{rank}.txt"
+            logs.append(log)
+            with open(log, "w") as fh:
+                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+        _watch(procs, logs, work, cfg)
+        return [json.loads((work / f"result_rank{r}.json").read_text()) for r in range(len(procs))]
+    finally:
+        _kill_all(procs)
+        if own_dir:
+            for p in sorted(work.glob("*"), reverse=True):
+                p.unlink()
+            work.rmdir()
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _progress(work: Path, rank: int) -> str:
+    try:
+        return (work / f"progress_rank{rank}").read_text()
+    except OSError:
+        return "start-up"
+
+
+def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: LaunchConfig) -> None:
+    """Wait for every rank; on the first failure find the culprit and raise RankError."""
+    # Start-up (imports, process group) plus every step may each wait up to the timeout;
+    # a run that exceeds this overall bound has a rank stuck outside any timed operation.
+    deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 3) + 60
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            break
+        if time.monotonic() > deadline:
+            stuck = [r for r, c in enumerate(codes) if c is None]
+            raise RankError(stuck[0], f"the run exceeded its overall deadline; rank(s) {stuck} still "
+                                      f"running at step(s) {[_progress(work, r) for r in stuck]}; killed.")
+        time.sleep(0.05)
+    # Give the others a moment to report (a dead peer makes them fail fast).
+    grace = time.monotonic() + min(5.0, cfg.timeout_s)
+    while time.monotonic() < grace and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    codes = [p.poll() for p in procs]
+    errors = {}
+    for r in range(len(procs)):
+        f = work / f"error_rank{r}.json"
+        if f.exists():
+            errors[r] = json.loads(f.read_text())
+    died = [r for r, c in enumerate(codes) if c not in (None, 0) and (r not in errors or
+                                                                      errors[r]["kind"] == "error")]
+    alive = [r for r, c in enumerate(codes) if c is None]
+    if died:
+        r = died[0]
+        why = (f"failed: {errors[r]['type']}: {errors[r]['message']}" if r in errors else
+               f"died (exit code {codes[r]}) at step {_progress(work, r)}")
+        raise RankError(r, f"{why} (device {cfg.devices[r]}); the run was stopped. "
+                           f"Log tail: {_tail(logs[r], 600)}")
+    if alive:
+        r = alive[0]
+        raise RankError(r, f"hung at step {_progress(work, r)} (device {cfg.devices[r]}): the other "
+                           f"ranks timed out after {cfg.timeout_s:.0f} s waiting for it; killed.")
+    r = min(errors) if errors else 0
+    msg = errors.get(r, {}).get("message", _tail(logs[r]))
+    raise RankError(r, f"failed on device {cfg.devices[r]}: {msg}")
+
+
+def torchrun_commands(*, spec_path: str, node_devices: list[list[str]], master_addr: str,
+                      master_port: int = 29500) -> list[str]:
+    """One torchrun command per node; rank order follows node order, then device order."""
+    out = []
+    for i, devs in enumerate(node_devices):
+        out.append(" ".join([
+            "torchrun", f"--nnodes={len(node_devices)}", f"--node-rank={i}",
+            f"--nproc-per-node={len(devs)}", f"--master-addr={shlex.quote(master_addr)}",
+            f"--master-port={master_port}", "-m", "heterog.execute.worker", shlex.quote(spec_path)]))
+    return out

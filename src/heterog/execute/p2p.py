@@ -1,0 +1,82 @@
+"""Point-to-point transfers of sample ranges between ranks, non-blocking on the send side.
+
+Gloo's blocking send waits for the matching receive, and a hand-written pipeline with
+blocking sends deadlocks (TOOLCHAIN.md). Here every send is an `isend` whose handle is kept
+until the end of the step, and only receives block — each with the run's timeout. Every
+rank walks the same global order of stages (forward in topological order, backward in
+reverse), and a receive only waits for a value produced earlier in that order, so by
+induction no rank waits forever on a live peer.
+
+Messages are matched by tag: each transfer of a step has an index in the step's message
+table (identical on every rank); its header, data and gradient use tags 4i, 4i+1, 4i+2.
+A data message is preceded by a small header (dtype, shape) so the receiver can allocate.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from heterog.errors import RankError
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.bool, torch.uint8, torch.int8, torch.int16)
+MAX_DIMS = 8
+
+
+class P2P:
+    """This rank's side of the step's transfers; counts bytes and waiting time."""
+
+    def __init__(self, rank: int, timeout_s: float):
+        self.rank = rank
+        self.timeout = timedelta(seconds=timeout_s)
+        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self.sent_bytes = 0
+        self.recv_wait_s = 0.0
+
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise RankError(self.rank, f"{what} with rank {peer} did not complete within "
+                                       f"{self.timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}); "
+                                       f"rank {peer} may have died or hung.") from None
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        t = tensor.detach().contiguous()
+        work = dist.isend(t, dst, tag=tag)
+        self._pending.append((work, t, dst))  # keep the buffer alive until it is sent
+        self.sent_bytes += t.numel() * t.element_size()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        import time
+        buf = torch.empty(shape, dtype=dtype)
+        t0 = time.perf_counter()
+        self._wait(dist.irecv(buf, src, tag=tag), src, f"receive (tag {tag})")
+        self.recv_wait_s += time.perf_counter() - t0
+        return buf
+
+    def send_with_header(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise RankError(self.rank, f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor between "
+                                       f"groups (at most {MAX_DIMS} dims of {len(_DTYPES)} dtypes).")
+        header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
+        header[0] = _DTYPES.index(tensor.dtype)
+        header[1] = tensor.dim()
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        self.isend(header, dst, tag)
+        self.isend(tensor, dst, tag + 1)
+
+    def recv_with_header(self, src: int, tag: int) -> torch.Tensor:
+        header = self.recv((2 + MAX_DIMS,), torch.int64, src, tag)
+        dtype = _DTYPES[int(header[0])]
+        shape = tuple(int(x) for x in header[2:2 + int(header[1])])
+        return self.recv(shape, dtype, src, tag + 1)
+
+    def wait_all(self) -> None:
+        """Wait for every send of the step (the receivers have posted theirs by now)."""
+        pending, self._pending = self._pending, []
+        for work, _, dst in pending:
+            self._wait(work, dst, "send")

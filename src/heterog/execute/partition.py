@@ -1,0 +1,284 @@
+"""Split a model into per-group submodules that follow a Plan's groups.
+
+The model is traced with torch.fx, treating every module without children as a leaf, the
+same leaves capture (helper A) names: a `call_module` fx node is named by its target, with
+'#k' appended on its k-th repeated call (k ≥ 1), exactly like an OpGraph node, so it takes
+the group the plan gives that name.
+
+Loose fx nodes (functions, methods, attribute reads), which capture names
+'<parent>::<aten op>@k' and which have no one-to-one fx counterpart, follow a fixed rule:
+  1. a loose node joins the group of its first input that already has a group (producer);
+  2. one with no grouped input (it reads only model inputs, attributes or constants) joins
+     the group of its first consumer that has a group;
+  3. one with neither (dead code) joins the first group.
+So a residual add runs where its first operand was computed. Then torch.fx's split_module
+cuts the graph into one submodule per group; a plan whose groups depend on each other in
+a cycle cannot be executed stage by stage and is rejected.
+
+A model fx cannot trace can still run a plan that needs no split (`whole_model`): every
+group on the same replicas with the same shares, i.e. data parallelism, which is how
+Hugging Face models run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+
+from heterog.errors import PlanError
+from heterog.ir.plan import Plan
+
+INPUT = -1  # owner of model inputs: every rank has the whole global batch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage:
+    """One call of a group's submodule in the top-level dataflow."""
+    value: str                  # name of the value it produces
+    group: int                  # index into plan.groups
+    module: nn.Module
+    args: tuple[str, ...]       # names of the values it consumes, in call order
+
+
+@dataclass(kw_only=True)
+class Dataflow:
+    """The split model: stages in topological order and how values flow between them."""
+    inputs: tuple[str, ...]                      # model inputs, in call order
+    stages: tuple[Stage, ...]
+    projections: dict[str, tuple[str, int]]      # value → (stage value, tuple index)
+    owner: dict[str, int]                        # value → group index (INPUT for inputs)
+    output: str                                  # the value the loss is computed on
+    params_of_group: dict[int, list[tuple[str, nn.Parameter]]] = field(default_factory=dict)
+    param_numels: dict[int, list[int]] = field(default_factory=dict)  # kept after detach_unheld
+    warnings: list[str] = field(default_factory=list)
+    split: bool = True                           # False: the whole model is one stage
+
+    def consumers(self, value: str) -> list[Stage]:
+        return [s for s in self.stages if value in s.args]
+
+
+class _LeafTracer(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return len(m._modules) == 0
+
+
+def fx_node_names(model: nn.Module) -> list[str]:
+    """The leaf-module call names the tracer sees, in execution order (for tests and checks)."""
+    graph = _LeafTracer().trace(model)
+    return [name for _, name in _module_call_names(graph)]
+
+
+def _module_call_names(graph: fx.Graph) -> list[tuple[fx.Node, str]]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in graph.nodes:
+        if n.op == "call_module":
+            k = seen.get(n.target, 0)
+            seen[n.target] = k + 1
+            out.append((n, n.target if k == 0 else f"{n.target}#{k}"))
+    return out
+
+
+def _group_of_names(plan: Plan) -> dict[str, int]:
+    return {name: i for i, g in enumerate(plan.groups) for name in g.nodes}
+
+
+def assign_groups(graph: fx.Graph, plan: Plan) -> tuple[dict[fx.Node, int], list[str]]:
+    """Every computing fx node → group index, by the rule in the module docstring."""
+    by_name = _group_of_names(plan)
+    assign: dict[fx.Node, int] = {}
+    warnings: list[str] = []
+    calls = _module_call_names(graph)
+    unmatched = [name for _, name in calls if name not in by_name]
+    if calls and len(unmatched) == len(calls):
+        raise PlanError(f"none of the model's {len(calls)} module calls (e.g. {calls[0][1]!r}) is "
+                        f"named in the plan's groups (e.g. {plan.groups[0].nodes[:2]}); the plan "
+                        f"was made for a different model. Re-plan for {plan.model.name!r}.")
+    if unmatched:
+        warnings.append(f"{len(unmatched)} module call(s) not named in the plan follow their "
+                        f"producer's group, e.g. {unmatched[:3]}")
+    for node, name in calls:
+        if name in by_name:
+            assign[node] = by_name[name]
+    compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    for n in compute:  # rule 1: follow the producer
+        if n in assign:
+            continue
+        for a in n.all_input_nodes:
+            if a in assign:
+                assign[n] = assign[a]
+                break
+    for n in reversed(compute):  # rule 2: follow the consumer
+        if n in assign:
+            continue
+        for u in n.users:
+            if u in assign:
+                assign[n] = assign[u]
+                break
+    for n in compute:  # rule 3: dead code
+        assign.setdefault(n, 0)
+    return assign, warnings
+
+
+def _check_acyclic(graph: fx.Graph, assign: dict[fx.Node, int], plan: Plan) -> None:
+    deps: dict[int, set[int]] = {}
+    for n, g in assign.items():
+        for a in n.all_input_nodes:
+            h = assign.get(a)
+            if h is not None and h != g:
+                deps.setdefault(g, set()).add(h)
+    state: dict[int, int] = {}
+
+    def visit(g: int, path: list[int]) -> None:
+        state[g] = 1
+        for h in sorted(deps.get(g, ())):
+            if state.get(h) == 1:
+                cyc = path[path.index(h):] + [h] if h in path else [h, g]
+                names = " → ".join(plan.groups[i].name for i in reversed(cyc))
+                raise PlanError(f"groups depend on each other in a cycle ({names}); the executor "
+                                f"runs each group as one stage, so a group must not both feed and "
+                                f"consume another. Merge those groups.")
+            if h not in state:
+                visit(h, path + [h])
+        state[g] = 2
+
+    for g in sorted(deps):
+        if g not in state:
+            visit(g, [g])
+
+
+def split_model(model: nn.Module, plan: Plan) -> Dataflow:
+    """Trace `model` and cut it into one submodule per plan group (see the module docstring)."""
+    try:
+        traced = fx.GraphModule(model, _LeafTracer().trace(model))
+    except Exception as e:  # fx raises many types for untraceable code
+        raise PlanError(
+            f"model {plan.model.name!r} cannot be traced by torch.fx ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}), so it cannot be split into groups. "
+            f"Plans that need no split run it: every group on the same devices with the same "
+            f"shares (data parallelism).") from None
+    assign, warnings = assign_groups(traced.graph, plan)
+    _check_acyclic(traced.graph, assign, plan)
+    split = split_module(traced, model, lambda n: assign[n])
+    inputs: list[str] = []
+    stages: list[Stage] = []
+    projections: dict[str, tuple[str, int]] = {}
+    owner: dict[str, int] = {}
+    output: str | None = None
+    for n in split.graph.nodes:
+        if n.op == "placeholder":
+            inputs.append(n.name)
+            owner[n.name] = INPUT
+        elif n.op == "call_module":
+            group = int(str(n.target).rsplit("_", 1)[1])
+            args = []
+            for a in n.args:
+                if not isinstance(a, fx.Node):
+                    raise PlanError(f"group {plan.groups[group].name!r} receives a constant "
+                                    f"argument {a!r} across a split; merge it with its producer.")
+                args.append(a.name)
+            stages.append(Stage(value=n.name, group=group, module=getattr(split, str(n.target)),
+                                args=tuple(args)))
+            owner[n.name] = group
+        elif n.op == "call_function" and n.target.__name__ == "getitem":
+            src, index = n.args
+            projections[n.name] = (src.name, int(index))
+            owner[n.name] = owner[src.name]
+        elif n.op == "output":
+            out = n.args[0]
+            if not isinstance(out, fx.Node):
+                raise PlanError(f"model {plan.model.name!r} returns {type(out).__name__} of "
+                                f"several values; a split plan needs a single output tensor. Plans "
+                                f"that need no split (data parallelism) run it.")
+            output = out.name
+        else:
+            raise AssertionError(f"unexpected top-level fx node {n.op} {n.target}")
+    assert output is not None
+    flow = Dataflow(inputs=tuple(inputs), stages=tuple(stages), projections=projections,
+                    owner=owner, output=output, warnings=warnings)
+    _collect_params(flow, model, plan)
+    return flow
+
+
+def _collect_params(flow: Dataflow, model: nn.Module, plan: Plan) -> None:
+    """Map each group to its parameters, by identity with the original model's names."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    holder: dict[int, int] = {}
+    for s in flow.stages:
+        for p in s.module.parameters():
+            if holder.setdefault(id(p), s.group) != s.group:
+                raise PlanError(f"parameter {name_of.get(id(p), '?')!r} is used by groups "
+                                f"{plan.groups[holder[id(p)]].name!r} and {plan.groups[s.group].name!r}; "
+                                f"tied weights must lie in one group.")
+    seen: set[int] = set()
+    for s in flow.stages:
+        for p in s.module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                flow.params_of_group.setdefault(s.group, []).append((name_of.get(id(p), "?"), p))
+    unused = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if unused:
+        flow.warnings.append(f"{len(unused)} parameter(s) unused in forward, e.g. {unused[:3]}")
+
+
+def needs_no_split(plan: Plan) -> bool:
+    """True when every group has the same replicas and shares: plain data parallelism."""
+    first = plan.groups[0].replicas
+    return all(g.replicas == first for g in plan.groups)
+
+
+def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
+    """The whole model as one stage, for data-parallel plans on models fx cannot trace.
+
+    Each parameter is synchronised with the group of its module path (a node name is a
+    module path), or with the first group when no group names its module.
+    """
+    if not needs_no_split(plan):
+        raise PlanError("this plan places groups on different devices, which needs the model split "
+                        "into groups, but the model cannot be traced by torch.fx.")
+    by_name = _group_of_names(plan)
+    params: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        path = name.rsplit(".", 1)[0] if "." in name else ""
+        group = 0
+        while True:
+            if path in by_name:
+                group = by_name[path]
+                break
+            if "." not in path:
+                break
+            path = path.rsplit(".", 1)[0]
+        params.setdefault(group, []).append((name, p))
+    inputs = tuple(f"input_{i}" for i in range(num_inputs))
+    stage = Stage(value="output", group=0, module=model, args=inputs)
+    return Dataflow(inputs=inputs, stages=(stage,), projections={},
+                    owner={**{i: INPUT for i in inputs}, "output": 0}, output="output",
+                    params_of_group=params, split=False)
+
+
+def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
+    """Split when the plan needs it or the model allows it; otherwise run it whole."""
+    try:
+        return split_model(model, plan)
+    except PlanError as e:
+        if needs_no_split(plan) and "cannot be traced" in str(e):
+            flow = whole_model(model, plan, num_inputs)
+            flow.warnings.append("model not fx-traceable: ran as one stage (data parallelism)")
+            return flow
+        raise
+
+
+def param_numel_of_group(flow: Dataflow) -> dict[int, int]:
+    return {g: sum(ns) for g, ns in flow.param_numels.items()}
+
+
+def detach_unheld(flow: Dataflow, held_groups: set[int]) -> None:
+    """Free the parameters of groups this rank does not hold (they were built for the seed)."""
+    for g, ps in flow.params_of_group.items():
+        flow.param_numels.setdefault(g, [p.numel() for _, p in ps])
+        if g not in held_groups:
+            for _, p in ps:
+                p.data = torch.empty(0, dtype=p.dtype)

@@ -1,0 +1,22 @@
+"""Single-process training on the same global batches: what every distributed run must equal."""
+
+from __future__ import annotations
+
+import torch
+
+from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload
+from heterog.ir.plan import Plan
+
+
+def reference_train(plan: Plan, *, steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Parameters after `steps` optimizer steps of the whole model on the whole batch."""
+    torch.set_num_threads(1)
+    work = resolve_workload(plan.model)
+    model = build_model(work, seed=seed)
+    opt = make_optimizer(list(model.parameters()), plan.optimizer)
+    for step in range(steps):
+        inputs, targets = global_batch(work, plan.batch_size, seed=seed, step=step)
+        opt.zero_grad(set_to_none=True)
+        work.loss(model(*inputs), targets).backward()
+        opt.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,258 @@
+"""One rank's training step under a Plan: stages, transfers, loss, backward, sync, update.
+
+Each group is a stage (a submodule from partition.py). Within a micro-batch a replica owns
+a contiguous range of samples, in replica order (`Plan.replica_samples`, the simulator's
+split). A stage's input is assembled from the producers' ranges that overlap its own:
+local slices, or pieces received from other ranks (p2p.py). Inputs from other stages are
+detached leaves, so each stage's backward is one explicit `torch.autograd.backward` on its
+outputs, run in reverse global order; the leaves' gradients go back to their producers the
+same way the activations came (as in torch.distributed.pipelining). Schedule: GPipe — every
+micro-batch's forward, then every backward in reverse; a '1f1b' plan runs with the same
+order (same result, more activation memory; noted in the run's result).
+
+Exactness: the loss of a replica's samples is mean-reduced by the zoo entry, so it is
+scaled by samples / global_batch; summing over replicas and micro-batches then gives the
+global-batch mean loss, and sync.py sums the gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from heterog.errors import PlanError
+from heterog.execute.emulation import Pacer
+from heterog.execute.p2p import P2P
+from heterog.execute.partition import INPUT, Dataflow, Stage
+from heterog.execute.workload import Workload, slice_batch
+from heterog.ir.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Piece:
+    """Samples [lo, hi) of a micro-batch's value, from src's copy to dst's."""
+    value: str
+    src: int
+    dst: int
+    lo: int
+    hi: int
+    src_lo: int      # where src's copy starts
+    dst_lo: int      # where dst's input starts
+    tag: int         # base tag (4 tags per piece)
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    compute_s: float = 0.0       # measured forward/backward/optimizer time (before pacing)
+    paced_s: float = 0.0         # waiting added to emulate a slower device
+    samples: int = 0
+
+
+def replica_ranges(plan: Plan, group: int, microbatch: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each replica of `group` within micro-batch `microbatch`."""
+    out, lo = [], 0
+    for n in plan.replica_samples(plan.groups[group], microbatch):
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
+class StepProgram:
+    """The per-step transfer table, identical on every rank (so tags agree)."""
+
+    def __init__(self, plan: Plan, flow: Dataflow, rank_of: dict[str, int]):
+        self.plan, self.flow = plan, flow
+        self.M = plan.num_microbatches
+        self.mb_offsets = [0]
+        for m in range(self.M):
+            self.mb_offsets.append(self.mb_offsets[-1] + plan.microbatch_size(m))
+        self.ranks = {gi: [rank_of[r.device] for r in g.replicas] for gi, g in enumerate(plan.groups)}
+        self.ranges = {(gi, m): replica_ranges(plan, gi, m) for gi in range(len(plan.groups))
+                       for m in range(self.M)}
+        self.inputs: dict[tuple[int, int, int, int], list[Piece]] = {}  # (stage, arg, m, rank)
+        self.sends: dict[tuple[str, int, int], list[Piece]] = {}      # (stage value, m, src)
+        tag = 0
+        for m in range(self.M):
+            for si, s in enumerate(flow.stages):
+                for dst, (a, b) in zip(self.ranks[s.group], self.ranges[(s.group, m)]):
+                    if a == b:
+                        continue
+                    for ai, v in enumerate(s.args):
+                        h = flow.owner[v]
+                        if h == INPUT:
+                            continue
+                        pieces = []
+                        for src, (c, d) in zip(self.ranks[h], self.ranges[(h, m)]):
+                            lo, hi = max(a, c), min(b, d)
+                            if lo >= hi:
+                                continue
+                            p = Piece(value=v, src=src, dst=dst, lo=lo, hi=hi, src_lo=c, dst_lo=a, tag=tag)
+                            tag += 4
+                            pieces.append(p)
+                            if src != dst:
+                                stage_value = flow.projections.get(v, (v, 0))[0]
+                                self.sends.setdefault((stage_value, m, src), []).append(p)
+                        self.inputs[(si, ai, m, dst)] = pieces
+
+    def my_range(self, group: int, m: int, rank: int) -> tuple[int, int] | None:
+        for r, rng in zip(self.ranks[group], self.ranges[(group, m)]):
+            if r == rank:
+                return rng
+        return None
+
+
+@dataclass(kw_only=True)
+class _Call:
+    stage: Stage
+    m: int
+    out: Any
+    leaves: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)  # (arg index, leaf)
+    loss: torch.Tensor | None = None
+
+
+class Executor:
+    """Runs training steps for one rank."""
+
+    def __init__(self, *, plan: Plan, flow: Dataflow, work: Workload, rank: int,
+                 rank_of: dict[str, int], p2p: P2P, pacer: Pacer):
+        self.plan, self.flow, self.work, self.rank = plan, flow, work, rank
+        self.program = StepProgram(plan, flow, rank_of)
+        self.p2p, self.pacer = p2p, pacer
+        self.stats = StepStats()
+        self._env: dict[tuple[str, int], Any] = {}
+
+    # -- helpers --------------------------------------------------------------------------
+    def _timed(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
+        self.stats.compute_s += elapsed
+        self.stats.paced_s += self.pacer.pace(elapsed)
+        return out
+
+    def _value(self, env: dict, v: str, m: int) -> Any:
+        if v in self.flow.projections:
+            src, idx = self.flow.projections[v]
+            return env[(src, m)][idx]
+        return env[(v, m)]
+
+    def _gather(self, env: dict, si: int, ai: int, v: str, m: int, a: int, b: int,
+                mb_inputs: dict[str, Any]) -> tuple[Any, bool]:
+        """Samples [a, b) of value v for stage si; returns (value, is a grad leaf)."""
+        if self.flow.owner[v] == INPUT:
+            return slice_batch(mb_inputs[v], a, b), False
+        pieces = self.program.inputs[(si, ai, m, self.rank)]
+        if len(pieces) == 1 and pieces[0].src == self.rank and (pieces[0].src_lo, pieces[0].hi) == (a, b):
+            local = self._value(env, v, m)   # same range held here: pass through (any type)
+            if not isinstance(local, torch.Tensor):
+                return local, False
+            parts = [local]
+        else:
+            parts = []
+            for p in pieces:
+                if p.src == self.rank:
+                    local = self._value(env, v, m)
+                    if not isinstance(local, torch.Tensor):
+                        raise PlanError(f"value {v!r} ({type(local).__name__}) crosses groups with "
+                                        f"different sample ranges; only batch-first tensors can be "
+                                        f"re-partitioned. Merge its producer and consumer groups.")
+                    parts.append(local[p.lo - p.src_lo:p.hi - p.src_lo])
+                else:
+                    parts.append(self.p2p.recv_with_header(p.src, p.tag))
+        x = parts[0] if len(parts) == 1 else torch.cat([t.detach() for t in parts])
+        x = x.detach()
+        if x.is_floating_point():
+            x.requires_grad_(True)
+            return x, True
+        return x, False
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
+        """Forward and backward of every micro-batch; returns this rank's summed loss."""
+        plan, flow, prog = self.plan, self.flow, self.program
+        B = plan.batch_size
+        env: dict[tuple[str, int], Any] = {}
+        self._env = env
+        calls: list[_Call] = []
+        loss_total = 0.0
+        named_inputs = dict(zip(flow.inputs, inputs))
+        for m in range(prog.M):
+            lo, hi = prog.mb_offsets[m], prog.mb_offsets[m + 1]
+            mb_inputs = {k: slice_batch(v, lo, hi) for k, v in named_inputs.items()}
+            mb_targets = slice_batch(targets, lo, hi)
+            for si, s in enumerate(flow.stages):
+                rng = prog.my_range(s.group, m, self.rank)
+                if rng is None or rng[0] == rng[1]:
+                    continue
+                a, b = rng
+                args, leaves = [], []
+                for ai, v in enumerate(s.args):
+                    x, is_leaf = self._gather(env, si, ai, v, m, a, b, mb_inputs)
+                    args.append(x)
+                    leaves.append((ai, x if is_leaf else None))
+                out = self._timed(s.module, *args)
+                env[(s.value, m)] = out
+                call = _Call(stage=s, m=m, out=out, leaves=leaves)
+                for p in prog.sends.get((s.value, m, self.rank), []):
+                    t = self._value(env, p.value, m)
+                    self.p2p.send_with_header(t[p.lo - p.src_lo:p.hi - p.src_lo], p.dst, p.tag)
+                if flow.owner[flow.output] == s.group and (flow.projections.get(flow.output, (flow.output,))[0]
+                                                            == s.value):
+                    y = self._value(env, flow.output, m)
+                    loss = self._timed(self.work.loss, y, slice_batch(mb_targets, a, b))
+                    call.loss = loss * ((b - a) / B)
+                    loss_total += float(call.loss.detach())
+                calls.append(call)
+        grads: dict[tuple[str, int], torch.Tensor] = {}
+        for call in reversed(calls):
+            self._backward(call, grads)
+        return loss_total
+
+    def _add_grad(self, grads: dict, key: tuple[str, int], like: torch.Tensor, lo: int, hi: int,
+                  g: torch.Tensor) -> None:
+        buf = grads.get(key)
+        if buf is None:
+            buf = grads[key] = torch.zeros_like(like)
+        buf[lo:hi] += g
+
+    def _backward(self, call: _Call, grads: dict) -> None:
+        s, m, flow = call.stage, call.m, self.flow
+        # Gradients of this stage's outputs: sent back by remote consumers, added to those
+        # local consumers already accumulated (they ran backward earlier: reverse order).
+        for p in self.program.sends.get((s.value, m, self.rank), []):
+            like = self._value(self._env, p.value, m)
+            g = self.p2p.recv(tuple(like[p.lo - p.src_lo:p.hi - p.src_lo].shape), like.dtype, p.dst, p.tag + 2)
+            self._add_grad(grads, (p.value, m), like, p.lo - p.src_lo, p.hi - p.src_lo, g)
+        roots, root_grads = [], []
+        if call.loss is not None:
+            roots.append(call.loss)
+            root_grads.append(None)
+        outs = call.out if isinstance(call.out, (tuple, list)) else None
+        if outs is None:
+            if (s.value, m) in grads and isinstance(call.out, torch.Tensor) and call.out.requires_grad:
+                roots.append(call.out)
+                root_grads.append(grads.pop((s.value, m)))
+        else:
+            for proj, (src, idx) in flow.projections.items():
+                if src == s.value and (proj, m) in grads and outs[idx].requires_grad:
+                    roots.append(outs[idx])
+                    root_grads.append(grads.pop((proj, m)))
+        if roots:
+            self._timed(torch.autograd.backward, roots, root_grads)
+        # Gradients of this stage's inputs go back to their producers.
+        a = self.program.my_range(s.group, m, self.rank)[0]
+        si = flow.stages.index(s)
+        for ai, leaf in call.leaves:
+            if leaf is None:
+                continue
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for p in self.program.inputs[(si, ai, m, self.rank)]:
+                part = g[p.lo - a:p.hi - a]
+                if p.src == self.rank:
+                    like = self._value(self._env, p.value, m)
+                    self._add_grad(grads, (p.value, m), like, p.lo - p.src_lo, p.hi - p.src_lo, part)
+                else:
+                    self.p2p.isend(part, p.src, p.tag + 2)

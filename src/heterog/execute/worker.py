@@ -1,0 +1,135 @@
+"""The process of one rank: `python -m heterog.execute.worker SPEC.json`.
+
+The launcher (local) or torchrun (real clusters) starts one per device. The spec (JSON)
+holds the plan, the rank → device map (or, under torchrun, the devices of each node), the
+number of steps and the emulation settings. The worker writes `result_rank<R>.json`, or
+`error_rank<R>.json` when it fails, into the spec's out_dir; the launcher reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from heterog.errors import RankError
+from heterog.execute.emulation import Pacer, pin_to_cores
+from heterog.execute.p2p import P2P
+from heterog.execute.partition import build_dataflow, detach_unheld, param_numel_of_group
+from heterog.execute.runtime import Executor
+from heterog.execute.sync import GradSync
+from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload
+from heterog.ir.plan import Plan
+from heterog.jsonio import write_atomic
+
+
+def _init(spec: dict[str, Any]) -> tuple[int, int, str]:
+    """Join the process group; return (rank, world size, this rank's device)."""
+    timeout = timedelta(seconds=spec["timeout_s"])
+    if "RANK" in os.environ and spec.get("torchrun"):
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        node_devices = spec["node_devices"][int(os.environ["GROUP_RANK"])]
+        device = node_devices[int(os.environ["LOCAL_RANK"])]
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        return rank, world, device
+    rank = spec["rank"]
+    world = len(spec["devices"])
+    dist.init_process_group("gloo", init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
+                            rank=rank, world_size=world, timeout=timeout)
+    return rank, world, spec["devices"][rank]
+
+
+def _fault(spec: dict[str, Any], rank: int, step: int) -> None:
+    """Fault injection for the robustness tests: die or hang at a given step."""
+    f = spec.get("fault")
+    if f and f["rank"] == rank and f["step"] == step:
+        if f["kind"] == "die":
+            os._exit(17)
+        time.sleep(10 * spec["timeout_s"] + 3600)
+
+
+def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    torch.set_num_threads(spec.get("threads", 1))
+    rank, world, device = _init(spec)
+    progress = out_dir / f"progress_rank{rank}"
+    cores = pin_to_cores(rank, spec.get("cores")) if spec.get("pin_cores") else None
+    devices_by_rank: list[str] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(devices_by_rank, device)
+    rank_of = {d: r for r, d in enumerate(devices_by_rank)}
+    plan = Plan.from_dict(spec["plan"])
+    missing = [d for d in plan.devices() if d not in rank_of]
+    if missing:
+        raise RankError(rank, f"the plan uses device(s) {missing} that no rank was started for; "
+                              f"ranks run {devices_by_rank}.")
+    work = resolve_workload(plan.model)
+    seed = spec.get("seed", 0)
+    model = build_model(work, seed=seed)
+    inputs0, _ = global_batch(work, plan.batch_size, seed=seed, step=0)
+    flow = build_dataflow(model, plan, len(inputs0))
+    held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
+    detach_unheld(flow, held)
+    timeout_s = spec["timeout_s"]
+    p2p = P2P(rank, timeout_s)
+    sync = GradSync(plan, flow, rank_of, rank, param_numel_of_group(flow), timeout_s)
+    params = [p for g in sorted(held) for _, p in flow.params_of_group.get(g, [])]
+    opt = make_optimizer(params, plan.optimizer)
+    pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
+    ex = Executor(plan=plan, flow=flow, work=work, rank=rank, rank_of=rank_of, p2p=p2p, pacer=pacer)
+    steps: list[dict[str, float]] = []
+    for step in range(spec["steps"]):
+        progress.write_text(str(step))
+        _fault(spec, rank, step)
+        inputs, targets = global_batch(work, plan.batch_size, seed=seed, step=step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        c0, w0, r0, s0 = ex.stats.compute_s, ex.stats.paced_s, p2p.recv_wait_s, sync.sync_s
+        for p in params:
+            p.grad = None
+        loss = ex.step(inputs, targets)
+        p2p.wait_all()
+        sync.sync()
+        if opt is not None:
+            ex._timed(opt.step)
+        steps.append({"step_time_s": time.perf_counter() - t0, "loss": loss,
+                      "compute_s": ex.stats.compute_s - c0, "paced_s": ex.stats.paced_s - w0,
+                      "recv_wait_s": p2p.recv_wait_s - r0, "sync_s": sync.sync_s - s0})
+    progress.write_text("done")
+    if spec.get("dump_params"):
+        torch.save({name: p.detach().clone() for g in sorted(held)
+                    for name, p in flow.params_of_group.get(g, [])}, out_dir / f"params_rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "device": device, "slowdown": pacer.slowdown, "cores": cores,
+            "groups": [plan.groups[g].name for g in sorted(held)], "steps": steps,
+            "sent_bytes": p2p.sent_bytes, "split": flow.split, "warnings": flow.warnings}
+
+
+def main(argv: list[str]) -> int:
+    spec_path = Path(argv[0])
+    spec = json.loads(spec_path.read_text())
+    out_dir = Path(spec["out_dir"])
+    rank = int(os.environ.get("RANK", spec.get("rank", 0)))
+    try:
+        result = train(spec, out_dir)
+    except BaseException as e:  # report any failure to the launcher, then exit non-zero
+        text = str(e).lower()
+        kind = "timeout" if isinstance(e, RankError) or "timed out" in text or "timeout" in text \
+            else "peer" if ("connection" in text or "peer" in text or "broken pipe" in text) else "error"
+        write_atomic(out_dir / f"error_rank{rank}.json", json.dumps({
+            "rank": rank, "kind": kind, "type": type(e).__name__, "message": str(e),
+            "traceback": traceback.format_exc()}))
+        return 1
+    write_atomic(out_dir / f"result_rank{rank}.json", json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

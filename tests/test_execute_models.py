@@ -1,0 +1,85 @@
+"""Small fx-traceable models for the executor tests (loaded by ranks as 'file.py:factory').
+
+No BatchNorm or dropout, so distributed training can match single-process training exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _Entry:
+    def __init__(self, builder, batch):
+        self._builder, self._batch = builder, batch
+
+    def build(self, **args):
+        return self._builder(**args)
+
+    def example_batch(self, batch_size, seq_len=None, device="cpu", **args):
+        return self._batch(batch_size)
+
+    def loss(self, output, targets):
+        return F.cross_entropy(output, targets)
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(16, width)
+        self.act1 = nn.ReLU()
+        self.fc2 = nn.Linear(width, width)
+        self.act2 = nn.ReLU()
+        self.fc3 = nn.Linear(width, 4)
+
+    def forward(self, x):
+        return self.fc3(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
+class ResMLP(nn.Module):
+    """Loose ops (a residual add, a method call) between leaf modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 24)
+        self.block = nn.Sequential(nn.Linear(24, 24), nn.Tanh())
+        self.out = nn.Linear(24, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.block(h)
+        return self.out(h.relu())
+
+
+class TinyVGG(nn.Module):
+    """Convolutions (cheap parameters, most compute) then large linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                      nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Linear(8 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 5))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+def _vectors(batch_size):
+    return (torch.randn(batch_size, 16),), torch.randint(0, 4, (batch_size,))
+
+
+def _images(batch_size):
+    return (torch.randn(batch_size, 3, 8, 8),), torch.randint(0, 5, (batch_size,))
+
+
+def mlp():
+    return _Entry(lambda **a: MLP(**a), _vectors)
+
+
+def resmlp():
+    return _Entry(lambda **a: ResMLP(), _vectors)
+
+
+def tiny_vgg():
+    return _Entry(lambda **a: TinyVGG(), _images)
