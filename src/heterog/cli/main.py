@@ -14,6 +14,7 @@ from heterog.errors import HeterogError
 # One module per command family; each defines register(app: typer.Typer).
 COMMAND_MODULES: tuple[str, ...] = (
     "plan_cmd",
+    "predict_cmd",
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -1,0 +1,111 @@
+"""`heterog predict`, `heterog gpus`, `heterog clusters`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import typer
+import yaml
+
+from heterog.cli.output import human_bytes, human_flops, human_time, print_json, print_table
+from heterog.errors import ModelError
+
+
+def parse_model_args(items: list[str] | None) -> dict[str, Any]:
+    """['layers=4', 'dropout=0.1', 'name=x'] → {'layers': 4, 'dropout': 0.1, 'name': 'x'}."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ModelError(f"--model-arg {item!r}: expected key=value (e.g. --model-arg layers=4).")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("predict")
+    def predict_cmd(
+        model: str = typer.Option(..., "--model", help="Zoo name (`heterog models`) or path/file.py:factory."),
+        model_arg: Optional[list[str]] = typer.Option(None, "--model-arg", help="Model argument key=value (repeatable)."),
+        batch_size: int = typer.Option(..., "--batch-size", min=1),
+        seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1),
+        device: str = typer.Option(..., "--device", help="GPU type (`heterog gpus`) or 'cpu'."),
+        precision: str = typer.Option("fp32", "--precision", help="fp32 | amp-bf16 | fp16"),
+        optimizer: str = typer.Option("sgd", "--optimizer", help="sgd (with momentum) | adamw"),
+        recompute: bool = typer.Option(False, "--recompute", help="Checkpoint each transformer/residual block."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Predict one training step (forward, backward, optimizer) on one device type."""
+        from heterog.cost.predict import predict
+        result = predict(model, model_args=parse_model_args(model_arg), batch_size=batch_size,
+                         seq_len=seq_len, device=device, precision=precision, optimizer=optimizer,
+                         recompute=recompute)
+        if as_json:
+            print_json(result)
+            return
+        b = result["breakdown"]
+        rows = [
+            ("iteration time", human_time(result["iteration_time_s"])),
+            ("  forward", human_time(b["forward_s"])),
+            ("  backward", human_time(b["backward_s"])),
+            ("  recompute", human_time(b["recompute_s"])),
+            ("  optimizer", human_time(b["optimizer_s"])),
+            ("FLOPs per iteration", human_flops(result["flops_per_iteration"])),
+            ("achieved FLOP/s", human_flops(b["achieved_flops_per_s"]) + "/s"),
+            ("peak memory", f"{human_bytes(result['peak_memory_bytes'])} (in {b['peak_phase']})"),
+            ("  parameters", human_bytes(b["params_bytes"])),
+            ("  gradients", human_bytes(b["grads_bytes"])),
+            ("  optimizer state", human_bytes(b["optimizer_state_bytes"])),
+            ("  activations", human_bytes(b["activations_bytes"])),
+            ("  transient", human_bytes(b["transient_bytes"])),
+            ("device memory", human_bytes(result["device_memory_bytes"])),
+            ("fits", "yes" if result["fits"] else "NO"),
+        ]
+        print_table(f"{result['model']} × batch {batch_size} on {result['device']} "
+                    f"({precision}, {optimizer}{', recompute' if recompute else ''})", ["", "predicted"], rows)
+
+    @app.command("gpus")
+    def gpus_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+                 cpu: bool = typer.Option(True, "--cpu/--no-cpu", help="Include the measured 'cpu' type.")) -> None:
+        """List the GPU catalog (dense peaks, memory, links) and their sources."""
+        from heterog.hardware.catalog import list_gpus
+        gpus = list_gpus(include_cpu=cpu)
+        if as_json:
+            print_json([{"name": g.name, "vendor": g.vendor, "peak_flops_per_s": g.peak_flops_per_s,
+                         "memory_bandwidth_bytes_per_s": g.memory_bandwidth_bytes_per_s,
+                         "memory_bytes": g.memory_bytes, "intra_node_link": g.intra_node_link,
+                         "intra_node_bandwidth_bytes_per_s": g.intra_node_bandwidth_bytes_per_s,
+                         "sources": g.sources} for g in gpus])
+            return
+        tf = lambda g, p: f"{g.peak_flops_per_s.get(p, 0) / 1e12:.1f}" if g.peak_flops_per_s.get(p) else "—"  # noqa: E731
+        print_table("GPU types (dense peak TFLOP/s)", ["type", "fp32", "tf32", "fp16", "bf16", "memory",
+                                                      "GB/s", "intra-node link"],
+                    [(g.name, tf(g, "fp32"), tf(g, "tf32"), tf(g, "fp16"), tf(g, "bf16"),
+                      human_bytes(g.memory_bytes), f"{g.memory_bandwidth_bytes_per_s / 1e9:.0f}",
+                      f"{g.intra_node_link} {g.intra_node_bandwidth_bytes_per_s / 1e9:.0f} GB/s")
+                     for g in gpus])
+
+    @app.command("clusters")
+    def clusters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+        """List the built-in clusters (use their names wherever a cluster file is accepted)."""
+        from collections import Counter
+
+        from heterog.hardware.spec import builtin_clusters, load_cluster
+        rows = []
+        for name in builtin_clusters():
+            c = load_cluster(name)
+            types = Counter(d.gpu_type for d in c.devices)
+            nics = sorted({n.nic_bandwidth_bytes_per_s * 8 / 1e9 for n in c.nodes})
+            rows.append({"name": name, "kind": c.kind, "devices": len(c.devices), "nodes": len(c.nodes),
+                         "gpu_types": dict(types), "nic_gbps": nics,
+                         "description": c.meta.get("description", "")})
+        if as_json:
+            print_json(rows)
+            return
+        print_table("built-in clusters", ["name", "kind", "devices", "nodes", "GPU types", "NIC Gb/s"],
+                    [(r["name"], r["kind"], r["devices"], r["nodes"],
+                      ", ".join(f"{v}×{k}" for k, v in r["gpu_types"].items()),
+                      "/".join(f"{x:g}" for x in r["nic_gbps"])) for r in rows])

@@ -1,0 +1,112 @@
+"""`heterog predict`: one training step (forward, backward, optimizer step) of a model on one
+device type — time, peak memory, FLOPs, and whether it fits — from the capture and the
+analytic cost model. Many predictions can run in one process (captures are cached)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from heterog.cost import build_cost_model
+from heterog.cost.memory import CUDA_CONTEXT_BYTES
+from heterog.errors import ModelError
+from heterog.hardware.catalog import get_gpu
+from heterog.hardware.cluster import Cluster, build_cluster
+from heterog.hardware.gputype import GpuType
+from heterog.ir.opgraph import OpGraph
+
+
+def single_device_cluster(gpu: GpuType) -> Cluster:
+    """A one-device cluster of type `gpu` (device 'local/gpu0', or 'local/cpu0')."""
+    dev = f"local/{'cpu' if gpu.vendor == 'cpu' else 'gpu'}0"
+    return build_cluster(name=f"single-{gpu.name}", gpu_types={gpu.name: gpu},
+                         nodes=[{"name": "local", "devices": [{"name": dev, "gpu_type": gpu.name}],
+                                 "nic_bandwidth_bytes_per_s": 1e10, "nic_latency_s": 0.0,
+                                 "intra_latency_s": 0.0}])
+
+
+def _freeze(args: dict[str, Any] | None) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in (args or {}).items()))
+
+
+_CAPTURES: dict[tuple, OpGraph] = {}
+_MAX_CAPTURES = 32
+
+
+def _captured(model: str, model_args: dict[str, Any] | None, batch_size: int, seq_len: int | None) -> OpGraph:
+    key = (model, _freeze(model_args), batch_size, seq_len)
+    graph = _CAPTURES.get(key)
+    if graph is None:
+        from heterog.capture import capture_model
+        graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
+        if len(_CAPTURES) >= _MAX_CAPTURES:
+            _CAPTURES.pop(next(iter(_CAPTURES)))
+        _CAPTURES[key] = graph
+    return graph
+
+
+def _graph(model: str | OpGraph, model_args: dict[str, Any] | None, batch_size: int,
+           seq_len: int | None) -> OpGraph:
+    if isinstance(model, OpGraph):
+        return model
+    if not isinstance(model, str):
+        raise ModelError(f"model must be a zoo name, 'path/file.py:factory' or an OpGraph, "
+                         f"found {type(model).__name__}.")
+    return _captured(model, model_args, batch_size, seq_len)
+
+
+def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, batch_size: int,
+            seq_len: int | None = None, device: str, precision: str = "fp32", optimizer: str = "sgd",
+            recompute: bool = False) -> dict[str, Any]:
+    """One training step of `model` at `batch_size` on one `device` type (a catalog name or
+    'cpu'). Returns iteration_time_s, peak_memory_bytes, flops_per_iteration, fits, device,
+    and a breakdown (times in s, sizes in bytes)."""
+    if batch_size < 1:
+        raise ModelError(f"batch_size must be ≥ 1, found {batch_size}.")
+    gpu = get_gpu(device)
+    graph = _graph(model, model_args, batch_size, seq_len)
+    cluster = single_device_cluster(gpu)
+    dev = cluster.devices[0].name
+    costs = build_cost_model(graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute)
+    names = [n.name for n in graph.nodes]
+    fwd_s = costs.group_time_s(names, dev, batch_size, "fwd")
+    bwd_s = costs.group_time_s(names, dev, batch_size, "bwd")
+    recompute_s = costs.recompute_time_s(names, dev, batch_size) if recompute else 0.0
+    opt_s = costs.optimizer_time_s(names, dev)
+    mem = costs.memory.step_peak(batch_size, recompute=recompute)
+    context = 0 if gpu.vendor == "cpu" else CUDA_CONTEXT_BYTES
+    flops = graph.forward_flops(batch_size) + graph.backward_flops(batch_size)
+    if recompute:
+        in_block = costs.memory.in_block()
+        flops += sum(n.fwd_flops.at(batch_size) for n, b in zip(graph.nodes, in_block) if b)
+    iteration_s = fwd_s + bwd_s + opt_s
+    return {
+        "model": graph.model,
+        "device": gpu.name,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "precision": precision,
+        "optimizer": optimizer,
+        "recompute": recompute,
+        "iteration_time_s": iteration_s,
+        "peak_memory_bytes": int(round(mem.peak_bytes)),
+        "flops_per_iteration": flops,
+        "fits": bool(mem.reserved_bytes + context <= gpu.memory_bytes),
+        "device_memory_bytes": gpu.memory_bytes,
+        "breakdown": {
+            "forward_s": fwd_s,
+            "backward_s": bwd_s - recompute_s,
+            "recompute_s": recompute_s,
+            "optimizer_s": opt_s,
+            "achieved_flops_per_s": flops / iteration_s if iteration_s > 0 else 0.0,
+            "params_bytes": mem.params_bytes,
+            "grads_bytes": mem.grads_bytes,
+            "optimizer_state_bytes": mem.optimizer_state_bytes,
+            "activations_bytes": mem.activations_bytes,
+            "transient_bytes": mem.transient_bytes,
+            "peak_phase": mem.peak_phase,
+            "reserved_bytes": mem.reserved_bytes,
+            "context_bytes": context,
+            "num_nodes": len(graph.nodes),
+            "num_parameters": graph.num_parameters,
+        },
+    }
