@@ -72,7 +72,7 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, timeline: b
     else:
         group_prio = [0.0] * len(plan.groups)
     order = grp.order(group_prio)
-    blocks = make_blocks(plan, order, info, table)
+    blocks = make_blocks(plan, order, grp, info, table)
     tasks = expand(plan, grp, blocks, info, table)
     n_dev, n_link = len(info.devices), len(info.links)
     ref = engine.reference_order(tasks, n_dev, plan.schedule)

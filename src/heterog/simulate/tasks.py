@@ -2,8 +2,8 @@
 
 Units. Groups run in a priority-respecting topological order (context.Grouping.order).
 Consecutive groups in that order with the same placement (devices, shares, sync, recompute)
-run back to back on every replica with no communication between them, so they are fused into
-one *block*; a block is also one gradient bucket: a run is cut, walking backward, wherever its
+that exchange data with other placements only at the run's ends run back to back on every
+replica with no communication between them, so they are fused into one *block*; a block is also one gradient bucket: a run is cut, walking backward, wherever its
 gradients would exceed plan.bucket_bytes, so synchronisation of the later layers overlaps the
 backward of the earlier ones (PyTorch DDP's bucketing, Li et al. VLDB 2020).
 
@@ -98,17 +98,22 @@ class Tasks:
             lst[t].append((dev, delta))
 
 
-def make_blocks(plan: Plan, order: list[int], info: ClusterInfo, table: CostTable) -> list[Block]:
+def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table: CostTable) -> list[Block]:
+    """Fuse runs of groups (see the module docstring). A group joins the run before it only if
+    it has the same placement, none of its inputs come from another placement, and the run's
+    last group sends nothing to another placement: a fused run then receives only at its start
+    and sends only at its end, so fusion delays no other device."""
     groups = plan.groups
+    keys = [(g.replicas, g.sync, g.ps_device, g.recompute) for g in groups]
     runs: list[list[int]] = []
-    last_key = None
     for g in order:
-        grp = groups[g]
-        key = (grp.replicas, grp.sync, grp.ps_device, grp.recompute)
-        if key != last_key:
-            runs.append([])
-            last_key = key
-        runs[-1].append(g)
+        key = keys[g]
+        if (runs and keys[runs[-1][-1]] == key
+                and all(keys[p] == key for p in grouping.pred[g])
+                and all(keys[s] == key for s in grouping.succ[runs[-1][-1]])):
+            runs[-1].append(g)
+        else:
+            runs.append([g])
     blocks: list[Block] = []
     dev_id = info.dev_id
     for run in runs:
@@ -141,7 +146,7 @@ def make_blocks(plan: Plan, order: list[int], info: ClusterInfo, table: CostTabl
     return blocks
 
 
-def _overlaps(a: list[int], b: list[int]):
+def overlaps(a: list[int], b: list[int]):
     """(i, j, n): n samples owned by replica i of one split and replica j of the other,
     when both own contiguous ranges of the same micro-batch in replica order."""
     i = j = 0
@@ -243,7 +248,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             for a, (fx, ps) in preds[bi].items():
                 src = blocks[a]
                 asplit = split_cache[(size, src.shares)]
-                for i, j, n in _overlaps(asplit, ssplit):
+                for i, j, n in overlaps(asplit, ssplit):
                     da, db = src.devices[i], blk.devices[j]
                     fa, fb = F[m][a][i], F[m][bi][j]
                     ba, bb = Bk[m][a][i], Bk[m][bi][j]
