@@ -1,0 +1,69 @@
+"""Language models from Hugging Face `transformers` configs (no weight download).
+
+Attention runs through torch's scaled_dot_product_attention (attn_implementation="sdpa"):
+that is what a training run uses, and its fused kernels keep only the output and the
+log-sum-exp for backward, not the s×s probability matrix the "eager" path stores, so the
+captured saved-activation bytes match a real run. Dropout on the attention probabilities is
+0 (as in Llama and most current recipes): torch's CPU kernel has no fused dropout, so with it
+a fake-tensor capture would fall back to the unfused math path that a GPU run does not take.
+XLNet has only its own (eager) attention.
+use_cache=False: training keeps no KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _finish(model: nn.Module) -> nn.Module:
+    model.config.use_cache = False
+    return model
+
+
+def gpt2(hidden: int = 768, layers: int = 12, heads: int = 12, vocab: int = 50257,
+         positions: int = 1024) -> nn.Module:
+    """GPT-2 (Radford et al., 2019) with the LM head tied to the token embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab,
+                     n_positions=positions, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa")
+    return _finish(GPT2LMHeadModel(cfg))
+
+
+def bert(hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096,
+         vocab: int = 30522, positions: int = 512) -> nn.Module:
+    """BERT with its masked-LM head (Devlin et al., 2019); defaults: BERT-large."""
+    from transformers import BertConfig, BertForMaskedLM
+    cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=positions,
+                     attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    return BertForMaskedLM(cfg)
+
+
+def xlnet(hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096,
+          vocab: int = 32000) -> nn.Module:
+    """XLNet with its LM head (Yang et al., 2019); defaults: XLNet-large."""
+    from transformers import XLNetConfig, XLNetLMHeadModel
+    cfg = XLNetConfig(d_model=hidden, n_layer=layers, n_head=heads, d_inner=ffn, vocab_size=vocab,
+                      use_mems_train=False, use_mems_eval=False, mem_len=None)
+    return XLNetLMHeadModel(cfg)
+
+
+def llama(hidden: int = 512, layers: int = 4, heads: int = 8, kv_heads: int | None = None,
+          ffn: int = 1376, vocab: int = 32000, positions: int = 4096, tie: bool = False) -> nn.Module:
+    """A Llama-architecture decoder (RMSNorm, SwiGLU, rotary positions, grouped KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                      vocab_size=vocab, max_position_embeddings=positions,
+                      tie_word_embeddings=tie, use_cache=False, attn_implementation="sdpa")
+    return _finish(LlamaForCausalLM(cfg))
+
+
+def tinyllama() -> nn.Module:
+    """TinyLlama-1.1B (Zhang et al., 2024): hidden 2048, FFN 5632, 22 layers, 32 heads,
+    4 KV heads, vocab 32000, untied head: 1,100,048,384 parameters (HF model card)."""
+    return llama(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, positions=2048)
