@@ -45,17 +45,27 @@ class Estimate:
         return self.iteration_time_s * (1.0 + INFEASIBLE_PENALTY * (self.overflow + (self.overflow > 0)))
 
 
-def _overlap_transfer_s(prob: Problem, src: Placement, dst: Placement, nbytes: float) -> np.ndarray:
-    """Per destination replica: time to receive its samples from the source replicas."""
-    out = np.zeros(len(dst.devices))
+def _repartition(prob: Problem, src: Placement, dst: Placement, nbytes: float
+                 ) -> tuple[float, dict[int, float], dict[int, float]]:
+    """Re-partition `nbytes` from src's replicas to dst's: each destination replica receives
+    the overlap of its sample interval with each source's. Returns (slowest destination's
+    receive time over its own paths, bytes leaving each node, bytes entering each node)."""
+    per_dest = np.zeros(len(dst.devices))
+    up: dict[int, float] = {}
+    down: dict[int, float] = {}
+    node = prob.node_idx
     i = j = 0
     a_lo = b_lo = 0.0
     a_hi, b_hi = src.shares[0], dst.shares[0]
     while i < len(src.devices) and j < len(dst.devices):
         ov = min(a_hi, b_hi) - max(a_lo, b_lo)
-        if ov > 1e-12 and src.devices[i] != dst.devices[j]:
-            lat, per_byte = prob.pair_cost(src.devices[i], dst.devices[j])
-            out[j] += lat + ov * nbytes * per_byte
+        si, dj = src.devices[i], dst.devices[j]
+        if ov > 1e-12 and si != dj:
+            lat, per_byte = prob.pair_cost(si, dj)
+            per_dest[j] += lat + ov * nbytes * per_byte
+            if node[si] != node[dj]:
+                up[node[si]] = up.get(node[si], 0.0) + ov * nbytes
+                down[node[dj]] = down.get(node[dj], 0.0) + ov * nbytes
         if a_hi <= b_hi:
             i += 1
             a_lo = a_hi
@@ -64,7 +74,31 @@ def _overlap_transfer_s(prob: Problem, src: Placement, dst: Placement, nbytes: f
             j += 1
             b_lo = b_hi
             b_hi = b_lo + (dst.shares[j] if j < len(dst.devices) else 0.0)
-    return out
+    return float(per_dest.max(initial=0.0)), up, down
+
+
+class _Nics:
+    """One queue per node NIC and direction: transfers through a NIC take turns."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.up = np.zeros(len(prob.nic_s_per_byte))
+        self.down = np.zeros(len(prob.nic_s_per_byte))
+
+    def transfer(self, ready_s: float, own_s: float, up: dict[int, float], down: dict[int, float]) -> float:
+        """Finish time of a transfer that may start at ready_s and alone would take own_s."""
+        if not up and not down:
+            return ready_s + own_s
+        spb = self.prob.nic_s_per_byte
+        start = max(ready_s, max((self.up[n] for n in up), default=0.0), max((self.down[n] for n in down), default=0.0))
+        busy = max(max((b * spb[n] for n, b in up.items()), default=0.0),
+                   max((b * spb[n] for n, b in down.items()), default=0.0))
+        end = start + max(own_s, busy)
+        for n in up:
+            self.up[n] = end
+        for n in down:
+            self.down[n] = end
+        return end
 
 
 def estimate(prob: Problem, s: Strategy) -> Estimate:
@@ -82,23 +116,18 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             t_b[g] = t_b[g] + t_f[g]
     same_as = [[P[p].devices == P[g].devices and P[p].shares == P[g].shares for p in prob.preds[g]]
                for g in range(G)]
-    xfer_cache: dict[tuple[int, int], np.ndarray] = {}
+    xfer_cache: dict[tuple[int, int], tuple[float, dict, dict]] = {}
 
-    def xfer(a: int, b: int) -> np.ndarray:
+    def xfer(a: int, b: int, nbytes_edge: tuple[int, int]) -> tuple[float, dict, dict]:
+        """Re-partition from a's layout into b's of the bytes on group edge `nbytes_edge`."""
         hit = xfer_cache.get((a, b))
         if hit is None:
-            hit = _overlap_transfer_s(prob, P[a], P[b], prob.edges[(a, b)].at(b_m))
+            hit = _repartition(prob, P[a], P[b], prob.edges[nbytes_edge].at(b_m))
             xfer_cache[(a, b)] = hit
         return hit
 
-    def grad_xfer(a: int, b: int) -> np.ndarray:
-        """Gradient of edge a → b flowing back: from b's layout into a's."""
-        hit = xfer_cache.get((b, a))
-        if hit is None:
-            hit = _overlap_transfer_s(prob, P[b], P[a], prob.edges[(a, b)].at(b_m))
-            xfer_cache[(b, a)] = hit
-        return hit
-
+    nics = _Nics(prob)
+    multi_node = [len(set(prob.node_idx[d].tolist())) > 1 for d in dev]
     free = np.zeros(prob.n_devices)
     fin_f = [[None] * M for _ in range(G)]
     for m in range(M):
@@ -108,7 +137,8 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
                 if same_as[g][k]:
                     ready = np.maximum(ready, fin_f[p][m])
                 else:
-                    ready = np.maximum(ready, fin_f[p][m].max() + xfer(p, g))
+                    own, up, down = xfer(p, g, (p, g))
+                    ready = np.maximum(ready, nics.transfer(float(fin_f[p][m].max()), own, up, down))
             start = np.maximum(free[dev[g]], ready)
             fin = start + t_f[g]
             free[dev[g]] = fin
@@ -123,17 +153,24 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
                 if P[c].devices == P[g].devices and P[c].shares == P[g].shares:
                     ready = np.maximum(ready, fin_b[c][m])
                 else:
-                    ready = np.maximum(ready, fin_b[c][m].max() + grad_xfer(g, c))
+                    own, up, down = xfer(c, g, (g, c))  # the gradient flows back c → g
+                    ready = np.maximum(ready, nics.transfer(float(fin_b[c][m].max()), own, up, down))
             start = np.maximum(free[dev[g]], ready)
             fin = start + t_b[g]
             free[dev[g]] = fin
             fin_b[g][m] = fin
             if m == M - 1:
                 t_sync = prob.sync_time_s(g, P[g])
-                begin = max(fin.max(), comm_free[dev[g]].max()) if t_sync > 0 else fin.max()
-                sync_end[g] = begin + t_sync
                 if t_sync > 0:
+                    begin = max(fin.max(), comm_free[dev[g]].max())
+                    if multi_node[g]:  # a collective across nodes occupies their NICs
+                        nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
+                        sync_end[g] = nics.transfer(begin, t_sync, nodes, nodes)
+                    else:
+                        sync_end[g] = begin + t_sync
                     comm_free[dev[g]] = sync_end[g]
+                else:
+                    sync_end[g] = fin.max()
     end = free.copy()
     for g in range(G):
         np.maximum.at(end, dev[g], sync_end[g])

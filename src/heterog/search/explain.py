@@ -99,16 +99,3 @@ def infeasible_message(prob: "Problem", candidates: Sequence["Candidate"]) -> st
             f"Use devices with more memory, more devices, a smaller --batch-size, "
             f"--optimizer sgd instead of adamw, or amp-bf16 precision.")
     return msg
-
-
-def priorities(prob: "Problem", plan: Plan) -> dict[str, float]:
-    """Execution priorities from the simulator's module (HeteroG's longest-path rule); empty
-    when that module is absent (the executor then runs nodes in graph order)."""
-    try:
-        from heterog.simulate import priorities as pr
-    except ImportError:
-        return {}
-    fn = getattr(pr, "compute_priorities", None) or getattr(pr, "priorities", None)
-    if fn is None:
-        return {}
-    return dict(fn(prob.graph, prob.cluster, plan, prob.costs))

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from heterog.cost.model import CostModel
 from heterog.errors import InfeasibleError
 from heterog.hardware.cluster import Cluster
@@ -20,9 +22,9 @@ from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
 from heterog.search.baselines import BASELINE_BUILDERS
-from heterog.search.estimate import estimate
+from heterog.search.estimate import Estimate, estimate
 from heterog.search.grouping import make_groups
-from heterog.search.local_search import anneal
+from heterog.search.local_search import Annealer
 from heterog.search.problem import Problem, Strategy
 
 CANDIDATES = ("single-device", "even-dp-allreduce", "even-dp-ps", "proportional-dp", "model-parallel",
@@ -66,17 +68,27 @@ def _simulator() -> Callable | None:
     return simulate
 
 
-def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[float, bool, dict[str, int], str]:
-    """(iteration_time_s, feasible, peak bytes per device, scorer): the simulator when present."""
+def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[Plan, float, bool, dict[str, int], str]:
+    """(plan, iteration_time_s, feasible, peak bytes per device, scorer), by the simulator when
+    present. The simulator orders groups by the plan's priorities: the plan is scored with
+    HEFT-style priorities (heterog.simulate.priorities) and in plain graph order, and the
+    faster of the two is kept, so the prediction is for the plan exactly as returned."""
     sim = _simulator()
     if sim is not None:
-        r = sim(prob.graph, prob.cluster, plan, prob.costs)
-        return (float(r.iteration_time_s), bool(r.feasible),
+        from heterog.simulate.priorities import assign_priorities
+        best = None
+        for p in (assign_priorities(prob.graph, prob.cluster, plan, prob.costs), plan):
+            r = sim(prob.graph, prob.cluster, p, prob.costs, timeline=False)
+            key = (not r.feasible, r.iteration_time_s)
+            if best is None or key < best[0]:
+                best = (key, p, r)
+        _, p, r = best
+        return (p, float(r.iteration_time_s), bool(r.feasible),
                 {d: int(b) for d, b in r.peak_memory_bytes.items()}, "simulator")
     e = estimate(prob, prob.finalize(strategy))
     peak = {prob.device_names[i]: int(e.peak_memory_bytes[i]) for i in range(prob.n_devices)
             if e.peak_memory_bytes[i] > 0}
-    return e.iteration_time_s, e.feasible, peak, "estimate"
+    return plan, e.iteration_time_s, e.feasible, peak, "estimate"
 
 
 def _load_policy(policy: Any):
@@ -86,14 +98,56 @@ def _load_policy(policy: Any):
     return load_policy(policy)
 
 
+def simulator_scorer(prob: Problem) -> Callable[[Problem, Strategy], Estimate]:
+    """The simulator as the search's scorer (plans in graph order, no timeline)."""
+    sim = _simulator()
+    assert sim is not None
+    cap = prob.memory_bytes
+
+    def score(p: Problem, s: Strategy) -> Estimate:
+        r = sim(p.graph, p.cluster, p.to_plan(s, "search"), p.costs, timeline=False)
+        peak = np.zeros(p.n_devices)
+        for d, b in r.peak_memory_bytes.items():
+            peak[p.cluster.device_index[d]] = b
+        overflow = float(np.max((peak - cap) / cap))
+        return Estimate(iteration_time_s=float(r.iteration_time_s), peak_memory_bytes=peak,
+                        overflow=max(0.0, overflow) if not r.feasible else 0.0)
+    return score
+
+
+def _candidate(prob: Problem, name: str, options: list[Strategy]) -> Candidate:
+    """Score each option (the simulator when present) and keep the best for this name."""
+    best_c = None
+    for s in options:
+        plan, t, ok, peak, how = score_plan(prob, prob.to_plan(s, name), s)
+        c = Candidate(strategy=name, plan=plan, iteration_time_s=t, feasible=ok, peak_memory_bytes=peak,
+                      scored_by=how)
+        if best_c is None or (not c.feasible, c.iteration_time_s) < (not best_c.feasible, best_c.iteration_time_s):
+            best_c = c
+    return best_c
+
+
+def _options(best: Strategy, elite: list[tuple[float, Strategy]]) -> list[Strategy]:
+    out, keys = [best], {best.key()}
+    for _, s in elite:
+        if len(out) > ELITE_RESCORED:
+            break
+        if s.key() not in keys:
+            keys.add(s.key())
+            out.append(s)
+    return out
+
+
 def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: float = DEFAULT_BUDGET_S,
                seed: int = 0, max_groups: int = 32, policy: Any = None, model_spec: ModelSpec | None = None,
                precision: str = "fp32", optimizer: str = "sgd", max_iters: int | None = None,
-               progress: Callable[[str, float], None] | None = None) -> PlanResult:
+               scorer: str = "auto", progress: Callable[[str, float], None] | None = None) -> PlanResult:
     """The best Plan for `graph` on `cluster` within about `budget_s` seconds.
 
     policy: None loads the shipped pre-trained GNN, a path loads that file, a policy object is
     used as is, False skips the GNN candidates. max_iters caps each search (reproducible runs).
+    scorer: what the search's inner loop calls — 'simulator', 'estimate', or 'auto' (the
+    simulator when one call is cheap enough for a few hundred moves within the budget).
     """
     begin = time.perf_counter()
     say = progress or (lambda stage, frac: None)
@@ -102,50 +156,44 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     prob = Problem(graph=graph, cluster=cluster, costs=costs, groups=groups, batch_size=graph.batch_size,
                    model_spec=model_spec, precision=precision, optimizer=optimizer)
     strategies: dict[str, Strategy] = {name: build(prob) for name, build in BASELINE_BUILDERS.items()}
-    say("baselines", 0.05)
+    say("baselines", 0.03)
+    t0 = time.perf_counter()
+    candidates = {name: _candidate(prob, name, [strategies[name]]) for name in BASELINE_BUILDERS}
+    per_call_s = (time.perf_counter() - t0) / (2 * len(BASELINE_BUILDERS))
+    say("baselines", 0.08)
     pol = _load_policy(policy)
     gnn_props: list[Strategy] = []
     if pol is not None:
         gnn_props = pol.propose(prob, samples=8, seed=seed)
         strategies["gnn"] = min(gnn_props, key=lambda s: estimate(prob, s).score)
     say("gnn", 0.1)
-    left = max(0.0, budget_s - (time.perf_counter() - begin)) * 0.85
+    left = max(0.0, budget_s - (time.perf_counter() - begin)) * 0.8
     share = 0.5 if gnn_props else 1.0
-    baseline_starts = [strategies[n] for n in BASELINE_BUILDERS]
-    searched = anneal(prob, baseline_starts, budget_s=left * share, seed=seed, max_iters=max_iters,
-                      progress=lambda f: say("search", 0.1 + 0.8 * share * f))
+    use_sim = scorer == "simulator" or (
+        scorer == "auto" and _simulator() is not None and per_call_s * 300 <= left * share)
+    score_fn = simulator_scorer(prob) if use_sim else estimate
+    starts = [strategies[n] for n in BASELINE_BUILDERS]
+    searched = Annealer(prob, seed, scorer=score_fn).run(
+        starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f))
     strategies["search"] = searched.best
     pools = {"search": searched.elite}
     if gnn_props:
-        both = anneal(prob, gnn_props, budget_s=left * share, seed=seed + 1, max_iters=max_iters,
-                      progress=lambda f: say("gnn+search", 0.5 + 0.4 * f))
+        both = Annealer(prob, seed + 1, scorer=score_fn).run(
+            gnn_props, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("gnn+search", 0.5 + 0.4 * f))
         strategies["gnn+search"] = both.best
         pools["gnn+search"] = both.elite
     say("scoring", 0.9)
-    candidates: list[Candidate] = []
-    for name in CANDIDATES:
-        if name not in strategies:
-            continue
-        options = [strategies[name]]
-        for _, s in pools.get(name, [])[:ELITE_RESCORED]:
-            if s.key() != options[0].key():
-                options.append(s)
-        best_c = None
-        for s in options:  # the simulator picks among the search's few best (its estimate may err)
-            plan = prob.to_plan(s, name)
-            t, ok, peak, how = score_plan(prob, plan, s)
-            c = Candidate(strategy=name, plan=plan, iteration_time_s=t, feasible=ok, peak_memory_bytes=peak,
-                          scored_by=how)
-            if best_c is None or (c.feasible, -c.iteration_time_s) > (best_c.feasible, -best_c.iteration_time_s):
-                best_c = c
-        candidates.append(best_c)
-    feasible = [c for c in candidates if c.feasible]
+    for name in ("search", "gnn", "gnn+search"):
+        if name in strategies:
+            candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, [])))
+    ordered = [candidates[n] for n in CANDIDATES if n in candidates]
+    feasible = [c for c in ordered if c.feasible]
     if not feasible:
-        raise InfeasibleError(explain.infeasible_message(prob, candidates))
+        raise InfeasibleError(explain.infeasible_message(prob, ordered))
     winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
-    best = _finish(prob, winner, candidates)
+    best = _finish(prob, winner, ordered)
     say("done", 1.0)
-    return PlanResult(best=best, candidates=tuple(candidates), search_time_s=time.perf_counter() - begin)
+    return PlanResult(best=best, candidates=tuple(ordered), search_time_s=time.perf_counter() - begin)
 
 
 def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Plan:
@@ -154,8 +202,7 @@ def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Pl
 
     from heterog.hardware.spec import cluster_to_dict
     plan = winner.plan.with_prediction(winner.iteration_time_s, winner.peak_memory_bytes)
-    plan = replace(plan, cluster=cluster_to_dict(prob.cluster), priorities=explain.priorities(prob, plan),
-                   notes=tuple(explain.notes(prob, winner, candidates)))
+    plan = replace(plan, cluster=cluster_to_dict(prob.cluster), notes=tuple(explain.notes(prob, winner, candidates)))
     return plan.validate(prob.graph, prob.cluster)
 
 

@@ -86,6 +86,11 @@ class Problem:
                 self.class_rep.append(d.name)
             self.dev_class[i] = classes[k]
         self.node_of_device = [c.node_of[d] for d in self.device_names]
+        node_pos = {n.name: i for i, n in enumerate(c.nodes)}
+        self.node_idx = np.array([node_pos[x] for x in self.node_of_device], dtype=np.int64)
+        # seconds per byte through each node's NIC (one direction); transfers that leave or
+        # enter a node share it, which the search's estimate models as one queue per direction
+        self.nic_s_per_byte = np.array([1.0 / n.nic_bandwidth_bytes_per_s for n in c.nodes])
         G, C = len(self.groups), len(self.class_rep)
         B = float(self.batch_size)
         b_lo = max(1.0, B / 8.0)
@@ -123,6 +128,11 @@ class Problem:
             self.succs[a].append(b)
         self._pair_cache: dict[tuple[int, int], tuple[float, float]] = {}
         self._sync_cache: dict[tuple, float] = {}
+
+    @cached_property
+    def fingerprints(self) -> tuple[str, str]:
+        """(graph, cluster) fingerprints, hashed once: every Plan the search emits carries them."""
+        return self.graph.fingerprint(), self.cluster.fingerprint()
 
     @property
     def n_groups(self) -> int:
@@ -203,5 +213,4 @@ class Problem:
                                             seq_len=self.graph.seq_len)
         return Plan(strategy=strategy_name, model=spec, precision=self.precision, optimizer=self.optimizer,
                     groups=tuple(groups), num_microbatches=s.microbatches, notes=tuple(notes),
-                    graph_fingerprint=self.graph.fingerprint(),
-                    cluster_fingerprint=self.cluster.fingerprint())
+                    graph_fingerprint=self.fingerprints[0], cluster_fingerprint=self.fingerprints[1])
