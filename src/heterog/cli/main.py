@@ -13,6 +13,7 @@ from heterog.errors import HeterogError
 
 # One module per command family; each defines register(app: typer.Typer).
 COMMAND_MODULES: tuple[str, ...] = (
+    "capture_cmd",
     "plan_cmd",
     "predict_cmd",
 )
