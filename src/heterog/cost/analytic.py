@@ -37,9 +37,14 @@ from heterog.cost.profile import Profile
 
 PRECISIONS = ("fp32", "amp-bf16", "fp16")
 E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math rarely beats half of peak
-# Kernel efficiency relative to a square GEMM of the same work: cuDNN convolutions pay for
-# im2col/implicit-GEMM tiling; attention kernels for the softmax between their two products.
-KIND_FACTOR_GPU = {"matmul": 1.0, "conv": 0.8, "attention": 0.7}
+# Kernel efficiency relative to a square GEMM of the same work. Attention kernels pay for the
+# softmax between their two products. cuDNN convolutions on tensor cores (TF32/BF16/FP16) reach
+# far less of the tensor-core peak than GEMMs do; on CUDA cores (FP32) about as much. The
+# convolution factors are calibrated on NVIDIA's published ResNet-50 v1.5 PyTorch training
+# throughputs (DeepLearningExamples performance tables, approximately: A100-80GB TF32 ~1000
+# img/s, AMP ~2500; V100-16GB FP32 ~390, AMP ~1200), after the memory-bound BN/ReLU time.
+KIND_FACTOR_GPU = {"matmul": 1.0, "attention": 0.7}
+CONV_FACTOR_GPU = {"fp32": 1.0, "tf32": 0.4, "bf16": 0.4, "fp16": 0.4}
 # Optimizer traffic per parameter byte (reads + writes of fp32 tensors) and ops per tensor.
 # SGD-momentum: buf = m·buf + g; p -= lr·buf → reads p, g, buf twice, writes buf, p.
 # AdamW: decay, two moment updates, sqrt, division, update (torch.optim._multi_tensor_adamw).
@@ -94,7 +99,7 @@ class _TypeTable:
                 self.curve_of.append(gpu_curve(gpu, p))
             curve_index[i] = curves[p]
             self.peak_tc[i] = gpu.peak_flops_per_s[p]
-            self.kind_factor[i] = _kind_factor(n.kind, gpu)
+            self.kind_factor[i] = _kind_factor(n.kind, gpu, p)
         self.curve_index = curve_index
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
         self.bandwidth = gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu)
@@ -122,8 +127,10 @@ class _TypeTable:
         return np.maximum(roof + k * self.kernel_gap, k * self.dispatch)
 
 
-def _kind_factor(kind: str, gpu: GpuType) -> float:
+def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
     if gpu.vendor != "cpu":
+        if kind == "conv":
+            return CONV_FACTOR_GPU[precision]
         return KIND_FACTOR_GPU.get(kind, 1.0)
     if kind == "conv":
         from heterog.hardware.catalog import measure_cpu
