@@ -1,4 +1,6 @@
-"""Small fx-traceable models for the executor tests (loaded by ranks as 'file.py:factory').
+"""Small fx-traceable models for the executor tests (loaded by ranks as 'file.py:name').
+
+Each name is a zoo-style entry (build / example_batch / loss), as heterog.capture.zoo accepts.
 
 No BatchNorm or dropout, so distributed training can match single-process training exactly.
 """
@@ -11,11 +13,15 @@ from torch import nn
 
 
 class _Entry:
+    default_seq_len = None
+
     def __init__(self, builder, batch):
         self._builder, self._batch = builder, batch
 
     def build(self, **args):
         return self._builder(**args)
+
+    __call__ = build
 
     def example_batch(self, batch_size, seq_len=None, device="cpu", **args):
         return self._batch(batch_size)
@@ -73,13 +79,6 @@ def _images(batch_size):
     return (torch.randn(batch_size, 3, 8, 8),), torch.randint(0, 5, (batch_size,))
 
 
-def mlp():
-    return _Entry(lambda **a: MLP(**a), _vectors)
-
-
-def resmlp():
-    return _Entry(lambda **a: ResMLP(), _vectors)
-
-
-def tiny_vgg():
-    return _Entry(lambda **a: TinyVGG(), _images)
+mlp = _Entry(lambda **a: MLP(**a), _vectors)
+resmlp = _Entry(lambda **a: ResMLP(), _vectors)
+tiny_vgg = _Entry(lambda **a: TinyVGG(), _images)

@@ -9,10 +9,7 @@ ranks agree on it without communicating.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -42,38 +39,12 @@ def _from_zoo_like(name: str, entry: Any, args: dict[str, Any], seq_len: int | N
                     loss=entry.loss, seq_len=seq_len)
 
 
-def _load_factory(spec: str) -> Any:
-    path, _, attr = spec.rpartition(":")
-    file = Path(path)
-    if not file.is_file():
-        raise ModelError(f"model {spec!r}: no file {path!r}; give 'path/file.py:factory'.")
-    mod_name = f"heterog_user_model_{abs(hash(str(file.resolve())))}"
-    module = sys.modules.get(mod_name)
-    if module is None:
-        ispec = importlib.util.spec_from_file_location(mod_name, file)
-        assert ispec is not None and ispec.loader is not None
-        module = importlib.util.module_from_spec(ispec)
-        sys.modules[mod_name] = module
-        ispec.loader.exec_module(module)
-    if not hasattr(module, attr):
-        raise ModelError(f"model {spec!r}: {path} defines no {attr!r}.")
-    return getattr(module, attr)
-
-
 def resolve_workload(model: ModelSpec) -> Workload:
     """The Workload a plan's ModelSpec names (zoo name or 'path/file.py:factory')."""
-    args = dict(model.args)
-    if ":" in model.name and model.name.split(":", 1)[0].endswith(".py"):
-        entry = _load_factory(model.name)
-        if callable(entry) and not hasattr(entry, "example_batch"):
-            entry = entry()
-        return _from_zoo_like(model.name, entry, args, model.seq_len)
-    try:
-        from heterog.capture.zoo import get_zoo_model
-    except ImportError as e:
-        raise ModelError(f"model {model.name!r}: the model zoo (heterog.capture.zoo) cannot be "
-                         f"imported ({e}); give the model as 'path/file.py:factory'.") from None
-    return _from_zoo_like(model.name, get_zoo_model(model.name), args, model.seq_len)
+    from heterog.capture.zoo import get_zoo_model
+    entry = get_zoo_model(model.name)
+    seq_len = model.seq_len or getattr(entry, "default_seq_len", None)
+    return _from_zoo_like(model.name, entry, dict(model.args), seq_len)
 
 
 def global_batch(work: Workload, batch_size: int, *, seed: int, step: int) -> tuple[tuple[Any, ...], Any]:
