@@ -1,0 +1,94 @@
+"""The planner: candidates, best ≤ every baseline, infeasible answers, reproducibility, CLI."""
+
+import json
+
+import pytest
+
+from heterog.errors import InfeasibleError
+from heterog.ir.plan import Plan
+from heterog.search.baselines import BASELINE_BUILDERS
+from heterog.search.estimate import estimate
+from heterog.search.grouping import make_groups
+from heterog.search.local_search import anneal
+from heterog.search.planner import CANDIDATES, plan_graph
+from heterog.search.problem import Problem
+from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
+
+LAYERS = [(1.0, 10, 1.0)] * 12 + [(0.1, 400, 0.01)]  # a CNN-like body and a parameter-heavy head
+
+
+def _inputs(speeds=(40.0, 10.0, 10.0, 10.0), memory_gib=16.0, batch=64, layers=LAYERS):
+    g = layered_graph(layers, batch_size=batch, skip_every=3)
+    c = toy_cluster(list(speeds), memory_gib=memory_gib, devices_per_node=2)
+    return g, c, TableCostModel(graph=g, cluster=c)
+
+
+def test_best_is_no_worse_than_any_baseline_and_explained():
+    g, c, costs = _inputs()
+    r = plan_graph(g, c, costs, budget_s=3, policy=False, max_iters=400)
+    names = [x.strategy for x in r.candidates]
+    assert names == [n for n in CANDIDATES if n in names]
+    assert set(BASELINE_BUILDERS) | {"search"} <= set(names)
+    feasible = [x.iteration_time_s for x in r.candidates if x.feasible]
+    assert r.best.predicted_iteration_time_s == pytest.approx(min(feasible))
+    even = next(x for x in r.candidates if x.strategy == "even-dp-allreduce")
+    assert r.best.predicted_iteration_time_s < even.iteration_time_s  # unlike devices: even DP wastes the fast one
+    r.best.validate(g, c)
+    assert r.best.cluster["name"] == c.name and r.best.priorities
+    assert any("faster than even data parallelism" in n for n in r.best.notes)
+    doc = r.to_dict()
+    assert set(doc) == {"best", "candidates", "search_time_s"}
+    assert {"strategy", "iteration_time_s", "feasible", "peak_memory_bytes"} <= set(doc["candidates"][0])
+    assert Plan.from_dict(json.loads(json.dumps(doc["best"]))).strategy == r.best.strategy
+
+
+def test_toy_cluster_shares_come_out_four_to_one():
+    g, c, costs = _inputs(speeds=(40.0, 10.0), layers=[(1.0, 1, 1.0)] * 8, batch=100)
+    r = plan_graph(g, c, costs, budget_s=2, policy=False, max_iters=300)
+    dp = [grp for grp in r.best.groups if len(grp.replicas) == 2]
+    assert dp, "expected data parallelism on both devices"
+    shares = {rep.device: rep.share for rep in dp[0].replicas}
+    fast, slow = shares["n0/d0"], shares["n0/d1"]
+    assert fast / slow == pytest.approx(4.0, rel=0.1)
+
+
+def test_model_that_fits_nowhere_names_the_memory_needed():
+    g, c, costs = _inputs(memory_gib=1.0, layers=[(1.0, 900, 1.0)] * 4)  # 3.6 GB of weights, 1 GiB GPUs
+    with pytest.raises(InfeasibleError) as e:
+        plan_graph(g, c, costs, budget_s=1, policy=False, max_iters=100)
+    msg = str(e.value)
+    assert "fits nowhere" in msg and "GiB" in msg and "smallest need found" in msg
+
+
+def test_memory_heavy_model_where_even_dp_overflows_but_plan_fits():
+    # fast device has little memory: even DP overflows it; the planner finds a plan that fits
+    layers = [(0.5, 1, 30.0)] * 8
+    g, c, costs = _inputs(speeds=(40.0, 10.0, 10.0, 10.0), memory_gib=[2.0, 16.0, 16.0, 16.0], layers=layers, batch=64)
+    r = plan_graph(g, c, costs, budget_s=2, policy=False, max_iters=300)
+    byname = {x.strategy: x for x in r.candidates}
+    assert not byname["proportional-dp"].feasible
+    assert r.best.predicted_peak_memory_bytes["n0/d0"] <= c.memory_bytes("n0/d0")
+
+
+def test_search_is_reproducible_with_a_seed():
+    g, c, costs = _inputs()
+    prob = Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 8), batch_size=64)
+    starts = [b(prob) for b in BASELINE_BUILDERS.values()]
+    a = anneal(prob, starts, budget_s=60, seed=7, max_iters=300)
+    b = anneal(prob, starts, budget_s=60, seed=7, max_iters=300)
+    assert a.best.key() == b.best.key()
+    assert a.best_estimate.iteration_time_s == b.best_estimate.iteration_time_s
+    assert a.best_estimate.score <= min(estimate(prob, s).score for s in starts)
+
+
+def test_plan_cli_json_on_a_zoo_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from heterog.cli.main import app
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "--model", "mlp", "--batch-size", "32", "--cluster", "paper-8gpu",
+                                   "--budget-s", "2", "--json", "--out", str(out), "--no-gnn"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert set(doc) == {"best", "candidates", "search_time_s"}
+    assert Plan.load(out).strategy == doc["best"]["strategy"]
