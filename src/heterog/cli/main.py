@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "capture_cmd",
     "plan_cmd",
     "predict_cmd",
+    "simulate_cmd",
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -164,6 +164,8 @@ class CostTable:
         self._mem: dict = {}
         self._edge: dict[tuple[str, str], tuple[float, float]] = {}
         self._comm: dict = {}
+        # optional extension of the CostModel protocol: the sum of compute_time_s over nodes
+        self._group_time = getattr(costs, "group_time_s", None)
 
     def _trim(self) -> None:
         for d in (self._time, self._mem, self._comm):
@@ -177,6 +179,9 @@ class CostTable:
         if hit is None:
             if samples <= 0:
                 hit = (0.0, 0.0)
+            elif self._group_time is not None:   # a vectorised sum, when the model has one
+                gt = self._group_time
+                hit = (float(gt(nodes, device, samples, "fwd")), float(gt(nodes, device, samples, "bwd")))
             else:
                 ct = self.costs.compute_time_s
                 hit = (sum(ct(n, device, samples, "fwd") for n in nodes),

@@ -1,0 +1,151 @@
+"""Simulations per second of heterog.simulate on a ~1000-node graph with ~50-group plans.
+
+Clusters: the built-in paper-8gpu (8 devices), mixed-64 (64) and scale-1024 (1024), with the
+analytic cost model. Plans, as the search produces them:
+  dp        every group on every device, shares proportional to peak FLOP/s, ring all-reduce
+  pipe-dp   8 stages (contiguous groups), each data-parallel over 1/8 of the devices, 4
+            micro-batches, 1F1B
+  hybrid    a random subset of devices (up to 8) with random shares per group, random sync
+"cold" is the first simulation with a fresh cost model (every cost computed); "warm" is the
+search's case: each call changes the shares of one group of the previous plan.
+
+    .venv/bin/python benchmarks/simulator_speed.py [--quick]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from heterog.cost import build_cost_model
+from heterog.hardware.spec import load_cluster
+from heterog.ir.affine import Affine
+from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
+from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.jsonio import write_atomic
+from heterog.simulate import simulate
+
+N_NODES, N_GROUPS = 1000, 50
+CLUSTERS = ("paper-8gpu", "mixed-64", "scale-1024")
+
+
+def synthetic_graph(batch_size: int) -> OpGraph:
+    """A residual network of 250 blocks × (matmul, norm, activation, add); 1000 nodes."""
+    nodes, edges = [], []
+    width = 1024
+    for i in range(N_NODES):
+        kind = ("matmul", "norm", "elementwise", "elementwise")[i % 4]
+        act = 4.0 * width * 16                       # bytes per sample of one activation
+        if kind == "matmul":
+            flops = 2.0 * width * width * 16
+            params = width * width
+        else:
+            flops, params = 10.0 * width * 16, (2 * width if kind == "norm" else 0)
+        nodes.append(OpNode(name=f"n{i}", module_path=f"blocks.{i // 4}.op{i % 4}", module_type="X", kind=kind,
+                            fwd_flops=Affine(0, flops), bwd_flops=Affine(0, 2 * flops),
+                            fwd_bytes=Affine(4 * params, 2 * act), bwd_bytes=Affine(8 * params, 4 * act),
+                            saved_bytes=Affine(0, act), output_bytes=Affine(0, act),
+                            workspace_bytes=Affine(0, act / 4), param_count=params, param_bytes=4 * params,
+                            param_names=(f"n{i}.w",) if params else (), fwd_kernels=1, bwd_kernels=2,
+                            tensor_core_flops_fraction=1.0 if kind == "matmul" else 0.0))
+        if i:
+            edges.append(OpEdge(src=f"n{i - 1}", dst=f"n{i}", bytes=Affine(0, act)))
+        if i % 4 == 3 and i >= 4:
+            edges.append(OpEdge(src=f"n{i - 4}", dst=f"n{i}", bytes=Affine(0, act)))   # residual
+    return OpGraph(model="synthetic-1000", batch_size=batch_size, nodes=tuple(nodes), edges=tuple(edges)).validate()
+
+
+def chunks(seq, k):
+    n = len(seq)
+    return [seq[i * n // k:(i + 1) * n // k] for i in range(k)]
+
+
+def speed_shares(cluster, devices):
+    w = [cluster.gpu(d).peak_flops_per_s["fp32"] / cluster.device(d).slowdown for d in devices]
+    s = [x / sum(w) for x in w]
+    s[-1] = 1.0 - sum(s[:-1])
+    return s
+
+
+def make_plans(graph, cluster, rng):
+    names = [n.name for n in graph.nodes]
+    node_sets = [tuple(c) for c in chunks(names, N_GROUPS)]
+    devices = [d.name for d in cluster.devices]
+    spec = ModelSpec(name="synthetic", batch_size=graph.batch_size)
+
+    def group(k, devs, shares, sync="ring", ps=None):
+        return Group(name=f"g{k}", nodes=node_sets[k], sync=sync if len(devs) > 1 else "none",
+                     ps_device=ps if len(devs) > 1 else None,
+                     replicas=tuple(Replica(device=d, share=s) for d, s in zip(devs, shares)))
+
+    dp_shares = speed_shares(cluster, devices)
+    dp = Plan(strategy="dp", model=spec, groups=tuple(group(k, devices, dp_shares) for k in range(N_GROUPS)))
+    stages = chunks(devices, 8)
+    stage_groups = chunks(list(range(N_GROUPS)), 8)
+    pipe = Plan(strategy="pipe-dp", model=spec, num_microbatches=4, schedule="1f1b",
+                groups=tuple(group(k, stages[s], speed_shares(cluster, stages[s]))
+                             for s in range(8) for k in stage_groups[s]))
+    hyb = []
+    for k in range(N_GROUPS):
+        devs = rng.sample(devices, rng.randint(1, min(8, len(devices))))
+        w = [rng.uniform(0.5, 1.5) for _ in devs]
+        sync = rng.choice(["ring", "hierarchical", "ps"])
+        hyb.append(group(k, devs, [x / sum(w) for x in w], sync, devs[0] if sync == "ps" else None))
+    hybrid = Plan(strategy="hybrid", model=spec, groups=tuple(hyb))
+    return {"dp": dp, "pipe-dp": pipe, "hybrid": hybrid}
+
+
+def mutate(plan, rng):
+    """The search's typical move: new shares for one group."""
+    k = rng.randrange(len(plan.groups))
+    g = plan.groups[k]
+    w = [r.share * rng.uniform(0.8, 1.25) for r in g.replicas]
+    g2 = dataclasses.replace(g, replicas=tuple(dataclasses.replace(r, share=x / sum(w)) for r, x in zip(g.replicas, w)))
+    return dataclasses.replace(plan, groups=plan.groups[:k] + (g2,) + plan.groups[k + 1:])
+
+
+def measure(graph, cluster, plan, min_time_s):
+    costs = build_cost_model(graph, cluster)
+    t0 = time.perf_counter()
+    r = simulate(graph, cluster, plan, costs, timeline=False)
+    cold_s = time.perf_counter() - t0
+    rng = random.Random(1)
+    n, t0 = 0, time.perf_counter()
+    p = plan
+    while True:
+        p = mutate(p, rng)
+        simulate(graph, cluster, p, costs, timeline=False)
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= min_time_s and n >= 3:
+            break
+    return {"cold_s": cold_s, "warm_sims_per_s": n / el, "warm_ms": 1e3 * el / n, "tasks": r.num_tasks,
+            "iteration_time_s": r.iteration_time_s, "feasible": r.feasible}
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    rows = []
+    for cname in CLUSTERS:
+        cluster = load_cluster(cname)
+        graph = synthetic_graph(batch_size=max(64, 4 * len(cluster.devices)))
+        for pname, plan in make_plans(graph, cluster, random.Random(0)).items():
+            m = measure(graph, cluster, plan, 0.3 if quick else 2.0)
+            rows.append({"cluster": cname, "devices": len(cluster.devices), "plan": pname,
+                         "groups": len(plan.groups), "nodes": len(graph.nodes), **m})
+            print(f"{cname:>11} {len(cluster.devices):5d} dev  {pname:8s} tasks {m['tasks']:6d}  "
+                  f"cold {m['cold_s'] * 1e3:8.1f} ms  warm {m['warm_ms']:7.2f} ms = {m['warm_sims_per_s']:7.1f} sims/s",
+                  flush=True)
+    out = Path(__file__).parent / "results" / "simulator_speed.json"
+    doc = {"benchmark": "simulator_speed", "command": "python benchmarks/simulator_speed.py",
+           "python": sys.version.split()[0], "rows": rows}
+    write_atomic(out, json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""`heterog simulate plan.json`: predict one iteration of a saved plan, with a timeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from heterog.cli.output import console, human_bytes, human_time, print_json, print_table, write_json
+from heterog.errors import PlanError
+
+
+def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None):
+    """The plan, and the graph, cluster and cost model it was made for.
+
+    The graph is re-captured from plan.model (or read from --graph); the cluster is the spec
+    stored in the plan (or --cluster); costs are the analytic model at the plan's precision
+    and optimizer.
+    """
+    from heterog.cost import build_cost_model
+    from heterog.ir.opgraph import OpGraph
+    from heterog.ir.plan import Plan
+
+    plan = Plan.load(plan_path)
+    if graph_path is not None:
+        graph = OpGraph.load(graph_path)
+    else:
+        from heterog.capture import capture_model
+        graph = capture_model(plan.model.name, plan.model.args or None, batch_size=plan.model.batch_size,
+                              seq_len=plan.model.seq_len)
+    if cluster_name is not None:
+        from heterog.hardware.spec import load_cluster
+        cluster = load_cluster(cluster_name)
+    elif plan.cluster:
+        from heterog.hardware.spec import cluster_from_dict
+        cluster = cluster_from_dict(plan.cluster)
+    else:
+        raise PlanError(f"{plan_path}: field 'cluster' is empty, so the plan does not say which cluster "
+                        f"it is for; pass --cluster NAME_OR_FILE.")
+    costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer)
+    return plan, graph, cluster, costs
+
+
+def _show(result, plan) -> None:
+    rows = []
+    for d, peak in result.peak_memory_bytes.items():
+        cap = result.memory_capacity_bytes[d]
+        busy = result.compute_time_s[d]
+        util = busy / result.iteration_time_s if result.iteration_time_s > 0 else 0.0
+        rows.append([d, human_time(busy), human_time(result.communication_time_s[d]),
+                     human_time(result.idle_time_s[d]), f"{100 * util:.0f}%",
+                     human_bytes(peak), human_bytes(cap), "yes" if peak <= cap else "NO"])
+    print_table(f"plan {plan.strategy!r}: {len(plan.groups)} groups, {plan.num_microbatches} micro-batch(es), "
+                f"{plan.schedule}", ["device", "compute", "communication", "idle", "busy", "peak memory",
+                                     "memory", "fits"], rows)
+    links = sorted(result.link_bytes.items(), key=lambda kv: -result.link_busy_time_s.get(kv[0], 0.0))[:8]
+    if links:
+        print_table("busiest links", ["link", "bytes", "busy"],
+                    [[l, human_bytes(b), human_time(result.link_busy_time_s.get(l, 0.0))] for l, b in links])
+    line = (f"[bold]iteration {human_time(result.iteration_time_s)}[/bold], "
+            f"{result.throughput_samples_per_s:.1f} samples/s")
+    if not result.feasible:
+        line += (f"; [red]does not fit: {result.overflow_device} needs "
+                 f"{human_bytes(result.overflow_bytes)} more than it has[/red]")
+    console.print(line)
+
+
+def simulate_command(
+    plan_path: Path = typer.Argument(..., help="A plan file written by `heterog plan --out`."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (open in Perfetto)."),
+    graph: Optional[Path] = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Simulate on this cluster instead of the plan's."),
+    priorities: Optional[str] = typer.Option(None, "--priorities",
+                                             help="Recompute execution priorities: upward or heteroG."),
+) -> None:
+    """Simulate one training iteration of PLAN: time, per-device busy/idle time, memory, links."""
+    from heterog.simulate import assign_priorities, simulate
+
+    plan, g, c, costs = load_inputs(plan_path, graph, cluster)
+    if priorities is not None:
+        plan = assign_priorities(g, c, plan, costs, priorities)
+    result = simulate(g, c, plan, costs)
+    if trace is not None:
+        write_json(str(trace), result.to_chrome_trace())
+    if as_json:
+        out: dict[str, Any] = result.to_dict()
+        if trace is not None:
+            out["trace"] = str(trace)
+        print_json(out)
+    else:
+        _show(result, plan)
+        if trace is not None:
+            console.print(f"trace written to {trace} (open it at https://ui.perfetto.dev)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(simulate_command)
