@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "plan_cmd",
     "predict_cmd",
     "simulate_cmd",
+    "run_cmd",
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -116,6 +116,7 @@ def main(argv: list[str]) -> int:
     spec_path = Path(argv[0])
     spec = json.loads(spec_path.read_text())
     out_dir = Path(spec["out_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", spec.get("rank", 0)))
     try:
         result = train(spec, out_dir)

@@ -1,0 +1,97 @@
+"""Measure per-node forward and backward times of a model on this machine's CPU.
+
+Every leaf module call (an OpGraph node name: module path, '#k' on the k-th repeated call)
+is timed with module hooks: forward from its pre-hook to its hook, backward from its full
+backward pre-hook to its full backward hook. Loose ops are not timed here; the cost model
+keeps its analytic estimate for them. Times are taken at two batch sizes (the cost model
+interpolates linearly between them, extrapolating along the same line), the minimum of
+`repeats` runs each, as HeteroG profiled (REFERENCE.md: min of 5 runs, linear fit in the
+batch). The result is a `heterog.cost.profile.Profile` for device type 'cpu', which the
+emulated clusters' devices use; their slowdown multiplies it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from heterog.cost.profile import Profile
+from heterog.execute.workload import Workload, build_model, global_batch
+
+
+def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if name and len(m._modules) == 0]
+
+
+def time_nodes(model: nn.Module, run_step, *, repeats: int) -> dict[str, dict[str, float]]:
+    """node → {'fwd': s, 'bwd': s}, the minimum over `repeats` calls of run_step()."""
+    best: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd": float("inf"), "bwd": float("inf")})
+    calls: dict[str, int] = {}
+    started: dict[tuple[str, str], list[tuple[str, float]]] = defaultdict(list)
+    handles = []
+
+    def node_name(path: str) -> str:
+        k = calls.get(path, 0)
+        calls[path] = k + 1
+        return path if k == 0 else f"{path}#{k}"
+
+    for path, m in _leaf_modules(model):
+        def fwd_pre(mod, args, path=path):
+            started[(path, "fwd")].append((node_name(path), time.perf_counter()))
+
+        def fwd_post(mod, args, out, path=path):
+            name, t0 = started[(path, "fwd")].pop()
+            started[(path, "bwd_names")].append((name, 0.0))
+            best[name]["fwd"] = min(best[name]["fwd"], time.perf_counter() - t0)
+
+        def bwd_pre(mod, grad_out, path=path):
+            name, _ = started[(path, "bwd_names")].pop()  # backward runs calls in reverse
+            started[(path, "bwd")].append((name, time.perf_counter()))
+
+        def bwd_post(mod, grad_in, grad_out, path=path):
+            name, t0 = started[(path, "bwd")].pop()
+            best[name]["bwd"] = min(best[name]["bwd"], time.perf_counter() - t0)
+
+        handles += [m.register_forward_pre_hook(fwd_pre), m.register_forward_hook(fwd_post),
+                    m.register_full_backward_pre_hook(bwd_pre), m.register_full_backward_hook(bwd_post)]
+    try:
+        run_step()  # warm-up: allocator, kernel selection
+        for _ in range(repeats):
+            calls.clear()
+            started.clear()
+            run_step()
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: {p: t for p, t in v.items() if t != float("inf")} for n, v in best.items()}
+
+
+def measure_profile(work: Workload, *, batch_sizes: tuple[int, int], repeats: int = 5,
+                    threads: int = 1, device_type: str = "cpu", graph=None, seed: int = 0) -> Profile:
+    """A Profile of `work`'s leaf modules at two batch sizes on this CPU with `threads` threads."""
+    torch.set_num_threads(threads)
+    model = build_model(work, seed=seed)
+    times: dict[str, dict[str, dict[str, list]]] = {}
+    for b in batch_sizes:
+        inputs, targets = global_batch(work, b, seed=seed, step=0)
+        # the first module's inputs need grad, or its backward hook would not fire
+        inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
+                       and x.is_floating_point() else x for x in inputs)
+
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            work.loss(model(*inputs), targets).backward()
+
+        for node, phases in time_nodes(model, step, repeats=repeats).items():
+            for phase, t in phases.items():
+                times.setdefault(node, {}).setdefault(device_type, {}).setdefault(phase, []).append((float(b), t))
+    if graph is not None:  # keep only nodes the graph knows (and say nothing about the rest)
+        times = {n: v for n, v in times.items() if n in graph.index}
+    frozen: dict[str, Any] = {n: {g: {p: tuple(sorted(pts)) for p, pts in ph.items()} for g, ph in by.items()}
+                              for n, by in times.items()}
+    return Profile(model=work.name, precision="fp32",
+                   graph_fingerprint=graph.fingerprint() if graph is not None else "", times=frozen)
