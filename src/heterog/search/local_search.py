@@ -85,6 +85,8 @@ class Annealer:
         # devices drawn for single-device moves: faster ones more often (rank-weighted)
         self.device_weights = [1.0 / (1 + r) ** 0.5 for r in range(len(fast))]
         self.fast = fast
+        gb = [float(x) for x in prob.grad_bytes]
+        self.grad_weights = gb if sum(gb) > 0 else None
 
     def _device(self) -> int:
         return self.rng.choices(self.fast, weights=self.device_weights)[0]
@@ -97,8 +99,14 @@ class Annealer:
         kind = rng.choices(("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare"),
                            weights=(3, 3, 2, 2, 2, 2, 1, 1, 1))[0]
         if kind == "move":
-            if rng.random() < 0.5:
+            r = rng.random()
+            if r < 0.3:
                 a = rng.randrange(prob.n_groups)
+                b = a + 1
+            elif r < 0.6 and self.grad_weights is not None:
+                # parameter-heavy groups are where leaving data parallelism pays (HeteroG's
+                # VGG result: fully connected layers on one device, convolutions replicated)
+                a = rng.choices(range(prob.n_groups), weights=self.grad_weights)[0]
                 b = a + 1
             return _reshaped(prob, s, a, b, [self._device()], "none", None, s.placements[a].recompute)
         if kind == "merge":
@@ -163,33 +171,50 @@ class Annealer:
                     del elite[self.elite_size:]
             return v
 
+        state = {"it": 0, "best": None, "best_v": math.inf}
+
+        def out_of_time(limit_it: int | None, t_end: float) -> bool:
+            return ((limit_it is not None and state["it"] >= limit_it) or time.perf_counter() >= t_end)
+
+        def walk(cur: Strategy, cur_v: float, limit_it: int | None, t_end: float, restarts: bool) -> None:
+            """Simulated annealing from `cur` until the iteration limit or the deadline."""
+            stale = 0
+            local = 0
+            while not out_of_time(limit_it, t_end):
+                temp = t0 * 0.5 ** (local / cooling_iters)
+                cand = self.propose(cur)
+                state["it"] += 1
+                local += 1
+                if cand is cur:
+                    continue
+                v = score(cand)
+                if v < cur_v or self.rng.random() < math.exp(-(v - cur_v) / max(temp * cur_v, 1e-30)):
+                    cur, cur_v = cand, v
+                if cur_v < state["best_v"] - 1e-15:
+                    state["best"], state["best_v"], stale = cur, cur_v, 0
+                else:
+                    stale += 1
+                if restarts and stale > 300:  # stuck: restart from a random elite strategy
+                    cur_v, cur = self.rng.choice(elite)
+                    stale = 0
+                if progress is not None and state["it"] % 50 == 0:
+                    progress(min(1.0, (time.perf_counter() - begin) / budget_s))
+
         scored = sorted(((score(s), i) for i, s in enumerate(starts)))
-        cur = starts[scored[0][1]]
-        cur_v = scored[0][0]
-        best, best_v = cur, cur_v
-        it = stale = 0
-        while True:
-            if max_iters is not None and it >= max_iters:
-                break
-            if time.perf_counter() - begin >= budget_s:
-                break
-            temp = t0 * 0.5 ** (it / cooling_iters)
-            cand = self.propose(cur)
-            it += 1
-            if cand is cur:
-                continue
-            v = score(cand)
-            if v < cur_v or self.rng.random() < math.exp(-(v - cur_v) / max(temp * cur_v, 1e-30)):
-                cur, cur_v = cand, v
-            if cur_v < best_v - 1e-15:
-                best, best_v, stale = cur, cur_v, 0
-            else:
-                stale += 1
-            if stale > 300:  # stuck: restart from a random elite strategy
-                cur_v, cur = self.rng.choice(elite)
-                stale = 0
-            if progress is not None and it % 50 == 0:
-                progress(min(1.0, (time.perf_counter() - begin) / budget_s))
+        distinct: list[tuple[float, Strategy]] = []
+        for v, i in scored:
+            if all(starts[i].key() != d[1].key() for d in distinct):
+                distinct.append((v, starts[i]))
+        state["best_v"], state["best"] = distinct[0]
+        # phase 1: a short anneal from every start (different basins: data, model, pipeline
+        # parallelism), 40% of the budget; phase 2: continue from the best, with restarts
+        deadline = begin + budget_s
+        for k, (v, s0) in enumerate(distinct):
+            frac = 0.4 * (k + 1) / len(distinct)
+            limit = None if max_iters is None else int(max_iters * frac)
+            walk(s0, v, limit, begin + budget_s * frac, restarts=False)
+        walk(state["best"], state["best_v"], max_iters, deadline, restarts=True)
+        best, it = state["best"], state["it"]
         return SearchResult(best=best, best_estimate=self.score_fn(self.prob, best), iterations=it,
                             time_s=time.perf_counter() - begin, elite=elite)
 

@@ -1,0 +1,150 @@
+"""Plan quality: simulated iteration time of every candidate strategy, per model and cluster.
+
+For the paper's eight models (typical batch sizes) on paper-8gpu, mixed-16 and mixed-64, plus
+cases too large for plain data parallelism on the smallest GPU, and one scale-1024 case for
+search time: the simulated time of each baseline, the search alone, the GNN alone and both,
+the speedup of the best over even data parallelism (ring all-reduce), and the search time.
+
+    .venv/bin/python benchmarks/plan_quality.py [--budget-s 6] [--quick]
+
+Writes benchmarks/results/plan_quality.json (atomically) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from heterog.capture import capture_model  # noqa: E402
+from heterog.cli.output import print_table, write_json  # noqa: E402
+from heterog.cost import build_cost_model  # noqa: E402
+from heterog.errors import InfeasibleError  # noqa: E402
+from heterog.hardware.spec import load_cluster  # noqa: E402
+from heterog.ir.plan import ModelSpec  # noqa: E402
+from heterog.search.planner import CANDIDATES, plan_graph  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "plan_quality.json"
+
+# (model, model args, batch size, seq len): the paper's eight at batch sizes typical for each
+PAPER_MODELS = [
+    ("vgg19", {}, 64, None),
+    ("resnet200", {}, 32, None),
+    ("inception_v3", {}, 64, None),
+    ("mobilenet_v2", {}, 128, None),
+    ("nasnet", {}, 32, None),
+    ("transformer", {}, 64, 256),
+    ("bert-large", {}, 32, 384),
+    ("xlnet-large", {}, 16, 512),
+]
+PAPER_CLUSTERS = ["paper-8gpu", "mixed-16", "mixed-64"]
+# too large for plain data parallelism on the smallest GPU (GTX 1080 Ti, 11 GB) of paper-8gpu
+LARGE_CASES = [
+    ("bert-large", {}, 128, 384, "paper-8gpu"),
+    ("xlnet-large", {}, 64, 512, "paper-8gpu"),
+    ("transformer", {"layers": 24, "d_model": 1024, "heads": 16, "ffn": 4096}, 64, 256, "paper-8gpu"),
+]
+SCALE_CASES = [("resnet50", {}, 2048, None, "scale-1024")]
+
+
+def run_case(graph, cluster_name, spec, budget_s, seed):
+    cluster = load_cluster(cluster_name)
+    costs = build_cost_model(graph, cluster)
+    row = {"model": spec.name, "model_args": spec.args, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
+           "cluster": cluster_name, "devices": len(cluster.devices), "budget_s": budget_s}
+    t = time.perf_counter()
+    try:
+        r = plan_graph(graph, cluster, costs, budget_s=budget_s, seed=seed, model_spec=spec)
+    except InfeasibleError as e:
+        row.update(feasible=False, error=str(e), search_time_s=time.perf_counter() - t)
+        return row
+    times = {c.strategy: (c.iteration_time_s if c.feasible else None) for c in r.candidates}
+    even = times.get("even-dp-allreduce")
+    baseline_best = min((v for k, v in times.items() if k in CANDIDATES[:6] and v is not None), default=None)
+    row.update(feasible=True, times_s=times, best=r.best.strategy,
+               best_time_s=r.best.predicted_iteration_time_s,
+               speedup_vs_even_dp=(even / r.best.predicted_iteration_time_s) if even else None,
+               speedup_vs_best_baseline=(baseline_best / r.best.predicted_iteration_time_s) if baseline_best else None,
+               search_time_s=r.search_time_s, devices_used=len(r.best.devices()),
+               scored_by=r.candidates[0].scored_by, notes=list(r.best.notes[:2]))
+    return row
+
+
+def _fmt(v):
+    return "OOM" if v is None else f"{v * 1e3:.1f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-s", type=float, default=6.0, help="search budget per case (≤ 64 GPUs)")
+    ap.add_argument("--scale-budget-s", type=float, default=30.0, help="search budget for scale-1024")
+    ap.add_argument("--quick", action="store_true", help="only paper-8gpu, no large/scale cases")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cases = [(m, a, b, s, c) for (m, a, b, s) in PAPER_MODELS for c in PAPER_CLUSTERS]
+    if args.quick:
+        cases = [x for x in cases if x[4] == "paper-8gpu"]
+    else:
+        cases += LARGE_CASES + SCALE_CASES
+    graphs: dict = {}
+    rows = []
+    begin = time.perf_counter()
+    for m, a, b, s, c in cases:
+        key = (m, json.dumps(a, sort_keys=True), b, s)
+        if key not in graphs:
+            t = time.perf_counter()
+            graphs[key] = capture_model(m, a or None, batch_size=b, seq_len=s)
+            print(f"captured {m} (batch {b}) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        spec = ModelSpec(name=m, args=a, batch_size=b, seq_len=s)
+        budget = args.scale_budget_s if c == "scale-1024" else args.budget_s
+        row = run_case(graphs[key], c, spec, budget, args.seed)
+        rows.append(row)
+        print(f"{m:14s} {c:11s} best={row.get('best')} x{row.get('speedup_vs_even_dp') or 0:.2f} "
+              f"{row['search_time_s']:.1f}s", file=sys.stderr)
+    cols = ["model", "batch", "cluster", *CANDIDATES, "best", "× even-dp", "× best baseline", "search s"]
+    table = []
+    for r in rows:
+        t = r.get("times_s", {})
+        label = r["model"] + ("" if not r["model_args"] else "(" + ",".join(f"{k}={v}" for k, v in r["model_args"].items()) + ")")
+        table.append([label, r["batch_size"], r["cluster"], *[_fmt(t.get(n)) if n in t else "—" for n in CANDIDATES],
+                      r.get("best", "infeasible"),
+                      f"{r['speedup_vs_even_dp']:.2f}" if r.get("speedup_vs_even_dp") else "even-dp OOM",
+                      f"{r['speedup_vs_best_baseline']:.2f}" if r.get("speedup_vs_best_baseline") else "all OOM",
+                      f"{r['search_time_s']:.1f}"])
+    print_table("simulated iteration time (ms) per candidate", cols, table)
+    gnn_alone = [r for r in rows if r.get("times_s", {}).get("gnn")]
+    summary = {
+        "cases": len(rows),
+        "best_never_worse_than_baselines": all(
+            r["best_time_s"] <= min((v for k, v in r["times_s"].items() if v is not None), default=float("inf")) + 1e-12
+            for r in rows if r.get("feasible")),
+        "gnn_alone_beats_best_baseline": sum(
+            1 for r in gnn_alone if r["times_s"]["gnn"] < min(v for k, v in r["times_s"].items()
+                                                              if k in CANDIDATES[:6] and v is not None) - 1e-12
+            if any(k in CANDIDATES[:6] and v is not None for k, v in r["times_s"].items())),
+        "gnn_plus_search_beats_search": sum(
+            1 for r in rows if r.get("times_s", {}).get("gnn+search") and r["times_s"].get("search")
+            and r["times_s"]["gnn+search"] < r["times_s"]["search"] - 1e-12),
+        "search_beats_gnn_plus_search": sum(
+            1 for r in rows if r.get("times_s", {}).get("gnn+search") and r["times_s"].get("search")
+            and r["times_s"]["search"] < r["times_s"]["gnn+search"] - 1e-12),
+        "total_time_s": time.perf_counter() - begin,
+    }
+    print(json.dumps(summary, indent=1))
+    write_json(str(RESULTS), {"benchmark": "plan_quality", "command": "python benchmarks/plan_quality.py "
+                              + " ".join(argv if argv is not None else sys.argv[1:]),
+                              "machine": platform.processor() or platform.machine(), "summary": summary,
+                              "rows": rows})
+    print(f"wrote {RESULTS}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
