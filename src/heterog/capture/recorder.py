@@ -97,7 +97,8 @@ class Recorder(TorchDispatchMode):
         self._current: int = -1
         self._leaf_calls: dict[str, int] = {}
         self._loose_runs: dict[str, int] = {}
-        self._producer: dict[int, int] = {}
+        self._producer: dict[int, int] = {}       # storage → node of its last (non-view) writer
+        self._producer_of: dict[int, int] = {}    # id(tensor) → node whose op returned it
         self._saved: set[int] = set()
         self._seq_to_node: dict[int, int] = {}
         self._pending: list[tuple[list[torch.Tensor], int]] = []
@@ -249,9 +250,12 @@ class Recorder(TorchDispatchMode):
                 node.kinds.add("softmax")
             self._track_inputs(idx, ins)
             for t in outs:
-                key = _storage_key(t)
-                self._producer[key] = idx
+                # A view (or an in-place op) returns a tensor the current node produced; its
+                # storage's data was written by whoever wrote it last.
+                self._producer_of[id(t)] = idx
                 if not view:
+                    key = _storage_key(t)
+                    self._producer[key] = idx
                     node.fwd_outputs[key] = max(node.fwd_outputs.get(key, 0), tensor_nbytes(t))
             self._pending.append((outs, idx))
         node.tc_flops += flops if is_tc else 0.0
@@ -270,7 +274,7 @@ class Recorder(TorchDispatchMode):
                     node.param_count += p.numel()
                     node.param_bytes += tensor_nbytes(p)
                 continue
-            src = self._producer.get(key)
+            src = self._producer_of.get(id(t), self._producer.get(key))
             if src is None or src == idx:
                 continue
             nbytes = tensor_nbytes(t)
