@@ -7,7 +7,7 @@ analytic cost model. Plans, as the search produces them:
             micro-batches, 1F1B
   hybrid    a random subset of devices (up to 8) with random shares per group, random sync
 "cold" is the first simulation with a fresh cost model (every cost computed); "warm" is the
-search's case: each call changes the shares of one group of the previous plan.
+search's case: each call scores a neighbour of the plan (new shares for one group).
 
     .venv/bin/python benchmarks/simulator_speed.py [--quick]
 """
@@ -99,11 +99,13 @@ def make_plans(graph, cluster, rng):
     return {"dp": dp, "pipe-dp": pipe, "hybrid": hybrid}
 
 
-def mutate(plan, rng):
-    """The search's typical move: new shares for one group."""
+def mutate(plan, rng, cluster):
+    """The search's typical move: new shares for one group, by GPU type (the share optimiser
+    gives devices of one type equal shares)."""
     k = rng.randrange(len(plan.groups))
     g = plan.groups[k]
-    w = [r.share * rng.uniform(0.8, 1.25) for r in g.replicas]
+    factor = {t: rng.uniform(0.8, 1.25) for t in cluster.gpu_types}
+    w = [r.share * factor[cluster.device(r.device).gpu_type] for r in g.replicas]
     g2 = dataclasses.replace(g, replicas=tuple(dataclasses.replace(r, share=x / sum(w)) for r, x in zip(g.replicas, w)))
     return dataclasses.replace(plan, groups=plan.groups[:k] + (g2,) + plan.groups[k + 1:])
 
@@ -115,10 +117,8 @@ def measure(graph, cluster, plan, min_time_s):
     cold_s = time.perf_counter() - t0
     rng = random.Random(1)
     n, t0 = 0, time.perf_counter()
-    p = plan
-    while True:
-        p = mutate(p, rng)
-        simulate(graph, cluster, p, costs, timeline=False)
+    while True:   # neighbours of the plan, as the annealing search scores them
+        simulate(graph, cluster, mutate(plan, rng, cluster), costs, timeline=False)
         n += 1
         el = time.perf_counter() - t0
         if el >= min_time_s and n >= 3:

@@ -52,7 +52,14 @@ class ClusterInfo:
             self.dev_class.append(rep.setdefault((d.gpu_type, d.slowdown, d.memory_bytes), d.name))
         self.capacity_bytes = [cluster.memory_bytes(n) for n in self.devices]
         self._paths: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
+
+    def names(self, ids: tuple[int, ...]) -> tuple[str, ...]:
+        hit = self._names.get(ids)
+        if hit is None:
+            hit = self._names[ids] = tuple(self.devices[d] for d in ids)
+        return hit
 
     def path(self, src: int, dst: int) -> tuple[int, ...]:
         key = (src, dst)

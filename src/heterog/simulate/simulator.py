@@ -96,10 +96,18 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
         if d >= 0:
             compute[d] += dur[t]
         else:
-            for m in tasks.members[t]:
+            for m in tasks.comm[t][0]:
                 comm[m] += dur[t]
             for l in tasks.links[t]:
                 link_busy[l] = link_busy.get(l, 0.0) + dur[t]
+    rep = tasks.rep
+    for d in used:     # devices simulated through a representative share its timeline
+        r = rep[d]
+        if r != d:
+            compute[d] = compute[r]
+            peak[d] = peak[r]
+            if mem_trace:
+                mem_trace[d] = mem_trace[r]
     over_dev = names[overflow[0]] if overflow else None
     over_bytes = int(peak[overflow[0]] - info.capacity_bytes[overflow[0]]) if overflow else 0
     return SimResult(
@@ -125,14 +133,19 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
 def _events(tasks, info, start, end):
     names, links = info.devices, info.links
     blocks = tasks.blocks
+    twins: dict[int, list[int]] = {}
+    for d, r in enumerate(tasks.rep):
+        if r != d:
+            twins.setdefault(r, [r]).append(d)
     for t, k in enumerate(tasks.kind):
         s, e = start[t], end[t]
         if k == OPT:
-            yield ("optimizer step", "optimizer", names[tasks.dev[t]], s, e)
+            for d in twins.get(tasks.dev[t], (tasks.dev[t],)):
+                yield ("optimizer step", "optimizer", names[d], s, e)
             continue
-        blk = blocks[tasks.block[t]]
+        blk = blocks[tasks.block_of(t)]
         if k == XFER:
-            a, b = tasks.members[t]
+            a, b = tasks.comm[t][0]
             label = f"{blk.label} mb{tasks.mb[t]} {names[a]}→{names[b]}"
         elif k == SYNC:
             label = f"{blk.label} {blk.sync} sync"
@@ -140,9 +153,10 @@ def _events(tasks, info, start, end):
             label = f"{blk.label} {'F' if k == 0 else 'B'} mb{tasks.mb[t]}"
         cat = KIND_NAMES[k]
         if tasks.dev[t] >= 0:
-            yield (label, cat, names[tasks.dev[t]], s, e)
+            for d in twins.get(tasks.dev[t], (tasks.dev[t],)):
+                yield (label, cat, names[d], s, e)
             continue
-        for m in tasks.members[t]:
+        for m in tasks.comm[t][0]:
             yield (label, cat, names[m], s, e)
         for l in tasks.links[t]:
             yield (label, cat, f"link:{links[l]}", s, e)

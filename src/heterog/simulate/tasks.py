@@ -26,6 +26,7 @@ from heterog.ir.plan import Plan, split_samples
 from heterog.simulate.context import ClusterInfo, CostTable
 
 FWD, BWD, XFER, SYNC, OPT = 0, 1, 2, 3, 4
+MERGE_SYMMETRIC = True   # simulate symmetric devices once (tests switch it off to compare)
 KIND_NAMES = ("forward", "backward", "transfer", "sync", "optimizer")
 
 
@@ -42,11 +43,12 @@ class Block:
 
 
 class Tasks:
-    """The task graph: flat per-task lists (task id = index)."""
+    """The task graph: flat per-task lists (task id = index); `comm` holds what only
+    communication tasks have. Call `seal()` after the last task is added."""
 
-    __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "block",
-                 "members", "nbytes", "mem_start", "mem_end", "link_bytes", "persistent_bytes",
-                 "blocks", "stage_limit", "bwd_count")
+    __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
+                 "mem_start", "mem_end", "link_bytes", "persistent_bytes",
+                 "blocks", "stage_limit", "bwd_count", "rep")
 
     def __init__(self, blocks: list[Block], n_devices: int):
         self.kind: list[int] = []
@@ -54,12 +56,10 @@ class Tasks:
         self.dev: list[int] = []                 # device of a compute task, -1 for communication
         self.links: list[tuple[int, ...]] = []   # links a communication task occupies
         self.succ: list[list[int]] = []
-        self.npred: list[int] = []
-        self.key: list[tuple] = []               # reference-schedule priority (smaller first)
+        self.npred: list[int] = []               # filled by seal()
+        self.key: list[tuple] = []               # reference priority (phase, mb, ±block); smaller first
         self.mb: list[int] = []
-        self.block: list[int] = []
-        self.members: list[tuple[int, ...]] = []  # devices a communication task involves
-        self.nbytes: list[float] = []
+        self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
         self.mem_start: list = []                # [(device, +bytes), ...] or None
         self.mem_end: list = []
         self.link_bytes: dict[int, float] = {}
@@ -67,28 +67,33 @@ class Tasks:
         self.blocks = blocks
         self.stage_limit = [1] * n_devices       # 1F1B: micro-batches in flight per device
         self.bwd_count: dict[tuple[int, int], int] = {}
+        self.rep: list[int] = list(range(n_devices))  # device whose tasks stand for this one's
 
-    def add(self, kind: int, dur: float, dev: int, key: tuple, mb: int, block: int,
-            links: tuple[int, ...] = (), members: tuple[int, ...] = (), nbytes: float = 0.0) -> int:
+    def add(self, kind: int, dur: float, dev: int, key: tuple, mb: int) -> int:
         t = len(self.kind)
         self.kind.append(kind)
         self.dur.append(dur)
         self.dev.append(dev)
-        self.links.append(links)
+        self.links.append(())
         self.succ.append([])
-        self.npred.append(0)
         self.key.append(key)
         self.mb.append(mb)
-        self.block.append(block)
-        self.members.append(members)
-        self.nbytes.append(nbytes)
         self.mem_start.append(None)
         self.mem_end.append(None)
         return t
 
+    def add_comm(self, kind: int, dur: float, mb: int, block: int, links: tuple[int, ...],
+                 members: tuple[int, ...], nbytes: float) -> int:
+        t = self.add(kind, dur, -1, (), mb)
+        self.links[t] = links
+        self.comm[t] = (members, nbytes, block)
+        return t
+
+    def block_of(self, t: int) -> int:
+        return self.comm[t][2] if self.dev[t] < 0 else abs(self.key[t][2])
+
     def dep(self, a: int, b: int) -> None:
         self.succ[a].append(b)
-        self.npred[b] += 1
 
     def mem(self, t: int, start: bool, dev: int, delta: float) -> None:
         lst = self.mem_start if start else self.mem_end
@@ -97,6 +102,34 @@ class Tasks:
         else:
             lst[t].append((dev, delta))
 
+    def seal(self) -> None:
+        npred = [0] * len(self.kind)
+        for lst in self.succ:
+            for s in lst:
+                npred[s] += 1
+        self.npred = npred
+
+
+_placements: dict[int, tuple[tuple, int]] = {}
+
+
+def _placement_id(replicas: tuple) -> int:
+    """A small integer per distinct placement: comparing two 64-replica tuples field by field
+    is what made block fusion slow. Keyed by the tuple's identity (kept alive here), then by value."""
+    hit = _placements.get(id(replicas))
+    if hit is not None and hit[0] is replicas:
+        return hit[1]
+    if len(_placements) > 50_000:
+        _placements.clear()
+        _by_value.clear()
+    value = tuple((r.device, r.share) for r in replicas)
+    pid = _by_value.setdefault(value, len(_by_value))
+    _placements[id(replicas)] = (replicas, pid)
+    return pid
+
+
+_by_value: dict[tuple, int] = {}
+
 
 def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table: CostTable) -> list[Block]:
     """Fuse runs of groups (see the module docstring). A group joins the run before it only if
@@ -104,7 +137,7 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
     last group sends nothing to another placement: a fused run then receives only at its start
     and sends only at its end, so fusion delays no other device."""
     groups = plan.groups
-    keys = [(g.replicas, g.sync, g.ps_device, g.recompute) for g in groups]
+    keys = [(_placement_id(g.replicas), g.sync, g.ps_device, g.recompute) for g in groups]
     runs: list[list[int]] = []
     for g in order:
         key = keys[g]
@@ -167,18 +200,19 @@ def overlaps(a: list[int], b: list[int]):
                 eb += b[j]
 
 
-def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
-           table: CostTable) -> Tasks:
-    nb = len(blocks)
-    tasks = Tasks(blocks, len(info.devices))
+# re-partition moves between two placements; the search re-scores the same pairs constantly
+_moves_cache: dict[tuple, list] = {}
+
+
+def _block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:
+    """preds[b][a] = (fixed, per-sample) bytes from block a to block b. A producer node's
+    tensor is sent once per consumer block even when several of its nodes read it."""
     block_of_group = {}
     for bi, b in enumerate(blocks):
         for g in b.groups:
             block_of_group[g] = bi
-    # block-level edges with their (fixed, per-sample) bytes; a producer node's tensor is sent
-    # once per consumer block even when several of its nodes read it
-    preds: list[dict[int, tuple[float, float]]] = [dict() for _ in range(nb)]
-    for (ga, gb), edges in graph_grouping.cross.items():
+    preds: list[dict[int, tuple[float, float]]] = [dict() for _ in blocks]
+    for (ga, gb), edges in grouping.cross.items():
         a, b = block_of_group[ga], block_of_group[gb]
         if a == b:
             continue
@@ -190,108 +224,206 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                 per_src[src] = (fx, ps)
         fx0, ps0 = preds[b].get(a, (0.0, 0.0))
         preds[b][a] = (fx0 + sum(v[0] for v in per_src.values()), ps0 + sum(v[1] for v in per_src.values()))
+    return preds
 
+
+def _representatives(blocks, splits, moves, sizes, n_devices, dclass) -> list[int]:
+    """rep[d]: the device whose tasks stand for d's. Devices that send or receive no
+    point-to-point transfer, hold the same replicas of the same blocks at the same samples and
+    are of the same class have identical timelines (they meet only in collectives, which
+    wait for all members), so one of them is simulated for all — data parallelism over 1024
+    devices of four types costs as much as over four."""
+    p2p: set[int] = set()
+    for lst in moves.values():
+        for da, db, _i, _j, _n, nbytes in lst:
+            if da != db and nbytes > 0:
+                p2p.add(da)
+                p2p.add(db)
+    rep = list(range(n_devices))
+    if not MERGE_SYMMETRIC or len(p2p) >= n_devices - 1:
+        return rep
+    sig: dict[int, list] = {}
+    for bi, blk in enumerate(blocks):
+        per_size = [splits[(size, blk.shares)] for size in sizes]
+        for r, d in enumerate(blk.devices):
+            if d not in p2p:
+                sig.setdefault(d, []).append((bi, tuple(sp[r] for sp in per_size)))
+        if blk.ps_device is not None:
+            sig.setdefault(blk.ps_device, []).append(("ps", bi))
+    first: dict[tuple, int] = {}
+    for d in sorted(sig):
+        if d not in p2p:
+            rep[d] = first.setdefault((dclass[d], tuple(sig[d])), d)
+    return rep
+
+
+def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
+           table: CostTable) -> Tasks:
+    nb = len(blocks)
+    tasks = Tasks(blocks, len(info.devices))
+    preds = _block_edges(graph_grouping, blocks, table)
     devices = info.devices
     dclass = info.dev_class
     one_f1b = plan.schedule == "1f1b"
     mbs = plan.num_microbatches
     mb_sizes = split_samples(plan.batch_size, [1.0] * mbs)
-    split_cache: dict[tuple, list[int]] = {}
-    F: list[list[list[int]]] = [[None] * nb for _ in range(mbs)]  # type: ignore[list-item]
-    Bk: list[list[list[int]]] = [[None] * nb for _ in range(mbs)]  # type: ignore[list-item]
+    sizes = sorted(set(mb_sizes))
+    splits: dict[tuple, list[int]] = {}
+    for size in sizes:
+        for blk in blocks:
+            key = (size, blk.shares)
+            if key not in splits:
+                splits[key] = split_samples(size, list(blk.shares))
+    # re-partition moves per micro-batch size: (src dev, dst dev, src replica, dst replica, samples, bytes)
+    moves: dict[tuple[int, int, int], list] = {}
+    for size in sizes:
+        for bi, blk in enumerate(blocks):
+            for a, (fx, ps) in preds[bi].items():
+                src = blocks[a]
+                ck = (size, src.devices, src.shares, blk.devices, blk.shares, fx, ps)
+                mv = _moves_cache.get(ck)
+                if mv is None:
+                    if len(_moves_cache) > 20_000:
+                        _moves_cache.clear()
+                    mv = _moves_cache[ck] = [
+                        (src.devices[i], blk.devices[j], i, j, n, fx * n / size + ps * n)
+                        for i, j, n in overlaps(splits[(size, src.shares)], splits[(size, blk.shares)])]
+                moves[(size, a, bi)] = mv
+    rep = _representatives(blocks, splits, moves, sizes, len(devices), dclass)
+    tasks.rep = rep
+    add_comm, dep, mem = tasks.add_comm, tasks.dep, tasks.mem
+    kinds = tasks.kind
+    # forward/backward tasks are most of the tasks: append to the columns directly
+    a_kind, a_dur, a_dev, a_links = kinds.append, tasks.dur.append, tasks.dev.append, tasks.links.append
+    a_succ, a_key, a_mb = tasks.succ.append, tasks.key.append, tasks.mb.append
+    a_ms, a_me = tasks.mem_start.append, tasks.mem_end.append
+    F = [[None] * nb for _ in range(mbs)]
+    Bk = [[None] * nb for _ in range(mbs)]
     bwd_of_dev: dict[int, list[int]] = {}
+    bwd_count = tasks.bwd_count
+    values: list[dict] = [dict() for _ in range(nb)]   # per block: (class, samples) → costs
     for m in range(mbs):
         size = mb_sizes[m]
         for bi, blk in enumerate(blocks):
-            sk = (size, blk.shares)
-            samples = split_cache.get(sk)
-            if samples is None:
-                samples = split_cache[sk] = split_samples(size, list(blk.shares))
-            fids, bids = [], []
+            samples = splits[(size, blk.shares)]
+            fids: list = [None] * len(blk.devices)
+            bids: list = [None] * len(blk.devices)
             fkey = (1, m, bi) if one_f1b else (0, m, bi)
             bkey = (0, m, -bi) if one_f1b else (1, m, -bi)
+            vals = values[bi]
             for r, d in enumerate(blk.devices):
+                if rep[d] != d:
+                    continue
                 s = samples[r]
                 dn = dclass[d]
-                fwd = bwd = 0.0
-                act = full = ws = 0.0
-                for nodes in blk.nodes:
-                    f_s, b_s = table.times_s(nodes, dn, s)
-                    fwd += f_s
-                    bwd += b_s + (f_s if blk.recompute else 0.0)
-                    act += table.activation_bytes(nodes, s, blk.recompute)
-                    if blk.recompute:
-                        full += table.activation_bytes(nodes, s, False)
-                    w = table.workspace_bytes(nodes, s)
-                    ws = w if w > ws else ws
-                f = tasks.add(FWD, fwd, d, fkey, m, bi)
-                b = tasks.add(BWD, bwd, d, bkey, m, bi)
-                tasks.dep(f, b)
-                if act or ws:
-                    tasks.mem(f, True, d, act + ws)
-                if ws:
-                    tasks.mem(f, False, d, -ws)
-                extra = (full - act) if blk.recompute else 0.0
-                if ws or extra:
-                    tasks.mem(b, True, d, ws + extra)
-                if act or ws or extra:
-                    tasks.mem(b, False, d, -(ws + act + extra))
-                fids.append(f)
-                bids.append(b)
-                bwd_of_dev.setdefault(d, []).append(b)
-                tasks.bwd_count[(d, m)] = tasks.bwd_count.get((d, m), 0) + 1
+                v = vals.get((dn, s))
+                if v is None:
+                    fwd = bwd = act = full = ws = 0.0
+                    for nodes in blk.nodes:
+                        f_s, b_s = table.times_s(nodes, dn, s)
+                        fwd += f_s
+                        bwd += b_s + (f_s if blk.recompute else 0.0)
+                        act += table.activation_bytes(nodes, s, blk.recompute)
+                        if blk.recompute:
+                            full += table.activation_bytes(nodes, s, False)
+                        w = table.workspace_bytes(nodes, s)
+                        ws = w if w > ws else ws
+                    extra = (full - act) if blk.recompute else 0.0
+                    v = vals[(dn, s)] = (fwd, bwd, act, ws, extra)
+                fwd, bwd, act, ws, extra = v
+                f = len(kinds)
+                b = f + 1
+                a_kind(FWD)
+                a_kind(BWD)
+                a_dur(fwd)
+                a_dur(bwd)
+                a_dev(d)
+                a_dev(d)
+                a_links(())
+                a_links(())
+                a_succ([b])
+                a_succ([])
+                a_key(fkey)
+                a_key(bkey)
+                a_mb(m)
+                a_mb(m)
+                a_ms([(d, act + ws)] if act or ws else None)
+                a_ms([(d, ws + extra)] if ws or extra else None)
+                a_me([(d, -ws)] if ws else None)
+                a_me([(d, -(ws + act + extra))] if act or ws or extra else None)
+                fids[r] = f
+                bids[r] = b
+                lst = bwd_of_dev.get(d)
+                if lst is None:
+                    bwd_of_dev[d] = [b]
+                else:
+                    lst.append(b)
+                bwd_count[(d, m)] = bwd_count.get((d, m), 0) + 1
             F[m][bi] = fids
             Bk[m][bi] = bids
-        # re-partition between producer and consumer blocks
         for bi, blk in enumerate(blocks):
-            ssplit = split_cache[(size, blk.shares)]
-            for a, (fx, ps) in preds[bi].items():
-                src = blocks[a]
-                asplit = split_cache[(size, src.shares)]
-                for i, j, n in overlaps(asplit, ssplit):
-                    da, db = src.devices[i], blk.devices[j]
+            for a in preds[bi]:
+                for da, db, i, j, n, nbytes in moves[(size, a, bi)]:
+                    if rep[da] != da or rep[db] != db:
+                        continue   # a merged device: its representative carries the dependency
                     fa, fb = F[m][a][i], F[m][bi][j]
                     ba, bb = Bk[m][a][i], Bk[m][bi][j]
-                    nbytes = fx * n / size + ps * n
                     if da == db or nbytes <= 0:
-                        tasks.dep(fa, fb)
-                        tasks.dep(bb, ba)
+                        dep(fa, fb)
+                        dep(bb, ba)
                         continue
                     path = info.path(da, db)
                     back = info.path(db, da)
-                    t_f = table.transfer_s(nbytes, devices[da], devices[db])
-                    t_b = table.transfer_s(nbytes, devices[db], devices[da])
-                    xf = tasks.add(XFER, t_f, -1, (), m, bi, path, (da, db), nbytes)
-                    xb = tasks.add(XFER, t_b, -1, (), m, a, back, (db, da), nbytes)
-                    tasks.dep(fa, xf)
-                    tasks.dep(xf, fb)
-                    tasks.dep(bb, xb)
-                    tasks.dep(xb, ba)
+                    xf = add_comm(XFER, table.transfer_s(nbytes, devices[da], devices[db]), m, bi,
+                                  path, (da, db), nbytes)
+                    xb = add_comm(XFER, table.transfer_s(nbytes, devices[db], devices[da]), m, a,
+                                  back, (db, da), nbytes)
+                    dep(fa, xf)
+                    dep(xf, fb)
+                    dep(bb, xb)
+                    dep(xb, ba)
                     # the receiver holds the tensor until the task that reads it ends
-                    tasks.mem(xf, True, db, nbytes)
-                    tasks.mem(fb, False, db, -nbytes)
-                    tasks.mem(xb, True, da, nbytes)
-                    tasks.mem(ba, False, da, -nbytes)
+                    mem(xf, True, db, nbytes)
+                    mem(fb, False, db, -nbytes)
+                    mem(xb, True, da, nbytes)
+                    mem(ba, False, da, -nbytes)
+                    lb = tasks.link_bytes
                     for l in path:
-                        tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + nbytes
+                        lb[l] = lb.get(l, 0.0) + nbytes
                     for l in back:
-                        tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + nbytes
-    # persistent state, gradient sync and the optimizer step
+                        lb[l] = lb.get(l, 0.0) + nbytes
+    _sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep)
+    if one_f1b:
+        _stage_limits(tasks, blocks)
+    tasks.seal()
+    return tasks
+
+
+def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
+                   Bk, bwd_of_dev: dict[int, list[int]], rep: list[int]) -> None:
+    """Persistent state per device, gradient sync per replicated block, optimizer steps."""
+    devices, dclass = info.devices, info.dev_class
+    mbs = plan.num_microbatches
     opt_preds: dict[int, list[int]] = {d: [] for d in bwd_of_dev}
     opt_time: dict[int, float] = {d: 0.0 for d in bwd_of_dev}
     for bi, blk in enumerate(blocks):
+        per_class: dict[str, tuple[float, float]] = {}
         for d in blk.devices:
             dn = dclass[d]
-            for nodes in blk.nodes:
-                tasks.persistent_bytes[d] += table.persistent_bytes(nodes, dn)
-                opt_time[d] += table.optimizer_s(nodes, dn)
+            v = per_class.get(dn)
+            if v is None:
+                v = per_class[dn] = (sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes),
+                                     sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes))
+            tasks.persistent_bytes[d] += v[0]
+            if rep[d] == d:
+                opt_time[d] += v[1]
         if blk.ps_device is not None and blk.ps_device not in blk.devices:
             for nodes in blk.nodes:   # the server keeps the parameters it serves
                 tasks.persistent_bytes[blk.ps_device] += table.persistent_bytes(nodes, dclass[blk.ps_device])
         grad = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
         if len(blk.devices) > 1 and blk.sync != "none" and grad > 0:
             members = blk.devices
-            names = tuple(devices[d] for d in members)
+            names = info.names(members)
             if blk.sync == "ps":
                 links, load = info.star(members, blk.ps_device)
                 dur = table.sync_s("ps", grad, names, devices[blk.ps_device])
@@ -300,26 +432,26 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                 links, load = info.ring(tuple(sorted(members)))
                 dur = table.sync_s(blk.sync, grad, names, None)
                 involved = members
-            s = tasks.add(SYNC, dur, -1, (), mbs, bi, links, involved, grad)
+            s = tasks.add_comm(SYNC, dur, mbs, bi, links, involved, grad)
             for l, share in load.items():
                 tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * grad
             for m in range(mbs):
                 for b in Bk[m][bi]:
-                    tasks.dep(b, s)
+                    if b is not None:
+                        tasks.dep(b, s)
             for d in involved:
-                tasks.mem(s, True, d, grad)
-                tasks.mem(s, False, d, -grad)
+                if rep[d] == d:
+                    tasks.mem(s, True, d, grad)
+                    tasks.mem(s, False, d, -grad)
             for d in members:
-                opt_preds[d].append(s)
+                if rep[d] == d:
+                    opt_preds[d].append(s)
     for d, bl in bwd_of_dev.items():
-        o = tasks.add(OPT, opt_time[d], d, (2, 0, 0), mbs, -1)
+        o = tasks.add(OPT, opt_time[d], d, (2, 0, 0), mbs)
         for b in bl:
             tasks.dep(b, o)
         for s in opt_preds[d]:
             tasks.dep(s, o)
-    if one_f1b:
-        _stage_limits(tasks, blocks)
-    return tasks
 
 
 def _stage_limits(tasks: Tasks, blocks: list[Block]) -> None:
