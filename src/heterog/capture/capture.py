@@ -8,6 +8,7 @@ the capture and restored afterwards, so a real model is left exactly as it was.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -84,11 +85,24 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a traceback for every failing op before raising; the error we
+    raise from it already says what failed, so keep the user's terminal to one paragraph."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _record(model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | None,
             fake_mode: FakeTensorMode, name: str) -> Recorder:
     flat_inputs = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]
     rec = Recorder(model, input_tensors=flat_inputs)
-    with fake_mode, rec:
+    with _quiet_fake_tensor_log(), fake_mode, rec:
         try:
             output = model(*inputs)
         except ModelError:
@@ -97,7 +111,7 @@ def _record(model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | N
             shapes = ", ".join(str(tuple(t.shape)) for t in flat_inputs)
             raise ModelError(
                 f"model {name!r} failed on example inputs of shape(s) {shapes}: "
-                f"{type(e).__name__}: {e}. Check that the example batch matches what the "
+                f"{type(e).__name__}: {str(e).rstrip('.')}. Check that the example batch matches what the "
                 f"model's forward expects (shape, dtype, number of arguments).") from e
         rec.start_loss()
         try:
@@ -110,7 +124,7 @@ def _record(model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | N
         except ModelError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise ModelError(f"the loss of model {name!r} failed: {type(e).__name__}: {e}. "
+            raise ModelError(f"the loss of model {name!r} failed: {type(e).__name__}: {str(e).rstrip('.')}. "
                              f"Check loss_fn and the targets' shape.") from e
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ModelError(f"the loss of model {name!r} must be a scalar tensor, "
