@@ -175,3 +175,42 @@ def test_chrome_trace_has_a_process_per_device_and_link_tracks(tmp_path):
     d = r.to_dict()
     assert json.loads(json.dumps(d))["devices"]["n1/d2"]["compute_time_s"] > 0
     assert len(json.loads(r.to_json())["events"]) == len(r.events)
+
+
+def test_symmetric_devices_simulated_once_give_the_same_answer(monkeypatch):
+    from heterog.simulate import tasks as tasks_mod
+    rng = random.Random(5)
+    g = chain_graph(6, flops=GF, edge_bytes=1e5, param_bytes=3_000_000)
+    c = cluster([[RATE, RATE, 2 * RATE, 2 * RATE], [RATE, RATE, 2 * RATE, 2 * RATE]], nic_bandwidth=1e9)
+    devices = [d.name for d in c.devices]
+    merged_some = False
+    for trial in range(12):
+        shares = [1.0 if "d2" in d or "d3" in d or "d6" in d or "d7" in d else 0.5 for d in devices]
+        total = sum(shares)
+        reps = [(d, s / total) for d, s in zip(devices, shares)]
+        cut = rng.randint(1, 5)
+        groups = [("a", [f"l{i}" for i in range(cut)], reps), ("b", [f"l{i}" for i in range(cut, 6)], reps)]
+        if trial % 3 == 2:   # a pipeline stage in front breaks the symmetry of some devices
+            groups[0] = ("a", [f"l{i}" for i in range(cut)], [("n0/d0", 1.0)])
+        p = plan(groups, batch_size=rng.choice([24, 48, 50]), num_microbatches=rng.choice([1, 2]),
+                 schedule=rng.choice(["gpipe", "1f1b"]), bucket_bytes=rng.choice([3_000_000, 2**30]),
+                 sync=rng.choice(["ring", "ps"]))
+        if p.groups[-1].sync == "ps":
+            p = dataclasses.replace(p, groups=tuple(dataclasses.replace(x, ps_device="n1/d4") if x.sync == "ps" else x
+                                                    for x in p.groups))
+        costs = TableCosts(g, c)
+        fast = simulate(g, c, p, costs)
+        monkeypatch.setattr(tasks_mod, "MERGE_SYMMETRIC", False)
+        slow = simulate(g, c, p, costs)
+        monkeypatch.setattr(tasks_mod, "MERGE_SYMMETRIC", True)
+        merged_some |= fast.num_tasks < slow.num_tasks
+        assert fast.iteration_time_s == pytest.approx(slow.iteration_time_s, rel=1e-12)
+        assert fast.peak_memory_bytes == slow.peak_memory_bytes
+        assert fast.compute_time_s == pytest.approx(slow.compute_time_s)
+        assert fast.communication_time_s == pytest.approx(slow.communication_time_s)
+        assert fast.link_bytes == pytest.approx(slow.link_bytes)
+        def spans(r):
+            return sorted((e[0], e[2], round(e[3], 12), round(e[4], 12)) for e in r.events)
+        assert spans(fast) == spans(slow)
+        assert len(fast.events) == len(slow.events)
+    assert merged_some
