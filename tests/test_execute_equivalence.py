@@ -90,3 +90,20 @@ def test_two_stage_pipeline_with_microbatches_and_residual(tmp_path):
         Group(name="stage1", nodes=("out",), replicas=replicas(("b", 1.0)))],
         batch_size=12, microbatches=3)
     check_equal(plan, tmp_path)
+
+
+def test_untraceable_model_under_data_parallelism(tmp_path):
+    plan = make_plan("branchy", [
+        Group(name="a", nodes=("fc1",), replicas=replicas(("a", 0.4), ("b", 0.6)), sync="ring"),
+        Group(name="b", nodes=("fc2",), replicas=replicas(("a", 0.4), ("b", 0.6)), sync="ps", ps_device="b")])
+    out = check_equal(plan, tmp_path)
+    assert any("not fx-traceable" in n for n in out["notes"])
+
+
+def test_interleaved_groups_on_overlapping_replicas(tmp_path):
+    # a → b → a, where a and b share device "b" with different ranges, in 2 micro-batches.
+    plan = make_plan("mlp", [
+        Group(name="a", nodes=("fc1", "act1", "fc3"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
+        Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("b", 0.5), ("c", 0.5)), sync="ring")],
+        batch_size=10, microbatches=2)
+    check_equal(plan, tmp_path)

@@ -82,3 +82,33 @@ def _images(batch_size):
 mlp = _Entry(lambda **a: MLP(**a), _vectors)
 resmlp = _Entry(lambda **a: ResMLP(), _vectors)
 tiny_vgg = _Entry(lambda **a: TinyVGG(), _images)
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it (runs only unsplit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if h.sum() > -1e9:
+            h = torch.tanh(h)
+        return self.fc2(h)
+
+
+class Repeat(nn.Module):
+    """One module called twice: the second call is node 'shared#1'."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.shared(torch.relu(self.shared(x))))
+
+
+branchy = _Entry(lambda **a: Branchy(), _vectors)

@@ -11,9 +11,14 @@ Loose fx nodes (functions, methods, attribute reads), which capture names
   2. one with no grouped input (it reads only model inputs, attributes or constants) joins
      the group of its first consumer that has a group;
   3. one with neither (dead code) joins the first group.
-So a residual add runs where its first operand was computed. Then torch.fx's split_module
-cuts the graph into one submodule per group; a plan whose groups depend on each other in
-a cycle cannot be executed stage by stage and is rejected.
+So a residual add runs where its first operand was computed.
+
+Execution cuts the graph into *stages*: maximal runs of consecutive fx nodes (in execution
+order) whose groups have the same replicas and shares. A stage is therefore one or more
+groups run back to back without a transfer between them (the planner often emits many
+small groups with one placement), and stages follow each other in topological order, so
+any grouping of the graph can be executed. torch.fx's split_module cuts one submodule per
+stage. Gradients are still synchronised per group, by each group's own method.
 
 A model fx cannot trace can still run a plan that needs no split (`whole_model`): every
 group on the same replicas with the same shares, i.e. data parallelism, which is how
@@ -38,7 +43,7 @@ INPUT = -1  # owner of model inputs: every rank has the whole global batch
 class Stage:
     """One call of a group's submodule in the top-level dataflow."""
     value: str                  # name of the value it produces
-    group: int                  # index into plan.groups
+    group: int                  # a group of the stage (all its groups share this placement)
     module: nn.Module
     args: tuple[str, ...]       # names of the values it consumes, in call order
 
@@ -123,31 +128,19 @@ def assign_groups(graph: fx.Graph, plan: Plan) -> tuple[dict[fx.Node, int], list
     return assign, warnings
 
 
-def _check_acyclic(graph: fx.Graph, assign: dict[fx.Node, int], plan: Plan) -> None:
-    deps: dict[int, set[int]] = {}
-    for n, g in assign.items():
-        for a in n.all_input_nodes:
-            h = assign.get(a)
-            if h is not None and h != g:
-                deps.setdefault(g, set()).add(h)
-    state: dict[int, int] = {}
-
-    def visit(g: int, path: list[int]) -> None:
-        state[g] = 1
-        for h in sorted(deps.get(g, ())):
-            if state.get(h) == 1:
-                cyc = path[path.index(h):] + [h] if h in path else [h, g]
-                names = " → ".join(plan.groups[i].name for i in reversed(cyc))
-                raise PlanError(f"groups depend on each other in a cycle ({names}); the executor "
-                                f"runs each group as one stage, so a group must not both feed and "
-                                f"consume another. Merge those groups.")
-            if h not in state:
-                visit(h, path + [h])
-        state[g] = 2
-
-    for g in sorted(deps):
-        if g not in state:
-            visit(g, [g])
+def segments(graph: fx.Graph, assign: dict[fx.Node, int], plan: Plan) -> dict[fx.Node, int]:
+    """fx node → stage index: a new stage starts wherever the placement changes."""
+    seg: dict[fx.Node, int] = {}
+    current, last = -1, None
+    for n in graph.nodes:
+        if n not in assign:
+            continue
+        placement = plan.groups[assign[n]].replicas
+        if placement != last:
+            current += 1
+            last = placement
+        seg[n] = current
+    return seg
 
 
 def split_model(model: nn.Module, plan: Plan) -> Dataflow:
@@ -161,8 +154,9 @@ def split_model(model: nn.Module, plan: Plan) -> Dataflow:
             f"Plans that need no split run it: every group on the same devices with the same "
             f"shares (data parallelism).") from None
     assign, warnings = assign_groups(traced.graph, plan)
-    _check_acyclic(traced.graph, assign, plan)
-    split = split_module(traced, model, lambda n: assign[n])
+    seg = segments(traced.graph, assign, plan)
+    group_of_segment = {seg[n]: assign[n] for n in reversed(list(seg))}  # first group of each
+    split = split_module(traced, model, lambda n: seg[n])
     inputs: list[str] = []
     stages: list[Stage] = []
     projections: dict[str, tuple[str, int]] = {}
@@ -173,7 +167,7 @@ def split_model(model: nn.Module, plan: Plan) -> Dataflow:
             inputs.append(n.name)
             owner[n.name] = INPUT
         elif n.op == "call_module":
-            group = int(str(n.target).rsplit("_", 1)[1])
+            group = group_of_segment[int(str(n.target).rsplit("_", 1)[1])]
             args = []
             for a in n.args:
                 if not isinstance(a, fx.Node):
@@ -199,26 +193,33 @@ def split_model(model: nn.Module, plan: Plan) -> Dataflow:
     assert output is not None
     flow = Dataflow(inputs=tuple(inputs), stages=tuple(stages), projections=projections,
                     owner=owner, output=output, warnings=warnings)
-    _collect_params(flow, model, plan)
+    _collect_params(flow, traced, assign, model, plan)
     return flow
 
 
-def _collect_params(flow: Dataflow, model: nn.Module, plan: Plan) -> None:
-    """Map each group to its parameters, by identity with the original model's names."""
+def _collect_params(flow: Dataflow, traced: fx.GraphModule, assign: dict[fx.Node, int],
+                    model: nn.Module, plan: Plan) -> None:
+    """Map each group to the parameters its fx nodes use (modules called, attributes read)."""
     name_of = {id(p): name for name, p in model.named_parameters()}
     holder: dict[int, int] = {}
-    for s in flow.stages:
-        for p in s.module.parameters():
-            if holder.setdefault(id(p), s.group) != s.group:
+    for n, g in assign.items():
+        if n.op == "call_module":
+            params = list(traced.get_submodule(str(n.target)).parameters())
+        elif n.op == "get_attr":
+            obj = traced
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part)
+            params = [obj] if isinstance(obj, nn.Parameter) else []
+        else:
+            continue
+        for p in params:
+            if holder.setdefault(id(p), g) != g:
                 raise PlanError(f"parameter {name_of.get(id(p), '?')!r} is used by groups "
-                                f"{plan.groups[holder[id(p)]].name!r} and {plan.groups[s.group].name!r}; "
+                                f"{plan.groups[holder[id(p)]].name!r} and {plan.groups[g].name!r}; "
                                 f"tied weights must lie in one group.")
-    seen: set[int] = set()
-    for s in flow.stages:
-        for p in s.module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                flow.params_of_group.setdefault(s.group, []).append((name_of.get(id(p), "?"), p))
+            elif id(p) not in {id(q) for _, q in flow.params_of_group.get(g, [])}:
+                flow.params_of_group.setdefault(g, []).append((name_of.get(id(p), "?"), p))
+    seen = set(holder)
     unused = [n for n, p in model.named_parameters() if id(p) not in seen]
     if unused:
         flow.warnings.append(f"{len(unused)} parameter(s) unused in forward, e.g. {unused[:3]}")

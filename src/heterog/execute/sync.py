@@ -7,8 +7,9 @@ method below therefore sums:
   (gloo and NCCL pick their own algorithm; the plan's choice shapes the prediction only);
 - ps: reduce(SUM) to the parameter-server rank, then broadcast from it — the server may be a
   device that holds no replica of the group, in which case it contributes zeros.
-Gradients are flattened into buckets of at most `plan.bucket_bytes` so that one collective
-moves many small tensors.
+Groups with the same members, method and server are synchronised together: their gradients
+are flattened into buckets of at most `plan.bucket_bytes`, so one collective moves many
+small tensors (a planner's plan often has dozens of small groups with one placement).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from heterog.ir.plan import Plan
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _GroupSync:
-    group: int
+    groups: tuple[int, ...]
     method: str
     members: tuple[int, ...]      # global ranks: replicas, plus the server for ps
     server: int | None
@@ -45,6 +46,7 @@ class GradSync:
         self.items: list[_GroupSync] = []
         self.sync_s = 0.0
         pgs: dict[tuple[int, ...], object] = {}
+        together: dict[tuple, list[int]] = {}
         # new_group is collective over the default group: every rank creates every sub-group,
         # in the same order, even those it is not a member of.
         for gi, g in enumerate(plan.groups):
@@ -57,9 +59,12 @@ class GradSync:
                 continue
             if key not in pgs:
                 pgs[key] = dist.new_group(ranks=list(key), timeout=timedelta(seconds=timeout_s))
+            method = "ps" if g.sync == "ps" else "allreduce"
+            together.setdefault((key, method, server), []).append(gi)
+        for (key, method, server), groups in together.items():
             if rank in key:
-                self.items.append(_GroupSync(group=gi, method=g.sync, members=key, server=server,
-                                             pg=pgs[key]))
+                self.items.append(_GroupSync(groups=tuple(groups), method=method, members=key,
+                                             server=server, pg=pgs[key]))
 
     def _buckets(self, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
         # The same split as _server_bucket_sizes, so the server's buffers match.
@@ -78,7 +83,7 @@ class GradSync:
     def sync(self) -> None:
         t0 = time.perf_counter()
         for item in self.items:
-            params = [p for _, p in self.flow.params_of_group.get(item.group, [])]
+            params = [p for g in item.groups for _, p in self.flow.params_of_group.get(g, [])]
             holds = any(p.numel() for p in params)
             try:
                 if holds:
@@ -92,16 +97,15 @@ class GradSync:
                             p.grad = flat[offset:offset + n].view_as(p).clone()
                             offset += n
                 else:  # a parameter server without a replica: same bucket sizes, zeros in
-                    for bucket_numel in self._server_bucket_sizes(item.group):
+                    numels = [n for g in item.groups for n in self.flow.param_numels[g]]
+                    for bucket_numel in self._server_bucket_sizes_of(numels):
                         self._reduce(item, torch.zeros(bucket_numel))
             except RuntimeError as e:
-                raise RankError(self.rank, f"gradient sync of group {self.plan.groups[item.group].name!r} "
+                names = ", ".join(self.plan.groups[g].name for g in item.groups[:4])
+                raise RankError(self.rank, f"gradient sync of group(s) {names} "
                                            f"with ranks {list(item.members)} failed or timed out after "
                                            f"{self.timeout_s:.0f} s ({str(e).splitlines()[0]}).") from None
         self.sync_s += time.perf_counter() - t0
-
-    def _server_bucket_sizes(self, group: int) -> list[int]:
-        return self._server_bucket_sizes_of(self.flow.param_numels[group])
 
     def _server_bucket_sizes_of(self, shapes: list[int]) -> list[int]:
         limit = max(1, self.plan.bucket_bytes // 4)

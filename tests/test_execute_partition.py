@@ -1,0 +1,115 @@
+"""Splitting a model by a Plan's groups (in-process, no ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heterog.errors import PlanError
+from heterog.execute.partition import INPUT, build_dataflow, fx_node_names, split_model
+from heterog.execute.runtime import StepProgram
+from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from test_execute_models import MLP, Branchy, Repeat, ResMLP, TinyVGG
+
+
+def _plan(groups, batch_size=8, microbatches=1) -> Plan:
+    return Plan(strategy="t", model=ModelSpec(name="m", batch_size=batch_size), groups=tuple(groups),
+                num_microbatches=microbatches)
+
+
+def _g(name, nodes, *devs, sync="ring"):
+    share = 1.0 / len(devs)
+    return Group(name=name, nodes=tuple(nodes), replicas=tuple(Replica(device=d, share=share) for d in devs),
+                 sync=sync if len(devs) > 1 else "none")
+
+
+def _run_stages(flow, x):
+    """Evaluate the split dataflow in one process; must equal the unsplit model."""
+    env = dict(zip(flow.inputs, (x,)))
+    for s in flow.stages:
+        env[s.value] = s.module(*[env[a] if a in env else env[flow.projections[a][0]][flow.projections[a][1]]
+                                   for a in s.args])
+        for proj, (src, idx) in flow.projections.items():
+            if src == s.value:
+                env[proj] = env[src][idx]
+    return env[flow.output]
+
+
+def test_node_names_follow_capture_naming_with_repeat_suffix():
+    assert fx_node_names(MLP()) == ["fc1", "act1", "fc2", "act2", "fc3"]
+    assert fx_node_names(Repeat()) == ["shared", "shared#1", "head"]
+    assert fx_node_names(TinyVGG())[:2] == ["features.0", "features.1"]
+
+
+def test_loose_ops_follow_their_producer_and_split_is_exact():
+    model = ResMLP()
+    plan = _plan([_g("a", ["inp", "block.0"], "d0"), _g("b", ["block.1", "out"], "d1")])
+    flow = split_model(model, plan)
+    # inp, block.0 | block.1 (Tanh) | the residual add and .relu() follow their first operand
+    # (inp's output, group a) | out
+    assert [s.group for s in flow.stages] == [0, 1, 0, 1]
+    x = torch.randn(8, 16)
+    assert torch.allclose(_run_stages(flow, x), model(x))
+    names = {g: sorted(n for n, _ in ps) for g, ps in flow.params_of_group.items()}
+    assert names == {0: ["block.0.bias", "block.0.weight", "inp.bias", "inp.weight"],
+                     1: ["out.bias", "out.weight"]}
+
+
+def test_interleaved_groups_become_consecutive_stages():
+    # a → b → a: each run of one placement is its own stage; no cycle between stages.
+    model = MLP()
+    plan = _plan([_g("a", ["fc1", "act1", "fc3"], "d0"), _g("b", ["fc2", "act2"], "d1")])
+    flow = split_model(model, plan)
+    assert [s.group for s in flow.stages] == [0, 1, 0]
+    x = torch.randn(8, 16)
+    assert torch.allclose(_run_stages(flow, x), model(x))
+
+
+def test_groups_with_one_placement_merge_into_one_stage():
+    model = MLP()
+    plan = _plan([_g("a", ["fc1", "act1"], "d0", "d1"), _g("b", ["fc2", "act2", "fc3"], "d0", "d1")])
+    flow = split_model(model, plan)
+    assert len(flow.stages) == 1
+    assert sorted(flow.params_of_group) == [0, 1]  # still synchronised per group
+
+
+def test_tied_parameter_across_groups_is_rejected():
+    plan = _plan([_g("a", ["shared"], "d0"), _g("b", ["shared#1", "head"], "d1")])
+    with pytest.raises(PlanError, match="tied weights"):
+        split_model(Repeat(), plan)
+
+
+def test_plan_for_another_model_is_rejected():
+    plan = _plan([_g("a", ["conv1", "conv2"], "d0")])
+    with pytest.raises(PlanError, match="different model"):
+        split_model(MLP(), plan)
+
+
+def test_untraceable_model_runs_unsplit_only_under_data_parallelism():
+    dp = _plan([_g("a", ["fc1"], "d0", "d1"), _g("b", ["fc2"], "d0", "d1")])
+    flow = build_dataflow(Branchy(), dp, num_inputs=1)
+    assert not flow.split and len(flow.stages) == 1
+    assert {g: [n for n, _ in ps] for g, ps in flow.params_of_group.items()} == \
+        {0: ["fc1.weight", "fc1.bias"], 1: ["fc2.weight", "fc2.bias"]}
+    mp = _plan([_g("a", ["fc1"], "d0"), _g("b", ["fc2"], "d1")])
+    with pytest.raises(PlanError, match="cannot be traced.*data parallelism"):
+        build_dataflow(Branchy(), mp, num_inputs=1)
+
+
+def test_transfer_table_covers_each_consumer_range_exactly():
+    model = MLP()
+    plan = _plan([Group(name="a", nodes=("fc1", "act1"), sync="ring",
+                        replicas=(Replica(device="d0", share=0.7), Replica(device="d1", share=0.3))),
+                  Group(name="b", nodes=("fc2", "act2", "fc3"), sync="ring",
+                        replicas=(Replica(device="d1", share=0.5), Replica(device="d2", share=0.5)))],
+                 batch_size=10, microbatches=2)
+    flow = split_model(model, plan)
+    prog = StepProgram(plan, flow, {"d0": 0, "d1": 1, "d2": 2})
+    for (si, ai, m, dst), pieces in prog.inputs.items():
+        lo, hi = prog.my_range(flow.stages[si].group, m, dst)
+        covered = sorted((p.lo, p.hi) for p in pieces)
+        assert covered[0][0] == lo and covered[-1][1] == hi
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    tags = [p.tag for ps in prog.inputs.values() for p in ps]
+    assert len(tags) == len(set(tags))
+    assert flow.owner[flow.inputs[0]] == INPUT
