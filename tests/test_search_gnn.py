@@ -2,7 +2,6 @@
 
 import random
 
-import pytest
 import torch
 
 from heterog.search.estimate import estimate
@@ -53,8 +52,7 @@ def test_policy_save_load_round_trip(tmp_path):
 
 
 def test_shipped_policy_is_small_and_loads():
-    if not SHIPPED_POLICY.exists():
-        pytest.skip("no shipped policy file yet")
+    assert SHIPPED_POLICY.exists(), "the pre-trained policy ships with the package"
     assert SHIPPED_POLICY.stat().st_size < 5 * 2**20
     pol = load_policy(None)
     prob = synthetic_problems(1, seed=11, max_devices=8)[0]

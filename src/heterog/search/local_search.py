@@ -74,8 +74,12 @@ def _reshaped(prob: Problem, s: Strategy, a: int, b: int, devices: Sequence[int]
 
 class Annealer:
     def __init__(self, prob: Problem, seed: int = 0, *, elite_size: int = 8,
-                 scorer: Callable[[Problem, Strategy], Estimate] = estimate):
+                 scorer: Callable[[Problem, Strategy], Estimate] = estimate,
+                 verifier: Callable[[Problem, Strategy], Estimate] | None = None):
+        """scorer ranks moves; verifier (the simulator, when the scorer is the faster
+        estimate) re-scores every new best, and the result is the best by the verifier."""
         self.prob = prob
+        self.verifier = verifier
         self.rng = random.Random(seed)
         self.score_fn = scorer
         self.elite_size = elite_size
@@ -192,6 +196,7 @@ class Annealer:
                     cur, cur_v = cand, v
                 if cur_v < state["best_v"] - 1e-15:
                     state["best"], state["best_v"], stale = cur, cur_v, 0
+                    check(cur)
                 else:
                     stale += 1
                 if restarts and stale > 300:  # stuck: restart from a random elite strategy
@@ -200,12 +205,28 @@ class Annealer:
                 if progress is not None and state["it"] % 50 == 0:
                     progress(min(1.0, (time.perf_counter() - begin) / budget_s))
 
+        verified: list = [math.inf, None]
+
+        spent = [0.0]
+
+        def check(st: Strategy) -> None:
+            # verification may use at most a third of the budget; later new bests go unverified
+            # (the planner still re-scores the elite with the simulator)
+            if self.verifier is not None and spent[0] < budget_s / 3:
+                t = time.perf_counter()
+                v = self.verifier(self.prob, st).score
+                spent[0] += time.perf_counter() - t
+                if v < verified[0]:
+                    verified[0], verified[1] = v, st
+
         scored = sorted(((score(s), i) for i, s in enumerate(starts)))
         distinct: list[tuple[float, Strategy]] = []
         for v, i in scored:
             if all(starts[i].key() != d[1].key() for d in distinct):
                 distinct.append((v, starts[i]))
         state["best_v"], state["best"] = distinct[0]
+        for _, s0 in distinct:
+            check(s0)
         # phase 1: a short anneal from every start (different basins: data, model, pipeline
         # parallelism), 40% of the budget; phase 2: continue from the best, with restarts
         deadline = begin + budget_s
@@ -215,6 +236,9 @@ class Annealer:
             walk(s0, v, limit, begin + budget_s * frac, restarts=False)
         walk(state["best"], state["best_v"], max_iters, deadline, restarts=True)
         best, it = state["best"], state["it"]
+        if verified[1] is not None:
+            best = verified[1]
+            elite.insert(0, (state["best_v"], state["best"]))  # the scorer's own best stays a candidate
         return SearchResult(best=best, best_estimate=self.score_fn(self.prob, best), iterations=it,
                             time_s=time.perf_counter() - begin, elite=elite)
 

@@ -169,16 +169,17 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     say("gnn", 0.1)
     left = max(0.0, budget_s - (time.perf_counter() - begin)) * 0.8
     share = 0.5 if gnn_props else 1.0
-    use_sim = scorer == "simulator" or (
-        scorer == "auto" and _simulator() is not None and per_call_s * 300 <= left * share)
+    have_sim = _simulator() is not None
+    use_sim = scorer == "simulator" or (scorer == "auto" and have_sim and per_call_s * 2000 <= left * share)
     score_fn = simulator_scorer(prob) if use_sim else estimate
+    verify = simulator_scorer(prob) if (have_sim and not use_sim and scorer != "estimate") else None
     starts = [strategies[n] for n in BASELINE_BUILDERS]
-    searched = Annealer(prob, seed, scorer=score_fn).run(
+    searched = Annealer(prob, seed, scorer=score_fn, verifier=verify).run(
         starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f))
     strategies["search"] = searched.best
     pools = {"search": searched.elite}
     if gnn_props:
-        both = Annealer(prob, seed + 1, scorer=score_fn).run(
+        both = Annealer(prob, seed + 1, scorer=score_fn, verifier=verify).run(
             gnn_props, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("gnn+search", 0.5 + 0.4 * f))
         strategies["gnn+search"] = both.best
         pools["gnn+search"] = both.elite
