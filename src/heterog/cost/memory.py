@@ -111,7 +111,31 @@ class MemoryModel:
         self.out_fixed = np.array([n.output_bytes.fixed for n in nodes]) * factor
         self.out_per_sample = np.array([n.output_bytes.per_sample for n in nodes]) * factor
         self._factor = factor
+        self.in_fixed, self.in_per_sample = self._input_arrays()
+        self._chained_backward = np.array([n.bwd_kernels >= 2 and n.kind not in ("matmul", "conv")
+                                           for n in nodes])
         self._blocks = self._find_blocks()
+
+    def _input_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes of each node's inputs from other nodes (each source once): the size of the
+        input gradient its backward produces. Without edges, the previous node's output."""
+        n = len(self.graph.nodes)
+        per_dst: list[dict[str, Affine]] = [dict() for _ in range(n)]
+        gi = self.graph.index
+        for e in self.graph.edges:
+            f = activation_factor(self.graph.node(e.src).kind, self.precision)
+            d = per_dst[gi[e.dst]]
+            b = e.bytes.scaled(f)
+            if e.src not in d or b.at(1) > d[e.src].at(1):
+                d[e.src] = b
+        fixed, per_sample = np.zeros(n), np.zeros(n)
+        for i, d in enumerate(per_dst):
+            if d:
+                fixed[i] = sum(b.fixed for b in d.values())
+                per_sample[i] = sum(b.per_sample for b in d.values())
+            elif i > 0 and not self.graph.edges:
+                fixed[i], per_sample[i] = self.out_fixed[i - 1], self.out_per_sample[i - 1]
+        return fixed, per_sample
 
     # -- blocks for recompute -----------------------------------------------------------------
     def _find_blocks(self) -> dict[str, list[int]]:
@@ -202,7 +226,8 @@ class MemoryModel:
         all_idx = np.arange(n)
         params = self.params_bytes(all_idx)
         opt = self.optimizer_state_bytes(all_idx)
-        base = params + opt
+        # the batch itself stays live through the step (the caller holds it)
+        base = params + opt + self.graph.input_bytes.at(batch)
         saved = self.saved_fixed + self.saved_per_sample * batch
         out = self.out_fixed + self.out_per_sample * batch
         work = self.work_fixed + self.work_per_sample * batch
@@ -222,13 +247,19 @@ class MemoryModel:
         fwd_peak_i = int(np.argmax(fwd_live)) if n else 0
         fwd_peak = float(fwd_live[fwd_peak_i]) if n else base
         # backward of node i: saved activations of nodes ≤ i still held, gradients of nodes
-        # ≥ i accumulated, and the output gradient plus input gradient in flight.
+        # ≥ i (its own included) and in flight the gradient of its output — or, for a node of
+        # several ops, the largest gradient inside it (workspace_bytes: the largest backward
+        # output the capture saw) — plus the gradient of its inputs.
         grads_from = np.cumsum(self.param_bytes[::-1])[::-1]
-        bwd_live = base + cum_saved + grads_from + 2 * out + work + extra_bwd
+        grad_in = self.in_fixed + self.in_per_sample * batch
+        # matmul/conv backward ops are parallel branches (input and weight gradient, the
+        # latter already in grads_from), not a chain: their workspace adds nothing new.
+        internal = np.where(self._chained_backward, work, 0.0)
+        bwd_live = base + cum_saved + grads_from + np.maximum(out, internal) + grad_in + extra_bwd
         bwd_peak_i = int(np.argmax(bwd_live)) if n else 0
         bwd_peak = float(bwd_live[bwd_peak_i]) if n else base
         opt_transient = OPTIMIZER_TRANSIENT_COPIES[self.optimizer] * params
-        opt_peak = base + params + opt_transient
+        opt_peak = params + opt + params + opt_transient
         phase, peak = max((("forward", fwd_peak), ("backward", bwd_peak), ("optimizer", opt_peak)),
                           key=lambda kv: kv[1])
         if phase == "forward":
@@ -237,7 +268,7 @@ class MemoryModel:
             acts, grads = float(cum_saved[bwd_peak_i]) + extra_bwd, float(grads_from[bwd_peak_i])
         else:
             acts, grads = 0.0, params
-        transient = peak - params - opt - acts - grads
+        transient = peak - params - opt - acts - grads  # includes the input batch
         reserved = peak * (1 + FRAGMENTATION.get(self.allocator, 0.0))
         if self.allocator == "cuda":
             reserved = math.ceil(reserved / CUDA_SEGMENT_BYTES) * CUDA_SEGMENT_BYTES
