@@ -177,7 +177,8 @@ def test_chrome_trace_has_a_process_per_device_and_link_tracks(tmp_path):
     assert len(json.loads(r.to_json())["events"]) == len(r.events)
 
 
-def test_symmetric_devices_simulated_once_give_the_same_answer(monkeypatch):
+def test_shortcuts_give_the_same_answer(monkeypatch):
+    """Symmetric devices simulated once and copied micro-batches change nothing."""
     from heterog.simulate import tasks as tasks_mod
     rng = random.Random(5)
     g = chain_graph(6, flops=GF, edge_bytes=1e5, param_bytes=3_000_000)
@@ -192,7 +193,7 @@ def test_symmetric_devices_simulated_once_give_the_same_answer(monkeypatch):
         groups = [("a", [f"l{i}" for i in range(cut)], reps), ("b", [f"l{i}" for i in range(cut, 6)], reps)]
         if trial % 3 == 2:   # a pipeline stage in front breaks the symmetry of some devices
             groups[0] = ("a", [f"l{i}" for i in range(cut)], [("n0/d0", 1.0)])
-        p = plan(groups, batch_size=rng.choice([24, 48, 50]), num_microbatches=rng.choice([1, 2]),
+        p = plan(groups, batch_size=rng.choice([24, 48, 50]), num_microbatches=rng.choice([1, 2, 3, 4]),
                  schedule=rng.choice(["gpipe", "1f1b"]), bucket_bytes=rng.choice([3_000_000, 2**30]),
                  sync=rng.choice(["ring", "ps"]))
         if p.groups[-1].sync == "ps":
@@ -201,8 +202,10 @@ def test_symmetric_devices_simulated_once_give_the_same_answer(monkeypatch):
         costs = TableCosts(g, c)
         fast = simulate(g, c, p, costs)
         monkeypatch.setattr(tasks_mod, "MERGE_SYMMETRIC", False)
+        monkeypatch.setattr(tasks_mod, "REPLICATE_MICROBATCHES", False)
         slow = simulate(g, c, p, costs)
         monkeypatch.setattr(tasks_mod, "MERGE_SYMMETRIC", True)
+        monkeypatch.setattr(tasks_mod, "REPLICATE_MICROBATCHES", True)
         merged_some |= fast.num_tasks < slow.num_tasks
         assert fast.iteration_time_s == pytest.approx(slow.iteration_time_s, rel=1e-12)
         assert fast.peak_memory_bytes == slow.peak_memory_bytes

@@ -171,6 +171,7 @@ class CostTable:
         self._mem: dict = {}
         self._edge: dict[tuple[str, str], tuple[float, float]] = {}
         self._comm: dict = {}
+        self.scratch: dict = {}     # caches other simulator modules keep per (graph, costs)
         # optional extension of the CostModel protocol: the sum of compute_time_s over nodes
         self._group_time = getattr(costs, "group_time_s", None)
 

@@ -27,6 +27,7 @@ from heterog.simulate.context import ClusterInfo, CostTable
 
 FWD, BWD, XFER, SYNC, OPT = 0, 1, 2, 3, 4
 MERGE_SYMMETRIC = True   # simulate symmetric devices once (tests switch it off to compare)
+REPLICATE_MICROBATCHES = True   # copy the tasks of equal-sized micro-batches (idem)
 KIND_NAMES = ("forward", "backward", "transfer", "sync", "optimizer")
 
 
@@ -200,8 +201,24 @@ def overlaps(a: list[int], b: list[int]):
                 eb += b[j]
 
 
-# re-partition moves between two placements; the search re-scores the same pairs constantly
-_moves_cache: dict[tuple, list] = {}
+def _moves(src: Block, dst: Block, asplit: list[int], bsplit: list[int], size: int, fx: float, ps: float,
+           info: ClusterInfo, table: CostTable) -> list[tuple]:
+    """The re-partition between two placements, with its paths and uncontended times:
+    (src device, dst device, src replica, dst replica, bytes, path, back path, t_fwd, t_bwd);
+    path is None when nothing crosses a link. The search re-scores the same pairs constantly,
+    so the caller caches these per cost table."""
+    out = []
+    names = info.devices
+    for i, j, n in overlaps(asplit, bsplit):
+        da, db = src.devices[i], dst.devices[j]
+        nbytes = fx * n / size + ps * n
+        if da == db or nbytes <= 0:
+            out.append((da, db, i, j, nbytes, None, None, 0.0, 0.0))
+        else:
+            out.append((da, db, i, j, nbytes, info.path(da, db), info.path(db, da),
+                        table.transfer_s(nbytes, names[da], names[db]),
+                        table.transfer_s(nbytes, names[db], names[da])))
+    return out
 
 
 def _block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:
@@ -235,10 +252,10 @@ def _representatives(blocks, splits, moves, sizes, n_devices, dclass) -> list[in
     devices of four types costs as much as over four."""
     p2p: set[int] = set()
     for lst in moves.values():
-        for da, db, _i, _j, _n, nbytes in lst:
-            if da != db and nbytes > 0:
-                p2p.add(da)
-                p2p.add(db)
+        for mv in lst:
+            if mv[5] is not None:
+                p2p.add(mv[0])
+                p2p.add(mv[1])
     rep = list(range(n_devices))
     if not MERGE_SYMMETRIC or len(p2p) >= n_devices - 1:
         return rep
@@ -276,23 +293,23 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                 splits[key] = split_samples(size, list(blk.shares))
     # re-partition moves per micro-batch size: (src dev, dst dev, src replica, dst replica, samples, bytes)
     moves: dict[tuple[int, int, int], list] = {}
+    move_cache = table.scratch.setdefault("moves", {})
     for size in sizes:
         for bi, blk in enumerate(blocks):
             for a, (fx, ps) in preds[bi].items():
                 src = blocks[a]
                 ck = (size, src.devices, src.shares, blk.devices, blk.shares, fx, ps)
-                mv = _moves_cache.get(ck)
+                mv = move_cache.get(ck)
                 if mv is None:
-                    if len(_moves_cache) > 20_000:
-                        _moves_cache.clear()
-                    mv = _moves_cache[ck] = [
-                        (src.devices[i], blk.devices[j], i, j, n, fx * n / size + ps * n)
-                        for i, j, n in overlaps(splits[(size, src.shares)], splits[(size, blk.shares)])]
+                    if len(move_cache) > 20_000:
+                        move_cache.clear()
+                    mv = move_cache[ck] = _moves(src, blk, splits[(size, src.shares)],
+                                                 splits[(size, blk.shares)], size, fx, ps, info, table)
                 moves[(size, a, bi)] = mv
     rep = _representatives(blocks, splits, moves, sizes, len(devices), dclass)
     tasks.rep = rep
-    add_comm, dep, mem = tasks.add_comm, tasks.dep, tasks.mem
-    kinds = tasks.kind
+    mem = tasks.mem
+    kinds, succ, comm, lb = tasks.kind, tasks.succ, tasks.comm, tasks.link_bytes
     # forward/backward tasks are most of the tasks: append to the columns directly
     a_kind, a_dur, a_dev, a_links = kinds.append, tasks.dur.append, tasks.dev.append, tasks.links.append
     a_succ, a_key, a_mb = tasks.succ.append, tasks.key.append, tasks.mb.append
@@ -302,8 +319,14 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     bwd_of_dev: dict[int, list[int]] = {}
     bwd_count = tasks.bwd_count
     values: list[dict] = [dict() for _ in range(nb)]   # per block: (class, samples) → costs
+    templates: dict[int, tuple[int, int, int, dict[int, float]]] = {}   # size → first mb's segment
     for m in range(mbs):
         size = mb_sizes[m]
+        if size in templates and REPLICATE_MICROBATCHES:
+            _replicate(tasks, templates[size], m, F, Bk, bwd_of_dev)
+            continue
+        seg_start = len(kinds)
+        lb_before = dict(lb)
         for bi, blk in enumerate(blocks):
             samples = splits[(size, blk.shares)]
             fids: list = [None] * len(blk.devices)
@@ -362,41 +385,86 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             F[m][bi] = fids
             Bk[m][bi] = bids
         for bi, blk in enumerate(blocks):
+            Fb, Bb = F[m][bi], Bk[m][bi]
             for a in preds[bi]:
-                for da, db, i, j, n, nbytes in moves[(size, a, bi)]:
+                Fa, Ba = F[m][a], Bk[m][a]
+                for da, db, i, j, nbytes, path, back, t_f, t_b in moves[(size, a, bi)]:
                     if rep[da] != da or rep[db] != db:
                         continue   # a merged device: its representative carries the dependency
-                    fa, fb = F[m][a][i], F[m][bi][j]
-                    ba, bb = Bk[m][a][i], Bk[m][bi][j]
-                    if da == db or nbytes <= 0:
-                        dep(fa, fb)
-                        dep(bb, ba)
+                    fa, fb, ba, bb = Fa[i], Fb[j], Ba[i], Bb[j]
+                    if path is None:          # same device, or nothing to send
+                        succ[fa].append(fb)
+                        succ[bb].append(ba)
                         continue
-                    path = info.path(da, db)
-                    back = info.path(db, da)
-                    xf = add_comm(XFER, table.transfer_s(nbytes, devices[da], devices[db]), m, bi,
-                                  path, (da, db), nbytes)
-                    xb = add_comm(XFER, table.transfer_s(nbytes, devices[db], devices[da]), m, a,
-                                  back, (db, da), nbytes)
-                    dep(fa, xf)
-                    dep(xf, fb)
-                    dep(bb, xb)
-                    dep(xb, ba)
+                    xf = len(kinds)
+                    xb = xf + 1
+                    a_kind(XFER)
+                    a_kind(XFER)
+                    a_dur(t_f)
+                    a_dur(t_b)
+                    a_dev(-1)
+                    a_dev(-1)
+                    a_links(path)
+                    a_links(back)
+                    a_succ([fb])
+                    a_succ([ba])
+                    a_key(())
+                    a_key(())
+                    a_mb(m)
+                    a_mb(m)
                     # the receiver holds the tensor until the task that reads it ends
-                    mem(xf, True, db, nbytes)
+                    a_ms([(db, nbytes)])
+                    a_ms([(da, nbytes)])
+                    a_me(None)
+                    a_me(None)
+                    comm[xf] = ((da, db), nbytes, bi)
+                    comm[xb] = ((db, da), nbytes, a)
+                    succ[fa].append(xf)
+                    succ[bb].append(xb)
                     mem(fb, False, db, -nbytes)
-                    mem(xb, True, da, nbytes)
                     mem(ba, False, da, -nbytes)
-                    lb = tasks.link_bytes
                     for l in path:
                         lb[l] = lb.get(l, 0.0) + nbytes
                     for l in back:
                         lb[l] = lb.get(l, 0.0) + nbytes
+        templates[size] = (m, seg_start, len(kinds), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()})
     _sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep)
     if one_f1b:
         _stage_limits(tasks, blocks)
     tasks.seal()
     return tasks
+
+
+def _replicate(tasks: Tasks, template, m: int, F, Bk, bwd_of_dev: dict[int, list[int]]) -> None:
+    """Micro-batch m has the same size as an earlier one, so its tasks are a copy of that
+    micro-batch's segment with ids shifted (and m in the priority keys): list slices instead of
+    a second expansion. Memory-effect lists are shared; nothing mutates them afterwards."""
+    m0, start, end, seg_link_bytes = template
+    off = len(tasks.kind) - start
+    tasks.kind.extend(tasks.kind[start:end])
+    tasks.dur.extend(tasks.dur[start:end])
+    tasks.dev.extend(tasks.dev[start:end])
+    tasks.links.extend(tasks.links[start:end])
+    tasks.succ.extend([[x + off for x in lst] for lst in tasks.succ[start:end]])
+    tasks.key.extend([(k[0], m, k[2]) if k else k for k in tasks.key[start:end]])
+    tasks.mb.extend([m] * (end - start))
+    tasks.mem_start.extend(tasks.mem_start[start:end])
+    tasks.mem_end.extend(tasks.mem_end[start:end])
+    comm = tasks.comm
+    for t in range(start, end):
+        c = comm.get(t)
+        if c is not None:
+            comm[t + off] = c
+    for l, v in seg_link_bytes.items():
+        tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + v
+    for bi in range(len(F[m0])):
+        F[m][bi] = [x + off if x is not None else None for x in F[m0][bi]]
+        Bk[m][bi] = [x + off if x is not None else None for x in Bk[m0][bi]]
+        for x in Bk[m][bi]:
+            if x is not None:
+                d = tasks.dev[x]
+                bwd_of_dev[d].append(x)
+                tasks.bwd_count[(d, m)] = tasks.bwd_count.get((d, m), 0) + 1
 
 
 def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
