@@ -4,14 +4,15 @@ Every leaf module call (an OpGraph node name: module path, '#k' on the k-th repe
 is timed with module hooks: forward from its pre-hook to its hook, backward from its full
 backward pre-hook to its full backward hook. Loose ops are not timed here; the cost model
 keeps its analytic estimate for them. Times are taken at two batch sizes (the cost model
-interpolates linearly between them, extrapolating along the same line), the minimum of
-`repeats` runs each, as HeteroG profiled (REFERENCE.md: min of 5 runs, linear fit in the
-batch). The result is a `heterog.cost.profile.Profile` for device type 'cpu', which the
+interpolates linearly between them, extrapolating along the same line), over `repeats`
+runs each. HeteroG took the minimum of 5 runs on dedicated GPUs (REFERENCE.md); on a
+shared CPU the minimum is a best case the ranks rarely see, so the median is the default. The result is a `heterog.cost.profile.Profile` for device type 'cpu', which the
 emulated clusters' devices use; their slowdown multiplies it.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from typing import Any
@@ -27,9 +28,9 @@ def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if name and len(m._modules) == 0]
 
 
-def time_nodes(model: nn.Module, run_step, *, repeats: int) -> dict[str, dict[str, float]]:
-    """node → {'fwd': s, 'bwd': s}, the minimum over `repeats` calls of run_step()."""
-    best: dict[str, dict[str, float]] = defaultdict(lambda: {"fwd": float("inf"), "bwd": float("inf")})
+def time_nodes(model: nn.Module, run_step, *, repeats: int, statistic: str = "median") -> dict[str, dict[str, float]]:
+    """node → {'fwd': s, 'bwd': s}: the median (or 'min') over `repeats` calls of run_step()."""
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"fwd": [], "bwd": []})
     calls: dict[str, int] = {}
     started: dict[tuple[str, str], list[tuple[str, float]]] = defaultdict(list)
     handles = []
@@ -46,7 +47,7 @@ def time_nodes(model: nn.Module, run_step, *, repeats: int) -> dict[str, dict[st
         def fwd_post(mod, args, out, path=path):
             name, t0 = started[(path, "fwd")].pop()
             started[(path, "bwd_names")].append((name, 0.0))
-            best[name]["fwd"] = min(best[name]["fwd"], time.perf_counter() - t0)
+            samples[name]["fwd"].append(time.perf_counter() - t0)
 
         def bwd_pre(mod, grad_out, path=path):
             name, _ = started[(path, "bwd_names")].pop()  # backward runs calls in reverse
@@ -54,12 +55,13 @@ def time_nodes(model: nn.Module, run_step, *, repeats: int) -> dict[str, dict[st
 
         def bwd_post(mod, grad_in, grad_out, path=path):
             name, t0 = started[(path, "bwd")].pop()
-            best[name]["bwd"] = min(best[name]["bwd"], time.perf_counter() - t0)
+            samples[name]["bwd"].append(time.perf_counter() - t0)
 
         handles += [m.register_forward_pre_hook(fwd_pre), m.register_forward_hook(fwd_post),
                     m.register_full_backward_pre_hook(bwd_pre), m.register_full_backward_hook(bwd_post)]
     try:
         run_step()  # warm-up: allocator, kernel selection
+        samples.clear()
         for _ in range(repeats):
             calls.clear()
             started.clear()
@@ -67,11 +69,13 @@ def time_nodes(model: nn.Module, run_step, *, repeats: int) -> dict[str, dict[st
     finally:
         for h in handles:
             h.remove()
-    return {n: {p: t for p, t in v.items() if t != float("inf")} for n, v in best.items()}
+    reduce = min if statistic == "min" else statistics.median
+    return {n: {p: reduce(ts) for p, ts in v.items() if ts} for n, v in samples.items()}
 
 
 def measure_profile(work: Workload, *, batch_sizes: tuple[int, int], repeats: int = 5,
-                    threads: int = 1, device_type: str = "cpu", graph=None, seed: int = 0) -> Profile:
+                    threads: int = 1, device_type: str = "cpu", graph=None, seed: int = 0,
+                    statistic: str = "median") -> Profile:
     """A Profile of `work`'s leaf modules at two batch sizes on this CPU with `threads` threads."""
     torch.set_num_threads(threads)
     model = build_model(work, seed=seed)
@@ -86,7 +90,7 @@ def measure_profile(work: Workload, *, batch_sizes: tuple[int, int], repeats: in
             model.zero_grad(set_to_none=True)
             work.loss(model(*inputs), targets).backward()
 
-        for node, phases in time_nodes(model, step, repeats=repeats).items():
+        for node, phases in time_nodes(model, step, repeats=repeats, statistic=statistic).items():
             for phase, t in phases.items():
                 times.setdefault(node, {}).setdefault(device_type, {}).setdefault(phase, []).append((float(b), t))
     if graph is not None:  # keep only nodes the graph knows (and say nothing about the rest)
