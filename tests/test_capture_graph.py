@@ -204,3 +204,28 @@ def test_user_model_file(tmp_path):
         capture_model(f"{failing}:factory", batch_size=2)
     with pytest.raises(ModelError, match="defines no callable 'nope'"):
         capture_model(f"{file}:nope", batch_size=2)
+
+
+def test_value_dependent_forward_is_explained():
+    class Peeks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * x.sum().item()
+
+    with pytest.raises(ModelError, match="fake tensors"):
+        capture(Peeks(), (torch.randn(2, 4),))
+
+
+@pytest.mark.parametrize("name", ["mlp", "toy-cnn", "resnet50", "inception_v3", "nasnet"])
+def test_leaf_nodes_match_the_executors_fx_module_calls(name):
+    # The executor splits models with torch.fx and maps call_module targets to node names.
+    partition = pytest.importorskip("heterog.execute.partition")
+    if not hasattr(partition, "fx_node_names"):
+        pytest.skip("executor exposes no fx_node_names")
+    from heterog.capture.zoo import get_zoo_model
+    graph = capture_model(name, batch_size=1)
+    leaves = [n.name for n in graph.nodes if "::" not in n.name]
+    assert partition.fx_node_names(get_zoo_model(name).build()) == leaves

@@ -108,6 +108,11 @@ def _record(model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | N
         except ModelError:
             raise
         except Exception as e:  # noqa: BLE001 - any model failure is a user-facing ModelError
+            if "DataDependent" in type(e).__name__:
+                raise ModelError(
+                    f"model {name!r} reads tensor values in its forward ({e}); capture runs on "
+                    f"fake tensors, which have shapes but no values. Move value-dependent logic "
+                    f"(.item(), data-dependent branches) out of forward or give it constants.") from e
             shapes = ", ".join(str(tuple(t.shape)) for t in flat_inputs)
             raise ModelError(
                 f"model {name!r} failed on example inputs of shape(s) {shapes}: "

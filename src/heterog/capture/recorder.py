@@ -143,7 +143,13 @@ class Recorder(TorchDispatchMode):
         path = self.names.get(id(module))
         if path is None:  # a module outside the model (e.g. a loss module): not a placement unit
             path = f"<{type(module).__name__}>"
-        self._stack.append(_Frame(module, path, is_leaf_module(module)))
+        frame = _Frame(module, path, is_leaf_module(module))
+        self._stack.append(frame)
+        if (self.phase == "fwd" and frame.is_leaf and not path.startswith("<")
+                and not any(f.is_leaf for f in self._stack[:-1])):
+            # A node per leaf call even if it runs no op (nn.Identity), so that the nodes
+            # match the executor's fx call_module targets one for one.
+            self._forward_owner()
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack and self._stack[-1].module is module:
