@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from heterog.search.problem import Placement, Problem, Strategy
+from heterog.search.problem import BUCKET_BYTES, Placement, Problem, Strategy
 
 INFEASIBLE_PENALTY = 10.0  # score multiplier per unit of relative memory overflow
 
@@ -145,9 +145,32 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             fin_f[g][m] = fin
     fin_b = [[None] * M for _ in range(G)]
     comm_free = np.zeros(prob.n_devices)
-    sync_end = np.zeros(G)
+    syncs: list[tuple[np.ndarray, float]] = []  # (devices, end of their gradient sync)
+    bucket = {"g": None, "bytes": 0.0, "ready": 0.0}
+
+    def flush() -> None:
+        """Synchronise the pending bucket: gradients of consecutive identically placed groups
+        up to BUCKET_BYTES, filled in backward order as the simulator (and DDP) do."""
+        g = bucket["g"]
+        if g is None:
+            return
+        t_sync = prob.sync_time_bytes_s(P[g], bucket["bytes"])
+        begin = max(bucket["ready"], comm_free[dev[g]].max())
+        if multi_node[g]:  # a collective across nodes occupies their NICs
+            nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
+            done = nics.transfer(begin, t_sync, nodes, nodes)
+        else:
+            done = begin + t_sync
+        comm_free[dev[g]] = done
+        syncs.append((dev[g], done))
+        bucket.update(g=None, bytes=0.0, ready=0.0)
+
     for m in range(M):
         for g in reversed(range(G)):
+            last = m == M - 1
+            if last and bucket["g"] is not None and (
+                    P[bucket["g"]] != P[g] or bucket["bytes"] + prob.grad_bytes[g] > BUCKET_BYTES):
+                flush()
             ready = fin_f[g][m].copy()
             for c in prob.succs[g]:
                 if P[c].devices == P[g].devices and P[c].shares == P[g].shares:
@@ -159,21 +182,15 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             fin = start + t_b[g]
             free[dev[g]] = fin
             fin_b[g][m] = fin
-            if m == M - 1:
-                t_sync = prob.sync_time_s(g, P[g])
-                if t_sync > 0:
-                    begin = max(fin.max(), comm_free[dev[g]].max())
-                    if multi_node[g]:  # a collective across nodes occupies their NICs
-                        nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
-                        sync_end[g] = nics.transfer(begin, t_sync, nodes, nodes)
-                    else:
-                        sync_end[g] = begin + t_sync
-                    comm_free[dev[g]] = sync_end[g]
-                else:
-                    sync_end[g] = fin.max()
+            if last and len(P[g].devices) > 1 and prob.grad_bytes[g] > 0:
+                if bucket["g"] is None:
+                    bucket["g"] = g
+                bucket["bytes"] += prob.grad_bytes[g]
+                bucket["ready"] = max(bucket["ready"], float(fin.max()))
+    flush()
     end = free.copy()
-    for g in range(G):
-        np.maximum.at(end, dev[g], sync_end[g])
+    for d, t in syncs:
+        np.maximum.at(end, d, t)
     for g in range(G):
         end[dev[g]] += prob.opt_time_s[g, cls[g]]
     # -- memory ------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from heterog.search.problem import Problem, Strategy
 CANDIDATES = ("single-device", "even-dp-allreduce", "even-dp-ps", "proportional-dp", "model-parallel",
               "pipeline", "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
-ELITE_RESCORED = 4  # strategies from each search that the simulator re-scores
+ELITE_RESCORED = 4  # strategies from each search that the simulator re-scores (at most)
+PRIORITY_MAX_DEVICES = 128
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +78,10 @@ def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[Plan, flo
     if sim is not None:
         from heterog.simulate.priorities import assign_priorities
         best = None
-        for p in (assign_priorities(prob.graph, prob.cluster, plan, prob.costs), plan):
+        # ranking a 1024-device plan's nodes costs seconds; large plans keep graph order
+        variants = (plan,) if prob.n_devices > PRIORITY_MAX_DEVICES else (
+            assign_priorities(prob.graph, prob.cluster, plan, prob.costs), plan)
+        for p in variants:
             r = sim(prob.graph, prob.cluster, p, prob.costs, timeline=False)
             key = (not r.feasible, r.iteration_time_s)
             if best is None or key < best[0]:
@@ -127,10 +131,10 @@ def _candidate(prob: Problem, name: str, options: list[Strategy]) -> Candidate:
     return best_c
 
 
-def _options(best: Strategy, elite: list[tuple[float, Strategy]]) -> list[Strategy]:
+def _options(best: Strategy, elite: list[tuple[float, Strategy]], limit: int) -> list[Strategy]:
     out, keys = [best], {best.key()}
     for _, s in elite:
-        if len(out) > ELITE_RESCORED:
+        if len(out) > limit:
             break
         if s.key() not in keys:
             keys.add(s.key())
@@ -184,9 +188,12 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
         strategies["gnn+search"] = both.best
         pools["gnn+search"] = both.elite
     say("scoring", 0.9)
+    # re-score as many of each search's best strategies as the rest of the budget allows
+    left = budget_s - (time.perf_counter() - begin)
+    limit = max(0, min(ELITE_RESCORED, int(left / max(3 * 2 * per_call_s, 1e-9)) - 1))
     for name in ("search", "gnn", "gnn+search"):
         if name in strategies:
-            candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, [])))
+            candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, []), limit))
     ordered = [candidates[n] for n in CANDIDATES if n in candidates]
     feasible = [c for c in ordered if c.feasible]
     if not feasible:

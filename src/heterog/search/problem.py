@@ -24,6 +24,7 @@ from heterog.ir.plan import Group, ModelSpec, Plan, Replica, split_samples
 from heterog.search.grouping import group_graph
 
 SYNC_CHOICES = ("ring", "tree", "hierarchical", "ps")
+BUCKET_BYTES = Plan.__dataclass_fields__["bucket_bytes"].default  # gradient bucket of the plans we emit
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,19 +167,28 @@ class Problem:
             self._pair_cache[key] = hit
         return hit
 
-    def sync_time_s(self, g: int, p: Placement) -> float:
-        if len(p.devices) < 2 or self.grad_bytes[g] <= 0:
+    def sync_time_bytes_s(self, p: Placement, nbytes: float) -> float:
+        """Gradient synchronisation of `nbytes` over p's replicas. Collectives are alpha–beta
+        in the buffer size, so two cost-model calls per (devices, method) give the line."""
+        if len(p.devices) < 2 or nbytes <= 0:
             return 0.0
-        key = (g, p.devices, p.sync, p.ps)
+        key = (p.devices, p.sync, p.ps)
         hit = self._sync_cache.get(key)
         if hit is None:
             names = [self.device_names[i] for i in p.devices]
-            if p.sync == "ps":
-                hit = self.costs.ps_sync_time_s(self.grad_bytes[g], names, self.device_names[p.ps])
-            else:
-                hit = self.costs.collective_time_s("allreduce", self.grad_bytes[g], names, p.sync)
+
+            def t(b: float) -> float:
+                if p.sync == "ps":
+                    return self.costs.ps_sync_time_s(b, names, self.device_names[p.ps])
+                return self.costs.collective_time_s("allreduce", b, names, p.sync)
+            t1, t2 = t(1e7), t(2e7)
+            per_byte = max(0.0, (t2 - t1) / 1e7)
+            hit = (max(0.0, t1 - 1e7 * per_byte), per_byte)
             self._sync_cache[key] = hit
-        return hit
+        return hit[0] + hit[1] * nbytes
+
+    def sync_time_s(self, g: int, p: Placement) -> float:
+        return self.sync_time_bytes_s(p, float(self.grad_bytes[g]))
 
     # -- turning a strategy into the artifact ------------------------------------------------
     def integer_placement(self, p: Placement, microbatch_samples: int) -> Placement:
