@@ -92,11 +92,14 @@ class ClusterInfo:
 
     def star(self, members: tuple[int, ...], server: int) -> tuple[tuple[int, ...], dict[int, float]]:
         """Parameter server: each member sends its gradient to the server and gets parameters back."""
-        load: dict[int, float] = {}
-        for d in members:
-            for l in self.path(d, server) + self.path(server, d):
-                load[l] = load.get(l, 0.0) + 1.0
-        return tuple(sorted(load)), load
+        hit = self._rings.get((members, server))
+        if hit is None:
+            load: dict[int, float] = {}
+            for d in members:
+                for l in self.path(d, server) + self.path(server, d):
+                    load[l] = load.get(l, 0.0) + 1.0
+            hit = self._rings[(members, server)] = (tuple(sorted(load)), load)
+        return hit
 
 
 class Grouping:

@@ -244,18 +244,15 @@ def _block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[i
     return preds
 
 
-def _representatives(blocks, splits, moves, sizes, n_devices, dclass) -> list[int]:
+def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass) -> list[int]:
     """rep[d]: the device whose tasks stand for d's. Devices that send or receive no
     point-to-point transfer, hold the same replicas of the same blocks at the same samples and
     are of the same class have identical timelines (they meet only in collectives, which
     wait for all members), so one of them is simulated for all — data parallelism over 1024
     devices of four types costs as much as over four."""
     p2p: set[int] = set()
-    for lst in moves.values():
-        for mv in lst:
-            if mv[5] is not None:
-                p2p.add(mv[0])
-                p2p.add(mv[1])
+    for ends in p2p_sets:
+        p2p |= ends
     rep = list(range(n_devices))
     if not MERGE_SYMMETRIC or len(p2p) >= n_devices - 1:
         return rep
@@ -294,19 +291,24 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     # re-partition moves per micro-batch size: (src dev, dst dev, src replica, dst replica, samples, bytes)
     moves: dict[tuple[int, int, int], list] = {}
     move_cache = table.scratch.setdefault("moves", {})
+    p2p_sets: list[frozenset[int]] = []     # devices that send or receive point to point
     for size in sizes:
         for bi, blk in enumerate(blocks):
             for a, (fx, ps) in preds[bi].items():
                 src = blocks[a]
                 ck = (size, src.devices, src.shares, blk.devices, blk.shares, fx, ps)
-                mv = move_cache.get(ck)
-                if mv is None:
+                hit = move_cache.get(ck)
+                if hit is None:
                     if len(move_cache) > 20_000:
                         move_cache.clear()
-                    mv = move_cache[ck] = _moves(src, blk, splits[(size, src.shares)],
-                                                 splits[(size, blk.shares)], size, fx, ps, info, table)
-                moves[(size, a, bi)] = mv
-    rep = _representatives(blocks, splits, moves, sizes, len(devices), dclass)
+                    mv = _moves(src, blk, splits[(size, src.shares)], splits[(size, blk.shares)],
+                                size, fx, ps, info, table)
+                    ends = frozenset(d for x in mv if x[5] is not None for d in x[:2])
+                    hit = move_cache[ck] = (mv, ends)
+                moves[(size, a, bi)] = hit[0]
+                if hit[1]:
+                    p2p_sets.append(hit[1])
+    rep = _representatives(blocks, splits, p2p_sets, sizes, len(devices), dclass)
     tasks.rep = rep
     mem = tasks.mem
     kinds, succ, comm, lb = tasks.kind, tasks.succ, tasks.comm, tasks.link_bytes
@@ -316,72 +318,51 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     a_ms, a_me = tasks.mem_start.append, tasks.mem_end.append
     F = [[None] * nb for _ in range(mbs)]
     Bk = [[None] * nb for _ in range(mbs)]
-    bwd_of_dev: dict[int, list[int]] = {}
-    bwd_count = tasks.bwd_count
     values: list[dict] = [dict() for _ in range(nb)]   # per block: (class, samples) → costs
     templates: dict[int, tuple[int, int, int, dict[int, float]]] = {}   # size → first mb's segment
     for m in range(mbs):
         size = mb_sizes[m]
         if size in templates and REPLICATE_MICROBATCHES:
-            _replicate(tasks, templates[size], m, F, Bk, bwd_of_dev)
+            _replicate(tasks, templates[size], m, F, Bk)
             continue
         seg_start = len(kinds)
         lb_before = dict(lb)
         for bi, blk in enumerate(blocks):
             samples = splits[(size, blk.shares)]
+            vals = values[bi]
+            kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
+            for _r, _d, dn, smp in kept:
+                if (dn, smp) not in vals:
+                    vals[(dn, smp)] = _replica_costs(blk, dn, smp, table)
+            # a block's forwards, then its backwards, in one slice per column (the hot path)
+            n_kept = len(kept)
+            f0 = len(kinds)
+            b0 = f0 + n_kept
+            vs = [vals[(dn, smp)] for _r, _d, dn, smp in kept]
+            devs = [d for _r, d, _dn, _s in kept]
+            kinds.extend([FWD] * n_kept)
+            kinds.extend([BWD] * n_kept)
+            tasks.dur.extend([v[0] for v in vs])
+            tasks.dur.extend([v[1] for v in vs])
+            tasks.dev.extend(devs)
+            tasks.dev.extend(devs)
+            tasks.links.extend([()] * (2 * n_kept))
+            succ.extend([[b] for b in range(b0, b0 + n_kept)])
+            succ.extend([[] for _ in range(n_kept)])
+            tasks.key.extend([(1, m, bi) if one_f1b else (0, m, bi)] * n_kept)
+            tasks.key.extend([(0, m, -bi) if one_f1b else (1, m, -bi)] * n_kept)
+            tasks.mb.extend([m] * (2 * n_kept))
+            # v = (fwd_s, bwd_s, saved activations, workspace, recompute extra); see _replica_costs
+            tasks.mem_start.extend([[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)])
+            tasks.mem_start.extend([[(d, v[3] + v[4])] if v[3] or v[4] else None for d, v in zip(devs, vs)])
+            tasks.mem_end.extend([[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)])
+            tasks.mem_end.extend([[(d, -(v[2] + v[3] + v[4]))] if v[2] or v[3] or v[4] else None
+                                  for d, v in zip(devs, vs)])
             fids: list = [None] * len(blk.devices)
             bids: list = [None] * len(blk.devices)
-            fkey = (1, m, bi) if one_f1b else (0, m, bi)
-            bkey = (0, m, -bi) if one_f1b else (1, m, -bi)
-            vals = values[bi]
-            for r, d in enumerate(blk.devices):
-                if rep[d] != d:
-                    continue
-                s = samples[r]
-                dn = dclass[d]
-                v = vals.get((dn, s))
-                if v is None:
-                    fwd = bwd = act = full = ws = 0.0
-                    for nodes in blk.nodes:
-                        f_s, b_s = table.times_s(nodes, dn, s)
-                        fwd += f_s
-                        bwd += b_s + (f_s if blk.recompute else 0.0)
-                        act += table.activation_bytes(nodes, s, blk.recompute)
-                        if blk.recompute:
-                            full += table.activation_bytes(nodes, s, False)
-                        w = table.workspace_bytes(nodes, s)
-                        ws = w if w > ws else ws
-                    extra = (full - act) if blk.recompute else 0.0
-                    v = vals[(dn, s)] = (fwd, bwd, act, ws, extra)
-                fwd, bwd, act, ws, extra = v
-                f = len(kinds)
-                b = f + 1
-                a_kind(FWD)
-                a_kind(BWD)
-                a_dur(fwd)
-                a_dur(bwd)
-                a_dev(d)
-                a_dev(d)
-                a_links(())
-                a_links(())
-                a_succ([b])
-                a_succ([])
-                a_key(fkey)
-                a_key(bkey)
-                a_mb(m)
-                a_mb(m)
-                a_ms([(d, act + ws)] if act or ws else None)
-                a_ms([(d, ws + extra)] if ws or extra else None)
-                a_me([(d, -ws)] if ws else None)
-                a_me([(d, -(ws + act + extra))] if act or ws or extra else None)
-                fids[r] = f
-                bids[r] = b
-                lst = bwd_of_dev.get(d)
-                if lst is None:
-                    bwd_of_dev[d] = [b]
-                else:
-                    lst.append(b)
-                bwd_count[(d, m)] = bwd_count.get((d, m), 0) + 1
+            for k, (r, _d, _dn, _s) in enumerate(kept):
+                fids[r] = f0 + k
+                bids[r] = b0 + k
             F[m][bi] = fids
             Bk[m][bi] = bids
         for bi, blk in enumerate(blocks):
@@ -428,6 +409,18 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                     for l in back:
                         lb[l] = lb.get(l, 0.0) + nbytes
         templates[size] = (m, seg_start, len(kinds), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()})
+    bwd_of_dev: dict[int, list[int]] = {}
+    bwd_count = tasks.bwd_count
+    for m in range(mbs):
+        for bi, blk in enumerate(blocks):
+            for d, b in zip(blk.devices, Bk[m][bi]):
+                if b is not None:
+                    lst = bwd_of_dev.get(d)
+                    if lst is None:
+                        bwd_of_dev[d] = [b]
+                    else:
+                        lst.append(b)
+                    bwd_count[(d, m)] = bwd_count.get((d, m), 0) + 1
     _sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep)
     if one_f1b:
         _stage_limits(tasks, blocks)
@@ -435,7 +428,23 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     return tasks
 
 
-def _replicate(tasks: Tasks, template, m: int, F, Bk, bwd_of_dev: dict[int, list[int]]) -> None:
+def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple[float, ...]:
+    """(forward s, backward s, activations kept for backward, workspace, extra bytes while
+    recomputing) of one replica of a block on a device of class dn at `samples`."""
+    fwd = bwd = act = full = ws = 0.0
+    for nodes in blk.nodes:
+        f_s, b_s = table.times_s(nodes, dn, samples)
+        fwd += f_s
+        bwd += b_s + (f_s if blk.recompute else 0.0)   # recompute runs the forward again
+        act += table.activation_bytes(nodes, samples, blk.recompute)
+        if blk.recompute:
+            full += table.activation_bytes(nodes, samples, False)
+        w = table.workspace_bytes(nodes, samples)
+        ws = w if w > ws else ws
+    return (fwd, bwd, act, ws, (full - act) if blk.recompute else 0.0)
+
+
+def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     """Micro-batch m has the same size as an earlier one, so its tasks are a copy of that
     micro-batch's segment with ids shifted (and m in the priority keys): list slices instead of
     a second expansion. Memory-effect lists are shared; nothing mutates them afterwards."""
@@ -460,11 +469,6 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk, bwd_of_dev: dict[int, list
     for bi in range(len(F[m0])):
         F[m][bi] = [x + off if x is not None else None for x in F[m0][bi]]
         Bk[m][bi] = [x + off if x is not None else None for x in Bk[m0][bi]]
-        for x in Bk[m][bi]:
-            if x is not None:
-                d = tasks.dev[x]
-                bwd_of_dev[d].append(x)
-                tasks.bwd_count[(d, m)] = tasks.bwd_count.get((d, m), 0) + 1
 
 
 def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
@@ -474,17 +478,23 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
     mbs = plan.num_microbatches
     opt_preds: dict[int, list[int]] = {d: [] for d in bwd_of_dev}
     opt_time: dict[int, float] = {d: 0.0 for d in bwd_of_dev}
-    for bi, blk in enumerate(blocks):
-        per_class: dict[str, tuple[float, float]] = {}
-        for d in blk.devices:
-            dn = dclass[d]
-            v = per_class.get(dn)
-            if v is None:
-                v = per_class[dn] = (sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes),
-                                     sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes))
+    # parameters, gradients and optimizer state: summed per placement first, since blocks
+    # of one placement (all of them, in data parallelism) add the same per-class amounts
+    per_placement: dict[tuple[int, ...], dict[str, list[float]]] = {}
+    for blk in blocks:
+        acc = per_placement.setdefault(blk.devices, {})
+        for dn in {dclass[d] for d in blk.devices}:
+            v = acc.setdefault(dn, [0.0, 0.0])
+            v[0] += sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
+            v[1] += sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes)
+    for devs, acc in per_placement.items():
+        for d in devs:
+            v = acc[dclass[d]]
             tasks.persistent_bytes[d] += v[0]
             if rep[d] == d:
                 opt_time[d] += v[1]
+    ring_bytes: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
+    for bi, blk in enumerate(blocks):
         if blk.ps_device is not None and blk.ps_device not in blk.devices:
             for nodes in blk.nodes:   # the server keeps the parameters it serves
                 tasks.persistent_bytes[blk.ps_device] += table.persistent_bytes(nodes, dclass[blk.ps_device])
@@ -501,23 +511,30 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
                 dur = table.sync_s(blk.sync, grad, names, None)
                 involved = members
             s = tasks.add_comm(SYNC, dur, mbs, bi, links, involved, grad)
-            for l, share in load.items():
-                tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * grad
+            entry = ring_bytes.get(id(load))
+            if entry is None:
+                ring_bytes[id(load)] = [load, grad]
+            else:
+                entry[1] += grad
+            succ = tasks.succ
             for m in range(mbs):
                 for b in Bk[m][bi]:
                     if b is not None:
-                        tasks.dep(b, s)
-            for d in involved:
-                if rep[d] == d:
-                    tasks.mem(s, True, d, grad)
-                    tasks.mem(s, False, d, -grad)
+                        succ[b].append(s)
+            # the bucket's communication buffer on every member while it is synchronised
+            tasks.mem_start[s] = [(d, grad) for d in involved if rep[d] == d]
+            tasks.mem_end[s] = [(d, -grad) for d in involved if rep[d] == d]
             for d in members:
                 if rep[d] == d:
                     opt_preds[d].append(s)
+    for load, nbytes in ring_bytes.values():
+        for l, share in load.items():
+            tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
+    succ = tasks.succ
     for d, bl in bwd_of_dev.items():
         o = tasks.add(OPT, opt_time[d], d, (2, 0, 0), mbs)
         for b in bl:
-            tasks.dep(b, o)
+            succ[b].append(o)
         for s in opt_preds[d]:
             tasks.dep(s, o)
 
