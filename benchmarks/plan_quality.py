@@ -22,6 +22,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("COLUMNS", "250")  # the table is wide; rich reads this when not on a terminal
 
 from heterog.capture import capture_model  # noqa: E402
 from heterog.cli.output import print_table, write_json  # noqa: E402

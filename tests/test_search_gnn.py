@@ -57,3 +57,17 @@ def test_shipped_policy_is_small_and_loads():
     pol = load_policy(None)
     prob = synthetic_problems(1, seed=11, max_devices=8)[0]
     assert pol.propose(prob, samples=2)
+
+
+def test_planner_uses_and_fine_tunes_a_policy_without_touching_it():
+    from heterog.search.planner import plan_graph
+    prob = synthetic_problems(1, seed=4, max_devices=4)[0]
+    pol = new_policy(seed=1)
+    before = {k: v.clone() for k, v in pol.net.state_dict().items()}
+    r = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=2, policy=pol, finetune_s=0.5, max_iters=100)
+    names = {c.strategy for c in r.candidates}
+    assert {"gnn", "gnn+search"} <= names
+    gnn = next(c for c in r.candidates if c.strategy == "gnn")
+    assert r.best.predicted_iteration_time_s <= gnn.iteration_time_s or not gnn.feasible
+    for k, v in pol.net.state_dict().items():
+        assert torch.equal(v, before[k]), "fine-tuning must work on a copy"

@@ -92,3 +92,15 @@ def test_plan_cli_json_on_a_zoo_model(tmp_path):
     doc = json.loads(res.output)
     assert set(doc) == {"best", "candidates", "search_time_s"}
     assert Plan.load(out).strategy == doc["best"]["strategy"]
+
+
+def test_estimate_agrees_with_the_simulator_on_baselines():
+    from heterog.simulate.simulator import simulate
+    g, c, costs = _inputs()
+    prob = Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 8), batch_size=64)
+    for name in ("even-dp-allreduce", "proportional-dp", "single-device"):
+        s = prob.finalize(BASELINE_BUILDERS[name](prob))
+        est = estimate(prob, s)
+        sim = simulate(g, c, prob.to_plan(s, name), costs, timeline=False)
+        assert est.iteration_time_s == pytest.approx(sim.iteration_time_s, rel=0.1), name
+        assert est.feasible == sim.feasible

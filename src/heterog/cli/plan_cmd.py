@@ -68,6 +68,8 @@ def plan_command(
     seed: int = typer.Option(0, "--seed", help="Random seed of the search (reproducible runs)."),
     policy: Optional[Path] = typer.Option(None, "--policy", help="GNN policy file (default: the shipped one)."),
     no_gnn: bool = typer.Option(False, "--no-gnn", help="Skip the GNN policy candidates."),
+    finetune_s: float = typer.Option(0.0, "--finetune-s", min=0.0,
+                                     help="Fine-tune the GNN on this problem for this many seconds first."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
 ) -> None:
@@ -85,11 +87,11 @@ def plan_command(
         with bar:
             result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                           cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                          seed=seed, policy=pol, progress=update)
+                          seed=seed, policy=pol, finetune_s=finetune_s, progress=update)
     else:
         result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                       cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                      seed=seed, policy=pol)
+                      seed=seed, policy=pol, finetune_s=finetune_s)
     if out is not None:
         Plan.from_dict(result["best"]).save(out)
     if as_json:

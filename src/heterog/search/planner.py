@@ -145,13 +145,16 @@ def _options(best: Strategy, elite: list[tuple[float, Strategy]], limit: int) ->
 def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: float = DEFAULT_BUDGET_S,
                seed: int = 0, max_groups: int = 32, policy: Any = None, model_spec: ModelSpec | None = None,
                precision: str = "fp32", optimizer: str = "sgd", max_iters: int | None = None,
-               scorer: str = "auto", progress: Callable[[str, float], None] | None = None) -> PlanResult:
+               scorer: str = "auto", finetune_s: float = 0.0,
+               progress: Callable[[str, float], None] | None = None) -> PlanResult:
     """The best Plan for `graph` on `cluster` within about `budget_s` seconds.
 
     policy: None loads the shipped pre-trained GNN, a path loads that file, a policy object is
     used as is, False skips the GNN candidates. max_iters caps each search (reproducible runs).
     scorer: what the search's inner loop calls — 'simulator', 'estimate', or 'auto' (the
     simulator when one call is cheap enough for a few hundred moves within the budget).
+    finetune_s: seconds of REINFORCE on this very problem before the GNN proposes (a copy of
+    the policy is tuned; the file is untouched). Taken from the budget.
     """
     begin = time.perf_counter()
     say = progress or (lambda stage, frac: None)
@@ -168,6 +171,12 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     pol = _load_policy(policy)
     gnn_props: list[Strategy] = []
     if pol is not None:
+        if finetune_s > 0:
+            import copy
+
+            from heterog.search.gnn.train import TrainConfig, train
+            pol = copy.deepcopy(pol)
+            train(pol, [prob], TrainConfig(steps=100_000, seed=seed), budget_s=finetune_s)
         gnn_props = pol.propose(prob, samples=8, seed=seed)
         strategies["gnn"] = min(gnn_props, key=lambda s: estimate(prob, s).score)
     say("gnn", 0.1)
@@ -216,7 +225,7 @@ def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Pl
 
 def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: int, seq_len: int | None = None,
          cluster: str | Cluster, precision: str = "fp32", optimizer: str = "sgd",
-         budget_s: float = DEFAULT_BUDGET_S, seed: int = 0, policy: Any = None,
+         budget_s: float = DEFAULT_BUDGET_S, seed: int = 0, policy: Any = None, finetune_s: float = 0.0,
          progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Capture `model`, load `cluster`, build the cost model and plan. Returns the CLI's JSON:
     {"best": plan dict, "candidates": [...], "search_time_s"}."""
@@ -229,5 +238,5 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
     costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer)
     spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
     result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
-                        precision=precision, optimizer=optimizer, progress=progress)
+                        precision=precision, optimizer=optimizer, finetune_s=finetune_s, progress=progress)
     return result.to_dict()
