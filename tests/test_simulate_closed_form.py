@@ -189,3 +189,25 @@ def test_recompute_keeps_less_but_runs_forward_twice():
     assert a.peak_memory_bytes["n0/d0"] == pers + 2 * 4e6
     # while recomputing, the full activations exist again; outside, only the group's input
     assert b.peak_memory_bytes["n0/d0"] == pers + 4e3 + (2 * 4e6 - 4e3)
+
+
+def test_parameter_server_sync_is_compute_plus_ps_time_and_loads_the_server_links():
+    import dataclasses
+    g = chain_graph(2, flops=GF, param_bytes=5_000_000, edge_bytes=0.0)
+    c = cluster([[RATE], [RATE], [RATE]], nic_bandwidth=1e9)
+    costs = TableCosts(g, c)
+    p = plan([("all", ["l0", "l1"], [("n0/d0", 0.5), ("n1/d1", 0.5)])], batch_size=8, sync="ps",
+             bucket_bytes=2**40)
+    p = dataclasses.replace(p, groups=(dataclasses.replace(p.groups[0], ps_device="n2/d2"),))
+    r = simulate(g, c, p, costs)
+    compute = 2 * 3 * GF * 4 / RATE
+    ps = costs.ps_sync_time_s(10_000_000, ["n0/d0", "n1/d1"], "n2/d2")
+    assert ps == pytest.approx(2 * 2 * 10_000_000 / 1e9)
+    assert r.iteration_time_s == pytest.approx(compute + ps + 1e-9 * 10_000_000)
+    # the server's NIC carries every worker's gradient in and the parameters out
+    assert r.link_bytes["n2.nic.down"] == pytest.approx(2 * 10_000_000)
+    assert r.link_bytes["n2.nic.up"] == pytest.approx(2 * 10_000_000)
+    # the server holds the parameters it serves; its peak includes the bucket buffer
+    assert r.persistent_memory_bytes["n2/d2"] == 2 * 10_000_000
+    assert r.peak_memory_bytes["n2/d2"] == 2 * 10_000_000 + 10_000_000
+    assert r.communication_time_s["n2/d2"] == pytest.approx(ps)

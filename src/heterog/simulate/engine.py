@@ -46,59 +46,64 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     in_flight: list[set[int]] = [set() for _ in range(n_devices)]
     events: list[tuple[float, int]] = []
     order: list[int] = []
-
-    def dispatch(d: int, now: float) -> None:
-        if busy[d]:
-            return
-        q = ready[d]
-        if not q:
-            return
-        t = q[0][1]
-        k = kind[t]
-        if gpipe and k == BWD and fwd_left[d] > 0:
-            return
-        if one_f1b and k == FWD:
-            fl = in_flight[d]
-            if mb[t] not in fl and len(fl) >= limit[d]:
-                return
-        heappop(q)
-        if one_f1b and k != OPT:
-            in_flight[d].add(mb[t])
-        busy[d] = True
-        order.append(t)
-        heappush(events, (now + dur[t], t))
-
-    def became_ready(t: int, now: float) -> None:
-        d = dev[t]
-        if d < 0:
-            order.append(t)
-            heappush(events, (now, t))
+    now = 0.0
+    finished = -1             # the task whose end is being processed (-1: the start)
+    while True:
+        # release successors; communication takes no time here, so it completes on the spot
+        if finished < 0:
+            stack = [t for t in range(n) if left[t] == 0]
+            for t in stack:
+                left[t] = 1   # counted down once below, like a successor
+            touched = []
         else:
-            heappush(ready[d], (key[t], t))
-            dispatch(d, now)
-
-    for t in range(n):
-        if left[t] == 0:
-            became_ready(t, 0.0)
-    while events:
-        now, t = heappop(events)
-        d = dev[t]
-        if d >= 0:
-            busy[d] = False
-            k = kind[t]
-            if gpipe and k == FWD:
-                fwd_left[d] -= 1
-            elif one_f1b and k == BWD:
-                km = (d, mb[t])
-                bwd_left[km] -= 1
-                if bwd_left[km] == 0:
-                    in_flight[d].discard(mb[t])
-        for s in succ[t]:
+            stack = list(succ[finished])
+            d = dev[finished]
+            touched = [d] if d >= 0 else []
+        while stack:
+            s = stack.pop()
             left[s] -= 1
             if left[s] == 0:
-                became_ready(s, now)
-        if d >= 0:
-            dispatch(d, now)
+                ds = dev[s]
+                if ds < 0:
+                    order.append(s)
+                    stack.extend(succ[s])
+                else:
+                    heappush(ready[ds], (key[s], s))
+                    touched.append(ds)
+        for d in touched:     # each idle device starts its best eligible ready task
+            if busy[d]:
+                continue
+            q = ready[d]
+            if not q:
+                continue
+            t = q[0][1]
+            k = kind[t]
+            if gpipe and k == BWD and fwd_left[d] > 0:
+                continue
+            if one_f1b and k == FWD:
+                fl = in_flight[d]
+                if mb[t] not in fl and len(fl) >= limit[d]:
+                    continue
+            heappop(q)
+            if one_f1b and k != OPT:
+                in_flight[d].add(mb[t])
+            busy[d] = True
+            order.append(t)
+            heappush(events, (now + dur[t], t))
+        if not events:
+            break
+        now, t = heappop(events)
+        d = dev[t]
+        busy[d] = False
+        k = kind[t]
+        if gpipe and k == FWD:
+            fwd_left[d] -= 1
+        elif one_f1b and k == BWD:
+            km = (d, mb[t])
+            bwd_left[km] -= 1
+            if bwd_left[km] == 0:
+                in_flight[d].discard(mb[t])
+        finished = t
     if len(order) < n:
         return None
     return order
