@@ -279,7 +279,10 @@ def capture_model(name: str, model_args: dict[str, Any] | None = None, *, batch_
     args = dict(model_args or {})
     if batch_size <= 0:
         raise ModelError(f"batch size must be positive, found {batch_size}.")
-    seq = (seq_len or entry.default_seq_len) if entry.default_seq_len is not None else seq_len
+    if entry.default_seq_len is not None:
+        seq = seq_len or entry.default_seq_len
+    else:  # image / vector models take no sequence; a user file's example_batch may
+        seq = seq_len if entry.family == "user" else None
     with torch.device("meta"):
         model = entry.build(**args)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -38,6 +38,9 @@ def is_leaf_module(module: nn.Module) -> bool:
     return next(iter(module.children()), None) is None
 
 
+_LOSS_CONTEXT = object()   # ops run after the model returned: the loss
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -75,8 +78,9 @@ class _Frame:
 
 
 class Recorder(TorchDispatchMode):
-    """Use as: with fake_mode, Recorder(model) as rec: out = model(*x); rec.start_loss();
-    loss = ...; rec.start_backward(); torch.autograd.grad(...); rec.finish()."""
+    """Use as: `with fake_mode, Recorder(model, input_tensors=...) as rec:` run the forward,
+    `rec.start_loss()`, compute the loss, `rec.start_backward()`, run autograd; then read
+    rec.nodes / rec.edges and call rec.finish() to drop the tensors it kept alive."""
 
     def __init__(self, model: nn.Module, *, input_tensors: list[torch.Tensor]):
         super().__init__()
@@ -168,7 +172,7 @@ class Recorder(TorchDispatchMode):
             if frame is None:
                 inner = [f for f in self._stack if not f.path.startswith("<")]
                 frame = inner[-1] if inner else None
-        context: object = frame if frame is not None else "loss"
+        context: object = frame if frame is not None else _LOSS_CONTEXT
         if context is self._context:
             return self._current
         self._context = context
