@@ -219,13 +219,14 @@ def test_value_dependent_forward_is_explained():
         capture(Peeks(), (torch.randn(2, 4),))
 
 
-@pytest.mark.parametrize("name", ["mlp", "toy-cnn", "resnet50", "inception_v3", "nasnet"])
+@pytest.mark.parametrize("name", ["mlp", "toy-cnn", "resnet50", "inception_v3", "nasnet", "vit_b_16",
+                                  "transformer"])
 def test_leaf_nodes_match_the_executors_fx_module_calls(name):
     # The executor splits models with torch.fx and maps call_module targets to node names.
     partition = pytest.importorskip("heterog.execute.partition")
     if not hasattr(partition, "fx_node_names"):
         pytest.skip("executor exposes no fx_node_names")
     from heterog.capture.zoo import get_zoo_model
-    graph = capture_model(name, batch_size=1)
+    graph = capture_model(name, batch_size=1, seq_len=16 if name == "transformer" else None)
     leaves = [n.name for n in graph.nodes if "::" not in n.name]
     assert partition.fx_node_names(get_zoo_model(name).build()) == leaves

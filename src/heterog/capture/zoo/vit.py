@@ -1,11 +1,16 @@
 """ViT-B/16 (Dosovitskiy et al., ICLR 2021) as torchvision builds it (`models/vision_transformer.py`):
 patch 16, hidden 768, 12 layers, 12 heads, MLP 3072, 224×224 → 86,567,656 parameters
-(torchvision model docs)."""
+(torchvision model docs). Attention is heterog's fx-traceable SelfAttention, with the same
+parameters as torchvision's nn.MultiheadAttention."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
+
+from heterog.capture.zoo.attention import SelfAttention
 
 
 class MLPBlock(nn.Sequential):
@@ -18,15 +23,13 @@ class EncoderBlock(nn.Module):
     def __init__(self, heads: int, dim: int, mlp_dim: int, dropout: float):
         super().__init__()
         self.ln_1 = nn.LayerNorm(dim, eps=1e-6)
-        self.self_attention = nn.MultiheadAttention(dim, heads, dropout=0.0, batch_first=True)
+        self.self_attention = SelfAttention(dim, heads)
         self.dropout = nn.Dropout(dropout)
         self.ln_2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = MLPBlock(dim, mlp_dim, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ln_1(x)
-        y, _ = self.self_attention(y, y, y, need_weights=False)
-        x = self.dropout(y) + x
+        x = self.dropout(self.self_attention(self.ln_1(x))) + x
         return x + self.mlp(self.ln_2(x))
 
 
@@ -35,7 +38,8 @@ class Encoder(nn.Module):
         super().__init__()
         self.pos_embedding = nn.Parameter(torch.empty(1, seq_length, dim).normal_(std=0.02))
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.Sequential(*[EncoderBlock(heads, dim, mlp_dim, dropout) for _ in range(layers)])
+        self.layers = nn.Sequential(OrderedDict(
+            (f"encoder_layer_{i}", EncoderBlock(heads, dim, mlp_dim, dropout)) for i in range(layers)))
         self.ln = nn.LayerNorm(dim, eps=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
