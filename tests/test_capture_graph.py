@@ -230,3 +230,19 @@ def test_leaf_nodes_match_the_executors_fx_module_calls(name):
     graph = capture_model(name, batch_size=1, seq_len=16 if name == "transformer" else None)
     leaves = [n.name for n in graph.nodes if "::" not in n.name]
     assert partition.fx_node_names(get_zoo_model(name).build()) == leaves
+
+
+def test_matrix_flops_agree_with_torch_flop_counter_on_a_real_step():
+    # Independent check: torch's FlopCounterMode on a real (non-fake) forward+backward.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from heterog.capture.zoo import get_zoo_model
+    entry = get_zoo_model("toy-cnn")
+    torch.manual_seed(0)
+    model = entry.build()
+    inputs, targets = entry.example_batch(6)
+    with FlopCounterMode(display=False) as counter:
+        entry.loss(model(*inputs), targets).backward()
+    graph = capture(model, inputs, loss_fn=entry.loss, targets=targets)
+    matrix = sum(n.tensor_core_flops_fraction * (n.fwd_flops.at(6) + n.bwd_flops.at(6)) for n in graph.nodes)
+    assert matrix == pytest.approx(counter.get_total_flops(), rel=1e-6)
