@@ -246,3 +246,13 @@ def test_matrix_flops_agree_with_torch_flop_counter_on_a_real_step():
     graph = capture(model, inputs, loss_fn=entry.loss, targets=targets)
     matrix = sum(n.tensor_core_flops_fraction * (n.fwd_flops.at(6) + n.bwd_flops.at(6)) for n in graph.nodes)
     assert matrix == pytest.approx(counter.get_total_flops(), rel=1e-6)
+
+
+def test_meta_device_model_and_inputs():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096))
+        x = torch.empty(8, 4096)
+    graph = capture(model, (x,))
+    assert graph.num_parameters == 2 * (4096 * 4096 + 4096)
+    assert graph.forward_flops(8) >= 2 * 2 * 8 * 4096 * 4096
+    assert all(p.device.type == "meta" for p in model.parameters())
