@@ -163,17 +163,26 @@ def test_memory_peak_matches_hand_computation_and_overflow_is_named():
     groups = [("gx", ["x"], [("n0/d0", 1.0)]), ("gy", ["y"], [("n0/d0", 1.0)])]
     c = cluster([[RATE]])
     r = simulate(g, c, plan(groups, batch_size=4), TableCosts(g, c))
-    persistent = 2 * (1000 + 3000)
-    # forward of y: x's and y's activations plus y's workspace; backward of y adds its workspace
-    # again while x's and y's activations are alive
+    persistent = 2 * (1000 + 3000)          # weights + gradients (TableCosts, SGD)
+    weights = 1000 + 3000
+    # gradients appear during the backward (zero_grad(set_to_none=True)):
+    #   end of forward:   weights + x, y activations + y's workspace   = 4000 + 400 + 200 + 160 = 4760
+    #   backward of y:    weights + x, y activations + y's workspace + y's gradients = 7760
+    #   backward of x:    weights + x's activations + x's workspace + all gradients  = 8440
     assert r.persistent_memory_bytes["n0/d0"] == persistent
-    assert r.peak_memory_bytes["n0/d0"] == persistent + 4 * 100 + 4 * 50 + 4 * 40
+    assert r.peak_memory_bytes["n0/d0"] == weights + 4 * 100 + 4 * 10 + 4000
     assert r.feasible and r.overflow_device is None
-    small = cluster([[RATE]], memory_bytes=persistent + 500)
+    small = cluster([[RATE]], memory_bytes=8000)
     r2 = simulate(g, small, plan(groups, batch_size=4), TableCosts(g, small))
     assert not r2.feasible
     assert r2.overflow_device == "n0/d0"
-    assert r2.overflow_bytes == persistent + 760 - (persistent + 500)
+    assert r2.overflow_bytes == 8440 - 8000
+    # the same plan with y's gradients the large ones peaks at y's backward instead
+    n0b = node("x", GF, param_bytes=3000, saved_per_sample=100.0, workspace_per_sample=10.0)
+    n1b = node("y", GF, param_bytes=1000, saved_per_sample=50.0, workspace_per_sample=40.0)
+    g2 = graph([n0b, n1b], [("x", "y", 0.0)], batch_size=4)
+    r3 = simulate(g2, c, plan(groups, batch_size=4), TableCosts(g2, c))
+    assert r3.peak_memory_bytes["n0/d0"] == max(weights + 400 + 200 + 160 + 1000, weights + 400 + 40 + 4000)
 
 
 def test_recompute_keeps_less_but_runs_forward_twice():

@@ -131,7 +131,7 @@ def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
     started = bytearray(n)
     start = [0.0] * n
     end = [0.0] * n
-    cur = list(tasks.persistent_bytes)
+    cur = list(tasks.initial_bytes)
     peak = list(cur)
     overflow = None
     for d in range(n_devices):

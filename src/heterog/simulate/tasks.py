@@ -49,7 +49,7 @@ class Tasks:
 
     __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
-                 "blocks", "stage_limit", "bwd_count", "rep")
+                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes")
 
     def __init__(self, blocks: list[Block], n_devices: int):
         self.kind: list[int] = []
@@ -64,7 +64,8 @@ class Tasks:
         self.mem_start: list = []                # [(device, +bytes), ...] or None
         self.mem_end: list = []
         self.link_bytes: dict[int, float] = {}
-        self.persistent_bytes = [0.0] * n_devices
+        self.persistent_bytes = [0.0] * n_devices   # parameters + gradients + optimizer state
+        self.initial_bytes = [0.0] * n_devices      # memory in use when the iteration starts
         self.blocks = blocks
         self.stage_limit = [1] * n_devices       # 1F1B: micro-batches in flight per device
         self.bwd_count: dict[tuple[int, int], int] = {}
@@ -320,6 +321,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     Bk = [[None] * nb for _ in range(mbs)]
     values: list[dict] = [dict() for _ in range(nb)]   # per block: (class, samples) → costs
     templates: dict[int, tuple[int, int, int, dict[int, float]]] = {}   # size → first mb's segment
+    first_bwd: list[tuple[int, int, tuple]] = []   # (task, device, costs) of micro-batch 0's backwards
     for m in range(mbs):
         size = mb_sizes[m]
         if size in templates and REPLICATE_MICROBATCHES:
@@ -352,12 +354,14 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             tasks.key.extend([(1, m, bi) if one_f1b else (0, m, bi)] * n_kept)
             tasks.key.extend([(0, m, -bi) if one_f1b else (1, m, -bi)] * n_kept)
             tasks.mb.extend([m] * (2 * n_kept))
-            # v = (fwd_s, bwd_s, saved activations, workspace, recompute extra); see _replica_costs
+            # v: see _replica_costs. Forward: its activations and workspace; backward: up to its
+            # peak, then down to nothing (micro-batch 0 is corrected in _sync_and_step)
             tasks.mem_start.extend([[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)])
-            tasks.mem_start.extend([[(d, v[3] + v[4])] if v[3] or v[4] else None for d, v in zip(devs, vs)])
+            tasks.mem_start.extend([[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)])
             tasks.mem_end.extend([[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)])
-            tasks.mem_end.extend([[(d, -(v[2] + v[3] + v[4]))] if v[2] or v[3] or v[4] else None
-                                  for d, v in zip(devs, vs)])
+            tasks.mem_end.extend([[(d, -v[4])] if v[4] else None for d, v in zip(devs, vs)])
+            if m == 0:
+                first_bwd.extend(zip(range(b0, b0 + n_kept), devs, vs))
             fids: list = [None] * len(blk.devices)
             bids: list = [None] * len(blk.devices)
             for k, (r, _d, _dn, _s) in enumerate(kept):
@@ -421,7 +425,14 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                     else:
                         lst.append(b)
                     bwd_count[(d, m)] = bwd_count.get((d, m), 0) + 1
-    _sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep)
+    _sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep, preds, splits, mb_sizes)
+    for b, d, v in first_bwd:
+        # micro-batch 0's backward also creates the gradients: its peak is v[5] and it leaves
+        # them (v[6]) behind. New lists, since replicated micro-batches share the old ones; the
+        # generic entry is first, transfers' entries (received gradients) follow it.
+        tasks.mem_start[b] = [(d, v[5] - v[2])]
+        rest = tasks.mem_end[b] or []
+        tasks.mem_end[b] = [(d, v[6] - v[5])] + (rest[1:] if v[4] else rest)
     if one_f1b:
         _stage_limits(tasks, blocks)
     tasks.seal()
@@ -429,19 +440,38 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
 
 
 def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple[float, ...]:
-    """(forward s, backward s, activations kept for backward, workspace, extra bytes while
-    recomputing) of one replica of a block on a device of class dn at `samples`."""
-    fwd = bwd = act = full = ws = 0.0
+    """Costs of one replica of a block on a device of class dn at `samples`:
+    (forward s, backward s, activations saved by the forward, largest forward workspace,
+     backward peak above the level before it — later micro-batches, backward peak — the first
+     micro-batch, whose gradients appear meanwhile, gradient bytes).
+
+    The backward is walked group by group in reverse (PyTorch frees a group's saved
+    activations after its backward; with zero_grad(set_to_none=True) its gradients appear
+    then): while group k runs, the activations of groups ≤ k (group k's in full when it
+    recomputes), the gradients of groups ≥ k and k's workspace are alive.
+    """
+    fwd = bwd = 0.0
+    acts, fulls, grads, wss = [], [], [], []
     for nodes in blk.nodes:
         f_s, b_s = table.times_s(nodes, dn, samples)
         fwd += f_s
         bwd += b_s + (f_s if blk.recompute else 0.0)   # recompute runs the forward again
-        act += table.activation_bytes(nodes, samples, blk.recompute)
-        if blk.recompute:
-            full += table.activation_bytes(nodes, samples, False)
-        w = table.workspace_bytes(nodes, samples)
-        ws = w if w > ws else ws
-    return (fwd, bwd, act, ws, (full - act) if blk.recompute else 0.0)
+        act = table.activation_bytes(nodes, samples, blk.recompute)
+        acts.append(act)
+        fulls.append(table.activation_bytes(nodes, samples, False) if blk.recompute else act)
+        grads.append(table.gradient_bytes(nodes))
+        wss.append(table.workspace_bytes(nodes, samples))
+    act_all, grad_all = sum(acts), sum(grads)
+    below = act_all          # activations of groups before k
+    after = 0.0              # gradients of groups ≥ k
+    peak_later = peak_first = 0.0
+    for k in range(len(acts) - 1, -1, -1):
+        below -= acts[k]
+        after += grads[k]
+        alive = below + fulls[k] + wss[k]
+        peak_later = max(peak_later, alive)
+        peak_first = max(peak_first, alive + after)
+    return (fwd, bwd, act_all, max(wss, default=0.0), peak_later, peak_first, grad_all)
 
 
 def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
@@ -472,7 +502,7 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
 
 
 def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                   Bk, bwd_of_dev: dict[int, list[int]], rep: list[int]) -> None:
+                   Bk, bwd_of_dev: dict[int, list[int]], rep: list[int], preds, splits, mb_sizes) -> None:
     """Persistent state per device, gradient sync per replicated block, optimizer steps."""
     devices, dclass = info.devices, info.dev_class
     mbs = plan.num_microbatches
@@ -493,12 +523,32 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
             tasks.persistent_bytes[d] += v[0]
             if rep[d] == d:
                 opt_time[d] += v[1]
+    tasks.initial_bytes = list(tasks.persistent_bytes)
+    # the input batch is held by the replicas of the blocks that read it, for the whole step
+    input_bytes = table.graph.input_bytes
+    if input_bytes.fixed or input_bytes.per_sample:
+        holders: dict[int, int] = {}
+        for bi, blk in enumerate(blocks):
+            if not preds[bi]:
+                for r, d in enumerate(blk.devices):
+                    n = sum(splits[(size, blk.shares)][r] for size in mb_sizes)
+                    holders[d] = max(holders.get(d, 0), n)
+        for d, n in holders.items():
+            if n:
+                tasks.initial_bytes[d] += input_bytes.at(n)
     ring_bytes: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
     for bi, blk in enumerate(blocks):
         if blk.ps_device is not None and blk.ps_device not in blk.devices:
             for nodes in blk.nodes:   # the server keeps the parameters it serves
-                tasks.persistent_bytes[blk.ps_device] += table.persistent_bytes(nodes, dclass[blk.ps_device])
+                held = table.persistent_bytes(nodes, dclass[blk.ps_device])
+                tasks.persistent_bytes[blk.ps_device] += held
+                tasks.initial_bytes[blk.ps_device] += held
         grad = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
+        if grad > 0:
+            # zero_grad(set_to_none=True), PyTorch's default: gradients do not exist before
+            # the first backward (micro-batch 0, see below)
+            for d in blk.devices:
+                tasks.initial_bytes[d] -= grad
         if len(blk.devices) > 1 and blk.sync != "none" and grad > 0:
             members = blk.devices
             names = info.names(members)
