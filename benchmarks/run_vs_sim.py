@@ -1,7 +1,7 @@
 """Measured vs predicted iteration time of several plans on the emulated cluster, and the
 measured speedup of heterog's plan over even data parallelism.
 
-    .venv/bin/python benchmarks/run_vs_sim.py [--steps 6] [--budget-s 5] [--no-profile]
+    .venv/bin/python benchmarks/run_vs_sim.py [--steps 10] [--budget-s 5] [--no-profile]
 
 The cluster is the demo's (heterog.execute.demo): three local CPU ranks on two emulated
 nodes joined by tc-shaped 1 Gb/s links, paced 2×, 2×, 6× (the devices differ 3×). Every
@@ -36,7 +36,7 @@ def plan_key(plan) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=5.0)
     ap.add_argument("--batch-size", type=int, default=D.DEMO_BATCH_SIZE)
     ap.add_argument("--no-profile", action="store_true", help="analytic costs only")

@@ -1,9 +1,13 @@
 """Emulating unlike devices on one machine: compute pacing, core pinning, shaped links.
 
-Compute: an emulated device with slowdown k runs each piece of compute for real, then
-waits (k − 1) × the measured time, so it takes k times as long as this CPU did at that
-moment (pacing; TOOLCHAIN.md: thread counts do not give clean ratios on 2 cores, pacing
-does). Pinning ranks to cores (os.sched_setaffinity) is optional and coarse.
+Compute: an emulated device with slowdown k runs each piece of compute for real and
+measures the CPU time its thread spent on it, then waits until k × that CPU time has
+passed since the piece started (pacing; TOOLCHAIN.md: thread counts do not give clean
+ratios on 2 cores, pacing does). Pacing on CPU time rather than wall time makes a device's
+speed independent of the other processes sharing the cores (other ranks, other users):
+time a rank spends descheduled is absorbed by its wait, as long as the contention stays
+below its slowdown. A device with slowdown 1 never waits, so it runs at whatever speed the
+shared CPU gives it. Pinning ranks to cores (os.sched_setaffinity) is optional and coarse.
 
 Links: see netns.py (namespaces, veth pairs, tc TBF), used when running as root.
 """
@@ -23,9 +27,10 @@ class Pacer:
                              f"when emulated), found {slowdown}.")
         self.slowdown = slowdown
 
-    def pace(self, elapsed_s: float) -> float:
-        """Wait so that `elapsed_s` of compute takes slowdown × elapsed_s; returns the wait."""
-        extra = (self.slowdown - 1.0) * elapsed_s
+    def pace(self, wall_s: float, cpu_s: float) -> float:
+        """A piece of compute took `wall_s` and used `cpu_s` of this thread's CPU: wait until
+        slowdown × cpu_s has passed since it started; returns the wait."""
+        extra = self.slowdown * cpu_s - wall_s
         if extra <= 0:
             return 0.0
         deadline = time.perf_counter() + extra

@@ -46,7 +46,8 @@ class Piece:
 
 @dataclass(kw_only=True)
 class StepStats:
-    compute_s: float = 0.0       # measured forward/backward/optimizer time (before pacing)
+    compute_s: float = 0.0       # measured forward/backward/optimizer wall time (before pacing)
+    cpu_s: float = 0.0           # CPU time of that compute (this thread)
     paced_s: float = 0.0         # waiting added to emulate a slower device
     samples: int = 0
 
@@ -126,11 +127,13 @@ class Executor:
 
     # -- helpers --------------------------------------------------------------------------
     def _timed(self, fn, *args, **kwargs):
-        t0 = time.perf_counter()
+        """Run compute; account its wall time and pace it (emulation.py: on CPU time)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = fn(*args, **kwargs)
-        elapsed = time.perf_counter() - t0
-        self.stats.compute_s += elapsed
-        self.stats.paced_s += self.pacer.pace(elapsed)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        self.stats.compute_s += wall
+        self.stats.cpu_s += cpu
+        self.stats.paced_s += self.pacer.pace(wall, cpu)
         return out
 
     def _value(self, env: dict, v: str, m: int) -> Any:

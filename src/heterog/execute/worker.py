@@ -90,7 +90,8 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         inputs, targets = global_batch(work, plan.batch_size, seed=seed, step=step)
         dist.barrier()
         t0 = time.perf_counter()
-        c0, w0, r0, s0 = ex.stats.compute_s, ex.stats.paced_s, p2p.recv_wait_s, sync.sync_s
+        c0, u0, w0 = ex.stats.compute_s, ex.stats.cpu_s, ex.stats.paced_s
+        r0, s0 = p2p.recv_wait_s, sync.sync_s
         for p in params:
             p.grad = None
         loss = ex.step(inputs, targets)
@@ -99,7 +100,8 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         if opt is not None:
             ex._timed(opt.step)
         steps.append({"step_time_s": time.perf_counter() - t0, "loss": loss,
-                      "compute_s": ex.stats.compute_s - c0, "paced_s": ex.stats.paced_s - w0,
+                      "compute_s": ex.stats.compute_s - c0, "cpu_s": ex.stats.cpu_s - u0,
+                      "paced_s": ex.stats.paced_s - w0,
                       "recv_wait_s": p2p.recv_wait_s - r0, "sync_s": sync.sync_s - s0})
     progress.write_text("done")
     if spec.get("dump_params"):

@@ -3,10 +3,14 @@
 Every leaf module call (an OpGraph node name: module path, '#k' on the k-th repeated call)
 is timed with module hooks: forward from its pre-hook to its hook, backward from its full
 backward pre-hook to its full backward hook. Loose ops are not timed here; the cost model
-keeps its analytic estimate for them. Times are taken at two batch sizes (the cost model
-interpolates linearly between them, extrapolating along the same line), over `repeats`
+keeps its analytic estimate for them. Times are taken at a few batch sizes (the cost model
+interpolates linearly between them, extrapolating along the last line), over `repeats`
 runs each. HeteroG took the minimum of 5 runs on dedicated GPUs (REFERENCE.md); on a
-shared CPU the minimum is a best case the ranks rarely see, so the median is the default. The result is a `heterog.cost.profile.Profile` for device type 'cpu', which the
+shared CPU the minimum is a best case the ranks rarely see, so the median is the default.
+
+clock='cpu' (default) measures the thread's CPU time, the quantity the emulated devices
+are paced on (execute/emulation.py), so a profile taken on a busy machine still describes
+the uncontended CPU; clock='wall' measures elapsed time. The result is a `heterog.cost.profile.Profile` for device type 'cpu', which the
 emulated clusters' devices use; their slowdown multiplies it.
 """
 
@@ -28,8 +32,10 @@ def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if name and len(m._modules) == 0]
 
 
-def time_nodes(model: nn.Module, run_step, *, repeats: int, statistic: str = "median") -> dict[str, dict[str, float]]:
+def time_nodes(model: nn.Module, run_step, *, repeats: int, statistic: str = "median",
+               clock: str = "cpu") -> dict[str, dict[str, float]]:
     """node → {'fwd': s, 'bwd': s}: the median (or 'min') over `repeats` calls of run_step()."""
+    now = time.thread_time if clock == "cpu" else time.perf_counter
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"fwd": [], "bwd": []})
     calls: dict[str, int] = {}
     started: dict[tuple[str, str], list[tuple[str, float]]] = defaultdict(list)
@@ -42,20 +48,20 @@ def time_nodes(model: nn.Module, run_step, *, repeats: int, statistic: str = "me
 
     for path, m in _leaf_modules(model):
         def fwd_pre(mod, args, path=path):
-            started[(path, "fwd")].append((node_name(path), time.perf_counter()))
+            started[(path, "fwd")].append((node_name(path), now()))
 
         def fwd_post(mod, args, out, path=path):
             name, t0 = started[(path, "fwd")].pop()
             started[(path, "bwd_names")].append((name, 0.0))
-            samples[name]["fwd"].append(time.perf_counter() - t0)
+            samples[name]["fwd"].append(now() - t0)
 
         def bwd_pre(mod, grad_out, path=path):
             name, _ = started[(path, "bwd_names")].pop()  # backward runs calls in reverse
-            started[(path, "bwd")].append((name, time.perf_counter()))
+            started[(path, "bwd")].append((name, now()))
 
         def bwd_post(mod, grad_in, grad_out, path=path):
             name, t0 = started[(path, "bwd")].pop()
-            samples[name]["bwd"].append(time.perf_counter() - t0)
+            samples[name]["bwd"].append(now() - t0)
 
         handles += [m.register_forward_pre_hook(fwd_pre), m.register_forward_hook(fwd_post),
                     m.register_full_backward_pre_hook(bwd_pre), m.register_full_backward_hook(bwd_post)]
@@ -73,10 +79,10 @@ def time_nodes(model: nn.Module, run_step, *, repeats: int, statistic: str = "me
     return {n: {p: reduce(ts) for p, ts in v.items() if ts} for n, v in samples.items()}
 
 
-def measure_profile(work: Workload, *, batch_sizes: tuple[int, int], repeats: int = 5,
+def measure_profile(work: Workload, *, batch_sizes: tuple[int, ...], repeats: int = 5,
                     threads: int = 1, device_type: str = "cpu", graph=None, seed: int = 0,
-                    statistic: str = "median") -> Profile:
-    """A Profile of `work`'s leaf modules at two batch sizes on this CPU with `threads` threads."""
+                    statistic: str = "median", clock: str = "cpu") -> Profile:
+    """A Profile of `work`'s leaf modules at `batch_sizes` on this CPU with `threads` threads."""
     torch.set_num_threads(threads)
     model = build_model(work, seed=seed)
     times: dict[str, dict[str, dict[str, list]]] = {}
@@ -90,7 +96,8 @@ def measure_profile(work: Workload, *, batch_sizes: tuple[int, int], repeats: in
             model.zero_grad(set_to_none=True)
             work.loss(model(*inputs), targets).backward()
 
-        for node, phases in time_nodes(model, step, repeats=repeats, statistic=statistic).items():
+        for node, phases in time_nodes(model, step, repeats=repeats, statistic=statistic,
+                                          clock=clock).items():
             for phase, t in phases.items():
                 times.setdefault(node, {}).setdefault(device_type, {}).setdefault(phase, []).append((float(b), t))
     if graph is not None:  # keep only nodes the graph knows (and say nothing about the rest)
