@@ -292,6 +292,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     # re-partition moves per micro-batch size: (src dev, dst dev, src replica, dst replica, samples, bytes)
     moves: dict[tuple[int, int, int], list] = {}
     move_cache = table.scratch.setdefault("moves", {})
+    replica_cache = table.scratch.setdefault("replica", {})
     p2p_sets: list[frozenset[int]] = []     # devices that send or receive point to point
     for size in sizes:
         for bi, blk in enumerate(blocks):
@@ -335,7 +336,13 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
             for _r, _d, dn, smp in kept:
                 if (dn, smp) not in vals:
-                    vals[(dn, smp)] = _replica_costs(blk, dn, smp, table)
+                    ck = (blk.nodes, blk.recompute, dn, smp)
+                    v = replica_cache.get(ck)
+                    if v is None:
+                        if len(replica_cache) > 200_000:
+                            replica_cache.clear()
+                        v = replica_cache[ck] = _replica_costs(blk, dn, smp, table)
+                    vals[(dn, smp)] = v
             # a block's forwards, then its backwards, in one slice per column (the hot path)
             n_kept = len(kept)
             f0 = len(kinds)
