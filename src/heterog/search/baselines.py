@@ -73,12 +73,13 @@ def device_blocks(prob: Problem, k: int) -> list[list[int]]:
     return [order[j * n // k:(j + 1) * n // k] for j in range(k)]
 
 
-def partition_stages(prob: Problem, blocks: list[list[int]]) -> list[tuple[int, int]] | None:
+def partition_stages(prob: Problem, blocks: list[list[int]], act_fraction: float = 1.0) -> list[tuple[int, int]] | None:
     """Contiguous group ranges, one per block in order, minimising the slowest stage.
 
     Stage time = the groups' per-sample time on the block's reference speed × batch / the
-    block's aggregate speed (linear partition DP, O(k·G²)); a range whose persistent state
-    does not fit on every device of its block is excluded. None if no split exists.
+    block's aggregate speed (linear partition DP, O(k·G²)), inflated when the stage's
+    persistent state plus act_fraction of its activations overflow a device of the block.
+    None if there are more blocks than groups.
     """
     G, k = prob.n_groups, len(blocks)
     if k > G:
@@ -95,10 +96,11 @@ def partition_stages(prob: Problem, blocks: list[list[int]]) -> list[tuple[int, 
         t = pre_t[b, cls] - pre_t[a, cls]           # per-sample time of groups a..b-1 per device
         rate = (1.0 / np.maximum(t, 1e-30)).sum()   # samples per second of the block
         share = (1.0 / np.maximum(t, 1e-30)) / rate
-        mem = pre_mem[b, cls] - pre_mem[a, cls] + (pre_act[b] - pre_act[a]) * share * B
-        if np.any(mem > prob.memory_bytes[devs]):
-            return np.inf
-        return B / rate
+        mem = pre_mem[b, cls] - pre_mem[a, cls] + (pre_act[b] - pre_act[a]) * share * B * act_fraction
+        over = float(np.max((mem - prob.memory_bytes[devs]) / prob.memory_bytes[devs]))
+        # overflow is penalised, not excluded, so a memory-bound model still gets its
+        # least-overflowing split (which 1F1B or recomputation may then make fit)
+        return B / rate * (1.0 + 10.0 * max(0.0, over))
 
     inf = float("inf")
     best = np.full((k + 1, G + 1), inf)
@@ -151,17 +153,23 @@ def model_parallel(prob: Problem) -> Strategy:
     return single_device(prob)
 
 
-def pipeline(prob: Problem) -> Strategy:
-    """Stages over blocks of devices (2, 4, 8, … stages), uneven layer split, best micro-batch count."""
+def pipeline(prob: Problem, schedule: str = "gpipe") -> Strategy:
+    """Stages over blocks of devices (2, 4, 8, … stages), uneven layer split, best micro-batch
+    count. With schedule='1f1b' a stage holds only its in-flight micro-batches' activations."""
     candidates: list[Strategy] = []
     k = 2
     while k <= min(prob.n_devices, prob.n_groups):
         blocks = device_blocks(prob, k)
-        ranges = partition_stages(prob, blocks)
-        if ranges is not None:
-            for m in MICROBATCH_CHOICES:
-                if m > 1 and prob.batch_size % m == 0 and prob.batch_size // m >= max(len(b) for b in blocks):
-                    candidates.append(_staged(prob, blocks, ranges, m))
+        splits: dict[float, list[tuple[int, int]] | None] = {}
+        for m in MICROBATCH_CHOICES:
+            if m > 1 and prob.batch_size % m == 0 and prob.batch_size // m >= max(len(b) for b in blocks):
+                frac = 1.0 if schedule == "gpipe" else min(m, k) / m
+                if frac not in splits:
+                    splits[frac] = partition_stages(prob, blocks, frac)
+                ranges = splits[frac]
+                if ranges is not None:
+                    st = _staged(prob, blocks, ranges, m)
+                    candidates.append(Strategy(st.placements, m, schedule))
         k *= 2
     return _best(prob, candidates) if candidates else model_parallel(prob)
 

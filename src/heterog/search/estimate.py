@@ -196,8 +196,22 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     # -- memory ------------------------------------------------------------------------------
     peak = np.zeros(prob.n_devices)
     work = np.zeros(prob.n_devices)
+    inflight = np.full(prob.n_devices, float(M))  # GPipe: every micro-batch's activations are live
+    if s.schedule == "1f1b" and M > 1:
+        # 1F1B: a device whose first stage is s of S keeps at most S − s micro-batches in
+        # flight (PipeDream-Flush, Narayanan et al. SC'21); a stage is a run of groups on one device set
+        first = np.full(prob.n_devices, -1)
+        stage, last = -1, None
+        for g in range(G):
+            if P[g].devices != last:
+                stage, last = stage + 1, P[g].devices
+            fresh = dev[g][first[dev[g]] < 0]
+            first[fresh] = stage
+        n_stages = stage + 1
+        used = first >= 0
+        inflight[used] = np.minimum(M, n_stages - first[used])
     for g in range(G):
-        local = shares[g] * prob.batch_size  # GPipe: every micro-batch's activations are live
+        local = shares[g] * b_m * inflight[dev[g]]
         act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local
         np.add.at(peak, dev[g], prob.persistent_bytes[g, cls[g]] + act)
         np.maximum.at(work, dev[g], prob.workspace_per_sample[g] * shares[g] * b_m)

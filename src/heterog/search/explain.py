@@ -63,12 +63,26 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
             for r, i in zip(g.replicas, idx):
                 share.setdefault(prob.cluster.device(r.device).gpu_type, (r.share, speed[i]))
             desc = ", ".join(f"{t} {s * 100:.1f}%" for t, (s, _) in share.items())
-            line += f"; per-replica shares {desc}, balanced so the replicas finish together (faster devices get more samples)"
+            if len({round(s, 3) for s, _ in share.values()}) > 1:
+                line += (f"; per-replica shares {desc}, balanced by the share LP so the replicas "
+                         f"finish together (faster devices get more samples)")
+            else:
+                line += f"; equal shares ({desc} each) despite unequal speeds: memory caps bind"
         out.append(line + ".")
     if len(_segments(plan)) > 8:
         out.append(f"… {len(_segments(plan)) - 8} more segments of groups.")
     if plan.num_microbatches > 1:
-        out.append(f"{plan.num_microbatches} micro-batches per iteration ({plan.schedule}) keep the stages busy.")
+        stages = len({tuple(r.device for r in plan.groups[a].replicas) for a, _ in _segments(plan)})
+        if stages == 1:
+            out.append(f"{plan.num_microbatches} micro-batches accumulate gradients ({plan.schedule}): "
+                       f"{'only one micro-batch' if plan.schedule == '1f1b' else 'every micro-batch'}'s "
+                       f"activations are live at a time." if plan.schedule == "1f1b" else
+                       f"{plan.num_microbatches} micro-batches per iteration ({plan.schedule}).")
+        else:
+            extra = (" 1F1B keeps at most one micro-batch per later stage in flight, which bounds activation memory."
+                     if plan.schedule == "1f1b" else "")
+            out.append(f"{plan.num_microbatches} micro-batches per iteration ({plan.schedule}) keep the "
+                       f"{stages} stages busy.{extra}")
     if any(g.recompute for g in plan.groups):
         k = sum(g.recompute for g in plan.groups)
         out.append(f"{k} group(s) recompute activations in backward to fit in memory.")

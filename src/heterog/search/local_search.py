@@ -9,7 +9,7 @@ change, by the LP batch-share optimiser on the affected segment):
   drop/add  – remove a device from, or add one to, a segment's replica set;
   sync      – change a segment's gradient synchronisation (ring, tree, hierarchical, PS on
               a chosen device);
-  micro     – change the number of micro-batches;
+  micro     – change the number of micro-batches, or the schedule (GPipe / 1F1B);
   recompute – toggle activation recomputation on a segment (trades time for memory);
   reshare   – re-run the share optimiser on a segment.
 Scored by `estimate` (estimate.py); a worse move is accepted with probability
@@ -53,7 +53,7 @@ def segments(s: Strategy) -> list[tuple[int, int]]:
 def _with(s: Strategy, a: int, b: int, p: Placement) -> Strategy:
     P = list(s.placements)
     P[a:b] = [p] * (b - a)
-    return Strategy(tuple(P), s.microbatches)
+    return Strategy(tuple(P), s.microbatches, s.schedule)
 
 
 def _reshaped(prob: Problem, s: Strategy, a: int, b: int, devices: Sequence[int], sync: str, ps: int | None,
@@ -149,9 +149,9 @@ class Annealer:
             ps = rng.choice(p.devices) if sync == "ps" else None
             return _with(s, a, b, replace(p, sync=sync, ps=ps))
         if kind == "micro":
-            m = rng.choice(self.microbatch_choices)
-            t = Strategy(s.placements, m)
-            return t
+            if rng.random() < 0.3:
+                return Strategy(s.placements, s.microbatches, "1f1b" if s.schedule == "gpipe" else "gpipe")
+            return Strategy(s.placements, rng.choice(self.microbatch_choices), s.schedule)
         if kind == "recompute":
             return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, not p.recompute)
         return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, p.recompute)

@@ -45,10 +45,11 @@ class Placement:
 class Strategy:
     placements: tuple[Placement, ...]
     microbatches: int = 1
+    schedule: str = "gpipe"  # or '1f1b': same bubble, fewer micro-batches in flight per stage
 
     def key(self) -> tuple:
         """Identity for de-duplication (shares rounded so float noise does not count)."""
-        return (self.microbatches, tuple((p.devices, tuple(round(s, 4) for s in p.shares), p.sync,
+        return (self.microbatches, self.schedule, tuple((p.devices, tuple(round(s, 4) for s in p.shares), p.sync,
                                           p.ps, p.recompute) for p in self.placements))
 
 
@@ -209,7 +210,7 @@ class Problem:
     def finalize(self, s: Strategy) -> Strategy:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
         mb = self.batch_size // m
-        return Strategy(tuple(self.integer_placement(p, mb) for p in s.placements), m)
+        return Strategy(tuple(self.integer_placement(p, mb) for p in s.placements), m, s.schedule)
 
     def to_plan(self, s: Strategy, strategy_name: str, notes: Sequence[str] = ()) -> Plan:
         s = self.finalize(s)
@@ -222,5 +223,5 @@ class Problem:
         spec = self.model_spec or ModelSpec(name=self.graph.model, batch_size=self.batch_size,
                                             seq_len=self.graph.seq_len)
         return Plan(strategy=strategy_name, model=spec, precision=self.precision, optimizer=self.optimizer,
-                    groups=tuple(groups), num_microbatches=s.microbatches, notes=tuple(notes),
+                    groups=tuple(groups), num_microbatches=s.microbatches, schedule=s.schedule, notes=tuple(notes),
                     graph_fingerprint=self.fingerprints[0], cluster_fingerprint=self.fingerprints[1])

@@ -17,7 +17,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -70,6 +70,34 @@ def synthetic_problems(count: int, *, seed: int = 0, max_devices: int = 8, max_g
     for _ in range(count):
         g = random_graph(rng, batch_size=rng.choice([16, 32, 64, 128]))
         out.append(make_problem(g, random_cluster(rng, max_devices=max_devices), max_groups))
+    return out
+
+
+# Zoo models for training, none of them among the paper's eight that benchmarks/plan_quality.py
+# evaluates: "name:batch[:seq_len]"
+DEFAULT_ZOO = ("resnet50:64", "vit_b_16:32", "gpt2:16:256", "toy-cnn:64", "mlp:128")
+DEFAULT_CLUSTERS = ("paper-8gpu", "mixed-16")
+
+
+def zoo_problems(models: Sequence[str], clusters: Sequence[str], *, max_groups: int = 16) -> list[Problem]:
+    """Real training problems: captured zoo models, the analytic cost model, built-in clusters."""
+    from heterog.capture import capture_model
+    from heterog.cost import build_cost_model
+    from heterog.errors import ModelError
+    from heterog.hardware.spec import load_cluster
+
+    out = []
+    for spec in models:
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts[1:]):
+            raise ModelError(f"training model {spec!r}: write name:batch or name:batch:seq_len, e.g. gpt2:16:256.")
+        seq = int(parts[2]) if len(parts) == 3 else None
+        graph = capture_model(parts[0], None, batch_size=int(parts[1]), seq_len=seq)
+        for name in clusters:
+            cluster = load_cluster(name)
+            costs = build_cost_model(graph, cluster)
+            out.append(Problem(graph=graph, cluster=cluster, costs=costs,
+                               groups=make_groups(graph, cluster, costs, max_groups), batch_size=graph.batch_size))
     return out
 
 
