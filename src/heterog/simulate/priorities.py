@@ -24,7 +24,7 @@ from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
 from heterog.simulate.context import cost_table
 from heterog.simulate.simulator import check_plan
-from heterog.simulate.tasks import overlaps
+from heterog.simulate.blocks import overlaps
 
 METHODS = ("upward", "heteroG")
 

@@ -22,7 +22,8 @@ from heterog.ir.plan import Plan
 from heterog.simulate import engine
 from heterog.simulate.context import cluster_info, cost_table, grouping
 from heterog.simulate.result import SimResult
-from heterog.simulate.tasks import KIND_NAMES, OPT, SYNC, XFER, expand, make_blocks
+from heterog.simulate.blocks import make_blocks
+from heterog.simulate.tasks import KIND_NAMES, OPT, SYNC, XFER, expand
 
 _fingerprints: dict[int, tuple[object, str]] = {}
 
