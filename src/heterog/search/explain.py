@@ -73,11 +73,11 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
         out.append(f"… {len(_segments(plan)) - 8} more segments of groups.")
     if plan.num_microbatches > 1:
         stages = len({tuple(r.device for r in plan.groups[a].replicas) for a, _ in _segments(plan)})
-        if stages == 1:
-            out.append(f"{plan.num_microbatches} micro-batches accumulate gradients ({plan.schedule}): "
-                       f"{'only one micro-batch' if plan.schedule == '1f1b' else 'every micro-batch'}'s "
-                       f"activations are live at a time." if plan.schedule == "1f1b" else
-                       f"{plan.num_microbatches} micro-batches per iteration ({plan.schedule}).")
+        if stages == 1 and plan.schedule == "1f1b":
+            out.append(f"{plan.num_microbatches} micro-batches accumulate gradients (1F1B on one stage): "
+                       f"only one micro-batch's activations are live at a time, to fit in memory.")
+        elif stages == 1:
+            out.append(f"{plan.num_microbatches} micro-batches per iteration (gpipe).")
         else:
             extra = (" 1F1B keeps at most one micro-batch per later stage in flight, which bounds activation memory."
                      if plan.schedule == "1f1b" else "")
