@@ -2,13 +2,25 @@
 
 Pipeline (each step one function): check the plan against graph and cluster → order the
 groups by the plan's priorities → fuse same-placement runs into blocks/buckets
-(tasks.make_blocks) → expand into tasks (tasks.expand) → fix each device's and link's order
+(blocks.make_blocks) → expand into tasks (tasks.expand) → fix each device's and link's order
 by list scheduling (engine.reference_order) → timed run with link contention and memory
 (engine.run) → SimResult.
 
 Group-level simulation: a group's nodes run back to back on each replica, so a group's
 priority is the highest of its nodes' priorities (it orders groups that compete for a device;
 inside a group the graph order is kept, as the executor runs a group's submodule as a whole).
+
+What is modelled, and what is not:
+- compute: the cost model's uncontended times; communication overlaps compute fully (NCCL's
+  own stream) and does not slow it down (SM and memory-bandwidth sharing are not modelled);
+- links: FIFO and exclusive in a fixed order (engine.py), so contention serialises transfers
+  and collectives on shared NICs; a collective holds all links of its ring for its whole time;
+- memory: parameters, optimizer state, gradients (from the first backward on), activations
+  from a micro-batch's forward to its backward (group by group inside a block), workspace,
+  received tensors until read, gradient buckets while synchronised, and the input batch.
+  Allocator fragmentation and the CUDA context are not counted.
+Shortcuts that do not change the answer (tests compare with them switched off): symmetric
+devices are simulated once, equal-sized micro-batches are copied.
 """
 
 from __future__ import annotations
@@ -20,9 +32,9 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
 from heterog.simulate import engine
+from heterog.simulate.blocks import make_blocks
 from heterog.simulate.context import cluster_info, cost_table, grouping
 from heterog.simulate.result import SimResult
-from heterog.simulate.blocks import make_blocks
 from heterog.simulate.tasks import KIND_NAMES, OPT, SYNC, XFER, expand
 
 _fingerprints: dict[int, tuple[object, str]] = {}
