@@ -108,16 +108,23 @@ def train_policy_command(
     max_devices: int = typer.Option(8, "--max-devices", min=2, help="Largest synthetic cluster."),
     seed: int = typer.Option(0, "--seed"),
     budget_s: Optional[float] = typer.Option(None, "--budget-s", help="Stop after this many seconds."),
+    zoo: Optional[str] = typer.Option(None, "--zoo", help="Also train on these zoo models, comma-separated "
+                                      "name:batch[:seq_len] ('default' = resnet50, vit_b_16, gpt2, toy-cnn, mlp)."),
+    clusters: str = typer.Option("paper-8gpu,mixed-16", "--clusters", help="Clusters for the --zoo problems."),
     init: Optional[Path] = typer.Option(None, "--init", help="Fine-tune this policy file instead of starting fresh."),
     out: Path = typer.Option(Path("policy.pt"), "--out", help="Where to save the trained policy."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Train the GNN placement policy by REINFORCE on synthetic problems and save it."""
     from heterog.search.gnn.policy import load_policy, new_policy
-    from heterog.search.gnn.train import TrainConfig, mean_reward, synthetic_problems, train
+    from heterog.search.gnn.train import DEFAULT_ZOO, TrainConfig, mean_reward, synthetic_problems, train, zoo_problems
 
     pol = load_policy(init) if init is not None else new_policy(seed=seed)
     probs = synthetic_problems(problems, seed=seed, max_devices=max_devices)
+    if zoo:
+        models = DEFAULT_ZOO if zoo == "default" else [m.strip() for m in zoo.split(",") if m.strip()]
+        probs += zoo_problems(models, [c.strip() for c in clusters.split(",") if c.strip()])
+        pol.meta["zoo"] = list(models)
     held_out = synthetic_problems(4, seed=seed + 10_000, max_devices=max_devices)
     before = sum(mean_reward(pol, p) for p in held_out) / len(held_out)
 
@@ -128,7 +135,7 @@ def train_policy_command(
     after = sum(mean_reward(pol, p) for p in held_out) / len(held_out)
     pol.meta.update({"held_out_reward_before": before, "held_out_reward_after": after})
     pol.save(out)
-    summary = {"out": str(out), "steps": len(history), "held_out_mean_reward_before": before,
+    summary = {"out": str(out), "steps": len(history), "problems": len(probs), "held_out_mean_reward_before": before,
                "held_out_mean_reward_after": after, "train_time_s": pol.meta.get("train_time_s")}
     if as_json:
         print_json(summary)

@@ -10,7 +10,7 @@ all feasible candidates, so it is never worse than a baseline as the simulator s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -216,9 +216,7 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
 
 
 def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Plan:
-    """Attach prediction, execution priorities, the cluster spec and the explanation."""
-    from dataclasses import replace
-
+    """Attach prediction, the cluster spec and the explanation (priorities came with scoring)."""
     from heterog.hardware.spec import cluster_to_dict
     plan = winner.plan.with_prediction(winner.iteration_time_s, winner.peak_memory_bytes)
     plan = replace(plan, cluster=cluster_to_dict(prob.cluster), notes=tuple(explain.notes(prob, winner, candidates)))
