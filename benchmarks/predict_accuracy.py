@@ -60,6 +60,11 @@ def worker(cfg: dict) -> dict:
     from heterog.capture.zoo import get_zoo_model
 
     dev = torch.device(cfg["device"])
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
+    # x86 CPUs slow down ~100x on denormal floats, which AdamW's tiny second moments produce;
+    # GPUs flush them at full speed, and the cost model does not model the penalty.
+    torch.set_flush_denormal(True)
     rss_before = _rss_bytes("VmRSS")
     zm = get_zoo_model(cfg["model"])
     torch.manual_seed(0)
@@ -83,14 +88,21 @@ def worker(cfg: dict) -> dict:
     for _ in range(cfg["warmup"]):
         step()
     sync()
-    times = []
+    times, cpu_times = [], []
     deadline = time.perf_counter() + cfg["max_time_s"]
     while len(times) < cfg["steps"] and (len(times) < 3 or time.perf_counter() < deadline):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step()
         sync()
         times.append(time.perf_counter() - t0)
-    out = {"step_times_s": times, "time_s": statistics.median(times), "threads": torch.get_num_threads()}
+        cpu_times.append(time.thread_time() - c0)
+    out = {"step_times_s": times, "wall_time_s": statistics.median(times),
+           "thread_cpu_time_s": statistics.median(cpu_times), "threads": torch.get_num_threads()}
+    # With one thread on a shared CPU, the thread's own CPU time is the step time the
+    # process would see alone; wall time also counts the waits for other processes.
+    use_cpu = cfg.get("clock") == "thread" and dev.type == "cpu"
+    out["time_s"] = out["thread_cpu_time_s"] if use_cpu else out["wall_time_s"]
+    out["clock"] = "thread_cpu" if use_cpu else "wall"
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         step()
@@ -156,6 +168,11 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="'cpu' or 'cuda' (default: cuda if available)")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="'thread': the worker thread's CPU time (needs --threads 1; for a loaded machine)")
+    ap.add_argument("--cached-probe", action="store_true",
+                    help="use the cached CPU probe instead of measuring it again now, under today's load")
     ap.add_argument("--out", default=str(RESULT))
     args = ap.parse_args()
     if args.worker:
@@ -167,6 +184,18 @@ def main() -> None:
     from heterog.cli.output import print_table, write_json
     from heterog.cost.predict import predict
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.clock == "thread" and args.threads != 1:
+        raise SystemExit("--clock thread measures one thread's CPU time: add --threads 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device == "cpu" and not args.cached_probe:
+        import tempfile
+
+        from heterog.cost import efficiency
+        from heterog.hardware import catalog
+        os.environ["HETEROG_CACHE_DIR"] = tempfile.mkdtemp(prefix="heterog-probe-")
+        catalog._measure_cpu_for.cache_clear()
+        efficiency.cpu_curve.cache_clear()
     catalog_type = _catalog_type(torch.cuda.get_device_name()) if device == "cuda" else "cpu"
     chosen = [c for c in CONFIGS if (not args.quick or c[0] in QUICK) and (not args.only or c[0] in args.only)]
     load_before = os.getloadavg()
@@ -174,7 +203,8 @@ def main() -> None:
     for label, model, margs, bs, seq, optim in chosen:
         cfg = {"label": label, "model": model, "args": margs, "batch_size": bs, "seq_len": seq,
                "optimizer": optim, "device": device, "steps": args.steps, "warmup": args.warmup,
-               "max_time_s": 20.0}
+               "max_time_s": 20.0, "threads": args.threads,
+               "clock": args.clock}
         m = measure(cfg)
         p = predict(model, model_args=margs, batch_size=bs, seq_len=seq, device=catalog_type,
                     optimizer=optim)
@@ -195,7 +225,7 @@ def main() -> None:
                "time_error_pct": {"median": statistics.median(t_err), "worst": max(t_err)},
                "memory_error_pct": {"median": statistics.median(m_err), "worst": max(m_err)},
                "load_average_before": load_before, "load_average_after": os.getloadavg(),
-               "cpu_count": os.cpu_count(), "torch": torch.__version__,
+               "cpu_count": os.cpu_count(), "clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(),
                "command": "benchmarks/predict_accuracy.py " + " ".join(sys.argv[1:])}
     print_table(f"predict vs measured on {catalog_type} (load {load_before[0]:.2f} → {os.getloadavg()[0]:.2f})",
                 ["config", "meas ms", "pred ms", "time err %", "meas MiB", "pred MiB", "mem err %", "RSS+ MiB"],

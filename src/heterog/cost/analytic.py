@@ -46,10 +46,12 @@ E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math r
 KIND_FACTOR_GPU = {"matmul": 1.0, "attention": 0.7}
 CONV_FACTOR_GPU = {"fp32": 1.0, "tf32": 0.4, "bf16": 0.4, "fp16": 0.4}
 # Optimizer traffic per parameter byte (reads + writes of fp32 tensors) and ops per tensor.
-# SGD-momentum: buf = m·buf + g; p -= lr·buf → reads p, g, buf twice, writes buf, p.
-# AdamW: decay, two moment updates, sqrt, division, update (torch.optim._multi_tensor_adamw).
-OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 6.0, "adamw": 16.0}
+# SGD-momentum: buf.mul_(m).add_(g) (2 + 3), p.add_(buf, -lr) (3).
+# AdamW (torch.optim.adamw): p.mul_ (2), exp_avg.lerp_ (3), exp_avg_sq.mul_ (2) .addcmul_ (3),
+# sqrt (2), div_ (2), add_ (2), p.addcdiv_ (4).
+OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 8.0, "adamw": 20.0}
 OPTIMIZER_OPS_PER_TENSOR = {"sgd": 3, "adamw": 10}
+OPTIMIZER_TEMPORARIES = {"sgd": 0, "adamw": 2}  # out-of-place parameter-sized results per step
 
 
 def _matmul_precision(kind: str, precision: str, gpu: GpuType) -> str:
@@ -102,18 +104,35 @@ class _TypeTable:
             self.kind_factor[i] = _kind_factor(n.kind, gpu, p)
         self.curve_index = curve_index
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
-        self.bandwidth = gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu)
+        kind_eff = {k: memory_efficiency(gpu, k, phase) for k in {n.kind for n in nodes}}
+        self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[n.kind] for n in nodes])
+        # bytes per element of the tensor-core operands, for the intensity-derived size
+        self.element_bytes = 2.0 if precision in ("amp-bf16", "fp16") else 4.0
         oh = host_overheads(gpu)
         self.synchronous = oh.synchronous
         self.dispatch = oh.dispatch_s if fw or oh.backward_dispatch_s is None else oh.backward_dispatch_s
         self.kernel_gap = oh.kernel_gap_s
+        # CPU: outputs (forward) and gradients (backward) above glibc's mmap threshold land
+        # on fresh pages every step; workspace_bytes is the largest such tensor a node makes
+        big = oh.fresh_threshold_bytes
+        out = np.array([n.output_bytes.fixed for n in nodes]), np.array([n.output_bytes.per_sample for n in nodes])
+        work = np.array([n.workspace_bytes.fixed for n in nodes]), np.array([n.workspace_bytes.per_sample for n in nodes])
+        self._fresh = (oh.fresh_page_s_per_byte, big, out if fw else (np.zeros(len(nodes)), np.zeros(len(nodes))), work)
 
     def times_s(self, idx: np.ndarray, batch: float) -> np.ndarray:
         tc = self.tc_fixed[idx] + self.tc_ps[idx] * batch
         other = self.other_fixed[idx] + self.other_ps[idx] * batch
         nbytes = self.bytes_fixed[idx] + self.bytes_ps[idx] * batch
         k = self.kernels[idx]
+        # The equivalent square product: by work per kernel (n³ = F/2k). On a CPU also by
+        # arithmetic intensity, since a skinny product (a convolution over 3 input channels,
+        # a 1×1 convolution) reuses its operands as badly as a small square one: a square
+        # n-product moves 3n²·e bytes for 2n³ FLOPs, so n = 1.5·e·F/bytes. (On a GPU the
+        # roofline's memory term already charges low intensity; the H200 curve includes it.)
         size = np.cbrt(np.maximum(tc / np.maximum(k, 1.0) / 2.0, 1.0))
+        if self.synchronous:
+            by_intensity = 1.5 * self.element_bytes * tc / np.maximum(nbytes, 1.0)
+            size = np.where(nbytes > 0, np.minimum(size, by_intensity), size)
         eff = np.empty(len(idx))
         ci = self.curve_index[idx]
         for c, curve in enumerate(self.curve_of):
@@ -121,8 +140,12 @@ class _TypeTable:
             if sel.any():
                 eff[sel] = curve.at(size[sel])
         t_math = tc / (self.peak_tc[idx] * eff * self.kind_factor[idx]) + other / self.peak_vector
-        roof = np.maximum(t_math, nbytes / self.bandwidth)
+        roof = np.maximum(t_math, nbytes / self.bandwidth[idx])
         if self.synchronous:
+            per_byte, big, (of, op), (wf, wp) = self._fresh
+            if per_byte > 0:
+                o, w = of[idx] + op[idx] * batch, wf[idx] + wp[idx] * batch
+                roof = roof + per_byte * (np.where(o > big, o, 0.0) + np.where(w > big, w, 0.0))
             return roof + k * self.dispatch
         return np.maximum(roof + k * self.kernel_gap, k * self.dispatch)
 
@@ -254,11 +277,16 @@ class AnalyticCostModel:
         oh = host_overheads(gpu)
         tensors = float(self._n_tensors[idx].sum())
         traffic_s = OPTIMIZER_BYTES_PER_PARAM_BYTE[self.optimizer] * pbytes / (
-            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu))
+            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu, "optimizer"))
         if oh.synchronous:
-            # CPU: torch.optim's default is the per-tensor for-loop (foreach is CUDA-only)
+            # CPU: torch.optim's default is the per-tensor for-loop (foreach is CUDA-only);
+            # AdamW's two out-of-place temporaries (sqrt, division) per tensor land on fresh
+            # pages when larger than glibc's mmap threshold
             host_s = tensors * OPTIMIZER_OPS_PER_TENSOR[self.optimizer] * oh.dispatch_s
-            return (traffic_s + host_s) * d.slowdown
+            per_node = self.memory.param_bytes[idx]
+            fresh_s = (OPTIMIZER_TEMPORARIES[self.optimizer] * oh.fresh_page_s_per_byte *
+                       float(per_node[per_node > oh.fresh_threshold_bytes].sum()))
+            return (traffic_s + host_s + fresh_s) * d.slowdown
         # GPU: foreach kernels; host cost per tensor overlaps the device's streaming
         return max(traffic_s, tensors * oh.optimizer_per_tensor_s) * d.slowdown
 

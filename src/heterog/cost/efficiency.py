@@ -33,11 +33,13 @@ MIN_EFFICIENCY = 1e-3
 
 @dataclass(frozen=True, slots=True)
 class Curve:
-    """Efficiency as a piecewise-linear function of log(n), flat beyond the ends except
-    that below the smallest size it falls in proportion to n³/n_min³ (too little work to
-    fill the device: the kernel takes about as long as the smallest one)."""
+    """Efficiency as a piecewise-linear function of log(n), flat above the largest size and
+    falling as (n/n_min)^falloff below the smallest: a GPU kernel too small to fill the SMs
+    takes about as long as the smallest measured one (falloff 3); a CPU core loses reuse,
+    not parallelism (falloff 1)."""
     log_sizes: np.ndarray
     efficiency: np.ndarray
+    falloff: float = 3.0
 
     def at(self, n: np.ndarray | float) -> np.ndarray:
         n = np.maximum(np.asarray(n, dtype=float), 1.0)
@@ -45,12 +47,12 @@ class Curve:
         eff = np.interp(logn, self.log_sizes, self.efficiency)
         small = logn < self.log_sizes[0]
         if np.any(small):
-            eff = np.where(small, self.efficiency[0] * np.exp(3 * (logn - self.log_sizes[0])), eff)
+            eff = np.where(small, self.efficiency[0] * np.exp(self.falloff * (logn - self.log_sizes[0])), eff)
         return np.maximum(eff, MIN_EFFICIENCY)
 
     def scaled(self, size_factor: float) -> "Curve":
         """eff'(n) = eff(n · size_factor)."""
-        return Curve(self.log_sizes - math.log(size_factor), self.efficiency)
+        return Curve(self.log_sizes - math.log(size_factor), self.efficiency, self.falloff)
 
 
 @lru_cache(maxsize=1)
@@ -93,10 +95,19 @@ def cpu_curve() -> Curve:
     peak = p.peak_flops_per_s
     sizes = sorted(p.matmul_flops_per_s)
     effs = np.maximum.accumulate(np.array([p.matmul_flops_per_s[n] / peak for n in sizes]))
-    return Curve(np.log(np.array(sizes, dtype=float)), effs)
+    return Curve(np.log(np.array(sizes, dtype=float)), effs, falloff=1.0)
 
 
-def memory_efficiency(gpu: GpuType) -> float:
-    """Achievable fraction of data-sheet memory bandwidth for streaming kernels. The CPU's
-    bandwidth is itself measured by a copy, so its efficiency is 1."""
-    return 1.0 if gpu.vendor == "cpu" else h200_copy_efficiency()
+def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd") -> float:
+    """Achievable fraction of data-sheet memory bandwidth for streaming kernels of `kind`.
+    GPUs: the H200 copy's fraction for every kind. CPU: its bandwidth is itself a measured
+    copy; batch norm, pooling, GELU and softmax were measured by the probe too (they run
+    far below copy speed there: several passes, index bookkeeping, transcendentals)."""
+    if gpu.vendor != "cpu":
+        return h200_copy_efficiency()
+    if kind is None:
+        return 1.0
+    from heterog.hardware.catalog import measure_cpu
+    p = measure_cpu()
+    rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == "fwd" else f"{kind}.bwd")
+    return 1.0 if rate is None else float(np.clip(rate / p.copy_bandwidth_bytes_per_s, 0.02, 4.0))
