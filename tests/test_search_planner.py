@@ -116,3 +116,11 @@ def test_finds_a_plan_where_every_baseline_runs_out_of_memory():
     assert not any(byname[n].feasible for n in BASELINE_BUILDERS)
     assert r.best.strategy == "search" and r.best.num_microbatches > 1
     assert all(b <= c.memory_bytes(d) for d, b in r.best.predicted_peak_memory_bytes.items())
+
+
+def test_planner_is_reproducible_with_a_seed_and_iteration_cap():
+    g, c, costs = _inputs()
+    runs = [plan_graph(g, c, costs, budget_s=60, seed=3, policy=False, max_iters=200) for _ in range(2)]
+    a, b = (r.best for r in runs)
+    assert a.strategy == b.strategy and a.groups == b.groups and a.num_microbatches == b.num_microbatches
+    assert a.predicted_iteration_time_s == b.predicted_iteration_time_s

@@ -212,7 +212,7 @@ class Annealer:
         def check(st: Strategy) -> None:
             # verification may use at most a third of the budget; later new bests go unverified
             # (the planner still re-scores the elite with the simulator)
-            if self.verifier is not None and spent[0] < budget_s / 3:
+            if self.verifier is not None and (max_iters is not None or spent[0] < budget_s / 3):
                 t = time.perf_counter()
                 v = self.verifier(self.prob, st).score
                 spent[0] += time.perf_counter() - t

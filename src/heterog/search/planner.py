@@ -150,7 +150,8 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     """The best Plan for `graph` on `cluster` within about `budget_s` seconds.
 
     policy: None loads the shipped pre-trained GNN, a path loads that file, a policy object is
-    used as is, False skips the GNN candidates. max_iters caps each search (reproducible runs).
+    used as is, False skips the GNN candidates. max_iters caps each search and makes the run
+    reproducible (no choice then depends on timings; the budget is only a safety stop).
     scorer: what the search's inner loop calls — 'simulator', 'estimate', or 'auto' (the
     simulator when one call is cheap enough for a few hundred moves within the budget).
     finetune_s: seconds of REINFORCE on this very problem before the GNN proposes (a copy of
@@ -183,7 +184,9 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     left = max(0.0, budget_s - (time.perf_counter() - begin)) * 0.8
     share = 0.5 if gnn_props else 1.0
     have_sim = _simulator() is not None
-    use_sim = scorer == "simulator" or (scorer == "auto" and have_sim and per_call_s * 2000 <= left * share)
+    # with max_iters the run must not depend on the machine's speed: no timing-based choices
+    timed = max_iters is None
+    use_sim = scorer == "simulator" or (scorer == "auto" and timed and have_sim and per_call_s * 2000 <= left * share)
     score_fn = simulator_scorer(prob) if use_sim else estimate
     verify = simulator_scorer(prob) if (have_sim and not use_sim and scorer != "estimate") else None
     # the search also starts from a 1F1B pipeline: far less activation memory per stage, the
@@ -201,7 +204,7 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     say("scoring", 0.9)
     # re-score as many of each search's best strategies as the rest of the budget allows
     left = budget_s - (time.perf_counter() - begin)
-    limit = max(0, min(ELITE_RESCORED, int(left / max(3 * 2 * per_call_s, 1e-9)) - 1))
+    limit = max(0, min(ELITE_RESCORED, int(left / max(3 * 2 * per_call_s, 1e-9)) - 1)) if timed else ELITE_RESCORED
     for name in ("search", "gnn", "gnn+search"):
         if name in strategies:
             candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, []), limit))
