@@ -25,6 +25,12 @@ def _segments(plan: Plan) -> list[tuple[int, int]]:
     return out
 
 
+def _kind(prob: "Problem", device: str) -> str:
+    """GPU type, with the slowdown of an emulated device (two 'cpu' devices may differ)."""
+    d = prob.cluster.device(device)
+    return d.gpu_type if d.slowdown == 1.0 else f"{d.gpu_type}/{d.slowdown:g}x-slower"
+
+
 def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"]) -> list[str]:
     plan = winner.plan
     out = [f"chose {winner.strategy!r}: {human_time(winner.iteration_time_s)} per iteration "
@@ -52,7 +58,7 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
         if len(g.replicas) == 1:
             out.append(f"{span}: on {g.replicas[0].device} alone (model parallel; no gradient sync).")
             continue
-        types = Counter(prob.cluster.device(r.device).gpu_type for r in g.replicas)
+        types = Counter(_kind(prob, r.device) for r in g.replicas)
         kinds = ", ".join(f"{k}×{t}" for t, k in types.items())
         idx = [prob.device_names.index(r.device) for r in g.replicas] if prob.n_devices <= 64 else None
         line = f"{span}: data parallel on {len(g.replicas)} devices ({kinds}), sync {g.sync}"
@@ -61,7 +67,7 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
         if idx is not None and len(set(np.round(speed[idx], 6))) > 1:
             share = {}
             for r, i in zip(g.replicas, idx):
-                share.setdefault(prob.cluster.device(r.device).gpu_type, (r.share, speed[i]))
+                share.setdefault(_kind(prob, r.device), (r.share, speed[i]))
             desc = ", ".join(f"{t} {s * 100:.1f}%" for t, (s, _) in share.items())
             if len({round(s, 3) for s, _ in share.values()}) > 1:
                 line += (f"; per-replica shares {desc}, balanced by the share LP so the replicas "
