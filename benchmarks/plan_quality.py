@@ -55,14 +55,14 @@ LARGE_CASES = [
 SCALE_CASES = [("resnet50", {}, 2048, None, "scale-1024")]
 
 
-def run_case(graph, cluster_name, spec, budget_s, seed):
+def run_case(graph, cluster_name, spec, budget_s, seed, policy=None):
     cluster = load_cluster(cluster_name)
     costs = build_cost_model(graph, cluster)
     row = {"model": spec.name, "model_args": spec.args, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
            "cluster": cluster_name, "devices": len(cluster.devices), "budget_s": budget_s}
     t = time.perf_counter()
     try:
-        r = plan_graph(graph, cluster, costs, budget_s=budget_s, seed=seed, model_spec=spec)
+        r = plan_graph(graph, cluster, costs, budget_s=budget_s, seed=seed, model_spec=spec, policy=policy)
     except InfeasibleError as e:
         row.update(feasible=False, error=str(e), search_time_s=time.perf_counter() - t)
         return row
@@ -88,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-budget-s", type=float, default=30.0, help="search budget for scale-1024")
     ap.add_argument("--quick", action="store_true", help="only paper-8gpu, no large/scale cases")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default=None, help="GNN policy file (default: the shipped one)")
+    ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON results")
     args = ap.parse_args(argv)
     cases = [(m, a, b, s, c) for (m, a, b, s) in PAPER_MODELS for c in PAPER_CLUSTERS]
     if args.quick:
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
             print(f"captured {m} (batch {b}) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
         spec = ModelSpec(name=m, args=a, batch_size=b, seq_len=s)
         budget = args.scale_budget_s if c == "scale-1024" else args.budget_s
-        row = run_case(graphs[key], c, spec, budget, args.seed)
+        row = run_case(graphs[key], c, spec, budget, args.seed, args.policy)
         rows.append(row)
         print(f"{m:14s} {c:11s} best={row.get('best')} x{row.get('speedup_vs_even_dp') or 0:.2f} "
               f"{row['search_time_s']:.1f}s", file=sys.stderr)
@@ -139,11 +141,11 @@ def main(argv=None) -> int:
         "total_time_s": time.perf_counter() - begin,
     }
     print(json.dumps(summary, indent=1))
-    write_json(str(RESULTS), {"benchmark": "plan_quality", "command": "python benchmarks/plan_quality.py "
+    write_json(args.out, {"benchmark": "plan_quality", "command": "python benchmarks/plan_quality.py "
                               + " ".join(argv if argv is not None else sys.argv[1:]),
                               "machine": platform.processor() or platform.machine(), "summary": summary,
                               "rows": rows})
-    print(f"wrote {RESULTS}", file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
