@@ -107,3 +107,13 @@ def test_interleaved_groups_on_overlapping_replicas(tmp_path):
         Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("b", 0.5), ("c", 0.5)), sync="ring")],
         batch_size=10, microbatches=2)
     check_equal(plan, tmp_path)
+
+
+def test_hugging_face_llama_under_data_parallelism(tmp_path):
+    # transformers models are not fx-traceable here; data parallelism needs no split.
+    args = {"hidden": 32, "layers": 2, "heads": 4, "ffn": 64, "vocab": 100, "positions": 64}
+    plan = Plan(strategy="test", model=ModelSpec(name="llama", args=args, batch_size=6, seq_len=16),
+                groups=(Group(name="all", nodes=("model.embed_tokens", "lm_head"), sync="ring",
+                              replicas=replicas(("a", 0.5), ("b", 0.5))),)).validate()
+    out = check_equal(plan, tmp_path)
+    assert any("not fx-traceable" in n for n in out["notes"])
