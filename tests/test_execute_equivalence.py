@@ -28,9 +28,9 @@ def replicas(*pairs) -> tuple[Replica, ...]:
     return tuple(Replica(device=d, share=s) for d, s in pairs)
 
 
-def check_equal(plan: Plan, tmp_path, **kw) -> dict:
-    out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60, **kw)
-    ref = reference_train(plan, steps=STEPS)
+def check_equal(plan: Plan, tmp_path, data: str | None = None) -> dict:
+    out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60, data=data)
+    ref = reference_train(plan, steps=STEPS, data=data)
     seen: set[str] = set()
     for rank in range(len(out["devices"])):
         params = torch.load(tmp_path / f"params_rank{rank}.pt")
@@ -60,14 +60,14 @@ def test_uneven_shares_with_zero_sample_replica_and_adamw(tmp_path):
     check_equal(plan, tmp_path)
 
 
-def test_parameter_server_sync_on_a_device_without_replica(tmp_path):
+def test_parameter_server_sync_on_a_device_without_replica_with_user_data(tmp_path):
     # 'back' is served by device c, which holds no replica: it sums zeros and broadcasts.
     plan = make_plan("mlp", [
         Group(name="front", nodes=("fc1", "act1"), replicas=replicas(("a", 0.25), ("b", 0.75)),
               sync="ps", ps_device="a"),
         Group(name="back", nodes=("fc2", "act2", "fc3"), replicas=replicas(("a", 0.5), ("b", 0.5)),
               sync="ps", ps_device="c")])
-    out = check_equal(plan, tmp_path)
+    out = check_equal(plan, tmp_path, data=f"{MODELS}:fixed_vectors")
     assert out["devices"] == ["a", "b", "c"]
 
 

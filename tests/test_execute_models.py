@@ -112,3 +112,10 @@ class Repeat(nn.Module):
 
 
 branchy = _Entry(lambda **a: Branchy(), _vectors)
+
+
+def fixed_vectors(batch_size, step):
+    """User data for `run(data=...)`: a fixed table read by step (the same on every rank)."""
+    table = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16).sin()
+    rows = (torch.arange(batch_size) + step * batch_size) % 64
+    return (table[rows],), rows % 4

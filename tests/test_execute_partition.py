@@ -113,3 +113,14 @@ def test_transfer_table_covers_each_consumer_range_exactly():
     tags = [p.tag for ps in prog.inputs.values() for p in ps]
     assert len(tags) == len(set(tags))
     assert flow.owner[flow.inputs[0]] == INPUT
+
+
+def test_user_data_replaces_synthetic_batches_step_by_step():
+    from heterog.execute.workload import global_batch, resolve_workload, with_data
+    from test_execute_models import fixed_vectors
+    work = with_data(resolve_workload(ModelSpec(name="tests/test_execute_models.py:mlp", batch_size=4)),
+                     "tests/test_execute_models.py:fixed_vectors")
+    for step in (0, 3):
+        (x,), y = global_batch(work, 4, seed=0, step=step)
+        (want,), want_y = fixed_vectors(4, step)
+        assert torch.equal(x, want) and torch.equal(y, want_y)

@@ -116,9 +116,12 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
 def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = False,
         timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, shape_links: bool | None = None,
         pin_cores: bool = False, predict: bool = True, out_dir: str | os.PathLike | None = None,
-        dump_params: bool = False, fault: dict[str, Any] | None = None) -> dict[str, Any]:
+        dump_params: bool = False, fault: dict[str, Any] | None = None,
+        data: str | None = None) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
 
+    data: 'path/file.py:fn', fn(batch_size, step) → the global batch (inputs tuple, targets)
+    of that step, instead of the zoo's synthetic batches (every rank calls it).
     shape_links: None → shape NIC bandwidths with netns + tc when running as root on an
     emulated cluster, else not; False → never. out_dir keeps the ranks' logs and, with
     dump_params, their final parameters (params_rank<R>.pt).
@@ -152,7 +155,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
                 notes.append(f"links not shaped: {e}")
         cfg = LaunchConfig(devices=devices, steps=steps, timeout_s=timeout_s, seed=seed,
                            slowdowns=slowdowns, pin_cores=pin_cores, dump_params=dump_params,
-                           fault=fault, **cfg_net)
+                           fault=fault, data=data, **cfg_net)
         results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None)
     for r in results:
         for w in r["warnings"]:

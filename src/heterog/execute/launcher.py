@@ -37,6 +37,7 @@ class LaunchConfig:
     pin_cores: bool = False
     dump_params: bool = False
     fault: dict[str, Any] | None = None       # test hook: {"rank", "kind": die|hang, "step"}
+    data: str | None = None                   # user data 'path/file.py:fn' (workload.with_data)
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
     master_addr: str = "127.0.0.1"
@@ -67,7 +68,7 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
         for rank in range(len(cfg.devices)):
             spec = {"rank": rank, "devices": list(cfg.devices), "plan": plan_doc, "steps": cfg.steps,
                     "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
-                    "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault,
+                    "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault, "data": cfg.data,
                     "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
             spec_path = work / f"spec_rank{rank}.json"
             spec_path.write_text(json.dumps(spec))

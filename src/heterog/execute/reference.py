@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload
+from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, with_data
 from heterog.ir.plan import Plan
 
 
-def reference_train(plan: Plan, *, steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def reference_train(plan: Plan, *, steps: int, seed: int = 0, data: str | None = None) -> dict[str, torch.Tensor]:
     """Parameters after `steps` optimizer steps of the whole model on the whole batch."""
     torch.set_num_threads(1)
-    work = resolve_workload(plan.model)
+    work = with_data(resolve_workload(plan.model), data)
     model = build_model(work, seed=seed)
     opt = make_optimizer(list(model.parameters()), plan.optimizer)
     for step in range(steps):

@@ -26,7 +26,7 @@ from heterog.execute.p2p import P2P
 from heterog.execute.partition import build_dataflow, detach_unheld, param_numel_of_group
 from heterog.execute.runtime import Executor
 from heterog.execute.sync import GradSync
-from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload
+from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, with_data
 from heterog.ir.plan import Plan
 from heterog.jsonio import write_atomic
 
@@ -69,7 +69,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     if missing:
         raise RankError(rank, f"the plan uses device(s) {missing} that no rank was started for; "
                               f"ranks run {devices_by_rank}.")
-    work = resolve_workload(plan.model)
+    work = with_data(resolve_workload(plan.model), spec.get("data"))
     seed = spec.get("seed", 0)
     model = build_model(work, seed=seed)
     inputs0, _ = global_batch(work, plan.batch_size, seed=seed, step=0)

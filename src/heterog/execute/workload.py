@@ -9,7 +9,10 @@ ranks agree on it without communicating.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -26,6 +29,7 @@ class Workload:
     example_batch: Callable[[int, int | None], tuple[tuple[Any, ...], Any]]
     loss: Callable[[Any, Any], torch.Tensor]
     seq_len: int | None = None
+    data_fn: Callable[[int, int], tuple[Any, Any]] | None = None  # user data: (batch_size, step)
 
 
 def _from_zoo_like(name: str, entry: Any, args: dict[str, Any], seq_len: int | None) -> Workload:
@@ -47,12 +51,39 @@ def resolve_workload(model: ModelSpec) -> Workload:
     return _from_zoo_like(model.name, entry, dict(model.args), seq_len)
 
 
+def with_data(work: Workload, data: str | None) -> Workload:
+    """Replace the synthetic batches by the user's: 'path/file.py:fn' with fn(batch_size, step)
+    returning the global batch (inputs tuple, targets) of that step. Every rank calls it, so
+    it must return the same batch for the same step (read by index, or seed your sampler)."""
+    if not data:
+        return work
+    path, _, attr = data.rpartition(":")
+    if not path.endswith(".py") or not Path(path).is_file():
+        raise ModelError(f"data {data!r}: give 'path/file.py:fn' naming an existing file.")
+    name = f"heterog_user_data_{abs(hash(str(Path(path).resolve())))}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ModelError(f"data {data!r}: {path} defines no callable {attr!r}.")
+    return replace(work, data_fn=fn)
+
+
 def global_batch(work: Workload, batch_size: int, *, seed: int, step: int) -> tuple[tuple[Any, ...], Any]:
-    """The same synthetic global batch on every rank (and in the reference)."""
+    """The same global batch on every rank (and in the reference): synthetic, seeded by
+    (seed, step), or the user's data for `step` (with_data)."""
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed * 1_000_003 + step + 1)
-        inputs, targets = work.example_batch(batch_size, work.seq_len)
+        if work.data_fn is not None:
+            inputs, targets = work.data_fn(batch_size, step)
+        else:
+            inputs, targets = work.example_batch(batch_size, work.seq_len)
     finally:
         torch.random.set_rng_state(state)
     if not isinstance(inputs, tuple):
