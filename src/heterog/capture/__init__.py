@@ -1,5 +1,10 @@
 """capture: nn.Module + example batch → OpGraph (one training iteration, on fake tensors),
-and the model zoo (heterog.capture.zoo)."""
+and the model zoo (heterog.capture.zoo).
+
+- capture(model, example_inputs, *, loss_fn=None, name="model", targets=None, seq_len=None)
+- capture_model(name, model_args=None, *, batch_size, seq_len=None)  (zoo name or file.py:factory)
+- is_leaf_module(module): the placement-unit rule shared with the executor's fx tracer
+"""
 
 from heterog.capture.capture import capture, capture_model, count_parameters
 from heterog.capture.recorder import is_leaf_module

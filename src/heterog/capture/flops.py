@@ -127,9 +127,6 @@ def op_kind(func: Any) -> str:
     return "other"
 
 
-TENSOR_CORE_KINDS = frozenset({"matmul", "conv", "attention"})
-
-
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

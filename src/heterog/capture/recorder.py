@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from heterog.capture.flops import TENSOR_CORE_KINDS, is_view_op, op_cost, op_kind, op_name, tensor_nbytes
+from heterog.capture.flops import is_view_op, op_cost, op_kind, op_name, tensor_nbytes
 
 
 def is_leaf_module(module: nn.Module) -> bool:
@@ -326,4 +326,4 @@ class Recorder(TorchDispatchMode):
         return min(1.0, node.tc_flops / total) if total > 0 else 0.0
 
 
-__all__ = ["Recorder", "NodeStats", "is_leaf_module", "TENSOR_CORE_KINDS"]
+__all__ = ["Recorder", "NodeStats", "is_leaf_module"]

@@ -43,9 +43,9 @@ def _show(graph: Any, top: int) -> None:
              human_bytes(v[3]), f"{int(v[4]):,}"]
             for k, v in sorted(by_kind.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))]
     print_table(f"{graph.model}: batch {b}" + (f", seq_len {graph.seq_len}" if graph.seq_len else ""),
-                ["kind", "nodes", "forward", "backward", "share", "saved for bwd", "parameters"], rows)
+                ["kind", "nodes", "fwd", "bwd", "share", "saved", "params"], rows)
     heavy = sorted(graph.nodes, key=lambda n: -(n.fwd_flops.at(b) + n.bwd_flops.at(b)))[:top]
-    print_table(f"top {len(heavy)} nodes by FLOPs", ["node", "kind", "forward", "backward", "saved", "output"],
+    print_table(f"top {len(heavy)} nodes by FLOPs", ["node", "kind", "fwd", "bwd", "saved", "output"],
                 [[n.name, n.kind, human_flops(n.fwd_flops.at(b)), human_flops(n.bwd_flops.at(b)),
                   human_bytes(n.saved_bytes.at(b)), human_bytes(n.output_bytes.at(b))] for n in heavy])
     s = capture_summary(graph)
