@@ -32,25 +32,25 @@ class Block:
     label: str
 
 
-_placements: dict[int, tuple[tuple, int]] = {}
+_placements: dict[int, tuple] = {}
+_by_value: dict[tuple, int] = {}
 
 
-def _placement_id(replicas: tuple) -> int:
-    """A small integer per distinct placement: comparing two 64-replica tuples field by field
-    is what made block fusion slow. Keyed by the tuple's identity (kept alive here), then by value."""
+def _placement(replicas: tuple) -> tuple[int, tuple[str, ...], tuple[float, ...]]:
+    """(id, device names, shares) of a placement. The id is a small integer per distinct
+    placement: comparing 64-replica tuples field by field made block fusion slow. Cached by the
+    tuple's identity (kept alive here): the search re-uses unchanged groups between plans."""
     hit = _placements.get(id(replicas))
     if hit is not None and hit[0] is replicas:
         return hit[1]
     if len(_placements) > 50_000:
         _placements.clear()
         _by_value.clear()
-    value = tuple((r.device, r.share) for r in replicas)
-    pid = _by_value.setdefault(value, len(_by_value))
-    _placements[id(replicas)] = (replicas, pid)
-    return pid
-
-
-_by_value: dict[tuple, int] = {}
+    names = tuple(r.device for r in replicas)
+    shares = tuple(r.share for r in replicas)
+    out = (_by_value.setdefault((names, shares), len(_by_value)), names, shares)
+    _placements[id(replicas)] = (replicas, out)
+    return out
 
 
 def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table: CostTable) -> list[Block]:
@@ -59,7 +59,8 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
     last group sends nothing to another placement: a fused run then receives only at its start
     and sends only at its end, so fusion delays no other device."""
     groups = plan.groups
-    keys = [(_placement_id(g.replicas), g.sync, g.ps_device, g.recompute) for g in groups]
+    places = [_placement(g.replicas) for g in groups]
+    keys = [(pl[0], g.sync, g.ps_device, g.recompute) for pl, g in zip(places, groups)]
     runs: list[list[int]] = []
     for g in order:
         key = keys[g]
@@ -93,8 +94,7 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
             names = [groups[g].name for g in p]
             blocks.append(Block(
                 groups=tuple(p), nodes=tuple(groups[g].nodes for g in p),
-                devices=tuple(dev_id[r.device] for r in grp.replicas),
-                shares=tuple(r.share for r in grp.replicas), sync=grp.sync,
+                devices=info.ids(places[run[0]][1]), shares=places[run[0]][2], sync=grp.sync,
                 ps_device=dev_id[grp.ps_device] if grp.ps_device else None,
                 recompute=grp.recompute,
                 label=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"))

@@ -53,7 +53,16 @@ class ClusterInfo:
         self.capacity_bytes = [cluster.memory_bytes(n) for n in self.devices]
         self._paths: dict[tuple[int, int], tuple[int, ...]] = {}
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
+        self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
+
+    def ids(self, names: tuple[str, ...]) -> tuple[int, ...]:
+        hit = self._ids.get(names)
+        if hit is None:
+            if len(self._ids) > 10_000:
+                self._ids.clear()
+            hit = self._ids[names] = tuple(self.dev_id[n] for n in names)
+        return hit
 
     def names(self, ids: tuple[int, ...]) -> tuple[str, ...]:
         hit = self._names.get(ids)

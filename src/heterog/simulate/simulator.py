@@ -38,6 +38,7 @@ from heterog.simulate.result import SimResult
 from heterog.simulate.tasks import KIND_NAMES, OPT, SYNC, XFER, expand
 
 _fingerprints: dict[int, tuple[object, str]] = {}
+_validated: dict[int, Plan] = {}
 
 
 def _fingerprint(obj) -> str:
@@ -51,7 +52,11 @@ def _fingerprint(obj) -> str:
 
 def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan):
     """Validate `plan` against graph and cluster; cheap on repeated calls (cached pieces)."""
-    plan.validate()
+    if _validated.get(id(plan)) is not plan:    # plans are frozen: validate each object once
+        plan.validate()
+        if len(_validated) > 256:
+            _validated.clear()
+        _validated[id(plan)] = plan
     info = cluster_info(cluster)
     for g in plan.groups:
         for r in g.replicas:
@@ -119,14 +124,22 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
     comm = {d: 0.0 for d in used}
     link_busy: dict[int, float] = {}
     dur, dev = tasks.dur, tasks.dev
+    by_members: dict[tuple[int, ...], float] = {}   # summed per member / link set first:
+    by_links: dict[tuple[int, ...], float] = {}     # a collective has hundreds of each
     for t, d in enumerate(dev):
         if d >= 0:
             compute[d] += dur[t]
         else:
-            for m in tasks.comm[t][0]:
-                comm[m] += dur[t]
-            for l in tasks.links[t]:
-                link_busy[l] = link_busy.get(l, 0.0) + dur[t]
+            mk = tasks.comm[t][0]
+            by_members[mk] = by_members.get(mk, 0.0) + dur[t]
+            lk = tasks.links[t]
+            by_links[lk] = by_links.get(lk, 0.0) + dur[t]
+    for mk, x in by_members.items():
+        for m in mk:
+            comm[m] += x
+    for lk, x in by_links.items():
+        for l in lk:
+            link_busy[l] = link_busy.get(l, 0.0) + x
     rep = tasks.rep
     for d in used:     # devices simulated through a representative share its timeline
         r = rep[d]

@@ -104,12 +104,18 @@ def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass) -> list
     rep = list(range(n_devices))
     if not MERGE_SYMMETRIC or len(p2p) >= n_devices - 1:
         return rep
+    # blocks of one placement have the same members at the same samples: a device's
+    # signature is its (placement, samples) list, built once per distinct placement
     sig: dict[int, list] = {}
+    placements: dict[tuple, int] = {}
     for bi, blk in enumerate(blocks):
-        per_size = [splits[(size, blk.shares)] for size in sizes]
-        for r, d in enumerate(blk.devices):
-            if d not in p2p:
-                sig.setdefault(d, []).append((bi, tuple(sp[r] for sp in per_size)))
+        pk = (blk.devices, blk.shares)
+        if pk not in placements:
+            pid = placements[pk] = len(placements)
+            per_size = [splits[(size, blk.shares)] for size in sizes]
+            for r, d in enumerate(blk.devices):
+                if d not in p2p:
+                    sig.setdefault(d, []).append((pid, tuple(sp[r] for sp in per_size)))
         if blk.ps_device is not None:
             sig.setdefault(blk.ps_device, []).append(("ps", bi))
     first: dict[tuple, int] = {}
@@ -391,6 +397,7 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
             if n:
                 tasks.initial_bytes[d] += input_bytes.at(n)
     ring_bytes: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
+    grads_of: dict[tuple[int, ...], float] = {}
     for bi, blk in enumerate(blocks):
         if blk.ps_device is not None and blk.ps_device not in blk.devices:
             for nodes in blk.nodes:   # the server keeps the parameters it serves
@@ -400,9 +407,8 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
         grad = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
         if grad > 0:
             # zero_grad(set_to_none=True), PyTorch's default: gradients do not exist before
-            # the first backward (micro-batch 0, see below)
-            for d in blk.devices:
-                tasks.initial_bytes[d] -= grad
+            # the first backward (micro-batch 0, see expand); summed per placement
+            grads_of[blk.devices] = grads_of.get(blk.devices, 0.0) + grad
         if len(blk.devices) > 1 and blk.sync != "none" and grad > 0:
             members = blk.devices
             names = info.names(members)
@@ -431,6 +437,9 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
             for d in members:
                 if rep[d] == d:
                     opt_preds[d].append(s)
+    for devs, grad in grads_of.items():
+        for d in devs:
+            tasks.initial_bytes[d] -= grad
     for load, nbytes in ring_bytes.values():
         for l, share in load.items():
             tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
