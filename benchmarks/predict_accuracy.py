@@ -130,20 +130,13 @@ def worker(cfg: dict) -> dict:
 
 # -- the driver --------------------------------------------------------------------------------------
 
-def _catalog_type(device_name: str) -> str:
-    """Map torch.cuda.get_device_name() (e.g. 'NVIDIA H200') to a catalog type."""
-    from heterog.hardware.catalog import list_gpus
-    name = device_name.upper().replace(" ", "").replace("-", "")
-    best = None
-    for g in list_gpus():
-        key = g.name.upper().replace("-", "")
-        base = key.split("SXM")[0].split("PCIE")[0]
-        if base and base.replace("GB", "") in name.replace("GB", ""):
-            if best is None or len(key) > len(best[0]):
-                best = (key, g.name)
-    if best is None:
-        raise SystemExit(f"GPU {device_name!r} is not in the catalog; add it to catalog.yaml")
-    return best[1]
+def _catalog_type() -> str:
+    """The catalog type of this machine's GPU (torch.cuda.get_device_name + its memory)."""
+    import torch
+
+    from heterog.hardware.catalog import gpu_from_device_name
+    props = torch.cuda.get_device_properties(0)
+    return gpu_from_device_name(props.name, props.total_memory).name
 
 
 def measure(cfg: dict) -> dict:
@@ -196,7 +189,7 @@ def main() -> None:
         os.environ["HETEROG_CACHE_DIR"] = tempfile.mkdtemp(prefix="heterog-probe-")
         catalog._measure_cpu_for.cache_clear()
         efficiency.cpu_curve.cache_clear()
-    catalog_type = _catalog_type(torch.cuda.get_device_name()) if device == "cuda" else "cpu"
+    catalog_type = _catalog_type() if device == "cuda" else "cpu"
     chosen = [c for c in CONFIGS if (not args.quick or c[0] in QUICK) and (not args.only or c[0] in args.only)]
     load_before = os.getloadavg()
     rows, records = [], []

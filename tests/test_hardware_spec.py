@@ -162,3 +162,18 @@ def test_emulated_requires_cpu_devices():
 def test_load_cluster_unknown_name():
     with pytest.raises(ClusterError, match="not a built-in"):
         load_cluster("no-such-cluster")
+
+
+@pytest.mark.parametrize("device_name,memory,expected", [
+    ("NVIDIA H200", None, "H200"), ("NVIDIA A100-SXM4-80GB", None, "A100-80GB"),
+    ("NVIDIA A100-SXM4-40GB", None, "A100-40GB"), ("NVIDIA A10", None, "A10"),
+    ("Tesla V100-SXM2-32GB", None, "V100-32GB"), ("NVIDIA H100 80GB HBM3", None, "H100-SXM"),
+    ("NVIDIA H100 PCIe", None, "H100-PCIe"), ("NVIDIA L4", None, "L4"), ("NVIDIA L40S", None, "L40S"),
+    ("NVIDIA GeForce RTX 4090", None, "RTX-4090"), ("NVIDIA A100 80GB PCIe", 85 * 10**9, "A100-80GB")])
+def test_gpu_from_device_name(device_name, memory, expected):
+    assert catalog.gpu_from_device_name(device_name, memory).name == expected
+
+
+def test_gpu_from_unknown_device_name():
+    with pytest.raises(ClusterError, match="not in the catalog"):
+        catalog.gpu_from_device_name("Voodoo2")

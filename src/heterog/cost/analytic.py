@@ -52,6 +52,7 @@ CONV_FACTOR_GPU = {"fp32": 1.0, "tf32": 0.4, "bf16": 0.4, "fp16": 0.4}
 OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 8.0, "adamw": 20.0}
 OPTIMIZER_OPS_PER_TENSOR = {"sgd": 3, "adamw": 10}
 OPTIMIZER_TEMPORARIES = {"sgd": 0, "adamw": 2}  # out-of-place parameter-sized results per step
+FRESH_PAGE_SHARE = 0.9  # tensors within 10% of the step's largest count as the largest
 
 
 def _matmul_precision(kind: str, precision: str, gpu: GpuType) -> str:
@@ -283,9 +284,13 @@ class AnalyticCostModel:
             # AdamW's two out-of-place temporaries (sqrt, division) per tensor land on fresh
             # pages when larger than glibc's mmap threshold
             host_s = tensors * OPTIMIZER_OPS_PER_TENSOR[self.optimizer] * oh.dispatch_s
+            # In the optimizer step, after the activations are freed, the largest parameter's
+            # temporaries are the largest blocks: glibc's threshold (raised to the largest
+            # block freed, at most 32 MiB) sends them, and those near their size, to fresh pages.
             per_node = self.memory.param_bytes[idx]
+            big = min(oh.fresh_threshold_bytes, FRESH_PAGE_SHARE * float(self.memory.param_bytes.max(initial=0.0)))
             fresh_s = (OPTIMIZER_TEMPORARIES[self.optimizer] * oh.fresh_page_s_per_byte *
-                       float(per_node[per_node > oh.fresh_threshold_bytes].sum()))
+                       float(per_node[per_node >= big].sum()))
             return (traffic_s + host_s + fresh_s) * d.slowdown
         # GPU: foreach kernels; host cost per tensor overlaps the device's streaming
         return max(traffic_s, tensors * oh.optimizer_per_tensor_s) * d.slowdown

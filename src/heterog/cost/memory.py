@@ -115,6 +115,8 @@ class MemoryModel:
         self._chained_backward = np.array([n.bwd_kernels >= 2 and n.kind not in ("matmul", "conv")
                                            for n in nodes])
         self._blocks = self._find_blocks()
+        self._block_inputs: dict[str, Affine] = {}
+        self._in_block_mask: np.ndarray | None = None
 
     def _input_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Bytes of each node's inputs from other nodes (each source once): the size of the
@@ -152,6 +154,12 @@ class MemoryModel:
 
     def block_input_bytes(self, block: str) -> Affine:
         """Bytes of the tensors entering a block from outside it (each source once)."""
+        cached = self._block_inputs.get(block)
+        if cached is None:
+            cached = self._block_inputs[block] = self._block_input_bytes(block)
+        return cached
+
+    def _block_input_bytes(self, block: str) -> Affine:
         idx = self._blocks[block]
         names = {self.graph.nodes[i].name for i in idx}
         per_src: dict[str, Affine] = {}
@@ -172,10 +180,12 @@ class MemoryModel:
         return Affine(self.out_fixed[first - 1], self.out_per_sample[first - 1])
 
     def in_block(self) -> np.ndarray:
-        mask = np.zeros(len(self.graph.nodes), dtype=bool)
-        for idx in self._blocks.values():
-            mask[idx] = True
-        return mask
+        if self._in_block_mask is None:
+            mask = np.zeros(len(self.graph.nodes), dtype=bool)
+            for idx in self._blocks.values():
+                mask[idx] = True
+            self._in_block_mask = mask
+        return self._in_block_mask
 
     # -- sums over node subsets --------------------------------------------------------------
     def index(self, nodes: Iterable[str]) -> np.ndarray:

@@ -305,3 +305,33 @@ def cpu_gpu_type() -> GpuType:
         sources={"peak_flops_per_s": f"measured on this machine ({p.key})",
                  "memory_bandwidth_bytes_per_s": "measured: 64 MiB copy, bytes read + written",
                  "intra_node_link": "TOOLCHAIN.md: gloo point-to-point ~2 GB/s on one machine"})
+
+
+def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> GpuType:
+    """The catalog type of a physical device, from torch.cuda.get_device_name() (e.g. 'NVIDIA
+    A100-SXM4-80GB', 'Tesla V100-SXM2-16GB', 'NVIDIA H100 80GB HBM3'); its total memory, when
+    given, picks between variants of one family (A100 40/80 GB)."""
+    import re
+    name = re.sub(r"[^A-Z0-9]", "", device_name.upper())
+    candidates: list[tuple[int, GpuType]] = []
+    for g in list_gpus():
+        family = re.sub(r"-(\d+GB|SXM|PCIE)$", "", g.name.upper())
+        family = re.sub(r"[^A-Z0-9]", "", family)
+        if family in name:  # 'A10' also matches 'A100…': the longest family wins below
+            candidates.append((len(family), g))
+    if not candidates:
+        raise ClusterError(f"GPU {device_name!r} is not in the catalog; add it to "
+                           f"hardware/catalog.yaml with its data-sheet figures and sources.")
+    longest = max(n for n, _ in candidates)
+    family = [g for n, g in candidates if n == longest]
+    if len(family) > 1:
+        is_pcie = "PCIE" in name
+        by_form = [g for g in family if ("PCIE" in g.name.upper()) == is_pcie] or family
+        family = by_form
+    if len(family) > 1 and memory_bytes:
+        family.sort(key=lambda g: abs(g.memory_bytes - memory_bytes))
+    elif len(family) > 1:
+        gb = re.search(r"(\d+)GB", device_name.upper().replace(" ", ""))
+        if gb:
+            family.sort(key=lambda g: abs(g.memory_bytes / 2**30 - int(gb.group(1))))
+    return family[0]
