@@ -117,6 +117,7 @@ class MemoryModel:
         self._blocks = self._find_blocks()
         self._block_inputs: dict[str, Affine] = {}
         self._in_block_mask: np.ndarray | None = None
+        self._block_arrays_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def _input_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Bytes of each node's inputs from other nodes (each source once): the size of the
@@ -208,18 +209,29 @@ class MemoryModel:
         per_node = self.saved_fixed[idx] + self.saved_per_sample[idx] * batch
         if not recompute or not self._blocks:
             return float(per_node.sum())
-        chosen = set(idx.tolist())
-        mask = self.in_block()[idx]
+        block_id, in_fixed, in_ps = self._block_arrays()
+        ids = block_id[idx]
+        mask = ids >= 0
         total = float(per_node[~mask].sum())
-        largest_block = 0.0
-        for b, bidx in self._blocks.items():
-            members = [i for i in bidx if i in chosen]
-            if not members:
-                continue
-            total += self.block_input_bytes(b).at(batch)
-            largest_block = max(largest_block, float(sum(self.saved_fixed[i] + self.saved_per_sample[i] * batch
-                                                         for i in members)))
-        return total + largest_block  # one block's activations live again during its backward
+        if not mask.any():
+            return total
+        per_block = np.bincount(ids[mask], weights=per_node[mask], minlength=len(in_fixed))
+        present = np.bincount(ids[mask], minlength=len(in_fixed)) > 0
+        total += float((in_fixed[present] + in_ps[present] * batch).sum())
+        return total + float(per_block.max())  # one block's activations live again in its backward
+
+    def _block_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block number of every node (−1: none) and each block's input bytes (fixed, per sample)."""
+        if self._block_arrays_cache is None:
+            block_id = np.full(len(self.graph.nodes), -1, dtype=np.int64)
+            fixed, per_sample = [], []
+            for k, (b, bidx) in enumerate(self._blocks.items()):
+                block_id[bidx] = k
+                a = self.block_input_bytes(b)
+                fixed.append(a.fixed)
+                per_sample.append(a.per_sample)
+            self._block_arrays_cache = (block_id, np.array(fixed), np.array(per_sample))
+        return self._block_arrays_cache
 
     def workspace_bytes(self, idx: np.ndarray, batch: float) -> float:
         if len(idx) == 0:
