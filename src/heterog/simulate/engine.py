@@ -10,7 +10,8 @@
    inputs are ready and it is next on its device; a transfer or collective starts when its
    inputs are ready and it is next on every link it occupies, and holds all of them for its
    whole (uncontended) time. Links are therefore FIFO and exclusive: two transfers sharing a
-   NIC take twice as long as one.
+   NIC take twice as long as one. Links that serve exactly the same tasks (e.g. the ~2300
+   links of a 1024-device ring that nothing else uses) are merged into one resource first.
 
 Why fixed orders: a rank executes a fixed program order (the executor follows the plan's
 priorities), and with fixed orders every start time is a max of sums of durations (a max-plus

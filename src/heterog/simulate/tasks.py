@@ -215,7 +215,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             tasks.key.extend([(0, m, -bi) if one_f1b else (1, m, -bi)] * n_kept)
             tasks.mb.extend([m] * (2 * n_kept))
             # v: see _replica_costs. Forward: its activations and workspace; backward: up to its
-            # peak, then down to nothing (micro-batch 0 is corrected in _sync_and_step)
+            # peak, then down to nothing (micro-batch 0, which creates the gradients, is set below)
             tasks.mem_start.extend([[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)])
             tasks.mem_start.extend([[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)])
             tasks.mem_end.extend([[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)])
