@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo_cmd(
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-        steps: int = typer.Option(5, "--steps", help="Training steps per strategy (first is warm-up)."),
+        steps: int = typer.Option(8, "--steps", help="Training steps per strategy (first is warm-up)."),
         budget_s: float = typer.Option(5.0, "--budget-s", help="Planner time budget."),
         no_profile: bool = typer.Option(False, "--no-profile",
                                         help="Predict with the analytic model only (no measured profile)."),

@@ -2,9 +2,10 @@
 plan and even data parallelism on it, and compare predicted with measured iteration times.
 
 The demo cluster has three local CPU processes on two emulated nodes joined by shaped
-1 Gb/s links: two devices paced 2× and one paced 6×, so they differ 3× in speed. The fast
-devices are paced too so that three ranks fit on a 2-core machine (their real compute
-stays below the cores' capacity, and the ratios between devices stay the declared ones).
+1 Gb/s links: two devices paced 3× and one paced 9×, so they differ 3× in speed. The fast
+devices are paced too: pacing is on CPU time (emulation.py), so a device paced k× keeps
+its declared speed while it gets at least 1/k of a core — three ranks then fit on a
+2-core machine that others share, and the ratios between devices stay the declared ones.
 
 Predictions use this machine's measured per-node times at one thread (profile/measure.py)
 times each device's slowdown, so predicted and measured times describe the same hardware.
@@ -25,17 +26,17 @@ from heterog.ir.plan import ModelSpec, Plan
 DEMO_CLUSTER_YAML = """
 name: demo-3
 kind: emulated
-description: 3 local CPU processes on 2 emulated nodes; slowdowns 2/2/6; 1 Gb/s NICs
+description: 3 local CPU processes on 2 emulated nodes; slowdowns 3/3/9; 1 Gb/s NICs
 nodes:
   - name: fast
     nic_bandwidth_gbps: 1
     devices:
-      - {type: cpu, name: fast/cpu0, slowdown: 2}
-      - {type: cpu, name: fast/cpu1, slowdown: 2}
+      - {type: cpu, name: fast/cpu0, slowdown: 3}
+      - {type: cpu, name: fast/cpu1, slowdown: 3}
   - name: slow
     nic_bandwidth_gbps: 1
     devices:
-      - {type: cpu, name: slow/cpu0, slowdown: 6}
+      - {type: cpu, name: slow/cpu0, slowdown: 9}
 """
 DEMO_MODEL = "toy-cnn"
 DEMO_MODEL_ARGS = {"width": 64}   # convolutions dominate: 0.16 M parameters, ~1 GFLOP per sample
@@ -101,7 +102,7 @@ def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -
             "per_rank": out["per_rank"], "notes": out["notes"]}
 
 
-def demo(*, steps: int = 5, budget_s: float = 5.0, profile: bool = True,
+def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True,
          say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     from heterog.search.planner import plan_graph
 
