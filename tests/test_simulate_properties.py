@@ -217,3 +217,23 @@ def test_shortcuts_give_the_same_answer(monkeypatch):
         assert spans(fast) == spans(slow)
         assert len(fast.events) == len(slow.events)
     assert merged_some
+
+
+def test_reference_order_reports_a_deadlocked_admission_rule():
+    # one device, limit 1 micro-batch in flight, but micro-batch 0's backward waits for
+    # micro-batch 1's forward: the 1F1B rule can never admit it, list scheduling without it can
+    from heterog.simulate import engine
+    from heterog.simulate.tasks import BWD, FWD, Tasks
+    t = Tasks([], 1)
+    f0 = t.add(FWD, 1.0, 0, (1, 0, 0), 0)
+    f1 = t.add(FWD, 1.0, 0, (1, 1, 0), 1)
+    b0 = t.add(BWD, 2.0, 0, (0, 0, 0), 0)
+    b1 = t.add(BWD, 2.0, 0, (0, 1, 0), 1)
+    for a, b in ((f0, b0), (f1, b0), (f1, b1)):
+        t.dep(a, b)
+    t.bwd_count = {(0, 0): 1, (0, 1): 1}
+    t.stage_limit = [1]
+    t.seal()
+    assert engine.reference_order(t, 1, "1f1b") is None
+    assert engine.reference_order(t, 1, "1f1b", limit_in_flight=False) == [f0, f1, b0, b1]
+    assert engine.reference_order(t, 1, "gpipe") == [f0, f1, b0, b1]
