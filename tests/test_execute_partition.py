@@ -124,3 +124,28 @@ def test_user_data_replaces_synthetic_batches_step_by_step():
         (x,), y = global_batch(work, 4, seed=0, step=step)
         (want,), want_y = fixed_vectors(4, step)
         assert torch.equal(x, want) and torch.equal(y, want_y)
+
+
+class _TwoBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left = torch.nn.Linear(16, 8)
+        self.right = torch.nn.Linear(16, 8)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.left(x), self.right(x)], 1))
+
+
+def test_plan_priorities_order_independent_stages():
+    groups = [_g("l", ["left"], "d0"), _g("r", ["right"], "d1"), _g("h", ["head"], "d0")]
+    plain = split_model(_TwoBranch(), _plan(groups))
+    assert [s.group for s in plain.stages][:2] == [0, 1]
+    from dataclasses import replace
+    ranked = replace(_plan(groups), priorities={"left": 1.0, "right": 5.0, "head": 0.0})
+    flow = split_model(_TwoBranch(), ranked)
+    order = [s.group for s in flow.stages]
+    assert order == [1, 0, 0], order  # right first; head (with the cat) after both
+    x = torch.randn(8, 16)
+    model = _TwoBranch()
+    assert torch.allclose(_run_stages(split_model(model, ranked), x), model(x))

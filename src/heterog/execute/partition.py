@@ -162,12 +162,14 @@ def split_model(model: nn.Module, plan: Plan) -> Dataflow:
     projections: dict[str, tuple[str, int]] = {}
     owner: dict[str, int] = {}
     output: str | None = None
+    segment_of: dict[str, int] = {}
     for n in split.graph.nodes:
         if n.op == "placeholder":
             inputs.append(n.name)
             owner[n.name] = INPUT
         elif n.op == "call_module":
-            group = group_of_segment[int(str(n.target).rsplit("_", 1)[1])]
+            segment_of[n.name] = int(str(n.target).rsplit("_", 1)[1])
+            group = group_of_segment[segment_of[n.name]]
             args = []
             for a in n.args:
                 if not isinstance(a, fx.Node):
@@ -191,10 +193,35 @@ def split_model(model: nn.Module, plan: Plan) -> Dataflow:
         else:
             raise AssertionError(f"unexpected top-level fx node {n.op} {n.target}")
     assert output is not None
+    groups_of_segment: dict[int, set[int]] = {}
+    for n, k in seg.items():
+        groups_of_segment.setdefault(k, set()).add(assign[n])
+    stages = order_stages(stages, projections, plan, {
+        s.value: groups_of_segment[segment_of[s.value]] for s in stages}, segment_of)
     flow = Dataflow(inputs=tuple(inputs), stages=tuple(stages), projections=projections,
                     owner=owner, output=output, warnings=warnings)
     _collect_params(flow, traced, assign, model, plan)
     return flow
+
+
+def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], plan: Plan,
+                 groups_of: dict[str, set[int]], segment_of: dict[str, int]) -> list[Stage]:
+    """A topological order of the stages that runs, among the ready ones, the stage with the
+    highest plan priority first (a stage's priority: the highest of its groups' nodes'; ties
+    keep the traced order). Every rank computes the same order from the plan, which keeps the
+    transfers deadlock-free (p2p.py); without priorities it is the traced order."""
+    prio = {s.value: max((plan.priorities.get(n, 0.0) for g in groups_of[s.value]
+                          for n in plan.groups[g].nodes), default=0.0) for s in stages}
+    index = {s.value: segment_of[s.value] for s in stages}
+    deps = {s.value: {projections.get(a, (a, 0))[0] for a in s.args} & set(index) for s in stages}
+    done: set[str] = set()
+    out: list[Stage] = []
+    while len(out) < len(stages):
+        ready = [s for s in stages if s.value not in done and deps[s.value] <= done]
+        nxt = max(ready, key=lambda s: (prio[s.value], -index[s.value]))
+        out.append(nxt)
+        done.add(nxt.value)
+    return out
 
 
 def _collect_params(flow: Dataflow, traced: fx.GraphModule, assign: dict[fx.Node, int],
