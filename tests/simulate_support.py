@@ -23,8 +23,10 @@ def gpu(name: str = "T", flops: float = 1e12, memory_bytes: int = 16 * GIB,
 
 
 def cluster(nodes: Sequence[Sequence[float]], *, nic_bandwidth: float = 1e9, latency_s: float = 0.0,
-            memory_bytes: int = 16 * GIB, intra_bandwidth: float = 10e9, name: str = "test") -> Cluster:
-    """nodes[k] = FLOP/s of each device on node k; devices are named 'n{k}/d{i}'."""
+            memory_bytes: int = 16 * GIB, intra_bandwidth: float = 10e9, name: str = "test",
+            core_bandwidth: float | None = None) -> Cluster:
+    """nodes[k] = FLOP/s of each device on node k; devices are named 'n{k}/d{i}';
+    core_bandwidth: an oversubscribed switch core every inter-node transfer crosses."""
     types: dict[str, GpuType] = {}
     specs = []
     i = 0
@@ -37,7 +39,8 @@ def cluster(nodes: Sequence[Sequence[float]], *, nic_bandwidth: float = 1e9, lat
             i += 1
         specs.append({"name": f"n{k}", "devices": devs, "nic_bandwidth_bytes_per_s": nic_bandwidth,
                       "nic_latency_s": latency_s, "intra_latency_s": latency_s})
-    return build_cluster(name=name, gpu_types=types, nodes=specs)
+    return build_cluster(name=name, gpu_types=types, nodes=specs,
+                         switch_core_bandwidth_bytes_per_s=core_bandwidth)
 
 
 def with_link_bandwidth(c: Cluster, link: str, bandwidth: float) -> Cluster:

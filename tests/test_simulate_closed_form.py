@@ -220,3 +220,23 @@ def test_parameter_server_sync_is_compute_plus_ps_time_and_loads_the_server_link
     assert r.persistent_memory_bytes["n2/d2"] == 2 * 10_000_000
     assert r.peak_memory_bytes["n2/d2"] == 2 * 10_000_000 + 10_000_000
     assert r.communication_time_s["n2/d2"] == pytest.approx(ps)
+
+
+@pytest.mark.parametrize("core_nics, concurrent", [(None, True), (2.0, True), (1.5, False)])
+def test_a_switch_core_carries_transfers_side_by_side_up_to_its_bandwidth(core_nics, concurrent):
+    # node 0 → node 1 and node 2 → node 3 share no NIC, only the switch core (if any)
+    g = graph([node("s1", GF), node("s2", GF), node("a", GF), node("b", GF)],
+              [("s1", "a", 1e6), ("s2", "b", 1e6)], batch_size=4)
+    c = cluster([[RATE], [RATE], [RATE], [RATE]], nic_bandwidth=1e9,
+                core_bandwidth=None if core_nics is None else core_nics * 1e9)
+    groups = [("g1", ["s1"], [("n0/d0", 1.0)]), ("g2", ["s2"], [("n1/d1", 1.0)]),
+              ("ga", ["a"], [("n2/d2", 1.0)]), ("gb", ["b"], [("n3/d3", 1.0)])]
+    r = simulate(g, c, plan(groups, batch_size=4), TableCosts(g, c))
+    fwd = sorted((s, e) for name, cat, track, s, e in r.events
+                 if cat == "transfer" and track in ("n2/d2", "n3/d3") and name.endswith(track))
+    t = 4e6 / 1e9
+    assert len(fwd) == 2 and all(e - s == pytest.approx(t) for s, e in fwd)
+    if concurrent:
+        assert fwd[0][0] == pytest.approx(fwd[1][0])
+    else:
+        assert fwd[1][0] == pytest.approx(fwd[0][1])     # the second waits for the first

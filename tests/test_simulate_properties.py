@@ -39,10 +39,13 @@ def test_raising_a_link_bandwidth_never_lengthens_the_iteration():
     rng = random.Random(7)
     n_layers, batch = 8, 16
     g = chain_graph(n_layers, flops=GF, edge_bytes=2e5, param_bytes=2_000_000)
-    base = cluster([[RATE, 2 * RATE], [RATE], [0.5 * RATE, RATE]], nic_bandwidth=1e9, latency_s=1e-6)
-    devices = [d.name for d in base.devices]
+    clusters = [cluster([[RATE, 2 * RATE], [RATE], [0.5 * RATE, RATE]], nic_bandwidth=1e9, latency_s=1e-6),
+                cluster([[RATE, 2 * RATE], [RATE], [0.5 * RATE, RATE]], nic_bandwidth=1e9, latency_s=1e-6,
+                        core_bandwidth=1.5e9)]
+    devices = [d.name for d in clusters[0].devices]
     checked = 0
-    for _ in range(60):
+    for trial in range(80):
+        base = clusters[trial % 2]
         p = _random_plan(rng, devices, n_layers, batch)
         before = simulate(g, base, p, TableCosts(g, base)).iteration_time_s
         # a transfer is limited by the slowest link on its path, so raise a random set of links

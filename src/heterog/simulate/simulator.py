@@ -111,7 +111,8 @@ def _simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, timeline: boo
     if ref is None:   # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
         ref = engine.reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
     assert ref is not None, "GPipe list scheduling cannot deadlock on a DAG"
-    start, end, peak, overflow, mem_trace = engine.run(tasks, ref, n_dev, n_link, info.capacity_bytes, timeline)
+    start, end, peak, overflow, mem_trace = engine.run(tasks, ref, n_dev, n_link, info.capacity_bytes, timeline,
+                                                       info.shared_bw, info.link_bw)
     return _result(plan, info, tasks, start, end, peak, overflow, mem_trace)
 
 
