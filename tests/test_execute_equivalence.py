@@ -19,9 +19,10 @@ STEPS = 3
 
 
 def make_plan(model: str, groups: list[Group], *, batch_size: int = 12, microbatches: int = 1,
-              optimizer: str = "sgd") -> Plan:
+              optimizer: str = "sgd", schedule: str = "gpipe") -> Plan:
     return Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:{model}", batch_size=batch_size),
-                groups=tuple(groups), num_microbatches=microbatches, optimizer=optimizer).validate()
+                groups=tuple(groups), num_microbatches=microbatches, optimizer=optimizer,
+                schedule=schedule).validate()
 
 
 def replicas(*pairs) -> tuple[Replica, ...]:
@@ -83,12 +84,13 @@ def test_hybrid_vgg_convs_replicated_linears_on_one_device(tmp_path):
     assert any("sent" in k for k in out["per_rank"][0])
 
 
-def test_two_stage_pipeline_with_microbatches_and_residual(tmp_path):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stage_pipeline_with_microbatches_and_residual(tmp_path, schedule):
     # ResMLP has loose ops (a residual add, .relu()) that follow their producer's group.
     plan = make_plan("resmlp", [
         Group(name="stage0", nodes=("inp", "block.0", "block.1"), replicas=replicas(("a", 1.0))),
         Group(name="stage1", nodes=("out",), replicas=replicas(("b", 1.0)))],
-        batch_size=12, microbatches=3)
+        batch_size=12, microbatches=3, schedule=schedule)
     check_equal(plan, tmp_path)
 
 

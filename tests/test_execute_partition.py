@@ -149,3 +149,26 @@ def test_plan_priorities_order_independent_stages():
     x = torch.randn(8, 16)
     model = _TwoBranch()
     assert torch.allclose(_run_stages(split_model(model, ranked), x), model(x))
+
+
+def test_1f1b_keeps_at_most_one_microbatch_per_stage_in_flight():
+    from heterog.execute.p2p import P2P
+    from heterog.execute.emulation import Pacer
+    from heterog.execute.runtime import Executor
+    from dataclasses import replace
+    plan = replace(_plan([_g("a", ["fc1", "act1"], "d0"), _g("b", ["fc2", "act2", "fc3"], "d1")],
+                         batch_size=8, microbatches=4), schedule="1f1b")
+    flow = split_model(MLP(), plan)
+    ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1},
+                  p2p=P2P(0, 1.0), pacer=Pacer(1.0))
+    events = ex.events()
+    assert sorted(events) == sorted({(k, m, s) for k in "FB" for m in range(4) for s in range(2)})
+    in_flight, peak = set(), 0
+    for kind, m, stage in events:
+        if kind == "F":
+            in_flight.add(m)
+        peak = max(peak, len(in_flight))
+        if kind == "B" and stage == 0:
+            in_flight.discard(m)
+    assert peak == 2  # W = min(stages, micro-batches); GPipe would hold all 4
+    assert ex.events()[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1)]

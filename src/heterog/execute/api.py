@@ -137,8 +137,6 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
                         f"{MAX_LOCAL_RANKS} processes on one machine. Use --torchrun on a real cluster.")
     slowdowns = emulated_slowdowns(plan, cluster, devices, emulated)
     notes: list[str] = []
-    if plan.schedule == "1f1b":
-        notes.append("schedule 1f1b ran in GPipe order (same gradients; more activation memory)")
     shaping: dict[str, Any] = {"enabled": False}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_interrupt())

@@ -7,8 +7,7 @@ local slices, or pieces received from other ranks (p2p.py). Inputs from other st
 detached leaves, so each stage's backward is one explicit `torch.autograd.backward` on its
 outputs, run in reverse global order; the leaves' gradients go back to their producers the
 same way the activations came (as in torch.distributed.pipelining). Schedule: GPipe — every
-micro-batch's forward, then every backward in reverse; a '1f1b' plan runs with the same
-order (same result, more activation memory; noted in the run's result).
+micro-batch's forward, then every backward in reverse; or 1F1B (Executor.events).
 
 Exactness: the loss of a replica's samples is mean-reduced by the zoo entry, so it is
 scaled by samples / global_batch; summing over replicas and micro-batches then gives the
@@ -173,46 +172,75 @@ class Executor:
         return x, False
 
     # -- one step ---------------------------------------------------------------------------
+    def events(self) -> list[tuple[str, int, int]]:
+        """The step's global order of ('F'|'B', micro-batch, stage), the same on every rank;
+        each rank runs its own events in this order (p2p.py: why that cannot deadlock).
+
+        gpipe: every forward, then every backward in reverse. 1f1b: forwards of the first
+        W = min(stages, micro-batches) micro-batches, then backward of m followed by forward
+        of m + W, so at most W micro-batches hold activations at once."""
+        M, S = self.program.M, len(self.flow.stages)
+        fwd = lambda m: [("F", m, si) for si in range(S)]  # noqa: E731
+        bwd = lambda m: [("B", m, si) for si in reversed(range(S))]  # noqa: E731
+        if self.plan.schedule != "1f1b":
+            return [e for m in range(M) for e in fwd(m)] + [e for m in reversed(range(M)) for e in bwd(m)]
+        W = min(S, M)
+        out = [e for m in range(W) for e in fwd(m)]
+        for m in range(M):
+            out += bwd(m)
+            if m + W < M:
+                out += fwd(m + W)
+        return out
+
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
         """Forward and backward of every micro-batch; returns this rank's summed loss."""
-        plan, flow, prog = self.plan, self.flow, self.program
-        B = plan.batch_size
-        env: dict[tuple[str, int], Any] = {}
-        self._env = env
-        calls: list[_Call] = []
-        loss_total = 0.0
-        named_inputs = dict(zip(flow.inputs, inputs))
-        for m in range(prog.M):
-            lo, hi = prog.mb_offsets[m], prog.mb_offsets[m + 1]
-            mb_inputs = {k: slice_batch(v, lo, hi) for k, v in named_inputs.items()}
-            mb_targets = slice_batch(targets, lo, hi)
-            for si, s in enumerate(flow.stages):
-                rng = prog.my_range(s.group, m, self.rank)
-                if rng is None or rng[0] == rng[1]:
-                    continue
-                a, b = rng
-                args, leaves = [], []
-                for ai, v in enumerate(s.args):
-                    x, is_leaf = self._gather(env, si, ai, v, m, a, b, mb_inputs)
-                    args.append(x)
-                    leaves.append((ai, x if is_leaf else None))
-                out = self._timed(s.module, *args)
-                env[(s.value, m)] = out
-                call = _Call(stage=s, m=m, out=out, leaves=leaves)
-                for p in prog.sends.get((s.value, m, self.rank), []):
-                    t = self._value(env, p.value, m)
-                    self.p2p.send_with_header(t[p.lo - p.src_lo:p.hi - p.src_lo], p.dst, p.tag)
-                if flow.owner[flow.output] == s.group and (flow.projections.get(flow.output, (flow.output,))[0]
-                                                            == s.value):
-                    y = self._value(env, flow.output, m)
-                    loss = self._timed(self.work.loss, y, slice_batch(mb_targets, a, b))
-                    call.loss = loss * ((b - a) / B)
-                    loss_total += float(call.loss.detach())
-                calls.append(call)
+        prog = self.program
+        self._env = {}
+        self._inputs = dict(zip(self.flow.inputs, inputs))
+        self._targets = targets
+        self._loss_total = 0.0
+        calls: dict[tuple[int, int], _Call] = {}
         grads: dict[tuple[str, int], torch.Tensor] = {}
-        for call in reversed(calls):
-            self._backward(call, grads)
-        return loss_total
+        for kind, m, si in self.events():
+            if kind == "F":
+                call = self._forward(m, si)
+                if call is not None:
+                    calls[(m, si)] = call
+            elif (m, si) in calls:
+                self._backward(calls.pop((m, si)), grads)
+                if not any(k[0] == m for k in calls):  # micro-batch m done: free its values
+                    for key in [k for k in self._env if k[1] == m]:
+                        del self._env[key]
+        assert not calls
+        return self._loss_total
+
+    def _forward(self, m: int, si: int) -> _Call | None:
+        prog, flow, env = self.program, self.flow, self._env
+        s = flow.stages[si]
+        rng = prog.my_range(s.group, m, self.rank)
+        if rng is None or rng[0] == rng[1]:
+            return None
+        a, b = rng
+        lo, hi = prog.mb_offsets[m], prog.mb_offsets[m + 1]
+        mb_inputs = {k: slice_batch(v, lo, hi) for k, v in self._inputs.items()}
+        args, leaves = [], []
+        for ai, v in enumerate(s.args):
+            x, is_leaf = self._gather(env, si, ai, v, m, a, b, mb_inputs)
+            args.append(x)
+            leaves.append((ai, x if is_leaf else None))
+        out = self._timed(s.module, *args)
+        env[(s.value, m)] = out
+        call = _Call(stage=s, m=m, out=out, leaves=leaves)
+        for p in prog.sends.get((s.value, m, self.rank), []):
+            t = self._value(env, p.value, m)
+            self.p2p.send_with_header(t[p.lo - p.src_lo:p.hi - p.src_lo], p.dst, p.tag)
+        if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
+            y = self._value(env, flow.output, m)
+            mb_targets = slice_batch(self._targets, lo, hi)
+            loss = self._timed(self.work.loss, y, slice_batch(mb_targets, a, b))
+            call.loss = loss * ((b - a) / self.plan.batch_size)
+            self._loss_total += float(call.loss.detach())
+        return call
 
     def _add_grad(self, grads: dict, key: tuple[str, int], like: torch.Tensor, lo: int, hi: int,
                   g: torch.Tensor) -> None:
