@@ -65,7 +65,10 @@ def plan_command(
     precision: str = typer.Option("fp32", "--precision", help="fp32 or amp-bf16."),
     optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw."),
     budget_s: float = typer.Option(10.0, "--budget-s", min=0.1, help="Search time budget in seconds."),
-    seed: int = typer.Option(0, "--seed", help="Random seed of the search (reproducible runs)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed of the search."),
+    max_iters: Optional[int] = typer.Option(None, "--max-iters", min=1,
+                                            help="Cap each search at this many moves: with --seed, the "
+                                                 "same plan on any machine (the budget is then a safety stop)."),
     policy: Optional[Path] = typer.Option(None, "--policy", help="GNN policy file (default: the shipped one)."),
     no_gnn: bool = typer.Option(False, "--no-gnn", help="Skip the GNN policy candidates."),
     finetune_s: float = typer.Option(0.0, "--finetune-s", min=0.0,
@@ -87,11 +90,11 @@ def plan_command(
         with bar:
             result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                           cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                          seed=seed, policy=pol, finetune_s=finetune_s, progress=update)
+                          seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update)
     else:
         result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                       cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                      seed=seed, policy=pol, finetune_s=finetune_s)
+                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters)
     if out is not None:
         Plan.from_dict(result["best"]).save(out)
     if as_json:

@@ -229,7 +229,7 @@ def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Pl
 def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: int, seq_len: int | None = None,
          cluster: str | Cluster, precision: str = "fp32", optimizer: str = "sgd",
          budget_s: float = DEFAULT_BUDGET_S, seed: int = 0, policy: Any = None, finetune_s: float = 0.0,
-         progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+         max_iters: int | None = None, progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Capture `model`, load `cluster`, build the cost model and plan. Returns the CLI's JSON:
     {"best": plan dict, "candidates": [...], "search_time_s"}."""
     from heterog.capture import capture_model
@@ -241,5 +241,6 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
     costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer)
     spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
     result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
-                        precision=precision, optimizer=optimizer, finetune_s=finetune_s, progress=progress)
+                        precision=precision, optimizer=optimizer, finetune_s=finetune_s,
+                        max_iters=max_iters, progress=progress)
     return result.to_dict()
