@@ -44,8 +44,7 @@ class ClusterInfo:
         self.dev_id = {n: i for i, n in enumerate(self.devices)}
         self.links = list(cluster.links)
         self.link_id = {n: i for i, n in enumerate(self.links)}
-        self.link_bw = [cluster.links[l].bandwidth_bytes_per_s for l in self.links]
-        # switch cores are shared by bandwidth, not held exclusively (engine.run)
+        # switch cores are pipes shared by the transfers crossing them (engine.run)
         self.shared_bw = {self.link_id[l.name]: l.bandwidth_bytes_per_s
                           for l in cluster.links.values() if l.kind == "switch"}
         node_order = {n.name: i for i, n in enumerate(cluster.nodes)}

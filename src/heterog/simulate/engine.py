@@ -12,25 +12,22 @@
    whole (uncontended) time. Links are therefore FIFO and exclusive: two transfers sharing a
    NIC take twice as long as one. Links that serve exactly the same tasks (e.g. the ~2300
    links of a 1024-device ring that nothing else uses) are merged into one resource first.
-   An oversubscribed switch core is the exception: it carries transfers side by side as long
-   as their rates fit in its bandwidth (a collective takes it whole).
+   An oversubscribed switch core is the exception: a pipe that moves the bytes of the
+   transfers crossing it one after another at its bandwidth, while their NIC parts overlap.
 
 Why fixed orders: a rank executes a fixed program order (the executor follows the plan's
 priorities), and with fixed orders every start time is a max of sums of durations (a max-plus
 system, Baccelli et al. 1992), so the iteration time never grows when a link gets faster or a
 task shorter. Dynamic list scheduling and first-come links both have Graham-style anomalies.
 The orders do not depend on link bandwidths, only on compute times and priorities.
-One caveat: an oversubscribed switch core is shared by rate (above), and there a faster NIC
-raises a transfer's demand, so two transfers that used to fit side by side may no longer do;
-in that corner case a faster link can lengthen the iteration (any bandwidth-sharing model
-has such cases). Clusters without a switch core are exactly monotone.
+The switch core keeps this property: its pipe is one more max-plus stage.
 """
 
 from __future__ import annotations
 
 from heapq import heappop, heappush
 
-from heterog.simulate.tasks import BWD, FWD, OPT, SYNC, Tasks
+from heterog.simulate.tasks import BWD, FWD, OPT, Tasks
 
 
 def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight: bool = True) -> list[int] | None:
@@ -150,15 +147,15 @@ def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, n
     return links, link_order
 
 
-def _split_shared(tasks: Tasks, shared_bw: dict[int, float], link_bw: list[float]):
-    """Per task: its exclusive links, the shared (switch core) links it crosses, and its
-    demand on them: its own bottleneck rate (a collective takes the whole core)."""
+def _split_shared(tasks: Tasks, shared_bw: dict[int, float]):
+    """Per task: its exclusive links, the switch-core links it crosses, and the bytes it
+    pushes through them."""
     n = len(tasks.kind)
     excl: list[tuple[int, ...]] = tasks.links
     shared_of: list[tuple[int, ...]] = [()] * n
-    demand = [0.0] * n
+    core_bytes = [0.0] * n
     if not shared_bw:
-        return excl, shared_of, demand
+        return excl, shared_of, core_bytes
     excl = list(excl)
     split: dict[tuple[int, ...], tuple] = {}
     for t, lk in enumerate(tasks.links):
@@ -167,30 +164,27 @@ def _split_shared(tasks: Tasks, shared_bw: dict[int, float], link_bw: list[float
         hit = split.get(lk)
         if hit is None:
             sh = tuple(l for l in lk if l in shared_bw)
-            ex = tuple(l for l in lk if l not in shared_bw) if sh else lk
-            rate = min((link_bw[l] for l in ex), default=float("inf"))
-            hit = split[lk] = (ex, sh, rate)
+            hit = split[lk] = (tuple(l for l in lk if l not in shared_bw) if sh else lk, sh)
         excl[t] = hit[0]
         if hit[1]:
             shared_of[t] = hit[1]
-            cap = min(shared_bw[l] for l in hit[1])
-            demand[t] = cap if tasks.kind[t] == SYNC else min(hit[2], cap)
-    return excl, shared_of, demand
+            core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
+    return excl, shared_of, core_bytes
 
 
 def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
-        capacity_bytes: list[int], record: bool, shared_bw: dict[int, float] | None = None,
-        link_bw: list[float] | None = None):
+        capacity_bytes: list[int], record: bool, shared_bw: dict[int, float] | None = None):
     """Timed simulation following `order`. Returns (start, end, peak, overflow, mem_trace)
     with overflow = (device, time) of the first device to exceed its memory, or None.
 
-    shared_bw: links (an oversubscribed switch core) that carry several transfers at once up
-    to their bandwidth, in the fixed order: a transfer starts on one when it is next and the
-    rates of those running plus its own fit (an idle core admits anything)."""
+    shared_bw: switch-core links. The core is a pipe that moves bytes at its bandwidth in the
+    fixed order, alongside the NICs: a transfer that crosses it ends no earlier than its own
+    time and than the core has pushed its bytes after those of the transfers before it. Two
+    transfers on disjoint NICs thus overlap fully under a fast core and share a slow one."""
     dur, dev, succ = tasks.dur, tasks.dev, tasks.succ
     mem_start, mem_end = tasks.mem_start, tasks.mem_end
     n = len(dur)
-    excl, shared_of, demand = _split_shared(tasks, shared_bw or {}, link_bw or [])
+    excl, shared_of, core_bytes = _split_shared(tasks, shared_bw or {})
     dev_order: list[list[int]] = [[] for _ in range(n_devices)]
     by_path: dict[tuple[int, ...], list[int]] = {}   # link set → its tasks, in order
     s_order: dict[int, list[int]] = {l: [] for l in shared_bw or ()}
@@ -209,7 +203,7 @@ def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
             for l in shared_of[t]:
                 s_order[l].append(t)
     s_next = {l: 0 for l in s_order}
-    s_used = {l: 0.0 for l in s_order}
+    s_free = {l: 0.0 for l in s_order}      # when the core has pushed the bytes before
     s_cap = dict(shared_bw or {})
     links, link_order = _link_classes(by_path, excl, n_links, order, n)
     n_classes = len(link_order)
@@ -249,25 +243,23 @@ def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
                     continue
             elif at_head[t] != n_links_of[t]:
                 continue
+            finish = now + dur[t]
             sh = shared_of[t]
             if sh:
-                ok = True
-                for l in sh:
-                    if s_order[l][s_next[l]] != t or (
-                            s_used[l] > 1e-9 * s_cap[l] and s_used[l] + demand[t] > s_cap[l] * (1 + 1e-9)):
-                        ok = False
-                        break
-                if not ok:
+                if any(s_order[l][s_next[l]] != t for l in sh):
                     continue
                 for l in sh:
-                    s_used[l] += demand[t]
+                    core_end = max(now, s_free[l]) + core_bytes[t] / s_cap[l]
+                    s_free[l] = core_end
+                    if core_end > finish:
+                        finish = core_end
                     s_next[l] += 1
                     so = s_order[l]
                     if s_next[l] < len(so) and left[so[s_next[l]]] == 0:
-                        ready_now.append(so[s_next[l]])   # it may fit beside this one
+                        ready_now.append(so[s_next[l]])
             started[t] = 1
             start[t] = now
-            heappush(events, (now + dur[t], t))
+            heappush(events, (finish, t))
             ms = mem_start[t]
             if ms is not None:
                 for md, delta in ms:
@@ -299,11 +291,6 @@ def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
                 if left[h] == 0:
                     ready_now.append(h)
         else:
-            for l in shared_of[t]:
-                s_used[l] -= demand[t]
-                so = s_order[l]
-                if s_next[l] < len(so) and left[so[s_next[l]]] == 0:
-                    ready_now.append(so[s_next[l]])
             for l in links[t]:
                 lpos[l] += 1
                 lo = link_order[l]

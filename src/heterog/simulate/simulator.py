@@ -112,7 +112,7 @@ def _simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, timeline: boo
         ref = engine.reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
     assert ref is not None, "GPipe list scheduling cannot deadlock on a DAG"
     start, end, peak, overflow, mem_trace = engine.run(tasks, ref, n_dev, n_link, info.capacity_bytes, timeline,
-                                                       info.shared_bw, info.link_bw)
+                                                       info.shared_bw)
     return _result(plan, info, tasks, start, end, peak, overflow, mem_trace)
 
 

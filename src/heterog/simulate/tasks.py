@@ -29,7 +29,7 @@ class Tasks:
 
     __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
-                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes")
+                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes")
 
     def __init__(self, blocks: list[Block], n_devices: int):
         self.kind: list[int] = []
@@ -46,6 +46,7 @@ class Tasks:
         self.link_bytes: dict[int, float] = {}
         self.persistent_bytes = [0.0] * n_devices   # parameters + gradients + optimizer state
         self.initial_bytes = [0.0] * n_devices      # memory in use when the iteration starts
+        self.core_bytes: dict[int, float] = {}      # collective → bytes through a switch core
         self.blocks = blocks
         self.stage_limit = [1] * n_devices       # 1F1B: micro-batches in flight per device
         self.bwd_count: dict[tuple[int, int], int] = {}
@@ -421,6 +422,9 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
                 dur = table.sync_s(blk.sync, grad, names, None)
                 involved = members
             s = tasks.add_comm(SYNC, dur, mbs, bi, links, involved, grad)
+            for l in info.shared_bw:
+                if l in load:   # a ring crosses the core once per node it leaves
+                    tasks.core_bytes[s] = load[l] * grad
             entry = ring_bytes.get(id(load))
             if entry is None:
                 ring_bytes[id(load)] = [load, grad]
