@@ -12,9 +12,9 @@ from heterog.cli.output import console, human_time, print_json, print_table, wri
 
 
 def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
-    return [[str(r["rank"]), r["device"], f"{r['slowdown']:g}×", ",".join(r["groups"]),
-             human_time(r["step_time_s"]), human_time(r["compute_s"]), human_time(r["paced_s"]),
-             human_time(r["recv_wait_s"]), human_time(r["sync_s"])] for r in per_rank]
+    return [[str(r["rank"]), r["device"], f"{r['slowdown']:g}×", human_time(r["step_time_s"]),
+             human_time(r["compute_s"]), human_time(r["paced_s"]), human_time(r["recv_wait_s"]),
+             human_time(r["sync_s"])] for r in per_rank]
 
 
 def register(app: typer.Typer) -> None:
@@ -32,6 +32,8 @@ def register(app: typer.Typer) -> None:
         torchrun: bool = typer.Option(False, "--torchrun", help="Print the torchrun command per node."),
         master_addr: str = typer.Option("NODE0_ADDRESS", "--master-addr", help="For --torchrun."),
         logs: Optional[Path] = typer.Option(None, "--logs", help="Keep the ranks' logs in this folder."),
+        profile: bool = typer.Option(False, "--profile", help="Predict from per-node times measured on "
+                                     "this CPU (emulated clusters; a few seconds more)."),
     ) -> None:
         """Train a plan for N steps on synthetic data; measured vs predicted step time."""
         from heterog.execute import api
@@ -44,14 +46,15 @@ def register(app: typer.Typer) -> None:
         if not as_json:
             console.print(f"running {p.strategy} plan of {p.model.name} for {steps} steps …")
         result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
-                         shape_links=False if no_shaping else None, pin_cores=pin_cores, out_dir=logs)
+                         shape_links=False if no_shaping else None, pin_cores=pin_cores, out_dir=logs,
+                         profile=profile)
         if out:
             write_json(str(out), result)
         if as_json:
             print_json(result)
             return
         print_table(f"{p.strategy} on {result['cluster']}: median step of {result['measured_steps']}",
-                    ["rank", "device", "slowdown", "groups", "step", "compute", "paced", "recv wait", "sync"],
+                    ["rank", "device", "slow", "step", "compute", "paced", "wait", "sync"],
                     _rank_rows(result["per_rank"]))
         pred = result["predicted_iteration_time_s"]
         err = result["relative_error"]

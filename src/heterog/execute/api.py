@@ -59,17 +59,44 @@ def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, 
     return {d: top / peak[d] for d in devices}
 
 
-def predict_iteration_time(plan: Plan, cluster: Cluster | None) -> tuple[float | None, str]:
-    """The simulator's iteration time for the plan, or the plan's recorded prediction."""
+def local_cluster(cluster: Cluster) -> Cluster:
+    """An emulated cluster as its ranks see this machine: the `cpu` type measured at one
+    thread (each rank runs one), whatever thread count the plan was made with."""
+    if cluster.kind != "emulated" or "cpu" not in cluster.gpu_types:
+        return cluster
+    import dataclasses
+
+    import torch
+
+    from heterog.hardware.catalog import get_gpu
+    torch.set_num_threads(1)
+    return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
+
+
+def predict_iteration_time(plan: Plan, cluster: Cluster | None, *, profile: bool = False) -> tuple[float | None, str]:
+    """The simulator's iteration time for the plan, or the plan's recorded prediction.
+
+    profile: measure the model's per-node times on this CPU first (profile/measure.py) and
+    predict from them (emulated clusters; a few seconds)."""
     if cluster is not None:
         try:
             from heterog.capture import capture_model
             from heterog.cost import build_cost_model
             from heterog.simulate.simulator import simulate
+            cluster = local_cluster(cluster)
             graph = capture_model(plan.model.name, plan.model.args or None,
                                   batch_size=plan.batch_size, seq_len=plan.model.seq_len)
-            costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer)
-            return float(simulate(graph, cluster, plan, costs).iteration_time_s), "simulator"
+            prof = None
+            if profile:
+                from heterog.execute.workload import resolve_workload
+                from heterog.profile.measure import measure_profile
+                b = plan.batch_size
+                prof = measure_profile(resolve_workload(plan.model), graph=graph,
+                                       batch_sizes=tuple(sorted({1, max(1, b // 4), b})))
+            costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer,
+                                     profile=prof)
+            t = float(simulate(graph, cluster, plan, costs, timeline=False).iteration_time_s)
+            return t, "simulator" + (" (measured profile)" if prof is not None else "")
         except Exception as e:  # noqa: BLE001 - the run succeeded; report why there is no prediction
             reason = f"simulator failed ({type(e).__name__}: {str(e)[:160]})"
     else:
@@ -117,9 +144,10 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, shape_links: bool | None = None,
         pin_cores: bool = False, predict: bool = True, out_dir: str | os.PathLike | None = None,
         dump_params: bool = False, fault: dict[str, Any] | None = None,
-        data: str | None = None) -> dict[str, Any]:
+        data: str | None = None, profile: bool = False) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
 
+    profile: predict from per-node times measured on this CPU (see predict_iteration_time).
     data: 'path/file.py:fn', fn(batch_size, step) → the global batch (inputs tuple, targets)
     of that step, instead of the zoo's synthetic batches (every rank calls it).
     shape_links: None → shape NIC bandwidths with netns + tc when running as root on an
@@ -162,7 +190,8 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
     out: dict[str, Any] = {"strategy": plan.strategy, "model": plan.model.name,
                            "cluster": cluster.name if cluster else None, "devices": list(devices),
                            "steps": steps, "warmup_steps": warmup_steps, **summarize(results, warmup_steps)}
-    predicted, source = predict_iteration_time(plan, cluster) if predict else (None, "not requested")
+    predicted, source = (predict_iteration_time(plan, cluster, profile=profile) if predict
+                         else (None, "not requested"))
     out["predicted_iteration_time_s"] = predicted
     out["prediction_source"] = source
     measured = out["measured_iteration_time_s"]
