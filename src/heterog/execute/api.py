@@ -78,6 +78,8 @@ def predict_iteration_time(plan: Plan, cluster: Cluster | None, *, profile: bool
 
     profile: measure the model's per-node times on this CPU first (profile/measure.py) and
     predict from them (emulated clusters; a few seconds)."""
+    import torch
+    threads = torch.get_num_threads()  # local_cluster probes at one thread; restore after
     if cluster is not None:
         try:
             from heterog.capture import capture_model
@@ -99,6 +101,8 @@ def predict_iteration_time(plan: Plan, cluster: Cluster | None, *, profile: bool
             return t, "simulator" + (" (measured profile)" if prof is not None else "")
         except Exception as e:  # noqa: BLE001 - the run succeeded; report why there is no prediction
             reason = f"simulator failed ({type(e).__name__}: {str(e)[:160]})"
+        finally:
+            torch.set_num_threads(threads)
     else:
         reason = "plan has no cluster"
     if plan.predicted_iteration_time_s is not None:
