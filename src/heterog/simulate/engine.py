@@ -113,8 +113,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     return order
 
 
-def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, n_links: int,
-                  order: list[int], n: int):
+def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, order: list[int]):
     """Merge links that serve exactly the same tasks into one resource. With fixed orders such
     links are redundant: a ring all-reduce over 1024 devices crosses ~2300 links that nothing
     else uses, and they act as one. Returns (per-task tuple of class ids, per-class order)."""
@@ -172,7 +171,7 @@ def _split_shared(tasks: Tasks, shared_bw: dict[int, float]):
     return excl, shared_of, core_bytes
 
 
-def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
+def run(tasks: Tasks, order: list[int], n_devices: int,
         capacity_bytes: list[int], record: bool, shared_bw: dict[int, float] | None = None):
     """Timed simulation following `order`. Returns (start, end, peak, overflow, mem_trace)
     with overflow = (device, time) of the first device to exceed its memory, or None.
@@ -205,7 +204,7 @@ def run(tasks: Tasks, order: list[int], n_devices: int, n_links: int,
     s_next = {l: 0 for l in s_order}
     s_free = {l: 0.0 for l in s_order}      # when the core has pushed the bytes before
     s_cap = dict(shared_bw or {})
-    links, link_order = _link_classes(by_path, excl, n_links, order, n)
+    links, link_order = _link_classes(by_path, excl, order)
     n_classes = len(link_order)
     dpos = [0] * n_devices
     lpos = [0] * n_classes

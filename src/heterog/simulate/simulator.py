@@ -106,12 +106,12 @@ def _simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, timeline: boo
     order = grp.order(group_prio)
     blocks = make_blocks(plan, order, grp, info, table)
     tasks = expand(plan, grp, blocks, info, table)
-    n_dev, n_link = len(info.devices), len(info.links)
+    n_dev = len(info.devices)
     ref = engine.reference_order(tasks, n_dev, plan.schedule)
     if ref is None:   # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
         ref = engine.reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
-    assert ref is not None, "GPipe list scheduling cannot deadlock on a DAG"
-    start, end, peak, overflow, mem_trace = engine.run(tasks, ref, n_dev, n_link, info.capacity_bytes, timeline,
+    assert ref is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
+    start, end, peak, overflow, mem_trace = engine.run(tasks, ref, n_dev, info.capacity_bytes, timeline,
                                                        info.shared_bw)
     return _result(plan, info, tasks, start, end, peak, overflow, mem_trace)
 
