@@ -1,7 +1,8 @@
-"""Execution order matters: simulated iteration time under three priority rules.
+"""How much execution order matters: simulated iteration time under three priority rules.
 
-For captured zoo models on the paper's 8-GPU cluster, random hybrid plans (up to 96 contiguous groups,
-each on 1–3 random devices with random shares, ring all-reduce) are simulated with
+For captured zoo models on the paper's 8-GPU cluster, random hybrid plans (up to 96
+contiguous groups, each on 1–3 random devices with random shares, ring all-reduce) are
+simulated with
   graph    no priorities: groups in graph order,
   heteroG  HeteroG's rank (longest path from the sources; earliest-startable first),
   upward   HEFT's upward rank (longest path to the sink, communication included).
