@@ -27,6 +27,7 @@ Hugging Face models run.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,7 @@ class Stage:
     group: int                  # a group of the stage (all its groups share this placement)
     module: nn.Module
     args: tuple[str, ...]       # names of the values it consumes, in call order
+    groups: tuple[int, ...] = ()  # every group whose nodes it runs
 
 
 @dataclass(kw_only=True)
@@ -196,6 +198,8 @@ def split_model(model: nn.Module, plan: Plan) -> Dataflow:
     groups_of_segment: dict[int, set[int]] = {}
     for n, k in seg.items():
         groups_of_segment.setdefault(k, set()).add(assign[n])
+    stages = [dataclasses.replace(s, groups=tuple(sorted(groups_of_segment[segment_of[s.value]])))
+              for s in stages]
     stages = order_stages(stages, projections, plan, {
         s.value: groups_of_segment[segment_of[s.value]] for s in stages}, segment_of)
     flow = Dataflow(inputs=tuple(inputs), stages=tuple(stages), projections=projections,
@@ -281,7 +285,7 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
             path = path.rsplit(".", 1)[0]
         params.setdefault(group, []).append((name, p))
     inputs = tuple(f"input_{i}" for i in range(num_inputs))
-    stage = Stage(value="output", group=0, module=model, args=inputs)
+    stage = Stage(value="output", group=0, module=model, args=inputs, groups=tuple(range(len(plan.groups))))
     return Dataflow(inputs=inputs, stages=(stage,), projections={},
                     owner={**{i: INPUT for i in inputs}, "output": 0}, output="output",
                     params_of_group=params, split=False)

@@ -117,11 +117,14 @@ class Executor:
     """Runs training steps for one rank."""
 
     def __init__(self, *, plan: Plan, flow: Dataflow, work: Workload, rank: int,
-                 rank_of: dict[str, int], p2p: P2P, pacer: Pacer):
+                 rank_of: dict[str, int], p2p: P2P, pacer: Pacer, sync=None):
         self.plan, self.flow, self.work, self.rank = plan, flow, work, rank
         self.program = StepProgram(plan, flow, rank_of)
         self.p2p, self.pacer = p2p, pacer
         self.stats = StepStats()
+        self.sync = sync  # sync.GradSync: launched during backward, finished by the caller
+        if sync is not None:
+            sync.schedule(self.events())
         self._env: dict[tuple[str, int], Any] = {}
 
     # -- helpers --------------------------------------------------------------------------
@@ -201,7 +204,7 @@ class Executor:
         self._loss_total = 0.0
         calls: dict[tuple[int, int], _Call] = {}
         grads: dict[tuple[str, int], torch.Tensor] = {}
-        for kind, m, si in self.events():
+        for index, (kind, m, si) in enumerate(self.events()):
             if kind == "F":
                 call = self._forward(m, si)
                 if call is not None:
@@ -211,6 +214,8 @@ class Executor:
                 if not any(k[0] == m for k in calls):  # micro-batch m done: free its values
                     for key in [k for k in self._env if k[1] == m]:
                         del self._env[key]
+            if self.sync is not None:
+                self.sync.launch_ready(index)
         assert not calls
         return self._loss_total
 

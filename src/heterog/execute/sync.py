@@ -7,6 +7,13 @@ method below therefore sums:
   (gloo and NCCL pick their own algorithm; the plan's choice shapes the prediction only);
 - ps: reduce(SUM) to the parameter-server rank, then broadcast from it — the server may be a
   device that holds no replica of the group, in which case it contributes zeros.
+Overlap: a group's gradients are final once the last backward of every stage running it
+is done, so its collective is launched right then (asynchronously) while backward goes on
+(`launch_ready`, called after each event of the step), and `finish` waits for all of them.
+The launch point is an index in the step's global event order, the same on every rank
+(also on a rank that skips the event for lack of samples, or a server without a replica),
+so members issue their collectives on each sub-group in the same order.
+
 Groups with the same members, method and server are synchronised together: their gradients
 are flattened into buckets of at most `plan.bucket_bytes`, so one collective moves many
 small tensors (a planner's plan often has dozens of small groups with one placement).
@@ -45,6 +52,8 @@ class GradSync:
         self.timeout_s = timeout_s
         self.items: list[_GroupSync] = []
         self.sync_s = 0.0
+        self.ready_at: list[int] = []   # per item: the event index after which it launches
+        self._pending: list[tuple[_GroupSync, list, torch.Tensor, object]] = []
         pgs: dict[tuple[int, ...], object] = {}
         together: dict[tuple, list[int]] = {}
         # new_group is collective over the default group: every rank creates every sub-group,
@@ -80,32 +89,69 @@ class GradSync:
             out.append(bucket)
         return out
 
-    def sync(self) -> None:
-        t0 = time.perf_counter()
+    def schedule(self, events: list[tuple[str, int, int]]) -> None:
+        """Launch each item after the last backward event of the stages that run its groups."""
+        last_b: dict[int, int] = {}
+        for i, (kind, _, si) in enumerate(events):
+            if kind == "B":
+                last_b[si] = i
+        self.ready_at = []
         for item in self.items:
-            params = [p for g in item.groups for _, p in self.flow.params_of_group.get(g, [])]
-            holds = any(p.numel() for p in params)
-            try:
-                if holds:
-                    for bucket in self._buckets(params):
-                        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                          for p in bucket])
-                        self._reduce(item, flat)
-                        offset = 0
-                        for p in bucket:
-                            n = p.numel()
-                            p.grad = flat[offset:offset + n].view_as(p).clone()
-                            offset += n
-                else:  # a parameter server without a replica: same bucket sizes, zeros in
-                    numels = [n for g in item.groups for n in self.flow.param_numels[g]]
-                    for bucket_numel in self._server_bucket_sizes_of(numels):
-                        self._reduce(item, torch.zeros(bucket_numel))
-            except RuntimeError as e:
-                names = ", ".join(self.plan.groups[g].name for g in item.groups[:4])
-                raise RankError(self.rank, f"gradient sync of group(s) {names} "
-                                           f"with ranks {list(item.members)} failed or timed out after "
-                                           f"{self.timeout_s:.0f} s ({str(e).splitlines()[0]}).") from None
+            stages = [si for si, st in enumerate(self.flow.stages) if set(st.groups) & set(item.groups)]
+            self.ready_at.append(max((last_b[si] for si in stages), default=len(events) - 1))
+
+    def launch_ready(self, event_index: int) -> None:
+        t0 = time.perf_counter()
+        for item, at in zip(self.items, self.ready_at):
+            if at == event_index:
+                self._guard(item, self._launch, item)
         self.sync_s += time.perf_counter() - t0
+
+    def _launch(self, item: _GroupSync) -> None:
+        params = [p for g in item.groups for _, p in self.flow.params_of_group.get(g, [])]
+        if any(p.numel() for p in params):
+            for bucket in self._buckets(params):
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in bucket])
+                self._pending.append((item, bucket, flat, self._start(item, flat)))
+        else:  # a parameter server without a replica: same bucket sizes, zeros in
+            numels = [n for g in item.groups for n in self.flow.param_numels[g]]
+            for bucket_numel in self._server_bucket_sizes_of(numels):
+                flat = torch.zeros(bucket_numel)
+                self._pending.append((item, [], flat, self._start(item, flat)))
+
+    def _start(self, item: _GroupSync, flat: torch.Tensor):
+        if item.method == "ps":
+            assert item.server is not None
+            return dist.reduce(flat, dst=item.server, op=dist.ReduceOp.SUM, group=item.pg, async_op=True)
+        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=item.pg, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every launched collective (in launch order) and install the gradients."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        for item, bucket, flat, work in pending:
+            self._guard(item, self._complete, item, bucket, flat, work)
+        self.sync_s += time.perf_counter() - t0
+
+    def _complete(self, item: _GroupSync, bucket: list, flat: torch.Tensor, work) -> None:
+        work.wait(timedelta(seconds=self.timeout_s))
+        if item.method == "ps":  # the server's sum back to every member
+            dist.broadcast(flat, src=item.server, group=item.pg)
+        offset = 0
+        for p in bucket:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def _guard(self, item: _GroupSync, fn, *args) -> None:
+        try:
+            fn(*args)
+        except RuntimeError as e:
+            names = ", ".join(self.plan.groups[g].name for g in item.groups[:4])
+            raise RankError(self.rank, f"gradient sync of group(s) {names} with ranks "
+                                       f"{list(item.members)} failed or timed out after "
+                                       f"{self.timeout_s:.0f} s ({str(e).splitlines()[0]}).") from None
 
     def _server_bucket_sizes_of(self, shapes: list[int]) -> list[int]:
         limit = max(1, self.plan.bucket_bytes // 4)
@@ -115,11 +161,3 @@ class GradSync:
                 out.append(0)
             out[-1] += n
         return out
-
-    def _reduce(self, item: _GroupSync, flat: torch.Tensor) -> None:
-        if item.method == "ps":
-            assert item.server is not None
-            dist.reduce(flat, dst=item.server, op=dist.ReduceOp.SUM, group=item.pg)
-            dist.broadcast(flat, src=item.server, group=item.pg)
-        else:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=item.pg)

@@ -82,7 +82,8 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     params = [p for g in sorted(held) for _, p in flow.params_of_group.get(g, [])]
     opt = make_optimizer(params, plan.optimizer)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
-    ex = Executor(plan=plan, flow=flow, work=work, rank=rank, rank_of=rank_of, p2p=p2p, pacer=pacer)
+    ex = Executor(plan=plan, flow=flow, work=work, rank=rank, rank_of=rank_of, p2p=p2p, pacer=pacer,
+                  sync=sync)
     steps: list[dict[str, float]] = []
     for step in range(spec["steps"]):
         progress.write_text(str(step))
@@ -96,7 +97,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             p.grad = None
         loss = ex.step(inputs, targets)
         p2p.wait_all()
-        sync.sync()
+        sync.finish()
         if opt is not None:
             ex._timed(opt.step)
         steps.append({"step_time_s": time.perf_counter() - t0, "loss": loss,
