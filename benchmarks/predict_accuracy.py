@@ -75,9 +75,14 @@ def worker(cfg: dict) -> dict:
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
+    import contextlib
+    amp = cfg.get("precision", "fp32") == "amp-bf16"
+
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss = zm.loss(model(*inputs), targets)
+        # amp-bf16 as heterog means it: autocast around forward and loss, fp32 master weights
+        with torch.autocast(dev.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext():
+            loss = zm.loss(model(*inputs), targets)
         loss.backward()
         opt.step()
 
@@ -161,6 +166,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="'cpu' or 'cuda' (default: cuda if available)")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--precision", choices=["fp32", "amp-bf16"], default="fp32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="'thread': the worker thread's CPU time (needs --threads 1; for a loaded machine)")
@@ -196,11 +202,11 @@ def main() -> None:
     for label, model, margs, bs, seq, optim in chosen:
         cfg = {"label": label, "model": model, "args": margs, "batch_size": bs, "seq_len": seq,
                "optimizer": optim, "device": device, "steps": args.steps, "warmup": args.warmup,
-               "max_time_s": 20.0, "threads": args.threads,
+               "max_time_s": 20.0, "threads": args.threads, "precision": args.precision,
                "clock": args.clock}
         m = measure(cfg)
         p = predict(model, model_args=margs, batch_size=bs, seq_len=seq, device=catalog_type,
-                    optimizer=optim)
+                    optimizer=optim, precision=args.precision)
         rec = {"label": label, "model": model, "model_args": margs, "batch_size": bs, "seq_len": seq,
                "optimizer": optim, "measured": m,
                "predicted": {k: p[k] for k in ("iteration_time_s", "peak_memory_bytes", "flops_per_iteration",
@@ -214,7 +220,7 @@ def main() -> None:
                      f"{(m.get('rss_growth_bytes') or 0) / 2**20:.0f}"))
     t_err = [r["time_error_pct"] for r in records]
     m_err = [r["memory_error_pct"] for r in records]
-    summary = {"device": device, "catalog_type": catalog_type,
+    summary = {"device": device, "catalog_type": catalog_type, "precision": args.precision,
                "time_error_pct": {"median": statistics.median(t_err), "worst": max(t_err)},
                "memory_error_pct": {"median": statistics.median(m_err), "worst": max(m_err)},
                "load_average_before": load_before, "load_average_after": os.getloadavg(),

@@ -32,7 +32,7 @@ from heterog.hardware.gputype import GpuType
 from heterog.ir.opgraph import OpGraph
 from heterog.cost import comm
 from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
-from heterog.cost.memory import TENSOR_CORE_KINDS, MemoryModel, activation_factor
+from heterog.cost.memory import TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
 PRECISIONS = ("fp32", "amp-bf16", "fp16")
@@ -76,7 +76,8 @@ class _TypeTable:
         flops_ps = np.array([(n.fwd_flops if fw else n.bwd_flops).per_sample for n in nodes])
         tc = np.array([n.tensor_core_flops_fraction if n.kind in TENSOR_CORE_KINDS or
                        n.tensor_core_flops_fraction > 0 else 0.0 for n in nodes])
-        factor = np.array([activation_factor(n.kind, precision) for n in nodes])
+        # traffic in the dtype of what the node writes (reads are mostly of the same size)
+        factor = dtype_factors(graph, precision).out
         bytes_obj = [(n.fwd_bytes if fw else n.bwd_bytes) for n in nodes]
         self.bytes_fixed = np.array([b.fixed for b in bytes_obj]) * factor
         self.bytes_ps = np.array([b.per_sample for b in bytes_obj]) * factor
@@ -327,4 +328,4 @@ class AnalyticCostModel:
         b = self._edges.get((src, dst))
         if b is None or batch <= 0:
             return 0.0
-        return b.at(batch) * activation_factor(self.graph.node(src).kind, self.precision)
+        return b.at(batch) * self.memory.dtypes.out[self.graph.index[src]]

@@ -62,9 +62,65 @@ def block_of(module_path: str) -> str | None:
 
 
 def activation_factor(kind: str, precision: str) -> float:
+    """A node-local guess (no graph): half for the kinds autocast usually leaves in half."""
     if precision in ("amp-bf16", "fp16") and kind in HALF_UNDER_AUTOCAST:
         return 0.5
     return 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeFactors:
+    """Per node, the size of its tensors relative to fp32 under the precision: outputs, saved
+    tensors, and the gradient of its inputs (as its backward first produces it)."""
+    out: np.ndarray
+    saved: np.ndarray
+    grad_in: np.ndarray
+
+    def edge(self, src_index: int) -> float:
+        return float(self.out[src_index])
+
+
+def _forced_fp32(node) -> bool:
+    """Ops autocast runs in fp32 whatever their inputs (its fp32 list: layer_norm, group_norm,
+    softmax-based losses, ...); a batch norm keeps its input dtype."""
+    if node.kind == "loss":
+        return True
+    return node.kind == "norm" and "batchnorm" not in node.module_type.lower()
+
+
+def dtype_factors(graph: OpGraph, precision: str) -> DtypeFactors:
+    """Propagate dtypes through the graph the way torch.autocast does: matmul/conv/attention
+    produce half; fp32-list ops (layer norm, losses) produce fp32; everything else produces
+    half only if all its inputs are half (PyTorch type promotion: a half tensor added to
+    the fp32 residual stream gives fp32). Graph inputs and embeddings are fp32."""
+    n = len(graph.nodes)
+    ones = np.ones(n)
+    if precision not in ("amp-bf16", "fp16"):
+        return DtypeFactors(ones, ones.copy(), ones.copy())
+    preds = graph.predecessors
+    gi = graph.index
+    half = np.zeros(n, dtype=bool)
+    inputs_half = np.zeros(n, dtype=bool)
+    for i, node in enumerate(graph.nodes):
+        ps = preds[node.name]
+        inputs_half[i] = bool(ps) and all(half[gi[p]] for p in ps)
+        if node.kind in TENSOR_CORE_KINDS:
+            half[i] = True
+        elif _forced_fp32(node) or node.kind == "embedding":
+            half[i] = False
+        else:
+            half[i] = inputs_half[i]
+    forced = np.array([_forced_fp32(node) for node in graph.nodes])
+    tc = np.array([node.kind in TENSOR_CORE_KINDS for node in graph.nodes])
+    out = np.where(half, 0.5, 1.0)
+    # saved tensors are mostly inputs: matmul/conv save the half copies autocast made of
+    # theirs; fp32-list ops save fp32 copies; the rest save inputs as they came
+    # (max pooling saves int64 indices, whatever the dtype; its input is saved by its producer)
+    pool = np.array([node.kind == "pool" for node in graph.nodes])
+    saved = np.where(tc, 0.5, np.where(forced | pool, 1.0, np.where(inputs_half, 0.5, 1.0)))
+    # an fp32-list op's backward makes its input gradient in fp32 before casting it back
+    grad_in = np.where(forced, 1.0, np.nan)
+    return DtypeFactors(out, saved, grad_in)
 
 
 def round_allocation(nbytes: float, allocator: str) -> float:
@@ -103,16 +159,21 @@ class MemoryModel:
         nodes = graph.nodes
         half = precision in ("amp-bf16", "fp16")
         self.param_bytes = np.array([float(n.param_bytes) for n in nodes])
-        factor = np.array([activation_factor(n.kind, precision) for n in nodes])
-        # autocast's half copy of each tensor-core weight, saved for backward (batch-independent)
-        cast = np.array([2.0 * n.param_count if half and n.kind in TENSOR_CORE_KINDS else 0.0 for n in nodes])
-        self.saved_fixed = np.array([n.saved_bytes.fixed for n in nodes]) * factor + cast
-        self.saved_per_sample = np.array([n.saved_bytes.per_sample for n in nodes]) * factor
-        self.work_fixed = np.array([n.workspace_bytes.fixed for n in nodes]) * factor
-        self.work_per_sample = np.array([n.workspace_bytes.per_sample for n in nodes]) * factor
-        self.out_fixed = np.array([n.output_bytes.fixed for n in nodes]) * factor
-        self.out_per_sample = np.array([n.output_bytes.per_sample for n in nodes]) * factor
-        self._factor = factor
+        self.dtypes = dtype_factors(graph, precision)
+        out_f, saved_f = self.dtypes.out, self.dtypes.saved
+        # autocast's half copy of each tensor-core weight, saved for backward (batch-independent).
+        # A tied weight (a language-model head sharing the embedding) is owned by its first
+        # user, so the weight a node reads is taken from its batch-independent traffic too.
+        cast = np.array([max(2.0 * n.param_count, 0.5 * n.fwd_bytes.fixed)
+                         if half and n.kind in TENSOR_CORE_KINDS else 0.0 for n in nodes])
+        self.saved_fixed = np.array([n.saved_bytes.fixed for n in nodes]) * saved_f + cast
+        self.saved_per_sample = np.array([n.saved_bytes.per_sample for n in nodes]) * saved_f
+        # the largest transient of an fp32-list op is fp32 (its upcast input, its gradients)
+        work_f = np.where(np.isnan(self.dtypes.grad_in), out_f, 1.0)
+        self.work_fixed = np.array([n.workspace_bytes.fixed for n in nodes]) * work_f
+        self.work_per_sample = np.array([n.workspace_bytes.per_sample for n in nodes]) * work_f
+        self.out_fixed = np.array([n.output_bytes.fixed for n in nodes]) * out_f
+        self.out_per_sample = np.array([n.output_bytes.per_sample for n in nodes]) * out_f
         self.in_fixed, self.in_per_sample = self._input_arrays()
         self._chained_backward = np.array([n.bwd_kernels >= 2 and n.kind not in ("matmul", "conv")
                                            for n in nodes])
@@ -128,7 +189,10 @@ class MemoryModel:
         per_dst: list[dict[str, Affine]] = [dict() for _ in range(n)]
         gi = self.graph.index
         for e in self.graph.edges:
-            f = activation_factor(self.graph.node(e.src).kind, self.precision)
+            f = self.dtypes.out[gi[e.src]]
+            forced = self.dtypes.grad_in[gi[e.dst]]
+            if not np.isnan(forced):
+                f = forced
             d = per_dst[gi[e.dst]]
             b = e.bytes.scaled(f)
             if e.src not in d or b.at(1) > d[e.src].at(1):
@@ -168,7 +232,7 @@ class MemoryModel:
         per_src: dict[str, Affine] = {}
         for e in self.graph.edges:
             if e.dst in names and e.src not in names:
-                f = activation_factor(self.graph.node(e.src).kind, self.precision)
+                f = self.dtypes.out[self.graph.index[e.src]]
                 b = e.bytes.scaled(f)
                 if e.src not in per_src or b.at(1) > per_src[e.src].at(1):
                     per_src[e.src] = b
