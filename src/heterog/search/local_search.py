@@ -11,7 +11,8 @@ change, by the LP batch-share optimiser on the affected segment):
               a chosen device);
   micro     – change the number of micro-batches, or the schedule (GPipe / 1F1B);
   recompute – toggle activation recomputation on a segment (trades time for memory);
-  reshare   – re-run the share optimiser on a segment.
+  reshare   – re-run the share optimiser on a segment;
+  nudge     – move one or two samples of a micro-batch between two replicas of a segment.
 Scored by `estimate` (estimate.py); a worse move is accepted with probability
 exp(−Δ/(T·score)) (Kirkpatrick et al. 1983), T cooling geometrically with the iteration
 count, so a run is reproducible for a seed and an iteration limit; the wall-clock budget
@@ -100,8 +101,8 @@ class Annealer:
         segs = segments(s)
         a, b = rng.choice(segs)
         p = s.placements[a]
-        kind = rng.choices(("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare"),
-                           weights=(3, 3, 2, 2, 2, 2, 1, 1, 1))[0]
+        kind = rng.choices(("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare",
+                            "nudge"), weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1))[0]
         if kind == "move":
             r = rng.random()
             if r < 0.3:
@@ -152,6 +153,25 @@ class Annealer:
             if rng.random() < 0.3:
                 return Strategy(s.placements, s.microbatches, "1f1b" if s.schedule == "gpipe" else "gpipe")
             return Strategy(s.placements, rng.choice(self.microbatch_choices), s.schedule)
+        if kind == "nudge":
+            # the LP balances compute only; moving a few samples between two replicas can pay
+            # off where transfers or memory, which it does not see, differ between devices
+            if len(p.devices) < 2:
+                return s
+            i, j = rng.sample(range(len(p.devices)), 2)
+            mb = prob.batch_size // s.microbatches if prob.batch_size % s.microbatches == 0 else prob.batch_size
+            step = min(p.shares[i], rng.randint(1, 2) / mb)
+            shares = list(p.shares)
+            shares[i] -= step
+            shares[j] += step
+            keep = [k for k in range(len(shares)) if shares[k] > 1e-9]
+            total = sum(shares[k] for k in keep)
+            devs = tuple(p.devices[k] for k in keep)
+            new_p = Placement(devs, tuple(shares[k] / total for k in keep), p.sync if len(devs) > 1 else "none",
+                              p.ps if len(devs) > 1 and p.ps in devs else None, p.recompute)
+            if new_p.sync == "ps" and new_p.ps is None:
+                new_p = replace(new_p, ps=devs[0])
+            return _with(s, a, b, new_p)
         if kind == "recompute":
             return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, not p.recompute)
         return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, p.recompute)
