@@ -75,7 +75,7 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
         # batch 1 catches the per-call overhead that dominates the small per-replica
         # micro-batches of pipelines; the cost model interpolates between the points.
         sizes = tuple(sorted({1, max(1, batch_size // 4), batch_size}))
-        prof = measure_profile(resolve_workload(spec), batch_sizes=sizes, graph=graph, repeats=5)
+        prof = measure_profile(resolve_workload(spec), batch_sizes=sizes, graph=graph, repeats=9)
     costs = build_cost_model(graph, cluster, profile=prof)
     return Setup(graph=graph, cluster=cluster, costs=costs, spec=spec, profiled=prof is not None)
 
