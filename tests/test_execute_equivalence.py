@@ -72,13 +72,14 @@ def test_parameter_server_sync_on_a_device_without_replica_with_user_data(tmp_pa
     assert out["devices"] == ["a", "b", "c"]
 
 
-def test_hybrid_vgg_convs_replicated_linears_on_one_device(tmp_path):
+def test_hybrid_vgg_convs_replicated_and_recomputed_linears_on_one_device(tmp_path):
     from test_execute_models import TinyVGG
     names = fx_node_names(TinyVGG())
     convs = tuple(n for n in names if n.startswith("features"))
     linears = tuple(n for n in names if n.startswith("classifier"))
     plan = make_plan("tiny_vgg", [
-        Group(name="convs", nodes=convs, replicas=replicas(("a", 0.5), ("b", 0.3), ("c", 0.2)), sync="ring"),
+        Group(name="convs", nodes=convs, replicas=replicas(("a", 0.5), ("b", 0.3), ("c", 0.2)), sync="ring",
+              recompute=True),
         Group(name="linears", nodes=linears, replicas=replicas(("c", 1.0)))], batch_size=10)
     out = check_equal(plan, tmp_path)
     assert any("sent" in k for k in out["per_rank"][0])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from heterog.errors import PlanError
 from heterog.execute.emulation import Pacer
@@ -233,7 +234,11 @@ class Executor:
             x, is_leaf = self._gather(env, si, ai, v, m, a, b, mb_inputs)
             args.append(x)
             leaves.append((ai, x if is_leaf else None))
-        out = self._timed(s.module, *args)
+        if any(self.plan.groups[g].recompute for g in s.groups):
+            # activation recomputation: keep only the stage's inputs; re-run forward in backward
+            out = self._timed(torch.utils.checkpoint.checkpoint, s.module, *args, use_reentrant=False)
+        else:
+            out = self._timed(s.module, *args)
         env[(s.value, m)] = out
         call = _Call(stage=s, m=m, out=out, leaves=leaves)
         for p in prog.sends.get((s.value, m, self.rank), []):
