@@ -7,10 +7,11 @@ embedding, device embedding, pair features], so the output width follows the clu
 
   actions of group g = [same placement as g−1, data parallel on all devices,
                         data parallel on node k (one per node), device d alone (one per device)]
+  shares of group g  = [balanced by the share LP, even, proportional to free memory]
   sync of group g    = [all-reduce (ring), parameter server on its best-scored device]
   micro-batches      = one of MICROBATCH_OPTIONS, from the pooled graph and cluster context.
 
-Shares inside a chosen device set come from the LP balance (search/shares.py), so the policy
+With the 'balanced' share pattern the numbers come from the LP (search/shares.py): the policy
 decides structure and the optimiser decides numbers.
 """
 
@@ -25,6 +26,7 @@ from torch_geometric.nn import GATConv
 from heterog.search.gnn.features import DEVICE_FEATURES, GROUP_FEATURES, PAIR_FEATURES, Features
 
 MICROBATCH_OPTIONS = (1, 2, 4, 8)
+SHARE_PATTERNS = ("balanced", "even", "memory")
 SAME, ALL = 0, 1  # fixed action ids; then nodes, then devices
 
 
@@ -50,6 +52,7 @@ def _mlp(i: int, h: int, o: int) -> nn.Sequential:
 class PolicyOutput:
     placement_logits: torch.Tensor  # [G, 2 + n_nodes + n_devices]
     sync_logits: torch.Tensor       # [G, 2]
+    share_logits: torch.Tensor      # [G, len(SHARE_PATTERNS)]
     pair_scores: torch.Tensor       # [G, n]: which device of a set should serve as PS
     micro_logits: torch.Tensor      # [len(MICROBATCH_OPTIONS)]
 
@@ -69,6 +72,7 @@ class PolicyNet(nn.Module):
         self.all_out = _mlp(2 * h, h, 1)
         self.same_out = _mlp(2 * h, h, 1)
         self.sync_out = _mlp(2 * h, h, 2)
+        self.share_out = _mlp(2 * h, h, len(SHARE_PATTERNS))
         self.micro_out = _mlp(2 * h, h, len(MICROBATCH_OPTIONS))
 
     def forward(self, f: Features) -> PolicyOutput:
@@ -92,5 +96,5 @@ class PolicyNet(nn.Module):
         same = torch.cat([torch.full_like(same[:1], -1e4), same[1:]], dim=0)  # group 0 has no predecessor
         logits = torch.cat([same, self.all_out(xc), node, single], dim=1)
         micro = self.micro_out(torch.cat([x.mean(dim=0), ctx[0]]))
-        return PolicyOutput(placement_logits=logits, sync_logits=self.sync_out(xc), pair_scores=single,
-                            micro_logits=micro)
+        return PolicyOutput(placement_logits=logits, sync_logits=self.sync_out(xc), share_logits=self.share_out(xc),
+                            pair_scores=single, micro_logits=micro)

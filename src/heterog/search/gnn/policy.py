@@ -14,48 +14,73 @@ import torch
 
 from heterog.errors import ArtifactError
 from heterog.search.gnn.features import Features, build_features
-from heterog.search.gnn.model import ALL, MICROBATCH_OPTIONS, SAME, PolicyConfig, PolicyNet, PolicyOutput
+from heterog.search.gnn.model import (ALL, MICROBATCH_OPTIONS, SAME, SHARE_PATTERNS, PolicyConfig, PolicyNet,
+                                      PolicyOutput)
+from heterog.ir.plan import split_samples
 from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
 
 SHIPPED_POLICY = Path(__file__).with_name("policy.pt")
-FORMAT = "heterog.GnnPolicy/1"
+FORMAT = "heterog.GnnPolicy/2"  # 2: share-pattern head
 
 
 @dataclass(frozen=True, slots=True)
 class Actions:
     placement: torch.Tensor  # [G] long
     sync: torch.Tensor       # [G] long
+    share: torch.Tensor      # [G] long, index into SHARE_PATTERNS
     micro: torch.Tensor      # [] long
 
     def key(self) -> tuple:
-        return (tuple(self.placement.tolist()), tuple(self.sync.tolist()), int(self.micro))
+        return (tuple(self.placement.tolist()), tuple(self.sync.tolist()), tuple(self.share.tolist()),
+                int(self.micro))
 
 
 def _dists(out: PolicyOutput):
-    return (torch.distributions.Categorical(logits=out.placement_logits),
-            torch.distributions.Categorical(logits=out.sync_logits),
-            torch.distributions.Categorical(logits=out.micro_logits))
+    return tuple(torch.distributions.Categorical(logits=t) for t in
+                 (out.placement_logits, out.sync_logits, out.share_logits, out.micro_logits))
 
 
 def sample_actions(out: PolicyOutput, generator: torch.Generator | None = None, greedy: bool = False) -> Actions:
     if greedy:
-        return Actions(out.placement_logits.argmax(dim=1), out.sync_logits.argmax(dim=1), out.micro_logits.argmax())
-    probs = [torch.softmax(t.detach(), dim=-1) for t in (out.placement_logits, out.sync_logits, out.micro_logits)]
+        return Actions(out.placement_logits.argmax(dim=1), out.sync_logits.argmax(dim=1),
+                       out.share_logits.argmax(dim=1), out.micro_logits.argmax())
+    probs = [torch.softmax(t.detach(), dim=-1) for t in
+             (out.placement_logits, out.sync_logits, out.share_logits, out.micro_logits)]
     p = torch.multinomial(probs[0], 1, generator=generator).squeeze(1)
     s = torch.multinomial(probs[1], 1, generator=generator).squeeze(1)
-    m = torch.multinomial(probs[2], 1, generator=generator).squeeze()
-    return Actions(p, s, m)
+    h = torch.multinomial(probs[2], 1, generator=generator).squeeze(1)
+    m = torch.multinomial(probs[3], 1, generator=generator).squeeze()
+    return Actions(p, s, h, m)
 
 
 def log_prob(out: PolicyOutput, a: Actions) -> torch.Tensor:
-    dp, ds, dm = _dists(out)
-    return dp.log_prob(a.placement).sum() + ds.log_prob(a.sync).sum() + dm.log_prob(a.micro)
+    dp, ds, dh, dm = _dists(out)
+    return (dp.log_prob(a.placement).sum() + ds.log_prob(a.sync).sum() + dh.log_prob(a.share).sum()
+            + dm.log_prob(a.micro))
 
 
 def entropy(out: PolicyOutput) -> torch.Tensor:
-    dp, ds, dm = _dists(out)
-    return dp.entropy().mean() + ds.entropy().mean() + dm.entropy()
+    dp, ds, dh, dm = _dists(out)
+    return dp.entropy().mean() + ds.entropy().mean() + dh.entropy().mean() + dm.entropy()
+
+
+def pattern_shares(prob: Problem, groups: range, devs: tuple[int, ...], pattern: str,
+                   microbatches: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Shares of a device set by pattern: the LP balance, even, or proportional to the memory
+    each device has left after the groups' persistent state (whole samples, by split_samples)."""
+    if pattern == "balanced" or len(devs) == 1:
+        return balanced_shares(prob, groups, devs, microbatches=microbatches)
+    if pattern == "even":
+        weights = [1.0] * len(devs)
+    else:
+        cls = prob.dev_class[list(devs)]
+        free = prob.memory_bytes[list(devs)] - prob.persistent_bytes[list(groups)][:, cls].sum(axis=0)
+        weights = [max(float(f), 1.0) for f in free]
+    mb = prob.batch_size // microbatches
+    counts = split_samples(mb, weights)
+    keep = [i for i, k in enumerate(counts) if k > 0]
+    return tuple(devs[i] for i in keep), tuple(counts[i] / mb for i in keep)
 
 
 def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strategy:
@@ -66,7 +91,7 @@ def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strateg
     for d, k in enumerate(f.node_of_device.tolist()):
         node_members[k].append(d)
     scores = out.pair_scores.detach()
-    choice: list[tuple[tuple[int, ...], str]] = []
+    choice: list[tuple[tuple[int, ...], str, str]] = []
     for g in range(prob.n_groups):
         act = int(a.placement[g])
         if act == SAME and g > 0:
@@ -79,7 +104,7 @@ def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strateg
         else:
             devs = (act - 2 - n_nodes,)
         sync = "none" if len(devs) == 1 else ("ps" if int(a.sync[g]) == 1 else "ring")
-        choice.append((devs, sync))
+        choice.append((devs, sync, SHARE_PATTERNS[int(a.share[g])]))
     micro = MICROBATCH_OPTIONS[int(a.micro)]
     if prob.batch_size % micro:
         micro = 1
@@ -89,8 +114,8 @@ def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strateg
         end = g
         while end + 1 < prob.n_groups and choice[end + 1] == choice[g]:
             end += 1
-        devs, sync = choice[g]
-        d, sh = balanced_shares(prob, range(g, end + 1), devs, microbatches=micro)
+        devs, sync, pattern = choice[g]
+        d, sh = pattern_shares(prob, range(g, end + 1), devs, pattern, micro)
         if len(d) == 1:
             p = Placement(d, sh)
         elif sync == "ps":
