@@ -138,7 +138,7 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
                          "groups": r["groups"], "step_time_s": med("step_time_s"),
                          "compute_s": med("compute_s"), "cpu_s": med("cpu_s"), "paced_s": med("paced_s"),
                          "recv_wait_s": med("recv_wait_s"), "sync_s": med("sync_s"),
-                         "sent_bytes_total": r["sent_bytes"]})
+                         "sent_bytes_total": r["sent_bytes"], "max_rss_bytes": r["max_rss_bytes"]})
     losses = [sum(r["steps"][k]["loss"] for r in results) for k in range(steps)]
     return {"measured_iteration_time_s": statistics.median(per_step), "measured_steps": len(per_step),
             "per_rank": per_rank, "losses": losses}
@@ -169,6 +169,9 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
                         f"{MAX_LOCAL_RANKS} processes on one machine. Use --torchrun on a real cluster.")
     slowdowns = emulated_slowdowns(plan, cluster, devices, emulated)
     notes: list[str] = []
+    if emulated and cluster is not None and cluster.kind != "emulated":
+        notes.append(f"{cluster.name} emulated with CPU processes paced by relative peak FLOP/s; the "
+                     f"prediction is for the real devices, so compare speed ratios, not times")
     shaping: dict[str, Any] = {"enabled": False}
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_interrupt())

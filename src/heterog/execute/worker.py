@@ -110,7 +110,10 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                     for name, p in flow.params_of_group.get(g, [])}, out_dir / f"params_rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    import resource  # peak resident memory of this rank (Linux: KiB), torch libraries included
+    max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rank": rank, "device": device, "slowdown": pacer.slowdown, "cores": cores,
+            "max_rss_bytes": max_rss_bytes,
             "groups": [plan.groups[g].name for g in sorted(held)], "steps": steps,
             "sent_bytes": p2p.sent_bytes, "split": flow.split, "warnings": flow.warnings}
 
