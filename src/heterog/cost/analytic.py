@@ -76,8 +76,9 @@ class _TypeTable:
         flops_ps = np.array([(n.fwd_flops if fw else n.bwd_flops).per_sample for n in nodes])
         tc = np.array([n.tensor_core_flops_fraction if n.kind in TENSOR_CORE_KINDS or
                        n.tensor_core_flops_fraction > 0 else 0.0 for n in nodes])
-        # traffic in the dtype of what the node writes (reads are mostly of the same size)
-        factor = dtype_factors(graph, precision).out
+        # traffic in the dtype of what the node writes (reads are mostly of the same size);
+        # CPU kernels on half tensors convert to fp32 and back, so they gain no speed there
+        factor = dtype_factors(graph, precision).out if gpu.vendor != "cpu" else np.ones(len(nodes))
         bytes_obj = [(n.fwd_bytes if fw else n.bwd_bytes) for n in nodes]
         self.bytes_fixed = np.array([b.fixed for b in bytes_obj]) * factor
         self.bytes_ps = np.array([b.per_sample for b in bytes_obj]) * factor
