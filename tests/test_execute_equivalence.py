@@ -104,10 +104,11 @@ def test_untraceable_model_under_data_parallelism(tmp_path):
 
 
 def test_interleaved_groups_on_overlapping_replicas(tmp_path):
-    # a → b → a, where a and b share device "b" with different ranges, in 2 micro-batches.
+    # a → b → a, where a and b share device "a" with ranges that start together but end
+    # apart ([0, 4) vs [0, 3) of 5), in 2 micro-batches.
     plan = make_plan("mlp", [
         Group(name="a", nodes=("fc1", "act1", "fc3"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
-        Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("b", 0.5), ("c", 0.5)), sync="ring")],
+        Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("a", 0.5), ("c", 0.5)), sync="ring")],
         batch_size=10, microbatches=2)
     check_equal(plan, tmp_path)
 

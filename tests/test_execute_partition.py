@@ -172,3 +172,21 @@ def test_1f1b_keeps_at_most_one_microbatch_per_stage_in_flight():
             in_flight.discard(m)
     assert peak == 2  # W = min(stages, micro-batches); GPipe would hold all 4
     assert ex.events()[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1)]
+
+
+def test_local_piece_of_a_longer_local_range_is_sliced():
+    # device d0 holds [0, 4) of the producer and [0, 3) of the consumer (of 5 samples)
+    plan = _plan([Group(name="a", nodes=("fc1", "act1"), sync="ring",
+                        replicas=(Replica(device="d0", share=0.7), Replica(device="d1", share=0.3))),
+                  Group(name="b", nodes=("fc2", "act2", "fc3"), sync="ring",
+                        replicas=(Replica(device="d0", share=0.5), Replica(device="d2", share=0.5)))],
+                 batch_size=5)
+    from heterog.execute.emulation import Pacer
+    from heterog.execute.p2p import P2P
+    from heterog.execute.runtime import Executor
+    flow = split_model(MLP(), plan)
+    ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1, "d2": 2},
+                  p2p=P2P(0, 1.0), pacer=Pacer(1.0))
+    env = {(flow.stages[0].value, 0): torch.randn(4, 32)}
+    x, is_leaf = ex._gather(env, 1, 0, flow.stages[1].args[0], 0, 0, 3, {})
+    assert is_leaf and x.shape == (3, 32)

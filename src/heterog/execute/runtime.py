@@ -40,6 +40,7 @@ class Piece:
     lo: int
     hi: int
     src_lo: int      # where src's copy starts
+    src_hi: int      # where src's copy ends
     dst_lo: int      # where dst's input starts
     tag: int         # base tag (4 tags per piece)
 
@@ -90,7 +91,8 @@ class StepProgram:
                             lo, hi = max(a, c), min(b, d)
                             if lo >= hi:
                                 continue
-                            p = Piece(value=v, src=src, dst=dst, lo=lo, hi=hi, src_lo=c, dst_lo=a, tag=tag)
+                            p = Piece(value=v, src=src, dst=dst, lo=lo, hi=hi, src_lo=c, src_hi=d, dst_lo=a,
+                                      tag=tag)
                             tag += 4
                             pieces.append(p)
                             if src != dst:
@@ -151,8 +153,9 @@ class Executor:
         if self.flow.owner[v] == INPUT:
             return slice_batch(mb_inputs[v], a, b), False
         pieces = self.program.inputs[(si, ai, m, self.rank)]
-        if len(pieces) == 1 and pieces[0].src == self.rank and (pieces[0].src_lo, pieces[0].hi) == (a, b):
-            local = self._value(env, v, m)   # same range held here: pass through (any type)
+        if (len(pieces) == 1 and pieces[0].src == self.rank
+                and (pieces[0].src_lo, pieces[0].src_hi) == (a, b)):
+            local = self._value(env, v, m)   # exactly this range is held here: use it as is
             if not isinstance(local, torch.Tensor):
                 return local, False
             parts = [local]
