@@ -190,3 +190,16 @@ def test_local_piece_of_a_longer_local_range_is_sliced():
     env = {(flow.stages[0].value, 0): torch.randn(4, 32)}
     x, is_leaf = ex._gather(env, 1, 0, flow.stages[1].args[0], 0, 0, 3, {})
     assert is_leaf and x.shape == (3, 32)
+
+
+def test_non_batch_first_value_crossing_ranges_is_a_clear_error():
+    plan = _plan([_g("a", ["fc1", "act1"], "d0"), _g("b", ["fc2", "act2", "fc3"], "d0", "d1")], batch_size=4)
+    from heterog.execute.emulation import Pacer
+    from heterog.execute.p2p import P2P
+    from heterog.execute.runtime import Executor
+    flow = split_model(MLP(), plan)
+    ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1},
+                  p2p=P2P(0, 1.0), pacer=Pacer(1.0))
+    env = {(flow.stages[0].value, 0): torch.randn(1, 32)}  # a broadcast mask, not 4 samples
+    with pytest.raises(PlanError, match="not batch-first"):
+        ex._gather(env, 1, 0, flow.stages[1].args[0], 0, 0, 2, {})

@@ -141,6 +141,17 @@ class Executor:
         self.stats.paced_s += self.pacer.pace(wall, cpu)
         return out
 
+    def _piece_of(self, local: Any, p: Piece) -> torch.Tensor:
+        """Samples [p.lo, p.hi) of a value held here for [p.src_lo, p.src_hi)."""
+        if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.shape[0] != p.src_hi - p.src_lo:
+            what = (f"a {type(local).__name__}" if not isinstance(local, torch.Tensor)
+                    else f"a tensor of shape {tuple(local.shape)}")
+            raise PlanError(f"value {p.value!r} is {what}, not batch-first with {p.src_hi - p.src_lo} "
+                            f"samples, yet it crosses groups with different sample ranges; only "
+                            f"batch-first tensors can be re-partitioned. Merge its producer and "
+                            f"consumer groups.")
+        return local[p.lo - p.src_lo:p.hi - p.src_lo]
+
     def _value(self, env: dict, v: str, m: int) -> Any:
         if v in self.flow.projections:
             src, idx = self.flow.projections[v]
@@ -164,11 +175,7 @@ class Executor:
             for p in pieces:
                 if p.src == self.rank:
                     local = self._value(env, v, m)
-                    if not isinstance(local, torch.Tensor):
-                        raise PlanError(f"value {v!r} ({type(local).__name__}) crosses groups with "
-                                        f"different sample ranges; only batch-first tensors can be "
-                                        f"re-partitioned. Merge its producer and consumer groups.")
-                    parts.append(local[p.lo - p.src_lo:p.hi - p.src_lo])
+                    parts.append(self._piece_of(local, p))
                 else:
                     parts.append(self.p2p.recv_with_header(p.src, p.tag))
         x = parts[0] if len(parts) == 1 else torch.cat([t.detach() for t in parts])
@@ -245,8 +252,7 @@ class Executor:
         env[(s.value, m)] = out
         call = _Call(stage=s, m=m, out=out, leaves=leaves)
         for p in prog.sends.get((s.value, m, self.rank), []):
-            t = self._value(env, p.value, m)
-            self.p2p.send_with_header(t[p.lo - p.src_lo:p.hi - p.src_lo], p.dst, p.tag)
+            self.p2p.send_with_header(self._piece_of(self._value(env, p.value, m), p), p.dst, p.tag)
         if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
             y = self._value(env, flow.output, m)
             mb_targets = slice_batch(self._targets, lo, hi)
