@@ -64,6 +64,7 @@ def register(app: typer.Typer) -> None:
             ("device memory", human_bytes(result["device_memory_bytes"])),
             ("fits", "yes" if result["fits"] else "NO"),
         ]
+        rows += [(f"slowest: {t['node']}", f"{human_time(t['time_s'])} ({t['kind']})") for t in b["top_nodes"]]
         print_table(f"{result['model']} × batch {batch_size} on {result['device']} "
                     f"({precision}, {optimizer}{', recompute' if recompute else ''})", ["", "predicted"], rows)
 

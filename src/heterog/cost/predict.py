@@ -15,6 +15,9 @@ from heterog.hardware.gputype import GpuType
 from heterog.ir.opgraph import OpGraph
 
 
+TOP_NODES = 5  # the slowest nodes (forward + backward) listed in the breakdown
+
+
 def single_device_cluster(gpu: GpuType) -> Cluster:
     """A one-device cluster of type `gpu` (device 'local/gpu0', or 'local/cpu0')."""
     dev = f"local/{'cpu' if gpu.vendor == 'cpu' else 'gpu'}0"
@@ -79,6 +82,8 @@ def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, b
         in_block = costs.memory.in_block()
         flops += sum(n.fwd_flops.at(batch_size) for n, b in zip(graph.nodes, in_block) if b)
     iteration_s = fwd_s + bwd_s + opt_s
+    node_s = costs.node_times_s(names, dev, batch_size, "fwd") + costs.node_times_s(names, dev, batch_size, "bwd")
+    top = sorted(zip(names, node_s, (n.kind for n in graph.nodes)), key=lambda x: -x[1])[:TOP_NODES]
     return {
         "model": graph.model,
         "device": gpu.name,
@@ -107,6 +112,7 @@ def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, b
             "reserved_bytes": mem.reserved_bytes,
             "context_bytes": context,
             "num_nodes": len(graph.nodes),
+            "top_nodes": [{"node": n, "kind": k, "time_s": float(t)} for n, t, k in top],
             "num_parameters": graph.num_parameters,
         },
     }
