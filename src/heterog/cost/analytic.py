@@ -121,6 +121,17 @@ class _TypeTable:
         out = np.array([n.output_bytes.fixed for n in nodes]), np.array([n.output_bytes.per_sample for n in nodes])
         work = np.array([n.workspace_bytes.fixed for n in nodes]), np.array([n.workspace_bytes.per_sample for n in nodes])
         self._fresh = (oh.fresh_page_s_per_byte, big, out if fw else (np.zeros(len(nodes)), np.zeros(len(nodes))), work)
+        # CPU: a floor per output element for dropout (random numbers) and GELU (erf), measured
+        self._element_s = np.zeros(len(nodes))
+        if self.synchronous and fw:
+            from heterog.hardware.catalog import measure_cpu
+            per_element = measure_cpu().element_s
+            for i, n in enumerate(nodes):
+                for key, t in per_element.items():
+                    if key in n.module_type.lower():
+                        self._element_s[i] = t / 4.0  # per fp32 output byte
+        self._has_element_floor = bool(self._element_s.any())
+        self._out_fixed, self._out_ps = out
 
     def times_s(self, idx: np.ndarray, batch: float) -> np.ndarray:
         tc = self.tc_fixed[idx] + self.tc_ps[idx] * batch
@@ -149,6 +160,9 @@ class _TypeTable:
             if per_byte > 0:
                 o, w = of[idx] + op[idx] * batch, wf[idx] + wp[idx] * batch
                 roof = roof + per_byte * (np.where(o > big, o, 0.0) + np.where(w > big, w, 0.0))
+            if self._has_element_floor:
+                o = self._out_fixed[idx] + self._out_ps[idx] * batch
+                roof = np.maximum(roof, self._element_s[idx] * o)
             return roof + k * self.dispatch
         return np.maximum(roof + k * self.kernel_gap, k * self.dispatch)
 

@@ -28,7 +28,7 @@ CPU_TYPE = "cpu"
 # glibc malloc's largest dynamic mmap threshold on 64-bit (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX):
 # larger allocations always get freshly mapped pages.
 GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20
-_PROBE_VERSION = 8
+_PROBE_VERSION = 9
 
 
 def _norm(name: str) -> str:
@@ -137,6 +137,9 @@ class CpuProbe:
     # CPU batch norm, pooling and softmax run far below copy bandwidth
     kind_bandwidth_bytes_per_s: dict[str, float]
     fresh_page_s_per_byte: float                # first touch of newly mapped memory (page faults)
+    # forward time per output element of ops whose cost is neither FLOPs nor bytes on a CPU:
+    # dropout's random numbers, GELU's erf (by module type, see cost.analytic)
+    element_s: dict[str, float]
     dispatch_s: float                           # one small op with autograd recording
     backward_dispatch_s: float                  # one small op's backward in the autograd engine
     memory_bytes: int
@@ -224,6 +227,10 @@ def _run_probe() -> CpuProbe:
         c = torch.randn_like(src)
         kinds["optimizer"] = 4 * src.numel() * 4 / _best_time_s(lambda: dst.addcmul_(src, c, value=0.1),
                                                                  repeats=3)
+        elements = {
+            "dropout": _best_time_s(lambda: F.dropout(act, 0.1, training=True), repeats=3) / act.numel(),
+            "gelu": _best_time_s(lambda: F.gelu(act), repeats=3) / act.numel(),
+        }
         # glibc serves allocations above its mmap threshold (at most 32 MiB) with fresh pages
         # every time; the kernel's page faults and zeroing cost far more than the writes
         fill_s = _best_time_s(lambda: dst.fill_(1.0), repeats=3)
@@ -254,7 +261,7 @@ def _run_probe() -> CpuProbe:
     total_s = _best_time_s(lambda: forward_chain().sum().backward(), repeats=5) / chain
     return CpuProbe(key=_probe_key(), matmul_flops_per_s=mm, bf16_matmul_flops_per_s=bf16,
                     conv_flops_per_s=conv, copy_bandwidth_bytes_per_s=copy, kind_bandwidth_bytes_per_s=kinds,
-                    fresh_page_s_per_byte=fresh_page, dispatch_s=fwd_s,
+                    fresh_page_s_per_byte=fresh_page, element_s=elements, dispatch_s=fwd_s,
                     backward_dispatch_s=max(total_s - fwd_s, 0.2 * fwd_s),
                     memory_bytes=int(psutil.virtual_memory().total))
 
