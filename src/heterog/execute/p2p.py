@@ -3,9 +3,11 @@
 Gloo's blocking send waits for the matching receive, and a hand-written pipeline with
 blocking sends deadlocks (TOOLCHAIN.md). Here every send is an `isend` whose handle is kept
 until the end of the step, and only receives block — each with the run's timeout. Every
-rank walks the same global order of stages (forward in topological order, backward in
-reverse), and a receive only waits for a value produced earlier in that order, so by
-induction no rank waits forever on a live peer.
+rank walks the same global order of events (Executor.events: forwards in topological order,
+backwards in reverse, GPipe or 1F1B interleaving), skipping those that are not its own, and
+a receive only waits for a value produced by an earlier event in that order, so by
+induction no rank waits forever on a live peer. (Gloo matches messages by tag; NCCL, which
+matches in posting order, is not supported by this module.)
 
 Messages are matched by tag: each transfer of a step has an index in the step's message
 table (identical on every rank); its header, data and gradient use tags 4i, 4i+1, 4i+2.
