@@ -174,3 +174,21 @@ def test_predict_is_sane_and_monotone(graph):
     assert not big["fits"]
     adam = predict(graph, batch_size=8, device="V100-32GB", optimizer="adamw")
     assert adam["breakdown"]["optimizer_state_bytes"] == pytest.approx(2 * rs[1]["breakdown"]["optimizer_state_bytes"])
+
+
+@pytest.mark.parametrize("dtype,precision", [("bf16", "amp-bf16"), ("fp16", "fp16"), ("fp32", "fp32")])
+def test_h200_calibration_points(dtype, precision):
+    """Every large square product of data/h200_micro.json is predicted within 15% (from 4096 on,
+    where the ~15 µs launch-and-timing floor of the measurement is under 10%)."""
+    from heterog.cost.efficiency import _h200_doc
+    cl = single_device_cluster(get_gpu("H200"))
+    for row in _h200_doc()["matmul"]:
+        if row["dtype"] != dtype or row["m"] < 4096:
+            continue
+        n = row["m"]
+        base = linear("mm", "mm", n, n, 1)
+        node = type(base)(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
+                             "fwd_flops": Affine(0, 2.0 * n**3), "fwd_bytes": Affine(0, 3.0 * n * n * 4)})
+        g = OpGraph(model="mm", batch_size=1, nodes=(node,), edges=()).validate()
+        t = build_cost_model(g, cl, precision=precision).compute_time_s("mm", cl.devices[0].name, 1, "fwd")
+        assert t == pytest.approx(row["median_ms"] * 1e-3, rel=0.15), (dtype, n)
