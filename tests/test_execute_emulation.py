@@ -72,3 +72,23 @@ def test_links_between_emulated_nodes_are_shaped(tmp_path):
     moved_bytes = 2 * 2048 * 32 * 4
     assert out["measured_iteration_time_s"] >= 0.8 * moved_bytes / 1.25e6, out["measured_iteration_time_s"]
     assert set(leftover_namespaces()) - before == set()
+
+
+def test_without_root_the_run_falls_back_to_unshaped_links_and_says_so(tmp_path, monkeypatch):
+    import heterog.execute.netns as netns
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    cluster = parse_cluster_yaml("""
+    name: two-nodes
+    kind: emulated
+    nodes:
+      - {name: n0, nic_bandwidth_gbps: 1, devices: [{type: cpu, name: n0/cpu0}]}
+      - {name: n1, nic_bandwidth_gbps: 1, devices: [{type: cpu, name: n1/cpu0, slowdown: 2}]}
+    """)
+    plan = Plan(strategy="t", model=ModelSpec(name="tests/test_execute_models.py:mlp", batch_size=8),
+                cluster=cluster_to_dict(cluster),
+                groups=(Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"), sync="ring",
+                              replicas=(Replica(device="n0/cpu0", share=0.5),
+                                        Replica(device="n1/cpu0", share=0.5))),))
+    out = run(plan, steps=2, predict=False, timeout_s=60, out_dir=tmp_path)
+    assert out["link_shaping"] == {"enabled": False, "reason": "not root: network namespaces and tc need root"}
+    assert any("links not shaped" in n for n in out["notes"])
