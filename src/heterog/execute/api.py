@@ -73,8 +73,10 @@ def local_cluster(cluster: Cluster) -> Cluster:
     return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
 
 
-def predict_iteration_time(plan: Plan, cluster: Cluster | None, *, profile: bool = False) -> tuple[float | None, str]:
+def predict_iteration_time(plan: Plan, cluster: Cluster | None, *, profile: bool = False,
+                           per_device: dict[str, dict] | None = None) -> tuple[float | None, str]:
     """The simulator's iteration time for the plan, or the plan's recorded prediction.
+    per_device, when given, receives the simulator's per-device breakdown.
 
     profile: measure the model's per-node times on this CPU first (profile/measure.py) and
     predict from them (emulated clusters; a few seconds)."""
@@ -97,8 +99,10 @@ def predict_iteration_time(plan: Plan, cluster: Cluster | None, *, profile: bool
                                        batch_sizes=tuple(sorted({1, max(1, b // 4), b})))
             costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer,
                                      profile=prof)
-            t = float(simulate(graph, cluster, plan, costs, timeline=False).iteration_time_s)
-            return t, "simulator" + (" (measured profile)" if prof is not None else "")
+            sim = simulate(graph, cluster, plan, costs, timeline=False)
+            if per_device is not None:
+                per_device.update(sim.to_dict().get("devices", {}))
+            return float(sim.iteration_time_s), "simulator" + (" (measured profile)" if prof is not None else "")
         except Exception as e:  # noqa: BLE001 - the run succeeded; report why there is no prediction
             reason = f"simulator failed ({type(e).__name__}: {str(e)[:160]})"
         finally:
@@ -197,8 +201,13 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
     out: dict[str, Any] = {"strategy": plan.strategy, "model": plan.model.name,
                            "cluster": cluster.name if cluster else None, "devices": list(devices),
                            "steps": steps, "warmup_steps": warmup_steps, **summarize(results, warmup_steps)}
-    predicted, source = (predict_iteration_time(plan, cluster, profile=profile) if predict
-                         else (None, "not requested"))
+    sim_devices: dict[str, dict] = {}
+    predicted, source = (predict_iteration_time(plan, cluster, profile=profile, per_device=sim_devices)
+                         if predict else (None, "not requested"))
+    for r in out["per_rank"]:  # the simulator's view of each device, next to the measurement
+        d = sim_devices.get(r["device"], {})
+        r["predicted_compute_s"] = d.get("compute_time_s")
+        r["predicted_communication_s"] = d.get("communication_time_s")
     out["predicted_iteration_time_s"] = predicted
     out["prediction_source"] = source
     measured = out["measured_iteration_time_s"]
