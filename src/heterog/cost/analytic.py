@@ -200,6 +200,7 @@ class AnalyticCostModel:
         self._index_cache: dict[tuple[str, ...], np.ndarray] = {}
         self._in_block = self.memory.in_block()
         self._edges = {(e.src, e.dst): e.bytes for e in graph.edges}
+        self._comm_cache: dict[tuple, tuple[float, float]] = {}
         self._n_tensors = np.array([float(len(n.param_names) or (1 if n.param_count else 0))
                                     for n in graph.nodes])
         if profile is not None:
@@ -315,11 +316,35 @@ class AnalyticCostModel:
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         return comm.p2p_time_s(self.cluster, nbytes, src, dst)
 
+    # Every collective time is affine in the bytes (each step: a latency plus the most loaded
+    # link's bytes over its bandwidth, the loads all proportional to the buffer), so it is
+    # computed once per (op, method, members) at two sizes and interpolated exactly after.
+    _PROBE_BYTES = (2.0**20, 2.0**21)
+
+    def _affine(self, key: tuple, fn) -> tuple[float, float]:
+        coeffs = self._comm_cache.get(key)
+        if coeffs is None:
+            (b1, b2) = self._PROBE_BYTES
+            t1, t2 = fn(b1), fn(b2)
+            per_byte = (t2 - t1) / (b2 - b1)
+            coeffs = self._comm_cache[key] = (t1 - per_byte * b1, per_byte)
+        return coeffs
+
     def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
-        return comm.collective_time_s(self.cluster, op, nbytes, devices, method)
+        if nbytes <= 0 or len(set(devices)) <= 1:
+            return 0.0
+        members = tuple(devices)
+        fixed, per_byte = self._affine(("c", op, method, members), lambda b: comm.collective_time_s(
+            self.cluster, op, b, members, method))
+        return fixed + per_byte * nbytes
 
     def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:
-        return comm.ps_sync_time_s(self.cluster, nbytes, devices, server)
+        if nbytes <= 0:
+            return 0.0
+        members = tuple(devices)
+        fixed, per_byte = self._affine(("ps", server, members), lambda b: comm.ps_sync_time_s(
+            self.cluster, b, members, server))
+        return fixed + per_byte * nbytes
 
     # -- memory ----------------------------------------------------------------------------------
     def persistent_bytes(self, nodes: Sequence[str], device: str) -> float:
