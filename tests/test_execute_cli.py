@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -44,12 +45,14 @@ def test_run_command_reports_measured_and_simulated_times(tmp_path):
     plan = _zoo_mlp_plan(cluster, ["n0/cpu0", "n0/cpu1"], [2 / 3, 1 / 3])
     plan.save(tmp_path / "plan.json")
     res = CliRunner().invoke(app, ["run", str(tmp_path / "plan.json"), "--steps", "3", "--json",
-                                   "--out", str(tmp_path / "result.json")])
+                                   "--pin-cores", "--out", str(tmp_path / "result.json")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out == json.loads((tmp_path / "result.json").read_text())
     assert [r["device"] for r in out["per_rank"]] == ["n0/cpu0", "n0/cpu1"]
     assert [r["slowdown"] for r in out["per_rank"]] == [1.0, 2.0]
+    cores = sorted(os.sched_getaffinity(0))
+    assert [r["cores"] for r in out["per_rank"]] == [[cores[0]], [cores[1 % len(cores)]]]
     assert out["measured_iteration_time_s"] > 0 and out["measured_steps"] == 2
     assert out["prediction_source"] == "simulator", out["prediction_source"]
     assert out["predicted_iteration_time_s"] > 0

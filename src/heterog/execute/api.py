@@ -138,7 +138,7 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
 
         def med(key: str) -> float:
             return statistics.median(s[key] for s in measured)
-        per_rank.append({"rank": r["rank"], "device": r["device"], "slowdown": r["slowdown"],
+        per_rank.append({"rank": r["rank"], "device": r["device"], "slowdown": r["slowdown"], "cores": r["cores"],
                          "groups": r["groups"], "step_time_s": med("step_time_s"),
                          "compute_s": med("compute_s"), "cpu_s": med("cpu_s"), "paced_s": med("paced_s"),
                          "recv_wait_s": med("recv_wait_s"), "sync_s": med("sync_s"),
