@@ -192,3 +192,37 @@ def test_h200_calibration_points(dtype, precision):
         g = OpGraph(model="mm", batch_size=1, nodes=(node,), edges=()).validate()
         t = build_cost_model(g, cl, precision=precision).compute_time_s("mm", cl.devices[0].name, 1, "fwd")
         assert t == pytest.approx(row["median_ms"] * 1e-3, rel=0.15), (dtype, n)
+
+
+def test_recompute_kept_bytes_add_up_over_groups_and_the_transient_is_one_block(graph, mixed):
+    """Splitting a model into groups must not count the rebuilt block once per group."""
+    rc = build_cost_model(graph, mixed, recompute=True)
+    plain = build_cost_model(graph, mixed)
+    ns = names(graph)
+    cut = ns.index("blocks.2.ln1")   # groups cut at block boundaries
+    halves = [ns[:cut], ns[cut:]]
+    assert sum(rc.activation_bytes(h, 32) for h in halves) == pytest.approx(rc.activation_bytes(ns, 32))
+    block = [n for n in ns if n.startswith("blocks.0.")]
+    largest = max(plain.activation_bytes([n for n in ns if n.startswith(f"blocks.{i}.")], 32)
+                  for i in range(3))
+    assert rc.recompute_transient_bytes(ns, 32) == pytest.approx(largest)
+    assert rc.recompute_transient_bytes(block, 32) <= plain.activation_bytes(block, 32)
+
+
+def test_simulated_peak_with_recompute_falls_when_groups_are_fine(graph, mixed):
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+    from heterog.simulate.simulator import simulate
+
+    def plan(recompute):
+        groups = tuple(Group(name=f"g{i}", nodes=(n.name,), recompute=recompute,
+                             replicas=(Replica(device="t4/gpu0", share=1.0),))
+                       for i, n in enumerate(graph.nodes))
+        return Plan(strategy="t", model=ModelSpec(name="x", batch_size=32), groups=groups)
+
+    costs = build_cost_model(graph, mixed)
+    full = simulate(graph, mixed, plan(False), costs).peak_memory_bytes["t4/gpu0"]
+    kept = simulate(graph, mixed, plan(True), costs).peak_memory_bytes["t4/gpu0"]
+    persistent = costs.persistent_bytes(names(graph), "t4/gpu0")
+    saved = costs.activation_bytes(names(graph), 32)
+    # recompute must remove a good part of the activations, even with one group per node
+    assert kept < full - 0.3 * saved and kept > persistent

@@ -356,6 +356,11 @@ class AnalyticCostModel:
             return 0.0
         return self.memory.saved_bytes(self._idx(nodes), batch, recompute or self.recompute)
 
+    def recompute_transient_bytes(self, nodes: Sequence[str], batch: float) -> float:
+        if batch <= 0 or not nodes:
+            return 0.0
+        return self.memory.recompute_transient_bytes(self._idx(nodes), batch)
+
     def workspace_bytes(self, nodes: Sequence[str], batch: float) -> float:
         if batch <= 0 or not nodes:
             return 0.0

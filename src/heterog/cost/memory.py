@@ -272,6 +272,8 @@ class MemoryModel:
         return (2 + OPTIMIZER_STATE_COPIES[self.optimizer]) * self.params_bytes(idx)
 
     def saved_bytes(self, idx: np.ndarray, batch: float, recompute: bool = False) -> float:
+        """Activations kept from forward to backward; with recompute only the block inputs
+        (and nodes outside any block) are kept — see recompute_transient_bytes for the rest."""
         per_node = self.saved_fixed[idx] + self.saved_per_sample[idx] * batch
         if not recompute or not self._blocks:
             return float(per_node.sum())
@@ -283,8 +285,20 @@ class MemoryModel:
             return total
         per_block = np.bincount(ids[mask], weights=per_node[mask], minlength=len(in_fixed))
         present = np.bincount(ids[mask], minlength=len(in_fixed)) > 0
-        total += float((in_fixed[present] + in_ps[present] * batch).sum())
-        return total + float(per_block.max())  # one block's activations live again in its backward
+        return total + float((in_fixed[present] + in_ps[present] * batch).sum())
+
+    def recompute_transient_bytes(self, idx: np.ndarray, batch: float) -> float:
+        """With recompute, the activations one block rebuilds in its backward: the largest
+        block among `idx` (counted once per device by the caller, not once per group)."""
+        if not self._blocks or len(idx) == 0:
+            return 0.0
+        per_node = self.saved_fixed[idx] + self.saved_per_sample[idx] * batch
+        block_id, in_fixed, _ = self._block_arrays()
+        ids = block_id[idx]
+        mask = ids >= 0
+        if not mask.any():
+            return 0.0
+        return float(np.bincount(ids[mask], weights=per_node[mask], minlength=len(in_fixed)).max())
 
     def _block_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Block number of every node (−1: none) and each block's input bytes (fixed, per sample)."""

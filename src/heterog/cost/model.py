@@ -49,6 +49,11 @@ class CostModel(Protocol):
         """Activations saved for backward by `nodes` at `batch` samples."""
         ...
 
+    def recompute_transient_bytes(self, nodes: Sequence[str], batch: float) -> float:
+        """With recompute, the activations rebuilt during one block's backward (the largest
+        block among `nodes`); activation_bytes(recompute=True) excludes them."""
+        ...
+
     def workspace_bytes(self, nodes: Sequence[str], batch: float) -> float:
         """Largest transient buffer while any of `nodes` runs."""
         ...

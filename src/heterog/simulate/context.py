@@ -229,6 +229,21 @@ class CostTable:
             self._mem[key] = hit
         return hit
 
+    def recompute_transient_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
+        key = ("rt", nodes, samples)
+        hit = self._mem.get(key)
+        if hit is None:
+            fn = getattr(self.costs, "recompute_transient_bytes", None)
+            if samples <= 0:
+                hit = 0.0
+            elif fn is None:  # a cost model without blocks: the whole group lives again
+                hit = float(self.costs.activation_bytes(nodes, samples, False))
+            else:
+                hit = float(fn(nodes, samples))
+            self._trim()
+            self._mem[key] = hit
+        return hit
+
     def workspace_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
         key = ("ws", nodes, samples)
         hit = self._mem.get(key)

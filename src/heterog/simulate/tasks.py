@@ -319,7 +319,10 @@ def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple
         bwd += b_s + (f_s if blk.recompute else 0.0)   # recompute runs the forward again
         act = table.activation_bytes(nodes, samples, blk.recompute)
         acts.append(act)
-        fulls.append(table.activation_bytes(nodes, samples, False) if blk.recompute else act)
+        # recompute: in its backward a group holds its kept activations plus the largest
+        # block it rebuilds (never more than its full activations)
+        fulls.append(min(act + table.recompute_transient_bytes(nodes, samples),
+                         table.activation_bytes(nodes, samples, False)) if blk.recompute else act)
         grads.append(table.gradient_bytes(nodes))
         wss.append(table.workspace_bytes(nodes, samples))
     act_all, grad_all = sum(acts), sum(grads)
