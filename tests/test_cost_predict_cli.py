@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from heterog.cli.main import app
-from heterog.cli.predict_cmd import parse_model_args
+from heterog.cli.output import parse_model_args
 
 runner = CliRunner()
 

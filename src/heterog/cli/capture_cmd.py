@@ -66,7 +66,7 @@ def capture_command(
 ) -> None:
     """Capture one training iteration of MODEL on fake tensors (no memory for weights) as an OpGraph."""
     from heterog.capture import capture_model
-    from heterog.cli.plan_cmd import parse_model_args
+    from heterog.cli.output import parse_model_args
 
     graph = capture_model(model, parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len)
     if out is not None:

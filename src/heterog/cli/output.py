@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 from typing import Any, Sequence
@@ -9,6 +10,7 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from heterog.errors import ModelError
 from heterog.jsonio import write_atomic
 
 console = Console()
@@ -64,3 +66,20 @@ def human_flops(f: float) -> str:
         if f >= size:
             return f"{f / size:.2f} {unit}"
     return f"{f:.0f} FLOP"
+
+
+def parse_model_args(items: list[str] | None) -> dict[str, Any]:
+    """--model-arg ['depth=12', 'dropout=0.1', 'name=x'] → {'depth': 12, 'dropout': 0.1, 'name': 'x'}
+    (Python literals or true/false/none where they parse, else the string)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ModelError(f"--model-arg {item!r}: write it as key=value, e.g. --model-arg layers=4.")
+        raw = raw.strip()
+        words = {"true": True, "false": False, "none": None, "null": None}
+        try:
+            out[key.strip()] = words[raw.lower()] if raw.lower() in words else ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key.strip()] = raw
+    return out

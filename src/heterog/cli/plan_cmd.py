@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-from heterog.cli.output import console, human_bytes, human_time, print_json, print_table
-from heterog.errors import ModelError
-
-
-def parse_model_args(items: list[str] | None) -> dict[str, Any]:
-    """['depth=12', 'name=x'] → {'depth': 12, 'name': 'x'} (Python literals where they parse)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ModelError(f"--model-arg {item!r}: write it as key=value, e.g. --model-arg depth=50.")
-        try:
-            out[key] = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            out[key] = raw
-    return out
+from heterog.cli.output import console, human_bytes, human_time, print_json, print_table, parse_model_args
 
 
 def _progress_bar(enabled: bool):

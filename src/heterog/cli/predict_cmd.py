@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import typer
-import yaml
 
-from heterog.cli.output import human_bytes, human_flops, human_time, print_json, print_table
-from heterog.errors import ModelError
-
-
-def parse_model_args(items: list[str] | None) -> dict[str, Any]:
-    """['layers=4', 'dropout=0.1', 'name=x'] → {'layers': 4, 'dropout': 0.1, 'name': 'x'}."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ModelError(f"--model-arg {item!r}: expected key=value (e.g. --model-arg layers=4).")
-        try:
-            out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            out[key.strip()] = value
-    return out
+from heterog.cli.output import human_bytes, human_flops, human_time, print_json, print_table, parse_model_args
 
 
 def register(app: typer.Typer) -> None:

@@ -283,7 +283,6 @@ class MemoryModel:
         total = float(per_node[~mask].sum())
         if not mask.any():
             return total
-        per_block = np.bincount(ids[mask], weights=per_node[mask], minlength=len(in_fixed))
         present = np.bincount(ids[mask], minlength=len(in_fixed)) > 0
         return total + float((in_fixed[present] + in_ps[present] * batch).sum())
 
@@ -344,7 +343,6 @@ class MemoryModel:
         else:
             saved_eff, extra_bwd = saved, 0.0
         cum_saved = np.cumsum(saved_eff)
-        total_saved = float(cum_saved[-1]) if n else 0.0
         fwd_live = base + cum_saved + out + work
         fwd_peak_i = int(np.argmax(fwd_live)) if n else 0
         fwd_peak = float(fwd_live[fwd_peak_i]) if n else base

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from heterog.errors import HeterogError, PlanError
+from heterog.errors import PlanError
 from heterog.execute.launcher import LaunchConfig, launch_local
 from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster

@@ -208,7 +208,6 @@ class Executor:
 
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
         """Forward and backward of every micro-batch; returns this rank's summed loss."""
-        prog = self.program
         self._env = {}
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets

@@ -9,8 +9,6 @@ ranks agree on it without communicating.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +17,7 @@ import torch
 from torch import nn
 
 from heterog.errors import ModelError
+from heterog.userfile import load_user_module
 from heterog.ir.plan import ModelSpec
 
 
@@ -60,14 +59,7 @@ def with_data(work: Workload, data: str | None) -> Workload:
     path, _, attr = data.rpartition(":")
     if not path.endswith(".py") or not Path(path).is_file():
         raise ModelError(f"data {data!r}: give 'path/file.py:fn' naming an existing file.")
-    name = f"heterog_user_data_{abs(hash(str(Path(path).resolve())))}"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
+    module = load_user_module(path, what="data", spec=data)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ModelError(f"data {data!r}: {path} defines no callable {attr!r}.")

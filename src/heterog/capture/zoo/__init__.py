@@ -9,15 +9,14 @@ A factory may instead return a zoo-style object with build / example_batch / los
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from typing import Any
 
 from heterog.capture.zoo import hf, inception, mobilenet, resnet, seq2seq, small, vgg, vit
 from heterog.capture.zoo.base import ZooModel, classification_loss, image_batch, token_batch
 from heterog.errors import ModelError
+from heterog.userfile import load_user_module
 
 _TV = "torchvision model docs (pytorch.org/vision/stable/models)"
 
@@ -97,21 +96,10 @@ def list_models() -> list[str]:
 
 def _load_user_model(spec: str) -> ZooModel:
     path, _, attr = spec.rpartition(":")
-    file = Path(path)
-    if not file.is_file():
+    if not Path(path).is_file():
         raise ModelError(f"model {spec!r}: no file {path!r}. A user model is given as "
                          f"'path/file.py:factory'; known zoo models: {', '.join(ZOO)}.")
-    mod_name = f"heterog_user_model_{abs(hash(str(file.resolve())))}"
-    module = sys.modules.get(mod_name)
-    if module is None:
-        ispec = importlib.util.spec_from_file_location(mod_name, file)
-        assert ispec is not None and ispec.loader is not None
-        module = importlib.util.module_from_spec(ispec)
-        try:
-            ispec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001
-            raise ModelError(f"model {spec!r}: importing {path} failed: {type(e).__name__}: {e}.") from e
-        sys.modules[mod_name] = module
+    module = load_user_module(path, what="model", spec=spec)
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ModelError(f"model {spec!r}: {path} defines no callable {attr!r}.")
