@@ -13,10 +13,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "capture": "heterog.capture.capture",
+    "capture": "heterog.capture",          # a callable package: heterog.capture(model, inputs)
     "load_cluster": "heterog.hardware.spec",
     "predict": "heterog.cost.predict",
-    "simulate": "heterog.simulate.simulator",
+    "simulate": "heterog.simulate",        # a callable package: heterog.simulate(graph, cluster, plan, costs)
     "plan": "heterog.search.planner",
     "run": "heterog.execute.api",
     "OpGraph": "heterog.ir.opgraph",
@@ -30,5 +30,6 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        module = importlib.import_module(_EXPORTS[name])
+        return module if module.__name__ == f"heterog.{name}" else getattr(module, name)
     raise AttributeError(f"module 'heterog' has no attribute {name!r}")

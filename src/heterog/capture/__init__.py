@@ -10,3 +10,10 @@ from heterog.capture.capture import capture, capture_model, count_parameters
 from heterog.capture.recorder import is_leaf_module
 
 __all__ = ["capture", "capture_model", "count_parameters", "is_leaf_module"]
+
+# heterog.capture(...) is capture(...) even after the package is imported (see heterog/_callable.py)
+import sys as _sys  # noqa: E402
+
+from heterog._callable import CallablePackage as _CallablePackage  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallablePackage
