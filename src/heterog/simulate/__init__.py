@@ -5,3 +5,10 @@ from heterog.simulate.result import SimResult
 from heterog.simulate.simulator import simulate
 
 __all__ = ["simulate", "SimResult", "assign_priorities", "node_ranks"]
+
+# heterog.simulate(...) is simulate(...) even after the package is imported (see heterog/_callable.py)
+import sys as _sys  # noqa: E402
+
+from heterog._callable import CallablePackage as _CallablePackage  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallablePackage
