@@ -81,7 +81,7 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
         stages = len({tuple(r.device for r in plan.groups[a].replicas) for a, _ in _segments(plan)})
         if stages == 1 and plan.schedule == "1f1b":
             out.append(f"{plan.num_microbatches} micro-batches accumulate gradients (1F1B on one stage): "
-                       f"only one micro-batch's activations are live at a time, to fit in memory.")
+                       f"only one micro-batch's activations are live at a time, which lowers peak memory.")
         elif stages == 1:
             out.append(f"{plan.num_microbatches} micro-batches per iteration (gpipe).")
         else:
@@ -91,7 +91,8 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
                        f"{stages} stages busy.{extra}")
     if any(g.recompute for g in plan.groups):
         k = sum(g.recompute for g in plan.groups)
-        out.append(f"{k} group(s) recompute activations in backward to fit in memory.")
+        out.append(f"{k} group(s) recompute activations in backward: less activation memory for a "
+                   f"second forward pass.")
     tight = sorted(((b / prob.cluster.memory_bytes(d), d) for d, b in plan.predicted_peak_memory_bytes.items()),
                    reverse=True)[:1]
     for frac, d in tight:
