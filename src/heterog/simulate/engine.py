@@ -50,6 +50,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     in_flight: list[set[int]] = [set() for _ in range(n_devices)]
     events: list[tuple[float, int]] = []
     order: list[int] = []
+    push, pop = heappush, heappop
     now = 0.0
     finished = -1             # the task whose end is being processed (-1: the start)
     while True:
@@ -59,10 +60,30 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
             for t in stack:
                 left[t] = 1   # counted down once below, like a successor
             touched = []
-        else:
-            stack = list(succ[finished])
-            d = dev[finished]
-            touched = [d] if d >= 0 else []
+        else:     # the walk below without copying succ: depth first, last successor first
+            stack = []
+            touched = [dev[finished]]     # only compute tasks take time
+            for s0 in reversed(succ[finished]):
+                left[s0] -= 1
+                if left[s0] == 0:
+                    ds = dev[s0]
+                    if ds >= 0:
+                        push(ready[ds], (key[s0], s0))
+                        touched.append(ds)
+                    else:
+                        order.append(s0)
+                        stack.extend(succ[s0])
+                        while stack:
+                            s = stack.pop()
+                            left[s] -= 1
+                            if left[s] == 0:
+                                ds = dev[s]
+                                if ds < 0:
+                                    order.append(s)
+                                    stack.extend(succ[s])
+                                else:
+                                    push(ready[ds], (key[s], s))
+                                    touched.append(ds)
         while stack:
             s = stack.pop()
             left[s] -= 1
@@ -72,7 +93,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
                     order.append(s)
                     stack.extend(succ[s])
                 else:
-                    heappush(ready[ds], (key[s], s))
+                    push(ready[ds], (key[s], s))
                     touched.append(ds)
         for d in touched:     # each idle device starts its best eligible ready task
             if busy[d]:
@@ -113,7 +134,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     return order
 
 
-def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, order: list[int]):
+def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, comm_order: list[int]):
     """Merge links that serve exactly the same tasks into one resource. With fixed orders such
     links are redundant: a ring all-reduce over 1024 devices crosses ~2300 links that nothing
     else uses, and they act as one. Returns (per-task tuple of class ids, per-class order)."""
@@ -137,12 +158,16 @@ def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, o
             link_order.append(by_path[paths[key[0]]])
         else:
             if not position:
-                position = {t: i for i, t in enumerate(order)}
+                position = {t: i for i, t in enumerate(comm_order)}
             merged = [t for pi in key for t in by_path[paths[pi]]]
             merged.sort(key=position.__getitem__)
             link_order.append(merged)
     classes_of_path = {path: tuple(sorted({class_of_link[l] for l in path})) for path in paths}
-    links = [classes_of_path[lk] if lk else () for lk in task_links]
+    links: list[tuple[int, ...]] = [()] * len(task_links)
+    for t in comm_order:
+        lk = task_links[t]
+        if lk:
+            links[t] = classes_of_path[lk]
     return links, link_order
 
 
@@ -157,7 +182,9 @@ def _split_shared(tasks: Tasks, shared_bw: dict[int, float]):
         return excl, shared_of, core_bytes
     excl = list(excl)
     split: dict[tuple[int, ...], tuple] = {}
-    for t, lk in enumerate(tasks.links):
+    links = tasks.links
+    for t in tasks.comm:      # compute tasks occupy no links
+        lk = links[t]
         if not lk:
             continue
         hit = split.get(lk)
@@ -187,11 +214,13 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
     dev_order: list[list[int]] = [[] for _ in range(n_devices)]
     by_path: dict[tuple[int, ...], list[int]] = {}   # link set → its tasks, in order
     s_order: dict[int, list[int]] = {l: [] for l in shared_bw or ()}
+    comm_order: list[int] = []
     for t in order:
         d = dev[t]
         if d >= 0:
             dev_order[d].append(t)
         else:
+            comm_order.append(t)
             lk = excl[t]
             if lk:
                 lst = by_path.get(lk)
@@ -204,17 +233,30 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
     s_next = {l: 0 for l in s_order}
     s_free = {l: 0.0 for l in s_order}      # when the core has pushed the bytes before
     s_cap = dict(shared_bw or {})
-    links, link_order = _link_classes(by_path, excl, order)
-    n_classes = len(link_order)
-    dpos = [0] * n_devices
-    lpos = [0] * n_classes
-    # a communication task may start once it heads the queue of every link it uses:
-    # count, per task, the links it heads
-    n_links_of = [len(x) for x in links]
-    at_head = [0] * n
-    for lo in link_order:
-        at_head[lo[0]] += 1
+    links, link_order = _link_classes(by_path, excl, comm_order)
+    # A task may start once its inputs are ready and it heads its device's queue or every
+    # link queue it uses: its predecessor in each queue counts as one more input. `after[t]`
+    # lists what t's end releases: its queue successors (device, then links in class order),
+    # then its graph successors.
     left = tasks.npred[:]
+    after = list(succ)
+    for do in dev_order:
+        for a, b in zip(do, do[1:]):
+            sa = succ[a]
+            if b in sa:   # already an input of b, released at the same place in the list
+                continue
+            after[a] = [b] + sa
+            left[b] += 1
+    if link_order:
+        nxt: list[dict[int, int]] = []
+        for lo in link_order:
+            nxt.append(dict(zip(lo, lo[1:])))
+            for b in lo[1:]:
+                left[b] += 1
+        for t in comm_order:
+            heads = [nxt[l][t] for l in links[t] if t in nxt[l]]
+            if heads:
+                after[t] = heads + succ[t]
     started = bytearray(n)
     start = [0.0] * n
     end = [0.0] * n
@@ -229,18 +271,13 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
         trace = [[(0.0, cur[d])] if cur[d] else [] for d in range(n_devices)]
     events: list[tuple[float, int]] = []
     ready_now: list[int] = [t for t in range(n) if left[t] == 0]
+    push, pop = heappush, heappop
     now = 0.0
     while True:
-        # start every ready task that is at the head of all its queues
+        # start every task whose inputs and queue predecessors are done
         while ready_now:
             t = ready_now.pop()
             if started[t]:
-                continue
-            d = dev[t]
-            if d >= 0:
-                if dev_order[d][dpos[d]] != t:
-                    continue
-            elif at_head[t] != n_links_of[t]:
                 continue
             finish = now + dur[t]
             sh = shared_of[t]
@@ -258,7 +295,7 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
                         ready_now.append(so[s_next[l]])
             started[t] = 1
             start[t] = now
-            heappush(events, (finish, t))
+            push(events, (finish, t))
             ms = mem_start[t]
             if ms is not None:
                 for md, delta in ms:
@@ -272,33 +309,19 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
                         trace[md].append((now, c))
         if not events:
             break
-        now, t = heappop(events)
+        now, t = pop(events)
         end[t] = now
         me = mem_end[t]
         if me is not None:
-            for md, delta in me:
-                c = cur[md] + delta
-                cur[md] = c
-                if record:
+            if record:
+                for md, delta in me:
+                    c = cur[md] + delta
+                    cur[md] = c
                     trace[md].append((now, c))
-        d = dev[t]
-        if d >= 0:
-            dpos[d] += 1
-            do = dev_order[d]
-            if dpos[d] < len(do):
-                h = do[dpos[d]]
-                if left[h] == 0:
-                    ready_now.append(h)
-        else:
-            for l in links[t]:
-                lpos[l] += 1
-                lo = link_order[l]
-                if lpos[l] < len(lo):
-                    h = lo[lpos[l]]
-                    at_head[h] += 1
-                    if at_head[h] == n_links_of[h] and left[h] == 0:
-                        ready_now.append(h)
-        for s in succ[t]:
+            else:
+                for md, delta in me:
+                    cur[md] += delta
+        for s in after[t]:
             left[s] -= 1
             if left[s] == 0:
                 ready_now.append(s)

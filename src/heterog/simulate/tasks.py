@@ -13,6 +13,10 @@ Arrays are flat lists indexed by task id so the event loops touch no objects.
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
+
 from heterog.ir.plan import Plan, split_samples
 from heterog.simulate.blocks import Block, block_edges, moves_between
 from heterog.simulate.context import ClusterInfo, CostTable
@@ -86,11 +90,8 @@ class Tasks:
             lst[t].append((dev, delta))
 
     def seal(self) -> None:
-        npred = [0] * len(self.kind)
-        for lst in self.succ:
-            for s in lst:
-                npred[s] += 1
-        self.npred = npred
+        self.npred = np.bincount(np.fromiter(chain.from_iterable(self.succ), dtype=np.intp),
+                                 minlength=len(self.kind)).tolist()
 
 
 def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass) -> list[int]:
@@ -160,7 +161,11 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                     mv = moves_between(src, blk, splits[(size, src.shares)], splits[(size, blk.shares)],
                                        size, fx, ps, info, table)
                     ends = frozenset(d for x in mv if x[5] is not None for d in x[:2])
-                    hit = move_cache[ck] = (mv, ends)
+                    # identity: replica i feeds replica i on the same device, nothing crosses a
+                    # link (consecutive blocks of one placement); expanded without the tuples
+                    ident = (len(mv) == len(src.devices) == len(blk.devices)
+                             and all(x[2] == x[3] == i and x[5] is None for i, x in enumerate(mv)))
+                    hit = move_cache[ck] = (None if ident else mv, ends)
                 moves[(size, a, bi)] = hit[0]
                 if hit[1]:
                     p2p_sets.append(hit[1])
@@ -234,7 +239,14 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             Fb, Bb = F[m][bi], Bk[m][bi]
             for a in preds[bi]:
                 Fa, Ba = F[m][a], Bk[m][a]
-                for da, db, i, j, nbytes, path, back, t_f, t_b in moves[(size, a, bi)]:
+                mv = moves[(size, a, bi)]
+                if mv is None:    # identity re-partition: a merged device has no tasks (None)
+                    for fa, fb, ba, bb in zip(Fa, Fb, Ba, Bb):
+                        if fa is not None:
+                            succ[fa].append(fb)
+                            succ[bb].append(ba)
+                    continue
+                for da, db, i, j, nbytes, path, back, t_f, t_b in mv:
                     if rep[da] != da or rep[db] != db:
                         continue   # a merged device: its representative carries the dependency
                     fa, fb, ba, bb = Fa[i], Fb[j], Ba[i], Bb[j]
@@ -277,23 +289,30 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     bwd_of_dev: dict[int, list[int]] = {}
     bwd_count = tasks.bwd_count
     for m in range(mbs):
-        for bi, blk in enumerate(blocks):
-            for d, b in zip(blk.devices, Bk[m][bi]):
+        before = {d: len(lst) for d, lst in bwd_of_dev.items()}
+        for blk, bids in zip(blocks, Bk[m]):
+            for d, b in zip(blk.devices, bids):
                 if b is not None:
                     lst = bwd_of_dev.get(d)
                     if lst is None:
                         bwd_of_dev[d] = [b]
                     else:
                         lst.append(b)
-                    bwd_count[(d, m)] = bwd_count.get((d, m), 0) + 1
+        for d, lst in bwd_of_dev.items():
+            if len(lst) > before.get(d, 0):
+                bwd_count[(d, m)] = len(lst) - before.get(d, 0)
     _sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep, preds, splits, mb_sizes)
+    mem_start, mem_end = tasks.mem_start, tasks.mem_end
     for b, d, v in first_bwd:
         # micro-batch 0's backward also creates the gradients: its peak is v[5] and it leaves
         # them (v[6]) behind. New lists, since replicated micro-batches share the old ones; the
         # generic entry is first, transfers' entries (received gradients) follow it.
-        tasks.mem_start[b] = [(d, v[5] - v[2])]
-        rest = tasks.mem_end[b] or []
-        tasks.mem_end[b] = [(d, v[6] - v[5])] + (rest[1:] if v[4] else rest)
+        mem_start[b] = [(d, v[5] - v[2])]
+        rest = mem_end[b]
+        if rest is None:
+            mem_end[b] = [(d, v[6] - v[5])]
+        else:
+            mem_end[b] = [(d, v[6] - v[5])] + (rest[1:] if v[4] else rest)
     if one_f1b:
         _stage_limits(tasks, blocks)
     tasks.seal()
@@ -439,8 +458,9 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
                     if b is not None:
                         succ[b].append(s)
             # the bucket's communication buffer on every member while it is synchronised
-            tasks.mem_start[s] = [(d, grad) for d in involved if rep[d] == d]
-            tasks.mem_end[s] = [(d, -grad) for d in involved if rep[d] == d]
+            kept = [d for d in involved if rep[d] == d]
+            tasks.mem_start[s] = [(d, grad) for d in kept]
+            tasks.mem_end[s] = [(d, -grad) for d in kept]
             for d in members:
                 if rep[d] == d:
                     opt_preds[d].append(s)
@@ -456,7 +476,7 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
         for b in bl:
             succ[b].append(o)
         for s in opt_preds[d]:
-            tasks.dep(s, o)
+            succ[s].append(o)
 
 
 def _stage_limits(tasks: Tasks, blocks: list[Block]) -> None:
