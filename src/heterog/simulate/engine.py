@@ -211,14 +211,26 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
     mem_start, mem_end = tasks.mem_start, tasks.mem_end
     n = len(dur)
     excl, shared_of, core_bytes = _split_shared(tasks, shared_bw or {})
-    dev_order: list[list[int]] = [[] for _ in range(n_devices)]
+    # A task may start once its inputs are ready and it heads its device's queue or every
+    # link queue it uses: its predecessor in each queue counts as one more input. `after[t]`
+    # lists what t's end releases: its queue successors (device, then links in class order),
+    # then its graph successors.
+    left = tasks.npred[:]
+    after = list(succ)
+    last = [-1] * n_devices       # the device's previous task in the order
     by_path: dict[tuple[int, ...], list[int]] = {}   # link set → its tasks, in order
     s_order: dict[int, list[int]] = {l: [] for l in shared_bw or ()}
     comm_order: list[int] = []
     for t in order:
         d = dev[t]
         if d >= 0:
-            dev_order[d].append(t)
+            p = last[d]
+            last[d] = t
+            if p >= 0:
+                sp = succ[p]
+                if t not in sp:   # else already an input of t, released at the same place
+                    after[p] = [t] + sp
+                    left[t] += 1
         else:
             comm_order.append(t)
             lk = excl[t]
@@ -234,19 +246,6 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
     s_free = {l: 0.0 for l in s_order}      # when the core has pushed the bytes before
     s_cap = dict(shared_bw or {})
     links, link_order = _link_classes(by_path, excl, comm_order)
-    # A task may start once its inputs are ready and it heads its device's queue or every
-    # link queue it uses: its predecessor in each queue counts as one more input. `after[t]`
-    # lists what t's end releases: its queue successors (device, then links in class order),
-    # then its graph successors.
-    left = tasks.npred[:]
-    after = list(succ)
-    for do in dev_order:
-        for a, b in zip(do, do[1:]):
-            sa = succ[a]
-            if b in sa:   # already an input of b, released at the same place in the list
-                continue
-            after[a] = [b] + sa
-            left[b] += 1
     if link_order:
         nxt: list[dict[int, int]] = []
         for lo in link_order:

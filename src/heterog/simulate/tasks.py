@@ -83,11 +83,11 @@ class Tasks:
         self.succ[a].append(b)
 
     def mem(self, t: int, start: bool, dev: int, delta: float) -> None:
+        # a new list: expand shares memory-effect lists between tasks (cached block columns,
+        # replicated micro-batches), so none is changed in place
         lst = self.mem_start if start else self.mem_end
-        if lst[t] is None:
-            lst[t] = [(dev, delta)]
-        else:
-            lst[t].append((dev, delta))
+        old = lst[t]
+        lst[t] = [(dev, delta)] if old is None else old + [(dev, delta)]
 
     def seal(self) -> None:
         self.npred = np.bincount(np.fromiter(chain.from_iterable(self.succ), dtype=np.intp),
@@ -179,7 +179,8 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     a_ms, a_me = tasks.mem_start.append, tasks.mem_end.append
     F = [[None] * nb for _ in range(mbs)]
     Bk = [[None] * nb for _ in range(mbs)]
-    values: list[dict] = [dict() for _ in range(nb)]   # per block: (class, samples) → costs
+    column_cache = table.scratch.setdefault("columns", {})
+    rep_key = tuple(rep)
     templates: dict[int, tuple[int, int, int, dict[int, float]]] = {}   # size → first mb's segment
     first_bwd: list[tuple[int, int, tuple]] = []   # (task, device, costs) of micro-batch 0's backwards
     for m in range(mbs):
@@ -190,49 +191,42 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
         seg_start = len(kinds)
         lb_before = dict(lb)
         for bi, blk in enumerate(blocks):
-            samples = splits[(size, blk.shares)]
-            vals = values[bi]
-            kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
-            for _r, _d, dn, smp in kept:
-                if (dn, smp) not in vals:
-                    ck = (blk.nodes, blk.recompute, dn, smp)
-                    v = replica_cache.get(ck)
-                    if v is None:
-                        if len(replica_cache) > 200_000:
-                            replica_cache.clear()
-                        v = replica_cache[ck] = _replica_costs(blk, dn, smp, table)
-                    vals[(dn, smp)] = v
-            # a block's forwards, then its backwards, in one slice per column (the hot path)
-            n_kept = len(kept)
+            # a block's forwards, then its backwards, in one slice per column (the hot path);
+            # the columns that depend only on the block and the merged devices are cached
+            ck = (size, blk.nodes, blk.recompute, blk.devices, blk.shares, rep_key)
+            cols = column_cache.get(ck)
+            if cols is None:
+                if len(column_cache) > 20_000:
+                    column_cache.clear()
+                cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.shares)], rep, dclass,
+                                                         replica_cache, table)
+            kept_r, devs, vs, dev2, dur2, ms2, me2 = cols
+            n_kept = len(kept_r)
             f0 = len(kinds)
             b0 = f0 + n_kept
-            vs = [vals[(dn, smp)] for _r, _d, dn, smp in kept]
-            devs = [d for _r, d, _dn, _s in kept]
             kinds.extend([FWD] * n_kept)
             kinds.extend([BWD] * n_kept)
-            tasks.dur.extend([v[0] for v in vs])
-            tasks.dur.extend([v[1] for v in vs])
-            tasks.dev.extend(devs)
-            tasks.dev.extend(devs)
+            tasks.dur.extend(dur2)
+            tasks.dev.extend(dev2)
             tasks.links.extend([()] * (2 * n_kept))
             succ.extend([[b] for b in range(b0, b0 + n_kept)])
             succ.extend([[] for _ in range(n_kept)])
             tasks.key.extend([(1, m, bi) if one_f1b else (0, m, bi)] * n_kept)
             tasks.key.extend([(0, m, -bi) if one_f1b else (1, m, -bi)] * n_kept)
             tasks.mb.extend([m] * (2 * n_kept))
-            # v: see _replica_costs. Forward: its activations and workspace; backward: up to its
-            # peak, then down to nothing (micro-batch 0, which creates the gradients, is set below)
-            tasks.mem_start.extend([[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)])
-            tasks.mem_start.extend([[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)])
-            tasks.mem_end.extend([[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)])
-            tasks.mem_end.extend([[(d, -v[4])] if v[4] else None for d, v in zip(devs, vs)])
+            tasks.mem_start.extend(ms2)     # shared lists: nothing mutates them (Tasks.mem)
+            tasks.mem_end.extend(me2)
             if m == 0:
                 first_bwd.extend(zip(range(b0, b0 + n_kept), devs, vs))
-            fids: list = [None] * len(blk.devices)
-            bids: list = [None] * len(blk.devices)
-            for k, (r, _d, _dn, _s) in enumerate(kept):
-                fids[r] = f0 + k
-                bids[r] = b0 + k
+            if n_kept == len(blk.devices):
+                fids = list(range(f0, b0))
+                bids = list(range(b0, b0 + n_kept))
+            else:
+                fids = [None] * len(blk.devices)
+                bids = [None] * len(blk.devices)
+                for k, r in enumerate(kept_r):
+                    fids[r] = f0 + k
+                    bids[r] = b0 + k
             F[m][bi] = fids
             Bk[m][bi] = bids
         for bi, blk in enumerate(blocks):
@@ -319,6 +313,32 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     return tasks
 
 
+def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[str],
+                   replica_cache: dict, table: CostTable) -> tuple:
+    """Per-block columns of expand that depend only on the block, its samples and the merged
+    devices: (kept replicas, their devices, their costs, then device, duration, memory-start
+    and memory-end columns of the forwards followed by the backwards)."""
+    kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
+    vs = []
+    for _r, _d, dn, smp in kept:
+        ck = (blk.nodes, blk.recompute, dn, smp)
+        v = replica_cache.get(ck)
+        if v is None:
+            if len(replica_cache) > 200_000:
+                replica_cache.clear()
+            v = replica_cache[ck] = _replica_costs(blk, dn, smp, table)
+        vs.append(v)
+    devs = [d for _r, d, _dn, _s in kept]
+    # v: see _replica_costs. Forward: its activations and workspace; backward: up to its peak,
+    # then down to nothing (micro-batch 0, which creates the gradients, is set in expand)
+    ms2 = ([[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)]
+           + [[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)])
+    me2 = ([[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)]
+           + [[(d, -v[4])] if v[4] else None for d, v in zip(devs, vs)])
+    return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs,
+            [v[0] for v in vs] + [v[1] for v in vs], ms2, me2)
+
+
 def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple[float, ...]:
     """Costs of one replica of a block on a device of class dn at `samples`:
     (forward s, backward s, activations saved by the forward, largest forward workspace,
@@ -394,12 +414,25 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
     # parameters, gradients and optimizer state: summed per placement first, since blocks
     # of one placement (all of them, in data parallelism) add the same per-class amounts
     per_placement: dict[tuple[int, ...], dict[str, list[float]]] = {}
+    state_cache = table.scratch.setdefault("state", {})   # (nodes, class) → (bytes, optimizer s)
+    classes_cache = table.scratch.setdefault("classes", {})   # devices → their classes
     for blk in blocks:
         acc = per_placement.setdefault(blk.devices, {})
-        for dn in {dclass[d] for d in blk.devices}:
+        classes = classes_cache.get(blk.devices)
+        if classes is None:
+            if len(classes_cache) > 10_000:
+                classes_cache.clear()
+            classes = classes_cache[blk.devices] = tuple({dclass[d] for d in blk.devices})
+        for dn in classes:
             v = acc.setdefault(dn, [0.0, 0.0])
-            v[0] += sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
-            v[1] += sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes)
+            st = state_cache.get((blk.nodes, dn))
+            if st is None:
+                if len(state_cache) > 100_000:
+                    state_cache.clear()
+                st = state_cache[(blk.nodes, dn)] = (sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes),
+                                                     sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes))
+            v[0] += st[0]
+            v[1] += st[1]
     for devs, acc in per_placement.items():
         for d in devs:
             v = acc[dclass[d]]
