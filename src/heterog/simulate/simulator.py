@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
+
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
@@ -127,14 +129,16 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
     dur, dev = tasks.dur, tasks.dev
     by_members: dict[tuple[int, ...], float] = {}   # summed per member / link set first:
     by_links: dict[tuple[int, ...], float] = {}     # a collective has hundreds of each
-    for t, d in enumerate(dev):
-        if d >= 0:
-            compute[d] += dur[t]
-        else:
-            mk = tasks.comm[t][0]
-            by_members[mk] = by_members.get(mk, 0.0) + dur[t]
-            lk = tasks.links[t]
-            by_links[lk] = by_links.get(lk, 0.0) + dur[t]
+    # per-device sums of compute time in task order (bincount adds in index order, like a loop)
+    dev_a = np.array(dev)
+    on_dev = dev_a >= 0
+    per_dev = np.bincount(dev_a[on_dev], weights=np.array(dur)[on_dev], minlength=len(names)).tolist()
+    for d in compute:
+        compute[d] += per_dev[d]
+    for t, (mk, _nbytes, _block) in tasks.comm.items():
+        by_members[mk] = by_members.get(mk, 0.0) + dur[t]
+        lk = tasks.links[t]
+        by_links[lk] = by_links.get(lk, 0.0) + dur[t]
     for mk, x in by_members.items():
         for m in mk:
             comm[m] += x

@@ -182,7 +182,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     column_cache = table.scratch.setdefault("columns", {})
     rep_key = tuple(rep)
     templates: dict[int, tuple[int, int, int, dict[int, float]]] = {}   # size → first mb's segment
-    first_bwd: list[tuple[int, int, tuple]] = []   # (task, device, costs) of micro-batch 0's backwards
+    first_bwd: list[tuple[int, tuple]] = []   # (first task, columns) of micro-batch 0's blocks
     for m in range(mbs):
         size = mb_sizes[m]
         if size in templates and REPLICATE_MICROBATCHES:
@@ -200,7 +200,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                     column_cache.clear()
                 cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.shares)], rep, dclass,
                                                          replica_cache, table)
-            kept_r, devs, vs, dev2, dur2, ms2, me2 = cols
+            kept_r, devs, vs, dev2, dur2, ms2, me2, _first_ms, _first_me = cols
             n_kept = len(kept_r)
             f0 = len(kinds)
             b0 = f0 + n_kept
@@ -217,7 +217,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             tasks.mem_start.extend(ms2)     # shared lists: nothing mutates them (Tasks.mem)
             tasks.mem_end.extend(me2)
             if m == 0:
-                first_bwd.extend(zip(range(b0, b0 + n_kept), devs, vs))
+                first_bwd.append((f0, cols))
             if n_kept == len(blk.devices):
                 fids = list(range(f0, b0))
                 bids = list(range(b0, b0 + n_kept))
@@ -297,16 +297,16 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                 bwd_count[(d, m)] = len(lst) - before.get(d, 0)
     _sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep, preds, splits, mb_sizes)
     mem_start, mem_end = tasks.mem_start, tasks.mem_end
-    for b, d, v in first_bwd:
-        # micro-batch 0's backward also creates the gradients: its peak is v[5] and it leaves
-        # them (v[6]) behind. New lists, since replicated micro-batches share the old ones; the
-        # generic entry is first, transfers' entries (received gradients) follow it.
-        mem_start[b] = [(d, v[5] - v[2])]
-        rest = mem_end[b]
-        if rest is None:
-            mem_end[b] = [(d, v[6] - v[5])]
-        else:
-            mem_end[b] = [(d, v[6] - v[5])] + (rest[1:] if v[4] else rest)
+    for f0, cols in first_bwd:
+        # micro-batch 0's backward also creates the gradients (see _block_columns). Other lists,
+        # since replicated micro-batches share the generic ones; a backward that received
+        # gradients has the generic entry (if any) first, the transfers' entries after it.
+        n_kept, generic, first_ms, first_me = len(cols[0]), cols[6], cols[7], cols[8]
+        b0 = f0 + n_kept
+        mem_start[b0:b0 + n_kept] = first_ms
+        mem_end[b0:b0 + n_kept] = [
+            fm if cur is gm else fm + (cur if gm is None else cur[1:])
+            for cur, gm, fm in zip(mem_end[b0:b0 + n_kept], generic[n_kept:], first_me)]
     if one_f1b:
         _stage_limits(tasks, blocks)
     tasks.seal()
@@ -317,7 +317,8 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
                    replica_cache: dict, table: CostTable) -> tuple:
     """Per-block columns of expand that depend only on the block, its samples and the merged
     devices: (kept replicas, their devices, their costs, then device, duration, memory-start
-    and memory-end columns of the forwards followed by the backwards)."""
+    and memory-end columns of the forwards followed by the backwards, then the memory-start and
+    memory-end columns of micro-batch 0's backwards)."""
     kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
     vs = []
     for _r, _d, dn, smp in kept:
@@ -335,8 +336,11 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
            + [[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)])
     me2 = ([[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)]
            + [[(d, -v[4])] if v[4] else None for d, v in zip(devs, vs)])
+    # micro-batch 0's backward: its peak is v[5] and it leaves the gradients (v[6]) behind
+    first_ms = [[(d, v[5] - v[2])] for d, v in zip(devs, vs)]
+    first_me = [[(d, v[6] - v[5])] for d, v in zip(devs, vs)]
     return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs,
-            [v[0] for v in vs] + [v[1] for v in vs], ms2, me2)
+            [v[0] for v in vs] + [v[1] for v in vs], ms2, me2, first_ms, first_me)
 
 
 def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple[float, ...]:
