@@ -256,7 +256,8 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
             heads = [nxt[l][t] for l in links[t] if t in nxt[l]]
             if heads:
                 after[t] = heads + succ[t]
-    started = bytearray(n)
+    started = bytearray(n)      # only tasks crossing a switch core can be queued twice
+    n_started = 0
     start = [0.0] * n
     end = [0.0] * n
     cur = list(tasks.initial_bytes)
@@ -276,13 +277,12 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
         # start every task whose inputs and queue predecessors are done
         while ready_now:
             t = ready_now.pop()
-            if started[t]:
-                continue
             finish = now + dur[t]
             sh = shared_of[t]
             if sh:
-                if any(s_order[l][s_next[l]] != t for l in sh):
+                if started[t] or any(s_order[l][s_next[l]] != t for l in sh):
                     continue
+                started[t] = 1
                 for l in sh:
                     core_end = max(now, s_free[l]) + core_bytes[t] / s_cap[l]
                     s_free[l] = core_end
@@ -292,20 +292,21 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
                     so = s_order[l]
                     if s_next[l] < len(so) and left[so[s_next[l]]] == 0:
                         ready_now.append(so[s_next[l]])
-            started[t] = 1
+            n_started += 1
             start[t] = now
             push(events, (finish, t))
             ms = mem_start[t]
-            if ms is not None:
-                for md, delta in ms:
-                    c = cur[md] + delta
-                    cur[md] = c
-                    if c > peak[md]:
-                        peak[md] = c
-                        if overflow is None and c > capacity_bytes[md]:
-                            overflow = (md, now)
-                    if record:
-                        trace[md].append((now, c))
+            if ms is None:
+                continue
+            for md, delta in ms:
+                c = cur[md] + delta
+                cur[md] = c
+                if c > peak[md]:
+                    peak[md] = c
+                    if overflow is None and c > capacity_bytes[md]:
+                        overflow = (md, now)
+                if record:
+                    trace[md].append((now, c))
         if not events:
             break
         now, t = pop(events)
@@ -324,5 +325,5 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
             left[s] -= 1
             if left[s] == 0:
                 ready_now.append(s)
-    assert all(started), "fixed orders taken from a feasible schedule cannot deadlock"
+    assert n_started == n, "fixed orders taken from a feasible schedule cannot deadlock"
     return start, end, peak, overflow, trace
