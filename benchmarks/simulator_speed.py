@@ -134,10 +134,21 @@ def measure(graph, cluster, plan, min_time_s):
         simulate(graph, cluster, plan, costs, timeline=False)
         k += 1
     base_s = (time.process_time() - t1) / k
+    check_warm_equals_cold(graph, cluster, [plan] + neighbours[:2], costs)
     return {"cold_s": cold_s, "warm_sims_per_s": n / el, "warm_ms": 1e3 * el / n, "warm_wall_ms": 1e3 * wall / n,
             "plan_sims_per_s": 1 / base_s,
             "tasks": r.num_tasks, "neighbour_tasks_mean": sum(tasks) / len(tasks),
             "iteration_time_s": r.iteration_time_s, "feasible": r.feasible}
+
+
+def check_warm_equals_cold(graph, cluster, plans, costs) -> None:
+    """The simulator caches pieces of earlier calls (per cost model); a plan simulated with
+    warm caches must give exactly what a fresh cost model (cold caches) gives."""
+    for plan in plans:
+        warm = simulate(graph, cluster, plan, costs, timeline=True)
+        cold = simulate(graph, cluster, plan, build_cost_model(graph, cluster), timeline=True)
+        assert warm.to_dict() == cold.to_dict() and warm.memory_timeline == cold.memory_timeline, \
+            f"plan {plan.strategy}: warm caches changed the simulated result"
 
 
 def main() -> None:

@@ -457,6 +457,8 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
             if n:
                 tasks.initial_bytes[d] += input_bytes.at(n)
     ring_bytes: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
+    buffer_cache = table.scratch.setdefault("buffers", {})
+    rep_key = tuple(rep)
     grads_of: dict[tuple[int, ...], float] = {}
     for bi, blk in enumerate(blocks):
         if blk.ps_device is not None and blk.ps_device not in blk.devices:
@@ -495,12 +497,18 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
                     if b is not None:
                         succ[b].append(s)
             # the bucket's communication buffer on every member while it is synchronised
-            kept = [d for d in involved if rep[d] == d]
-            tasks.mem_start[s] = [(d, grad) for d in kept]
-            tasks.mem_end[s] = [(d, -grad) for d in kept]
-            for d in members:
-                if rep[d] == d:
-                    opt_preds[d].append(s)
+            # (shared lists, cached: the search re-scores the same buckets constantly)
+            bk = (involved, members, grad, rep_key)
+            buf = buffer_cache.get(bk)
+            if buf is None:
+                if len(buffer_cache) > 20_000:
+                    buffer_cache.clear()
+                kept = [d for d in involved if rep[d] == d]
+                buf = buffer_cache[bk] = ([(d, grad) for d in kept], [(d, -grad) for d in kept],
+                                          [d for d in members if rep[d] == d])
+            tasks.mem_start[s], tasks.mem_end[s], kept_members = buf
+            for d in kept_members:
+                opt_preds[d].append(s)
     for devs, grad in grads_of.items():
         for d in devs:
             tasks.initial_bytes[d] -= grad
