@@ -196,8 +196,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             ck = (size, blk.nodes, blk.recompute, blk.devices, blk.shares, rep_key)
             cols = column_cache.get(ck)
             if cols is None:
-                if len(column_cache) > 20_000:
-                    column_cache.clear()
+                _make_room(column_cache, len(blk.devices))
                 cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.shares)], rep, dclass,
                                                          replica_cache, table)
             kept_r, devs, vs, dev2, dur2, ms2, me2, _first_ms, _first_me = cols
@@ -311,6 +310,20 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
         _stage_limits(tasks, blocks)
     tasks.seal()
     return tasks
+
+
+_CACHED_REPLICAS = 200_000   # replicas' entries kept in a per-call-shared cache (~100 MB at most)
+
+
+def _make_room(cache: dict, replicas: int) -> None:
+    """Bound a cache of per-replica lists by the replicas it holds, not by its entries: an
+    entry of a 1024-device placement weighs as much as 16 of a 64-device one. The count is
+    kept in the cache under the key None."""
+    held = cache.get(None, 0) + replicas
+    if held > _CACHED_REPLICAS:
+        cache.clear()
+        held = replicas
+    cache[None] = held
 
 
 def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[str],
@@ -501,8 +514,7 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
             bk = (involved, members, grad, rep_key)
             buf = buffer_cache.get(bk)
             if buf is None:
-                if len(buffer_cache) > 20_000:
-                    buffer_cache.clear()
+                _make_room(buffer_cache, len(involved))
                 kept = [d for d in involved if rep[d] == d]
                 buf = buffer_cache[bk] = ([(d, grad) for d in kept], [(d, -grad) for d in kept],
                                           [d for d in members if rep[d] == d])
