@@ -181,7 +181,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     Bk = [[None] * nb for _ in range(mbs)]
     column_cache = table.scratch.setdefault("columns", {})
     rep_key = tuple(rep)
-    templates: dict[int, tuple[int, int, int, dict[int, float]]] = {}   # size → first mb's segment
+    templates: dict[int, tuple] = {}   # size → first mb's segment (see _replicate)
     first_bwd: list[tuple[int, tuple]] = []   # (first task, columns) of micro-batch 0's blocks
     for m in range(mbs):
         size = mb_sizes[m]
@@ -190,6 +190,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             continue
         seg_start = len(kinds)
         lb_before = dict(lb)
+        comm_before = len(comm)
         for bi, blk in enumerate(blocks):
             # a block's forwards, then its backwards, in one slice per column (the hot path);
             # the columns that depend only on the block and the merged devices are cached
@@ -278,7 +279,8 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                         lb[l] = lb.get(l, 0.0) + nbytes
                     for l in back:
                         lb[l] = lb.get(l, 0.0) + nbytes
-        templates[size] = (m, seg_start, len(kinds), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()})
+        templates[size] = (m, seg_start, len(kinds), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
+                           list(comm)[comm_before:])
     bwd_of_dev: dict[int, list[int]] = {}
     bwd_count = tasks.bwd_count
     for m in range(mbs):
@@ -398,7 +400,7 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     """Micro-batch m has the same size as an earlier one, so its tasks are a copy of that
     micro-batch's segment with ids shifted (and m in the priority keys): list slices instead of
     a second expansion. Memory-effect lists are shared; nothing mutates them afterwards."""
-    m0, start, end, seg_link_bytes = template
+    m0, start, end, seg_link_bytes, seg_comm = template
     off = len(tasks.kind) - start
     tasks.kind.extend(tasks.kind[start:end])
     tasks.dur.extend(tasks.dur[start:end])
@@ -410,10 +412,8 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     tasks.mem_start.extend(tasks.mem_start[start:end])
     tasks.mem_end.extend(tasks.mem_end[start:end])
     comm = tasks.comm
-    for t in range(start, end):
-        c = comm.get(t)
-        if c is not None:
-            comm[t + off] = c
+    for t in seg_comm:      # the segment's communication tasks
+        comm[t + off] = comm[t]
     for l, v in seg_link_bytes.items():
         tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + v
     for bi in range(len(F[m0])):
