@@ -56,7 +56,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     while True:
         # release successors; communication takes no time here, so it completes on the spot
         if finished < 0:
-            stack = [t for t in range(n) if left[t] == 0]
+            stack = list(tasks.sources)
             for t in stack:
                 left[t] = 1   # counted down once below, like a successor
             touched = []
@@ -270,7 +270,7 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
     if record:
         trace = [[(0.0, cur[d])] if cur[d] else [] for d in range(n_devices)]
     events: list[tuple[float, int]] = []
-    ready_now: list[int] = [t for t in range(n) if left[t] == 0]
+    ready_now: list[int] = [t for t in tasks.sources if left[t] == 0]   # no queue predecessor
     push, pop = heappush, heappop
     now = 0.0
     while True:

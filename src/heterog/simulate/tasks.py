@@ -33,7 +33,7 @@ class Tasks:
 
     __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
-                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes")
+                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources")
 
     def __init__(self, blocks: list[Block], n_devices: int):
         self.kind: list[int] = []
@@ -42,6 +42,7 @@ class Tasks:
         self.links: list[tuple[int, ...]] = []   # links a communication task occupies
         self.succ: list[list[int]] = []
         self.npred: list[int] = []               # filled by seal()
+        self.sources: list[int] = []             # idem
         self.key: list[tuple] = []               # reference priority (phase, mb, ±block); smaller first
         self.mb: list[int] = []
         self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
@@ -90,8 +91,9 @@ class Tasks:
         lst[t] = [(dev, delta)] if old is None else old + [(dev, delta)]
 
     def seal(self) -> None:
-        self.npred = np.bincount(np.fromiter(chain.from_iterable(self.succ), dtype=np.intp),
-                                 minlength=len(self.kind)).tolist()
+        npred = np.bincount(np.fromiter(chain.from_iterable(self.succ), dtype=np.intp), minlength=len(self.kind))
+        self.npred = npred.tolist()
+        self.sources = np.flatnonzero(npred == 0).tolist()   # tasks with no inputs, in id order
 
 
 def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass) -> list[int]:
