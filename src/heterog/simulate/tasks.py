@@ -181,8 +181,8 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     a_ms, a_me = tasks.mem_start.append, tasks.mem_end.append
     F = [[None] * nb for _ in range(mbs)]
     Bk = [[None] * nb for _ in range(mbs)]
+    rep_key = _rep_id(table.scratch, rep)     # first: it may drop the caches below
     column_cache = table.scratch.setdefault("columns", {})
-    rep_key = tuple(rep)
     templates: dict[int, tuple] = {}   # size → first mb's segment (see _replicate)
     first_bwd: list[tuple[int, tuple]] = []   # (first task, columns) of micro-batch 0's blocks
     for m in range(mbs):
@@ -317,6 +317,21 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
 
 
 _CACHED_REPLICAS = 200_000   # replicas' entries kept in a per-call-shared cache (~100 MB at most)
+
+
+def _rep_id(scratch: dict, rep: list[int]) -> int:
+    """A small int for the merged-device map `rep`, a key of the caches below: hashing a
+    1024-entry tuple for every block cost more than the caches saved."""
+    ids = scratch.setdefault("rep_ids", {})
+    rt = tuple(rep)
+    hit = ids.get(rt)
+    if hit is None:
+        if len(ids) >= 10_000:    # ids restart: drop every entry keyed by an old one
+            ids.clear()
+            scratch.pop("columns", None)
+            scratch.pop("buffers", None)
+        hit = ids[rt] = len(ids)
+    return hit
 
 
 def _make_room(cache: dict, replicas: int) -> None:
@@ -472,8 +487,8 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
             if n:
                 tasks.initial_bytes[d] += input_bytes.at(n)
     ring_bytes: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
+    rep_key = _rep_id(table.scratch, rep)     # first: it may drop the cache below
     buffer_cache = table.scratch.setdefault("buffers", {})
-    rep_key = tuple(rep)
     grads_of: dict[tuple[int, ...], float] = {}
     for bi, blk in enumerate(blocks):
         if blk.ps_device is not None and blk.ps_device not in blk.devices:
