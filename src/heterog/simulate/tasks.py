@@ -165,7 +165,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                     ends = frozenset(d for x in mv if x[5] is not None for d in x[:2])
                     # identity: replica i feeds replica i on the same device, nothing crosses a
                     # link (consecutive blocks of one placement); expanded without the tuples
-                    ident = (len(mv) == len(src.devices) == len(blk.devices)
+                    ident = (src.devices == blk.devices and len(mv) == len(blk.devices)
                              and all(x[2] == x[3] == i and x[5] is None for i, x in enumerate(mv)))
                     hit = move_cache[ck] = (None if ident else mv, ends)
                 moves[(size, a, bi)] = hit[0]
