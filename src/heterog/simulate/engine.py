@@ -50,9 +50,25 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     in_flight: list[set[int]] = [set() for _ in range(n_devices)]
     events: list[tuple[float, int]] = []
     order: list[int] = []
-    push, pop = heappush, heappop
+    push = heappush
     now = 0.0
     finished = -1             # the task whose end is being processed (-1: the start)
+
+    def release(stack: list[int], touched: list[int]) -> None:
+        """Count down the tasks on `stack`; communication that becomes ready completes at
+        once (depth first) and compute joins its device's ready queue."""
+        while stack:
+            s = stack.pop()
+            left[s] -= 1
+            if left[s] == 0:
+                ds = dev[s]
+                if ds < 0:
+                    order.append(s)
+                    stack.extend(succ[s])
+                else:
+                    push(ready[ds], (key[s], s))
+                    touched.append(ds)
+
     while True:
         # release successors; communication takes no time here, so it completes on the spot
         if finished < 0:
@@ -73,28 +89,8 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
                     else:
                         order.append(s0)
                         stack.extend(succ[s0])
-                        while stack:
-                            s = stack.pop()
-                            left[s] -= 1
-                            if left[s] == 0:
-                                ds = dev[s]
-                                if ds < 0:
-                                    order.append(s)
-                                    stack.extend(succ[s])
-                                else:
-                                    push(ready[ds], (key[s], s))
-                                    touched.append(ds)
-        while stack:
-            s = stack.pop()
-            left[s] -= 1
-            if left[s] == 0:
-                ds = dev[s]
-                if ds < 0:
-                    order.append(s)
-                    stack.extend(succ[s])
-                else:
-                    push(ready[ds], (key[s], s))
-                    touched.append(ds)
+                        release(stack, touched)
+        release(stack, touched)
         for d in touched:     # each idle device starts its best eligible ready task
             if busy[d]:
                 continue
