@@ -9,12 +9,12 @@ export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: setup demo test test-fast bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is needed (set PYTHON=...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt torch
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
