@@ -33,6 +33,23 @@ class ArtifactError(HeterogError):
     """A JSON artifact that cannot be read: wrong kind, version or syntax."""
 
 
+class DataError(HeterogError):
+    """A user data loader (`--data path/file.py:loader`) that cannot be used."""
+
+
+class CheckpointError(HeterogError):
+    """A checkpoint folder that is missing, incomplete or does not fit the model."""
+
+
+class ResourceError(HeterogError):
+    """This machine lacks what the run needs (memory, processes); --force overrides."""
+
+
+class HeterogWarning(UserWarning):
+    """Something suspicious but usable (e.g. an implausible cluster figure); the CLI prints
+    it as one line starting 'warning:'."""
+
+
 class RankError(HeterogError):
     """A distributed rank failed or hung. Carries the rank so the message survives pickling."""
 
