@@ -8,6 +8,7 @@ import pytest
 
 from heterog.errors import PlanError
 from heterog.ir.plan import Group, Replica
+from heterog.lower.context import SimCache
 from heterog.simulate import assign_priorities, node_ranks, simulate
 from tests.simulate_support import TableCosts, chain_graph, cluster, graph, node, plan, with_link_bandwidth
 
@@ -180,9 +181,10 @@ def test_chrome_trace_has_a_process_per_device_and_link_tracks(tmp_path):
     assert len(json.loads(r.to_json())["events"]) == len(r.events)
 
 
-def test_shortcuts_give_the_same_answer(monkeypatch):
+def test_shortcuts_give_the_same_answer():
     """Symmetric devices simulated once and copied micro-batches change nothing."""
-    from heterog.simulate import tasks as tasks_mod
+    from heterog.lower.schedule import build_schedule
+    from heterog.simulate.simulator import time_schedule
     rng = random.Random(5)
     g = chain_graph(6, flops=GF, edge_bytes=1e5, param_bytes=3_000_000)
     c = cluster([[RATE, RATE, 2 * RATE, 2 * RATE], [RATE, RATE, 2 * RATE, 2 * RATE]], nic_bandwidth=1e9)
@@ -204,11 +206,7 @@ def test_shortcuts_give_the_same_answer(monkeypatch):
                                                     for x in p.groups))
         costs = TableCosts(g, c)
         fast = simulate(g, c, p, costs)
-        monkeypatch.setattr(tasks_mod, "MERGE_SYMMETRIC", False)
-        monkeypatch.setattr(tasks_mod, "REPLICATE_MICROBATCHES", False)
-        slow = simulate(g, c, p, costs)
-        monkeypatch.setattr(tasks_mod, "MERGE_SYMMETRIC", True)
-        monkeypatch.setattr(tasks_mod, "REPLICATE_MICROBATCHES", True)
+        slow = time_schedule(build_schedule(g, c, p, costs, merge=False))
         merged_some |= fast.num_tasks < slow.num_tasks
         assert fast.iteration_time_s == pytest.approx(slow.iteration_time_s, rel=1e-12)
         assert fast.peak_memory_bytes == slow.peak_memory_bytes
@@ -225,8 +223,8 @@ def test_shortcuts_give_the_same_answer(monkeypatch):
 def test_reference_order_reports_a_deadlocked_admission_rule():
     # one device, limit 1 micro-batch in flight, but micro-batch 0's backward waits for
     # micro-batch 1's forward: the 1F1B rule can never admit it, list scheduling without it can
-    from heterog.simulate import engine
-    from heterog.simulate.tasks import BWD, FWD, Tasks
+    from heterog.lower.order import reference_order
+    from heterog.lower.tasks import BWD, FWD, Tasks
     t = Tasks([], 1)
     f0 = t.add(FWD, 1.0, 0, (1, 0, 0), 0)
     f1 = t.add(FWD, 1.0, 0, (1, 1, 0), 1)
@@ -237,9 +235,9 @@ def test_reference_order_reports_a_deadlocked_admission_rule():
     t.bwd_count = {(0, 0): 1, (0, 1): 1}
     t.stage_limit = [1]
     t.seal()
-    assert engine.reference_order(t, 1, "1f1b") is None
-    assert engine.reference_order(t, 1, "1f1b", limit_in_flight=False) == [f0, f1, b0, b1]
-    assert engine.reference_order(t, 1, "gpipe") == [f0, f1, b0, b1]
+    assert reference_order(t, 1, "1f1b") is None
+    assert reference_order(t, 1, "1f1b", limit_in_flight=False) == [f0, f1, b0, b1]
+    assert reference_order(t, 1, "gpipe") == [f0, f1, b0, b1]
 
 
 def test_warm_caches_across_calls_give_the_same_answer_as_a_fresh_cost_model():
@@ -248,11 +246,11 @@ def test_warm_caches_across_calls_give_the_same_answer_as_a_fresh_cost_model():
     rng = random.Random(11)
     g = chain_graph(8, flops=GF, edge_bytes=2e5)
     c = cluster([[RATE, RATE], [2 * RATE, 3 * RATE]], nic_bandwidth=1e9)
-    warm = TableCosts(g, c)
+    warm, cache = TableCosts(g, c), SimCache()
     devices = [d.name for d in c.devices]
     plans = [_random_plan(rng, devices, 8, 16) for _ in range(25)]
     for p in plans + plans[::-1]:
-        a = simulate(g, c, p, warm)
+        a = simulate(g, c, p, warm, cache=cache)
         b = simulate(g, c, p, TableCosts(g, c))
         assert a.iteration_time_s == b.iteration_time_s
         assert a.peak_memory_bytes == b.peak_memory_bytes

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from heterog.ir.plan import Plan
-from heterog.simulate.context import ClusterInfo, CostTable
+from heterog.lower.context import ClusterInfo, CostTable, SimCache
 
 
 @dataclass(slots=True)
@@ -32,34 +32,14 @@ class Block:
     label: str
 
 
-_placements: dict[int, tuple] = {}
-_by_value: dict[tuple, int] = {}
-
-
-def _placement(replicas: tuple) -> tuple[int, tuple[str, ...], tuple[float, ...]]:
-    """(id, device names, shares) of a placement. The id is a small integer per distinct
-    placement: comparing 64-replica tuples field by field made block fusion slow. Cached by the
-    tuple's identity (kept alive here): the search re-uses unchanged groups between plans."""
-    hit = _placements.get(id(replicas))
-    if hit is not None and hit[0] is replicas:
-        return hit[1]
-    if len(_placements) > 50_000:
-        _placements.clear()
-        _by_value.clear()
-    names = tuple(r.device for r in replicas)
-    shares = tuple(r.share for r in replicas)
-    out = (_by_value.setdefault((names, shares), len(_by_value)), names, shares)
-    _placements[id(replicas)] = (replicas, out)
-    return out
-
-
-def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table: CostTable) -> list[Block]:
+def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table: CostTable,
+                cache: SimCache) -> list[Block]:
     """Fuse runs of groups (see the module docstring). A group joins the run before it only if
     it has the same placement, none of its inputs come from another placement, and the run's
     last group sends nothing to another placement: a fused run then receives only at its start
     and sends only at its end, so fusion delays no other device."""
     groups = plan.groups
-    places = [_placement(g.replicas) for g in groups]
+    places = [cache.placement(g.replicas) for g in groups]
     keys = [(pl[0], g.sync, g.ps_device, g.recompute) for pl, g in zip(places, groups)]
     runs: list[list[int]] = []
     for g in order:

@@ -1,10 +1,10 @@
-"""What the simulator computes once and reuses across calls: the group DAG of a grouping,
-per-group costs on each device class, link indices and paths of a cluster.
+"""What the schedule and the simulator compute once and reuse across calls: the group DAG of a
+grouping, per-group costs on each device class, link indices and paths of a cluster.
 
 The search calls `simulate` thousands of times with small changes to one plan (a group moved,
 a share nudged). Everything here depends only on (graph, grouping), (graph, costs) or the
-cluster, so it is cached by object identity (a strong reference is kept with each entry so an
-id cannot be reused while cached) and the per-call work is proportional to the plan's tasks.
+cluster, so it is cached in a SimCache the caller owns, and the per-call work is proportional to the
+plan's tasks.
 """
 
 from __future__ import annotations
@@ -16,18 +16,7 @@ from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 
-_MAX_CACHED = 8            # distinct graphs / clusters / cost models kept alive
 _MAX_ENTRIES = 500_000     # entries in one cost table before it is cleared
-
-
-def _remember(cache: dict, key, make):
-    hit = cache.get(key)
-    if hit is None:
-        if len(cache) >= _MAX_CACHED:
-            cache.pop(next(iter(cache)))
-        hit = make()
-        cache[key] = hit
-    return hit
 
 
 class ClusterInfo:
@@ -298,25 +287,66 @@ class CostTable:
         return hit
 
 
-_clusters: dict[int, tuple[Cluster, ClusterInfo]] = {}
-_groupings: dict[tuple, tuple[OpGraph, Grouping]] = {}
-_tables: dict[tuple[int, int], tuple[OpGraph, object, CostTable]] = {}
+class SimCache:
+    """Everything the schedule and the simulator reuse across calls, in one object owned by
+    the caller (the search keeps one per problem; a one-off call makes a fresh one).
 
+    The search calls the simulator thousands of times with small changes to one plan, so
+    per-cluster link tables, per-grouping DAGs, per-cost-model tables, placement ids,
+    fingerprints and validated plans are kept here, keyed by object identity with a strong
+    reference to each key object (an id cannot be reused while cached). One eviction rule:
+    each kind keeps at most `limit` entries, oldest first out.
+    """
 
-def cluster_info(cluster: Cluster) -> ClusterInfo:
-    return _remember(_clusters, id(cluster), lambda: (cluster, ClusterInfo(cluster)))[1]
+    def __init__(self, limit: int = 64):
+        self.limit = limit
+        self._entries: dict[str, dict] = {}
+        self.placement_ids: dict[tuple, int] = {}   # (device names, shares) → small int
 
+    def _get(self, kind: str, key, owner, make):
+        cache = self._entries.setdefault(kind, {})
+        hit = cache.get(key)
+        if hit is None or hit[0] is not owner:
+            if len(cache) >= self.limit:
+                cache.pop(next(iter(cache)))
+            hit = cache[key] = (owner, make())
+        return hit[1]
 
-def grouping(graph: OpGraph, names: Sequence[str], nodes: Sequence[tuple[str, ...]]) -> Grouping:
-    key = (id(graph), tuple(nodes))
-    hit = _groupings.get(key)
-    if hit is None or hit[0] is not graph:
-        if len(_groupings) >= 64:
-            _groupings.pop(next(iter(_groupings)))
-        hit = (graph, Grouping(graph, names, nodes))
-        _groupings[key] = hit
-    return hit[1]
+    def cluster_info(self, cluster: Cluster) -> ClusterInfo:
+        return self._get("cluster", id(cluster), cluster, lambda: ClusterInfo(cluster))
 
+    def grouping(self, graph: OpGraph, names: Sequence[str], nodes: Sequence[tuple[str, ...]]) -> Grouping:
+        return self._get("grouping", (id(graph), tuple(nodes)), graph, lambda: Grouping(graph, names, nodes))
 
-def cost_table(graph: OpGraph, costs) -> CostTable:
-    return _remember(_tables, (id(graph), id(costs)), lambda: (graph, costs, CostTable(graph, costs)))[2]
+    def cost_table(self, graph: OpGraph, costs) -> CostTable:
+        return self._get("table", (id(graph), id(costs)), (graph, costs), lambda: CostTable(graph, costs))
+
+    def fingerprint(self, obj) -> str:
+        return self._get("fingerprint", id(obj), obj, obj.fingerprint)
+
+    def validated(self, plan) -> bool:
+        """True if this plan object was validated before (plans are frozen); marks it now."""
+        cache = self._entries.setdefault("validated", {})
+        if cache.get(id(plan), (None,))[0] is plan:
+            return True
+        if len(cache) >= 4 * self.limit:
+            cache.clear()
+        cache[id(plan)] = (plan, True)
+        return False
+
+    def placement(self, replicas: tuple) -> tuple[int, tuple[str, ...], tuple[float, ...]]:
+        """(id, device names, shares) of a placement: a small integer per distinct placement
+        (comparing 64-replica tuples field by field made block fusion slow). Cached by the
+        tuple's identity: the search re-uses unchanged groups between plans."""
+        cache = self._entries.setdefault("placement", {})
+        hit = cache.get(id(replicas))
+        if hit is not None and hit[0] is replicas:
+            return hit[1]
+        if len(cache) > 50_000:
+            cache.clear()
+            self.placement_ids.clear()
+        names = tuple(r.device for r in replicas)
+        shares = tuple(r.share for r in replicas)
+        out = (self.placement_ids.setdefault((names, shares), len(self.placement_ids)), names, shares)
+        cache[id(replicas)] = (replicas, out)
+        return out

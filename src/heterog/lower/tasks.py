@@ -18,12 +18,10 @@ from itertools import chain
 import numpy as np
 
 from heterog.ir.plan import Plan, split_samples
-from heterog.simulate.blocks import Block, block_edges, moves_between
-from heterog.simulate.context import ClusterInfo, CostTable
+from heterog.lower.blocks import Block, block_edges, moves_between
+from heterog.lower.context import ClusterInfo, CostTable
 
 FWD, BWD, XFER, SYNC, OPT = 0, 1, 2, 3, 4
-MERGE_SYMMETRIC = True   # simulate symmetric devices once (tests switch it off to compare)
-REPLICATE_MICROBATCHES = True   # copy the tasks of equal-sized micro-batches (idem)
 KIND_NAMES = ("forward", "backward", "transfer", "sync", "optimizer")
 
 
@@ -96,7 +94,7 @@ class Tasks:
         self.sources = np.flatnonzero(npred == 0).tolist()   # tasks with no inputs, in id order
 
 
-def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass) -> list[int]:
+def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: bool) -> list[int]:
     """rep[d]: the device whose tasks stand for d's. Devices that send or receive no
     point-to-point transfer, hold the same replicas of the same blocks at the same samples and
     are of the same class have identical timelines (they meet only in collectives, which
@@ -106,7 +104,7 @@ def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass) -> list
     for ends in p2p_sets:
         p2p |= ends
     rep = list(range(n_devices))
-    if not MERGE_SYMMETRIC or len(p2p) >= n_devices - 1:
+    if not merge or len(p2p) >= n_devices - 1:
         return rep
     # blocks of one placement have the same members at the same samples: a device's
     # signature is its (placement, samples) list, built once per distinct placement
@@ -130,7 +128,9 @@ def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass) -> list
 
 
 def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
-           table: CostTable) -> Tasks:
+           table: CostTable, *, merge: bool = True) -> Tasks:
+    """The task graph of one iteration. merge: simulate symmetric devices once and copy the
+    tasks of equal-sized micro-batches (results are equal; the Program needs merge=False)."""
     nb = len(blocks)
     tasks = Tasks(blocks, len(info.devices))
     preds = block_edges(graph_grouping, blocks, table)
@@ -171,7 +171,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                 moves[(size, a, bi)] = hit[0]
                 if hit[1]:
                     p2p_sets.append(hit[1])
-    rep = _representatives(blocks, splits, p2p_sets, sizes, len(devices), dclass)
+    rep = _representatives(blocks, splits, p2p_sets, sizes, len(devices), dclass, merge)
     tasks.rep = rep
     mem = tasks.mem
     kinds, succ, comm, lb = tasks.kind, tasks.succ, tasks.comm, tasks.link_bytes
@@ -187,7 +187,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     first_bwd: list[tuple[int, tuple]] = []   # (first task, columns) of micro-batch 0's blocks
     for m in range(mbs):
         size = mb_sizes[m]
-        if size in templates and REPLICATE_MICROBATCHES:
+        if size in templates and merge:
             _replicate(tasks, templates[size], m, F, Bk)
             continue
         seg_start = len(kinds)

@@ -80,9 +80,9 @@ def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[Plan, flo
         best = None
         # ranking a 1024-device plan's nodes costs seconds; large plans keep graph order
         variants = (plan,) if prob.n_devices > PRIORITY_MAX_DEVICES else (
-            assign_priorities(prob.graph, prob.cluster, plan, prob.costs), plan)
+            assign_priorities(prob.graph, prob.cluster, plan, prob.costs, cache=prob.sim_cache), plan)
         for p in variants:
-            r = sim(prob.graph, prob.cluster, p, prob.costs, timeline=False)
+            r = sim(prob.graph, prob.cluster, p, prob.costs, timeline=False, cache=prob.sim_cache)
             key = (not r.feasible, r.iteration_time_s)
             if best is None or key < best[0]:
                 best = (key, p, r)
@@ -109,7 +109,7 @@ def simulator_scorer(prob: Problem) -> Callable[[Problem, Strategy], Estimate]:
     cap = prob.memory_bytes
 
     def score(p: Problem, s: Strategy) -> Estimate:
-        r = sim(p.graph, p.cluster, p.to_plan(s, "search"), p.costs, timeline=False)
+        r = sim(p.graph, p.cluster, p.to_plan(s, "search"), p.costs, timeline=False, cache=p.sim_cache)
         peak = np.zeros(p.n_devices)
         for d, b in r.peak_memory_bytes.items():
             peak[p.cluster.device_index[d]] = b

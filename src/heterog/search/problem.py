@@ -21,6 +21,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.affine import Affine
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica, split_samples
+from heterog.lower.context import SimCache
 from heterog.search.grouping import group_graph
 
 SYNC_CHOICES = ("ring", "tree", "hierarchical", "ps")
@@ -72,6 +73,7 @@ class Problem:
     precision: str = "fp32"
     optimizer: str = "sgd"
     extra: dict = field(default_factory=dict)
+    sim_cache: SimCache = field(default_factory=SimCache)   # the simulator's, kept across candidates
 
     def __post_init__(self) -> None:
         c = self.cluster

@@ -1,133 +1,21 @@
-"""The two event loops of one simulation.
+"""The timed simulation of one iteration: the Program's order (lower/order.py) with times.
 
-1. `reference_order` — list scheduling: each device runs, among its ready compute tasks, the
-   one with the smallest key (schedule phase, micro-batch, block order from the plan's
-   priorities); communication takes no time here. GPipe: a device starts backward only when
-   all its forwards are done. 1F1B: backward first, and a device admits a new micro-batch only
-   while fewer than its stage limit are in flight. The result is the *order* in which each
-   device runs its compute and each link serves its transfers (by reference start).
-2. `run` — the timed simulation that follows those orders: a compute task starts when its
-   inputs are ready and it is next on its device; a transfer or collective starts when its
-   inputs are ready and it is next on every link it occupies, and holds all of them for its
-   whole (uncontended) time. Links are therefore FIFO and exclusive: two transfers sharing a
-   NIC take twice as long as one. Links that serve exactly the same tasks (e.g. the ~2300
-   links of a 1024-device ring that nothing else uses) are merged into one resource first.
-   An oversubscribed switch core is the exception: a pipe that moves the bytes of the
-   transfers crossing it one after another at its bandwidth, while their NIC parts overlap.
-
-Why fixed orders: a rank executes a fixed program order (the executor follows the plan's
-priorities), and with fixed orders every start time is a max of sums of durations (a max-plus
-system, Baccelli et al. 1992), so the iteration time never grows when a link gets faster or a
-task shorter. Dynamic list scheduling and first-come links both have Graham-style anomalies.
-The orders do not depend on link bandwidths, only on compute times and priorities.
-The switch core keeps this property: its pipe is one more max-plus stage.
+A compute task starts when its inputs are ready and it is next on its device; a transfer or
+collective starts when its inputs are ready and it is next on every link it occupies, and
+holds all of them for its whole (uncontended) time. Links are therefore FIFO and exclusive:
+two transfers sharing a NIC take twice as long as one. Links that serve exactly the same tasks
+(e.g. the ~2300 links of a 1024-device ring that nothing else uses) are merged into one
+resource first. An oversubscribed switch core is the exception: a pipe that moves the bytes of
+the transfers crossing it one after another at its bandwidth, while their NIC parts overlap.
+Fixed orders keep the max-plus property (lower/order.py); the switch core's pipe is one more
+max-plus stage.
 """
 
 from __future__ import annotations
 
 from heapq import heappop, heappush
 
-from heterog.simulate.tasks import BWD, FWD, OPT, Tasks
-
-
-def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight: bool = True) -> list[int] | None:
-    """Start order of all tasks under list scheduling with zero-time communication; None if
-    the 1F1B admission rule deadlocks on this placement (the caller retries without it)."""
-    kind, dur, dev, succ, key, mb = tasks.kind, tasks.dur, tasks.dev, tasks.succ, tasks.key, tasks.mb
-    left = tasks.npred[:]
-    n = len(kind)
-    ready: list[list] = [[] for _ in range(n_devices)]
-    busy = [False] * n_devices
-    gpipe = schedule == "gpipe"
-    one_f1b = not gpipe and limit_in_flight
-    fwd_left = [0] * n_devices
-    if gpipe:
-        for t in range(n):
-            if kind[t] == FWD:
-                fwd_left[dev[t]] += 1
-    limit = tasks.stage_limit
-    bwd_left = dict(tasks.bwd_count)
-    in_flight: list[set[int]] = [set() for _ in range(n_devices)]
-    events: list[tuple[float, int]] = []
-    order: list[int] = []
-    push = heappush
-    now = 0.0
-    finished = -1             # the task whose end is being processed (-1: the start)
-
-    def release(stack: list[int], touched: list[int]) -> None:
-        """Count down the tasks on `stack`; communication that becomes ready completes at
-        once (depth first) and compute joins its device's ready queue."""
-        while stack:
-            s = stack.pop()
-            left[s] -= 1
-            if left[s] == 0:
-                ds = dev[s]
-                if ds < 0:
-                    order.append(s)
-                    stack.extend(succ[s])
-                else:
-                    push(ready[ds], (key[s], s))
-                    touched.append(ds)
-
-    while True:
-        # release successors; communication takes no time here, so it completes on the spot
-        if finished < 0:
-            stack = list(tasks.sources)
-            for t in stack:
-                left[t] = 1   # counted down once below, like a successor
-            touched = []
-        else:     # the walk below without copying succ: depth first, last successor first
-            stack = []
-            touched = [dev[finished]]     # only compute tasks take time
-            for s0 in reversed(succ[finished]):
-                left[s0] -= 1
-                if left[s0] == 0:
-                    ds = dev[s0]
-                    if ds >= 0:
-                        push(ready[ds], (key[s0], s0))
-                        touched.append(ds)
-                    else:
-                        order.append(s0)
-                        stack.extend(succ[s0])
-                        release(stack, touched)
-        release(stack, touched)
-        for d in touched:     # each idle device starts its best eligible ready task
-            if busy[d]:
-                continue
-            q = ready[d]
-            if not q:
-                continue
-            t = q[0][1]
-            k = kind[t]
-            if gpipe and k == BWD and fwd_left[d] > 0:
-                continue
-            if one_f1b and k == FWD:
-                fl = in_flight[d]
-                if mb[t] not in fl and len(fl) >= limit[d]:
-                    continue
-            heappop(q)
-            if one_f1b and k != OPT:
-                in_flight[d].add(mb[t])
-            busy[d] = True
-            order.append(t)
-            heappush(events, (now + dur[t], t))
-        if not events:
-            break
-        now, t = heappop(events)
-        d = dev[t]
-        busy[d] = False
-        k = kind[t]
-        if gpipe and k == FWD:
-            fwd_left[d] -= 1
-        elif one_f1b and k == BWD:
-            km = (d, mb[t])
-            bwd_left[km] -= 1
-            if bwd_left[km] == 0:
-                in_flight[d].discard(mb[t])
-        finished = t
-    if len(order) < n:
-        return None
-    return order
+from heterog.lower.tasks import BWD, FWD, OPT, Tasks
 
 
 def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, comm_order: list[int]):

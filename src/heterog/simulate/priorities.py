@@ -22,17 +22,19 @@ from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
-from heterog.simulate.context import cost_table
-from heterog.simulate.simulator import check_plan
-from heterog.simulate.blocks import overlaps
+from heterog.lower.blocks import overlaps
+from heterog.lower.context import SimCache
+from heterog.lower.schedule import check_plan
 
 METHODS = ("upward", "heteroG")
 
 
-def node_weights_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs) -> dict[str, float]:
+def node_weights_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
+                   cache: SimCache | None = None) -> dict[str, float]:
     """w(n): mean forward + backward time of each node over its group's replicas."""
-    info, _ = check_plan(graph, cluster, plan)
-    table = cost_table(graph, costs)
+    cache = cache if cache is not None else SimCache()
+    info, _ = check_plan(graph, cluster, plan, cache)
+    table = cache.cost_table(graph, costs)
     out: dict[str, float] = {}
     for g in plan.groups:
         samples = plan.replica_samples(g, 0)
@@ -46,11 +48,13 @@ def node_weights_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs) -> dict[
     return out
 
 
-def edge_costs_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs) -> dict[tuple[str, str], float]:
+def edge_costs_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
+                 cache: SimCache | None = None) -> dict[tuple[str, str], float]:
     """c(u, v) for edges between differently placed groups: the slowest of the transfers the
     re-partition of that edge makes (replicas own contiguous sample ranges)."""
-    info, grp = check_plan(graph, cluster, plan)
-    table = cost_table(graph, costs)
+    cache = cache if cache is not None else SimCache()
+    info, grp = check_plan(graph, cluster, plan, cache)
+    table = cache.cost_table(graph, costs)
     size = plan.microbatch_size(0)
     out: dict[tuple[str, str], float] = {}
     for (ga, gb), edges in grp.cross.items():
@@ -71,14 +75,16 @@ def edge_costs_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs) -> dict[tu
     return out
 
 
-def node_ranks(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward") -> dict[str, float]:
+def node_ranks(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward",
+               cache: SimCache | None = None) -> dict[str, float]:
     """The rank of every node (seconds) under `method` (see the module docstring)."""
     if method not in METHODS:
         raise PlanError(f"priority method {method!r} is not one of {', '.join(METHODS)}.")
-    w = node_weights_s(graph, cluster, plan, costs)
+    cache = cache if cache is not None else SimCache()
+    w = node_weights_s(graph, cluster, plan, costs, cache)
     rank: dict[str, float] = {}
     if method == "upward":
-        c = edge_costs_s(graph, cluster, plan, costs)
+        c = edge_costs_s(graph, cluster, plan, costs, cache)
         succ = graph.successors
         for n in reversed(graph.nodes):   # graph nodes are in topological order
             best = 0.0
@@ -94,9 +100,10 @@ def node_ranks(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str 
     return rank
 
 
-def assign_priorities(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward") -> Plan:
+def assign_priorities(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward",
+                      cache: SimCache | None = None) -> Plan:
     """The plan with `priorities` filled (node → priority, higher runs first)."""
-    rank = node_ranks(graph, cluster, plan, costs, method)
+    rank = node_ranks(graph, cluster, plan, costs, method, cache)
     if method == "heteroG":
         prio = {n: -r for n, r in rank.items()}
     else:

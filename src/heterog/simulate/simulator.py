@@ -1,14 +1,8 @@
 """simulate(graph, cluster, plan, costs) -> SimResult: one training iteration under a Plan.
 
-Pipeline (each step one function): check the plan against graph and cluster → order the
-groups by the plan's priorities → fuse same-placement runs into blocks/buckets
-(blocks.make_blocks) → expand into tasks (tasks.expand) → fix each device's and link's order
-by list scheduling (engine.reference_order) → timed run with link contention and memory
-(engine.run) → SimResult.
-
-Group-level simulation: a group's nodes run back to back on each replica, so a group's
-priority is the highest of its nodes' priorities (it orders groups that compete for a device;
-inside a group the graph order is kept, as the executor runs a group's submodule as a whole).
+The simulator keeps no schedule rules: the lowering stage builds the iteration's tasks and
+their order (heterog.lower.schedule, the same schedule the executor's Program is written from),
+and this module puts times on it (engine.run) and summarises (SimResult).
 
 What is modelled, and what is not:
 - compute: the cost model's uncontended times; communication overlaps compute fully (NCCL's
@@ -29,93 +23,38 @@ import gc
 
 import numpy as np
 
-from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
+from heterog.lower.context import SimCache
+from heterog.lower.schedule import Schedule, build_schedule
+from heterog.lower.tasks import KIND_NAMES, OPT, SYNC, XFER
 from heterog.simulate import engine
-from heterog.simulate.blocks import make_blocks
-from heterog.simulate.context import cluster_info, cost_table, grouping
 from heterog.simulate.result import SimResult
-from heterog.simulate.tasks import KIND_NAMES, OPT, SYNC, XFER, expand
 
-_fingerprints: dict[int, tuple[object, str]] = {}
-_validated: dict[int, Plan] = {}
-
-
-def _fingerprint(obj) -> str:
-    hit = _fingerprints.get(id(obj))
-    if hit is None or hit[0] is not obj:
-        if len(_fingerprints) > 16:
-            _fingerprints.clear()
-        hit = _fingerprints[id(obj)] = (obj, obj.fingerprint())
-    return hit[1]
-
-
-def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan):
-    """Validate `plan` against graph and cluster; cheap on repeated calls (cached pieces)."""
-    if _validated.get(id(plan)) is not plan:    # plans are frozen: validate each object once
-        plan.validate()
-        if len(_validated) > 256:
-            _validated.clear()
-        _validated[id(plan)] = plan
-    info = cluster_info(cluster)
-    for g in plan.groups:
-        for r in g.replicas:
-            if r.device not in info.dev_id:
-                raise PlanError(f"group {g.name!r} field 'replicas': device {r.device!r} is not in "
-                                f"cluster {cluster.name!r}; use one of its devices "
-                                f"({', '.join(info.devices[:6])}{' …' if len(info.devices) > 6 else ''}).")
-        if g.ps_device is not None and g.ps_device not in info.dev_id:
-            raise PlanError(f"group {g.name!r} field 'ps_device': device {g.ps_device!r} is not in "
-                            f"cluster {cluster.name!r}.")
-    if plan.cluster_fingerprint and plan.cluster_fingerprint != _fingerprint(cluster):
-        raise PlanError(f"field 'cluster_fingerprint': the plan was made for another cluster "
-                        f"({plan.cluster_fingerprint}, this one {_fingerprint(cluster)}); re-plan.")
-    if plan.graph_fingerprint and plan.graph_fingerprint != _fingerprint(graph):
-        raise PlanError(f"field 'graph_fingerprint': the plan was made for another model graph "
-                        f"({plan.graph_fingerprint}, this one {_fingerprint(graph)}); re-plan.")
-    return info, grouping(graph, [g.name for g in plan.groups], [g.nodes for g in plan.groups])
-
-
-def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, timeline: bool = True) -> SimResult:
+def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, timeline: bool = True,
+             cache: SimCache | None = None) -> SimResult:
     """Simulate one iteration. `timeline=False` skips the memory timeline (the search's
-    setting; events are built lazily either way)."""
+    setting; events are built lazily either way). `cache`: the caller's SimCache, kept across
+    calls that share graph, cluster and costs (the search's); a fresh one otherwise."""
     # The task graph is tens of thousands of small acyclic lists, freed by reference counting;
     # the cyclic collector would scan them (and the caches) over and over: ~30% of the time.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(graph, cluster, plan, costs, timeline)
+        sched = build_schedule(graph, cluster, plan, costs, cache=cache)
+        return time_schedule(sched, timeline=timeline)
     finally:
         if enabled:
             gc.enable()
 
 
-def _simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, timeline: bool) -> SimResult:
-    info, grp = check_plan(graph, cluster, plan)
-    table = cost_table(graph, costs)
-    for g in plan.groups:
-        if len(g.replicas) > 1 and g.sync == "none" and table.gradient_bytes(g.nodes) > 0:
-            raise PlanError(f"group {g.name!r} field 'sync': replicated on {len(g.replicas)} devices "
-                            f"with parameters but sync is 'none'; its replicas would diverge. "
-                            f"Choose ring, tree, hierarchical or ps.")
-    prio = plan.priorities
-    if prio:
-        group_prio = [max(prio.get(n, 0.0) for n in g.nodes) for g in plan.groups]
-    else:
-        group_prio = [0.0] * len(plan.groups)
-    order = grp.order(group_prio)
-    blocks = make_blocks(plan, order, grp, info, table)
-    tasks = expand(plan, grp, blocks, info, table)
-    n_dev = len(info.devices)
-    ref = engine.reference_order(tasks, n_dev, plan.schedule)
-    if ref is None:   # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
-        ref = engine.reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
-    assert ref is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
-    start, end, peak, overflow, mem_trace = engine.run(tasks, ref, n_dev, info.capacity_bytes, timeline,
-                                                       info.shared_bw)
-    return _result(plan, info, tasks, start, end, peak, overflow, mem_trace)
+def time_schedule(sched: Schedule, *, timeline: bool = True) -> SimResult:
+    """Put times on a schedule: the timed run with link contention and memory → SimResult."""
+    info, tasks = sched.info, sched.tasks
+    start, end, peak, overflow, mem_trace = engine.run(tasks, sched.order, len(info.devices),
+                                                       info.capacity_bytes, timeline, info.shared_bw)
+    return _result(sched.plan, info, tasks, start, end, peak, overflow, mem_trace)
 
 
 def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResult:

@@ -1,0 +1,91 @@
+"""Plan + OpGraph + Cluster + costs → the iteration's schedule: blocks, tasks and their order.
+
+One function per rule, applied in this order (each lives in one place):
+  check_plan        the plan against graph and cluster (devices, fingerprints, sync)
+  Grouping.order    groups in a topological order that follows the plan's priorities
+  make_blocks       same-placement runs fused into blocks, cut into gradient buckets
+  expand            per micro-batch and replica: forward, backward, re-partition transfers
+                    (sample ranges), gradient sync per bucket, optimizer step; memory effects
+  reference_order   the global execution order (GPipe / 1F1B with its in-flight window)
+The simulator times this schedule (simulate/engine.py); `lowering.to_program` writes it out per
+device as the Program the executor carries out. The two therefore cannot disagree.
+
+Group-level scheduling: a group's nodes run back to back on each replica, so a group's
+priority is the highest of its nodes' priorities (it orders groups that compete for a device;
+inside a group the graph order is kept, as the executor runs a group's submodule as a whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from heterog.errors import PlanError
+from heterog.hardware.cluster import Cluster
+from heterog.ir.opgraph import OpGraph
+from heterog.ir.plan import Plan
+from heterog.lower.blocks import Block, make_blocks
+from heterog.lower.context import ClusterInfo, SimCache
+from heterog.lower.order import reference_order
+from heterog.lower.tasks import Tasks, expand
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    """One iteration's tasks and the order every device runs them in."""
+    plan: Plan
+    info: ClusterInfo
+    blocks: list[Block]
+    tasks: Tasks
+    order: list[int]          # task ids in the global reference order
+    merged: bool              # symmetric devices simulated once (tasks.rep), micro-batches copied
+
+
+def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
+    """Validate `plan` against graph and cluster; cheap on repeated calls (cached pieces)."""
+    if not cache.validated(plan):
+        plan.validate()
+    info = cache.cluster_info(cluster)
+    for g in plan.groups:
+        for r in g.replicas:
+            if r.device not in info.dev_id:
+                raise PlanError(f"group {g.name!r} field 'replicas': device {r.device!r} is not in "
+                                f"cluster {cluster.name!r}; use one of its devices "
+                                f"({', '.join(info.devices[:6])}{' …' if len(info.devices) > 6 else ''}).")
+        if g.ps_device is not None and g.ps_device not in info.dev_id:
+            raise PlanError(f"group {g.name!r} field 'ps_device': device {g.ps_device!r} is not in "
+                            f"cluster {cluster.name!r}.")
+    fp = cache.fingerprint(cluster)
+    if plan.cluster_fingerprint and plan.cluster_fingerprint != fp:
+        raise PlanError(f"field 'cluster_fingerprint': the plan was made for another cluster "
+                        f"({plan.cluster_fingerprint}, this one {fp}); re-plan.")
+    fp = cache.fingerprint(graph)
+    if plan.graph_fingerprint and plan.graph_fingerprint != fp:
+        raise PlanError(f"field 'graph_fingerprint': the plan was made for another model graph "
+                        f"({plan.graph_fingerprint}, this one {fp}); re-plan.")
+    return info, cache.grouping(graph, [g.name for g in plan.groups], [g.nodes for g in plan.groups])
+
+
+def build_schedule(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, cache: SimCache | None = None,
+                   merge: bool = True) -> Schedule:
+    """The schedule of one iteration. merge=True lets symmetric devices share one timeline and
+    equal micro-batches share tasks (the simulator's shortcut; results are equal); the Program
+    needs every device's own instructions (merge=False)."""
+    cache = cache if cache is not None else SimCache()
+    info, grp = check_plan(graph, cluster, plan, cache)
+    table = cache.cost_table(graph, costs)
+    for g in plan.groups:
+        if len(g.replicas) > 1 and g.sync == "none" and table.gradient_bytes(g.nodes) > 0:
+            raise PlanError(f"group {g.name!r} field 'sync': replicated on {len(g.replicas)} devices "
+                            f"with parameters but sync is 'none'; its replicas would diverge. "
+                            f"Choose ring, tree, hierarchical or ps.")
+    prio = plan.priorities
+    group_prio = ([max(prio.get(n, 0.0) for n in g.nodes) for g in plan.groups] if prio
+                  else [0.0] * len(plan.groups))
+    blocks = make_blocks(plan, grp.order(group_prio), grp, info, table, cache)
+    tasks = expand(plan, grp, blocks, info, table, merge=merge)
+    n_dev = len(info.devices)
+    order = reference_order(tasks, n_dev, plan.schedule)
+    if order is None:   # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
+        order = reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
+    assert order is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
+    return Schedule(plan=plan, info=info, blocks=blocks, tasks=tasks, order=order, merged=merge)
