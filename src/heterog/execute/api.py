@@ -152,7 +152,8 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, shape_links: bool | None = None,
         pin_cores: bool = False, predict: bool = True, out_dir: str | os.PathLike | None = None,
         dump_params: bool = False, fault: dict[str, Any] | None = None,
-        data: str | None = None, profile: bool = False) -> dict[str, Any]:
+        data: str | None = None, profile: bool = False, checkpoint: dict[str, Any] | None = None,
+        force: bool = False) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
 
     profile: predict from per-node times measured on this CPU (see predict_iteration_time).
@@ -160,7 +161,9 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
     of that step, instead of the zoo's synthetic batches (every rank calls it).
     shape_links: None → shape NIC bandwidths with netns + tc when running as root on an
     emulated cluster, else not; False → never. out_dir keeps the ranks' logs and, with
-    dump_params, their final parameters (params_rank<R>.pt).
+    dump_params, their final parameters (params_rank<R>.pt). checkpoint: a
+    checkpoint.CheckpointConfig as a dict (save every N steps, resume); force: start even
+    when the plan's memory per rank exceeds this machine's free memory.
     """
     if not isinstance(plan, Plan):
         plan = Plan.load(plan)
@@ -192,7 +195,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
                 notes.append(f"links not shaped: {e}")
         cfg = LaunchConfig(devices=devices, steps=steps, timeout_s=timeout_s, seed=seed,
                            slowdowns=slowdowns, pin_cores=pin_cores, dump_params=dump_params,
-                           fault=fault, data=data, **cfg_net)
+                           fault=fault, data=data, checkpoint=checkpoint, force=force, **cfg_net)
         results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None)
     for r in results:
         for w in r["warnings"]:

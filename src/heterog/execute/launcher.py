@@ -7,6 +7,10 @@ one thread each. The launcher watches them; when one fails it names the culprit:
   - else, when the others timed out waiting, the ranks still running: they hung;
   - else the first rank that failed.
 It then kills every rank left, so no orphans remain, and raises RankError naming it.
+
+Before starting, it removes what dead earlier runs left (stale.py: their temporary run
+folders and ranks, network namespaces) and checks that the plan's memory per rank fits in
+this machine's free memory (refusing with the numbers unless forced).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from heterog.errors import RankError
+from heterog.errors import CheckpointError, RankError
+from heterog.execute import stale
+from heterog.execute.checkpoint import find_checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +48,8 @@ class LaunchConfig:
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
     master_addr: str = "127.0.0.1"
+    checkpoint: dict[str, Any] | None = None  # checkpoint.CheckpointConfig.to_dict()
+    force: bool = False                       # start even when memory looks too small
 
 
 def free_port() -> int:
@@ -58,9 +67,13 @@ def _tail(path: Path, n: int = 1500) -> str:
 
 def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None) -> list[dict]:
     """Run every rank on this machine; return the per-rank results (rank order)."""
+    stale.remove_stale_runs()
+    stale.check_memory(plan_doc, cfg.devices, force=cfg.force)
+    ckpt = _resolve_resume(plan_doc, cfg)
     own_dir = out_dir is None
-    work = Path(tempfile.mkdtemp(prefix="heterog-run-")) if own_dir else Path(out_dir)
+    work = Path(tempfile.mkdtemp(prefix=stale.RUN_PREFIX)) if own_dir else Path(out_dir)
     work.mkdir(parents=True, exist_ok=True)
+    stale.claim(work)
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
@@ -69,7 +82,7 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
             spec = {"rank": rank, "devices": list(cfg.devices), "plan": plan_doc, "steps": cfg.steps,
                     "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
                     "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault, "data": cfg.data,
-                    "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
+                    "checkpoint": ckpt, "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
             spec_path = work / f"spec_rank{rank}.json"
             spec_path.write_text(json.dumps(spec))
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -80,14 +93,31 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
             with open(log, "w") as fh:
                 procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True))
+            stale.record_ranks(work, [p.pid for p in procs])
         _watch(procs, logs, work, cfg)
         return [json.loads((work / f"result_rank{r}.json").read_text()) for r in range(len(procs))]
     finally:
         _kill_all(procs)
         if own_dir:
-            for p in sorted(work.glob("*"), reverse=True):
-                p.unlink()
-            work.rmdir()
+            shutil.rmtree(work, ignore_errors=True)
+        stale.release(work)
+
+
+def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> dict[str, Any] | None:
+    """The checkpoint settings with `resume` pinned to one complete checkpoint, so every rank
+    loads the same one even if another appears meanwhile; checked against the plan first."""
+    if not cfg.checkpoint or not cfg.checkpoint.get("resume"):
+        return cfg.checkpoint
+    info = find_checkpoint(cfg.checkpoint["resume"])
+    model = plan_doc["model"]["name"]
+    if info.model != model:
+        raise CheckpointError(f"--resume {cfg.checkpoint['resume']}: the checkpoint is of model {info.model!r}, "
+                              f"but the plan trains {model!r}; resume with a plan of the same model.")
+    if info.step >= cfg.steps:
+        raise CheckpointError(f"--resume {cfg.checkpoint['resume']}: the checkpoint already holds {info.step} "
+                              f"completed steps and --steps {cfg.steps} is the total to reach; give "
+                              f"--steps above {info.step}.")
+    return {**cfg.checkpoint, "resume": str(info.path)}
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:

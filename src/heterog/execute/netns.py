@@ -10,17 +10,27 @@ MASTER_ADDR. The host's own interfaces and loopback are never touched.
 
 Everything created is removed on exit, also on failure (deleting a namespace removes its
 veth ends and qdiscs). When not root, or when a step fails, the run falls back to no
-shaping and says why.
+shaping and says why. A launcher killed by SIGKILL cannot remove them: before creating its
+namespaces it writes an owner file (its pid and start time) under the temp dir, and a later
+run deletes namespaces whose owner is dead and in which no process runs
+(remove_stale_namespaces).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
+import tempfile
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from heterog.hardware.cluster import Cluster
+from heterog.jsonio import write_atomic
+
+PREFIX = "hg"
+OWNERS = "heterog-netns-owners"
 
 
 class ShapingUnavailable(Exception):
@@ -71,7 +81,13 @@ class LinkShaping:
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    def _owner_file(self):
+        return Path(tempfile.gettempdir()) / OWNERS / f"{self.token}.json"
+
     def _create(self) -> None:
+        import psutil
+        write_atomic(self._owner_file(), json.dumps({"pid": os.getpid(),
+                                                     "create_time": psutil.Process().create_time()}))
         nodes: list[str] = []
         for d in self.devices:
             n = self.cluster.node_of[d]
@@ -113,9 +129,45 @@ class LinkShaping:
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
         self.namespaces.clear()
+        self._owner_file().unlink(missing_ok=True)
 
 
 def leftover_namespaces() -> list[str]:
     """Namespaces named like ours (for tests that check nothing is left behind)."""
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     return [line.split()[0] for line in r.stdout.splitlines() if line.startswith("hg")]
+
+
+def _owner_alive(token: str) -> bool:
+    import psutil
+    f = Path(tempfile.gettempdir()) / OWNERS / f"{token}.json"
+    try:
+        doc = json.loads(f.read_text())
+        return abs(psutil.Process(int(doc["pid"])).create_time() - float(doc["create_time"])) < 1e-3
+    except (OSError, ValueError, KeyError, psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete namespaces of ours whose launcher is dead and in which nothing runs; return them."""
+    if os.geteuid() != 0:
+        return []
+    try:
+        names = leftover_namespaces()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    removed = []
+    for ns in names:
+        token = ns[len(PREFIX):len(PREFIX) + 6]
+        if _owner_alive(token):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=20)
+        if pids.stdout.strip():
+            continue
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        removed.append(ns)
+    folder = Path(tempfile.gettempdir()) / OWNERS
+    for f in folder.glob("*.json") if folder.is_dir() else []:
+        if not _owner_alive(f.stem):
+            f.unlink(missing_ok=True)
+    return removed

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from heterog.errors import RankError
+from heterog.execute import checkpoint
 from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.p2p import P2P
 from heterog.execute.partition import build_dataflow, detach_unheld, param_numel_of_group
@@ -47,10 +48,11 @@ def _init(spec: dict[str, Any]) -> tuple[int, int, str]:
     return rank, world, spec["devices"][rank]
 
 
-def _fault(spec: dict[str, Any], rank: int, step: int) -> None:
-    """Fault injection for the robustness tests: die or hang at a given step."""
+def _fault(spec: dict[str, Any], rank: int, step: int, phase: str = "start") -> None:
+    """Fault injection for the robustness tests: die or hang at a given step, at its start
+    or (phase 'mid') between backward and the gradient sync, while the peers wait for it."""
     f = spec.get("fault")
-    if f and f["rank"] == rank and f["step"] == step:
+    if f and f["rank"] == rank and f["step"] == step and f.get("phase", "start") == phase:
         if f["kind"] == "die":
             os._exit(17)
         time.sleep(10 * spec["timeout_s"] + 3600)
@@ -85,7 +87,10 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     ex = Executor(plan=plan, flow=flow, work=work, rank=rank, rank_of=rank_of, p2p=p2p, pacer=pacer,
                   sync=sync)
     steps: list[dict[str, float]] = []
-    for step in range(spec["steps"]):
+    ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
+    named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
+    first_step = checkpoint.resume(ckpt, named, opt, model=plan.model.name)
+    for step in range(first_step, spec["steps"]):
         progress.write_text(str(step))
         _fault(spec, rank, step)
         inputs, targets = global_batch(work, plan.batch_size, seed=seed, step=step)
@@ -96,6 +101,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         for p in params:
             p.grad = None
         loss = ex.step(inputs, targets)
+        _fault(spec, rank, step, "mid")
         p2p.wait_all()
         sync.finish()
         if opt is not None:
@@ -104,6 +110,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                       "compute_s": ex.stats.compute_s - c0, "cpu_s": ex.stats.cpu_s - u0,
                       "paced_s": ex.stats.paced_s - w0,
                       "recv_wait_s": p2p.recv_wait_s - r0, "sync_s": sync.sync_s - s0})
+        checkpoint.save_if_due(ckpt, step + 1, named, opt, rank=rank, model=plan.model.name)
     progress.write_text("done")
     if spec.get("dump_params"):
         torch.save({name: p.detach().clone() for g in sorted(held)

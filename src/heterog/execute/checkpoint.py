@@ -1,0 +1,194 @@
+"""Checkpoints keyed by parameter name, so a run can resume under another plan.
+
+A checkpoint is a folder `step-<NNNNNNNN>` under the checkpoint directory, written with
+torch.distributed.checkpoint (DCP): every rank saves the parameters it holds as
+`model/<parameter name>` and its optimizer state as `optim/<parameter name>/<key>`
+(e.g. AdamW's exp_avg). DCP writes each replicated tensor once and records which file holds
+what, so the layout does not depend on the plan that wrote it.
+
+Atomicity: a checkpoint is complete only when rank 0 has written its marker
+(`COMPLETE.json`, atomically) after every rank finished writing. A run killed mid-save leaves
+a folder without a marker; loading ignores it and the next save of that step replaces it.
+
+Resuming: each rank of the new run asks for the names it now holds (under its new plan and
+cluster: devices lost or added) and DCP reads exactly those. The step counter comes from the
+marker; synthetic batches are seeded by step and user data is advanced to that step
+(workload.py), so no step is lost or repeated. Not saved: torch's RNG state (the zoo's small
+models have no dropout) and BatchNorm running statistics (buffers, not parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from heterog.errors import CheckpointError
+from heterog.jsonio import write_atomic
+
+MARKER = "COMPLETE.json"
+STEP_PREFIX = "step-"
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """What a run saves and where it starts. `resume` names a checkpoint directory (its last
+    complete checkpoint is used) or one checkpoint folder."""
+
+    dir: str | None = None
+    every_steps: int = 0            # save after every N-th completed step; 0: never
+    resume: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise CheckpointError(f"--checkpoint-every must be ≥ 1 (or 0 for never), found {self.every_steps}.")
+        if self.every_steps > 0 and not self.dir:
+            raise CheckpointError("--checkpoint-every needs --checkpoint-dir DIR: where to write the checkpoints.")
+        if self.dir and self.every_steps == 0:
+            raise CheckpointError("--checkpoint-dir needs --checkpoint-every N (save every N steps).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dir": self.dir, "every_steps": self.every_steps, "resume": self.resume}
+
+    @staticmethod
+    def from_dict(doc: dict[str, Any] | None) -> "CheckpointConfig":
+        return CheckpointConfig(**doc) if doc else CheckpointConfig()
+
+    def saves_after(self, completed_steps: int) -> bool:
+        return self.every_steps > 0 and completed_steps % self.every_steps == 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointInfo:
+    """A complete checkpoint: its folder and what its marker says."""
+
+    path: Path
+    step: int                       # completed steps when it was written
+    model: str
+    parameter_names: tuple[str, ...]
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"{STEP_PREFIX}{step:08d}"
+
+
+def read_marker(folder: Path) -> CheckpointInfo | None:
+    """The checkpoint in `folder`, or None when it is incomplete (no marker)."""
+    try:
+        doc = json.loads((folder / MARKER).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{folder / MARKER}: unreadable checkpoint marker ({e}); delete the "
+                              f"folder {folder} to fall back to an earlier checkpoint.") from None
+    if doc.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{folder}: checkpoint format {doc.get('format')!r} is not supported "
+                              f"(this heterog reads format {CHECKPOINT_FORMAT}).")
+    return CheckpointInfo(path=folder, step=int(doc["step"]), model=str(doc["model"]),
+                          parameter_names=tuple(doc["parameter_names"]))
+
+
+def find_checkpoint(path: str | Path) -> CheckpointInfo:
+    """The checkpoint to resume from: `path` itself when it is one, else the complete
+    checkpoint with the most steps under it."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"--resume {path}: no such folder; give the --checkpoint-dir of an earlier run.")
+    own = read_marker(root)
+    if own is not None:
+        return own
+    found = [info for d in sorted(root.glob(f"{STEP_PREFIX}*")) if (info := read_marker(d)) is not None]
+    if not found:
+        partial = sorted(d.name for d in root.glob(f"{STEP_PREFIX}*"))
+        raise CheckpointError(f"--resume {path}: holds no complete checkpoint"
+                              + (f" ({', '.join(partial)} lack their {MARKER} marker: the run was "
+                                 f"stopped while saving)" if partial else "")
+                              + "; start without --resume or point it at another folder.")
+    return max(found, key=lambda info: info.step)
+
+
+def _state(named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state: dict[str, Any] = {f"model/{name}": p.detach() for name, p in named_params}
+    if opt is not None:
+        for name, p in named_params:
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):  # SGD without momentum keeps none
+                    state[f"optim/{name}/{key}"] = value
+    return state
+
+
+def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, nn.Parameter]],
+                    opt: torch.optim.Optimizer | None, *, rank: int, model: str) -> Path:
+    """Every rank calls this after `step` completed steps; returns the checkpoint folder."""
+    target = step_dir(root, step)
+    if rank == 0:
+        if target.exists():  # an incomplete save of this step by a stopped run
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_state(named_params, opt), checkpoint_id=target)
+    names: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(names, [n for n, _ in named_params])  # also: every rank finished writing
+    if rank == 0:
+        write_atomic(target / MARKER, json.dumps({
+            "format": CHECKPOINT_FORMAT, "step": step, "model": model,
+            "parameter_names": sorted({n for per_rank in names for n in per_rank})}))
+    dist.barrier()
+    return target
+
+
+def load_checkpoint(info: CheckpointInfo, named_params: list[tuple[str, nn.Parameter]],
+                    opt: torch.optim.Optimizer | None, *, model: str) -> None:
+    """Load the parameters (in place) and optimizer state this rank holds, by name."""
+    if info.model != model:
+        raise CheckpointError(f"{info.path}: the checkpoint is of model {info.model!r}, not {model!r}; "
+                              f"resume with the same model.")
+    meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {}
+    for name, p in named_params:
+        key = f"model/{name}"
+        if key not in meta:
+            raise CheckpointError(f"{info.path}: holds no parameter {name!r}; it was written for a "
+                                  f"different model version (it holds {len(info.parameter_names)} parameters).")
+        if tuple(meta[key].size) != tuple(p.shape):
+            raise CheckpointError(f"{info.path}: parameter {name!r} has shape {tuple(meta[key].size)} in the "
+                                  f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values.")
+        state[key] = p.detach()
+    opt_keys: dict[str, tuple[nn.Parameter, str]] = {}
+    if opt is not None:
+        for name, p in named_params:
+            prefix = f"optim/{name}/"
+            for key, m in meta.items():
+                if key.startswith(prefix):
+                    state[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                    opt_keys[key] = (p, key[len(prefix):])
+    dcp.load(state, checkpoint_id=info.path)
+    for key, (p, field) in opt_keys.items():
+        opt.state[p][field] = state[key]  # type: ignore[union-attr]
+
+
+# -- the two calls the worker's training loop makes --------------------------------------------
+
+def resume(cfg: CheckpointConfig, named_params: list[tuple[str, nn.Parameter]],
+           opt: torch.optim.Optimizer | None, *, model: str) -> int:
+    """Load cfg.resume's checkpoint when given; return the first step to run (0 without)."""
+    if not cfg.resume:
+        return 0
+    info = find_checkpoint(cfg.resume)
+    load_checkpoint(info, named_params, opt, model=model)
+    return info.step
+
+
+def save_if_due(cfg: CheckpointConfig, completed_steps: int, named_params: list[tuple[str, nn.Parameter]],
+                opt: torch.optim.Optimizer | None, *, rank: int, model: str) -> None:
+    """Save after every cfg.every_steps-th completed step (all ranks call it, same step)."""
+    if cfg.dir and cfg.saves_after(completed_steps):
+        save_checkpoint(cfg.dir, completed_steps, named_params, opt, rank=rank, model=model)
