@@ -35,6 +35,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "predict_cmd",
     "simulate_cmd",
     "run_cmd",
+    "report_cmd",
 )
 
 EXIT_USAGE = 2

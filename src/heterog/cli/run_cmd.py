@@ -3,12 +3,84 @@
 from __future__ import annotations
 
 import json
+import sys
+import tempfile
+import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from heterog.cli.output import console, human_time, print_json, print_table, write_json
+
+
+class _StepFollower:
+    """Prints one line per step while the ranks run (they append to steps_rank<R>.jsonl), with
+    a progress bar on a terminal. A thread, because api.run blocks until the ranks finish."""
+
+    def __init__(self, folder: Path, world_size: int, steps: int, say: Callable[[str], None] | None,
+                 bar: bool):
+        self.folder, self.world_size, self.steps, self.say = folder, world_size, steps, say
+        self.shown = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._bar = self._task = None
+        if bar and say is not None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self._bar = Progress(TextColumn("steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=console, transient=True)
+            self._task = self._bar.add_task("steps", total=steps)
+
+    def __enter__(self) -> "_StepFollower":
+        if self._bar is not None:
+            self._bar.start()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()  # the last lines, written just before the ranks exited
+        if self._bar is not None:
+            self._bar.stop()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self._poll()
+
+    def _poll(self) -> None:
+        from heterog.execute.steplog import read_run
+        lines = read_run(self.folder, self.world_size)
+        for line in lines[self.shown:]:
+            if self.say is not None:
+                text = (f"step {line.step + 1:>{len(str(self.steps))}}/{self.steps}  loss {line.loss:.4f}  "
+                        f"step {human_time(line.step_time_s)}  slowest rank {line.slowest_rank} "
+                        f"({line.slowest_device})")
+                (self._bar.console.print if self._bar is not None else self.say)(text)
+            if self._bar is not None:
+                self._bar.update(self._task, completed=line.step + 1)
+        self.shown = max(self.shown, len(lines))
+
+
+def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Path | None,
+                      trace: Path | None) -> None:
+    """Add the per-step lines and the measured spans to `result` (so a report can draw the
+    measured timeline) and write the JSON-lines file and the Chrome trace when asked."""
+    from heterog.execute.steplog import TRACE_FILE, read_run, write_jsonl
+    from heterog.execute.trace import RankSpans, chrome_trace
+
+    lines = read_run(folder, world_size)
+    result["step_lines"] = [line.to_dict() for line in lines]
+    recordings = []
+    for rank in range(world_size):
+        path = folder / TRACE_FILE.format(rank=rank)
+        if path.exists():
+            recordings.append(RankSpans.from_dict(json.loads(path.read_text())))
+    result["spans"] = [{**s.to_dict(), "device": r.device} for r in recordings for s in r.spans]
+    if steps_log is not None:
+        write_jsonl(steps_log, lines)
+    if trace is not None:
+        write_json(str(trace), chrome_trace(recordings))
 
 
 def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
@@ -34,6 +106,10 @@ def register(app: typer.Typer) -> None:
         logs: Optional[Path] = typer.Option(None, "--logs", help="Keep the ranks' logs in this folder."),
         profile: bool = typer.Option(False, "--profile", help="Predict from per-node times measured on "
                                      "this CPU (emulated clusters; a few seconds more)."),
+        steps_log: Optional[Path] = typer.Option(None, "--steps-log", help="Write one JSON line per step "
+                                                 "(step, loss, step time, slowest rank) here."),
+        trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace of the measured "
+                                             "steps per rank (opens in Perfetto beside `simulate --trace`)."),
     ) -> None:
         """Train a plan for N steps on synthetic data; measured vs predicted step time."""
         from heterog.execute import api
@@ -45,9 +121,15 @@ def register(app: typer.Typer) -> None:
             return
         if not as_json:
             console.print(f"running {p.strategy} plan of {p.model.name} for {steps} steps …")
-        result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
-                         shape_links=False if no_shaping else None, pin_cores=pin_cores, out_dir=logs,
-                         profile=profile)
+        world_size = len(api.rank_devices(p, api.plan_cluster(p)))
+        with tempfile.TemporaryDirectory(prefix="heterog-run-") as tmp:
+            folder = logs if logs is not None else Path(tmp)
+            say = None if as_json else console.print
+            with _StepFollower(folder, world_size, steps, say, bar=sys.stdout.isatty()):
+                result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
+                                 shape_links=False if no_shaping else None, pin_cores=pin_cores,
+                                 out_dir=folder, profile=profile)
+            _measured_outputs(folder, world_size, result, steps_log, trace)
         if out:
             write_json(str(out), result)
         if as_json:

@@ -18,11 +18,16 @@ def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | No
     stored in the plan (or --cluster); costs are the analytic model at the plan's precision
     and optimizer.
     """
-    from heterog.cost import build_cost_model
-    from heterog.ir.opgraph import OpGraph
     from heterog.ir.plan import Plan
 
-    plan = Plan.load(plan_path)
+    return inputs_for_plan(Plan.load(plan_path), graph_path, cluster_name, str(plan_path))
+
+
+def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, source: str):
+    """load_inputs for a Plan already in memory (`heterog report` reads it from `plan --json`)."""
+    from heterog.cost import build_cost_model
+    from heterog.ir.opgraph import OpGraph
+
     if graph_path is not None:
         graph = OpGraph.load(graph_path)
     else:
@@ -36,7 +41,7 @@ def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | No
         from heterog.hardware.spec import cluster_from_dict
         cluster = cluster_from_dict(plan.cluster)
     else:
-        raise PlanError(f"{plan_path}: field 'cluster' is empty, so the plan does not say which cluster "
+        raise PlanError(f"{source}: field 'cluster' is empty, so the plan does not say which cluster "
                         f"it is for; pass --cluster NAME_OR_FILE.")
     costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer)
     return plan, graph, cluster, costs

@@ -26,7 +26,9 @@ from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.p2p import P2P
 from heterog.execute.partition import build_dataflow, detach_unheld, param_numel_of_group
 from heterog.execute.runtime import Executor
+from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.sync import GradSync
+from heterog.execute.trace import SpanCategory, StepRecorder
 from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, with_data
 from heterog.ir.plan import Plan
 from heterog.jsonio import write_atomic
@@ -90,28 +92,40 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     first_step = checkpoint.resume(ckpt, named, opt, model=plan.model.name)
+    rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
+    step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
     for step in range(first_step, spec["steps"]):
         progress.write_text(str(step))
         _fault(spec, rank, step)
         inputs, targets = global_batch(work, plan.batch_size, seed=seed, step=step)
         dist.barrier()
+        rec.step = step
         t0 = time.perf_counter()
         c0, u0, w0 = ex.stats.compute_s, ex.stats.cpu_s, ex.stats.paced_s
         r0, s0 = p2p.recv_wait_s, sync.sync_s
-        for p in params:
-            p.grad = None
-        loss = ex.step(inputs, targets)
-        _fault(spec, rank, step, "mid")
-        p2p.wait_all()
-        sync.finish()
-        if opt is not None:
-            ex._timed(opt.step)
+        with rec.span(f"step {step}", SpanCategory.STEP):
+            for p in params:
+                p.grad = None
+            with rec.span("forward+backward", SpanCategory.COMPUTE):
+                loss = ex.step(inputs, targets)
+            _fault(spec, rank, step, "mid")
+            with rec.span("transfers", SpanCategory.TRANSFER):
+                p2p.wait_all()
+            with rec.span("sync", SpanCategory.SYNC):
+                sync.finish()
+            if opt is not None:
+                with rec.span("optimizer", SpanCategory.OPTIMIZER):
+                    ex._timed(opt.step)
         steps.append({"step_time_s": time.perf_counter() - t0, "loss": loss,
                       "compute_s": ex.stats.compute_s - c0, "cpu_s": ex.stats.cpu_s - u0,
                       "paced_s": ex.stats.paced_s - w0,
                       "recv_wait_s": p2p.recv_wait_s - r0, "sync_s": sync.sync_s - s0})
+        step_log.append(StepRecord(step=step, rank=rank, device=device, loss=float(loss),
+                                   step_time_s=steps[-1]["step_time_s"], compute_s=steps[-1]["compute_s"],
+                                   sync_s=steps[-1]["sync_s"], recv_wait_s=steps[-1]["recv_wait_s"]))
         checkpoint.save_if_due(ckpt, step + 1, named, opt, rank=rank, model=plan.model.name)
     progress.write_text("done")
+    write_atomic(out_dir / TRACE_FILE.format(rank=rank), json.dumps(rec.to_dict()))
     if spec.get("dump_params"):
         torch.save({name: p.detach().clone() for g in sorted(held)
                     for name, p in flow.params_of_group.get(g, [])}, out_dir / f"params_rank{rank}.pt")

@@ -1,0 +1,58 @@
+"""`heterog report PLAN [--run RUN.json] --out report.html`: see a plan (and a run) in a browser."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from heterog.cli.output import console, human_time, print_json
+
+
+def write_report(plan_path: Path, out: Path, *, run_path: Path | None = None, graph: Path | None = None,
+                 cluster: str | None = None) -> dict:
+    """Simulate the plan as `heterog simulate` does (same graph, cluster and costs, so the same
+    predicted time), build the page and write it atomically. Returns a summary."""
+    from heterog.cli.simulate_cmd import inputs_for_plan
+    from heterog.jsonio import write_atomic
+    from heterog.report import ReportInputs, build_report, load_plan_file, load_run
+    from heterog.simulate import simulate
+
+    t0 = time.perf_counter()
+    pf = load_plan_file(plan_path)
+    run = load_run(run_path) if run_path is not None else None
+    plan, g, c, costs = inputs_for_plan(pf.plan, graph, cluster, str(plan_path))
+    t1 = time.perf_counter()
+    sim = simulate(g, c, plan, costs)
+    t2 = time.perf_counter()
+    html = build_report(ReportInputs(plan=plan, sim=sim, cluster=c, candidates=pf.candidates, run=run))
+    write_atomic(out, html)
+    t3 = time.perf_counter()
+    return {"out": str(out), "bytes": len(html.encode()), "devices": len(c.devices),
+            "iteration_time_s": sim.iteration_time_s, "load_s": t1 - t0, "simulate_s": t2 - t1,
+            "render_s": t3 - t2, "total_s": t3 - t0}
+
+
+def report_command(
+    plan_path: Path = typer.Argument(..., help="A plan file (`heterog plan --out`) or `heterog plan --json` "
+                                     "output (which adds the candidates table)."),
+    out: Path = typer.Option(Path("report.html"), "--out", help="Where to write the HTML page."),
+    run: Optional[Path] = typer.Option(None, "--run", help="A run's JSON (`heterog run PLAN --out RUN.json`): "
+                                       "draw its measured step beside the simulated one."),
+    graph: Optional[Path] = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="Report on this cluster instead of the plan's."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Write one self-contained HTML page: per-device timelines, memory, placement, candidates, bottleneck."""
+    summary = write_report(plan_path, out, run_path=run, graph=graph, cluster=cluster)
+    if as_json:
+        print_json(summary)
+    else:
+        console.print(f"report written to {out} ({summary['bytes'] / 2**10:.0f} KiB, {summary['devices']} devices, "
+                      f"iteration {human_time(summary['iteration_time_s'])}); open it in a browser")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report")(report_command)
