@@ -25,17 +25,19 @@ from typing import Sequence
 
 import numpy as np
 
+from heterog.ir.kinds import Precision
 from heterog.errors import ClusterError, PlanError
-from heterog.hardware.catalog import host_overheads
+from heterog.hardware.catalog import host_costs, host_overheads
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.gputype import GpuType
 from heterog.ir.opgraph import OpGraph
 from heterog.cost import comm
 from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
+from heterog.cost.host import autocast_casts, host_times_s
 from heterog.cost.memory import TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
-PRECISIONS = ("fp32", "amp-bf16", "fp16")
+PRECISIONS = tuple(Precision)
 E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math rarely beats half of peak
 # Kernel efficiency relative to a square GEMM of the same work. Attention kernels pay for the
 # softmax between their two products. cuDNN convolutions on tensor cores (TF32/BF16/FP16) reach
@@ -61,6 +63,8 @@ def _matmul_precision(kind: str, precision: str, gpu: GpuType) -> str:
         want = "bf16"
     elif precision == "fp16":
         want = "fp16"
+    elif precision == "tf32":
+        want = "tf32"           # torch.backends.cuda.matmul.allow_tf32 = True
     else:
         want = "tf32" if kind == "conv" else "fp32"
     return want if gpu.peak_flops_per_s.get(want, 0.0) > 0 else "fp32"
@@ -82,15 +86,19 @@ class _TypeTable:
         bytes_obj = [(n.fwd_bytes if fw else n.bwd_bytes) for n in nodes]
         self.bytes_fixed = np.array([b.fixed for b in bytes_obj]) * factor
         self.bytes_ps = np.array([b.per_sample for b in bytes_obj]) * factor
-        if precision in ("amp-bf16", "fp16") and fw:
-            # autocast casts each fp32 weight to half once per forward: read 4 B, write 2 B
-            self.bytes_fixed = self.bytes_fixed + np.array(
-                [1.5 * n.param_bytes if n.kind in TENSOR_CORE_KINDS else 0.0 for n in nodes])
+        self.casts = autocast_casts(graph, precision) if gpu.vendor != "cpu" else None
+        if self.casts is not None:
+            # autocast's casts (forward: weights and fp32 inputs to half; backward: their
+            # gradients back to fp32) read 4 B and write 2 B per element, or the reverse
+            self.bytes_fixed = self.bytes_fixed + self.casts.bytes_fixed
+            self.bytes_ps = self.bytes_ps + self.casts.bytes_per_sample
         self.tc_fixed, self.tc_ps = flops_fixed * tc, flops_ps * tc
         self.other_fixed, self.other_ps = flops_fixed * (1 - tc), flops_ps * (1 - tc)
         kernels = np.array([float(n.fwd_kernels if fw else n.bwd_kernels) for n in nodes])
         has_work = (flops_fixed + flops_ps + self.bytes_fixed + self.bytes_ps) > 0
         self.kernels = np.where((kernels == 0) & has_work, 1.0, kernels)
+        if self.casts is not None:
+            self.kernels = self.kernels + self.casts.count
         # one curve per distinct (precision used) — conv may differ from matmul
         self.peak_tc = np.zeros(len(nodes))
         self.kind_factor = np.ones(len(nodes))
@@ -104,7 +112,8 @@ class _TypeTable:
                 self.curve_of.append(gpu_curve(gpu, p))
             curve_index[i] = curves[p]
             self.peak_tc[i] = gpu.peak_flops_per_s[p]
-            self.kind_factor[i] = _kind_factor(n.kind, gpu, p)
+            self.kind_factor[i] = _kind_factor(n.kind, gpu, p) * (
+                gpu.efficiency.compute_factor(p) if gpu.vendor != "cpu" else 1.0)
         self.curve_index = curve_index
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
         kind_eff = {k: memory_efficiency(gpu, k, phase) for k in {n.kind for n in nodes}}
@@ -115,6 +124,8 @@ class _TypeTable:
         self.synchronous = oh.synchronous
         self.dispatch = oh.dispatch_s if fw or oh.backward_dispatch_s is None else oh.backward_dispatch_s
         self.kernel_gap = oh.kernel_gap_s
+        # GPU: the host's time per node (dispatch, autograd, autocast), paced op by op
+        self.host_s = None if self.synchronous else host_times_s(graph, host_costs(gpu), phase, self.casts)
         # CPU: outputs (forward) and gradients (backward) above glibc's mmap threshold land
         # on fresh pages every step; workspace_bytes is the largest such tensor a node makes
         big = oh.fresh_threshold_bytes
@@ -164,7 +175,9 @@ class _TypeTable:
                 o = self._out_fixed[idx] + self._out_ps[idx] * batch
                 roof = np.maximum(roof, self._element_s[idx] * o)
             return roof + k * self.dispatch
-        return np.maximum(roof + k * self.kernel_gap, k * self.dispatch)
+        # The host runs ahead while the GPU is busy and the GPU idles while the host is
+        # behind: each node takes whichever is longer (cost/host.py)
+        return np.maximum(roof + k * self.kernel_gap, self.host_s[idx])
 
 
 def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:

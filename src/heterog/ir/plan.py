@@ -13,15 +13,16 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
 from heterog.errors import ArtifactError, PlanError
 from heterog.jsonio import load_artifact, parse_artifact, save_artifact
 
 SCHEMA_VERSION = 1
 KIND = "heterog.Plan"
 
-SYNC_METHODS = ("none", "ring", "tree", "hierarchical", "ps")
-SCHEDULES = ("gpipe", "1f1b")
-PRECISIONS = ("fp32", "amp-bf16", "fp16")
+SYNC_METHODS = tuple(SyncMethod)
+SCHEDULES = tuple(PipelineSchedule)
+PRECISIONS = tuple(Precision)
 OPTIMIZERS = ("sgd", "adamw")
 SHARE_TOLERANCE = 1e-6
 

@@ -80,7 +80,7 @@ class ClusterInfo:
         """
         hit = self._rings.get(members)
         if hit is None:
-            order = sorted(members, key=lambda d: (self.node_rank[d], d))
+            order = self.ring_order(members)
             n = len(order)
             per_hop = 2.0 * (n - 1) / n if n > 1 else 0.0
             load: dict[int, float] = {}
@@ -90,6 +90,11 @@ class ClusterInfo:
             hit = (tuple(sorted(load)), load)
             self._rings[members] = hit
         return hit
+
+    def ring_order(self, members) -> list[int]:
+        """The order of a collective's members: by node, so a ring crosses each NIC once per
+        direction (NCCL's topology-aware rings); the executor's collectives follow it."""
+        return sorted(members, key=lambda d: (self.node_rank[d], d))
 
     def star(self, members: tuple[int, ...], server: int) -> tuple[tuple[int, ...], dict[int, float]]:
         """Parameter server: each member sends its gradient to the server and gets parameters back."""

@@ -24,7 +24,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block, make_blocks
-from heterog.lower.context import ClusterInfo, SimCache
+from heterog.lower.context import ClusterInfo, Grouping, SimCache
 from heterog.lower.order import reference_order
 from heterog.lower.tasks import Tasks, expand
 
@@ -34,6 +34,7 @@ class Schedule:
     """One iteration's tasks and the order every device runs them in."""
     plan: Plan
     info: ClusterInfo
+    grouping: Grouping
     blocks: list[Block]
     tasks: Tasks
     order: list[int]          # task ids in the global reference order
@@ -88,4 +89,4 @@ def build_schedule(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, cache
     if order is None:   # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
         order = reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
     assert order is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
-    return Schedule(plan=plan, info=info, blocks=blocks, tasks=tasks, order=order, merged=merge)
+    return Schedule(plan=plan, info=info, grouping=grp, blocks=blocks, tasks=tasks, order=order, merged=merge)

@@ -31,7 +31,8 @@ class Tasks:
 
     __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
-                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources")
+                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
+                 "xfer_blocks")
 
     def __init__(self, blocks: list[Block], n_devices: int):
         self.kind: list[int] = []
@@ -54,6 +55,7 @@ class Tasks:
         self.stage_limit = [1] * n_devices       # 1F1B: micro-batches in flight per device
         self.bwd_count: dict[tuple[int, int], int] = {}
         self.rep: list[int] = list(range(n_devices))  # device whose tasks stand for this one's
+        self.xfer_blocks: dict[int, tuple[int, int]] = {}   # transfer → (producer, consumer block)
 
     def add(self, kind: int, dur: float, dev: int, key: tuple, mb: int) -> int:
         t = len(self.kind)
@@ -175,6 +177,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     tasks.rep = rep
     mem = tasks.mem
     kinds, succ, comm, lb = tasks.kind, tasks.succ, tasks.comm, tasks.link_bytes
+    xfer_blocks = tasks.xfer_blocks
     # forward/backward tasks are most of the tasks: append to the columns directly
     a_kind, a_dur, a_dev, a_links = kinds.append, tasks.dur.append, tasks.dev.append, tasks.links.append
     a_succ, a_key, a_mb = tasks.succ.append, tasks.key.append, tasks.mb.append
@@ -273,6 +276,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                     a_me(None)
                     comm[xf] = ((da, db), nbytes, bi)
                     comm[xb] = ((db, da), nbytes, a)
+                    xfer_blocks[xf] = xfer_blocks[xb] = (a, bi)
                     succ[fa].append(xf)
                     succ[bb].append(xb)
                     mem(fb, False, db, -nbytes)
@@ -431,6 +435,7 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     comm = tasks.comm
     for t in seg_comm:      # the segment's communication tasks
         comm[t + off] = comm[t]
+        tasks.xfer_blocks[t + off] = tasks.xfer_blocks[t]
     for l, v in seg_link_bytes.items():
         tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + v
     for bi in range(len(F[m0])):

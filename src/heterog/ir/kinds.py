@@ -1,0 +1,39 @@
+"""The kinds every stage shares, each defined once. StrEnum members compare equal to their
+strings, so artifacts keep plain strings in JSON and code compares with the members."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Precision(StrEnum):
+    FP32 = "fp32"
+    AMP_BF16 = "amp-bf16"     # autocast to bfloat16, fp32 master weights
+    FP16 = "fp16"             # autocast to float16, fp32 master weights, gradient scaler
+
+
+class SyncMethod(StrEnum):
+    """How the gradients of a replicated group are combined."""
+    NONE = "none"
+    RING = "ring"
+    TREE = "tree"
+    HIERARCHICAL = "hierarchical"
+    PS = "ps"
+
+
+class PipelineSchedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+class Phase(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"     # of a recomputing block: runs its forward again first
+
+
+class InstructionKind(StrEnum):
+    COMPUTE = "compute"
+    SEND = "send"
+    RECV = "recv"
+    COLLECTIVE = "collective"
+    OPTIMIZER = "optimizer"
