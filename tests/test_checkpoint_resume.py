@@ -1,0 +1,119 @@
+"""Fault test on real gloo processes: a rank killed in the middle of step 5 of a 10-step run
+that checkpoints every 2 steps; the run resumes from the last complete checkpoint (after 4
+steps) and ends with the parameters of an uninterrupted 10-step run — under the same plan,
+and under a plan for one device fewer (same global batch), loading by parameter name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from heterog.errors import CheckpointError, RankError
+from heterog.execute.api import run
+from heterog.execute.checkpoint import MARKER, CheckpointConfig, find_checkpoint
+from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
+MODEL = "tests/test_execute_models.py:mlp"
+NODES = ("fc1", "act1", "fc2", "act2", "fc3")
+STEPS = 10
+
+
+def _replicas(*pairs) -> tuple[Replica, ...]:
+    return tuple(Replica(device=d, share=s) for d, s in pairs)
+
+
+def three_device_plan() -> Plan:
+    """Even data parallelism over a, b, c with AdamW (so optimizer state must be restored)."""
+    return Plan(strategy="test", model=ModelSpec(name=MODEL, batch_size=12), optimizer="adamw",
+                groups=(Group(name="all", nodes=NODES, sync="ring",
+                              replicas=_replicas(("a", 1 / 3), ("b", 1 / 3), ("c", 1 / 3))),)).validate()
+
+
+def two_device_plan() -> Plan:
+    """Device c lost: a different plan shape too — the front on a alone, the back split 0.6/0.4."""
+    return Plan(strategy="test", model=ModelSpec(name=MODEL, batch_size=12), optimizer="adamw",
+                groups=(Group(name="front", nodes=NODES[:2], replicas=_replicas(("a", 1.0))),
+                        Group(name="back", nodes=NODES[2:], sync="ring",
+                              replicas=_replicas(("a", 0.6), ("b", 0.4))))).validate()
+
+
+def _params(folder: Path, ranks: int) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in range(ranks):
+        out.update(torch.load(folder / f"params_rank{r}.pt"))
+    return out
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel_tol: float) -> None:
+    assert set(got) == set(want)
+    for name, w in want.items():
+        rel = ((got[name] - w).norm() / w.norm().clamp_min(1e-12)).item()
+        assert rel <= rel_tol, f"{name}: relative difference {rel:.2e} > {rel_tol:g}"
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """The uninterrupted reference run, and a checkpoint folder left by a run whose rank 1
+    died in the middle of step 5 (after backward, while the others wait in the sync)."""
+    root = tmp_path_factory.mktemp("resume")
+    run(three_device_plan(), steps=STEPS, out_dir=root / "full", dump_params=True, predict=False,
+        timeout_s=20)
+    ckpt = root / "ckpt"
+    with pytest.raises(RankError) as info:
+        run(three_device_plan(), steps=STEPS, out_dir=root / "cut", predict=False, timeout_s=10,
+            fault={"rank": 1, "kind": "die", "step": 4, "phase": "mid"},
+            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict())
+    assert info.value.rank == 1
+    return root, _params(root / "full", 3), ckpt
+
+
+@pytest.mark.slow
+def test_killed_run_left_complete_checkpoints_up_to_step_4(interrupted):
+    _, _, ckpt = interrupted
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
+    assert all((p / MARKER).is_file() for p in ckpt.iterdir())
+    info = find_checkpoint(ckpt)
+    assert info.step == 4
+    assert set(info.parameter_names) == {f"{n}.{k}" for n in ("fc1", "fc2", "fc3") for k in ("weight", "bias")}
+
+
+@pytest.mark.slow
+def test_resume_under_the_same_plan_equals_the_uninterrupted_run(interrupted):
+    root, want, ckpt = interrupted
+    out = run(three_device_plan(), steps=STEPS, out_dir=root / "same", dump_params=True, predict=False,
+              timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    assert len(out["losses"]) == STEPS - 4  # steps 5..10: none lost, none repeated
+    _assert_close(_params(root / "same", 3), want, 1e-6)
+
+
+@pytest.mark.slow
+def test_resume_on_one_device_fewer_loads_by_name(interrupted):
+    root, want, ckpt = interrupted
+    out = run(two_device_plan(), steps=STEPS, out_dir=root / "fewer", dump_params=True, predict=False,
+              timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    assert out["devices"] == ["a", "b"] and len(out["losses"]) == STEPS - 4
+    _assert_close(_params(root / "fewer", 2), want, 1e-5)
+
+
+def test_incomplete_checkpoint_is_ignored_and_named(tmp_path):
+    (tmp_path / "step-00000006").mkdir()  # a save stopped before its marker
+    with pytest.raises(CheckpointError, match="step-00000006 lack their COMPLETE.json"):
+        find_checkpoint(tmp_path)
+
+
+def test_resume_beyond_the_requested_steps_is_refused_before_starting_ranks(tmp_path):
+    folder = tmp_path / "step-00000010"
+    folder.mkdir()
+    (folder / MARKER).write_text('{"format": 1, "step": 10, "model": "%s", "parameter_names": []}' % MODEL)
+    with pytest.raises(CheckpointError, match="already holds 10 completed steps"):
+        run(three_device_plan(), steps=10, predict=False,
+            checkpoint=CheckpointConfig(resume=str(tmp_path)).to_dict())
+
+
+def test_checkpoint_options_are_checked():
+    with pytest.raises(CheckpointError, match="needs --checkpoint-dir"):
+        CheckpointConfig(every_steps=2)
+    with pytest.raises(CheckpointError, match="≥ 1"):
+        CheckpointConfig(dir="x", every_steps=-1)
