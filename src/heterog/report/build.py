@@ -35,10 +35,11 @@ class ReportInputs:
 
 def _rows_shown(inp: ReportInputs) -> tuple[list[str], str]:
     """The devices drawn (cluster order) and a note when some are left out."""
-    devices = [d.name for d in inp.cluster.devices if d.name in inp.sim.peak_memory_bytes]
+    devices = [d.name for d in inp.cluster.devices]   # unused ones too: an idle row is a finding
     if len(devices) <= MAX_TIMELINE_ROWS:
         return devices, ""
-    keep = set(sorted(devices, key=lambda d: inp.sim.idle_time_s.get(d, 0.0))[:MAX_TIMELINE_ROWS // 2])
+    busy = [d for d in devices if d in inp.sim.idle_time_s]
+    keep = set(sorted(busy, key=lambda d: inp.sim.idle_time_s[d])[:MAX_TIMELINE_ROWS // 2])
     return ([d for d in devices if d in keep],
             f"showing the {len(keep)} busiest of {len(devices)} devices (least idle time)")
 
@@ -115,10 +116,12 @@ def _memory(inp: ReportInputs) -> str:
     devices, cut = _rows_shown(inp)
     rows = []
     for d in devices:
-        peak, cap = inp.sim.peak_memory_bytes[d], inp.sim.memory_capacity_bytes[d]
+        peak = inp.sim.peak_memory_bytes.get(d, 0)
+        cap = inp.sim.memory_capacity_bytes.get(d) or inp.cluster.memory_bytes(d)
+        text = (f"{human_bytes(peak)} / {human_bytes(cap)} ({100 * peak / max(cap, 1):.0f} %)"
+                if d in inp.sim.peak_memory_bytes else f"unused / {human_bytes(cap)}")
         rows.append(svg.MemoryRow(device=d, label=d, points=tuple(inp.sim.memory_timeline.get(d, ())),
-                                  peak_bytes=peak, capacity_bytes=cap,
-                                  text=f"{human_bytes(peak)} / {human_bytes(cap)} ({100 * peak / max(cap, 1):.0f} %)"))
+                                  peak_bytes=peak, capacity_bytes=cap, text=text))
     missing = "" if inp.sim.memory_timeline else (" The simulator gave no memory timeline for this plan, so the "
                                                   "rows show nothing over time; the figures are the peaks.")
     return (f"<h2>Memory over the iteration</h2><p class=muted>Memory in use per device; the dashed line is the "
