@@ -7,9 +7,19 @@ import torch
 
 from heterog.errors import PlanError
 from heterog.execute.partition import INPUT, build_dataflow, fx_node_names, split_model
-from heterog.execute.runtime import StepProgram
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from test_execute_models import MLP, Branchy, Repeat, ResMLP, TinyVGG
+
+
+def _old_runtime():
+    """The transfer-table tests read the step runtime's internals, which issue 9 replaces."""
+    runtime = pytest.importorskip("heterog.execute.runtime")
+    if not hasattr(runtime, "StepProgram"):
+        pytest.skip("the step runtime is being rewritten as a Program interpreter (issue 9)")
+    return runtime
+
+
+VEC = (torch.randn(8, 16),)  # an example batch to export the vector models with
 
 
 def _plan(groups, batch_size=8, microbatches=1) -> Plan:
@@ -44,7 +54,7 @@ def test_node_names_follow_capture_naming_with_repeat_suffix():
 def test_loose_ops_follow_their_producer_and_split_is_exact():
     model = ResMLP()
     plan = _plan([_g("a", ["inp", "block.0"], "d0"), _g("b", ["block.1", "out"], "d1")])
-    flow = split_model(model, plan)
+    flow = split_model(model, plan, VEC)
     # inp, block.0 | block.1 (Tanh) | the residual add and .relu() follow their first operand
     # (inp's output, group a) | out
     assert [s.group for s in flow.stages] == [0, 1, 0, 1]
@@ -59,7 +69,7 @@ def test_interleaved_groups_become_consecutive_stages():
     # a → b → a: each run of one placement is its own stage; no cycle between stages.
     model = MLP()
     plan = _plan([_g("a", ["fc1", "act1", "fc3"], "d0"), _g("b", ["fc2", "act2"], "d1")])
-    flow = split_model(model, plan)
+    flow = split_model(model, plan, VEC)
     assert [s.group for s in flow.stages] == [0, 1, 0]
     x = torch.randn(8, 16)
     assert torch.allclose(_run_stages(flow, x), model(x))
@@ -68,32 +78,38 @@ def test_interleaved_groups_become_consecutive_stages():
 def test_groups_with_one_placement_merge_into_one_stage():
     model = MLP()
     plan = _plan([_g("a", ["fc1", "act1"], "d0", "d1"), _g("b", ["fc2", "act2", "fc3"], "d0", "d1")])
-    flow = split_model(model, plan)
+    flow = split_model(model, plan, VEC)
     assert len(flow.stages) == 1
     assert sorted(flow.params_of_group) == [0, 1]  # still synchronised per group
 
 
-def test_tied_parameter_across_groups_is_rejected():
+def test_module_called_in_two_groups_is_a_tied_parameter_held_by_both():
+    model = Repeat()
     plan = _plan([_g("a", ["shared"], "d0"), _g("b", ["shared#1", "head"], "d1")])
-    with pytest.raises(PlanError, match="tied weights"):
-        split_model(Repeat(), plan)
+    flow = split_model(model, plan, VEC)
+    assert flow.tied == {"shared.weight": (0, 1), "shared.bias": (0, 1)}
+    held = {g: [n for n, _ in ps] for g, ps in flow.params_of_group.items()}
+    assert held == {0: ["shared.weight", "shared.bias"],
+                    1: ["shared.weight", "shared.bias", "head.weight", "head.bias"]}
+    x = VEC[0]
+    assert torch.allclose(_run_stages(flow, x), model(x))
 
 
 def test_plan_for_another_model_is_rejected():
     plan = _plan([_g("a", ["conv1", "conv2"], "d0")])
     with pytest.raises(PlanError, match="different model"):
-        split_model(MLP(), plan)
+        split_model(MLP(), plan, VEC)
 
 
 def test_untraceable_model_runs_unsplit_only_under_data_parallelism():
     dp = _plan([_g("a", ["fc1"], "d0", "d1"), _g("b", ["fc2"], "d0", "d1")])
-    flow = build_dataflow(Branchy(), dp, num_inputs=1)
+    flow = build_dataflow(Branchy(), dp, 1, VEC)
     assert not flow.split and len(flow.stages) == 1
     assert {g: [n for n, _ in ps] for g, ps in flow.params_of_group.items()} == \
         {0: ["fc1.weight", "fc1.bias"], 1: ["fc2.weight", "fc2.bias"]}
     mp = _plan([_g("a", ["fc1"], "d0"), _g("b", ["fc2"], "d1")])
-    with pytest.raises(PlanError, match="cannot be traced.*data parallelism"):
-        build_dataflow(Branchy(), mp, num_inputs=1)
+    with pytest.raises(PlanError, match="cannot be exported.*data parallelism"):
+        build_dataflow(Branchy(), mp, 1, VEC)
 
 
 def test_transfer_table_covers_each_consumer_range_exactly():
@@ -103,8 +119,8 @@ def test_transfer_table_covers_each_consumer_range_exactly():
                   Group(name="b", nodes=("fc2", "act2", "fc3"), sync="ring",
                         replicas=(Replica(device="d1", share=0.5), Replica(device="d2", share=0.5)))],
                  batch_size=10, microbatches=2)
-    flow = split_model(model, plan)
-    prog = StepProgram(plan, flow, {"d0": 0, "d1": 1, "d2": 2})
+    flow = split_model(model, plan, VEC)
+    prog = _old_runtime().StepProgram(plan, flow, {"d0": 0, "d1": 1, "d2": 2})
     for (si, ai, m, dst), pieces in prog.inputs.items():
         lo, hi = prog.my_range(flow.stages[si].group, m, dst)
         covered = sorted((p.lo, p.hi) for p in pieces)
@@ -139,26 +155,26 @@ class _TwoBranch(torch.nn.Module):
 
 def test_plan_priorities_order_independent_stages():
     groups = [_g("l", ["left"], "d0"), _g("r", ["right"], "d1"), _g("h", ["head"], "d0")]
-    plain = split_model(_TwoBranch(), _plan(groups))
+    plain = split_model(_TwoBranch(), _plan(groups), VEC)
     assert [s.group for s in plain.stages][:2] == [0, 1]
     from dataclasses import replace
     ranked = replace(_plan(groups), priorities={"left": 1.0, "right": 5.0, "head": 0.0})
-    flow = split_model(_TwoBranch(), ranked)
+    flow = split_model(_TwoBranch(), ranked, VEC)
     order = [s.group for s in flow.stages]
     assert order == [1, 0, 0], order  # right first; head (with the cat) after both
     x = torch.randn(8, 16)
     model = _TwoBranch()
-    assert torch.allclose(_run_stages(split_model(model, ranked), x), model(x))
+    assert torch.allclose(_run_stages(split_model(model, ranked, VEC), x), model(x))
 
 
 def test_1f1b_keeps_at_most_one_microbatch_per_stage_in_flight():
     from heterog.execute.p2p import P2P
     from heterog.execute.emulation import Pacer
-    from heterog.execute.runtime import Executor
+    Executor = _old_runtime().Executor
     from dataclasses import replace
     plan = replace(_plan([_g("a", ["fc1", "act1"], "d0"), _g("b", ["fc2", "act2", "fc3"], "d1")],
                          batch_size=8, microbatches=4), schedule="1f1b")
-    flow = split_model(MLP(), plan)
+    flow = split_model(MLP(), plan, VEC)
     ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1},
                   p2p=P2P(0, 1.0), pacer=Pacer(1.0))
     events = ex.events()
@@ -183,8 +199,8 @@ def test_local_piece_of_a_longer_local_range_is_sliced():
                  batch_size=5)
     from heterog.execute.emulation import Pacer
     from heterog.execute.p2p import P2P
-    from heterog.execute.runtime import Executor
-    flow = split_model(MLP(), plan)
+    Executor = _old_runtime().Executor
+    flow = split_model(MLP(), plan, VEC)
     ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1, "d2": 2},
                   p2p=P2P(0, 1.0), pacer=Pacer(1.0))
     env = {(flow.stages[0].value, 0): torch.randn(4, 32)}
@@ -196,8 +212,8 @@ def test_non_batch_first_value_crossing_ranges_is_a_clear_error():
     plan = _plan([_g("a", ["fc1", "act1"], "d0"), _g("b", ["fc2", "act2", "fc3"], "d0", "d1")], batch_size=4)
     from heterog.execute.emulation import Pacer
     from heterog.execute.p2p import P2P
-    from heterog.execute.runtime import Executor
-    flow = split_model(MLP(), plan)
+    Executor = _old_runtime().Executor
+    flow = split_model(MLP(), plan, VEC)
     ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1},
                   p2p=P2P(0, 1.0), pacer=Pacer(1.0))
     env = {(flow.stages[0].value, 0): torch.randn(1, 32)}  # a broadcast mask, not 4 samples

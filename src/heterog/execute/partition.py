@@ -1,40 +1,53 @@
-"""Split a model into per-group submodules that follow a Plan's groups.
+"""Split a model into per-stage submodules that follow a Plan's groups.
 
-The model is traced with torch.fx, treating every module without children as a leaf, the
-same leaves capture (helper A) names: a `call_module` fx node is named by its target, with
-'#k' appended on its k-th repeated call (k ≥ 1), exactly like an OpGraph node, so it takes
-the group the plan gives that name.
+The model is exported to one aten graph (split_export.py: torch.export, non-strict, with a
+symbolic batch), so every model the capture accepts can be cut, Hugging Face models
+included. Each aten node inside a leaf-module call carries that call's capture node name
+('#k' on the k-th repeated call) and takes the group the plan gives that name.
 
-Loose fx nodes (functions, methods, attribute reads), which capture names
-'<parent>::<aten op>@k' and which have no one-to-one fx counterpart, follow a fixed rule:
+Loose nodes (ops a container module runs itself: residual adds, attention reshapes), which
+capture names '<parent>::<aten op>@k' and which have no one-to-one aten counterpart, follow
+a fixed rule:
   1. a loose node joins the group of its first input that already has a group (producer);
   2. one with no grouped input (it reads only model inputs, attributes or constants) joins
      the group of its first consumer that has a group;
   3. one with neither (dead code) joins the first group.
 So a residual add runs where its first operand was computed.
 
-Execution cuts the graph into *stages*: maximal runs of consecutive fx nodes (in execution
-order) whose groups have the same replicas and shares. A stage is therefore one or more
-groups run back to back without a transfer between them (the planner often emits many
-small groups with one placement), and stages follow each other in topological order, so
-any grouping of the graph can be executed. torch.fx's split_module cuts one submodule per
-stage. Gradients are still synchronised per group, by each group's own method.
+Execution cuts the graph into *stages*: maximal runs of consecutive nodes (in execution
+order) whose groups have the same replicas and shares. A stage is one or more groups run
+back to back without a transfer between them, and stages follow each other in topological
+order, so any grouping of the graph can be executed. Three rules keep every cut runnable:
+- values that do not depend on input data (parameters read through a batch-independent
+  module, position ids, masks and `arange(batch)` built from sizes, SymInt sizes) never
+  cross a cut: each stage that uses one recomputes it from its own inputs (`_replicate`);
+- a tensor whose samples are not along dim 0 is made batch-first for the transfer and
+  restored on the other side (`_adapt_layouts`; seq-first XLNet, flattened batch × seq);
+- a tensor without a sample dimension that needs gradients (a reduction over the batch)
+  cannot cross: the split names the two nodes that must share a placement.
+`executable_cut_errors` lists those last cases for a whole model, for the planner.
 
-A model fx cannot trace can still run a plan that needs no split (`whole_model`): every
-group on the same replicas with the same shares, i.e. data parallelism, which is how
-Hugging Face models run.
+A parameter used by nodes of several groups (a tied embedding and output projection, or a
+batch-independent module recomputed in several stages) is *tied*: every group using it holds
+a copy, listed in `Dataflow.tied`, whose gradients sync.py sums across all holders every step.
+
+A model torch.export cannot take (Python control flow on tensor values) still runs a plan
+that needs no split (`whole_model`): every group on the same replicas with the same shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from heterog.errors import PlanError
+from heterog.execute.split_export import ExportedModel, LayoutKind, export_model
 from heterog.ir.plan import Plan
 
 INPUT = -1  # owner of model inputs: every rank has the whole global batch
@@ -42,7 +55,7 @@ INPUT = -1  # owner of model inputs: every rank has the whole global batch
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stage:
-    """One call of a group's submodule in the top-level dataflow."""
+    """One call of a stage's submodule in the top-level dataflow."""
     value: str                  # name of the value it produces
     group: int                  # a group of the stage (all its groups share this placement)
     module: nn.Module
@@ -52,7 +65,11 @@ class Stage:
 
 @dataclass(kw_only=True)
 class Dataflow:
-    """The split model: stages in topological order and how values flow between them."""
+    """The split model: stages in topological order and how values flow between them.
+
+    `params_of_group` is this rank's view (detach_unheld lists a tied parameter under one
+    held group only, so an optimizer never sees it twice); `param_names` keeps every group's
+    full list, the same on every rank, for gradient sync."""
     inputs: tuple[str, ...]                      # model inputs, in call order
     stages: tuple[Stage, ...]
     projections: dict[str, tuple[str, int]]      # value → (stage value, tuple index)
@@ -60,6 +77,10 @@ class Dataflow:
     output: str                                  # the value the loss is computed on
     params_of_group: dict[int, list[tuple[str, nn.Parameter]]] = field(default_factory=dict)
     param_numels: dict[int, list[int]] = field(default_factory=dict)  # kept after detach_unheld
+    param_names: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    param_numel: dict[str, int] = field(default_factory=dict)
+    param_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # name → groups holding a copy
     warnings: list[str] = field(default_factory=list)
     split: bool = True                           # False: the whole model is one stage
 
@@ -73,19 +94,16 @@ class _LeafTracer(fx.Tracer):
 
 
 def fx_node_names(model: nn.Module) -> list[str]:
-    """The leaf-module call names the tracer sees, in execution order (for tests and checks)."""
+    """The leaf-module call names torch.fx's tracer sees, in execution order, for models it
+    can trace (tests compare them with the capture's names; the split itself uses export)."""
     graph = _LeafTracer().trace(model)
-    return [name for _, name in _module_call_names(graph)]
-
-
-def _module_call_names(graph: fx.Graph) -> list[tuple[fx.Node, str]]:
     seen: dict[str, int] = {}
     out = []
     for n in graph.nodes:
         if n.op == "call_module":
             k = seen.get(n.target, 0)
             seen[n.target] = k + 1
-            out.append((n, n.target if k == 0 else f"{n.target}#{k}"))
+            out.append(n.target if k == 0 else f"{n.target}#{k}")
     return out
 
 
@@ -93,49 +111,50 @@ def _group_of_names(plan: Plan) -> dict[str, int]:
     return {name: i for i, g in enumerate(plan.groups) for name in g.nodes}
 
 
-def assign_groups(graph: fx.Graph, plan: Plan) -> tuple[dict[fx.Node, int], list[str]]:
-    """Every computing fx node → group index, by the rule in the module docstring."""
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def assign_groups(exported: ExportedModel, plan: Plan) -> tuple[dict[fx.Node, int], list[str]]:
+    """Every data node → group index, by the rule in the module docstring. Nodes that do
+    not depend on input data are left out: they are recomputed where needed (_replicate)."""
     by_name = _group_of_names(plan)
-    assign: dict[fx.Node, int] = {}
+    calls = list(dict.fromkeys(exported.leaf_name.values()))
+    unmatched = [name for name in calls if name not in by_name]
     warnings: list[str] = []
-    calls = _module_call_names(graph)
-    unmatched = [name for _, name in calls if name not in by_name]
     if calls and len(unmatched) == len(calls):
-        raise PlanError(f"none of the model's {len(calls)} module calls (e.g. {calls[0][1]!r}) is "
+        raise PlanError(f"none of the model's {len(calls)} module calls (e.g. {calls[0]!r}) is "
                         f"named in the plan's groups (e.g. {plan.groups[0].nodes[:2]}); the plan "
                         f"was made for a different model. Re-plan for {plan.model.name!r}.")
     if unmatched:
         warnings.append(f"{len(unmatched)} module call(s) not named in the plan follow their "
                         f"producer's group, e.g. {unmatched[:3]}")
-    for node, name in calls:
-        if name in by_name:
-            assign[node] = by_name[name]
-    compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    compute = [n for n in _compute_nodes(exported.module) if n in exported.data]
+    assign = {n: by_name[exported.leaf_name[n]] for n in compute
+              if exported.leaf_name.get(n) in by_name}
     for n in compute:  # rule 1: follow the producer
-        if n in assign:
-            continue
-        for a in n.all_input_nodes:
-            if a in assign:
-                assign[n] = assign[a]
-                break
+        if n not in assign:
+            g = next((assign[a] for a in n.all_input_nodes if a in assign), None)
+            if g is not None:
+                assign[n] = g
     for n in reversed(compute):  # rule 2: follow the consumer
-        if n in assign:
-            continue
-        for u in n.users:
-            if u in assign:
-                assign[n] = assign[u]
-                break
+        if n not in assign:
+            g = next((assign[u] for u in n.users if u in assign), None)
+            if g is not None:
+                assign[n] = g
     for n in compute:  # rule 3: dead code
         assign.setdefault(n, 0)
     return assign, warnings
 
 
-def segments(graph: fx.Graph, assign: dict[fx.Node, int], plan: Plan) -> dict[fx.Node, int]:
-    """fx node → stage index: a new stage starts wherever the placement changes."""
+def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan) -> dict[fx.Node, int]:
+    """Data node → stage index: a new stage starts wherever the placement changes. A
+    getitem stays with the node it unpacks (a tuple never crosses a cut)."""
     seg: dict[fx.Node, int] = {}
     current, last = -1, None
-    for n in graph.nodes:
-        if n not in assign:
+    for n in order:
+        if n.target is operator.getitem and n.args[0] in seg:
+            seg[n] = seg[n.args[0]]
             continue
         placement = plan.groups[assign[n]].replicas
         if placement != last:
@@ -145,20 +164,143 @@ def segments(graph: fx.Graph, assign: dict[fx.Node, int], plan: Plan) -> dict[fx
     return seg
 
 
-def split_model(model: nn.Module, plan: Plan) -> Dataflow:
-    """Trace `model` and cut it into one submodule per plan group (see the module docstring)."""
+def _replicate(gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
+               data: frozenset[fx.Node]) -> None:
+    """Give every replicable (non-data) node a copy in each stage that uses it; `seg` and
+    `assign` are extended in place (a copy takes its first consumer's group)."""
+    compute = _compute_nodes(gm)
+    replicable = [n for n in compute if n not in data]
+    need: dict[fx.Node, dict[int, int]] = {}   # node → stage → group of a consumer there
+    for n in reversed(replicable):
+        stages: dict[int, int] = {}
+        for u in n.users:
+            if u in seg:
+                stages.setdefault(seg[u], assign[u])
+            elif u in need:
+                for s, g in need[u].items():
+                    stages.setdefault(s, g)
+        if not stages:  # no consumer (an assert, a dead value): run it beside its first input
+            src = next((a for a in n.all_input_nodes if a in seg), None)
+            stages = {seg[src]: assign[src]} if src is not None else {0: 0}
+        need[n] = stages
+    copies: dict[tuple[fx.Node, int], fx.Node] = {}
+    for n in replicable:
+        for s, g in sorted(need[n].items()):
+            if (n, s) == (n, min(need[n])):
+                copy = n
+            else:
+                with gm.graph.inserting_after(n):
+                    copy = gm.graph.node_copy(n, lambda a, s=s: copies.get((a, s), a))
+            copy.meta = n.meta
+            if copy is n:  # the original's inputs are replicable ones of the same stage
+                n.args = fx.node.map_arg(n.args, lambda a, s=s: copies.get((a, s), a))
+                n.kwargs = fx.node.map_arg(n.kwargs, lambda a, s=s: copies.get((a, s), a))
+            copies[(n, s)] = copy
+            seg[copy], assign[copy] = s, g
+    for u in list(gm.graph.nodes):
+        if u in seg and u not in need:
+            s = seg[u]
+            u.args = fx.node.map_arg(u.args, lambda a: copies.get((a, s), a))
+            u.kwargs = fx.node.map_arg(u.kwargs, lambda a: copies.get((a, s), a))
+
+
+def _adapt_layouts(exported: ExportedModel, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
+                   plan: Plan) -> None:
+    """Make every data tensor that crosses a cut batch-first for the transfer."""
+    gm = exported.module
+    for p in [n for n in _compute_nodes(gm) if n in exported.data]:
+        outside = [u for u in p.users if u in seg and seg[u] != seg[p]]
+        if not outside:
+            continue
+        lay = exported.layout[p]
+        if lay.kind is LayoutKind.FIRST:
+            continue
+        if lay.kind in (LayoutKind.NONE, LayoutKind.OTHER):
+            val = p.meta.get("val")
+            same = all(plan.groups[assign[u]].replicas == plan.groups[assign[p]].replicas
+                       for u in outside)
+            if same and not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+                continue  # the consumer's copy is the producer's own: passed whole
+            raise PlanError(_cut_error(exported, p, outside[0]))
+        with gm.graph.inserting_after(p):
+            if lay.kind is LayoutKind.MOVED:
+                front = gm.graph.call_function(torch.movedim, (p, lay.dim, 0))
+            else:
+                front = gm.graph.call_function(torch.unflatten, (p, 0, (-1, lay.factor)))
+        seg[front], assign[front] = seg[p], assign[p]
+        back_of: dict[int, fx.Node] = {}
+        for u in outside:
+            s = seg[u]
+            if s not in back_of:
+                with gm.graph.inserting_after(front):
+                    if lay.kind is LayoutKind.MOVED:
+                        back_of[s] = gm.graph.call_function(torch.movedim, (front, 0, lay.dim))
+                    else:
+                        back_of[s] = gm.graph.call_function(torch.flatten, (front, 0, 1))
+                seg[back_of[s]], assign[back_of[s]] = s, assign[u]
+            u.replace_input_with(p, back_of[s])
+
+
+def _cut_error(exported: ExportedModel, p: fx.Node, u: fx.Node) -> str:
+    src = exported.leaf_name.get(p, f"a loose op ({p.name})")
+    dst = exported.leaf_name.get(u, f"a loose op ({u.name})")
+    return (f"the value {p.name!r} computed in {src!r} and used in {dst!r} has no sample "
+            f"dimension (it mixes samples, e.g. a batch statistic), so it cannot cross between "
+            f"groups with different placements. Put {src!r} and {dst!r} in groups with the same "
+            f"replicas and shares.")
+
+
+def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None) -> Dataflow:
+    """Export `model` and cut it into one submodule per stage (see the module docstring).
+    Without `example_inputs`, a small batch of the plan's model is made to export with."""
+    if example_inputs is None:
+        example_inputs = example_batch_for(plan)
     try:
-        traced = fx.GraphModule(model, _LeafTracer().trace(model))
-    except Exception as e:  # fx raises many types for untraceable code
+        exported = export_model(model, tuple(example_inputs))
+    except PlanError:
+        raise
+    except Exception as e:  # export raises many types for code it cannot take
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise PlanError(
-            f"model {plan.model.name!r} cannot be traced by torch.fx ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}), so it cannot be split into groups. "
-            f"Plans that need no split run it: every group on the same devices with the same "
-            f"shares (data parallelism).") from None
-    assign, warnings = assign_groups(traced.graph, plan)
-    seg = segments(traced.graph, assign, plan)
-    group_of_segment = {seg[n]: assign[n] for n in reversed(list(seg))}  # first group of each
-    split = split_module(traced, model, lambda n: seg[n])
+            f"model {plan.model.name!r} cannot be exported by torch.export ({type(e).__name__}: "
+            f"{first[:300]}), so it cannot be split into groups. Plans that need no split run it: "
+            f"every group on the same devices with the same shares (data parallelism).") from None
+    if exported.num_outputs != 1:
+        raise PlanError(f"model {plan.model.name!r} returns {exported.num_outputs} tensors; a split "
+                        f"plan needs a single output tensor (the loss input). Plans that need no split "
+                        f"(data parallelism) run it.")
+    assign, warnings = assign_groups(exported, plan)
+    gm = exported.module
+    order = [n for n in _compute_nodes(gm) if n in assign]
+    seg = segments(order, assign, plan)
+    _replicate(gm, seg, assign, exported.data)
+    _adapt_layouts(exported, seg, assign, plan)
+    _single_output(gm)
+    gm.graph.lint()
+    gm.recompile()
+    split = split_module(gm, model, lambda n: seg[n])
+    flow = _dataflow(split, seg, assign, plan, warnings)
+    _collect_params(flow, gm, seg, assign, model)
+    return flow
+
+
+def _single_output(gm: fx.GraphModule) -> None:
+    """Return the one output tensor itself (not the pytree the export rebuilds)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaf = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)][0]
+    out.args = (leaf,)
+    gm.graph._codegen = fx.graph.CodeGen()
+
+
+def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
+              plan: Plan, warnings: list[str]) -> Dataflow:
+    """The top-level graph of split_module as stages, projections and owners."""
+    groups_of_segment: dict[int, set[int]] = {}
+    first_group: dict[int, int] = {}
+    for n, k in seg.items():
+        groups_of_segment.setdefault(k, set()).add(assign[n])
+    for n in reversed(list(seg)):
+        first_group[seg[n]] = assign[n]
     inputs: list[str] = []
     stages: list[Stage] = []
     projections: dict[str, tuple[str, int]] = {}
@@ -170,42 +312,68 @@ def split_model(model: nn.Module, plan: Plan) -> Dataflow:
             inputs.append(n.name)
             owner[n.name] = INPUT
         elif n.op == "call_module":
-            segment_of[n.name] = int(str(n.target).rsplit("_", 1)[1])
-            group = group_of_segment[segment_of[n.name]]
-            args = []
+            k = int(str(n.target).rsplit("_", 1)[1])
+            segment_of[n.name] = k
             for a in n.args:
                 if not isinstance(a, fx.Node):
-                    raise PlanError(f"group {plan.groups[group].name!r} receives a constant "
+                    raise PlanError(f"group {plan.groups[first_group[k]].name!r} receives a constant "
                                     f"argument {a!r} across a split; merge it with its producer.")
-                args.append(a.name)
-            stages.append(Stage(value=n.name, group=group, module=getattr(split, str(n.target)),
-                                args=tuple(args)))
-            owner[n.name] = group
-        elif n.op == "call_function" and n.target.__name__ == "getitem":
+            module = getattr(split, str(n.target))
+            args = _attributes_inside(module, split, n.args)
+            stages.append(Stage(value=n.name, group=first_group[k], module=module,
+                                args=tuple(a.name for a in args),
+                                groups=tuple(sorted(groups_of_segment[k]))))
+            owner[n.name] = first_group[k]
+        elif n.op == "call_function" and n.target is operator.getitem:
             src, index = n.args
             projections[n.name] = (src.name, int(index))
             owner[n.name] = owner[src.name]
         elif n.op == "output":
             out = n.args[0]
-            if not isinstance(out, fx.Node):
-                raise PlanError(f"model {plan.model.name!r} returns {type(out).__name__} of "
-                                f"several values; a split plan needs a single output tensor. Plans "
-                                f"that need no split (data parallelism) run it.")
+            assert isinstance(out, fx.Node), out
             output = out.name
-        else:
+        elif n.op != "get_attr":
             raise AssertionError(f"unexpected top-level fx node {n.op} {n.target}")
     assert output is not None
-    groups_of_segment: dict[int, set[int]] = {}
-    for n, k in seg.items():
-        groups_of_segment.setdefault(k, set()).add(assign[n])
-    stages = [dataclasses.replace(s, groups=tuple(sorted(groups_of_segment[segment_of[s.value]])))
-              for s in stages]
-    stages = order_stages(stages, projections, plan, {
-        s.value: groups_of_segment[segment_of[s.value]] for s in stages}, segment_of)
-    flow = Dataflow(inputs=tuple(inputs), stages=tuple(stages), projections=projections,
+    ordered = order_stages(stages, projections, plan, {s.value: set(s.groups) for s in stages}, segment_of)
+    return Dataflow(inputs=tuple(inputs), stages=tuple(ordered), projections=projections,
                     owner=owner, output=output, warnings=warnings)
-    _collect_params(flow, traced, assign, model, plan)
-    return flow
+
+
+def _attributes_inside(module: fx.GraphModule, split: fx.GraphModule, args: tuple) -> list[fx.Node]:
+    """split_module passes tensor attributes (parameters, buffers) as arguments; make each a
+    get_attr of the stage's own module instead, registered under its model name (the same
+    object), so a stage holds its parameters and its callers pass only values."""
+    placeholders = [p for p in module.graph.nodes if p.op == "placeholder"]
+    kept = []
+    for a, ph in zip(args, placeholders):
+        if a.op != "get_attr":
+            kept.append(a)
+            continue
+        value = _attr(split, str(a.target))
+        *path, leaf = str(a.target).split(".")
+        owner: nn.Module = module
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)
+        with module.graph.inserting_after(ph):
+            node = module.graph.get_attr(str(a.target))
+        ph.replace_all_uses_with(node)
+        module.graph.erase_node(ph)
+    module.recompile()
+    return kept
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], plan: Plan,
@@ -228,32 +396,53 @@ def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], p
     return out
 
 
-def _collect_params(flow: Dataflow, traced: fx.GraphModule, assign: dict[fx.Node, int],
-                    model: nn.Module, plan: Plan) -> None:
-    """Map each group to the parameters its fx nodes use (modules called, attributes read)."""
+def _collect_params(flow: Dataflow, gm: fx.GraphModule, seg: dict[fx.Node, int],
+                    assign: dict[fx.Node, int], model: nn.Module) -> None:
+    """Map each group to the parameters its nodes read; a parameter read by several groups
+    is tied (every one of them holds a copy)."""
     name_of = {id(p): name for name, p in model.named_parameters()}
-    holder: dict[int, int] = {}
-    for n, g in assign.items():
-        if n.op == "call_module":
-            params = list(traced.get_submodule(str(n.target)).parameters())
-        elif n.op == "get_attr":
-            obj = traced
-            for part in str(n.target).split("."):
-                obj = getattr(obj, part)
-            params = [obj] if isinstance(obj, nn.Parameter) else []
-        else:
+    users: dict[str, list[int]] = {}
+    by_name: dict[str, nn.Parameter] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
             continue
-        for p in params:
-            if holder.setdefault(id(p), g) != g:
-                raise PlanError(f"parameter {name_of.get(id(p), '?')!r} is used by groups "
-                                f"{plan.groups[holder[id(p)]].name!r} and {plan.groups[g].name!r}; "
-                                f"tied weights must lie in one group.")
-            elif id(p) not in {id(q) for _, q in flow.params_of_group.get(g, [])}:
-                flow.params_of_group.setdefault(g, []).append((name_of.get(id(p), "?"), p))
-    seen = set(holder)
-    unused = [n for n, p in model.named_parameters() if id(p) not in seen]
+        obj = gm.get_parameter(str(n.target)) if _is_param(gm, str(n.target)) else None
+        if obj is None:
+            continue
+        name = name_of.get(id(obj), str(n.target))
+        by_name[name] = obj
+        for u in n.users:
+            if u in assign and assign[u] not in users.setdefault(name, []):
+                users[name].append(assign[u])
+    for name, groups in users.items():
+        for g in groups:
+            flow.params_of_group.setdefault(g, []).append((name, by_name[name]))
+        if len(groups) > 1:
+            flow.tied[name] = tuple(sorted(groups))
+    flow.param_names = {g: tuple(n for n, _ in ps) for g, ps in flow.params_of_group.items()}
+    flow.param_numel = {n: p.numel() for n, p in by_name.items()}
+    flow.param_by_name = dict(by_name)
+    unused = [n for n, p in model.named_parameters() if n not in users]
     if unused:
         flow.warnings.append(f"{len(unused)} parameter(s) unused in forward, e.g. {unused[:3]}")
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def example_batch_for(plan: Plan) -> tuple[Any, ...]:
+    """A small synthetic batch of the plan's model (2–4 samples) to export it with; the RNG
+    state is left untouched, so the run's seeded batches and parameters do not move."""
+    from heterog.execute.workload import resolve_workload
+    work = resolve_workload(plan.model)
+    with torch.random.fork_rng(devices=[]):
+        inputs, _ = work.example_batch(max(2, min(plan.batch_size, 4)), work.seq_len)
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def needs_no_split(plan: Plan) -> bool:
@@ -263,14 +452,14 @@ def needs_no_split(plan: Plan) -> bool:
 
 
 def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
-    """The whole model as one stage, for data-parallel plans on models fx cannot trace.
+    """The whole model as one stage, for data-parallel plans on models export cannot take.
 
     Each parameter is synchronised with the group of its module path (a node name is a
     module path), or with the first group when no group names its module.
     """
     if not needs_no_split(plan):
         raise PlanError("this plan places groups on different devices, which needs the model split "
-                        "into groups, but the model cannot be traced by torch.fx.")
+                        "into groups, but the model cannot be exported by torch.export.")
     by_name = _group_of_names(plan)
     params: dict[int, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
@@ -288,29 +477,46 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
     stage = Stage(value="output", group=0, module=model, args=inputs, groups=tuple(range(len(plan.groups))))
     return Dataflow(inputs=inputs, stages=(stage,), projections={},
                     owner={**{i: INPUT for i in inputs}, "output": 0}, output="output",
-                    params_of_group=params, split=False)
+                    params_of_group=params, split=False,
+                    param_names={g: tuple(n for n, _ in ps) for g, ps in params.items()},
+                    param_numel={n: p.numel() for n, p in model.named_parameters()},
+                    param_by_name=dict(model.named_parameters()))
 
 
-def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
-    """Split when the plan needs it or the model allows it; otherwise run it whole."""
+def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
+                   example_inputs: tuple[Any, ...] | None = None) -> Dataflow:
+    """Split when the model exports; otherwise run it whole when the plan allows."""
     try:
-        return split_model(model, plan)
+        return split_model(model, plan, example_inputs)
     except PlanError as e:
-        if needs_no_split(plan) and "cannot be traced" in str(e):
+        if needs_no_split(plan) and "cannot be exported" in str(e):
             flow = whole_model(model, plan, num_inputs)
-            flow.warnings.append("model not fx-traceable: ran as one stage (data parallelism)")
+            flow.warnings.append("model not exportable (torch.export; not fx-traceable either): "
+                                 "ran as one stage (data parallelism)")
             return flow
         raise
 
 
 def param_numel_of_group(flow: Dataflow) -> dict[int, int]:
-    return {g: sum(ns) for g, ns in flow.param_numels.items()}
+    return {g: sum(flow.param_numel[n] for n in names) for g, names in flow.param_names.items()}
 
 
 def detach_unheld(flow: Dataflow, held_groups: set[int]) -> None:
-    """Free the parameters of groups this rank does not hold (they were built for the seed)."""
+    """Free the parameters of groups this rank does not hold (they were built for the seed),
+    and list a tied parameter under only the first held group that uses it."""
     for g, ps in flow.params_of_group.items():
         flow.param_numels.setdefault(g, [p.numel() for _, p in ps])
-        if g not in held_groups:
-            for _, p in ps:
+    held_names = {n for g in held_groups for n, _ in flow.params_of_group.get(g, [])}
+    listed: set[str] = set()
+    for g in sorted(flow.params_of_group):
+        keep = []
+        for name, p in flow.params_of_group[g]:
+            if g in held_groups:
+                if name not in listed:
+                    keep.append((name, p))
+                    listed.add(name)
+            elif name not in held_names:
                 p.data = torch.empty(0, dtype=p.dtype)
+                keep.append((name, p))
+            # a tied copy this rank holds through another group is listed there
+        flow.params_of_group[g] = keep

@@ -1,0 +1,177 @@
+"""A model as one aten graph whose nodes carry the capture's node names (torch.export).
+
+torch.export in non-strict mode runs the model's own Python forward on fake tensors, so it
+takes what torch.fx's symbolic tracer cannot (Hugging Face models, data-dependent shapes
+that are only sizes, `*args` plumbing). The batch dimension of every input is exported as
+a symbol, so one graph runs any share of a micro-batch. `GraphModule` parameters are the
+model's own `nn.Parameter` objects, under their model names (checkpoints and sync rely on it).
+
+Every node of the graph gets what the partitioner needs to cut it:
+- `leaf_name`: the capture node it belongs to, by the capture's rule (recorder.py): the
+  outermost leaf module on its module stack, '#k' for that module's k-th call (export
+  writes the k-th call as '@k'); nodes outside any leaf module are *loose*;
+- `data`: whether its value depends on the data of a model input. Values that do not
+  (parameters, buffers, constants, and anything computed from sizes alone: position ids,
+  causal masks, rotary tables, `arange(batch)`) are *replicable*: each stage that needs one
+  recomputes it rather than receive it, because a size-derived value must be computed from
+  the consumer's own sample count, and a batch-independent one has no samples to split;
+- `layout`: where a data tensor keeps its samples (`BatchLayout`), so a value that crosses
+  between stages can be turned batch-first for the transfer and back (seq-first models
+  such as XLNet, or a flattened batch × sequence dimension).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from heterog.errors import PlanError
+
+
+class LayoutKind(StrEnum):
+    FIRST = "first"        # samples along dim 0: crosses as it is
+    MOVED = "moved"        # samples along dim `dim` > 0: moved to the front for the transfer
+    FLAT = "flat"          # dim 0 is samples × `factor` (batch-major): unflattened for the transfer
+    NONE = "none"          # no sample dimension (e.g. a reduction over the batch): cannot cross
+    OTHER = "other"        # not a tensor
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchLayout:
+    kind: LayoutKind
+    dim: int = 0
+    factor: int = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportedModel:
+    """The exported graph and what each node means for a split (see the module docstring)."""
+    module: fx.GraphModule
+    leaf_name: dict[fx.Node, str]
+    data: frozenset[fx.Node]
+    layout: dict[fx.Node, BatchLayout]
+    num_outputs: int
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    """The capture's placement unit: a module without child modules (recorder.is_leaf_module)."""
+    return next(iter(module.children()), None) is None
+
+
+def export_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> ExportedModel:
+    """Export `model` (train mode kept: dropout stays random, batch norm updates its
+    statistics) with a symbolic batch dimension on every tensor input."""
+    from torch.export import Dim, export
+    dynamic = tuple({0: Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+                    for x in example_inputs)
+    with torch.random.fork_rng(devices=[]):
+        ep = export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=False)
+    gm = ep.module()
+    _drop_guards(gm)
+    symbols = _batch_symbols(gm)
+    if not symbols:
+        raise PlanError("the exported model fixed its batch size (no input kept a symbolic "
+                        "dimension 0), so it cannot run on a replica's share of the batch. Make "
+                        "the model's forward independent of the batch size.")
+    data = _data_nodes(gm)
+    layout = {n: _layout(n.meta.get("val"), symbols) for n in gm.graph.nodes}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    num_outputs = len([a for a in tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)])
+    return ExportedModel(module=gm, leaf_name=_leaf_names(gm, model), data=frozenset(data),
+                         layout=layout, num_outputs=num_outputs)
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """ep.module() checks input shapes against the export's guards in a `_guards_fn` call;
+    the split stages see other batch sizes (any share, also 1), so drop it."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and str(n.target).startswith("_guards_fn") and not n.users:
+            gm.graph.erase_node(n)
+    for name in [k for k in gm._modules if k.startswith("_guards_fn")]:
+        delattr(gm, name)
+    gm.recompile()
+
+
+def _batch_symbols(gm: fx.GraphModule) -> set[Any]:
+    out = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
+            size = val.shape[0]
+            if isinstance(size, torch.SymInt):
+                out.add(size.node.expr)
+    return out
+
+
+def _layout(val: Any, symbols: set[Any]) -> BatchLayout:
+    if not isinstance(val, torch.Tensor):
+        return BatchLayout(kind=LayoutKind.OTHER)
+    exprs = [d.node.expr if isinstance(d, torch.SymInt) else None for d in val.shape]
+    dims = [i for i, e in enumerate(exprs) if e is not None and e in symbols]
+    if dims and dims[0] == 0:
+        return BatchLayout(kind=LayoutKind.FIRST)
+    if dims:
+        return BatchLayout(kind=LayoutKind.MOVED, dim=dims[0])
+    if exprs and exprs[0] is not None:
+        for s in symbols:
+            factor = exprs[0] / s
+            if factor.is_Integer and int(factor) > 1:
+                return BatchLayout(kind=LayoutKind.FLAT, factor=int(factor))
+    return BatchLayout(kind=LayoutKind.NONE)
+
+
+def _data_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on the data (not only the sizes) of a model input."""
+    data: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            if isinstance(val, torch.Tensor):
+                data.add(n)
+        elif n.op == "call_function":
+            if n.target is operator.getitem:
+                if n.args[0] in data and isinstance(val, torch.Tensor):
+                    data.add(n)
+            elif _is_tensor_value(val) and any(a in data for a in n.all_input_nodes):
+                data.add(n)
+    return data
+
+
+def _is_tensor_value(val: Any) -> bool:
+    leaves = tree_flatten(val)[0]
+    return bool(leaves) and any(isinstance(v, torch.Tensor) for v in leaves)
+
+
+def _leaf_names(gm: fx.GraphModule, model: nn.Module) -> dict[fx.Node, str]:
+    leaf_of_path: dict[str, bool] = {}
+    names: dict[fx.Node, str] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for key, value in (n.meta.get("nn_module_stack") or {}).items():
+            path = value[0] if isinstance(value, tuple) else ""
+            if not isinstance(path, str) or not path:
+                continue
+            if path not in leaf_of_path:
+                try:
+                    leaf_of_path[path] = is_leaf_module(model.get_submodule(path))
+                except AttributeError:
+                    leaf_of_path[path] = False
+            if leaf_of_path[path]:
+                k = key.rsplit("@", 1)[1] if "@" in key else "0"
+                names[n] = path if k == "0" else f"{path}#{k}"
+                break
+    return names
+
+
+def leaf_call_names(model: nn.Module, example_inputs: tuple[Any, ...]) -> list[str]:
+    """The capture node names of the model's leaf-module calls that run ops, in order."""
+    exported = export_model(model, example_inputs)
+    return list(dict.fromkeys(exported.leaf_name[n] for n in exported.module.graph.nodes
+                              if n in exported.leaf_name))
