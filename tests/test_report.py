@@ -95,7 +95,7 @@ def test_timeline_bars_cover_the_simulated_compute_time():
     for d in result.compute_time_s:
         row = svg_part[svg_part.index(f'data-device="{d}"'):]
         row = row[:row.index("</g>")]
-        plot_px = 1140 - 150 - 8
+        plot_px = 1140 - 150 - 28
         widths = [float(w) for w in re.findall(r'class="k-(?:forward|backward|optimizer)"[^>]*width="([\d.]+)"', row)]
         drawn_s = sum(widths) * T / plot_px
         assert drawn_s == pytest.approx(result.compute_time_s[d], rel=0.05, abs=T * 0.01), d

@@ -59,6 +59,8 @@ def plan_command(
                                      help="Fine-tune the GNN on this problem for this many seconds first."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Also write an HTML report of the plan and "
+                                          "every candidate here (see `heterog report`)."),
 ) -> None:
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
     from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
@@ -81,12 +83,17 @@ def plan_command(
                       seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters)
     if out is not None:
         Plan.from_dict(result["best"]).save(out)
+    if report is not None:
+        from heterog.cli.report_cmd import report_from_plan_result
+        report_from_plan_result(result, report)
     if as_json:
         print_json(result)
     else:
         _show(result)
         if out is not None:
             console.print(f"plan written to {out}")
+        if report is not None:
+            console.print(f"report written to {report}")
 
 
 def train_policy_command(

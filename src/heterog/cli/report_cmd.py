@@ -13,17 +13,26 @@ from heterog.cli.output import console, human_time, print_json
 
 def write_report(plan_path: Path, out: Path, *, run_path: Path | None = None, graph: Path | None = None,
                  cluster: str | None = None) -> dict:
-    """Simulate the plan as `heterog simulate` does (same graph, cluster and costs, so the same
-    predicted time), build the page and write it atomically. Returns a summary."""
-    from heterog.cli.simulate_cmd import inputs_for_plan
-    from heterog.jsonio import write_atomic
-    from heterog.report import ReportInputs, build_report, load_plan_file, load_run
-    from heterog.simulate import simulate
+    """Read a plan file (or `plan --json` output) and a run, then write the report."""
+    from heterog.report import load_plan_file, load_run
 
     t0 = time.perf_counter()
     pf = load_plan_file(plan_path)
     run = load_run(run_path) if run_path is not None else None
-    plan, g, c, costs = inputs_for_plan(pf.plan, graph, cluster, str(plan_path))
+    return write_report_for(pf, out, run=run, graph=graph, cluster=cluster, source=str(plan_path), t0=t0)
+
+
+def write_report_for(pf, out: Path, *, run=None, graph: Path | None = None, cluster: str | None = None,
+                     source: str = "<plan>", t0: float | None = None) -> dict:
+    """Simulate the plan as `heterog simulate` does (same graph, cluster and costs, so the same
+    predicted time), build the page and write it atomically. Returns a summary with timings."""
+    from heterog.cli.simulate_cmd import inputs_for_plan
+    from heterog.jsonio import write_atomic
+    from heterog.report import ReportInputs, build_report
+    from heterog.simulate import simulate
+
+    t0 = time.perf_counter() if t0 is None else t0
+    plan, g, c, costs = inputs_for_plan(pf.plan, graph, cluster, source)
     t1 = time.perf_counter()
     sim = simulate(g, c, plan, costs)
     t2 = time.perf_counter()
@@ -33,6 +42,17 @@ def write_report(plan_path: Path, out: Path, *, run_path: Path | None = None, gr
     return {"out": str(out), "bytes": len(html.encode()), "devices": len(c.devices),
             "iteration_time_s": sim.iteration_time_s, "load_s": t1 - t0, "simulate_s": t2 - t1,
             "render_s": t3 - t2, "total_s": t3 - t0}
+
+
+def report_from_plan_result(result: dict, out: Path) -> dict:
+    """`heterog plan --report FILE`: the report of the planner's answer, candidates included."""
+    from heterog.ir.plan import Plan
+    from heterog.report.inputs import PlanFile, candidate_from_dict
+
+    pf = PlanFile(plan=Plan.from_dict(result["best"]), search_time_s=result.get("search_time_s"),
+                  candidates=tuple(candidate_from_dict(c, f"candidates[{i}]")
+                                   for i, c in enumerate(result["candidates"])))
+    return write_report_for(pf, out, source="heterog plan")
 
 
 def report_command(

@@ -124,8 +124,10 @@ def _memory(inp: ReportInputs) -> str:
                                   peak_bytes=peak, capacity_bytes=cap, text=text))
     missing = "" if inp.sim.memory_timeline else (" The simulator gave no memory timeline for this plan, so the "
                                                   "rows show nothing over time; the figures are the peaks.")
-    return (f"<h2>Memory over the iteration</h2><p class=muted>Memory in use per device; the dashed line is the "
-            f"device's capacity (peak / capacity on the right).{escape(missing)}</p>"
+    scale = human_bytes(svg.memory_scale_bytes(rows))
+    return (f"<h2>Memory over the iteration</h2><p class=muted>Memory in use per device, every row on one scale "
+            f"(0 to {scale}); a dashed line marks a device's capacity where it lies within that scale. On the "
+            f"right: peak / capacity.{escape(missing)}</p>"
             f'<div class="scroll">{svg.memory_svg(rows, inp.sim.iteration_time_s, width_px=1140)}</div>')
 
 

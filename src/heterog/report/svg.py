@@ -80,7 +80,7 @@ def timeline_svg(rows: Sequence[Row], duration_s: float, *, width_px: int, title
                  css_id: str) -> str:
     """One row per device: compute bars in the upper lane, communication in the lower, the
     gaps are idle. A time axis on top."""
-    plot = width_px - LABEL_PX - 8
+    plot = width_px - LABEL_PX - 28   # room for the last tick's label
     scale = plot / duration_s if duration_s > 0 else 0.0
     tol = duration_s / (2 * plot) if plot > 0 else 0.0
     h = AXIS_PX + ROW_PX * len(rows) + 4
@@ -132,11 +132,21 @@ class MemoryRow:
     text: str                                  # e.g. "12.3 / 16.0 GiB (77 %)"
 
 
+def memory_scale_bytes(rows: Sequence[MemoryRow]) -> float:
+    """One vertical scale for every row, so rows compare: up to the largest capacity, but no
+    further than 1.3 × the largest peak (a plan using 15 % of its memory still shows its shape)."""
+    peak = max((r.peak_bytes for r in rows), default=0)
+    cap = max((r.capacity_bytes for r in rows), default=0)
+    return max(min(cap, 1.3 * peak), peak, 1.0)
+
+
 def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -> str:
-    """Memory in use over the iteration, one row per device, scaled to the device's capacity
-    (the row's top line); a row over capacity is drawn in the overflow colour."""
+    """Memory in use over the iteration, one row per device, on one scale (memory_scale_bytes);
+    a dashed line marks a device's capacity where it lies within the scale, and a row over
+    capacity is drawn in the overflow colour."""
     text_px = 190
     plot = width_px - LABEL_PX - text_px - 8
+    full = memory_scale_bytes(rows)
     h = MEM_ROW_PX * len(rows) + 4
     out = [f'<svg id="memory" class="memory" role="img" width="{width_px}" height="{h}" '
            f'viewBox="0 0 {width_px} {h}" xmlns="http://www.w3.org/2000/svg">'
@@ -144,7 +154,6 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
     for i, r in enumerate(rows):
         y0 = 2 + i * MEM_ROW_PX
         top, base = y0 + 2, y0 + MEM_ROW_PX - 3
-        full = max(r.capacity_bytes, r.peak_bytes, 1)
         over = r.peak_bytes > r.capacity_bytes
 
         def ypos(b: float) -> float:
@@ -157,11 +166,12 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
             path.append(f"L{x:.1f},{last_y:.1f}L{x:.1f},{ypos(b):.1f}")
             last_y = ypos(b)
         path.append(f"L{LABEL_PX + plot},{last_y:.1f}L{LABEL_PX + plot},{base}Z")
-        cap_y = ypos(r.capacity_bytes)
+        cap_line = (f'<line class="cap" x1="{LABEL_PX}" y1="{ypos(r.capacity_bytes):.1f}" x2="{LABEL_PX + plot}" '
+                    f'y2="{ypos(r.capacity_bytes):.1f}"/>' if r.capacity_bytes <= full else "")
         out.append(f'<g class="memory-row" data-device="{escape(r.device)}">'
                    f'<rect class="lane-bg" x="{LABEL_PX}" y="{top}" width="{plot}" height="{base - top}"/>'
                    f'<path class="{"mem-over" if over else "mem"}" d="{"".join(path)}"/>'
-                   f'<line class="cap" x1="{LABEL_PX}" y1="{cap_y:.1f}" x2="{LABEL_PX + plot}" y2="{cap_y:.1f}"/>'
+                   f'{cap_line}'
                    f'<text class="label" x="{LABEL_PX - 6}" y="{y0 + MEM_ROW_PX / 2 + 3}">{escape(r.label)}</text>'
                    f'<text class="memtext{" bad" if over else ""}" x="{LABEL_PX + plot + 8}" '
                    f'y="{y0 + MEM_ROW_PX / 2 + 3}">{escape(r.text)}</text></g>')
