@@ -100,11 +100,14 @@ def cpu_curve() -> Curve:
 
 def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd") -> float:
     """Achievable fraction of data-sheet memory bandwidth for streaming kernels of `kind`.
-    GPUs: the H200 copy's fraction for every kind. CPU: its bandwidth is itself a measured
+    GPUs: the type's sustained copy fraction (catalog `efficiency.memory`; else the H200
+    copy's) times the kind's own factor (`efficiency.memory_by_kind`). CPU: its bandwidth is itself a measured
     copy; batch norm, pooling, GELU and softmax were measured by the probe too (they run
     far below copy speed there: several passes, index bookkeeping, transcendentals)."""
     if gpu.vendor != "cpu":
-        return h200_copy_efficiency()
+        e = gpu.efficiency
+        base = e.memory if e.memory is not None else h200_copy_efficiency()
+        return base * (e.memory_by_kind.get(kind, 1.0) if kind is not None else 1.0)
     if kind is None:
         return 1.0
     from heterog.hardware.catalog import measure_cpu

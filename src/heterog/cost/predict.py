@@ -58,14 +58,15 @@ def _graph(model: str | OpGraph, model_args: dict[str, Any] | None, batch_size: 
 
 
 def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, batch_size: int,
-            seq_len: int | None = None, device: str, precision: str = "fp32", optimizer: str = "sgd",
-            recompute: bool = False) -> dict[str, Any]:
-    """One training step of `model` at `batch_size` on one `device` type (a catalog name or
-    'cpu'). Returns iteration_time_s, peak_memory_bytes, flops_per_iteration, fits, device,
-    and a breakdown (times in s, sizes in bytes)."""
+            seq_len: int | None = None, device: str | GpuType, precision: str = "fp32",
+            optimizer: str = "sgd", recompute: bool = False) -> dict[str, Any]:
+    """One training step of `model` at `batch_size` on one `device` type (a catalog name,
+    'cpu', or a GpuType such as a calibration's). Returns iteration_time_s,
+    peak_memory_bytes, flops_per_iteration, fits, device, and a breakdown (times in s, sizes
+    in bytes)."""
     if batch_size < 1:
         raise ModelError(f"batch_size must be ≥ 1, found {batch_size}.")
-    gpu = get_gpu(device)
+    gpu = device if isinstance(device, GpuType) else get_gpu(device)
     graph = _graph(model, model_args, batch_size, seq_len)
     cluster = single_device_cluster(gpu)
     dev = cluster.devices[0].name

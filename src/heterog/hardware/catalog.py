@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from heterog.errors import ClusterError
-from heterog.hardware.gputype import PRECISIONS, GpuType
+from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts
 from heterog.jsonio import write_atomic
 
 CPU_TYPE = "cpu"
@@ -35,30 +35,94 @@ def _norm(name: str) -> str:
     return name.lower().replace("-", "").replace("_", "").replace(" ", "")
 
 
+CATALOG_ENV = "HETEROG_CATALOG"
+HOST_FIELDS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s",
+               "optimizer_tensor_s", "kernel_gap_s")
+
+
 @lru_cache(maxsize=1)
 def _catalog_doc() -> dict[str, Any]:
     text = resources.files("heterog.hardware").joinpath("catalog.yaml").read_text()
     return yaml.safe_load(text)
 
 
-def _gpu_from_entry(e: dict[str, Any]) -> GpuType:
-    return GpuType(
-        name=e["name"], vendor=e["vendor"],
-        peak_flops_per_s={p: float(e["peak_tflops"].get(p, 0)) * 1e12 for p in PRECISIONS},
-        memory_bandwidth_bytes_per_s=float(e["memory_bandwidth_gbytes_per_s"]) * 1e9,
-        memory_bytes=int(float(e["memory_gib"]) * 2**30),
-        intra_node_link=e["intra_node_link"],
-        intra_node_bandwidth_bytes_per_s=float(e["intra_node_bandwidth_gbytes_per_s"]) * 1e9,
-        sources=dict(e.get("sources", {})))
+def _host_from_entry(e: dict[str, Any], where: str) -> HostCosts:
+    unknown = sorted(set(e) - set(HOST_FIELDS) - {"source"})
+    if unknown:
+        raise ClusterError(f"{where}: unknown host field(s) {unknown}; use {', '.join(HOST_FIELDS)}.")
+    try:
+        return HostCosts(**{k: float(e[k]) for k in HOST_FIELDS if k in e}, source=str(e.get("source", "")))
+    except (TypeError, ValueError) as err:
+        raise ClusterError(f"{where}: {err}") from None
 
 
-@lru_cache(maxsize=1)
+def _efficiency_from_entry(e: dict[str, Any] | None, where: str) -> Efficiency:
+    if not e:
+        return Efficiency()
+    try:
+        return Efficiency(compute={str(k): float(v) for k, v in (e.get("compute") or {}).items()},
+                          memory=None if e.get("memory") is None else float(e["memory"]),
+                          memory_by_kind={str(k): float(v) for k, v in (e.get("memory_by_kind") or {}).items()},
+                          inherits=str(e.get("inherits", "")), source=str(e.get("source", "")))
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ClusterError(f"{where}: efficiency is malformed ({err}).") from None
+
+
+def _gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
+    where = f"{where}: GPU type {e.get('name', '?')!r}"
+    try:
+        return GpuType(
+            name=e["name"], vendor=e["vendor"],
+            peak_flops_per_s={p: float(e["peak_tflops"].get(p, 0) or 0) * 1e12 for p in PRECISIONS},
+            memory_bandwidth_bytes_per_s=float(e["memory_bandwidth_gbytes_per_s"]) * 1e9,
+            memory_bytes=int(float(e["memory_gib"]) * 2**30),
+            intra_node_link=e["intra_node_link"],
+            intra_node_bandwidth_bytes_per_s=float(e["intra_node_bandwidth_gbytes_per_s"]) * 1e9,
+            sources=dict(e.get("sources", {})),
+            efficiency=_efficiency_from_entry(e.get("efficiency"), where),
+            host=_host_from_entry(e["host"], where) if e.get("host") else None)
+    except KeyError as err:
+        raise ClusterError(f"{where} lacks {err.args[0]!r} (see hardware/catalog.yaml for the fields).") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ClusterError(f"{where} is malformed ({err}).") from None
+
+
+def user_catalog_paths() -> list[Path]:
+    """The user catalog files named by $HETEROG_CATALOG (several joined by os.pathsep)."""
+    raw = os.environ.get(CATALOG_ENV, "")
+    return [Path(p) for p in raw.split(os.pathsep) if p.strip()]
+
+
+def _user_entries(path: Path) -> list[dict[str, Any]]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ClusterError(f"${CATALOG_ENV} names {path}, which cannot be read ({err.strerror}); "
+                           f"fix the path or unset {CATALOG_ENV}.") from None
+    except yaml.YAMLError as err:
+        raise ClusterError(f"{path}: not valid YAML ({err}).") from None
+    gpus = doc.get("gpus") if isinstance(doc, dict) else None
+    if not isinstance(gpus, list):
+        raise ClusterError(f"{path}: a user catalog needs a `gpus:` list of entries in the format of "
+                           f"hardware/catalog.yaml (`heterog calibrate` writes one).")
+    return gpus
+
+
 def _gpu_table() -> tuple[dict[str, GpuType], dict[str, str]]:
-    """(types by canonical name, normalised name or alias → canonical name)."""
+    return _gpu_table_for(os.environ.get(CATALOG_ENV, ""))
+
+
+@lru_cache(maxsize=4)
+def _gpu_table_for(user_catalogs: str) -> tuple[dict[str, GpuType], dict[str, str]]:
+    """(types by canonical name, normalised name or alias → canonical name): the packaged
+    catalog, then each user catalog in order (an entry with a known name replaces it)."""
     types: dict[str, GpuType] = {}
     lookup: dict[str, str] = {}
-    for e in _catalog_doc()["gpus"]:
-        g = _gpu_from_entry(e)
+    sources = [("catalog.yaml", e) for e in _catalog_doc()["gpus"]]
+    for path in user_catalog_paths():
+        sources += [(str(path), e) for e in _user_entries(path)]
+    for where, e in sources:
+        g = _gpu_from_entry(e, where)
         types[g.name] = g
         for alias in [g.name, *e.get("aka", [])]:
             lookup[_norm(alias)] = g.name
@@ -110,6 +174,7 @@ class HostOverheads:
 
 
 def host_overheads(gpu: GpuType) -> HostOverheads:
+    """The CPU device type's own costs (measured); GPUs: see host_costs."""
     if gpu.vendor == "cpu":
         p = measure_cpu()
         return HostOverheads(dispatch_s=p.dispatch_s, kernel_gap_s=0.0,
@@ -117,10 +182,20 @@ def host_overheads(gpu: GpuType) -> HostOverheads:
                              backward_dispatch_s=p.backward_dispatch_s,
                              fresh_page_s_per_byte=p.fresh_page_s_per_byte,
                              fresh_threshold_bytes=GLIBC_MMAP_THRESHOLD_MAX_BYTES)
-    table = _catalog_doc()["host_overheads"]
+    h = host_costs(gpu)
+    return HostOverheads(dispatch_s=h.forward_node_s, kernel_gap_s=h.kernel_gap_s,
+                         optimizer_per_tensor_s=h.optimizer_tensor_s,
+                         backward_dispatch_s=h.backward_op_s)
+
+
+def host_costs(gpu: GpuType) -> HostCosts:
+    """The host costs that drive a GPU of type `gpu`: its own calibration when it has one,
+    else the vendor's default (catalog.yaml `host_costs`, fitted on the H200 steps)."""
+    if gpu.host is not None:
+        return gpu.host
+    table = _catalog_doc()["host_costs"]
     e = table.get(gpu.vendor, table["nvidia"])
-    return HostOverheads(dispatch_s=float(e["dispatch_s"]), kernel_gap_s=float(e["kernel_gap_s"]),
-                         optimizer_per_tensor_s=float(e["optimizer_per_tensor_s"]))
+    return _host_from_entry(e, f"catalog.yaml host_costs.{gpu.vendor}")
 
 
 # -- the `cpu` device type, measured -------------------------------------------------------------

@@ -1,11 +1,74 @@
 """The facts about one kind of accelerator that the cost model needs. The table of known
-types is data (catalog.yaml), each figure with its public source."""
+types is data (catalog.yaml), each figure with its public source.
+
+Three records describe a type:
+- `GpuType`: data-sheet peaks, memory, intra-node link;
+- `Efficiency`: what the type sustains of those peaks in training kernels (power- and
+  clock-limited cards reach far less than SXM parts), fitted per type on measured layers
+  or inherited from a named sibling;
+- `HostCosts`: what eager PyTorch's host (Python, dispatcher, autograd, autocast) spends per
+  op while driving this device. The host is a property of the machine, so every GPU type
+  shares one default unless a calibration (`heterog calibrate`) measured its own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# memory-bound op kinds with their own sustained bandwidth (cost.analytic reads these)
+MEMORY_KINDS = ("elementwise", "norm", "pool", "embedding", "memory", "loss", "optimizer")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostCosts:
+    """Host time per op of eager PyTorch on one device type, and the device's own minimum
+    per kernel. A step runs at the pace of whichever of host and device is behind, op by op
+    (cost.analytic), so at small batches these set the step time."""
+    forward_node_s: float           # one module call: Python hooks + the first op's dispatch
+    forward_op_s: float             # each further aten op of a node's forward
+    backward_op_s: float            # each op the autograd engine runs in backward
+    autocast_cast_s: float          # each cast autocast inserts (forward; its backward too)
+    optimizer_tensor_s: float       # foreach optimizer: host cost per parameter tensor
+    kernel_gap_s: float = 2.0e-6    # device: minimum time of one kernel, launch to completion
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s",
+                  "optimizer_tensor_s", "kernel_gap_s"):
+            v = getattr(self, f)
+            if not (v >= 0.0):
+                raise ValueError(f"host costs: {f} must be ≥ 0 seconds, found {v!r}.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Efficiency:
+    """Sustained fractions of the data-sheet peaks, relative to what the H200-calibrated
+    curves (cost.efficiency) predict for a type of this peak: compute[p] multiplies the
+    tensor-core efficiency at precision p ('fp32' = CUDA cores; 1.0 = as the H200 scaled),
+    memory is the fraction of data-sheet bandwidth a streaming copy reaches, and
+    memory_by_kind the fraction a kind of memory-bound op reaches relative to that copy."""
+    compute: dict[str, float] = field(default_factory=dict)
+    memory: float | None = None                 # None: the H200's measured copy fraction
+    memory_by_kind: dict[str, float] = field(default_factory=dict)
+    inherits: str = ""                          # sibling type these figures were taken from
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for p, v in self.compute.items():
+            if p not in PRECISIONS or not (0.0 < v <= 4.0):
+                raise ValueError(f"efficiency.compute[{p!r}] = {v!r}: precision must be one of "
+                                 f"{', '.join(PRECISIONS)} and the factor in (0, 4].")
+        if self.memory is not None and not (0.0 < self.memory <= 1.0):
+            raise ValueError(f"efficiency.memory = {self.memory!r}: a fraction of the data-sheet "
+                             f"bandwidth, in (0, 1].")
+        for k, v in self.memory_by_kind.items():
+            if k not in MEMORY_KINDS or not (0.0 < v <= 2.0):
+                raise ValueError(f"efficiency.memory_by_kind[{k!r}] = {v!r}: kind must be one of "
+                                 f"{', '.join(MEMORY_KINDS)} and the factor in (0, 2].")
+
+    def compute_factor(self, precision: str) -> float:
+        return self.compute.get(precision, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -18,6 +81,8 @@ class GpuType:
     intra_node_link: str                        # 'nvlink3', 'pcie3', ...
     intra_node_bandwidth_bytes_per_s: float     # per direction, per device
     sources: dict[str, str] = field(default_factory=dict)  # figure → public source
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    host: HostCosts | None = None               # None: the vendor's default (catalog host_overheads)
 
     def __post_init__(self) -> None:
         for p in PRECISIONS:

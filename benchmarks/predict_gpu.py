@@ -1,0 +1,324 @@
+"""How well heterog's cost model predicts real GPU training, scored honestly.
+
+1. H200 whole steps (cost/data/h200_steps.json: resnet50, bert-large, gpt2-medium, batch
+   1-256, fp32 and amp-bf16): leave-one-model-out. The host costs and the H200's kernel
+   factors (amp tensor-core, TF32 convolution, norm and element-wise bandwidth) are fitted on
+   two models' steps and the third model is predicted; each model's row is scored on a fit
+   that never saw it. Peak memory likewise (the one fitted memory figure is the allocator's
+   fixed overhead).
+2. Per-layer times on other GPU types (cost/data/peer_layers.json, from Sailor and the Aceso
+   profiler): per type, its sustained compute and memory factors are fitted on the other
+   models' layers of that type (leave-one-model-out within the type) and the held-out
+   model's layers predicted. Sailor records compare forward + backward; Aceso's backward is
+   input-gradient only, so Aceso records compare the forward.
+
+A fit on all the data (what the catalog ships) is printed at the end (--fit-all); its own
+errors are not reported, since a figure scored on the data it was fitted to does not count.
+
+    .venv/bin/python benchmarks/predict_gpu.py [--quick] [--fit-all]
+writes benchmarks/results/predict_gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from heterog.cost.analytic import AnalyticCostModel  # noqa: E402
+from heterog.cost.memory import MemoryModel  # noqa: E402
+from heterog.cost.predict import _captured, single_device_cluster  # noqa: E402
+from heterog.hardware.catalog import get_gpu, host_costs  # noqa: E402
+from heterog.hardware.gputype import Efficiency, GpuType, HostCosts  # noqa: E402
+from heterog.jsonio import write_atomic  # noqa: E402
+
+RESULT = ROOT / "benchmarks" / "results" / "predict_gpu.json"
+ZOO = {"resnet50": "resnet50", "bert_large": "bert-large", "gpt2_medium": "gpt2-medium"}
+HOST_PARAMS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s", "optimizer_tensor_s")
+# (name, lower, upper): host costs in seconds; kernel factors relative to the H200 curves
+H200_PARAMS = (("forward_node_s", 2e-6, 3e-4), ("forward_op_s", 1e-7, 1e-4), ("backward_op_s", 1e-6, 3e-4),
+               ("autocast_cast_s", 1e-7, 1e-4), ("optimizer_tensor_s", 1e-7, 1e-4),
+               ("compute.bf16", 0.1, 2.0), ("compute.tf32", 0.1, 2.0),
+               ("memory_by_kind.norm", 0.05, 2.0), ("memory_by_kind.elementwise", 0.05, 2.0))
+DEVICE = "local/gpu0"
+
+
+# -- H200 whole steps ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepCase:
+    model: str
+    batch: int
+    seq_len: int | None
+    precision: str
+    optimizer: str
+    recompute: bool
+    time_s: float
+    peak_bytes: float
+
+
+def step_cases() -> list[StepCase]:
+    doc = json.loads(resources.files("heterog.cost").joinpath("data", "h200_steps.json").read_text())
+    return [StepCase(model=s["name"], batch=s["batch_size"], seq_len=s.get("seq_len"),
+                     precision="amp-bf16" if s["mode"] == "bf16" else "fp32",
+                     optimizer="sgd" if s["name"] == "resnet50" else "adamw", recompute=bool(s.get("ckpt")),
+                     time_s=s["median_ms"] * 1e-3, peak_bytes=float(s["peak_mem_bytes"])) for s in doc["steps"]]
+
+
+def graph_of(model: str, seq_len: int | None):
+    return _captured(ZOO.get(model, model), None, 1, seq_len)
+
+
+def h200_with(theta: dict[str, float], base: GpuType | None = None) -> GpuType:
+    """The H200 with host costs and kernel factors taken from `theta`."""
+    gpu = base or get_gpu("H200")
+    host = dataclasses.replace(host_costs(gpu), **{k: theta[k] for k in HOST_PARAMS if k in theta},
+                               source="predict_gpu.py fit")
+    eff = gpu.efficiency
+    compute = {**eff.compute, **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("compute.")}}
+    by_kind = {**eff.memory_by_kind,
+               **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("memory_by_kind.")}}
+    return dataclasses.replace(gpu, host=host, efficiency=dataclasses.replace(
+        eff, compute=compute, memory_by_kind=by_kind))
+
+
+def step_times_s(cases: list[StepCase], gpu: GpuType) -> np.ndarray:
+    """Predicted step time of each case: forward + backward (+ recompute) + optimizer."""
+    cluster = single_device_cluster(gpu)
+    models: dict[tuple, AnalyticCostModel] = {}
+    out = []
+    for c in cases:
+        key = (c.model, c.seq_len, c.precision, c.optimizer, c.recompute)
+        m = models.get(key)
+        if m is None:
+            m = models[key] = AnalyticCostModel(graph_of(c.model, c.seq_len), cluster, precision=c.precision,
+                                                optimizer=c.optimizer, recompute=c.recompute)
+        names = [n.name for n in m.graph.nodes]
+        out.append(m.group_time_s(names, DEVICE, c.batch, "fwd") + m.group_time_s(names, DEVICE, c.batch, "bwd")
+                   + m.optimizer_time_s(names, DEVICE))
+    return np.array(out)
+
+
+def fit_h200(cases: list[StepCase]) -> dict[str, float]:
+    """Host costs and H200 kernel factors minimising the robust log error of step time."""
+    start = {k: v for k, v in zip((p[0] for p in H200_PARAMS), (3e-5, 5e-6, 1.5e-5, 1e-5, 3e-6, 1, 1, 0.5, 0.7))}
+    lo = np.log([p[1] for p in H200_PARAMS])
+    hi = np.log([p[2] for p in H200_PARAMS])
+    x0 = np.clip(np.log([start[p[0]] for p in H200_PARAMS]), lo + 1e-9, hi - 1e-9)
+    measured = np.array([c.time_s for c in cases])
+
+    def residuals(x):
+        theta = dict(zip((p[0] for p in H200_PARAMS), np.exp(x)))
+        return np.log(step_times_s(cases, h200_with(theta)) / measured)
+
+    res = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=1e-3,
+                        max_nfev=60)
+    return dict(zip((p[0] for p in H200_PARAMS), (float(v) for v in np.exp(res.x))))
+
+
+def peak_bytes(cases: list[StepCase], fixed_bytes: float) -> np.ndarray:
+    out = []
+    for c in cases:
+        mem = MemoryModel(graph_of(c.model, c.seq_len), precision=c.precision, optimizer=c.optimizer,
+                          allocator="cuda", fixed_bytes=fixed_bytes)
+        out.append(mem.step_peak(c.batch, recompute=c.recompute).peak_bytes)
+    return np.array(out)
+
+
+def fit_memory(cases: list[StepCase]) -> float:
+    """The allocator's fixed overhead (cuBLAS/cuDNN workspaces, ...): the smallest constant
+    that leaves no training case under-predicted by more than 2%."""
+    shortfall = np.array([c.peak_bytes for c in cases]) * 0.98 - peak_bytes(cases, 0.0)
+    return float(max(shortfall.max(), 0.0))
+
+
+def h200_leave_one_model_out(cases: list[StepCase]) -> dict:
+    rows, fits = [], {}
+    for held in ZOO:
+        train = [c for c in cases if c.model != held]
+        test = [c for c in cases if c.model == held]
+        t0 = time.perf_counter()
+        theta = fit_h200(train)
+        fixed = fit_memory(train)
+        fits[held] = {"theta": theta, "fixed_bytes": fixed, "fit_s": time.perf_counter() - t0}
+        pred_t = step_times_s(test, h200_with(theta))
+        pred_m = peak_bytes(test, fixed)
+        for c, t, m in zip(test, pred_t, pred_m):
+            rows.append({**dataclasses.asdict(c), "predicted_time_s": float(t), "predicted_peak_bytes": float(m),
+                         "time_error": float(t / c.time_s - 1), "memory_error": float(m / c.peak_bytes - 1)})
+        print(f"  held out {held}: fit in {fits[held]['fit_s']:.0f} s", flush=True)
+    return {"rows": rows, "fits": fits}
+
+
+# -- per-layer times on other GPU types -------------------------------------------------------------
+
+PEER_TO_CATALOG = {"A100-40": "A100-40GB", "A100-80": "A100-80GB", "V100-16": "V100-16GB",
+                   "RTX-2080": "RTX-2080Ti", "RTX-3090": "RTX-3090", "Titan-RTX": "Titan-RTX", "GH-96": "GH200"}
+
+
+def layer_records() -> list[dict]:
+    doc = json.loads(resources.files("heterog.cost").joinpath("data", "peer_layers.json").read_text())
+    return [r for r in doc["layer_times"] if r["gpu"] in PEER_TO_CATALOG]
+
+
+def layer_precision(r: dict) -> str:
+    if r["dtype"] == "fp16":
+        return "fp16"
+    return "tf32" if str(r.get("math_mode_inferred") or "").startswith("tf32") else "fp32"
+
+
+def layer_graph(r: dict):
+    """A one-layer model of the record's shape, and the module prefix of its layer."""
+    h, heads, seq = r["hidden"], r["heads"], r["seq_len"]
+    if r["ffn_type"] == "swiglu":
+        args = {"hidden": h, "layers": 1, "heads": heads, "kv_heads": 8, "ffn": r["ffn"], "vocab": 128,
+                "positions": seq}
+        return _captured("llama", args, 1, seq), "model.layers.0"
+    return _captured("gpt2", {"hidden": h, "layers": 1, "heads": heads, "vocab": 128, "positions": seq}, 1, seq), \
+        "transformer.h.0"
+
+
+def layer_times_s(records: list[dict], gpu: GpuType) -> np.ndarray:
+    """Predicted time of each record's comparable quantity (see the module docstring)."""
+    cluster = single_device_cluster(gpu)
+    out = []
+    models: dict[tuple, tuple] = {}
+    for r in records:
+        key = (r["hidden"], r["heads"], r["seq_len"], r["ffn_type"], layer_precision(r))
+        if key not in models:
+            g, prefix = layer_graph(r)
+            names = [n.name for n in g.nodes if n.module_path.startswith(prefix + ".") or n.module_path == prefix]
+            models[key] = (AnalyticCostModel(g, cluster, precision=layer_precision(r), optimizer="adamw"), names)
+        m, names = models[key]
+        t = m.group_time_s(names, DEVICE, r["micro_batch"], "fwd")
+        if r["source"].startswith("sailor"):
+            t += m.group_time_s(names, DEVICE, r["micro_batch"], "bwd")
+        out.append(t)
+    return np.array(out)
+
+
+def layer_measured_s(r: dict) -> float:
+    return (r["fwd_ms"] + (r["bwd_ms"] if r["source"].startswith("sailor") else 0.0)) * 1e-3
+
+
+def fit_type(gpu: GpuType, records: list[dict]) -> Efficiency:
+    """A type's compute factor per precision its records ran at, and its memory factor."""
+    precisions = sorted({{"fp16": "fp16", "tf32": "tf32", "fp32": "fp32"}[layer_precision(r)] for r in records})
+    measured = np.array([layer_measured_s(r) for r in records])
+
+    def gpu_of(x) -> GpuType:
+        eff = Efficiency(compute=dict(zip(precisions, np.exp(x[:-1]))), memory=float(min(np.exp(x[-1]), 1.0)),
+                         source="predict_gpu.py fit")
+        return dataclasses.replace(gpu, efficiency=eff)
+
+    x0 = np.log([0.8] * len(precisions) + [0.7])
+    res = least_squares(lambda x: np.log(layer_times_s(records, gpu_of(x)) / measured), x0,
+                        bounds=(np.log([0.05] * len(precisions) + [0.1]), np.log([3.0] * len(precisions) + [1.0])),
+                        loss="soft_l1", f_scale=0.1, diff_step=1e-3, max_nfev=40)
+    return gpu_of(res.x).efficiency
+
+
+def arch(r: dict) -> str:
+    return r["model"].split("/", 1)[1]
+
+
+def per_type_leave_one_model_out(records: list[dict]) -> dict:
+    rows = []
+    for peer, name in PEER_TO_CATALOG.items():
+        recs = [r for r in records if r["gpu"] == peer]
+        gpu = get_gpu(name)
+        base = dataclasses.replace(gpu, efficiency=Efficiency())
+        for held in sorted({arch(r) for r in recs}):
+            train = [r for r in recs if arch(r) != held]
+            test = [r for r in recs if arch(r) == held]
+            if not train:
+                continue
+            eff = fit_type(base, train)
+            pred = layer_times_s(test, dataclasses.replace(base, efficiency=eff))
+            unfitted = layer_times_s(test, base)
+            for r, t, u in zip(test, pred, unfitted):
+                rows.append({"gpu": name, "peer_gpu": peer, "model": r["model"], "source": r["source"],
+                             "micro_batch": r["micro_batch"], "precision": layer_precision(r),
+                             "measured_s": layer_measured_s(r), "predicted_s": float(t),
+                             "error": float(t / layer_measured_s(r) - 1),
+                             "error_without_type_factors": float(u / layer_measured_s(r) - 1)})
+        print(f"  {name}: {sum(1 for r in rows if r['gpu'] == name)} held-out layer predictions", flush=True)
+    return {"rows": rows}
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+def med_abs(xs) -> float:
+    xs = [abs(x) for x in xs]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def print_tables(h200: dict, layers: dict) -> dict:
+    summary: dict = {"h200": {}, "per_type": {}}
+    print("\nH200 whole steps, leave-one-model-out (fit on the other two models)")
+    print("| held-out model | cases | median time error | worst time error | median memory error | "
+          "memory under-predicted > 10% |")
+    print("|---|---|---|---|---|---|")
+    for model in [*ZOO, "all"]:
+        rs = [r for r in h200["rows"] if model == "all" or r["model"] == model]
+        s = {"cases": len(rs), "median_time_error": med_abs(r["time_error"] for r in rs),
+             "worst_time_error": max(abs(r["time_error"]) for r in rs),
+             "median_memory_error": med_abs(r["memory_error"] for r in rs),
+             "memory_under_10pct": sum(r["memory_error"] < -0.10 for r in rs)}
+        summary["h200"][model] = s
+        print(f"| {model} | {s['cases']} | {100 * s['median_time_error']:.1f} % | {100 * s['worst_time_error']:.1f} % "
+              f"| {100 * s['median_memory_error']:.1f} % | {s['memory_under_10pct']} |")
+    print("\nPer-layer time by GPU type, leave-one-model-out within the type")
+    print("| GPU type | layers | median error | worst error | median error, H200 scaling only |")
+    print("|---|---|---|---|---|")
+    for name in [*PEER_TO_CATALOG.values(), "all"]:
+        rs = [r for r in layers["rows"] if name == "all" or r["gpu"] == name]
+        if not rs:
+            continue
+        s = {"layers": len(rs), "median_error": med_abs(r["error"] for r in rs),
+             "worst_error": max(abs(r["error"]) for r in rs),
+             "median_error_unfitted": med_abs(r["error_without_type_factors"] for r in rs)}
+        summary["per_type"][name] = s
+        print(f"| {name} | {s['layers']} | {100 * s['median_error']:.1f} % | {100 * s['worst_error']:.1f} % "
+              f"| {100 * s['median_error_unfitted']:.1f} % |")
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="H200 steps only")
+    ap.add_argument("--fit-all", action="store_true", help="also print the all-data fits the catalog ships")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    cases = step_cases()
+    print("H200 steps: leave-one-model-out fits", flush=True)
+    h200 = h200_leave_one_model_out(cases)
+    layers = {"rows": []} if args.quick else per_type_leave_one_model_out(layer_records())
+    summary = print_tables(h200, layers)
+    doc = {"command": "benchmarks/predict_gpu.py" + (" --quick" if args.quick else ""),
+           "summary": summary, "h200": h200, "per_layer": layers, "elapsed_s": time.perf_counter() - t0}
+    if args.fit_all:
+        doc["fit_all"] = {"h200": fit_h200(cases), "fixed_bytes": fit_memory(cases),
+                          "per_type": {} if args.quick else {
+                              name: dataclasses.asdict(fit_type(dataclasses.replace(get_gpu(name), efficiency=Efficiency()),
+                                                                [r for r in layer_records() if r["gpu"] == peer]))
+                              for peer, name in PEER_TO_CATALOG.items()}}
+        print("\nall-data fits (for the catalog):", json.dumps(doc["fit_all"], indent=1))
+    write_atomic(RESULT, json.dumps(doc, indent=1, default=float))
+    print(f"\nwrote {RESULT.relative_to(ROOT)} in {doc['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

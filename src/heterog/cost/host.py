@@ -1,0 +1,85 @@
+"""The host side of an eager PyTorch step on a GPU, and the casts autocast adds.
+
+Eager PyTorch is two processors in series: the host (Python, the dispatcher, the autograd
+engine, autocast) issues each op, the GPU runs it. The host runs ahead while the GPU is busy;
+the GPU idles while the host is behind. So a step costs, op by op, whichever is longer — at
+small batches the host's (resnet50 takes 16–25 ms per step on an H200 from batch 1 to 32 in
+cost/data/h200_steps.json: the host's dispatch, not the GPU's math). cost.analytic charges
+every node max(device time, host time), which also keeps a step from ever being faster than
+its host time.
+
+Host time of a node (hardware.gputype.HostCosts, fitted on the H200 steps):
+  forward  = forward_node_s + forward_op_s · (ops − 1) + autocast_cast_s · casts
+  backward = backward_op_s · ops + autocast_cast_s · casts
+
+Autocast (torch.amp autocast_mode.cpp, its lower-precision op list): matmul, convolution and
+attention run in half precision, so autocast casts their fp32 weights (cached within a
+forward) and fp32 inputs to half — one cast kernel each, 4 B read and 2 B written per
+element; in backward the gradients of those casts are cast back (2 B read, 4 B written).
+Inputs already in half (the output of another half op) need no cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from heterog.cost.memory import TENSOR_CORE_KINDS, dtype_factors
+from heterog.hardware.gputype import HostCosts
+from heterog.ir.opgraph import OpGraph
+
+CAST_BYTES_PER_FP32_BYTE = 1.5   # a 4-byte element read and a 2-byte one written, per 4 bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Casts:
+    """Per node: the casts autocast adds to its forward (and, mirrored, to its backward) and
+    the bytes they move (an affine function of the batch)."""
+    count: np.ndarray
+    bytes_fixed: np.ndarray
+    bytes_per_sample: np.ndarray
+
+
+def autocast_casts(graph: OpGraph, precision: str) -> Casts | None:
+    """The casts autocast inserts under amp-bf16/fp16; None in fp32/tf32 (no autocast)."""
+    if precision not in ("amp-bf16", "fp16"):
+        return None
+    n = len(graph.nodes)
+    out = dtype_factors(graph, precision).out
+    gi = graph.index
+    fp32_in_fixed, fp32_in_ps, fp32_inputs = np.zeros(n), np.zeros(n), np.zeros(n)
+    for e in graph.edges:
+        j = gi[e.dst]
+        if out[gi[e.src]] == 1.0:
+            fp32_in_fixed[j] += e.bytes.fixed
+            fp32_in_ps[j] += e.bytes.per_sample
+            fp32_inputs[j] += 1
+    preds = graph.predecessors
+    count, fixed, per_sample = np.zeros(n), np.zeros(n), np.zeros(n)
+    for i, node in enumerate(graph.nodes):
+        if node.kind not in TENSOR_CORE_KINDS:
+            continue
+        weight_bytes = max(float(node.param_bytes), float(node.fwd_bytes.fixed))
+        weights = len(node.param_names) or (1 if weight_bytes > 0 else 0)
+        if not preds[node.name]:          # reads the graph input, an fp32 batch
+            fp32_inputs[i] = 1
+            fp32_in_ps[i] = float(graph.input_bytes.per_sample)
+        count[i] = weights + fp32_inputs[i]
+        fixed[i] = CAST_BYTES_PER_FP32_BYTE * (weight_bytes + fp32_in_fixed[i])
+        per_sample[i] = CAST_BYTES_PER_FP32_BYTE * fp32_in_ps[i]
+    return Casts(count=count, bytes_fixed=fixed, bytes_per_sample=per_sample)
+
+
+def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None) -> np.ndarray:
+    """Host time of every node's forward or backward (seconds), batch-independent."""
+    nodes = graph.nodes
+    if phase == "fwd":
+        ops = np.array([float(n.fwd_kernels) for n in nodes])
+        t = np.where(ops > 0, host.forward_node_s + host.forward_op_s * np.maximum(ops - 1, 0), 0.0)
+    else:
+        ops = np.array([float(n.bwd_kernels) for n in nodes])
+        t = host.backward_op_s * ops
+    if casts is not None:
+        t = t + host.autocast_cast_s * casts.count
+    return t
