@@ -1,4 +1,11 @@
-"""Load a user's Python file named as 'path/file.py:name' (models, data), once per process."""
+"""Load a user's Python file named as 'path/file.py:name' (models, data), once per process.
+
+A plan names its model file as it was typed when planning (the graph fingerprint is computed
+from that name) and records where the file lies relative to the plan file. When a plan is
+loaded from another folder or node, ir/plan.py finds the file next to the plan and registers
+that location here (`register_location`), so every loader below opens the right file under
+the name the plan uses. The registry only ever maps a typed path to a checked file.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +17,25 @@ from types import ModuleType
 from heterog.errors import ModelError
 
 
+_LOCATIONS: dict[str, Path] = {}  # path as a plan names it → the file found for that plan
+
+
+def register_location(path: str, file: Path) -> None:
+    """Open `file` whenever `path` is asked for in this process (see the module docstring)."""
+    _LOCATIONS[path] = file
+
+
+def locate(path: str) -> Path:
+    """The file a user path names: the registered location, else the path itself."""
+    return _LOCATIONS.get(path, Path(path))
+
+
 def load_user_module(path: str, *, what: str, spec: str) -> ModuleType:
     """Import `path` as a module (cached in sys.modules by its resolved path).
 
     `what` and `spec` name the user's argument in errors ("model 'x.py:f': ...").
     """
-    file = Path(path)
+    file = locate(path)
     if not file.is_file():
         raise ModelError(f"{what} {spec!r}: no file {path!r}; give 'path/file.py:name'.")
     mod_name = f"heterog_user_{abs(hash(str(file.resolve())))}"

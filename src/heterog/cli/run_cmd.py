@@ -93,12 +93,13 @@ def register(app: typer.Typer) -> None:
     @app.command("run")
     def run_cmd(
         plan: Path = typer.Argument(..., help="A plan file from `heterog plan --out`."),
-        steps: int = typer.Option(5, "--steps", help="Training steps (the first is warm-up)."),
+        steps: int = typer.Option(5, "--steps", min=1, help="Training steps (the first is warm-up); with "
+                                  "--resume, the total to reach, counting the checkpoint's."),
         emulated: bool = typer.Option(False, "--emulated", help="Emulate a real GPU cluster's devices "
                                       "with local CPU processes paced by their relative speed."),
         out: Optional[Path] = typer.Option(None, "--out", help="Write the result JSON here."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-        timeout_s: float = typer.Option(60.0, "--timeout-s", help="Timeout of every collective / transfer."),
+        timeout_s: float = typer.Option(60.0, "--timeout-s", min=0.5, help="Timeout of every collective / transfer."),
         no_shaping: bool = typer.Option(False, "--no-shaping", help="Do not shape links with netns + tc."),
         pin_cores: bool = typer.Option(False, "--pin-cores", help="Pin each rank to one core."),
         torchrun: bool = typer.Option(False, "--torchrun", help="Print the torchrun command per node."),
@@ -110,14 +111,32 @@ def register(app: typer.Typer) -> None:
                                                  "(step, loss, step time, slowest rank) here."),
         trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace of the measured "
                                              "steps per rank (opens in Perfetto beside `simulate --trace`)."),
+        data: Optional[str] = typer.Option(None, "--data", help="Train on your data: 'path/file.py:loader', "
+                                           "loader(batch_size) returning an iterable of global (inputs, "
+                                           "targets) batches, e.g. a DataLoader (docs/robustness.md)."),
+        checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Save model and "
+                                                      "optimizer state here (with --checkpoint-every)."),
+        checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="Save every N steps."),
+        resume: Optional[Path] = typer.Option(None, "--resume", help="Continue from the last complete "
+                                              "checkpoint in this folder, under this plan (any plan of "
+                                              "the same model: parameters load by name)."),
+        force: bool = typer.Option(False, "--force", help="Start even when the plan's memory per rank "
+                                   "exceeds this machine's free memory."),
     ) -> None:
         """Train a plan for N steps on synthetic data; measured vs predicted step time."""
-        from heterog.execute import api
+        from heterog import pipeline as api
         from heterog.ir.plan import Plan
 
+        from heterog.execute.checkpoint import CheckpointConfig
+        from heterog.execute.preflight import check_data, check_plan_fits_model
+
         p = Plan.load(plan)
+        ckpt = CheckpointConfig(dir=str(checkpoint_dir) if checkpoint_dir else None, every_steps=checkpoint_every,
+                                resume=str(resume) if resume else None)
+        check_plan_fits_model(p)
+        check_data(p, data)
         if torchrun:
-            _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json)
+            _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict())
             return
         if not as_json:
             console.print(f"running {p.strategy} plan of {p.model.name} for {steps} steps …")
@@ -128,7 +147,8 @@ def register(app: typer.Typer) -> None:
             with _StepFollower(folder, world_size, steps, say, bar=sys.stdout.isatty()):
                 result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
                                  shape_links=False if no_shaping else None, pin_cores=pin_cores,
-                                 out_dir=folder, profile=profile)
+                                 out_dir=folder, profile=profile, data=data, checkpoint=ckpt.to_dict(),
+                                 force=force)
             _measured_outputs(folder, world_size, result, steps_log, trace)
         if out:
             write_json(str(out), result)
@@ -158,7 +178,7 @@ def register(app: typer.Typer) -> None:
                                         help="Predict with the analytic model only (no measured profile)."),
     ) -> None:
         """Plan a zoo model on an emulated 3-device cluster, run it and even DP, compare."""
-        from heterog.execute.demo import demo
+        from heterog.demo import demo
 
         say = (lambda s: None) if as_json else (lambda s: console.print(f"[dim]{s}[/dim]"))
         result = demo(steps=steps, budget_s=budget_s, profile=not no_profile, say=say)
@@ -181,9 +201,9 @@ def register(app: typer.Typer) -> None:
 
 
 def _print_torchrun(plan, plan_path: Path, steps: int, timeout_s: float, master_addr: str,
-                    as_json: bool) -> None:
+                    as_json: bool, *, data: str | None = None, checkpoint: dict | None = None) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
-    from heterog.execute.api import plan_cluster, rank_devices
+    from heterog.pipeline import plan_cluster, rank_devices
     from heterog.execute.launcher import torchrun_commands
     from heterog.jsonio import write_atomic
 
@@ -196,11 +216,27 @@ def _print_torchrun(plan, plan_path: Path, steps: int, timeout_s: float, master_
         node_devices = [n for n in node_devices if n]
     spec_path = plan_path.with_suffix(".torchrun.json")
     write_atomic(spec_path, json.dumps({"torchrun": True, "plan": plan.to_dict(), "node_devices": node_devices,
-                                        "steps": steps, "timeout_s": timeout_s, "out_dir": "heterog-run"}))
+                                        "steps": steps, "timeout_s": timeout_s, "out_dir": "heterog-run",
+                                        "data": data, "checkpoint": checkpoint}))
     cmds = torchrun_commands(spec_path=str(spec_path), node_devices=node_devices, master_addr=master_addr)
+    files = _files_every_node_needs(plan, spec_path, data)
     if as_json:
-        print_json({"spec": str(spec_path), "commands": cmds})
+        print_json({"spec": str(spec_path), "commands": cmds, "files_every_node_needs": files})
         return
-    console.print(f"ranks' spec written to {spec_path}; copy it to every node, then run:")
+    console.print(f"ranks' spec written to {spec_path}; every node needs, at these paths: {', '.join(files)}"
+                  + (" (and --checkpoint-dir/--resume on a shared file system)" if checkpoint and
+                     (checkpoint.get("dir") or checkpoint.get("resume")) else "") + ". Then run:")
     for i, c in enumerate(cmds):
         console.print(f"# node {i} ({', '.join(node_devices[i])})\n{c}")
+
+
+def _files_every_node_needs(plan, spec_path: Path, data: str | None) -> list[str]:
+    """The spec, and the user's model and data files the ranks import (absolute paths)."""
+    from heterog.ir.plan import user_model_file
+    files = [str(spec_path.resolve())]
+    if plan.model.file:
+        files.append(plan.model.file)
+    user = user_model_file(data or "")
+    if user is not None:
+        files.append(str(Path(user[0]).resolve()))
+    return files

@@ -31,7 +31,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from heterog.errors import CheckpointError
+from heterog.ir.plan import user_model_file
 from heterog.jsonio import write_atomic
+from heterog.userfile import locate
 
 MARKER = "COMPLETE.json"
 STEP_PREFIX = "step-"
@@ -74,6 +76,13 @@ class CheckpointInfo:
     step: int                       # completed steps when it was written
     model: str
     parameter_names: tuple[str, ...]
+
+
+def model_key(name: str) -> str:
+    """The model's identity in a checkpoint: a zoo name, or a user file's absolute path and
+    factory (so plans saved in different folders that name the same file agree)."""
+    user = user_model_file(name)
+    return name if user is None else f"{locate(user[0]).resolve()}:{user[1]}"
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -139,7 +148,7 @@ def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, n
     dist.all_gather_object(names, [n for n, _ in named_params])  # also: every rank finished writing
     if rank == 0:
         write_atomic(target / MARKER, json.dumps({
-            "format": CHECKPOINT_FORMAT, "step": step, "model": model,
+            "format": CHECKPOINT_FORMAT, "step": step, "model": model_key(model),
             "parameter_names": sorted({n for per_rank in names for n in per_rank})}))
     dist.barrier()
     return target
@@ -148,7 +157,7 @@ def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, n
 def load_checkpoint(info: CheckpointInfo, named_params: list[tuple[str, nn.Parameter]],
                     opt: torch.optim.Optimizer | None, *, model: str) -> None:
     """Load the parameters (in place) and optimizer state this rank holds, by name."""
-    if info.model != model:
+    if info.model != model_key(model):
         raise CheckpointError(f"{info.path}: the checkpoint is of model {info.model!r}, not {model!r}; "
                               f"resume with the same model.")
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata

@@ -31,7 +31,7 @@ from typing import Any
 
 from heterog.errors import CheckpointError, RankError
 from heterog.execute import stale
-from heterog.execute.checkpoint import find_checkpoint
+from heterog.execute.checkpoint import find_checkpoint, model_key
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +65,9 @@ def _tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
-def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None) -> list[dict]:
-    """Run every rank on this machine; return the per-rank results (rank order)."""
+def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None, *,
+                 program_doc: dict[str, Any]) -> list[dict]:
+    """Run every rank of the plan's Program on this machine; return the per-rank results (rank order)."""
     stale.remove_stale_runs()
     stale.check_memory(plan_doc, cfg.devices, force=cfg.force)
     ckpt = _resolve_resume(plan_doc, cfg)
@@ -79,7 +80,7 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
     logs: list[Path] = []
     try:
         for rank in range(len(cfg.devices)):
-            spec = {"rank": rank, "devices": list(cfg.devices), "plan": plan_doc, "steps": cfg.steps,
+            spec = {"rank": rank, "devices": list(cfg.devices), "program": program_doc, "steps": cfg.steps,
                     "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
                     "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault, "data": cfg.data,
                     "checkpoint": ckpt, "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
@@ -110,7 +111,7 @@ def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> dict[str, An
         return cfg.checkpoint
     info = find_checkpoint(cfg.checkpoint["resume"])
     model = plan_doc["model"]["name"]
-    if info.model != model:
+    if info.model != model_key(model):
         raise CheckpointError(f"--resume {cfg.checkpoint['resume']}: the checkpoint is of model {info.model!r}, "
                               f"but the plan trains {model!r}; resume with a plan of the same model.")
     if info.step >= cfg.steps:

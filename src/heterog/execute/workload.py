@@ -9,6 +9,8 @@ ranks agree on it without communicating.
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -16,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from heterog.errors import ModelError
+from heterog.errors import DataError, ModelError
 from heterog.userfile import load_user_module
 from heterog.ir.plan import ModelSpec
 
@@ -50,20 +52,104 @@ def resolve_workload(model: ModelSpec) -> Workload:
     return _from_zoo_like(model.name, entry, dict(model.args), seq_len)
 
 
+class LoaderSteps:
+    """A DataLoader-like iterable read by step: batch k is the k-th item, over epochs.
+
+    Every rank (and a resumed run) must see the same batch at step k, so the iterator of
+    epoch e is created under torch seed LOADER_SEED + e (a DataLoader with shuffle=True draws
+    its order then) and a resumed run skips the steps already done. Randomness drawn per
+    item in the main process (not from the iterator's creation) is not covered.
+    """
+
+    def __init__(self, loader: Any, spec: str):
+        self.loader, self.spec = loader, spec
+        self._restart()
+
+    def _restart(self) -> None:
+        self.epoch, self.next_step, self.in_epoch = 0, 0, 0
+        self.it = self._new_iterator()
+
+    def _new_iterator(self):
+        """The epoch's iterator, its first item already drawn under the epoch's seed (a
+        DataLoader's RandomSampler draws its permutation at the first next(), not at iter())."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(LOADER_SEED + self.epoch)
+            it = iter(self.loader)
+            first = next(it, _END)
+        return itertools.chain([] if first is _END else [first], it)
+
+    def __call__(self, batch_size: int, step: int) -> Any:
+        if step < self.next_step:
+            self._restart()
+        while True:
+            try:
+                item = next(self.it)
+            except StopIteration:
+                if self.in_epoch == 0:
+                    raise DataError(f"--data {self.spec!r}: the loader yielded no batch.") from None
+                self.epoch, self.in_epoch = self.epoch + 1, 0
+                self.it = self._new_iterator()
+                continue
+            self.in_epoch += 1
+            self.next_step += 1
+            if self.next_step - 1 == step:
+                return item
+
+
+LOADER_SEED = 20_260_101
+_END = object()
+
+
 def with_data(work: Workload, data: str | None) -> Workload:
-    """Replace the synthetic batches by the user's: 'path/file.py:fn' with fn(batch_size, step)
-    returning the global batch (inputs tuple, targets) of that step. Every rank calls it, so
-    it must return the same batch for the same step (read by index, or seed your sampler)."""
+    """Replace the synthetic batches by the user's, 'path/file.py:name', either
+      - a loader: name(batch_size) returns a DataLoader-like iterable of global batches
+        (inputs, targets), read in order (LoaderSteps), or
+      - a step function: name(batch_size, step) returns the global batch of that step.
+    Every rank calls it, so it must give the same batch for the same step."""
     if not data:
         return work
     path, _, attr = data.rpartition(":")
-    if not path.endswith(".py") or not Path(path).is_file():
-        raise ModelError(f"data {data!r}: give 'path/file.py:fn' naming an existing file.")
+    if not path.endswith(".py") or not attr:
+        raise DataError(f"--data {data!r}: give 'path/file.py:loader' (a .py file, a colon, a function name).")
+    if not Path(path).is_file():
+        raise DataError(f"--data {data!r}: no file {path!r}.")
     module = load_user_module(path, what="data", spec=data)
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ModelError(f"data {data!r}: {path} defines no callable {attr!r}.")
-    return replace(work, data_fn=fn)
+        raise DataError(f"--data {data!r}: {path} defines no function {attr!r}.")
+    positional = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2:
+        return replace(work, data_fn=fn)
+    state: dict[str, Any] = {}
+
+    def by_step(batch_size: int, step: int) -> tuple[Any, Any]:
+        if "steps" not in state:
+            made = fn(batch_size) if positional else fn()
+            if not hasattr(made, "__iter__"):
+                raise DataError(f"--data {data!r}: {attr}() returned {type(made).__name__}, not an iterable "
+                                f"of (inputs, targets) batches such as a torch DataLoader.")
+            state["steps"] = LoaderSteps(made, data)
+        return state["steps"](batch_size, step)
+    return replace(work, data_fn=by_step)
+
+
+def check_batch(work: Workload, batch_size: int, *, source: str) -> None:
+    """Fetch step 0's batch in this process and check its form, so a bad loader is reported
+    before any rank starts (as one paragraph, not a rank's traceback)."""
+    try:
+        inputs, targets = global_batch(work, batch_size, seed=0, step=0)
+    except (DataError, ModelError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's loader failed: say where
+        raise DataError(f"{source}: producing the first batch failed: {type(e).__name__}: {e}.") from None
+    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        raise DataError(f"{source}: the batch's inputs hold no tensor; yield (inputs, targets) with tensors.")
+    if first.shape[0] != batch_size:
+        raise DataError(f"{source}: a batch holds {first.shape[0]} samples but the plan's global batch is "
+                        f"{batch_size}; yield global batches of {batch_size} (e.g. DataLoader(batch_size="
+                        f"{batch_size}, drop_last=True)) or re-plan with --batch-size {first.shape[0]}.")
 
 
 def global_batch(work: Workload, batch_size: int, *, seed: int, step: int) -> tuple[tuple[Any, ...], Any]:
@@ -73,7 +159,11 @@ def global_batch(work: Workload, batch_size: int, *, seed: int, step: int) -> tu
     try:
         torch.manual_seed(seed * 1_000_003 + step + 1)
         if work.data_fn is not None:
-            inputs, targets = work.data_fn(batch_size, step)
+            item = work.data_fn(batch_size, step)
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise DataError(f"user data at step {step}: expected a pair (inputs, targets), found "
+                                f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}.")
+            inputs, targets = item
         else:
             inputs, targets = work.example_batch(batch_size, work.seq_len)
     finally:

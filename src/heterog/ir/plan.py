@@ -8,14 +8,18 @@ devices is data parallelism; a subset is hybrid.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
 from heterog.errors import ArtifactError, PlanError
 from heterog.jsonio import load_artifact, parse_artifact, save_artifact
+from heterog.userfile import locate, register_location
 
 SCHEMA_VERSION = 1
 KIND = "heterog.Plan"
@@ -54,6 +58,8 @@ class ModelSpec:
     args: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 1
     seq_len: int | None = None
+    file: str | None = None                          # user model file: relative to the plan file on disk
+    file_sha256: str | None = None                   # its content hash, when saved to disk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,7 +187,8 @@ class Plan:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "model":
-                v = {"name": v.name, "args": v.args, "batch_size": v.batch_size, "seq_len": v.seq_len}
+                v = {"name": v.name, "args": v.args, "batch_size": v.batch_size, "seq_len": v.seq_len,
+                     **({"file": v.file, "file_sha256": v.file_sha256} if v.file else {})}
             elif f.name == "groups":
                 v = [{"name": g.name, "nodes": list(g.nodes),
                       "replicas": [[r.device, r.share] for r in g.replicas],
@@ -195,11 +202,15 @@ class Plan:
         return json.dumps({"kind": KIND, "version": SCHEMA_VERSION, **self.to_dict()})
 
     def save(self, path) -> None:
-        save_artifact(path, KIND, SCHEMA_VERSION, self.to_dict())
+        """Write the plan; a user model file is recorded relative to the plan file, with its
+        content hash, so the plan can be used from another folder or node (portable_model)."""
+        plan = replace(self, model=portable_model(self.model, Path(path).parent))
+        save_artifact(path, KIND, SCHEMA_VERSION, plan.to_dict())
 
     @staticmethod
     def load(path) -> "Plan":
-        return Plan.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
+        plan = Plan.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
+        return replace(plan, model=resolve_model(plan.model, Path(path).parent, source=str(path)))
 
     @staticmethod
     def from_json(text: str) -> "Plan":
@@ -226,7 +237,8 @@ class Plan:
                 if k in rest:
                     rest[k] = tuple(rest[k])
             plan = Plan(model=ModelSpec(name=m["name"], args=m.get("args", {}),
-                                        batch_size=m["batch_size"], seq_len=m.get("seq_len")),
+                                        batch_size=m["batch_size"], seq_len=m.get("seq_len"),
+                                        file=m.get("file"), file_sha256=m.get("file_sha256")),
                         groups=tuple(groups), **rest)
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}.") from None
@@ -234,6 +246,7 @@ class Plan:
             raise PlanError(f"{source}: malformed plan ({e}).") from None
         except ArtifactError:
             raise
+        register_model_file(plan.model)
         try:
             return plan.validate()
         except PlanError as e:
@@ -253,3 +266,64 @@ def split_samples(total: int, shares: list[float]) -> list[int]:
     for i in order[:rest]:
         counts[i] += 1
     return counts
+
+
+# -- portable user-model files -------------------------------------------------------------------
+# A user model is named 'path/file.py:factory', as typed when planning (the graph fingerprint is
+# computed from that name, so it is kept). A saved plan also records `file`, the model file's
+# path relative to the plan file, and its SHA-256; loading finds the file there and registers
+# it for the typed name (userfile.register_location), so `heterog simulate/run plan.json` work
+# from any folder, and on any node holding the file at the same place relative to the plan.
+# In memory (and in the spec the ranks get) `file` is absolute.
+
+def user_model_file(name: str) -> tuple[str, str] | None:
+    """(path, factory) of a user model name, None for a zoo name."""
+    path, sep, attr = name.rpartition(":")
+    return (path, attr) if sep and path.endswith(".py") else None
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def portable_model(model: ModelSpec, plan_dir: Path) -> ModelSpec:
+    """The ModelSpec as a plan file in `plan_dir` records it."""
+    user = user_model_file(model.name)
+    if user is None:
+        return model
+    found = Path(model.file) if model.file else locate(user[0])
+    if not found.is_file():
+        raise PlanError(f"model file {str(found)!r} does not exist, so the plan cannot record it; save the "
+                        f"plan from the folder the model path is relative to.")
+    rel = os.path.relpath(found.resolve(), plan_dir.resolve())
+    return replace(model, file=rel, file_sha256=file_sha256(found))
+
+
+def resolve_model(model: ModelSpec, plan_dir: Path, *, source: str) -> ModelSpec:
+    """The ModelSpec of a loaded plan, its model file found next to the plan, checked against
+    the recorded hash (missing or changed → PlanError saying what to do) and registered."""
+    user = user_model_file(model.name)
+    if user is None:
+        return model
+    if model.file is None:  # written before plans recorded the file: the name as typed
+        return model
+    found = Path(model.file) if os.path.isabs(model.file) else plan_dir / model.file
+    if not found.is_file():
+        raise PlanError(f"{source}: the plan's model file {model.file!r} (relative to the plan's folder "
+                        f"{plan_dir}) is missing; put the model file there — every node that runs the "
+                        f"plan needs it — or re-plan.")
+    if model.file_sha256 is not None:
+        now = file_sha256(found)
+        if now != model.file_sha256:
+            raise PlanError(f"{source}: the model file {found} changed since the plan was made "
+                            f"(sha256 {model.file_sha256[:12]}… then, {now[:12]}… now); the plan may not fit "
+                            f"the model any more. Re-plan, or restore the file the plan was made for.")
+    register_location(user[0], found.resolve())
+    return replace(model, file=str(found.resolve()))
+
+
+def register_model_file(model: ModelSpec) -> None:
+    """In a process that got the plan as a dict (a rank): open the model file the plan found."""
+    user = user_model_file(model.name)
+    if user is not None and model.file and os.path.isabs(model.file):
+        register_location(user[0], Path(model.file))

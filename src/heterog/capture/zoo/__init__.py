@@ -1,7 +1,9 @@
 """The model zoo: built-in models by name, and user models given as 'path/file.py:factory'.
 
 A user file defines `factory(**args) -> nn.Module`, plus in the same file
-`example_batch(batch_size, seq_len) -> (inputs tuple, targets)` and optionally
+`example_batch(batch_size, seq_len) -> (inputs tuple, targets)` (it also receives, by name,
+the --model-arg values its parameters name, e.g. `example_batch(batch_size, seq_len=None,
+in_features=16)`; see docs/robustness.md) and optionally
 `loss(output, targets) -> scalar tensor` (default: mean cross-entropy over the last dim).
 A factory may instead return a zoo-style object with build / example_batch / loss.
 """
@@ -16,7 +18,7 @@ from typing import Any
 from heterog.capture.zoo import hf, inception, mobilenet, resnet, seq2seq, small, vgg, vit
 from heterog.capture.zoo.base import ZooModel, classification_loss, image_batch, token_batch
 from heterog.errors import ModelError
-from heterog.userfile import load_user_module
+from heterog.userfile import load_user_module, locate
 
 _TV = "torchvision model docs (pytorch.org/vision/stable/models)"
 
@@ -96,7 +98,7 @@ def list_models() -> list[str]:
 
 def _load_user_model(spec: str) -> ZooModel:
     path, _, attr = spec.rpartition(":")
-    if not Path(path).is_file():
+    if not locate(path).is_file():
         raise ModelError(f"model {spec!r}: no file {path!r}. A user model is given as "
                          f"'path/file.py:factory'; known zoo models: {', '.join(ZOO)}.")
     module = load_user_module(path, what="model", spec=spec)
@@ -109,12 +111,19 @@ def _load_user_model(spec: str) -> ZooModel:
     if not callable(batch_fn):
         raise ModelError(f"model {spec!r}: {path} must also define example_batch(batch_size, seq_len) "
                          f"returning (inputs tuple, targets).")
-    takes_seq = len(inspect.signature(batch_fn).parameters) >= 2
+    params = inspect.signature(batch_fn).parameters
+    factory_args = set(inspect.signature(factory).parameters)
+    names = list(params)
+    # The second parameter is seq_len unless it names one of the factory's arguments.
+    takes_seq = len(names) >= 2 and (names[1] == "seq_len" or names[1] not in factory_args)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
     def make(batch_size: int, seq_len: int | None, device: Any, **args: Any):
         import torch
+        extra = args if takes_any else {k: v for k, v in args.items() if k in params}  # --model-arg values
         with torch.device(device):
-            inputs, targets = batch_fn(batch_size, seq_len) if takes_seq else batch_fn(batch_size)
+            inputs, targets = (batch_fn(batch_size, seq_len, **extra) if takes_seq
+                               else batch_fn(batch_size, **extra))
         return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), targets
 
     return ZooModel(name=spec, family="user", description=f"{attr} from {path}", builder=factory,

@@ -1,0 +1,46 @@
+"""Checks `heterog run` makes before starting any rank, so a mistake is one paragraph in the
+launcher, not a traceback in a rank's log minutes later.
+
+- The plan fits the model it will train: the model is captured again (on fake tensors, no
+  weights) and the plan validated against that graph and its own cluster, fingerprints
+  included. A user model file's content is already checked against the hash the plan
+  recorded (ir/plan.py: resolve_model), and its graph fingerprint names the file as it was
+  typed when planning, so for user models the node names are checked, not the fingerprint.
+- The user's data gives global batches of the plan's size (workload.check_batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from heterog.errors import HeterogError, PlanError
+from heterog.ir.plan import Plan, user_model_file
+
+
+def check_plan_fits_model(plan: Plan) -> None:
+    """Raise PlanError when the plan was made for another model, arguments or cluster."""
+    from heterog.capture import capture_model
+    from heterog.hardware.spec import cluster_from_dict
+
+    try:
+        graph = capture_model(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
+                              seq_len=plan.model.seq_len)
+    except HeterogError as e:
+        raise PlanError(f"the plan's model {plan.model.name!r} cannot be built to check the plan "
+                        f"against it: {e}") from None
+    cluster = cluster_from_dict(plan.cluster) if plan.cluster else None
+    checked = replace(plan, graph_fingerprint="") if user_model_file(plan.model.name) else plan
+    try:
+        checked.validate(graph=graph, cluster=cluster)
+    except PlanError as e:
+        raise PlanError(f"this plan does not fit model {plan.model.name!r} "
+                        f"{plan.model.args or ''} as it is now: {e} Re-plan with `heterog plan` "
+                        f"for this model, or run the plan made for it.") from None
+
+
+def check_data(plan: Plan, data: str | None) -> None:
+    """Fetch the first batch of --data in this process and check its form."""
+    if not data:
+        return
+    from heterog.execute.workload import check_batch, resolve_workload, with_data
+    check_batch(with_data(resolve_workload(plan.model), data), plan.batch_size, source=f"--data {data!r}")
