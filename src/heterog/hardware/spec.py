@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from heterog.errors import ClusterError
+from heterog.errors import ClusterError, HeterogWarning
 from heterog.hardware import catalog
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import PRECISIONS, GpuType
@@ -50,6 +52,47 @@ _DEVICE = {"type", "count", "name", "slowdown", "memory_gib", "memory_bytes", "i
            "intra_bandwidth_gbytes_per_s", "intra_bandwidth_bytes_per_s"}
 _SWITCH = {"core_bandwidth_gbps", "core_bandwidth_gbytes_per_s", "core_bandwidth_bytes_per_s",
            "latency_us", "latency_s"}
+
+
+# -- plausible ranges -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plausible:
+    """Outside [error_low, error_high] a figure is surely a unit slip (an error); outside
+    [warn_low, warn_high] it is unusual for real hardware (a warning). SI units."""
+    what: str
+    unit: str
+    scale: float            # SI value / scale = the figure in `unit`, for messages
+    error_low: float
+    warn_low: float
+    warn_high: float
+    error_high: float
+
+
+# Anchors: 1 Gbit/s Ethernet to NVLink 5 (1.8 TB/s per GPU, nvidia.com/nvlink); GPU memory
+# from 1 GiB to the 288 GB of a B300 (nvidia.com); NIC latencies of µs (RDMA) to ms (WAN).
+BANDWIDTH = Plausible(what="bandwidth", unit="Gbit/s", scale=1e9 / 8, error_low=1e5, warn_low=1.25e8,
+                      warn_high=2e12, error_high=1e13)
+MEMORY = Plausible(what="memory", unit="GiB", scale=2**30, error_low=2**26, warn_low=2**30,
+                   warn_high=2**39, error_high=2**42)
+LATENCY = Plausible(what="latency", unit="µs", scale=1e-6, error_low=0.0, warn_low=0.0,
+                    warn_high=10e-3, error_high=1.0)
+SLOWDOWN = Plausible(what="slowdown", unit="×", scale=1.0, error_low=1e-3, warn_low=0.05,
+                     warn_high=100.0, error_high=1000.0)
+
+
+def _plausible(ctx: "_Ctx", where: str, m: Any, key: str, value: float, rng: Plausible) -> float:
+    """Return value; raise ClusterError outside the error range, warn outside the usual one."""
+    shown = f"{value / rng.scale:.4g} {rng.unit}"
+    span = f"{rng.warn_low / rng.scale:.4g}–{rng.warn_high / rng.scale:.4g} {rng.unit}"
+    if not rng.error_low <= value <= rng.error_high:
+        raise ctx.fail(where, m, key, f"{rng.what} {shown} is implausible (real hardware lies within "
+                                      f"{span}); check the unit in the field name.")
+    if not rng.warn_low <= value <= rng.warn_high:
+        warnings.warn(HeterogWarning(ctx.fail(where, m, key, f"{rng.what} {shown} is outside the usual "
+                                                             f"{span}; is the unit right?").args[0]),
+                      stacklevel=2)
+    return value
 
 
 # -- YAML with line numbers -------------------------------------------------------------------
@@ -127,16 +170,18 @@ def _bandwidth(ctx: _Ctx, where: str, m: dict, stem: str, default: float | None)
         return default
     k = given[0]
     v = _number(ctx, where, m, k)
-    return v * 1e9 / 8 if k.endswith("_gbps") else v * 1e9 if k.endswith("_gbytes_per_s") else v
+    v = v * 1e9 / 8 if k.endswith("_gbps") else v * 1e9 if k.endswith("_gbytes_per_s") else v
+    return _plausible(ctx, where, m, k, v, BANDWIDTH)
 
 
 def _latency(ctx: _Ctx, where: str, m: dict, stem: str, default: float) -> float:
     if f"{stem}_us" in m and f"{stem}_s" in m:
         raise ctx.fail(where, m, f"{stem}_s", "give the latency once, in _us or in _s.")
     if f"{stem}_us" in m:
-        return _number(ctx, where, m, f"{stem}_us", positive=False) * 1e-6
+        return _plausible(ctx, where, m, f"{stem}_us", _number(ctx, where, m, f"{stem}_us", positive=False) * 1e-6,
+                          LATENCY)
     if f"{stem}_s" in m:
-        return _number(ctx, where, m, f"{stem}_s", positive=False)
+        return _plausible(ctx, where, m, f"{stem}_s", _number(ctx, where, m, f"{stem}_s", positive=False), LATENCY)
     return default
 
 
@@ -243,7 +288,8 @@ def _parse(doc: Any, source: str) -> Cluster:
                     raise ctx.fail(dwhere, d, "count", f"must be a positive integer, found {dcount!r}.")
                 if "name" in d and dcount > 1:
                     raise ctx.fail(dwhere, d, "name", "a named device entry must have count 1.")
-                slowdown = _number(ctx, dwhere, d, "slowdown") if "slowdown" in d else 1.0
+                slowdown = (_plausible(ctx, dwhere, d, "slowdown", _number(ctx, dwhere, d, "slowdown"), SLOWDOWN)
+                            if "slowdown" in d else 1.0)
                 if kind == "emulated" and gt.vendor != "cpu":
                     raise ctx.fail(dwhere, d, "type", f"an emulated cluster runs local CPU processes; "
                                                       f"use type 'cpu' (with a slowdown), not {gt.name!r}.")
@@ -251,9 +297,11 @@ def _parse(doc: Any, source: str) -> Cluster:
                 if "memory_gib" in d and "memory_bytes" in d:
                     raise ctx.fail(dwhere, d, "memory_bytes", "give memory once (memory_gib or memory_bytes).")
                 if "memory_gib" in d:
-                    mem = int(_number(ctx, dwhere, d, "memory_gib") * 2**30)
+                    mem = int(_plausible(ctx, dwhere, d, "memory_gib", _number(ctx, dwhere, d, "memory_gib") * 2**30,
+                                         MEMORY))
                 elif "memory_bytes" in d:
-                    mem = int(_number(ctx, dwhere, d, "memory_bytes"))
+                    mem = int(_plausible(ctx, dwhere, d, "memory_bytes", _number(ctx, dwhere, d, "memory_bytes"),
+                                         MEMORY))
                 intra_bw = _bandwidth(ctx, dwhere, d, "intra_bandwidth", None)
                 prefix = "cpu" if gt.vendor == "cpu" else "gpu"
                 for _ in range(dcount):
