@@ -36,6 +36,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "simulate_cmd",
     "run_cmd",
     "report_cmd",
+    "profile_cmd",
+    "calibrate_cmd",
 )
 
 EXIT_USAGE = 2

@@ -17,16 +17,18 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(..., "--batch-size", min=1),
         seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1),
         device: str = typer.Option(..., "--device", help="GPU type (`heterog gpus`) or 'cpu'."),
-        precision: str = typer.Option("fp32", "--precision", help="fp32 | amp-bf16 | fp16"),
+        precision: str = typer.Option("fp32", "--precision", help="fp32 | tf32 | amp-bf16 | fp16"),
         optimizer: str = typer.Option("sgd", "--optimizer", help="sgd (with momentum) | adamw"),
         recompute: bool = typer.Option(False, "--recompute", help="Checkpoint each transformer/residual block."),
+        profile: Optional[str] = typer.Option(None, "--profile", help="Measured per-node times (`heterog profile "
+                                              "--model` output) that replace the analytic ones on --device."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Predict one training step (forward, backward, optimizer) on one device type."""
         from heterog.cost.predict import predict
         result = predict(model, model_args=parse_model_args(model_arg), batch_size=batch_size,
                          seq_len=seq_len, device=device, precision=precision, optimizer=optimizer,
-                         recompute=recompute)
+                         recompute=recompute, profile=profile)
         if as_json:
             print_json(result)
             return

@@ -37,7 +37,9 @@ from heterog.cost.host import autocast_casts, host_times_s
 from heterog.cost.memory import TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
-PRECISIONS = tuple(Precision)
+# 'tf32' (fp32 with torch.backends.cuda.matmul.allow_tf32 on) is a cost-model precision only:
+# measured data (peer per-layer sessions) ran that way; plans use Precision's members.
+PRECISIONS = (*Precision, "tf32")
 E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math rarely beats half of peak
 # Kernel efficiency relative to a square GEMM of the same work. Attention kernels pay for the
 # softmax between their two products. cuDNN convolutions on tensor cores (TF32/BF16/FP16) reach

@@ -57,20 +57,46 @@ def _graph(model: str | OpGraph, model_args: dict[str, Any] | None, batch_size: 
     return _captured(model, model_args, batch_size, seq_len)
 
 
+def node_profile(profile: Any):
+    """The per-node times of `profile`: a Profile, a DeviceProfile (its `nodes`), or a file of
+    either; None stays None."""
+    if profile is None:
+        return None
+    from pathlib import Path
+
+    from heterog.cost.profile import Profile, ProfileError
+    from heterog.profile.artifact import DeviceProfile
+    if isinstance(profile, (str, Path)):
+        import json
+        try:
+            kind = json.loads(Path(profile).read_text()).get("kind")
+        except (OSError, ValueError, AttributeError):
+            kind = None
+        profile = DeviceProfile.load(profile) if kind == "heterog.DeviceProfile" else Profile.load(profile)
+    if isinstance(profile, DeviceProfile):
+        if profile.nodes is None:
+            raise ProfileError(f"the device profile of {profile.device.get('name') or profile.device_type} holds no "
+                               f"per-node times; run `heterog profile --model NAME` to measure them.")
+        return profile.nodes
+    return profile
+
+
 def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, batch_size: int,
             seq_len: int | None = None, device: str | GpuType, precision: str = "fp32",
-            optimizer: str = "sgd", recompute: bool = False) -> dict[str, Any]:
+            optimizer: str = "sgd", recompute: bool = False, profile: Any = None) -> dict[str, Any]:
     """One training step of `model` at `batch_size` on one `device` type (a catalog name,
     'cpu', or a GpuType such as a calibration's). Returns iteration_time_s,
     peak_memory_bytes, flops_per_iteration, fits, device, and a breakdown (times in s, sizes
-    in bytes)."""
+    in bytes). `profile` (a Profile, a DeviceProfile, or the path of either) replaces the
+    analytic time of every node it measured on this device type."""
     if batch_size < 1:
         raise ModelError(f"batch_size must be ≥ 1, found {batch_size}.")
     gpu = device if isinstance(device, GpuType) else get_gpu(device)
     graph = _graph(model, model_args, batch_size, seq_len)
     cluster = single_device_cluster(gpu)
     dev = cluster.devices[0].name
-    costs = build_cost_model(graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute)
+    costs = build_cost_model(graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute,
+                             profile=node_profile(profile))
     names = [n.name for n in graph.nodes]
     fwd_s = costs.group_time_s(names, dev, batch_size, "fwd")
     bwd_s = costs.group_time_s(names, dev, batch_size, "bwd")

@@ -1,0 +1,56 @@
+"""`heterog calibrate`: a device profile → a catalog entry that --device and cluster YAML can name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+
+from heterog.cli.output import console, print_json
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("calibrate")
+    def calibrate_cmd(
+        profile: list[Path] = typer.Argument(..., help="A `heterog profile` file, or files in the format of "
+                                                        "shared/data (a matmul/copy sweep and/or a steps file)."),
+        out: Path = typer.Option(..., "--out", help="Catalog file to write (YAML); point HETEROG_CATALOG at it."),
+        name: Optional[str] = typer.Option(None, "--name", help="Name of the new type (default: the base type's)."),
+        base: Optional[str] = typer.Option(None, "--base", help="Catalog type whose data-sheet figures the device "
+                                                               "has (default: the profile's device type)."),
+        as_json: bool = typer.Option(False, "--json", help="Print the entry as JSON."),
+    ) -> None:
+        """Fit a device type's efficiency and host costs from PROFILE and write a catalog entry.
+        Use it with `export HETEROG_CATALOG=FILE` (several files: join with ':'), then
+        `--device NAME` or `type: NAME` in a cluster YAML."""
+        from heterog.cost.calibrate import calibrate
+        from heterog.jsonio import write_atomic
+        from heterog.profile.artifact import DeviceProfile
+
+        if len(profile) == 1 and _is_device_profile(profile[0]):
+            prof = DeviceProfile.load(profile[0])
+        else:
+            if base is None:
+                raise typer.BadParameter("files in the shared-data format do not name the device type; pass --base.")
+            prof = DeviceProfile.from_shared_files(profile, base)
+        entry = calibrate(prof, name=name, base=base)
+        text = ("# written by `heterog calibrate`; use with HETEROG_CATALOG=" + str(out) + "\n"
+                + yaml.safe_dump({"version": 1, "gpus": [entry]}, sort_keys=False))
+        write_atomic(out, text)
+        if as_json:
+            print_json(entry)
+            return
+        console.print(f"catalog entry {entry['name']!r} written to {out}: compute factors "
+                      f"{entry['efficiency']['compute']}, memory {entry['efficiency']['memory']}, "
+                      f"host {entry['host']['source']}")
+        console.print(f"use it: export HETEROG_CATALOG={out}; heterog predict ... --device {entry['name']}")
+
+
+def _is_device_profile(path: Path) -> bool:
+    import json
+    try:
+        return json.loads(path.read_text()).get("kind") == "heterog.DeviceProfile"
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -1,0 +1,128 @@
+"""`heterog calibrate`: from a measured device profile, a catalog entry for the device type.
+
+What is fitted, and from what (profile/artifact.py names the sections):
+- compute[p], per GEMM precision measured: the median, over the larger half of the measured
+  sizes, of (measured FLOP/s / peak) ÷ (the efficiency the H200-calibrated curve gives a type
+  of this peak, cost.efficiency.gpu_curve). 1.0 means "behaves like the scaled H200";
+  a power-limited card comes out below 1.
+- memory: the copy's bytes per second over the data-sheet bandwidth.
+- host costs: the per-op host times measured directly (module call, dispatch, autograd,
+  autocast cast); when the profile holds whole steps of zoo models, one common scale on
+  all host costs is then fitted so that the predicted steps match the measured ones in the
+  median (the micro-benchmarks miss Python work that real models do between ops).
+The entry keeps the base type's peaks, memory and links (`--base`, or the profile's own
+device type), so it names the same hardware with this machine's measured behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import statistics
+from typing import Any
+
+import numpy as np
+
+from heterog.errors import ClusterError
+from heterog.hardware.catalog import get_gpu, host_costs
+from heterog.hardware.gputype import Efficiency, GpuType, HostCosts
+from heterog.profile.artifact import DeviceProfile
+
+HOST_SCALE_BOUNDS = (0.2, 5.0)
+
+
+def compute_factors(profile: DeviceProfile, base: GpuType) -> dict[str, float]:
+    from heterog.cost.efficiency import gpu_curve
+    plain = dataclasses.replace(base, efficiency=Efficiency())
+    out = {}
+    for dtype in sorted({g["dtype"] for g in profile.gemm}):
+        peak = base.peak_flops_per_s.get(dtype, 0.0)
+        rows = sorted((g["n"], g["time_s"]) for g in profile.gemm if g["dtype"] == dtype)
+        if peak <= 0 or not rows:
+            continue
+        big = rows[len(rows) // 2:]
+        curve = gpu_curve(plain, dtype)
+        ratios = [(2 * n**3 / t / peak) / float(curve.at(n)) for n, t in big]
+        out[dtype] = float(np.clip(statistics.median(ratios), 0.05, 4.0))
+    return out
+
+
+def measured_host(profile: DeviceProfile, base: GpuType) -> HostCosts:
+    default = host_costs(base)
+    h = profile.host or {}
+    if not h:
+        return default
+    fwd = h.get("forward_op_s", default.forward_op_s)
+    return dataclasses.replace(
+        default, forward_node_s=h.get("module_call_s", 0.0) + fwd, forward_op_s=fwd,
+        backward_op_s=h.get("backward_op_s", default.backward_op_s),
+        autocast_cast_s=h.get("autocast_cast_s", default.autocast_cast_s))
+
+
+def scale_host(host: HostCosts, k: float) -> HostCosts:
+    return dataclasses.replace(host, **{f: getattr(host, f) * k for f in (
+        "forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s", "optimizer_tensor_s")})
+
+
+def _step_errors(profile: DeviceProfile, gpu: GpuType) -> list[float]:
+    from heterog.cost.predict import _captured, predict
+    errs = []
+    for s in profile.steps:
+        graph = _captured(s["model"], s.get("model_args"), 1, s.get("seq_len"))
+        r = predict(graph, batch_size=s["batch_size"], device=gpu, precision=s.get("precision", "fp32"),
+                    optimizer=s.get("optimizer", "sgd"), recompute=bool(s.get("recompute")))
+        errs.append(float(np.log(r["iteration_time_s"] / s["time_s"])))
+    return errs
+
+
+def fit_host_scale(profile: DeviceProfile, gpu: GpuType) -> float:
+    """The common host-cost scale that makes the median step error smallest."""
+    from scipy.optimize import minimize_scalar
+    host = gpu.host or host_costs(gpu)
+    lo, hi = np.log(HOST_SCALE_BOUNDS)
+
+    def objective(logk: float) -> float:
+        g = dataclasses.replace(gpu, host=scale_host(host, float(np.exp(logk))))
+        return float(np.median(np.abs(_step_errors(profile, g))))
+
+    res = minimize_scalar(objective, bounds=(lo, hi), method="bounded", options={"xatol": 0.02})
+    return float(np.exp(res.x))
+
+
+def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | None = None) -> dict[str, Any]:
+    """The catalog entry (a dict in catalog.yaml's format) for the profiled device."""
+    base_name = base or profile.device_type
+    try:
+        base_type = get_gpu(base_name)
+    except ClusterError as e:
+        raise ClusterError(f"calibrate needs a base GPU type for the data-sheet peaks: {e} Pass --base "
+                           f"with the catalog type of the profiled device.") from None
+    if base_type.vendor == "cpu":
+        raise ClusterError("the 'cpu' device type is measured on every machine by its own probe "
+                           "(hardware.catalog.measure_cpu); calibrate a GPU profile, or pass --base GPU_TYPE.")
+    mem = profile.copy_bandwidth_bytes_per_s()
+    eff = Efficiency(compute=compute_factors(profile, base_type) or dict(base_type.efficiency.compute),
+                     memory=None if mem is None else float(min(mem / base_type.memory_bandwidth_bytes_per_s, 1.0)),
+                     memory_by_kind=dict(base_type.efficiency.memory_by_kind), inherits=base_type.name,
+                     source=f"heterog calibrate on a profile of {profile.device.get('name') or base_type.name}")
+    host = measured_host(profile, base_type)
+    gpu = dataclasses.replace(base_type, name=name or base_type.name, efficiency=eff, host=host)
+    scale = 1.0
+    if profile.steps:
+        scale = fit_host_scale(profile, gpu)
+        host = scale_host(host, scale)
+    when = datetime.date.today().isoformat()
+    return {
+        "name": name or base_type.name, "vendor": base_type.vendor,
+        "peak_tflops": {p: v / 1e12 for p, v in base_type.peak_flops_per_s.items()},
+        "memory_bandwidth_gbytes_per_s": base_type.memory_bandwidth_bytes_per_s / 1e9,
+        "memory_gib": base_type.memory_bytes / 2**30, "intra_node_link": base_type.intra_node_link,
+        "intra_node_bandwidth_gbytes_per_s": base_type.intra_node_bandwidth_bytes_per_s / 1e9,
+        "sources": {**base_type.sources, "calibration": f"heterog calibrate ({when}); base type {base_type.name}"},
+        "efficiency": {"compute": eff.compute, "memory": eff.memory, "memory_by_kind": eff.memory_by_kind,
+                       "inherits": eff.inherits, "source": eff.source},
+        "host": {**{f: getattr(host, f) for f in ("forward_node_s", "forward_op_s", "backward_op_s",
+                                                   "autocast_cast_s", "optimizer_tensor_s", "kernel_gap_s")},
+                 "source": f"measured per-op host times × {scale:.3g} (fitted on {len(profile.steps)} steps)"
+                           if profile.steps else "measured per-op host times"},
+    }

@@ -1,0 +1,99 @@
+"""The GPU cost model's mechanisms (issue 12): host pacing, autocast casts, per-type
+sustained efficiency. Accuracy against measurements is benchmarks/predict_gpu.py's job."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cost_support import transformer_graph
+from heterog.cost import build_cost_model
+from heterog.cost.host import autocast_casts, host_times_s
+from heterog.cost.predict import predict, single_device_cluster
+from heterog.hardware.catalog import get_gpu, host_costs
+from heterog.hardware.gputype import Efficiency
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return transformer_graph(layers=2, hidden=256, seq=64, batch=4)
+
+
+def names(g):
+    return [n.name for n in g.nodes]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_a_step_is_never_faster_than_its_host_time(graph, precision):
+    gpu = get_gpu("H200")
+    cl = single_device_cluster(gpu)
+    m = build_cost_model(graph, cl, precision=precision)
+    casts = autocast_casts(graph, precision)
+    for phase in ("fwd", "bwd"):
+        host = host_times_s(graph, host_costs(gpu), phase, casts)
+        for b in (1, 4, 64, 4096):
+            per_node = m.node_times_s(names(graph), cl.devices[0].name, b, phase)
+            assert np.all(per_node >= host - 1e-15)
+            assert per_node.sum() >= host.sum()
+    # small batches are host-bound: the step does not get faster below some batch
+    t1, t2 = (predict(graph, batch_size=b, device=gpu, precision=precision)["iteration_time_s"] for b in (1, 2))
+    assert t2 == pytest.approx(t1, rel=0.02)
+
+
+def test_a_slower_host_slows_small_steps_but_not_large_ones(graph):
+    gpu = get_gpu("H200")
+    slow = dataclasses.replace(gpu, host=dataclasses.replace(host_costs(gpu), forward_node_s=10 * host_costs(gpu).forward_node_s,
+                                                               backward_op_s=10 * host_costs(gpu).backward_op_s))
+    small = [predict(graph, batch_size=1, device=g)["iteration_time_s"] for g in (gpu, slow)]
+    big = [predict(graph, batch_size=1 << 16, device=g)["iteration_time_s"] for g in (gpu, slow)]
+    assert small[1] > 3 * small[0]
+    assert big[1] == pytest.approx(big[0], rel=0.05)
+
+
+def test_autocast_adds_its_casts(graph):
+    assert autocast_casts(graph, "fp32") is None
+    casts = autocast_casts(graph, "amp-bf16")
+    kinds = [n.kind for n in graph.nodes]
+    for i, n in enumerate(graph.nodes):
+        if n.kind not in ("matmul", "conv", "attention"):
+            assert casts.count[i] == 0
+    # blocks.0.attn.qkv: weight + bias, and its input comes from a layer norm (fp32 under autocast)
+    i = graph.index["blocks.0.attn.qkv"]
+    assert casts.count[i] == 3
+    assert casts.bytes_fixed[i] == pytest.approx(1.5 * graph.nodes[i].param_bytes)
+    assert casts.bytes_per_sample[i] > 0
+    # mlp.fc2 reads the GELU output, half under autocast: only its weight and bias are cast
+    assert casts.count[graph.index["blocks.0.mlp.fc2"]] == 2
+    # the host pays for each cast, forward and backward
+    h = host_costs(get_gpu("H200"))
+    for phase in ("fwd", "bwd"):
+        extra = host_times_s(graph, h, phase, casts) - host_times_s(graph, h, phase, None)
+        assert extra == pytest.approx(h.autocast_cast_s * casts.count)
+    assert "matmul" in kinds
+
+
+def test_a_power_limited_card_sustains_less_than_its_peak(graph):
+    """The T4 (70 W) and L4 (72 W) sustain a smaller share of their data-sheet tensor peak
+    than an SXM part does, at the same kernel size."""
+    def share(name: str) -> float:
+        gpu = get_gpu(name)
+        r = predict(graph, batch_size=1 << 14, device=gpu, precision="fp16")
+        return r["flops_per_iteration"] / r["iteration_time_s"] / gpu.peak_flops_per_s["fp16"]
+    for card in ("T4", "L4"):
+        assert get_gpu(card).efficiency.compute_factor("fp16") < 1.0
+        assert share(card) < 0.8 * share("A100-80GB")
+    plain = dataclasses.replace(get_gpu("T4"), efficiency=Efficiency())
+    r0 = predict(graph, batch_size=1 << 14, device=plain, precision="fp16")
+    r1 = predict(graph, batch_size=1 << 14, device="T4", precision="fp16")
+    assert r1["iteration_time_s"] > r0["iteration_time_s"]
+
+
+def test_every_catalog_type_names_the_source_of_its_efficiency():
+    from heterog.hardware.catalog import list_gpus
+    for g in list_gpus():
+        e = g.efficiency
+        assert e.source, f"{g.name}: efficiency without a source"
+        if e.inherits:
+            get_gpu(e.inherits)  # a stated sibling that exists

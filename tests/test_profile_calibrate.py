@@ -1,0 +1,102 @@
+"""`heterog profile` → DeviceProfile → `heterog calibrate` → a catalog entry that
+--device can name (HETEROG_CATALOG), and `predict --profile`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from heterog.cli.main import app
+from heterog.cost.calibrate import calibrate, fit_host_scale, scale_host
+from heterog.cost.predict import predict
+from heterog.hardware import catalog
+from heterog.hardware.catalog import get_gpu, host_costs
+from heterog.profile.artifact import DeviceProfile, DeviceProfileError
+
+H200_MICRO = Path(__file__).resolve().parent.parent / "src" / "heterog" / "cost" / "data" / "h200_micro.json"
+runner = CliRunner()
+
+
+def test_calibrating_the_h200_sweep_reproduces_its_large_products(tmp_path, monkeypatch):
+    """Fitted on the real H200 matmul sweep (h200_micro.json), the new type predicts those
+    products within 15% from n = 4096 on, and is found by name through HETEROG_CATALOG."""
+    prof = DeviceProfile.from_shared_files([H200_MICRO], "H200")
+    entry = calibrate(prof, name="H200-lab")
+    out = tmp_path / "lab.yaml"
+    out.write_text(yaml.safe_dump({"version": 1, "gpus": [entry]}))
+    monkeypatch.setenv(catalog.CATALOG_ENV, str(out))
+    gpu = get_gpu("H200-lab")
+    assert gpu.efficiency.inherits == "H200" and gpu.host is not None
+    for g in prof.gemm:
+        if g["n"] < 4096 or g["dtype"] not in gpu.efficiency.compute:
+            continue
+        achieved = 2 * g["n"] ** 3 / g["time_s"]
+        from heterog.cost.efficiency import gpu_curve
+        model = gpu.peak_flops_per_s[g["dtype"]] * float(gpu_curve(gpu, g["dtype"]).at(g["n"])) * \
+            gpu.efficiency.compute[g["dtype"]]
+        assert model == pytest.approx(achieved, rel=0.15), g
+    assert 0.5 < gpu.efficiency.memory <= 1.0
+
+
+def test_the_host_scale_fit_recovers_a_known_host(monkeypatch):
+    """Steps made by a host twice as slow as the default are fitted back to a scale of ~2."""
+    from cost_support import transformer_graph
+    import heterog.cost.predict as pred
+    graph = transformer_graph(layers=2, hidden=128, seq=32, batch=2)
+    monkeypatch.setitem(pred._CAPTURES, ("toy-transformer", (), 1, None), graph)
+    gpu = get_gpu("H200")
+    slow = dataclasses.replace(gpu, host=scale_host(host_costs(gpu), 2.0))
+    steps = [{"model": "toy-transformer", "batch_size": b, "time_s": predict(graph, batch_size=b, device=slow)["iteration_time_s"]}
+             for b in (1, 2, 4)]
+    prof = DeviceProfile.from_dict({"device": {"type": "H200"}, "steps": steps})
+    assert fit_host_scale(prof, gpu) == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_malformed_profile_says_what_is_wrong(tmp_path):
+    with pytest.raises(DeviceProfileError, match="gemm\\[0\\]"):
+        DeviceProfile.from_dict({"device": {"type": "H200"}, "gemm": [{"n": 8, "dtype": "int8", "time_s": 1}]})
+    with pytest.raises(DeviceProfileError, match="'device'"):
+        DeviceProfile.from_dict({"gemm": []})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpus: 3\n")
+    import os
+    os.environ[catalog.CATALOG_ENV] = str(bad)
+    try:
+        with pytest.raises(Exception, match="gpus"):
+            get_gpu("H200")
+    finally:
+        del os.environ[catalog.CATALOG_ENV]
+
+
+def test_profile_on_this_cpu_then_predict_with_it(tmp_path):
+    """The whole command on the CPU (quick; gloo between two local ranks), then predict
+    --profile uses its per-node times."""
+    out = tmp_path / "p.json"
+    r = runner.invoke(app, ["profile", "--out", str(out), "--quick", "--model", "mlp", "--batch-sizes", "2,8"])
+    assert r.exit_code == 0, r.output
+    prof = DeviceProfile.load(out)
+    assert prof.device_type == "cpu" and prof.gemm and prof.copy and prof.host
+    assert prof.comm["backend"] == "gloo" and all(row["allreduce_s"] > 0 for row in prof.comm["rows"])
+    assert [s["batch_size"] for s in prof.steps] == [2, 8] and prof.nodes is not None
+    r = runner.invoke(app, ["predict", "--model", "mlp", "--batch-size", "4", "--device", "cpu",
+                            "--profile", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["iteration_time_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_and_calibrate_on_a_gpu(tmp_path):  # pragma: no cover - GPU only
+    out, cat = tmp_path / "p.json", tmp_path / "c.yaml"
+    r = runner.invoke(app, ["profile", "--out", str(out), "--model", "resnet50", "--batch-sizes", "1,32",
+                            "--no-comm"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["calibrate", str(out), "--name", "this-gpu", "--out", str(cat)])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(cat.read_text())["gpus"][0]["name"] == "this-gpu"
