@@ -28,10 +28,11 @@ def check_plan_fits_model(plan: Plan) -> None:
     except HeterogError as e:
         raise PlanError(f"the plan's model {plan.model.name!r} cannot be built to check the plan "
                         f"against it: {e}") from None
-    cluster = cluster_from_dict(plan.cluster) if plan.cluster else None
+    if plan.cluster:  # its own errors say what to do
+        plan.validate(cluster=cluster_from_dict(plan.cluster))
     checked = replace(plan, graph_fingerprint="") if user_model_file(plan.model.name) else plan
     try:
-        checked.validate(graph=graph, cluster=cluster)
+        checked.validate(graph=graph)
     except PlanError as e:
         raise PlanError(f"this plan does not fit model {plan.model.name!r} "
                         f"{plan.model.args or ''} as it is now: {e} Re-plan with `heterog plan` "

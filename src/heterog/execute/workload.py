@@ -139,7 +139,9 @@ def check_batch(work: Workload, batch_size: int, *, source: str) -> None:
     before any rank starts (as one paragraph, not a rank's traceback)."""
     try:
         inputs, targets = global_batch(work, batch_size, seed=0, step=0)
-    except (DataError, ModelError):
+    except DataError as e:
+        raise DataError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
+    except ModelError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's loader failed: say where
         raise DataError(f"{source}: producing the first batch failed: {type(e).__name__}: {e}.") from None

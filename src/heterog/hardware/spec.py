@@ -151,6 +151,11 @@ def _check_keys(ctx: _Ctx, where: str, m: Any, allowed: set[str]) -> None:
 
 def _number(ctx: _Ctx, where: str, m: dict, key: str, *, positive: bool = True) -> float:
     v = m[key]
+    if isinstance(v, str):  # YAML 1.1 reads 1e11 (no dot, no sign) as text
+        try:
+            v = float(v)
+        except ValueError:
+            pass
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ctx.fail(where, m, key, f"expected a finite number, found {v!r}.")
     if positive and v <= 0:

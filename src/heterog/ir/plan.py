@@ -161,8 +161,8 @@ class Plan:
                                         f"{cluster.name!r}.")
             if self.cluster_fingerprint and self.cluster_fingerprint != cluster.fingerprint():
                 raise PlanError(f"the plan was made for a different cluster (fingerprint "
-                                f"{self.cluster_fingerprint}, this one {cluster.fingerprint()}); "
-                                f"re-plan for this cluster.")
+                                f"{self.cluster_fingerprint}, this one {cluster.fingerprint()}): was the "
+                                f"plan's cluster edited after planning? Re-plan for this cluster.")
         if graph is not None:
             owner: dict[str, str] = {}
             for g in self.groups:
