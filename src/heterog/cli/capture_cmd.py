@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from heterog.cli.output import console, human_bytes, human_flops, print_json, print_table
+from heterog.cli.output import WIDE_HELP, console, human_bytes, human_flops, print_json, print_table, set_wide
 
 
 def capture_summary(graph: Any) -> dict[str, Any]:
@@ -43,11 +43,12 @@ def _show(graph: Any, top: int) -> None:
              human_bytes(v[3]), f"{int(v[4]):,}"]
             for k, v in sorted(by_kind.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))]
     print_table(f"{graph.model}: batch {b}" + (f", seq_len {graph.seq_len}" if graph.seq_len else ""),
-                ["kind", "nodes", "fwd", "bwd", "share", "saved", "params"], rows)
+                ["kind", "nodes", "fwd", "bwd", "share", "saved", "params"], rows, optional=("share", "saved"))
     heavy = sorted(graph.nodes, key=lambda n: -(n.fwd_flops.at(b) + n.bwd_flops.at(b)))[:top]
     print_table(f"top {len(heavy)} nodes by FLOPs", ["node", "kind", "fwd", "bwd", "saved", "output"],
                 [[n.name, n.kind, human_flops(n.fwd_flops.at(b)), human_flops(n.bwd_flops.at(b)),
-                  human_bytes(n.saved_bytes.at(b)), human_bytes(n.output_bytes.at(b))] for n in heavy])
+                  human_bytes(n.saved_bytes.at(b)), human_bytes(n.output_bytes.at(b))] for n in heavy],
+                optional=("kind", "saved", "output"))
     s = capture_summary(graph)
     console.print(f"{s['num_nodes']} nodes, {s['num_edges']} edges, {s['num_parameters']:,} parameters "
                   f"({human_bytes(s['parameter_bytes'])}); forward {human_flops(s['forward_flops'])}, "
@@ -61,10 +62,12 @@ def capture_command(
     batch_size: int = typer.Option(..., "--batch-size", min=1, help="Batch size of the captured iteration."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length (language models)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary document."),
+    wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the full OpGraph (JSON) here."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the heaviest nodes to list."),
 ) -> None:
     """Capture one training iteration of MODEL on fake tensors (no memory for weights) as an OpGraph."""
+    set_wide(wide)
     from heterog.capture import capture_model
     from heterog.cli.output import parse_model_args
 

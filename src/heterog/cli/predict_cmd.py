@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from heterog.cli.output import human_bytes, human_flops, human_time, print_json, print_table, parse_model_args
+from heterog.cli.output import (WIDE_HELP, human_bytes, human_flops, human_time, parse_model_args, print_json,
+                                print_table, set_wide)
 
 
 def register(app: typer.Typer) -> None:
@@ -56,8 +57,10 @@ def register(app: typer.Typer) -> None:
 
     @app.command("gpus")
     def gpus_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+                 wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
                  cpu: bool = typer.Option(True, "--cpu/--no-cpu", help="Include the measured 'cpu' type.")) -> None:
         """List the GPU catalog (dense peaks, memory, links) and their sources."""
+        set_wide(wide)
         from heterog.hardware.catalog import list_gpus
         gpus = list_gpus(include_cpu=cpu)
         if as_json:
@@ -69,11 +72,11 @@ def register(app: typer.Typer) -> None:
             return
         tf = lambda g, p: f"{g.peak_flops_per_s.get(p, 0) / 1e12:.1f}" if g.peak_flops_per_s.get(p) else "—"  # noqa: E731
         print_table("GPU types (dense peak TFLOP/s)", ["type", "fp32", "tf32", "fp16", "bf16", "memory",
-                                                      "GB/s", "intra-node link"],
+                                                      "mem GB/s", "link", "link GB/s"],
                     [(g.name, tf(g, "fp32"), tf(g, "tf32"), tf(g, "fp16"), tf(g, "bf16"),
                       human_bytes(g.memory_bytes), f"{g.memory_bandwidth_bytes_per_s / 1e9:.0f}",
-                      f"{g.intra_node_link} {g.intra_node_bandwidth_bytes_per_s / 1e9:.0f} GB/s")
-                     for g in gpus])
+                      g.intra_node_link, f"{g.intra_node_bandwidth_bytes_per_s / 1e9:.0f}")
+                     for g in gpus], optional=("link",))
 
     @app.command("clusters")
     def clusters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from heterog.cli.output import console, human_time, print_json, print_table, write_json
+from heterog.cli.output import WIDE_HELP, console, human_time, print_json, print_table, set_wide, write_json
 
 
 class _StepFollower:
@@ -99,6 +99,7 @@ def register(app: typer.Typer) -> None:
                                       "with local CPU processes paced by their relative speed."),
         out: Optional[Path] = typer.Option(None, "--out", help="Write the result JSON here."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
         timeout_s: float = typer.Option(60.0, "--timeout-s", min=0.5, help="Timeout of every collective / transfer."),
         no_shaping: bool = typer.Option(False, "--no-shaping", help="Do not shape links with netns + tc."),
         pin_cores: bool = typer.Option(False, "--pin-cores", help="Pin each rank to one core."),
@@ -124,6 +125,7 @@ def register(app: typer.Typer) -> None:
                                    "exceeds this machine's free memory."),
     ) -> None:
         """Train a plan for N steps on synthetic data; measured vs predicted step time."""
+        set_wide(wide)
         from heterog import pipeline as api
         from heterog.ir.plan import Plan
 
@@ -157,7 +159,7 @@ def register(app: typer.Typer) -> None:
             return
         print_table(f"{p.strategy} on {result['cluster']}: median step of {result['measured_steps']}",
                     ["rank", "device", "slow", "step", "compute", "paced", "wait", "sync"],
-                    _rank_rows(result["per_rank"]))
+                    _rank_rows(result["per_rank"]), optional=("paced", "wait"))
         pred = result["predicted_iteration_time_s"]
         err = result["relative_error"]
         console.print(f"measured iteration time  {human_time(result['measured_iteration_time_s'])}")
@@ -172,12 +174,14 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo_cmd(
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+        wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
         steps: int = typer.Option(8, "--steps", help="Training steps per strategy (first is warm-up)."),
         budget_s: float = typer.Option(5.0, "--budget-s", help="Planner time budget."),
         no_profile: bool = typer.Option(False, "--no-profile",
                                         help="Predict with the analytic model only (no measured profile)."),
     ) -> None:
         """Plan a zoo model on an emulated 3-device cluster, run it and even DP, compare."""
+        set_wide(wide)
         from heterog.demo import demo
 
         say = (lambda s: None) if as_json else (lambda s: console.print(f"[dim]{s}[/dim]"))

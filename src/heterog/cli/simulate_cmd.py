@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 import typer
 
-from heterog.cli.output import console, human_bytes, human_time, print_json, print_table, write_json
+from heterog.cli.output import (WIDE_HELP, console, human_bytes, human_time, print_json, print_table, set_wide,
+                                write_json)
 from heterog.errors import PlanError
 
 
@@ -57,8 +58,8 @@ def _show(result, plan) -> None:
                      human_time(result.idle_time_s[d]), f"{100 * util:.0f}%",
                      human_bytes(peak), human_bytes(cap), "yes" if peak <= cap else "NO"])
     print_table(f"plan {plan.strategy!r}: {len(plan.groups)} groups, {plan.num_microbatches} micro-batch(es), "
-                f"{plan.schedule}", ["device", "compute", "communication", "idle", "busy", "peak memory",
-                                     "memory", "fits"], rows)
+                f"{plan.schedule}", ["device", "compute", "comm", "idle", "busy", "peak memory",
+                                     "memory", "fits"], rows, optional=("busy", "memory"))
     links = sorted(result.link_bytes.items(), key=lambda kv: -result.link_busy_time_s.get(kv[0], 0.0))[:8]
     if links:
         print_table("busiest links", ["link", "bytes", "busy"],
@@ -74,6 +75,7 @@ def _show(result, plan) -> None:
 def simulate_command(
     plan_path: Path = typer.Argument(..., help="A plan file written by `heterog plan --out`."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (open in Perfetto)."),
     graph: Optional[Path] = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Simulate on this cluster instead of the plan's."),
@@ -81,6 +83,7 @@ def simulate_command(
                                              help="Recompute execution priorities: upward or heteroG."),
 ) -> None:
     """Simulate one training iteration of PLAN: time, per-device busy/idle time, memory, links."""
+    set_wide(wide)
     from heterog.simulate import assign_priorities, simulate
 
     plan, g, c, costs = load_inputs(plan_path, graph, cluster)
