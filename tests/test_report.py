@@ -243,3 +243,35 @@ def test_step_recorder_spans_and_chrome_trace():
     assert next(e for e in xs if e["name"] == "fwd")["dur"] >= 1e4  # microseconds
     names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
     assert names == ["gpu0 (rank 0, measured)", "gpu1 (rank 1, measured)"]
+
+
+def test_report_command_writes_the_page_with_the_simulate_command_time(tmp_path):
+    """`heterog report` and `heterog simulate` on the same files give the same iteration time."""
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from heterog.cli.main import app
+    from heterog.hardware.spec import cluster_to_dict
+
+    g = chain_graph(6, flops=5e9, param_bytes=8_000_000, edge_bytes=4e5, batch_size=32)
+    clu = load_cluster("paper-8gpu")
+    plan = _plan_on(["v100/gpu0", "v100/gpu1", "gtx0/gpu0", "p100/gpu1"], 6)
+    plan = dataclasses.replace(plan, model=ModelSpec(name="chain", batch_size=32), cluster=cluster_to_dict(clu),
+                               cluster_fingerprint=clu.fingerprint(), graph_fingerprint=g.fingerprint())
+    g.save(tmp_path / "g.json")
+    plan.save(tmp_path / "p.json")
+    out = tmp_path / "r.html"
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "p.json"), "--graph", str(tmp_path / "g.json"),
+                                   "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    sim = CliRunner().invoke(app, ["simulate", str(tmp_path / "p.json"), "--graph", str(tmp_path / "g.json"),
+                                   "--json"])
+    assert summary["iteration_time_s"] == json.loads(sim.stdout)["iteration_time_s"]
+    assert summary["bytes"] == len(out.read_bytes()) and summary["devices"] == 8
+    p = _Rows()
+    p.feed(out.read_text())
+    assert p.rows["timeline-sim"] == [d.name for d in clu.devices]
+    bad = CliRunner().invoke(app, ["report", str(tmp_path / "g.json"), "--out", str(out)])
+    assert bad.exit_code != 0 and "heterog plan" in str(bad.exception)

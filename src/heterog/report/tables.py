@@ -77,7 +77,8 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
                     f'<td>{escape(sync)}{" · recompute" if s.recompute else ""}</td>{"".join(cells)}</tr>')
     note = ("cells: % of each micro-batch" if written else
             f"cells shaded by share of each micro-batch (hover for the value); columns are {unit}s")
-    return (f'<table class="placement"><caption>{len(plan.groups)} groups in {len(body)} runs of equal placement '
+    runs = f"{len(body)} run{'s' if len(body) != 1 else ''}"
+    return (f'<table class="placement"><caption>{len(plan.groups)} groups in {runs} of equal placement '
             f'× {len(cols)} {unit}s — {note}</caption><thead><tr><th>groups</th><th>ops</th><th>sync</th>{head}'
             f'</tr></thead><tbody>{"".join(body)}</tbody></table>')
 
