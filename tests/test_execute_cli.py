@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from heterog.cli.main import app
 from heterog.errors import PlanError
-from heterog.execute.api import emulated_slowdowns, rank_devices, run
+from heterog.pipeline import emulated_slowdowns, rank_devices, run
 from heterog.hardware.spec import cluster_to_dict, load_cluster, parse_cluster_yaml
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from heterog.execute.api import run
+from heterog.pipeline import run
 from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.netns import leftover_namespaces, tbf_args
 from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml

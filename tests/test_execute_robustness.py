@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from heterog.errors import RankError
-from heterog.execute.api import run
+from heterog.pipeline import run
 from heterog.execute.netns import leftover_namespaces
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 
@@ -63,7 +63,7 @@ def test_rank_error_survives_pickling():
 def test_sigint_to_launcher_kills_ranks_and_removes_namespaces(tmp_path):
     """Interrupt a shaped run while a rank hangs: ranks and namespaces must all go."""
     script = textwrap.dedent(f"""
-        from heterog.execute.api import run
+        from heterog.pipeline import run
         from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
         from heterog.ir.plan import Group, ModelSpec, Plan, Replica
         c = parse_cluster_yaml('''

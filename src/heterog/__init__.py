@@ -18,7 +18,7 @@ _EXPORTS = {
     "predict": "heterog.cost.predict",
     "simulate": "heterog.simulate",        # a callable package: heterog.simulate(graph, cluster, plan, costs)
     "plan": "heterog.search.planner",
-    "run": "heterog.execute.api",
+    "run": "heterog.pipeline",
     "OpGraph": "heterog.ir.opgraph",
     "Plan": "heterog.ir.plan",
     "Cluster": "heterog.hardware.cluster",

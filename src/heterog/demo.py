@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from heterog.execute.api import run
+from heterog.pipeline import run
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import ModelSpec, Plan
 

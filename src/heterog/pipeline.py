@@ -1,8 +1,12 @@
-"""`heterog.run`: carry out a Plan on local processes and compare with the simulator.
+"""Orchestration: capture → cost → lower → simulate → run, in one place for the CLI and the API.
 
-run(plan, steps=…) → {"measured_iteration_time_s", "predicted_iteration_time_s", "per_rank",
-"losses", "link_shaping", "notes", …}. The executor decides nothing: ranks, groups, shares,
-sync and micro-batches all come from the plan.
+Stages import only downward; this module is the one that calls them in sequence:
+- `plan_inputs(plan)`: the model's OpGraph, the plan's Cluster and the cost model for it;
+- `lower(plan)` → Program: the per-device instructions (heterog.lower);
+- `run(plan, steps=…)` → {"measured_iteration_time_s", "predicted_iteration_time_s", "per_rank",
+  "losses", "link_shaping", "notes", …}: lowers the plan, has the executor carry out the
+  Program on local processes, and puts the simulator's prediction of the same schedule beside
+  the measurement.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from heterog.execute.launcher import LaunchConfig, launch_local
 from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
+from heterog.lower.lowering import lower as lower_schedule
+from heterog.lower.lowering import program_devices
+from heterog.lower.program import Program
+from heterog.lower.schedule import cover_graph
 
 MAX_LOCAL_RANKS = 16
 
@@ -30,12 +38,49 @@ def plan_cluster(plan: Plan) -> Cluster | None:
     return cluster_from_dict(plan.cluster)
 
 
+def local_cpu_cluster(plan: Plan) -> Cluster:
+    """For a plan that records no cluster (written by hand): its devices as equal CPU ranks on
+    one emulated node, which is what the local launcher runs them as."""
+    from heterog.hardware.spec import cluster_from_dict
+    names = rank_devices(plan, None)
+    return cluster_from_dict({"name": "local-cpu", "kind": "emulated", "nodes": [
+        {"name": "local", "nic_bandwidth_gbps": 10,
+         "devices": [{"type": "cpu", "name": d} for d in names]}]})
+
+
 def rank_devices(plan: Plan, cluster: Cluster | None) -> tuple[str, ...]:
     """Rank → device: the plan's devices (and parameter servers) in the cluster's order."""
-    used = set(plan.devices()) | {g.ps_device for g in plan.groups if g.ps_device}
     if cluster is None:
         return tuple(dict.fromkeys([*plan.devices(), *(g.ps_device for g in plan.groups if g.ps_device)]))
-    return tuple(d.name for d in cluster.devices if d.name in used)
+    return program_devices(plan, cluster)
+
+
+def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False):
+    """(graph, cost model) for `plan` on `cluster`: the model captured at the plan's batch, and
+    costs as the plan's precision and optimizer run (profile: per-node times measured on this
+    CPU first, for emulated clusters; a few seconds)."""
+    from heterog.capture import capture_model
+    from heterog.cost import build_cost_model
+    graph = capture_model(plan.model.name, plan.model.args or None,
+                          batch_size=plan.batch_size, seq_len=plan.model.seq_len)
+    prof = None
+    if profile:
+        from heterog.execute.workload import resolve_workload
+        from heterog.profile.measure import measure_profile
+        b = plan.batch_size
+        prof = measure_profile(resolve_workload(plan.model), graph=graph,
+                               batch_sizes=tuple(sorted({1, max(1, b // 4), b})))
+    return graph, build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer,
+                                   profile=prof)
+
+
+def lower(plan: Plan | str | os.PathLike) -> Program:
+    """The Program of a plan (or plan file): every device's instructions, validated."""
+    if not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
+    graph, costs = plan_inputs(plan, cluster)
+    return lower_schedule(graph, cluster, cover_graph(plan, graph), costs)
 
 
 def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, ...],
@@ -73,45 +118,29 @@ def local_cluster(cluster: Cluster) -> Cluster:
     return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
 
 
-def predict_iteration_time(plan: Plan, cluster: Cluster | None, *, profile: bool = False,
-                           per_device: dict[str, dict] | None = None) -> tuple[float | None, str]:
-    """The simulator's iteration time for the plan, or the plan's recorded prediction.
-    per_device, when given, receives the simulator's per-device breakdown.
+def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
+                           per_device: dict[str, dict] | None = None) -> tuple[float, str]:
+    """The simulator's iteration time for the schedule the run carries out; per_device, when
+    given, receives the simulator's per-device breakdown."""
+    from heterog.simulate.simulator import simulate
+    sim = simulate(graph, cluster, plan, costs, timeline=False)
+    if per_device is not None:
+        per_device.update(sim.to_dict().get("devices", {}))
+    return float(sim.iteration_time_s), "simulator"
 
-    profile: measure the model's per-node times on this CPU first (profile/measure.py) and
-    predict from them (emulated clusters; a few seconds)."""
+
+def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool):
+    """(program, graph, costs, cluster as seen here): the run and its prediction share one
+    schedule, lowered with the costs of this machine's ranks (local_cluster)."""
     import torch
     threads = torch.get_num_threads()  # local_cluster probes at one thread; restore after
-    if cluster is not None:
-        try:
-            from heterog.capture import capture_model
-            from heterog.cost import build_cost_model
-            from heterog.simulate.simulator import simulate
-            cluster = local_cluster(cluster)
-            graph = capture_model(plan.model.name, plan.model.args or None,
-                                  batch_size=plan.batch_size, seq_len=plan.model.seq_len)
-            prof = None
-            if profile:
-                from heterog.execute.workload import resolve_workload
-                from heterog.profile.measure import measure_profile
-                b = plan.batch_size
-                prof = measure_profile(resolve_workload(plan.model), graph=graph,
-                                       batch_sizes=tuple(sorted({1, max(1, b // 4), b})))
-            costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer,
-                                     profile=prof)
-            sim = simulate(graph, cluster, plan, costs, timeline=False)
-            if per_device is not None:
-                per_device.update(sim.to_dict().get("devices", {}))
-            return float(sim.iteration_time_s), "simulator" + (" (measured profile)" if prof is not None else "")
-        except Exception as e:  # noqa: BLE001 - the run succeeded; report why there is no prediction
-            reason = f"simulator failed ({type(e).__name__}: {str(e)[:160]})"
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        reason = "plan has no cluster"
-    if plan.predicted_iteration_time_s is not None:
-        return plan.predicted_iteration_time_s, f"plan file ({reason})"
-    return None, reason
+    try:
+        local = local_cluster(cluster)
+        graph, costs = plan_inputs(plan, local, profile=profile)
+        plan = cover_graph(plan, graph)
+        return lower_schedule(graph, local, plan, costs), graph, costs, local, plan
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
@@ -169,7 +198,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         plan = Plan.load(plan)
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
-    cluster = plan_cluster(plan)
+    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
     devices = rank_devices(plan, cluster)
     if len(devices) > MAX_LOCAL_RANKS:
         raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
@@ -180,6 +209,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         notes.append(f"{cluster.name} emulated with CPU processes paced by relative peak FLOP/s; the "
                      f"prediction is for the real devices, so compare speed ratios, not times")
     shaping: dict[str, Any] = {"enabled": False}
+    program, graph, costs, local, covered = _lower_for_run(plan, cluster, profile)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_interrupt())
         cfg_net: dict[str, Any] = {}
@@ -196,7 +226,8 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         cfg = LaunchConfig(devices=devices, steps=steps, timeout_s=timeout_s, seed=seed,
                            slowdowns=slowdowns, pin_cores=pin_cores, dump_params=dump_params,
                            fault=fault, data=data, checkpoint=checkpoint, force=force, **cfg_net)
-        results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None)
+        results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None,
+                               program_doc=program.to_dict())
     for r in results:
         for w in r["warnings"]:
             if w not in notes:
@@ -205,7 +236,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
                            "cluster": cluster.name if cluster else None, "devices": list(devices),
                            "steps": steps, "warmup_steps": warmup_steps, **summarize(results, warmup_steps)}
     sim_devices: dict[str, dict] = {}
-    predicted, source = (predict_iteration_time(plan, cluster, profile=profile, per_device=sim_devices)
+    predicted, source = (predict_iteration_time(covered, local, graph, costs, per_device=sim_devices)
                          if predict else (None, "not requested"))
     for r in out["per_rank"]:  # the simulator's view of each device, next to the measurement
         d = sim_devices.get(r["device"], {})

@@ -282,7 +282,7 @@ def capture_model(name: str, model_args: dict[str, Any] | None = None, *, batch_
     if entry.default_seq_len is not None:
         seq = seq_len or entry.default_seq_len
     else:  # image / vector models take no sequence; a user file's example_batch may
-        seq = seq_len if entry.family == "user" else None
+        seq = seq_len if getattr(entry, "family", "user") == "user" else None
     with torch.device("meta"):
         model = entry.build(**args)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

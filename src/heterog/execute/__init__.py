@@ -1,5 +1,3 @@
-"""Carry out a Plan on torch.distributed: `run(plan, steps=...)` (see api.py)."""
-
-from heterog.execute.api import run
-
-__all__ = ["run"]
+"""Carry out a Program on torch.distributed: the local launcher (launcher.py) starts one worker
+per device (worker.py), each interpreting its instructions (runtime.py). Planning, capture and
+prediction are the caller's (heterog.pipeline)."""

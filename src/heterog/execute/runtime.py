@@ -1,21 +1,29 @@
-"""One rank's training step under a Plan: stages, transfers, loss, backward, sync, update.
+"""One rank's training step: the interpreter of this rank's Program instructions.
 
-Each group is a stage (a submodule from partition.py). Within a micro-batch a replica owns
-a contiguous range of samples, in replica order (`Plan.replica_samples`, the simulator's
-split). A stage's input is assembled from the producers' ranges that overlap its own:
-local slices, or pieces received from other ranks (p2p.py). Inputs from other stages are
-detached leaves, so each stage's backward is one explicit `torch.autograd.backward` on its
-outputs, run in reverse global order; the leaves' gradients go back to their producers the
-same way the activations came (as in torch.distributed.pipelining). Schedule: GPipe — every
-micro-batch's forward, then every backward in reverse; or 1F1B (Executor.events).
+The executor decides nothing. The Program (heterog.lower) lists, for this rank, in order:
+computes of a block's forward or backward on a sample range of a micro-batch, sends and
+receives of a block's outputs or of their gradients, gradient collectives and the optimizer
+step. This module runs them one after another with torch:
 
-Exactness: the loss of a replica's samples is mean-reduced by the zoo entry, so it is
-scaled by samples / global_batch; summing over replicas and micro-batches then gives the
-global-batch mean loss, and sync.py sums the gradients.
+- a block runs the model's stages (partition.py) whose groups lie in it. A stage spanning
+  several blocks of one fused run (blocks cut only for gradient buckets, which exchange
+  nothing with other devices in between) runs at the first of their computes in the program;
+- a compute's input is assembled from the pieces its instruction names: this rank's own
+  earlier outputs (sliced) or tensors a receive brought. Pieces from other blocks are detached
+  leaves, so a block's backward is one explicit `torch.autograd.backward` over its outputs
+  that received gradients; the leaves' gradients go back as the program's backward sends say;
+- collectives start asynchronously (sync.py) when the program reaches them and are waited
+  for at the optimizer step.
+
+Exactness: the loss of a replica's samples is mean-reduced by the zoo entry, so it is scaled
+by samples / global batch; the sum over replicas and micro-batches is the global-batch mean.
+`trace` records what really ran (block, phase, micro-batch, samples; peers and tags; members)
+so tests can hold it against the Program.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,21 +36,10 @@ from heterog.execute.emulation import Pacer
 from heterog.execute.p2p import P2P
 from heterog.execute.partition import INPUT, Dataflow, Stage
 from heterog.execute.workload import Workload, slice_batch
-from heterog.ir.plan import Plan
+from heterog.ir.kinds import Phase
+from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Piece:
-    """Samples [lo, hi) of a micro-batch's value, from src's copy to dst's."""
-    value: str
-    src: int
-    dst: int
-    lo: int
-    hi: int
-    src_lo: int      # where src's copy starts
-    src_hi: int      # where src's copy ends
-    dst_lo: int      # where dst's input starts
-    tag: int         # base tag (4 tags per piece)
+MAX_VALUES = 64      # values one transfer may carry (tags: (program tag · MAX_VALUES + k) · 2)
 
 
 @dataclass(kw_only=True)
@@ -53,82 +50,42 @@ class StepStats:
     samples: int = 0
 
 
-def replica_ranges(plan: Plan, group: int, microbatch: int) -> list[tuple[int, int]]:
-    """[lo, hi) of each replica of `group` within micro-batch `microbatch`."""
-    out, lo = [], 0
-    for n in plan.replica_samples(plan.groups[group], microbatch):
-        out.append((lo, lo + n))
-        lo += n
-    return out
-
-
-class StepProgram:
-    """The per-step transfer table, identical on every rank (so tags agree)."""
-
-    def __init__(self, plan: Plan, flow: Dataflow, rank_of: dict[str, int]):
-        self.plan, self.flow = plan, flow
-        self.M = plan.num_microbatches
-        self.mb_offsets = [0]
-        for m in range(self.M):
-            self.mb_offsets.append(self.mb_offsets[-1] + plan.microbatch_size(m))
-        self.ranks = {gi: [rank_of[r.device] for r in g.replicas] for gi, g in enumerate(plan.groups)}
-        self.ranges = {(gi, m): replica_ranges(plan, gi, m) for gi in range(len(plan.groups))
-                       for m in range(self.M)}
-        self.inputs: dict[tuple[int, int, int, int], list[Piece]] = {}  # (stage, arg, m, rank)
-        self.sends: dict[tuple[str, int, int], list[Piece]] = {}      # (stage value, m, src)
-        tag = 0
-        for m in range(self.M):
-            for si, s in enumerate(flow.stages):
-                for dst, (a, b) in zip(self.ranks[s.group], self.ranges[(s.group, m)]):
-                    if a == b:
-                        continue
-                    for ai, v in enumerate(s.args):
-                        h = flow.owner[v]
-                        if h == INPUT:
-                            continue
-                        pieces = []
-                        for src, (c, d) in zip(self.ranks[h], self.ranges[(h, m)]):
-                            lo, hi = max(a, c), min(b, d)
-                            if lo >= hi:
-                                continue
-                            p = Piece(value=v, src=src, dst=dst, lo=lo, hi=hi, src_lo=c, src_hi=d, dst_lo=a,
-                                      tag=tag)
-                            tag += 4
-                            pieces.append(p)
-                            if src != dst:
-                                stage_value = flow.projections.get(v, (v, 0))[0]
-                                self.sends.setdefault((stage_value, m, src), []).append(p)
-                        self.inputs[(si, ai, m, dst)] = pieces
-
-    def my_range(self, group: int, m: int, rank: int) -> tuple[int, int] | None:
-        for r, rng in zip(self.ranks[group], self.ranges[(group, m)]):
-            if r == rank:
-                return rng
-        return None
-
-
 @dataclass(kw_only=True)
 class _Call:
+    """A forward that ran here: what its backward needs."""
     stage: Stage
-    m: int
-    out: Any
-    leaves: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)  # (arg index, leaf)
+    lo: int
+    outs: Any
+    leaves: list[tuple[str, torch.Tensor, tuple[InputPiece, ...]]] = field(default_factory=list)
     loss: torch.Tensor | None = None
 
 
-class Executor:
-    """Runs training steps for one rank."""
+class Interpreter:
+    """Runs this rank's instructions of a Program, one training step per `step()` call."""
 
-    def __init__(self, *, plan: Plan, flow: Dataflow, work: Workload, rank: int,
-                 rank_of: dict[str, int], p2p: P2P, pacer: Pacer, sync=None):
-        self.plan, self.flow, self.work, self.rank = plan, flow, work, rank
-        self.program = StepProgram(plan, flow, rank_of)
-        self.p2p, self.pacer = p2p, pacer
+    def __init__(self, *, program: Program, device: str, flow: Dataflow, work: Workload, p2p: P2P,
+                 pacer: Pacer, sync, batch_size: int, rank_of: dict[str, int], optimizer_step=None):
+        self.program, self.flow, self.work = program, flow, work
+        self.instructions = program.instructions[device]
+        self.p2p, self.pacer, self.sync = p2p, pacer, sync
+        self.batch_size, self.rank_of = batch_size, rank_of
+        self.optimizer_step = optimizer_step
         self.stats = StepStats()
-        self.sync = sync  # sync.GradSync: launched during backward, finished by the caller
-        if sync is not None:
-            sync.schedule(self.events())
-        self._env: dict[tuple[str, int], Any] = {}
+        self.trace: list[tuple] = []
+        self.recorder = None      # execute.trace.StepRecorder: measured spans per instruction
+        self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
+        self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
+        self.crossing = _crossing_values(program, flow, self.block_of_group)
+        self.range_of: dict[tuple[int, int], tuple[int, int]] = {}
+        self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}   # (run, micro-batch) → pieces
+        for ins in self.instructions:
+            if isinstance(ins, Compute) and ins.phase == Phase.FORWARD:
+                self.range_of[(ins.block, ins.microbatch)] = (ins.lo, ins.hi)
+                self.pieces_of.setdefault((self.run_of[ins.block], ins.microbatch), []).extend(ins.inputs)
+        offsets = [0]
+        for n in program.microbatch_sizes:
+            offsets.append(offsets[-1] + n)
+        self.mb_offsets = offsets
 
     # -- helpers --------------------------------------------------------------------------
     def _timed(self, fn, *args, **kwargs):
@@ -141,167 +98,257 @@ class Executor:
         self.stats.paced_s += self.pacer.pace(wall, cpu)
         return out
 
-    def _piece_of(self, local: Any, p: Piece) -> torch.Tensor:
-        """Samples [p.lo, p.hi) of a value held here for [p.src_lo, p.src_hi)."""
-        if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.shape[0] != p.src_hi - p.src_lo:
-            what = (f"a {type(local).__name__}" if not isinstance(local, torch.Tensor)
-                    else f"a tensor of shape {tuple(local.shape)}")
-            raise PlanError(f"value {p.value!r} is {what}, not batch-first with {p.src_hi - p.src_lo} "
-                            f"samples, yet it crosses groups with different sample ranges; only "
-                            f"batch-first tensors can be re-partitioned. Merge its producer and "
-                            f"consumer groups.")
-        return local[p.lo - p.src_lo:p.hi - p.src_lo]
-
-    def _value(self, env: dict, v: str, m: int) -> Any:
+    def _value(self, v: str, m: int) -> Any:
         if v in self.flow.projections:
             src, idx = self.flow.projections[v]
-            return env[(src, m)][idx]
-        return env[(v, m)]
+            return self._env[(src, m)][idx]
+        return self._env[(v, m)]
 
-    def _gather(self, env: dict, si: int, ai: int, v: str, m: int, a: int, b: int,
-                mb_inputs: dict[str, Any]) -> tuple[Any, bool]:
-        """Samples [a, b) of value v for stage si; returns (value, is a grad leaf)."""
-        if self.flow.owner[v] == INPUT:
-            return slice_batch(mb_inputs[v], a, b), False
-        pieces = self.program.inputs[(si, ai, m, self.rank)]
-        if (len(pieces) == 1 and pieces[0].src == self.rank
-                and (pieces[0].src_lo, pieces[0].src_hi) == (a, b)):
-            local = self._value(env, v, m)   # exactly this range is held here: use it as is
-            if not isinstance(local, torch.Tensor):
-                return local, False
-            parts = [local]
-        else:
-            parts = []
-            for p in pieces:
-                if p.src == self.rank:
-                    local = self._value(env, v, m)
-                    parts.append(self._piece_of(local, p))
-                else:
-                    parts.append(self.p2p.recv_with_header(p.src, p.tag))
-        x = parts[0] if len(parts) == 1 else torch.cat([t.detach() for t in parts])
-        x = x.detach()
-        if x.is_floating_point():
-            x.requires_grad_(True)
-            return x, True
-        return x, False
+    def _slice(self, local: Any, v: str, start: int, stop: int, held: int) -> torch.Tensor:
+        if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.shape[0] != held:
+            what = (f"a {type(local).__name__}" if not isinstance(local, torch.Tensor)
+                    else f"a tensor of shape {tuple(local.shape)}")
+            raise PlanError(f"value {v!r} is {what}, not batch-first with {held} samples, yet it "
+                            f"crosses blocks with different sample ranges; merge its producer and "
+                            f"consumer groups.")
+        return local[start:stop]
 
     # -- one step ---------------------------------------------------------------------------
-    def events(self) -> list[tuple[str, int, int]]:
-        """The step's global order of ('F'|'B', micro-batch, stage), the same on every rank;
-        each rank runs its own events in this order (p2p.py: why that cannot deadlock).
-
-        gpipe: every forward, then every backward in reverse. 1f1b: forwards of the first
-        W = min(stages, micro-batches) micro-batches, then backward of m followed by forward
-        of m + W, so at most W micro-batches hold activations at once."""
-        M, S = self.program.M, len(self.flow.stages)
-        fwd = lambda m: [("F", m, si) for si in range(S)]  # noqa: E731
-        bwd = lambda m: [("B", m, si) for si in reversed(range(S))]  # noqa: E731
-        if self.plan.schedule != "1f1b":
-            return [e for m in range(M) for e in fwd(m)] + [e for m in reversed(range(M)) for e in bwd(m)]
-        W = min(S, M)
-        out = [e for m in range(W) for e in fwd(m)]
-        for m in range(M):
-            out += bwd(m)
-            if m + W < M:
-                out += fwd(m + W)
-        return out
-
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
-        """Forward and backward of every micro-batch; returns this rank's summed loss."""
-        self._env = {}
+        """Run every instruction of this rank once; returns this rank's summed loss."""
+        self._env: dict[tuple[str, int], Any] = {}
+        self._inbox: dict[tuple[int, str], torch.Tensor] = {}
+        self._outbox: dict[tuple[int, str], torch.Tensor] = {}
+        self._grads: dict[tuple[str, int], torch.Tensor] = {}
+        self._calls: dict[tuple[int, int], _Call] = {}
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
         self._loss_total = 0.0
-        calls: dict[tuple[int, int], _Call] = {}
-        grads: dict[tuple[str, int], torch.Tensor] = {}
-        for index, (kind, m, si) in enumerate(self.events()):
-            if kind == "F":
-                call = self._forward(m, si)
-                if call is not None:
-                    calls[(m, si)] = call
-            elif (m, si) in calls:
-                self._backward(calls.pop((m, si)), grads)
-                if not any(k[0] == m for k in calls):  # micro-batch m done: free its values
-                    for key in [k for k in self._env if k[1] == m]:
-                        del self._env[key]
-            if self.sync is not None:
-                self.sync.launch_ready(index)
-        assert not calls
+        for index, ins in enumerate(self.instructions):
+            with self._span(ins):
+                self._run(index, ins)
+        self.p2p.wait_all()
+        self.sync.finish()      # a server without a replica has collectives but no optimizer step
         return self._loss_total
 
-    def _forward(self, m: int, si: int) -> _Call | None:
-        prog, flow, env = self.program, self.flow, self._env
-        s = flow.stages[si]
-        rng = prog.my_range(s.group, m, self.rank)
-        if rng is None or rng[0] == rng[1]:
-            return None
-        a, b = rng
-        lo, hi = prog.mb_offsets[m], prog.mb_offsets[m + 1]
-        mb_inputs = {k: slice_batch(v, lo, hi) for k, v in self._inputs.items()}
+    def _run(self, index: int, ins) -> None:
+        if isinstance(ins, Compute):
+            self._compute(index, ins)
+        elif isinstance(ins, Send):
+            self._send(ins)
+        elif isinstance(ins, Recv):
+            self._recv(ins)
+        elif isinstance(ins, Collective):
+            self.trace.append(("collective", ins.block, str(ins.method), ins.members))
+            self.sync.launch(ins)
+        elif isinstance(ins, Optimizer):
+            self.p2p.wait_all()
+            self.sync.finish()
+            self.trace.append(("optimizer",))
+            if self.optimizer_step is not None:
+                self._timed(self.optimizer_step)
+
+    def _span(self, ins):
+        if self.recorder is None:
+            return contextlib.nullcontext()
+        from heterog.execute.trace import SpanCategory
+        if isinstance(ins, Compute):
+            cat = SpanCategory.FORWARD if ins.phase == Phase.FORWARD else SpanCategory.BACKWARD
+            name = f"{self.program.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}"
+        elif isinstance(ins, (Send, Recv)):
+            cat, name = SpanCategory.TRANSFER, f"{ins.kind} {ins.peer} mb{ins.microbatch}"
+        elif isinstance(ins, Collective):
+            cat, name = SpanCategory.SYNC, f"{self.program.blocks[ins.block].label} {ins.method} sync"
+        else:
+            cat, name = SpanCategory.OPTIMIZER, "optimizer step"
+        return self.recorder.span(name, cat)
+
+    def _compute(self, index: int, ins: Compute) -> None:
+        self.trace.append(("compute", ins.block, str(ins.phase), ins.microbatch, ins.hi - ins.lo))
+        if ins.lo == ins.hi:
+            return
+        stages = self.stages_of.get(ins.block, ())
+        for si in (stages if ins.phase == Phase.FORWARD else reversed(stages)):
+            if self.first_compute[(si, ins.phase, ins.microbatch)] != index:
+                continue      # this stage ran at an earlier block of its fused run
+            if ins.phase == Phase.FORWARD:
+                self._forward(si, ins)
+            else:
+                self._backward(si, ins)
+        if ins.phase == Phase.BACKWARD:
+            self._free(ins.microbatch)
+
+    def _free(self, m: int) -> None:
+        """Drop a micro-batch's values once none of its forwards awaits a backward here."""
+        if not any(k[1] == m for k in self._calls):
+            for key in [k for k in self._env if k[1] == m]:
+                del self._env[key]
+
+    def _gather(self, v: str, ins: Compute) -> tuple[Any, tuple[InputPiece, ...] | None]:
+        """Samples [ins.lo, ins.hi) of value v for a stage run by `ins`: (value, the pieces it
+        came in when it is a gradient leaf, else None). Values from other stages are detached
+        leaves: each stage's backward is explicit, and their gradients go back piece by piece."""
+        owner, m = self.flow.owner[v], ins.microbatch
+        if owner == INPUT:
+            lo = self.mb_offsets[m]
+            return slice_batch(self._inputs[v], lo + ins.lo, lo + ins.hi), None
+        a = self.block_of_group[owner]
+        if self.run_of[a] == self.run_of[ins.block]:      # same fused run: held here whole
+            local = self._value(v, m)
+            pieces = (InputPiece(block=a, lo=ins.lo, hi=ins.hi, src_lo=ins.lo),)
+            parts = [local]
+        else:
+            pieces = tuple(p for p in self.pieces_of.get((self.run_of[ins.block], m), ()) if p.block == a)
+            parts = []
+            for p in pieces:
+                if p.tag is None:
+                    plo, phi = self.range_of[(a, m)]
+                    local = self._value(v, m)
+                    if len(pieces) == 1 and (plo, phi) == (ins.lo, ins.hi):
+                        parts.append(local)
+                    else:
+                        parts.append(self._slice(local, v, p.lo - plo, p.hi - plo, phi - plo))
+                else:
+                    parts.append(self._inbox.pop((p.tag, v)))
+        if not parts:
+            raise PlanError(f"value {v!r} reaches block {ins.block} from no piece of the program; "
+                            f"merge its producer and consumer groups.")
+        if len(parts) == 1 and not isinstance(parts[0], torch.Tensor):
+            return parts[0], None
+        x = (parts[0] if len(parts) == 1 else torch.cat([t.detach() for t in parts])).detach()
+        if x.is_floating_point():
+            x.requires_grad_(True)
+            return x, pieces
+        return x, None
+
+    def _forward(self, si: int, ins: Compute) -> None:
+        s, m = self.flow.stages[si], ins.microbatch
         args, leaves = [], []
-        for ai, v in enumerate(s.args):
-            x, is_leaf = self._gather(env, si, ai, v, m, a, b, mb_inputs)
+        for v in s.args:
+            x, pieces = self._gather(v, ins)
             args.append(x)
-            leaves.append((ai, x if is_leaf else None))
-        if any(self.plan.groups[g].recompute for g in s.groups):
+            if pieces is not None:
+                leaves.append((v, x, pieces))
+        if self.program.blocks[ins.block].recompute:
             # activation recomputation: keep only the stage's inputs; re-run forward in backward
             out = self._timed(torch.utils.checkpoint.checkpoint, s.module, *args, use_reentrant=False)
         else:
             out = self._timed(s.module, *args)
-        env[(s.value, m)] = out
-        call = _Call(stage=s, m=m, out=out, leaves=leaves)
-        for p in prog.sends.get((s.value, m, self.rank), []):
-            self.p2p.send_with_header(self._piece_of(self._value(env, p.value, m), p), p.dst, p.tag)
+        self._env[(s.value, m)] = out
+        call = _Call(stage=s, lo=ins.lo, outs=out, leaves=leaves)
+        flow = self.flow
         if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
-            y = self._value(env, flow.output, m)
-            mb_targets = slice_batch(self._targets, lo, hi)
-            loss = self._timed(self.work.loss, y, slice_batch(mb_targets, a, b))
-            call.loss = loss * ((b - a) / self.plan.batch_size)
+            y = self._value(flow.output, m)
+            lo = self.mb_offsets[m]
+            target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
+            loss = self._timed(self.work.loss, y, target)
+            call.loss = loss * ((ins.hi - ins.lo) / self.batch_size)
             self._loss_total += float(call.loss.detach())
-        return call
+        self._calls[(si, m)] = call
 
-    def _add_grad(self, grads: dict, key: tuple[str, int], like: torch.Tensor, lo: int, hi: int,
-                  g: torch.Tensor) -> None:
-        buf = grads.get(key)
-        if buf is None:
-            buf = grads[key] = torch.zeros_like(like)
-        buf[lo:hi] += g
-
-    def _backward(self, call: _Call, grads: dict) -> None:
-        s, m, flow = call.stage, call.m, self.flow
-        # Gradients of this stage's outputs: sent back by remote consumers, added to those
-        # local consumers already accumulated (they ran backward earlier: reverse order).
-        for p in self.program.sends.get((s.value, m, self.rank), []):
-            like = self._value(self._env, p.value, m)
-            g = self.p2p.recv(tuple(like[p.lo - p.src_lo:p.hi - p.src_lo].shape), like.dtype, p.dst, p.tag + 2)
-            self._add_grad(grads, (p.value, m), like, p.lo - p.src_lo, p.hi - p.src_lo, g)
+    def _backward(self, si: int, ins: Compute) -> None:
+        call = self._calls.pop((si, ins.microbatch))
+        s, m = call.stage, ins.microbatch
         roots, root_grads = [], []
         if call.loss is not None:
             roots.append(call.loss)
             root_grads.append(None)
-        outs = call.out if isinstance(call.out, (tuple, list)) else None
-        if outs is None:
-            if (s.value, m) in grads and isinstance(call.out, torch.Tensor) and call.out.requires_grad:
-                roots.append(call.out)
-                root_grads.append(grads.pop((s.value, m)))
-        else:
-            for proj, (src, idx) in flow.projections.items():
-                if src == s.value and (proj, m) in grads and outs[idx].requires_grad:
-                    roots.append(outs[idx])
-                    root_grads.append(grads.pop((proj, m)))
+        for v in self._values_of(s):
+            g = self._grads.pop((v, m), None)
+            t = self._value(v, m)
+            if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
+                roots.append(t)
+                root_grads.append(g)
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
-        # Gradients of this stage's inputs go back to their producers.
-        a = self.program.my_range(s.group, m, self.rank)[0]
-        si = flow.stages.index(s)
-        for ai, leaf in call.leaves:
-            if leaf is None:
-                continue
+        for v, leaf, pieces in call.leaves:       # input gradients back to their producers
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for p in self.program.inputs[(si, ai, m, self.rank)]:
-                part = g[p.lo - a:p.hi - a]
-                if p.src == self.rank:
-                    like = self._value(self._env, p.value, m)
-                    self._add_grad(grads, (p.value, m), like, p.lo - p.src_lo, p.hi - p.src_lo, part)
+            for p in pieces:
+                part = g[p.lo - call.lo:p.hi - call.lo]
+                if p.tag is None:
+                    plo = self.range_of[(p.block, m)][0]
+                    self._add_grad(v, m, p.lo - plo, p.hi - plo, part)
                 else:
-                    self.p2p.isend(part, p.src, p.tag + 2)
+                    self._outbox[(p.grad_tag, v)] = part
+
+    def _values_of(self, s: Stage) -> list[str]:
+        return [s.value] + [v for v, (src, _) in self.flow.projections.items() if src == s.value]
+
+    def _add_grad(self, v: str, m: int, lo: int, hi: int, g: torch.Tensor) -> None:
+        buf = self._grads.get((v, m))
+        if buf is None:
+            buf = self._grads[(v, m)] = torch.zeros_like(self._value(v, m))
+        buf[lo:hi] += g
+
+    # -- transfers ----------------------------------------------------------------------------
+    def _send(self, ins: Send) -> None:
+        peer = self.rank_of[ins.peer]
+        values = self.crossing[(ins.src_block, ins.dst_block)]
+        self.trace.append(("send", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))
+        for k, v in enumerate(values):
+            tag = (ins.tag * MAX_VALUES + k) * 2
+            if ins.phase == Phase.FORWARD:
+                lo, hi = self.range_of[(ins.src_block, ins.microbatch)]
+                local = self._value(v, ins.microbatch)
+                self.p2p.send_with_header(self._slice(local, v, ins.lo - lo, ins.hi - lo, hi - lo), peer, tag)
+            else:
+                self.p2p.send_with_header(self._outbox.pop((ins.tag, v)), peer, tag)
+
+    def _recv(self, ins: Recv) -> None:
+        peer = self.rank_of[ins.peer]
+        values = self.crossing[(ins.src_block, ins.dst_block)]
+        self.trace.append(("recv", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))
+        for k, v in enumerate(values):
+            x = self.p2p.recv_with_header(peer, (ins.tag * MAX_VALUES + k) * 2)
+            if ins.phase == Phase.FORWARD:
+                self._inbox[(ins.tag, v)] = x
+            else:
+                lo = self.range_of[(ins.src_block, ins.microbatch)][0]
+                self._add_grad(v, ins.microbatch, ins.lo - lo, ins.hi - lo, x)
+
+
+def _stages_of_blocks(program: Program, flow: Dataflow, instructions):
+    """(block → its stages, (stage, phase, micro-batch) → index of the compute that runs it,
+    block → its run). A stage may span several blocks only if they are consecutive and share
+    one placement (a fused run cut into gradient buckets); it runs at the first of their
+    computes in this rank's program, and those blocks form one run."""
+    block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
+    stages_of: dict[int, list[int]] = {}
+    run_of = list(range(len(program.blocks)))
+    for si, s in enumerate(flow.stages):
+        blocks = sorted({block_of[g] for g in (s.groups or (s.group,))})
+        placements = {(program.blocks[b].devices, program.blocks[b].shares) for b in blocks}
+        if len(placements) > 1 or blocks != list(range(blocks[0], blocks[-1] + 1)):
+            raise PlanError(f"stage {s.value!r} of the split model runs groups of blocks {blocks}, which "
+                            f"are not one run of a single placement; the model cannot be cut as planned.")
+        for b in blocks:
+            stages_of.setdefault(b, []).append(si)
+            run_of[b] = run_of[blocks[0]]
+    first: dict[tuple[int, Phase, int], int] = {}
+    for index, ins in enumerate(instructions):
+        if isinstance(ins, Compute):
+            for si in stages_of.get(ins.block, ()):
+                first.setdefault((si, ins.phase, ins.microbatch), index)
+    return stages_of, first, run_of
+
+
+def _crossing_values(program: Program, flow: Dataflow, block_of: dict[int, int]) -> dict[tuple[int, int], list[str]]:
+    """(producer block, consumer block) → the values that move between them, in a fixed order."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for s in flow.stages:
+        consumers = sorted({block_of[g] for g in (s.groups or (s.group,))})
+        for v in s.args:
+            owner = flow.owner[v]
+            if owner == INPUT:
+                continue
+            a = block_of[owner]
+            for b in consumers:
+                if a == b:
+                    continue
+                lst = out.setdefault((a, b), [])
+                if v not in lst:
+                    if len(lst) >= MAX_VALUES:
+                        raise PlanError(f"more than {MAX_VALUES} values cross from block {a} to block "
+                                        f"{b}; group the model more coarsely.")
+                    lst.append(v)
+    return out

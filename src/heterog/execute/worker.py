@@ -24,13 +24,14 @@ from heterog.errors import RankError
 from heterog.execute import checkpoint
 from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.p2p import P2P
-from heterog.execute.partition import build_dataflow, detach_unheld, param_numel_of_group
-from heterog.execute.runtime import Executor
+from heterog.execute.bucket_sync import BucketSync
+from heterog.execute.partition import build_dataflow, detach_unheld
+from heterog.execute.runtime import Interpreter
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
-from heterog.execute.sync import GradSync
 from heterog.execute.trace import SpanCategory, StepRecorder
 from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, with_data
 from heterog.ir.plan import Plan
+from heterog.lower.program import Program
 from heterog.jsonio import write_atomic
 
 
@@ -68,10 +69,11 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     devices_by_rank: list[str] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(devices_by_rank, device)
     rank_of = {d: r for r, d in enumerate(devices_by_rank)}
-    plan = Plan.from_dict(spec["plan"])
-    missing = [d for d in plan.devices() if d not in rank_of]
+    program = Program.from_dict(spec["program"], "the program of this run")
+    plan = Plan.from_dict(program.plan)
+    missing = [d for d in program.devices if d not in rank_of]
     if missing:
-        raise RankError(rank, f"the plan uses device(s) {missing} that no rank was started for; "
+        raise RankError(rank, f"the program uses device(s) {missing} that no rank was started for; "
                               f"ranks run {devices_by_rank}.")
     work = with_data(resolve_workload(plan.model), spec.get("data"))
     seed = spec.get("seed", 0)
@@ -82,12 +84,13 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     detach_unheld(flow, held)
     timeout_s = spec["timeout_s"]
     p2p = P2P(rank, timeout_s)
-    sync = GradSync(plan, flow, rank_of, rank, param_numel_of_group(flow), timeout_s)
+    sync = BucketSync(program, flow, rank_of, rank, timeout_s)
     params = [p for g in sorted(held) for _, p in flow.params_of_group.get(g, [])]
     opt = make_optimizer(params, plan.optimizer)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
-    ex = Executor(plan=plan, flow=flow, work=work, rank=rank, rank_of=rank_of, p2p=p2p, pacer=pacer,
-                  sync=sync)
+    ex = Interpreter(program=program, device=device, flow=flow, work=work, p2p=p2p, pacer=pacer, sync=sync,
+                     batch_size=plan.batch_size, rank_of=rank_of,
+                     optimizer_step=opt.step if opt is not None else None)
     steps: list[dict[str, float]] = []
     ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
@@ -106,16 +109,9 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         with rec.span(f"step {step}", SpanCategory.STEP):
             for p in params:
                 p.grad = None
-            with rec.span("forward+backward", SpanCategory.COMPUTE):
-                loss = ex.step(inputs, targets)
+            ex.recorder = rec
+            loss = ex.step(inputs, targets)
             _fault(spec, rank, step, "mid")
-            with rec.span("transfers", SpanCategory.TRANSFER):
-                p2p.wait_all()
-            with rec.span("sync", SpanCategory.SYNC):
-                sync.finish()
-            if opt is not None:
-                with rec.span("optimizer", SpanCategory.OPTIMIZER):
-                    ex._timed(opt.step)
         steps.append({"step_time_s": time.perf_counter() - t0, "loss": loss,
                       "compute_s": ex.stats.compute_s - c0, "cpu_s": ex.stats.cpu_s - u0,
                       "paced_s": ex.stats.paced_s - w0,
@@ -126,6 +122,8 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         checkpoint.save_if_due(ckpt, step + 1, named, opt, rank=rank, model=plan.model.name)
     progress.write_text("done")
     write_atomic(out_dir / TRACE_FILE.format(rank=rank), json.dumps(rec.to_dict()))
+    if spec.get("dump_params"):   # with the parameters: what ran, for tests against the Program
+        write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
     if spec.get("dump_params"):
         torch.save({name: p.detach().clone() for g in sorted(held)
                     for name, p in flow.params_of_group.get(g, [])}, out_dir / f"params_rank{rank}.pt")

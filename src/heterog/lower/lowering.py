@@ -149,11 +149,14 @@ def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int]
     re-partition rule (blocks.overlaps: replicas own contiguous ranges in replica order), with
     the tag of the transfer that brings a piece from another device."""
     tasks = sched.tasks
-    tag_of: dict[tuple[int, int, int, int, int], int] = {}   # (a, b, m, src, dst) → forward transfer
+    tag_of: dict[tuple[int, int, int, int, int], int] = {}   # (a, b, m, producer, consumer) → transfer
+    grad_tag_of: dict[tuple[int, int, int, int, int], int] = {}   # idem → its gradient's transfer
     for t, (a, b) in tasks.xfer_blocks.items():
-        (src, dst), _, consumer = tasks.comm[t]
-        if consumer == b:
+        (src, dst), _, filed_under = tasks.comm[t]
+        if filed_under == b:
             tag_of[(a, b, tasks.mb[t], src, dst)] = t
+        else:
+            grad_tag_of[(a, b, tasks.mb[t], dst, src)] = t
     preds = _block_preds(sched)
     out: dict[tuple[int, int, int], list[InputPiece]] = {}
     for b, blk in enumerate(sched.blocks):
@@ -164,9 +167,12 @@ def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int]
                 pos = 0
                 for i, j, n in overlaps([h - l for l, h in ra], [h - l for l, h in rb]):
                     da, db = src.devices[i], blk.devices[j]
-                    tag = None if da == db else tag_of.get((a, b, m, da, db))
+                    key = (a, b, m, da, db)
+                    remote = da != db
                     out.setdefault((b, m, db), []).append(
-                        InputPiece(block=a, lo=pos, hi=pos + n, src_lo=ra[i][0], tag=tag))
+                        InputPiece(block=a, lo=pos, hi=pos + n, src_lo=ra[i][0],
+                                   tag=tag_of.get(key) if remote else None,
+                                   grad_tag=grad_tag_of.get(key) if remote else None))
                     pos += n
     return {k: tuple(v) for k, v in out.items()}
 

@@ -34,12 +34,14 @@ SCHEMA_VERSION = 1
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InputPiece:
     """Samples [lo, hi) of `block`'s outputs for one compute: held here since that block's
-    replica on this device computed them (tag None; its range starts at src_lo), or received."""
+    replica on this device computed them (tag None; its range starts at src_lo), or received
+    by the transfer `tag`, whose gradients go back by the transfer `grad_tag`."""
     block: int
     lo: int
     hi: int
     src_lo: int = 0
     tag: int | None = None
+    grad_tag: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

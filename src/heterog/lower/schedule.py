@@ -17,6 +17,7 @@ inside a group the graph order is kept, as the executor runs a group's submodule
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from heterog.errors import PlanError
@@ -64,6 +65,29 @@ def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
         raise PlanError(f"field 'graph_fingerprint': the plan was made for another model graph "
                         f"({plan.graph_fingerprint}, this one {fp}); re-plan.")
     return info, cache.grouping(graph, [g.name for g in plan.groups], [g.nodes for g in plan.groups])
+
+
+def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
+    """The plan with every graph node it does not name put in a group, by the partitioner's rule
+    for loose ops (execute/partition.py): a node follows its first predecessor's group, else its
+    first successor's, else the first group. Plans written by hand often name only the model's
+    module calls; the capture also records loose ops and the loss."""
+    owner = {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}
+    missing = [n.name for n in graph.nodes if n.name not in owner]
+    if not missing:
+        return plan
+    pred, succ = graph.predecessors, graph.successors
+    for n in missing:          # graph nodes are in topological order: producers first
+        owner[n] = next((owner[p] for p in pred[n] if p in owner), None)
+    for n in reversed(missing):
+        if owner[n] is None:
+            owner[n] = next((owner[s] for s in succ[n] if owner.get(s) is not None), 0)
+    added: dict[int, list[str]] = {}
+    for n in missing:
+        added.setdefault(owner[n], []).append(n)
+    groups = tuple(dataclasses.replace(g, nodes=tuple(g.nodes) + tuple(added.get(gi, ())))
+                   for gi, g in enumerate(plan.groups))
+    return dataclasses.replace(plan, groups=groups)
 
 
 def build_schedule(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, cache: SimCache | None = None,
