@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import subprocess
-import tempfile
 from pathlib import Path
 from dataclasses import dataclass, field
 
@@ -30,7 +29,12 @@ from heterog.hardware.cluster import Cluster
 from heterog.jsonio import write_atomic
 
 PREFIX = "hg"
-OWNERS = "heterog-netns-owners"
+# Namespaces are global to the machine, so their owner files are too (not under $TMPDIR,
+# which differs between runs); only root makes namespaces, and /run is root's.
+OWNERS_DIR = Path("/run/heterog-netns-owners")
+# A namespace this young may be one a live launcher is still setting up (its ranks not yet
+# inside); never remove it. /run/netns/<name> is created with the namespace.
+YOUNG_NAMESPACE_S = 10.0
 
 
 class ShapingUnavailable(Exception):
@@ -71,6 +75,8 @@ class LinkShaping:
     def __enter__(self) -> "LinkShaping":
         if os.geteuid() != 0:
             raise ShapingUnavailable("not root: network namespaces and tc need root")
+        from heterog.execute.stale import remove_stale_runs
+        remove_stale_runs()  # a killed run's ranks and namespaces, before we add ours
         try:
             self._create()
         except BaseException:
@@ -82,7 +88,7 @@ class LinkShaping:
         self.remove()
 
     def _owner_file(self):
-        return Path(tempfile.gettempdir()) / OWNERS / f"{self.token}.json"
+        return OWNERS_DIR / f"{self.token}.json"
 
     def _create(self) -> None:
         import psutil
@@ -140,11 +146,19 @@ def leftover_namespaces() -> list[str]:
 
 def _owner_alive(token: str) -> bool:
     import psutil
-    f = Path(tempfile.gettempdir()) / OWNERS / f"{token}.json"
+    f = OWNERS_DIR / f"{token}.json"
     try:
         doc = json.loads(f.read_text())
         return abs(psutil.Process(int(doc["pid"])).create_time() - float(doc["create_time"])) < 1e-3
     except (OSError, ValueError, KeyError, psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _young(ns: str) -> bool:
+    import time
+    try:
+        return time.time() - (Path("/run/netns") / ns).stat().st_mtime < YOUNG_NAMESPACE_S
+    except OSError:
         return False
 
 
@@ -159,15 +173,14 @@ def remove_stale_namespaces() -> list[str]:
     removed = []
     for ns in names:
         token = ns[len(PREFIX):len(PREFIX) + 6]
-        if _owner_alive(token):
+        if _owner_alive(token) or _young(ns):
             continue
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=20)
         if pids.stdout.strip():
             continue
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
         removed.append(ns)
-    folder = Path(tempfile.gettempdir()) / OWNERS
-    for f in folder.glob("*.json") if folder.is_dir() else []:
+    for f in OWNERS_DIR.glob("*.json") if OWNERS_DIR.is_dir() else []:
         if not _owner_alive(f.stem):
             f.unlink(missing_ok=True)
     return removed

@@ -78,15 +78,17 @@ def release(work: Path) -> None:
 
 
 def _kill_ranks(ranks: list[dict[str, Any]]) -> int:
-    killed = 0
+    """SIGKILL the live ones and wait for them to go (they may hold a namespace)."""
+    killed: list[psutil.Process] = []
     for ident in ranks:
         if _alive(ident):
             try:
                 os.killpg(int(ident["pid"]), signal.SIGKILL)  # each rank leads its own session
-                killed += 1
-            except (ProcessLookupError, PermissionError):
+                killed.append(psutil.Process(int(ident["pid"])))
+            except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
                 pass
-    return killed
+    psutil.wait_procs(killed, timeout=10)
+    return len(killed)
 
 
 def remove_stale_runs() -> list[str]:
