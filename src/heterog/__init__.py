@@ -17,7 +17,7 @@ _EXPORTS = {
     "load_cluster": "heterog.hardware.spec",
     "predict": "heterog.cost.predict",
     "simulate": "heterog.simulate",        # a callable package: heterog.simulate(graph, cluster, plan, costs)
-    "plan": "heterog.search.planner",
+    "plan": "heterog.plan_module",         # a name, a user file or an nn.Module (plan_module.py)
     "run": "heterog.pipeline",
     "OpGraph": "heterog.ir.opgraph",
     "Plan": "heterog.ir.plan",

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from heterog.errors import CheckpointError, RankError
+from heterog.errors import CheckpointError, PlanError, RankError
+from heterog.ir.plan import in_memory_model_error
 from heterog.execute import stale
 from heterog.execute.checkpoint import find_checkpoint, model_key
 
@@ -68,6 +69,8 @@ def _tail(path: Path, n: int = 1500) -> str:
 def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None, *,
                  program_doc: dict[str, Any]) -> list[dict]:
     """Run every rank of the plan's Program on this machine; return the per-rank results (rank order)."""
+    if (why := in_memory_model_error(plan_doc["model"]["name"])) is not None:
+        raise PlanError(why)
     stale.remove_stale_runs()
     stale.check_memory(plan_doc, cfg.devices, force=cfg.force)
     ckpt = _resolve_resume(plan_doc, cfg)

@@ -29,6 +29,17 @@ SCHEDULES = tuple(PipelineSchedule)
 PRECISIONS = tuple(Precision)
 OPTIMIZERS = ("sgd", "adamw")
 SHARE_TOLERANCE = 1e-6
+IN_MEMORY_PREFIX = "in-memory:"   # the model name of a plan made from an nn.Module object
+
+
+def in_memory_model_error(name: str) -> str | None:
+    """Why a plan of an in-memory module cannot be rebuilt in another process, or None."""
+    if not name.startswith(IN_MEMORY_PREFIX):
+        return None
+    return (f"the plan was made for an in-memory nn.Module ({name!r}); its ranks would have to rebuild "
+            f"that module in other processes, which cannot see it. Put the module in a file — "
+            f"factory(**args) and example_batch(batch_size) — and plan 'path/file.py:factory' "
+            f"(docs/robustness.md).")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

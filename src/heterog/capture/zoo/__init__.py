@@ -18,6 +18,7 @@ from typing import Any
 from heterog.capture.zoo import hf, inception, mobilenet, resnet, seq2seq, small, vgg, vit
 from heterog.capture.zoo.base import ZooModel, classification_loss, image_batch, token_batch
 from heterog.errors import ModelError
+from heterog.ir.plan import in_memory_model_error
 from heterog.userfile import load_user_module, locate
 
 _TV = "torchvision model docs (pytorch.org/vision/stable/models)"
@@ -135,6 +136,8 @@ def get_zoo_model(name: str) -> ZooModel:
     """A zoo entry by name, or a user model given as 'path/file.py:factory'."""
     if name in ZOO:
         return ZOO[name]
+    if (why := in_memory_model_error(name)) is not None:
+        raise ModelError(why)
     if ":" in name and name.split(":", 1)[0].endswith(".py"):
         return _load_user_model(name)
     raise ModelError(f"unknown model {name!r}. Known models: {', '.join(ZOO)}; or give your own "
