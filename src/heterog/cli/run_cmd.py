@@ -62,6 +62,14 @@ class _StepFollower:
         self.shown = max(self.shown, len(lines))
 
 
+def _forget_old_steps(folder: Path) -> None:
+    """A --logs folder used before holds the last run's step and trace files: remove them, or
+    the follower would print that run's steps before this one's ranks start."""
+    for pattern in ("steps_rank*.jsonl", "trace_rank*.json"):
+        for old in folder.glob(pattern):
+            old.unlink()
+
+
 def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Path | None,
                       trace: Path | None) -> None:
     """Add the per-step lines and the measured spans to `result` (so a report can draw the
@@ -145,6 +153,7 @@ def register(app: typer.Typer) -> None:
         world_size = len(api.rank_devices(p, api.plan_cluster(p)))
         with tempfile.TemporaryDirectory(prefix="heterog-run-") as tmp:
             folder = logs if logs is not None else Path(tmp)
+            _forget_old_steps(folder)
             say = None if as_json else console.print
             with _StepFollower(folder, world_size, steps, say, bar=sys.stdout.isatty()):
                 result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
