@@ -210,6 +210,8 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
                      f"prediction is for the real devices, so compare speed ratios, not times")
     shaping: dict[str, Any] = {"enabled": False}
     program, graph, costs, local, covered = _lower_for_run(plan, cluster, profile)
+    if out_dir is not None:
+        program.save(Path(out_dir) / "program.json")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_interrupt())
         cfg_net: dict[str, Any] = {}

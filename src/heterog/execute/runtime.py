@@ -72,6 +72,7 @@ class Interpreter:
         self.optimizer_step = optimizer_step
         self.stats = StepStats()
         self.trace: list[tuple] = []
+        self.samples: list[int] = []   # per forward compute: samples in the tensors it produced
         self.recorder = None      # execute.trace.StepRecorder: measured spans per instruction
         self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
         self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
@@ -124,6 +125,7 @@ class Interpreter:
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
         self._loss_total = 0.0
+        self.trace, self.samples = [], []     # what this step ran
         for index, ins in enumerate(self.instructions):
             with self._span(ins):
                 self._run(index, ins)
@@ -168,13 +170,19 @@ class Interpreter:
         if ins.lo == ins.hi:
             return
         stages = self.stages_of.get(ins.block, ())
+        counted = -1
         for si in (stages if ins.phase == Phase.FORWARD else reversed(stages)):
             if self.first_compute[(si, ins.phase, ins.microbatch)] != index:
                 continue      # this stage ran at an earlier block of its fused run
             if ins.phase == Phase.FORWARD:
                 self._forward(si, ins)
+                out = self._env[(self.flow.stages[si].value, ins.microbatch)]
+                first = out[0] if isinstance(out, (tuple, list)) else out
+                counted = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else -1
             else:
                 self._backward(si, ins)
+        if ins.phase == Phase.FORWARD and self.stages_of.get(ins.block):
+            self.samples.append(counted)
         if ins.phase == Phase.BACKWARD:
             self._free(ins.microbatch)
 

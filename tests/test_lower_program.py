@@ -1,0 +1,228 @@
+"""The Program: one schedule that the simulator times and the executor carries out.
+
+- every task of the simulator's schedule is exactly one instruction per device it involves,
+  and every instruction comes from one task (random plans: data, hybrid, pipeline GPipe and
+  1F1B, parameter servers);
+- the Program validates, survives JSON, and its validator catches what would hang a run;
+- 1F1B keeps at most p − s micro-batches in flight on stage s;
+- on real gloo processes, what each rank executes, recorded as it runs, is its Program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from heterog.errors import PlanError
+from heterog.ir.kinds import Phase
+from heterog.lower.lowering import lower, to_program
+from heterog.lower.program import Collective, Compute, Optimizer, Program, Recv, Send
+from heterog.lower.schedule import build_schedule
+from heterog.lower.tasks import BWD, FWD, OPT, SYNC, XFER
+from tests.simulate_support import TableCosts, chain_graph, cluster, plan
+from tests.test_simulate_properties import _random_plan
+
+GF = 1e9
+RATE = 1e12
+
+
+def _setup():
+    g = chain_graph(8, flops=GF, edge_bytes=2e5, param_bytes=2_000_000)
+    c = cluster([[RATE, 2 * RATE], [RATE], [0.5 * RATE, RATE]], nic_bandwidth=1e9, latency_s=1e-6)
+    return g, c, [d.name for d in c.devices]
+
+
+def _expected_signatures(sched) -> dict[str, list[tuple]]:
+    """Per device, the instruction each task of the schedule stands for, in the schedule's order."""
+    tasks, names = sched.tasks, sched.info.devices
+    out: dict[str, list[tuple]] = {}
+    for t in sched.order:
+        k = tasks.kind[t]
+        if k in (FWD, BWD):
+            out.setdefault(names[tasks.dev[t]], []).append(
+                ("compute", abs(tasks.key[t][2]), "forward" if k == FWD else "backward", tasks.mb[t]))
+        elif k == XFER:
+            (src, dst), nbytes, _ = tasks.comm[t]
+            out.setdefault(names[src], []).append(("send", t, names[dst], nbytes))
+            out.setdefault(names[dst], []).append(("recv", t, names[src], nbytes))
+        elif k == SYNC:
+            for d in tasks.comm[t][0]:
+                out.setdefault(names[d], []).append(("collective", tasks.comm[t][2]))
+        elif k == OPT:
+            out.setdefault(names[tasks.dev[t]], []).append(("optimizer",))
+    return out
+
+
+def _signature(i) -> tuple:
+    if isinstance(i, Compute):
+        return ("compute", i.block, str(i.phase), i.microbatch)
+    if isinstance(i, Send):
+        return ("send", i.tag, i.peer, i.nbytes)
+    if isinstance(i, Recv):
+        return ("recv", i.tag, i.peer, i.nbytes)
+    if isinstance(i, Collective):
+        return ("collective", i.block)
+    return ("optimizer",)
+
+
+def test_the_simulators_tasks_are_exactly_the_programs_instructions():
+    g, c, devices = _setup()
+    rng = random.Random(3)
+    kinds = set()
+    for _ in range(40):
+        p = _random_plan(rng, devices, 8, 16)
+        costs = TableCosts(g, c)
+        sched = build_schedule(g, c, p, costs, merge=False)
+        prog = to_program(sched, c)
+        want = _expected_signatures(sched)
+        for d in prog.devices:
+            assert [_signature(i) for i in prog.instructions[d]] == want.get(d, []), d
+        kinds.add((p.schedule, p.num_microbatches > 1, any(gr.sync == "ps" for gr in p.groups),
+                   len({gr.replicas for gr in p.groups}) > 1))
+    assert len(kinds) >= 6, kinds    # pipelines, micro-batches, servers and hybrids all drawn
+
+
+def test_every_random_program_validates_and_round_trips_through_json():
+    g, c, devices = _setup()
+    rng = random.Random(9)
+    for _ in range(25):
+        p = _random_plan(rng, devices, 8, 16)
+        prog = lower(g, c, p, TableCosts(g, c))
+        text = json.dumps({"kind": "heterog.Program", "version": 1, **prog.to_dict()})
+        again = Program.from_json(text)
+        assert again.to_dict() == prog.to_dict()
+        for d, lst in prog.instructions.items():      # sample ranges stay inside micro-batches
+            for i in lst:
+                if isinstance(i, (Compute, Send, Recv)):
+                    assert 0 <= i.lo <= i.hi <= prog.microbatch_sizes[i.microbatch]
+
+
+def _two_stage(schedule="gpipe", microbatches=2):
+    g, c, devices = _setup()
+    half = [f"l{i}" for i in range(4)], [f"l{i}" for i in range(4, 8)]
+    p = plan([("a", half[0], [(devices[0], 0.5), (devices[1], 0.5)]), ("b", half[1], [(devices[2], 1.0)])],
+             batch_size=8, num_microbatches=microbatches, schedule=schedule, sync="ring")
+    return lower(g, c, p, TableCosts(g, c))
+
+
+def _tamper(prog: Program, device: str, fn) -> dict:
+    doc = {"kind": "heterog.Program", "version": 1, **prog.to_dict()}
+    doc["instructions"][device] = fn(doc["instructions"][device])
+    return doc
+
+
+def test_validation_names_an_unmatched_send():
+    prog = _two_stage()
+    src = next(d for d, lst in prog.instructions.items() if any(isinstance(i, Send) for i in lst))
+    doc = _tamper(prog, src, lambda lst: [i for i in lst if i["kind"] != "send"])
+    with pytest.raises(PlanError, match="no matching send"):
+        Program.from_json(json.dumps(doc))
+
+
+def test_validation_finds_a_deadlock():
+    """A receive of a backward gradient moved before the forward its peer needs first leaves
+    both waiting on each other; the untouched program validates."""
+    prog = _two_stage()
+    src = prog.devices[0]
+
+    Program.from_json(json.dumps(_tamper(prog, src, lambda lst: lst)))
+
+    def early_recv(lst):
+        lst = list(lst)
+        k = max(k for k, i in enumerate(lst) if i["kind"] == "recv")   # a backward gradient
+        lst.insert(0, lst.pop(k))
+        return lst
+    with pytest.raises(PlanError, match="deadlocks"):
+        Program.from_json(json.dumps(_tamper(prog, src, early_recv)))
+
+
+def test_one_f_one_b_keeps_at_most_p_minus_s_micro_batches_in_flight():
+    g = chain_graph(8, flops=GF, edge_bytes=2e5, param_bytes=1_000_000)
+    c = cluster([[RATE, RATE, RATE, RATE]], nic_bandwidth=1e9)
+    devs = [d.name for d in c.devices]
+    stages = [("s%d" % k, [f"l{2 * k}", f"l{2 * k + 1}"], [(devs[k], 1.0)]) for k in range(4)]
+    p = plan(stages, batch_size=16, num_microbatches=8, schedule="1f1b", sync="ring")
+    prog = lower(g, c, p, TableCosts(g, c))
+    for s, d in enumerate(devs):
+        live, peak = set(), 0
+        for i in prog.instructions[d]:
+            if isinstance(i, Compute):
+                (live.add if i.phase == Phase.FORWARD else live.discard)(i.microbatch)
+                peak = max(peak, len(live))
+        assert peak == min(4 - s, 8), (d, peak)
+    gpipe = lower(g, c, dataclasses.replace(p, schedule="gpipe"), TableCosts(g, c))
+    first = [i for i in gpipe.instructions[devs[0]] if isinstance(i, Compute)]
+    assert [i.phase for i in first[:8]] == [Phase.FORWARD] * 8     # GPipe: all forwards first
+
+
+def test_summary_counts_instructions_bytes_and_the_programs_peak():
+    prog = _two_stage(microbatches=2)
+    summary = prog.summary()
+    for d, s in summary.items():
+        lst = prog.instructions[d]
+        assert s["instructions"]["compute"] == sum(isinstance(i, Compute) for i in lst)
+        assert s["sent_bytes"] == sum(i.nbytes for i in lst if isinstance(i, Send))
+        assert s["peak_memory_bytes"] >= prog.initial_bytes[d] > 0
+    assert summary[prog.devices[-1]]["received_bytes"] > 0
+    assert all(isinstance(prog.instructions[d][-1], Optimizer) for d in prog.devices)
+
+
+# -- the executor carries out the Program, op by op ------------------------------------------
+MODELS = "tests/test_execute_models.py"
+
+
+def _executed_matches_program(tmp_path, p):
+    from heterog.pipeline import run
+    from heterog.ir.plan import Plan
+    out = run(p, steps=1, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60)
+    prog = Program.load(tmp_path / "program.json")
+    assert Plan.from_dict(prog.plan).groups[0].name == p.groups[0].name
+    for rank, d in enumerate(out["devices"]):
+        ran = [tuple(x) for x in json.loads((tmp_path / f"executed_rank{rank}.json").read_text())]
+        want = []
+        for i in prog.instructions[d]:
+            if isinstance(i, Compute):
+                want.append(("compute", i.block, str(i.phase), i.microbatch, i.hi - i.lo))
+            elif isinstance(i, (Send, Recv)):
+                want.append((str(i.kind), str(i.phase), i.tag, i.peer, i.hi - i.lo))
+            elif isinstance(i, Collective):
+                want.append(("collective", i.block, str(i.method), list(i.members)))
+            else:
+                want.append(("optimizer",))
+        ran = [tuple(list(x) if isinstance(x, list) else x for x in r) for r in ran]
+        assert ran == [tuple(w) for w in want], d
+        # samples really computed: recorded from the tensors, not the instruction
+        samples = json.loads((tmp_path / f"samples_rank{rank}.json").read_text())
+        assert samples == [i.hi - i.lo for i in prog.instructions[d]
+                           if isinstance(i, Compute) and i.phase == Phase.FORWARD and i.hi > i.lo]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["data", "hybrid", "gpipe", "1f1b", "ps"])
+def test_each_rank_executes_exactly_its_program(tmp_path, kind):
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+    rng = random.Random(kind)
+    nodes = ("fc1", "act1", "fc2", "act2", "fc3")
+    cut = rng.randint(1, 4)
+
+    def reps(*pairs):
+        return tuple(Replica(device=d, share=s) for d, s in pairs)
+    uneven = rng.uniform(0.2, 0.45)
+    if kind == "data":
+        groups = [Group(name="all", nodes=nodes, replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="ring")]
+    elif kind == "hybrid":
+        groups = [Group(name="front", nodes=nodes[:cut], replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="tree"),
+                  Group(name="back", nodes=nodes[cut:], replicas=reps(("b", 0.5), ("c", 0.5)), sync="hierarchical")]
+    elif kind in ("gpipe", "1f1b"):
+        groups = [Group(name="s0", nodes=nodes[:cut], replicas=reps(("a", 1.0))),
+                  Group(name="s1", nodes=nodes[cut:], replicas=reps(("b", uneven), ("c", 1 - uneven)), sync="ring")]
+    else:
+        groups = [Group(name="all", nodes=nodes, replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="ps",
+                        ps_device="c")]
+    p = Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=12), groups=tuple(groups),
+             num_microbatches=3 if kind in ("gpipe", "1f1b") else 1,
+             schedule="1f1b" if kind == "1f1b" else "gpipe").validate()
+    _executed_matches_program(tmp_path, p)
