@@ -117,3 +117,25 @@ def test_checkpoint_options_are_checked():
         CheckpointConfig(every_steps=2)
     with pytest.raises(CheckpointError, match="≥ 1"):
         CheckpointConfig(dir="x", every_steps=-1)
+
+
+def test_loader_data_resumes_at_the_same_batch(tmp_path):
+    """A shuffling DataLoader read by step gives step k the same batch in a fresh process
+    (a resumed run) as in the run that went through steps 0..k-1."""
+    from heterog.execute.workload import global_batch, resolve_workload, with_data
+    (tmp_path / "data.py").write_text(
+        "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "def loader(batch_size):\n"
+        "    x = torch.arange(40 * 16, dtype=torch.float32).reshape(40, 16)\n"
+        "    return DataLoader(TensorDataset(x, torch.arange(40) % 4), batch_size=batch_size, shuffle=True,"
+        " drop_last=True)\n")
+    spec = three_device_plan().model
+
+    def batches(steps):
+        work = with_data(resolve_workload(spec), f"{tmp_path}/data.py:loader")
+        return {k: global_batch(work, 12, seed=0, step=k)[0][0] for k in steps}
+    straight = batches(range(8))   # 3 batches per epoch: steps 3..5 are epoch 1, 6..7 epoch 2
+    resumed = batches(range(4, 8))
+    for k in range(4, 8):
+        assert torch.equal(straight[k], resumed[k]), k
+    assert not torch.equal(straight[0], straight[3])  # a new epoch is shuffled anew

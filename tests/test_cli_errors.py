@@ -89,6 +89,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     moved = json.loads(json.dumps(good))
     moved["cluster"]["nodes"][0]["nic_bandwidth_bytes_per_s"] *= 2  # cluster edited after planning
     (d / "plan_other_cluster.json").write_text(json.dumps(moved))
+    huge = json.loads(json.dumps(good))
+    huge["predicted_peak_memory_bytes"] = {d: 2**45 for d in huge["predicted_peak_memory_bytes"]}
+    (d / "plan_too_big.json").write_text(json.dumps(huge))
     (d / "profile_not_json.json").write_text("[1, 2")
     (d / "profile_kind.json").write_text(json.dumps({"kind": "heterog.Plan", "version": 1}))
     for name, text in USER_MODELS.items():
@@ -166,6 +169,7 @@ def _cases(f: dict[str, Path]) -> dict[str, list[str]]:
         "plan_for_other_cluster": ["run", str(d / "plan_other_cluster.json")],
         "plan_model_file_missing": ["run", str(d / "missing" / "plan.json")],
         "plan_model_file_changed": ["simulate", str(d / "changed" / "plan.json")],
+        "plan_too_big_for_this_machine": ["run", str(d / "plan_too_big.json")],
         # profile files
         "profile_not_json": ["predict", "--model", "mlp", "--batch-size", "8", "--device", "cpu",
                              "--profile", str(d / "profile_not_json.json")],
@@ -230,6 +234,7 @@ def test_messages_name_the_problem(files):
         "data_not_pairs": "expected a pair (inputs, targets)",
         "run_resume_empty": "holds no complete checkpoint",
         "optimizer_adam": "--optimizer",
+        "plan_too_big_for_this_machine": "GiB is available",
     }
     cases = _cases(files)
     for name, needle in expect.items():

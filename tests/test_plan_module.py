@@ -30,3 +30,15 @@ def test_plan_by_name_still_works_and_modules_need_inputs():
     assert Plan.from_dict(result["best"]).model.name == "mlp"
     with pytest.raises(ModelError, match="example_inputs"):
         heterog.plan(nn.Linear(2, 2), cluster="emulated-4")
+
+
+def test_example_batch_receives_the_model_arguments(tmp_path):
+    from heterog.capture import capture_model
+    (tmp_path / "net.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def net(in_features=16, classes=4):\n"
+        "    return nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, classes))\n"
+        "def example_batch(batch_size, seq_len=None, in_features=16):\n"
+        "    return (torch.randn(batch_size, in_features),), torch.randint(0, 4, (batch_size,))\n")
+    graph = capture_model(f"{tmp_path}/net.py:net", {"in_features": 7}, batch_size=4)
+    assert graph.num_parameters == 7 * 32 + 32 + 32 * 4 + 4
