@@ -1,163 +1,293 @@
-"""Gradient synchronisation of replicated groups, by the Plan's method.
+"""Gradient synchronisation of replicated groups and tied parameters, by the Plan's method.
 
 Each replica's loss is already scaled by its share of the global batch (samples / B, see
-runtime.py), so the *sum* of the replicas' gradients is the global-batch gradient; every
-method below therefore sums:
-- ring / tree / hierarchical: an all-reduce(SUM) on the sub-group of the group's replicas
-  (gloo and NCCL pick their own algorithm; the plan's choice shapes the prediction only);
-- ps: reduce(SUM) to the parameter-server rank, then broadcast from it — the server may be a
-  device that holds no replica of the group, in which case it contributes zeros.
-Overlap: a group's gradients are final once the last backward of every stage running it
-is done, so its collective is launched right then (asynchronously) while backward goes on
-(`launch_ready`, called after each event of the step), and `finish` waits for all of them.
-The launch point is an index in the step's global event order, the same on every rank
-(also on a rank that skips the event for lack of samples, or a server without a replica),
-so members issue their collectives on each sub-group in the same order.
+runtime.py), so the *sum* of the replicas' gradients is the global-batch gradient. Each
+method runs its own code path (collectives.py): ring, tree and hierarchical all-reduce sum
+the gradients on every member; a parameter server sums them on the server, which applies
+the optimizer to its copy (it alone holds that state) and sends the parameters back — a
+replica then installs them and clears the gradient, so its local optimizer skips them.
 
-Groups with the same members, method and server are synchronised together: their gradients
-are flattened into buckets of at most `plan.bucket_bytes`, so one collective moves many
-small tensors (a planner's plan often has dozens of small groups with one placement).
+Tied parameters (partition.py: one parameter read by several groups, e.g. an embedding and
+the output projection) are left out of their groups' sync: every rank holding a copy adds
+its local gradient in one ring all-reduce over all holders, then each holder steps its copy
+with the same gradient, so the copies stay equal (Megatron-LM's embedding all-reduce).
+
+A sync unit is a `Bucket`: parameter names (the same list on every rank), members in the
+method's order, method, server and nodes. Buckets run on one background thread, in the
+order they are launched (the same on every rank), so they overlap the backward pass; each
+uses its own sub-group, apart from the activation transfers.
+
+Two drivers share this: `GradSync` (the step runtime's event order: a group's buckets
+launch after the last backward of the stages running it) and `ProgramSync` (a lowered
+Program's Collective instructions, one per block).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from heterog.errors import RankError
+from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
 from heterog.execute.partition import Dataflow
+from heterog.execute.workload import make_optimizer
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _GroupSync:
-    groups: tuple[int, ...]
-    method: str
-    members: tuple[int, ...]      # global ranks: replicas, plus the server for ps
-    server: int | None
-    pg: object                    # the torch ProcessGroup of `members`
+class Bucket:
+    """Parameters synchronised together by one collective."""
+    label: str                                   # for errors: the groups or the tied parameter
+    names: tuple[str, ...]
+    numel: int
+    members: tuple[int, ...]                     # ranks, in the method's order (ring order)
+    method: SyncMethod
+    server: int | None = None
+    replicas: tuple[int, ...] = ()               # ps: the ranks that compute gradients
+    nodes: tuple[tuple[int, ...], ...] | None = None
+
+
+def split_buckets(names: Sequence[str], numel: dict[str, int], bucket_bytes: int,
+                  bytes_per_element: int = 4) -> list[tuple[str, ...]]:
+    """Consecutive runs of parameters of at most `bucket_bytes` (a larger one alone)."""
+    limit = max(1, bucket_bytes // bytes_per_element)
+    out: list[list[str]] = [[]]
+    total = 0
+    for n in names:
+        if out[-1] and total + numel[n] > limit:
+            out.append([])
+            total = 0
+        out[-1].append(n)
+        total += numel[n]
+    return [tuple(b) for b in out if b]
+
+
+def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> list[Bucket]:
+    """One ring all-reduce per tied parameter, over every rank that holds a copy."""
+    out = []
+    for name in sorted(flow.tied):
+        members = sorted({r for g in flow.tied[name] for r in ranks_of_group[g]})
+        if len(members) > 1:
+            out.append(Bucket(label=f"tied {name}", names=(name,), numel=flow.param_numel[name],
+                              members=tuple(members), method=SyncMethod.RING))
+    return out
+
+
+class BucketRunner:
+    """Runs buckets on this rank: gathers gradients, syncs on a background thread, installs."""
+
+    def __init__(self, *, flow: Dataflow, rank: int, optimizer: str, timeout_s: float):
+        self.flow, self.rank, self.optimizer = flow, rank, optimizer
+        self.groups = ProcessGroupCache(timeout_s=timeout_s)
+        self.servers: dict[tuple[str, ...], ParameterServer] = {}
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heterog-sync")
+        self._pending: list[tuple[Bucket, Future]] = []
+        self.sync_s = 0.0
+
+    def create_groups(self, buckets: Sequence[Bucket]) -> None:
+        self.groups.create_all([b.members for b in buckets])
+
+    def _params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
+        return [self.flow.param_by_name[n] for n in bucket.names]
+
+    def _holds(self, bucket: Bucket) -> bool:
+        return all(p.numel() == self.flow.param_numel[n] for n, p in zip(bucket.names, self._params(bucket)))
+
+    def launch(self, bucket: Bucket) -> None:
+        if self.rank not in bucket.members:
+            return
+        t0 = time.perf_counter()
+        params = self._params(bucket) if self._holds(bucket) else None
+        if params is None:   # a server without a replica: zeros in, the same sizes
+            grad, values = torch.zeros(bucket.numel), None
+        else:
+            grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                              for p in params])
+            values = torch.cat([p.detach().reshape(-1) for p in params]) if bucket.method is SyncMethod.PS else None
+        self._pending.append((bucket, self._thread.submit(self._run, bucket, grad, values)))
+        self.sync_s += time.perf_counter() - t0
+
+    def _run(self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+        if bucket.method is SyncMethod.PS:
+            assert bucket.server is not None
+            server = self.servers.get(bucket.names)
+            if server is None:
+                server = self.servers[bucket.names] = ParameterServer(
+                    server=bucket.server, replicas=bucket.replicas, groups=self.groups,
+                    make_optimizer=lambda ps: make_optimizer(ps, self.optimizer))
+            return server.step(grad, values)
+        allreduce_sum(grad, bucket.members, bucket.method, bucket.nodes, self.groups)
+        return grad
+
+    def finish(self) -> None:
+        """Wait for every launched bucket (in launch order) and install its result."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, []
+        for bucket, future in pending:
+            try:
+                flat = future.result()
+            except RuntimeError as e:
+                raise RankError(self.rank, f"gradient sync of {bucket.label} ({bucket.method}) with ranks "
+                                           f"{list(bucket.members)} failed or timed out "
+                                           f"({str(e).splitlines()[0]}).") from None
+            if self._holds(bucket):
+                self._install(bucket, flat)
+        self.sync_s += time.perf_counter() - t0
+
+    def _install(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self._params(bucket):
+            n = p.numel()
+            piece = flat[offset:offset + n].view_as(p)
+            if bucket.method is SyncMethod.PS:   # the server's new parameters; nothing to step
+                with torch.no_grad():
+                    p.copy_(piece)
+                p.grad = None
+            else:
+                p.grad = piece.clone()
+            offset += n
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def _nodes(plan: Plan, rank_of: dict[str, int]) -> dict[int, str]:
+    """rank → cluster node name (one node for all when the plan carries no cluster)."""
+    if not plan.cluster:
+        return {r: "node" for r in rank_of.values()}
+    from heterog.hardware.spec import cluster_from_dict
+    node_of = cluster_from_dict(plan.cluster).node_of
+    return {r: node_of.get(d, d) for d, r in rank_of.items()}
+
+
+def group_buckets(plan: Plan, flow: Dataflow, rank_of: dict[str, int]) -> list[tuple[tuple[int, ...], Bucket]]:
+    """(groups, bucket) for every replicated group's parameters (tied ones excluded), groups
+    with the same members, method and server bucketed together by plan.bucket_bytes."""
+    node_of = _nodes(plan, rank_of)
+    together: dict[tuple, list[int]] = {}
+    for gi, g in enumerate(plan.groups):
+        order = [rank_of[r.device] for r in g.replicas]
+        server = rank_of[g.ps_device] if g.sync == SyncMethod.PS and g.ps_device else None
+        members = tuple(order + ([server] if server is not None and server not in order else []))
+        names = [n for n in flow.param_names.get(gi, ()) if n not in flow.tied]
+        if len(members) < 2 or not names:
+            continue
+        method = SyncMethod(g.sync) if g.sync != SyncMethod.NONE else SyncMethod.RING
+        together.setdefault((members, method, server, tuple(order)), []).append(gi)
+    out = []
+    for (members, method, server, order), groups in together.items():
+        names = [n for gi in groups for n in flow.param_names[gi] if n not in flow.tied]
+        by_node: dict[str, list[int]] = {}
+        for r in members:
+            by_node.setdefault(node_of[r], []).append(r)
+        label = ", ".join(plan.groups[g].name for g in groups[:4])
+        for chunk in split_buckets(names, flow.param_numel, plan.bucket_bytes):
+            out.append((tuple(groups), Bucket(
+                label=f"group(s) {label}", names=chunk, numel=sum(flow.param_numel[n] for n in chunk),
+                members=members, method=method, server=server, replicas=order,
+                nodes=tuple(tuple(v) for v in by_node.values()))))
+    return out
 
 
 class GradSync:
+    """The step runtime's driver: buckets launch after the last backward event of the stages
+    that run their groups (an index in the step's global event order, the same on every rank,
+    also on a rank that skips the event for lack of samples or holds no replica)."""
+
     def __init__(self, plan: Plan, flow: Dataflow, rank_of: dict[str, int], rank: int,
                  numel_of_group: dict[int, int], timeout_s: float):
-        self.rank = rank
-        self.plan = plan
-        self.flow = flow
-        self.numel = numel_of_group
-        self.timeout_s = timeout_s
-        self.items: list[_GroupSync] = []
-        self.sync_s = 0.0
-        self.ready_at: list[int] = []   # per item: the event index after which it launches
-        self._pending: list[tuple[_GroupSync, list, torch.Tensor, object]] = []
-        pgs: dict[tuple[int, ...], object] = {}
-        together: dict[tuple, list[int]] = {}
-        # new_group is collective over the default group: every rank creates every sub-group,
-        # in the same order, even those it is not a member of.
-        for gi, g in enumerate(plan.groups):
-            members = {rank_of[r.device] for r in g.replicas}
-            server = rank_of[g.ps_device] if g.sync == "ps" and g.ps_device else None
-            if server is not None:
-                members.add(server)
-            key = tuple(sorted(members))
-            if len(key) < 2 or not self.numel.get(gi):
-                continue
-            if key not in pgs:
-                pgs[key] = dist.new_group(ranks=list(key), timeout=timedelta(seconds=timeout_s))
-            method = "ps" if g.sync == "ps" else "allreduce"
-            together.setdefault((key, method, server), []).append(gi)
-        for (key, method, server), groups in together.items():
-            if rank in key:
-                self.items.append(_GroupSync(groups=tuple(groups), method=method, members=key,
-                                             server=server, pg=pgs[key]))
+        self.plan, self.flow, self.rank = plan, flow, rank
+        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=plan.optimizer, timeout_s=timeout_s)
+        ranks_of_group = {gi: [rank_of[d] for d in g.devices] for gi, g in enumerate(plan.groups)}
+        self.items = group_buckets(plan, flow, rank_of)
+        self.items += [(flow.tied[b.names[0]], b) for b in tie_buckets(flow, ranks_of_group)]
+        self.runner.create_groups([b for _, b in self.items])
+        self.ready_at: list[int] = []
 
-    def _buckets(self, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-        # The same split as _server_bucket_sizes, so the server's buffers match.
-        out: list[list[torch.nn.Parameter]] = []
-        sizes = self._server_bucket_sizes_of([p.numel() for p in params])
-        it = iter(params)
-        for n in sizes:
-            bucket, total = [], 0
-            while total < n:
-                p = next(it)
-                bucket.append(p)
-                total += p.numel()
-            out.append(bucket)
-        return out
+    @property
+    def sync_s(self) -> float:
+        return self.runner.sync_s
 
     def schedule(self, events: list[tuple[str, int, int]]) -> None:
-        """Launch each item after the last backward event of the stages that run its groups."""
+        """Launch each bucket after the last backward event of the stages that run its groups."""
         last_b: dict[int, int] = {}
         for i, (kind, _, si) in enumerate(events):
             if kind == "B":
                 last_b[si] = i
         self.ready_at = []
-        for item in self.items:
-            stages = [si for si, st in enumerate(self.flow.stages) if set(st.groups) & set(item.groups)]
+        for groups, _ in self.items:
+            stages = [si for si, st in enumerate(self.flow.stages) if set(st.groups) & set(groups)]
             self.ready_at.append(max((last_b[si] for si in stages), default=len(events) - 1))
 
     def launch_ready(self, event_index: int) -> None:
-        t0 = time.perf_counter()
-        for item, at in zip(self.items, self.ready_at):
+        for (_, bucket), at in zip(self.items, self.ready_at):
             if at == event_index:
-                self._guard(item, self._launch, item)
-        self.sync_s += time.perf_counter() - t0
-
-    def _launch(self, item: _GroupSync) -> None:
-        params = [p for g in item.groups for _, p in self.flow.params_of_group.get(g, [])]
-        if any(p.numel() for p in params):
-            for bucket in self._buckets(params):
-                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in bucket])
-                self._pending.append((item, bucket, flat, self._start(item, flat)))
-        else:  # a parameter server without a replica: same bucket sizes, zeros in
-            numels = [n for g in item.groups for n in self.flow.param_numels[g]]
-            for bucket_numel in self._server_bucket_sizes_of(numels):
-                flat = torch.zeros(bucket_numel)
-                self._pending.append((item, [], flat, self._start(item, flat)))
-
-    def _start(self, item: _GroupSync, flat: torch.Tensor):
-        if item.method == "ps":
-            assert item.server is not None
-            return dist.reduce(flat, dst=item.server, op=dist.ReduceOp.SUM, group=item.pg, async_op=True)
-        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=item.pg, async_op=True)
+                self.runner.launch(bucket)
 
     def finish(self) -> None:
-        """Wait for every launched collective (in launch order) and install the gradients."""
-        t0 = time.perf_counter()
-        pending, self._pending = self._pending, []
-        for item, bucket, flat, work in pending:
-            self._guard(item, self._complete, item, bucket, flat, work)
-        self.sync_s += time.perf_counter() - t0
+        self.runner.finish()
 
-    def _complete(self, item: _GroupSync, bucket: list, flat: torch.Tensor, work) -> None:
-        work.wait(timedelta(seconds=self.timeout_s))
-        if item.method == "ps":  # the server's sum back to every member
-            dist.broadcast(flat, src=item.server, group=item.pg)
-        offset = 0
-        for p in bucket:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
 
-    def _guard(self, item: _GroupSync, fn, *args) -> None:
-        try:
-            fn(*args)
-        except RuntimeError as e:
-            names = ", ".join(self.plan.groups[g].name for g in item.groups[:4])
-            raise RankError(self.rank, f"gradient sync of group(s) {names} with ranks "
-                                       f"{list(item.members)} failed or timed out after "
-                                       f"{self.timeout_s:.0f} s ({str(e).splitlines()[0]}).") from None
+class ProgramSync:
+    """A lowered Program's driver: `launch(collective)` for each Collective instruction the
+    rank reaches (bucket = the block's groups' parameters, tied ones excluded), `finish()`
+    before the optimizer step; `sum_tied_gradients()` once per step on every rank, after
+    the last backward and before the optimizer step (until the lowering emits the tie
+    all-reduce as a Collective of its own)."""
 
-    def _server_bucket_sizes_of(self, shapes: list[int]) -> list[int]:
-        limit = max(1, self.plan.bucket_bytes // 4)
-        out = [0]
-        for n in shapes:
-            if out[-1] and out[-1] + n > limit:
-                out.append(0)
-            out[-1] += n
-        return out
+    def __init__(self, *, program: Any, flow: Dataflow, rank: int, optimizer: str, timeout_s: float):
+        self.program, self.flow, self.rank = program, flow, rank
+        self.rank_of = program.rank_of()
+        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=optimizer, timeout_s=timeout_s)
+        ranks_of_group: dict[int, list[int]] = {}
+        for block in program.blocks:
+            for g in block.groups:
+                ranks_of_group[g] = [self.rank_of[d] for d in block.devices]
+        self.ties = tie_buckets(flow, ranks_of_group)
+        sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties]
+        self.runner.create_groups([Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING)
+                                   for m in sets])
+
+    @property
+    def sync_s(self) -> float:
+        return self.runner.sync_s
+
+    def _collectives(self) -> list[Any]:
+        """Every Collective of the program, in one order all ranks share (device order)."""
+        from heterog.lower.program import Collective
+        seen: dict[int, Any] = {}
+        for device in self.program.devices:
+            for ins in self.program.instructions.get(device, ()):
+                if isinstance(ins, Collective):
+                    seen.setdefault(ins.block, ins)
+        return [seen[b] for b in sorted(seen)]
+
+    def _bucket(self, ins: Any) -> Bucket:
+        block = self.program.blocks[ins.block]
+        names = tuple(n for g in block.groups for n in self.flow.param_names.get(g, ()) if n not in self.flow.tied)
+        replicas = tuple(self.rank_of[d] for d in block.devices)
+        members = tuple(self.rank_of[d] for d in ins.members)
+        server = self.rank_of[ins.server] if ins.server else None
+        if server is not None and server not in members:
+            members += (server,)
+        return Bucket(label=block.label, names=names, numel=sum(self.flow.param_numel[n] for n in names),
+                      members=members, method=SyncMethod(ins.method), server=server, replicas=replicas,
+                      nodes=tuple(tuple(self.rank_of[d] for d in node) for node in ins.nodes) or None)
+
+    def launch(self, ins: Any) -> None:
+        bucket = self._bucket(ins)
+        if bucket.names:
+            self.runner.launch(bucket)
+
+    def finish(self) -> None:
+        self.runner.finish()
+
+    def sum_tied_gradients(self) -> None:
+        for bucket in self.ties:
+            self.runner.launch(bucket)
+        self.runner.finish()

@@ -25,30 +25,32 @@ def _finish(model: nn.Module) -> nn.Module:
 
 
 def gpt2(hidden: int = 768, layers: int = 12, heads: int = 12, vocab: int = 50257,
-         positions: int = 1024) -> nn.Module:
-    """GPT-2 (Radford et al., 2019) with the LM head tied to the token embedding."""
+         positions: int = 1024, dropout: float = 0.1) -> nn.Module:
+    """GPT-2 (Radford et al., 2019) with the LM head tied to the token embedding; `dropout`
+    on embeddings and residual branches (0 makes training deterministic, for tests)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab,
-                     n_positions=positions, attn_pdrop=0.0, use_cache=False, attn_implementation="sdpa")
+                     n_positions=positions, attn_pdrop=0.0, resid_pdrop=dropout, embd_pdrop=dropout, use_cache=False, attn_implementation="sdpa")
     return _finish(GPT2LMHeadModel(cfg))
 
 
 def bert(hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096,
-         vocab: int = 30522, positions: int = 512) -> nn.Module:
+         vocab: int = 30522, positions: int = 512, dropout: float = 0.1) -> nn.Module:
     """BERT with its masked-LM head (Devlin et al., 2019); defaults: BERT-large."""
     from transformers import BertConfig, BertForMaskedLM
     cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=positions,
-                     attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+                     attention_probs_dropout_prob=0.0, hidden_dropout_prob=dropout,
+                     attn_implementation="sdpa")
     return BertForMaskedLM(cfg)
 
 
 def xlnet(hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096,
-          vocab: int = 32000) -> nn.Module:
+          vocab: int = 32000, dropout: float = 0.1) -> nn.Module:
     """XLNet with its LM head (Yang et al., 2019); defaults: XLNet-large."""
     from transformers import XLNetConfig, XLNetLMHeadModel
     cfg = XLNetConfig(d_model=hidden, n_layer=layers, n_head=heads, d_inner=ffn, vocab_size=vocab,
-                      use_mems_train=False, use_mems_eval=False, mem_len=None)
+                      use_mems_train=False, use_mems_eval=False, mem_len=None, dropout=dropout)
     return XLNetLMHeadModel(cfg)
 
 

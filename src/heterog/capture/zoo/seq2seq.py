@@ -97,8 +97,9 @@ class Seq2SeqTransformer(nn.Module):
 
 
 def transformer(vocab: int = 37000, d_model: int = 512, heads: int = 8, layers: int = 6,
-                ffn: int = 2048) -> Seq2SeqTransformer:
-    return Seq2SeqTransformer(vocab, d_model, heads, layers, ffn)
+                ffn: int = 2048, dropout: float = 0.1) -> Seq2SeqTransformer:
+    """dropout=0 makes training deterministic (the executor's equivalence tests)."""
+    return Seq2SeqTransformer(vocab, d_model, heads, layers, ffn, dropout)
 
 
 def translation_batch(batch_size: int, seq_len: int | None, device, **args):
