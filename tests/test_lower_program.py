@@ -226,3 +226,30 @@ def test_each_rank_executes_exactly_its_program(tmp_path, kind):
              num_microbatches=3 if kind in ("gpipe", "1f1b") else 1,
              schedule="1f1b" if kind == "1f1b" else "gpipe").validate()
     _executed_matches_program(tmp_path, p)
+
+
+def test_cli_lower_prints_per_device_counts_and_writes_a_program_simulate_accepts(tmp_path):
+    from typer.testing import CliRunner
+
+    from heterog.cli.main import app
+    from heterog.hardware.spec import cluster_to_dict, load_cluster
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+    c = load_cluster("emulated-4")
+    devs = [d.name for d in c.devices]
+    p = Plan(strategy="test", model=ModelSpec(name="mlp", batch_size=16),
+             groups=(Group(name="all", nodes=("0", "1", "2", "3", "4", "loss::_log_softmax@0"), sync="ring",
+                           replicas=tuple(Replica(device=d, share=0.25) for d in devs)),),
+             cluster=cluster_to_dict(c)).validate()
+    p.save(tmp_path / "plan.json")
+    runner = CliRunner()
+    r = runner.invoke(app, ["lower", str(tmp_path / "plan.json"), "--json", "--out", str(tmp_path / "prog.json")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert set(doc["devices"]) == set(devs)
+    assert all(s["instructions"]["collective"] == 1 and s["sent_bytes"] == 0 for s in doc["devices"].values())
+    prog = Program.load(tmp_path / "prog.json")
+    a = runner.invoke(app, ["simulate", str(tmp_path / "prog.json"), "--json"])
+    b = runner.invoke(app, ["simulate", str(tmp_path / "plan.json"), "--json"])
+    assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
+    assert json.loads(a.output)["iteration_time_s"] == json.loads(b.output)["iteration_time_s"]
+    assert prog.devices == tuple(devs)

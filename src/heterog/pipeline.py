@@ -55,14 +55,27 @@ def rank_devices(plan: Plan, cluster: Cluster | None) -> tuple[str, ...]:
     return program_devices(plan, cluster)
 
 
-def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False):
+def read_plan(path: str | os.PathLike) -> Plan:
+    """A Plan from a plan file, or the plan a Program file was lowered from."""
+    import json
+    try:
+        kind = json.loads(Path(path).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        kind = None      # Plan.load says what is wrong with the file
+    if kind == "heterog.Program":
+        return Plan.from_dict(Program.load(path).plan, str(path))
+    return Plan.load(path)
+
+
+def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=None):
     """(graph, cost model) for `plan` on `cluster`: the model captured at the plan's batch, and
     costs as the plan's precision and optimizer run (profile: per-node times measured on this
     CPU first, for emulated clusters; a few seconds)."""
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
-    graph = capture_model(plan.model.name, plan.model.args or None,
-                          batch_size=plan.batch_size, seq_len=plan.model.seq_len)
+    if graph is None:
+        graph = capture_model(plan.model.name, plan.model.args or None,
+                              batch_size=plan.batch_size, seq_len=plan.model.seq_len)
     prof = None
     if profile:
         from heterog.execute.workload import resolve_workload
@@ -77,7 +90,7 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False):
 def lower(plan: Plan | str | os.PathLike) -> Program:
     """The Program of a plan (or plan file): every device's instructions, validated."""
     if not isinstance(plan, Plan):
-        plan = Plan.load(plan)
+        plan = read_plan(plan)
     cluster = plan_cluster(plan) or local_cpu_cluster(plan)
     graph, costs = plan_inputs(plan, cluster)
     return lower_schedule(graph, cluster, cover_graph(plan, graph), costs)

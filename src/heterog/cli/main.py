@@ -33,6 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "capture_cmd",
     "plan_cmd",
     "predict_cmd",
+    "lower_cmd",
     "simulate_cmd",
     "run_cmd",
     "report_cmd",

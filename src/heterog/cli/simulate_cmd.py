@@ -19,22 +19,17 @@ def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | No
     stored in the plan (or --cluster); costs are the analytic model at the plan's precision
     and optimizer.
     """
-    from heterog.ir.plan import Plan
+    from heterog.pipeline import read_plan
 
-    return inputs_for_plan(Plan.load(plan_path), graph_path, cluster_name, str(plan_path))
+    return inputs_for_plan(read_plan(plan_path), graph_path, cluster_name, str(plan_path))
 
 
 def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, source: str):
     """load_inputs for a Plan already in memory (`heterog report` reads it from `plan --json`)."""
-    from heterog.cost import build_cost_model
     from heterog.ir.opgraph import OpGraph
+    from heterog.pipeline import plan_inputs
 
-    if graph_path is not None:
-        graph = OpGraph.load(graph_path)
-    else:
-        from heterog.capture import capture_model
-        graph = capture_model(plan.model.name, plan.model.args or None, batch_size=plan.model.batch_size,
-                              seq_len=plan.model.seq_len)
+    graph = OpGraph.load(graph_path) if graph_path is not None else None
     if cluster_name is not None:
         from heterog.hardware.spec import load_cluster
         cluster = load_cluster(cluster_name)
@@ -44,7 +39,7 @@ def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, sou
     else:
         raise PlanError(f"{source}: field 'cluster' is empty, so the plan does not say which cluster "
                         f"it is for; pass --cluster NAME_OR_FILE.")
-    costs = build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer)
+    graph, costs = plan_inputs(plan, cluster, graph=graph)
     return plan, graph, cluster, costs
 
 
