@@ -275,3 +275,16 @@ def test_report_command_writes_the_page_with_the_simulate_command_time(tmp_path)
     assert p.rows["timeline-sim"] == [d.name for d in clu.devices]
     bad = CliRunner().invoke(app, ["report", str(tmp_path / "g.json"), "--out", str(out)])
     assert bad.exit_code != 0 and "heterog plan" in str(bad.exception)
+
+
+def test_report_says_when_the_plan_recorded_another_prediction():
+    import dataclasses
+    clu = cluster([[1e12, 1e12]])
+    g = chain_graph(6, batch_size=64)
+    plan = _plan_on([d.name for d in clu.devices], 6)
+    result = sim_pkg.simulate(g, clu, plan, TableCosts(g, clu))
+    same = build_report(ReportInputs(plan=plan.with_prediction(result.iteration_time_s, {}), sim=result, cluster=clu))
+    assert "The plan file records" not in same
+    other = dataclasses.replace(plan, predicted_iteration_time_s=2 * result.iteration_time_s)
+    html = build_report(ReportInputs(plan=other, sim=result, cluster=clu))
+    assert "The plan file records" in html and "re-plan" in html

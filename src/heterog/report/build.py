@@ -91,10 +91,23 @@ def _summary(inp: ReportInputs) -> str:
             ("devices used", f"{len(p.devices())} of {len(inp.cluster.devices)}"),
             ("groups", str(len(p.groups))), ("micro-batches", f"{p.num_microbatches} ({p.schedule})")]
     k = "".join(f"<div>{escape(a)}<b>{escape(b)}</b></div>" for a, b in kpis)
+    fits += _recorded_prediction(p, s)
     notes = "".join(f"<li>{escape(n)}</li>" for n in p.notes)
     return (f"<h1>{escape(p.strategy)} plan: {escape(model)}, batch {p.batch_size}, on {escape(inp.cluster.name)}</h1>"
             f'<p class="muted">{escape(p.precision)}, {escape(p.optimizer)}; {fits}.</p><div class="kpis">{k}</div>'
             + (f"<details><summary>why this plan (planner's notes)</summary><ul>{notes}</ul></details>" if notes else ""))
+
+
+def _recorded_prediction(plan: Plan, sim: SimResult) -> str:
+    """A plan records the time the planner predicted; say so when this simulation differs, since
+    then the cost model, the catalog or the cluster spec changed between planning and now."""
+    rec = plan.predicted_iteration_time_s
+    if rec is None or sim.iteration_time_s <= 0 or abs(rec - sim.iteration_time_s) <= 0.01 * sim.iteration_time_s:
+        return ""
+    return (f'. <b class="bad">The plan file records {human_time(rec)} (the planner\'s prediction); this '
+            f"simulation gives {human_time(sim.iteration_time_s)}: the cost model, GPU catalog or cluster spec "
+            f"differ from when it was planned, so the candidates table (planner's figures) and this page's "
+            f"timelines (today's) do not agree; re-plan to compare like with like</b>")
 
 
 def _timelines(inp: ReportInputs) -> str:
