@@ -55,21 +55,8 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
     for run in runs:
         grp = groups[run[0]]
         replicated = len(grp.replicas) > 1 and grp.sync != "none"
-        pieces: list[list[int]] = []
-        if replicated:
-            acc = 0.0
-            for g in reversed(run):   # buckets fill in backward order, as DDP's do
-                gb = table.gradient_bytes(groups[g].nodes)
-                if pieces and acc > 0 and acc + gb > plan.bucket_bytes:
-                    pieces.append([])
-                    acc = 0.0
-                if not pieces:
-                    pieces.append([])
-                pieces[-1].append(g)
-                acc += gb
-            pieces = [list(reversed(p)) for p in reversed(pieces)]
-        else:
-            pieces = [run]
+        pieces = (gradient_buckets(run, [table.gradient_bytes(groups[g].nodes) for g in run], plan.bucket_bytes)
+                  if replicated else [run])
         for p in pieces:
             names = [groups[g].name for g in p]
             blocks.append(Block(
@@ -79,6 +66,51 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
                 recompute=grp.recompute,
                 label=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"))
     return blocks
+
+
+def gradient_buckets(run: list[int], grad_bytes: list[float], limit: float) -> list[list[int]]:
+    """Cut a run of identically placed groups into gradient buckets of at most `limit` bytes,
+    filled in backward order as DDP fills its buckets (Li et al., VLDB 2020): the last groups'
+    gradients, ready first, are synchronised while the earlier groups' backward runs."""
+    pieces: list[list[int]] = []
+    acc = 0.0
+    for g, gb in zip(reversed(run), reversed(grad_bytes)):
+        if pieces and acc > 0 and acc + gb > limit:
+            pieces.append([])
+            acc = 0.0
+        if not pieces:
+            pieces.append([])
+        pieces[-1].append(g)
+        acc += gb
+    return [list(reversed(p)) for p in reversed(pieces)]
+
+
+def stage_limits(device_sets: list[tuple[int, ...]]) -> dict[int, int]:
+    """1F1B: a device whose first stage is s (of p) keeps at most p − s micro-batches in flight
+    (Narayanan et al., PipeDream-Flush, SC'21). A stage is a maximal run of consecutive blocks
+    (or groups) on the same device set; `device_sets` lists them in execution order."""
+    stages = 0
+    first: dict[int, int] = {}
+    last = None
+    for ds in device_sets:
+        key = frozenset(ds)
+        if key != last:
+            stages += 1
+            last = key
+        for d in ds:
+            first.setdefault(d, stages - 1)
+    return {d: stages - s for d, s in first.items()}
+
+
+def sent_once(edges, size) -> list:
+    """A producer's tensor crosses to a consumer block once, however many of the block's nodes
+    read it: of each producer's (producer, value) edges keep the one of largest size(value)."""
+    best: dict = {}
+    for src, value in edges:
+        old = best.get(src)
+        if old is None or size(value) > size(old):
+            best[src] = value
+    return list(best.values())
 
 
 def overlaps(a: list[int], b: list[int]):
@@ -134,12 +166,7 @@ def block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[in
         a, b = block_of_group[ga], block_of_group[gb]
         if a == b:
             continue
-        per_src: dict[str, tuple[float, float]] = {}
-        for src, dst in edges:
-            fx, ps = table.edge_bytes(src, dst)
-            old = per_src.get(src)
-            if old is None or fx + ps > old[0] + old[1]:
-                per_src[src] = (fx, ps)
+        moved = sent_once(((src, table.edge_bytes(src, dst)) for src, dst in edges), lambda v: v[0] + v[1])
         fx0, ps0 = preds[b].get(a, (0.0, 0.0))
-        preds[b][a] = (fx0 + sum(v[0] for v in per_src.values()), ps0 + sum(v[1] for v in per_src.values()))
+        preds[b][a] = (fx0 + sum(v[0] for v in moved), ps0 + sum(v[1] for v in moved))
     return preds

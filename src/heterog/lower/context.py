@@ -19,6 +19,13 @@ from heterog.ir.opgraph import OpGraph
 _MAX_ENTRIES = 500_000     # entries in one cost table before it is cleared
 
 
+def device_class_key(cluster: Cluster, device: str) -> tuple:
+    """Devices with equal keys are one *class*: the cost model gives them the same node times
+    and memory, so costs are computed once per class (the simulator's and the search's rule)."""
+    d = cluster.device(device)
+    return (d.gpu_type, d.slowdown, cluster.memory_bytes(device))
+
+
 class ClusterInfo:
     """Integer ids for devices and links, cached paths, and device classes.
 
@@ -41,7 +48,7 @@ class ClusterInfo:
         rep: dict[tuple, str] = {}
         self.dev_class: list[str] = []
         for d in cluster.devices:
-            self.dev_class.append(rep.setdefault((d.gpu_type, d.slowdown, d.memory_bytes), d.name))
+            self.dev_class.append(rep.setdefault(device_class_key(cluster, d.name), d.name))
         self.capacity_bytes = [cluster.memory_bytes(n) for n in self.devices]
         self._paths: dict[tuple[int, int], tuple[int, ...]] = {}
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}

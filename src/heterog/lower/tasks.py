@@ -18,7 +18,7 @@ from itertools import chain
 import numpy as np
 
 from heterog.ir.plan import Plan, split_samples
-from heterog.lower.blocks import Block, block_edges, moves_between
+from heterog.lower.blocks import Block, block_edges, moves_between, stage_limits
 from heterog.lower.context import ClusterInfo, CostTable
 
 FWD, BWD, XFER, SYNC, OPT = 0, 1, 2, 3, 4
@@ -315,7 +315,8 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
             fm if cur is gm else fm + (cur if gm is None else cur[1:])
             for cur, gm, fm in zip(mem_end[b0:b0 + n_kept], generic[n_kept:], first_me)]
     if one_f1b:
-        _stage_limits(tasks, blocks)
+        for d, limit in stage_limits([blk.devices for blk in blocks]).items():
+            tasks.stage_limit[d] = limit
     tasks.seal()
     return tasks
 
@@ -556,21 +557,3 @@ def _sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterI
             succ[b].append(o)
         for s in opt_preds[d]:
             succ[s].append(o)
-
-
-def _stage_limits(tasks: Tasks, blocks: list[Block]) -> None:
-    """1F1B: a device whose first stage is s (of p) keeps at most p − s micro-batches in
-    flight (Narayanan et al., PipeDream-Flush, SC'21). A stage is a maximal run of blocks on
-    the same device set."""
-    stages = 0
-    first: dict[int, int] = {}
-    last = None
-    for blk in blocks:
-        ds = frozenset(blk.devices)
-        if ds != last:
-            stages += 1
-            last = ds
-        for d in blk.devices:
-            first.setdefault(d, stages - 1)
-    for d, s in first.items():
-        tasks.stage_limit[d] = stages - s

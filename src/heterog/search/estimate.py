@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.lower.blocks import gradient_buckets, overlaps, stage_limits
 from heterog.search.problem import BUCKET_BYTES, Placement, Problem, Strategy
 
 INFEASIBLE_PENALTY = 10.0  # score multiplier per unit of relative memory overflow
@@ -54,11 +55,7 @@ def _repartition(prob: Problem, src: Placement, dst: Placement, nbytes: float
     up: dict[int, float] = {}
     down: dict[int, float] = {}
     node = prob.node_idx
-    i = j = 0
-    a_lo = b_lo = 0.0
-    a_hi, b_hi = src.shares[0], dst.shares[0]
-    while i < len(src.devices) and j < len(dst.devices):
-        ov = min(a_hi, b_hi) - max(a_lo, b_lo)
+    for i, j, ov in overlaps(src.shares, dst.shares):   # the lowering's re-partition rule
         si, dj = src.devices[i], dst.devices[j]
         if ov > 1e-12 and si != dj:
             lat, per_byte = prob.pair_cost(si, dj)
@@ -66,14 +63,6 @@ def _repartition(prob: Problem, src: Placement, dst: Placement, nbytes: float
             if node[si] != node[dj]:
                 up[node[si]] = up.get(node[si], 0.0) + ov * nbytes
                 down[node[dj]] = down.get(node[dj], 0.0) + ov * nbytes
-        if a_hi <= b_hi:
-            i += 1
-            a_lo = a_hi
-            a_hi = a_lo + (src.shares[i] if i < len(src.devices) else 0.0)
-        else:
-            j += 1
-            b_lo = b_hi
-            b_hi = b_lo + (dst.shares[j] if j < len(dst.devices) else 0.0)
     return float(per_dest.max(initial=0.0)), up, down
 
 
@@ -99,6 +88,26 @@ class _Nics:
         for n in down:
             self.down[n] = end
         return end
+
+
+def _buckets(prob: Problem, P) -> dict[int, list[int]]:
+    """group → the gradient bucket whose last backward it is (its first group): runs of
+    identically placed replicated groups with gradients, cut by lower.blocks.gradient_buckets."""
+    closes: dict[int, list[int]] = {}
+    run: list[int] = []
+
+    def cut() -> None:
+        if run:
+            for bucket in gradient_buckets(run, [float(prob.grad_bytes[g]) for g in run], BUCKET_BYTES):
+                closes[bucket[0]] = bucket
+            run.clear()
+    for g in range(prob.n_groups):
+        if run and P[run[-1]] != P[g]:
+            cut()
+        if len(P[g].devices) > 1 and prob.grad_bytes[g] > 0:
+            run.append(g)
+    cut()
+    return closes
 
 
 def estimate(prob: Problem, s: Strategy) -> Estimate:
@@ -146,16 +155,14 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     fin_b = [[None] * M for _ in range(G)]
     comm_free = np.zeros(prob.n_devices)
     syncs: list[tuple[np.ndarray, float]] = []  # (devices, end of their gradient sync)
-    bucket = {"g": None, "bytes": 0.0, "ready": 0.0}
+    closes = _buckets(prob, P)
 
-    def flush() -> None:
-        """Synchronise the pending bucket: gradients of consecutive identically placed groups
-        up to BUCKET_BYTES, filled in backward order as the simulator (and DDP) do."""
-        g = bucket["g"]
-        if g is None:
-            return
-        t_sync = prob.sync_time_bytes_s(P[g], bucket["bytes"])
-        begin = max(bucket["ready"], comm_free[dev[g]].max())
+    def sync(bucket: list[int]) -> None:
+        """Synchronise a gradient bucket once its last backward is done (lower.blocks'
+        bucket rule: identically placed groups, filled in backward order)."""
+        g = bucket[0]
+        t_sync = prob.sync_time_bytes_s(P[g], float(sum(prob.grad_bytes[x] for x in bucket)))
+        begin = max(max(float(fin_b[x][M - 1].max()) for x in bucket), comm_free[dev[g]].max())
         if multi_node[g]:  # a collective across nodes occupies their NICs
             nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
             done = nics.transfer(begin, t_sync, nodes, nodes)
@@ -163,14 +170,9 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             done = begin + t_sync
         comm_free[dev[g]] = done
         syncs.append((dev[g], done))
-        bucket.update(g=None, bytes=0.0, ready=0.0)
 
     for m in range(M):
         for g in reversed(range(G)):
-            last = m == M - 1
-            if last and bucket["g"] is not None and (
-                    P[bucket["g"]] != P[g] or bucket["bytes"] + prob.grad_bytes[g] > BUCKET_BYTES):
-                flush()
             ready = fin_f[g][m].copy()
             for c in prob.succs[g]:
                 if P[c].devices == P[g].devices and P[c].shares == P[g].shares:
@@ -182,12 +184,8 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             fin = start + t_b[g]
             free[dev[g]] = fin
             fin_b[g][m] = fin
-            if last and len(P[g].devices) > 1 and prob.grad_bytes[g] > 0:
-                if bucket["g"] is None:
-                    bucket["g"] = g
-                bucket["bytes"] += prob.grad_bytes[g]
-                bucket["ready"] = max(bucket["ready"], float(fin.max()))
-    flush()
+            if m == M - 1 and g in closes:
+                sync(closes[g])
     end = free.copy()
     for d, t in syncs:
         np.maximum.at(end, d, t)
@@ -197,19 +195,9 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     peak = np.zeros(prob.n_devices)
     work = np.zeros(prob.n_devices)
     inflight = np.full(prob.n_devices, float(M))  # GPipe: every micro-batch's activations are live
-    if s.schedule == "1f1b" and M > 1:
-        # 1F1B: a device whose first stage is s of S keeps at most S − s micro-batches in
-        # flight (PipeDream-Flush, Narayanan et al. SC'21); a stage is a run of groups on one device set
-        first = np.full(prob.n_devices, -1)
-        stage, last = -1, None
-        for g in range(G):
-            if P[g].devices != last:
-                stage, last = stage + 1, P[g].devices
-            fresh = dev[g][first[dev[g]] < 0]
-            first[fresh] = stage
-        n_stages = stage + 1
-        used = first >= 0
-        inflight[used] = np.minimum(M, n_stages - first[used])
+    if s.schedule == "1f1b" and M > 1:      # the lowering's 1F1B window: p − s on stage s
+        for d, limit in stage_limits([tuple(P[g].devices) for g in range(G)]).items():
+            inflight[d] = min(M, limit)
     for g in range(G):
         local = shares[g] * b_m * inflight[dev[g]]
         act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local

@@ -19,6 +19,7 @@ from typing import Sequence
 from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
+from heterog.lower.blocks import sent_once
 
 
 def node_weights_s(graph: OpGraph, cluster: Cluster, costs: CostModel) -> list[float]:
@@ -94,13 +95,21 @@ def contiguous_groups(graph: OpGraph, weights: Sequence[float], max_groups: int)
 
 
 def group_graph(graph: OpGraph, groups: Sequence[Sequence[str]]) -> dict[tuple[int, int], object]:
-    """Edges between groups: (src group, dst group) → summed Affine bytes."""
+    """Edges between groups: (src group, dst group) → Affine bytes that cross, each producer's
+    tensor once however many nodes of the consumer group read it (lower.blocks.sent_once)."""
     owner = {name: gi for gi, names in enumerate(groups) for name in names}
-    out: dict[tuple[int, int], object] = {}
+    crossing: dict[tuple[int, int], list] = {}
     for e in graph.edges:
         a, b = owner[e.src], owner[e.dst]
         if a != b:
-            out[(a, b)] = out[(a, b)] + e.bytes if (a, b) in out else e.bytes
+            crossing.setdefault((a, b), []).append((e.src, e.bytes))
+    out: dict[tuple[int, int], object] = {}
+    for key, edges in crossing.items():     # the lowering's rule: a tensor crosses once
+        moved = sent_once(edges, lambda b: b.fixed + b.per_sample)
+        total = moved[0]
+        for x in moved[1:]:
+            total = total + x
+        out[key] = total
     return out
 
 

@@ -21,7 +21,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.affine import Affine
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica, split_samples
-from heterog.lower.context import SimCache
+from heterog.lower.context import SimCache, device_class_key
 from heterog.search.grouping import group_graph
 
 SYNC_CHOICES = ("ring", "tree", "hierarchical", "ps")
@@ -84,7 +84,7 @@ class Problem:
         self.dev_class = np.zeros(self.n_devices, dtype=np.int64)
         self.class_rep: list[str] = []
         for i, d in enumerate(c.devices):
-            k = (d.gpu_type, d.slowdown, c.memory_bytes(d.name))
+            k = device_class_key(c, d.name)
             if k not in classes:
                 classes[k] = len(self.class_rep)
                 self.class_rep.append(d.name)
