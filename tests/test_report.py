@@ -288,3 +288,16 @@ def test_report_says_when_the_plan_recorded_another_prediction():
     other = dataclasses.replace(plan, predicted_iteration_time_s=2 * result.iteration_time_s)
     html = build_report(ReportInputs(plan=other, sim=result, cluster=clu))
     assert "The plan file records" in html and "re-plan" in html
+
+
+def test_above_128_devices_the_timeline_has_a_row_per_node():
+    clu = cluster([[1e12] * 8 for _ in range(20)])  # 160 devices on 20 nodes
+    html, result, _ = _report(clu)
+    p = _Rows()
+    p.feed(html)
+    rows = p.rows["timeline-sim"]
+    assert len(rows) == 20 and len({clu.node_of[d] for d in rows}) == 20
+    for d in rows:                                   # each the least idle of its node
+        node = [x.name for x in clu.devices if clu.node_of[x.name] == clu.node_of[d]]
+        assert result.idle_time_s[d] == min(result.idle_time_s[x] for x in node)
+    assert "one row per node (20 nodes, 160 devices)" in html

@@ -34,14 +34,24 @@ class ReportInputs:
 
 
 def _rows_shown(inp: ReportInputs) -> tuple[list[str], str]:
-    """The devices drawn (cluster order) and a note when some are left out."""
+    """The devices drawn (cluster order) and a note when some are left out. Above
+    MAX_TIMELINE_ROWS devices, one row per node (its busiest device), so every node and every
+    pipeline stage stays in view; with more nodes than that, the busiest devices."""
     devices = [d.name for d in inp.cluster.devices]   # unused ones too: an idle row is a finding
     if len(devices) <= MAX_TIMELINE_ROWS:
         return devices, ""
-    busy = [d for d in devices if d in inp.sim.idle_time_s]
-    keep = set(sorted(busy, key=lambda d: inp.sim.idle_time_s[d])[:MAX_TIMELINE_ROWS // 2])
-    return ([d for d in devices if d in keep],
-            f"showing the {len(keep)} busiest of {len(devices)} devices (least idle time)")
+    idle = inp.sim.idle_time_s
+    by_node: dict[str, list[str]] = {}
+    for d in devices:
+        by_node.setdefault(inp.cluster.node_of[d], []).append(d)
+    if len(by_node) <= MAX_TIMELINE_ROWS:
+        keep = [min(ds, key=lambda d: (idle.get(d, float("inf")), d)) for ds in by_node.values()]
+        return keep, (f"one row per node ({len(by_node)} nodes, {len(devices)} devices): each node's busiest "
+                      f"device (least idle time)")
+    busy = [d for d in devices if d in idle]
+    kept = set(sorted(busy, key=lambda d: idle[d])[:MAX_TIMELINE_ROWS // 2])
+    return ([d for d in devices if d in kept],
+            f"showing the {len(kept)} busiest of {len(devices)} devices (least idle time)")
 
 
 def _sim_rows(inp: ReportInputs, devices: Sequence[str]) -> list[svg.Row]:

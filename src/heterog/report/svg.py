@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 LABEL_PX = 150
 ROW_PX = 22
 AXIS_PX = 22
-MEM_ROW_PX = 34
+MEM_ROW_MAX_PX = 34
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,6 +147,7 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
     text_px = 190
     plot = width_px - LABEL_PX - text_px - 8
     full = memory_scale_bytes(rows)
+    MEM_ROW_PX = MEM_ROW_MAX_PX if len(rows) <= 16 else ROW_PX  # noqa: N806 - 64 rows stay on a screen or two
     h = MEM_ROW_PX * len(rows) + 4
     out = [f'<svg id="memory" class="memory" role="img" width="{width_px}" height="{h}" '
            f'viewBox="0 0 {width_px} {h}" xmlns="http://www.w3.org/2000/svg">'
