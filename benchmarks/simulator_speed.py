@@ -29,6 +29,7 @@ from heterog.ir.affine import Affine
 from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.jsonio import write_atomic
+from heterog.lower.context import SimCache
 from heterog.simulate import simulate
 
 N_NODES, N_GROUPS = 1000, 50
@@ -114,16 +115,17 @@ def mutate(plan, rng, cluster):
 
 def measure(graph, cluster, plan, min_time_s):
     """CPU time of this process (the machine is shared; wall time is reported beside it)."""
-    costs = build_cost_model(graph, cluster)
+    costs, cache = build_cost_model(graph, cluster), SimCache()   # the search keeps one SimCache
     t0 = time.process_time()
-    r = simulate(graph, cluster, plan, costs, timeline=False)
+    r = simulate(graph, cluster, plan, costs, timeline=False, cache=cache)
     cold_s = time.process_time() - t0
     rng = random.Random(1)
     neighbours = [mutate(plan, rng, cluster) for _ in range(20)]
     tasks = []
     n, t0, w0 = 0, time.process_time(), time.perf_counter()
     while True:   # neighbours of the plan, as the annealing search scores them
-        tasks.append(simulate(graph, cluster, neighbours[n % len(neighbours)], costs, timeline=False).num_tasks)
+        tasks.append(simulate(graph, cluster, neighbours[n % len(neighbours)], costs, timeline=False,
+                              cache=cache).num_tasks)
         n += 1
         el = time.process_time() - t0
         if el >= min_time_s and n >= 3:
@@ -131,21 +133,21 @@ def measure(graph, cluster, plan, min_time_s):
     wall = time.perf_counter() - w0
     k, t1 = 0, time.process_time()
     while k < 3 or time.process_time() - t1 < min_time_s / 4:   # the plan itself, warm
-        simulate(graph, cluster, plan, costs, timeline=False)
+        simulate(graph, cluster, plan, costs, timeline=False, cache=cache)
         k += 1
     base_s = (time.process_time() - t1) / k
-    check_warm_equals_cold(graph, cluster, [plan] + neighbours[:2], costs)
+    check_warm_equals_cold(graph, cluster, [plan] + neighbours[:2], costs, cache)
     return {"cold_s": cold_s, "warm_sims_per_s": n / el, "warm_ms": 1e3 * el / n, "warm_wall_ms": 1e3 * wall / n,
             "plan_sims_per_s": 1 / base_s,
             "tasks": r.num_tasks, "neighbour_tasks_mean": sum(tasks) / len(tasks),
             "iteration_time_s": r.iteration_time_s, "feasible": r.feasible}
 
 
-def check_warm_equals_cold(graph, cluster, plans, costs) -> None:
+def check_warm_equals_cold(graph, cluster, plans, costs, cache) -> None:
     """The simulator caches pieces of earlier calls (per cost model); a plan simulated with
     warm caches must give exactly what a fresh cost model (cold caches) gives."""
     for plan in plans:
-        warm = simulate(graph, cluster, plan, costs, timeline=True)
+        warm = simulate(graph, cluster, plan, costs, timeline=True, cache=cache)
         cold = simulate(graph, cluster, plan, build_cost_model(graph, cluster), timeline=True)
         assert warm.to_dict() == cold.to_dict() and warm.memory_timeline == cold.memory_timeline, \
             f"plan {plan.strategy}: warm caches changed the simulated result"
@@ -153,8 +155,9 @@ def check_warm_equals_cold(graph, cluster, plans, costs) -> None:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--cluster=")]
     rows = []
-    for cname in CLUSTERS:
+    for cname in only or CLUSTERS:
         cluster = load_cluster(cname)
         graph = synthetic_graph(batch_size=max(64, 4 * len(cluster.devices)))
         for pname, plan in make_plans(graph, cluster, random.Random(0)).items():

@@ -315,26 +315,28 @@ class SimCache:
         self._entries: dict[str, dict] = {}
         self.placement_ids: dict[tuple, int] = {}   # (device names, shares) → small int
 
-    def _get(self, kind: str, key, owner, make):
+    def _get(self, kind: str, key, owners: tuple, make):
+        """The entry for `key`, made if missing or if its key objects (`owners`, compared by
+        identity) are not the ones it was made for."""
         cache = self._entries.setdefault(kind, {})
         hit = cache.get(key)
-        if hit is None or hit[0] is not owner:
+        if hit is None or len(hit[0]) != len(owners) or any(a is not b for a, b in zip(hit[0], owners)):
             if len(cache) >= self.limit:
                 cache.pop(next(iter(cache)))
-            hit = cache[key] = (owner, make())
+            hit = cache[key] = (owners, make())
         return hit[1]
 
     def cluster_info(self, cluster: Cluster) -> ClusterInfo:
-        return self._get("cluster", id(cluster), cluster, lambda: ClusterInfo(cluster))
+        return self._get("cluster", id(cluster), (cluster,), lambda: ClusterInfo(cluster))
 
     def grouping(self, graph: OpGraph, names: Sequence[str], nodes: Sequence[tuple[str, ...]]) -> Grouping:
-        return self._get("grouping", (id(graph), tuple(nodes)), graph, lambda: Grouping(graph, names, nodes))
+        return self._get("grouping", (id(graph), tuple(nodes)), (graph,), lambda: Grouping(graph, names, nodes))
 
     def cost_table(self, graph: OpGraph, costs) -> CostTable:
         return self._get("table", (id(graph), id(costs)), (graph, costs), lambda: CostTable(graph, costs))
 
     def fingerprint(self, obj) -> str:
-        return self._get("fingerprint", id(obj), obj, obj.fingerprint)
+        return self._get("fingerprint", id(obj), (obj,), obj.fingerprint)
 
     def validated(self, plan) -> bool:
         """True if this plan object was validated before (plans are frozen); marks it now."""
