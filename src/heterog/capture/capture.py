@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from heterog.capture.recorder import Recorder
 from heterog.errors import ModelError
 from heterog.ir.affine import Affine
-from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
+from heterog.ir.opgraph import OpEdge, OpGraph, OpNode, Tie
 
 
 @contextmanager
@@ -200,9 +200,11 @@ def _fit_graph(a: Recorder, b: Recorder, batch_a: int, batch_b: int, *, name: st
         other = b.edges.get((src, dst), {})
         edges.append(OpEdge(src=nodes[src].name, dst=nodes[dst].name,
                             bytes=fit(float(sum(storages.values())), float(sum(other.values())))))
+    ties = tuple(Tie(param=pname, nodes=tuple(nodes[i].name for i in users), param_bytes=nbytes)
+                 for pname, users, nbytes in a.ties())
     graph = OpGraph(model=name, batch_size=batch_a, seq_len=seq_len, dtype=dtype,
                     nodes=tuple(nodes), edges=tuple(edges), input_bytes=input_bytes,
-                    num_parameters=num_parameters, meta=meta)
+                    num_parameters=num_parameters, meta=meta, ties=ties)
     return graph.validate()
 
 

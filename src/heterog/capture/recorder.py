@@ -109,6 +109,7 @@ class Recorder(TorchDispatchMode):
         self._keepalive: list[Any] = []
         self._last_bwd: int = -1
         self._owned_params: set[int] = set()
+        self._param_users: dict[int, list[int]] = {}              # storage → nodes reading it
         self._hooks: list[Any] = []
         self._saved_hooks: Any = None
         self._input_storages = {_storage_key(t) for t in input_tensors}
@@ -277,6 +278,9 @@ class Recorder(TorchDispatchMode):
             key = _storage_key(t)
             param = self.params.get(key)
             if param is not None:
+                users = self._param_users.setdefault(key, [])
+                if idx not in users:
+                    users.append(idx)
                 if key not in self._owned_params:  # a shared/tied parameter: first user owns it
                     self._owned_params.add(key)
                     name, p = param
@@ -296,6 +300,16 @@ class Recorder(TorchDispatchMode):
     def unowned_params(self) -> list[tuple[str, nn.Parameter]]:
         """Parameters no op touched (unused in this forward); the caller assigns them."""
         return [v for k, v in self.params.items() if k not in self._owned_params]
+
+    def ties(self) -> list[tuple[str, list[int], int]]:
+        """(parameter name, its user nodes in first-use order, bytes) for every parameter read
+        by more than one node: tied weights, or a module called twice. The first user owns it."""
+        out = []
+        for key, users in self._param_users.items():
+            if len(users) > 1:
+                name, p = self.params[key]
+                out.append((name, list(users), tensor_nbytes(p)))
+        return out
 
     def finish(self) -> None:
         self._keepalive.clear()

@@ -43,7 +43,7 @@ class OpNode:
     saved_bytes: Affine = ZERO      # activations autograd keeps for backward (de-duplicated)
     output_bytes: Affine = ZERO     # bytes of the outputs other nodes consume
     workspace_bytes: Affine = ZERO  # largest transient tensor while it runs
-    param_names: tuple[str, ...] = ()   # parameters this node owns (a shared one: first user)
+    param_names: tuple[str, ...] = ()   # parameters this node owns (a shared one: first user; see Tie)
     param_count: int = 0
     param_bytes: int = 0
     batch_splittable: bool = True   # False: its work does not divide along the batch
@@ -93,6 +93,18 @@ class OpEdge:
     bytes: Affine  # size of the tensors flowing src → dst, per batch
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Tie:
+    """One parameter read by several nodes: weights tied between modules (an embedding and
+    the output projection) or a module called more than once. `nodes[0]` owns it (lists it
+    in param_names and counts its bytes); a plan that puts the others in groups on other
+    devices gives each of those devices a copy whose gradient is summed across the copies
+    every step (`tie_holders`)."""
+    param: str
+    nodes: tuple[str, ...]
+    param_bytes: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class OpGraph:
     model: str
@@ -104,6 +116,7 @@ class OpGraph:
     input_bytes: Affine = ZERO      # the example batch itself
     num_parameters: int = 0
     meta: dict[str, Any] = field(default_factory=dict)  # provenance: capture time, torch version
+    ties: tuple[Tie, ...] = ()      # parameters read by more than one node
 
     # -- look-ups ------------------------------------------------------------------------
     @cached_property
@@ -145,6 +158,18 @@ class OpGraph:
 
     def param_bytes(self) -> int:
         return sum(n.param_bytes for n in self.nodes)
+
+    def tie_holders(self, group_of_node: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        """Tied parameter → the groups that hold a copy of it (those of its nodes), for a
+        partition of the nodes into groups; only parameters held by two or more groups. Each
+        holder beyond the owner's group stores the parameter, its gradient and its optimizer
+        state, and the holders' devices all-reduce its gradient once per step."""
+        out = {}
+        for t in self.ties:
+            groups = tuple(sorted({group_of_node[n] for n in t.nodes}))
+            if len(groups) > 1:
+                out[t.param] = groups
+        return out
 
     def fingerprint(self) -> str:
         """Identifies the model structure and costs; a Plan records it to detect mismatches."""
@@ -188,6 +213,16 @@ class OpGraph:
                 raise GraphError(f"edge {j}: self-loop on {e.src!r}; a node cannot feed itself.")
             if e.bytes.at(self.batch_size) < 0:
                 raise GraphError(f"edge {j} ({e.src!r} → {e.dst!r}): negative bytes.")
+        for j, t in enumerate(self.ties):
+            missing = [n for n in t.nodes if n not in seen]
+            if missing or len(t.nodes) < 2:
+                raise GraphError(f"tie {j} of parameter {t.param!r}: needs two or more existing nodes, "
+                                 f"found {list(t.nodes)}" + (f" (no node {missing[0]!r})" if missing else "")
+                                 + "; fix or drop the tie.")
+            owner = self.nodes[self.index[t.nodes[0]]]
+            if t.param not in owner.param_names:
+                raise GraphError(f"tie {j}: its first node {owner.name!r} must own parameter {t.param!r} "
+                                 f"(list it in param_names), since the tie's first node holds it.")
         cycle = self._find_cycle()
         if cycle:
             path = " → ".join(cycle)
@@ -234,6 +269,8 @@ class OpGraph:
             "nodes": [n.to_json() for n in self.nodes],
             "edges": [[e.src, e.dst, e.bytes.to_json()] for e in self.edges],
         }
+        if self.ties:  # absent when there are none: graphs without ties keep their fingerprint
+            body["ties"] = [[t.param, list(t.nodes), t.param_bytes] for t in self.ties]
         if include_meta:
             body["meta"] = self.meta
         return body
@@ -266,11 +303,17 @@ class OpGraph:
                     edges.append(OpEdge(src=e[0], dst=e[1], bytes=Affine.from_json(e[2])))
                 except ValueError as err:
                     raise GraphError(f"{source}: edge {j} bytes: {err}.") from None
+            ties = []
+            for j, t in enumerate(doc.get("ties", [])):  # optional: graphs saved before ties load
+                if not (isinstance(t, list) and len(t) == 3 and isinstance(t[1], list)):
+                    raise GraphError(f"{source}: tie {j} must be [param, [nodes...], param_bytes], found {t!r}.")
+                ties.append(Tie(param=t[0], nodes=tuple(t[1]), param_bytes=int(t[2])))
             graph = OpGraph(
                 model=doc["model"], batch_size=doc["batch_size"], seq_len=doc.get("seq_len"),
                 dtype=doc.get("dtype", "float32"), nodes=nodes, edges=tuple(edges),
                 input_bytes=Affine.from_json(doc.get("input_bytes", [0, 0])),
-                num_parameters=doc.get("num_parameters", 0), meta=doc.get("meta", {}))
+                num_parameters=doc.get("num_parameters", 0), meta=doc.get("meta", {}),
+                ties=tuple(ties))
         except KeyError as e:
             raise GraphError(f"{source}: missing field {e.args[0]!r} in the OpGraph.") from None
         except TypeError as e:
