@@ -33,9 +33,9 @@ def _g(name, nodes, *devs, sync="ring"):
                  sync=sync if len(devs) > 1 else "none")
 
 
-def _run_stages(flow, x):
+def _run_stages(flow, *inputs):
     """Evaluate the split dataflow in one process; must equal the unsplit model."""
-    env = dict(zip(flow.inputs, (x,)))
+    env = dict(zip(flow.inputs, inputs))
     for s in flow.stages:
         env[s.value] = s.module(*[env[a] if a in env else env[flow.projections[a][0]][flow.projections[a][1]]
                                    for a in s.args])
@@ -219,3 +219,64 @@ def test_non_batch_first_value_crossing_ranges_is_a_clear_error():
     env = {(flow.stages[0].value, 0): torch.randn(1, 32)}  # a broadcast mask, not 4 samples
     with pytest.raises(PlanError, match="not batch-first"):
         ex._gather(env, 1, 0, flow.stages[1].args[0], 0, 0, 2, {})
+
+
+class _BatchCentered(torch.nn.Module):
+    """A statistic over the batch: its value has no sample dimension and needs a gradient."""
+
+    class Mean(torch.nn.Module):
+        def forward(self, h):
+            return h.mean(0, keepdim=True)
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 8)
+        self.stat = self.Mean()
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h - self.stat(h))
+
+
+def test_a_batch_statistic_cannot_cross_placements_and_the_planner_is_told():
+    from heterog.execute.split_export import cut_constraints
+    assert cut_constraints(_BatchCentered(), VEC).same_placement == {("stat", "inp")}
+    apart = _plan([_g("a", ["inp", "out"], "d0", "d1"), _g("b", ["stat"], "d2")])
+    with pytest.raises(PlanError, match="no sample dimension.*'stat' and 'inp'"):
+        split_model(_BatchCentered(), apart, VEC)
+    together = _plan([_g("a", ["inp", "out"], "d0", "d1"), _g("b", ["stat"], "d0", "d1")])
+    model = _BatchCentered()
+    assert torch.allclose(_run_stages(split_model(model, together, VEC), VEC[0]), model(VEC[0]))
+
+
+SMALL = {"gpt2": dict(hidden=16, layers=1, heads=2, vocab=64, positions=16, dropout=0.0),
+         "bert-large": dict(hidden=16, layers=1, heads=2, ffn=32, vocab=64, positions=16, dropout=0.0),
+         "llama": dict(hidden=16, layers=1, heads=2, kv_heads=1, ffn=32, vocab=64, positions=16),
+         "xlnet-large": dict(hidden=16, layers=1, heads=2, ffn=32, vocab=64, dropout=0.0),
+         "transformer": dict(vocab=64, d_model=16, heads=2, layers=1, ffn=32, dropout=0.0),
+         "toy-cnn": {}}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_every_exported_leaf_call_is_a_captured_node_and_any_cut_runs(name):
+    """The export names its nodes like the capture, and a cut after every third of the
+    captured nodes (three stages, the middle one replicated with uneven shares) computes the
+    unsplit model's output: seq-first XLNet, rotary tables, position ids and masks included."""
+    from heterog.capture import capture_model
+    from heterog.capture.zoo import get_zoo_model
+    from heterog.execute.split_export import leaf_call_names
+    entry = get_zoo_model(name)
+    seq = 8 if entry.default_seq_len else None
+    nodes = [n.name for n in capture_model(name, SMALL[name], batch_size=2, seq_len=seq).nodes]
+    torch.manual_seed(0)
+    model = entry.build(**SMALL[name])
+    inputs, _ = entry.example_batch(3, seq, "cpu", **SMALL[name])
+    assert set(leaf_call_names(model, inputs)) <= set(nodes)
+    k = len(nodes) // 3
+    plan = Plan(strategy="t", model=ModelSpec(name=name, args=SMALL[name], batch_size=3, seq_len=seq),
+                groups=(_g("a", nodes[:k], "d0"), _g("b", nodes[k:2 * k], "d1", "d2"), _g("c", nodes[2 * k:], "d0")))
+    flow = split_model(model, plan, inputs)
+    assert len(flow.stages) >= 3
+    want = model(*inputs)
+    assert torch.allclose(_run_stages(flow, *inputs), getattr(want, "logits", want), atol=1e-6)

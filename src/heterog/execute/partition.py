@@ -25,7 +25,8 @@ order, so any grouping of the graph can be executed. Three rules keep every cut 
   restored on the other side (`_adapt_layouts`; seq-first XLNet, flattened batch × seq);
 - a tensor without a sample dimension that needs gradients (a reduction over the batch)
   cannot cross: the split names the two nodes that must share a placement.
-`executable_cut_errors` lists those last cases for a whole model, for the planner.
+`split_export.cut_constraints(model, example_inputs)` lists, for a planner, the nodes that
+follow their consumers (the first rule) and the pairs the last rule keeps together.
 
 A parameter used by nodes of several groups (a tied embedding and output projection, or a
 batch-independent module recomputed in several stages) is *tied*: every group using it holds
@@ -47,7 +48,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from heterog.errors import PlanError
-from heterog.execute.split_export import ExportedModel, LayoutKind, export_model
+from heterog.execute.split_export import ExportedModel, LayoutKind, export_model, nearest_name
 from heterog.ir.plan import Plan
 
 INPUT = -1  # owner of model inputs: every rank has the whole global batch
@@ -242,8 +243,7 @@ def _adapt_layouts(exported: ExportedModel, seg: dict[fx.Node, int], assign: dic
 
 
 def _cut_error(exported: ExportedModel, p: fx.Node, u: fx.Node) -> str:
-    src = exported.leaf_name.get(p, f"a loose op ({p.name})")
-    dst = exported.leaf_name.get(u, f"a loose op ({u.name})")
+    src, dst = nearest_name(p, exported.leaf_name), nearest_name(u, exported.leaf_name)
     return (f"the value {p.name!r} computed in {src!r} and used in {dst!r} has no sample "
             f"dimension (it mixes samples, e.g. a batch statistic), so it cannot cross between "
             f"groups with different placements. Put {src!r} and {dst!r} in groups with the same "

@@ -170,6 +170,50 @@ def _leaf_names(gm: fx.GraphModule, model: nn.Module) -> dict[fx.Node, str]:
     return names
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CutConstraints:
+    """What a planner must respect so that the executor runs its grouping as planned.
+
+    `follow_consumers`: capture nodes that depend on no input data (position embeddings,
+    rotary tables, masks built from sizes): they run, and their parameters live, in the
+    group(s) of their consumers, whatever group the plan gives them. `same_placement`:
+    (producer, consumer) capture nodes whose value has no sample dimension yet needs a
+    gradient (e.g. a statistic over the batch): a cut between groups with different
+    replicas or shares there is refused. Empty for every zoo model."""
+    follow_consumers: frozenset[str]
+    same_placement: frozenset[tuple[str, str]]
+
+
+def cut_constraints(model: nn.Module, example_inputs: tuple[Any, ...]) -> CutConstraints:
+    """The CutConstraints of `model` (exports it once; seconds for the zoo's models)."""
+    exported = export_model(model, example_inputs)
+    named = exported.leaf_name
+    follow = {named[n] for n in named if n not in exported.data}
+    follow -= {named[n] for n in named if n in exported.data}   # a leaf with data work stays put
+    pairs = set()
+    for p in exported.module.graph.nodes:
+        val = p.meta.get("val")
+        if (p in exported.data and exported.layout[p].kind is LayoutKind.NONE
+                and isinstance(val, torch.Tensor) and val.is_floating_point()):
+            for u in p.users:
+                if u in exported.data:
+                    a, b = nearest_name(p, named), nearest_name(u, named)
+                    if a != b:
+                        pairs.add((a, b))
+    return CutConstraints(follow_consumers=frozenset(follow), same_placement=frozenset(pairs))
+
+
+def nearest_name(n: fx.Node, named: dict[fx.Node, str]) -> str:
+    """A node's capture name, or for a loose node its producer's (the loose-node rule)."""
+    seen = n
+    while seen not in named:
+        inputs = [a for a in seen.all_input_nodes if a.op == "call_function"]
+        if not inputs:
+            return f"<{n.name}>"
+        seen = inputs[0]
+    return named[seen]
+
+
 def leaf_call_names(model: nn.Module, example_inputs: tuple[Any, ...]) -> list[str]:
     """The capture node names of the model's leaf-module calls that run ops, in order."""
     exported = export_model(model, example_inputs)
