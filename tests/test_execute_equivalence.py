@@ -19,17 +19,17 @@ STEPS = 3
 
 
 def make_plan(model: str, groups: list[Group], *, batch_size: int = 12, microbatches: int = 1,
-              optimizer: str = "sgd", schedule: str = "gpipe") -> Plan:
+              optimizer: str = "sgd", schedule: str = "gpipe", precision: str = "fp32") -> Plan:
     return Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:{model}", batch_size=batch_size),
                 groups=tuple(groups), num_microbatches=microbatches, optimizer=optimizer,
-                schedule=schedule).validate()
+                schedule=schedule, precision=precision).validate()
 
 
 def replicas(*pairs) -> tuple[Replica, ...]:
     return tuple(Replica(device=d, share=s) for d, s in pairs)
 
 
-def check_equal(plan: Plan, tmp_path, data: str | None = None) -> dict:
+def check_equal(plan: Plan, tmp_path, data: str | None = None, rel_tol: float = 1e-5) -> dict:
     out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60, data=data)
     ref = reference_train(plan, steps=STEPS, data=data)
     seen: set[str] = set()
@@ -38,7 +38,7 @@ def check_equal(plan: Plan, tmp_path, data: str | None = None) -> dict:
         for name, value in params.items():
             want = ref[name]
             rel = ((value - want).norm() / want.norm().clamp_min(1e-12)).item()
-            assert rel <= 1e-5, f"rank {rank} {name}: relative error {rel:.2e}"
+            assert rel <= rel_tol, f"rank {rank} {name}: relative error {rel:.2e}"
             seen.add(name)
     assert seen == set(ref), f"parameters held by no rank: {set(ref) - seen}"
     # The summed per-rank losses are the global-batch loss, identical to the reference's start.
@@ -131,3 +131,21 @@ def test_hugging_face_llama_under_data_parallelism(tmp_path):
                 groups=(Group(name="all", nodes=("model.embed_tokens", "lm_head"), sync="ring",
                               replicas=replicas(("a", 0.5), ("b", 0.5))),)).validate()
     check_equal(plan, tmp_path)
+
+
+@pytest.mark.parametrize("layout", ["data", "pipeline"])
+def test_amp_bf16_matches_single_process_autocast_within_bf16_tolerance(tmp_path, layout):
+    """amp-bf16 runs under torch.autocast (bf16 compute, fp32 master weights) on every rank;
+    the CPU has autocast bf16, so this is the GPU code path. The ranks' sample splits round
+    differently than one batch does (measured 1.3e-5), while running in fp32 instead would be
+    ~2e-3 off the autocast reference: 2e-4 tells the two apart."""
+    if layout == "data":
+        groups = [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
+                        replicas=replicas(("a", 0.3), ("b", 0.7)), sync="ring")]
+        plan = make_plan("mlp", groups, precision="amp-bf16", optimizer="adamw")
+    else:
+        groups = [Group(name="s0", nodes=("fc1", "act1"), replicas=replicas(("a", 1.0))),
+                  Group(name="s1", nodes=("fc2", "act2", "fc3"), replicas=replicas(("b", 1.0)))]
+        plan = make_plan("mlp", groups, precision="amp-bf16", microbatches=3, schedule="1f1b")
+    # three micro-batches of 4 round more than one batch of 12 (measured up to 2.1e-4)
+    check_equal(plan, tmp_path, rel_tol=2e-4 if layout == "data" else 1e-3)

@@ -44,8 +44,10 @@ def _participants(ins: Collective) -> tuple[str, ...]:
 class BucketSync:
     """This rank's side of the program's gradient collectives."""
 
-    def __init__(self, program: Program, flow: Dataflow, rank_of: dict[str, int], rank: int, timeout_s: float):
+    def __init__(self, program: Program, flow: Dataflow, rank_of: dict[str, int], rank: int, timeout_s: float,
+                 device: torch.device | None = None):
         self.program, self.flow, self.rank_of, self.rank = program, flow, rank_of, rank
+        self.device = device or torch.device("cpu")
         self.timeout_s = timeout_s
         self.sync_s = 0.0
         self._groups = {key: dist.new_group(ranks=sorted(rank_of[d] for d in key),
@@ -67,7 +69,7 @@ class BucketSync:
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         else:     # a parameter server without a replica: the bucket's size, zeros in
             params = []
-            flat = torch.zeros(self._numel(ins.block))
+            flat = torch.zeros(self._numel(ins.block), device=self.device)
         self._guard(ins, lambda: self._pending.append((ins, params, flat, self._start(ins, flat))))
         self.sync_s += time.perf_counter() - t0
 

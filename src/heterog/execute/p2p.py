@@ -31,8 +31,9 @@ MAX_DIMS = 8
 class P2P:
     """This rank's side of the step's transfers; counts bytes and waiting time."""
 
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, device: torch.device | None = None):
         self.rank = rank
+        self.device = device or torch.device("cpu")
         self.timeout = timedelta(seconds=timeout_s)
         self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
         self.sent_bytes = 0
@@ -54,7 +55,7 @@ class P2P:
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         import time
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
         t0 = time.perf_counter()
         self._wait(dist.irecv(buf, src, tag=tag), src, f"receive (tag {tag})")
         self.recv_wait_s += time.perf_counter() - t0
@@ -64,17 +65,15 @@ class P2P:
         if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPES:
             raise RankError(self.rank, f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor between "
                                        f"groups (at most {MAX_DIMS} dims of {len(_DTYPES)} dtypes).")
-        header = torch.zeros(2 + MAX_DIMS, dtype=torch.int64)
-        header[0] = _DTYPES.index(tensor.dtype)
-        header[1] = tensor.dim()
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+        header = torch.tensor(values + [0] * (2 + MAX_DIMS - len(values)), dtype=torch.int64, device=self.device)
         self.isend(header, dst, tag)
         self.isend(tensor, dst, tag + 1)
 
     def recv_with_header(self, src: int, tag: int) -> torch.Tensor:
-        header = self.recv((2 + MAX_DIMS,), torch.int64, src, tag)
-        dtype = _DTYPES[int(header[0])]
-        shape = tuple(int(x) for x in header[2:2 + int(header[1])])
+        header = self.recv((2 + MAX_DIMS,), torch.int64, src, tag).tolist()
+        dtype = _DTYPES[header[0]]
+        shape = tuple(header[2:2 + header[1]])
         return self.recv(shape, dtype, src, tag + 1)
 
     def wait_all(self) -> None:

@@ -32,11 +32,12 @@ import torch
 import torch.utils.checkpoint
 
 from heterog.errors import PlanError
+from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import Pacer
 from heterog.execute.p2p import P2P
 from heterog.execute.partition import INPUT, Dataflow, Stage
 from heterog.execute.workload import Workload, slice_batch
-from heterog.ir.kinds import Phase
+from heterog.ir.kinds import Phase, Precision
 from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
 
 MAX_VALUES = 64      # values one transfer may carry (tags: (program tag · MAX_VALUES + k) · 2)
@@ -64,12 +65,17 @@ class Interpreter:
     """Runs this rank's instructions of a Program, one training step per `step()` call."""
 
     def __init__(self, *, program: Program, device: str, flow: Dataflow, work: Workload, p2p: P2P,
-                 pacer: Pacer, sync, batch_size: int, rank_of: dict[str, int], optimizer_step=None):
+                 pacer: Pacer, sync, batch_size: int, rank_of: dict[str, int], optimizer=None,
+                 rank_device: RankDevice | None = None, precision: str = "fp32"):
         self.program, self.flow, self.work = program, flow, work
         self.instructions = program.instructions[device]
         self.p2p, self.pacer, self.sync = p2p, pacer, sync
         self.batch_size, self.rank_of = batch_size, rank_of
-        self.optimizer_step = optimizer_step
+        self.optimizer = optimizer
+        self.rank_device = rank_device or RankDevice(kind="cpu")
+        self.precision = precision
+        # fp16: one loss scale on every rank; the check after the sync is a collective
+        self.scaler = LossScaler(self.rank_device) if precision == Precision.FP16 else None
         self.stats = StepStats()
         self.trace: list[tuple] = []
         self.samples: list[int] = []   # per forward compute: samples in the tensors it produced
@@ -131,7 +137,11 @@ class Interpreter:
                 self._run(index, ins)
         self.p2p.wait_all()
         self.sync.finish()      # a server without a replica has collectives but no optimizer step
-        return self._loss_total
+        if self.scaler is not None:      # every rank, so that all skip an overflowing step alike
+            params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
+            if self.scaler.unscale_and_check(params) and self.optimizer is not None:
+                self._timed(self.optimizer.step)
+        return float(self._loss_total)
 
     def _run(self, index: int, ins) -> None:
         if isinstance(ins, Compute):
@@ -147,8 +157,8 @@ class Interpreter:
             self.p2p.wait_all()
             self.sync.finish()
             self.trace.append(("optimizer",))
-            if self.optimizer_step is not None:
-                self._timed(self.optimizer_step)
+            if self.optimizer is not None and self.scaler is None:
+                self._timed(self.optimizer.step)
 
     def _span(self, ins):
         if self.recorder is None:
@@ -237,11 +247,12 @@ class Interpreter:
             args.append(x)
             if pieces is not None:
                 leaves.append((v, x, pieces))
-        if self.program.blocks[ins.block].recompute:
-            # activation recomputation: keep only the stage's inputs; re-run forward in backward
-            out = self._timed(torch.utils.checkpoint.checkpoint, s.module, *args, use_reentrant=False)
-        else:
-            out = self._timed(s.module, *args)
+        with self.rank_device.autocast(self.precision):   # the plan's precision, fp32 master weights
+            if self.program.blocks[ins.block].recompute:
+                # activation recomputation: keep only the stage's inputs; re-run forward in backward
+                out = self._timed(torch.utils.checkpoint.checkpoint, s.module, *args, use_reentrant=False)
+            else:
+                out = self._timed(s.module, *args)
         self._env[(s.value, m)] = out
         call = _Call(stage=s, lo=ins.lo, outs=out, leaves=leaves)
         flow = self.flow
@@ -249,9 +260,12 @@ class Interpreter:
             y = self._value(flow.output, m)
             lo = self.mb_offsets[m]
             target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
-            loss = self._timed(self.work.loss, y, target)
-            call.loss = loss * ((ins.hi - ins.lo) / self.batch_size)
-            self._loss_total += float(call.loss.detach())
+            with self.rank_device.autocast(self.precision):
+                loss = self._timed(self.work.loss, y, target)
+            call.loss = loss.float() * ((ins.hi - ins.lo) / self.batch_size)
+            self._loss_total = self._loss_total + call.loss.detach()   # read once, after the step
+            if self.scaler is not None:
+                call.loss = self.scaler.scale_loss(call.loss)
         self._calls[(si, m)] = call
 
     def _backward(self, si: int, ins: Compute) -> None:

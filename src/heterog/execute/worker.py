@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from heterog.errors import RankError
 from heterog.execute import checkpoint
+from heterog.execute.device import RankDevice, rank_device
 from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.p2p import P2P
 from heterog.execute.bucket_sync import BucketSync
@@ -29,26 +30,32 @@ from heterog.execute.partition import build_dataflow, detach_unheld
 from heterog.execute.runtime import Interpreter
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.trace import SpanCategory, StepRecorder
-from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, with_data
+from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, to_device, with_data
 from heterog.ir.plan import Plan
 from heterog.lower.program import Program
 from heterog.jsonio import write_atomic
 
 
-def _init(spec: dict[str, Any]) -> tuple[int, int, str]:
-    """Join the process group; return (rank, world size, this rank's device)."""
+def _init(spec: dict[str, Any]) -> tuple[int, int, str, RankDevice]:
+    """Join the process group; return (rank, world size, this rank's plan device, its torch
+    device): a GPU when the run is on GPUs (`cuda:<local rank>`, NCCL), else the CPU (gloo)."""
     timeout = timedelta(seconds=spec["timeout_s"])
     if "RANK" in os.environ and spec.get("torchrun"):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ["LOCAL_RANK"])
         node_devices = spec["node_devices"][int(os.environ["GROUP_RANK"])]
-        device = node_devices[int(os.environ["LOCAL_RANK"])]
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        return rank, world, device
+        device = node_devices[local]
+        rdev = rank_device(use_cuda=spec.get("cuda", False), local_rank=local)
+        rdev.activate()
+        dist.init_process_group(rdev.backend, rank=rank, world_size=world, timeout=timeout)
+        return rank, world, device, rdev
     rank = spec["rank"]
     world = len(spec["devices"])
-    dist.init_process_group("gloo", init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
+    rdev = rank_device(use_cuda=spec.get("cuda", False), local_rank=rank)
+    rdev.activate()
+    dist.init_process_group(rdev.backend, init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
                             rank=rank, world_size=world, timeout=timeout)
-    return rank, world, spec["devices"][rank]
+    return rank, world, spec["devices"][rank], rdev
 
 
 def _fault(spec: dict[str, Any], rank: int, step: int, phase: str = "start") -> None:
@@ -63,7 +70,7 @@ def _fault(spec: dict[str, Any], rank: int, step: int, phase: str = "start") -> 
 
 def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     torch.set_num_threads(spec.get("threads", 1))
-    rank, world, device = _init(spec)
+    rank, world, device, rdev = _init(spec)
     progress = out_dir / f"progress_rank{rank}"
     cores = pin_to_cores(rank, spec.get("cores")) if spec.get("pin_cores") else None
     devices_by_rank: list[str] = [None] * world  # type: ignore[list-item]
@@ -82,15 +89,16 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     flow = build_dataflow(model, plan, len(inputs0))
     held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
     detach_unheld(flow, held)
+    model.to(rdev.torch_device)       # parameters stay the same objects (optimizer, sync, checkpoints)
     timeout_s = spec["timeout_s"]
-    p2p = P2P(rank, timeout_s)
-    sync = BucketSync(program, flow, rank_of, rank, timeout_s)
+    p2p = P2P(rank, timeout_s, device=rdev.torch_device)
+    sync = BucketSync(program, flow, rank_of, rank, timeout_s, device=rdev.torch_device)
     params = [p for g in sorted(held) for _, p in flow.params_of_group.get(g, [])]
     opt = make_optimizer(params, plan.optimizer)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
     ex = Interpreter(program=program, device=device, flow=flow, work=work, p2p=p2p, pacer=pacer, sync=sync,
-                     batch_size=plan.batch_size, rank_of=rank_of,
-                     optimizer_step=opt.step if opt is not None else None)
+                     batch_size=plan.batch_size, rank_of=rank_of, optimizer=opt, rank_device=rdev,
+                     precision=plan.precision)
     steps: list[dict[str, float]] = []
     ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
@@ -100,10 +108,11 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     for step in range(first_step, spec["steps"]):
         progress.write_text(str(step))
         _fault(spec, rank, step)
-        inputs, targets = global_batch(work, plan.batch_size, seed=seed, step=step)
+        inputs, targets = to_device(global_batch(work, plan.batch_size, seed=seed, step=step), rdev.torch_device)
         dist.barrier()
         rec.step = step
-        t0 = time.perf_counter()
+        timer = rdev.timer()
+        timer.start()
         c0, u0, w0 = ex.stats.compute_s, ex.stats.cpu_s, ex.stats.paced_s
         r0, s0 = p2p.recv_wait_s, sync.sync_s
         with rec.span(f"step {step}", SpanCategory.STEP):
@@ -112,7 +121,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             ex.recorder = rec
             loss = ex.step(inputs, targets)
             _fault(spec, rank, step, "mid")
-        steps.append({"step_time_s": time.perf_counter() - t0, "loss": loss,
+        steps.append({"step_time_s": timer.stop(), "loss": loss,
                       "compute_s": ex.stats.compute_s - c0, "cpu_s": ex.stats.cpu_s - u0,
                       "paced_s": ex.stats.paced_s - w0,
                       "recv_wait_s": p2p.recv_wait_s - r0, "sync_s": sync.sync_s - s0})
@@ -133,7 +142,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     import resource  # peak resident memory of this rank (Linux: KiB), torch libraries included
     max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rank": rank, "device": device, "slowdown": pacer.slowdown, "cores": cores,
-            "max_rss_bytes": max_rss_bytes,
+            "max_rss_bytes": max_rss_bytes, "torch_device": str(rdev.torch_device), "memory": rdev.memory(),
             "groups": [plan.groups[g].name for g in sorted(held)], "steps": steps,
             "sent_bytes": p2p.sent_bytes, "split": flow.split, "warnings": flow.warnings}
 

@@ -175,6 +175,14 @@ def global_batch(work: Workload, batch_size: int, *, seed: int, step: int) -> tu
     return inputs, targets
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """Every tensor in a (nested) batch moved to `device` (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return value
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value)
+
+
 def build_model(work: Workload, *, seed: int) -> nn.Module:
     """The full model with the parameters every rank and the reference agree on."""
     torch.manual_seed(seed)
