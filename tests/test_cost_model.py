@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -13,6 +15,7 @@ from heterog.cost import Profile, ProfileError, build_cost_model
 from heterog.cost.efficiency import gpu_curve, h200_curve
 from heterog.cost.memory import block_of
 from heterog.cost.predict import predict, single_device_cluster
+from heterog.hardware.gputype import Efficiency
 from heterog.hardware.catalog import get_gpu
 from heterog.hardware.spec import load_cluster
 from heterog.ir.affine import Affine
@@ -36,11 +39,12 @@ def names(g):
 def test_time_grows_with_batch_and_has_a_floor(graph, mixed):
     m = build_cost_model(graph, mixed)
     ts = [m.group_time_s(names(graph), "a100/gpu0", b, "fwd") for b in (1, 2, 8, 32, 128)]
-    assert all(a < b for a, b in zip(ts, ts[1:]))
+    # never faster with more samples; flat while the host sets the pace (cost/host.py)
+    assert all(a <= b for a, b in zip(ts, ts[1:])) and ts[-1] > ts[0]
     # host overhead floor: at batch 1 time is far above the proportional share of batch 128
     assert ts[0] > 2 * ts[-1] / 128
     kernels = sum(n.fwd_kernels for n in graph.nodes)
-    assert ts[0] >= kernels * 8e-6 * 0.99      # per-op dispatch (catalog host_overheads)
+    assert ts[0] >= kernels * 8e-6 * 0.99      # per-op dispatch (catalog host_costs)
     assert m.compute_time_s(graph.nodes[1].name, "a100/gpu0", 0, "fwd") == 0.0
 
 
@@ -93,8 +97,10 @@ def test_efficiency_curves_are_monotone_and_scaled():
     for p in ("fp32", "tf32", "bf16", "fp16"):
         eff = h200_curve(p).at(np.array([64, 256, 1024, 4096, 16384]))
         assert np.all(np.diff(eff) >= 0) and eff[-1] <= 1.0
-    # a smaller GPU reaches high efficiency at smaller sizes
-    assert gpu_curve(get_gpu("T4"), "fp16").at(1024) > gpu_curve(get_gpu("H200"), "fp16").at(1024)
+    # the scaling rule: a smaller GPU reaches high efficiency at smaller sizes (before each
+    # type's own fitted size_scale, which the catalog adds)
+    plain = {n: dataclasses.replace(get_gpu(n), efficiency=Efficiency()) for n in ("T4", "H200")}
+    assert gpu_curve(plain["T4"], "fp16").at(1024) > gpu_curve(plain["H200"], "fp16").at(1024)
 
 
 def test_profile_overrides_and_validates(graph, mixed, tmp_path):

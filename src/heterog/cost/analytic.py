@@ -166,7 +166,8 @@ class _TypeTable:
             sel = ci == c
             if sel.any():
                 eff[sel] = curve.at(size[sel])
-        t_math = tc / (self.peak_tc[idx] * eff * self.kind_factor[idx]) + other / self.peak_vector
+        # a kernel never beats the data-sheet peak, whatever the type's fitted factors say
+        t_math = tc / (self.peak_tc[idx] * np.minimum(eff * self.kind_factor[idx], 1.0)) + other / self.peak_vector
         roof = np.maximum(t_math, nbytes / self.bandwidth[idx])
         if self.synchronous:
             per_byte, big, (of, op), (wf, wp) = self._fresh

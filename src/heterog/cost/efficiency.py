@@ -44,7 +44,9 @@ class Curve:
     def at(self, n: np.ndarray | float) -> np.ndarray:
         n = np.maximum(np.asarray(n, dtype=float), 1.0)
         logn = np.log(n)
-        eff = np.interp(logn, self.log_sizes, self.efficiency)
+        # geometric between points (eff ∝ n^α, α ≤ 3 on every measured segment), so a
+        # kernel's time F / eff never falls as its work grows; linear interpolation did
+        eff = np.exp(np.interp(logn, self.log_sizes, np.log(np.maximum(self.efficiency, MIN_EFFICIENCY))))
         small = logn < self.log_sizes[0]
         if np.any(small):
             eff = np.where(small, self.efficiency[0] * np.exp(self.falloff * (logn - self.log_sizes[0])), eff)
@@ -85,7 +87,18 @@ def gpu_curve(gpu: GpuType, precision: str) -> Curve:
         return cpu_curve()
     base = h200_curve(precision if precision in _H200_PEAK_FLOPS_PER_S else "fp32")
     peak = gpu.peak_flops_per_s.get(precision) or gpu.peak_flops_per_s["fp32"]
-    return base.scaled(math.sqrt(_H200_PEAK_FLOPS_PER_S[precision] / peak))
+    by_peak = base.scaled(math.sqrt(_H200_PEAK_FLOPS_PER_S[precision] / peak))
+    scale = gpu.efficiency.size_scale
+    if scale == 1.0:
+        return by_peak
+    shifted = by_peak.scaled(1.0 / scale)
+    if scale < 1.0:
+        return shifted
+    # A type that saturates later (scale > 1) keeps the smallest kernel's time of the rule by
+    # peak: efficiency stays at its smallest measured value from that size up to the shifted
+    # one, so tiny kernels are not charged like the shifted curve's smallest product.
+    return Curve(np.concatenate([by_peak.log_sizes[:1], shifted.log_sizes]),
+                 np.concatenate([shifted.efficiency[:1], shifted.efficiency]), shifted.falloff)
 
 
 @lru_cache(maxsize=1)
@@ -107,7 +120,10 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd")
     if gpu.vendor != "cpu":
         e = gpu.efficiency
         base = e.memory if e.memory is not None else h200_copy_efficiency()
-        return base * (e.memory_by_kind.get(kind, 1.0) if kind is not None else 1.0)
+        if kind is None:
+            return base
+        from heterog.hardware.catalog import memory_by_kind_default
+        return base * e.memory_by_kind.get(kind, memory_by_kind_default().get(kind, 1.0))
     if kind is None:
         return 1.0
     from heterog.hardware.catalog import measure_cpu

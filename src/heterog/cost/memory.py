@@ -51,7 +51,7 @@ CUDA_CONTEXT_BYTES = 500 * 2**20            # CUDA context + cuBLAS/cuDNN handle
 # workspaces (PyTorch allocates them through the allocator, one per handle and stream) and
 # cuDNN's convolution workspace. Fitted on the H200 steps (benchmarks/predict_gpu.py: the
 # smallest constant leaving no measured peak under-predicted by more than 2%).
-CUDA_FIXED_BYTES = 0.0
+CUDA_FIXED_BYTES = 79_166_408.0   # 75.5 MiB
 
 _INDEX = re.compile(r"^\d+$")
 

@@ -63,6 +63,7 @@ def _efficiency_from_entry(e: dict[str, Any] | None, where: str) -> Efficiency:
         return Efficiency(compute={str(k): float(v) for k, v in (e.get("compute") or {}).items()},
                           memory=None if e.get("memory") is None else float(e["memory"]),
                           memory_by_kind={str(k): float(v) for k, v in (e.get("memory_by_kind") or {}).items()},
+                          size_scale=float(e.get("size_scale", 1.0)),
                           inherits=str(e.get("inherits", "")), source=str(e.get("source", "")))
     except (TypeError, ValueError, AttributeError) as err:
         raise ClusterError(f"{where}: efficiency is malformed ({err}).") from None
@@ -186,6 +187,12 @@ def host_overheads(gpu: GpuType) -> HostOverheads:
     return HostOverheads(dispatch_s=h.forward_node_s, kernel_gap_s=h.kernel_gap_s,
                          optimizer_per_tensor_s=h.optimizer_tensor_s,
                          backward_dispatch_s=h.backward_op_s)
+
+
+def memory_by_kind_default() -> dict[str, float]:
+    """Sustained bandwidth of each memory-bound kind relative to a copy, for types that do
+    not give their own (catalog.yaml `memory_by_kind_default`, fitted on the H200 steps)."""
+    return dict(_catalog_doc().get("memory_by_kind_default") or {})
 
 
 def host_costs(gpu: GpuType) -> HostCosts:

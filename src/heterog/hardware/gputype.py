@@ -47,10 +47,14 @@ class Efficiency:
     curves (cost.efficiency) predict for a type of this peak: compute[p] multiplies the
     tensor-core efficiency at precision p ('fp32' = CUDA cores; 1.0 = as the H200 scaled),
     memory is the fraction of data-sheet bandwidth a streaming copy reaches, and
-    memory_by_kind the fraction a kind of memory-bound op reaches relative to that copy."""
+    memory_by_kind the fraction a kind of memory-bound op reaches relative to that copy
+    (kinds not given: the catalog's `memory_by_kind_default`, fitted on the H200 steps)."""
     compute: dict[str, float] = field(default_factory=dict)
     memory: float | None = None                 # None: the H200's measured copy fraction
     memory_by_kind: dict[str, float] = field(default_factory=dict)
+    # the type reaches the efficiency the scaled H200 curve gives at size n only at
+    # n · size_scale (> 1: small kernels fill this type's SMs worse than the rule predicts)
+    size_scale: float = 1.0
     inherits: str = ""                          # sibling type these figures were taken from
     source: str = ""
 
@@ -62,6 +66,8 @@ class Efficiency:
         if self.memory is not None and not (0.0 < self.memory <= 1.0):
             raise ValueError(f"efficiency.memory = {self.memory!r}: a fraction of the data-sheet "
                              f"bandwidth, in (0, 1].")
+        if not (0.05 <= self.size_scale <= 20.0):
+            raise ValueError(f"efficiency.size_scale = {self.size_scale!r}: expected a factor in [0.05, 20].")
         for k, v in self.memory_by_kind.items():
             if k not in MEMORY_KINDS or not (0.0 < v <= 2.0):
                 raise ValueError(f"efficiency.memory_by_kind[{k!r}] = {v!r}: kind must be one of "
@@ -90,3 +96,32 @@ class GpuType:
                 raise ValueError(f"GPU type {self.name}: peak_flops_per_s[{p}] must be ≥ 0.")
         if self.memory_bandwidth_bytes_per_s <= 0 or self.memory_bytes <= 0:
             raise ValueError(f"GPU type {self.name}: memory bandwidth and size must be positive.")
+
+
+def gpu_extras_to_dict(g: GpuType) -> dict:
+    """The efficiency and host costs of `g` as plain data (for a Cluster saved in a plan):
+    empty when they are the defaults, so older documents stay as they were."""
+    out: dict = {}
+    if g.efficiency != Efficiency():
+        e = g.efficiency
+        out["efficiency"] = {"compute": dict(e.compute), "memory": e.memory, "memory_by_kind": dict(e.memory_by_kind),
+                             "size_scale": e.size_scale, "inherits": e.inherits, "source": e.source}
+    if g.host is not None:
+        out["host"] = {f: getattr(g.host, f) for f in g.host.__dataclass_fields__}
+    return out
+
+
+def gpu_extras_from_dict(d: dict) -> dict:
+    """GpuType keyword arguments from gpu_extras_to_dict's output (ValueError if malformed)."""
+    out: dict = {}
+    if d.get("efficiency"):
+        e = d["efficiency"]
+        out["efficiency"] = Efficiency(compute={str(k): float(v) for k, v in (e.get("compute") or {}).items()},
+                                       memory=None if e.get("memory") is None else float(e["memory"]),
+                                       memory_by_kind={str(k): float(v) for k, v in (e.get("memory_by_kind") or {}).items()},
+                                       size_scale=float(e.get("size_scale", 1.0)), inherits=str(e.get("inherits", "")),
+                                       source=str(e.get("source", "")))
+    if d.get("host"):
+        h = dict(d["host"])
+        out["host"] = HostCosts(**{k: (str(v) if k == "source" else float(v)) for k, v in h.items()})
+    return out

@@ -37,7 +37,7 @@ import yaml
 from heterog.errors import ClusterError, HeterogWarning
 from heterog.hardware import catalog
 from heterog.hardware.cluster import Cluster, build_cluster
-from heterog.hardware.gputype import PRECISIONS, GpuType
+from heterog.hardware.gputype import PRECISIONS, GpuType, gpu_extras_from_dict, gpu_extras_to_dict
 
 SPEC_VERSION = 1
 DEFAULT_NIC_LATENCY_S = 10e-6    # RDMA/TCP one-way latency order; HeteroG used 12 µs per transfer
@@ -197,7 +197,7 @@ def _gpu_type_from_dict(ctx: _Ctx, where: str, d: Any, name: str) -> GpuType:
                        memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]),
                        memory_bytes=int(d["memory_bytes"]), intra_node_link=d["intra_node_link"],
                        intra_node_bandwidth_bytes_per_s=float(d["intra_node_bandwidth_bytes_per_s"]),
-                       sources=dict(d.get("sources", {})))
+                       sources=dict(d.get("sources", {})), **gpu_extras_from_dict(d))
     except KeyError as e:
         raise ctx.fail(where, d, None, f"GPU type {name!r} lacks {e.args[0]!r}.") from None
     except (TypeError, ValueError, AttributeError) as e:
@@ -386,7 +386,7 @@ def _gpu_type_to_dict(g: GpuType) -> dict[str, Any]:
             "memory_bandwidth_bytes_per_s": g.memory_bandwidth_bytes_per_s,
             "memory_bytes": g.memory_bytes, "intra_node_link": g.intra_node_link,
             "intra_node_bandwidth_bytes_per_s": g.intra_node_bandwidth_bytes_per_s,
-            "sources": dict(g.sources)}
+            "sources": dict(g.sources), **gpu_extras_to_dict(g)}
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
