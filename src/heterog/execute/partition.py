@@ -20,9 +20,9 @@ back to back without a transfer between them, and stages follow each other in to
 order, so any grouping of the graph can be executed. Three rules keep every cut runnable:
 - values that do not depend on input data (parameters read through a batch-independent
   module, position ids, masks and `arange(batch)` built from sizes, SymInt sizes) never
-  cross a cut: each stage that uses one recomputes it from its own inputs (`_replicate`);
+  cross a cut: each stage that uses one recomputes it from its own inputs (cut_rewrite.py);
 - a tensor whose samples are not along dim 0 is made batch-first for the transfer and
-  restored on the other side (`_adapt_layouts`; seq-first XLNet, flattened batch × seq);
+  restored on the other side (seq-first XLNet, flattened batch × seq);
 - a tensor without a sample dimension that needs gradients (a reduction over the batch)
   cannot cross: the split names the two nodes that must share a placement.
 `split_export.cut_constraints(model, example_inputs)` lists, for a planner, the nodes that
@@ -38,7 +38,6 @@ that needs no split (`whole_model`): every group on the same replicas with the s
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +47,9 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from heterog.errors import PlanError
-from heterog.execute.split_export import ExportedModel, LayoutKind, export_model, nearest_name
+from heterog.execute.cut_rewrite import (attributes_inside, batch_first_across_cuts, replicate_per_stage,
+                                         single_output)
+from heterog.execute.split_export import ExportedModel, export_model
 from heterog.ir.plan import Plan
 
 INPUT = -1  # owner of model inputs: every rank has the whole global batch
@@ -118,7 +119,7 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 def assign_groups(exported: ExportedModel, plan: Plan) -> tuple[dict[fx.Node, int], list[str]]:
     """Every data node → group index, by the rule in the module docstring. Nodes that do
-    not depend on input data are left out: they are recomputed where needed (_replicate)."""
+    not depend on input data are left out: they are recomputed where needed (cut_rewrite.py)."""
     by_name = _group_of_names(plan)
     calls = list(dict.fromkeys(exported.leaf_name.values()))
     unmatched = [name for name in calls if name not in by_name]
@@ -165,91 +166,6 @@ def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan) -> di
     return seg
 
 
-def _replicate(gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
-               data: frozenset[fx.Node]) -> None:
-    """Give every replicable (non-data) node a copy in each stage that uses it; `seg` and
-    `assign` are extended in place (a copy takes its first consumer's group)."""
-    compute = _compute_nodes(gm)
-    replicable = [n for n in compute if n not in data]
-    need: dict[fx.Node, dict[int, int]] = {}   # node → stage → group of a consumer there
-    for n in reversed(replicable):
-        stages: dict[int, int] = {}
-        for u in n.users:
-            if u in seg:
-                stages.setdefault(seg[u], assign[u])
-            elif u in need:
-                for s, g in need[u].items():
-                    stages.setdefault(s, g)
-        if not stages:  # no consumer (an assert, a dead value): run it beside its first input
-            src = next((a for a in n.all_input_nodes if a in seg), None)
-            stages = {seg[src]: assign[src]} if src is not None else {0: 0}
-        need[n] = stages
-    copies: dict[tuple[fx.Node, int], fx.Node] = {}
-    for n in replicable:
-        for s, g in sorted(need[n].items()):
-            if (n, s) == (n, min(need[n])):
-                copy = n
-            else:
-                with gm.graph.inserting_after(n):
-                    copy = gm.graph.node_copy(n, lambda a, s=s: copies.get((a, s), a))
-            copy.meta = n.meta
-            if copy is n:  # the original's inputs are replicable ones of the same stage
-                n.args = fx.node.map_arg(n.args, lambda a, s=s: copies.get((a, s), a))
-                n.kwargs = fx.node.map_arg(n.kwargs, lambda a, s=s: copies.get((a, s), a))
-            copies[(n, s)] = copy
-            seg[copy], assign[copy] = s, g
-    for u in list(gm.graph.nodes):
-        if u in seg and u not in need:
-            s = seg[u]
-            u.args = fx.node.map_arg(u.args, lambda a: copies.get((a, s), a))
-            u.kwargs = fx.node.map_arg(u.kwargs, lambda a: copies.get((a, s), a))
-
-
-def _adapt_layouts(exported: ExportedModel, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
-                   plan: Plan) -> None:
-    """Make every data tensor that crosses a cut batch-first for the transfer."""
-    gm = exported.module
-    for p in [n for n in _compute_nodes(gm) if n in exported.data]:
-        outside = [u for u in p.users if u in seg and seg[u] != seg[p]]
-        if not outside:
-            continue
-        lay = exported.layout[p]
-        if lay.kind is LayoutKind.FIRST:
-            continue
-        if lay.kind in (LayoutKind.NONE, LayoutKind.OTHER):
-            val = p.meta.get("val")
-            same = all(plan.groups[assign[u]].replicas == plan.groups[assign[p]].replicas
-                       for u in outside)
-            if same and not (isinstance(val, torch.Tensor) and val.is_floating_point()):
-                continue  # the consumer's copy is the producer's own: passed whole
-            raise PlanError(_cut_error(exported, p, outside[0]))
-        with gm.graph.inserting_after(p):
-            if lay.kind is LayoutKind.MOVED:
-                front = gm.graph.call_function(torch.movedim, (p, lay.dim, 0))
-            else:
-                front = gm.graph.call_function(torch.unflatten, (p, 0, (-1, lay.factor)))
-        seg[front], assign[front] = seg[p], assign[p]
-        back_of: dict[int, fx.Node] = {}
-        for u in outside:
-            s = seg[u]
-            if s not in back_of:
-                with gm.graph.inserting_after(front):
-                    if lay.kind is LayoutKind.MOVED:
-                        back_of[s] = gm.graph.call_function(torch.movedim, (front, 0, lay.dim))
-                    else:
-                        back_of[s] = gm.graph.call_function(torch.flatten, (front, 0, 1))
-                seg[back_of[s]], assign[back_of[s]] = s, assign[u]
-            u.replace_input_with(p, back_of[s])
-
-
-def _cut_error(exported: ExportedModel, p: fx.Node, u: fx.Node) -> str:
-    src, dst = nearest_name(p, exported.leaf_name), nearest_name(u, exported.leaf_name)
-    return (f"the value {p.name!r} computed in {src!r} and used in {dst!r} has no sample "
-            f"dimension (it mixes samples, e.g. a batch statistic), so it cannot cross between "
-            f"groups with different placements. Put {src!r} and {dst!r} in groups with the same "
-            f"replicas and shares.")
-
-
 def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None) -> Dataflow:
     """Export `model` and cut it into one submodule per stage (see the module docstring).
     Without `example_inputs`, a small batch of the plan's model is made to export with."""
@@ -273,23 +189,15 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
     gm = exported.module
     order = [n for n in _compute_nodes(gm) if n in assign]
     seg = segments(order, assign, plan)
-    _replicate(gm, seg, assign, exported.data)
-    _adapt_layouts(exported, seg, assign, plan)
-    _single_output(gm)
+    replicate_per_stage(gm, seg, assign, exported.data)
+    batch_first_across_cuts(exported, seg, assign, plan)
+    single_output(gm)
     gm.graph.lint()
     gm.recompile()
     split = split_module(gm, model, lambda n: seg[n])
     flow = _dataflow(split, seg, assign, plan, warnings)
     _collect_params(flow, gm, seg, assign, model)
     return flow
-
-
-def _single_output(gm: fx.GraphModule) -> None:
-    """Return the one output tensor itself (not the pytree the export rebuilds)."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    leaf = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)][0]
-    out.args = (leaf,)
-    gm.graph._codegen = fx.graph.CodeGen()
 
 
 def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
@@ -319,7 +227,7 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
                     raise PlanError(f"group {plan.groups[first_group[k]].name!r} receives a constant "
                                     f"argument {a!r} across a split; merge it with its producer.")
             module = getattr(split, str(n.target))
-            args = _attributes_inside(module, split, n.args)
+            args = attributes_inside(module, split, n.args)
             stages.append(Stage(value=n.name, group=first_group[k], module=module,
                                 args=tuple(a.name for a in args),
                                 groups=tuple(sorted(groups_of_segment[k]))))
@@ -338,42 +246,6 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
     ordered = order_stages(stages, projections, plan, {s.value: set(s.groups) for s in stages}, segment_of)
     return Dataflow(inputs=tuple(inputs), stages=tuple(ordered), projections=projections,
                     owner=owner, output=output, warnings=warnings)
-
-
-def _attributes_inside(module: fx.GraphModule, split: fx.GraphModule, args: tuple) -> list[fx.Node]:
-    """split_module passes tensor attributes (parameters, buffers) as arguments; make each a
-    get_attr of the stage's own module instead, registered under its model name (the same
-    object), so a stage holds its parameters and its callers pass only values."""
-    placeholders = [p for p in module.graph.nodes if p.op == "placeholder"]
-    kept = []
-    for a, ph in zip(args, placeholders):
-        if a.op != "get_attr":
-            kept.append(a)
-            continue
-        value = _attr(split, str(a.target))
-        *path, leaf = str(a.target).split(".")
-        owner: nn.Module = module
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, nn.Module())
-            owner = getattr(owner, part)
-        if isinstance(value, nn.Parameter):
-            owner.register_parameter(leaf, value)
-        else:
-            owner.register_buffer(leaf, value)
-        with module.graph.inserting_after(ph):
-            node = module.graph.get_attr(str(a.target))
-        ph.replace_all_uses_with(node)
-        module.graph.erase_node(ph)
-    module.recompile()
-    return kept
-
-
-def _attr(root: nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], plan: Plan,
