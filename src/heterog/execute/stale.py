@@ -122,18 +122,38 @@ def remove_stale_runs() -> list[str]:
     return removed
 
 
+def full_model_bytes(plan_doc: dict[str, Any]) -> int:
+    """Bytes of the whole model's fp32 parameters (built on the meta device: no memory)."""
+    import torch
+
+    from heterog.execute.workload import resolve_workload
+    from heterog.ir.plan import Plan
+    work = resolve_workload(Plan.from_dict(plan_doc).model)
+    with torch.device("meta"):
+        model = work.build()
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
 def check_memory(plan_doc: dict[str, Any], devices: tuple[str, ...], *, force: bool) -> None:
-    """Refuse to start ranks whose predicted memory exceeds this machine's available memory."""
+    """Refuse to start ranks whose memory would exceed this machine's available memory.
+
+    Each rank first builds the whole model (so all ranks agree on its initial parameters),
+    frees the groups it does not hold, then trains within the plan's predicted peak for its
+    device: it needs about max(whole model, predicted peak) plus the process baseline.
+    """
+    if force:
+        return
     peaks = plan_doc.get("predicted_peak_memory_bytes") or {}
-    need = sum(int(peaks.get(d, 0)) + RANK_BASELINE_BYTES for d in devices)
+    whole = full_model_bytes(plan_doc)
+    need = sum(max(whole, int(peaks.get(d, 0))) + RANK_BASELINE_BYTES for d in devices)
     free = psutil.virtual_memory().available
-    if need <= free or force:
+    if need <= free:
         return
     gib = 2**30
     largest = max(devices, key=lambda d: int(peaks.get(d, 0)))
     raise ResourceError(
-        f"the plan needs about {need / gib:.1f} GiB on this machine ({len(devices)} local rank(s): the "
-        f"plan's predicted peak per device, up to {int(peaks.get(largest, 0)) / gib:.1f} GiB on "
-        f"{largest}, plus {RANK_BASELINE_BYTES / gib:.1f} GiB per process), but only {free / gib:.1f} GiB "
-        f"is available. Plan a smaller model or batch, run on the real cluster (--torchrun), or pass "
-        f"--force to start anyway.")
+        f"the plan needs about {need / gib:.1f} GiB on this machine: {len(devices)} local rank(s), each "
+        f"building the whole model ({whole / gib:.1f} GiB of parameters) or reaching the plan's predicted "
+        f"peak (up to {int(peaks.get(largest, 0)) / gib:.1f} GiB on {largest}), plus "
+        f"{RANK_BASELINE_BYTES / gib:.1f} GiB per process; only {free / gib:.1f} GiB is available. Plan a "
+        f"smaller model or batch, run on the real cluster (--torchrun), or pass --force to start anyway.")
