@@ -7,12 +7,13 @@ Compute time of one node (Williams, Waterman & Patterson, "Roofline", CACM 2009)
     t_math = F_tc / (P_tc · e(kind, n)) + F_other / (P_fp32 · E_VECTOR)
     t_mem  = bytes / (BW · e_mem)
     roof   = max(t_math, t_mem)
-    GPU:   t = max(roof + k · kernel_gap, k · dispatch)      (the host runs ahead, asynchronously)
+    GPU:   t = max(roof + k · kernel_gap, host)              (host pacing: cost/host.py)
     CPU:   t = roof + k · dispatch                            (the host does the work itself)
 
 F_tc is the node's FLOPs in matmul/conv/attention kernels (tensor_core_flops_fraction), k its
 kernel count, n = (F_tc / k / 2)^(1/3) the equivalent square-product size that picks the
-efficiency from the calibrated curve (cost/efficiency.py). P_tc by precision, as PyTorch runs
+efficiency from the calibrated curve (cost/efficiency.py), times the GPU type's own sustained
+factors (catalog `efficiency`, never above peak). P_tc by precision, as PyTorch runs
 by default: fp32 — matmul and attention at the FP32 rate, cuDNN convolutions at TF32
 (torch.backends.cudnn.allow_tf32 is on, cuda.matmul.allow_tf32 is off); amp-bf16 — BF16
 tensor cores; fp16 — FP16. A precision with no fast path on a type falls back to FP32.

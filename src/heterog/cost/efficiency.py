@@ -10,6 +10,9 @@ the cost model adds its own per-kernel costs (hardware.catalog.host_overheads).
 Scaling to other GPUs. A product saturates a GPU once it has enough output tiles for all
 its SMs; tiles grow as n², SM count roughly as the peak, so a GPU with peak P reaches the
 H200's efficiency at size n·sqrt(P / P_H200): eff_X(n) = eff_H200(n · sqrt(P_H200 / P_X)).
+Each type then applies its own fitted figures (hardware.gputype.Efficiency, catalog.yaml):
+the size shift `size_scale`, the compute factor per precision (cost.analytic), and its
+sustained memory bandwidth per kind of op (memory_efficiency).
 """
 
 from __future__ import annotations
