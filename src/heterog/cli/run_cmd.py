@@ -132,7 +132,10 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Start even when the plan's memory per rank "
                                    "exceeds this machine's free memory."),
     ) -> None:
-        """Train a plan for N steps on synthetic data; measured vs predicted step time."""
+        """Train a plan for N steps on synthetic data or --data; measured vs predicted step time.
+
+        Checks first that the plan fits the model, its cluster, the data and this machine's
+        memory; --checkpoint-dir/--checkpoint-every save, --resume continues (docs/robustness.md)."""
         set_wide(wide)
         from heterog import pipeline as api
         from heterog.ir.plan import Plan
