@@ -253,3 +253,34 @@ def test_cli_lower_prints_per_device_counts_and_writes_a_program_simulate_accept
     assert a.exit_code == 0 and b.exit_code == 0, a.output + b.output
     assert json.loads(a.output)["iteration_time_s"] == json.loads(b.output)["iteration_time_s"]
     assert prog.devices == tuple(devs)
+
+
+@pytest.mark.slow
+def test_simulate_and_run_predict_the_same_time_for_one_emulated_plan(tmp_path):
+    """One prediction per plan: `heterog simulate` and the prediction `heterog run` prints
+    come from the same inputs (pipeline.plan_inputs) and the same schedule."""
+    import subprocess
+    import sys
+    from heterog.hardware.spec import cluster_to_dict, load_cluster
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+    c = load_cluster("emulated-4")
+    devs = [d.name for d in c.devices]
+    p = Plan(strategy="test", model=ModelSpec(name="toy-cnn", batch_size=24),
+             groups=(Group(name="all", nodes=_toy_nodes(), sync="ring",
+                           replicas=tuple(Replica(device=d, share=s) for d, s in zip(devs, (.3, .3, .2, .2)))),),
+             cluster=cluster_to_dict(c)).validate()
+    p.save(tmp_path / "plan.json")
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "heterog.cli.main", *args, "--json"], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    sim = cli("simulate", str(tmp_path / "plan.json"))
+    ran = cli("run", str(tmp_path / "plan.json"), "--steps", "2", "--no-shaping")
+    assert ran["predicted_iteration_time_s"] == pytest.approx(sim["iteration_time_s"], rel=1e-9)
+
+
+def _toy_nodes() -> tuple[str, ...]:
+    from heterog.capture import capture_model
+    return tuple(n.name for n in capture_model("toy-cnn", batch_size=4).nodes)

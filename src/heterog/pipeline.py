@@ -68,9 +68,13 @@ def read_plan(path: str | os.PathLike) -> Plan:
 
 
 def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=None):
-    """(graph, cost model) for `plan` on `cluster`: the model captured at the plan's batch, and
-    costs as the plan's precision and optimizer run (profile: per-node times measured on this
-    CPU first, for emulated clusters; a few seconds)."""
+    """(graph, cluster, cost model) for `plan`: the model captured at the plan's batch, the
+    cluster as its ranks see it (local_cluster: an emulated cluster's CPU devices are
+    one-thread processes, so this process computes their costs at one thread too), and costs
+    as the plan's precision and optimizer run (profile: per-node times measured on this CPU
+    first, for emulated clusters; a few seconds). simulate, run and report all call this, so
+    they predict the same time for the same plan."""
+    cluster = local_cluster(cluster)
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     if graph is None:
@@ -83,8 +87,8 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
         b = plan.batch_size
         prof = measure_profile(resolve_workload(plan.model), graph=graph,
                                batch_sizes=tuple(sorted({1, max(1, b // 4), b})))
-    return graph, build_cost_model(graph, cluster, precision=plan.precision, optimizer=plan.optimizer,
-                                   profile=prof)
+    return graph, cluster, build_cost_model(graph, cluster, precision=plan.precision,
+                                            optimizer=plan.optimizer, profile=prof)
 
 
 def lower(plan: Plan | str | os.PathLike) -> Program:
@@ -92,7 +96,7 @@ def lower(plan: Plan | str | os.PathLike) -> Program:
     if not isinstance(plan, Plan):
         plan = read_plan(plan)
     cluster = plan_cluster(plan) or local_cpu_cluster(plan)
-    graph, costs = plan_inputs(plan, cluster)
+    graph, cluster, costs = plan_inputs(plan, cluster)
     return lower_schedule(graph, cluster, cover_graph(plan, graph), costs)
 
 
@@ -119,7 +123,8 @@ def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, 
 
 def local_cluster(cluster: Cluster) -> Cluster:
     """An emulated cluster as its ranks see this machine: the `cpu` type measured at one
-    thread (each rank runs one), whatever thread count the plan was made with."""
+    thread (each rank runs one), whatever thread count the plan was made with. It leaves this
+    process at one thread, so costs computed later (lazily, by the simulator) agree."""
     if cluster.kind != "emulated" or "cpu" not in cluster.gpu_types:
         return cluster
     import dataclasses
@@ -145,15 +150,9 @@ def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
 def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool):
     """(program, graph, costs, cluster as seen here): the run and its prediction share one
     schedule, lowered with the costs of this machine's ranks (local_cluster)."""
-    import torch
-    threads = torch.get_num_threads()  # local_cluster probes at one thread; restore after
-    try:
-        local = local_cluster(cluster)
-        graph, costs = plan_inputs(plan, local, profile=profile)
-        plan = cover_graph(plan, graph)
-        return lower_schedule(graph, local, plan, costs), graph, costs, local, plan
-    finally:
-        torch.set_num_threads(threads)
+    graph, local, costs = plan_inputs(plan, cluster, profile=profile)
+    plan = cover_graph(plan, graph)
+    return lower_schedule(graph, local, plan, costs), graph, costs, local, plan
 
 
 @contextlib.contextmanager

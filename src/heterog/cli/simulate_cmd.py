@@ -39,7 +39,7 @@ def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, sou
     else:
         raise PlanError(f"{source}: field 'cluster' is empty, so the plan does not say which cluster "
                         f"it is for; pass --cluster NAME_OR_FILE.")
-    graph, costs = plan_inputs(plan, cluster, graph=graph)
+    graph, cluster, costs = plan_inputs(plan, cluster, graph=graph)
     return plan, graph, cluster, costs
 
 
