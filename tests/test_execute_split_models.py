@@ -26,10 +26,14 @@ MODELS = {
     "llama": dict(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=96, positions=32),
     "transformer": dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0),
 }
+XLNET = dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, dropout=0.0)
+TWO_NODES = {"name": "two-nodes", "kind": "emulated", "nodes": [
+    {"name": f"n{i}", "nic_bandwidth_gbps": 2, "devices": [
+        {"type": "cpu", "name": f"n{i}/cpu{j}", "slowdown": 1} for j in range(2)]} for i in range(2)]}
 
 
-def halves(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    nodes = [n.name for n in capture_model(name, MODELS[name], batch_size=2, seq_len=SEQ).nodes]
+def halves(name: str, args: dict | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    nodes = [n.name for n in capture_model(name, args or MODELS[name], batch_size=2, seq_len=SEQ).nodes]
     k = len(nodes) // 2
     return tuple(nodes[:k]), tuple(nodes[k:])
 
@@ -39,15 +43,17 @@ def replicas(*pairs) -> tuple[Replica, ...]:
 
 
 def make_plan(name: str, groups: list[Group], *, batch_size: int = 6, microbatches: int = 1,
-              schedule: str = "gpipe", optimizer: str = "sgd") -> Plan:
-    return Plan(strategy="test", model=ModelSpec(name=name, args=MODELS[name], batch_size=batch_size,
+              schedule: str = "gpipe", optimizer: str = "sgd", args: dict | None = None,
+              cluster: dict | None = None) -> Plan:
+    return Plan(strategy="test", model=ModelSpec(name=name, args=args or MODELS[name], batch_size=batch_size,
                                                  seq_len=SEQ),
                 groups=tuple(groups), num_microbatches=microbatches, schedule=schedule,
-                optimizer=optimizer).validate()
+                optimizer=optimizer, cluster=cluster or {}).validate()
 
 
 def check_equal(plan: Plan, tmp_path) -> None:
-    out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=120)
+    out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=120,
+              shape_links=False)
     ref = reference_train(plan, steps=STEPS)
     seen: set[str] = set()
     for rank in range(len(out["devices"])):
@@ -84,4 +90,42 @@ def test_hybrid_uneven_shares_with_tied_weights_across_devices(tmp_path, name):
         Group(name="front", nodes=first, replicas=replicas(("a", 0.6), ("b", 0.4)), sync="ring"),
         Group(name="back", nodes=second, replicas=replicas(("c", 0.7), ("a", 0.3)), sync="tree")],
         batch_size=7)  # sgd: AdamW turns the ~0 gradient of attention key biases into ±lr noise
+    check_equal(plan, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["gpt2", "transformer"])
+def test_parameter_server_holds_the_optimizer_state(tmp_path, name):
+    # The front is served by a device without a replica, the back by one of its replicas.
+    first, second = halves(name)
+    plan = make_plan(name, [
+        Group(name="front", nodes=first, replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
+        Group(name="back", nodes=second, replicas=replicas(("a", 0.25), ("b", 0.75)), sync="ps", ps_device="b")],
+        batch_size=8)  # AdamW's server-side state is checked exactly in test_collectives.py
+    check_equal(plan, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hierarchical_allreduce_across_two_emulated_nodes(tmp_path):
+    first, second = halves("llama")
+    devices = [d["name"] for node in TWO_NODES["nodes"] for d in node["devices"]]
+    shares = (0.4, 0.1, 0.3, 0.2)
+    plan = make_plan("llama", [
+        Group(name="front", nodes=first, replicas=replicas(*zip(devices, shares)), sync="hierarchical"),
+        Group(name="back", nodes=second, replicas=replicas(*zip(reversed(devices), shares)),
+              sync="hierarchical")], batch_size=10, cluster=TWO_NODES)
+    check_equal(plan, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_seq_first_xlnet_two_stage_pipeline_with_a_replicated_stage(tmp_path):
+    # XLNet keeps (seq, batch, hidden) inside: values cross the cut batch-first and back.
+    first, second = halves("xlnet-large", XLNET)
+    plan = make_plan("xlnet-large", [
+        Group(name="s0", nodes=first, replicas=replicas(("a", 1.0))),
+        Group(name="s1", nodes=second, replicas=replicas(("b", 0.6), ("c", 0.4)), sync="ring")],
+        microbatches=2, args=XLNET)
     check_equal(plan, tmp_path)

@@ -83,6 +83,7 @@ class Dataflow:
     param_numel: dict[str, int] = field(default_factory=dict)
     param_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # name → groups holding a copy
+    unused: frozenset[str] = frozenset()         # parameters forward never reads (no gradient)
     warnings: list[str] = field(default_factory=list)
     split: bool = True                           # False: the whole model is one stage
 
@@ -196,7 +197,7 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
     gm.recompile()
     split = split_module(gm, model, lambda n: seg[n])
     flow = _dataflow(split, seg, assign, plan, warnings)
-    _collect_params(flow, gm, seg, assign, model)
+    _collect_params(flow, gm, seg, assign, model, plan)
     return flow
 
 
@@ -269,7 +270,7 @@ def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], p
 
 
 def _collect_params(flow: Dataflow, gm: fx.GraphModule, seg: dict[fx.Node, int],
-                    assign: dict[fx.Node, int], model: nn.Module) -> None:
+                    assign: dict[fx.Node, int], model: nn.Module, plan: Plan) -> None:
     """Map each group to the parameters its nodes read; a parameter read by several groups
     is tied (every one of them holds a copy)."""
     name_of = {id(p): name for name, p in model.named_parameters()}
@@ -294,9 +295,29 @@ def _collect_params(flow: Dataflow, gm: fx.GraphModule, seg: dict[fx.Node, int],
     flow.param_names = {g: tuple(n for n, _ in ps) for g, ps in flow.params_of_group.items()}
     flow.param_numel = {n: p.numel() for n, p in by_name.items()}
     flow.param_by_name = dict(by_name)
-    unused = [n for n, p in model.named_parameters() if n not in users]
+    unused = [(n, p) for n, p in model.named_parameters() if n not in users]
+    by_node = {name: g for g, grp in enumerate(plan.groups) for name in grp.nodes}
+    for name, p in unused:  # no gradient, but a holder keeps it (checkpoints, equal dumps)
+        g = _group_of_module(name, by_node)
+        flow.params_of_group.setdefault(g, []).append((name, p))
+        flow.param_names[g] = flow.param_names.get(g, ()) + (name,)
+        flow.param_numel[name] = p.numel()
+        flow.param_by_name[name] = p
+    flow.unused = frozenset(n for n, _ in unused)
     if unused:
-        flow.warnings.append(f"{len(unused)} parameter(s) unused in forward, e.g. {unused[:3]}")
+        flow.warnings.append(f"{len(unused)} parameter(s) unused in forward, held by the group of "
+                             f"their module, e.g. {[n for n, _ in unused[:3]]}")
+
+
+def _group_of_module(param: str, group_of_node: dict[str, int]) -> int:
+    """The group of the closest enclosing module named in the plan (a node name is a module
+    path), else the first group."""
+    path = param.rsplit(".", 1)[0] if "." in param else ""
+    while path:
+        if path in group_of_node:
+            return group_of_node[path]
+        path = path.rsplit(".", 1)[0] if "." in path else ""
+    return 0
 
 
 def _is_param(gm: fx.GraphModule, target: str) -> bool:
@@ -335,16 +356,7 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
     by_name = _group_of_names(plan)
     params: dict[int, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
-        path = name.rsplit(".", 1)[0] if "." in name else ""
-        group = 0
-        while True:
-            if path in by_name:
-                group = by_name[path]
-                break
-            if "." not in path:
-                break
-            path = path.rsplit(".", 1)[0]
-        params.setdefault(group, []).append((name, p))
+        params.setdefault(_group_of_module(name, by_name), []).append((name, p))
     inputs = tuple(f"input_{i}" for i in range(num_inputs))
     stage = Stage(value="output", group=0, module=model, args=inputs, groups=tuple(range(len(plan.groups))))
     return Dataflow(inputs=inputs, stages=(stage,), projections={},

@@ -7,7 +7,8 @@ the gradients on every member; a parameter server sums them on the server, which
 the optimizer to its copy (it alone holds that state) and sends the parameters back — a
 replica then installs them and clears the gradient, so its local optimizer skips them.
 
-Tied parameters (partition.py: one parameter read by several groups, e.g. an embedding and
+Parameters forward never reads have no gradient anywhere and are not synchronised (an
+optimizer skips them, as in single-process training). Tied parameters (partition.py: one parameter read by several groups, e.g. an embedding and
 the output projection) are left out of their groups' sync: every rank holding a copy adds
 its local gradient in one ring all-reduce over all holders, then each holder steps its copy
 with the same gradient, so the copies stay equal (Megatron-LM's embedding all-reduce).
@@ -174,14 +175,14 @@ def group_buckets(plan: Plan, flow: Dataflow, rank_of: dict[str, int]) -> list[t
         order = [rank_of[r.device] for r in g.replicas]
         server = rank_of[g.ps_device] if g.sync == SyncMethod.PS and g.ps_device else None
         members = tuple(order + ([server] if server is not None and server not in order else []))
-        names = [n for n in flow.param_names.get(gi, ()) if n not in flow.tied]
+        names = [n for n in flow.param_names.get(gi, ()) if n not in flow.tied and n not in flow.unused]
         if len(members) < 2 or not names:
             continue
         method = SyncMethod(g.sync) if g.sync != SyncMethod.NONE else SyncMethod.RING
         together.setdefault((members, method, server, tuple(order)), []).append(gi)
     out = []
     for (members, method, server, order), groups in together.items():
-        names = [n for gi in groups for n in flow.param_names[gi] if n not in flow.tied]
+        names = [n for gi in groups for n in flow.param_names[gi] if n not in flow.tied and n not in flow.unused]
         by_node: dict[str, list[int]] = {}
         for r in members:
             by_node.setdefault(node_of[r], []).append(r)
@@ -269,7 +270,8 @@ class ProgramSync:
 
     def _bucket(self, ins: Any) -> Bucket:
         block = self.program.blocks[ins.block]
-        names = tuple(n for g in block.groups for n in self.flow.param_names.get(g, ()) if n not in self.flow.tied)
+        names = tuple(n for g in block.groups for n in self.flow.param_names.get(g, ())
+                      if n not in self.flow.tied and n not in self.flow.unused)
         replicas = tuple(self.rank_of[d] for d in block.devices)
         members = tuple(self.rank_of[d] for d in ins.members)
         server = self.rank_of[ins.server] if ins.server else None
