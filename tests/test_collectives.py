@@ -115,3 +115,75 @@ def test_parameter_server_equals_single_process_steps_on_the_summed_gradient(res
         assert torch.allclose(got, ref.detach(), rtol=1e-6, atol=1e-7), (name, r)
         # only the server keeps optimizer state
         assert results[r][(name, "has_optimizer")] == (r == server)
+
+
+# -- ProgramSync: the sync driver for a lowered Program, on 3 ranks -----------------------
+# block 0: group 0 on ranks 0, 1 (ring); block 1: group 1 on ranks 1, 2, served by rank 0
+# (ps, no replica there); parameter "tied" is read by both groups, so ranks 0, 1, 2 hold it.
+
+def _program():
+    from types import SimpleNamespace
+
+    from heterog.lower.program import Collective
+    devices = ("d0", "d1", "d2")
+    blocks = (SimpleNamespace(groups=(0,), devices=("d0", "d1"), label="block 0"),
+              SimpleNamespace(groups=(1,), devices=("d1", "d2"), label="block 1"))
+    c0 = Collective(block=0, method="ring", members=("d0", "d1"), server=None, nodes=(), nbytes=0.0)
+    c1 = Collective(block=1, method="ps", members=("d1", "d2"), server="d0", nodes=(), nbytes=0.0)
+    instructions = {"d0": (c0, c1), "d1": (c0, c1), "d2": (c1,)}
+    return SimpleNamespace(devices=devices, blocks=blocks, instructions=instructions,
+                           rank_of=lambda: {d: r for r, d in enumerate(devices)})
+
+
+def _flow(rank: int):
+    from heterog.execute.partition import Dataflow
+    names = {0: ("a", "tied"), 1: ("b", "tied")}
+    held = {0: {0}, 1: {0, 1}, 2: {1}}[rank]
+    params = {n: torch.nn.Parameter(torch.full((5,), 1.0 + i)) for i, n in enumerate(["a", "b", "tied"])}
+    for n, p in params.items():
+        if not any(n in names[g] for g in held):
+            p.data = torch.empty(0)
+        else:
+            p.grad = grad_of(rank, 5, "abtied".index(n[0]) + 1)
+    return Dataflow(inputs=(), stages=(), projections={}, owner={}, output="",
+                    params_of_group={g: [(n, params[n]) for n in names[g]] for g in held},
+                    param_names=names, param_numel={n: 5 for n in params}, param_by_name=params,
+                    tied={"tied": (0, 1)})
+
+
+def _program_worker(rank: int, port: int, out_dir: str) -> None:
+    from heterog.execute.sync import ProgramSync
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=60))
+    flow = _flow(rank)
+    sync = ProgramSync(program=_program(), flow=flow, rank=rank, optimizer="sgd", timeout_s=60)
+    for ins in _program().instructions[f"d{rank}"]:
+        sync.launch(ins)
+    sync.finish()
+    sync.sum_tied_gradients()
+    out = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
+           for n, p in flow.param_by_name.items()}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_program_sync_runs_each_blocks_method_and_sums_tied_gradients_over_all_holders(tmp_path):
+    mp.spawn(_program_worker, args=(_free_port(), str(tmp_path)), nprocs=3, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    g = lambda r, n: grad_of(r, 5, "abtied".index(n[0]) + 1)  # noqa: E731
+    # ring over ranks 0, 1 for "a"
+    for r in (0, 1):
+        assert torch.allclose(got[r]["a"][1], g(0, "a") + g(1, "a"))
+    # ps served by rank 0 (SGD at workload.SGD_LR): replicas 1, 2 get the new
+    # parameters and no gradient, so their local optimizer leaves them alone
+    from heterog.execute.workload import SGD_LR
+    want_b = torch.full((5,), 2.0) - SGD_LR * (g(1, "b") + g(2, "b"))
+    for r in (1, 2):
+        value, grad = got[r]["b"]
+        assert torch.allclose(value, want_b) and grad is None
+    # the tied parameter's gradient: every holder's local gradient, summed on all three
+    for r in (0, 1, 2):
+        assert torch.allclose(got[r]["tied"][1], g(0, "tied") + g(1, "tied") + g(2, "tied"))
