@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from heterog.errors import PlanError
+from heterog.execute.device import nccl_env
 from heterog.execute.launcher import LaunchConfig, launch_local
 from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
@@ -109,16 +110,31 @@ def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, 
     if cluster.kind == "emulated":
         return {d: cluster.device(d).slowdown for d in devices}
     if not emulated:
+        if local_gpus() >= len(devices):
+            return {}          # real GPUs: one rank per visible GPU, no pacing
         raise PlanError(
             f"the plan's cluster {cluster.name!r} is a real GPU cluster of {len(devices)} device(s) "
-            f"({', '.join(sorted({cluster.device(d).gpu_type for d in devices}))}); this launcher "
-            f"runs local CPU processes. Use --emulated to emulate it here (each device paced by "
-            f"its speed relative to the fastest), or --torchrun for the per-node commands.")
+            f"({', '.join(sorted({cluster.device(d).gpu_type for d in devices}))}) and this machine has "
+            f"{local_gpus()} visible GPU(s). Run it where its GPUs are (--torchrun prints the per-node "
+            f"commands), or use --emulated to emulate it here with CPU processes (each device paced "
+            f"by its speed relative to the fastest).")
     key = "fp32" if plan.precision == "fp32" else "bf16"
     peak = {d: cluster.gpu(d).peak_flops_per_s.get(key) or cluster.gpu(d).peak_flops_per_s["fp32"]
             for d in devices}
     top = max(peak.values())
     return {d: top / peak[d] for d in devices}
+
+
+def local_gpus() -> int:
+    """CUDA devices visible to this process (0 without a CUDA build of torch)."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def on_gpus(cluster: Cluster, devices: tuple[str, ...], emulated: bool) -> bool:
+    """A local run goes on GPUs when the plan's cluster is real, not emulated, and this
+    machine shows a GPU for every rank (rank r on cuda:r)."""
+    return cluster.kind != "emulated" and not emulated and local_gpus() >= len(devices) > 0
 
 
 def local_cluster(cluster: Cluster) -> Cluster:
@@ -183,7 +199,10 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
                          "groups": r["groups"], "step_time_s": med("step_time_s"),
                          "compute_s": med("compute_s"), "cpu_s": med("cpu_s"), "paced_s": med("paced_s"),
                          "recv_wait_s": med("recv_wait_s"), "sync_s": med("sync_s"),
-                         "sent_bytes_total": r["sent_bytes"], "max_rss_bytes": r["max_rss_bytes"]})
+                         "sent_bytes_total": r["sent_bytes"], "max_rss_bytes": r["max_rss_bytes"],
+                         "torch_device": r.get("torch_device", "cpu"),
+                         "peak_allocated_bytes": r.get("memory", {}).get("peak_allocated_bytes"),
+                         "peak_reserved_bytes": r.get("memory", {}).get("peak_reserved_bytes")})
     losses = [sum(r["steps"][k]["loss"] for r in results) for k in range(steps)]
     return {"measured_iteration_time_s": statistics.median(per_step), "measured_steps": len(per_step),
             "per_rank": per_rank, "losses": losses}
@@ -194,8 +213,10 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         pin_cores: bool = False, predict: bool = True, out_dir: str | os.PathLike | None = None,
         dump_params: bool = False, fault: dict[str, Any] | None = None,
         data: str | None = None, profile: bool = False, checkpoint: dict[str, Any] | None = None,
-        force: bool = False) -> dict[str, Any]:
+        force: bool = False, nccl_override: dict[str, str] | None = None) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
+    A real GPU cluster's plan runs one rank per visible GPU (NCCL; one NCCL algorithm and
+    protocol on every rank when the GPU types differ, nccl_override to choose another).
 
     profile: predict from per-node times measured on this CPU (see predict_iteration_time).
     data: 'path/file.py:fn', fn(batch_size, step) → the global batch (inputs tuple, targets)
@@ -237,9 +258,15 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
             except ShapingUnavailable as e:
                 shaping = {"enabled": False, "reason": str(e)}
                 notes.append(f"links not shaped: {e}")
+        cuda = on_gpus(cluster, devices, emulated)
+        if cuda:
+            env, note = nccl_env({cluster.device(d).gpu_type for d in devices}, nccl_override)
+            cfg_net["env"] = {r: env for r in range(len(devices))}
+            if note:
+                notes.append(note)
         cfg = LaunchConfig(devices=devices, steps=steps, timeout_s=timeout_s, seed=seed,
                            slowdowns=slowdowns, pin_cores=pin_cores, dump_params=dump_params,
-                           fault=fault, data=data, checkpoint=checkpoint, force=force, **cfg_net)
+                           fault=fault, data=data, checkpoint=checkpoint, force=force, cuda=cuda, **cfg_net)
         results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None,
                                program_doc=program.to_dict())
     for r in results:
@@ -256,6 +283,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         d = sim_devices.get(r["device"], {})
         r["predicted_compute_s"] = d.get("compute_time_s")
         r["predicted_communication_s"] = d.get("communication_time_s")
+        r["predicted_peak_memory_bytes"] = d.get("peak_memory_bytes")
     out["predicted_iteration_time_s"] = predicted
     out["prediction_source"] = source
     measured = out["measured_iteration_time_s"]

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, console, human_time, print_json, print_table, set_wide, write_json
+from heterog.cli.output import WIDE_HELP, console, human_bytes, human_time, print_json, print_table, set_wide, write_json
 
 
 class _StepFollower:
@@ -92,9 +92,12 @@ def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Pa
 
 
 def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
+    def mem(n):
+        return human_bytes(n) if n is not None else "-"
     return [[str(r["rank"]), r["device"], f"{r['slowdown']:g}×", human_time(r["step_time_s"]),
              human_time(r["compute_s"]), human_time(r["paced_s"]), human_time(r["recv_wait_s"]),
-             human_time(r["sync_s"])] for r in per_rank]
+             human_time(r["sync_s"]), mem(r.get("peak_allocated_bytes")),
+             mem(r.get("predicted_peak_memory_bytes"))] for r in per_rank]
 
 
 def register(app: typer.Typer) -> None:
@@ -170,8 +173,9 @@ def register(app: typer.Typer) -> None:
             print_json(result)
             return
         print_table(f"{p.strategy} on {result['cluster']}: median step of {result['measured_steps']}",
-                    ["rank", "device", "slow", "step", "compute", "paced", "wait", "sync"],
-                    _rank_rows(result["per_rank"]), optional=("paced", "wait"))
+                    ["rank", "device", "slow", "step", "compute", "paced", "wait", "sync", "peak mem",
+                     "predicted mem"],
+                    _rank_rows(result["per_rank"]), optional=("paced", "wait", "predicted mem"))
         pred = result["predicted_iteration_time_s"]
         err = result["relative_error"]
         console.print(f"measured iteration time  {human_time(result['measured_iteration_time_s'])}")
@@ -230,11 +234,19 @@ def _print_torchrun(plan, plan_path: Path, steps: int, timeout_s: float, master_
     else:
         node_devices = [[d for d in n.devices if d in devices] for n in cluster.nodes]
         node_devices = [n for n in node_devices if n]
+    from heterog.execute.device import nccl_env
+    from heterog.pipeline import lower
+    gpus = cluster is not None and cluster.kind != "emulated"     # ranks on cuda:<local rank>, NCCL
+    env, note = nccl_env({cluster.device(d).gpu_type for d in devices}) if gpus else ({}, None)
     spec_path = plan_path.with_suffix(".torchrun.json")
-    write_atomic(spec_path, json.dumps({"torchrun": True, "plan": plan.to_dict(), "node_devices": node_devices,
+    write_atomic(spec_path, json.dumps({"torchrun": True, "program": lower(plan).to_dict(),
+                                        "node_devices": node_devices, "cuda": gpus,
                                         "steps": steps, "timeout_s": timeout_s, "out_dir": "heterog-run",
                                         "data": data, "checkpoint": checkpoint}))
-    cmds = torchrun_commands(spec_path=str(spec_path), node_devices=node_devices, master_addr=master_addr)
+    cmds = torchrun_commands(spec_path=str(spec_path), node_devices=node_devices, master_addr=master_addr,
+                             env=env)
+    if note and not as_json:
+        console.print(note)
     files = _files_every_node_needs(plan, spec_path, data)
     if as_json:
         print_json({"spec": str(spec_path), "commands": cmds, "files_every_node_needs": files})

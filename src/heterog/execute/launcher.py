@@ -48,6 +48,7 @@ class LaunchConfig:
     data: str | None = None                   # user data 'path/file.py:fn' (workload.with_data)
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
+    cuda: bool = False                        # rank r computes on cuda:r (NCCL), else the CPU (gloo)
     master_addr: str = "127.0.0.1"
     checkpoint: dict[str, Any] | None = None  # checkpoint.CheckpointConfig.to_dict()
     force: bool = False                       # start even when memory looks too small
@@ -86,7 +87,7 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
             spec = {"rank": rank, "devices": list(cfg.devices), "program": program_doc, "steps": cfg.steps,
                     "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
                     "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault, "data": cfg.data,
-                    "checkpoint": ckpt, "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
+                    "checkpoint": ckpt, "cuda": cfg.cuda, "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
             spec_path = work / f"spec_rank{rank}.json"
             spec_path.write_text(json.dumps(spec))
             env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -190,12 +191,14 @@ def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: Lau
 
 
 def torchrun_commands(*, spec_path: str, node_devices: list[list[str]], master_addr: str,
-                      master_port: int = 29500) -> list[str]:
-    """One torchrun command per node; rank order follows node order, then device order."""
+                      master_port: int = 29500, env: dict[str, str] | None = None) -> list[str]:
+    """One torchrun command per node; rank order follows node order, then device order. `env`
+    (e.g. one NCCL algorithm for unlike GPUs) prefixes every command."""
+    prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
     out = []
     for i, devs in enumerate(node_devices):
         out.append(" ".join([
-            "torchrun", f"--nnodes={len(node_devices)}", f"--node-rank={i}",
+            *prefix, "torchrun", f"--nnodes={len(node_devices)}", f"--node-rank={i}",
             f"--nproc-per-node={len(devs)}", f"--master-addr={shlex.quote(master_addr)}",
             f"--master-port={master_port}", "-m", "heterog.execute.worker", shlex.quote(spec_path)]))
     return out
