@@ -123,6 +123,12 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
                        "inherits": eff.inherits, "source": eff.source},
         "host": {**{f: getattr(host, f) for f in ("forward_node_s", "forward_op_s", "backward_op_s",
                                                    "autocast_cast_s", "optimizer_tensor_s", "kernel_gap_s")},
-                 "source": f"measured per-op host times × {scale:.3g} (fitted on {len(profile.steps)} steps)"
-                           if profile.steps else "measured per-op host times"},
+                 "source": _host_source(profile, base_type, scale)},
     }
+
+
+def _host_source(profile: DeviceProfile, base: GpuType, scale: float) -> str:
+    what = "measured per-op host times" if profile.host else f"the catalog's host costs for {base.vendor} (not measured)"
+    if profile.steps:
+        return f"{what} × {scale:.3g} (one scale fitted on {len(profile.steps)} measured steps)"
+    return what
