@@ -124,3 +124,21 @@ def test_planner_is_reproducible_with_a_seed_and_iteration_cap():
     a, b = (r.best for r in runs)
     assert a.strategy == b.strategy and a.groups == b.groups and a.num_microbatches == b.num_microbatches
     assert a.predicted_iteration_time_s == b.predicted_iteration_time_s
+
+
+def test_plan_strategy_writes_the_named_candidates_plan(tmp_path):
+    """`heterog plan --strategy NAME --out` writes that candidate (here a baseline), so any
+    candidate the planner reports can be simulated and run; an unknown name is refused."""
+    from typer.testing import CliRunner
+
+    from heterog.cli.main import app
+    from heterog.ir.plan import Plan
+    args = ["plan", "--model", "toy-cnn", "--batch-size", "32", "--cluster", "emulated-4", "--budget-s", "1",
+            "--no-gnn", "--max-iters", "20"]
+    r = CliRunner().invoke(app, [*args, "--strategy", "even-dp-allreduce", "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    p = Plan.load(tmp_path / "p.json")
+    assert p.strategy == "even-dp-allreduce"
+    assert {round(x.share, 6) for g in p.groups for x in g.replicas} == {0.25}
+    bad = CliRunner().invoke(app, [*args, "--strategy", "nope", "--out", str(tmp_path / "q.json")])
+    assert "no candidate named 'nope'" in str(bad.exception) and not (tmp_path / "q.json").exists()

@@ -59,6 +59,8 @@ def plan_command(
                                      help="Fine-tune the GNN on this problem for this many seconds first."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
+    strategy: Optional[str] = typer.Option(None, "--strategy", help="Write this candidate's plan to --out instead of "
+                                           "the best (a name from the candidates table, e.g. even-dp-allreduce)."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write an HTML report of the plan and "
                                           "every candidate here (see `heterog report`)."),
 ) -> None:
@@ -76,13 +78,14 @@ def plan_command(
         with bar:
             result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                           cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                          seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update)
+                          seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update,
+                          strategy=strategy)
     else:
         result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                       cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters)
+                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, strategy=strategy)
     if out is not None:
-        Plan.from_dict(result["best"]).save(out)
+        Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:
         from heterog.cli.report_cmd import report_from_plan_result
         report_from_plan_result(result, report)
@@ -91,7 +94,7 @@ def plan_command(
     else:
         _show(result)
         if out is not None:
-            console.print(f"plan written to {out}")
+            console.print(f"plan{f' of {strategy!r}' if strategy else ''} written to {out}")
         if report is not None:
             console.print(f"report written to {report}")
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from heterog.cost.model import CostModel
-from heterog.errors import InfeasibleError
+from heterog.errors import InfeasibleError, PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
@@ -55,6 +55,14 @@ class PlanResult:
     best: Plan
     candidates: tuple[Candidate, ...]
     search_time_s: float
+
+    def plan_of(self, strategy: str) -> Plan:
+        """The plan of the candidate named `strategy` (a baseline's or heterog's)."""
+        for c in self.candidates:
+            if c.strategy == strategy:
+                return c.plan
+        raise PlanError(f"no candidate named {strategy!r}; the planner compared "
+                        f"{', '.join(c.strategy for c in self.candidates)}.")
 
     def to_dict(self) -> dict[str, Any]:
         return {"best": self.best.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
@@ -229,9 +237,11 @@ def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Pl
 def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: int, seq_len: int | None = None,
          cluster: str | Cluster, precision: str = "fp32", optimizer: str = "sgd",
          budget_s: float = DEFAULT_BUDGET_S, seed: int = 0, policy: Any = None, finetune_s: float = 0.0,
-         max_iters: int | None = None, progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+         max_iters: int | None = None, progress: Callable[[str, float], None] | None = None,
+         strategy: str | None = None) -> dict[str, Any]:
     """Capture `model`, load `cluster`, build the cost model and plan. Returns the CLI's JSON:
-    {"best": plan dict, "candidates": [...], "search_time_s"}."""
+    {"best": plan dict, "candidates": [...], "search_time_s"}; with `strategy`, also
+    "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run."""
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.hardware.spec import load_cluster
@@ -243,4 +253,7 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
     result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
                         precision=precision, optimizer=optimizer, finetune_s=finetune_s,
                         max_iters=max_iters, progress=progress)
-    return result.to_dict()
+    out = result.to_dict()
+    if strategy is not None:
+        out["chosen"] = result.plan_of(strategy).to_dict()
+    return out
