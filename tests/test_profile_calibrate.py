@@ -74,6 +74,7 @@ def test_a_malformed_profile_says_what_is_wrong(tmp_path):
         del os.environ[catalog.CATALOG_ENV]
 
 
+@pytest.mark.slow  # ~20 s: two gloo ranks start, and the model is stepped and profiled
 def test_profile_on_this_cpu_then_predict_with_it(tmp_path):
     """The whole command on the CPU (quick; gloo between two local ranks), then predict
     --profile uses its per-node times."""

@@ -13,6 +13,7 @@ on a GPU yet (no GPU was lent to this project's sessions): treat a GPU profile a
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import statistics
 import time
@@ -21,10 +22,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from heterog.profile.artifact import DeviceProfileError
+
 GEMM_SIZES_GPU = (512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (128, 256, 512, 1024)
 COMM_BYTES = (2**20, 16 * 2**20)
 CHAIN_OPS = 200                       # tiny ops per host-cost measurement
+COMM_TIMEOUT_S = 120
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -155,7 +159,11 @@ def measure_comm(dev: torch.device) -> dict[str, Any]:
     for p in procs:
         p.start()
     try:
-        rows = out.get(timeout=120)
+        rows = out.get(timeout=COMM_TIMEOUT_S)
+    except queue.Empty:
+        raise DeviceProfileError(f"the two-rank {backend} measurement did not finish within {COMM_TIMEOUT_S} s "
+                                 f"(a rank failed to start or connect on 127.0.0.1); rerun with --no-comm to "
+                                 f"skip it.") from None
     finally:
         for p in procs:
             p.join(timeout=30)
