@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ from heterog.cost.analytic import AnalyticCostModel  # noqa: E402
 from heterog.cost.memory import MemoryModel  # noqa: E402
 from heterog.cost.predict import _captured, single_device_cluster  # noqa: E402
 from heterog.hardware.catalog import get_gpu, host_costs  # noqa: E402
-from heterog.hardware.gputype import Efficiency, GpuType, HostCosts  # noqa: E402
+from heterog.hardware.gputype import Efficiency, GpuType  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "predict_gpu.json"

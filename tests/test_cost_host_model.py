@@ -13,7 +13,6 @@ from heterog.cost import build_cost_model
 from heterog.cost.host import autocast_casts, host_times_s
 from heterog.cost.predict import predict, single_device_cluster
 from heterog.hardware.catalog import get_gpu, host_costs
-from heterog.hardware.gputype import Efficiency
 
 
 @pytest.fixture(scope="module")
