@@ -89,6 +89,10 @@ def test_profile_on_this_cpu_then_predict_with_it(tmp_path):
                             "--profile", str(out), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["iteration_time_s"] > 0
+    r = runner.invoke(app, ["plan", "--model", "mlp", "--batch-size", "8", "--cluster", "emulated-4",
+                            "--budget-s", "1", "--no-gnn", "--max-iters", "10", "--profile", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["best"]["predicted_iteration_time_s"] > 0
 
 
 @pytest.mark.gpu

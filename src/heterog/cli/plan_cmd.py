@@ -59,6 +59,8 @@ def plan_command(
                                      help="Fine-tune the GNN on this problem for this many seconds first."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-node times (`heterog profile` "
+                                           "file) that replace the analytic estimate where they measured."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="Write this candidate's plan to --out instead of "
                                            "the best (a name from the candidates table, e.g. even-dp-allreduce)."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write an HTML report of the plan and "
@@ -79,11 +81,12 @@ def plan_command(
             result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                           cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
                           seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update,
-                          strategy=strategy)
+                          strategy=strategy, profile=profile)
     else:
         result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                       cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, strategy=strategy)
+                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, strategy=strategy,
+                      profile=profile)
     if out is not None:
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:

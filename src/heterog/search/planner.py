@@ -238,17 +238,20 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
          cluster: str | Cluster, precision: str = "fp32", optimizer: str = "sgd",
          budget_s: float = DEFAULT_BUDGET_S, seed: int = 0, policy: Any = None, finetune_s: float = 0.0,
          max_iters: int | None = None, progress: Callable[[str, float], None] | None = None,
-         strategy: str | None = None) -> dict[str, Any]:
+         strategy: str | None = None, profile: Any = None) -> dict[str, Any]:
     """Capture `model`, load `cluster`, build the cost model and plan. Returns the CLI's JSON:
     {"best": plan dict, "candidates": [...], "search_time_s"}; with `strategy`, also
-    "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run."""
+    "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run.
+    profile: measured per-node times (a `heterog profile` file, or a Profile) replace the
+    analytic estimate for the nodes they measured."""
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.hardware.spec import load_cluster
 
     clu = load_cluster(cluster) if isinstance(cluster, str) else cluster
     graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
-    costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer)
+    from heterog.cost.predict import node_profile
+    costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer, profile=node_profile(profile))
     spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
     result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
                         precision=precision, optimizer=optimizer, finetune_s=finetune_s,
