@@ -12,15 +12,18 @@ from heterog.cli.main import app
 
 @pytest.mark.slow
 def test_demo_json_reports_both_strategies_and_a_real_speedup():
-    res = CliRunner().invoke(app, ["demo", "--json", "--steps", "5", "--budget-s", "2"])
+    res = CliRunner().invoke(app, ["demo", "--json", "--steps", "5", "--budget-s", "2", "--repetitions", "2"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["cluster"] == "demo-3" and out["model"] == "toy-cnn"
-    for name in ("heterog", "even-dp"):
+    for name in ("heterog", "best-baseline", "even-dp"):
         s = out["strategies"][name]
         assert s["predicted_iteration_time_s"] > 0 and s["measured_iteration_time_s"] > 0
+        assert len(s["repetitions_s"]) == 2 and s["spread"] >= 0
         assert s["link_shaping"]["enabled"] or "reason" in s["link_shaping"]
     # devices differ 3×: a speed-aware plan must beat equal shares for real (noisy machine:
     # the bench targets 1.3×, the test asks for a clear win)
     assert out["measured_speedup"] > 1.1, out["measured_speedup"]
+    assert out["speedup_vs_best_baseline"]["worst"] <= out["measured_speedup_vs_best_baseline"]
+    assert out["strategies"]["best-baseline"]["strategy"] in {c["strategy"] for c in out["candidates"]}
     assert {c["strategy"] for c in out["candidates"]} >= {"even-dp-allreduce", "proportional-dp"}

@@ -156,6 +156,7 @@ class Interpreter:
         elif isinstance(ins, Optimizer):
             self.p2p.wait_all()
             self.sync.finish()
+            self.sync.sum_tied_gradients()    # copies of a tied parameter: one gradient for all
             self.trace.append(("optimizer",))
             if self.optimizer is not None and self.scaler is None:
                 self._timed(self.optimizer.step)

@@ -18,9 +18,8 @@ method's order, method, server and nodes. Buckets run on one background thread, 
 order they are launched (the same on every rank), so they overlap the backward pass; each
 uses its own sub-group, apart from the activation transfers.
 
-Two drivers share this: `GradSync` (the step runtime's event order: a group's buckets
-launch after the last backward of the stages running it) and `ProgramSync` (a lowered
-Program's Collective instructions, one per block).
+`ProgramSync` drives it from a lowered Program: one bucket per Collective instruction (a
+block's parameters), launched when the rank's interpreter reaches the instruction.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allr
 from heterog.execute.partition import Dataflow
 from heterog.execute.workload import make_optimizer
 from heterog.ir.kinds import SyncMethod
-from heterog.ir.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,21 +49,6 @@ class Bucket:
     server: int | None = None
     replicas: tuple[int, ...] = ()               # ps: the ranks that compute gradients
     nodes: tuple[tuple[int, ...], ...] | None = None
-
-
-def split_buckets(names: Sequence[str], numel: dict[str, int], bucket_bytes: int,
-                  bytes_per_element: int = 4) -> list[tuple[str, ...]]:
-    """Consecutive runs of parameters of at most `bucket_bytes` (a larger one alone)."""
-    limit = max(1, bucket_bytes // bytes_per_element)
-    out: list[list[str]] = [[]]
-    total = 0
-    for n in names:
-        if out[-1] and total + numel[n] > limit:
-            out.append([])
-            total = 0
-        out[-1].append(n)
-        total += numel[n]
-    return [tuple(b) for b in out if b]
 
 
 def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> list[Bucket]:
@@ -82,8 +65,10 @@ def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> lis
 class BucketRunner:
     """Runs buckets on this rank: gathers gradients, syncs on a background thread, installs."""
 
-    def __init__(self, *, flow: Dataflow, rank: int, optimizer: str, timeout_s: float):
+    def __init__(self, *, flow: Dataflow, rank: int, optimizer: str, timeout_s: float,
+                 device: torch.device | None = None):
         self.flow, self.rank, self.optimizer = flow, rank, optimizer
+        self.device = device or torch.device("cpu")
         self.groups = ProcessGroupCache(timeout_s=timeout_s)
         self.servers: dict[tuple[str, ...], ParameterServer] = {}
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heterog-sync")
@@ -105,7 +90,7 @@ class BucketRunner:
         t0 = time.perf_counter()
         params = self._params(bucket) if self._holds(bucket) else None
         if params is None:   # a server without a replica: zeros in, the same sizes
-            grad, values = torch.zeros(bucket.numel), None
+            grad, values = torch.zeros(bucket.numel, device=self.device), None
         else:
             grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
                               for p in params])
@@ -157,83 +142,6 @@ class BucketRunner:
         self._thread.shutdown(wait=True)
 
 
-def _nodes(plan: Plan, rank_of: dict[str, int]) -> dict[int, str]:
-    """rank → cluster node name (one node for all when the plan carries no cluster)."""
-    if not plan.cluster:
-        return {r: "node" for r in rank_of.values()}
-    from heterog.hardware.spec import cluster_from_dict
-    node_of = cluster_from_dict(plan.cluster).node_of
-    return {r: node_of.get(d, d) for d, r in rank_of.items()}
-
-
-def group_buckets(plan: Plan, flow: Dataflow, rank_of: dict[str, int]) -> list[tuple[tuple[int, ...], Bucket]]:
-    """(groups, bucket) for every replicated group's parameters (tied ones excluded), groups
-    with the same members, method and server bucketed together by plan.bucket_bytes."""
-    node_of = _nodes(plan, rank_of)
-    together: dict[tuple, list[int]] = {}
-    for gi, g in enumerate(plan.groups):
-        order = [rank_of[r.device] for r in g.replicas]
-        server = rank_of[g.ps_device] if g.sync == SyncMethod.PS and g.ps_device else None
-        members = tuple(order + ([server] if server is not None and server not in order else []))
-        names = [n for n in flow.param_names.get(gi, ()) if n not in flow.tied and n not in flow.unused]
-        if len(members) < 2 or not names:
-            continue
-        method = SyncMethod(g.sync) if g.sync != SyncMethod.NONE else SyncMethod.RING
-        together.setdefault((members, method, server, tuple(order)), []).append(gi)
-    out = []
-    for (members, method, server, order), groups in together.items():
-        names = [n for gi in groups for n in flow.param_names[gi] if n not in flow.tied and n not in flow.unused]
-        by_node: dict[str, list[int]] = {}
-        for r in members:
-            by_node.setdefault(node_of[r], []).append(r)
-        label = ", ".join(plan.groups[g].name for g in groups[:4])
-        for chunk in split_buckets(names, flow.param_numel, plan.bucket_bytes):
-            out.append((tuple(groups), Bucket(
-                label=f"group(s) {label}", names=chunk, numel=sum(flow.param_numel[n] for n in chunk),
-                members=members, method=method, server=server, replicas=order,
-                nodes=tuple(tuple(v) for v in by_node.values()))))
-    return out
-
-
-class GradSync:
-    """The step runtime's driver: buckets launch after the last backward event of the stages
-    that run their groups (an index in the step's global event order, the same on every rank,
-    also on a rank that skips the event for lack of samples or holds no replica)."""
-
-    def __init__(self, plan: Plan, flow: Dataflow, rank_of: dict[str, int], rank: int,
-                 numel_of_group: dict[int, int], timeout_s: float):
-        self.plan, self.flow, self.rank = plan, flow, rank
-        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=plan.optimizer, timeout_s=timeout_s)
-        ranks_of_group = {gi: [rank_of[d] for d in g.devices] for gi, g in enumerate(plan.groups)}
-        self.items = group_buckets(plan, flow, rank_of)
-        self.items += [(flow.tied[b.names[0]], b) for b in tie_buckets(flow, ranks_of_group)]
-        self.runner.create_groups([b for _, b in self.items])
-        self.ready_at: list[int] = []
-
-    @property
-    def sync_s(self) -> float:
-        return self.runner.sync_s
-
-    def schedule(self, events: list[tuple[str, int, int]]) -> None:
-        """Launch each bucket after the last backward event of the stages that run its groups."""
-        last_b: dict[int, int] = {}
-        for i, (kind, _, si) in enumerate(events):
-            if kind == "B":
-                last_b[si] = i
-        self.ready_at = []
-        for groups, _ in self.items:
-            stages = [si for si, st in enumerate(self.flow.stages) if set(st.groups) & set(groups)]
-            self.ready_at.append(max((last_b[si] for si in stages), default=len(events) - 1))
-
-    def launch_ready(self, event_index: int) -> None:
-        for (_, bucket), at in zip(self.items, self.ready_at):
-            if at == event_index:
-                self.runner.launch(bucket)
-
-    def finish(self) -> None:
-        self.runner.finish()
-
-
 class ProgramSync:
     """A lowered Program's driver: `launch(collective)` for each Collective instruction the
     rank reaches (bucket = the block's groups' parameters, tied ones excluded), `finish()`
@@ -241,10 +149,11 @@ class ProgramSync:
     the last backward and before the optimizer step (until the lowering emits the tie
     all-reduce as a Collective of its own)."""
 
-    def __init__(self, *, program: Any, flow: Dataflow, rank: int, optimizer: str, timeout_s: float):
+    def __init__(self, *, program: Any, flow: Dataflow, rank: int, optimizer: str, timeout_s: float,
+                 device: torch.device | None = None):
         self.program, self.flow, self.rank = program, flow, rank
         self.rank_of = program.rank_of()
-        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=optimizer, timeout_s=timeout_s)
+        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=optimizer, timeout_s=timeout_s, device=device)
         ranks_of_group: dict[int, list[int]] = {}
         for block in program.blocks:
             for g in block.groups:

@@ -25,9 +25,9 @@ from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, rank_device
 from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.p2p import P2P
-from heterog.execute.bucket_sync import BucketSync
 from heterog.execute.partition import build_dataflow, detach_unheld
 from heterog.execute.runtime import Interpreter
+from heterog.execute.sync import ProgramSync
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.trace import SpanCategory, StepRecorder
 from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, to_device, with_data
@@ -92,7 +92,8 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     model.to(rdev.torch_device)       # parameters stay the same objects (optimizer, sync, checkpoints)
     timeout_s = spec["timeout_s"]
     p2p = P2P(rank, timeout_s, device=rdev.torch_device)
-    sync = BucketSync(program, flow, rank_of, rank, timeout_s, device=rdev.torch_device)
+    sync = ProgramSync(program=program, flow=flow, rank=rank, optimizer=plan.optimizer, timeout_s=timeout_s,
+                       device=rdev.torch_device)
     params = [p for g in sorted(held) for _, p in flow.params_of_group.get(g, [])]
     opt = make_optimizer(params, plan.optimizer)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))

@@ -58,7 +58,9 @@ class Compute:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Send:
+class Transfer:
+    """Samples [lo, hi) of a block's outputs (forward) or of their gradients (backward)
+    between this device and `peer`; a send and its receive share the tag."""
     tag: int
     peer: str
     src_block: int        # the producer block (whose outputs, or their gradients, move)
@@ -70,22 +72,15 @@ class Send:
     nbytes: float
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Send(Transfer):
     kind: InstructionKind = InstructionKind.SEND
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Recv:
-    tag: int
-    peer: str
-    src_block: int
-    dst_block: int
-    phase: Phase
-    microbatch: int
-    lo: int
-    hi: int
-    nbytes: float
-    alloc_bytes: float = 0.0
-    free_bytes: float = 0.0
+class Recv(Transfer):
     kind: InstructionKind = InstructionKind.RECV
 
 
