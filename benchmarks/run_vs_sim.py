@@ -3,7 +3,7 @@ measured speedup of heterog's plan over even data parallelism.
 
     .venv/bin/python benchmarks/run_vs_sim.py [--steps 10] [--budget-s 5] [--no-profile]
 
-The cluster is the demo's (heterog.execute.demo): three local CPU ranks on two emulated
+The cluster is the demo's (heterog.demo): three local CPU ranks on two emulated
 nodes joined by tc-shaped 1 Gb/s links, paced 3×, 3×, 9× (the devices differ 3×). Every
 candidate the planner compared is run for real (identical plans once); predictions are the
 simulator's, from this CPU's measured per-node times at one thread (profile/measure.py)
