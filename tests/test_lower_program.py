@@ -21,7 +21,7 @@ from heterog.ir.kinds import Phase
 from heterog.lower.lowering import lower, to_program
 from heterog.lower.program import Collective, Compute, Optimizer, Program, Recv, Send
 from heterog.lower.schedule import build_schedule
-from heterog.lower.tasks import BWD, FWD, OPT, SYNC, XFER
+from heterog.lower.taskgraph import BWD, FWD, OPT, SYNC, XFER
 from tests.simulate_support import TableCosts, chain_graph, cluster, plan
 from tests.test_simulate_properties import _random_plan
 

@@ -224,7 +224,7 @@ def test_reference_order_reports_a_deadlocked_admission_rule():
     # one device, limit 1 micro-batch in flight, but micro-batch 0's backward waits for
     # micro-batch 1's forward: the 1F1B rule can never admit it, list scheduling without it can
     from heterog.lower.order import reference_order
-    from heterog.lower.tasks import BWD, FWD, Tasks
+    from heterog.lower.taskgraph import BWD, FWD, Tasks
     t = Tasks([], 1)
     f0 = t.add(FWD, 1.0, 0, (1, 0, 0), 0)
     f1 = t.add(FWD, 1.0, 0, (1, 1, 0), 1)

@@ -20,7 +20,7 @@ from heterog.lower.context import SimCache
 from heterog.lower.program import (BlockInfo, Collective, Compute, InputPiece, Instruction, Optimizer,
                                    Program, Recv, Send, validate)
 from heterog.lower.schedule import Schedule, build_schedule
-from heterog.lower.tasks import BWD, FWD, OPT, SYNC, XFER
+from heterog.lower.taskgraph import BWD, FWD, OPT, SYNC, XFER
 
 
 def program_devices(plan: Plan, cluster: Cluster) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from heapq import heappop, heappush
 
-from heterog.lower.tasks import BWD, FWD, OPT, Tasks
+from heterog.lower.taskgraph import BWD, FWD, OPT, Tasks
 
 
 def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight: bool = True) -> list[int] | None:

@@ -27,7 +27,8 @@ from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block, make_blocks
 from heterog.lower.context import ClusterInfo, Grouping, SimCache
 from heterog.lower.order import reference_order
-from heterog.lower.tasks import Tasks, expand
+from heterog.lower.taskgraph import Tasks
+from heterog.lower.tasks import expand
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

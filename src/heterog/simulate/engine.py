@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from heapq import heappop, heappush
 
-from heterog.lower.tasks import BWD, FWD, OPT, Tasks
+from heterog.lower.taskgraph import Tasks
 
 
 def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, comm_order: list[int]):

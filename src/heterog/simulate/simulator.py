@@ -28,7 +28,7 @@ from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
 from heterog.lower.context import SimCache
 from heterog.lower.schedule import Schedule, build_schedule
-from heterog.lower.tasks import KIND_NAMES, OPT, SYNC, XFER
+from heterog.lower.taskgraph import KIND_NAMES, OPT, SYNC, XFER
 from heterog.simulate import engine
 from heterog.simulate.result import SimResult
 

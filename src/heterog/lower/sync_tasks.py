@@ -1,0 +1,147 @@
+"""The once-per-iteration part of the task graph: what each device holds (parameters,
+gradients, optimizer state, the input batch, a server's copy), a gradient sync task per
+replicated block (its collective over the members, or the parameter server), and each
+device's optimizer step after its backwards and syncs."""
+
+from __future__ import annotations
+
+from heterog.ir.plan import Plan
+from heterog.lower.blocks import Block
+from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
+
+
+def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
+                  Bk, bwd_of_dev: dict[int, list[int]], rep: list[int], preds, splits, mb_sizes) -> None:
+    """Persistent state per device, gradient sync per replicated block, optimizer steps."""
+    opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev)
+    _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
+    opt_preds = _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, bwd_of_dev)
+    succ = tasks.succ
+    for d, bl in bwd_of_dev.items():
+        o = tasks.add(OPT, opt_time[d], d, (2, 0, 0), plan.num_microbatches)
+        for b in bl:
+            succ[b].append(o)
+        for s in opt_preds[d]:
+            succ[s].append(o)
+
+
+def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable,
+                      rep: list[int], bwd_of_dev) -> dict[int, float]:
+    """Parameters, gradients and optimizer state on every device (tasks.persistent_bytes,
+    initial_bytes); returns each device's optimizer-step time."""
+    dclass = info.dev_class
+    opt_time: dict[int, float] = {d: 0.0 for d in bwd_of_dev}
+    # parameters, gradients and optimizer state: summed per placement first, since blocks
+    # of one placement (all of them, in data parallelism) add the same per-class amounts
+    per_placement: dict[tuple[int, ...], dict[str, list[float]]] = {}
+    state_cache = table.scratch.setdefault("state", {})   # (nodes, class) → (bytes, optimizer s)
+    classes_cache = table.scratch.setdefault("classes", {})   # devices → their classes
+    for blk in blocks:
+        acc = per_placement.setdefault(blk.devices, {})
+        classes = classes_cache.get(blk.devices)
+        if classes is None:
+            if len(classes_cache) > 10_000:
+                classes_cache.clear()
+            classes = classes_cache[blk.devices] = tuple({dclass[d] for d in blk.devices})
+        for dn in classes:
+            v = acc.setdefault(dn, [0.0, 0.0])
+            st = state_cache.get((blk.nodes, dn))
+            if st is None:
+                if len(state_cache) > 100_000:
+                    state_cache.clear()
+                st = state_cache[(blk.nodes, dn)] = (sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes),
+                                                     sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes))
+            v[0] += st[0]
+            v[1] += st[1]
+    for devs, acc in per_placement.items():
+        for d in devs:
+            v = acc[dclass[d]]
+            tasks.persistent_bytes[d] += v[0]
+            if rep[d] == d:
+                opt_time[d] += v[1]
+    tasks.initial_bytes = list(tasks.persistent_bytes)
+    return opt_time
+
+
+def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, splits, mb_sizes) -> None:
+    """The input batch is held by the replicas of the blocks that read it, for the whole step."""
+    input_bytes = table.graph.input_bytes
+    if input_bytes.fixed or input_bytes.per_sample:
+        holders: dict[int, int] = {}
+        for bi, blk in enumerate(blocks):
+            if not preds[bi]:
+                for r, d in enumerate(blk.devices):
+                    n = sum(splits[(size, blk.shares)][r] for size in mb_sizes)
+                    holders[d] = max(holders.get(d, 0), n)
+        for d, n in holders.items():
+            if n:
+                tasks.initial_bytes[d] += input_bytes.at(n)
+
+
+def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
+                Bk, rep: list[int], bwd_of_dev) -> dict[int, list[int]]:
+    """A sync task per replicated block with gradients (after all its backwards), its buffer,
+    link loads and the server's copy; returns each device's syncs its optimizer waits for."""
+    devices, dclass = info.devices, info.dev_class
+    mbs = plan.num_microbatches
+    opt_preds: dict[int, list[int]] = {d: [] for d in bwd_of_dev}
+    ring_bytes: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
+    rep_key = rep_id(table.scratch, rep)     # first: it may drop the cache below
+    buffer_cache = table.scratch.setdefault("buffers", {})
+    grads_of: dict[tuple[int, ...], float] = {}
+    for bi, blk in enumerate(blocks):
+        if blk.ps_device is not None and blk.ps_device not in blk.devices:
+            for nodes in blk.nodes:   # the server keeps the parameters it serves
+                held = table.persistent_bytes(nodes, dclass[blk.ps_device])
+                tasks.persistent_bytes[blk.ps_device] += held
+                tasks.initial_bytes[blk.ps_device] += held
+        grad = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
+        if grad > 0:
+            # zero_grad(set_to_none=True), PyTorch's default: gradients do not exist before
+            # the first backward (micro-batch 0, see expand); summed per placement
+            grads_of[blk.devices] = grads_of.get(blk.devices, 0.0) + grad
+        if len(blk.devices) > 1 and blk.sync != "none" and grad > 0:
+            members = blk.devices
+            names = info.names(members)
+            if blk.sync == "ps":
+                links, load = info.star(members, blk.ps_device)
+                dur = table.sync_s("ps", grad, names, devices[blk.ps_device])
+                involved = members if blk.ps_device in members else members + (blk.ps_device,)
+            else:
+                links, load = info.ring(tuple(sorted(members)))
+                dur = table.sync_s(blk.sync, grad, names, None)
+                involved = members
+            s = tasks.add_comm(SYNC, dur, mbs, bi, links, involved, grad)
+            for l in info.shared_bw:
+                if l in load:   # a ring crosses the core once per node it leaves
+                    tasks.core_bytes[s] = load[l] * grad
+            entry = ring_bytes.get(id(load))
+            if entry is None:
+                ring_bytes[id(load)] = [load, grad]
+            else:
+                entry[1] += grad
+            succ = tasks.succ
+            for m in range(mbs):
+                for b in Bk[m][bi]:
+                    if b is not None:
+                        succ[b].append(s)
+            # the bucket's communication buffer on every member while it is synchronised
+            # (shared lists, cached: the search re-scores the same buckets constantly)
+            bk = (involved, members, grad, rep_key)
+            buf = buffer_cache.get(bk)
+            if buf is None:
+                make_room(buffer_cache, len(involved))
+                kept = [d for d in involved if rep[d] == d]
+                buf = buffer_cache[bk] = ([(d, grad) for d in kept], [(d, -grad) for d in kept],
+                                          [d for d in members if rep[d] == d])
+            tasks.mem_start[s], tasks.mem_end[s], kept_members = buf
+            for d in kept_members:
+                opt_preds[d].append(s)
+    for devs, grad in grads_of.items():
+        for d in devs:
+            tasks.initial_bytes[d] -= grad
+    for load, nbytes in ring_bytes.values():
+        for l, share in load.items():
+            tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
+    return opt_preds

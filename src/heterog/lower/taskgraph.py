@@ -1,0 +1,117 @@
+"""The task graph of one iteration as flat columns, and the bounded caches its builders share.
+
+Task kinds: FWD and BWD (compute on a device), XFER (a re-partition transfer), SYNC (a
+gradient collective), OPT (an optimizer step). Arrays are flat lists indexed by task id so the
+event loops (lower/order.py, simulate/engine.py) touch no objects.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+
+from heterog.lower.blocks import Block
+
+FWD, BWD, XFER, SYNC, OPT = 0, 1, 2, 3, 4
+KIND_NAMES = ("forward", "backward", "transfer", "sync", "optimizer")
+
+
+class Tasks:
+    """The task graph: flat per-task lists (task id = index); `comm` holds what only
+    communication tasks have. Call `seal()` after the last task is added."""
+
+    __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
+                 "mem_start", "mem_end", "link_bytes", "persistent_bytes",
+                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
+                 "xfer_blocks")
+
+    def __init__(self, blocks: list[Block], n_devices: int):
+        self.kind: list[int] = []
+        self.dur: list[float] = []
+        self.dev: list[int] = []                 # device of a compute task, -1 for communication
+        self.links: list[tuple[int, ...]] = []   # links a communication task occupies
+        self.succ: list[list[int]] = []
+        self.npred: list[int] = []               # filled by seal()
+        self.sources: list[int] = []             # idem
+        self.key: list[tuple] = []               # reference priority (phase, mb, ±block); smaller first
+        self.mb: list[int] = []
+        self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
+        self.mem_start: list = []                # [(device, +bytes), ...] or None
+        self.mem_end: list = []
+        self.link_bytes: dict[int, float] = {}
+        self.persistent_bytes = [0.0] * n_devices   # parameters + gradients + optimizer state
+        self.initial_bytes = [0.0] * n_devices      # memory in use when the iteration starts
+        self.core_bytes: dict[int, float] = {}      # collective → bytes through a switch core
+        self.blocks = blocks
+        self.stage_limit = [1] * n_devices       # 1F1B: micro-batches in flight per device
+        self.bwd_count: dict[tuple[int, int], int] = {}
+        self.rep: list[int] = list(range(n_devices))  # device whose tasks stand for this one's
+        self.xfer_blocks: dict[int, tuple[int, int]] = {}   # transfer → (producer, consumer block)
+
+    def add(self, kind: int, dur: float, dev: int, key: tuple, mb: int) -> int:
+        t = len(self.kind)
+        self.kind.append(kind)
+        self.dur.append(dur)
+        self.dev.append(dev)
+        self.links.append(())
+        self.succ.append([])
+        self.key.append(key)
+        self.mb.append(mb)
+        self.mem_start.append(None)
+        self.mem_end.append(None)
+        return t
+
+    def add_comm(self, kind: int, dur: float, mb: int, block: int, links: tuple[int, ...],
+                 members: tuple[int, ...], nbytes: float) -> int:
+        t = self.add(kind, dur, -1, (), mb)
+        self.links[t] = links
+        self.comm[t] = (members, nbytes, block)
+        return t
+
+    def block_of(self, t: int) -> int:
+        return self.comm[t][2] if self.dev[t] < 0 else abs(self.key[t][2])
+
+    def dep(self, a: int, b: int) -> None:
+        self.succ[a].append(b)
+
+    def mem(self, t: int, start: bool, dev: int, delta: float) -> None:
+        # a new list: expand shares memory-effect lists between tasks (cached block columns,
+        # replicated micro-batches), so none is changed in place
+        lst = self.mem_start if start else self.mem_end
+        old = lst[t]
+        lst[t] = [(dev, delta)] if old is None else old + [(dev, delta)]
+
+    def seal(self) -> None:
+        npred = np.bincount(np.fromiter(chain.from_iterable(self.succ), dtype=np.intp), minlength=len(self.kind))
+        self.npred = npred.tolist()
+        self.sources = np.flatnonzero(npred == 0).tolist()   # tasks with no inputs, in id order
+
+
+_CACHED_REPLICAS = 200_000   # replicas' entries kept in a per-call-shared cache (~100 MB at most)
+
+
+def rep_id(scratch: dict, rep: list[int]) -> int:
+    """A small int for the merged-device map `rep`, a key of the caches below: hashing a
+    1024-entry tuple for every block cost more than the caches saved."""
+    ids = scratch.setdefault("rep_ids", {})
+    rt = tuple(rep)
+    hit = ids.get(rt)
+    if hit is None:
+        if len(ids) >= 10_000:    # ids restart: drop every entry keyed by an old one
+            ids.clear()
+            scratch.pop("columns", None)
+            scratch.pop("buffers", None)
+        hit = ids[rt] = len(ids)
+    return hit
+
+
+def make_room(cache: dict, replicas: int) -> None:
+    """Bound a cache of per-replica lists by the replicas it holds, not by its entries: an
+    entry of a 1024-device placement weighs as much as 16 of a 64-device one. The count is
+    kept in the cache under the key None."""
+    held = cache.get(None, 0) + replicas
+    if held > _CACHED_REPLICAS:
+        cache.clear()
+        held = replicas
+    cache[None] = held
