@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from heterog.errors import RankError
+from heterog.execute.p2p import wait_for
 from heterog.ir.kinds import SyncMethod
 
 TAGS_PER_CALL = 1 << 12
@@ -82,12 +82,7 @@ class _Link:
         if recv is not None:
             works.append((dist.irecv(recv, src, group=self.pg, tag=self.tag + step), src))
         for work, peer in works:
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as e:
-                raise RankError(self.rank, f"collective step {step} with rank {peer} did not complete "
-                                           f"within {self.timeout.total_seconds():.0f} s "
-                                           f"({str(e).splitlines()[0]}).") from None
+            wait_for(work, rank=self.rank, peer=peer, timeout=self.timeout, what=f"collective step {step}")
 
 
 def allreduce_sum(flat: torch.Tensor, members: Sequence[int], method: SyncMethod | str,

@@ -28,6 +28,17 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 MAX_DIMS = 8
 
 
+def wait_for(work: dist.Work, *, rank: int, peer: int, timeout: timedelta, what: str) -> None:
+    """Wait for a point-to-point operation; a timeout or a dead peer becomes a RankError that
+    names both ranks."""
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:
+        raise RankError(rank, f"{what} with rank {peer} did not complete within "
+                              f"{timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}); "
+                              f"rank {peer} may have died or hung.") from None
+
+
 class P2P:
     """This rank's side of the step's transfers; counts bytes and waiting time."""
 
@@ -40,12 +51,7 @@ class P2P:
         self.recv_wait_s = 0.0
 
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise RankError(self.rank, f"{what} with rank {peer} did not complete within "
-                                       f"{self.timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}); "
-                                       f"rank {peer} may have died or hung.") from None
+        wait_for(work, rank=self.rank, peer=peer, timeout=self.timeout, what=what)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         t = tensor.detach().contiguous()

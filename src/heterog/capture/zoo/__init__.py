@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from pathlib import Path
 from typing import Any
 
 from heterog.capture.zoo import hf, inception, mobilenet, resnet, seq2seq, small, vgg, vit
