@@ -11,14 +11,6 @@ from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from test_execute_models import MLP, Branchy, Repeat, ResMLP, TinyVGG
 
 
-def _old_runtime():
-    """The transfer-table tests read the step runtime's internals, which issue 9 replaces."""
-    runtime = pytest.importorskip("heterog.execute.runtime")
-    if not hasattr(runtime, "StepProgram"):
-        pytest.skip("the step runtime is being rewritten as a Program interpreter (issue 9)")
-    return runtime
-
-
 VEC = (torch.randn(8, 16),)  # an example batch to export the vector models with
 
 
@@ -112,25 +104,6 @@ def test_untraceable_model_runs_unsplit_only_under_data_parallelism():
         build_dataflow(Branchy(), mp, 1, VEC)
 
 
-def test_transfer_table_covers_each_consumer_range_exactly():
-    model = MLP()
-    plan = _plan([Group(name="a", nodes=("fc1", "act1"), sync="ring",
-                        replicas=(Replica(device="d0", share=0.7), Replica(device="d1", share=0.3))),
-                  Group(name="b", nodes=("fc2", "act2", "fc3"), sync="ring",
-                        replicas=(Replica(device="d1", share=0.5), Replica(device="d2", share=0.5)))],
-                 batch_size=10, microbatches=2)
-    flow = split_model(model, plan, VEC)
-    prog = _old_runtime().StepProgram(plan, flow, {"d0": 0, "d1": 1, "d2": 2})
-    for (si, ai, m, dst), pieces in prog.inputs.items():
-        lo, hi = prog.my_range(flow.stages[si].group, m, dst)
-        covered = sorted((p.lo, p.hi) for p in pieces)
-        assert covered[0][0] == lo and covered[-1][1] == hi
-        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-    tags = [p.tag for ps in prog.inputs.values() for p in ps]
-    assert len(tags) == len(set(tags))
-    assert flow.owner[flow.inputs[0]] == INPUT
-
-
 def test_user_data_replaces_synthetic_batches_step_by_step():
     from heterog.execute.workload import global_batch, resolve_workload, with_data
     from test_execute_models import fixed_vectors
@@ -165,60 +138,6 @@ def test_plan_priorities_order_independent_stages():
     x = torch.randn(8, 16)
     model = _TwoBranch()
     assert torch.allclose(_run_stages(split_model(model, ranked, VEC), x), model(x))
-
-
-def test_1f1b_keeps_at_most_one_microbatch_per_stage_in_flight():
-    from heterog.execute.p2p import P2P
-    from heterog.execute.emulation import Pacer
-    Executor = _old_runtime().Executor
-    from dataclasses import replace
-    plan = replace(_plan([_g("a", ["fc1", "act1"], "d0"), _g("b", ["fc2", "act2", "fc3"], "d1")],
-                         batch_size=8, microbatches=4), schedule="1f1b")
-    flow = split_model(MLP(), plan, VEC)
-    ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1},
-                  p2p=P2P(0, 1.0), pacer=Pacer(1.0))
-    events = ex.events()
-    assert sorted(events) == sorted({(k, m, s) for k in "FB" for m in range(4) for s in range(2)})
-    in_flight, peak = set(), 0
-    for kind, m, stage in events:
-        if kind == "F":
-            in_flight.add(m)
-        peak = max(peak, len(in_flight))
-        if kind == "B" and stage == 0:
-            in_flight.discard(m)
-    assert peak == 2  # W = min(stages, micro-batches); GPipe would hold all 4
-    assert ex.events()[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1)]
-
-
-def test_local_piece_of_a_longer_local_range_is_sliced():
-    # device d0 holds [0, 4) of the producer and [0, 3) of the consumer (of 5 samples)
-    plan = _plan([Group(name="a", nodes=("fc1", "act1"), sync="ring",
-                        replicas=(Replica(device="d0", share=0.7), Replica(device="d1", share=0.3))),
-                  Group(name="b", nodes=("fc2", "act2", "fc3"), sync="ring",
-                        replicas=(Replica(device="d0", share=0.5), Replica(device="d2", share=0.5)))],
-                 batch_size=5)
-    from heterog.execute.emulation import Pacer
-    from heterog.execute.p2p import P2P
-    Executor = _old_runtime().Executor
-    flow = split_model(MLP(), plan, VEC)
-    ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1, "d2": 2},
-                  p2p=P2P(0, 1.0), pacer=Pacer(1.0))
-    env = {(flow.stages[0].value, 0): torch.randn(4, 32)}
-    x, is_leaf = ex._gather(env, 1, 0, flow.stages[1].args[0], 0, 0, 3, {})
-    assert is_leaf and x.shape == (3, 32)
-
-
-def test_non_batch_first_value_crossing_ranges_is_a_clear_error():
-    plan = _plan([_g("a", ["fc1", "act1"], "d0"), _g("b", ["fc2", "act2", "fc3"], "d0", "d1")], batch_size=4)
-    from heterog.execute.emulation import Pacer
-    from heterog.execute.p2p import P2P
-    Executor = _old_runtime().Executor
-    flow = split_model(MLP(), plan, VEC)
-    ex = Executor(plan=plan, flow=flow, work=None, rank=0, rank_of={"d0": 0, "d1": 1},
-                  p2p=P2P(0, 1.0), pacer=Pacer(1.0))
-    env = {(flow.stages[0].value, 0): torch.randn(1, 32)}  # a broadcast mask, not 4 samples
-    with pytest.raises(PlanError, match="not batch-first"):
-        ex._gather(env, 1, 0, flow.stages[1].args[0], 0, 0, 2, {})
 
 
 class _BatchCentered(torch.nn.Module):
