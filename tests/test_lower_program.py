@@ -284,3 +284,32 @@ def test_simulate_and_run_predict_the_same_time_for_one_emulated_plan(tmp_path):
 def _toy_nodes() -> tuple[str, ...]:
     from heterog.capture import capture_model
     return tuple(n.name for n in capture_model("toy-cnn", batch_size=4).nodes)
+
+
+def test_a_tied_weight_split_across_devices_costs_each_holder_a_copy():
+    """The executor gives every device that reads a tied parameter outside its owner's
+    placement a copy (parameter, gradient, optimizer state); the simulator counts it there."""
+    from heterog.capture import capture_model
+    from heterog.cost import build_cost_model
+    from heterog.hardware.spec import load_cluster
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+    from heterog.simulate import simulate
+    args = dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0)
+    g = capture_model("transformer", args, batch_size=4, seq_len=8)
+    assert g.ties, "the zoo transformer ties its embedding and output projection"
+    c = load_cluster("paper-8gpu")
+    a, b = (d.name for d in c.devices[:2])
+    names = [n.name for n in g.nodes]
+    k = len(names) // 2
+    p = Plan(strategy="t", model=ModelSpec(name="transformer", args=args, batch_size=4, seq_len=8), optimizer="adamw",
+             groups=(Group(name="front", nodes=tuple(names[:k]), replicas=(Replica(device=a, share=1.0),)),
+                     Group(name="back", nodes=tuple(names[k:]), replicas=(Replica(device=b, share=1.0),)))).validate()
+    costs = build_cost_model(g, c, optimizer="adamw")
+    tied = simulate(g, c, p, costs)
+    untied = simulate(dataclasses.replace(g, ties=()), c, p, build_cost_model(dataclasses.replace(g, ties=()), c,
+                                                                                optimizer="adamw"))
+    extra = sum(costs.tied_copy_bytes(t.param_bytes, b) for t in g.ties
+                if {n in names[k:] for n in t.nodes} == {True, False})
+    assert extra > 0
+    assert tied.persistent_memory_bytes[b] - untied.persistent_memory_bytes[b] == pytest.approx(extra, abs=1)
+    assert tied.persistent_memory_bytes[a] == untied.persistent_memory_bytes[a]

@@ -35,7 +35,7 @@ from heterog.ir.opgraph import OpGraph
 from heterog.cost import comm
 from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.cost.host import autocast_casts, host_times_s
-from heterog.cost.memory import TENSOR_CORE_KINDS, MemoryModel, dtype_factors
+from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
 # 'tf32' (fp32 with torch.backends.cuda.matmul.allow_tf32 on) is a cost-model precision only:
@@ -367,6 +367,10 @@ class AnalyticCostModel:
     def persistent_bytes(self, nodes: Sequence[str], device: str) -> float:
         self._device(device)
         return self.memory.persistent_bytes(self._idx(nodes))
+
+    def tied_copy_bytes(self, param_bytes: float, device: str) -> float:
+        self._device(device)
+        return (2 + OPTIMIZER_STATE_COPIES[self.optimizer]) * float(param_bytes)
 
     def activation_bytes(self, nodes: Sequence[str], batch: float, recompute: bool = False) -> float:
         if batch <= 0 or not nodes:

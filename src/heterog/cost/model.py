@@ -62,6 +62,11 @@ class CostModel(Protocol):
         """Bytes of the gradients of `nodes` as synchronised (in the gradient dtype)."""
         ...
 
+    def tied_copy_bytes(self, param_bytes: float, device: str) -> float:
+        """A copy of a tied parameter of `param_bytes` held on `device` besides its owner's:
+        the parameter, its gradient and its optimizer state."""
+        ...
+
     def activation_transfer_bytes(self, src: str, dst: str, batch: float) -> float:
         """Bytes on the graph edge src → dst for `batch` samples (0 if no edge)."""
         ...

@@ -60,8 +60,24 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
             tasks.persistent_bytes[d] += v[0]
             if rep[d] == d:
                 opt_time[d] += v[1]
+    _tied_copies(tasks, blocks, info, table)
     tasks.initial_bytes = list(tasks.persistent_bytes)
     return opt_time
+
+
+def _tied_copies(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable) -> None:
+    """A tied parameter (OpGraph.ties) read by blocks on other devices than its owner's: each of
+    those devices holds a copy — parameter, gradient and optimizer state — as the executor's
+    partition gives it (execute/partition.py; the copies' gradients are summed every step)."""
+    ties = table.graph.ties
+    if not ties:
+        return
+    block_of = {n: bi for bi, blk in enumerate(blocks) for nodes in blk.nodes for n in nodes}
+    for tie in ties:
+        owner = set(blocks[block_of[tie.nodes[0]]].devices)
+        holders = {d for n in tie.nodes for d in blocks[block_of[n]].devices} - owner
+        for d in holders:
+            tasks.persistent_bytes[d] += table.costs.tied_copy_bytes(tie.param_bytes, info.devices[d])
 
 
 def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, splits, mb_sizes) -> None:
