@@ -119,12 +119,13 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
     templates: dict[int, tuple] = {}   # size → first mb's segment (see _replicate)
     first_bwd: list[tuple[int, tuple]] = []   # (first task, columns) of micro-batch 0's blocks
     lb, comm = tasks.link_bytes, tasks.comm
+    rep_key = rep_id(table.scratch, tasks.rep)     # once per call: it hashes the merged-device map
     for m, size in enumerate(mb_sizes):
         if size in templates and merge:
             _replicate(tasks, templates[size], m, F, Bk)
             continue
         seg_start, lb_before, comm_before = len(tasks.kind), dict(lb), len(comm)
-        _compute_tasks(tasks, m, size, splits, info, table, plan.schedule == "1f1b", F, Bk, first_bwd)
+        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk, first_bwd)
         _transfer_tasks(tasks, m, size, preds, moves, F, Bk)
         templates[size] = (m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
                            list(comm)[comm_before:])
@@ -132,12 +133,11 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
 
 
 def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, table: CostTable,
-                   one_f1b: bool, F, Bk, first_bwd) -> None:
+                   rep_key: int, one_f1b: bool, F, Bk, first_bwd) -> None:
     """Micro-batch m's forwards and backwards: per block, its forwards then its backwards, one
     slice per column (the hot path); the columns that depend only on the block and the merged
     devices are cached."""
     rep = tasks.rep
-    rep_key = rep_id(table.scratch, rep)     # first: it may drop the caches below
     column_cache = table.scratch.setdefault("columns", {})
     replica_cache = table.scratch.setdefault("replica", {})
     kinds = tasks.kind
