@@ -23,13 +23,16 @@ def register(app: typer.Typer) -> None:
         recompute: bool = typer.Option(False, "--recompute", help="Checkpoint each transformer/residual block."),
         profile: Optional[str] = typer.Option(None, "--profile", help="Measured per-node times (`heterog profile "
                                               "--model` output) that replace the analytic ones on --device."),
+        host_speed: float = typer.Option(1.0, "--host-speed", help="Speed of the host driving the GPU relative "
+                                         "to the reference host (a cluster node's host_speed; `heterog profile` "
+                                         "measures it)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Predict one training step (forward, backward, optimizer) on one device type."""
         from heterog.cost.predict import predict
         result = predict(model, model_args=parse_model_args(model_arg), batch_size=batch_size,
                          seq_len=seq_len, device=device, precision=precision, optimizer=optimizer,
-                         recompute=recompute, profile=profile)
+                         recompute=recompute, profile=profile, host_speed=host_speed)
         if as_json:
             print_json(result)
             return

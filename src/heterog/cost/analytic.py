@@ -7,7 +7,8 @@ Compute time of one node (Williams, Waterman & Patterson, "Roofline", CACM 2009)
     t_math = F_tc / (P_tc · e(kind, n)) + F_other / (P_fp32 · E_VECTOR)
     t_mem  = bytes / (BW · e_mem)
     roof   = max(t_math, t_mem)
-    GPU:   t = max(roof + k · kernel_gap, host)              (host pacing: cost/host.py)
+    GPU:   t = max(roof + k · kernel_gap, host / host_speed) (host pacing: cost/host.py;
+                                                              host_speed: the device's node)
     CPU:   t = roof + k · dispatch                            (the host does the work itself)
 
 F_tc is the node's FLOPs in matmul/conv/attention kernels (tensor_core_flops_fraction), k its
@@ -147,7 +148,9 @@ class _TypeTable:
         self._has_element_floor = bool(self._element_s.any())
         self._out_fixed, self._out_ps = out
 
-    def times_s(self, idx: np.ndarray, batch: float) -> np.ndarray:
+    def times_s(self, idx: np.ndarray, batch: float, host_scale: float = 1.0) -> np.ndarray:
+        """Times of nodes `idx` at `batch`; `host_scale` multiplies the host's time per node
+        (1 / the node's host_speed: a slower host paces the GPU later)."""
         tc = self.tc_fixed[idx] + self.tc_ps[idx] * batch
         other = self.other_fixed[idx] + self.other_ps[idx] * batch
         nbytes = self.bytes_fixed[idx] + self.bytes_ps[idx] * batch
@@ -181,7 +184,7 @@ class _TypeTable:
             return roof + k * self.dispatch
         # The host runs ahead while the GPU is busy and the GPU idles while the host is
         # behind: each node takes whichever is longer (cost/host.py)
-        return np.maximum(roof + k * self.kernel_gap, self.host_s[idx])
+        return np.maximum(roof + k * self.kernel_gap, self.host_s[idx] * host_scale)
 
 
 def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
@@ -213,7 +216,7 @@ class AnalyticCostModel:
         allocator = "cpu" if all(g.vendor == "cpu" for g in cluster.gpu_types.values()) else "cuda"
         self.memory = MemoryModel(graph, precision=precision, optimizer=optimizer, allocator=allocator)
         self._tables: dict[tuple[str, str], _TypeTable] = {}
-        self._node_cache: dict[tuple[int, str, float, str], float] = {}
+        self._node_cache: dict[tuple[int, str, float, float, str], float] = {}
         self._index_cache: dict[tuple[str, ...], np.ndarray] = {}
         self._in_block = self.memory.in_block()
         self._edges = {(e.src, e.dst): e.bytes for e in graph.edges}
@@ -250,17 +253,22 @@ class AnalyticCostModel:
         except ClusterError:
             raise
 
-    def _phase_times_s(self, idx: np.ndarray, gpu_type: str, batch: float, phase: str) -> np.ndarray:
+    def _host_scale(self, device: str) -> float:
+        """How much longer than the reference host this device's host takes per op."""
+        return 1.0 / self.cluster.host_speed(device)
+
+    def _phase_times_s(self, idx: np.ndarray, gpu_type: str, batch: float, phase: str,
+                       host_scale: float = 1.0) -> np.ndarray:
         if phase not in ("fwd", "bwd"):
             raise PlanError(f"unknown phase {phase!r}; use 'fwd' or 'bwd'.")
-        times = self._table(gpu_type, phase).times_s(idx, batch)
+        times = self._table(gpu_type, phase).times_s(idx, batch, host_scale)
         if self.profile is not None:
             for j, i in enumerate(idx):
                 measured = self.profile.time_s(self.graph.nodes[i].name, gpu_type, phase, batch)
                 if measured is not None:
                     times[j] = measured
         if phase == "bwd" and self.recompute:
-            fwd = self._phase_times_s(idx, gpu_type, batch, "fwd")
+            fwd = self._phase_times_s(idx, gpu_type, batch, "fwd", host_scale)
             times = times + np.where(self._in_block[idx], fwd, 0.0)
         return times
 
@@ -272,10 +280,11 @@ class AnalyticCostModel:
         i = self.graph.index.get(node)
         if i is None:
             raise PlanError(f"node {node!r} is not in the graph of {self.graph.model}.")
-        key = (i, d.gpu_type, float(batch), phase)
+        scale = self._host_scale(device)
+        key = (i, d.gpu_type, scale, float(batch), phase)
         t = self._node_cache.get(key)
         if t is None:
-            t = self._node_cache[key] = float(self._phase_times_s(np.array([i]), d.gpu_type, batch, phase)[0])
+            t = self._node_cache[key] = float(self._phase_times_s(np.array([i]), d.gpu_type, batch, phase, scale)[0])
         return t * d.slowdown
 
     def group_time_s(self, nodes: Sequence[str], device: str, batch: float, phase: str) -> float:
@@ -283,14 +292,15 @@ class AnalyticCostModel:
         if batch <= 0 or not nodes:
             return 0.0
         d = self._device(device)
-        return float(self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase).sum()) * d.slowdown
+        return float(self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase,
+                                         self._host_scale(device)).sum()) * d.slowdown
 
     def node_times_s(self, nodes: Sequence[str], device: str, batch: float, phase: str) -> np.ndarray:
         """compute_time_s of every node in `nodes`, as an array."""
         if batch <= 0 or not nodes:
             return np.zeros(len(nodes))
         d = self._device(device)
-        return self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase) * d.slowdown
+        return self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase, self._host_scale(device)) * d.slowdown
 
     def recompute_time_s(self, nodes: Sequence[str], device: str, batch: float) -> float:
         """Extra backward time if `nodes` are recomputed (their block members' forward again);
@@ -299,7 +309,7 @@ class AnalyticCostModel:
             return 0.0
         d = self._device(device)
         idx = self._idx(nodes)
-        fwd = self._table(d.gpu_type, "fwd").times_s(idx, batch)
+        fwd = self._table(d.gpu_type, "fwd").times_s(idx, batch, self._host_scale(device))
         return float(np.where(self._in_block[idx], fwd, 0.0).sum()) * d.slowdown
 
     def optimizer_time_s(self, nodes: Sequence[str], device: str) -> float:
@@ -327,7 +337,7 @@ class AnalyticCostModel:
                        float(per_node[per_node >= big].sum()))
             return (traffic_s + host_s + fresh_s) * d.slowdown
         # GPU: foreach kernels; host cost per tensor overlaps the device's streaming
-        return max(traffic_s, tensors * oh.optimizer_per_tensor_s) * d.slowdown
+        return max(traffic_s, tensors * oh.optimizer_per_tensor_s * self._host_scale(device)) * d.slowdown
 
     # -- communication ---------------------------------------------------------------------------
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:

@@ -18,13 +18,14 @@ from heterog.ir.opgraph import OpGraph
 TOP_NODES = 5  # the slowest nodes (forward + backward) listed in the breakdown
 
 
-def single_device_cluster(gpu: GpuType) -> Cluster:
-    """A one-device cluster of type `gpu` (device 'local/gpu0', or 'local/cpu0')."""
+def single_device_cluster(gpu: GpuType, host_speed: float = 1.0) -> Cluster:
+    """A one-device cluster of type `gpu` (device 'local/gpu0', or 'local/cpu0') on a node
+    whose host runs at `host_speed` × the reference host."""
     dev = f"local/{'cpu' if gpu.vendor == 'cpu' else 'gpu'}0"
     return build_cluster(name=f"single-{gpu.name}", gpu_types={gpu.name: gpu},
                          nodes=[{"name": "local", "devices": [{"name": dev, "gpu_type": gpu.name}],
                                  "nic_bandwidth_bytes_per_s": 1e10, "nic_latency_s": 0.0,
-                                 "intra_latency_s": 0.0}])
+                                 "intra_latency_s": 0.0, "host_speed": host_speed}])
 
 
 def _freeze(args: dict[str, Any] | None) -> tuple:
@@ -83,17 +84,22 @@ def node_profile(profile: Any):
 
 def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, batch_size: int,
             seq_len: int | None = None, device: str | GpuType, precision: str = "fp32",
-            optimizer: str = "sgd", recompute: bool = False, profile: Any = None) -> dict[str, Any]:
+            optimizer: str = "sgd", recompute: bool = False, profile: Any = None,
+            host_speed: float = 1.0) -> dict[str, Any]:
     """One training step of `model` at `batch_size` on one `device` type (a catalog name,
     'cpu', or a GpuType such as a calibration's). Returns iteration_time_s,
     peak_memory_bytes, flops_per_iteration, fits, device, and a breakdown (times in s, sizes
     in bytes). `profile` (a Profile, a DeviceProfile, or the path of either) replaces the
-    analytic time of every node it measured on this device type."""
+    analytic time of every node it measured on this device type. `host_speed` is the speed of
+    the host driving the GPU relative to the reference host (a cluster YAML's node
+    `host_speed`; `heterog profile` measures it)."""
     if batch_size < 1:
         raise ModelError(f"batch_size must be ≥ 1, found {batch_size}.")
     gpu = device if isinstance(device, GpuType) else get_gpu(device)
     graph = _graph(model, model_args, batch_size, seq_len)
-    cluster = single_device_cluster(gpu)
+    if not (host_speed > 0):
+        raise ModelError(f"host_speed must be > 0 (1.0 = the reference host), found {host_speed!r}.")
+    cluster = single_device_cluster(gpu, host_speed)
     dev = cluster.devices[0].name
     costs = build_cost_model(graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute,
                              profile=node_profile(profile))
@@ -119,6 +125,7 @@ def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, b
         "precision": precision,
         "optimizer": optimizer,
         "recompute": recompute,
+        "host_speed": host_speed,
         "iteration_time_s": iteration_s,
         "peak_memory_bytes": int(round(mem.peak_bytes)),
         "flops_per_iteration": flops,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -42,6 +43,15 @@ class Node:
     nic_bandwidth_bytes_per_s: float
     nic_latency_s: float
     intra_latency_s: float
+    # Speed of the node's host (CPU, Python, PyTorch build) relative to the reference host the
+    # catalog's host costs were fitted on (1.0); 0.5 = every host cost takes twice as long.
+    # Eager PyTorch on a GPU is host-bound at small batches, so this sets those step times.
+    host_speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.host_speed > 0.0 and math.isfinite(self.host_speed)):
+            raise ClusterError(f"node {self.name!r}: host_speed must be a finite factor > 0 "
+                               f"(1.0 = the reference host), found {self.host_speed!r}.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +93,10 @@ class Cluster:
     def node_index(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
 
+    def host_speed(self, device: str) -> float:
+        """Relative speed of the host that drives `device` (its node's host_speed)."""
+        return self.node_index[self.device(device).node].host_speed
+
     @staticmethod
     def port(device: str, direction: str) -> str:
         return f"{device}.{direction}"
@@ -112,6 +126,10 @@ class Cluster:
             "devices": [[d.name, d.gpu_type, d.node, d.slowdown, d.memory_bytes] for d in self.devices],
             "links": sorted([l.name, l.bandwidth_bytes_per_s, l.latency_s] for l in self.links.values()),
         }
+        # only when set, so clusters without host speeds keep their fingerprints
+        speeds = {n.name: n.host_speed for n in self.nodes if n.host_speed != 1.0}
+        if speeds:
+            body["host_speed"] = speeds
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -121,7 +139,8 @@ def build_cluster(*, name: str, gpu_types: dict[str, GpuType], nodes: list[dict[
     """Make a Cluster and its links from plain node descriptions.
 
     Each node dict: name, devices (list of dicts: name, gpu_type, slowdown?, memory_bytes?,
-    intra_bandwidth_bytes_per_s?), nic_bandwidth_bytes_per_s, nic_latency_s, intra_latency_s.
+    intra_bandwidth_bytes_per_s?), nic_bandwidth_bytes_per_s, nic_latency_s, intra_latency_s,
+    host_speed? (1.0).
     The YAML loader (hardware.spec) validates user input and calls this.
     """
     links: dict[str, Link] = {}
@@ -148,7 +167,8 @@ def build_cluster(*, name: str, gpu_types: dict[str, GpuType], nodes: list[dict[
                              latency_s=n["nic_latency_s"] / 2)
         node_objs.append(Node(name=n["name"], devices=tuple(names),
                               nic_bandwidth_bytes_per_s=n["nic_bandwidth_bytes_per_s"],
-                              nic_latency_s=n["nic_latency_s"], intra_latency_s=n["intra_latency_s"]))
+                              nic_latency_s=n["nic_latency_s"], intra_latency_s=n["intra_latency_s"],
+                              host_speed=float(n.get("host_speed", 1.0))))
     core = None
     if switch_core_bandwidth_bytes_per_s is not None:
         core = "switch.core"

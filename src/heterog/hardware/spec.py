@@ -14,6 +14,8 @@ memory_gib or memory_bytes):
         nic_bandwidth_gbps: 200
         nic_latency_us: 10           # default 10
         intra_latency_us: 3          # default 3
+        host_speed: 0.7              # optional: the host's speed relative to the reference
+                                     #   host (1.0, the default); `heterog profile` measures it
         devices:
           - {type: A100-80GB, count: 4}          # named a100/gpu0 … a100/gpu3
           - {type: cpu, name: w0, slowdown: 2}   # emulated: `slowdown` × slower compute
@@ -47,7 +49,7 @@ KINDS = ("real", "emulated")
 _TOP = {"name", "kind", "description", "switch", "nodes", "gpu_types", "meta", "version"}
 _NODE = {"name", "count", "devices", "nic_bandwidth_gbps", "nic_bandwidth_gbytes_per_s",
          "nic_bandwidth_bytes_per_s", "nic_latency_us", "nic_latency_s", "intra_latency_us",
-         "intra_latency_s"}
+         "intra_latency_s", "host_speed"}
 _DEVICE = {"type", "count", "name", "slowdown", "memory_gib", "memory_bytes", "intra_bandwidth_gbps",
            "intra_bandwidth_gbytes_per_s", "intra_bandwidth_bytes_per_s"}
 _SWITCH = {"core_bandwidth_gbps", "core_bandwidth_gbytes_per_s", "core_bandwidth_bytes_per_s",
@@ -77,6 +79,10 @@ MEMORY = Plausible(what="memory", unit="GiB", scale=2**30, error_low=2**26, warn
                    warn_high=2**39, error_high=2**42)
 LATENCY = Plausible(what="latency", unit="µs", scale=1e-6, error_low=0.0, warn_low=0.0,
                     warn_high=10e-3, error_high=1.0)
+# Host speed relative to the machine the catalog's host costs were fitted on: hosts of
+# training GPUs differ by a few × (CPU generation, clock, Python build, load), not by 100×.
+HOST_SPEED = Plausible(what="host speed", unit="×", scale=1.0, error_low=0.01, warn_low=0.2,
+                       warn_high=5.0, error_high=100.0)
 SLOWDOWN = Plausible(what="slowdown", unit="×", scale=1.0, error_low=1e-3, warn_low=0.05,
                      warn_high=100.0, error_high=1000.0)
 
@@ -270,6 +276,8 @@ def _parse(doc: Any, source: str) -> Cluster:
             raise ctx.fail(where, n, None, "missing nic_bandwidth_gbps (the node's network card).")
         nic_lat = _latency(ctx, where, n, "nic_latency", DEFAULT_NIC_LATENCY_S)
         intra_lat = _latency(ctx, where, n, "intra_latency", DEFAULT_INTRA_LATENCY_S)
+        host_speed = (_plausible(ctx, where, n, "host_speed", _number(ctx, where, n, "host_speed"), HOST_SPEED)
+                      if "host_speed" in n else 1.0)
         if not isinstance(n["devices"], list) or not n["devices"]:
             raise ctx.fail(where, n, "devices", "expected a non-empty list of devices.")
         for copy in range(count):
@@ -331,7 +339,7 @@ def _parse(doc: Any, source: str) -> Cluster:
                         dev["intra_bandwidth_bytes_per_s"] = intra_bw
                     devices.append(dev)
             nodes.append({"name": node_name, "devices": devices, "nic_bandwidth_bytes_per_s": nic_bw,
-                          "nic_latency_s": nic_lat, "intra_latency_s": intra_lat})
+                          "nic_latency_s": nic_lat, "intra_latency_s": intra_lat, "host_speed": host_speed})
     meta = dict(doc.get("meta") or {})
     if "description" in doc:
         meta["description"] = str(doc["description"])
@@ -405,9 +413,11 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             if port_bw != gt.intra_node_bandwidth_bytes_per_s:
                 entry["intra_bandwidth_bytes_per_s"] = port_bw
             devices.append(entry)
-        nodes.append({"name": n.name, "nic_bandwidth_bytes_per_s": n.nic_bandwidth_bytes_per_s,
-                      "nic_latency_s": n.nic_latency_s, "intra_latency_s": n.intra_latency_s,
-                      "devices": devices})
+        node: dict[str, Any] = {"name": n.name, "nic_bandwidth_bytes_per_s": n.nic_bandwidth_bytes_per_s,
+                                "nic_latency_s": n.nic_latency_s, "intra_latency_s": n.intra_latency_s}
+        if n.host_speed != 1.0:     # omitted at the default, so older documents stay as they were
+            node["host_speed"] = n.host_speed
+        nodes.append({**node, "devices": devices})
     out: dict[str, Any] = {"version": SPEC_VERSION, "name": cluster.name, "kind": cluster.kind,
                            "gpu_types": {k: _gpu_type_to_dict(g) for k, g in cluster.gpu_types.items()},
                            "nodes": nodes}

@@ -1,0 +1,83 @@
+"""Per-node host speed (issue 12, item 1): a property of the node in the cluster YAML, carried
+on the Cluster, and used by the cost model for every device of that node."""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+
+import pytest
+
+from cost_support import transformer_graph
+from heterog.cost import build_cost_model
+from heterog.cost.predict import predict
+from heterog.errors import ClusterError, HeterogWarning
+from heterog.hardware.spec import cluster_from_dict, cluster_to_dict, parse_cluster_yaml
+
+YAML = textwrap.dedent("""\
+    name: hosts
+    nodes:
+      - name: fast
+        nic_bandwidth_gbps: 100
+        devices: [{type: H200}]
+      - name: slow
+        nic_bandwidth_gbps: 100
+        host_speed: 0.5
+        devices: [{type: H200}]
+    """)
+
+
+def _bad(text: str) -> str:
+    with pytest.raises(ClusterError) as e:
+        parse_cluster_yaml(text, "bad.yaml")
+    return str(e.value)
+
+
+def test_host_speed_is_carried_on_the_node_and_round_trips():
+    c = parse_cluster_yaml(YAML, "hosts.yaml")
+    assert [n.host_speed for n in c.nodes] == [1.0, 0.5]
+    assert c.host_speed("slow/gpu0") == 0.5 and c.host_speed("fast/gpu0") == 1.0
+    back = cluster_from_dict(cluster_to_dict(c))
+    assert [n.host_speed for n in back.nodes] == [1.0, 0.5]
+    assert back.fingerprint() == c.fingerprint()
+    # a cluster without host speeds keeps its fingerprint; setting one changes it
+    plain = parse_cluster_yaml(YAML.replace("    host_speed: 0.5\n", ""), "plain.yaml")
+    assert "host_speed" not in cluster_to_dict(plain)["nodes"][1]
+    assert plain.fingerprint() != c.fingerprint()
+
+
+@pytest.mark.parametrize("value, expect", [("0", "> 0"), ("-2", "> 0"), ("fast", "finite number"),
+                                           ("1000", "implausible")])
+def test_bad_host_speed_names_line_and_field(value, expect):
+    msg = _bad(YAML.replace("host_speed: 0.5", f"host_speed: {value}"))
+    assert "bad.yaml:8" in msg and "nodes[1].host_speed" in msg and expect in msg
+
+
+def test_unusual_host_speed_warns():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parse_cluster_yaml(YAML.replace("host_speed: 0.5", "host_speed: 0.1"), "odd.yaml")
+    assert any(issubclass(w.category, HeterogWarning) and "odd.yaml:8" in str(w.message) for w in caught)
+
+
+def test_a_2x_slower_host_slows_host_bound_steps_only():
+    """Same GPU type on both nodes: at batch 1 the step is the host's (twice as long on the
+    slow node); at a batch large enough to be device-bound it is the GPU's (unchanged)."""
+    graph = transformer_graph(layers=2, hidden=256, seq=64, batch=4)
+    c = parse_cluster_yaml(YAML, "hosts.yaml")
+    m = build_cost_model(graph, c, precision="fp32", optimizer="adamw")
+    names = [n.name for n in graph.nodes]
+
+    def step(dev, b):
+        return (m.group_time_s(names, dev, b, "fwd") + m.group_time_s(names, dev, b, "bwd")
+                + m.optimizer_time_s(names, dev))
+
+    assert step("slow/gpu0", 1) == pytest.approx(2 * step("fast/gpu0", 1), rel=1e-6)
+    big = 1 << 17
+    assert step("slow/gpu0", big) == pytest.approx(step("fast/gpu0", big), rel=0.02)
+    # the per-node answers the simulator reads agree with the group sums
+    n0 = names[1]
+    assert m.compute_time_s(n0, "slow/gpu0", 1, "fwd") == pytest.approx(2 * m.compute_time_s(n0, "fast/gpu0", 1, "fwd"))
+    # predict takes the same figure
+    p = [predict(graph, batch_size=1, device="H200", host_speed=s)["iteration_time_s"] for s in (1.0, 0.5)]
+    assert p[1] == pytest.approx(2 * p[0], rel=1e-6)
