@@ -105,3 +105,24 @@ def test_profile_and_calibrate_on_a_gpu(tmp_path):  # pragma: no cover - GPU onl
     r = runner.invoke(app, ["calibrate", str(out), "--name", "this-gpu", "--out", str(cat)])
     assert r.exit_code == 0, r.output
     assert yaml.safe_load(cat.read_text())["gpus"][0]["name"] == "this-gpu"
+
+
+def test_the_host_speed_fit_recovers_a_known_node(monkeypatch):
+    """Steps measured on a node whose host runs at half the reference speed are fitted back
+    to host_speed ≈ 0.5, the figure a cluster YAML's node takes; the profile keeps it."""
+    from cost_support import transformer_graph
+    import heterog.cost.predict as pred
+    from heterog.cost.calibrate import fit_host_speed
+    graph = transformer_graph(layers=2, hidden=128, seq=32, batch=2)
+    monkeypatch.setitem(pred._CAPTURES, ("toy-transformer", (), 1, None), graph)
+    steps = [{"model": "toy-transformer", "batch_size": b,
+              "time_s": predict(graph, batch_size=b, device="H200", host_speed=0.5)["iteration_time_s"]}
+             for b in (1, 2, 4)]
+    prof = DeviceProfile.from_dict({"device": {"type": "H200"}, "steps": steps})
+    speed = fit_host_speed(prof, get_gpu("H200"))
+    assert speed == pytest.approx(0.5, rel=0.05)
+    back = DeviceProfile.from_dict({**dataclasses.replace(prof, host_speed=speed).to_dict()})
+    assert back.host_speed == pytest.approx(speed)
+    assert fit_host_speed(DeviceProfile.from_dict({"device": {"type": "H200"}}), get_gpu("H200")) is None
+    with pytest.raises(DeviceProfileError, match="host_speed"):
+        DeviceProfile.from_dict({"device": {"type": "H200"}, "host_speed": 0})

@@ -46,6 +46,13 @@ def register(app: typer.Typer) -> None:
                       f"{entry['efficiency']['compute']}, memory {entry['efficiency']['memory']}, "
                       f"host {entry['host']['source']}")
         console.print(f"use it: export HETEROG_CATALOG={out}; heterog predict ... --device {entry['name']}")
+        from heterog.cost.calibrate import fit_host_speed
+        from heterog.hardware.catalog import get_gpu
+        speed = prof.host_speed if prof.host_speed is not None else fit_host_speed(prof, get_gpu(base or prof.device_type))
+        if speed is not None:
+            console.print(f"host speed {speed:.3g} × the reference host: the new type's host costs are this "
+                          f"machine's (keep host_speed 1 on its nodes); to keep the packaged type instead, write "
+                          f"`host_speed: {speed:.3g}` on the node in the cluster YAML.")
 
 
 def _is_device_profile(path: Path) -> bool:

@@ -53,5 +53,12 @@ def register(app: typer.Typer) -> None:
                          f"{r['bytes'] / r['allreduce_s'] / 1e9:.2f} GB/s"))
             rows.append((f"{prof.comm['backend']} p2p {r['bytes'] / 2**20:.0f} MiB", f"{r['bytes'] / r['p2p_s'] / 1e9:.2f} GB/s"))
         rows += [(f"step {s['model']} batch {s['batch_size']}", human_time(s["time_s"])) for s in prof.steps]
+        if prof.host_speed is not None:
+            rows.append(("host speed", f"{prof.host_speed:.3g} × the reference host"))
         print_table(f"profile of {prof.device['name']} ({prof.device_type})", ["", "measured"], rows)
         console.print(f"profile written to {out}")
+        if prof.host_speed is not None:
+            console.print(f"in the cluster YAML, on this machine's node: host_speed: {prof.host_speed:.3g}")
+        elif prof.device_type != "cpu":
+            console.print("host speed not measured: add --model (e.g. --model resnet50 --batch-sizes 1,2) to "
+                          "measure host-bound steps")

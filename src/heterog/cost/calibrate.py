@@ -10,6 +10,10 @@ What is fitted, and from what (profile/artifact.py names the sections):
   autocast cast); when the profile holds whole steps of zoo models, one common scale on
   all host costs is then fitted so that the predicted steps match the measured ones in the
   median (the micro-benchmarks miss Python work that real models do between ops).
+- host speed (`fit_host_speed`): the same fit against the catalog's reference host costs,
+  inverted — how fast this machine's host is relative to the reference host. It is a
+  property of the node, written as `host_speed` in the cluster YAML, for nodes whose devices
+  keep the packaged type (a calibrated type already carries this host's costs).
 The entry keeps the base type's peaks, memory and links (`--base`, or the profile's own
 device type), so it names the same hardware with this machine's measured behaviour.
 """
@@ -87,6 +91,15 @@ def fit_host_scale(profile: DeviceProfile, gpu: GpuType) -> float:
 
     res = minimize_scalar(objective, bounds=(lo, hi), method="bounded", options={"xatol": 0.02})
     return float(np.exp(res.x))
+
+
+def fit_host_speed(profile: DeviceProfile, base: GpuType) -> float | None:
+    """This machine's host speed relative to the reference host (the catalog's host costs):
+    1 / the common scale on those costs that best matches the profile's measured GPU steps.
+    None when there is nothing to fit (no steps, or a CPU device, whose host is its compute)."""
+    if not profile.steps or base.vendor == "cpu":
+        return None
+    return 1.0 / fit_host_scale(profile, dataclasses.replace(base, host=None))
 
 
 def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | None = None) -> dict[str, Any]:

@@ -8,7 +8,9 @@ validated artifact (JSON, kind 'heterog.DeviceProfile', version 1):
      "host":  {"forward_op_s": .., "backward_op_s": .., "module_call_s": .., "autocast_cast_s": ..},
      "comm":  {"backend": "nccl", "world_size": 2, "rows": [{"bytes", "allreduce_s", "p2p_s"}]},
      "steps": [{"model", "batch_size", "seq_len", "precision", "optimizer", "time_s", "peak_bytes"}],
-     "nodes": <a heterog.Profile body: per-node forward/backward times at each batch size>}
+     "nodes": <a heterog.Profile body: per-node forward/backward times at each batch size>,
+     "host_speed": 0.8}     # this machine's host relative to the reference host (from the GPU
+                            # steps; a cluster YAML node's `host_speed`)
 
 Every section but `device` is optional, so the shared measurement files (h200_micro.json's
 matmul sweep and copy, h200_steps.json's steps) convert into one (`from_shared_files`).
@@ -51,6 +53,7 @@ class DeviceProfile:
     comm: dict[str, Any] | None = None
     steps: tuple[dict[str, Any], ...] = ()
     nodes: Profile | None = None
+    host_speed: float | None = None     # relative to the reference host; None: not measured
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -64,7 +67,8 @@ class DeviceProfile:
     def to_dict(self) -> dict[str, Any]:
         return {"device": dict(self.device), "gemm": [dict(g) for g in self.gemm], "copy": self.copy,
                 "host": self.host, "comm": self.comm, "steps": [dict(s) for s in self.steps],
-                "nodes": None if self.nodes is None else self.nodes.to_dict(), "meta": self.meta}
+                "nodes": None if self.nodes is None else self.nodes.to_dict(), "host_speed": self.host_speed,
+                "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         save_artifact(path, KIND, SCHEMA_VERSION, self.to_dict())
@@ -108,10 +112,13 @@ class DeviceProfile:
             steps.append({**s, "batch_size": int(_positive(f"{where}.batch_size", s.get("batch_size"))),
                           "time_s": _positive(f"{where}.time_s", s.get("time_s"))})
         nodes = doc.get("nodes")
+        speed = doc.get("host_speed")
+        if speed is not None:
+            speed = _positive(f"{source}: host_speed (the host's speed relative to the reference host)", speed)
         return DeviceProfile(device={k: str(v) for k, v in dev.items()}, gemm=tuple(gemm), copy=copy, host=host,
                              comm=doc.get("comm"), steps=tuple(steps),
                              nodes=None if nodes is None else Profile.from_dict(nodes, f"{source}: nodes"),
-                             meta=dict(doc.get("meta") or {}))
+                             host_speed=speed, meta=dict(doc.get("meta") or {}))
 
     @staticmethod
     def from_shared_files(paths: list[str | Path], device_type: str) -> "DeviceProfile":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from typing import Any
@@ -80,7 +81,15 @@ def profile_device(*, model: str | None = None, model_args: dict[str, Any] | Non
             from heterog.profile.measure import measure_profile
             work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
             nodes = measure_profile(work, batch_sizes=batch_sizes, repeats=3, device_type=dtype)
-    return DeviceProfile(device={"type": dtype, "name": name, "torch": torch.__version__,
+    prof = DeviceProfile(device={"type": dtype, "name": name, "torch": torch.__version__,
                                  "host": platform.processor() or platform.machine()},
                          gemm=tuple(gemm), copy=copy, host=host, comm=comm_doc, steps=tuple(steps), nodes=nodes,
                          meta={"profile_time_s": time.perf_counter() - t0})
+    if steps and dev.type == "cuda":
+        # the node's host speed: how fast this host drives the GPU relative to the reference
+        # host, from the measured steps (the small-batch ones are the host's)
+        say("host speed from the measured steps")
+        from heterog.cost.calibrate import fit_host_speed
+        from heterog.hardware.catalog import get_gpu
+        prof = dataclasses.replace(prof, host_speed=fit_host_speed(prof, get_gpu(dtype)))
+    return prof
