@@ -1,30 +1,130 @@
 """The timed simulation of one iteration: the Program's order (lower/order.py) with times.
 
-A compute task starts when its inputs are ready and it is next on its device; a transfer or
-collective starts when its inputs are ready and it is next on every link it occupies, and
-holds all of them for its whole (uncontended) time. Links are therefore FIFO and exclusive:
-two transfers sharing a NIC take twice as long as one. Links that serve exactly the same tasks
-(e.g. the ~2300 links of a 1024-device ring that nothing else uses) are merged into one
-resource first. An oversubscribed switch core is the exception: a pipe that moves the bytes of
-the transfers crossing it one after another at its bandwidth, while their NIC parts overlap.
-Fixed orders keep the max-plus property (lower/order.py); the switch core's pipe is one more
-max-plus stage.
+A compute task starts when its inputs are ready and the task before it on its device has
+ended; a transfer or collective starts when its inputs are ready and the task before it on
+every link it occupies has ended, and holds all of them for its whole (uncontended) time.
+Links are therefore FIFO and exclusive: two transfers sharing a NIC take twice as long as one.
+An oversubscribed switch core is the exception: a pipe that moves the bytes of the transfers
+crossing it one after another at its bandwidth, while their NIC parts overlap.
+
+Because every queue (device, link, switch core) follows the fixed order and that order lists
+each task after its inputs, the order is a topological order of the graph plus the queue
+edges: one pass over it gives every start time as a max of sums of durations (a max-plus
+system, lower/order.py), with no event queue. Memory is then replayed from the start and end
+times: the effects of all tasks, sorted by time (ends before starts at the same instant, as a
+device frees a task's memory before its next task allocates).
 """
 
 from __future__ import annotations
 
-from heapq import heappop, heappush
+from itertools import chain
+
+import numpy as np
 
 from heterog.lower.taskgraph import Tasks
 
 
-def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, comm_order: list[int]):
-    """Merge links that serve exactly the same tasks into one resource. With fixed orders such
-    links are redundant: a ring all-reduce over 1024 devices crosses ~2300 links that nothing
-    else uses, and they act as one. Returns (per-task tuple of class ids, per-class order)."""
-    paths = list(by_path)
+def run(tasks: Tasks, order: list[int], n_devices: int,
+        capacity_bytes: list[int], record: bool, shared_bw: dict[int, float] | None = None):
+    """Timed simulation following `order`. Returns (start, end, peak, overflow, mem_trace)
+    with overflow = (device, time) of the first device to exceed its memory, or None, and
+    mem_trace per device [(time, bytes in use)] when `record`.
+
+    shared_bw: switch-core links. The core is a pipe that moves bytes at its bandwidth in the
+    fixed order, alongside the NICs: a transfer that crosses it ends no earlier than its own
+    time and than the core has pushed its bytes after those of the transfers before it. Two
+    transfers on disjoint NICs thus overlap fully under a fast core and share a slow one."""
+    start, end = _times(tasks, order, n_devices, shared_bw or {})
+    peak, overflow, trace = _memory(tasks, start, end, n_devices, capacity_bytes, record)
+    return start, end, peak, overflow, trace
+
+
+def _times(tasks: Tasks, order: list[int], n_devices: int, shared_bw: dict[int, float]):
+    """Start and end of every task: one pass over the fixed order (see the module docstring)."""
+    dur, dev, succ = tasks.dur, tasks.dev, tasks.succ
+    n = len(dur)
+    classes, n_classes, shared_of, core_bytes = _resources(tasks, shared_bw)
+    ready = [0.0] * n                 # when the inputs of a task are all done
+    start = [0.0] * n
+    end = [0.0] * n
+    dev_free = [0.0] * n_devices      # end of the device's previous task
+    link_free = [0.0] * n_classes     # end of the link class's previous task
+    core_started = {l: 0.0 for l in shared_bw}   # start of the core's previous transfer
+    core_free = {l: 0.0 for l in shared_bw}      # when the core has pushed the bytes before
+    for t in order:
+        s = ready[t]
+        d = dev[t]
+        if d >= 0:
+            f = dev_free[d]
+            if f > s:
+                s = f
+            e = s + dur[t]
+            dev_free[d] = e
+        else:
+            cl = classes[t]
+            for c in cl:
+                f = link_free[c]
+                if f > s:
+                    s = f
+            sh = shared_of[t]
+            if sh:
+                s, e = _through_core(s, dur[t], sh, core_bytes[t], shared_bw, core_started, core_free)
+            else:
+                e = s + dur[t]
+            for c in cl:
+                link_free[c] = e
+        start[t] = s
+        end[t] = e
+        for u in succ[t]:
+            if ready[u] < e:
+                ready[u] = e
+    return start, end
+
+
+def _through_core(s: float, dur: float, cores: tuple[int, ...], nbytes: float, bandwidth: dict[int, float],
+                  started: dict[int, float], free: dict[int, float]) -> tuple[float, float]:
+    """A transfer crossing switch cores: it starts no earlier than the core's previous
+    transfer started, and ends no earlier than the core has pushed its bytes."""
+    for l in cores:
+        if started[l] > s:
+            s = started[l]
+    e = s + dur
+    for l in cores:
+        started[l] = s
+        core_end = max(s, free[l]) + nbytes / bandwidth[l]
+        free[l] = core_end
+        if core_end > e:
+            e = core_end
+    return s, e
+
+
+def _resources(tasks: Tasks, shared_bw: dict[int, float]):
+    """Per task: the link classes it holds (links that serve exactly the same tasks merged:
+    with fixed orders they act as one, e.g. the ~2300 links of a 1024-device ring), the number
+    of classes, the switch-core links it crosses and the bytes it pushes through them."""
+    links = tasks.links
+    n = len(links)
+    shared_of: list[tuple[int, ...]] = [()] * n
+    core_bytes = [0.0] * n
+    paths: dict[tuple[int, ...], tuple[int, ...]] = {}    # link set → its exclusive links
+    cores: dict[tuple[int, ...], tuple[int, ...]] = {}    # link set → its switch-core links
+    comm_links = [(t, links[t]) for t in tasks.comm if links[t]]
+    for _, lk in comm_links:
+        if lk not in paths:
+            if shared_bw:
+                cores[lk] = tuple(l for l in lk if l in shared_bw)
+                paths[lk] = tuple(l for l in lk if l not in shared_bw) if cores[lk] else lk
+            else:
+                paths[lk] = lk
+    if shared_bw:
+        for t, lk in comm_links:
+            sh = cores[lk]
+            if sh:
+                shared_of[t] = sh
+                core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
     member_of: dict[int, list[int]] = {}
-    for pi, path in enumerate(paths):
+    excl = list(paths.values())
+    for pi, path in enumerate(excl):
         for l in path:
             lst = member_of.get(l)
             if lst is None:
@@ -32,182 +132,60 @@ def _link_classes(by_path: dict[tuple[int, ...], list[int]], task_links: list, c
             else:
                 lst.append(pi)
     class_of_key: dict[tuple[int, ...], int] = {}
-    class_of_link: dict[int, int] = {}
-    for l, pis in member_of.items():
-        class_of_link[l] = class_of_key.setdefault(tuple(pis), len(class_of_key))
-    position = {}
-    link_order: list[list[int]] = []
-    for key in class_of_key:          # insertion order = class id order
-        if len(key) == 1:
-            link_order.append(by_path[paths[key[0]]])
-        else:
-            if not position:
-                position = {t: i for i, t in enumerate(comm_order)}
-            merged = [t for pi in key for t in by_path[paths[pi]]]
-            merged.sort(key=position.__getitem__)
-            link_order.append(merged)
-    classes_of_path = {path: tuple(sorted({class_of_link[l] for l in path})) for path in paths}
-    links: list[tuple[int, ...]] = [()] * len(task_links)
-    for t in comm_order:
-        lk = task_links[t]
-        if lk:
-            links[t] = classes_of_path[lk]
-    return links, link_order
+    class_of_link = {l: class_of_key.setdefault(tuple(pis), len(class_of_key)) for l, pis in member_of.items()}
+    classes_of_path = {lk: tuple(sorted({class_of_link[l] for l in ex})) for lk, ex in zip(paths, excl)}
+    classes: list[tuple[int, ...]] = [()] * n
+    for t, lk in comm_links:
+        classes[t] = classes_of_path[lk]
+    return classes, len(class_of_key), shared_of, core_bytes
 
 
-def _split_shared(tasks: Tasks, shared_bw: dict[int, float]):
-    """Per task: its exclusive links, the switch-core links it crosses, and the bytes it
-    pushes through them."""
-    n = len(tasks.kind)
-    excl: list[tuple[int, ...]] = tasks.links
-    shared_of: list[tuple[int, ...]] = [()] * n
-    core_bytes = [0.0] * n
-    if not shared_bw:
-        return excl, shared_of, core_bytes
-    excl = list(excl)
-    split: dict[tuple[int, ...], tuple] = {}
-    links = tasks.links
-    for t in tasks.comm:      # compute tasks occupy no links
-        lk = links[t]
-        if not lk:
-            continue
-        hit = split.get(lk)
-        if hit is None:
-            sh = tuple(l for l in lk if l in shared_bw)
-            hit = split[lk] = (tuple(l for l in lk if l not in shared_bw) if sh else lk, sh)
-        excl[t] = hit[0]
-        if hit[1]:
-            shared_of[t] = hit[1]
-            core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
-    return excl, shared_of, core_bytes
-
-
-def run(tasks: Tasks, order: list[int], n_devices: int,
-        capacity_bytes: list[int], record: bool, shared_bw: dict[int, float] | None = None):
-    """Timed simulation following `order`. Returns (start, end, peak, overflow, mem_trace)
-    with overflow = (device, time) of the first device to exceed its memory, or None.
-
-    shared_bw: switch-core links. The core is a pipe that moves bytes at its bandwidth in the
-    fixed order, alongside the NICs: a transfer that crosses it ends no earlier than its own
-    time and than the core has pushed its bytes after those of the transfers before it. Two
-    transfers on disjoint NICs thus overlap fully under a fast core and share a slow one."""
-    dur, dev, succ = tasks.dur, tasks.dev, tasks.succ
-    mem_start, mem_end = tasks.mem_start, tasks.mem_end
-    n = len(dur)
-    excl, shared_of, core_bytes = _split_shared(tasks, shared_bw or {})
-    # A task may start once its inputs are ready and it heads its device's queue or every
-    # link queue it uses: its predecessor in each queue counts as one more input. `after[t]`
-    # lists what t's end releases: its queue successors (device, then links in class order),
-    # then its graph successors.
-    left = tasks.npred[:]
-    after = list(succ)
-    last = [-1] * n_devices       # the device's previous task in the order
-    by_path: dict[tuple[int, ...], list[int]] = {}   # link set → its tasks, in order
-    s_order: dict[int, list[int]] = {l: [] for l in shared_bw or ()}
-    comm_order: list[int] = []
-    for t in order:
-        d = dev[t]
-        if d >= 0:
-            p = last[d]
-            last[d] = t
-            if p >= 0:
-                sp = succ[p]
-                if t not in sp:   # else already an input of t, released at the same place
-                    after[p] = [t] + sp
-                    left[t] += 1
-        else:
-            comm_order.append(t)
-            lk = excl[t]
-            if lk:
-                lst = by_path.get(lk)
-                if lst is None:
-                    by_path[lk] = [t]
-                else:
-                    lst.append(t)
-            for l in shared_of[t]:
-                s_order[l].append(t)
-    s_next = {l: 0 for l in s_order}
-    s_free = {l: 0.0 for l in s_order}      # when the core has pushed the bytes before
-    s_cap = dict(shared_bw or {})
-    links, link_order = _link_classes(by_path, excl, comm_order)
-    if link_order:
-        nxt: list[dict[int, int]] = []
-        for lo in link_order:
-            nxt.append(dict(zip(lo, lo[1:])))
-            for b in lo[1:]:
-                left[b] += 1
-        for t in comm_order:
-            heads = [nxt[l][t] for l in links[t] if t in nxt[l]]
-            if heads:
-                after[t] = heads + succ[t]
-    started = bytearray(n)      # only tasks crossing a switch core can be queued twice
-    n_started = 0
-    start = [0.0] * n
-    end = [0.0] * n
-    cur = list(tasks.initial_bytes)
-    peak = list(cur)
-    overflow = None
-    for d in range(n_devices):
-        if cur[d] > capacity_bytes[d] and overflow is None:
-            overflow = (d, 0.0)
-    trace: list[list[tuple[float, float]]] | None = None
+def _memory(tasks: Tasks, start: list[float], end: list[float], n_devices: int,
+            capacity_bytes: list[int], record: bool):
+    """Replay every task's memory effects in time order: (peak per device, first overflow
+    (device, time) or None, per-device trace when `record`)."""
+    initial = list(tasks.initial_bytes)
+    overflow = next(((d, 0.0) for d in range(n_devices) if initial[d] > capacity_bytes[d]), None)
+    parts = [_effects(effects, when, phase) for phase, effects, when in
+             ((1, tasks.mem_start, start), (0, tasks.mem_end, end))]
+    if not any(len(p[0]) for p in parts):
+        trace = [[(0.0, initial[d])] if initial[d] else [] for d in range(n_devices)] if record else None
+        return initial, overflow, trace
+    time_a, dev_a, delta_a, phase_a = (np.concatenate(c) for c in zip(*parts))
+    idx = np.lexsort((phase_a, time_a, dev_a))      # stable: equal events keep task order
+    dev_s, time_s, phase_s = dev_a[idx], time_a[idx], phase_a[idx]
+    cum = np.cumsum(delta_a[idx])
+    first = np.flatnonzero(np.r_[True, dev_s[1:] != dev_s[:-1]])
+    before = np.r_[0.0, cum[first[1:] - 1]]                  # running sum before each device's events
+    counts = np.diff(np.r_[first, len(dev_s)])
+    init_a = np.array(initial, dtype=float)
+    cur = cum - np.repeat(before, counts) + init_a[dev_s]
+    peak = initial[:]
+    for d, p in zip(dev_s[first].tolist(), np.maximum.reduceat(cur, first).tolist()):
+        if p > peak[d]:
+            peak[d] = p
+    if overflow is None:
+        over = np.flatnonzero(cur > np.asarray(capacity_bytes, dtype=float)[dev_s])
+        if len(over):
+            i = over[np.lexsort((phase_s[over], time_s[over]))[0]]
+            overflow = (int(dev_s[i]), float(time_s[i]))
+    trace = None
     if record:
-        trace = [[(0.0, cur[d])] if cur[d] else [] for d in range(n_devices)]
-    events: list[tuple[float, int]] = []
-    ready_now: list[int] = [t for t in tasks.sources if left[t] == 0]   # no queue predecessor
-    push, pop = heappush, heappop
-    now = 0.0
-    while True:
-        # start every task whose inputs and queue predecessors are done
-        while ready_now:
-            t = ready_now.pop()
-            finish = now + dur[t]
-            sh = shared_of[t]
-            if sh:
-                if started[t] or any(s_order[l][s_next[l]] != t for l in sh):
-                    continue
-                started[t] = 1
-                for l in sh:
-                    core_end = max(now, s_free[l]) + core_bytes[t] / s_cap[l]
-                    s_free[l] = core_end
-                    if core_end > finish:
-                        finish = core_end
-                    s_next[l] += 1
-                    so = s_order[l]
-                    if s_next[l] < len(so) and left[so[s_next[l]]] == 0:
-                        ready_now.append(so[s_next[l]])
-            n_started += 1
-            start[t] = now
-            push(events, (finish, t))
-            ms = mem_start[t]
-            if ms is None:
-                continue
-            for md, delta in ms:
-                c = cur[md] + delta
-                cur[md] = c
-                if c > peak[md]:
-                    peak[md] = c
-                    if overflow is None and c > capacity_bytes[md]:
-                        overflow = (md, now)
-                if record:
-                    trace[md].append((now, c))
-        if not events:
-            break
-        now, t = pop(events)
-        end[t] = now
-        me = mem_end[t]
-        if me is not None:
-            if record:
-                for md, delta in me:
-                    c = cur[md] + delta
-                    cur[md] = c
-                    trace[md].append((now, c))
-            else:
-                for md, delta in me:
-                    cur[md] += delta
-        for s in after[t]:
-            left[s] -= 1
-            if left[s] == 0:
-                ready_now.append(s)
-    assert n_started == n, "fixed orders taken from a feasible schedule cannot deadlock"
-    return start, end, peak, overflow, trace
+        trace = [[(0.0, initial[d])] if initial[d] else [] for d in range(n_devices)]
+        for d, a, b in zip(dev_s[first].tolist(), first.tolist(), (first + counts).tolist()):
+            trace[d].extend(zip(time_s[a:b].tolist(), cur[a:b].tolist()))
+    return peak, overflow, trace
+
+
+def _effects(effects: list, when: list[float], phase: int):
+    """The memory effects of one kind (at starts or at ends) as arrays: time, device, bytes, phase."""
+    tids = [t for t, e in enumerate(effects) if e is not None]
+    if not tids:
+        empty = np.zeros(0)
+        return empty, empty.astype(np.intp), empty, empty.astype(np.intp)
+    lists = [effects[t] for t in tids]
+    counts = np.fromiter(map(len, lists), dtype=np.intp, count=len(lists))
+    devs, deltas = zip(*chain.from_iterable(lists))
+    times = np.repeat(np.array(when)[tids], counts)
+    return (times, np.array(devs, dtype=np.intp), np.array(deltas, dtype=float),
+            np.full(len(times), phase, dtype=np.intp))
