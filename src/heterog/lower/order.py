@@ -22,72 +22,41 @@ from heapq import heappop, heappush
 from heterog.lower.taskgraph import BWD, FWD, OPT, Tasks
 
 
+def _admission(tasks: Tasks, n_devices: int, schedule: str):
+    """The state of the admission rules: forwards left per device (GPipe holds backward until
+    they are done) and micro-batches in flight per device with their backwards left (1F1B)."""
+    fwd_left = [0] * n_devices
+    if schedule == "gpipe":
+        for k, d in zip(tasks.kind, tasks.dev):
+            if k == FWD:
+                fwd_left[d] += 1
+    in_flight: list[set[int]] = [set() for _ in range(n_devices)]
+    return fwd_left, dict(tasks.bwd_count), in_flight
+
+
 def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight: bool = True) -> list[int] | None:
     """Start order of all tasks under list scheduling with zero-time communication; None if
     the 1F1B admission rule deadlocks on this placement (the caller retries without it)."""
-    kind, dur, dev, succ, key, mb = tasks.kind, tasks.dur, tasks.dev, tasks.succ, tasks.key, tasks.mb
-    left = tasks.npred[:]
-    n = len(kind)
-    ready: list[list] = [[] for _ in range(n_devices)]
-    busy = [False] * n_devices
+    dur, dev, succ, n = tasks.dur, tasks.dev, tasks.succ, len(tasks.kind)
+    kind, mb, limit = tasks.kind, tasks.mb, tasks.stage_limit
     gpipe = schedule == "gpipe"
     one_f1b = not gpipe and limit_in_flight
-    fwd_left = [0] * n_devices
-    if gpipe:
-        for t in range(n):
-            if kind[t] == FWD:
-                fwd_left[dev[t]] += 1
-    limit = tasks.stage_limit
-    bwd_left = dict(tasks.bwd_count)
-    in_flight: list[set[int]] = [set() for _ in range(n_devices)]
+    fwd_left, bwd_left, in_flight = _admission(tasks, n_devices, schedule)
+    prio = tasks.key
+    left = tasks.npred[:]
+    ready: list[list] = [[] for _ in range(n_devices)]     # heaps of (key, task)
+    busy = [False] * n_devices
     events: list[tuple[float, int]] = []
     order: list[int] = []
-    push = heappush
+    for t in tasks.sources:
+        left[t] = 1            # counted down once below, like a successor
+    touched: list[int] = []
+    _release(list(tasks.sources), touched, left, dev, succ, prio, ready, order)
     now = 0.0
-    finished = -1             # the task whose end is being processed (-1: the start)
-
-    def release(stack: list[int], touched: list[int]) -> None:
-        """Count down the tasks on `stack`; communication that becomes ready completes at
-        once (depth first) and compute joins its device's ready queue."""
-        while stack:
-            s = stack.pop()
-            left[s] -= 1
-            if left[s] == 0:
-                ds = dev[s]
-                if ds < 0:
-                    order.append(s)
-                    stack.extend(succ[s])
-                else:
-                    push(ready[ds], (key[s], s))
-                    touched.append(ds)
-
     while True:
-        # release successors; communication takes no time here, so it completes on the spot
-        if finished < 0:
-            stack = list(tasks.sources)
-            for t in stack:
-                left[t] = 1   # counted down once below, like a successor
-            touched = []
-        else:     # the walk below without copying succ: depth first, last successor first
-            stack = []
-            touched = [dev[finished]]     # only compute tasks take time
-            for s0 in reversed(succ[finished]):
-                left[s0] -= 1
-                if left[s0] == 0:
-                    ds = dev[s0]
-                    if ds >= 0:
-                        push(ready[ds], (key[s0], s0))
-                        touched.append(ds)
-                    else:
-                        order.append(s0)
-                        stack.extend(succ[s0])
-                        release(stack, touched)
-        release(stack, touched)
-        for d in touched:     # each idle device starts its best eligible ready task
-            if busy[d]:
-                continue
+        for d in touched:      # each idle device starts its best eligible ready task
             q = ready[d]
-            if not q:
+            if busy[d] or not q:
                 continue
             t = q[0][1]
             k = kind[t]
@@ -116,7 +85,24 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
             bwd_left[km] -= 1
             if bwd_left[km] == 0:
                 in_flight[d].discard(mb[t])
-        finished = t
-    if len(order) < n:
-        return None
-    return order
+        touched = [d]
+        _release(succ[t][:], touched, left, dev, succ, prio, ready, order)
+    return order if len(order) == n else None
+
+
+def _release(stack: list[int], touched: list[int], left: list[int], dev: list[int], succ: list[list[int]],
+             prio: list[tuple], ready: list[list], order: list[int]) -> None:
+    """Count down the tasks on `stack` (taken from its end, so the last successor first):
+    communication that becomes ready completes at once (depth first) and compute joins its
+    device's ready queue; devices whose queue grew are added to `touched`."""
+    while stack:
+        s = stack.pop()
+        left[s] -= 1
+        if left[s] == 0:
+            ds = dev[s]
+            if ds < 0:
+                order.append(s)
+                stack.extend(succ[s])
+            else:
+                heappush(ready[ds], (prio[s], s))
+                touched.append(ds)
