@@ -9,6 +9,15 @@ time a rank spends descheduled is absorbed by its wait, as long as the contentio
 below its slowdown. A device with slowdown 1 never waits, so it runs at whatever speed the
 shared CPU gives it. Pinning ranks to cores (os.sched_setaffinity) is optional and coarse.
 
+Memory: a cpu device of an emulated cluster that declares `memory_gib` (or `memory_bytes`)
+gets that capacity enforced at run time, as a GPU would: after every instruction its rank
+counts the bytes its live tensors hold (parameters, gradients, optimizer state, and the
+activations: values the Program keeps, received tensors, gradients in flight and what
+autograd saved for backward), each storage once, and stops with MemoryCapExceeded when
+they pass the cap. The planner respects the same capacity through the memory model; this
+makes a plan that ignores it (an even data-parallel baseline on a small device) fail for
+real instead of running in the machine's ample RAM.
+
 Links: see netns.py (namespaces, veth pairs, tc TBF), used when running as root.
 """
 
@@ -16,6 +25,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from heterog.errors import ResourceError
+
+MIB = 2**20
 
 
 class Pacer:
@@ -46,3 +63,80 @@ def pin_to_cores(rank: int, cores: list[int] | None = None) -> list[int]:
     core = allowed[rank % len(allowed)]
     os.sched_setaffinity(0, {core})
     return [core]
+
+
+class MemoryCapExceeded(ResourceError):
+    """An emulated device's live tensors passed the memory it declares (a GPU's out-of-memory)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LiveBytes:
+    """Bytes a rank's live tensors hold at one moment, by kind (each storage counted once)."""
+    parameters_bytes: int = 0
+    gradients_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    activations_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes + self.activations_bytes
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a value as the interpreter holds it: a tensor, or tuples, lists and
+    dicts of them (a Hugging Face ModelOutput is a dict)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+
+
+class StorageCounter:
+    """Sums the bytes of tensors' storages, each storage once (views and tensors that
+    autograd saved but that are also kept as values share storage)."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> int:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes and key not in self._seen:
+                self._seen.add(key)
+                total += nbytes
+        return total
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryCap:
+    """The capacity an emulated device declares; `check` raises when live tensors exceed it."""
+    device: str
+    cap_bytes: int
+
+    def check(self, live: LiveBytes, *, index: int, what: str) -> None:
+        if live.total_bytes <= self.cap_bytes:
+            return
+        raise MemoryCapExceeded(
+            f"device {self.device} exceeded its emulated memory cap of {self.cap_bytes / MIB:.0f} MiB at "
+            f"instruction {index} ({what}): live tensors hold {live.total_bytes / MIB:.1f} MiB (parameters "
+            f"{live.parameters_bytes / MIB:.1f}, gradients {live.gradients_bytes / MIB:.1f}, optimizer state "
+            f"{live.optimizer_state_bytes / MIB:.1f}, activations {live.activations_bytes / MIB:.1f} MiB). "
+            f"The plan puts more on {self.device} than it holds: use a plan from `heterog plan` for this "
+            f"cluster (it keeps every device within its memory) or raise memory_gib of {self.device} in "
+            f"the cluster YAML.")
+
+
+def memory_cap(cluster_doc: dict[str, Any] | None, device: str) -> MemoryCap | None:
+    """The cap of `device` when the plan's cluster is emulated and the device declares its
+    memory (memory_gib / memory_bytes in the YAML); None otherwise (nothing is enforced)."""
+    if not cluster_doc or cluster_doc.get("kind") != "emulated":
+        return None
+    from heterog.hardware.spec import cluster_from_dict
+    dev = cluster_from_dict(cluster_doc).device(device)
+    return MemoryCap(device=device, cap_bytes=int(dev.memory_bytes)) if dev.memory_bytes is not None else None

@@ -33,7 +33,7 @@ import torch.utils.checkpoint
 
 from heterog.errors import PlanError
 from heterog.execute.device import LossScaler, RankDevice
-from heterog.execute.emulation import Pacer
+from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
 from heterog.execute.p2p import P2P
 from heterog.execute.partition import INPUT, Dataflow, Stage
 from heterog.execute.workload import Workload, slice_batch
@@ -59,6 +59,7 @@ class _Call:
     outs: Any
     leaves: list[tuple[str, torch.Tensor, tuple[InputPiece, ...]]] = field(default_factory=list)
     loss: torch.Tensor | None = None
+    saved: list[torch.Tensor] = field(default_factory=list)   # what autograd saved (memory cap only)
 
 
 class Interpreter:
@@ -66,8 +67,11 @@ class Interpreter:
 
     def __init__(self, *, program: Program, device: str, flow: Dataflow, work: Workload, p2p: P2P,
                  pacer: Pacer, sync, batch_size: int, rank_of: dict[str, int], optimizer=None,
-                 rank_device: RankDevice | None = None, precision: str = "fp32"):
+                 rank_device: RankDevice | None = None, precision: str = "fp32",
+                 memory_cap: MemoryCap | None = None):
         self.program, self.flow, self.work = program, flow, work
+        self.memory_cap = memory_cap     # an emulated device's capacity, checked after every instruction
+        self.peak_live_bytes = 0
         self.instructions = program.instructions[device]
         self.p2p, self.pacer, self.sync = p2p, pacer, sync
         self.batch_size, self.rank_of = batch_size, rank_of
@@ -135,6 +139,12 @@ class Interpreter:
         for index, ins in enumerate(self.instructions):
             with self._span(ins):
                 self._run(index, ins)
+            if self.memory_cap is not None:
+                live = self.live_bytes()
+                self.peak_live_bytes = max(self.peak_live_bytes, live.total_bytes)
+                self.memory_cap.check(live, index=index, what=type(ins).__name__.lower()
+                                      + (f" {ins.phase} of block {ins.block}, micro-batch {ins.microbatch}"
+                                         if isinstance(ins, Compute) else ""))
         self.p2p.wait_all()
         self.sync.finish()      # a server without a replica has collectives but no optimizer step
         if self.scaler is not None:      # every rank, so that all skip an overflowing step alike
@@ -160,6 +170,26 @@ class Interpreter:
             self.trace.append(("optimizer",))
             if self.optimizer is not None and self.scaler is None:
                 self._timed(self.optimizer.step)
+
+    def live_bytes(self) -> LiveBytes:
+        """What this rank's live tensors hold now, each storage once: parameters, their
+        gradients, optimizer state, and activations (values kept, tensors received or to be
+        sent, gradients in flight, and what autograd saved for the backwards still to run)."""
+        count = StorageCounter()
+        params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
+        state = self.optimizer.state.values() if self.optimizer else ()
+        held = (self._env, self._inbox, self._outbox, self._grads,
+                [(c.outs, c.saved, c.loss, [leaf for _, leaf, _ in c.leaves]) for c in self._calls.values()])
+        return LiveBytes(parameters_bytes=count.add(params),
+                         gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
+                         optimizer_state_bytes=count.add(tensors_in(list(state))),
+                         activations_bytes=count.add(tensors_in(held)))
+
+    def _saving(self, saved: list[torch.Tensor]):
+        """With a memory cap: record what autograd saves for backward, so it is counted."""
+        if self.memory_cap is None:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
 
     def _span(self, ins):
         if self.recorder is None:
@@ -248,20 +278,21 @@ class Interpreter:
             args.append(x)
             if pieces is not None:
                 leaves.append((v, x, pieces))
-        with self.rank_device.autocast(self.precision):   # the plan's precision, fp32 master weights
+        saved: list[torch.Tensor] = []
+        with self.rank_device.autocast(self.precision), self._saving(saved):   # fp32 master weights
             if self.program.blocks[ins.block].recompute:
                 # activation recomputation: keep only the stage's inputs; re-run forward in backward
                 out = self._timed(torch.utils.checkpoint.checkpoint, s.module, *args, use_reentrant=False)
             else:
                 out = self._timed(s.module, *args)
         self._env[(s.value, m)] = out
-        call = _Call(stage=s, lo=ins.lo, outs=out, leaves=leaves)
+        call = _Call(stage=s, lo=ins.lo, outs=out, leaves=leaves, saved=saved)
         flow = self.flow
         if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
             y = self._value(flow.output, m)
             lo = self.mb_offsets[m]
             target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
-            with self.rank_device.autocast(self.precision):
+            with self.rank_device.autocast(self.precision), self._saving(saved):
                 loss = self._timed(self.work.loss, y, target)
             call.loss = loss.float() * ((ins.hi - ins.lo) / self.batch_size)
             self._loss_total = self._loss_total + call.loss.detach()   # read once, after the step

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from heterog.errors import RankError
 from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, rank_device
-from heterog.execute.emulation import Pacer, pin_to_cores
+from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.p2p import P2P
-from heterog.execute.partition import build_dataflow, detach_unheld
+from heterog.execute.partition import build_dataflow, detach_unheld, program_group_order
 from heterog.execute.runtime import Interpreter
 from heterog.execute.sync import ProgramSync
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
@@ -86,7 +86,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     seed = spec.get("seed", 0)
     model = build_model(work, seed=seed)
     inputs0, _ = global_batch(work, plan.batch_size, seed=seed, step=0)
-    flow = build_dataflow(model, plan, len(inputs0))
+    flow = build_dataflow(model, plan, len(inputs0), group_order=program_group_order(program))
     held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
     detach_unheld(flow, held)
     model.to(rdev.torch_device)       # parameters stay the same objects (optimizer, sync, checkpoints)
@@ -97,9 +97,10 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     params = [p for g in sorted(held) for _, p in flow.params_of_group.get(g, [])]
     opt = make_optimizer(params, plan.optimizer)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
+    cap = None if spec.get("cuda") else memory_cap(plan.cluster, device)   # emulated devices only
     ex = Interpreter(program=program, device=device, flow=flow, work=work, p2p=p2p, pacer=pacer, sync=sync,
                      batch_size=plan.batch_size, rank_of=rank_of, optimizer=opt, rank_device=rdev,
-                     precision=plan.precision)
+                     precision=plan.precision, memory_cap=cap)
     steps: list[dict[str, float]] = []
     ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
@@ -144,6 +145,8 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"rank": rank, "device": device, "slowdown": pacer.slowdown, "cores": cores,
             "max_rss_bytes": max_rss_bytes, "torch_device": str(rdev.torch_device), "memory": rdev.memory(),
+            "memory_cap_bytes": cap.cap_bytes if cap else None,
+            "peak_live_bytes": ex.peak_live_bytes if cap else None,
             "groups": [plan.groups[g].name for g in sorted(held)], "steps": steps,
             "sent_bytes": p2p.sent_bytes, "split": flow.split, "warnings": flow.warnings}
 

@@ -1,0 +1,101 @@
+"""An emulated device's declared memory is enforced at run time: a plan that fits runs, one
+that does not (even data parallelism of a model whose parameters alone exceed the small
+device) fails on real gloo processes with the device, the cap and the instruction named."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+
+from heterog.errors import RankError, ResourceError
+from heterog.execute.emulation import LiveBytes, MemoryCap, MemoryCapExceeded, StorageCounter, memory_cap, tensors_in
+from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
+from heterog.pipeline import run
+
+MIB = 2**20
+CAPPED_YAML = """
+name: capped-2
+kind: emulated
+nodes:
+  - name: n
+    nic_bandwidth_gbps: 10
+    devices:
+      - {type: cpu, name: n/small, memory_gib: 0.0625}
+      - {type: cpu, name: n/big}
+"""
+# 256 → 4096 → 4096 → 10: 17.9 M parameters (72 MB) — more than n/small's 64 MiB on their
+# own; the first layer alone (1 M parameters, 4 MB) fits.
+MODEL_ARGS = {"in_features": 256, "hidden": 4096, "layers": 3, "out_features": 10}
+BATCH = 64
+
+
+def _cluster():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # 64 MiB is deliberately implausible for a device
+        return parse_cluster_yaml(CAPPED_YAML, "<test>")
+
+
+def test_storages_are_counted_once():
+    x = torch.zeros(1000)
+    count = StorageCounter()
+    assert count.add([x, x[10:], x.view(10, 100)]) == 4000     # views share the storage
+    assert count.add(tensors_in({"a": (x, [torch.ones(10)]), "b": 3})) == 40
+
+
+def test_cap_names_device_cap_and_instruction():
+    cap = MemoryCap(device="n/small", cap_bytes=64 * MIB)
+    cap.check(LiveBytes(parameters_bytes=64 * MIB), index=0, what="compute")      # at the cap: fine
+    with pytest.raises(MemoryCapExceeded) as e:
+        cap.check(LiveBytes(parameters_bytes=60 * MIB, activations_bytes=8 * MIB), index=7,
+                  what="compute forward of block 1, micro-batch 0")
+    msg = str(e.value)
+    assert "device n/small exceeded its emulated memory cap of 64 MiB at instruction 7" in msg
+    assert "activations 8.0 MiB" in msg and "memory_gib" in msg
+    assert isinstance(e.value, ResourceError)
+
+
+def test_cap_only_where_an_emulated_device_declares_memory():
+    doc = cluster_to_dict(_cluster())
+    assert memory_cap(doc, "n/small") == MemoryCap(device="n/small", cap_bytes=64 * MIB)
+    assert memory_cap(doc, "n/big") is None
+    assert memory_cap(None, "n/small") is None
+    assert memory_cap({**doc, "kind": "gpu"}, "n/small") is None
+
+
+@pytest.mark.timeout(240)
+def test_plan_that_fits_runs_and_even_dp_fails_with_the_cap(tmp_path):
+    from heterog.capture import capture_model
+    from heterog.cost import build_cost_model
+    from heterog.ir.plan import ModelSpec
+    from heterog.search.planner import plan_graph
+
+    cluster = _cluster()
+    spec = ModelSpec(name="mlp", args=MODEL_ARGS, batch_size=BATCH)
+    graph = capture_model("mlp", MODEL_ARGS, batch_size=BATCH)
+    result = plan_graph(graph, cluster, build_cost_model(graph, cluster), budget_s=1.0, model_spec=spec,
+                        policy=False, max_iters=50)
+    by_name = {c.strategy: c for c in result.candidates}
+    assert not by_name["even-dp-allreduce"].feasible        # the planner's memory model agrees
+    doc = cluster_to_dict(cluster)
+
+    def runnable(plan):
+        return dataclasses.replace(plan, model=spec, cluster=doc, cluster_fingerprint=cluster.fingerprint())
+
+    best = result.best
+    assert "n/small" in best.devices()                     # it does use the small device
+    fits = run(runnable(best), steps=2, predict=False, timeout_s=60, out_dir=tmp_path / "fits")
+    assert fits["measured_iteration_time_s"] > 0
+    small = next(r for r in range(len(fits["devices"])) if fits["devices"][r] == "n/small")
+    rank = json.loads((tmp_path / "fits" / f"result_rank{small}.json").read_text())
+    assert rank["memory_cap_bytes"] == 64 * MIB
+    assert 0 < rank["peak_live_bytes"] <= 64 * MIB
+
+    with pytest.raises(RankError) as e:
+        run(runnable(by_name["even-dp-allreduce"].plan), steps=2, predict=False, timeout_s=30,
+            out_dir=tmp_path / "even")
+    assert "device n/small exceeded its emulated memory cap of 64 MiB at instruction" in str(e.value)
+    assert "MemoryCapExceeded" in str(e.value)
