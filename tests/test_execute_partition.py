@@ -43,13 +43,13 @@ def test_node_names_follow_capture_naming_with_repeat_suffix():
     assert fx_node_names(TinyVGG())[:2] == ["features.0", "features.1"]
 
 
-def test_loose_ops_follow_their_producer_and_split_is_exact():
+def test_loose_ops_follow_their_latest_producer_and_split_is_exact():
     model = ResMLP()
     plan = _plan([_g("a", ["inp", "block.0"], "d0"), _g("b", ["block.1", "out"], "d1")])
     flow = split_model(model, plan, VEC)
-    # inp, block.0 | block.1 (Tanh) | the residual add and .relu() follow their first operand
-    # (inp's output, group a) | out
-    assert [s.group for s in flow.stages] == [0, 1, 0, 1]
+    # inp, block.0 | block.1 (Tanh), then the residual add and .relu(): the add's operands come
+    # from groups a and b, so it runs in b, the later one; no group on both sides of another
+    assert [s.group for s in flow.stages] == [0, 1]
     x = torch.randn(8, 16)
     assert torch.allclose(_run_stages(flow, x), model(x))
     names = {g: sorted(n for n, _ in ps) for g, ps in flow.params_of_group.items()}
@@ -134,14 +134,20 @@ def test_plan_priorities_order_independent_stages():
     ranked = replace(_plan(groups), priorities={"left": 1.0, "right": 5.0, "head": 0.0})
     flow = split_model(_TwoBranch(), ranked, VEC)
     order = [s.group for s in flow.stages]
-    assert order == [1, 0, 0], order  # right first; head (with the cat) after both
+    # in the plan's group order the cat joins 'r' (its later operand), so 'r' waits for 'l'
+    assert order == [0, 1, 2], order
     x = torch.randn(8, 16)
     model = _TwoBranch()
     assert torch.allclose(_run_stages(split_model(model, ranked, VEC), x), model(x))
+    # in the Program's order (right first, by priority) the cat joins 'l', the later one there
+    by_program = split_model(model, ranked, VEC, group_order=[1, 0, 2])
+    # ('l' and 'h' then run back to back on d0: one stage)
+    assert [s.groups for s in by_program.stages] == [(1,), (0, 2)]
+    assert torch.allclose(_run_stages(by_program, x), model(x))
 
 
-class _BatchCentered(torch.nn.Module):
-    """A statistic over the batch: its value has no sample dimension and needs a gradient."""
+class _BatchScaled(torch.nn.Module):
+    """A statistic over the batch (no sample dimension, needs a gradient) read by a module."""
 
     class Mean(torch.nn.Module):
         def forward(self, h):
@@ -151,21 +157,23 @@ class _BatchCentered(torch.nn.Module):
         super().__init__()
         self.inp = torch.nn.Linear(16, 8)
         self.stat = self.Mean()
+        self.scale = torch.nn.Linear(8, 8)
         self.out = torch.nn.Linear(8, 4)
 
     def forward(self, x):
         h = self.inp(x)
-        return self.out(h - self.stat(h))
+        return self.out(h * self.scale(self.stat(h)))
 
 
 def test_a_batch_statistic_cannot_cross_placements_and_the_planner_is_told():
     from heterog.execute.split_export import cut_constraints
-    assert cut_constraints(_BatchCentered(), VEC).same_placement == {("stat", "inp")}
-    apart = _plan([_g("a", ["inp", "out"], "d0", "d1"), _g("b", ["stat"], "d2")])
-    with pytest.raises(PlanError, match="no sample dimension.*'stat' and 'inp'"):
-        split_model(_BatchCentered(), apart, VEC)
-    together = _plan([_g("a", ["inp", "out"], "d0", "d1"), _g("b", ["stat"], "d0", "d1")])
-    model = _BatchCentered()
+    # the statistic feeds 'scale'; scale's output (no samples either) meets inp's in a loose mul
+    assert cut_constraints(_BatchScaled(), VEC).same_placement == {("stat", "scale"), ("scale", "inp")}
+    apart = _plan([_g("a", ["inp", "stat"], "d0", "d1"), _g("b", ["scale", "out"], "d2")])
+    with pytest.raises(PlanError, match="no sample dimension.*'stat' and 'scale'"):
+        split_model(_BatchScaled(), apart, VEC)
+    together = _plan([_g("a", ["inp", "stat"], "d0", "d1"), _g("b", ["scale", "out"], "d0", "d1")])
+    model = _BatchScaled()
     assert torch.allclose(_run_stages(split_model(model, together, VEC), VEC[0]), model(VEC[0]))
 
 

@@ -7,17 +7,25 @@ included. Each aten node inside a leaf-module call carries that call's capture n
 
 Loose nodes (ops a container module runs itself: residual adds, attention reshapes), which
 capture names '<parent>::<aten op>@k' and which have no one-to-one aten counterpart, follow
-a fixed rule:
-  1. a loose node joins the group of its first input that already has a group (producer);
+a fixed rule, in the *group order* (the order the Program runs the groups in; the plan's
+group order when no Program is given):
+  1. a loose node joins the latest group, in group order, among its inputs' groups: it runs
+     as soon as all its operands exist (a residual add runs with its later operand);
   2. one with no grouped input (it reads only model inputs, attributes or constants) joins
-     the group of its first consumer that has a group;
+     the earliest group among its consumers';
   3. one with neither (dead code) joins the first group.
-So a residual add runs where its first operand was computed.
+A Program computes each group once per micro-batch, so no group may need a value of a group
+that runs after it: a loose node whose operands come later than its group (the export may
+trace ops out of the capture's order) is moved to the later group, and a named node only
+keeps a group before its inputs' if the plan itself puts it there (a cycle among groups,
+which the Program refuses; the split alone still runs it, as interleaved stages).
 
-Execution cuts the graph into *stages*: maximal runs of consecutive nodes (in execution
-order) whose groups have the same replicas and shares. A stage is one or more groups run
-back to back without a transfer between them, and stages follow each other in topological
-order, so any grouping of the graph can be executed. Three rules keep every cut runnable:
+Execution cuts the graph into *stages*: the data nodes are ordered by group (a topological
+order that runs every node of an earlier group first, where dependencies allow), and a stage
+is a maximal run of that order whose groups have the same replicas and shares and are
+consecutive in group order. A stage is one or more groups run back to back without a
+transfer between them, so any grouping of the graph can be executed. Three rules keep
+every cut runnable:
 - values that do not depend on input data (parameters read through a batch-independent
   module, position ids, masks and `arange(batch)` built from sizes, SymInt sizes) never
   cross a cut: each stage that uses one recomputes it from its own inputs (cut_rewrite.py);
@@ -38,9 +46,10 @@ that needs no split (`whole_model`): every group on the same replicas with the s
 
 from __future__ import annotations
 
+import heapq
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
@@ -118,9 +127,25 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def assign_groups(exported: ExportedModel, plan: Plan) -> tuple[dict[fx.Node, int], list[str]]:
-    """Every data node → group index, by the rule in the module docstring. Nodes that do
-    not depend on input data are left out: they are recomputed where needed (cut_rewrite.py)."""
+def group_positions(plan: Plan, group_order: Sequence[int] | None = None) -> list[int]:
+    """position[g]: where group g runs in `group_order` (the Program's order of the groups;
+    the plan's own order when None)."""
+    order = list(range(len(plan.groups))) if group_order is None else list(group_order)
+    if sorted(order) != list(range(len(plan.groups))):
+        raise PlanError(f"the group order {order} is not an order of the plan's {len(plan.groups)} "
+                        f"groups; lower the plan again so that the Program and the plan agree.")
+    pos = [0] * len(order)
+    for i, g in enumerate(order):
+        pos[g] = i
+    return pos
+
+
+def assign_groups(exported: ExportedModel, plan: Plan,
+                  pos: Sequence[int] | None = None) -> tuple[dict[fx.Node, int], list[str]]:
+    """Every data node → group index, by the rule in the module docstring (`pos`: each
+    group's position in the group order). Nodes that do not depend on input data are left
+    out: they are recomputed where needed (cut_rewrite.py)."""
+    pos = group_positions(plan) if pos is None else pos
     by_name = _group_of_names(plan)
     calls = list(dict.fromkeys(exported.leaf_name.values()))
     unmatched = [name for name in calls if name not in by_name]
@@ -135,41 +160,80 @@ def assign_groups(exported: ExportedModel, plan: Plan) -> tuple[dict[fx.Node, in
     compute = [n for n in _compute_nodes(exported.module) if n in exported.data]
     assign = {n: by_name[exported.leaf_name[n]] for n in compute
               if exported.leaf_name.get(n) in by_name}
-    for n in compute:  # rule 1: follow the producer
+    named = set(assign)
+    for n in compute:  # rule 1: the latest producer
         if n not in assign:
-            g = next((assign[a] for a in n.all_input_nodes if a in assign), None)
-            if g is not None:
-                assign[n] = g
-    for n in reversed(compute):  # rule 2: follow the consumer
+            inputs = [assign[a] for a in n.all_input_nodes if a in assign]
+            if inputs:
+                assign[n] = max(inputs, key=lambda g: pos[g])
+    for n in reversed(compute):  # rule 2: the earliest consumer
         if n not in assign:
-            g = next((assign[u] for u in n.users if u in assign), None)
-            if g is not None:
-                assign[n] = g
+            users = [assign[u] for u in n.users if u in assign]
+            if users:
+                assign[n] = min(users, key=lambda g: pos[g])
     for n in compute:  # rule 3: dead code
         assign.setdefault(n, 0)
+    for n in compute:  # no loose node before its inputs (export order is topological)
+        inputs = [assign[a] for a in n.all_input_nodes if a in assign]
+        if n not in named and inputs:
+            latest = max(inputs, key=lambda g: pos[g])
+            if pos[latest] > pos[assign[n]]:
+                assign[n] = latest
     return assign, warnings
 
 
-def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan) -> dict[fx.Node, int]:
-    """Data node → stage index: a new stage starts wherever the placement changes. A
-    getitem stays with the node it unpacks (a tuple never crosses a cut)."""
+def group_major_order(compute: list[fx.Node], assign: dict[fx.Node, int], pos: Sequence[int]) -> list[fx.Node]:
+    """A topological order of the assigned nodes that runs the nodes of earlier groups first
+    (Kahn's algorithm keyed by (group position, traced index)): with every edge pointing to
+    the same or a later group, each group's nodes are consecutive."""
+    nodes = [n for n in compute if n in assign]
+    index = {n: i for i, n in enumerate(nodes)}
+    indeg = {n: sum(1 for a in set(n.all_input_nodes) if a in index) for n in nodes}
+    heap = [(pos[assign[n]], index[n]) for n in nodes if indeg[n] == 0]
+    heapq.heapify(heap)
+    out: list[fx.Node] = []
+    while heap:
+        n = nodes[heapq.heappop(heap)[1]]
+        out.append(n)
+        for u in n.users:
+            if u in index:
+                indeg[u] -= 1
+                if indeg[u] == 0:
+                    heapq.heappush(heap, (pos[assign[u]], index[u]))
+    assert len(out) == len(nodes), "the exported graph has a cycle"
+    return out
+
+
+def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan,
+             pos: Sequence[int] | None = None) -> dict[fx.Node, int]:
+    """Data node → stage index: a new stage starts wherever the placement changes, or where
+    the order skips over a group (one with no node of its own here) of another placement.
+    A getitem stays with the node it unpacks (a tuple never crosses a cut)."""
+    pos = group_positions(plan) if pos is None else pos
+    by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
     seg: dict[fx.Node, int] = {}
-    current, last = -1, None
+    current, last, last_pos = -1, None, None
     for n in order:
         if n.target is operator.getitem and n.args[0] in seg:
             seg[n] = seg[n.args[0]]
             continue
-        placement = plan.groups[assign[n]].replicas
-        if placement != last:
+        g = assign[n]
+        placement = plan.groups[g].replicas
+        skipped = () if last_pos is None or pos[g] <= last_pos else by_pos[last_pos + 1:pos[g]]
+        if placement != last or any(plan.groups[k].replicas != placement for k in skipped):
             current += 1
             last = placement
         seg[n] = current
+        last_pos = pos[g]
     return seg
 
 
-def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None) -> Dataflow:
+def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None,
+                group_order: Sequence[int] | None = None) -> Dataflow:
     """Export `model` and cut it into one submodule per stage (see the module docstring).
-    Without `example_inputs`, a small batch of the plan's model is made to export with."""
+    Without `example_inputs`, a small batch of the plan's model is made to export with.
+    `group_order`: the order the Program runs the groups in (`program_group_order`); the
+    plan's order when None."""
     if example_inputs is None:
         example_inputs = example_batch_for(plan)
     try:
@@ -186,30 +250,38 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
         raise PlanError(f"model {plan.model.name!r} returns {exported.num_outputs} tensors; a split "
                         f"plan needs a single output tensor (the loss input). Plans that need no split "
                         f"(data parallelism) run it.")
-    assign, warnings = assign_groups(exported, plan)
+    pos = group_positions(plan, group_order)
+    assign, warnings = assign_groups(exported, plan, pos)
     gm = exported.module
-    order = [n for n in _compute_nodes(gm) if n in assign]
-    seg = segments(order, assign, plan)
+    order = group_major_order(_compute_nodes(gm), assign, pos)
+    seg = segments(order, assign, plan, pos)
     replicate_per_stage(gm, seg, assign, exported.data)
     batch_first_across_cuts(exported, seg, assign, plan)
     single_output(gm)
     gm.graph.lint()
     gm.recompile()
     split = split_module(gm, model, lambda n: seg[n])
-    flow = _dataflow(split, seg, assign, plan, warnings)
+    flow = _dataflow(split, seg, assign, plan, warnings, pos)
     _collect_params(flow, gm, seg, assign, model, plan)
     return flow
 
 
 def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
-              plan: Plan, warnings: list[str]) -> Dataflow:
-    """The top-level graph of split_module as stages, projections and owners."""
+              plan: Plan, warnings: list[str], pos: Sequence[int]) -> Dataflow:
+    """The top-level graph of split_module as stages, projections and owners. A stage runs
+    every group from its first to its last in group order (a group with no node of its own
+    in between, of the same placement, is part of it: the Program runs it there)."""
+    by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
     groups_of_segment: dict[int, set[int]] = {}
     first_group: dict[int, int] = {}
     for n, k in seg.items():
         groups_of_segment.setdefault(k, set()).add(assign[n])
-    for n in reversed(list(seg)):
-        first_group[seg[n]] = assign[n]
+    for k, gs in groups_of_segment.items():
+        lo, hi = min(pos[g] for g in gs), max(pos[g] for g in gs)
+        first_group[k] = by_pos[lo]
+        span = by_pos[lo:hi + 1]
+        if all(plan.groups[g].replicas == plan.groups[span[0]].replicas for g in span):
+            gs.update(span)
     inputs: list[str] = []
     stages: list[Stage] = []
     projections: dict[str, tuple[str, int]] = {}
@@ -368,10 +440,11 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
 
 
 def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
-                   example_inputs: tuple[Any, ...] | None = None) -> Dataflow:
+                   example_inputs: tuple[Any, ...] | None = None,
+                   group_order: Sequence[int] | None = None) -> Dataflow:
     """Split when the model exports; otherwise run it whole when the plan allows."""
     try:
-        return split_model(model, plan, example_inputs)
+        return split_model(model, plan, example_inputs, group_order)
     except PlanError as e:
         if needs_no_split(plan) and "cannot be exported" in str(e):
             flow = whole_model(model, plan, num_inputs)
@@ -379,6 +452,11 @@ def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
                                  "ran as one stage (data parallelism)")
             return flow
         raise
+
+
+def program_group_order(program: Any) -> list[int]:
+    """The groups in the order a lowered Program runs them (its blocks in order)."""
+    return [g for block in program.blocks for g in block.groups]
 
 
 def param_numel_of_group(flow: Dataflow) -> dict[int, int]:

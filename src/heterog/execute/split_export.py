@@ -195,12 +195,34 @@ def cut_constraints(model: nn.Module, example_inputs: tuple[Any, ...]) -> CutCon
         val = p.meta.get("val")
         if (p in exported.data and exported.layout[p].kind is LayoutKind.NONE
                 and isinstance(val, torch.Tensor) and val.is_floating_point()):
+            a = nearest_name(p, named)
             for u in p.users:
                 if u in exported.data:
-                    a, b = nearest_name(p, named), nearest_name(u, named)
-                    if a != b:
-                        pairs.add((a, b))
+                    pairs.update((a, b) for b in sorted(_runs_with(u, named, exported.data)) if b != a)
     return CutConstraints(follow_consumers=frozenset(follow), same_placement=frozenset(pairs))
+
+
+def _runs_with(n: fx.Node, named: dict[fx.Node, str], data: frozenset[fx.Node]) -> set[str]:
+    """The capture names whose group a data node may run in: its own; for a loose node (which
+    runs with its latest producer, partition.py) the nearest named producers through loose
+    nodes, or when it has none its nearest named consumers."""
+    if n in named:
+        return {named[n]}
+    for step in (lambda x: x.all_input_nodes, lambda x: list(x.users)):
+        found: set[str] = set()
+        seen, todo = {n}, [n]
+        while todo:
+            for a in step(todo.pop()):
+                if a in seen or a not in data:
+                    continue
+                seen.add(a)
+                if a in named:
+                    found.add(named[a])
+                else:
+                    todo.append(a)
+        if found:
+            return found
+    return {nearest_name(n, named)}
 
 
 def nearest_name(n: fx.Node, named: dict[fx.Node, str]) -> str:
