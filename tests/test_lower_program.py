@@ -313,3 +313,40 @@ def test_a_tied_weight_split_across_devices_costs_each_holder_a_copy():
     assert extra > 0
     assert tied.persistent_memory_bytes[b] - untied.persistent_memory_bytes[b] == pytest.approx(extra, abs=1)
     assert tied.persistent_memory_bytes[a] == untied.persistent_memory_bytes[a]
+
+
+def test_a_split_tied_weight_gets_its_own_gradient_all_reduce_over_the_holders():
+    """The executor leaves a tied parameter whose users lie in several groups out of its
+    owner's bucket and all-reduces its copies' gradients over every holder: the schedule has
+    that sync task (timed, before each holder's optimizer step), the Program its Collective."""
+    from heterog.capture import capture_model
+    from heterog.cost import build_cost_model
+    from heterog.hardware.spec import load_cluster
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+    args = dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0)
+    g = capture_model("transformer", args, batch_size=4, seq_len=8)
+    c = load_cluster("paper-8gpu")
+    a, b, e = (d.name for d in c.devices[:3])
+    names = [n.name for n in g.nodes]
+    k = len(names) // 2
+    p = Plan(strategy="t", model=ModelSpec(name="transformer", args=args, batch_size=4, seq_len=8),
+             groups=(Group(name="front", nodes=tuple(names[:k]), sync="ring",
+                           replicas=(Replica(device=a, share=0.5), Replica(device=e, share=0.5))),
+                     Group(name="back", nodes=tuple(names[k:]), replicas=(Replica(device=b, share=1.0),)))).validate()
+    costs = build_cost_model(g, c)
+    sched = build_schedule(g, c, p, costs)
+    tasks, info = sched.tasks, sched.info
+    (tie,) = g.ties
+    (s,) = [t for t, name in tasks.ties.items() if name == tie.param]
+    assert set(info.names(tasks.comm[s][0])) == {a, b, e} and tasks.comm[s][1] == tie.param_bytes
+    assert tasks.dur[s] > 0
+    opt = {info.devices[tasks.dev[t]]: t for t in range(len(tasks.kind)) if tasks.kind[t] == OPT}
+    assert all(opt[d] in tasks.succ[s] for d in (a, b, e))
+    # the owner's bucket (front, replicated on a and e) syncs its gradients without the tie
+    (bucket,) = [t for t in range(len(tasks.kind)) if tasks.kind[t] == SYNC and t not in tasks.ties]
+    front = sum(costs.gradient_bytes(nodes) for nodes in sched.blocks[tasks.comm[bucket][2]].nodes)
+    assert tasks.comm[bucket][1] == pytest.approx(front - tie.param_bytes)
+    prog = to_program(sched, c)
+    ties = {d: [i for i in prog.instructions[d] if isinstance(i, Collective) and i.tie] for d in (a, b, e)}
+    assert all(len(v) == 1 and v[0].tie == tie.param and set(v[0].members) == {a, b, e} for v in ties.values())
+    Program.from_json(json.dumps({"kind": "heterog.Program", "version": 1, **prog.to_dict()}))

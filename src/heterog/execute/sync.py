@@ -24,6 +24,8 @@ block's parameters), launched when the rank's interpreter reaches the instructio
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -159,6 +161,7 @@ class ProgramSync:
             for g in block.groups:
                 ranks_of_group[g] = [self.rank_of[d] for d in block.devices]
         self.ties = tie_buckets(flow, ranks_of_group)
+        self._ties_done: set[str] = set()         # tied parameters synced by the Program this step
         sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties]
         self.runner.create_groups([Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING)
                                    for m in sets])
@@ -173,7 +176,7 @@ class ProgramSync:
         seen: dict[int, Any] = {}
         for device in self.program.devices:
             for ins in self.program.instructions.get(device, ()):
-                if isinstance(ins, Collective):
+                if isinstance(ins, Collective) and not ins.tie:
                     seen.setdefault(ins.block, ins)
         return [seen[b] for b in sorted(seen)]
 
@@ -191,14 +194,33 @@ class ProgramSync:
                       nodes=tuple(tuple(self.rank_of[d] for d in node) for node in ins.nodes) or None)
 
     def launch(self, ins: Any) -> None:
-        bucket = self._bucket(ins)
+        if ins.tie:                     # a tied parameter's copies, where the Program puts it
+            bucket = self._tie(ins.tie, tuple(self.rank_of[d] for d in ins.members))
+            self._ties_done.add(ins.tie)
+        else:
+            bucket = self._bucket(ins)
         if bucket.names:
             self.runner.launch(bucket)
+
+    def _tie(self, name: str, members: tuple[int, ...]) -> Bucket:
+        """The tie bucket of `name`, in the Program's ring order."""
+        for b in self.ties:
+            if b.names == (name,) and sorted(b.members) == sorted(members):
+                return dataclasses.replace(b, members=members)
+        raise RuntimeError(f"the program syncs tied parameter {name!r} over ranks {sorted(members)}, "
+                           f"but this rank's partition holds its copies on "
+                           f"{[sorted(b.members) for b in self.ties if b.names == (name,)] or 'no other rank'}; "
+                           f"re-lower the plan for this model (`heterog lower`).")
 
     def finish(self) -> None:
         self.runner.finish()
 
     def sum_tied_gradients(self) -> None:
+        """Before the optimizer step: the tied parameters the Program did not sync itself (a
+        data-independent table recomputed in several groups, which the capture does not list
+        as a tie), every rank in the same order."""
         for bucket in self.ties:
-            self.runner.launch(bucket)
+            if bucket.names[0] not in self._ties_done:
+                self.runner.launch(bucket)
         self.runner.finish()
+        self._ties_done.clear()

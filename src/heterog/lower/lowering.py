@@ -129,19 +129,23 @@ def _transfer(out, tasks, t: int, names, ranges: _Ranges, mem) -> None:
 
 
 def _collective(out, tasks, t: int, sched: Schedule, cluster: Cluster, mem) -> None:
+    """A sync task: the block's bucket (by its sync method) or a tied parameter's copies (ring),
+    on every device involved."""
     involved, nbytes, b = tasks.comm[t]
     blk, info = sched.blocks[b], sched.info
     names = info.devices
-    members = tuple(names[d] for d in info.ring_order(blk.devices))
+    tie = tasks.ties.get(t)
+    members = tuple(names[d] for d in info.ring_order(involved if tie else blk.devices))
     by_node: dict[str, list[str]] = {}
     for d in members:
         by_node.setdefault(cluster.node_of[d], []).append(d)
-    server = names[blk.ps_device] if blk.ps_device is not None else None
+    server = names[blk.ps_device] if blk.ps_device is not None and not tie else None
+    method = SyncMethod.RING if tie else SyncMethod(blk.sync)
     for d in involved:
         alloc, free = mem.get(d, (0.0, 0.0))
-        out[names[d]].append(Collective(block=b, method=SyncMethod(blk.sync), members=members, server=server,
+        out[names[d]].append(Collective(block=b, method=method, members=members, server=server,
                                         nodes=tuple(tuple(v) for v in by_node.values()), nbytes=nbytes,
-                                        alloc_bytes=alloc, free_bytes=free))
+                                        alloc_bytes=alloc, free_bytes=free, tie=tie))
 
 
 def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int], tuple[InputPiece, ...]]:

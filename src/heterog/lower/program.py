@@ -8,7 +8,9 @@ schedule). Devices are ranks: rank r runs `instructions[devices[r]]` in order. I
   Send/Recv   samples [lo, hi) of a block's outputs (forward) or of their gradients
               (backward) to/from a peer; a pair shares a tag
   Collective  a gradient bucket (one replicated block) over its members: ring, tree,
-              hierarchical or a parameter server; members in ring order
+              hierarchical or a parameter server; members in ring order. With `tie` set, the
+              gradient of a tied parameter whose users lie in several groups, summed over
+              every device holding a copy (ring); `block` is then its owner's block
   Optimizer   the optimizer step over the parameters this device holds
 Each carries its memory effect on its device: bytes allocated when it starts
 (`alloc_bytes`) and freed when it ends (`free_bytes`).
@@ -94,7 +96,16 @@ class Collective:
     nbytes: float
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
+    tie: str | None = None       # a tied parameter's copies, else the block's gradient bucket
     kind: InstructionKind = InstructionKind.COLLECTIVE
+
+    @property
+    def ident(self) -> tuple[int, str]:
+        """Which collective this is: every member's instruction has the same."""
+        return (self.block, self.tie or "")
+
+    def describe(self) -> str:
+        return f"tied parameter {self.tie!r}" if self.tie else f"block {self.block}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -252,28 +263,28 @@ def _check_pairs(prog: Program, source: str) -> None:
 
 
 def _check_collectives(prog: Program, source: str) -> None:
-    seen: dict[int, Collective] = {}
-    order: dict[str, list[int]] = {}
+    seen: dict[tuple[int, str], Collective] = {}
+    order: dict[str, list[tuple[int, str]]] = {}
     for d, lst in prog.instructions.items():
         for i in lst:
             if not isinstance(i, Collective):
                 continue
             everyone = set(i.members) | ({i.server} if i.server else set())
             if d not in everyone:
-                raise PlanError(f"{source}: device {d!r} runs the collective of block {i.block} but is "
+                raise PlanError(f"{source}: device {d!r} runs the collective of {i.describe()} but is "
                                 f"not one of its members {list(i.members)}.")
-            first = seen.setdefault(i.block, i)
+            first = seen.setdefault(i.ident, i)
             if (first.members, first.method, first.server) != (i.members, i.method, i.server):
-                raise PlanError(f"{source}: members of block {i.block}'s collective disagree: {d!r} has "
-                                f"{i.method} over {list(i.members)}, another member "
+                raise PlanError(f"{source}: members of the collective of {i.describe()} disagree: {d!r} "
+                                f"has {i.method} over {list(i.members)}, another member "
                                 f"{first.method} over {list(first.members)}.")
-            order.setdefault(d, []).append(i.block)
-    for block, c in seen.items():
+            order.setdefault(d, []).append(i.ident)
+    for ident, c in seen.items():
         everyone = set(c.members) | ({c.server} if c.server else set())
         for d in everyone:
-            if block not in order.get(d, []):
-                raise PlanError(f"{source}: device {d!r} is a member of block {block}'s collective but "
-                                f"never runs it; the other members would wait forever.")
+            if ident not in order.get(d, []):
+                raise PlanError(f"{source}: device {d!r} is a member of the collective of {c.describe()} "
+                                f"but never runs it; the other members would wait forever.")
 
 
 def _check_deadlock(prog: Program, source: str) -> None:
@@ -281,7 +292,7 @@ def _check_deadlock(prog: Program, source: str) -> None:
     collective waits until every member has reached it. Every device must reach its end."""
     pos = {d: 0 for d in prog.devices}
     posted: set[int] = set()
-    arrived: dict[int, set[str]] = defaultdict(set)
+    arrived: dict[tuple[int, str], set[str]] = defaultdict(set)
     lists = prog.instructions
     progress = True
     while progress:
@@ -293,9 +304,9 @@ def _check_deadlock(prog: Program, source: str) -> None:
                 if isinstance(i, Recv) and i.tag not in posted:
                     break
                 if isinstance(i, Collective):
-                    arrived[i.block].add(d)
+                    arrived[i.ident].add(d)
                     everyone = set(i.members) | ({i.server} if i.server else set())
-                    if not everyone <= arrived[i.block]:
+                    if not everyone <= arrived[i.ident]:
                         break
                 if isinstance(i, Send):
                     posted.add(i.tag)
@@ -312,5 +323,5 @@ def _describe(i: Instruction) -> str:
     if isinstance(i, Recv):
         return f"receive tag {i.tag} from {i.peer!r}"
     if isinstance(i, Collective):
-        return f"{i.method} collective of block {i.block} with {list(i.members)}"
+        return f"{i.method} collective of {i.describe()} with {list(i.members)}"
     return str(i.kind)

@@ -1,7 +1,9 @@
 """The once-per-iteration part of the task graph: what each device holds (parameters,
 gradients, optimizer state, the input batch, a server's copy), a gradient sync task per
-replicated block (its collective over the members, or the parameter server), and each
-device's optimizer step after its backwards and syncs."""
+replicated block (its collective over the members, or the parameter server), one per tied
+parameter whose users lie in several groups (a ring all-reduce over every device holding a
+copy, as the executor sums the copies' gradients), and each device's optimizer step after its
+backwards and syncs."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     """Persistent state per device, gradient sync per replicated block, optimizer steps."""
     opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev)
     _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
-    opt_preds = _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, bwd_of_dev)
+    split = _split_ties(blocks, table)
+    opt_preds = _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, bwd_of_dev, split)
+    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_preds)
     succ = tasks.succ
     for d, bl in bwd_of_dev.items():
         o = tasks.add(OPT, opt_time[d], d, (2, 0, 0), plan.num_microbatches)
@@ -80,6 +84,52 @@ def _tied_copies(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: Co
             tasks.persistent_bytes[d] += table.costs.tied_copy_bytes(tie.param_bytes, info.devices[d])
 
 
+def _split_ties(blocks: list[Block], table: CostTable) -> list[tuple[object, int, tuple[int, ...]]]:
+    """The tied parameters whose users lie in several groups, each with its owner's block and
+    the blocks that read it: the executor keeps them out of the owners' gradient buckets and
+    sums their copies' gradients in an all-reduce of their own (execute/sync.py)."""
+    ties = table.graph.ties
+    if not ties:
+        return []
+    where = {n: (bi, g) for bi, blk in enumerate(blocks) for g, nodes in zip(blk.groups, blk.nodes) for n in nodes}
+    out = []
+    for tie in ties:
+        if len({where[n][1] for n in tie.nodes}) > 1:
+            out.append((tie, where[tie.nodes[0]][0], tuple(sorted({where[n][0] for n in tie.nodes}))))
+    return out
+
+
+def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable, Bk,
+               rep: list[int], split, opt_preds: dict[int, list[int]]) -> None:
+    """A ring all-reduce of each split tied parameter's gradient over the devices holding a
+    copy, after every backward that reads it; the holders' optimizer steps wait for it."""
+    succ = tasks.succ
+    for tie, owner, readers in split:
+        members = tuple(sorted({d for b in readers for d in blocks[b].devices}))
+        if len(members) < 2:
+            continue
+        nbytes = float(tie.param_bytes)
+        links, load = info.ring(members)
+        s = tasks.add_comm(SYNC, table.sync_s("ring", nbytes, info.names(members), None),
+                           plan.num_microbatches, owner, links, members, nbytes)
+        tasks.ties[s] = tie.param
+        for l in info.shared_bw:
+            if l in load:
+                tasks.core_bytes[s] = load[l] * nbytes
+        for l, share in load.items():
+            tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
+        for b in readers:
+            for m in range(plan.num_microbatches):
+                for x in Bk[m][b]:
+                    if x is not None:
+                        succ[x].append(s)
+        kept = [d for d in members if rep[d] == d]
+        tasks.mem_start[s] = [(d, nbytes) for d in kept]     # the gradient's sync buffer
+        tasks.mem_end[s] = [(d, -nbytes) for d in kept]
+        for d in kept:
+            opt_preds[d].append(s)
+
+
 def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, splits, mb_sizes) -> None:
     """The input batch is held by the replicas of the blocks that read it, for the whole step."""
     input_bytes = table.graph.input_bytes
@@ -96,9 +146,10 @@ def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, spl
 
 
 def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                Bk, rep: list[int], bwd_of_dev) -> dict[int, list[int]]:
+                Bk, rep: list[int], bwd_of_dev, split) -> dict[int, list[int]]:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
-    link loads and the server's copy; returns each device's syncs its optimizer waits for."""
+    link loads and the server's copy; returns each device's syncs its optimizer waits for.
+    Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
     devices, dclass = info.devices, info.dev_class
     mbs = plan.num_microbatches
     opt_preds: dict[int, list[int]] = {d: [] for d in bwd_of_dev}
@@ -106,6 +157,9 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
     rep_key = rep_id(table.scratch, rep)     # first: it may drop the cache below
     buffer_cache = table.scratch.setdefault("buffers", {})
     grads_of: dict[tuple[int, ...], float] = {}
+    tied_out: dict[int, float] = {}
+    for tie, owner, _ in split:
+        tied_out[owner] = tied_out.get(owner, 0.0) + tie.param_bytes
     for bi, blk in enumerate(blocks):
         if blk.ps_device is not None and blk.ps_device not in blk.devices:
             for nodes in blk.nodes:   # the server keeps the parameters it serves
@@ -117,7 +171,9 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
             # zero_grad(set_to_none=True), PyTorch's default: gradients do not exist before
             # the first backward (micro-batch 0, see expand); summed per placement
             grads_of[blk.devices] = grads_of.get(blk.devices, 0.0) + grad
-        if len(blk.devices) > 1 and blk.sync != "none" and grad > 0:
+        grad_synced = grad - tied_out.get(bi, 0.0)
+        if len(blk.devices) > 1 and blk.sync != "none" and grad_synced > 0:
+            grad = grad_synced
             members = blk.devices
             names = info.names(members)
             if blk.sync == "ps":

@@ -24,7 +24,7 @@ class Tasks:
     __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
                  "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
-                 "xfer_blocks")
+                 "xfer_blocks", "ties")
 
     def __init__(self, blocks: list[Block], n_devices: int):
         self.kind: list[int] = []
@@ -48,6 +48,7 @@ class Tasks:
         self.bwd_count: dict[tuple[int, int], int] = {}
         self.rep: list[int] = list(range(n_devices))  # device whose tasks stand for this one's
         self.xfer_blocks: dict[int, tuple[int, int]] = {}   # transfer → (producer, consumer block)
+        self.ties: dict[int, str] = {}           # sync of a tied parameter's copies → the parameter
 
     def add(self, kind: int, dur: float, dev: int, key: tuple, mb: int) -> int:
         t = len(self.kind)

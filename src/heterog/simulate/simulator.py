@@ -132,7 +132,8 @@ def _events(tasks, info, start, end):
             a, b = tasks.comm[t][0]
             label = f"{blk.label} mb{tasks.mb[t]} {names[a]}→{names[b]}"
         elif k == SYNC:
-            label = f"{blk.label} {blk.sync} sync"
+            tie = tasks.ties.get(t)
+            label = f"tied {tie} sync" if tie else f"{blk.label} {blk.sync} sync"
         else:
             label = f"{blk.label} {'F' if k == 0 else 'B'} mb{tasks.mb[t]}"
         cat = KIND_NAMES[k]
