@@ -76,11 +76,10 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
     first, for emulated clusters; a few seconds). simulate, run and report all call this, so
     they predict the same time for the same plan."""
     cluster = local_cluster(cluster)
-    from heterog.capture import capture_model
     from heterog.cost import build_cost_model
+    from heterog.execute.preflight import capture_for_plan
     if graph is None:
-        graph = capture_model(plan.model.name, plan.model.args or None,
-                              batch_size=plan.batch_size, seq_len=plan.model.seq_len)
+        graph = capture_for_plan(plan)
     prof = None
     if profile:
         from heterog.execute.workload import resolve_workload
@@ -165,8 +164,11 @@ def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
 
 def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool):
     """(program, graph, costs, cluster as seen here): the run and its prediction share one
-    schedule, lowered with the costs of this machine's ranks (local_cluster)."""
+    schedule, lowered with the costs of this machine's ranks (local_cluster). Refuses a plan
+    made for another model (preflight), from the same capture."""
+    from heterog.execute.preflight import check_plan_fits_model
     graph, local, costs = plan_inputs(plan, cluster, profile=profile)
+    check_plan_fits_model(plan, graph)
     plan = cover_graph(plan, graph)
     return lower_schedule(graph, local, plan, costs), graph, costs, local, plan
 

@@ -1,9 +1,9 @@
 """Checks `heterog run` makes before starting any rank, so a mistake is one paragraph in the
 launcher, not a traceback in a rank's log minutes later.
 
-- The plan fits the model it will train: the model is captured again (on fake tensors, no
-  weights) and the plan validated against that graph and its own cluster, fingerprints
-  included. A user model file's content is already checked against the hash the plan
+- The plan fits the model it will train: the plan is validated against the model's graph
+  (the capture the run lowers with, or a fresh one on fake tensors, no weights) and its own
+  cluster, fingerprints included. A user model file's content is already checked against the hash the plan
   recorded (ir/plan.py: resolve_model), and its graph fingerprint names the file as it was
   typed when planning, so for user models the node names are checked, not the fingerprint.
 - The user's data gives global batches of the plan's size (workload.check_batch).
@@ -15,17 +15,13 @@ from heterog.errors import HeterogError, PlanError
 from heterog.ir.plan import Plan, user_model_file
 
 
-def check_plan_fits_model(plan: Plan) -> None:
-    """Raise PlanError when the plan was made for another model, arguments or cluster."""
-    from heterog.capture import capture_model
+def check_plan_fits_model(plan: Plan, graph=None) -> None:
+    """Raise PlanError when the plan was made for another model, arguments or cluster.
+    `graph`: the model's capture at the plan's batch, when the caller has it (else captured)."""
     from heterog.hardware.spec import cluster_from_dict
 
-    try:
-        graph = capture_model(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
-                              seq_len=plan.model.seq_len)
-    except HeterogError as e:
-        raise PlanError(f"the plan's model {plan.model.name!r} cannot be built to check the plan "
-                        f"against it: {e}") from None
+    if graph is None:
+        graph = capture_for_plan(plan)
     if plan.cluster:  # its own errors say what to do
         plan.validate(cluster=cluster_from_dict(plan.cluster))
     problem = _model_mismatch(plan, graph)
@@ -33,6 +29,17 @@ def check_plan_fits_model(plan: Plan) -> None:
         raise PlanError(f"this plan does not fit model {plan.model.name!r} {plan.model.args or ''} as it "
                         f"is now: {problem} Re-plan with `heterog plan` for this model, or run the plan "
                         f"made for it.")
+
+
+def capture_for_plan(plan: Plan):
+    """The plan's model captured at the plan's batch, or a PlanError saying it cannot be built."""
+    from heterog.capture import capture_model
+    try:
+        return capture_model(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
+                             seq_len=plan.model.seq_len)
+    except HeterogError as e:
+        raise PlanError(f"the plan's model {plan.model.name!r} cannot be built to check the plan "
+                        f"against it: {e}") from None
 
 
 def _model_mismatch(plan: Plan, graph) -> str | None:
