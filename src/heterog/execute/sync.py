@@ -19,7 +19,8 @@ order they are launched (the same on every rank), so they overlap the backward p
 uses its own sub-group, apart from the activation transfers.
 
 `ProgramSync` drives it from a lowered Program: one bucket per Collective instruction (a
-block's parameters), launched when the rank's interpreter reaches the instruction.
+block's parameters, or with `tie` a tied parameter's copies), launched when the rank's
+interpreter reaches the instruction.
 """
 
 from __future__ import annotations
@@ -146,10 +147,10 @@ class BucketRunner:
 
 class ProgramSync:
     """A lowered Program's driver: `launch(collective)` for each Collective instruction the
-    rank reaches (bucket = the block's groups' parameters, tied ones excluded), `finish()`
-    before the optimizer step; `sum_tied_gradients()` once per step on every rank, after
-    the last backward and before the optimizer step (until the lowering emits the tie
-    all-reduce as a Collective of its own)."""
+    rank reaches (bucket = the block's groups' parameters, tied ones excluded; or a tied
+    parameter's copies), `finish()` before the optimizer step; `sum_tied_gradients()` once
+    per step on every rank before the optimizer step, for the ties the Program has no
+    Collective for (tables the capture does not list as ties)."""
 
     def __init__(self, *, program: Any, flow: Dataflow, rank: int, optimizer: str, timeout_s: float,
                  device: torch.device | None = None):
