@@ -46,7 +46,8 @@ from heterog.jsonio import write_atomic  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "predict_gpu.json"
 ZOO = {"resnet50": "resnet50", "bert_large": "bert-large", "gpt2_medium": "gpt2-medium"}
-HOST_PARAMS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s", "optimizer_tensor_s")
+HOST_PARAMS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s", "optimizer_tensor_s",
+               "cudnn_op_s")
 # (name, lower, upper): host costs in seconds; kernel factors relative to the H200 curves
 H200_PARAMS = (("forward_node_s", 2e-6, 3e-4), ("forward_op_s", 1e-7, 1e-4), ("backward_op_s", 1e-6, 3e-4),
                ("autocast_cast_s", 1e-7, 1e-4), ("optimizer_tensor_s", 1e-7, 1e-4),
@@ -80,8 +81,20 @@ class StepCase:
     peak_bytes: float
 
 
+def steps_doc() -> dict:
+    return json.loads(resources.files("heterog.cost").joinpath("data", "h200_steps.json").read_text())
+
+
+def measured_host(models: set[str]) -> dict[str, float]:
+    """Host figures measured, not fitted, on the per-op profiles of `models` (the training
+    models only): the extra host time of a cuDNN frontend call (cost.calibrate.cudnn_op_host_s)."""
+    from heterog.cost.calibrate import cudnn_op_host_s
+    t = cudnn_op_host_s([p for p in steps_doc()["op_profiles"] if p["name"] in models])
+    return {} if t is None else {"cudnn_op_s": t}
+
+
 def step_cases() -> list[StepCase]:
-    doc = json.loads(resources.files("heterog.cost").joinpath("data", "h200_steps.json").read_text())
+    doc = steps_doc()
     return [StepCase(model=s["name"], batch=s["batch_size"], seq_len=s.get("seq_len"),
                      precision="amp-bf16" if s["mode"] == "bf16" else "fp32",
                      optimizer="sgd" if s["name"] == "resnet50" else "adamw", recompute=bool(s.get("ckpt")),
@@ -132,7 +145,9 @@ def step_times_s(cases: list[StepCase], gpu: GpuType, speeds: dict[str, float] |
 
 
 def fit_h200(cases: list[StepCase]) -> dict[str, float]:
-    """Host costs and H200 kernel factors minimising the robust log error of step time."""
+    """Host costs and H200 kernel factors minimising the robust log error of step time, with
+    the measured host figures of the training models' profiles held fixed."""
+    fixed = measured_host({c.model for c in cases})
     start = dict(zip((p[0] for p in H200_PARAMS), H200_START))
     lo = np.log([p[1] for p in H200_PARAMS])
     hi = np.log([p[2] for p in H200_PARAMS])
@@ -140,12 +155,12 @@ def fit_h200(cases: list[StepCase]) -> dict[str, float]:
     measured = np.array([c.time_s for c in cases])
 
     def residuals(x):
-        theta = dict(zip((p[0] for p in H200_PARAMS), np.exp(x)))
+        theta = {**dict(zip((p[0] for p in H200_PARAMS), np.exp(x))), **fixed}
         return np.log(step_times_s(cases, h200_with(theta), host_speeds(theta)) / measured)
 
     res = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=1e-3,
                         max_nfev=60)
-    return dict(zip((p[0] for p in H200_PARAMS), (float(v) for v in np.exp(res.x))))
+    return {**dict(zip((p[0] for p in H200_PARAMS), (float(v) for v in np.exp(res.x)))), **fixed}
 
 
 def peak_bytes(cases: list[StepCase], fixed_bytes: float) -> np.ndarray:

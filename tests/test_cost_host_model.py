@@ -99,3 +99,60 @@ def test_every_catalog_type_names_the_source_of_its_efficiency():
         assert e.source, f"{g.name}: efficiency without a source"
         if e.inherits:
             get_gpu(e.inherits)  # a stated sibling that exists
+
+
+def _conv_graph():
+    """One convolution between two element-wise ops (a stem: conv → relu → pool-like)."""
+    from heterog.ir.affine import Affine
+    from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
+    act = 64 * 56 * 56 * 4
+    conv = OpNode(name="conv1", module_path="conv1", module_type="Conv2d", kind="conv",
+                  fwd_flops=Affine(0, 2.0 * 64 * 64 * 9 * 56 * 56), bwd_flops=Affine(0, 4.0 * 64 * 64 * 9 * 56 * 56),
+                  fwd_bytes=Affine(64 * 64 * 9 * 4, 2 * act), bwd_bytes=Affine(2 * 64 * 64 * 9 * 4, 4 * act),
+                  saved_bytes=Affine(0, act), output_bytes=Affine(0, act), param_names=("conv1.weight",),
+                  param_count=64 * 64 * 9, param_bytes=64 * 64 * 9 * 4, fwd_kernels=1, bwd_kernels=2,
+                  tensor_core_flops_fraction=1.0)
+    relu = OpNode(name="relu", module_path="relu", module_type="ReLU", kind="elementwise",
+                  fwd_flops=Affine(0, act / 4), bwd_flops=Affine(0, act / 4), fwd_bytes=Affine(0, 2 * act),
+                  bwd_bytes=Affine(0, 3 * act), saved_bytes=Affine(0, act), output_bytes=Affine(0, act),
+                  fwd_kernels=1, bwd_kernels=1)
+    return OpGraph(model="conv-stem", nodes=(conv, relu),
+                   edges=(OpEdge(src="conv1", dst="relu", bytes=Affine(0, act)),),
+                   input_bytes=Affine(0, act), batch_size=1)
+
+
+def test_a_cudnn_call_costs_the_host_more_than_an_ordinary_op(graph):
+    """Convolutions (every NVIDIA GPU) and half-precision attention on Hopper go through
+    cuDNN's frontend: the host pays cudnn_op_s more for each, forward and backward."""
+    from heterog.cost.host import cudnn_calls
+    conv = _conv_graph()
+    h200, a100, mi300 = get_gpu("H200"), get_gpu("A100-80GB"), get_gpu("MI300X")
+    assert list(cudnn_calls(conv, "fp32", h200)) == [1.0, 0.0]
+    assert not cudnn_calls(conv, "fp32", mi300).any()          # MIOpen, not cuDNN
+    attn = [n.kind == "attention" for n in graph.nodes]
+    assert list(cudnn_calls(graph, "amp-bf16", h200) > 0) == attn
+    assert not cudnn_calls(graph, "fp32", h200).any()          # fp32 attention: not cuDNN
+    assert not cudnn_calls(graph, "amp-bf16", a100).any()      # Ampere: flash attention
+    h = host_costs(h200)
+    assert h.cudnn_op_s > 3 * h.forward_op_s                    # a cuDNN call is expensive
+    for phase in ("fwd", "bwd"):
+        with_cudnn = host_times_s(conv, h, phase, None, cudnn_calls(conv, "fp32", h200))
+        assert with_cudnn - host_times_s(conv, h, phase, None) == pytest.approx([h.cudnn_op_s, 0.0])
+        # and the model's node time is never below that host time
+        m = build_cost_model(conv, single_device_cluster(h200), precision="fp32")
+        assert m.compute_time_s("conv1", "local/gpu0", 1, phase) >= with_cudnn[0]
+
+
+def test_the_cudnn_host_cost_is_one_figure_across_models():
+    """Measured on the H200 per-op profiles (h200_steps.json): resnet50's convolutions and
+    gpt2-medium's bf16 attention cost the host the same extra per cuDNN call within 15%;
+    bert-large's fp32 profile has no cuDNN op."""
+    import json
+    from importlib import resources
+    from heterog.cost.calibrate import cudnn_op_host_s
+    doc = json.loads(resources.files("heterog.cost").joinpath("data", "h200_steps.json").read_text())
+    prof = {p["name"]: p for p in doc["op_profiles"]}
+    conv_s, attn_s = cudnn_op_host_s([prof["resnet50"]]), cudnn_op_host_s([prof["gpt2_medium"]])
+    assert 40e-6 < conv_s < 200e-6 and 40e-6 < attn_s < 200e-6
+    assert conv_s == pytest.approx(attn_s, rel=0.15)
+    assert cudnn_op_host_s([prof["bert_large"]]) is None

@@ -35,7 +35,7 @@ from heterog.hardware.gputype import GpuType
 from heterog.ir.opgraph import OpGraph
 from heterog.cost import comm
 from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
-from heterog.cost.host import autocast_casts, host_times_s
+from heterog.cost.host import autocast_casts, cudnn_calls, host_times_s
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
@@ -129,7 +129,8 @@ class _TypeTable:
         self.dispatch = oh.dispatch_s if fw or oh.backward_dispatch_s is None else oh.backward_dispatch_s
         self.kernel_gap = oh.kernel_gap_s
         # GPU: the host's time per node (dispatch, autograd, autocast), paced op by op
-        self.host_s = None if self.synchronous else host_times_s(graph, host_costs(gpu), phase, self.casts)
+        self.host_s = None if self.synchronous else host_times_s(graph, host_costs(gpu), phase, self.casts,
+                                                                 cudnn_calls(graph, precision, gpu))
         # CPU: outputs (forward) and gradients (backward) above glibc's mmap threshold land
         # on fresh pages every step; workspace_bytes is the largest such tensor a node makes
         big = oh.fresh_threshold_bytes

@@ -65,7 +65,7 @@ def measured_host(profile: DeviceProfile, base: GpuType) -> HostCosts:
 
 def scale_host(host: HostCosts, k: float) -> HostCosts:
     return dataclasses.replace(host, **{f: getattr(host, f) * k for f in (
-        "forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s", "optimizer_tensor_s")})
+        "forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s", "optimizer_tensor_s", "cudnn_op_s")})
 
 
 def _step_errors(profile: DeviceProfile, gpu: GpuType) -> list[float]:
@@ -91,6 +91,27 @@ def fit_host_scale(profile: DeviceProfile, gpu: GpuType) -> float:
 
     res = minimize_scalar(objective, bounds=(lo, hi), method="bounded", options={"xatol": 0.02})
     return float(np.exp(res.x))
+
+
+CUDNN_PROFILE_OPS = frozenset({"aten::cudnn_convolution", "aten::convolution_backward",
+                               "aten::_cudnn_attention_forward", "aten::_cudnn_attention_backward"})
+
+
+def cudnn_op_host_s(op_profiles: list[dict[str, Any]]) -> float | None:
+    """Extra host time per cuDNN frontend call, measured on per-op profiles in the format of
+    h200_steps.json's `op_profiles` (per aten op: count, cpu_us): each cuDNN op's host time per
+    call less the median per-call host time of the profile's other kernel-launching ops, the
+    mean over every cuDNN call. None if the profiles hold no cuDNN op."""
+    extra_us, calls = 0.0, 0
+    for p in op_profiles:
+        ordinary = sorted(o["cpu_us"] / o["count"] for o in p["ops"] for _ in range(int(o["count"]))
+                          if o["op"] not in CUDNN_PROFILE_OPS and o["self_device_us"] > 0)
+        base_us = ordinary[len(ordinary) // 2] if ordinary else 0.0
+        for o in p["ops"]:
+            if o["op"] in CUDNN_PROFILE_OPS:
+                extra_us += o["cpu_us"] - base_us * o["count"]
+                calls += int(o["count"])
+    return None if calls == 0 else max(extra_us / calls, 0.0) * 1e-6
 
 
 def fit_host_speed(profile: DeviceProfile, base: GpuType) -> float | None:
@@ -135,7 +156,8 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
         "efficiency": {"compute": eff.compute, "memory": eff.memory, "memory_by_kind": eff.memory_by_kind,
                        "inherits": eff.inherits, "source": eff.source},
         "host": {**{f: getattr(host, f) for f in ("forward_node_s", "forward_op_s", "backward_op_s",
-                                                   "autocast_cast_s", "optimizer_tensor_s", "kernel_gap_s")},
+                                                   "autocast_cast_s", "optimizer_tensor_s", "kernel_gap_s",
+                                                   "cudnn_op_s")},
                  "source": _host_source(profile, base_type, scale)},
     }
 

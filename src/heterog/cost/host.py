@@ -9,8 +9,20 @@ every node max(device time, host time), which also keeps a step from ever being 
 its host time.
 
 Host time of a node (hardware.gputype.HostCosts, fitted on the H200 steps):
-  forward  = forward_node_s + forward_op_s · (ops − 1) + autocast_cast_s · casts
-  backward = backward_op_s · ops + autocast_cast_s · casts
+  forward  = forward_node_s + forward_op_s · (ops − 1) + autocast_cast_s · casts + cudnn_op_s · cudnn
+  backward = backward_op_s · ops + autocast_cast_s · casts + cudnn_op_s · cudnn
+
+cuDNN calls (`cudnn_calls`): an op that runs through cuDNN's frontend API costs the host far
+more than an ordinary op — it builds a key for the operation graph and looks up (or builds)
+an execution plan before launching. In the H200 per-op profiles (cost/data/h200_steps.json,
+op_profiles, host time per call less the median leaf op's) a cuDNN convolution costs ~67 µs
+more in forward and ~113 µs more in backward (resnet50), a cuDNN attention ~97 and ~67 µs
+more (gpt2-medium, bf16): the same ~80–90 µs per call in two unrelated models, so it is one
+figure of the host software, not of a model. It is why resnet50's small-batch steps cost the
+host 16–25 ms although it has fewer ops than a transformer. Which nodes call cuDNN: every
+convolution on an NVIDIA GPU; attention in half precision on Hopper, where PyTorch's
+scaled_dot_product_attention picks its cuDNN backend (the gpt2-medium bf16 profile shows
+`_cudnn_attention_forward`; in fp32 it ran `_efficient_attention_forward`, not cuDNN).
 
 Autocast (torch.amp autocast_mode.cpp, its lower-precision op list): matmul, convolution and
 attention run in half precision, so autocast casts their fp32 weights (cached within a
@@ -26,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterog.cost.memory import TENSOR_CORE_KINDS, dtype_factors
-from heterog.hardware.gputype import HostCosts
+from heterog.hardware.gputype import GpuType, HostCosts
 from heterog.ir.opgraph import OpGraph
 
 CAST_BYTES_PER_FP32_BYTE = 1.5   # a 4-byte element read and a 2-byte one written, per 4 bytes
@@ -71,7 +83,23 @@ def autocast_casts(graph: OpGraph, precision: str) -> Casts | None:
     return Casts(count=count, bytes_fixed=fixed, bytes_per_sample=per_sample)
 
 
-def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None) -> np.ndarray:
+# GPU types (and calibrations inheriting from them) whose PyTorch attention in half precision
+# runs through cuDNN: the Hopper parts
+CUDNN_ATTENTION_TYPES = frozenset({"H100-SXM", "H100-PCIe", "H200", "GH200"})
+
+
+def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
+    """Per node: cuDNN frontend calls in its forward (and, one each, in its backward)."""
+    if gpu.vendor != "nvidia":
+        return np.zeros(len(graph.nodes))
+    half = precision in ("amp-bf16", "fp16")
+    hopper = gpu.name in CUDNN_ATTENTION_TYPES or gpu.efficiency.inherits in CUDNN_ATTENTION_TYPES
+    return np.array([1.0 if n.kind == "conv" or (n.kind == "attention" and half and hopper) else 0.0
+                     for n in graph.nodes])
+
+
+def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None,
+                 cudnn: np.ndarray | None = None) -> np.ndarray:
     """Host time of every node's forward or backward (seconds), batch-independent."""
     nodes = graph.nodes
     if phase == "fwd":
@@ -82,4 +110,6 @@ def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | Non
         t = host.backward_op_s * ops
     if casts is not None:
         t = t + host.autocast_cast_s * casts.count
+    if cudnn is not None:
+        t = t + host.cudnn_op_s * cudnn
     return t

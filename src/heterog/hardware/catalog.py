@@ -37,7 +37,7 @@ def _norm(name: str) -> str:
 
 CATALOG_ENV = "HETEROG_CATALOG"
 HOST_FIELDS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s",
-               "optimizer_tensor_s", "kernel_gap_s")
+               "optimizer_tensor_s", "kernel_gap_s", "cudnn_op_s")
 
 
 @lru_cache(maxsize=1)

@@ -31,11 +31,15 @@ class HostCosts:
     autocast_cast_s: float          # each cast autocast inserts (forward; its backward too)
     optimizer_tensor_s: float       # foreach optimizer: host cost per parameter tensor
     kernel_gap_s: float = 2.0e-6    # device: minimum time of one kernel, launch to completion
+    # extra host time of an op run through cuDNN's frontend API (convolution forward and
+    # backward; attention on Hopper in half precision): its graph/plan cache look-up, beyond
+    # what an ordinary op costs (cost.host.cudnn_calls says which nodes make such calls)
+    cudnn_op_s: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
         for f in ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s",
-                  "optimizer_tensor_s", "kernel_gap_s"):
+                  "optimizer_tensor_s", "kernel_gap_s", "cudnn_op_s"):
             v = getattr(self, f)
             if not (v >= 0.0):
                 raise ValueError(f"host costs: {f} must be ≥ 0 seconds, found {v!r}.")
