@@ -86,7 +86,16 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
             if bwd_left[km] == 0:
                 in_flight[d].discard(mb[t])
         touched = [d]
-        _release(succ[t][:], touched, left, dev, succ, prio, ready, order)
+        for s0 in reversed(succ[t]):     # direct successors inline: the common case
+            left[s0] -= 1
+            if left[s0] == 0:
+                ds = dev[s0]
+                if ds >= 0:
+                    heappush(ready[ds], (prio[s0], s0))
+                    touched.append(ds)
+                else:
+                    order.append(s0)
+                    _release(succ[s0][:], touched, left, dev, succ, prio, ready, order)
     return order if len(order) == n else None
 
 
