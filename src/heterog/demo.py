@@ -3,9 +3,10 @@ plan, the best baseline and even data parallelism on it — interleaved, several
 and compare predicted with measured iteration times; a speedup is claimed only if it holds
 at the worst repetition.
 
-The demo cluster has three local CPU processes on two emulated nodes joined by shaped
-1 Gb/s links: two devices paced 3× and one paced 9×, so they differ 3× in speed. The fast
-devices are paced too: pacing is on CPU time (emulation.py), so a device paced k× keeps
+The demo runs one of the SCENARIOS below (DEMO_SCENARIO): three local CPU processes on two
+emulated nodes joined by tc-shaped links, unlike in speed (paced 3× and 6×), with one node
+behind a slow link and, in some scenarios, a device whose memory is capped. Every device is
+paced: pacing is on CPU time (emulation.py), so a device paced k× keeps
 its declared speed while it gets at least 1/k of a core — three ranks then fit on a
 2-core machine that others share, and the ratios between devices stay the declared ones.
 
@@ -26,29 +27,79 @@ from heterog.pipeline import run
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import ModelSpec, Plan
 
-DEMO_CLUSTER_YAML = """
-name: demo-3
+# One emulated cluster shape, varied in speed, links and memory: node a has two devices,
+# node b one behind its own (slow) NIC. Pacing every device at least 3× keeps three ranks at
+# their declared speeds on a shared 2-core machine (see above).
+_CLUSTER = """
+name: {name}
 kind: emulated
-description: 3 local CPU processes on 2 emulated nodes; slowdowns 3/3/9; 1 Gb/s NICs
+description: {description}
 nodes:
-  - name: fast
+  - name: a
     nic_bandwidth_gbps: 1
     devices:
-      - {type: cpu, name: fast/cpu0, slowdown: 3}
-      - {type: cpu, name: fast/cpu1, slowdown: 3}
-  - name: slow
-    nic_bandwidth_gbps: 1
+      - {{type: cpu, name: a/cpu0, slowdown: {s0}{cap}}}
+      - {{type: cpu, name: a/cpu1, slowdown: {s1}}}
+  - name: b
+    nic_bandwidth_gbps: {slow_gbps}
     devices:
-      - {type: cpu, name: slow/cpu0, slowdown: 9}
+      - {{type: cpu, name: b/cpu0, slowdown: {s2}}}
 """
-DEMO_MODEL = "toy-cnn"
-DEMO_MODEL_ARGS = {"width": 64}   # convolutions dominate: 0.16 M parameters, ~1 GFLOP per sample
-DEMO_BATCH_SIZE = 96
 
 
-def demo_cluster() -> Cluster:
-    from heterog.hardware.spec import parse_cluster_yaml
-    return parse_cluster_yaml(DEMO_CLUSTER_YAML, "<demo cluster>")
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Scenario:
+    """A model on an emulated cluster where placement matters, not only speed: one node
+    behind a slow link, and optionally a device with little memory (enforced at run time)."""
+    name: str
+    family: str                      # 'cnn' or 'transformer-lm'
+    model: str
+    model_args: dict[str, Any]
+    batch_size: int
+    seq_len: int | None = None
+    slow_link_gbps: float = 0.2      # node b's NIC
+    memory_gib: float | None = None  # a/cpu0's emulated memory (None: the machine's)
+    slowdowns: tuple[float, float, float] = (3.0, 6.0, 3.0)   # a/cpu0, a/cpu1, b/cpu0
+
+    @property
+    def description(self) -> str:
+        cap = f"; a/cpu0 holds {self.memory_gib:g} GiB" if self.memory_gib else ""
+        s0, s1, s2 = self.slowdowns
+        return (f"3 local CPU processes on 2 emulated nodes; slowdowns {s0:g}/{s1:g} and {s2:g}; node b "
+                f"behind a {self.slow_link_gbps:g} Gb/s link{cap}")
+
+    def cluster(self) -> Cluster:
+        """The scenario's cluster (its slow link and small memory are deliberate: the
+        plausibility warnings about them are silenced)."""
+        import warnings
+
+        from heterog.hardware.spec import parse_cluster_yaml
+        yaml = _CLUSTER.format(name=f"{self.name}-3", description=self.description,
+                               slow_gbps=self.slow_link_gbps, s0=self.slowdowns[0],
+                               s1=self.slowdowns[1], s2=self.slowdowns[2],
+                               cap=f", memory_gib: {self.memory_gib}" if self.memory_gib else "")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return parse_cluster_yaml(yaml, f"<scenario {self.name}>")
+
+
+# The CNN's classifier holds most parameters (toy-cnn's fc: 128·8·8 × classes), the
+# convolutions most compute; the LM's tied embedding / head holds most parameters. Gradients
+# of the classifier or embedding through node b's slow link are what even and
+# speed-proportional data parallelism pay for; placing them is what heterog can change.
+_GPT2_SMALL = {"hidden": 128, "layers": 2, "heads": 4, "vocab": 32768, "positions": 64, "dropout": 0.0}
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(name="cnn-slow-link", family="cnn", model="toy-cnn",
+             model_args={"width": 64, "num_classes": 200}, batch_size=96),
+    Scenario(name="cnn-small-memory", family="cnn", model="toy-cnn",
+             model_args={"width": 64, "num_classes": 2000}, batch_size=96, memory_gib=0.1,
+             slowdowns=(3.0, 3.0, 6.0)),
+    Scenario(name="lm-slow-link", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
+             batch_size=16, seq_len=32),
+    Scenario(name="lm-small-memory", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
+             batch_size=16, seq_len=32, memory_gib=0.07, slowdowns=(3.0, 3.0, 6.0)),
+)}
+DEMO_SCENARIO = "cnn-slow-link"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +113,8 @@ class Setup:
 
 
 def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_size: int,
-            profile: bool = True, say: Callable[[str], None] = lambda s: None) -> Setup:
+            seq_len: int | None = None, profile: bool = True,
+            say: Callable[[str], None] = lambda s: None) -> Setup:
     """Capture the model and build costs as one rank sees this CPU (one thread)."""
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
@@ -70,8 +122,8 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
     from heterog.profile.measure import measure_profile
 
     torch.set_num_threads(1)  # every rank runs one thread; the cpu type is probed to match
-    spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size)
-    graph = capture_model(model, model_args, batch_size=batch_size)
+    spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)
+    graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
     prof = None
     if profile:
         say("measuring per-node times on this CPU (one thread)")
@@ -97,7 +149,12 @@ def runnable(setup: Setup, plan: Plan) -> Plan:
 
 def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> dict[str, Any]:
     """Run `plan` and return its predicted and measured iteration times."""
-    out = run(runnable(setup, plan), steps=steps, predict=False, timeout_s=timeout_s)
+    import warnings
+
+    from heterog.errors import HeterogWarning
+    with warnings.catch_warnings():    # the scenario's deliberate slow link / small memory, again
+        warnings.simplefilter("ignore", HeterogWarning)
+        out = run(runnable(setup, plan), steps=steps, predict=False, timeout_s=timeout_s)
     predicted = predict(setup, plan)
     measured = out["measured_iteration_time_s"]
     return {"predicted_iteration_time_s": predicted, "measured_iteration_time_s": measured,
@@ -135,38 +192,46 @@ def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions
     return out
 
 
-def speedup(strategies: dict[str, dict[str, Any]], base: str) -> dict[str, Any]:
-    """heterog's speedup over `base`: the median of the per-repetition ratios, and the worst
-    repetition's; it is claimed only if it holds there (`holds`)."""
-    ratios = [b / h for b, h in zip(strategies[base]["repetitions_s"], strategies["heterog"]["repetitions_s"])]
+def speedup(strategies: dict[str, dict[str, Any]], base: str, top: str = "heterog") -> dict[str, Any]:
+    """The speedup of `top` (heterog's plan) over `base`: the median of the per-repetition
+    ratios (repetitions ran interleaved, so each ratio compares runs made side by side), and
+    the worst repetition's; it is claimed only if it holds there (`holds`)."""
+    ratios = [b / h for b, h in zip(strategies[base]["repetitions_s"], strategies[top]["repetitions_s"])]
     return {"median": statistics.median(ratios), "worst": min(ratios), "best": max(ratios),
             "holds": min(ratios) > 1.0,
             "predicted": strategies[base]["predicted_iteration_time_s"]
-            / strategies["heterog"]["predicted_iteration_time_s"]}
+            / strategies[top]["predicted_iteration_time_s"]}
 
 
 def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetitions: int = 3,
-         say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Plan the demo model, then run heterog's plan, the best baseline and even data
-    parallelism `repetitions` times each, interleaved."""
+         scenario: str = DEMO_SCENARIO, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Plan the scenario's model, then run heterog's plan, the best baseline and even data
+    parallelism `repetitions` times each, interleaved. Even data parallelism that the
+    planner finds does not fit a device's memory is left out (its speedup is None)."""
     from heterog.search.planner import plan_graph
 
     t0 = time.perf_counter()
-    cluster = demo_cluster()
-    say(f"capturing {DEMO_MODEL} {DEMO_MODEL_ARGS} at batch {DEMO_BATCH_SIZE}")
-    setup = prepare(cluster=cluster, model=DEMO_MODEL, model_args=DEMO_MODEL_ARGS,
-                    batch_size=DEMO_BATCH_SIZE, profile=profile, say=say)
-    say(f"planning for {cluster.name} (budget {budget_s:g} s)")
+    sc = SCENARIOS[scenario]
+    cluster = sc.cluster()
+    say(f"capturing {sc.model} {sc.model_args} at batch {sc.batch_size}")
+    setup = prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
+                    seq_len=sc.seq_len, profile=profile, say=say)
+    say(f"planning for {cluster.name}: {sc.description} (budget {budget_s:g} s)")
     result = plan_graph(setup.graph, cluster, setup.costs, budget_s=budget_s, model_spec=setup.spec)
-    even = next(c.plan for c in result.candidates if c.strategy == "even-dp-allreduce")
-    plans = {"heterog": result.best, "best-baseline": best_baseline(result).plan, "even-dp": even}
+    even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
+    plans = {"heterog": result.best, "best-baseline": best_baseline(result).plan}
+    if even.feasible:
+        plans["even-dp"] = even.plan
     strategies = interleaved(setup, plans, steps=steps, repetitions=repetitions, say=say)
-    vs_even, vs_best = speedup(strategies, "even-dp"), speedup(strategies, "best-baseline")
-    return {"cluster": cluster.name, "model": DEMO_MODEL, "model_args": DEMO_MODEL_ARGS,
-            "batch_size": DEMO_BATCH_SIZE, "profiled": setup.profiled, "repetitions": repetitions,
+    vs_even = speedup(strategies, "even-dp") if even.feasible else None
+    vs_best = speedup(strategies, "best-baseline")
+    return {"scenario": sc.name, "description": sc.description, "cluster": cluster.name, "model": sc.model,
+            "model_args": sc.model_args, "batch_size": sc.batch_size, "seq_len": sc.seq_len,
+            "profiled": setup.profiled, "repetitions": repetitions,
             "candidates": [c.to_dict() for c in result.candidates],
             "strategies": strategies,
-            "measured_speedup": vs_even["median"], "predicted_speedup": vs_even["predicted"],
+            "measured_speedup": vs_even["median"] if vs_even else None,
+            "predicted_speedup": vs_even["predicted"] if vs_even else None,
             "speedup_vs_even_dp": vs_even,
             "measured_speedup_vs_best_baseline": vs_best["median"], "speedup_vs_best_baseline": vs_best,
             "best_plan_notes": list(result.best.notes), "demo_time_s": time.perf_counter() - t0}

@@ -100,6 +100,17 @@ def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
              mem(r.get("predicted_peak_memory_bytes"))] for r in per_rank]
 
 
+def _with_repetitions(result: dict, times: list[float], predicted: float | None) -> None:
+    """The result of several runs of one plan: the median iteration time, each run's, and the
+    spread (slowest / fastest − 1); the prediction of the first run (profiled once)."""
+    import statistics
+    result["repetitions_s"] = times
+    result["measured_iteration_time_s"] = statistics.median(times)
+    result["spread"] = max(times) / min(times) - 1.0
+    result["predicted_iteration_time_s"] = predicted
+    result["relative_error"] = (result["measured_iteration_time_s"] - predicted) / predicted if predicted else None
+
+
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run_cmd(
@@ -134,6 +145,8 @@ def register(app: typer.Typer) -> None:
                                               "the same model: parameters load by name)."),
         force: bool = typer.Option(False, "--force", help="Start even when the plan's memory per rank "
                                    "exceeds this machine's free memory."),
+        repetitions: int = typer.Option(1, "--repetitions", min=1, help="Run the plan this many times and "
+                                        "report the median iteration time and the spread (a noisy machine)."),
     ) -> None:
         """Train a plan for N steps on synthetic data or --data; measured vs predicted step time.
 
@@ -159,13 +172,21 @@ def register(app: typer.Typer) -> None:
         world_size = len(api.rank_devices(p, api.plan_cluster(p)))
         with tempfile.TemporaryDirectory(prefix="heterog-run-") as tmp:
             folder = logs if logs is not None else Path(tmp)
-            _forget_old_steps(folder)
             say = None if as_json else console.print
-            with _StepFollower(folder, world_size, steps, say, bar=sys.stdout.isatty()):
-                result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
-                                 shape_links=False if no_shaping else None, pin_cores=pin_cores,
-                                 out_dir=folder, profile=profile, data=data, checkpoint=ckpt.to_dict(),
-                                 force=force)
+            times, predicted = [], None
+            for rep in range(repetitions):
+                if repetitions > 1 and say is not None:
+                    say(f"repetition {rep + 1}/{repetitions}")
+                _forget_old_steps(folder)
+                with _StepFollower(folder, world_size, steps, say, bar=sys.stdout.isatty()):
+                    result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
+                                     shape_links=False if no_shaping else None, pin_cores=pin_cores,
+                                     out_dir=folder, profile=profile and rep == 0, data=data,
+                                     checkpoint=ckpt.to_dict(), force=force)
+                times.append(result["measured_iteration_time_s"])
+                if rep == 0:
+                    predicted = result["predicted_iteration_time_s"]
+            _with_repetitions(result, times, predicted)
             _measured_outputs(folder, world_size, result, steps_log, trace)
         if out:
             write_json(str(out), result)
@@ -178,7 +199,9 @@ def register(app: typer.Typer) -> None:
                     _rank_rows(result["per_rank"]), optional=("paced", "wait", "predicted mem"))
         pred = result["predicted_iteration_time_s"]
         err = result["relative_error"]
-        console.print(f"measured iteration time  {human_time(result['measured_iteration_time_s'])}")
+        console.print(f"measured iteration time  {human_time(result['measured_iteration_time_s'])}"
+                      + (f" (median of {repetitions} runs, spread {result['spread']:.0%}: "
+                         f"{', '.join(human_time(t) for t in times)})" if repetitions > 1 else ""))
         console.print(f"predicted iteration time {human_time(pred)}  ({result['prediction_source']})"
                       + (f", error {err:+.1%}" if err is not None else ""))
         shaping = result["link_shaping"]
@@ -197,14 +220,21 @@ def register(app: typer.Typer) -> None:
                                         help="Predict with the analytic model only (no measured profile)."),
         repetitions: int = typer.Option(3, "--repetitions", min=1,
                                         help="Measure each strategy this many times, interleaved."),
+        scenario: str = typer.Option("", "--scenario", help="One of heterog.demo.SCENARIOS (default: the "
+                                     "one that shows heterog best; benchmarks/run_vs_sim.py runs them all)."),
     ) -> None:
-        """Plan a zoo model on an emulated 3-device cluster; run heterog's plan, the best baseline
-        and even DP (interleaved repetitions); compare predicted with measured."""
+        """Plan a zoo model on an emulated 3-device cluster whose devices differ in speed, links and
+        memory; run heterog's plan, the best baseline and even DP (interleaved repetitions);
+        compare predicted with measured."""
         set_wide(wide)
-        from heterog.demo import demo
+        from heterog.demo import DEMO_SCENARIO, SCENARIOS, demo
 
+        if scenario and scenario not in SCENARIOS:
+            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}.",
+                                     param_hint="--scenario")
         say = (lambda s: None) if as_json else (lambda s: console.print(f"[dim]{s}[/dim]"))
-        result = demo(steps=steps, budget_s=budget_s, profile=not no_profile, repetitions=repetitions, say=say)
+        result = demo(steps=steps, budget_s=budget_s, profile=not no_profile, repetitions=repetitions,
+                      scenario=scenario or DEMO_SCENARIO, say=say)
         if as_json:
             print_json(result)
             return
@@ -220,6 +250,9 @@ def register(app: typer.Typer) -> None:
                      for k, v in result["strategies"].items()])
         for base, key in (("even data parallelism", "speedup_vs_even_dp"), ("the best baseline", "speedup_vs_best_baseline")):
             sp = result[key]
+            if sp is None:
+                console.print(f"speedup of heterog over {base}: n/a (it does not fit the cluster's memory)")
+                continue
             verdict = "holds at the worst repetition" if sp["holds"] else "not claimed: not at every repetition"
             console.print(f"speedup of heterog over {base}: {sp['median']:.2f}× (worst {sp['worst']:.2f}×, "
                           f"predicted {sp['predicted']:.2f}×) — {verdict}")
