@@ -1,0 +1,61 @@
+"""The demo's scenarios are clusters where placement matters (speed, a slow link, a capped
+memory), and `heterog run --repetitions` reports the median and the spread of several runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from heterog.cli.main import app
+from heterog.cli.run_cmd import _with_repetitions
+from heterog.demo import DEMO_SCENARIO, SCENARIOS, speedup
+
+
+def test_scenarios_differ_in_speed_links_and_memory():
+    assert {s.family for s in SCENARIOS.values()} == {"cnn", "transformer-lm"}
+    assert DEMO_SCENARIO in SCENARIOS
+    for sc in SCENARIOS.values():
+        cluster = sc.cluster()
+        assert cluster.kind == "emulated"
+        assert len({d.slowdown for d in cluster.devices}) > 1               # unlike in speed
+        nics = {n.name: n.nic_bandwidth_bytes_per_s for n in cluster.nodes}
+        assert nics["b"] == pytest.approx(sc.slow_link_gbps * 1e9 / 8) and nics["b"] < nics["a"]
+        capped = [d.name for d in cluster.devices if d.memory_bytes is not None]
+        assert capped == (["a/cpu0"] if sc.memory_gib else [])
+        if sc.memory_gib:
+            assert cluster.memory_bytes("a/cpu0") == int(sc.memory_gib * 2**30)
+
+
+def test_speedup_holds_only_at_the_worst_repetition():
+    strategies = {"heterog": {"repetitions_s": [1.0, 1.0, 2.0], "predicted_iteration_time_s": 1.0},
+                  "base": {"repetitions_s": [2.0, 1.5, 1.8], "predicted_iteration_time_s": 2.0}}
+    sp = speedup(strategies, "base")
+    assert sp["median"] == pytest.approx(1.5) and sp["worst"] == pytest.approx(0.9)
+    assert not sp["holds"] and sp["predicted"] == pytest.approx(2.0)
+
+
+def test_run_repetitions_summary():
+    result = {"measured_iteration_time_s": 9.0, "predicted_iteration_time_s": 9.0}
+    _with_repetitions(result, [1.0, 1.2, 1.1], 1.0)
+    assert result["measured_iteration_time_s"] == pytest.approx(1.1)
+    assert result["spread"] == pytest.approx(0.2) and result["repetitions_s"] == [1.0, 1.2, 1.1]
+    assert result["relative_error"] == pytest.approx(0.1) and result["predicted_iteration_time_s"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_heterog_run_reports_median_and_spread_of_repetitions(tmp_path):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("name: two\nkind: emulated\nnodes:\n  - name: n\n    nic_bandwidth_gbps: 10\n"
+                       "    devices:\n      - {type: cpu, name: n/c0}\n      - {type: cpu, name: n/c1, slowdown: 2}\n")
+    plan = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "--model", "mlp", "--batch-size", "16", "--cluster", str(cluster),
+                                   "--budget-s", "1", "--json", "--out", str(plan)])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["run", str(plan), "--steps", "3", "--repetitions", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert len(out["repetitions_s"]) == 2 and out["spread"] >= 0
+    assert min(out["repetitions_s"]) <= out["measured_iteration_time_s"] <= max(out["repetitions_s"])
