@@ -62,3 +62,21 @@ def transformer_graph(*, layers: int = 2, hidden: int = 256, seq: int = 64, batc
     edges = tuple(OpEdge(src=a.name, dst=b.name, bytes=a.output_bytes) for a, b in zip(nodes, nodes[1:]))
     return OpGraph(model="synthetic-transformer", batch_size=batch, seq_len=seq, nodes=tuple(nodes),
                    edges=edges, num_parameters=sum(n.param_count for n in nodes)).validate()
+
+
+def conv_graph() -> OpGraph:
+    """One convolution followed by a ReLU (a stem), for the cuDNN host-cost tests."""
+    act = 64 * 56 * 56 * 4
+    conv = OpNode(name="conv1", module_path="conv1", module_type="Conv2d", kind="conv",
+                  fwd_flops=Affine(0, 2.0 * 64 * 64 * 9 * 56 * 56), bwd_flops=Affine(0, 4.0 * 64 * 64 * 9 * 56 * 56),
+                  fwd_bytes=Affine(64 * 64 * 9 * 4, 2 * act), bwd_bytes=Affine(2 * 64 * 64 * 9 * 4, 4 * act),
+                  saved_bytes=Affine(0, act), output_bytes=Affine(0, act), param_names=("conv1.weight",),
+                  param_count=64 * 64 * 9, param_bytes=64 * 64 * 9 * 4, fwd_kernels=1, bwd_kernels=2,
+                  tensor_core_flops_fraction=1.0)
+    relu = OpNode(name="relu", module_path="relu", module_type="ReLU", kind="elementwise",
+                  fwd_flops=Affine(0, act / 4), bwd_flops=Affine(0, act / 4), fwd_bytes=Affine(0, 2 * act),
+                  bwd_bytes=Affine(0, 3 * act), saved_bytes=Affine(0, act), output_bytes=Affine(0, act),
+                  fwd_kernels=1, bwd_kernels=1)
+    return OpGraph(model="conv-stem", nodes=(conv, relu),
+                   edges=(OpEdge(src="conv1", dst="relu", bytes=Affine(0, act)),),
+                   input_bytes=Affine(0, act), batch_size=1)

@@ -81,3 +81,18 @@ def test_a_2x_slower_host_slows_host_bound_steps_only():
     # predict takes the same figure
     p = [predict(graph, batch_size=1, device="H200", host_speed=s)["iteration_time_s"] for s in (1.0, 0.5)]
     assert p[1] == pytest.approx(2 * p[0], rel=1e-6)
+
+
+def test_host_speed_does_not_scale_the_cudnn_calls():
+    """A convolution's host time on a half-speed node: its framework work twice as long, its
+    cuDNN plan look-up the same (cost/host.py says why)."""
+    from cost_support import conv_graph
+    from heterog.cost.host import host_times_s
+    from heterog.hardware.catalog import get_gpu, host_costs
+    g = conv_graph()
+    c = parse_cluster_yaml(YAML, "hosts.yaml")
+    m = build_cost_model(g, c, precision="fp32")
+    h = host_costs(get_gpu("H200"))
+    base = host_times_s(g, h, "fwd", None)[0]
+    assert m.compute_time_s("conv1", "fast/gpu0", 1, "fwd") == pytest.approx(base + h.cudnn_op_s)
+    assert m.compute_time_s("conv1", "slow/gpu0", 1, "fwd") == pytest.approx(2 * base + h.cudnn_op_s)

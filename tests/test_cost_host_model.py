@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cost_support import transformer_graph
+from cost_support import conv_graph, transformer_graph
 from heterog.cost import build_cost_model
 from heterog.cost.host import autocast_casts, host_times_s
 from heterog.cost.predict import predict, single_device_cluster
@@ -101,31 +101,11 @@ def test_every_catalog_type_names_the_source_of_its_efficiency():
             get_gpu(e.inherits)  # a stated sibling that exists
 
 
-def _conv_graph():
-    """One convolution between two element-wise ops (a stem: conv → relu → pool-like)."""
-    from heterog.ir.affine import Affine
-    from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
-    act = 64 * 56 * 56 * 4
-    conv = OpNode(name="conv1", module_path="conv1", module_type="Conv2d", kind="conv",
-                  fwd_flops=Affine(0, 2.0 * 64 * 64 * 9 * 56 * 56), bwd_flops=Affine(0, 4.0 * 64 * 64 * 9 * 56 * 56),
-                  fwd_bytes=Affine(64 * 64 * 9 * 4, 2 * act), bwd_bytes=Affine(2 * 64 * 64 * 9 * 4, 4 * act),
-                  saved_bytes=Affine(0, act), output_bytes=Affine(0, act), param_names=("conv1.weight",),
-                  param_count=64 * 64 * 9, param_bytes=64 * 64 * 9 * 4, fwd_kernels=1, bwd_kernels=2,
-                  tensor_core_flops_fraction=1.0)
-    relu = OpNode(name="relu", module_path="relu", module_type="ReLU", kind="elementwise",
-                  fwd_flops=Affine(0, act / 4), bwd_flops=Affine(0, act / 4), fwd_bytes=Affine(0, 2 * act),
-                  bwd_bytes=Affine(0, 3 * act), saved_bytes=Affine(0, act), output_bytes=Affine(0, act),
-                  fwd_kernels=1, bwd_kernels=1)
-    return OpGraph(model="conv-stem", nodes=(conv, relu),
-                   edges=(OpEdge(src="conv1", dst="relu", bytes=Affine(0, act)),),
-                   input_bytes=Affine(0, act), batch_size=1)
-
-
 def test_a_cudnn_call_costs_the_host_more_than_an_ordinary_op(graph):
     """Convolutions (every NVIDIA GPU) and half-precision attention on Hopper go through
     cuDNN's frontend: the host pays cudnn_op_s more for each, forward and backward."""
     from heterog.cost.host import cudnn_calls
-    conv = _conv_graph()
+    conv = conv_graph()
     h200, a100, mi300 = get_gpu("H200"), get_gpu("A100-80GB"), get_gpu("MI300X")
     assert list(cudnn_calls(conv, "fp32", h200)) == [1.0, 0.0]
     assert not cudnn_calls(conv, "fp32", mi300).any()          # MIOpen, not cuDNN

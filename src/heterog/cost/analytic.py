@@ -7,8 +7,9 @@ Compute time of one node (Williams, Waterman & Patterson, "Roofline", CACM 2009)
     t_math = F_tc / (P_tc · e(kind, n)) + F_other / (P_fp32 · E_VECTOR)
     t_mem  = bytes / (BW · e_mem)
     roof   = max(t_math, t_mem)
-    GPU:   t = max(roof + k · kernel_gap, host / host_speed) (host pacing: cost/host.py;
-                                                              host_speed: the device's node)
+    GPU:   t = max(roof + k · kernel_gap, host / host_speed + cudnn)
+           (host pacing: cost/host.py; host_speed: the device's node; cudnn: the cuDNN calls'
+            own host time, not scaled by host_speed — see cost/host.py)
     CPU:   t = roof + k · dispatch                            (the host does the work itself)
 
 F_tc is the node's FLOPs in matmul/conv/attention kernels (tensor_core_flops_fraction), k its
@@ -129,8 +130,9 @@ class _TypeTable:
         self.dispatch = oh.dispatch_s if fw or oh.backward_dispatch_s is None else oh.backward_dispatch_s
         self.kernel_gap = oh.kernel_gap_s
         # GPU: the host's time per node (dispatch, autograd, autocast), paced op by op
-        self.host_s = None if self.synchronous else host_times_s(graph, host_costs(gpu), phase, self.casts,
-                                                                 cudnn_calls(graph, precision, gpu))
+        self.host_s = None if self.synchronous else host_times_s(graph, host_costs(gpu), phase, self.casts)
+        # cuDNN's plan look-ups: host time that the node's host_speed does not scale (cost/host.py)
+        self.cudnn_s = None if self.synchronous else host_costs(gpu).cudnn_op_s * cudnn_calls(graph, precision, gpu)
         # CPU: outputs (forward) and gradients (backward) above glibc's mmap threshold land
         # on fresh pages every step; workspace_bytes is the largest such tensor a node makes
         big = oh.fresh_threshold_bytes
@@ -185,7 +187,7 @@ class _TypeTable:
             return roof + k * self.dispatch
         # The host runs ahead while the GPU is busy and the GPU idles while the host is
         # behind: each node takes whichever is longer (cost/host.py)
-        return np.maximum(roof + k * self.kernel_gap, self.host_s[idx] * host_scale)
+        return np.maximum(roof + k * self.kernel_gap, self.host_s[idx] * host_scale + self.cudnn_s[idx])
 
 
 def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:

@@ -24,6 +24,13 @@ convolution on an NVIDIA GPU; attention in half precision on Hopper, where PyTor
 scaled_dot_product_attention picks its cuDNN backend (the gpt2-medium bf16 profile shows
 `_cudnn_attention_forward`; in fp32 it ran `_efficient_attention_forward`, not cuDNN).
 
+A node's `host_speed` (cluster YAML) scales every host cost but this one. The reason is in
+the data, and it is a hypothesis: between the two H200 measurement sessions the same steps'
+host time grew by ~1.6× for bert-large (mostly Python-level module and dispatcher work) but
+only ~1.36× for resnet50 (about half of it cuDNN calls); a slowdown of the framework's own
+work that spares cuDNN's C++ plan look-ups fits both. A node whose CPU is uniformly slower
+would slow these too, so on such a node the model is slightly optimistic for convolutions.
+
 Autocast (torch.amp autocast_mode.cpp, its lower-precision op list): matmul, convolution and
 attention run in half precision, so autocast casts their fp32 weights (cached within a
 forward) and fp32 inputs to half — one cast kernel each, 4 B read and 2 B written per

@@ -33,7 +33,8 @@ class HostCosts:
     kernel_gap_s: float = 2.0e-6    # device: minimum time of one kernel, launch to completion
     # extra host time of an op run through cuDNN's frontend API (convolution forward and
     # backward; attention on Hopper in half precision): its graph/plan cache look-up, beyond
-    # what an ordinary op costs (cost.host.cudnn_calls says which nodes make such calls)
+    # what an ordinary op costs (cost.host.cudnn_calls says which nodes make such calls);
+    # a node's host_speed does not scale it (cost/host.py says why)
     cudnn_op_s: float = 0.0
     source: str = ""
 
