@@ -67,7 +67,8 @@ def test_memory_heavy_model_where_even_dp_overflows_but_plan_fits():
     r = plan_graph(g, c, costs, budget_s=2, policy=False, max_iters=300)
     byname = {x.strategy: x for x in r.candidates}
     assert not byname["proportional-dp"].feasible
-    assert r.best.predicted_peak_memory_bytes["n0/d0"] <= c.memory_bytes("n0/d0")
+    # (a plan may leave the small device out: it then has no peak)
+    assert r.best.predicted_peak_memory_bytes.get("n0/d0", 0) <= c.memory_bytes("n0/d0")
 
 
 def test_search_is_reproducible_with_a_seed():

@@ -8,6 +8,9 @@ time on a reference device plus the time to synchronise the node's gradients), h
 (weight ≥ one segment's share) are isolated as centres of their own group, as HeteroG did,
 and each cut is moved, within a band of ±25% of the target weight, to where the fewest
 activation bytes cross it (a cheaper boundary for model or pipeline parallelism).
+Then the grouping is made to match what the executor can cut (respect_cuts): a batch
+statistic's producer and consumer share a group, and nodes that depend on no input data join
+their consumers' group.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.lower.blocks import sent_once
+from heterog.search.constraints import ModelCuts
 
 
 def node_weights_s(graph: OpGraph, cluster: Cluster, costs: CostModel) -> list[float]:
@@ -113,7 +117,48 @@ def group_graph(graph: OpGraph, groups: Sequence[Sequence[str]]) -> dict[tuple[i
     return out
 
 
+def respect_cuts(graph: OpGraph, groups: Sequence[Sequence[str]], cuts: ModelCuts | None) -> list[tuple[str, ...]]:
+    """The grouping made to match what the executor does (search/constraints.py):
+    - no boundary between the two ends of a `same_placement` pair (the groups from one to
+      the other are merged), so a batch statistic never crosses between placements;
+    - a `follow_consumers` node moves to its earliest consumer's group, where the executor
+      runs it (edges into it come from earlier groups, edges out go to that group or later
+      ones, so the group graph stays acyclic).
+    Names the graph does not have are skipped (the executor checks them again)."""
+    out = [list(g) for g in groups]
+    if cuts is None or not (cuts.same_placement or cuts.follow_consumers):
+        return [tuple(g) for g in out]
+    owner = {name: gi for gi, names in enumerate(out) for name in names}
+    glue = [False] * max(0, len(out) - 1)     # glue[k]: groups k and k+1 must stay one
+    for a, b in cuts.same_placement:
+        if a in owner and b in owner:
+            lo, hi = sorted((owner[a], owner[b]))
+            for k in range(lo, hi):
+                glue[k] = True
+    merged: list[list[str]] = [out[0]] if out else []
+    for k in range(1, len(out)):
+        if glue[k - 1]:
+            merged[-1].extend(out[k])
+        else:
+            merged.append(out[k])
+    owner = {name: gi for gi, names in enumerate(merged) for name in names}
+    index = graph.index
+    consumers: dict[str, list[str]] = {}
+    for e in graph.edges:
+        consumers.setdefault(e.src, []).append(e.dst)
+    for f in sorted((f for f in cuts.follow_consumers if f in owner), key=lambda n: -index[n]):
+        used = [owner[c] for c in consumers.get(f, ()) if c in owner]
+        target = min(used, default=owner[f])
+        if target != owner[f]:
+            merged[owner[f]].remove(f)
+            merged[target].append(f)
+            owner[f] = target
+    return [tuple(sorted(g, key=index.__getitem__)) for g in merged if g]
+
+
 def make_groups(graph: OpGraph, cluster: Cluster, costs: CostModel,
-                max_groups: int = 32) -> list[tuple[str, ...]]:
-    """The search's unit of placement: ≤ max_groups contiguous, balanced segments."""
-    return contiguous_groups(graph, node_weights_s(graph, cluster, costs), max_groups)
+                max_groups: int = 32, cuts: ModelCuts | None = None) -> list[tuple[str, ...]]:
+    """The search's unit of placement: ≤ max_groups contiguous, balanced segments, adjusted
+    to the executor's cut constraints when given (respect_cuts)."""
+    groups = contiguous_groups(graph, node_weights_s(graph, cluster, costs), max_groups)
+    return respect_cuts(graph, groups, cuts)

@@ -22,6 +22,7 @@ from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
 from heterog.search.baselines import BASELINE_BUILDERS, pipeline
+from heterog.search.constraints import DEFAULT_CACHE, ConstraintCache, ModelCuts, violations
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.grouping import make_groups
 from heterog.search.local_search import Annealer
@@ -154,7 +155,8 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
                seed: int = 0, max_groups: int = 32, policy: Any = None, model_spec: ModelSpec | None = None,
                precision: str = "fp32", optimizer: str = "sgd", max_iters: int | None = None,
                scorer: str = "auto", finetune_s: float = 0.0,
-               progress: Callable[[str, float], None] | None = None) -> PlanResult:
+               progress: Callable[[str, float], None] | None = None,
+               cuts: ModelCuts | None | str = "auto", cut_cache: ConstraintCache | None = None) -> PlanResult:
     """The best Plan for `graph` on `cluster` within about `budget_s` seconds.
 
     policy: None loads the shipped pre-trained GNN, a path loads that file, a policy object is
@@ -164,13 +166,19 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     simulator when one call is cheap enough for a few hundred moves within the budget).
     finetune_s: seconds of REINFORCE on this very problem before the GNN proposes (a copy of
     the policy is tuned; the file is untouched). Taken from the budget.
+    cuts: what the executor can cut (search/constraints.py); 'auto' exports `model_spec`'s
+    model once per `cut_cache` (the module's default cache when None), None ignores them.
+    Groups follow them, and a candidate that breaks them is reported infeasible.
     """
+    if cuts == "auto":   # before the clock starts: an export (seconds, once per model) is not search time
+        cuts = (cut_cache or DEFAULT_CACHE).get(model_spec) if model_spec is not None else None
+    assert cuts is None or isinstance(cuts, ModelCuts), cuts
     begin = time.perf_counter()
     say = progress or (lambda stage, frac: None)
     say("grouping", 0.0)
-    groups = make_groups(graph, cluster, costs, max_groups)
+    groups = make_groups(graph, cluster, costs, max_groups, cuts)
     prob = Problem(graph=graph, cluster=cluster, costs=costs, groups=groups, batch_size=graph.batch_size,
-                   model_spec=model_spec, precision=precision, optimizer=optimizer)
+                   model_spec=model_spec, precision=precision, optimizer=optimizer, cuts=cuts)
     strategies: dict[str, Strategy] = {name: build(prob) for name, build in BASELINE_BUILDERS.items()}
     say("baselines", 0.03)
     t0 = time.perf_counter()
@@ -216,7 +224,9 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     for name in ("search", "gnn", "gnn+search"):
         if name in strategies:
             candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, []), limit))
-    ordered = [candidates[n] for n in CANDIDATES if n in candidates]
+    from heterog.hardware.spec import cluster_to_dict
+    cluster_doc = cluster_to_dict(prob.cluster)
+    ordered = [_runnable(prob, candidates[n], cluster_doc) for n in CANDIDATES if n in candidates]
     feasible = [c for c in ordered if c.feasible]
     if not feasible:
         raise InfeasibleError(explain.infeasible_message(prob, ordered))
@@ -226,11 +236,21 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     return PlanResult(best=best, candidates=tuple(ordered), search_time_s=time.perf_counter() - begin)
 
 
+def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candidate:
+    """The candidate with its prediction and the cluster spec in its plan, so that any
+    candidate's plan (PlanResult.plan_of, `heterog plan --strategy`) runs as it is; one the
+    executor could not cut (search/constraints.py) is infeasible."""
+    plan = replace(c.plan.with_prediction(c.iteration_time_s, c.peak_memory_bytes), cluster=cluster_doc)
+    cuts = prob.cuts
+    broken = cuts is not None and violations(cuts, {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes},
+                                             [g.replicas for g in plan.groups])
+    return replace(c, plan=plan, feasible=c.feasible and not broken)
+
+
 def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Plan:
-    """Attach prediction, the cluster spec and the explanation (priorities came with scoring)."""
-    from heterog.hardware.spec import cluster_to_dict
-    plan = winner.plan.with_prediction(winner.iteration_time_s, winner.peak_memory_bytes)
-    plan = replace(plan, cluster=cluster_to_dict(prob.cluster), notes=tuple(explain.notes(prob, winner, candidates)))
+    """Attach the explanation (prediction and cluster came with _runnable, priorities with
+    scoring)."""
+    plan = replace(winner.plan, notes=tuple(explain.notes(prob, winner, candidates)))
     return plan.validate(prob.graph, prob.cluster)
 
 

@@ -22,6 +22,7 @@ from heterog.ir.affine import Affine
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica, split_samples
 from heterog.lower.context import SimCache, device_class_key
+from heterog.search.constraints import ModelCuts
 from heterog.search.grouping import group_graph
 
 SYNC_CHOICES = ("ring", "tree", "hierarchical", "ps")
@@ -73,6 +74,7 @@ class Problem:
     precision: str = "fp32"
     optimizer: str = "sgd"
     extra: dict = field(default_factory=dict)
+    cuts: ModelCuts | None = None    # what the executor can cut (search/constraints.py)
     sim_cache: SimCache = field(default_factory=SimCache)   # the simulator's, kept across candidates
 
     def __post_init__(self) -> None:
