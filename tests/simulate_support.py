@@ -127,6 +127,9 @@ class TableCosts:
     def persistent_bytes(self, nodes, device):
         return 2.0 * sum(self.g.node(n).param_bytes for n in nodes)
 
+    def optimizer_state_bytes(self, nodes, device):
+        return 0.0      # plain SGD: parameters and gradients only
+
     def activation_bytes(self, nodes, batch, recompute=False):
         if recompute:
             return self.g.node(nodes[0]).output_bytes.at(batch)

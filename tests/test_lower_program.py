@@ -350,3 +350,32 @@ def test_a_split_tied_weight_gets_its_own_gradient_all_reduce_over_the_holders()
     ties = {d: [i for i in prog.instructions[d] if isinstance(i, Collective) and i.tie] for d in (a, b, e)}
     assert all(len(v) == 1 and v[0].tie == tie.param and set(v[0].members) == {a, b, e} for v in ties.values())
     Program.from_json(json.dumps({"kind": "heterog.Program", "version": 1, **prog.to_dict()}))
+
+
+def test_a_parameter_server_holds_the_optimizer_state_and_its_replicas_do_not():
+    """HeteroG's PS as the executor runs it: the server keeps a copy of the parameters, the
+    optimizer state and the summed gradient; the replicas keep parameters and gradients."""
+    from heterog.capture import capture_model
+    from heterog.cost import build_cost_model
+    from heterog.hardware.spec import load_cluster
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+    from heterog.simulate import simulate
+    g = capture_model("mlp", batch_size=8)
+    c = load_cluster("paper-8gpu")
+    a, b, s = (d.name for d in c.devices[:3])
+    nodes = tuple(n.name for n in g.nodes)
+    costs = build_cost_model(g, c, optimizer="adamw")
+
+    def ps_plan(server):
+        return Plan(strategy="t", model=ModelSpec(name="mlp", batch_size=8), optimizer="adamw",
+                    groups=(Group(name="all", nodes=nodes, sync="ps", ps_device=server,
+                                  replicas=(Replica(device=a, share=0.5), Replica(device=b, share=0.5))),)).validate()
+    state = costs.optimizer_state_bytes(nodes, a)
+    full = costs.persistent_bytes(nodes, a)
+    assert state > 0
+    r = simulate(g, c, ps_plan(s), costs)
+    assert r.persistent_memory_bytes[a] == pytest.approx(full - state)
+    assert r.persistent_memory_bytes[s] == pytest.approx(full)
+    r = simulate(g, c, ps_plan(a), costs)       # the server is also a replica
+    assert r.persistent_memory_bytes[b] == pytest.approx(full - state)
+    assert r.persistent_memory_bytes[a] == pytest.approx(2 * full - state - costs.gradient_bytes(nodes))

@@ -381,6 +381,10 @@ class AnalyticCostModel:
         self._device(device)
         return self.memory.persistent_bytes(self._idx(nodes))
 
+    def optimizer_state_bytes(self, nodes: Sequence[str], device: str) -> float:
+        self._device(device)
+        return self.memory.optimizer_state_bytes(self._idx(nodes))
+
     def tied_copy_bytes(self, param_bytes: float, device: str) -> float:
         self._device(device)
         return (2 + OPTIMIZER_STATE_COPIES[self.optimizer]) * float(param_bytes)

@@ -45,6 +45,11 @@ class CostModel(Protocol):
         """Parameters + gradients + optimizer state of `nodes` held on one replica."""
         ...
 
+    def optimizer_state_bytes(self, nodes: Sequence[str], device: str) -> float:
+        """The optimizer state part of persistent_bytes: what the replicas of a group synced
+        by a parameter server do not hold (the server keeps it and applies the update)."""
+        ...
+
     def activation_bytes(self, nodes: Sequence[str], batch: float, recompute: bool = False) -> float:
         """Activations saved for backward by `nodes` at `batch` samples."""
         ...

@@ -261,6 +261,13 @@ class CostTable:
             hit = self._mem[key] = float(self.costs.persistent_bytes(nodes, device))
         return hit
 
+    def optimizer_state_bytes(self, nodes: tuple[str, ...], device: str) -> float:
+        key = ("optstate", nodes, device)
+        hit = self._mem.get(key)
+        if hit is None:
+            hit = self._mem[key] = float(self.costs.optimizer_state_bytes(nodes, device))
+        return hit
+
     def gradient_bytes(self, nodes: tuple[str, ...]) -> float:
         key = ("grad", nodes)
         hit = self._mem.get(key)

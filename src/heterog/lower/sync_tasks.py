@@ -33,7 +33,8 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
 def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable,
                       rep: list[int], bwd_of_dev) -> dict[int, float]:
     """Parameters, gradients and optimizer state on every device (tasks.persistent_bytes,
-    initial_bytes); returns each device's optimizer-step time."""
+    initial_bytes); returns each device's optimizer-step time. A block synced by a parameter
+    server leaves its optimizer state and update to the server (_server_state)."""
     dclass = info.dev_class
     opt_time: dict[int, float] = {d: 0.0 for d in bwd_of_dev}
     # parameters, gradients and optimizer state: summed per placement first, since blocks
@@ -42,7 +43,8 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
     state_cache = table.scratch.setdefault("state", {})   # (nodes, class) → (bytes, optimizer s)
     classes_cache = table.scratch.setdefault("classes", {})   # devices → their classes
     for blk in blocks:
-        acc = per_placement.setdefault(blk.devices, {})
+        served = _served(blk)
+        acc = per_placement.setdefault((blk.devices, served), {})
         classes = classes_cache.get(blk.devices)
         if classes is None:
             if len(classes_cache) > 10_000:
@@ -50,23 +52,52 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
             classes = classes_cache[blk.devices] = tuple({dclass[d] for d in blk.devices})
         for dn in classes:
             v = acc.setdefault(dn, [0.0, 0.0])
-            st = state_cache.get((blk.nodes, dn))
+            st = state_cache.get((blk.nodes, dn, served))
             if st is None:
                 if len(state_cache) > 100_000:
                     state_cache.clear()
-                st = state_cache[(blk.nodes, dn)] = (sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes),
-                                                     sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes))
+                st = state_cache[(blk.nodes, dn, served)] = _replica_state(blk, dn, served, table)
             v[0] += st[0]
             v[1] += st[1]
-    for devs, acc in per_placement.items():
+    for (devs, _), acc in per_placement.items():
         for d in devs:
             v = acc[dclass[d]]
             tasks.persistent_bytes[d] += v[0]
             if rep[d] == d:
                 opt_time[d] += v[1]
     _tied_copies(tasks, blocks, info, table)
+    _server_state(tasks, blocks, info, table)
     tasks.initial_bytes = list(tasks.persistent_bytes)
     return opt_time
+
+
+def _served(blk: Block) -> bool:
+    """Whether a parameter server syncs the block (and holds its optimizer state)."""
+    return blk.sync == "ps" and blk.ps_device is not None and len(blk.devices) > 1
+
+
+def _replica_state(blk: Block, dn: str, served: bool, table: CostTable) -> tuple[float, float]:
+    """(bytes a replica of the block holds, its optimizer-step time) on device class `dn`:
+    parameters, gradients and optimizer state; under a parameter server no state, no step."""
+    held = sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
+    if served:
+        return held - sum(table.optimizer_state_bytes(nodes, dn) for nodes in blk.nodes), 0.0
+    return held, sum(table.optimizer_s(nodes, dn) for nodes in blk.nodes)
+
+
+def _server_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable) -> None:
+    """A parameter server keeps, for each block it serves, a copy of the parameters, the
+    optimizer state and the summed gradient (execute/collectives.py ParameterServer): a
+    server outside the replicas holds what a replica would (persistent_bytes); one that is
+    also a replica adds the copy and the state to its replica's parameters and gradient."""
+    for blk in blocks:
+        if not _served(blk):
+            continue
+        dn = info.dev_class[blk.ps_device]
+        full = sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
+        if blk.ps_device in blk.devices:
+            full -= sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
+        tasks.persistent_bytes[blk.ps_device] += full
 
 
 def _tied_copies(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable) -> None:
@@ -161,11 +192,6 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
     for tie, owner, _ in split:
         tied_out[owner] = tied_out.get(owner, 0.0) + tie.param_bytes
     for bi, blk in enumerate(blocks):
-        if blk.ps_device is not None and blk.ps_device not in blk.devices:
-            for nodes in blk.nodes:   # the server keeps the parameters it serves
-                held = table.persistent_bytes(nodes, dclass[blk.ps_device])
-                tasks.persistent_bytes[blk.ps_device] += held
-                tasks.initial_bytes[blk.ps_device] += held
         grad = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
         if grad > 0:
             # zero_grad(set_to_none=True), PyTorch's default: gradients do not exist before
@@ -176,9 +202,10 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
             grad = grad_synced
             members = blk.devices
             names = info.names(members)
-            if blk.sync == "ps":
+            if blk.sync == "ps":     # the server applies the update between gather and scatter
                 links, load = info.star(members, blk.ps_device)
-                dur = table.sync_s("ps", grad, names, devices[blk.ps_device])
+                dur = table.sync_s("ps", grad, names, devices[blk.ps_device]) + sum(
+                    table.optimizer_s(nodes, dclass[blk.ps_device]) for nodes in blk.nodes)
                 involved = members if blk.ps_device in members else members + (blk.ps_device,)
             else:
                 links, load = info.ring(tuple(sorted(members)))

@@ -174,6 +174,9 @@ class TableCostModel:
         pbytes = sum(self._node[n].param_bytes for n in nodes)
         return pbytes * (2 if self.optimizer == "sgd" else 4)  # params + grads (+ Adam m, v)
 
+    def optimizer_state_bytes(self, nodes: Sequence[str], device: str) -> float:
+        return sum(self._node[n].param_bytes for n in nodes) * (0 if self.optimizer == "sgd" else 2)
+
     def activation_bytes(self, nodes: Sequence[str], batch: float, recompute: bool = False) -> float:
         if recompute:  # only each group's input is kept; approximated by the first node's output
             return self._node[nodes[0]].output_bytes.at(batch) if nodes else 0.0
