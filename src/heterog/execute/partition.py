@@ -6,9 +6,11 @@ included. Each aten node inside a leaf-module call carries that call's capture n
 ('#k' on the k-th repeated call) and takes the group the plan gives that name.
 
 Loose nodes (ops a container module runs itself: residual adds, attention reshapes), which
-capture names '<parent>::<aten op>@k' and which have no one-to-one aten counterpart, follow
-a fixed rule, in the *group order* (the order the Program runs the groups in; the plan's
-group order when no Program is given):
+capture names '<parent>::<aten op>@k' (the k-th run of such ops in that parent), follow the
+plan where it names their run, so that values cross between the groups the Program moves
+them between (split_export.py matches runs by parent and k). Otherwise they follow a fixed
+rule, in the *group order* (the order the Program runs the groups in; the plan's group
+order when no Program is given):
   1. a loose node joins the latest group, in group order, among its inputs' groups: it runs
      as soon as all its operands exist (a residual add runs with its later operand);
   2. one with no grouped input (it reads only model inputs, attributes or constants) joins
@@ -62,6 +64,7 @@ from heterog.execute.split_export import ExportedModel, export_model
 from heterog.ir.plan import Plan
 
 INPUT = -1  # owner of model inputs: every rank has the whole global batch
+GROUP_META = "heterog_group"  # fx node meta key: the group a data node runs in
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,6 +130,18 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 
 
+def _group_of_loose_runs(plan: Plan) -> dict[tuple[str, int], int]:
+    """(parent, k) → group of the plan's loose-run node '<parent>::<op>@k'."""
+    out: dict[tuple[str, int], int] = {}
+    for gi, g in enumerate(plan.groups):
+        for name in g.nodes:
+            parent, sep, rest = name.partition("::")
+            k = rest.rpartition("@")[2]
+            if sep and k.isdigit():
+                out[(parent, int(k))] = gi
+    return out
+
+
 def group_positions(plan: Plan, group_order: Sequence[int] | None = None) -> list[int]:
     """position[g]: where group g runs in `group_order` (the Program's order of the groups;
     the plan's own order when None)."""
@@ -161,6 +176,10 @@ def assign_groups(exported: ExportedModel, plan: Plan,
     assign = {n: by_name[exported.leaf_name[n]] for n in compute
               if exported.leaf_name.get(n) in by_name}
     named = set(assign)
+    by_run = _group_of_loose_runs(plan)
+    for n in compute:  # rule 0: a loose run the plan names
+        if n not in assign and exported.loose_run.get(n) in by_run:
+            assign[n] = by_run[exported.loose_run[n]]
     for n in compute:  # rule 1: the latest producer
         if n not in assign:
             inputs = [assign[a] for a in n.all_input_nodes if a in assign]
@@ -260,6 +279,9 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
     single_output(gm)
     gm.graph.lint()
     gm.recompile()
+    for n, g in assign.items():   # split_module copies meta: each stage output's group
+        n.meta[GROUP_META] = g        # (per-stage copies of a replicable node share one meta;
+                                      # such values never leave their stage)
     split = split_module(gm, model, lambda n: seg[n])
     flow = _dataflow(split, seg, assign, plan, warnings, pos)
     _collect_params(flow, gm, seg, assign, model, plan)
@@ -270,7 +292,8 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
               plan: Plan, warnings: list[str], pos: Sequence[int]) -> Dataflow:
     """The top-level graph of split_module as stages, projections and owners. A stage runs
     every group from its first to its last in group order (a group with no node of its own
-    in between, of the same placement, is part of it: the Program runs it there)."""
+    in between, of the same placement, is part of it: the Program runs it there); a value's
+    owner is the group that computes it."""
     by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
     groups_of_segment: dict[int, set[int]] = {}
     first_group: dict[int, int] = {}
@@ -288,6 +311,7 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
     owner: dict[str, int] = {}
     output: str | None = None
     segment_of: dict[str, int] = {}
+    made_by: dict[str, int | tuple[int, ...]] = {}   # stage → group producing its output(s)
     for n in split.graph.nodes:
         if n.op == "placeholder":
             inputs.append(n.name)
@@ -304,11 +328,13 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
             stages.append(Stage(value=n.name, group=first_group[k], module=module,
                                 args=tuple(a.name for a in args),
                                 groups=tuple(sorted(groups_of_segment[k]))))
-            owner[n.name] = first_group[k]
+            made_by[n.name] = _producer_groups(module, first_group[k])
+            owner[n.name] = made_by[n.name] if isinstance(made_by[n.name], int) else first_group[k]
         elif n.op == "call_function" and n.target is operator.getitem:
             src, index = n.args
             projections[n.name] = (src.name, int(index))
-            owner[n.name] = owner[src.name]
+            made = made_by.get(src.name)
+            owner[n.name] = made[int(index)] if isinstance(made, tuple) else owner[src.name]
         elif n.op == "output":
             out = n.args[0]
             assert isinstance(out, fx.Node), out
@@ -319,6 +345,15 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
     ordered = order_stages(stages, projections, plan, {s.value: set(s.groups) for s in stages}, segment_of)
     return Dataflow(inputs=tuple(inputs), stages=tuple(ordered), projections=projections,
                     owner=owner, output=output, warnings=warnings)
+
+
+def _producer_groups(module: fx.GraphModule, default: int) -> int | tuple[int, ...]:
+    """The group that computes each output of a stage: a stage spanning several groups sends
+    each value from its producer's group, where the Program sends it from."""
+    def group(a: Any) -> int:
+        return a.meta.get(GROUP_META, default) if isinstance(a, fx.Node) else default
+    out = next(n for n in module.graph.nodes if n.op == "output").args[0]
+    return tuple(group(a) for a in out) if isinstance(out, (tuple, list)) else group(out)
 
 
 def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], plan: Plan,

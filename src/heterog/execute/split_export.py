@@ -17,7 +17,14 @@ Every node of the graph gets what the partitioner needs to cut it:
   the consumer's own sample count, and a batch-independent one has no samples to split;
 - `layout`: where a data tensor keeps its samples (`BatchLayout`), so a value that crosses
   between stages can be turned batch-first for the transfer and back (seq-first models
-  such as XLNet, or a flattened batch × sequence dimension).
+  such as XLNet, or a flattened batch × sequence dimension);
+- `loose_run`: for a loose node, (parent path, k): it belongs to the k-th loose run of that
+  parent, which the capture names '<parent>::<first op>@k' (recorder.py). The export runs
+  the model's Python forward in eager order, so runs are counted the capture's way: a run
+  is a maximal stretch of ops the parent runs itself between its leaf calls (sizes and
+  tuple unpacking, which the dispatcher never sees, neither start nor break one). The op
+  names differ (export keeps composite ops the dispatcher decomposes), so only (parent, k)
+  is matched.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class ExportedModel:
     data: frozenset[fx.Node]
     layout: dict[fx.Node, BatchLayout]
     num_outputs: int
+    loose_run: dict[fx.Node, tuple[str, int]]
 
 
 def is_leaf_module(module: nn.Module) -> bool:
@@ -83,8 +91,9 @@ def export_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> ExportedM
     layout = {n: _layout(n.meta.get("val"), symbols) for n in gm.graph.nodes}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     num_outputs = len([a for a in tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)])
-    return ExportedModel(module=gm, leaf_name=_leaf_names(gm, model), data=frozenset(data),
-                         layout=layout, num_outputs=num_outputs)
+    leaf_name = _leaf_names(gm, model)
+    return ExportedModel(module=gm, leaf_name=leaf_name, data=frozenset(data),
+                         layout=layout, num_outputs=num_outputs, loose_run=_loose_runs(gm, leaf_name))
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:
@@ -168,6 +177,30 @@ def _leaf_names(gm: fx.GraphModule, model: nn.Module) -> dict[fx.Node, str]:
                 names[n] = path if k == "0" else f"{path}#{k}"
                 break
     return names
+
+
+def _loose_runs(gm: fx.GraphModule, leaf_name: dict[fx.Node, str]) -> dict[fx.Node, tuple[str, int]]:
+    """Loose node → (parent path or 'root', k), counted as the capture counts loose runs."""
+    runs: dict[str, int] = {}
+    out: dict[fx.Node, tuple[str, int]] = {}
+    context: tuple[str, str] | None = None
+    current: tuple[str, int] | None = None
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem or not _is_tensor_value(n.meta.get("val")):
+            continue
+        if n in leaf_name:
+            context = ("leaf", leaf_name[n])
+            continue
+        paths = [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()
+                 if isinstance(v, tuple) and isinstance(v[0], str) and v[0]]
+        parent = paths[-1] if paths else "root"
+        if context != ("loose", parent):
+            context = ("loose", parent)
+            current = (parent, runs.get(parent, 0))
+            runs[parent] = current[1] + 1
+        assert current is not None
+        out[n] = current
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
