@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 
 from cost_support import transformer_graph
@@ -68,19 +69,32 @@ def test_a_2x_slower_host_slows_host_bound_steps_only():
     m = build_cost_model(graph, c, precision="fp32", optimizer="adamw")
     names = [n.name for n in graph.nodes]
 
-    def step(dev, b):
-        return (m.group_time_s(names, dev, b, "fwd") + m.group_time_s(names, dev, b, "bwd")
-                + m.optimizer_time_s(names, dev))
+    def compute(dev, b):
+        return m.group_time_s(names, dev, b, "fwd") + m.group_time_s(names, dev, b, "bwd")
 
-    assert step("slow/gpu0", 1) == pytest.approx(2 * step("fast/gpu0", 1), rel=1e-6)
+    def step(dev, b):
+        return compute(dev, b) + m.optimizer_time_s(names, dev)
+
+    # host-bound nodes take exactly twice as long; the batch-1 step as a whole nearly so (a few
+    # nodes and the optimizer's streaming are the device's)
+    from heterog.cost.host import host_times_s
+    from heterog.hardware.catalog import get_gpu, host_costs
+    for phase in ("fwd", "bwd"):
+        host = host_times_s(graph, host_costs(get_gpu("H200")), phase, None)
+        fast = m.node_times_s(names, "fast/gpu0", 1, phase)
+        slow = m.node_times_s(names, "slow/gpu0", 1, phase)
+        bound = fast == host
+        assert bound.any()
+        assert slow[bound] == pytest.approx(2 * fast[bound])
+        assert (slow >= fast).all() and (slow <= 2 * fast + 1e-12).all()
+        n0 = names[int(np.argmax(bound))]    # and the per-node answer the simulator reads
+        assert m.compute_time_s(n0, "slow/gpu0", 1, phase) == pytest.approx(2 * m.compute_time_s(n0, "fast/gpu0", 1, phase))
+    assert 1.6 * step("fast/gpu0", 1) < step("slow/gpu0", 1) <= 2 * step("fast/gpu0", 1)
     big = 1 << 17
     assert step("slow/gpu0", big) == pytest.approx(step("fast/gpu0", big), rel=0.02)
-    # the per-node answers the simulator reads agree with the group sums
-    n0 = names[1]
-    assert m.compute_time_s(n0, "slow/gpu0", 1, "fwd") == pytest.approx(2 * m.compute_time_s(n0, "fast/gpu0", 1, "fwd"))
     # predict takes the same figure
     p = [predict(graph, batch_size=1, device="H200", host_speed=s)["iteration_time_s"] for s in (1.0, 0.5)]
-    assert p[1] == pytest.approx(2 * p[0], rel=1e-6)
+    assert 1.6 * p[0] < p[1] <= 2 * p[0]
 
 
 def test_host_speed_does_not_scale_the_cudnn_calls():
