@@ -38,12 +38,12 @@ nodes:
   - name: a
     nic_bandwidth_gbps: 1
     devices:
-      - {{type: cpu, name: a/cpu0, slowdown: {s0}{cap}}}
-      - {{type: cpu, name: a/cpu1, slowdown: {s1}}}
+      - {{type: cpu, name: a/cpu0, slowdown: {s0}{cap0}}}
+      - {{type: cpu, name: a/cpu1, slowdown: {s1}{cap1}}}
   - name: b
     nic_bandwidth_gbps: {slow_gbps}
     devices:
-      - {{type: cpu, name: b/cpu0, slowdown: {s2}}}
+      - {{type: cpu, name: b/cpu0, slowdown: {s2}{cap2}}}
 """
 
 
@@ -58,12 +58,13 @@ class Scenario:
     batch_size: int
     seq_len: int | None = None
     slow_link_gbps: float = 0.2      # node b's NIC
-    memory_gib: float | None = None  # a/cpu0's emulated memory (None: the machine's)
+    memory_gib: float | None = None  # the capped device's emulated memory (None: the machine's)
+    capped_device: str = "b/cpu0"
     slowdowns: tuple[float, float, float] = (3.0, 6.0, 3.0)   # a/cpu0, a/cpu1, b/cpu0
 
     @property
     def description(self) -> str:
-        cap = f"; a/cpu0 holds {self.memory_gib:g} GiB" if self.memory_gib else ""
+        cap = f"; {self.capped_device} holds {self.memory_gib:g} GiB" if self.memory_gib else ""
         s0, s1, s2 = self.slowdowns
         return (f"3 local CPU processes on 2 emulated nodes; slowdowns {s0:g}/{s1:g} and {s2:g}; node b "
                 f"behind a {self.slow_link_gbps:g} Gb/s link{cap}")
@@ -77,7 +78,9 @@ class Scenario:
         yaml = _CLUSTER.format(name=f"{self.name}-3", description=self.description,
                                slow_gbps=self.slow_link_gbps, s0=self.slowdowns[0],
                                s1=self.slowdowns[1], s2=self.slowdowns[2],
-                               cap=f", memory_gib: {self.memory_gib}" if self.memory_gib else "")
+                               **{f"cap{i}": f", memory_gib: {self.memory_gib}" if self.memory_gib
+                                  and self.capped_device == name else ""
+                                  for i, name in enumerate(("a/cpu0", "a/cpu1", "b/cpu0"))})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return parse_cluster_yaml(yaml, f"<scenario {self.name}>")
@@ -90,14 +93,14 @@ class Scenario:
 _GPT2_SMALL = {"hidden": 128, "layers": 2, "heads": 4, "vocab": 32768, "positions": 64, "dropout": 0.0}
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario(name="cnn-slow-link", family="cnn", model="toy-cnn",
-             model_args={"width": 64, "num_classes": 200}, batch_size=96),
+             model_args={"width": 32, "num_classes": 1000}, batch_size=96, slowdowns=(3.0, 3.0, 6.0)),
     Scenario(name="cnn-small-memory", family="cnn", model="toy-cnn",
-             model_args={"width": 64, "num_classes": 2000}, batch_size=96, memory_gib=0.1,
-             slowdowns=(3.0, 3.0, 6.0)),
+             model_args={"width": 32, "num_classes": 2000}, batch_size=96, slowdowns=(3.0, 3.0, 6.0),
+             memory_gib=0.0625),
     Scenario(name="lm-slow-link", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
              batch_size=16, seq_len=32),
     Scenario(name="lm-small-memory", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
-             batch_size=16, seq_len=32, memory_gib=0.07, slowdowns=(3.0, 3.0, 6.0)),
+             batch_size=16, seq_len=32, memory_gib=0.0625),
 )}
 DEMO_SCENARIO = "cnn-slow-link"
 
