@@ -212,7 +212,9 @@ class CutConstraints:
     group(s) of their consumers, whatever group the plan gives them. `same_placement`:
     (producer, consumer) capture nodes whose value has no sample dimension yet needs a
     gradient (e.g. a statistic over the batch): a cut between groups with different
-    replicas or shares there is refused. Empty for every zoo model."""
+    replicas or shares there is refused (for a loose consumer: with any group it may run
+    in). The search reads both (search/constraints.py); in the zoo, `same_placement` is
+    empty and `follow_consumers` holds e.g. GPT-2's position embedding."""
     follow_consumers: frozenset[str]
     same_placement: frozenset[tuple[str, str]]
 
