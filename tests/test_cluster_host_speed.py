@@ -112,8 +112,6 @@ def test_host_speed_does_not_scale_the_cudnn_calls():
     assert m.compute_time_s("conv1", "slow/gpu0", 1, "fwd") == pytest.approx(2 * base + h.cudnn_op_s)
 
 
-@pytest.mark.xfail(strict=True, reason="lower/context.py device_class_key merges devices by (type, slowdown, "
-                                       "memory), not host speed: the slow node is timed as the fast one")
 def test_the_simulator_times_a_device_by_its_own_nodes_host():
     """A plan on the slow node's GPU: the simulator's compute time is the cost model's for
     that device (twice the fast node's at batch 1). Fails today: the lowering times every

@@ -23,13 +23,13 @@ def device_class_key(cluster: Cluster, device: str) -> tuple:
     """Devices with equal keys are one *class*: the cost model gives them the same node times
     and memory, so costs are computed once per class (the simulator's and the search's rule)."""
     d = cluster.device(device)
-    return (d.gpu_type, d.slowdown, cluster.memory_bytes(device))
+    return (d.gpu_type, d.slowdown, cluster.memory_bytes(device), cluster.host_speed(device))
 
 
 class ClusterInfo:
     """Integer ids for devices and links, cached paths, and device classes.
 
-    Devices of one GPU type with equal slowdown and memory are one *class*: the cost model
+    Devices of one GPU type with equal slowdown, memory and host speed are one *class*: the cost model
     gives them the same node times (the analytic model and type-level profiles both do), so
     node times are computed once per class, which keeps a 1024-device plan cheap.
     """
