@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+from dataclasses import dataclass
 from typing import Sequence
 
 from torch import fx
@@ -39,17 +40,41 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def group_positions(plan: Plan, group_order: Sequence[int] | None = None) -> list[int]:
-    """position[g]: where group g runs in `group_order` (the Program's order of the groups;
-    the plan's own order when None)."""
-    order = list(range(len(plan.groups))) if group_order is None else list(group_order)
-    if sorted(order) != list(range(len(plan.groups))):
-        raise PlanError(f"the group order {order} is not an order of the plan's {len(plan.groups)} "
-                        f"groups; lower the plan again so that the Program and the plan agree.")
-    pos = [0] * len(order)
-    for i, g in enumerate(order):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupOrder:
+    """Where the groups run: `pos[g]`, group g's position in the order; `block[g]`, the
+    Program block that runs it (a stage then never spans two blocks), or None when no
+    Program is given (a stage is then a run of one placement)."""
+    pos: tuple[int, ...]
+    block: tuple[int, ...] | None = None
+
+
+def group_order_of(plan: Plan, order: Sequence[int] | Sequence[Sequence[int]] | None = None) -> GroupOrder:
+    """The GroupOrder from the Program's blocks (groups per block, in order:
+    partition.program_group_order), from a flat order of the groups, or the plan's order."""
+    n = len(plan.groups)
+    blocks = None
+    if order is None:
+        flat = list(range(n))
+    elif order and not isinstance(order[0], int):
+        blocks = [list(b) for b in order]
+        flat = [g for b in blocks for g in b]
+    else:
+        flat = [int(g) for g in order]
+    if sorted(flat) != list(range(n)):
+        raise PlanError(f"the group order {list(order or [])} is not an order of the plan's {n} groups; "
+                        f"lower the plan again so that the Program and the plan agree.")
+    pos = [0] * n
+    for i, g in enumerate(flat):
         pos[g] = i
-    return pos
+    block = None
+    if blocks is not None:
+        block_of = [0] * n
+        for bi, b in enumerate(blocks):
+            for g in b:
+                block_of[g] = bi
+        block = tuple(block_of)
+    return GroupOrder(pos=tuple(pos), block=block)
 
 
 def assign_groups(exported: ExportedModel, plan: Plan,
@@ -57,7 +82,7 @@ def assign_groups(exported: ExportedModel, plan: Plan,
     """Every data node → group index, by the rule in the module docstring (`pos`: each
     group's position in the group order). Nodes that do not depend on input data are left
     out: they are recomputed where needed (cut_rewrite.py)."""
-    pos = group_positions(plan) if pos is None else pos
+    pos = group_order_of(plan).pos if pos is None else pos
     by_name = group_of_names(plan)
     calls = list(dict.fromkeys(exported.leaf_name.values()))
     unmatched = [name for name in calls if name not in by_name]
@@ -121,11 +146,13 @@ def group_major_order(compute: list[fx.Node], assign: dict[fx.Node, int], pos: S
 
 
 def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan,
-             pos: Sequence[int] | None = None) -> dict[fx.Node, int]:
-    """Data node → stage index: a new stage starts wherever the placement changes, or where
-    the order skips over a group (one with no node of its own here) of another placement.
-    A getitem stays with the node it unpacks (a tuple never crosses a cut)."""
-    pos = group_positions(plan) if pos is None else pos
+             go: GroupOrder | None = None) -> dict[fx.Node, int]:
+    """Data node → stage index. With the Program's blocks, a new stage starts wherever the
+    block changes; without, wherever the placement changes, or where the order skips over a
+    group (one with no node of its own here) of another placement. A getitem stays with the
+    node it unpacks (a tuple never crosses a cut)."""
+    go = go or group_order_of(plan)
+    pos = go.pos
     by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
     seg: dict[fx.Node, int] = {}
     current, last, last_pos = -1, None, None
@@ -134,11 +161,15 @@ def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan,
             seg[n] = seg[n.args[0]]
             continue
         g = assign[n]
-        placement = plan.groups[g].replicas
-        skipped = () if last_pos is None or pos[g] <= last_pos else by_pos[last_pos + 1:pos[g]]
-        if placement != last or any(plan.groups[k].replicas != placement for k in skipped):
-            current += 1
+        if go.block is not None:
+            new = go.block[g] != last
+            last = go.block[g]
+        else:
+            placement = plan.groups[g].replicas
+            skipped = () if last_pos is None or pos[g] <= last_pos else by_pos[last_pos + 1:pos[g]]
+            new = placement != last or any(plan.groups[k].replicas != placement for k in skipped)
             last = placement
+        current += new
         seg[n] = current
         last_pos = pos[g]
     return seg

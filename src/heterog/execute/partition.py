@@ -57,7 +57,8 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from heterog.errors import PlanError
-from heterog.execute.assign import assign_groups, group_major_order, group_of_names, group_positions, segments
+from heterog.execute.assign import (GroupOrder, assign_groups, group_major_order, group_of_names, group_order_of,
+                                    segments)
 from heterog.execute.cut_rewrite import (attributes_inside, batch_first_across_cuts, replicate_per_stage,
                                          single_output)
 from heterog.execute.split_export import export_model
@@ -127,11 +128,12 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None,
-                group_order: Sequence[int] | None = None) -> Dataflow:
+                group_order: Sequence[int] | Sequence[Sequence[int]] | None = None) -> Dataflow:
     """Export `model` and cut it into one submodule per stage (see the module docstring).
     Without `example_inputs`, a small batch of the plan's model is made to export with.
-    `group_order`: the order the Program runs the groups in (`program_group_order`); the
-    plan's order when None."""
+    `group_order`: the Program's blocks, each its groups, in the order it runs them
+    (`program_group_order`: one stage per block), or a flat order of the groups; the plan's
+    order when None."""
     if example_inputs is None:
         example_inputs = example_batch_for(plan)
     try:
@@ -148,11 +150,11 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
         raise PlanError(f"model {plan.model.name!r} returns {exported.num_outputs} tensors; a split "
                         f"plan needs a single output tensor (the loss input). Plans that need no split "
                         f"(data parallelism) run it.")
-    pos = group_positions(plan, group_order)
-    assign, warnings = assign_groups(exported, plan, pos)
+    go = group_order_of(plan, group_order)
+    assign, warnings = assign_groups(exported, plan, go.pos)
     gm = exported.module
-    order = group_major_order(_compute_nodes(gm), assign, pos)
-    seg = segments(order, assign, plan, pos)
+    order = group_major_order(_compute_nodes(gm), assign, go.pos)
+    seg = segments(order, assign, plan, go)
     replicate_per_stage(gm, seg, assign, exported.data)
     batch_first_across_cuts(exported, seg, assign, plan)
     single_output(gm)
@@ -162,17 +164,18 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
         n.meta[GROUP_META] = g        # (per-stage copies of a replicable node share one meta;
                                       # such values never leave their stage)
     split = split_module(gm, model, lambda n: seg[n])
-    flow = _dataflow(split, seg, assign, plan, warnings, pos)
+    flow = _dataflow(split, seg, assign, plan, warnings, go)
     _collect_params(flow, gm, seg, assign, model, plan)
     return flow
 
 
 def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
-              plan: Plan, warnings: list[str], pos: Sequence[int]) -> Dataflow:
+              plan: Plan, warnings: list[str], go: GroupOrder) -> Dataflow:
     """The top-level graph of split_module as stages, projections and owners. A stage runs
     every group from its first to its last in group order (a group with no node of its own
     in between, of the same placement, is part of it: the Program runs it there); a value's
     owner is the group that computes it."""
+    pos = go.pos
     by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
     groups_of_segment: dict[int, set[int]] = {}
     first_group: dict[int, int] = {}
@@ -180,10 +183,12 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
         groups_of_segment.setdefault(k, set()).add(assign[n])
     for k, gs in groups_of_segment.items():
         lo, hi = min(pos[g] for g in gs), max(pos[g] for g in gs)
-        first_group[k] = by_pos[lo]
         span = by_pos[lo:hi + 1]
+        if go.block is not None:     # the whole block, its groups without nodes here included
+            span = [g for g in range(len(plan.groups)) if go.block[g] in {go.block[x] for x in gs}]
         if all(plan.groups[g].replicas == plan.groups[span[0]].replicas for g in span):
             gs.update(span)
+        first_group[k] = min(gs, key=lambda g: pos[g])
     inputs: list[str] = []
     stages: list[Stage] = []
     projections: dict[str, tuple[str, int]] = {}
@@ -355,7 +360,7 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
 
 def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
                    example_inputs: tuple[Any, ...] | None = None,
-                   group_order: Sequence[int] | None = None) -> Dataflow:
+                   group_order: Sequence[int] | Sequence[Sequence[int]] | None = None) -> Dataflow:
     """Split when the model exports; otherwise run it whole when the plan allows."""
     try:
         return split_model(model, plan, example_inputs, group_order)
@@ -368,9 +373,9 @@ def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
         raise
 
 
-def program_group_order(program: Any) -> list[int]:
-    """The groups in the order a lowered Program runs them (its blocks in order)."""
-    return [g for block in program.blocks for g in block.groups]
+def program_group_order(program: Any) -> list[tuple[int, ...]]:
+    """The groups of each block of a lowered Program, in the order it runs them."""
+    return [tuple(block.groups) for block in program.blocks]
 
 
 def param_numel_of_group(flow: Dataflow) -> dict[int, int]:
