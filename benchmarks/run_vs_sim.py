@@ -98,19 +98,23 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
                            "candidates": [c.to_dict() for c in result.candidates]}
     if args.plan_only:
         return out
-    strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print)
+    failed: dict[str, str] = {}
+    strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print,
+                               failed=failed)
     for s in strategies.values():
         del s["per_rank"]
     baselines = [k for k in strategies if k in BASELINE_BUILDERS and k != top]
     best_base = min(baselines, key=lambda k: strategies[k]["measured_iteration_time_s"]) if baselines else None
     even = "even-dp-allreduce" if "even-dp-allreduce" in strategies else same.get("even-dp-allreduce")
     out.update({
-        "plans": strategies, "best_baseline": best_base,
-        "speedup_vs_best_baseline": D.speedup(strategies, best_base, top) if best_base else None,
-        "speedup_vs_even_dp": D.speedup(strategies, even, top) if even and even != top else None,
+        "plans": strategies, "failed_plans": failed, "best_baseline": best_base,
+        "speedup_vs_best_baseline": D.speedup(strategies, best_base, top) if best_base and top in strategies else None,
+        "speedup_vs_even_dp": D.speedup(strategies, even, top) if even in strategies and even != top
+        and top in strategies else None,
         "even_dp_refused": refused(setup, result),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "wall_time_s": time.perf_counter() - t0})
+        "wall_time_s": time.perf_counter() - t0,
+        "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:])})
     return out
 
 
@@ -126,6 +130,8 @@ def print_scenario(r: dict[str, Any]) -> None:
     print_table(f"{r['scenario']}: {r['model']} on {r['description']} "
                 f"(load {r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f})",
                 ["plan", "predicted", "measured (median)", "spread", "error"], rows)
+    for label, why in r["failed_plans"].items():
+        print(f"  {label} failed to run: {why}")
     for name, key in (("even DP", "speedup_vs_even_dp"), ("the best baseline", "speedup_vs_best_baseline")):
         sp = r[key]
         if sp is None:
@@ -134,6 +140,16 @@ def print_scenario(r: dict[str, Any]) -> None:
         else:
             print(f"  vs {name}: {sp['median']:.2f}× median, {sp['worst']:.2f}× at the worst repetition "
                   f"(predicted {sp['predicted']:.2f}×)")
+
+
+def kept_scenarios(path: Path, names: list[str]) -> list[dict[str, Any]]:
+    """The scenarios of an earlier output that this run does not measure, marked with the
+    command that measured them."""
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    return [{**r, "command": r.get("command", doc.get("command"))} for r in doc.get("scenarios", [])
+            if r["scenario"] not in names and "plans" in r]
 
 
 def targets(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
@@ -160,17 +176,21 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true", help="analytic costs only")
     ap.add_argument("--plan-only", action="store_true", help="plan and print predictions; run nothing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "run_vs_sim.json"))
+    ap.add_argument("--keep-others", action="store_true", help="keep the scenarios of the existing --out "
+                    "file that this run does not measure (each keeps its own figures and load averages)")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.repetitions, args.budget_s = 4, 2, 2.0
     t0, load_before = time.perf_counter(), os.getloadavg()
-    results: list[dict[str, Any]] = []
     names = args.scenarios.split(",")
+    kept = kept_scenarios(Path(args.out), names) if args.keep_others else []
+    results: list[dict[str, Any]] = []
 
     def document() -> dict[str, Any]:
+        every = kept + results
         return {"benchmark": "run_vs_sim", "steps": args.steps, "repetitions": args.repetitions,
-                "budget_s": args.budget_s, "complete": len(results) == len(names), "scenarios": results,
-                **targets(results), "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                "budget_s": args.budget_s, "complete": len(results) == len(names), "scenarios": every,
+                **targets(every), "load_average_before": load_before, "load_average_after": os.getloadavg(),
                 "cpu_count": os.cpu_count(), "wall_time_s": time.perf_counter() - t0,
                 "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:])}
     for name in names:
@@ -178,7 +198,7 @@ def main() -> int:
         print_scenario(results[-1])
         if not args.plan_only:      # after each scenario: a long run stopped early keeps its figures
             write_atomic(args.out, json.dumps(document(), indent=1) + "\n")
-    summary = targets(results)
+    summary = targets(kept + results)
     if summary["median_abs_relative_error"] is not None:
         met = "met" if summary["error_target_met"] else "MISSED"
         print(f"median |predicted − measured| over all plans: {summary['median_abs_relative_error']:.1%} "

@@ -173,17 +173,28 @@ def best_baseline(result) -> Any:
 
 
 def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions: int,
-                say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+                say: Callable[[str], None], failed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Measure every strategy `repetitions` times, interleaved (A B C A B C …), so a slow spell
     of a shared machine hits all of them alike; per strategy the median, the spread and the
-    repetitions themselves."""
+    repetitions themselves. With `failed` given, a plan whose run fails is recorded there
+    (label → the error) and left out; otherwise the error propagates."""
+    from heterog.errors import RankError
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in plans}
     for rep in range(repetitions):
         for label, plan in plans.items():
+            if failed is not None and label in failed:
+                continue
             say(f"repetition {rep + 1}/{repetitions}: {label} ({plan.strategy}), {steps} steps")
-            runs[label].append(measure(setup, plan, steps=steps))
+            try:
+                runs[label].append(measure(setup, plan, steps=steps))
+            except RankError as e:
+                if failed is None:
+                    raise
+                failed[label] = str(e).split(" Log tail:")[0]
     out = {}
     for label, rs in runs.items():
+        if failed is not None and label in failed:
+            continue
         times = [r["measured_iteration_time_s"] for r in rs]
         median = statistics.median(times)
         predicted = rs[0]["predicted_iteration_time_s"]
