@@ -374,8 +374,26 @@ def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
 
 
 def program_group_order(program: Any) -> list[tuple[int, ...]]:
-    """The groups of each block of a lowered Program, in the order it runs them."""
-    return [tuple(block.groups) for block in program.blocks]
+    """The groups of each *run* of a lowered Program, in the order it runs them: a run is
+    a stretch of consecutive blocks of one placement of which no block reads another's
+    output through an input piece (a fused run cut into gradient buckets: it receives only
+    at its start, so it must be one stage). One stage per run: a stage over several runs
+    would receive a value once per run."""
+    sources: dict[int, set[int]] = {}
+    for instructions in program.instructions.values():
+        for ins in instructions:
+            for piece in getattr(ins, "inputs", ()):
+                sources.setdefault(ins.block, set()).add(piece.block)
+    runs: list[list[int]] = []
+    for b, block in enumerate(program.blocks):
+        prev = runs[-1] if runs else None
+        if (prev is not None and (block.devices, block.shares) == (program.blocks[prev[0]].devices,
+                                                                  program.blocks[prev[0]].shares)
+                and not sources.get(b, set()) & set(prev)):
+            prev.append(b)
+        else:
+            runs.append([b])
+    return [tuple(g for b in run for g in program.blocks[b].groups) for run in runs]
 
 
 def param_numel_of_group(flow: Dataflow) -> dict[int, int]:
