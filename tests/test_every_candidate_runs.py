@@ -60,9 +60,10 @@ def distinct_candidates(family: str):
     return [(names, result.plan_of(names[0])) for names in by_plan.values()]
 
 
-# Known bug: Hugging Face GPT-2/Llama with dropout 0 return a dropout module's input itself,
-# so the capture (which knows tensors by storage) gives the residual stream to the op before
-# the dropout while the export gives it to the dropout's group. When the two fall in
+# Known bug: the capture and the export disagree on who produces GPT-2's residual stream
+# after 'transformer.drop' (seen: the export reads it from the dropout, the capture's edge into
+# 'transformer.h.0::add@0' comes from the group before it; likely cause: dropout 0 returns its
+# input's storage, and the capture knows tensors by storage). When the two fall in
 # different groups that are not fused (even-dp-ps: one server per group, so one block per
 # group), the value crosses between blocks the Program has no transfer for ("reaches block 3
 # from no piece of the program"). Every other candidate of these families runs.
