@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-sweep test-fast bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is needed (set PYTHON=...)"; exit 1; }
@@ -23,7 +23,11 @@ demo: $(STAMP)
 	$(BIN)/heterog demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not sweep" tests
+
+# every planner candidate of all six model families for 2 steps (about 13 min on 2 cores)
+test-sweep: $(STAMP)
+	$(BIN)/python -m pytest -q -m sweep tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests

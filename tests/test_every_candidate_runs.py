@@ -69,11 +69,19 @@ def distinct_candidates(family: str):
 # from no piece of the program"). Every other candidate of these families runs.
 IDENTITY_LEAF = pytest.mark.xfail(strict=True, reason="capture and export disagree on an identity leaf's output")
 
+# One process launch per plan (about 15-25 s each here): all six families take ~13 min on 2
+# cores, more than CI's 20-minute budget allows beside the rest. CI (make test) runs a CNN and
+# the seq2seq transformer; `make test-sweep` runs the others.
+IN_CI = ("cnn", "seq2seq")
+
+
+def _marks(family: str) -> list:
+    return ([] if family in IN_CI else [pytest.mark.sweep]) + ([IDENTITY_LEAF] if family in ("gpt2", "llama") else [])
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", [pytest.param(f, marks=IDENTITY_LEAF) if f in ("gpt2", "llama") else f
-                                    for f in FAMILIES])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f)) for f in FAMILIES])
 def test_every_candidate_runs_two_steps(family, tmp_path):
     started = time.perf_counter()
     candidates = distinct_candidates(family)
