@@ -136,7 +136,6 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     if spec.get("dump_params"):   # with the parameters: what ran, for tests against the Program
         write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
         write_atomic(out_dir / f"samples_rank{rank}.json", json.dumps(ex.samples))
-    if spec.get("dump_params"):
         torch.save({name: p.detach().clone() for g in sorted(held)
                     for name, p in flow.params_of_group.get(g, [])}, out_dir / f"params_rank{rank}.pt")
     dist.barrier()
