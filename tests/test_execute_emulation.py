@@ -28,7 +28,10 @@ def test_pacer_stretches_cpu_time_by_the_slowdown():
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     waited = pacer.pace(wall, cpu)
     total = time.perf_counter() - t0
-    assert waited > 0 and total == pytest.approx(3 * cpu, rel=0.1)
+    if wall < 3 * cpu:     # contention below the slowdown: the pacer makes up the difference
+        assert waited > 0 and total == pytest.approx(3 * cpu, rel=0.1)
+    else:                  # a machine busier than the slowdown already took longer: no wait
+        assert waited == 0.0
     assert Pacer(1.0).pace(0.2, 0.1) == 0.0  # no wait when already slower than declared
     with pytest.raises(ValueError):
         Pacer(0.5)
