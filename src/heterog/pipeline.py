@@ -76,10 +76,11 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
     first, for emulated clusters; a few seconds). simulate, run and report all call this, so
     they predict the same time for the same plan."""
     cluster = local_cluster(cluster)
+    from heterog.capture import capture_model
     from heterog.cost import build_cost_model
-    from heterog.execute.preflight import capture_for_plan
-    if graph is None:
-        graph = capture_for_plan(plan)
+    if graph is None:       # a model the capture refuses is a ModelError saying why
+        graph = capture_model(plan.model.name, plan.model.args or None,
+                              batch_size=plan.batch_size, seq_len=plan.model.seq_len)
     prof = None
     if profile:
         from heterog.execute.workload import resolve_workload
