@@ -162,9 +162,9 @@ def register(app: typer.Typer) -> None:
         p = Plan.load(plan)
         ckpt = CheckpointConfig(dir=str(checkpoint_dir) if checkpoint_dir else None, every_steps=checkpoint_every,
                                 resume=str(resume) if resume else None)
+        check_plan_fits_model(p)
         check_data(p, data)
-        if torchrun:       # a local run checks the plan against the capture it lowers with (pipeline)
-            check_plan_fits_model(p)
+        if torchrun:
             _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict())
             return
         if not as_json:
