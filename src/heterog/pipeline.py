@@ -249,7 +249,9 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         stack.enter_context(_sigterm_as_interrupt())
         cfg_net: dict[str, Any] = {}
         want = shape_links if shape_links is not None else (cluster is not None and cluster.kind == "emulated")
-        if want and cluster is not None and len({cluster.node_of[d] for d in devices}) > 1:
+        if want and cluster is not None and len({cluster.node_of[d] for d in devices}) == 1:
+            shaping = {"enabled": False, "reason": "the plan's devices share one node: no link to shape"}
+        elif want and cluster is not None:
             try:
                 links = stack.enter_context(LinkShaping(cluster=cluster, devices=devices))
                 cfg_net = {"wrap": links.wrap, "env": links.env, "master_addr": links.master_addr}
