@@ -17,6 +17,16 @@ sequence_nr → node; during backward, torch._C._current_autograd_node() names t
 
 Tensors are identified by their storage; every tensor seen stays referenced until the end of
 the capture so that a freed storage's address is never reused under a different producer.
+
+A value's producer is the node whose op last *returned* that tensor, as torch.export sees it
+(its tracer binds each tensor object to the latest traced op that returned it): so a call
+that returns its input object unchanged — dropout with p = 0, `.to()` or `.contiguous()`
+that have nothing to do — makes the calling node the producer, although no aten op reaches
+the dispatcher (such composite ops return before it). A TorchFunctionMode (_AliasWatch) sees
+those calls; the node reads the tensor (an edge from its previous producer) and produces it
+from then on. A module that returns its input without calling torch (nn.Identity) is not a
+producer, for the export sees no op there either. The executor cuts the exported graph at
+the groups the capture's edges connect, so the two must agree (test_capture_graph.py).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from heterog.capture.flops import is_view_op, op_cost, op_kind, op_name, tensor_nbytes
@@ -77,6 +88,21 @@ class _Frame:
     is_leaf: bool
 
 
+class _AliasWatch(TorchFunctionMode):
+    """Tells the recorder of every torch call that returns one of its input tensors as is."""
+
+    def __init__(self, recorder: "Recorder"):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and self.recorder.phase == "fwd":
+            if any(a is out for a in tree_flatten((args, kwargs))[0]):
+                self.recorder.returned_input(func, out)
+        return out
+
+
 class Recorder(TorchDispatchMode):
     """Use as: `with fake_mode, Recorder(model, input_tensors=...) as rec:` run the forward,
     `rec.start_loss()`, compute the loss, `rec.start_backward()`, run autograd; then read
@@ -112,6 +138,8 @@ class Recorder(TorchDispatchMode):
         self._param_users: dict[int, list[int]] = {}              # storage → nodes reading it
         self._hooks: list[Any] = []
         self._saved_hooks: Any = None
+        self._alias_watch = _AliasWatch(self)
+        self._alias_opened: dict[int, Any] = {}    # unnamed loose node → the call that opened it
         self._input_storages = {_storage_key(t) for t in input_tensors}
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -122,12 +150,14 @@ class Recorder(TorchDispatchMode):
         ]
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
+        self._alias_watch.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._alias_watch.__exit__(*exc)
             self._saved_hooks.__exit__(*exc)
             for h in self._hooks:
                 h.remove()
@@ -135,6 +165,7 @@ class Recorder(TorchDispatchMode):
 
     def start_loss(self) -> None:
         self._resolve_pending()
+        self._settle_name()
         self.phase = "loss"
         self._context = None
 
@@ -176,6 +207,7 @@ class Recorder(TorchDispatchMode):
         context: object = frame if frame is not None else _LOSS_CONTEXT
         if context is self._context:
             return self._current
+        self._settle_name()
         self._context = context
         if frame is not None and frame.is_leaf:
             k = self._leaf_calls.get(frame.path, 0)
@@ -188,6 +220,12 @@ class Recorder(TorchDispatchMode):
         else:
             self._current = self._new_node(None, "", "loss", False)
         return self._current
+
+    def _settle_name(self) -> None:
+        """Name the current node before leaving it if only an aliasing call ran in it."""
+        func = self._alias_opened.pop(self._current, None)
+        if func is not None and self.nodes[self._current].name is None:
+            self._name_loose(self._current, func)
 
     def _name_loose(self, idx: int, func: Any) -> None:
         node = self.nodes[idx]
@@ -271,6 +309,20 @@ class Recorder(TorchDispatchMode):
             self._pending.append((outs, idx))
         node.tc_flops += flops if is_tc else 0.0
         return out
+
+    def returned_input(self, func: Any, t: torch.Tensor) -> None:
+        """A forward torch call returned its input `t` itself (no aten op ran): the calling
+        node reads t and is its producer from now on (see the module docstring)."""
+        key = _storage_key(t)
+        if key in self.params or key in self.buffer_storages:
+            return
+        self._resolve_pending()
+        idx = self._forward_owner()
+        if self.nodes[idx].name is None:       # a loose run is named by its first aten op,
+            self._alias_opened[idx] = func     # or by this call when no aten op follows
+        if self._producer_of.get(id(t), self._producer.get(key)) != idx:
+            self._track_inputs(idx, [t])
+            self._producer_of[id(t)] = idx
 
     def _track_inputs(self, idx: int, ins: list[torch.Tensor]) -> None:
         node = self.nodes[idx]
