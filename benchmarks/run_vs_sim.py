@@ -7,8 +7,16 @@ parallelism and over the best baseline.
 
 Scenarios (heterog.demo.SCENARIOS): a CNN (toy-cnn with a parameter-heavy classifier) and a
 transformer LM (a small GPT-2 with a large tied vocabulary), each on three CPU ranks on two
-emulated nodes, paced 3×/6× and 3×, node b behind a 0.2 Gb/s tc-shaped link; the
-"small-memory" variants also cap a/cpu0 at 0.1 GiB, enforced at run time (emulation.py).
+emulated nodes, paced 3×/6× and 3× (lm-fast-far: 8×/8× and 6×, its fastest device behind the
+slow link), node b behind a 0.2 Gb/s tc-shaped link; the "small-memory" variants also cap
+b/cpu0 at 64 MiB, enforced at run time (emulation.py).
+
+Costs as measured here: per-node times at one thread with the time outside the hooked
+modules attributed (profile/measure.py), and node b's shaped link measured once per
+scenario, one way and both ways at once (profile/links.py, cost.profile.LinkCalibratedCosts).
+Each run records its `contention`: how much slower than declared its slowest emulated device
+computed because the shared machine did not give it the CPU (demo.contention); the error is
+reported over all plans and over those that ran uncontended.
 
 Per scenario: plan; run every distinct feasible candidate for `--steps` steps, interleaved
 (A B C … A B C …) for `--repetitions` repetitions, so a slow spell of the shared machine
@@ -94,7 +102,7 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
     out: dict[str, Any] = {"scenario": sc.name, "family": sc.family, "description": sc.description,
                            "model": sc.model, "model_args": sc.model_args, "batch_size": sc.batch_size,
                            "seq_len": sc.seq_len, "heterog_strategy": result.best.strategy, "heterog_label": top,
-                           "same_as": same, "profiled": setup.profiled,
+                           "same_as": same, "profiled": setup.profiled, "links_measured": list(setup.links),
                            "candidates": [c.to_dict() for c in result.candidates]}
     if args.plan_only:
         return out
@@ -126,10 +134,11 @@ def print_scenario(r: dict[str, Any]) -> None:
         return
     rows = [[k + (" * heterog" if k == r["heterog_label"] else "") + (" ◦ best baseline" if k == r["best_baseline"] else ""),
              human_time(v["predicted_iteration_time_s"]), human_time(v["measured_iteration_time_s"]),
-             f"{v['spread']:.0%}", f"{v['relative_error']:+.1%}"] for k, v in r["plans"].items()]
+             f"{v['spread']:.0%}", f"{v['relative_error']:+.1%}", f"{v.get('contention', 0.0):.0%}"]
+            for k, v in r["plans"].items()]
     print_table(f"{r['scenario']}: {r['model']} on {r['description']} "
                 f"(load {r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f})",
-                ["plan", "predicted", "measured (median)", "spread", "error"], rows)
+                ["plan", "predicted", "measured (median)", "spread", "error", "contention"], rows)
     for label, why in r["failed_plans"].items():
         print(f"  {label} failed to run: {why}")
     for name, key in (("even DP", "speedup_vs_even_dp"), ("the best baseline", "speedup_vs_best_baseline")):
@@ -152,8 +161,13 @@ def kept_scenarios(path: Path, names: list[str]) -> list[dict[str, Any]]:
             if r["scenario"] not in names and "plans" in r]
 
 
+CONTENTION_LIMIT = 0.05   # a plan whose devices ran > 5 % slower than declared (see demo.contention)
+
+
 def targets(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(v["relative_error"]) for r in scenarios for v in r.get("plans", {}).values()]
+    clean = [abs(v["relative_error"]) for r in scenarios for v in r.get("plans", {}).values()
+             if v.get("contention", 0.0) <= CONTENTION_LIMIT]
     by_family: dict[str, float] = {}
     for r in scenarios:
         sp = r.get("speedup_vs_best_baseline")
@@ -161,6 +175,11 @@ def targets(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
             by_family[r["family"]] = max(by_family.get(r["family"], 0.0), sp["worst"])
     median_error = statistics.median(errors) if errors else None
     return {"median_abs_relative_error": median_error,
+            # the same over the plans whose devices all ran at their declared speed: where the
+            # shared machine's load exceeded a device's pacing, the measurement is of a slower
+            # device than the one predicted for
+            "median_abs_relative_error_uncontended": statistics.median(clean) if clean else None,
+            "plans_uncontended": len(clean), "plans_measured": len(errors),
             "error_target_met": median_error is not None and median_error <= ERROR_TARGET,
             "worst_repetition_speedup_vs_best_baseline_by_family": by_family,
             "speedup_target_met_by_family": {f: s >= SPEEDUP_TARGET for f, s in by_family.items()}}
@@ -203,6 +222,9 @@ def main() -> int:
         met = "met" if summary["error_target_met"] else "MISSED"
         print(f"median |predicted − measured| over all plans: {summary['median_abs_relative_error']:.1%} "
               f"(target ≤ {ERROR_TARGET:.0%}: {met})")
+        if summary["median_abs_relative_error_uncontended"] is not None:
+            print(f"  over the {summary['plans_uncontended']} of {summary['plans_measured']} plans whose devices "
+                  f"ran at their declared speed: {summary['median_abs_relative_error_uncontended']:.1%}")
         for fam, s in summary["worst_repetition_speedup_vs_best_baseline_by_family"].items():
             met = "met" if s >= SPEEDUP_TARGET else "MISSED"
             print(f"{fam}: best worst-repetition speedup over the best baseline {s:.2f}× "

@@ -101,6 +101,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              batch_size=16, seq_len=32),
     Scenario(name="lm-small-memory", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
              batch_size=16, seq_len=32, memory_gib=0.0625),
+    # The fastest device sits behind the slow link: every single-device baseline picks it,
+    # every data-parallel one pays the tied embedding's gradients through its link.
+    # Paced 6× and more, so the pacing absorbs a shared machine's contention (emulation.py).
+    Scenario(name="lm-fast-far", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
+             batch_size=16, seq_len=32, slowdowns=(8.0, 8.0, 6.0)),
 )}
 DEMO_SCENARIO = "cnn-slow-link"
 
@@ -113,12 +118,16 @@ class Setup:
     costs: Any
     spec: ModelSpec
     profiled: bool
+    links: tuple[dict[str, Any], ...] = ()      # the shaped links as measured (profile/links.py)
 
 
 def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_size: int,
-            seq_len: int | None = None, profile: bool = True,
+            seq_len: int | None = None, profile: bool = True, links: bool = True,
             say: Callable[[str], None] = lambda s: None) -> Setup:
-    """Capture the model and build costs as one rank sees this CPU (one thread)."""
+    """Capture the model and build costs as one rank sees this CPU (one thread). With
+    `profile`, per-node times are measured here; with `links` too (as root, on an emulated
+    cluster of several nodes), each shaped link is measured once and the cost model's
+    transfers and collectives use what it carried (cost.profile.LinkCalibratedCosts)."""
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.execute.workload import resolve_workload
@@ -135,7 +144,31 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
         sizes = tuple(sorted({1, max(1, batch_size // 4), batch_size}))
         prof = measure_profile(resolve_workload(spec), batch_sizes=sizes, graph=graph, repeats=9)
     costs = build_cost_model(graph, cluster, profile=prof)
-    return Setup(graph=graph, cluster=cluster, costs=costs, spec=spec, profiled=prof is not None)
+    measured: tuple[dict[str, Any], ...] = ()
+    if profile and links:
+        costs, measured = _calibrated_links(costs, cluster, say)
+    return Setup(graph=graph, cluster=cluster, costs=costs, spec=spec, profiled=prof is not None,
+                 links=measured)
+
+
+def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) -> tuple[Any, tuple]:
+    """Costs whose communication uses the shaped links as measured, and the measurements;
+    the costs unchanged where links are not shaped here (not root, one node, not emulated)."""
+    import os
+
+    from heterog.cost.profile import LinkCalibratedCosts
+    from heterog.profile.links import LinkMeasurementError, calibrate_links
+    if cluster.kind != "emulated" or len(cluster.nodes) < 2 or os.geteuid() != 0:
+        return costs, ()
+    try:
+        pairs = calibrate_links(cluster, say=say)
+    except LinkMeasurementError as e:
+        say(f"links not calibrated ({e})")
+        return costs, ()
+    if not pairs:
+        return costs, ()
+    return (LinkCalibratedCosts(costs, cluster, tuple(c for c, _ in pairs)),
+            tuple({**m.to_dict(), "node": c.node} for c, m in pairs))
 
 
 def predict(setup: Setup, plan: Plan) -> float:
@@ -162,7 +195,20 @@ def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -
     measured = out["measured_iteration_time_s"]
     return {"predicted_iteration_time_s": predicted, "measured_iteration_time_s": measured,
             "relative_error": (measured - predicted) / predicted, "link_shaping": out["link_shaping"],
-            "per_rank": out["per_rank"], "notes": out["notes"]}
+            "contention": contention(out["per_rank"]), "per_rank": out["per_rank"], "notes": out["notes"]}
+
+
+def contention(per_rank: list[dict[str, Any]]) -> float:
+    """How much slower than declared the slowest-running emulated device computed, because
+    the shared machine did not give its rank the CPU: pacing (emulation.py) stretches
+    compute to slowdown × CPU time, so compute wall time beyond that is contention the pacing
+    could not absorb (0: every device ran at its declared speed). The largest over ranks."""
+    worst = 0.0
+    for r in per_rank:
+        target = r.get("slowdown", 1.0) * r.get("cpu_s", 0.0)
+        if target > 0 and r.get("slowdown", 1.0) > 1.0:
+            worst = max(worst, r.get("compute_s", 0.0) / target - 1.0)
+    return max(worst, 0.0)
 
 
 def best_baseline(result) -> Any:
@@ -200,6 +246,7 @@ def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions
         predicted = rs[0]["predicted_iteration_time_s"]
         out[label] = {"strategy": plans[label].strategy, "predicted_iteration_time_s": predicted,
                       "measured_iteration_time_s": median, "repetitions_s": times,
+                      "contention": statistics.median(r["contention"] for r in rs),
                       "spread": max(times) / min(times) - 1.0,
                       "relative_error": (median - predicted) / predicted,
                       "link_shaping": rs[0]["link_shaping"], "per_rank": rs[-1]["per_rank"], "notes": rs[0]["notes"]}

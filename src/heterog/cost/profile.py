@@ -17,6 +17,7 @@ batch 0 takes 0 s.
 from __future__ import annotations
 
 import math
+import warnings
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,3 +121,97 @@ class Profile:
                     times[node][gtype][phase] = tuple(clean)
         return Profile(model=str(doc.get("model", "")), precision=str(doc.get("precision", "fp32")),
                        graph_fingerprint=str(doc.get("graph_fingerprint", "") or ""), times=times)
+
+
+# -- links as measured -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkCalibration:
+    """What one node's NIC carried when measured (profile/links.py), relative to what the
+    cluster declares: payload bandwidth one way and with both directions busy, and the fixed
+    time of one message. A tc-shaped NIC carries less than its nominal rate (frame headers
+    and the other direction's ACKs take tokens), and less again when a ring step sends and
+    receives at once."""
+    node: str
+    one_way_efficiency: float        # measured one-way payload bandwidth ÷ nominal
+    duplex_efficiency: float         # measured per-direction bandwidth in a 2-member ring ÷ nominal
+    latency_s: float                 # one message's fixed time across the link (gloo included)
+
+    def __post_init__(self) -> None:
+        for name in ("one_way_efficiency", "duplex_efficiency"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0.0 < v <= 2.0):
+                raise ProfileError(f"link calibration of node {self.node!r}: {name} {v!r} is not a "
+                                   f"plausible fraction of the nominal rate (0 < x ≤ 2); measure the link again.")
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ProfileError(f"link calibration of node {self.node!r}: latency_s must be ≥ 0 seconds.")
+
+
+def _effective_cluster(cluster, calibrations: tuple[LinkCalibration, ...], duplex: bool):
+    """The cluster with each calibrated node's NIC at its measured bandwidth and latency."""
+    from heterog.hardware.spec import cluster_from_dict, cluster_to_dict
+    doc = cluster_to_dict(cluster)
+    by_node = {c.node: c for c in calibrations}
+    for node in doc["nodes"]:
+        c = by_node.get(node["name"])
+        if c is not None:
+            node["nic_bandwidth_bytes_per_s"] *= c.duplex_efficiency if duplex else c.one_way_efficiency
+            node["nic_latency_s"] = max(node["nic_latency_s"], c.latency_s)
+    with warnings.catch_warnings():    # a slow link made slower is still the cluster meant
+        warnings.simplefilter("ignore")
+        return cluster_from_dict(doc)
+
+
+class LinkCalibratedCosts:
+    """A cost model whose communication times use the links as measured: point-to-point
+    transfers and the parameter server's one-way phases at the one-way bandwidth, all-reduces
+    (ring, tree, hierarchical: members send and receive at once) at the duplex bandwidth.
+    Everything else is the wrapped model's (CostModel protocol, cost/model.py)."""
+
+    def __init__(self, base, cluster, calibrations: tuple[LinkCalibration, ...]):
+        unknown = [c.node for c in calibrations if c.node not in cluster.node_index]
+        if unknown:
+            raise ProfileError(f"link calibration names node(s) {unknown} that cluster {cluster.name!r} "
+                               f"does not have; calibrate this cluster's links.")
+        self.base = base
+        self.calibrations = tuple(calibrations)
+        self._one_way = _effective_cluster(cluster, self.calibrations, duplex=False)
+        self._duplex = _effective_cluster(cluster, self.calibrations, duplex=True)
+        self._cache: dict[tuple, tuple[float, float]] = {}
+
+    def __getattr__(self, name: str):      # the rest of the protocol (and its extensions)
+        if name == "base":                  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _affine(self, key: tuple, fn) -> tuple[float, float]:
+        """Collective times are affine in the bytes (cost/analytic.py): two probes, then exact."""
+        hit = self._cache.get(key)
+        if hit is None:
+            b1, b2 = 2.0**20, 2.0**21
+            t1, t2 = fn(b1), fn(b2)
+            per_byte = (t2 - t1) / (b2 - b1)
+            hit = self._cache[key] = (t1 - per_byte * b1, per_byte)
+        return hit
+
+    def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
+        from heterog.cost import comm
+        return comm.p2p_time_s(self._one_way, nbytes, src, dst)
+
+    def collective_time_s(self, op: str, nbytes: float, devices, method: str = "ring") -> float:
+        from heterog.cost import comm
+        if nbytes <= 0 or len(set(devices)) <= 1:
+            return 0.0
+        members = tuple(devices)
+        fixed, per_byte = self._affine(("c", op, method, members), lambda b: comm.collective_time_s(
+            self._duplex, op, b, members, method))
+        return fixed + per_byte * nbytes
+
+    def ps_sync_time_s(self, nbytes: float, devices, server: str) -> float:
+        from heterog.cost import comm
+        if nbytes <= 0:
+            return 0.0
+        members = tuple(devices)
+        fixed, per_byte = self._affine(("ps", server, members), lambda b: comm.ps_sync_time_s(
+            self._one_way, b, members, server))
+        return fixed + per_byte * nbytes
