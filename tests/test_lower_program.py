@@ -43,7 +43,7 @@ def _expected_signatures(sched) -> dict[str, list[tuple]]:
         k = tasks.kind[t]
         if k in (FWD, BWD):
             out.setdefault(names[tasks.dev[t]], []).append(
-                ("compute", abs(tasks.key[t][2]), "forward" if k == FWD else "backward", tasks.mb[t]))
+                ("compute", tasks.block_of(t), "forward" if k == FWD else "backward", tasks.mb[t]))
         elif k == XFER:
             (src, dst), nbytes, _ = tasks.comm[t]
             out.setdefault(names[src], []).append(("send", t, names[dst], nbytes))

@@ -225,11 +225,11 @@ def test_reference_order_reports_a_deadlocked_admission_rule():
     # micro-batch 1's forward: the 1F1B rule can never admit it, list scheduling without it can
     from heterog.lower.order import reference_order
     from heterog.lower.taskgraph import BWD, FWD, Tasks
-    t = Tasks([], 1)
-    f0 = t.add(FWD, 1.0, 0, (1, 0, 0), 0)
-    f1 = t.add(FWD, 1.0, 0, (1, 1, 0), 1)
-    b0 = t.add(BWD, 2.0, 0, (0, 0, 0), 0)
-    b1 = t.add(BWD, 2.0, 0, (0, 1, 0), 1)
+    t = Tasks([], 1, 2)
+    f0 = t.add(FWD, 1.0, 0, t.prio(1, 0, 0), 0)
+    f1 = t.add(FWD, 1.0, 0, t.prio(1, 1, 0), 1)
+    b0 = t.add(BWD, 2.0, 0, t.prio(0, 0, 0), 0)
+    b1 = t.add(BWD, 2.0, 0, t.prio(0, 1, 0), 1)
     for a, b in ((f0, b0), (f1, b0), (f1, b1)):
         t.dep(a, b)
     t.bwd_count = {(0, 0): 1, (0, 1): 1}

@@ -58,7 +58,7 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
         mem = _memory(tasks, t)
         if kind in (FWD, BWD):
             d = tasks.dev[t]
-            b, m = abs(tasks.key[t][2]), tasks.mb[t]
+            b, m = tasks.block_of(t), tasks.mb[t]
             lo, hi = ranges.of(b, m, d)
             alloc, free = mem.get(d, (0.0, 0.0))
             out[names[d]].append(Compute(block=b, phase=Phase.FORWARD if kind == FWD else Phase.BACKWARD,

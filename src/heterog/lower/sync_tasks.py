@@ -23,7 +23,7 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_preds)
     succ = tasks.succ
     for d, bl in bwd_of_dev.items():
-        o = tasks.add(OPT, opt_time[d], d, (2, 0, 0), plan.num_microbatches)
+        o = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
         for b in bl:
             succ[b].append(o)
         for s in opt_preds[d]:

@@ -24,9 +24,9 @@ class Tasks:
     __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
                  "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
-                 "xfer_blocks", "ties")
+                 "xfer_blocks", "ties", "mb_stride", "_phase_stride", "_succ_csr")
 
-    def __init__(self, blocks: list[Block], n_devices: int):
+    def __init__(self, blocks: list[Block], n_devices: int, num_microbatches: int):
         self.kind: list[int] = []
         self.dur: list[float] = []
         self.dev: list[int] = []                 # device of a compute task, -1 for communication
@@ -34,7 +34,7 @@ class Tasks:
         self.succ: list[list[int]] = []
         self.npred: list[int] = []               # filled by seal()
         self.sources: list[int] = []             # idem
-        self.key: list[tuple] = []               # reference priority (phase, mb, ±block); smaller first
+        self.key: list[int] = []                 # reference priority (see prio); -1 for communication
         self.mb: list[int] = []
         self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
         self.mem_start: list = []                # [(device, +bytes), ...] or None
@@ -49,8 +49,16 @@ class Tasks:
         self.rep: list[int] = list(range(n_devices))  # device whose tasks stand for this one's
         self.xfer_blocks: dict[int, tuple[int, int]] = {}   # transfer → (producer, consumer block)
         self.ties: dict[int, str] = {}           # sync of a tied parameter's copies → the parameter
+        self.mb_stride = 2 * len(blocks) + 1     # key step of one micro-batch
+        self._phase_stride = (num_microbatches + 1) * self.mb_stride
+        self._succ_csr: tuple[np.ndarray, np.ndarray] | None = None
 
-    def add(self, kind: int, dur: float, dev: int, key: tuple, mb: int) -> int:
+    def prio(self, phase: int, mb: int, signed_block: int) -> int:
+        """The priority key of a compute task: (phase, micro-batch, ±block) in lexicographic
+        order as one int (smaller first), so the list scheduler compares ints, not tuples."""
+        return phase * self._phase_stride + mb * self.mb_stride + signed_block + len(self.blocks)
+
+    def add(self, kind: int, dur: float, dev: int, key: int, mb: int) -> int:
         t = len(self.kind)
         self.kind.append(kind)
         self.dur.append(dur)
@@ -65,13 +73,15 @@ class Tasks:
 
     def add_comm(self, kind: int, dur: float, mb: int, block: int, links: tuple[int, ...],
                  members: tuple[int, ...], nbytes: float) -> int:
-        t = self.add(kind, dur, -1, (), mb)
+        t = self.add(kind, dur, -1, -1, mb)
         self.links[t] = links
         self.comm[t] = (members, nbytes, block)
         return t
 
     def block_of(self, t: int) -> int:
-        return self.comm[t][2] if self.dev[t] < 0 else abs(self.key[t][2])
+        if self.dev[t] < 0:
+            return self.comm[t][2]
+        return abs(self.key[t] % self.mb_stride - len(self.blocks))
 
     def dep(self, a: int, b: int) -> None:
         self.succ[a].append(b)
@@ -83,8 +93,19 @@ class Tasks:
         old = lst[t]
         lst[t] = [(dev, delta)] if old is None else old + [(dev, delta)]
 
+    def succ_csr(self) -> tuple[np.ndarray, np.ndarray]:
+        """The successor lists as compressed rows (pointer, index) for the compiled loops;
+        built once after seal()."""
+        if self._succ_csr is None:
+            n = len(self.succ)
+            ptr = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, self.succ), dtype=np.int64, count=n), out=ptr[1:])
+            idx = np.fromiter(chain.from_iterable(self.succ), dtype=np.int64, count=int(ptr[-1]))
+            self._succ_csr = (ptr, idx)
+        return self._succ_csr
+
     def seal(self) -> None:
-        npred = np.bincount(np.fromiter(chain.from_iterable(self.succ), dtype=np.intp), minlength=len(self.kind))
+        npred = np.bincount(self.succ_csr()[1], minlength=len(self.kind))
         self.npred = npred.tolist()
         self.sources = np.flatnonzero(npred == 0).tolist()   # tasks with no inputs, in id order
 

@@ -57,7 +57,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
            table: CostTable, *, merge: bool = True) -> Tasks:
     """The task graph of one iteration. merge: simulate symmetric devices once and copy the
     tasks of equal-sized micro-batches (results are equal; the Program needs merge=False)."""
-    tasks = Tasks(blocks, len(info.devices))
+    tasks = Tasks(blocks, len(info.devices), plan.num_microbatches)
     preds = block_edges(graph_grouping, blocks, table)
     mb_sizes = split_samples(plan.batch_size, [1.0] * plan.num_microbatches)
     sizes = sorted(set(mb_sizes))
@@ -159,8 +159,8 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         tasks.links.extend([()] * (2 * n_kept))
         tasks.succ.extend([[b] for b in range(b0, b0 + n_kept)])
         tasks.succ.extend([[] for _ in range(n_kept)])
-        tasks.key.extend([(1, m, bi) if one_f1b else (0, m, bi)] * n_kept)
-        tasks.key.extend([(0, m, -bi) if one_f1b else (1, m, -bi)] * n_kept)
+        tasks.key.extend([tasks.prio(1 if one_f1b else 0, m, bi)] * n_kept)
+        tasks.key.extend([tasks.prio(0 if one_f1b else 1, m, -bi)] * n_kept)
         tasks.mb.extend([m] * (2 * n_kept))
         tasks.mem_start.extend(ms2)     # shared lists: nothing mutates them (Tasks.mem)
         tasks.mem_end.extend(me2)
@@ -206,7 +206,7 @@ def _transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, F, Bk) -> Non
                 tasks.dev.extend((-1, -1))
                 tasks.links.extend((path, back))
                 succ.extend(([fb], [ba]))
-                tasks.key.extend(((), ()))
+                tasks.key.extend((-1, -1))
                 tasks.mb.extend((m, m))
                 # the receiver holds the tensor until the task that reads it ends
                 tasks.mem_start.extend(([(db, nbytes)], [(da, nbytes)]))
@@ -333,7 +333,8 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     tasks.dev.extend(tasks.dev[start:end])
     tasks.links.extend(tasks.links[start:end])
     tasks.succ.extend([[x + off for x in lst] for lst in tasks.succ[start:end]])
-    tasks.key.extend([(k[0], m, k[2]) if k else k for k in tasks.key[start:end]])
+    shift = (m - m0) * tasks.mb_stride
+    tasks.key.extend([k + shift if k >= 0 else k for k in tasks.key[start:end]])
     tasks.mb.extend([m] * (end - start))
     tasks.mem_start.extend(tasks.mem_start[start:end])
     tasks.mem_end.extend(tasks.mem_end[start:end])

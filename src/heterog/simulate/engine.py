@@ -20,6 +20,7 @@ from __future__ import annotations
 from itertools import chain
 
 import numpy as np
+from numba import njit
 
 from heterog.lower.taskgraph import Tasks
 
@@ -36,92 +37,88 @@ def run(tasks: Tasks, order: list[int], n_devices: int,
     transfers on disjoint NICs thus overlap fully under a fast core and share a slow one."""
     start, end = _times(tasks, order, n_devices, shared_bw or {})
     peak, overflow, trace = _memory(tasks, start, end, n_devices, capacity_bytes, record)
-    return start, end, peak, overflow, trace
+    return start.tolist(), end.tolist(), peak, overflow, trace
 
 
 def _times(tasks: Tasks, order: list[int], n_devices: int, shared_bw: dict[int, float]):
-    """Start and end of every task: one pass over the fixed order (see the module docstring)."""
-    dur, dev, succ = tasks.dur, tasks.dev, tasks.succ
+    """Start and end of every task (numpy arrays): one pass over the fixed order (see the
+    module docstring), compiled."""
+    cls_ptr, cls_idx, n_classes, core_ptr, core_idx, core_bytes = _resources(tasks, shared_bw)
+    succ_ptr, succ_idx = tasks.succ_csr()
+    return _timed_pass(np.asarray(order, dtype=np.int64), np.asarray(tasks.dur, dtype=np.float64),
+                       np.asarray(tasks.dev, dtype=np.int64), succ_ptr, succ_idx, cls_ptr, cls_idx,
+                       core_ptr, core_idx, core_bytes, np.array(list(shared_bw.values()), dtype=np.float64),
+                       n_devices, n_classes)
+
+
+def _rows(n: int, tids: list[int], rows: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """Tuples of some tasks (tids, increasing) as compressed rows over all n tasks."""
+    length = np.zeros(n, dtype=np.int64)
+    length[tids] = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(length, out=ptr[1:])
+    return ptr, np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(ptr[-1]))
+
+
+@njit(cache=True, nogil=True)
+def _timed_pass(order, dur, dev, succ_ptr, succ_idx, cls_ptr, cls_idx, core_ptr, core_idx, core_bytes,
+                core_bw, n_devices, n_classes):
+    """The timed pass: a compute task waits for its inputs and its device; a transfer or
+    collective for its inputs and every link class it holds, then holds them to its end; one
+    that crosses switch cores starts no earlier than the cores' previous transfer started and
+    ends no earlier than the cores have pushed its bytes after those before it."""
     n = len(dur)
-    classes, n_classes, shared_of, core_bytes = _resources(tasks, shared_bw)
-    ready = [0.0] * n                 # when the inputs of a task are all done
-    start = [0.0] * n
-    end = [0.0] * n
-    dev_free = [0.0] * n_devices      # end of the device's previous task
-    link_free = [0.0] * n_classes     # end of the link class's previous task
-    core_started = {l: 0.0 for l in shared_bw}   # start of the core's previous transfer
-    core_free = {l: 0.0 for l in shared_bw}      # when the core has pushed the bytes before
+    ready = np.zeros(n)               # when the inputs of a task are all done
+    start = np.zeros(n)
+    end = np.zeros(n)
+    dev_free = np.zeros(n_devices)    # end of the device's previous task
+    link_free = np.zeros(n_classes)   # end of the link class's previous task
+    core_started = np.zeros(len(core_bw))   # start of the core's previous transfer
+    core_free = np.zeros(len(core_bw))      # when the core has pushed the bytes before
     for t in order:
         s = ready[t]
         d = dev[t]
         if d >= 0:
-            f = dev_free[d]
-            if f > s:
-                s = f
+            s = max(s, dev_free[d])
             e = s + dur[t]
             dev_free[d] = e
         else:
-            cl = classes[t]
-            for c in cl:
-                f = link_free[c]
-                if f > s:
-                    s = f
-            sh = shared_of[t]
-            if sh:
-                s, e = _through_core(s, dur[t], sh, core_bytes[t], shared_bw, core_started, core_free)
-            else:
-                e = s + dur[t]
-            for c in cl:
-                link_free[c] = e
+            for j in range(cls_ptr[t], cls_ptr[t + 1]):
+                s = max(s, link_free[cls_idx[j]])
+            for j in range(core_ptr[t], core_ptr[t + 1]):
+                s = max(s, core_started[core_idx[j]])
+            e = s + dur[t]
+            for j in range(core_ptr[t], core_ptr[t + 1]):
+                c = core_idx[j]
+                core_started[c] = s
+                core_free[c] = max(s, core_free[c]) + core_bytes[t] / core_bw[c]
+                e = max(e, core_free[c])
+            for j in range(cls_ptr[t], cls_ptr[t + 1]):
+                link_free[cls_idx[j]] = e
         start[t] = s
         end[t] = e
-        for u in succ[t]:
-            if ready[u] < e:
-                ready[u] = e
+        for j in range(succ_ptr[t], succ_ptr[t + 1]):
+            u = succ_idx[j]
+            ready[u] = max(ready[u], e)
     return start, end
 
 
-def _through_core(s: float, dur: float, cores: tuple[int, ...], nbytes: float, bandwidth: dict[int, float],
-                  started: dict[int, float], free: dict[int, float]) -> tuple[float, float]:
-    """A transfer crossing switch cores: it starts no earlier than the core's previous
-    transfer started, and ends no earlier than the core has pushed its bytes."""
-    for l in cores:
-        if started[l] > s:
-            s = started[l]
-    e = s + dur
-    for l in cores:
-        started[l] = s
-        core_end = max(s, free[l]) + nbytes / bandwidth[l]
-        free[l] = core_end
-        if core_end > e:
-            e = core_end
-    return s, e
-
-
 def _resources(tasks: Tasks, shared_bw: dict[int, float]):
-    """Per task: the link classes it holds (links that serve exactly the same tasks merged:
-    with fixed orders they act as one, e.g. the ~2300 links of a 1024-device ring), the number
-    of classes, the switch-core links it crosses and the bytes it pushes through them."""
+    """Per task, as compressed rows: the link classes it holds (links that serve exactly the
+    same tasks merged: with fixed orders they act as one, e.g. the ~2300 links of a
+    1024-device ring), and the switch cores it crosses (index into shared_bw) with the bytes
+    it pushes through them. Returns (class rows, number of classes, core rows, core bytes)."""
     links = tasks.links
     n = len(links)
-    shared_of: list[tuple[int, ...]] = [()] * n
-    core_bytes = [0.0] * n
+    comm_ids = sorted(t for t in tasks.comm if links[t])
+    core_index = {l: i for i, l in enumerate(shared_bw)}
     paths: dict[tuple[int, ...], tuple[int, ...]] = {}    # link set → its exclusive links
-    cores: dict[tuple[int, ...], tuple[int, ...]] = {}    # link set → its switch-core links
-    comm_links = [(t, links[t]) for t in tasks.comm if links[t]]
-    for _, lk in comm_links:
+    cores: dict[tuple[int, ...], tuple[int, ...]] = {}    # link set → its switch cores
+    for t in comm_ids:
+        lk = links[t]
         if lk not in paths:
-            if shared_bw:
-                cores[lk] = tuple(l for l in lk if l in shared_bw)
-                paths[lk] = tuple(l for l in lk if l not in shared_bw) if cores[lk] else lk
-            else:
-                paths[lk] = lk
-    if shared_bw:
-        for t, lk in comm_links:
-            sh = cores[lk]
-            if sh:
-                shared_of[t] = sh
-                core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
+            cores[lk] = tuple(core_index[l] for l in lk if l in core_index)
+            paths[lk] = tuple(l for l in lk if l not in core_index) if cores[lk] else lk
     member_of: dict[int, list[int]] = {}
     excl = list(paths.values())
     for pi, path in enumerate(excl):
@@ -134,10 +131,13 @@ def _resources(tasks: Tasks, shared_bw: dict[int, float]):
     class_of_key: dict[tuple[int, ...], int] = {}
     class_of_link = {l: class_of_key.setdefault(tuple(pis), len(class_of_key)) for l, pis in member_of.items()}
     classes_of_path = {lk: tuple(sorted({class_of_link[l] for l in ex})) for lk, ex in zip(paths, excl)}
-    classes: list[tuple[int, ...]] = [()] * n
-    for t, lk in comm_links:
-        classes[t] = classes_of_path[lk]
-    return classes, len(class_of_key), shared_of, core_bytes
+    cls_ptr, cls_idx = _rows(n, comm_ids, [classes_of_path[links[t]] for t in comm_ids])
+    core_ids = [t for t in comm_ids if cores[links[t]]]
+    core_ptr, core_idx = _rows(n, core_ids, [cores[links[t]] for t in core_ids])
+    core_bytes = np.zeros(n)
+    for t in core_ids:
+        core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
+    return cls_ptr, cls_idx, len(class_of_key), core_ptr, core_idx, core_bytes
 
 
 def _memory(tasks: Tasks, start: list[float], end: list[float], n_devices: int,
@@ -185,7 +185,7 @@ def _effects(effects: list, when: list[float], phase: int):
         return empty, empty.astype(np.intp), empty, empty.astype(np.intp)
     lists = [effects[t] for t in tids]
     counts = np.fromiter(map(len, lists), dtype=np.intp, count=len(lists))
-    devs, deltas = zip(*chain.from_iterable(lists))
-    times = np.repeat(np.array(when)[tids], counts)
-    return (times, np.array(devs, dtype=np.intp), np.array(deltas, dtype=float),
-            np.full(len(times), phase, dtype=np.intp))
+    # (device, bytes) pairs flattened into one float array: device numbers are exact in floats
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(lists)), dtype=float, count=2 * int(counts.sum()))
+    times = np.repeat(when[tids], counts)
+    return times, flat[0::2].astype(np.intp), flat[1::2], np.full(len(times), phase, dtype=np.intp)
