@@ -290,3 +290,45 @@ def test_saved_bytes_agree_with_torch_memtracker(name, args, batch, seq):
     unsaved_output = logits.numel() * logits.element_size()
     gap = graph.saved_activation_bytes() - (live - unsaved_output)
     assert 0 <= gap <= graph.input_bytes.at(batch) + 1e-3 * live
+
+
+class _AliasingLeaves(nn.Module):
+    """A zero dropout (a torch call that returns its input object) and an nn.Identity (no
+    torch call at all) between two layers, with a residual over them, as in GPT-2's
+    embedding → drop → block."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.drop = nn.Dropout(0.0)
+        self.ident = nn.Identity()
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.ident(self.drop(self.inp(x) * 2))
+        return self.out(h + self.mid(h).float())      # .float() of a float tensor: itself
+
+
+def test_a_call_returning_its_input_produces_it_as_the_export_sees_it():
+    """torch.export binds a tensor to the last traced op that returned it, so the dropout's
+    output comes from the dropout, and `.float()` makes the loose run that calls it the
+    producer; nn.Identity runs no op in either, so values pass through it. The executor cuts
+    the export where the capture's edges say values cross (regression: GPT-2's and Llama's
+    even-dp-ps plans failed with 'reaches block 3 from no piece of the program')."""
+    from heterog.execute.split_export import export_model
+    model = _AliasingLeaves()
+    graph = capture(model, (torch.randn(2, 4),), name="aliasing")
+    names = [n.name for n in graph.nodes]
+    assert names[:-1] == ["inp", "root::mul@0", "drop", "ident", "mid", "root::add@1", "out"], names
+    edges = {(e.src, e.dst) for e in graph.edges}
+    assert ("root::mul@0", "drop") in edges
+    assert {("drop", "mid"), ("drop", "root::add@1")} <= edges       # through the dropout
+    assert not {e for e in edges if "ident" in e}                    # around the identity
+    assert ("root::mul@0", "mid") not in edges and ("root::mul@0", "root::add@1") not in edges
+    assert ("mid", "root::add@1") in edges        # .float() ran in the add's loose run
+    exported = export_model(model, (torch.randn(2, 4),))
+    reads = {(exported.leaf_name.get(a, "loose"), exported.leaf_name.get(n, "loose"))
+             for n in exported.module.graph.nodes if n in exported.data for a in n.all_input_nodes
+             if a in exported.leaf_name and a.op == "call_function"}
+    assert ("drop", "mid") in reads and not {r for r in reads if "ident" in r}

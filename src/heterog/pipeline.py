@@ -6,21 +6,25 @@ Stages import only downward; this module is the one that calls them in sequence:
 - `run(plan, steps=…)` → {"measured_iteration_time_s", "predicted_iteration_time_s", "per_rank",
   "losses", "link_shaping", "notes", …}: lowers the plan, has the executor carry out the
   Program on local processes, and puts the simulator's prediction of the same schedule beside
-  the measurement.
+  the measurement;
+- `run_many(plans, steps=…)` → one PlanRun per plan (run's dict, or the error): the plans one
+  after the other in one launch of the rank processes, for sweeps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from heterog.errors import PlanError
 from heterog.execute.device import nccl_env
-from heterog.execute.launcher import LaunchConfig, launch_local
+from heterog.execute.launcher import LaunchConfig, PlanLaunch, launch_local, launch_local_many
 from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
@@ -271,6 +275,15 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
                            fault=fault, data=data, checkpoint=checkpoint, force=force, cuda=cuda, **cfg_net)
         results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None,
                                program_doc=program.to_dict())
+    return _outcome(plan, covered, cluster, local, graph, costs, devices, results,
+                    steps=steps, warmup_steps=warmup_steps, predict=predict, notes=notes, shaping=shaping)
+
+
+def _outcome(plan: Plan, covered: Plan, cluster: Cluster | None, local: Cluster, graph, costs,
+             devices: tuple[str, ...], results: list[dict], *, steps: int, warmup_steps: int,
+             predict: bool, notes: list[str], shaping: dict[str, Any]) -> dict[str, Any]:
+    """run's result: the ranks' measurements summarised, beside the simulator's prediction
+    of the schedule that ran (covered: the plan as lowered)."""
     for r in results:
         for w in r["warnings"]:
             if w not in notes:
@@ -292,4 +305,86 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
     out["relative_error"] = (measured - predicted) / predicted if predicted else None
     out["link_shaping"] = shaping
     out["notes"] = notes
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRun:
+    """One plan's outcome in run_many: `result` is what `run` returns for it, or `error` is
+    what stopped it (lowering, a rank's failure, a refusal)."""
+    index: int
+    strategy: str
+    result: dict[str, Any] | None = None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Prepared:
+    plan: Plan
+    covered: Plan
+    cluster: Cluster
+    local: Cluster
+    graph: Any
+    costs: Any
+    devices: tuple[str, ...]
+    launch: PlanLaunch
+
+
+def _prepare(plan: Plan, graphs: dict[str, Any], fault: dict[str, Any] | None) -> _Prepared:
+    """Lower one plan of run_many (the model captured once per model spec: `graphs`)."""
+    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
+    devices = rank_devices(plan, cluster)
+    if len(devices) > MAX_LOCAL_RANKS:
+        raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
+                        f"{MAX_LOCAL_RANKS} processes on one machine.")
+    if cluster.kind != "emulated":
+        raise PlanError(f"run_many runs emulated clusters' plans on CPU processes; the plan's cluster "
+                        f"{cluster.name!r} is a real one: run it with heterog.run.")
+    key = json.dumps(plan.to_dict()["model"], sort_keys=True, default=str)
+    graph, local, costs = plan_inputs(plan, cluster, graph=graphs.get(key))
+    graphs[key] = graph
+    covered = cover_graph(plan, graph)
+    program = lower_schedule(graph, local, covered, costs)
+    launch = PlanLaunch(plan_doc=plan.to_dict(), program_doc=program.to_dict(), devices=devices,
+                        slowdowns=emulated_slowdowns(plan, cluster, devices, False), fault=fault)
+    return _Prepared(plan=plan, covered=covered, cluster=cluster, local=local, graph=graph, costs=costs,
+                     devices=devices, launch=launch)
+
+
+def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s: float = 60.0, seed: int = 0,
+             warmup_steps: int = 1, predict: bool = True, out_dir: str | os.PathLike | None = None,
+             force: bool = False, faults: dict[int, dict[str, Any]] | None = None) -> list[PlanRun]:
+    """Train `steps` steps of each plan, one after the other, in one launch of local rank
+    processes (launcher.launch_local_many): the processes start, import torch and export each
+    model once for all the plans, instead of once per plan as `run` does. For sweeps of many
+    short runs (every candidate of a planner). Plans of emulated clusters only, their links
+    not shaped; a plan that fails does not stop the others: each PlanRun holds its result (the
+    dict `run` returns) or its error, in the order given. out_dir keeps plan i's files in
+    `plan<i>/`. faults: a test hook, plan index → run's `fault`."""
+    loaded = [p if isinstance(p, Plan) else Plan.load(p) for p in plans]
+    if steps < 1:
+        raise PlanError(f"steps must be ≥ 1, found {steps}.")
+    graphs: dict[str, Any] = {}
+    prepared: list[_Prepared | Exception] = []
+    for i, plan in enumerate(loaded):
+        try:
+            prepared.append(_prepare(plan, graphs, (faults or {}).get(i)))
+        except Exception as e:  # noqa: BLE001 - reported in that plan's PlanRun; the others run
+            prepared.append(e)
+    ready = [p for p in prepared if isinstance(p, _Prepared)]
+    with _sigterm_as_interrupt():
+        launched = iter(launch_local_many([p.launch for p in ready], steps=steps, timeout_s=timeout_s, seed=seed,
+                                          out_dir=Path(out_dir) if out_dir else None, force=force)
+                        if ready else [])
+    out = []
+    for i, (plan, prep) in enumerate(zip(loaded, prepared)):
+        got = next(launched) if isinstance(prep, _Prepared) else prep
+        if isinstance(got, Exception):
+            out.append(PlanRun(index=i, strategy=plan.strategy, error=got))
+            continue
+        assert isinstance(prep, _Prepared)
+        shaping = {"enabled": False, "reason": "run_many does not shape links"}
+        out.append(PlanRun(index=i, strategy=plan.strategy, result=_outcome(
+            plan, prep.covered, prep.cluster, prep.local, prep.graph, prep.costs, prep.devices, got,
+            steps=steps, warmup_steps=warmup_steps, predict=predict, notes=[], shaping=shaping)))
     return out

@@ -108,6 +108,95 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
         stale.release(work)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanLaunch:
+    """One plan of a multi-plan launch: its plan and Program documents, its ranks' devices
+    (rank r runs in process r) and their compute slowdowns."""
+    plan_doc: dict[str, Any]
+    program_doc: dict[str, Any]
+    devices: tuple[str, ...]
+    slowdowns: dict[str, float] = field(default_factory=dict)
+    fault: dict[str, Any] | None = None     # test hook, as LaunchConfig.fault
+
+
+def launch_local_many(plans: list[PlanLaunch], *, steps: int, timeout_s: float = 60.0, seed: int = 0,
+                      out_dir: Path | None = None, force: bool = False) -> list[list[dict] | Exception]:
+    """Run several plans' Programs one after the other in one set of rank processes (as many
+    as the largest plan has ranks; worker.run_plans), so the start-up — processes, imports,
+    the model's export — is paid once, not per plan. Returns, per plan, its ranks' results
+    (rank order) or the error that stopped it: a failing plan ends its processes, which the
+    launcher names as launch_local does, and the plans after it start in fresh ones. CPU
+    ranks (gloo) only, no link shaping, checkpoints, user data or fault injection."""
+    out: list[list[dict] | Exception | None] = [None] * len(plans)
+    for i, p in enumerate(plans):
+        try:
+            if (why := in_memory_model_error(p.plan_doc["model"]["name"])) is not None:
+                raise PlanError(why)
+            stale.check_memory(p.plan_doc, p.devices, force=force)
+        except PlanError as e:
+            out[i] = e
+    stale.remove_stale_runs()
+    own_dir = out_dir is None
+    work = Path(tempfile.mkdtemp(prefix=stale.RUN_PREFIX)) if own_dir else Path(out_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    stale.claim(work)
+    try:
+        launch = 0
+        while todo := [i for i in range(len(plans)) if out[i] is None]:
+            _launch_many(plans, todo, out, work, launch, steps=steps, timeout_s=timeout_s, seed=seed)
+            launch += 1
+        return out  # type: ignore[return-value]
+    finally:
+        if own_dir:
+            shutil.rmtree(work, ignore_errors=True)
+        stale.release(work)
+
+
+def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path, launch: int, *,
+                 steps: int, timeout_s: float, seed: int) -> None:
+    """One set of processes for the plans `todo` (in order); fills `out` for every plan that
+    finished and for the first that failed."""
+    world = max(len(plans[i].devices) for i in todo)
+    wait_s = timeout_s * (steps + 3) + 60          # as launch_local's deadline, per plan
+    plan_dir = {i: work / f"plan{i}" for i in todo}
+    entries = [{"index": i, "devices": list(plans[i].devices), "program": plans[i].program_doc,
+                "slowdowns": plans[i].slowdowns, "fault": plans[i].fault, "out_dir": str(plan_dir[i]),
+                "wait_s": wait_s} for i in todo]
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    try:
+        for rank in range(world):
+            spec = {"rank": rank, "world": world, "steps": steps, "timeout_s": timeout_s, "seed": seed,
+                    "master_addr": "127.0.0.1", "master_port": port, "plans": entries}
+            spec_path = work / f"spec_launch{launch}_rank{rank}.json"
+            spec_path.write_text(json.dumps(spec))
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            log = work / f"log_launch{launch}_rank{rank}.txt"
+            logs.append(log)
+            with open(log, "w") as fh:
+                procs.append(subprocess.Popen([sys.executable, "-m", "heterog.execute.worker", str(spec_path)],
+                                              stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            stale.record_ranks(work, [p.pid for p in procs])
+        overdue = RankError(0, "the multi-plan launch exceeded its overall deadline")
+        try:
+            finished = _wait_all(procs, time.monotonic() + wait_s * len(todo) + 60, lambda stuck: overdue)
+        except RankError:
+            finished = False
+        for i in todo:
+            n = len(plans[i].devices)
+            files = [plan_dir[i] / f"result_rank{r}.json" for r in range(n)]
+            if finished or all(f.exists() for f in files):
+                out[i] = [json.loads(f.read_text()) for f in files]
+                continue
+            _grace(procs[:n], timeout_s)
+            out[i] = _culprit(procs[:n], logs[:n], plan_dir[i], plans[i].devices, timeout_s)
+            return
+    finally:
+        _kill_all(procs)
+
+
 def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> dict[str, Any] | None:
     """The checkpoint settings with `resume` pinned to one complete checkpoint, so every rank
     loads the same one even if another appears meanwhile; checked against the plan first."""
@@ -151,21 +240,39 @@ def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: Lau
     # Start-up (imports, process group) plus every step may each wait up to the timeout;
     # a run that exceeds this overall bound has a rank stuck outside any timed operation.
     deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 3) + 60
+    if _wait_all(procs, deadline, lambda stuck: RankError(
+            stuck[0], f"the run exceeded its overall deadline; rank(s) {stuck} still running at "
+                      f"step(s) {[_progress(work, r) for r in stuck]}; killed.")):
+        return
+    _grace(procs, cfg.timeout_s)
+    raise _culprit(procs, logs, work, cfg.devices, cfg.timeout_s)
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float, overdue) -> bool:
+    """True when every process exits 0; False as soon as one fails; past the deadline, raise
+    `overdue(ranks still running)`."""
     while True:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
-            return
+            return True
         if any(c not in (None, 0) for c in codes):
-            break
+            return False
         if time.monotonic() > deadline:
-            stuck = [r for r, c in enumerate(codes) if c is None]
-            raise RankError(stuck[0], f"the run exceeded its overall deadline; rank(s) {stuck} still "
-                                      f"running at step(s) {[_progress(work, r) for r in stuck]}; killed.")
+            raise overdue([r for r, c in enumerate(codes) if c is None])
         time.sleep(0.05)
-    # Give the others a moment to report (a dead peer makes them fail fast).
-    grace = time.monotonic() + min(5.0, cfg.timeout_s)
+
+
+def _grace(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Give the others a moment to report (a dead peer makes them fail fast)."""
+    grace = time.monotonic() + min(5.0, timeout_s)
     while time.monotonic() < grace and any(p.poll() is None for p in procs):
         time.sleep(0.05)
+
+
+def _culprit(procs: list[subprocess.Popen], logs: list[Path], work: Path, devices: tuple[str, ...],
+             timeout_s: float) -> RankError:
+    """The RankError that names the rank to blame (module docstring), from the exit codes and
+    the error reports in `work`."""
     codes = [p.poll() for p in procs]
     errors = {}
     for r in range(len(procs)):
@@ -179,15 +286,15 @@ def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: Lau
         r = died[0]
         why = (f"failed: {errors[r]['type']}: {errors[r]['message']}" if r in errors else
                f"died (exit code {codes[r]}) at step {_progress(work, r)}")
-        raise RankError(r, f"{why} (device {cfg.devices[r]}); the run was stopped. "
-                           f"Log tail: {_tail(logs[r], 600)}")
+        return RankError(r, f"{why} (device {devices[r]}); the run was stopped. "
+                            f"Log tail: {_tail(logs[r], 600)}")
     if alive:
         r = alive[0]
-        raise RankError(r, f"hung at step {_progress(work, r)} (device {cfg.devices[r]}): the other "
-                           f"ranks timed out after {cfg.timeout_s:.0f} s waiting for it; killed.")
+        return RankError(r, f"hung at step {_progress(work, r)} (device {devices[r]}): the other "
+                            f"ranks timed out after {timeout_s:.0f} s waiting for it; killed.")
     r = min(errors) if errors else 0
     msg = errors.get(r, {}).get("message", _tail(logs[r]))
-    raise RankError(r, f"failed on device {cfg.devices[r]}: {msg}")
+    return RankError(r, f"failed on device {devices[r]}: {msg}")
 
 
 def torchrun_commands(*, spec_path: str, node_devices: list[list[str]], master_addr: str,

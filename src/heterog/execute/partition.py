@@ -61,7 +61,7 @@ from heterog.execute.assign import (GroupOrder, assign_groups, group_major_order
                                     segments)
 from heterog.execute.cut_rewrite import (attributes_inside, batch_first_across_cuts, replicate_per_stage,
                                          single_output)
-from heterog.execute.split_export import export_model
+from heterog.execute.split_export import ExportedModel, export_model
 from heterog.ir.plan import Plan
 
 INPUT = -1  # owner of model inputs: every rank has the whole global batch
@@ -128,24 +128,16 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None,
-                group_order: Sequence[int] | Sequence[Sequence[int]] | None = None) -> Dataflow:
+                group_order: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                exported: ExportedModel | None = None) -> Dataflow:
     """Export `model` and cut it into one submodule per stage (see the module docstring).
     Without `example_inputs`, a small batch of the plan's model is made to export with.
     `group_order`: the Program's blocks, each its groups, in the order it runs them
     (`program_group_order`: one stage per block), or a flat order of the groups; the plan's
-    order when None."""
-    if example_inputs is None:
-        example_inputs = example_batch_for(plan)
-    try:
-        exported = export_model(model, tuple(example_inputs))
-    except PlanError:
-        raise
-    except Exception as e:  # export raises many types for code it cannot take
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise PlanError(
-            f"model {plan.model.name!r} cannot be exported by torch.export ({type(e).__name__}: "
-            f"{first[:300]}), so it cannot be split into groups. Plans that need no split run it: "
-            f"every group on the same devices with the same shares (data parallelism).") from None
+    order when None. `exported`: the model's export to cut instead of exporting it again
+    (it is rewritten in place: pass a `copy_exported` copy to keep the original)."""
+    if exported is None:
+        exported = export_plan_model(model, plan, example_inputs)
     if exported.num_outputs != 1:
         raise PlanError(f"model {plan.model.name!r} returns {exported.num_outputs} tensors; a split "
                         f"plan needs a single output tensor (the loss input). Plans that need no split "
@@ -167,6 +159,23 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
     flow = _dataflow(split, seg, assign, plan, warnings, go)
     _collect_params(flow, gm, seg, assign, model, plan)
     return flow
+
+
+def export_plan_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None) -> ExportedModel:
+    """`model` exported for splitting (split_export.export_model), or a PlanError saying that
+    torch.export cannot take it. Without `example_inputs`, a small batch of the plan's model."""
+    if example_inputs is None:
+        example_inputs = example_batch_for(plan)
+    try:
+        return export_model(model, tuple(example_inputs))
+    except PlanError:
+        raise
+    except Exception as e:  # export raises many types for code it cannot take
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise PlanError(
+            f"model {plan.model.name!r} cannot be exported by torch.export ({type(e).__name__}: "
+            f"{first[:300]}), so it cannot be split into groups. Plans that need no split run it: "
+            f"every group on the same devices with the same shares (data parallelism).") from None
 
 
 def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
@@ -360,10 +369,12 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
 
 def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
                    example_inputs: tuple[Any, ...] | None = None,
-                   group_order: Sequence[int] | Sequence[Sequence[int]] | None = None) -> Dataflow:
-    """Split when the model exports; otherwise run it whole when the plan allows."""
+                   group_order: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                   exported: ExportedModel | None = None) -> Dataflow:
+    """Split when the model exports; otherwise run it whole when the plan allows.
+    `exported`: as in split_model."""
     try:
-        return split_model(model, plan, example_inputs, group_order)
+        return split_model(model, plan, example_inputs, group_order, exported)
     except PlanError as e:
         if needs_no_split(plan) and "cannot be exported" in str(e):
             flow = whole_model(model, plan, num_inputs)

@@ -276,3 +276,21 @@ def leaf_call_names(model: nn.Module, example_inputs: tuple[Any, ...]) -> list[s
     exported = export_model(model, example_inputs)
     return list(dict.fromkeys(exported.leaf_name[n] for n in exported.module.graph.nodes
                               if n in exported.leaf_name))
+
+
+def copy_exported(exported: ExportedModel) -> ExportedModel:
+    """A copy whose graph can be cut without touching the original (the split rewrites the
+    graph in place), sharing its parameters and buffers: one export serves every plan of a
+    model in a multi-plan launch (pipeline.run_many). The node tables follow the copied nodes."""
+    import copy
+    graph = copy.deepcopy(exported.module.graph)     # node by node, in order; meta shared
+    module = fx.GraphModule(exported.module, graph)
+    module.meta.update(exported.module.meta)
+    old_nodes, new_nodes = list(exported.module.graph.nodes), list(graph.nodes)
+    assert len(old_nodes) == len(new_nodes), "an fx graph copy changed the number of nodes"
+    nodes = dict(zip(old_nodes, new_nodes))
+    return ExportedModel(module=module, leaf_name={nodes[n]: v for n, v in exported.leaf_name.items()},
+                         data=frozenset(nodes[n] for n in exported.data),
+                         layout={nodes[n]: v for n, v in exported.layout.items()},
+                         num_outputs=exported.num_outputs,
+                         loose_run={nodes[n]: v for n, v in exported.loose_run.items()})

@@ -4,6 +4,14 @@ The launcher (local) or torchrun (real clusters) starts one per device. The spec
 holds the plan, the rank → device map (or, under torchrun, the devices of each node), the
 number of steps and the emulation settings. The worker writes `result_rank<R>.json`, or
 `error_rank<R>.json` when it fails, into the spec's out_dir; the launcher reads them.
+
+A multi-plan spec (launcher.launch_local_many, for pipeline.run_many) lists several plans:
+the process runs them one after the other (`run_plans`), as rank r of every plan that has
+more than r devices, each plan in a process group of its own (a fresh `init_process_group`
+over a prefix of one shared store), and waits at a barrier of all processes after each plan,
+so a plan that does not use it finds it idle. Plans of one model share its construction and
+its export (`ModelCache`). A failure ends the process: the launcher starts the remaining
+plans afresh.
 """
 
 from __future__ import annotations
@@ -13,32 +21,38 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from heterog.errors import RankError
 from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.p2p import P2P
-from heterog.execute.partition import build_dataflow, detach_unheld, program_group_order
+from heterog.execute.partition import build_dataflow, detach_unheld, export_plan_model, program_group_order
+from heterog.execute.split_export import ExportedModel, copy_exported
 from heterog.execute.runtime import Interpreter
 from heterog.execute.sync import ProgramSync
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.trace import SpanCategory, StepRecorder
-from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, to_device, with_data
+from heterog.execute.workload import (Workload, build_model, global_batch, make_optimizer, resolve_workload,
+                                      to_device, with_data)
+from heterog.errors import PlanError
 from heterog.ir.plan import Plan
 from heterog.lower.program import Program
 from heterog.jsonio import write_atomic
 
 
-def _init(spec: dict[str, Any]) -> tuple[int, int, str, RankDevice]:
+def _init(spec: dict[str, Any], store: Any = None) -> tuple[int, int, str, RankDevice]:
     """Join the process group; return (rank, world size, this rank's plan device, its torch
-    device): a GPU when the run is on GPUs (`cuda:<local rank>`, NCCL), else the CPU (gloo)."""
+    device): a GPU when the run is on GPUs (`cuda:<local rank>`, NCCL), else the CPU (gloo).
+    `store`: rendezvous through it (a multi-plan launch) instead of the spec's address."""
     timeout = timedelta(seconds=spec["timeout_s"])
     if "RANK" in os.environ and spec.get("torchrun"):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -53,8 +67,11 @@ def _init(spec: dict[str, Any]) -> tuple[int, int, str, RankDevice]:
     world = len(spec["devices"])
     rdev = rank_device(use_cuda=spec.get("cuda", False), local_rank=rank)
     rdev.activate()
-    dist.init_process_group(rdev.backend, init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
-                            rank=rank, world_size=world, timeout=timeout)
+    if store is not None:
+        dist.init_process_group(rdev.backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(rdev.backend, init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
+                                rank=rank, world_size=world, timeout=timeout)
     return rank, world, spec["devices"][rank], rdev
 
 
@@ -68,9 +85,53 @@ def _fault(spec: dict[str, Any], rank: int, step: int, phase: str = "start") -> 
         time.sleep(10 * spec["timeout_s"] + 3600)
 
 
-def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Built:
+    model: nn.Module
+    initial: dict[str, torch.Tensor]        # parameters and buffers as built
+    rng_state: torch.Tensor                 # the CPU generator right after the build
+    exported: ExportedModel | None          # None: torch.export refused the model
+
+
+@dataclass(kw_only=True)
+class ModelCache:
+    """The model and its export per model spec (and seed), for the plans of one multi-plan
+    launch: exporting takes seconds, more than a 2-step run. Before each plan the parameters,
+    the buffers and the random generator are put back as a fresh build leaves them, and the
+    plan cuts its own copy of the export (the split rewrites the graph it is given)."""
+    built: dict[str, _Built] = field(default_factory=dict)
+
+    def get(self, work: Workload, plan: Plan, seed: int) -> tuple[nn.Module, ExportedModel | None]:
+        key = json.dumps([plan.to_dict()["model"], plan.batch_size, seed], sort_keys=True, default=str)
+        entry = self.built.get(key)
+        if entry is None:
+            model = build_model(work, seed=seed)
+            rng_state = torch.get_rng_state()
+            try:
+                exported = export_plan_model(model, plan)
+            except PlanError:
+                exported = None      # build_dataflow says why, or runs the model whole
+            initial = {k: t.detach().clone() for k, t in [*model.named_parameters(), *model.named_buffers()]}
+            entry = self.built[key] = _Built(model=model, initial=initial, rng_state=rng_state, exported=exported)
+        for name, t in [*entry.model.named_parameters(), *entry.model.named_buffers()]:
+            t.data = entry.initial[name].clone()
+            t.grad = None
+        torch.set_rng_state(entry.rng_state)
+        return entry.model, (copy_exported(entry.exported) if entry.exported is not None else None)
+
+
+def _model_and_flow(work: Workload, plan: Plan, program: Program, seed: int, models: ModelCache | None):
+    """(model, its split for the program's blocks, the first global batch's inputs)."""
+    model, exported = models.get(work, plan, seed) if models is not None else (build_model(work, seed=seed), None)
+    inputs0, _ = global_batch(work, plan.batch_size, seed=seed, step=0)
+    flow = build_dataflow(model, plan, len(inputs0), group_order=program_group_order(program), exported=exported)
+    return model, flow
+
+
+def train(spec: dict[str, Any], out_dir: Path, *, store: Any = None,
+          models: ModelCache | None = None) -> dict[str, Any]:
     torch.set_num_threads(spec.get("threads", 1))
-    rank, world, device, rdev = _init(spec)
+    rank, world, device, rdev = _init(spec, store)
     progress = out_dir / f"progress_rank{rank}"
     cores = pin_to_cores(rank, spec.get("cores")) if spec.get("pin_cores") else None
     devices_by_rank: list[str] = [None] * world  # type: ignore[list-item]
@@ -84,9 +145,7 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                               f"ranks run {devices_by_rank}.")
     work = with_data(resolve_workload(plan.model), spec.get("data"))
     seed = spec.get("seed", 0)
-    model = build_model(work, seed=seed)
-    inputs0, _ = global_batch(work, plan.batch_size, seed=seed, step=0)
-    flow = build_dataflow(model, plan, len(inputs0), group_order=program_group_order(program))
+    model, flow = _model_and_flow(work, plan, program, seed, models)
     held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
     detach_unheld(flow, held)
     model.to(rdev.torch_device)       # parameters stay the same objects (optimizer, sync, checkpoints)
@@ -150,14 +209,11 @@ def train(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             "sent_bytes": p2p.sent_bytes, "split": flow.split, "warnings": flow.warnings}
 
 
-def main(argv: list[str]) -> int:
-    spec_path = Path(argv[0])
-    spec = json.loads(spec_path.read_text())
-    out_dir = Path(spec["out_dir"])
+def _report(out_dir: Path, rank: int, work: Callable[[], dict[str, Any]]) -> int:
+    """Run `work`; write its result, or the failure for the launcher; the exit code."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ.get("RANK", spec.get("rank", 0)))
     try:
-        result = train(spec, out_dir)
+        result = work()
     except BaseException as e:  # report any failure to the launcher, then exit non-zero
         text = str(e).lower()
         kind = "timeout" if isinstance(e, RankError) or "timed out" in text or "timeout" in text \
@@ -168,6 +224,44 @@ def main(argv: list[str]) -> int:
         return 1
     write_atomic(out_dir / f"result_rank{rank}.json", json.dumps(result))
     return 0
+
+
+def _store_barrier(store: Any, key: str, world: int, timeout_s: float) -> None:
+    """Every process of the launch reaches `key` before any goes on."""
+    if store.add(key, 1) == world:
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"], timedelta(seconds=timeout_s))
+
+
+def run_plans(spec: dict[str, Any]) -> int:
+    """A multi-plan spec (module docstring): each plan in turn, as rank `spec['rank']` of the
+    plans that have that many devices; idle at the barrier after each plan otherwise."""
+    me, world = spec["rank"], spec["world"]
+    store = dist.TCPStore(spec["master_addr"], spec["master_port"], world, is_master=me == 0,
+                          timeout=timedelta(seconds=spec["timeout_s"]))
+    models = ModelCache()
+    common = {k: v for k, v in spec.items() if k != "plans"}
+    for entry in spec["plans"]:
+        plan_spec, out_dir = {**common, **entry, "rank": me}, Path(entry["out_dir"])
+        if me < len(entry["devices"]):
+            prefixed = dist.PrefixStore(f"plan{entry['index']}/", store)
+            if _report(out_dir, me, lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
+                return 1
+        _store_barrier(store, f"after{entry['index']}", world, entry["wait_s"])
+    if me == 0:     # the store lives in this process: leave last
+        store.wait([f"left{r}" for r in range(1, world)], timedelta(seconds=spec["timeout_s"]))
+    else:
+        store.set(f"left{me}", "1")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    if "plans" in spec:
+        return run_plans(spec)
+    rank = int(os.environ.get("RANK", spec.get("rank", 0)))
+    out_dir = Path(spec["out_dir"])
+    return _report(out_dir, rank, lambda: train(spec, out_dir))
 
 
 if __name__ == "__main__":
