@@ -15,13 +15,11 @@ from heterog.errors import HeterogError, PlanError
 from heterog.ir.plan import Plan, user_model_file
 
 
-def check_plan_fits_model(plan: Plan, graph=None) -> None:
-    """Raise PlanError when the plan was made for another model, arguments or cluster.
-    `graph`: the model's capture at the plan's batch, when the caller has it (else captured)."""
+def check_plan_fits_model(plan: Plan) -> None:
+    """Raise PlanError when the plan was made for another model, arguments or cluster."""
     from heterog.hardware.spec import cluster_from_dict
 
-    if graph is None:
-        graph = capture_for_plan(plan)
+    graph = _capture_for_plan(plan)
     if plan.cluster:  # its own errors say what to do
         plan.validate(cluster=cluster_from_dict(plan.cluster))
     problem = _model_mismatch(plan, graph)
@@ -31,7 +29,7 @@ def check_plan_fits_model(plan: Plan, graph=None) -> None:
                         f"made for it.")
 
 
-def capture_for_plan(plan: Plan):
+def _capture_for_plan(plan: Plan):
     """The plan's model captured at the plan's batch, or a PlanError saying it cannot be built."""
     from heterog.capture import capture_model
     try:

@@ -10,7 +10,7 @@ plan's tasks.
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Callable, Sequence
 
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
@@ -214,66 +214,47 @@ class CostTable:
             self._time[key] = hit
         return hit
 
-    def optimizer_s(self, nodes: tuple[str, ...], device: str) -> float:
-        key = ("opt", nodes, device)
-        hit = self._time.get(key)
+    def _cached(self, store: dict, key: tuple, make: Callable[[], float]) -> float:
+        """store[key], made (and the store trimmed) on the first ask."""
+        hit = store.get(key)
         if hit is None:
-            hit = self._time[key] = float(self.costs.optimizer_time_s(nodes, device))
+            hit = make()
+            self._trim()
+            store[key] = hit
         return hit
+
+    def optimizer_s(self, nodes: tuple[str, ...], device: str) -> float:
+        return self._cached(self._time, ("opt", nodes, device),
+                            lambda: float(self.costs.optimizer_time_s(nodes, device)))
 
     def activation_bytes(self, nodes: tuple[str, ...], samples: int, recompute: bool) -> float:
-        key = ("act", nodes, samples, recompute)
-        hit = self._mem.get(key)
-        if hit is None:
-            hit = 0.0 if samples <= 0 else float(self.costs.activation_bytes(nodes, samples, recompute))
-            self._trim()
-            self._mem[key] = hit
-        return hit
+        return self._cached(self._mem, ("act", nodes, samples, recompute), lambda: (
+            0.0 if samples <= 0 else float(self.costs.activation_bytes(nodes, samples, recompute))))
 
     def recompute_transient_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
-        key = ("rt", nodes, samples)
-        hit = self._mem.get(key)
-        if hit is None:
+        def make() -> float:
             fn = getattr(self.costs, "recompute_transient_bytes", None)
             if samples <= 0:
-                hit = 0.0
-            elif fn is None:  # a cost model without blocks: the whole group lives again
-                hit = float(self.costs.activation_bytes(nodes, samples, False))
-            else:
-                hit = float(fn(nodes, samples))
-            self._trim()
-            self._mem[key] = hit
-        return hit
+                return 0.0
+            if fn is None:  # a cost model without blocks: the whole group lives again
+                return float(self.costs.activation_bytes(nodes, samples, False))
+            return float(fn(nodes, samples))
+        return self._cached(self._mem, ("rt", nodes, samples), make)
 
     def workspace_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
-        key = ("ws", nodes, samples)
-        hit = self._mem.get(key)
-        if hit is None:
-            hit = 0.0 if samples <= 0 else float(self.costs.workspace_bytes(nodes, samples))
-            self._trim()
-            self._mem[key] = hit
-        return hit
+        return self._cached(self._mem, ("ws", nodes, samples), lambda: (
+            0.0 if samples <= 0 else float(self.costs.workspace_bytes(nodes, samples))))
 
     def persistent_bytes(self, nodes: tuple[str, ...], device: str) -> float:
-        key = ("pers", nodes, device)
-        hit = self._mem.get(key)
-        if hit is None:
-            hit = self._mem[key] = float(self.costs.persistent_bytes(nodes, device))
-        return hit
+        return self._cached(self._mem, ("pers", nodes, device),
+                            lambda: float(self.costs.persistent_bytes(nodes, device)))
 
     def optimizer_state_bytes(self, nodes: tuple[str, ...], device: str) -> float:
-        key = ("optstate", nodes, device)
-        hit = self._mem.get(key)
-        if hit is None:
-            hit = self._mem[key] = float(self.costs.optimizer_state_bytes(nodes, device))
-        return hit
+        return self._cached(self._mem, ("optstate", nodes, device),
+                            lambda: float(self.costs.optimizer_state_bytes(nodes, device)))
 
     def gradient_bytes(self, nodes: tuple[str, ...]) -> float:
-        key = ("grad", nodes)
-        hit = self._mem.get(key)
-        if hit is None:
-            hit = self._mem[key] = float(self.costs.gradient_bytes(nodes))
-        return hit
+        return self._cached(self._mem, ("grad", nodes), lambda: float(self.costs.gradient_bytes(nodes)))
 
     def edge_bytes(self, src: str, dst: str) -> tuple[float, float]:
         """(fixed, per-sample) bytes on edge src → dst; the cost model is affine in the batch."""
@@ -285,25 +266,15 @@ class CostTable:
         return hit
 
     def transfer_s(self, nbytes: float, src: str, dst: str) -> float:
-        key = ("p2p", nbytes, src, dst)
-        hit = self._comm.get(key)
-        if hit is None:
-            hit = float(self.costs.transfer_time_s(nbytes, src, dst))
-            self._trim()
-            self._comm[key] = hit
-        return hit
+        return self._cached(self._comm, ("p2p", nbytes, src, dst),
+                            lambda: float(self.costs.transfer_time_s(nbytes, src, dst)))
 
     def sync_s(self, method: str, nbytes: float, devices: tuple[str, ...], server: str | None) -> float:
-        key = (method, nbytes, devices, server)
-        hit = self._comm.get(key)
-        if hit is None:
+        def make() -> float:
             if method == "ps":
-                hit = float(self.costs.ps_sync_time_s(nbytes, devices, server))
-            else:
-                hit = float(self.costs.collective_time_s("allreduce", nbytes, devices, method))
-            self._trim()
-            self._comm[key] = hit
-        return hit
+                return float(self.costs.ps_sync_time_s(nbytes, devices, server))
+            return float(self.costs.collective_time_s("allreduce", nbytes, devices, method))
+        return self._cached(self._comm, (method, nbytes, devices, server), make)
 
 
 class SimCache:

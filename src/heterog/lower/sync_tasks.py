@@ -16,11 +16,16 @@ from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
 def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
                   Bk, bwd_of_dev: dict[int, list[int]], rep: list[int], preds, splits, mb_sizes) -> None:
     """Persistent state per device, gradient sync per replicated block, optimizer steps."""
-    opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev)
+    where = _placement_of_tied_nodes(blocks, table)
+    opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where)
     _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
-    split = _split_ties(blocks, table)
-    opt_preds = _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, bwd_of_dev, split)
-    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_preds)
+    split = _split_ties(table, where)
+    link_loads: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
+    opt_preds = _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, bwd_of_dev, split, link_loads)
+    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_preds, link_loads)
+    for load, nbytes in link_loads.values():
+        for l, share in load.items():
+            tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
     succ = tasks.succ
     for d, bl in bwd_of_dev.items():
         o = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
@@ -30,8 +35,17 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
             succ[s].append(o)
 
 
+def _placement_of_tied_nodes(blocks: list[Block], table: CostTable) -> dict[str, tuple[int, int]]:
+    """node → (block, group) for the nodes that read a tied parameter."""
+    tied = {n for tie in table.graph.ties for n in tie.nodes}
+    if not tied:
+        return {}
+    return {n: (bi, g) for bi, blk in enumerate(blocks) for g, nodes in zip(blk.groups, blk.nodes)
+            for n in nodes if n in tied}
+
+
 def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                      rep: list[int], bwd_of_dev) -> dict[int, float]:
+                      rep: list[int], bwd_of_dev, where: dict[str, tuple[int, int]]) -> dict[int, float]:
     """Parameters, gradients and optimizer state on every device (tasks.persistent_bytes,
     initial_bytes); returns each device's optimizer-step time. A block synced by a parameter
     server leaves its optimizer state and update to the server (_server_state)."""
@@ -65,7 +79,7 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
             tasks.persistent_bytes[d] += v[0]
             if rep[d] == d:
                 opt_time[d] += v[1]
-    _tied_copies(tasks, blocks, info, table)
+    _tied_copies(tasks, blocks, info, table, where)
     _server_state(tasks, blocks, info, table)
     tasks.initial_bytes = list(tasks.persistent_bytes)
     return opt_time
@@ -100,65 +114,67 @@ def _server_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: C
         tasks.persistent_bytes[blk.ps_device] += full
 
 
-def _tied_copies(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable) -> None:
+def _tied_copies(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable,
+                 where: dict[str, tuple[int, int]]) -> None:
     """A tied parameter (OpGraph.ties) read by blocks on other devices than its owner's: each of
     those devices holds a copy — parameter, gradient and optimizer state — as the executor's
     partition gives it (execute/partition.py; the copies' gradients are summed every step)."""
-    ties = table.graph.ties
-    if not ties:
-        return
-    block_of = {n: bi for bi, blk in enumerate(blocks) for nodes in blk.nodes for n in nodes}
-    for tie in ties:
-        owner = set(blocks[block_of[tie.nodes[0]]].devices)
-        holders = {d for n in tie.nodes for d in blocks[block_of[n]].devices} - owner
+    for tie in table.graph.ties:
+        owner = set(blocks[where[tie.nodes[0]][0]].devices)
+        holders = {d for n in tie.nodes for d in blocks[where[n][0]].devices} - owner
         for d in holders:
             tasks.persistent_bytes[d] += table.costs.tied_copy_bytes(tie.param_bytes, info.devices[d])
 
 
-def _split_ties(blocks: list[Block], table: CostTable) -> list[tuple[object, int, tuple[int, ...]]]:
+def _split_ties(table: CostTable, where: dict[str, tuple[int, int]]) -> list[tuple[object, int, tuple[int, ...]]]:
     """The tied parameters whose users lie in several groups, each with its owner's block and
     the blocks that read it: the executor keeps them out of the owners' gradient buckets and
     sums their copies' gradients in an all-reduce of their own (execute/sync.py)."""
-    ties = table.graph.ties
-    if not ties:
-        return []
-    where = {n: (bi, g) for bi, blk in enumerate(blocks) for g, nodes in zip(blk.groups, blk.nodes) for n in nodes}
-    out = []
-    for tie in ties:
-        if len({where[n][1] for n in tie.nodes}) > 1:
-            out.append((tie, where[tie.nodes[0]][0], tuple(sorted({where[n][0] for n in tie.nodes}))))
-    return out
+    return [(tie, where[tie.nodes[0]][0], tuple(sorted({where[n][0] for n in tie.nodes})))
+            for tie in table.graph.ties if len({where[n][1] for n in tie.nodes}) > 1]
 
 
 def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable, Bk,
-               rep: list[int], split, opt_preds: dict[int, list[int]]) -> None:
+               rep: list[int], split, opt_preds: dict[int, list[int]], link_loads: dict[int, list]) -> None:
     """A ring all-reduce of each split tied parameter's gradient over the devices holding a
     copy, after every backward that reads it; the holders' optimizer steps wait for it."""
-    succ = tasks.succ
     for tie, owner, readers in split:
         members = tuple(sorted({d for b in readers for d in blocks[b].devices}))
         if len(members) < 2:
             continue
         nbytes = float(tie.param_bytes)
         links, load = info.ring(members)
-        s = tasks.add_comm(SYNC, table.sync_s("ring", nbytes, info.names(members), None),
-                           plan.num_microbatches, owner, links, members, nbytes)
+        s = _collective(tasks, info, table.sync_s("ring", nbytes, info.names(members), None), plan.num_microbatches,
+                        owner, links, load, members, nbytes, readers, Bk, link_loads)
         tasks.ties[s] = tie.param
-        for l in info.shared_bw:
-            if l in load:
-                tasks.core_bytes[s] = load[l] * nbytes
-        for l, share in load.items():
-            tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
-        for b in readers:
-            for m in range(plan.num_microbatches):
-                for x in Bk[m][b]:
-                    if x is not None:
-                        succ[x].append(s)
         kept = [d for d in members if rep[d] == d]
         tasks.mem_start[s] = [(d, nbytes) for d in kept]     # the gradient's sync buffer
         tasks.mem_end[s] = [(d, -nbytes) for d in kept]
         for d in kept:
             opt_preds[d].append(s)
+
+
+def _collective(tasks: Tasks, info: ClusterInfo, dur: float, mbs: int, block: int, links, load: dict[int, float],
+                involved: tuple[int, ...], nbytes: float, after: tuple[int, ...], Bk, link_loads: dict[int, list]) -> int:
+    """A gradient collective's task after every backward of the blocks `after`, with the bytes
+    it pushes through switch cores; its link loads are summed per distinct load map (the
+    rings of a data-parallel plan share one) into link_loads."""
+    s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
+    for l in info.shared_bw:
+        if l in load:   # a ring crosses the core once per node it leaves
+            tasks.core_bytes[s] = load[l] * nbytes
+    entry = link_loads.get(id(load))
+    if entry is None:
+        link_loads[id(load)] = [load, nbytes]
+    else:
+        entry[1] += nbytes
+    succ = tasks.succ
+    for b in after:
+        for m in range(mbs):
+            for x in Bk[m][b]:
+                if x is not None:
+                    succ[x].append(s)
+    return s
 
 
 def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, splits, mb_sizes) -> None:
@@ -177,14 +193,13 @@ def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, spl
 
 
 def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                Bk, rep: list[int], bwd_of_dev, split) -> dict[int, list[int]]:
+                Bk, rep: list[int], bwd_of_dev, split, link_loads: dict[int, list]) -> dict[int, list[int]]:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
     link loads and the server's copy; returns each device's syncs its optimizer waits for.
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
     devices, dclass = info.devices, info.dev_class
     mbs = plan.num_microbatches
     opt_preds: dict[int, list[int]] = {d: [] for d in bwd_of_dev}
-    ring_bytes: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
     rep_key = rep_id(table.scratch, rep)     # first: it may drop the cache below
     buffer_cache = table.scratch.setdefault("buffers", {})
     grads_of: dict[tuple[int, ...], float] = {}
@@ -211,20 +226,7 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
                 links, load = info.ring(tuple(sorted(members)))
                 dur = table.sync_s(blk.sync, grad, names, None)
                 involved = members
-            s = tasks.add_comm(SYNC, dur, mbs, bi, links, involved, grad)
-            for l in info.shared_bw:
-                if l in load:   # a ring crosses the core once per node it leaves
-                    tasks.core_bytes[s] = load[l] * grad
-            entry = ring_bytes.get(id(load))
-            if entry is None:
-                ring_bytes[id(load)] = [load, grad]
-            else:
-                entry[1] += grad
-            succ = tasks.succ
-            for m in range(mbs):
-                for b in Bk[m][bi]:
-                    if b is not None:
-                        succ[b].append(s)
+            s = _collective(tasks, info, dur, mbs, bi, links, load, involved, grad, (bi,), Bk, link_loads)
             # the bucket's communication buffer on every member while it is synchronised
             # (shared lists, cached: the search re-scores the same buckets constantly)
             bk = (involved, members, grad, rep_key)
@@ -240,7 +242,4 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
     for devs, grad in grads_of.items():
         for d in devs:
             tasks.initial_bytes[d] -= grad
-    for load, nbytes in ring_bytes.values():
-        for l, share in load.items():
-            tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
     return opt_preds
