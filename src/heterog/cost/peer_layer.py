@@ -41,9 +41,10 @@ class _Softmax(nn.Module):
     softmax) only takes fp16/bf16 input; on fp32 scores it falls back to three torch ops —
     scale (`input * scale`), mask (`masked_fill_(mask, -10000.0)`) and softmax
     (megatron/model/fused_softmax.py, `is_kernel_available` / `forward_torch_softmax`): three
-    passes over the s×s scores forward and more backward. The peer data show it: Aceso's
-    fp32 softmax takes 3.7× the time of one read and write of the scores at the type's
-    bandwidth on every type, its fp16 softmax about 1×."""
+    passes over the s×s scores forward and more backward. The peer data show it: modelled
+    as one kernel, Aceso's fp32 softmax is predicted at 0.20-0.28 of its measured time on
+    every type, its fp16 softmax at 0.9-1.3 (benchmarks/predict_gpu_diagnostics.py
+    --peer-ops); as the three ops, at 0.61-0.93."""
 
     def __init__(self, fused: bool, positions: int):
         super().__init__()
