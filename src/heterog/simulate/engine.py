@@ -177,15 +177,11 @@ def _memory(tasks: Tasks, start: list[float], end: list[float], n_devices: int,
     return peak, overflow, trace
 
 
-def _effects(effects: list, when: list[float], phase: int):
+def _effects(effects: list, when: np.ndarray, phase: int):
     """The memory effects of one kind (at starts or at ends) as arrays: time, device, bytes, phase."""
-    tids = [t for t, e in enumerate(effects) if e is not None]
-    if not tids:
-        empty = np.zeros(0)
-        return empty, empty.astype(np.intp), empty, empty.astype(np.intp)
-    lists = [effects[t] for t in tids]
+    lists = [e or () for e in effects]      # None: a task without effects
     counts = np.fromiter(map(len, lists), dtype=np.intp, count=len(lists))
     # (device, bytes) pairs flattened into one float array: device numbers are exact in floats
     flat = np.fromiter(chain.from_iterable(chain.from_iterable(lists)), dtype=float, count=2 * int(counts.sum()))
-    times = np.repeat(when[tids], counts)
+    times = np.repeat(when, counts)
     return times, flat[0::2].astype(np.intp), flat[1::2], np.full(len(times), phase, dtype=np.intp)
