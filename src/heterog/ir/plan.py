@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
 from heterog.errors import ArtifactError, PlanError
@@ -60,6 +60,31 @@ class Group:
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(r.device for r in self.replicas)
+
+    def validate(self) -> None:
+        """Check the group alone: nodes, replicas and shares, sync method and server."""
+        where = f"group {self.name!r}"
+        if not self.nodes:
+            raise PlanError(f"{where}: holds no nodes.")
+        if not self.replicas:
+            raise PlanError(f"{where}: has no replicas; place it on at least one device.")
+        devs = [r.device for r in self.replicas]
+        if len(set(devs)) != len(devs):
+            raise PlanError(f"{where}: a device appears twice in its replicas ({devs}).")
+        for r in self.replicas:
+            if not (r.share > 0 and math.isfinite(r.share)):
+                raise PlanError(f"{where} replica on {r.device!r}: share must be > 0, found {r.share}.")
+        total = sum(r.share for r in self.replicas)
+        if abs(total - 1.0) > SHARE_TOLERANCE:
+            raise PlanError(f"{where}: replica shares sum to {total:.6g}, not 1; "
+                            f"shares are fractions of each micro-batch.")
+        if self.sync not in SYNC_METHODS:
+            raise PlanError(f"{where}: sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}.")
+        if self.sync == "ps" and self.ps_device is None:
+            raise PlanError(f"{where}: sync is 'ps' but ps_device is not set; name the device "
+                            f"that holds the parameter server.")
+        if self.sync != "ps" and self.ps_device is not None:
+            raise PlanError(f"{where}: ps_device is set but sync is {self.sync!r}, not 'ps'.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,8 +141,9 @@ class Plan:
                        predicted_peak_memory_bytes=dict(peak_memory_bytes))
 
     # -- validation -----------------------------------------------------------------------
-    def validate(self, graph=None, cluster=None) -> "Plan":
-        """Check the plan alone, and against a graph and cluster when given."""
+    def validate(self, graph=None, cluster=None, checked: Callable[[Group], bool] | None = None) -> "Plan":
+        """Check the plan alone, and against a graph and cluster when given. checked(g): True
+        for a group validated before (groups are frozen; the search re-uses unchanged ones)."""
         if self.precision not in PRECISIONS:
             raise PlanError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}.")
         if self.optimizer not in OPTIMIZERS:
@@ -133,34 +159,14 @@ class Plan:
             raise PlanError("the plan has no groups; every graph node must belong to one group.")
         names: set[str] = set()
         for g in self.groups:
-            where = f"group {g.name!r}"
             if g.name in names:
-                raise PlanError(f"{where}: duplicate group name.")
+                raise PlanError(f"group {g.name!r}: duplicate group name.")
             names.add(g.name)
-            if not g.nodes:
-                raise PlanError(f"{where}: holds no nodes.")
-            if not g.replicas:
-                raise PlanError(f"{where}: has no replicas; place it on at least one device.")
-            devs = [r.device for r in g.replicas]
-            if len(set(devs)) != len(devs):
-                raise PlanError(f"{where}: a device appears twice in its replicas ({devs}).")
-            for r in g.replicas:
-                if not (r.share > 0 and math.isfinite(r.share)):
-                    raise PlanError(f"{where} replica on {r.device!r}: share must be > 0, found {r.share}.")
-            total = sum(r.share for r in g.replicas)
-            if abs(total - 1.0) > SHARE_TOLERANCE:
-                raise PlanError(f"{where}: replica shares sum to {total:.6g}, not 1; "
-                                f"shares are fractions of each micro-batch.")
-            if g.sync not in SYNC_METHODS:
-                raise PlanError(f"{where}: sync {g.sync!r} is not one of {', '.join(SYNC_METHODS)}.")
-            if g.sync == "ps" and g.ps_device is None:
-                raise PlanError(f"{where}: sync is 'ps' but ps_device is not set; name the device "
-                                f"that holds the parameter server.")
-            if g.sync != "ps" and g.ps_device is not None:
-                raise PlanError(f"{where}: ps_device is set but sync is {g.sync!r}, not 'ps'.")
+            if checked is None or not checked(g):
+                g.validate()
             if len(g.replicas) > 1 and g.sync == "none" and graph is not None:
                 if any(graph.node(n).param_count for n in g.nodes if n in graph.index):
-                    raise PlanError(f"{where}: replicated on {len(g.replicas)} devices and holds "
+                    raise PlanError(f"group {g.name!r}: replicated on {len(g.replicas)} devices and holds "
                                     f"parameters, but sync is 'none'; its replicas would diverge. "
                                     f"Choose ring, tree, hierarchical or ps.")
         if cluster is not None:

@@ -316,15 +316,21 @@ class SimCache:
     def fingerprint(self, obj) -> str:
         return self._get("fingerprint", id(obj), (obj,), obj.fingerprint)
 
-    def validated(self, plan) -> bool:
-        """True if this plan object was validated before (plans are frozen); marks it now."""
-        cache = self._entries.setdefault("validated", {})
-        if cache.get(id(plan), (None,))[0] is plan:
-            return True
-        if len(cache) >= 4 * self.limit:
-            cache.clear()
-        cache[id(plan)] = (plan, True)
-        return False
+    def validate(self, plan) -> None:
+        """plan.validate(), skipping plans and groups validated before (both are frozen; a
+        neighbour in the search shares all groups but one with its plan)."""
+        plans = self._entries.setdefault("validated", {})
+        if plans.get(id(plan), (None,))[0] is plan:
+            return
+        groups = self._entries.setdefault("validated groups", {})
+        plan.validate(checked=lambda g: groups.get(id(g), (None,))[0] is g)
+        if len(plans) >= 4 * self.limit:
+            plans.clear()
+        if len(groups) >= 1000 * self.limit:
+            groups.clear()
+        plans[id(plan)] = (plan, True)
+        for g in plan.groups:
+            groups[id(g)] = (g, True)
 
     def placement(self, replicas: tuple) -> tuple[int, tuple[str, ...], tuple[float, ...]]:
         """(id, device names, shares) of a placement: a small integer per distinct placement

@@ -45,8 +45,7 @@ class Schedule:
 
 def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
     """Validate `plan` against graph and cluster; cheap on repeated calls (cached pieces)."""
-    if not cache.validated(plan):
-        plan.validate()
+    cache.validate(plan)
     info = cache.cluster_info(cluster)
     for g in plan.groups:
         for r in g.replicas:
