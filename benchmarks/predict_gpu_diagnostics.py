@@ -38,6 +38,18 @@ PROFILE_GROUPS = {"conv fwd": ("aten::_convolution",), "conv bwd": ("aten::convo
                   "pool": ("aten::max_pool2d_with_indices", "aten::max_pool2d_with_indices_backward")}
 
 
+def _model_steps_ms(g) -> dict:
+    """The shipped catalog's H200 step time of resnet50 (SGD) at batch 128 and 256."""
+    out = {}
+    for precision in ("fp32", "amp-bf16"):
+        m = AnalyticCostModel(g, single_device_cluster(get_gpu("H200")), precision=precision, optimizer="sgd")
+        names = [n.name for n in g.nodes]
+        for b in (128, 256):
+            out[f"{b} {precision}"] = 1e3 * (m.group_time_s(names, DEVICE, b, "fwd") + m.group_time_s(names, DEVICE, b, "bwd")
+                                             + m.optimizer_time_s(names, DEVICE))
+    return out
+
+
 def resnet_bf16_evidence() -> dict:
     """Decompose resnet50's fp32 step (batch 128, the per-op profile of h200_steps.json) by
     kind, and ask what the amp-bf16 steps at batch 128/256 allow: if the memory-bound ops
@@ -61,6 +73,7 @@ def resnet_bf16_evidence() -> dict:
            "fp32_b128_step_ms": step[(128, "fp32")], "stem_conv_child_ms": (stem["device_us"] - stem["self_device_us"]) / 1e3,
            "stem_conv_ms": stem["device_us"] / 1e3,
            "model_fp32_b128_ms_by_kind (shipped catalog)": dict(zip(RESNET_KINDS, resnet_kind_split_s(get_gpu("H200")) * 1e3)),
+           "model_step_ms (shipped catalog)": _model_steps_ms(g),
            "conv_fwd_tflops_fp32": conv_fwd_flops / (ms["conv fwd"] * 1e-3) / 1e12,
            "steps_ms": {f"{b} {m}": t for (b, m), t in sorted(step.items())}}
     for b in (128, 256):
