@@ -8,16 +8,18 @@
    that never saw it. Peak memory likewise (the one fitted memory figure is the allocator's
    fixed overhead).
 2. Per-layer times on other GPU types (cost/data/peer_layers.json, from Sailor and the Aceso
-   profiler): per type, its sustained compute and memory factors are fitted on the other
-   models' layers of that type (leave-one-model-out within the type) and the held-out
-   model's layers predicted. Sailor records compare forward + backward; Aceso's backward is
+   profiler), each predicted as the layer that was measured (Megatron-LM's,
+   cost/peer_layer.py): per type, its sustained compute (per precision), size scale and
+   memory factors, and the Aceso harness's per-op floor, are fitted on the other models'
+   layers of that type (leave-one-model-out within the type) and the held-out model's
+   layers predicted. Sailor records compare forward + backward; Aceso's backward is
    input-gradient only, so Aceso records compare the forward.
 
 A fit on all the data (what the catalog ships) is printed at the end (--fit-all); its own
 errors are not reported, since a figure scored on the data it was fitted to does not count.
 
-    .venv/bin/python benchmarks/predict_gpu.py [--quick] [--fit-all]
-writes benchmarks/results/predict_gpu.json.
+    .venv/bin/python benchmarks/predict_gpu.py [--quick | --layers-only] [--fit-all]
+writes benchmarks/results/predict_gpu.json (--layers-only: predict_gpu_layers.json).
 """
 
 from __future__ import annotations
