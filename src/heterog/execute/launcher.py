@@ -11,6 +11,10 @@ It then kills every rank left, so no orphans remain, and raises RankError naming
 Before starting, it removes what dead earlier runs left (stale.py: their temporary run
 folders and ranks, network namespaces) and checks that the plan's memory per rank fits in
 this machine's free memory (refusing with the numbers unless forced).
+
+`launch_local_many` runs several plans in one set of processes (worker.run_plans), for sweeps
+where starting the ranks would cost more than the runs: the same culprit rules per plan, and
+after a failing plan the remaining ones start in fresh processes.
 """
 
 from __future__ import annotations
