@@ -1,8 +1,8 @@
 """run_many: several plans one after the other in one launch of the rank processes.
 
-Each plan must run as `run` runs it alone: the same result keys, the same losses as the same
-model trained on one device, whatever ranks the plans before it used; a plan that fails must
-not hide the others. The plans here also pin the capture's identity-leaf rule (recorder.py):
+Each plan must run as it would alone (`run_many` builds each result as `run` does): the same
+losses whatever the plans before it in the same processes did, and a plan that fails must not
+hide the others. The plans here also pin the capture's identity-leaf rule (recorder.py):
 a zero dropout between two groups on different devices, cut on both sides of it, as GPT-2's
 and Llama's even-dp-ps candidates were (one block per group: 'reaches block 3 from no piece
 of the program' before the capture attributed the dropout's output to the dropout).
@@ -16,7 +16,7 @@ import pytest
 
 from heterog.capture import capture_model
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run, run_many
+from heterog.pipeline import run_many
 
 MODEL = '''
 import torch
@@ -80,20 +80,23 @@ def plans(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_plans_run_in_one_launch_as_run_runs_them(plans, tmp_path):
+def test_plans_run_in_one_launch_as_alone(plans, tmp_path):
+    """The single-device plan runs first, again after the cut plan in the same processes
+    (the model and its export reused), and after a failing plan in fresh processes: the same
+    bits each time; the cut plan matches it within rounding."""
     cut, fails, single = plans
-    outcomes = run_many([cut, fails, single], steps=2, predict=False, timeout_s=60, warmup_steps=0,
-                        out_dir=tmp_path / "many", faults={1: {"rank": 1, "kind": "die", "step": 1}})
-    assert [o.strategy for o in outcomes] == ["cut-at-dropout", "fails-on-b", "single"]
-    assert outcomes[0].error is None, outcomes[0].error
-    assert outcomes[2].error is None, outcomes[2].error   # started afresh after the failure
-    assert outcomes[1].result is None and "died (exit code 17) at step 1" in str(outcomes[1].error), \
-        outcomes[1].error
-    assert "rank 1" in str(outcomes[1].error) and "device b" in str(outcomes[1].error)
-    cut_losses, single_losses = outcomes[0].result["losses"], outcomes[2].result["losses"]
-    assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(cut_losses, single_losses)), \
-        (cut_losses, single_losses)
-    alone = run(single, steps=2, predict=False, timeout_s=60, warmup_steps=0, shape_links=False)
-    assert set(alone) == set(outcomes[2].result)
-    assert alone["losses"] == single_losses          # the same bits as a launch of its own
-    assert outcomes[0].result["devices"] == ["a", "b"] and outcomes[2].result["devices"] == ["a"]
+    outcomes = run_many([single, cut, single, fails, single], steps=2, predict=False, timeout_s=60,
+                        warmup_steps=0, out_dir=tmp_path / "many",
+                        faults={3: {"rank": 1, "kind": "die", "step": 1}})
+    assert [o.strategy for o in outcomes] == ["single", "cut-at-dropout", "single", "fails-on-b", "single"]
+    for i in (0, 1, 2, 4):
+        assert outcomes[i].error is None, (i, outcomes[i].error)
+    error = str(outcomes[3].error)
+    assert outcomes[3].result is None and "died (exit code 17) at step 1" in error, error
+    assert "rank 1" in error and "device b" in error
+    first = outcomes[0].result["losses"]
+    assert outcomes[2].result["losses"] == first and outcomes[4].result["losses"] == first
+    cut_losses = outcomes[1].result["losses"]
+    assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(cut_losses, first)), (cut_losses, first)
+    assert outcomes[1].result["devices"] == ["a", "b"] and outcomes[0].result["devices"] == ["a"]
+    assert outcomes[0].result["steps"] == 2 and outcomes[0].result["measured_iteration_time_s"] > 0
