@@ -72,11 +72,15 @@ def _calibrated(one_way=0.5, duplex=0.25, latency_s=0.0):
 def test_calibrated_links_slow_only_what_crosses_the_measured_nic():
     cluster, _, base, costs = _calibrated()
     big = 64 * 2**20
-    # across node b's NIC: at half the bandwidth one way, a quarter when both directions are busy
+    # across node b's NIC: half the bandwidth one way, a quarter when two members exchange both ways
     assert costs.transfer_time_s(big, "a/cpu0", "b/cpu0") == pytest.approx(
         2 * base.transfer_time_s(big, "a/cpu0", "b/cpu0"), rel=0.01)
     assert costs.collective_time_s("allreduce", big, ["a/cpu0", "b/cpu0"]) == pytest.approx(
         4 * base.collective_time_s("allreduce", big, ["a/cpu0", "b/cpu0"]), rel=0.01)
+    # three members: two connections per member, each one way (the one-way rate)
+    three = ["a/cpu0", "a/cpu1", "b/cpu0"]
+    assert costs.collective_time_s("allreduce", big, three) == pytest.approx(
+        2 * base.collective_time_s("allreduce", big, three), rel=0.01)
     assert costs.ps_sync_time_s(big, ["a/cpu0", "b/cpu0"], "b/cpu0") == pytest.approx(
         2 * base.ps_sync_time_s(big, ["a/cpu0", "b/cpu0"], "b/cpu0"), rel=0.01)
     # inside node a nothing changes, and neither does compute

@@ -288,7 +288,7 @@ def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetit
     vs_best = speedup(strategies, "best-baseline")
     return {"scenario": sc.name, "description": sc.description, "cluster": cluster.name, "model": sc.model,
             "model_args": sc.model_args, "batch_size": sc.batch_size, "seq_len": sc.seq_len,
-            "profiled": setup.profiled, "repetitions": repetitions,
+            "profiled": setup.profiled, "links_measured": list(setup.links), "repetitions": repetitions,
             "candidates": [c.to_dict() for c in result.candidates],
             "strategies": strategies,
             "measured_speedup": vs_even["median"] if vs_even else None,

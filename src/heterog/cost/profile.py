@@ -164,9 +164,14 @@ def _effective_cluster(cluster, calibrations: tuple[LinkCalibration, ...], duple
 
 class LinkCalibratedCosts:
     """A cost model whose communication times use the links as measured: point-to-point
-    transfers and the parameter server's one-way phases at the one-way bandwidth, all-reduces
-    (ring, tree, hierarchical: members send and receive at once) at the duplex bandwidth.
-    Everything else is the wrapped model's (CostModel protocol, cost/model.py)."""
+    transfers, the parameter server's one-way phases and collectives of three or more
+    members at the one-way bandwidth; a collective of two members at the duplex bandwidth.
+    Two members exchange both ways over one gloo connection (one socket, one I/O loop), which
+    is what the duplex figure measured (profile/links.py: 0.56–0.81 of nominal, load-
+    dependent); in a ring of three or more each member sends to one peer and receives from
+    another over two connections, and the CNN's three-member even-DP ring ran in 1.62 s where
+    the duplex rate predicted 2.21 s (docs/scenarios.md). Everything else is the wrapped model's
+    (CostModel protocol, cost/model.py)."""
 
     def __init__(self, base, cluster, calibrations: tuple[LinkCalibration, ...]):
         unknown = [c.node for c in calibrations if c.node not in cluster.node_index]
@@ -203,8 +208,9 @@ class LinkCalibratedCosts:
         if nbytes <= 0 or len(set(devices)) <= 1:
             return 0.0
         members = tuple(devices)
+        links = self._duplex if len(set(members)) == 2 else self._one_way
         fixed, per_byte = self._affine(("c", op, method, members), lambda b: comm.collective_time_s(
-            self._duplex, op, b, members, method))
+            links, op, b, members, method))
         return fixed + per_byte * nbytes
 
     def ps_sync_time_s(self, nbytes: float, devices, server: str) -> float:
