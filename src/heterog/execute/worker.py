@@ -198,6 +198,7 @@ def train(spec: dict[str, Any], out_dir: Path, *, store: Any = None,
         torch.save({name: p.detach().clone() for g in sorted(held)
                     for name, p in flow.params_of_group.get(g, [])}, out_dir / f"params_rank{rank}.pt")
     dist.barrier()
+    sync.runner.close()        # its sync thread (a multi-plan launch would keep one per plan)
     dist.destroy_process_group()
     import resource  # peak resident memory of this rank (Linux: KiB), torch libraries included
     max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
