@@ -195,7 +195,14 @@ def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path
                 out[i] = [json.loads(f.read_text()) for f in files]
                 continue
             _grace(procs[:n], timeout_s)
-            out[i] = _culprit(procs[:n], logs[:n], plan_dir[i], plans[i].devices, timeout_s)
+            # a process this plan does not use is to blame only when none of the plan's failed
+            # (the store lives in process 0: when that one fails, the idle ones fail after it)
+            plan_failed = any(p.poll() not in (None, 0) for p in procs[:n])
+            idle_dead = [] if plan_failed else [r for r in range(n, world) if procs[r].poll() not in (None, 0)]
+            out[i] = (RankError(idle_dead[0], f"process {idle_dead[0]} of the launch, which this plan does not "
+                                              f"use, died (exit code {procs[idle_dead[0]].poll()}); the plan was "
+                                              f"stopped. Log tail: {_tail(logs[idle_dead[0]], 600)}")
+                      if idle_dead else _culprit(procs[:n], logs[:n], plan_dir[i], plans[i].devices, timeout_s))
             return
     finally:
         _kill_all(procs)
