@@ -1,7 +1,7 @@
 """heterog: plan and run fast training on clusters of unlike GPUs.
 
 The stable Python API (same keys as the CLI's --json output):
-capture, load_cluster, predict, plan, simulate, run. Imports are lazy so that the command
+capture, load_cluster, predict, plan, simulate, run, run_many. Imports are lazy so that the command
 line starts fast and stages load only what they use.
 """
 
@@ -19,6 +19,7 @@ _EXPORTS = {
     "simulate": "heterog.simulate",        # a callable package: heterog.simulate(graph, cluster, plan, costs)
     "plan": "heterog.plan_module",         # a name, a user file or an nn.Module (plan_module.py)
     "run": "heterog.pipeline",
+    "run_many": "heterog.pipeline",
     "OpGraph": "heterog.ir.opgraph",
     "Plan": "heterog.ir.plan",
     "Cluster": "heterog.hardware.cluster",
