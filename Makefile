@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/heterog demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not sweep" tests
+	$(BIN)/python -m pytest -q -m "not sweep" --durations=25 tests
 
 # every planner candidate of all six model families for 2 steps (about 13 min on 2 cores)
 test-sweep: $(STAMP)
