@@ -368,16 +368,8 @@ class AnalyticCostModel:
     # Every collective time is affine in the bytes (each step: a latency plus the most loaded
     # link's bytes over its bandwidth, the loads all proportional to the buffer), so it is
     # computed once per (op, method, members) at two sizes and interpolated exactly after.
-    _PROBE_BYTES = (2.0**20, 2.0**21)
-
     def _affine(self, key: tuple, fn) -> tuple[float, float]:
-        coeffs = self._comm_cache.get(key)
-        if coeffs is None:
-            (b1, b2) = self._PROBE_BYTES
-            t1, t2 = fn(b1), fn(b2)
-            per_byte = (t2 - t1) / (b2 - b1)
-            coeffs = self._comm_cache[key] = (t1 - per_byte * b1, per_byte)
-        return coeffs
+        return comm.affine_in_bytes(self._comm_cache, key, fn)
 
     def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
         if nbytes <= 0 or len(set(devices)) <= 1:

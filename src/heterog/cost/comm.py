@@ -25,13 +25,28 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 
 METHODS = ("ring", "tree", "hierarchical")
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+_PROBE_BYTES = (2.0**20, 2.0**21)
+
+
+def affine_in_bytes(cache: dict, key: tuple, time_s: Callable[[float], float]) -> tuple[float, float]:
+    """(fixed s, s per byte) of a communication time that is affine in its bytes (every
+    function below is, for a fixed set of devices): two probes, once per key, then exact."""
+    coeffs = cache.get(key)
+    if coeffs is None:
+        (b1, b2) = _PROBE_BYTES
+        t1, t2 = time_s(b1), time_s(b2)
+        per_byte = (t2 - t1) / (b2 - b1)
+        coeffs = cache[key] = (t1 - per_byte * b1, per_byte)
+    return coeffs
 
 
 def p2p_time_s(cluster: Cluster, nbytes: float, src: str, dst: str) -> float:

@@ -190,14 +190,8 @@ class LinkCalibratedCosts:
         return getattr(self.base, name)
 
     def _affine(self, key: tuple, fn) -> tuple[float, float]:
-        """Collective times are affine in the bytes (cost/analytic.py): two probes, then exact."""
-        hit = self._cache.get(key)
-        if hit is None:
-            b1, b2 = 2.0**20, 2.0**21
-            t1, t2 = fn(b1), fn(b2)
-            per_byte = (t2 - t1) / (b2 - b1)
-            hit = self._cache[key] = (t1 - per_byte * b1, per_byte)
-        return hit
+        from heterog.cost import comm
+        return comm.affine_in_bytes(self._cache, key, fn)
 
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         from heterog.cost import comm

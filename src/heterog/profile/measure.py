@@ -31,7 +31,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -114,34 +114,35 @@ def whole_step_times(model: nn.Module, work: Workload, inputs: tuple, targets: A
     runs after a warm-up: the time the per-node hooks do not see is whole − their sum."""
     now = time.thread_time if clock == "cpu" else time.perf_counter
     reduce = min if statistic == "min" else statistics.median
-    fwd, bwd, lf, lb = [], [], [], []
+
+    fwd, bwd = _timed_steps(lambda: model.zero_grad(set_to_none=True), lambda _: model(*inputs),
+                            work, targets, repeats, now)
+    try:
+        with torch.no_grad():
+            out = model(*inputs)
+        lf, lb = _timed_steps(lambda: _leaves(out), lambda leaves: leaves, work, targets, repeats, now)
+    except (TypeError, RuntimeError):   # an output the loss needs whole (e.g. not a pytree)
+        lf, lb = [], []
+    return WholeStep(fwd_s=reduce(fwd), bwd_s=reduce(bwd), loss_fwd_s=reduce(lf) if lf else None,
+                     loss_bwd_s=reduce(lb) if lb else None)
+
+
+def _timed_steps(prepare: Callable[[], Any], forward: Callable[[Any], Any], work: Workload, targets: Any,
+                 repeats: int, now: Callable[[], float]) -> tuple[list[float], list[float]]:
+    """Forward (forward(prepare()) and the loss) and backward times of `repeats` runs after a
+    warm-up; prepare() runs untimed ahead of each."""
+    fwd, bwd = [], []
     for k in range(repeats + 1):
-        model.zero_grad(set_to_none=True)
+        x = prepare()
         t0 = now()
-        loss = work.loss(model(*inputs), targets)
+        loss = work.loss(forward(x), targets)
         t1 = now()
         loss.backward()
         t2 = now()
         if k:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
-    try:
-        with torch.no_grad():
-            out = model(*inputs)
-        for k in range(repeats + 1):
-            leaves = _leaves(out)
-            t0 = now()
-            loss = work.loss(leaves, targets)
-            t1 = now()
-            loss.backward()
-            t2 = now()
-            if k:
-                lf.append(t1 - t0)
-                lb.append(t2 - t1)
-    except (TypeError, RuntimeError):   # an output the loss needs whole (e.g. not a pytree)
-        lf, lb = [], []
-    return WholeStep(fwd_s=reduce(fwd), bwd_s=reduce(bwd), loss_fwd_s=reduce(lf) if lf else None,
-                     loss_bwd_s=reduce(lb) if lb else None)
+    return fwd, bwd
 
 
 def attribute_unhooked(node_times: dict[str, dict[str, float]], whole: WholeStep, graph,
