@@ -12,6 +12,7 @@ from heterog.demo import DEMO_SCENARIO, SCENARIOS
 
 
 @pytest.mark.slow
+@pytest.mark.sweep   # ~110 s: in `make test-sweep` (`make demo` runs the same demo), out of CI for time
 def test_demo_json_reports_both_strategies_and_a_real_speedup():
     res = CliRunner().invoke(app, ["demo", "--json", "--steps", "5", "--budget-s", "2", "--repetitions", "2"])
     assert res.exit_code == 0, res.output

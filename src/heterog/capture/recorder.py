@@ -31,8 +31,10 @@ the groups the capture's edges connect, so the two must agree (test_capture_grap
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +43,27 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from heterog.capture.flops import is_view_op, op_cost, op_kind, op_name, tensor_nbytes
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then deliver them. A KeyboardInterrupt
+    raised inside the torch function mode's Python callback, which torch's C++ dispatcher
+    calls, does not unwind: the process aborts ("terminate called after throwing an instance
+    of pybind11::error_already_set") or the interrupt is lost. The capture lasts seconds."""
+    held: list[int] = []
+    try:
+        old = {s: signal.signal(s, lambda num, _frame: held.append(num)) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:      # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for num in dict.fromkeys(held):
+            signal.raise_signal(num)
 
 
 def is_leaf_module(module: nn.Module) -> bool:
@@ -139,6 +162,7 @@ class Recorder(TorchDispatchMode):
         self._hooks: list[Any] = []
         self._saved_hooks: Any = None
         self._alias_watch = _AliasWatch(self)
+        self._signals: Any = None
         self._alias_opened: dict[int, Any] = {}    # unnamed loose node → the call that opened it
         self._input_storages = {_storage_key(t) for t in input_tensors}
 
@@ -150,6 +174,8 @@ class Recorder(TorchDispatchMode):
         ]
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
+        self._signals = _signals_deferred()
+        self._signals.__enter__()
         self._alias_watch.__enter__()
         return super().__enter__()
 
@@ -162,6 +188,7 @@ class Recorder(TorchDispatchMode):
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            self._signals.__exit__(None, None, None)   # held signals are delivered here
 
     def start_loss(self) -> None:
         self._resolve_pending()
