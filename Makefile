@@ -25,7 +25,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not sweep" --durations=25 tests
 
-# every planner candidate of all six model families for 2 steps (about 13 min on 2 cores)
+# the slow tests CI leaves out for its budget: every planner candidate of five model families,
+# the BERT and Llama equivalence runs, the demo test (their separate timings add up to ~8 min)
 test-sweep: $(STAMP)
 	$(BIN)/python -m pytest -q -m sweep tests
 

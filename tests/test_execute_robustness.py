@@ -82,7 +82,9 @@ def test_sigint_to_launcher_kills_ranks_and_removes_namespaces(tmp_path):
             fault={{"rank": 0, "kind": "hang", "step": 1}})
     """)
     before = set(leftover_namespaces())
-    proc = subprocess.Popen([sys.executable, "-c", script])
+    # as from a terminal: SIGINT handled even when this test runs in a background job (ignored there)
+    proc = subprocess.Popen([sys.executable, "-c", script],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (tmp_path / "progress_rank1").exists():
         time.sleep(0.2)

@@ -92,6 +92,9 @@ def _signals_recorded() -> Iterator[list[int]]:
         os.set_blocking(w, False)
         old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        # SIGINT too: a process started by a shell's background job inherits it ignored,
+        # and `kill -INT` must still stop it with exit 130
+        old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     except ValueError:  # not the main thread (e.g. embedded): leave signals alone
         yield seen
         return
@@ -99,6 +102,7 @@ def _signals_recorded() -> Iterator[list[int]]:
         yield seen
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
         signal.set_wakeup_fd(old_fd)
         with contextlib.suppress(BlockingIOError):
             seen.extend(os.read(r, 64))
