@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not sweep" --durations=25 tests
 
 # the slow tests CI leaves out for its budget: every planner candidate of five model families,
-# the BERT and Llama equivalence runs, the demo test (their separate timings add up to ~8 min)
+# the BERT and Llama equivalence runs, the demo test (their separate timings add up to ~7 min)
 test-sweep: $(STAMP)
 	$(BIN)/python -m pytest -q -m sweep tests
 

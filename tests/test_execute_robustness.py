@@ -85,12 +85,17 @@ def test_sigint_to_launcher_kills_ranks_and_removes_namespaces(tmp_path):
     # as from a terminal: SIGINT handled even when this test runs in a background job (ignored there)
     proc = subprocess.Popen([sys.executable, "-c", script],
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (tmp_path / "progress_rank1").exists():
-        time.sleep(0.2)
-    assert (tmp_path / "progress_rank1").exists(), "ranks did not start"
-    assert set(leftover_namespaces()) - before, "the run made no namespaces"
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) != 0
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (tmp_path / "progress_rank1").exists():
+            time.sleep(0.2)
+        assert (tmp_path / "progress_rank1").exists(), "ranks did not start"
+        assert set(leftover_namespaces()) - before, "the run made no namespaces"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:     # a failed check must not leave the run going
+            proc.kill()
+            proc.wait(timeout=30)
     assert _workers_of(tmp_path) == []
     assert set(leftover_namespaces()) - before == set()

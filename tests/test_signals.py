@@ -38,10 +38,27 @@ nodes:
 """
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans():
+    """A test that fails before its command exits must not leave it running (a `heterog run
+    --steps 100000` left behind loads the machine for every later test)."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def _heterog(args: list[str], tmp: Path) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "heterog.cli.main", *args], env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "heterog.cli.main", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _STARTED.append(proc)
+    return proc
 
 
 def _plan_file(folder: Path) -> Path:

@@ -100,9 +100,7 @@ def lower(plan: Plan | str | os.PathLike) -> Program:
     """The Program of a plan (or plan file): every device's instructions, validated."""
     if not isinstance(plan, Plan):
         plan = read_plan(plan)
-    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
-    graph, cluster, costs = plan_inputs(plan, cluster)
-    return lower_schedule(graph, cluster, cover_graph(plan, graph), costs)
+    return _lower_for_run(plan, plan_cluster(plan) or local_cpu_cluster(plan), False)[0]
 
 
 def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, ...],
@@ -167,12 +165,24 @@ def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
     return float(sim.iteration_time_s), "simulator"
 
 
-def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool):
-    """(program, graph, costs, cluster as seen here): the run and its prediction share one
-    schedule, lowered with the costs of this machine's ranks (local_cluster)."""
-    graph, local, costs = plan_inputs(plan, cluster, profile=profile)
+def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool, graph=None):
+    """(program, graph, costs, cluster as seen here, the plan as lowered): the run and its
+    prediction share one schedule, lowered with the costs of this machine's ranks
+    (local_cluster). `graph`: the model's capture, when the caller has it."""
+    graph, local, costs = plan_inputs(plan, cluster, profile=profile, graph=graph)
     plan = cover_graph(plan, graph)
     return lower_schedule(graph, local, plan, costs), graph, costs, local, plan
+
+
+def _local_ranks(plan: Plan) -> tuple[Cluster, tuple[str, ...]]:
+    """(the plan's cluster, the devices of its ranks), refused when this machine's launcher
+    cannot start that many processes."""
+    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
+    devices = rank_devices(plan, cluster)
+    if len(devices) > MAX_LOCAL_RANKS:
+        raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
+                        f"{MAX_LOCAL_RANKS} processes on one machine. Use --torchrun on a real cluster.")
+    return cluster, devices
 
 
 @contextlib.contextmanager
@@ -235,11 +245,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         plan = Plan.load(plan)
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
-    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
-    devices = rank_devices(plan, cluster)
-    if len(devices) > MAX_LOCAL_RANKS:
-        raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
-                        f"{MAX_LOCAL_RANKS} processes on one machine. Use --torchrun on a real cluster.")
+    cluster, devices = _local_ranks(plan)
     slowdowns = emulated_slowdowns(plan, cluster, devices, emulated)
     notes: list[str] = []
     if emulated and cluster is not None and cluster.kind != "emulated":
@@ -332,19 +338,13 @@ class _Prepared:
 
 def _prepare(plan: Plan, graphs: dict[str, Any], fault: dict[str, Any] | None) -> _Prepared:
     """Lower one plan of run_many (the model captured once per model spec: `graphs`)."""
-    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
-    devices = rank_devices(plan, cluster)
-    if len(devices) > MAX_LOCAL_RANKS:
-        raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
-                        f"{MAX_LOCAL_RANKS} processes on one machine.")
+    cluster, devices = _local_ranks(plan)
     if cluster.kind != "emulated":
         raise PlanError(f"run_many runs emulated clusters' plans on CPU processes; the plan's cluster "
                         f"{cluster.name!r} is a real one: run it with heterog.run.")
     key = json.dumps(plan.to_dict()["model"], sort_keys=True, default=str)
-    graph, local, costs = plan_inputs(plan, cluster, graph=graphs.get(key))
+    program, graph, costs, local, covered = _lower_for_run(plan, cluster, False, graph=graphs.get(key))
     graphs[key] = graph
-    covered = cover_graph(plan, graph)
-    program = lower_schedule(graph, local, covered, costs)
     launch = PlanLaunch(plan_doc=plan.to_dict(), program_doc=program.to_dict(), devices=devices,
                         slowdowns=emulated_slowdowns(plan, cluster, devices, False), fault=fault)
     return _Prepared(plan=plan, covered=covered, cluster=cluster, local=local, graph=graph, costs=costs,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from heterog.cost import comm
 from heterog.errors import ArtifactError
 from heterog.jsonio import load_artifact, parse_artifact, save_artifact
 
@@ -190,15 +191,12 @@ class LinkCalibratedCosts:
         return getattr(self.base, name)
 
     def _affine(self, key: tuple, fn) -> tuple[float, float]:
-        from heterog.cost import comm
         return comm.affine_in_bytes(self._cache, key, fn)
 
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
-        from heterog.cost import comm
         return comm.p2p_time_s(self._one_way, nbytes, src, dst)
 
     def collective_time_s(self, op: str, nbytes: float, devices, method: str = "ring") -> float:
-        from heterog.cost import comm
         if nbytes <= 0 or len(set(devices)) <= 1:
             return 0.0
         members = tuple(devices)
@@ -208,7 +206,6 @@ class LinkCalibratedCosts:
         return fixed + per_byte * nbytes
 
     def ps_sync_time_s(self, nbytes: float, devices, server: str) -> float:
-        from heterog.cost import comm
         if nbytes <= 0:
             return 0.0
         members = tuple(devices)

@@ -19,6 +19,7 @@ after a failing plan the remaining ones start in fresh processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -31,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from heterog.errors import CheckpointError, PlanError, RankError
 from heterog.ir.plan import in_memory_model_error
@@ -79,37 +80,55 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
     stale.remove_stale_runs()
     stale.check_memory(plan_doc, cfg.devices, force=cfg.force)
     ckpt = _resolve_resume(plan_doc, cfg)
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    with _run_dir(out_dir) as work:
+        try:
+            for rank in range(len(cfg.devices)):
+                spec = {"rank": rank, "devices": list(cfg.devices), "program": program_doc, "steps": cfg.steps,
+                        "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
+                        "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault,
+                        "data": cfg.data, "checkpoint": ckpt, "cuda": cfg.cuda, "out_dir": str(work),
+                        "master_addr": cfg.master_addr, "master_port": port}
+                _start_rank(work, spec, f"rank{rank}", procs, logs, wrap=cfg.wrap.get(rank, []),
+                            env=cfg.env.get(rank, {}))
+            _watch(procs, logs, work, cfg)
+            return [json.loads((work / f"result_rank{r}.json").read_text()) for r in range(len(procs))]
+        finally:
+            _kill_all(procs)
+
+
+@contextlib.contextmanager
+def _run_dir(out_dir: Path | None) -> Iterator[Path]:
+    """The run's folder (out_dir, or a temporary one removed after), claimed for this run
+    so that stale.remove_stale_runs leaves it alone while it lives."""
     own_dir = out_dir is None
     work = Path(tempfile.mkdtemp(prefix=stale.RUN_PREFIX)) if own_dir else Path(out_dir)
     work.mkdir(parents=True, exist_ok=True)
     stale.claim(work)
-    port = free_port()
-    procs: list[subprocess.Popen] = []
-    logs: list[Path] = []
     try:
-        for rank in range(len(cfg.devices)):
-            spec = {"rank": rank, "devices": list(cfg.devices), "program": program_doc, "steps": cfg.steps,
-                    "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
-                    "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault, "data": cfg.data,
-                    "checkpoint": ckpt, "cuda": cfg.cuda, "out_dir": str(work), "master_addr": cfg.master_addr, "master_port": port}
-            spec_path = work / f"spec_rank{rank}.json"
-            spec_path.write_text(json.dumps(spec))
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **cfg.env.get(rank, {})}
-            cmd = [*cfg.wrap.get(rank, []), sys.executable, "-m", "heterog.execute.worker", str(spec_path)]
-            log = work / f"log_rank{rank}.txt"
-            logs.append(log)
-            with open(log, "w") as fh:
-                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True))
-            stale.record_ranks(work, [p.pid for p in procs])
-        _watch(procs, logs, work, cfg)
-        return [json.loads((work / f"result_rank{r}.json").read_text()) for r in range(len(procs))]
+        yield work
     finally:
-        _kill_all(procs)
         if own_dir:
             shutil.rmtree(work, ignore_errors=True)
         stale.release(work)
+
+
+def _start_rank(work: Path, spec: dict[str, Any], name: str, procs: list[subprocess.Popen], logs: list[Path], *,
+                wrap: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+    """Start one worker process on `spec` (written to work/spec_<name>.json, its output to
+    work/log_<name>.txt) in a session of its own, and record its pid for stale.py."""
+    spec_path = work / f"spec_{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    log = work / f"log_{name}.txt"
+    logs.append(log)
+    with open(log, "w") as fh:
+        procs.append(subprocess.Popen([*wrap, sys.executable, "-m", "heterog.execute.worker", str(spec_path)],
+                                      stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True))
+    stale.record_ranks(work, [p.pid for p in procs])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,20 +159,12 @@ def launch_local_many(plans: list[PlanLaunch], *, steps: int, timeout_s: float =
         except PlanError as e:
             out[i] = e
     stale.remove_stale_runs()
-    own_dir = out_dir is None
-    work = Path(tempfile.mkdtemp(prefix=stale.RUN_PREFIX)) if own_dir else Path(out_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    stale.claim(work)
-    try:
+    with _run_dir(out_dir) as work:
         launch = 0
         while todo := [i for i in range(len(plans)) if out[i] is None]:
             _launch_many(plans, todo, out, work, launch, steps=steps, timeout_s=timeout_s, seed=seed)
             launch += 1
         return out  # type: ignore[return-value]
-    finally:
-        if own_dir:
-            shutil.rmtree(work, ignore_errors=True)
-        stale.release(work)
 
 
 def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path, launch: int, *,
@@ -173,16 +184,7 @@ def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path
         for rank in range(world):
             spec = {"rank": rank, "world": world, "steps": steps, "timeout_s": timeout_s, "seed": seed,
                     "master_addr": "127.0.0.1", "master_port": port, "plans": entries}
-            spec_path = work / f"spec_launch{launch}_rank{rank}.json"
-            spec_path.write_text(json.dumps(spec))
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                   "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            log = work / f"log_launch{launch}_rank{rank}.txt"
-            logs.append(log)
-            with open(log, "w") as fh:
-                procs.append(subprocess.Popen([sys.executable, "-m", "heterog.execute.worker", str(spec_path)],
-                                              stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-            stale.record_ranks(work, [p.pid for p in procs])
+            _start_rank(work, spec, f"launch{launch}_rank{rank}", procs, logs)
         overdue = RankError(0, "the multi-plan launch exceeded its overall deadline")
         try:
             finished = _wait_all(procs, time.monotonic() + wait_s * len(todo) + 60, lambda stuck: overdue)

@@ -37,10 +37,8 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
         bwd_left[d, m] = c
     gpipe = schedule == "gpipe"
     order, count = _list_schedule(
-        np.asarray(tasks.dur, dtype=np.float64), np.asarray(tasks.dev, dtype=np.int64),
-        np.asarray(tasks.kind, dtype=np.int64), np.asarray(tasks.mb, dtype=np.int64),
-        np.asarray(tasks.key, dtype=np.int64), np.asarray(tasks.npred, dtype=np.int64), succ_ptr, succ_idx,
-        np.asarray(tasks.sources, dtype=np.int64), np.asarray(tasks.stage_limit, dtype=np.int64),
+        tasks.array("dur"), tasks.array("dev"), tasks.array("kind"), tasks.array("mb"), tasks.array("key"),
+        tasks.npred, succ_ptr, succ_idx, tasks.sources, np.asarray(tasks.stage_limit, dtype=np.int64),
         bwd_left, n_devices, gpipe, not gpipe and limit_in_flight)
     return order.tolist() if count == n else None
 

@@ -24,7 +24,7 @@ class Tasks:
     __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
                  "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
-                 "xfer_blocks", "ties", "mb_stride", "_phase_stride", "_succ_csr")
+                 "xfer_blocks", "ties", "mb_stride", "_phase_stride", "_succ_csr", "_arrays")
 
     def __init__(self, blocks: list[Block], n_devices: int, num_microbatches: int):
         self.kind: list[int] = []
@@ -32,8 +32,8 @@ class Tasks:
         self.dev: list[int] = []                 # device of a compute task, -1 for communication
         self.links: list[tuple[int, ...]] = []   # links a communication task occupies
         self.succ: list[list[int]] = []
-        self.npred: list[int] = []               # filled by seal()
-        self.sources: list[int] = []             # idem
+        self.npred = np.zeros(0, dtype=np.int64)     # inputs per task: filled by seal()
+        self.sources = np.zeros(0, dtype=np.int64)   # tasks without inputs: idem
         self.key: list[int] = []                 # reference priority (see prio); -1 for communication
         self.mb: list[int] = []
         self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
@@ -52,6 +52,7 @@ class Tasks:
         self.mb_stride = 2 * len(blocks) + 1     # key step of one micro-batch
         self._phase_stride = (num_microbatches + 1) * self.mb_stride
         self._succ_csr: tuple[np.ndarray, np.ndarray] | None = None
+        self._arrays: dict[str, np.ndarray] = {}
 
     def prio(self, phase: int, mb: int, signed_block: int) -> int:
         """The priority key of a compute task: (phase, micro-batch, ±block) in lexicographic
@@ -97,17 +98,36 @@ class Tasks:
         """The successor lists as compressed rows (pointer, index) for the compiled loops;
         built once after seal()."""
         if self._succ_csr is None:
-            n = len(self.succ)
-            ptr = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(np.fromiter(map(len, self.succ), dtype=np.int64, count=n), out=ptr[1:])
-            idx = np.fromiter(chain.from_iterable(self.succ), dtype=np.int64, count=int(ptr[-1]))
-            self._succ_csr = (ptr, idx)
+            self._succ_csr = compressed_rows(len(self.succ), self.succ)
         return self._succ_csr
 
+    def array(self, column: str) -> np.ndarray:
+        """A numeric column ('dur', 'dev', 'kind', 'mb', 'key') as a numpy array, made once
+        after seal(): the list scheduler and the timed pass both read dur and dev."""
+        a = self._arrays.get(column)
+        if a is None:
+            dtype = np.float64 if column == "dur" else np.int64
+            a = self._arrays[column] = np.asarray(getattr(self, column), dtype=dtype)
+        return a
+
     def seal(self) -> None:
-        npred = np.bincount(self.succ_csr()[1], minlength=len(self.kind))
-        self.npred = npred.tolist()
-        self.sources = np.flatnonzero(npred == 0).tolist()   # tasks with no inputs, in id order
+        self.npred = np.bincount(self.succ_csr()[1], minlength=len(self.kind)).astype(np.int64)
+        self.sources = np.flatnonzero(self.npred == 0).astype(np.int64)   # tasks with no inputs, in id order
+
+
+def compressed_rows(n: int, rows: list, tids: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Integer rows of tasks as (pointer, index) arrays over all n tasks: row t is
+    index[pointer[t]:pointer[t + 1]]. `rows` belong to the tasks `tids` (increasing; all
+    tasks in order when None); the other tasks have empty rows."""
+    length = np.zeros(n, dtype=np.int64)
+    counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    if tids is None:
+        length[:] = counts
+    else:
+        length[tids] = counts
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(length, out=ptr[1:])
+    return ptr, np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(ptr[-1]))
 
 
 _CACHED_REPLICAS = 200_000   # replicas' entries kept in a per-call-shared cache (~100 MB at most)

@@ -22,7 +22,7 @@ from itertools import chain
 import numpy as np
 from numba import njit
 
-from heterog.lower.taskgraph import Tasks
+from heterog.lower.taskgraph import Tasks, compressed_rows
 
 
 def run(tasks: Tasks, order: list[int], n_devices: int,
@@ -45,19 +45,10 @@ def _times(tasks: Tasks, order: list[int], n_devices: int, shared_bw: dict[int, 
     module docstring), compiled."""
     cls_ptr, cls_idx, n_classes, core_ptr, core_idx, core_bytes = _resources(tasks, shared_bw)
     succ_ptr, succ_idx = tasks.succ_csr()
-    return _timed_pass(np.asarray(order, dtype=np.int64), np.asarray(tasks.dur, dtype=np.float64),
-                       np.asarray(tasks.dev, dtype=np.int64), succ_ptr, succ_idx, cls_ptr, cls_idx,
+    return _timed_pass(np.asarray(order, dtype=np.int64), tasks.array("dur"), tasks.array("dev"),
+                       succ_ptr, succ_idx, cls_ptr, cls_idx,
                        core_ptr, core_idx, core_bytes, np.array(list(shared_bw.values()), dtype=np.float64),
                        n_devices, n_classes)
-
-
-def _rows(n: int, tids: list[int], rows: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
-    """Tuples of some tasks (tids, increasing) as compressed rows over all n tasks."""
-    length = np.zeros(n, dtype=np.int64)
-    length[tids] = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    ptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(length, out=ptr[1:])
-    return ptr, np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(ptr[-1]))
 
 
 @njit(cache=True, nogil=True)
@@ -131,16 +122,16 @@ def _resources(tasks: Tasks, shared_bw: dict[int, float]):
     class_of_key: dict[tuple[int, ...], int] = {}
     class_of_link = {l: class_of_key.setdefault(tuple(pis), len(class_of_key)) for l, pis in member_of.items()}
     classes_of_path = {lk: tuple(sorted({class_of_link[l] for l in ex})) for lk, ex in zip(paths, excl)}
-    cls_ptr, cls_idx = _rows(n, comm_ids, [classes_of_path[links[t]] for t in comm_ids])
+    cls_ptr, cls_idx = compressed_rows(n, [classes_of_path[links[t]] for t in comm_ids], comm_ids)
     core_ids = [t for t in comm_ids if cores[links[t]]]
-    core_ptr, core_idx = _rows(n, core_ids, [cores[links[t]] for t in core_ids])
+    core_ptr, core_idx = compressed_rows(n, [cores[links[t]] for t in core_ids], core_ids)
     core_bytes = np.zeros(n)
     for t in core_ids:
         core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
     return cls_ptr, cls_idx, len(class_of_key), core_ptr, core_idx, core_bytes
 
 
-def _memory(tasks: Tasks, start: list[float], end: list[float], n_devices: int,
+def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,
             capacity_bytes: list[int], record: bool):
     """Replay every task's memory effects in time order: (peak per device, first overflow
     (device, time) or None, per-device trace when `record`)."""
