@@ -139,3 +139,42 @@ def test_seq_first_xlnet_two_stage_pipeline_with_a_replicated_stage(tmp_path):
         Group(name="s1", nodes=second, replicas=replicas(("b", 0.6), ("c", 0.4)), sync="ring")],
         microbatches=2, args=XLNET)
     check_equal(plan, tmp_path)
+
+
+def _three_stages(name: str) -> list[Group]:
+    """GPT-2 cut so that the input's view, the first layer and the second layer run in three
+    stages (a, b, a): the causal mask, built from sizes, is used by the attention of two later
+    stages than the first stage that reads the batch size."""
+    nodes = [n.name for n in capture_model(name, MODELS[name], batch_size=2, seq_len=SEQ).nodes]
+    wpe = nodes.index("transformer.wpe")
+    second = nodes.index("transformer.h.1.ln_1")
+    return [Group(name="ids", nodes=tuple(nodes[:wpe]), replicas=replicas(("a", 1.0))),
+            Group(name="layer0", nodes=tuple(nodes[wpe:second]), replicas=replicas(("b", 1.0))),
+            Group(name="layer1", nodes=tuple(nodes[second:]), replicas=replicas(("a", 1.0)))]
+
+
+def test_size_derived_values_never_cross_a_cut():
+    # A value computed from sizes alone (the causal mask, a batch size) is recomputed in each
+    # stage that uses it; a stage's copy was once made from the first stage's copy and so read
+    # that stage's values, which the Program never sends (the 2-layer GPT-2 even-dp-ps failure).
+    from heterog.execute.partition import INPUT, split_model
+    from heterog.execute.workload import build_model, resolve_workload
+    plan = make_plan("gpt2", _three_stages("gpt2"))
+    flow = split_model(build_model(resolve_workload(plan.model), seed=0), plan)
+    outputs = {s.value: [n for n in s.module.graph.nodes if n.op == "output"][0].args[0] for s in flow.stages}
+    assert len(flow.stages) == 3
+    for s in flow.stages:
+        for v in s.args:
+            if flow.owner[v] == INPUT:
+                continue
+            src, index = flow.projections.get(v, (v, None))
+            node = outputs[src] if index is None else outputs[src][index]
+            val = node.meta.get("val")
+            assert isinstance(val, torch.Tensor) and isinstance(val.shape[0], torch.SymInt), \
+                f"stage {s.value} receives {v} ({node.name}: {val!r}), which has no batch dimension"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_three_stages_with_the_mask_used_in_two_later_stages(tmp_path):
+    check_equal(make_plan("gpt2", _three_stages("gpt2")), tmp_path)

@@ -48,16 +48,18 @@ def replicate_per_stage(gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dic
         need[n] = stages
     copies: dict[tuple[fx.Node, int], fx.Node] = {}
     for n in replicable:
-        for s, g in sorted(need[n].items()):
-            if (n, s) == (n, min(need[n])):
+        first = min(need[n])
+        # the copies first, from the original's own inputs: once the original is rewired to
+        # its stage's copies, a copy made from it would read the first stage's values
+        for s, g in sorted(need[n].items(), reverse=True):
+            if s == first:   # the original stays, reading the replicable inputs of its stage
                 copy = n
+                n.args = fx.node.map_arg(n.args, lambda a, s=s: copies.get((a, s), a))
+                n.kwargs = fx.node.map_arg(n.kwargs, lambda a, s=s: copies.get((a, s), a))
             else:
                 with gm.graph.inserting_after(n):
                     copy = gm.graph.node_copy(n, lambda a, s=s: copies.get((a, s), a))
-            copy.meta = n.meta
-            if copy is n:  # the original's inputs are replicable ones of the same stage
-                n.args = fx.node.map_arg(n.args, lambda a, s=s: copies.get((a, s), a))
-                n.kwargs = fx.node.map_arg(n.kwargs, lambda a, s=s: copies.get((a, s), a))
+                copy.meta = n.meta
             copies[(n, s)] = copy
             seg[copy], assign[copy] = s, g
     for u in list(gm.graph.nodes):
@@ -65,6 +67,9 @@ def replicate_per_stage(gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dic
             s = seg[u]
             u.args = fx.node.map_arg(u.args, lambda a: copies.get((a, s), a))
             u.kwargs = fx.node.map_arg(u.kwargs, lambda a: copies.get((a, s), a))
+    crossing = [(a.name, u.name) for u in gm.graph.nodes if u in seg
+                for a in u.all_input_nodes if a in seg and a not in data and seg[a] != seg[u]]
+    assert not crossing, f"replicable values still cross a cut after replication: {crossing[:3]}"
 
 
 def batch_first_across_cuts(exported: ExportedModel, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
