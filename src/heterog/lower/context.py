@@ -12,6 +12,8 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Sequence
 
+import numpy as np
+
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
@@ -43,6 +45,7 @@ class ClusterInfo:
         # switch cores are pipes shared by the transfers crossing them (engine.run)
         self.shared_bw = {self.link_id[l.name]: l.bandwidth_bytes_per_s
                           for l in cluster.links.values() if l.kind == "switch"}
+        self._core_index = {l: i for i, l in enumerate(self.shared_bw)}
         node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.node_rank = [node_order[d.node] for d in cluster.devices]
         rep: dict[tuple, str] = {}
@@ -54,6 +57,7 @@ class ClusterInfo:
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
+        self._held: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def ids(self, names: tuple[str, ...]) -> tuple[int, ...]:
         hit = self._ids.get(names)
@@ -76,6 +80,20 @@ class ClusterInfo:
             p = tuple(self.link_id[l] for l in self.cluster.path(self.devices[src], self.devices[dst]))
             self._paths[key] = p
         return p
+
+    def held_links(self, links: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """A communication task's link set split for the timed pass (simulate/engine.py): the
+        links it holds exclusively, and the switch cores it crosses (indices into shared_bw),
+        which it shares as a pipe."""
+        hit = self._held.get(links)
+        if hit is None:
+            if len(self._held) > 100_000:
+                self._held.clear()
+            core_index = self._core_index
+            cores = [core_index[l] for l in links if l in core_index]
+            excl = [l for l in links if l not in core_index] if cores else links
+            hit = self._held[links] = (np.array(excl, dtype=np.int64), np.array(cores, dtype=np.int64))
+        return hit
 
     def ring(self, members: tuple[int, ...]) -> tuple[tuple[int, ...], dict[int, float]]:
         """Links a collective over `members` occupies, and the share of the buffer each carries.

@@ -22,40 +22,41 @@ from itertools import chain
 import numpy as np
 from numba import njit
 
+from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import Tasks, compressed_rows
 
 
-def run(tasks: Tasks, order: list[int], n_devices: int,
-        capacity_bytes: list[int], record: bool, shared_bw: dict[int, float] | None = None):
-    """Timed simulation following `order`. Returns (start, end, peak, overflow, mem_trace)
-    with overflow = (device, time) of the first device to exceed its memory, or None, and
-    mem_trace per device [(time, bytes in use)] when `record`.
+def run(tasks: Tasks, order: list[int], info: ClusterInfo, record: bool):
+    """Timed simulation following `order` on the cluster `info` describes. Returns (start,
+    end, peak, overflow, mem_trace) with overflow = (device, time) of the first device to
+    exceed its memory, or None, and mem_trace per device [(time, bytes in use)] when `record`.
 
-    shared_bw: switch-core links. The core is a pipe that moves bytes at its bandwidth in the
-    fixed order, alongside the NICs: a transfer that crosses it ends no earlier than its own
-    time and than the core has pushed its bytes after those of the transfers before it. Two
+    Switch cores (info.shared_bw) are pipes that move bytes at their bandwidth in the fixed
+    order, alongside the NICs: a transfer that crosses one ends no earlier than its own time
+    and than the core has pushed its bytes after those of the transfers before it. Two
     transfers on disjoint NICs thus overlap fully under a fast core and share a slow one."""
-    start, end = _times(tasks, order, n_devices, shared_bw or {})
-    peak, overflow, trace = _memory(tasks, start, end, n_devices, capacity_bytes, record)
+    n_devices = len(info.devices)
+    start, end = _times(tasks, order, info)
+    peak, overflow, trace = _memory(tasks, start, end, n_devices, info.capacity_bytes, record)
     return start.tolist(), end.tolist(), peak, overflow, trace
 
 
-def _times(tasks: Tasks, order: list[int], n_devices: int, shared_bw: dict[int, float]):
+def _times(tasks: Tasks, order: list[int], info: ClusterInfo):
     """Start and end of every task (numpy arrays): one pass over the fixed order (see the
     module docstring), compiled."""
-    cls_ptr, cls_idx, n_classes, core_ptr, core_idx, core_bytes = _resources(tasks, shared_bw)
+    link_ptr, link_idx, core_ptr, core_idx, core_bytes = _resources(tasks, info)
     succ_ptr, succ_idx = tasks.succ_csr()
     return _timed_pass(np.asarray(order, dtype=np.int64), tasks.array("dur"), tasks.array("dev"),
-                       succ_ptr, succ_idx, cls_ptr, cls_idx,
-                       core_ptr, core_idx, core_bytes, np.array(list(shared_bw.values()), dtype=np.float64),
-                       n_devices, n_classes)
+                       succ_ptr, succ_idx, link_ptr, link_idx,
+                       core_ptr, core_idx, core_bytes, np.array(list(info.shared_bw.values()), dtype=np.float64),
+                       len(info.devices), len(info.links))
 
 
 @njit(cache=True, nogil=True)
-def _timed_pass(order, dur, dev, succ_ptr, succ_idx, cls_ptr, cls_idx, core_ptr, core_idx, core_bytes,
-                core_bw, n_devices, n_classes):
+def _timed_pass(order, dur, dev, succ_ptr, succ_idx, link_ptr, link_idx, core_ptr, core_idx, core_bytes,
+                core_bw, n_devices, n_links):
     """The timed pass: a compute task waits for its inputs and its device; a transfer or
-    collective for its inputs and every link class it holds, then holds them to its end; one
+    collective for its inputs and every link it holds, then holds them to its end; one
     that crosses switch cores starts no earlier than the cores' previous transfer started and
     ends no earlier than the cores have pushed its bytes after those before it."""
     n = len(dur)
@@ -63,7 +64,7 @@ def _timed_pass(order, dur, dev, succ_ptr, succ_idx, cls_ptr, cls_idx, core_ptr,
     start = np.zeros(n)
     end = np.zeros(n)
     dev_free = np.zeros(n_devices)    # end of the device's previous task
-    link_free = np.zeros(n_classes)   # end of the link class's previous task
+    link_free = np.zeros(n_links)     # end of the link's previous task
     core_started = np.zeros(len(core_bw))   # start of the core's previous transfer
     core_free = np.zeros(len(core_bw))      # when the core has pushed the bytes before
     for t in order:
@@ -74,8 +75,8 @@ def _timed_pass(order, dur, dev, succ_ptr, succ_idx, cls_ptr, cls_idx, core_ptr,
             e = s + dur[t]
             dev_free[d] = e
         else:
-            for j in range(cls_ptr[t], cls_ptr[t + 1]):
-                s = max(s, link_free[cls_idx[j]])
+            for j in range(link_ptr[t], link_ptr[t + 1]):
+                s = max(s, link_free[link_idx[j]])
             for j in range(core_ptr[t], core_ptr[t + 1]):
                 s = max(s, core_started[core_idx[j]])
             e = s + dur[t]
@@ -84,8 +85,8 @@ def _timed_pass(order, dur, dev, succ_ptr, succ_idx, cls_ptr, cls_idx, core_ptr,
                 core_started[c] = s
                 core_free[c] = max(s, core_free[c]) + core_bytes[t] / core_bw[c]
                 e = max(e, core_free[c])
-            for j in range(cls_ptr[t], cls_ptr[t + 1]):
-                link_free[cls_idx[j]] = e
+            for j in range(link_ptr[t], link_ptr[t + 1]):
+                link_free[link_idx[j]] = e
         start[t] = s
         end[t] = e
         for j in range(succ_ptr[t], succ_ptr[t + 1]):
@@ -94,41 +95,21 @@ def _timed_pass(order, dur, dev, succ_ptr, succ_idx, cls_ptr, cls_idx, core_ptr,
     return start, end
 
 
-def _resources(tasks: Tasks, shared_bw: dict[int, float]):
-    """Per task, as compressed rows: the link classes it holds (links that serve exactly the
-    same tasks merged: with fixed orders they act as one, e.g. the ~2300 links of a
-    1024-device ring), and the switch cores it crosses (index into shared_bw) with the bytes
-    it pushes through them. Returns (class rows, number of classes, core rows, core bytes)."""
+def _resources(tasks: Tasks, info: ClusterInfo):
+    """Per communication task, as compressed rows: the links it holds exclusively and the
+    switch cores it crosses (index into shared_bw), with the bytes it pushes through them.
+    Returns (link rows, core rows, core bytes)."""
     links = tasks.links
     n = len(links)
-    comm_ids = sorted(t for t in tasks.comm if links[t])
-    core_index = {l: i for i, l in enumerate(shared_bw)}
-    paths: dict[tuple[int, ...], tuple[int, ...]] = {}    # link set → its exclusive links
-    cores: dict[tuple[int, ...], tuple[int, ...]] = {}    # link set → its switch cores
-    for t in comm_ids:
-        lk = links[t]
-        if lk not in paths:
-            cores[lk] = tuple(core_index[l] for l in lk if l in core_index)
-            paths[lk] = tuple(l for l in lk if l not in core_index) if cores[lk] else lk
-    member_of: dict[int, list[int]] = {}
-    excl = list(paths.values())
-    for pi, path in enumerate(excl):
-        for l in path:
-            lst = member_of.get(l)
-            if lst is None:
-                member_of[l] = [pi]
-            else:
-                lst.append(pi)
-    class_of_key: dict[tuple[int, ...], int] = {}
-    class_of_link = {l: class_of_key.setdefault(tuple(pis), len(class_of_key)) for l, pis in member_of.items()}
-    classes_of_path = {lk: tuple(sorted({class_of_link[l] for l in ex})) for lk, ex in zip(paths, excl)}
-    cls_ptr, cls_idx = compressed_rows(n, [classes_of_path[links[t]] for t in comm_ids], comm_ids)
-    core_ids = [t for t in comm_ids if cores[links[t]]]
-    core_ptr, core_idx = compressed_rows(n, [cores[links[t]] for t in core_ids], core_ids)
+    comm_ids = [t for t in sorted(tasks.comm) if links[t]]
+    held = [info.held_links(links[t]) for t in comm_ids]
+    link_ptr, link_idx = compressed_rows(n, [h[0] for h in held], comm_ids, arrays=True)
+    core_ids = [t for t, h in zip(comm_ids, held) if len(h[1])]
+    core_ptr, core_idx = compressed_rows(n, [h[1] for h in held if len(h[1])], core_ids, arrays=True)
     core_bytes = np.zeros(n)
     for t in core_ids:
         core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
-    return cls_ptr, cls_idx, len(class_of_key), core_ptr, core_idx, core_bytes
+    return link_ptr, link_idx, core_ptr, core_idx, core_bytes
 
 
 def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,
@@ -137,42 +118,65 @@ def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,
     (device, time) or None, per-device trace when `record`)."""
     initial = list(tasks.initial_bytes)
     overflow = next(((d, 0.0) for d in range(n_devices) if initial[d] > capacity_bytes[d]), None)
-    parts = [_effects(effects, when, phase) for phase, effects, when in
-             ((1, tasks.mem_start, start), (0, tasks.mem_end, end))]
-    if not any(len(p[0]) for p in parts):
+    # ends first: at equal times a device frees a task's memory before its next task allocates
+    parts = [_effects(effects, when) for effects, when in ((tasks.mem_end, end), (tasks.mem_start, start))]
+    time_a, dev_a, delta_a = (np.concatenate(c) for c in zip(*parts))
+    phase_a = np.repeat(np.array([0, 1], dtype=np.int8), [len(parts[0][0]), len(parts[1][0])])   # 0: an end
+    if not len(time_a):
         trace = [[(0.0, initial[d])] if initial[d] else [] for d in range(n_devices)] if record else None
         return initial, overflow, trace
-    time_a, dev_a, delta_a, phase_a = (np.concatenate(c) for c in zip(*parts))
-    idx = np.lexsort((phase_a, time_a, dev_a))      # stable: equal events keep task order
-    dev_s, time_s, phase_s = dev_a[idx], time_a[idx], phase_a[idx]
-    cum = np.cumsum(delta_a[idx])
-    first = np.flatnonzero(np.r_[True, dev_s[1:] != dev_s[:-1]])
-    before = np.r_[0.0, cum[first[1:] - 1]]                  # running sum before each device's events
-    counts = np.diff(np.r_[first, len(dev_s)])
+    # events by device, then time; stable, so equal events keep ends first and task order
+    idx = np.argsort(time_a, kind="stable")
+    idx = idx[np.argsort(dev_a[idx].astype(np.int32), kind="stable")]
+    dev_s, time_s = dev_a[idx], time_a[idx]
     init_a = np.array(initial, dtype=float)
-    cur = cum - np.repeat(before, counts) + init_a[dev_s]
-    peak = initial[:]
-    for d, p in zip(dev_s[first].tolist(), np.maximum.reduceat(cur, first).tolist()):
-        if p > peak[d]:
-            peak[d] = p
-    if overflow is None:
-        over = np.flatnonzero(cur > np.asarray(capacity_bytes, dtype=float)[dev_s])
-        if len(over):
-            i = over[np.lexsort((phase_s[over], time_s[over]))[0]]
-            overflow = (int(dev_s[i]), float(time_s[i]))
+    cur, peak_a, over = _replay(dev_s, time_s, phase_a[idx], delta_a[idx], init_a,
+                                np.asarray(capacity_bytes, dtype=float))
+    peak = [max(p, i) for p, i in zip(peak_a.tolist(), initial)]
+    if overflow is None and over >= 0:
+        overflow = (int(dev_s[over]), float(time_s[over]))
     trace = None
     if record:
         trace = [[(0.0, initial[d])] if initial[d] else [] for d in range(n_devices)]
-        for d, a, b in zip(dev_s[first].tolist(), first.tolist(), (first + counts).tolist()):
+        first = np.flatnonzero(np.r_[True, dev_s[1:] != dev_s[:-1]])
+        for d, a, b in zip(dev_s[first].tolist(), first.tolist(), np.r_[first[1:], len(dev_s)].tolist()):
             trace[d].extend(zip(time_s[a:b].tolist(), cur[a:b].tolist()))
     return peak, overflow, trace
 
 
-def _effects(effects: list, when: np.ndarray, phase: int):
-    """The memory effects of one kind (at starts or at ends) as arrays: time, device, bytes, phase."""
+@njit(cache=True, nogil=True)
+def _replay(dev_s, time_s, phase_s, delta_s, initial, capacity):
+    """Bytes in use after each event (events sorted by device, then time), each device's
+    peak (-inf where it has no events), and the index of the first event, in (time, end before
+    start) order, that exceeds its device's capacity (-1 if none). A single running sum over all events, the
+    device's share taken as the difference from its first event (the order of the sums is
+    part of the result: equal inputs give bit-equal peaks)."""
+    n = len(dev_s)
+    cur = np.empty(n)
+    peak = np.full(len(initial), -np.inf)
+    acc = 0.0
+    before = 0.0
+    over = -1
+    for i in range(n):
+        d = dev_s[i]
+        if i > 0 and d != dev_s[i - 1]:
+            before = acc
+        acc += delta_s[i]
+        c = acc - before + initial[d]
+        cur[i] = c
+        if c > peak[d]:
+            peak[d] = c
+        if c > capacity[d] and (over < 0 or time_s[i] < time_s[over]
+                                or (time_s[i] == time_s[over] and phase_s[i] < phase_s[over])):
+            over = i
+    return cur, peak, over
+
+
+def _effects(effects: list, when: np.ndarray):
+    """The memory effects of one kind (at starts or at ends) as arrays: time, device, bytes."""
     lists = [e or () for e in effects]      # None: a task without effects
     counts = np.fromiter(map(len, lists), dtype=np.intp, count=len(lists))
     # (device, bytes) pairs flattened into one float array: device numbers are exact in floats
     flat = np.fromiter(chain.from_iterable(chain.from_iterable(lists)), dtype=float, count=2 * int(counts.sum()))
     times = np.repeat(when, counts)
-    return times, flat[0::2].astype(np.intp), flat[1::2], np.full(len(times), phase, dtype=np.intp)
+    return times, flat[0::2].astype(np.intp), flat[1::2]

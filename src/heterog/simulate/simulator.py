@@ -52,8 +52,7 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, timeline: b
 def time_schedule(sched: Schedule, *, timeline: bool = True) -> SimResult:
     """Put times on a schedule: the timed run with link contention and memory → SimResult."""
     info, tasks = sched.info, sched.tasks
-    start, end, peak, overflow, mem_trace = engine.run(tasks, sched.order, len(info.devices),
-                                                       info.capacity_bytes, timeline, info.shared_bw)
+    start, end, peak, overflow, mem_trace = engine.run(tasks, sched.order, info, timeline)
     return _result(sched.plan, info, tasks, start, end, peak, overflow, mem_trace)
 
 
