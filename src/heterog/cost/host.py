@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from heterog.cost.memory import TENSOR_CORE_KINDS, dtype_factors
+from heterog.cost.memory import TENSOR_CORE_KINDS, forced_fp32, dtype_factors
 from heterog.hardware.gputype import GpuType, HostCosts
 from heterog.ir.opgraph import OpGraph
 
@@ -68,15 +68,27 @@ def autocast_casts(graph: OpGraph, precision: str) -> Casts | None:
     out = dtype_factors(graph, precision).out
     gi = graph.index
     fp32_in_fixed, fp32_in_ps, fp32_inputs = np.zeros(n), np.zeros(n), np.zeros(n)
+    half_in_fixed, half_in_ps, half_inputs = np.zeros(n), np.zeros(n), np.zeros(n)
     for e in graph.edges:
         j = gi[e.dst]
         if out[gi[e.src]] == 1.0:
             fp32_in_fixed[j] += e.bytes.fixed
             fp32_in_ps[j] += e.bytes.per_sample
             fp32_inputs[j] += 1
+        else:
+            half_in_fixed[j] += e.bytes.fixed
+            half_in_ps[j] += e.bytes.per_sample
+            half_inputs[j] += 1
     preds = graph.predecessors
     count, fixed, per_sample = np.zeros(n), np.zeros(n), np.zeros(n)
     for i, node in enumerate(graph.nodes):
+        if forced_fp32(node):
+            # an op on autocast's fp32 list casts each half input up (2 B read, 4 B written
+            # per element; the edge's bytes are fp32 bytes): gpt2-medium's `pow` and loss
+            count[i] = half_inputs[i]
+            fixed[i] = CAST_BYTES_PER_FP32_BYTE * half_in_fixed[i]
+            per_sample[i] = CAST_BYTES_PER_FP32_BYTE * half_in_ps[i]
+            continue
         if node.kind not in TENSOR_CORE_KINDS:
             continue
         weight_bytes = max(float(node.param_bytes), float(node.fwd_bytes.fixed))

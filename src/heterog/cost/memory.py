@@ -94,7 +94,7 @@ class DtypeFactors:
 FP32_LIST_MODULES = frozenset({"newgeluactivation", "fastgeluactivation"})
 
 
-def _forced_fp32(node) -> bool:
+def forced_fp32(node) -> bool:
     """Ops autocast runs in fp32 whatever their inputs (its fp32 list: layer_norm, group_norm,
     softmax-based losses, pow, ...); a batch norm keeps its input dtype."""
     if node.kind == "loss" or node.module_type.lower() in FP32_LIST_MODULES:
@@ -120,11 +120,11 @@ def dtype_factors(graph: OpGraph, precision: str) -> DtypeFactors:
         inputs_half[i] = bool(ps) and all(half[gi[p]] for p in ps)
         if node.kind in TENSOR_CORE_KINDS:
             half[i] = True
-        elif _forced_fp32(node) or node.kind == "embedding":
+        elif forced_fp32(node) or node.kind == "embedding":
             half[i] = False
         else:
             half[i] = inputs_half[i]
-    forced = np.array([_forced_fp32(node) for node in graph.nodes])
+    forced = np.array([forced_fp32(node) for node in graph.nodes])
     tc = np.array([node.kind in TENSOR_CORE_KINDS for node in graph.nodes])
     out = np.where(half, 0.5, 1.0)
     # saved tensors are mostly inputs: matmul/conv save the half copies autocast made of
