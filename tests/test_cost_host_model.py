@@ -165,3 +165,24 @@ def test_the_cast_host_cost_is_measured_on_the_half_precision_profile():
     assert cast_op_host_s([prof["gpt2_medium"]]) == pytest.approx(18.1e-6, rel=0.01)
     assert cast_op_host_s([prof["resnet50"], prof["bert_large"]]) is None
     assert cast_op_host_s(list(prof.values())) == pytest.approx(18.1e-6, rel=0.01)
+
+
+def test_a_half_precision_nchw_convolution_pays_for_its_layout_transforms():
+    """Under amp-bf16/fp16 a convolution (NCHW) moves each activation in and out of NHWC:
+    2 extra passes of its activation traffic at copy bandwidth, forward and backward; fp32
+    and non-NVIDIA types do not."""
+    from heterog.cost.analytic import NCHW_HALF_CONV_TRANSFORM_PASSES, _TypeTable
+    from heterog.cost.efficiency import memory_efficiency
+    conv = conv_graph()
+    gpu = get_gpu("H200")
+    for phase, obj in (("fwd", conv.nodes[0].fwd_bytes), ("bwd", conv.nodes[0].bwd_bytes)):
+        half = _TypeTable(conv, gpu, "amp-bf16", phase)
+        extra_s = NCHW_HALF_CONV_TRANSFORM_PASSES * 0.5 * obj.per_sample * 256 / (
+            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu))
+        bare = _TypeTable(conv, gpu, "amp-bf16", phase)
+        bare.transform_ps = np.zeros(2)
+        idx = np.array([0, 1])
+        assert half.times_s(idx, 256)[0] - bare.times_s(idx, 256)[0] == pytest.approx(extra_s)
+        assert half.times_s(idx, 256)[1] == bare.times_s(idx, 256)[1]      # the ReLU: none
+        assert not _TypeTable(conv, gpu, "fp32", phase).transform_ps.any()
+        assert not _TypeTable(conv, get_gpu("MI300X"), "amp-bf16", phase).transform_ps.any()

@@ -68,6 +68,16 @@ CONV_FACTOR_GPU = {"fp32": 1.0, "tf32": 0.4, "bf16": 0.4, "fp16": 0.4}
 # about the fp32 cuDNN kernel's time): a hypothesis from the source and the steps, chosen
 # after resnet50's held-out error was seen (docs/cost_model.md says so); fp16 keeps cuDNN.
 NATIVE_BN_BF16_FACTOR = 0.5
+# Half-precision convolutions on NCHW tensors (PyTorch's default layout for CNNs; the zoo's
+# and the H200 steps' resnet50 are NCHW): cuDNN's tensor-core kernels work on NHWC and "may
+# use padding, folding, and NCHW-to-NHWC transformations" to reach them (cuDNN developer
+# guide; channels_last is PyTorch's documented remedy). Modelled as one transpose of each
+# activation the convolution reads or writes (in and out of NHWC: a read and a write each),
+# i.e. twice the kernel's own activation traffic, as separate kernels at copy bandwidth,
+# forward and backward. Not fitted: the count of transposes is the hypothesis. fp32/TF32
+# keeps NCHW kernels. (resnet50's fp32 profile shows one such transform where visible: the
+# stem convolution spends 1.24 of its 2.48 ms in a child kernel.)
+NCHW_HALF_CONV_TRANSFORM_PASSES = 2.0
 OPTIMIZER_BYTES_PER_PARAM_BYTE = {"sgd": 8.0, "adamw": 20.0}
 OPTIMIZER_OPS_PER_TENSOR = {"sgd": 3, "adamw": 10}
 OPTIMIZER_TEMPORARIES = {"sgd": 0, "adamw": 2}  # out-of-place parameter-sized results per step
@@ -109,6 +119,14 @@ class _TypeTable:
             # gradients back to fp32) read 4 B and write 2 B per element, or the reverse
             self.bytes_fixed = self.bytes_fixed + self.casts.bytes_fixed
             self.bytes_ps = self.bytes_ps + self.casts.bytes_per_sample
+        # NCHW convolutions in half precision: cuDNN's tensor-core kernels work on NHWC, so it
+        # transforms the activations in and out (separate kernels, after the roofline)
+        self.transform_ps = np.zeros(len(nodes))
+        if precision in ("amp-bf16", "fp16") and gpu.vendor == "nvidia":
+            conv = np.array([n.kind == "conv" for n in nodes])
+            act_ps = np.array([b.per_sample for b in bytes_obj]) * factor
+            self.transform_ps = np.where(conv, NCHW_HALF_CONV_TRANSFORM_PASSES * act_ps, 0.0)
+        self.transform_bandwidth = gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu)
         self.tc_fixed, self.tc_ps = flops_fixed * tc, flops_ps * tc
         self.other_fixed, self.other_ps = flops_fixed * (1 - tc), flops_ps * (1 - tc)
         kernels = np.array([float(n.fwd_kernels if fw else n.bwd_kernels) for n in nodes])
@@ -190,7 +208,7 @@ class _TypeTable:
                 eff[sel] = curve.at(size[sel])
         # a kernel never beats the data-sheet peak, whatever the type's fitted factors say
         t_math = tc / (self.peak_tc[idx] * np.minimum(eff * self.kind_factor[idx], 1.0)) + other / self.peak_vector
-        roof = np.maximum(t_math, nbytes / self.bandwidth[idx])
+        roof = np.maximum(t_math, nbytes / self.bandwidth[idx]) + self.transform_ps[idx] * batch / self.transform_bandwidth
         if self.synchronous:
             per_byte, big, (of, op), (wf, wp) = self._fresh
             if per_byte > 0:
