@@ -104,9 +104,9 @@ class _Ranges:
 def _memory(tasks, t: int) -> dict[int, tuple[float, float]]:
     """device → (bytes allocated at the task's start, bytes freed at its end)."""
     out: dict[int, list[float]] = {}
-    for d, delta in tasks.mem_start[t] or ():
+    for d, delta in tasks.mem_start.of(t):
         out.setdefault(d, [0.0, 0.0])[0] += delta
-    for d, delta in tasks.mem_end[t] or ():
+    for d, delta in tasks.mem_end.of(t):
         out.setdefault(d, [0.0, 0.0])[1] -= delta
     return {d: (a, f) for d, (a, f) in out.items()}
 

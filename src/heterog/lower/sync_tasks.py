@@ -10,7 +10,7 @@ from __future__ import annotations
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable
-from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import OPT, SYNC, Tasks, effect_chunk, make_room, rep_id
 
 
 def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
@@ -148,8 +148,9 @@ def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo,
                         owner, links, load, members, nbytes, readers, Bk, link_loads)
         tasks.ties[s] = tie.param
         kept = [d for d in members if rep[d] == d]
-        tasks.mem_start[s] = [(d, nbytes) for d in kept]     # the gradient's sync buffer
-        tasks.mem_end[s] = [(d, -nbytes) for d in kept]
+        for d in kept:     # the gradient's sync buffer
+            tasks.mem(s, True, d, nbytes)
+            tasks.mem(s, False, d, -nbytes)
         for d in kept:
             opt_preds[d].append(s)
 
@@ -228,15 +229,18 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
                 involved = members
             s = _collective(tasks, info, dur, mbs, bi, links, load, involved, grad, (bi,), Bk, link_loads)
             # the bucket's communication buffer on every member while it is synchronised
-            # (shared lists, cached: the search re-scores the same buckets constantly)
+            # (effect chunks, cached: the search re-scores the same buckets constantly)
             bk = (involved, members, grad, rep_key)
             buf = buffer_cache.get(bk)
             if buf is None:
                 make_room(buffer_cache, len(involved))
                 kept = [d for d in involved if rep[d] == d]
-                buf = buffer_cache[bk] = ([(d, grad) for d in kept], [(d, -grad) for d in kept],
+                buf = buffer_cache[bk] = (effect_chunk([[(d, grad) for d in kept]]),
+                                          effect_chunk([[(d, -grad) for d in kept]]),
                                           [d for d in members if rep[d] == d])
-            tasks.mem_start[s], tasks.mem_end[s], kept_members = buf
+            tasks.mem_start.add_chunk(s, buf[0])
+            tasks.mem_end.add_chunk(s, buf[1])
+            kept_members = buf[2]
             for d in kept_members:
                 opt_preds[d].append(s)
     for devs, grad in grads_of.items():

@@ -37,8 +37,8 @@ class Tasks:
         self.key: list[int] = []                 # reference priority (see prio); -1 for communication
         self.mb: list[int] = []
         self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
-        self.mem_start: list = []                # [(device, +bytes), ...] or None
-        self.mem_end: list = []
+        self.mem_start = Effects()               # memory effects at a task's start
+        self.mem_end = Effects()                 # ... and at its end
         self.link_bytes: dict[int, float] = {}
         self.persistent_bytes = [0.0] * n_devices   # parameters + gradients + optimizer state
         self.initial_bytes = [0.0] * n_devices      # memory in use when the iteration starts
@@ -68,8 +68,6 @@ class Tasks:
         self.succ.append([])
         self.key.append(key)
         self.mb.append(mb)
-        self.mem_start.append(None)
-        self.mem_end.append(None)
         return t
 
     def add_comm(self, kind: int, dur: float, mb: int, block: int, links: tuple[int, ...],
@@ -88,11 +86,7 @@ class Tasks:
         self.succ[a].append(b)
 
     def mem(self, t: int, start: bool, dev: int, delta: float) -> None:
-        # a new list: expand shares memory-effect lists between tasks (cached block columns,
-        # replicated micro-batches), so none is changed in place
-        lst = self.mem_start if start else self.mem_end
-        old = lst[t]
-        lst[t] = [(dev, delta)] if old is None else old + [(dev, delta)]
+        (self.mem_start if start else self.mem_end).add(t, dev, delta)
 
     def succ_csr(self) -> tuple[np.ndarray, np.ndarray]:
         """The successor lists as compressed rows (pointer, index) for the compiled loops;
@@ -113,6 +107,75 @@ class Tasks:
     def seal(self) -> None:
         self.npred = np.bincount(self.succ_csr()[1], minlength=len(self.kind)).astype(np.int64)
         self.sources = np.flatnonzero(self.npred == 0).astype(np.int64)   # tasks with no inputs, in id order
+
+
+class Effects:
+    """Memory effects of one kind (at task starts, or at ends) as flat columns: task, device,
+    bytes (+ allocated, − freed). Whole runs of tasks come as numpy chunks (a block's
+    compute tasks, whose effects are cached per block); single effects are appended one by
+    one. A task's effects are its chunk entries, then its single ones in the order added:
+    the replay applies a device's effects at one instant in that order."""
+
+    __slots__ = ("chunks", "task", "dev", "delta", "_by_task")
+
+    def __init__(self):
+        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # (tasks, devices, bytes)
+        self.task: list[int] = []
+        self.dev: list[int] = []
+        self.delta: list[float] = []
+        self._by_task: dict[int, list[tuple[int, float]]] | None = None
+
+    def add(self, t: int, dev: int, delta: float) -> None:
+        self.task.append(t)
+        self.dev.append(dev)
+        self.delta.append(delta)
+
+    def add_chunk(self, first_task: int, chunk: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+        """Add a cached chunk (task ids relative to first_task); returns its index."""
+        local, devs, deltas = chunk
+        self.chunks.append((local + first_task, devs, deltas))
+        return len(self.chunks) - 1
+
+    def replace_chunk(self, i: int, first_task: int, chunk: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        local, devs, deltas = chunk
+        self.chunks[i] = (local + first_task, devs, deltas)
+
+    def mark(self) -> tuple[int, int]:
+        """Where the effects added from now on begin (a micro-batch's segment, see copy)."""
+        return len(self.chunks), len(self.task)
+
+    def copy(self, since: tuple[int, int], until: tuple[int, int], offset: int) -> None:
+        """Append the effects added between two marks again, for tasks `offset` ids later
+        (a replicated micro-batch)."""
+        for local, devs, deltas in self.chunks[since[0]:until[0]]:
+            self.chunks.append((local + offset, devs, deltas))
+        self.task.extend([t + offset for t in self.task[since[1]:until[1]]])
+        self.dev.extend(self.dev[since[1]:until[1]])
+        self.delta.extend(self.delta[since[1]:until[1]])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(task, device, bytes) of every effect, in task order (stable: see the class)."""
+        parts = self.chunks + [(np.array(self.task, dtype=np.int64), np.array(self.dev, dtype=np.int64),
+                                np.array(self.delta, dtype=np.float64))]
+        task, dev, delta = (np.concatenate(c) for c in zip(*parts))
+        order = np.argsort(task, kind="stable")
+        return task[order], dev[order], delta[order]
+
+    def of(self, t: int) -> list[tuple[int, float]]:
+        """Task t's effects [(device, bytes)], in order (the Program's view; built once)."""
+        if self._by_task is None:
+            self._by_task = {}
+            task, dev, delta = self.arrays()
+            for k, d, x in zip(task.tolist(), dev.tolist(), delta.tolist()):
+                self._by_task.setdefault(k, []).append((d, x))
+        return self._by_task.get(t, [])
+
+
+def effect_chunk(per_task: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-task effect lists ([(device, bytes)] or None, task i at index i) as a chunk."""
+    rows = [(i, d, x) for i, lst in enumerate(per_task) if lst for d, x in lst]
+    return (np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=np.int64),
+            np.array([r[2] for r in rows], dtype=np.float64))
 
 
 def compressed_rows(n: int, rows: list, tids: list[int] | None = None, *,

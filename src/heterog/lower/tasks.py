@@ -17,7 +17,7 @@ from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, moves_between, stage_limits
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.sync_tasks import sync_and_step
-from heterog.lower.taskgraph import BWD, FWD, XFER, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import BWD, FWD, XFER, Tasks, effect_chunk, make_room, rep_id
 
 
 def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: bool) -> list[int]:
@@ -117,7 +117,7 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
     F = [[None] * nb for _ in range(mbs)]
     Bk = [[None] * nb for _ in range(mbs)]
     templates: dict[int, tuple] = {}   # size → first mb's segment (see _replicate)
-    first_bwd: list[tuple[int, tuple]] = []   # (first task, columns) of micro-batch 0's blocks
+    first_bwd: list[tuple] = []   # (first task, effect chunk indices, columns) of micro-batch 0's blocks
     lb, comm = tasks.link_bytes, tasks.comm
     rep_key = rep_id(table.scratch, tasks.rep)     # once per call: it hashes the merged-device map
     for m, size in enumerate(mb_sizes):
@@ -125,10 +125,11 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
             _replicate(tasks, templates[size], m, F, Bk)
             continue
         seg_start, lb_before, comm_before = len(tasks.kind), dict(lb), len(comm)
+        marks = (tasks.mem_start.mark(), tasks.mem_end.mark())
         _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk, first_bwd)
         _transfer_tasks(tasks, m, size, preds, moves, F, Bk)
         templates[size] = (m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
-                           list(comm)[comm_before:])
+                           list(comm)[comm_before:], marks, (tasks.mem_start.mark(), tasks.mem_end.mark()))
     return Bk, first_bwd
 
 
@@ -148,7 +149,7 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
             make_room(column_cache, len(blk.devices))
             cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.shares)], rep, info.dev_class,
                                                      replica_cache, table)
-        kept_r, devs, vs, dev2, dur2, ms2, me2, _first_ms, _first_me = cols
+        kept_r, dev2, dur2 = cols[0], cols[3], cols[4]
         n_kept = len(kept_r)
         f0 = len(kinds)
         b0 = f0 + n_kept
@@ -162,10 +163,9 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         tasks.key.extend([tasks.prio(1 if one_f1b else 0, m, bi)] * n_kept)
         tasks.key.extend([tasks.prio(0 if one_f1b else 1, m, -bi)] * n_kept)
         tasks.mb.extend([m] * (2 * n_kept))
-        tasks.mem_start.extend(ms2)     # shared lists: nothing mutates them (Tasks.mem)
-        tasks.mem_end.extend(me2)
+        chunks = (tasks.mem_start.add_chunk(f0, cols[5]), tasks.mem_end.add_chunk(f0, cols[6]))
         if m == 0:
-            first_bwd.append((f0, cols))
+            first_bwd.append((f0, chunks, cols))
         if n_kept == len(blk.devices):
             F[m][bi], Bk[m][bi] = list(range(f0, b0)), list(range(b0, b0 + n_kept))
         else:
@@ -209,8 +209,8 @@ def _transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, F, Bk) -> Non
                 tasks.key.extend((-1, -1))
                 tasks.mb.extend((m, m))
                 # the receiver holds the tensor until the task that reads it ends
-                tasks.mem_start.extend(([(db, nbytes)], [(da, nbytes)]))
-                tasks.mem_end.extend((None, None))
+                mem(xf, True, db, nbytes)
+                mem(xb, True, da, nbytes)
                 comm[xf] = ((da, db), nbytes, bi)
                 comm[xb] = ((db, da), nbytes, a)
                 xfer_blocks[xf] = xfer_blocks[xb] = (a, bi)
@@ -241,25 +241,20 @@ def _backwards_by_device(tasks: Tasks, blocks: list[Block], Bk) -> dict[int, lis
 
 
 def _first_microbatch_memory(tasks: Tasks, first_bwd) -> None:
-    """Micro-batch 0's backward also creates the gradients (see _block_columns). Other lists,
-    since replicated micro-batches share the generic ones; a backward that received gradients
-    has the generic entry (if any) first, the transfers' entries after it."""
-    mem_start, mem_end = tasks.mem_start, tasks.mem_end
-    for f0, cols in first_bwd:
-        n_kept, generic, first_ms, first_me = len(cols[0]), cols[6], cols[7], cols[8]
-        b0 = f0 + n_kept
-        mem_start[b0:b0 + n_kept] = first_ms
-        mem_end[b0:b0 + n_kept] = [
-            fm if cur is gm else fm + (cur if gm is None else cur[1:])
-            for cur, gm, fm in zip(mem_end[b0:b0 + n_kept], generic[n_kept:], first_me)]
+    """Micro-batch 0's backward also creates the gradients (see _block_columns): its blocks'
+    effect chunks are replaced by the first-micro-batch ones after the other micro-batches
+    were copied from it. Effects added by transfers stay after them."""
+    for f0, (si, ei), cols in first_bwd:
+        tasks.mem_start.replace_chunk(si, f0, cols[7])
+        tasks.mem_end.replace_chunk(ei, f0, cols[8])
 
 
 def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[str],
                    replica_cache: dict, table: CostTable) -> tuple:
     """Per-block columns of expand that depend only on the block, its samples and the merged
-    devices: (kept replicas, their devices, their costs, then device, duration, memory-start
-    and memory-end columns of the forwards followed by the backwards, then the memory-start and
-    memory-end columns of micro-batch 0's backwards)."""
+    devices: (kept replicas, their devices, their costs, then device and duration columns of
+    the forwards followed by the backwards, their memory effects at start and at end as
+    chunks, and the same two chunks for micro-batch 0, whose backwards create the gradients)."""
     kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
     vs = []
     for _r, _d, dn, smp in kept:
@@ -273,15 +268,16 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
     devs = [d for _r, d, _dn, _s in kept]
     # v: see _replica_costs. Forward: its activations and workspace; backward: up to its peak,
     # then down to nothing (micro-batch 0, which creates the gradients, is set in expand)
-    ms2 = ([[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)]
-           + [[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)])
-    me2 = ([[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)]
-           + [[(d, -v[4])] if v[4] else None for d, v in zip(devs, vs)])
+    fwd_ms = [[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)]
+    fwd_me = [[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)]
+    bwd_ms = [[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)]
+    bwd_me = [[(d, -v[4])] if v[4] else None for d, v in zip(devs, vs)]
     # micro-batch 0's backward: its peak is v[5] and it leaves the gradients (v[6]) behind
     first_ms = [[(d, v[5] - v[2])] for d, v in zip(devs, vs)]
     first_me = [[(d, v[6] - v[5])] for d, v in zip(devs, vs)]
-    return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs,
-            [v[0] for v in vs] + [v[1] for v in vs], ms2, me2, first_ms, first_me)
+    return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs, [v[0] for v in vs] + [v[1] for v in vs],
+            effect_chunk(fwd_ms + bwd_ms), effect_chunk(fwd_me + bwd_me),
+            effect_chunk(fwd_ms + first_ms), effect_chunk(fwd_me + first_me))
 
 
 def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple[float, ...]:
@@ -325,8 +321,8 @@ def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple
 def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     """Micro-batch m has the same size as an earlier one, so its tasks are a copy of that
     micro-batch's segment with ids shifted (and m in the priority keys): list slices instead of
-    a second expansion. Memory-effect lists are shared; nothing mutates them afterwards."""
-    m0, start, end, seg_link_bytes, seg_comm = template
+    a second expansion."""
+    m0, start, end, seg_link_bytes, seg_comm, since, until = template
     off = len(tasks.kind) - start
     tasks.kind.extend(tasks.kind[start:end])
     tasks.dur.extend(tasks.dur[start:end])
@@ -336,8 +332,8 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     shift = (m - m0) * tasks.mb_stride
     tasks.key.extend([k + shift if k >= 0 else k for k in tasks.key[start:end]])
     tasks.mb.extend([m] * (end - start))
-    tasks.mem_start.extend(tasks.mem_start[start:end])
-    tasks.mem_end.extend(tasks.mem_end[start:end])
+    tasks.mem_start.copy(since[0], until[0], off)
+    tasks.mem_end.copy(since[1], until[1], off)
     comm = tasks.comm
     for t in seg_comm:      # the segment's communication tasks
         comm[t + off] = comm[t]

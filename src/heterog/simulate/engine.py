@@ -17,8 +17,6 @@ device frees a task's memory before its next task allocates).
 
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
 from numba import njit
 
@@ -119,7 +117,8 @@ def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,
     initial = list(tasks.initial_bytes)
     overflow = next(((d, 0.0) for d in range(n_devices) if initial[d] > capacity_bytes[d]), None)
     # ends first: at equal times a device frees a task's memory before its next task allocates
-    parts = [_effects(effects, when) for effects, when in ((tasks.mem_end, end), (tasks.mem_start, start))]
+    parts = [(when[task], dev, delta) for when, (task, dev, delta) in
+             ((end, tasks.mem_end.arrays()), (start, tasks.mem_start.arrays()))]
     time_a, dev_a, delta_a = (np.concatenate(c) for c in zip(*parts))
     phase_a = np.repeat(np.array([0, 1], dtype=np.int8), [len(parts[0][0]), len(parts[1][0])])   # 0: an end
     if not len(time_a):
@@ -170,13 +169,3 @@ def _replay(dev_s, time_s, phase_s, delta_s, initial, capacity):
                                 or (time_s[i] == time_s[over] and phase_s[i] < phase_s[over])):
             over = i
     return cur, peak, over
-
-
-def _effects(effects: list, when: np.ndarray):
-    """The memory effects of one kind (at starts or at ends) as arrays: time, device, bytes."""
-    lists = [e or () for e in effects]      # None: a task without effects
-    counts = np.fromiter(map(len, lists), dtype=np.intp, count=len(lists))
-    # (device, bytes) pairs flattened into one float array: device numbers are exact in floats
-    flat = np.fromiter(chain.from_iterable(chain.from_iterable(lists)), dtype=float, count=2 * int(counts.sum()))
-    times = np.repeat(when, counts)
-    return times, flat[0::2].astype(np.intp), flat[1::2]
