@@ -11,6 +11,8 @@ compares every rank's parameters with single-process training, within 1e-5 relat
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -178,3 +180,36 @@ def test_size_derived_values_never_cross_a_cut():
 @pytest.mark.timeout(600)
 def test_three_stages_with_the_mask_used_in_two_later_stages(tmp_path):
     check_equal(make_plan("gpt2", _three_stages("gpt2")), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_loss_runs_where_the_plan_places_it(tmp_path):
+    # The export holds the model only; a plan that gives the loss node a device of its own
+    # (the balanced model-parallel baseline does, for a language model's large loss) has its
+    # Program send the logits there: the executor computes the loss there too.
+    nodes = [n.name for n in capture_model("gpt2", MODELS["gpt2"], batch_size=2, seq_len=SEQ).nodes]
+    loss = [n for n in nodes if n.startswith("loss::")]
+    assert loss, nodes
+    plan = make_plan("gpt2", [
+        Group(name="model", nodes=tuple(n for n in nodes if n not in loss), replicas=replicas(("a", 1.0))),
+        Group(name="loss", nodes=tuple(loss), replicas=replicas(("b", 0.5), ("c", 0.5)), sync="ring")])
+    check_equal(plan, tmp_path)
+    for rank in (1, 2):   # b and c each computed the loss on its 3 samples
+        assert json.loads((tmp_path / f"samples_rank{rank}.json").read_text()) == [3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_token_ids_cross_to_an_embedding_on_another_device(tmp_path):
+    # The ids (an integer view of the input) cross from a replicated group to the embedding
+    # on another device; the Program sends a gradient back along every edge, but integers
+    # carry none: neither side moves one (a send of a missing gradient was lm-slow-link's gnn
+    # failure, KeyError: (19, 'submod_0')).
+    nodes = [n.name for n in capture_model("gpt2", MODELS["gpt2"], batch_size=2, seq_len=SEQ).nodes]
+    wte = nodes.index("transformer.wte")
+    plan = make_plan("gpt2", [
+        Group(name="ids", nodes=tuple(nodes[:wte]), replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring"),
+        Group(name="wte", nodes=(nodes[wte],), replicas=replicas(("c", 1.0))),
+        Group(name="rest", nodes=tuple(nodes[wte + 1:]), replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring")])
+    check_equal(plan, tmp_path)

@@ -97,6 +97,7 @@ class Dataflow:
     param_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # name → groups holding a copy
     unused: frozenset[str] = frozenset()         # parameters forward never reads (no gradient)
+    no_grad: frozenset[str] = frozenset()        # values that cross with no gradient back (integer ids)
     warnings: list[str] = field(default_factory=list)
     split: bool = True                           # False: the whole model is one stage
 
@@ -158,6 +159,7 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
     split = split_module(gm, model, lambda n: seg[n])
     flow = _dataflow(split, seg, assign, plan, warnings, go)
     _collect_params(flow, gm, seg, assign, model, plan)
+    _loss_stage(flow, plan, go)
     return flow
 
 
@@ -205,6 +207,7 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
     output: str | None = None
     segment_of: dict[str, int] = {}
     made_by: dict[str, int | tuple[int, ...]] = {}   # stage → group producing its output(s)
+    no_grad: set[str] = set()
     for n in split.graph.nodes:
         if n.op == "placeholder":
             inputs.append(n.name)
@@ -222,12 +225,19 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
                                 args=tuple(a.name for a in args),
                                 groups=tuple(sorted(groups_of_segment[k]))))
             made_by[n.name] = _producer_groups(module, first_group[k])
+            integer = _integer_outputs(module)
+            if integer is True:
+                no_grad.add(n.name)
+            elif isinstance(integer, tuple):
+                no_grad.update(f"{n.name}[{i}]" for i, flag in enumerate(integer) if flag)
             owner[n.name] = made_by[n.name] if isinstance(made_by[n.name], int) else first_group[k]
         elif n.op == "call_function" and n.target is operator.getitem:
             src, index = n.args
             projections[n.name] = (src.name, int(index))
             made = made_by.get(src.name)
             owner[n.name] = made[int(index)] if isinstance(made, tuple) else owner[src.name]
+            if f"{src.name}[{int(index)}]" in no_grad:
+                no_grad.add(n.name)
         elif n.op == "output":
             out = n.args[0]
             assert isinstance(out, fx.Node), out
@@ -237,7 +247,49 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
     assert output is not None
     ordered = order_stages(stages, projections, plan, {s.value: set(s.groups) for s in stages}, segment_of)
     return Dataflow(inputs=tuple(inputs), stages=tuple(ordered), projections=projections,
-                    owner=owner, output=output, warnings=warnings)
+                    owner=owner, output=output, warnings=warnings, no_grad=frozenset(no_grad))
+
+
+LOSS_PREFIX = "loss::"   # capture names of the ops run after the model returns (recorder.py)
+
+
+class _LossInput(nn.Module):
+    """The loss stage's module: it passes the model's output on; the interpreter computes
+    the loss on it where this stage runs (runtime.Interpreter._forward)."""
+
+    def forward(self, x: Any) -> Any:
+        return x
+
+
+def loss_group(plan: Plan) -> int | None:
+    """The group of the capture's first loss node ('loss::<op>@0'), or None when the plan
+    names none (a plan made for another capture)."""
+    found = [(int(name.rpartition("@")[2]) if name.rpartition("@")[2].isdigit() else 0, gi)
+             for gi, g in enumerate(plan.groups) for name in g.nodes if name.startswith(LOSS_PREFIX)]
+    return min(found)[1] if found else None
+
+
+def _loss_stage(flow: Dataflow, plan: Plan, go: GroupOrder) -> None:
+    """Compute the loss where the plan places it. The export holds the model only, so the
+    loss would run with the model's output; when the plan puts the loss node in another run
+    (placement), the Program sends the output there (e.g. a language model's logits) and
+    computes the loss there: a stage of its own, fed by the output, does the same."""
+    g = loss_group(plan)
+    out = flow.projections.get(flow.output, (flow.output, 0))[0]
+    producer = next(s for s in flow.stages if s.value == out)
+    g_out = flow.owner[flow.output]
+    if g is None or g in producer.groups:
+        return
+    apart = (go.block[g] != go.block[g_out] if go.block is not None
+             else plan.groups[g].replicas != plan.groups[g_out].replicas)
+    if not apart:
+        return
+    value = "loss_input"
+    assert value not in flow.owner, f"the split already names a value {value!r}"
+    flow.stages = (*flow.stages, Stage(value=value, group=g, module=_LossInput(), args=(flow.output,),
+                                       groups=(g,)))
+    flow.owner[value] = g
+    flow.output = value
 
 
 def _producer_groups(module: fx.GraphModule, default: int) -> int | tuple[int, ...]:
@@ -247,6 +299,17 @@ def _producer_groups(module: fx.GraphModule, default: int) -> int | tuple[int, .
         return a.meta.get(GROUP_META, default) if isinstance(a, fx.Node) else default
     out = next(n for n in module.graph.nodes if n.op == "output").args[0]
     return tuple(group(a) for a in out) if isinstance(out, (tuple, list)) else group(out)
+
+
+def _integer_outputs(module: fx.GraphModule) -> bool | tuple[bool, ...]:
+    """Whether each output of a stage is known to be a tensor that cannot carry a gradient
+    (integer or bool: token ids after a view); a node without a recorded value (one a cut
+    rewrite inserted) counts as differentiable."""
+    def integer(a: Any) -> bool:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
+    out = next(n for n in module.graph.nodes if n.op == "output").args[0]
+    return tuple(integer(a) for a in out) if isinstance(out, (tuple, list)) else integer(out)
 
 
 def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], plan: Plan,

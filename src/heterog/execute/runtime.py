@@ -340,6 +340,8 @@ class Interpreter:
         values = self.crossing.get((ins.src_block, ins.dst_block), ())   # none: the split recomputes them
         self.trace.append(("send", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))
         for k, v in enumerate(values):
+            if ins.phase == Phase.BACKWARD and v in self.flow.no_grad:
+                continue      # an integer value (token ids): no gradient goes back
             tag = (ins.tag * MAX_VALUES + k) * 2
             if ins.phase == Phase.FORWARD:
                 lo, hi = self.range_of[(ins.src_block, ins.microbatch)]
@@ -353,6 +355,8 @@ class Interpreter:
         values = self.crossing.get((ins.src_block, ins.dst_block), ())   # none: the split recomputes them
         self.trace.append(("recv", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))
         for k, v in enumerate(values):
+            if ins.phase == Phase.BACKWARD and v in self.flow.no_grad:
+                continue
             x = self.p2p.recv_with_header(peer, (ins.tag * MAX_VALUES + k) * 2)
             if ins.phase == Phase.FORWARD:
                 self._inbox[(ins.tag, v)] = x
