@@ -341,7 +341,7 @@ def test_a_split_tied_weight_gets_its_own_gradient_all_reduce_over_the_holders()
     assert set(info.names(tasks.comm[s][0])) == {a, b, e} and tasks.comm[s][1] == tie.param_bytes
     assert tasks.dur[s] > 0
     opt = {info.devices[tasks.dev[t]]: t for t in range(len(tasks.kind)) if tasks.kind[t] == OPT}
-    assert all(opt[d] in tasks.succ[s] for d in (a, b, e))
+    assert all(opt[d] in tasks.successors(s) for d in (a, b, e))
     # the owner's bucket (front, replicated on a and e) syncs its gradients without the tie
     (bucket,) = [t for t in range(len(tasks.kind)) if tasks.kind[t] == SYNC and t not in tasks.ties]
     front = sum(costs.gradient_bytes(nodes) for nodes in sched.blocks[tasks.comm[bucket][2]].nodes)

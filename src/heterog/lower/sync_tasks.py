@@ -7,6 +7,8 @@ backwards and syncs."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable
@@ -26,13 +28,16 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     for load, nbytes in link_loads.values():
         for l, share in load.items():
             tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
-    succ = tasks.succ
     for d, bl in bwd_of_dev.items():
         o = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
-        for b in bl:
-            succ[b].append(o)
+        _all_before(tasks, bl, o)
         for s in opt_preds[d]:
-            succ[s].append(o)
+            tasks.dep(s, o)
+
+
+def _all_before(tasks: Tasks, before: list[int], t: int) -> None:
+    """Edges from every task of `before` to t, as one chunk (a sync waits for hundreds)."""
+    tasks.edges.add_chunk(0, (np.array(before, dtype=np.int64), np.full(len(before), t, dtype=np.int64)))
 
 
 def _placement_of_tied_nodes(blocks: list[Block], table: CostTable) -> dict[str, tuple[int, int]]:
@@ -169,12 +174,7 @@ def _collective(tasks: Tasks, info: ClusterInfo, dur: float, mbs: int, block: in
         link_loads[id(load)] = [load, nbytes]
     else:
         entry[1] += nbytes
-    succ = tasks.succ
-    for b in after:
-        for m in range(mbs):
-            for x in Bk[m][b]:
-                if x is not None:
-                    succ[x].append(s)
+    _all_before(tasks, [x for b in after for m in range(mbs) for x in Bk[m][b] if x is not None], s)
     return s
 
 

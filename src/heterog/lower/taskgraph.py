@@ -7,9 +7,8 @@ event loops (lower/order.py, simulate/engine.py) touch no objects.
 
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
+from numba import njit
 
 from heterog.lower.blocks import Block
 
@@ -21,7 +20,7 @@ class Tasks:
     """The task graph: flat per-task lists (task id = index); `comm` holds what only
     communication tasks have. Call `seal()` after the last task is added."""
 
-    __slots__ = ("kind", "dur", "dev", "links", "succ", "npred", "key", "mb", "comm",
+    __slots__ = ("kind", "dur", "dev", "links", "edges", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
                  "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
                  "xfer_blocks", "ties", "mb_stride", "_phase_stride", "_succ_csr", "_arrays")
@@ -31,14 +30,14 @@ class Tasks:
         self.dur: list[float] = []
         self.dev: list[int] = []                 # device of a compute task, -1 for communication
         self.links: list[tuple[int, ...]] = []   # links a communication task occupies
-        self.succ: list[list[int]] = []
+        self.edges = TaskRows((np.int64,), (True,))   # task → successor
         self.npred = np.zeros(0, dtype=np.int64)     # inputs per task: filled by seal()
         self.sources = np.zeros(0, dtype=np.int64)   # tasks without inputs: idem
         self.key: list[int] = []                 # reference priority (see prio); -1 for communication
         self.mb: list[int] = []
         self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
-        self.mem_start = Effects()               # memory effects at a task's start
-        self.mem_end = Effects()                 # ... and at its end
+        self.mem_start = effects()               # memory effects at a task's start
+        self.mem_end = effects()                 # ... and at its end
         self.link_bytes: dict[int, float] = {}
         self.persistent_bytes = [0.0] * n_devices   # parameters + gradients + optimizer state
         self.initial_bytes = [0.0] * n_devices      # memory in use when the iteration starts
@@ -65,7 +64,6 @@ class Tasks:
         self.dur.append(dur)
         self.dev.append(dev)
         self.links.append(())
-        self.succ.append([])
         self.key.append(key)
         self.mb.append(mb)
         return t
@@ -83,7 +81,8 @@ class Tasks:
         return abs(self.key[t] % self.mb_stride - len(self.blocks))
 
     def dep(self, a: int, b: int) -> None:
-        self.succ[a].append(b)
+        self.edges.task.append(a)
+        self.edges.values[0].append(b)
 
     def mem(self, t: int, start: bool, dev: int, delta: float) -> None:
         (self.mem_start if start else self.mem_end).add(t, dev, delta)
@@ -92,8 +91,15 @@ class Tasks:
         """The successor lists as compressed rows (pointer, index) for the compiled loops;
         built once after seal()."""
         if self._succ_csr is None:
-            self._succ_csr = compressed_rows(len(self.succ), self.succ)
+            src, dst = self.edges.arrays()
+            ptr = np.zeros(len(self.kind) + 1, dtype=np.int64)
+            np.cumsum(np.bincount(src, minlength=len(self.kind)), out=ptr[1:])
+            self._succ_csr = ptr, dst
         return self._succ_csr
+
+    def successors(self, t: int) -> list[int]:
+        ptr, idx = self.succ_csr()
+        return idx[ptr[t]:ptr[t + 1]].tolist()
 
     def array(self, column: str) -> np.ndarray:
         """A numeric column ('dur', 'dev', 'kind', 'mb', 'key') as a numpy array, made once
@@ -109,66 +115,103 @@ class Tasks:
         self.sources = np.flatnonzero(self.npred == 0).astype(np.int64)   # tasks with no inputs, in id order
 
 
-class Effects:
-    """Memory effects of one kind (at task starts, or at ends) as flat columns: task, device,
-    bytes (+ allocated, − freed). Whole runs of tasks come as numpy chunks (a block's
-    compute tasks, whose effects are cached per block); single effects are appended one by
-    one. A task's effects are its chunk entries, then its single ones in the order added:
-    the replay applies a device's effects at one instant in that order."""
+class TaskRows:
+    """Rows that belong to tasks — a task's memory effects, its successors — as flat columns:
+    the task, then value columns. Whole runs come as numpy chunks (a block's compute tasks,
+    whose rows are cached per block; a bucket's backwards before its sync); single rows are
+    appended one by one. A task's rows keep the order in which they were added: the order in
+    which a device's effects at one instant are applied, and in which the list scheduler
+    releases successors (lower/order.py), so it is part of the result."""
 
-    __slots__ = ("chunks", "task", "dev", "delta", "_by_task")
+    __slots__ = ("chunks", "task", "values", "_ids", "_dtypes", "_by_task")
 
-    def __init__(self):
-        self.chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []   # (tasks, devices, bytes)
+    def __init__(self, dtypes: tuple, ids: tuple[bool, ...]):
+        # (single rows added before it, (tasks, *values)) per chunk
+        self.chunks: list[tuple[int, tuple[np.ndarray, ...]]] = []
         self.task: list[int] = []
-        self.dev: list[int] = []
-        self.delta: list[float] = []
-        self._by_task: dict[int, list[tuple[int, float]]] | None = None
+        self.values: tuple[list, ...] = tuple([] for _ in dtypes)
+        self._ids = (True,) + ids        # columns holding task ids (shifted with the task)
+        self._dtypes = (np.int64,) + tuple(dtypes)
+        self._by_task: dict[int, list[tuple]] | None = None
 
-    def add(self, t: int, dev: int, delta: float) -> None:
+    def add(self, t: int, *values) -> None:
         self.task.append(t)
-        self.dev.append(dev)
-        self.delta.append(delta)
+        for col, v in zip(self.values, values):
+            col.append(v)
 
-    def add_chunk(self, first_task: int, chunk: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
-        """Add a cached chunk (task ids relative to first_task); returns its index."""
-        local, devs, deltas = chunk
-        self.chunks.append((local + first_task, devs, deltas))
+    def add_chunk(self, first_task: int, chunk: tuple[np.ndarray, ...]) -> int:
+        """Add a chunk (task ids relative to first_task: a cached chunk is reused at every
+        place); returns its index."""
+        self.chunks.append((len(self.task), self._shifted(chunk, first_task)))
         return len(self.chunks) - 1
 
-    def replace_chunk(self, i: int, first_task: int, chunk: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        local, devs, deltas = chunk
-        self.chunks[i] = (local + first_task, devs, deltas)
+    def replace_chunk(self, i: int, first_task: int, chunk: tuple[np.ndarray, ...]) -> None:
+        self.chunks[i] = (self.chunks[i][0], self._shifted(chunk, first_task))
+
+    def _shifted(self, chunk, offset: int) -> tuple[np.ndarray, ...]:
+        return tuple(c + offset if is_id else c for c, is_id in zip(chunk, self._ids)) if offset else chunk
 
     def mark(self) -> tuple[int, int]:
-        """Where the effects added from now on begin (a micro-batch's segment, see copy)."""
+        """Where the rows added from now on begin (a micro-batch's segment, see copy)."""
         return len(self.chunks), len(self.task)
 
     def copy(self, since: tuple[int, int], until: tuple[int, int], offset: int) -> None:
-        """Append the effects added between two marks again, for tasks `offset` ids later
-        (a replicated micro-batch)."""
-        for local, devs, deltas in self.chunks[since[0]:until[0]]:
-            self.chunks.append((local + offset, devs, deltas))
-        self.task.extend([t + offset for t in self.task[since[1]:until[1]]])
-        self.dev.extend(self.dev[since[1]:until[1]])
-        self.delta.extend(self.delta[since[1]:until[1]])
+        """Append the rows added between two marks again, for tasks `offset` ids later (a
+        replicated micro-batch), in the same order."""
+        a, b = since[1], until[1]
+        shift = len(self.task) - a
+        for pos, chunk in self.chunks[since[0]:until[0]]:
+            self.chunks.append((pos + shift, self._shifted(chunk, offset)))
+        self.task.extend([t + offset for t in self.task[a:b]])
+        for col, is_id in zip(self.values, self._ids[1:]):
+            col.extend([x + offset for x in col[a:b]] if is_id else col[a:b])
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(task, device, bytes) of every effect, in task order (stable: see the class)."""
-        parts = self.chunks + [(np.array(self.task, dtype=np.int64), np.array(self.dev, dtype=np.int64),
-                                np.array(self.delta, dtype=np.float64))]
-        task, dev, delta = (np.concatenate(c) for c in zip(*parts))
-        order = np.argsort(task, kind="stable")
-        return task[order], dev[order], delta[order]
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Every row as columns (task, *values), by task, each task's in the order added."""
+        singles = tuple(np.array(c, dtype=dt) for c, dt in zip((self.task,) + self.values, self._dtypes))
+        parts, at = [], 0
+        for pos, chunk in self.chunks:     # all rows in the order added
+            if pos > at:
+                parts.append(tuple(c[at:pos] for c in singles))
+                at = pos
+            parts.append(chunk)
+        parts.append(tuple(c[at:] for c in singles))
+        cols = [np.concatenate(c) for c in zip(*parts)]
+        order = _stable_by_task(cols[0])
+        return tuple(c[order] for c in cols)
 
-    def of(self, t: int) -> list[tuple[int, float]]:
-        """Task t's effects [(device, bytes)], in order (the Program's view; built once)."""
+    def of(self, t: int) -> list[tuple]:
+        """Task t's rows as value tuples, in order (for the Program's writer; built once)."""
         if self._by_task is None:
             self._by_task = {}
-            task, dev, delta = self.arrays()
-            for k, d, x in zip(task.tolist(), dev.tolist(), delta.tolist()):
-                self._by_task.setdefault(k, []).append((d, x))
+            task, *values = self.arrays()
+            for k, *v in zip(task.tolist(), *(c.tolist() for c in values)):
+                self._by_task.setdefault(k, []).append(tuple(v))
         return self._by_task.get(t, [])
+
+
+@njit(cache=True, nogil=True)
+def _stable_by_task(task):
+    """The permutation that groups rows by task id, keeping their order within a task (a
+    counting sort: linear, where a comparison sort cost as much as the rest of the replay)."""
+    n_tasks = task.max() + 1 if len(task) else 0
+    start = np.zeros(n_tasks + 1, dtype=np.int64)
+    for t in task:
+        start[t + 1] += 1
+    for i in range(n_tasks):
+        start[i + 1] += start[i]
+    order = np.empty(len(task), dtype=np.int64)
+    for i in range(len(task)):
+        t = task[i]
+        order[start[t]] = i
+        start[t] += 1
+    return order
+
+
+def effects() -> TaskRows:
+    """Memory effects of one kind (at task starts, or at ends): task, device, bytes (+
+    allocated, − freed)."""
+    return TaskRows((np.int64, np.float64), (False, False))
 
 
 def effect_chunk(per_task: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -178,23 +221,14 @@ def effect_chunk(per_task: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.array([r[2] for r in rows], dtype=np.float64))
 
 
-def compressed_rows(n: int, rows: list, tids: list[int] | None = None, *,
-                    arrays: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Integer rows of tasks as (pointer, index) arrays over all n tasks: row t is
-    index[pointer[t]:pointer[t + 1]]. `rows` belong to the tasks `tids` (increasing; all
-    tasks in order when None); the other tasks have empty rows. arrays: the rows are int64
-    numpy arrays (joined at C speed)."""
+def compressed_rows(n: int, rows: list[np.ndarray], tids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Integer rows (int64 arrays) of the tasks `tids` (increasing) as (pointer, index) arrays
+    over all n tasks: row t is index[pointer[t]:pointer[t + 1]]; other tasks' rows are empty."""
     length = np.zeros(n, dtype=np.int64)
-    counts = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    if tids is None:
-        length[:] = counts
-    else:
-        length[tids] = counts
+    length[tids] = [len(r) for r in rows]
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(length, out=ptr[1:])
-    if arrays:
-        return ptr, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-    return ptr, np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(ptr[-1]))
+    return ptr, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
 _CACHED_REPLICAS = 200_000   # replicas' entries kept in a per-call-shared cache (~100 MB at most)

@@ -13,6 +13,8 @@ Arrays are flat lists indexed by task id so the event loops touch no objects.
 
 from __future__ import annotations
 
+import numpy as np
+
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, moves_between, stage_limits
 from heterog.lower.context import ClusterInfo, CostTable
@@ -125,11 +127,12 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
             _replicate(tasks, templates[size], m, F, Bk)
             continue
         seg_start, lb_before, comm_before = len(tasks.kind), dict(lb), len(comm)
-        marks = (tasks.mem_start.mark(), tasks.mem_end.mark())
+        marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
         _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk, first_bwd)
         _transfer_tasks(tasks, m, size, preds, moves, F, Bk)
         templates[size] = (m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
-                           list(comm)[comm_before:], marks, (tasks.mem_start.mark(), tasks.mem_end.mark()))
+                           list(comm)[comm_before:], marks,
+                           (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()))
     return Bk, first_bwd
 
 
@@ -158,8 +161,7 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         tasks.dur.extend(dur2)
         tasks.dev.extend(dev2)
         tasks.links.extend([()] * (2 * n_kept))
-        tasks.succ.extend([[b] for b in range(b0, b0 + n_kept)])
-        tasks.succ.extend([[] for _ in range(n_kept)])
+        tasks.edges.add_chunk(f0, cols[9])      # each forward before its backward
         tasks.key.extend([tasks.prio(1 if one_f1b else 0, m, bi)] * n_kept)
         tasks.key.extend([tasks.prio(0 if one_f1b else 1, m, -bi)] * n_kept)
         tasks.mb.extend([m] * (2 * n_kept))
@@ -178,26 +180,23 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
 def _transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, F, Bk) -> None:
     """Micro-batch m's re-partition transfers between blocks (activations forward, their
     gradients backward), or plain dependencies where nothing crosses a link."""
-    rep, succ, comm, lb, xfer_blocks = tasks.rep, tasks.succ, tasks.comm, tasks.link_bytes, tasks.xfer_blocks
-    mem = tasks.mem
+    rep, comm, lb, xfer_blocks = tasks.rep, tasks.comm, tasks.link_bytes, tasks.xfer_blocks
+    mem, dep = tasks.mem, tasks.dep
     for bi in range(len(tasks.blocks)):
         Fb, Bb = F[m][bi], Bk[m][bi]
         for a in preds[bi]:
             Fa, Ba = F[m][a], Bk[m][a]
             mv = moves[(size, a, bi)]
-            if mv is None:    # identity re-partition: a merged device has no tasks (None)
-                for fa, fb, ba, bb in zip(Fa, Fb, Ba, Bb):
-                    if fa is not None:
-                        succ[fa].append(fb)
-                        succ[bb].append(ba)
+            if mv is None:    # identity re-partition: replica i feeds replica i (see _identity)
+                _identity(tasks, Fa, Fb, Ba, Bb)
                 continue
             for da, db, i, j, nbytes, path, back, t_f, t_b in mv:
                 if rep[da] != da or rep[db] != db:
                     continue   # a merged device: its representative carries the dependency
                 fa, fb, ba, bb = Fa[i], Fb[j], Ba[i], Bb[j]
                 if path is None:          # same device, or nothing to send
-                    succ[fa].append(fb)
-                    succ[bb].append(ba)
+                    dep(fa, fb)
+                    dep(bb, ba)
                     continue
                 xf = len(tasks.kind)
                 xb = xf + 1
@@ -205,7 +204,8 @@ def _transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, F, Bk) -> Non
                 tasks.dur.extend((t_f, t_b))
                 tasks.dev.extend((-1, -1))
                 tasks.links.extend((path, back))
-                succ.extend(([fb], [ba]))
+                dep(xf, fb)
+                dep(xb, ba)
                 tasks.key.extend((-1, -1))
                 tasks.mb.extend((m, m))
                 # the receiver holds the tensor until the task that reads it ends
@@ -214,14 +214,29 @@ def _transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, F, Bk) -> Non
                 comm[xf] = ((da, db), nbytes, bi)
                 comm[xb] = ((db, da), nbytes, a)
                 xfer_blocks[xf] = xfer_blocks[xb] = (a, bi)
-                succ[fa].append(xf)
-                succ[bb].append(xb)
+                dep(fa, xf)
+                dep(bb, xb)
                 mem(fb, False, db, -nbytes)
                 mem(ba, False, da, -nbytes)
                 for l in path:
                     lb[l] = lb.get(l, 0.0) + nbytes
                 for l in back:
                     lb[l] = lb.get(l, 0.0) + nbytes
+
+
+def _identity(tasks: Tasks, Fa: list, Fb: list, Ba: list, Bb: list) -> None:
+    """Edges of an identity re-partition as one chunk: forward i of the producer before forward
+    i of the consumer, backward i of the consumer before backward i of the producer. Both
+    blocks have the same devices and merged devices, so their kept replicas' tasks are runs of
+    consecutive ids (a merged device has None)."""
+    fa0 = next((x for x in Fa if x is not None), None)
+    if fa0 is None:
+        return
+    fb0 = next(x for x in Fb if x is not None)
+    ba0 = next(x for x in Ba if x is not None)
+    bb0 = next(x for x in Bb if x is not None)
+    k = np.arange(ba0 - fa0, dtype=np.int64)     # kept replicas: a block's backwards follow its forwards
+    tasks.edges.add_chunk(0, (np.concatenate((k + fa0, k + bb0)), np.concatenate((k + fb0, k + ba0))))
 
 
 def _backwards_by_device(tasks: Tasks, blocks: list[Block], Bk) -> dict[int, list[int]]:
@@ -254,7 +269,8 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
     """Per-block columns of expand that depend only on the block, its samples and the merged
     devices: (kept replicas, their devices, their costs, then device and duration columns of
     the forwards followed by the backwards, their memory effects at start and at end as
-    chunks, and the same two chunks for micro-batch 0, whose backwards create the gradients)."""
+    chunks, the same two chunks for micro-batch 0, whose backwards create the gradients, and
+    the forward → backward edges)."""
     kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
     vs = []
     for _r, _d, dn, smp in kept:
@@ -277,7 +293,8 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
     first_me = [[(d, v[6] - v[5])] for d, v in zip(devs, vs)]
     return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs, [v[0] for v in vs] + [v[1] for v in vs],
             effect_chunk(fwd_ms + bwd_ms), effect_chunk(fwd_me + bwd_me),
-            effect_chunk(fwd_ms + first_ms), effect_chunk(fwd_me + first_me))
+            effect_chunk(fwd_ms + first_ms), effect_chunk(fwd_me + first_me),
+            (np.arange(len(kept), dtype=np.int64), np.arange(len(kept), 2 * len(kept), dtype=np.int64)))
 
 
 def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple[float, ...]:
@@ -328,12 +345,12 @@ def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
     tasks.dur.extend(tasks.dur[start:end])
     tasks.dev.extend(tasks.dev[start:end])
     tasks.links.extend(tasks.links[start:end])
-    tasks.succ.extend([[x + off for x in lst] for lst in tasks.succ[start:end]])
     shift = (m - m0) * tasks.mb_stride
     tasks.key.extend([k + shift if k >= 0 else k for k in tasks.key[start:end]])
     tasks.mb.extend([m] * (end - start))
     tasks.mem_start.copy(since[0], until[0], off)
     tasks.mem_end.copy(since[1], until[1], off)
+    tasks.edges.copy(since[2], until[2], off)
     comm = tasks.comm
     for t in seg_comm:      # the segment's communication tasks
         comm[t + off] = comm[t]

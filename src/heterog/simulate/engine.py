@@ -101,9 +101,9 @@ def _resources(tasks: Tasks, info: ClusterInfo):
     n = len(links)
     comm_ids = [t for t in sorted(tasks.comm) if links[t]]
     held = [info.held_links(links[t]) for t in comm_ids]
-    link_ptr, link_idx = compressed_rows(n, [h[0] for h in held], comm_ids, arrays=True)
+    link_ptr, link_idx = compressed_rows(n, [h[0] for h in held], comm_ids)
     core_ids = [t for t, h in zip(comm_ids, held) if len(h[1])]
-    core_ptr, core_idx = compressed_rows(n, [h[1] for h in held if len(h[1])], core_ids, arrays=True)
+    core_ptr, core_idx = compressed_rows(n, [h[1] for h in held if len(h[1])], core_ids)
     core_bytes = np.zeros(n)
     for t in core_ids:
         core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])

@@ -57,7 +57,7 @@ def time_schedule(sched: Schedule, *, timeline: bool = True) -> SimResult:
 
 
 def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResult:
-    used = sorted({d for b in tasks.blocks for d in b.devices}
+    used = sorted(set().union(*(b.devices for b in tasks.blocks))
                   | {b.ps_device for b in tasks.blocks if b.ps_device is not None})
     names = info.devices
     iteration = max(end) if end else 0.0
@@ -68,9 +68,9 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
     by_members: dict[tuple[int, ...], float] = {}   # summed per member / link set first:
     by_links: dict[tuple[int, ...], float] = {}     # a collective has hundreds of each
     # per-device sums of compute time in task order (bincount adds in index order, like a loop)
-    dev_a = np.array(dev)
+    dev_a = tasks.array("dev")
     on_dev = dev_a >= 0
-    per_dev = np.bincount(dev_a[on_dev], weights=np.array(dur)[on_dev], minlength=len(names)).tolist()
+    per_dev = np.bincount(dev_a[on_dev], weights=tasks.array("dur")[on_dev], minlength=len(names)).tolist()
     for d in compute:
         compute[d] += per_dev[d]
     for t, (mk, _nbytes, _block) in tasks.comm.items():
