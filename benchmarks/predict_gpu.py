@@ -53,10 +53,10 @@ HOST_PARAMS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast
 # (name, lower, upper): host costs in seconds; kernel factors relative to the H200 curves
 H200_PARAMS = (("forward_node_s", 2e-6, 3e-4), ("forward_op_s", 1e-7, 1e-4), ("backward_op_s", 1e-6, 3e-4),
                ("autocast_cast_s", 1e-7, 1e-4), ("optimizer_tensor_s", 1e-7, 1e-4),
-               ("size_scale", 0.5, 2.0), ("compute.tf32", 0.1, 2.0),
+               ("size_scale", 0.5, 2.0), ("compute.tf32", 0.1, 2.0), ("conv.bf16", 0.1, 2.0),
                ("memory_by_kind.norm", 0.05, 1.0), ("memory_by_kind.elementwise", 0.05, 1.0),
                ("host_speed.b", 0.3, 3.0))
-H200_START = (3e-5, 5e-6, 1.5e-5, 1e-5, 3e-6, 1, 1, 0.5, 0.7, 0.8)
+H200_START = (3e-5, 5e-6, 1.5e-5, 1e-5, 3e-6, 1, 1, 1, 0.5, 0.7, 0.8)
 # The steps were measured in two sessions (h200_steps.json `family`: 'cnn'/'transformer' and
 # '*-sweep'); the same step (resnet50, batch 32, fp32) took 18.1 ms in one and 24.6 ms in the
 # other. The host is a property of the node (cluster YAML `host_speed`), so each session is a
@@ -118,10 +118,11 @@ def h200_with(theta: dict[str, float], base: GpuType | None = None) -> GpuType:
                                source="predict_gpu.py fit")
     eff = gpu.efficiency
     compute = {**eff.compute, **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("compute.")}}
+    conv = {**eff.conv, **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("conv.")}}
     by_kind = {**eff.memory_by_kind,
                **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("memory_by_kind.")}}
     return dataclasses.replace(gpu, host=host, efficiency=dataclasses.replace(
-        eff, compute=compute, memory_by_kind=by_kind, size_scale=theta.get("size_scale", eff.size_scale)))
+        eff, compute=compute, conv=conv, memory_by_kind=by_kind, size_scale=theta.get("size_scale", eff.size_scale)))
 
 
 def host_speeds(theta: dict[str, float]) -> dict[str, float]:
@@ -172,10 +173,11 @@ def resnet_kind_split_s(gpu: GpuType) -> np.ndarray:
 
 def unidentified(cases: list[StepCase]) -> set[str]:
     """Figures the training steps cannot determine, held at their start value (no fit): the
-    TF32 factor scales only cuDNN convolutions, which the transformers do not run (fitted
-    when resnet50 is held out, it wandered to 0.2-0.8 with no gradient)."""
+    TF32 and half-precision convolution factors scale only cuDNN convolutions, which the
+    transformers do not run (fitted when resnet50 is held out, the TF32 factor wandered to
+    0.2-0.8 with no gradient)."""
     convs = any(n.kind == "conv" for m, s in {(c.model, c.seq_len) for c in cases} for n in graph_of(m, s).nodes)
-    return set() if convs else {"compute.tf32"}
+    return set() if convs else {"compute.tf32", "conv.bf16"}
 
 
 def fit_h200(cases: list[StepCase]) -> dict[str, float]:

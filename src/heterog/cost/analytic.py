@@ -148,7 +148,8 @@ class _TypeTable:
             curve_index[i] = curves[p]
             self.peak_tc[i] = gpu.peak_flops_per_s[p]
             self.kind_factor[i] = _kind_factor(n.kind, gpu, p) * (
-                gpu.efficiency.compute_factor(p) if gpu.vendor != "cpu" else 1.0)
+                gpu.efficiency.compute_factor(p) if gpu.vendor != "cpu" else 1.0) * (
+                gpu.efficiency.conv_factor(p) if n.kind == "conv" and gpu.vendor != "cpu" else 1.0)
         self.curve_index = curve_index
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
         kind_eff = {k: memory_efficiency(gpu, k, phase) for k in {n.kind for n in nodes}}

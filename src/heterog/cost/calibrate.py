@@ -157,6 +157,7 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
                            "(hardware.catalog.measure_cpu); calibrate a GPU profile, or pass --base GPU_TYPE.")
     mem = profile.copy_bandwidth_bytes_per_s()
     eff = Efficiency(compute=compute_factors(profile, base_type) or dict(base_type.efficiency.compute),
+                     conv=dict(base_type.efficiency.conv),
                      memory=None if mem is None else float(min(mem / base_type.memory_bandwidth_bytes_per_s, 1.0)),
                      memory_by_kind=dict(base_type.efficiency.memory_by_kind), inherits=base_type.name,
                      source=f"heterog calibrate on a profile of {profile.device.get('name') or base_type.name}")
@@ -174,8 +175,8 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
         "memory_gib": base_type.memory_bytes / 2**30, "intra_node_link": base_type.intra_node_link,
         "intra_node_bandwidth_gbytes_per_s": base_type.intra_node_bandwidth_bytes_per_s / 1e9,
         "sources": {**base_type.sources, "calibration": f"heterog calibrate ({when}); base type {base_type.name}"},
-        "efficiency": {"compute": eff.compute, "memory": eff.memory, "memory_by_kind": eff.memory_by_kind,
-                       "inherits": eff.inherits, "source": eff.source},
+        "efficiency": {"compute": eff.compute, **({"conv": eff.conv} if eff.conv else {}), "memory": eff.memory,
+                       "memory_by_kind": eff.memory_by_kind, "inherits": eff.inherits, "source": eff.source},
         "host": {**{f: getattr(host, f) for f in ("forward_node_s", "forward_op_s", "backward_op_s",
                                                    "autocast_cast_s", "optimizer_tensor_s", "kernel_gap_s",
                                                    "cudnn_op_s")},

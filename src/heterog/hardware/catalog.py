@@ -61,6 +61,7 @@ def _efficiency_from_entry(e: dict[str, Any] | None, where: str) -> Efficiency:
         return Efficiency()
     try:
         return Efficiency(compute={str(k): float(v) for k, v in (e.get("compute") or {}).items()},
+                          conv={str(k): float(v) for k, v in (e.get("conv") or {}).items()},
                           memory=None if e.get("memory") is None else float(e["memory"]),
                           memory_by_kind={str(k): float(v) for k, v in (e.get("memory_by_kind") or {}).items()},
                           size_scale=float(e.get("size_scale", 1.0)),

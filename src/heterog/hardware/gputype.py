@@ -55,6 +55,10 @@ class Efficiency:
     memory_by_kind the fraction a kind of memory-bound op reaches relative to that copy
     (kinds not given: the catalog's `memory_by_kind_default`, fitted on the H200 steps)."""
     compute: dict[str, float] = field(default_factory=dict)
+    # cuDNN convolutions in half precision (bf16/fp16), a further factor on compute[p]: the
+    # only data on them is resnet50's amp-bf16 steps, so the figure is kept apart from the
+    # transformers' matmul figures it would otherwise be traded against
+    conv: dict[str, float] = field(default_factory=dict)
     memory: float | None = None                 # None: the H200's measured copy fraction
     memory_by_kind: dict[str, float] = field(default_factory=dict)
     # the type reaches the efficiency the scaled H200 curve gives at size n only at
@@ -68,6 +72,10 @@ class Efficiency:
             if p not in PRECISIONS or not (0.0 < v <= 4.0):
                 raise ValueError(f"efficiency.compute[{p!r}] = {v!r}: precision must be one of "
                                  f"{', '.join(PRECISIONS)} and the factor in (0, 4].")
+        for p, v in self.conv.items():
+            if p not in ("bf16", "fp16") or not (0.0 < v <= 4.0):
+                raise ValueError(f"efficiency.conv[{p!r}] = {v!r}: precision must be bf16 or fp16 "
+                                 f"(fp32 convolutions take compute['tf32']) and the factor in (0, 4].")
         if self.memory is not None and not (0.0 < self.memory <= 1.0):
             raise ValueError(f"efficiency.memory = {self.memory!r}: a fraction of the data-sheet "
                              f"bandwidth, in (0, 1].")
@@ -80,6 +88,9 @@ class Efficiency:
 
     def compute_factor(self, precision: str) -> float:
         return self.compute.get(precision, 1.0)
+
+    def conv_factor(self, precision: str) -> float:
+        return self.conv.get(precision, 1.0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +122,8 @@ def gpu_extras_to_dict(g: GpuType) -> dict:
         e = g.efficiency
         out["efficiency"] = {"compute": dict(e.compute), "memory": e.memory, "memory_by_kind": dict(e.memory_by_kind),
                              "size_scale": e.size_scale, "inherits": e.inherits, "source": e.source}
+        if e.conv:
+            out["efficiency"]["conv"] = dict(e.conv)
     if g.host is not None:
         out["host"] = {f: getattr(g.host, f) for f in g.host.__dataclass_fields__}
     return out
@@ -122,6 +135,7 @@ def gpu_extras_from_dict(d: dict) -> dict:
     if d.get("efficiency"):
         e = d["efficiency"]
         out["efficiency"] = Efficiency(compute={str(k): float(v) for k, v in (e.get("compute") or {}).items()},
+                                       conv={str(k): float(v) for k, v in (e.get("conv") or {}).items()},
                                        memory=None if e.get("memory") is None else float(e["memory"]),
                                        memory_by_kind={str(k): float(v) for k, v in (e.get("memory_by_kind") or {}).items()},
                                        size_scale=float(e.get("size_scale", 1.0)), inherits=str(e.get("inherits", "")),
