@@ -16,7 +16,7 @@ from heterog.lower.taskgraph import OPT, SYNC, Tasks, effect_chunk, make_room, r
 
 
 def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                  Bk, bwd_of_dev: dict[int, list[int]], rep: list[int], preds, splits, mb_sizes) -> None:
+                  Bk, bwd_of_dev: dict[int, np.ndarray], rep: list[int], preds, splits, mb_sizes) -> None:
     """Persistent state per device, gradient sync per replicated block, optimizer steps."""
     where = _placement_of_tied_nodes(blocks, table)
     opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where)
@@ -31,13 +31,12 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     for d, bl in bwd_of_dev.items():
         o = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
         _all_before(tasks, bl, o)
-        for s in opt_preds[d]:
-            tasks.dep(s, o)
+        _all_before(tasks, opt_preds[d], o)
 
 
-def _all_before(tasks: Tasks, before: list[int], t: int) -> None:
+def _all_before(tasks: Tasks, before, t: int) -> None:
     """Edges from every task of `before` to t, as one chunk (a sync waits for hundreds)."""
-    tasks.edges.add_chunk(0, (np.array(before, dtype=np.int64), np.full(len(before), t, dtype=np.int64)))
+    tasks.edges.add_chunk(0, (np.asarray(before, dtype=np.int64), np.full(len(before), t, dtype=np.int64)))
 
 
 def _placement_of_tied_nodes(blocks: list[Block], table: CostTable) -> dict[str, tuple[int, int]]:

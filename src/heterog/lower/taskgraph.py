@@ -123,7 +123,7 @@ class TaskRows:
     which a device's effects at one instant are applied, and in which the list scheduler
     releases successors (lower/order.py), so it is part of the result."""
 
-    __slots__ = ("chunks", "task", "values", "_ids", "_dtypes", "_by_task")
+    __slots__ = ("chunks", "task", "values", "_ids", "_all_ids", "_dtypes", "_by_task")
 
     def __init__(self, dtypes: tuple, ids: tuple[bool, ...]):
         # (single rows added before it, (tasks, *values)) per chunk
@@ -131,6 +131,8 @@ class TaskRows:
         self.task: list[int] = []
         self.values: tuple[list, ...] = tuple([] for _ in dtypes)
         self._ids = (True,) + ids        # columns holding task ids (shifted with the task)
+        assert all(ids) or not any(ids), "value columns are all task ids or none"
+        self._all_ids = all(ids)
         self._dtypes = (np.int64,) + tuple(dtypes)
         self._by_task: dict[int, list[tuple]] | None = None
 
@@ -149,7 +151,11 @@ class TaskRows:
         self.chunks[i] = (self.chunks[i][0], self._shifted(chunk, first_task))
 
     def _shifted(self, chunk, offset: int) -> tuple[np.ndarray, ...]:
-        return tuple(c + offset if is_id else c for c, is_id in zip(chunk, self._ids)) if offset else chunk
+        if not offset:
+            return chunk
+        if self._all_ids:
+            return tuple(c + offset for c in chunk)
+        return (chunk[0] + offset,) + tuple(chunk[1:])     # only the task column holds ids
 
     def mark(self) -> tuple[int, int]:
         """Where the rows added from now on begin (a micro-batch's segment, see copy)."""

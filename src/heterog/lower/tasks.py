@@ -71,7 +71,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     moves, p2p_sets = _moves(blocks, preds, sizes, splits, info, table)
     rep = tasks.rep = _representatives(blocks, splits, p2p_sets, sizes, len(info.devices), info.dev_class, merge)
     Bk, first_bwd = _microbatch_tasks(tasks, plan, preds, moves, splits, mb_sizes, info, table, merge)
-    bwd_of_dev = _backwards_by_device(tasks, blocks, Bk)
+    bwd_of_dev = _backwards_by_device(tasks)
     sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep, preds, splits, mb_sizes)
     _first_microbatch_memory(tasks, first_bwd)
     if plan.schedule == "1f1b":
@@ -239,20 +239,20 @@ def _identity(tasks: Tasks, Fa: list, Fb: list, Ba: list, Bb: list) -> None:
     tasks.edges.add_chunk(0, (np.concatenate((k + fa0, k + bb0)), np.concatenate((k + fb0, k + ba0))))
 
 
-def _backwards_by_device(tasks: Tasks, blocks: list[Block], Bk) -> dict[int, list[int]]:
-    """Every device's backward tasks, and (tasks.bwd_count) how many each micro-batch has
-    there: 1F1B retires a micro-batch on a device when the last of them ends."""
-    bwd_of_dev: dict[int, list[int]] = {}
-    for m in range(len(Bk)):
-        before = {d: len(lst) for d, lst in bwd_of_dev.items()}
-        for blk, bids in zip(blocks, Bk[m]):
-            for d, b in zip(blk.devices, bids):
-                if b is not None:
-                    bwd_of_dev.setdefault(d, []).append(b)
-        for d, lst in bwd_of_dev.items():
-            if len(lst) > before.get(d, 0):
-                tasks.bwd_count[(d, m)] = len(lst) - before.get(d, 0)
-    return bwd_of_dev
+def _backwards_by_device(tasks: Tasks) -> dict[int, np.ndarray]:
+    """Every device's backward tasks in id order (micro-batch, then block), the devices in the
+    order of their first backward; and (tasks.bwd_count) how many each micro-batch has there:
+    1F1B retires a micro-batch on a device when the last of them ends."""
+    kind = np.array(tasks.kind, dtype=np.int64)
+    bwd = np.flatnonzero(kind == BWD)
+    dev = np.array(tasks.dev, dtype=np.int64)[bwd]
+    by_dev = np.argsort(dev, kind="stable")
+    devs, first, counts = np.unique(dev[by_dev], return_index=True, return_counts=True)
+    tasks_of = {d: bwd[by_dev[a:a + c]] for d, a, c in zip(devs.tolist(), first.tolist(), counts.tolist())}
+    n_mb = max(tasks.mb, default=0) + 1
+    pairs, count = np.unique(dev * n_mb + np.array(tasks.mb, dtype=np.int64)[bwd], return_counts=True)
+    tasks.bwd_count = {(p // n_mb, p % n_mb): c for p, c in zip(pairs.tolist(), count.tolist())}
+    return {d: tasks_of[d] for d in sorted(tasks_of, key=lambda d: tasks_of[d][0])}
 
 
 def _first_microbatch_memory(tasks: Tasks, first_bwd) -> None:
