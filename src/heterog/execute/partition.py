@@ -38,6 +38,10 @@ every cut runnable:
 `split_export.cut_constraints(model, example_inputs)` lists, for a planner, the nodes that
 follow their consumers (the first rule) and the pairs the last rule keeps together.
 
+The export holds the model, not its loss: when the plan puts the capture's loss node in
+another run of blocks than the model's output, a loss stage there receives the output (the
+Program sends it, e.g. a language model's logits) and the loss is computed in it.
+
 A parameter used by nodes of several groups (a tied embedding and output projection, or a
 batch-independent module recomputed in several stages) is *tied*: every group using it holds
 a copy, listed in `Dataflow.tied`, whose gradients sync.py sums across all holders every step.
@@ -61,6 +65,7 @@ from heterog.execute.assign import (GroupOrder, assign_groups, group_major_order
                                     segments)
 from heterog.execute.cut_rewrite import (attributes_inside, batch_first_across_cuts, replicate_per_stage,
                                          single_output)
+from heterog.execute.loss_stage import LOSS_VALUE, LossInput, loss_group_apart
 from heterog.execute.split_export import ExportedModel, export_model
 from heterog.ir.plan import Plan
 
@@ -250,46 +255,19 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
                     owner=owner, output=output, warnings=warnings, no_grad=frozenset(no_grad))
 
 
-LOSS_PREFIX = "loss::"   # capture names of the ops run after the model returns (recorder.py)
-
-
-class _LossInput(nn.Module):
-    """The loss stage's module: it passes the model's output on; the interpreter computes
-    the loss on it where this stage runs (runtime.Interpreter._forward)."""
-
-    def forward(self, x: Any) -> Any:
-        return x
-
-
-def loss_group(plan: Plan) -> int | None:
-    """The group of the capture's first loss node ('loss::<op>@0'), or None when the plan
-    names none (a plan made for another capture)."""
-    found = [(int(name.rpartition("@")[2]) if name.rpartition("@")[2].isdigit() else 0, gi)
-             for gi, g in enumerate(plan.groups) for name in g.nodes if name.startswith(LOSS_PREFIX)]
-    return min(found)[1] if found else None
-
-
 def _loss_stage(flow: Dataflow, plan: Plan, go: GroupOrder) -> None:
-    """Compute the loss where the plan places it. The export holds the model only, so the
-    loss would run with the model's output; when the plan puts the loss node in another run
-    (placement), the Program sends the output there (e.g. a language model's logits) and
-    computes the loss there: a stage of its own, fed by the output, does the same."""
-    g = loss_group(plan)
+    """A stage that computes the loss where the plan places it (loss_stage.py), fed the
+    model's output, when that is another run of blocks than the output's."""
     out = flow.projections.get(flow.output, (flow.output, 0))[0]
     producer = next(s for s in flow.stages if s.value == out)
-    g_out = flow.owner[flow.output]
-    if g is None or g in producer.groups:
+    g = loss_group_apart(plan, go, producer.groups, flow.owner[flow.output])
+    if g is None:
         return
-    apart = (go.block[g] != go.block[g_out] if go.block is not None
-             else plan.groups[g].replicas != plan.groups[g_out].replicas)
-    if not apart:
-        return
-    value = "loss_input"
-    assert value not in flow.owner, f"the split already names a value {value!r}"
-    flow.stages = (*flow.stages, Stage(value=value, group=g, module=_LossInput(), args=(flow.output,),
+    assert LOSS_VALUE not in flow.owner, f"the split already names a value {LOSS_VALUE!r}"
+    flow.stages = (*flow.stages, Stage(value=LOSS_VALUE, group=g, module=LossInput(), args=(flow.output,),
                                        groups=(g,)))
-    flow.owner[value] = g
-    flow.output = value
+    flow.owner[LOSS_VALUE] = g
+    flow.output = LOSS_VALUE
 
 
 def _producer_groups(module: fx.GraphModule, default: int) -> int | tuple[int, ...]:
