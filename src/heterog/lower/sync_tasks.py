@@ -12,7 +12,7 @@ import numpy as np
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable
-from heterog.lower.taskgraph import OPT, SYNC, Tasks, effect_chunk, make_room, rep_id
+from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
 
 
 def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
@@ -234,8 +234,8 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
             if buf is None:
                 make_room(buffer_cache, len(involved))
                 kept = [d for d in involved if rep[d] == d]
-                buf = buffer_cache[bk] = (effect_chunk([[(d, grad) for d in kept]]),
-                                          effect_chunk([[(d, -grad) for d in kept]]),
+                at, held = np.zeros(len(kept), dtype=np.int64), np.array(kept, dtype=np.int64)
+                buf = buffer_cache[bk] = ((at, held, np.full(len(kept), grad)), (at, held, np.full(len(kept), -grad)),
                                           [d for d in members if rep[d] == d])
             tasks.mem_start.add_chunk(s, buf[0])
             tasks.mem_end.add_chunk(s, buf[1])

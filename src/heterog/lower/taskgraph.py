@@ -220,13 +220,6 @@ def effects() -> TaskRows:
     return TaskRows((np.int64, np.float64), (False, False))
 
 
-def effect_chunk(per_task: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-task effect lists ([(device, bytes)] or None, task i at index i) as a chunk."""
-    rows = [(i, d, x) for i, lst in enumerate(per_task) if lst for d, x in lst]
-    return (np.array([r[0] for r in rows], dtype=np.int64), np.array([r[1] for r in rows], dtype=np.int64),
-            np.array([r[2] for r in rows], dtype=np.float64))
-
-
 def compressed_rows(n: int, rows: list[np.ndarray], tids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Integer rows (int64 arrays) of the tasks `tids` (increasing) as (pointer, index) arrays
     over all n tasks: row t is index[pointer[t]:pointer[t + 1]]; other tasks' rows are empty."""

@@ -19,7 +19,7 @@ from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, moves_between, stage_limits
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.sync_tasks import sync_and_step
-from heterog.lower.taskgraph import BWD, FWD, XFER, Tasks, effect_chunk, make_room, rep_id
+from heterog.lower.taskgraph import BWD, FWD, XFER, Tasks, make_room, rep_id
 
 
 def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: bool) -> list[int]:
@@ -282,19 +282,30 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
             v = replica_cache[ck] = _replica_costs(blk, dn, smp, table)
         vs.append(v)
     devs = [d for _r, d, _dn, _s in kept]
-    # v: see _replica_costs. Forward: its activations and workspace; backward: up to its peak,
-    # then down to nothing (micro-batch 0, which creates the gradients, is set in expand)
-    fwd_ms = [[(d, v[2] + v[3])] if v[2] or v[3] else None for d, v in zip(devs, vs)]
-    fwd_me = [[(d, -v[3])] if v[3] else None for d, v in zip(devs, vs)]
-    bwd_ms = [[(d, v[4] - v[2])] if v[4] != v[2] else None for d, v in zip(devs, vs)]
-    bwd_me = [[(d, -v[4])] if v[4] else None for d, v in zip(devs, vs)]
-    # micro-batch 0's backward: its peak is v[5] and it leaves the gradients (v[6]) behind
-    first_ms = [[(d, v[5] - v[2])] for d, v in zip(devs, vs)]
-    first_me = [[(d, v[6] - v[5])] for d, v in zip(devs, vs)]
-    return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs, [v[0] for v in vs] + [v[1] for v in vs],
-            effect_chunk(fwd_ms + bwd_ms), effect_chunk(fwd_me + bwd_me),
-            effect_chunk(fwd_ms + first_ms), effect_chunk(fwd_me + first_me),
-            (np.arange(len(kept), dtype=np.int64), np.arange(len(kept), 2 * len(kept), dtype=np.int64)))
+    n = len(kept)
+    d = np.array(devs, dtype=np.int64)
+    v = np.array(vs, dtype=np.float64).reshape(n, 7)
+    act, ws, peak_later, peak_first, grad = v[:, 2], v[:, 3], v[:, 4], v[:, 5], v[:, 6]   # see _replica_costs
+    # forward: its activations and workspace; backward: up to its peak, then down to nothing;
+    # micro-batch 0's backward peaks at peak_first and leaves the gradients behind
+    fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
+    fwd_end = _chunk(d, -ws, ws != 0, 0)
+    return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs, [x[0] for x in vs] + [x[1] for x in vs],
+            _joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
+            _joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
+            _joined(fwd_start, _chunk(d, peak_first - act, None, n)),
+            _joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
+            (np.arange(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64)))
+
+
+def _chunk(devs: np.ndarray, delta: np.ndarray, where: np.ndarray | None, first: int) -> tuple[np.ndarray, ...]:
+    """Effects of replicas (task first + i for replica i) where `where` holds (all if None)."""
+    i = np.arange(len(devs), dtype=np.int64) if where is None else np.flatnonzero(where)
+    return i + first, devs[i], delta[i]
+
+
+def _joined(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    return tuple(np.concatenate(pair) for pair in zip(a, b))
 
 
 def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple[float, ...]:
