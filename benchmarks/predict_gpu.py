@@ -3,8 +3,10 @@
 1. H200 whole steps (cost/data/h200_steps.json: resnet50, bert-large, gpt2-medium, batch
    1-256, fp32 and amp-bf16): leave-one-model-out. The host costs and the H200's kernel
    factors (the size at which real models' products saturate the GPU relative to the square
-   matmul sweep, TF32 convolution, norm and element-wise bandwidth) are fitted on
-   two models' steps and the third model is predicted; each model's row is scored on a fit
+   matmul sweep, TF32 and bf16 convolution — only when a training model has convolutions —,
+   norm and element-wise bandwidth) are fitted on two models' steps, the cuDNN call's and
+   the autocast cast's host costs measured on their per-op profiles (measured_host), and
+   the third model is predicted; each model's row is scored on a fit
    that never saw it. Peak memory likewise (the one fitted memory figure is the allocator's
    fixed overhead).
 2. Per-layer times on other GPU types (cost/data/peer_layers.json, from Sailor and the Aceso
