@@ -123,16 +123,15 @@ class TaskRows:
     which a device's effects at one instant are applied, and in which the list scheduler
     releases successors (lower/order.py), so it is part of the result."""
 
-    __slots__ = ("chunks", "task", "values", "_ids", "_all_ids", "_dtypes", "_by_task")
+    __slots__ = ("chunks", "task", "values", "_ids", "_dtypes", "_by_task")
 
     def __init__(self, dtypes: tuple, ids: tuple[bool, ...]):
-        # (single rows added before it, (tasks, *values)) per chunk
-        self.chunks: list[tuple[int, tuple[np.ndarray, ...]]] = []
+        # per chunk: (single rows added before it, task id offset, (tasks, *values)); the
+        # offset is applied when the rows are read, so a chunk is reused as it is
+        self.chunks: list[tuple[int, int, tuple[np.ndarray, ...]]] = []
         self.task: list[int] = []
         self.values: tuple[list, ...] = tuple([] for _ in dtypes)
         self._ids = (True,) + ids        # columns holding task ids (shifted with the task)
-        assert all(ids) or not any(ids), "value columns are all task ids or none"
-        self._all_ids = all(ids)
         self._dtypes = (np.int64,) + tuple(dtypes)
         self._by_task: dict[int, list[tuple]] | None = None
 
@@ -144,18 +143,11 @@ class TaskRows:
     def add_chunk(self, first_task: int, chunk: tuple[np.ndarray, ...]) -> int:
         """Add a chunk (task ids relative to first_task: a cached chunk is reused at every
         place); returns its index."""
-        self.chunks.append((len(self.task), self._shifted(chunk, first_task)))
+        self.chunks.append((len(self.task), first_task, chunk))
         return len(self.chunks) - 1
 
     def replace_chunk(self, i: int, first_task: int, chunk: tuple[np.ndarray, ...]) -> None:
-        self.chunks[i] = (self.chunks[i][0], self._shifted(chunk, first_task))
-
-    def _shifted(self, chunk, offset: int) -> tuple[np.ndarray, ...]:
-        if not offset:
-            return chunk
-        if self._all_ids:
-            return tuple(c + offset for c in chunk)
-        return (chunk[0] + offset,) + tuple(chunk[1:])     # only the task column holds ids
+        self.chunks[i] = (self.chunks[i][0], first_task, chunk)
 
     def mark(self) -> tuple[int, int]:
         """Where the rows added from now on begin (a micro-batch's segment, see copy)."""
@@ -166,8 +158,8 @@ class TaskRows:
         replicated micro-batch), in the same order."""
         a, b = since[1], until[1]
         shift = len(self.task) - a
-        for pos, chunk in self.chunks[since[0]:until[0]]:
-            self.chunks.append((pos + shift, self._shifted(chunk, offset)))
+        self.chunks.extend([(pos + shift, first + offset, chunk)
+                            for pos, first, chunk in self.chunks[since[0]:until[0]]])
         self.task.extend([t + offset for t in self.task[a:b]])
         for col, is_id in zip(self.values, self._ids[1:]):
             col.extend([x + offset for x in col[a:b]] if is_id else col[a:b])
@@ -175,14 +167,21 @@ class TaskRows:
     def arrays(self) -> tuple[np.ndarray, ...]:
         """Every row as columns (task, *values), by task, each task's in the order added."""
         singles = tuple(np.array(c, dtype=dt) for c, dt in zip((self.task,) + self.values, self._dtypes))
-        parts, at = [], 0
-        for pos, chunk in self.chunks:     # all rows in the order added
+        parts, offsets, at = [], [], 0
+        for pos, first, chunk in self.chunks:     # all rows in the order added
             if pos > at:
                 parts.append(tuple(c[at:pos] for c in singles))
+                offsets.append(0)
                 at = pos
             parts.append(chunk)
+            offsets.append(first)
         parts.append(tuple(c[at:] for c in singles))
+        offsets.append(0)
         cols = [np.concatenate(c) for c in zip(*parts)]
+        shift = np.repeat(np.array(offsets, dtype=np.int64), [len(p[0]) for p in parts])
+        for c, is_id in zip(cols, self._ids):
+            if is_id:
+                c += shift
         order = _stable_by_task(cols[0])
         return tuple(c[order] for c in cols)
 
