@@ -1,8 +1,10 @@
 """The task graph of one iteration as flat columns, and the bounded caches its builders share.
 
 Task kinds: FWD and BWD (compute on a device), XFER (a re-partition transfer), SYNC (a
-gradient collective), OPT (an optimizer step). Arrays are flat lists indexed by task id so the
-event loops (lower/order.py, simulate/engine.py) touch no objects.
+gradient collective), OPT (an optimizer step). Per-task columns are flat lists indexed by task
+id; a task's successors and memory effects are rows of TaskRows, added as numpy chunks where a
+block adds many at once; the compiled loops (lower/order.py, simulate/engine.py) read them as
+arrays and touch no objects.
 """
 
 from __future__ import annotations

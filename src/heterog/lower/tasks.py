@@ -8,10 +8,13 @@ Tasks, per micro-batch m and block b with replica r on device d:
               i → j (activations forward, their gradients backward) over cluster.path,
   S(b)        gradient sync of a replicated block after all its backwards of all micro-batches,
   O(d)        the optimizer step of device d after its syncs.
-Arrays are flat lists indexed by task id so the event loops touch no objects.
+Columns are flat lists indexed by task id, memory effects and successors flat rows
+(taskgraph.TaskRows), so the compiled loops touch no objects.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -152,20 +155,20 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
             make_room(column_cache, len(blk.devices))
             cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.shares)], rep, info.dev_class,
                                                      replica_cache, table)
-        kept_r, dev2, dur2 = cols[0], cols[3], cols[4]
+        kept_r = cols.kept
         n_kept = len(kept_r)
         f0 = len(kinds)
         b0 = f0 + n_kept
         kinds.extend([FWD] * n_kept)
         kinds.extend([BWD] * n_kept)
-        tasks.dur.extend(dur2)
-        tasks.dev.extend(dev2)
+        tasks.dur.extend(cols.dur)
+        tasks.dev.extend(cols.dev)
         tasks.links.extend([()] * (2 * n_kept))
-        tasks.edges.add_chunk(f0, cols[9])      # each forward before its backward
+        tasks.edges.add_chunk(f0, cols.fwd_to_bwd)
         tasks.key.extend([tasks.prio(1 if one_f1b else 0, m, bi)] * n_kept)
         tasks.key.extend([tasks.prio(0 if one_f1b else 1, m, -bi)] * n_kept)
         tasks.mb.extend([m] * (2 * n_kept))
-        chunks = (tasks.mem_start.add_chunk(f0, cols[5]), tasks.mem_end.add_chunk(f0, cols[6]))
+        chunks = (tasks.mem_start.add_chunk(f0, cols.at_start), tasks.mem_end.add_chunk(f0, cols.at_end))
         if m == 0:
             first_bwd.append((f0, chunks, cols))
         if n_kept == len(blk.devices):
@@ -260,17 +263,27 @@ def _first_microbatch_memory(tasks: Tasks, first_bwd) -> None:
     effect chunks are replaced by the first-micro-batch ones after the other micro-batches
     were copied from it. Effects added by transfers stay after them."""
     for f0, (si, ei), cols in first_bwd:
-        tasks.mem_start.replace_chunk(si, f0, cols[7])
-        tasks.mem_end.replace_chunk(ei, f0, cols[8])
+        tasks.mem_start.replace_chunk(si, f0, cols.first_at_start)
+        tasks.mem_end.replace_chunk(ei, f0, cols.first_at_end)
+
+
+class BlockColumns(NamedTuple):
+    """What expand adds for one block in one micro-batch, cached: it depends only on the
+    block, its samples and the merged devices. Task i is the forward of kept replica i, task
+    n + i its backward (n kept replicas); chunks hold task ids relative to the first."""
+    kept: list[int]                 # replicas simulated (the others are merged devices)
+    dev: list[int]                  # device of each task
+    dur: list[float]                # duration of each task
+    at_start: tuple                 # memory effects at task starts (TaskRows chunk)
+    at_end: tuple                   # ... at task ends
+    first_at_start: tuple           # the same for micro-batch 0, whose backwards create
+    first_at_end: tuple             # the gradients
+    fwd_to_bwd: tuple               # edges: each forward before its backward
 
 
 def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[str],
-                   replica_cache: dict, table: CostTable) -> tuple:
-    """Per-block columns of expand that depend only on the block, its samples and the merged
-    devices: (kept replicas, their devices, their costs, then device and duration columns of
-    the forwards followed by the backwards, their memory effects at start and at end as
-    chunks, the same two chunks for micro-batch 0, whose backwards create the gradients, and
-    the forward → backward edges)."""
+                   replica_cache: dict, table: CostTable) -> BlockColumns:
+    """The block's columns (BlockColumns) from its replicas' costs (_replica_costs)."""
     kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
     vs = []
     for _r, _d, dn, smp in kept:
@@ -290,12 +303,13 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
     # micro-batch 0's backward peaks at peak_first and leaves the gradients behind
     fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
     fwd_end = _chunk(d, -ws, ws != 0, 0)
-    return ([r for r, _d, _dn, _s in kept], devs, vs, devs + devs, [x[0] for x in vs] + [x[1] for x in vs],
-            _joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
-            _joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
-            _joined(fwd_start, _chunk(d, peak_first - act, None, n)),
-            _joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
-            (np.arange(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64)))
+    return BlockColumns(
+        kept=[r for r, _d, _dn, _s in kept], dev=devs + devs, dur=[x[0] for x in vs] + [x[1] for x in vs],
+        at_start=_joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
+        at_end=_joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
+        first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
+        first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
+        fwd_to_bwd=(np.arange(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64)))
 
 
 def _chunk(devs: np.ndarray, delta: np.ndarray, where: np.ndarray | None, first: int) -> tuple[np.ndarray, ...]:
