@@ -12,7 +12,7 @@ import numpy as np
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable
-from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import OPT, SMALL_CHUNK, SYNC, Tasks, make_room, rep_id
 
 
 def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
@@ -35,7 +35,11 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
 
 
 def _all_before(tasks: Tasks, before, t: int) -> None:
-    """Edges from every task of `before` to t, as one chunk (a sync waits for hundreds)."""
+    """Edges from every task of `before` to t (a sync waits for hundreds: one chunk)."""
+    if len(before) <= SMALL_CHUNK:
+        for b in before:
+            tasks.dep(int(b), t)
+        return
     tasks.edges.add_chunk(0, (np.asarray(before, dtype=np.int64), np.full(len(before), t, dtype=np.int64)))
 
 

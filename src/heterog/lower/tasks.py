@@ -22,7 +22,7 @@ from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, moves_between, stage_limits
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.sync_tasks import sync_and_step
-from heterog.lower.taskgraph import BWD, FWD, XFER, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import BWD, FWD, SMALL_CHUNK, XFER, Tasks, make_room, rep_id
 
 
 def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: bool) -> list[int]:
@@ -238,7 +238,13 @@ def _identity(tasks: Tasks, Fa: list, Fb: list, Ba: list, Bb: list) -> None:
     fb0 = next(x for x in Fb if x is not None)
     ba0 = next(x for x in Ba if x is not None)
     bb0 = next(x for x in Bb if x is not None)
-    k = np.arange(ba0 - fa0, dtype=np.int64)     # kept replicas: a block's backwards follow its forwards
+    n = ba0 - fa0       # kept replicas: a block's backwards follow its forwards
+    if n <= SMALL_CHUNK:
+        for i in range(n):
+            tasks.dep(fa0 + i, fb0 + i)
+            tasks.dep(bb0 + i, ba0 + i)
+        return
+    k = np.arange(n, dtype=np.int64)
     tasks.edges.add_chunk(0, (np.concatenate((k + fa0, k + bb0)), np.concatenate((k + fb0, k + ba0))))
 
 
