@@ -177,7 +177,7 @@ def _collective(tasks: Tasks, info: ClusterInfo, dur: float, mbs: int, block: in
         link_loads[id(load)] = [load, nbytes]
     else:
         entry[1] += nbytes
-    _all_before(tasks, [x for b in after for m in range(mbs) for x in Bk[m][b] if x is not None], s)
+    _all_before(tasks, Bk.of(after), s)
     return s
 
 

@@ -153,40 +153,40 @@ class TaskRows:
         self.chunks[i] = (self.chunks[i][0], first_task, chunk)
 
     def mark(self) -> tuple[int, int]:
-        """Where the rows added from now on begin (a micro-batch's segment, see copy)."""
+        """Where the rows added from now on begin (a micro-batch's segment, see segment)."""
         return len(self.chunks), len(self.task)
 
-    def copy(self, since: tuple[int, int], until: tuple[int, int], offset: int) -> None:
-        """Append the rows added between two marks again, for tasks `offset` ids later (a
-        replicated micro-batch), in the same order."""
-        a, b = since[1], until[1]
-        shift = len(self.task) - a
-        self.chunks.extend([(pos + shift, first + offset, chunk)
-                            for pos, first, chunk in self.chunks[since[0]:until[0]]])
-        self.task.extend([t + offset for t in self.task[a:b]])
-        for col, is_id in zip(self.values, self._ids[1:]):
-            col.extend([x + offset for x in col[a:b]] if is_id else col[a:b])
+    def segment(self, since: tuple[int, int], until: tuple[int, int]) -> tuple[np.ndarray, ...]:
+        """The rows added between two marks as one chunk (ids as they are), in the order
+        added: a replicated micro-batch adds it again with its id offset (see add_chunk)."""
+        return self._ordered(since, until)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """Every row as columns (task, *values), by task, each task's in the order added."""
-        singles = tuple(np.array(c, dtype=dt) for c, dt in zip((self.task,) + self.values, self._dtypes))
-        parts, offsets, at = [], [], 0
-        for pos, first, chunk in self.chunks:     # all rows in the order added
+        cols = self._ordered((0, 0), self.mark())
+        order = _stable_by_task(cols[0])
+        return tuple(c[order] for c in cols)
+
+    def _ordered(self, since: tuple[int, int], until: tuple[int, int]) -> tuple[np.ndarray, ...]:
+        """The rows between two marks as columns with task ids applied, in the order added."""
+        (c0, s0), (c1, s1) = since, until
+        singles = tuple(np.array(c[s0:s1], dtype=dt) for c, dt in zip((self.task,) + self.values, self._dtypes))
+        parts, offsets, at = [], [], s0
+        for pos, first, chunk in self.chunks[c0:c1]:
             if pos > at:
-                parts.append(tuple(c[at:pos] for c in singles))
+                parts.append(tuple(c[at - s0:pos - s0] for c in singles))
                 offsets.append(0)
                 at = pos
             parts.append(chunk)
             offsets.append(first)
-        parts.append(tuple(c[at:] for c in singles))
+        parts.append(tuple(c[at - s0:] for c in singles))
         offsets.append(0)
         cols = [np.concatenate(c) for c in zip(*parts)]
         shift = np.repeat(np.array(offsets, dtype=np.int64), [len(p[0]) for p in parts])
         for c, is_id in zip(cols, self._ids):
             if is_id:
                 c += shift
-        order = _stable_by_task(cols[0])
-        return tuple(c[order] for c in cols)
+        return tuple(cols)
 
     def of(self, t: int) -> list[tuple]:
         """Task t's rows as value tuples, in order (for the Program's writer; built once)."""

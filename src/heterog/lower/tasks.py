@@ -3,9 +3,7 @@
 Tasks, per micro-batch m and block b with replica r on device d:
   F(b, m, r)  forward on d at the replica's integer samples (plan.replica_samples),
   B(b, m, r)  backward (plus a second forward when the group recomputes activations),
-  X           re-partition transfers: replicas own contiguous sample ranges in order, so the
-              samples replica i of a producer block shares with replica j of a consumer move
-              i → j (activations forward, their gradients backward) over cluster.path,
+  X           re-partition transfers between blocks (transfers.py),
   S(b)        gradient sync of a replicated block after all its backwards of all micro-batches,
   O(d)        the optimizer step of device d after its syncs.
 Columns are flat lists indexed by task id, memory effects and successors flat rows
@@ -19,10 +17,11 @@ from typing import NamedTuple
 import numpy as np
 
 from heterog.ir.plan import Plan, split_samples
-from heterog.lower.blocks import Block, block_edges, moves_between, stage_limits
+from heterog.lower.blocks import Block, block_edges, stage_limits
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.sync_tasks import sync_and_step
-from heterog.lower.taskgraph import BWD, FWD, SMALL_CHUNK, XFER, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import BWD, FWD, Tasks, make_room, rep_id
+from heterog.lower.transfers import pair_moves, transfer_tasks
 
 
 def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: bool) -> list[int]:
@@ -71,7 +70,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
         for blk in blocks:
             if (size, blk.shares) not in splits:
                 splits[(size, blk.shares)] = split_samples(size, list(blk.shares))
-    moves, p2p_sets = _moves(blocks, preds, sizes, splits, info, table)
+    moves, p2p_sets = pair_moves(blocks, preds, sizes, splits, info, table)
     rep = tasks.rep = _representatives(blocks, splits, p2p_sets, sizes, len(info.devices), info.dev_class, merge)
     Bk, first_bwd = _microbatch_tasks(tasks, plan, preds, moves, splits, mb_sizes, info, table, merge)
     bwd_of_dev = _backwards_by_device(tasks)
@@ -84,58 +83,28 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     return tasks
 
 
-def _moves(blocks: list[Block], preds, sizes: list[int], splits, info: ClusterInfo, table: CostTable):
-    """The re-partition moves between every pair of connected blocks, per micro-batch size
-    ((size, producer, consumer) → moves, or None for an identity), and the device sets that
-    send or receive point to point."""
-    moves: dict[tuple[int, int, int], list | None] = {}
-    move_cache = table.scratch.setdefault("moves", {})
-    p2p_sets: list[frozenset[int]] = []
-    for size in sizes:
-        for bi, blk in enumerate(blocks):
-            for a, (fx, ps) in preds[bi].items():
-                src = blocks[a]
-                ck = (size, src.devices, src.shares, blk.devices, blk.shares, fx, ps)
-                hit = move_cache.get(ck)
-                if hit is None:
-                    if len(move_cache) > 20_000:
-                        move_cache.clear()
-                    mv = moves_between(src, blk, splits[(size, src.shares)], splits[(size, blk.shares)],
-                                       size, fx, ps, info, table)
-                    ends = frozenset(d for x in mv if x[5] is not None for d in x[:2])
-                    # identity: replica i feeds replica i on the same device, nothing crosses a
-                    # link (consecutive blocks of one placement); expanded without the tuples
-                    ident = (src.devices == blk.devices and len(mv) == len(blk.devices)
-                             and all(x[2] == x[3] == i and x[5] is None for i, x in enumerate(mv)))
-                    hit = move_cache[ck] = (None if ident else mv, ends)
-                moves[(size, a, bi)] = hit[0]
-                if hit[1]:
-                    p2p_sets.append(hit[1])
-    return moves, p2p_sets
-
-
 def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: list[int],
                       info: ClusterInfo, table: CostTable, merge: bool):
     """Forward, backward and transfer tasks of every micro-batch (equal-sized ones copied when
     merging). Returns (backward task ids per micro-batch and block, micro-batch 0's columns)."""
     nb, mbs = len(tasks.blocks), len(mb_sizes)
     F = [[None] * nb for _ in range(mbs)]
-    Bk = [[None] * nb for _ in range(mbs)]
-    templates: dict[int, tuple] = {}   # size → first mb's segment (see _replicate)
+    Bk = Backwards(nb, mbs)
+    templates: dict[int, Segment] = {}   # size → the first micro-batch of that size
     first_bwd: list[tuple] = []   # (first task, effect chunk indices, columns) of micro-batch 0's blocks
     lb, comm = tasks.link_bytes, tasks.comm
     rep_key = rep_id(table.scratch, tasks.rep)     # once per call: it hashes the merged-device map
     for m, size in enumerate(mb_sizes):
         if size in templates and merge:
-            _replicate(tasks, templates[size], m, F, Bk)
+            _replicate(tasks, templates[size], m, Bk)
             continue
         seg_start, lb_before, comm_before = len(tasks.kind), dict(lb), len(comm)
         marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
-        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk, first_bwd)
-        _transfer_tasks(tasks, m, size, preds, moves, F, Bk)
-        templates[size] = (m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
-                           list(comm)[comm_before:], marks,
-                           (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()))
+        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk.ids, first_bwd)
+        transfer_tasks(tasks, m, size, preds, moves, F, Bk.ids, rep_key)
+        templates[size] = Segment(m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
+                                  list(comm)[comm_before:], marks,
+                                  (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()), [])
     return Bk, first_bwd
 
 
@@ -178,74 +147,6 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
             for k, r in enumerate(kept_r):
                 fids[r], bids[r] = f0 + k, b0 + k
             F[m][bi], Bk[m][bi] = fids, bids
-
-
-def _transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, F, Bk) -> None:
-    """Micro-batch m's re-partition transfers between blocks (activations forward, their
-    gradients backward), or plain dependencies where nothing crosses a link."""
-    rep, comm, lb, xfer_blocks = tasks.rep, tasks.comm, tasks.link_bytes, tasks.xfer_blocks
-    mem, dep = tasks.mem, tasks.dep
-    for bi in range(len(tasks.blocks)):
-        Fb, Bb = F[m][bi], Bk[m][bi]
-        for a in preds[bi]:
-            Fa, Ba = F[m][a], Bk[m][a]
-            mv = moves[(size, a, bi)]
-            if mv is None:    # identity re-partition: replica i feeds replica i (see _identity)
-                _identity(tasks, Fa, Fb, Ba, Bb)
-                continue
-            for da, db, i, j, nbytes, path, back, t_f, t_b in mv:
-                if rep[da] != da or rep[db] != db:
-                    continue   # a merged device: its representative carries the dependency
-                fa, fb, ba, bb = Fa[i], Fb[j], Ba[i], Bb[j]
-                if path is None:          # same device, or nothing to send
-                    dep(fa, fb)
-                    dep(bb, ba)
-                    continue
-                xf = len(tasks.kind)
-                xb = xf + 1
-                tasks.kind.extend((XFER, XFER))
-                tasks.dur.extend((t_f, t_b))
-                tasks.dev.extend((-1, -1))
-                tasks.links.extend((path, back))
-                dep(xf, fb)
-                dep(xb, ba)
-                tasks.key.extend((-1, -1))
-                tasks.mb.extend((m, m))
-                # the receiver holds the tensor until the task that reads it ends
-                mem(xf, True, db, nbytes)
-                mem(xb, True, da, nbytes)
-                comm[xf] = ((da, db), nbytes, bi)
-                comm[xb] = ((db, da), nbytes, a)
-                xfer_blocks[xf] = xfer_blocks[xb] = (a, bi)
-                dep(fa, xf)
-                dep(bb, xb)
-                mem(fb, False, db, -nbytes)
-                mem(ba, False, da, -nbytes)
-                for l in path:
-                    lb[l] = lb.get(l, 0.0) + nbytes
-                for l in back:
-                    lb[l] = lb.get(l, 0.0) + nbytes
-
-
-def _identity(tasks: Tasks, Fa: list, Fb: list, Ba: list, Bb: list) -> None:
-    """Edges of an identity re-partition as one chunk: forward i of the producer before forward
-    i of the consumer, backward i of the consumer before backward i of the producer. Both
-    blocks have the same devices and merged devices, so their kept replicas' tasks are runs of
-    consecutive ids (a merged device has None)."""
-    fa0 = next((x for x in Fa if x is not None), None)
-    if fa0 is None:
-        return
-    fb0 = next(x for x in Fb if x is not None)
-    ba0 = next(x for x in Ba if x is not None)
-    bb0 = next(x for x in Bb if x is not None)
-    n = ba0 - fa0       # kept replicas: a block's backwards follow its forwards
-    if n <= SMALL_CHUNK:
-        for i in range(n):
-            tasks.dep(fa0 + i, fb0 + i)
-            tasks.dep(bb0 + i, ba0 + i)
-        return
-    k = np.arange(n, dtype=np.int64)
-    tasks.edges.add_chunk(0, (np.concatenate((k + fa0, k + bb0)), np.concatenate((k + fb0, k + ba0))))
 
 
 def _backwards_by_device(tasks: Tasks) -> dict[int, np.ndarray]:
@@ -366,30 +267,70 @@ def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple
     return (fwd, bwd, act_all, max(wss, default=0.0), peak_later, peak_first, grad_all)
 
 
-def _replicate(tasks: Tasks, template, m: int, F, Bk) -> None:
+class Segment(NamedTuple):
+    """The tasks of an expanded micro-batch that later ones of its size copy (_replicate)."""
+    m0: int                         # the micro-batch
+    start: int                      # its first task id
+    end: int                        # one past its last
+    link_bytes: dict[int, float]    # bytes it adds per link
+    comm: list[int]                 # its communication tasks
+    since: tuple                    # TaskRows marks (memory at start, at end, edges) before it
+    until: tuple                    # ... and after it
+    copies: list                    # keys and rows as arrays, made at the first copy
+
+
+def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None:
     """Micro-batch m has the same size as an earlier one, so its tasks are a copy of that
-    micro-batch's segment with ids shifted (and m in the priority keys): list slices instead of
-    a second expansion."""
-    m0, start, end, seg_link_bytes, seg_comm, since, until = template
+    micro-batch's segment with ids shifted (and m in the priority keys): list slices and
+    array chunks instead of a second expansion."""
+    m0, start, end, seg_link_bytes, seg_comm, since, until, rows = template
     off = len(tasks.kind) - start
     tasks.kind.extend(tasks.kind[start:end])
     tasks.dur.extend(tasks.dur[start:end])
     tasks.dev.extend(tasks.dev[start:end])
     tasks.links.extend(tasks.links[start:end])
     shift = (m - m0) * tasks.mb_stride
-    tasks.key.extend([k + shift if k >= 0 else k for k in tasks.key[start:end]])
+    rows_of = (tasks.mem_start, tasks.mem_end, tasks.edges)
+    if not rows:     # the segment's keys and rows (one chunk each), made at the first copy
+        keys = np.array(tasks.key[start:end], dtype=np.int64)
+        rows.append((keys, keys >= 0))
+        rows.extend(r.segment(a, b) for r, a, b in zip(rows_of, since, until))
+    keys, compute = rows[0]
+    tasks.key.extend((keys + shift * compute).tolist())     # communication keeps -1
     tasks.mb.extend([m] * (end - start))
-    tasks.mem_start.copy(since[0], until[0], off)
-    tasks.mem_end.copy(since[1], until[1], off)
-    tasks.edges.copy(since[2], until[2], off)
+    for r, chunk in zip(rows_of, rows[1:]):
+        r.add_chunk(off, chunk)
     comm = tasks.comm
     for t in seg_comm:      # the segment's communication tasks
         comm[t + off] = comm[t]
         tasks.xfer_blocks[t + off] = tasks.xfer_blocks[t]
     for l, v in seg_link_bytes.items():
         tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + v
-    for bi in range(len(F[m0])):
-        F[m][bi] = [x + off if x is not None else None for x in F[m0][bi]]
-        Bk[m][bi] = [x + off if x is not None else None for x in Bk[m0][bi]]
+    Bk.copy_of[m] = (m0, off)
 
 
+class Backwards:
+    """Each block's backward task ids per micro-batch (None for a merged device's replica):
+    `ids[m][b]` for an expanded micro-batch; a replicated one is (m0, id offset) in
+    `copy_of[m]`, its ids made only where a sync asks for them (`of`)."""
+
+    __slots__ = ("ids", "copy_of", "_kept")
+
+    def __init__(self, n_blocks: int, n_microbatches: int):
+        self.ids: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
+        self.copy_of: list[tuple[int, int] | None] = [None] * n_microbatches
+        self._kept: dict[tuple[int, int], np.ndarray] = {}
+
+    def of(self, blocks) -> np.ndarray:
+        """The backward tasks of every micro-batch of `blocks` (kept replicas only)."""
+        parts = []
+        for b in blocks:
+            for m, src in enumerate(self.copy_of):
+                parts.append(self._kept_ids(m, b) if src is None else self._kept_ids(src[0], b) + src[1])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _kept_ids(self, m: int, b: int) -> np.ndarray:
+        a = self._kept.get((m, b))
+        if a is None:
+            a = self._kept[(m, b)] = np.array([x for x in self.ids[m][b] if x is not None], dtype=np.int64)
+        return a
