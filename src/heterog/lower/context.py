@@ -28,6 +28,68 @@ def device_class_key(cluster: Cluster, device: str) -> tuple:
     return (d.gpu_type, d.slowdown, cluster.memory_bytes(device), cluster.host_speed(device))
 
 
+class LinkSets:
+    """The distinct link sets communication tasks hold, numbered, each also split for the
+    timed pass (simulate/engine.py) into the links it holds exclusively and the switch cores
+    it crosses (indices into shared_bw), which it shares as a pipe. Kept flat, so a
+    schedule's per-task rows are gathered with numpy, not concatenated task by task."""
+
+    ALL, EXCLUSIVE, CORES = 0, 1, 2     # the parts of a set
+
+    def __init__(self, core_index: dict[int, int]):
+        self._core_index = core_index
+        self._id: dict[tuple[int, ...], int] = {}
+        self._parts: tuple[list, list, list] = ([], [], [])
+        self._flat: list | None = None
+        self.generation = 0      # numbers given before a restart are stale
+
+    def ids(self, sets: list[tuple[int, ...]]) -> np.ndarray:
+        """The number of each link set (valid until the next call)."""
+        if len(self._id) > 100_000:
+            self._id.clear()
+            self._parts = ([], [], [])
+            self.generation += 1
+        get, out, core = self._id.get, [], self._core_index
+        for links in sets:
+            i = get(links)
+            if i is None:
+                i = self._id[links] = len(self._id)
+                self._parts[self.ALL].append(links)
+                self._parts[self.EXCLUSIVE].append([l for l in links if l not in core])
+                self._parts[self.CORES].append([core[l] for l in links if l in core])
+                self._flat = None
+            out.append(i)
+        return np.array(out, dtype=np.int64)
+
+    def gather(self, sets: np.ndarray, part: int) -> tuple[np.ndarray, np.ndarray]:
+        """The given part of each set in `sets`, one after the other: (values, per-set lengths)."""
+        if self._flat is None:
+            self._flat = [_flatten(rows) for rows in self._parts]
+        flat, start, length = self._flat[part]
+        per_set = length[sets]
+        ends = np.cumsum(per_set)
+        shift = np.repeat(start[sets] - (ends - per_set), per_set)
+        return flat[np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + shift], per_set
+
+    def rows(self, n: int, tasks: np.ndarray, sets: np.ndarray, part: int) -> tuple[np.ndarray, np.ndarray]:
+        """Compressed rows (pointer, index) over n tasks: row t of `tasks` (increasing) is the
+        part of its set; other rows are empty."""
+        values, per_set = self.gather(sets, part)
+        lengths = np.zeros(n, dtype=np.int64)
+        lengths[tasks] = per_set
+        ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=ptr[1:])
+        return ptr, values
+
+
+def _flatten(rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows as (all values, each row's start, each row's length)."""
+    length = np.array([len(r) for r in rows], dtype=np.int64)
+    start = np.zeros(len(rows), dtype=np.int64)
+    np.cumsum(length[:-1], out=start[1:])
+    return np.array([x for r in rows for x in r], dtype=np.int64), start, length
+
+
 class ClusterInfo:
     """Integer ids for devices and links, cached paths, and device classes.
 
@@ -57,7 +119,7 @@ class ClusterInfo:
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
-        self._held: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self.link_sets = LinkSets(self._core_index)
 
     def ids(self, names: tuple[str, ...]) -> tuple[int, ...]:
         hit = self._ids.get(names)
@@ -80,20 +142,6 @@ class ClusterInfo:
             p = tuple(self.link_id[l] for l in self.cluster.path(self.devices[src], self.devices[dst]))
             self._paths[key] = p
         return p
-
-    def held_links(self, links: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """A communication task's link set split for the timed pass (simulate/engine.py): the
-        links it holds exclusively, and the switch cores it crosses (indices into shared_bw),
-        which it shares as a pipe."""
-        hit = self._held.get(links)
-        if hit is None:
-            if len(self._held) > 100_000:
-                self._held.clear()
-            core_index = self._core_index
-            cores = [core_index[l] for l in links if l in core_index]
-            excl = [l for l in links if l not in core_index] if cores else links
-            hit = self._held[links] = (np.array(excl, dtype=np.int64), np.array(cores, dtype=np.int64))
-        return hit
 
     def ring(self, members: tuple[int, ...]) -> tuple[tuple[int, ...], dict[int, float]]:
         """Links a collective over `members` occupies, and the share of the buffer each carries.

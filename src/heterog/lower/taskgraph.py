@@ -26,7 +26,7 @@ class Tasks:
     __slots__ = ("kind", "dur", "dev", "links", "edges", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "link_bytes", "persistent_bytes",
                  "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
-                 "xfer_blocks", "ties", "mb_stride", "_phase_stride", "_succ_csr", "_arrays")
+                 "xfer_blocks", "ties", "mb_stride", "scratch", "_phase_stride", "_succ_csr", "_arrays")
 
     def __init__(self, blocks: list[Block], n_devices: int, num_microbatches: int):
         self.kind: list[int] = []
@@ -55,6 +55,7 @@ class Tasks:
         self._phase_stride = (num_microbatches + 1) * self.mb_stride
         self._succ_csr: tuple[np.ndarray, np.ndarray] | None = None
         self._arrays: dict[str, np.ndarray] = {}
+        self.scratch: dict = {}                  # what the timed pass derives once (engine.py)
 
     def prio(self, phase: int, mb: int, signed_block: int) -> int:
         """The priority key of a compute task: (phase, micro-batch, ±block) in lexicographic
@@ -220,16 +221,6 @@ def effects() -> TaskRows:
     """Memory effects of one kind (at task starts, or at ends): task, device, bytes (+
     allocated, − freed)."""
     return TaskRows((np.int64, np.float64), (False, False))
-
-
-def compressed_rows(n: int, rows: list[np.ndarray], tids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Integer rows (int64 arrays) of the tasks `tids` (increasing) as (pointer, index) arrays
-    over all n tasks: row t is index[pointer[t]:pointer[t + 1]]; other tasks' rows are empty."""
-    length = np.zeros(n, dtype=np.int64)
-    length[tids] = [len(r) for r in rows]
-    ptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(length, out=ptr[1:])
-    return ptr, np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
 
 _CACHED_REPLICAS = 200_000   # replicas' entries kept in a per-call-shared cache (~100 MB at most)

@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit
 
 from heterog.lower.context import ClusterInfo
-from heterog.lower.taskgraph import Tasks, compressed_rows
+from heterog.lower.taskgraph import Tasks
 
 
 def run(tasks: Tasks, order: list[int], info: ClusterInfo, record: bool):
@@ -97,17 +97,26 @@ def _resources(tasks: Tasks, info: ClusterInfo):
     """Per communication task, as compressed rows: the links it holds exclusively and the
     switch cores it crosses (index into shared_bw), with the bytes it pushes through them.
     Returns (link rows, core rows, core bytes)."""
-    links = tasks.links
-    n = len(links)
-    comm_ids = [t for t in sorted(tasks.comm) if links[t]]
-    held = [info.held_links(links[t]) for t in comm_ids]
-    link_ptr, link_idx = compressed_rows(n, [h[0] for h in held], comm_ids)
-    core_ids = [t for t, h in zip(comm_ids, held) if len(h[1])]
-    core_ptr, core_idx = compressed_rows(n, [h[1] for h in held if len(h[1])], core_ids)
+    n = len(tasks.links)
+    comm_ids, sets = comm_link_sets(tasks, info)
+    link_ptr, link_idx = info.link_sets.rows(n, comm_ids, sets, info.link_sets.EXCLUSIVE)
+    core_ptr, core_idx = info.link_sets.rows(n, comm_ids, sets, info.link_sets.CORES)
     core_bytes = np.zeros(n)
-    for t in core_ids:
+    for t in np.flatnonzero(np.diff(core_ptr)).tolist():
         core_bytes[t] = tasks.core_bytes.get(t, tasks.comm[t][1])
     return link_ptr, link_idx, core_ptr, core_idx, core_bytes
+
+
+def comm_link_sets(tasks: Tasks, info: ClusterInfo) -> tuple[np.ndarray, np.ndarray]:
+    """The communication tasks that hold links, in id order, and their link sets' numbers
+    (info.link_sets), made once per schedule."""
+    hit = tasks.scratch.get("link_sets")
+    if hit is None or hit[0] != info.link_sets.generation:
+        links = tasks.links
+        comm_ids = [t for t in sorted(tasks.comm) if links[t]]
+        sets = info.link_sets.ids([links[t] for t in comm_ids])
+        hit = tasks.scratch["link_sets"] = (info.link_sets.generation, np.array(comm_ids, dtype=np.int64), sets)
+    return hit[1], hit[2]
 
 
 def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,

@@ -63,26 +63,19 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
     iteration = max(end) if end else 0.0
     compute = {d: 0.0 for d in used}
     comm = {d: 0.0 for d in used}
-    link_busy: dict[int, float] = {}
-    dur, dev = tasks.dur, tasks.dev
-    by_members: dict[tuple[int, ...], float] = {}   # summed per member / link set first:
-    by_links: dict[tuple[int, ...], float] = {}     # a collective has hundreds of each
+    dur = tasks.dur
+    by_members: dict[tuple[int, ...], float] = {}   # summed per member set first: a
+    for t, (mk, _nbytes, _block) in tasks.comm.items():   # collective has hundreds
+        by_members[mk] = by_members.get(mk, 0.0) + dur[t]
+    for mk, x in by_members.items():
+        for m in mk:
+            comm[m] += x
     # per-device sums of compute time in task order (bincount adds in index order, like a loop)
     dev_a = tasks.array("dev")
     on_dev = dev_a >= 0
     per_dev = np.bincount(dev_a[on_dev], weights=tasks.array("dur")[on_dev], minlength=len(names)).tolist()
     for d in compute:
         compute[d] += per_dev[d]
-    for t, (mk, _nbytes, _block) in tasks.comm.items():
-        by_members[mk] = by_members.get(mk, 0.0) + dur[t]
-        lk = tasks.links[t]
-        by_links[lk] = by_links.get(lk, 0.0) + dur[t]
-    for mk, x in by_members.items():
-        for m in mk:
-            comm[m] += x
-    for lk, x in by_links.items():
-        for l in lk:
-            link_busy[l] = link_busy.get(l, 0.0) + x
     rep = tasks.rep
     for d in used:     # devices simulated through a representative share its timeline
         r = rep[d]
@@ -106,11 +99,26 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
         communication_time_s={names[d]: comm[d] for d in used},
         idle_time_s={names[d]: max(iteration - compute[d], 0.0) for d in used},
         link_bytes={info.links[l]: b for l, b in sorted(tasks.link_bytes.items())},
-        link_busy_time_s={info.links[l]: b for l, b in sorted(link_busy.items())},
+        link_busy_time_s=_link_busy(tasks, info),
         num_tasks=len(dur),
         memory_timeline={names[d]: tuple(mem_trace[d]) for d in used} if mem_trace else {},
         timeline_source=lambda: _events(tasks, info, start, end),
     )
+
+
+def _link_busy(tasks, info) -> dict[str, float]:
+    """Per link, the summed time of the communication tasks holding it: per link set first
+    (in task order), then per link in the order the sets first appear."""
+    comm_ids, sets = engine.comm_link_sets(tasks, info)
+    if not len(sets):
+        return {}
+    uniq, first, inv = np.unique(sets, return_index=True, return_inverse=True)
+    per_set = np.bincount(inv, weights=tasks.array("dur")[comm_ids])
+    order = np.argsort(first)
+    links, count = info.link_sets.gather(uniq[order], info.link_sets.ALL)
+    busy = np.bincount(links, weights=np.repeat(per_set[order], count), minlength=len(info.links))
+    held = np.unique(links)
+    return {info.links[l]: b for l, b in zip(held.tolist(), busy[held].tolist())}
 
 
 def _events(tasks, info, start, end):
