@@ -23,15 +23,43 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     split = _split_ties(table, where)
     link_loads: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
-    opt_preds = _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, bwd_of_dev, split, link_loads)
-    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_preds, link_loads)
+    opt_inputs = OptimizerInputs()
+    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, link_loads, opt_inputs)
+    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, link_loads)
+    opt_preds = opt_inputs.by_device()
+    none = np.zeros(0, dtype=np.int64)
     for load, nbytes in link_loads.values():
         for l, share in load.items():
             tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
     for d, bl in bwd_of_dev.items():
         o = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
         _all_before(tasks, bl, o)
-        _all_before(tasks, opt_preds[d], o)
+        _all_before(tasks, opt_preds.get(d, none), o)
+
+
+class OptimizerInputs:
+    """The syncs each device's optimizer step waits for, in the order they were made: kept
+    per sync as its member devices (an array), grouped by device once at the end."""
+
+    __slots__ = ("_syncs", "_devices")
+
+    def __init__(self):
+        self._syncs: list[int] = []
+        self._devices: list[np.ndarray] = []
+
+    def add(self, sync: int, devices: np.ndarray) -> None:
+        self._syncs.append(sync)
+        self._devices.append(devices)
+
+    def by_device(self) -> dict[int, np.ndarray]:
+        if not self._syncs:
+            return {}
+        devs = np.concatenate(self._devices)
+        syncs = np.repeat(np.array(self._syncs, dtype=np.int64), [len(d) for d in self._devices])
+        order = np.argsort(devs, kind="stable")
+        uniq, first = np.unique(devs[order], return_index=True)
+        groups = np.split(syncs[order], first[1:])
+        return dict(zip(uniq.tolist(), groups))
 
 
 def _all_before(tasks: Tasks, before, t: int) -> None:
@@ -143,7 +171,7 @@ def _split_ties(table: CostTable, where: dict[str, tuple[int, int]]) -> list[tup
 
 
 def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable, Bk,
-               rep: list[int], split, opt_preds: dict[int, list[int]], link_loads: dict[int, list]) -> None:
+               rep: list[int], split, opt_inputs: "OptimizerInputs", link_loads: dict[int, list]) -> None:
     """A ring all-reduce of each split tied parameter's gradient over the devices holding a
     copy, after every backward that reads it; the holders' optimizer steps wait for it."""
     for tie, owner, readers in split:
@@ -159,8 +187,7 @@ def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo,
         for d in kept:     # the gradient's sync buffer
             tasks.mem(s, True, d, nbytes)
             tasks.mem(s, False, d, -nbytes)
-        for d in kept:
-            opt_preds[d].append(s)
+        opt_inputs.add(s, np.array(kept, dtype=np.int64))
 
 
 def _collective(tasks: Tasks, info: ClusterInfo, dur: float, mbs: int, block: int, links, load: dict[int, float],
@@ -197,13 +224,12 @@ def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, spl
 
 
 def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                Bk, rep: list[int], bwd_of_dev, split, link_loads: dict[int, list]) -> dict[int, list[int]]:
+                Bk, rep: list[int], split, link_loads: dict[int, list], opt_inputs: "OptimizerInputs") -> None:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
-    link loads and the server's copy; returns each device's syncs its optimizer waits for.
+    link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
     devices, dclass = info.devices, info.dev_class
     mbs = plan.num_microbatches
-    opt_preds: dict[int, list[int]] = {d: [] for d in bwd_of_dev}
     rep_key = rep_id(table.scratch, rep)     # first: it may drop the cache below
     buffer_cache = table.scratch.setdefault("buffers", {})
     grads_of: dict[tuple[int, ...], float] = {}
@@ -240,13 +266,10 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
                 kept = [d for d in involved if rep[d] == d]
                 at, held = np.zeros(len(kept), dtype=np.int64), np.array(kept, dtype=np.int64)
                 buf = buffer_cache[bk] = ((at, held, np.full(len(kept), grad)), (at, held, np.full(len(kept), -grad)),
-                                          [d for d in members if rep[d] == d])
+                                          np.array([d for d in members if rep[d] == d], dtype=np.int64))
             tasks.mem_start.add_chunk(s, buf[0])
             tasks.mem_end.add_chunk(s, buf[1])
-            kept_members = buf[2]
-            for d in kept_members:
-                opt_preds[d].append(s)
+            opt_inputs.add(s, buf[2])
     for devs, grad in grads_of.items():
         for d in devs:
             tasks.initial_bytes[d] -= grad
-    return opt_preds

@@ -164,9 +164,13 @@ class TaskRows:
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """Every row as columns (task, *values), by task, each task's in the order added."""
-        cols = self._ordered((0, 0), self.mark())
-        order = _stable_by_task(cols[0])
+        cols = self.in_order()
+        order = stable_by_task(cols[0])
         return tuple(c[order] for c in cols)
+
+    def in_order(self) -> tuple[np.ndarray, ...]:
+        """Every row as columns (task, *values), in the order added."""
+        return self._ordered((0, 0), self.mark())
 
     def _ordered(self, since: tuple[int, int], until: tuple[int, int]) -> tuple[np.ndarray, ...]:
         """The rows between two marks as columns with task ids applied, in the order added."""
@@ -200,7 +204,7 @@ class TaskRows:
 
 
 @njit(cache=True, nogil=True)
-def _stable_by_task(task):
+def stable_by_task(task):
     """The permutation that groups rows by task id, keeping their order within a task (a
     counting sort: linear, where a comparison sort cost as much as the rest of the replay)."""
     n_tasks = task.max() + 1 if len(task) else 0

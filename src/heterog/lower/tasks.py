@@ -100,7 +100,7 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
             continue
         seg_start, lb_before, comm_before = len(tasks.kind), dict(lb), len(comm)
         marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
-        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk.ids, first_bwd)
+        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk, first_bwd)
         transfer_tasks(tasks, m, size, preds, moves, F, Bk.ids, rep_key)
         templates[size] = Segment(m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
                                   list(comm)[comm_before:], marks,
@@ -109,7 +109,7 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
 
 
 def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, table: CostTable,
-                   rep_key: int, one_f1b: bool, F, Bk, first_bwd) -> None:
+                   rep_key: int, one_f1b: bool, F, Bk: "Backwards", first_bwd) -> None:
     """Micro-batch m's forwards and backwards: per block, its forwards then its backwards, one
     slice per column (the hot path); the columns that depend only on the block and the merged
     devices are cached."""
@@ -140,13 +140,14 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         chunks = (tasks.mem_start.add_chunk(f0, cols.at_start), tasks.mem_end.add_chunk(f0, cols.at_end))
         if m == 0:
             first_bwd.append((f0, chunks, cols))
+        Bk.span[m][bi] = (b0, n_kept)
         if n_kept == len(blk.devices):
-            F[m][bi], Bk[m][bi] = list(range(f0, b0)), list(range(b0, b0 + n_kept))
+            F[m][bi], Bk.ids[m][bi] = list(range(f0, b0)), list(range(b0, b0 + n_kept))
         else:
             fids, bids = [None] * len(blk.devices), [None] * len(blk.devices)
             for k, r in enumerate(kept_r):
                 fids[r], bids[r] = f0 + k, b0 + k
-            F[m][bi], Bk[m][bi] = fids, bids
+            F[m][bi], Bk.ids[m][bi] = fids, bids
 
 
 def _backwards_by_device(tasks: Tasks) -> dict[int, np.ndarray]:
@@ -310,27 +311,30 @@ def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None
 
 
 class Backwards:
-    """Each block's backward task ids per micro-batch (None for a merged device's replica):
-    `ids[m][b]` for an expanded micro-batch; a replicated one is (m0, id offset) in
+    """Each block's backward task ids per micro-batch: `ids[m][b]` per replica (None for a
+    merged device's) and `span[m][b]` = (first id, count) of the kept ones, which are
+    consecutive, for an expanded micro-batch; a replicated one is (m0, id offset) in
     `copy_of[m]`, its ids made only where a sync asks for them (`of`)."""
 
-    __slots__ = ("ids", "copy_of", "_kept")
+    __slots__ = ("ids", "span", "copy_of")
 
     def __init__(self, n_blocks: int, n_microbatches: int):
         self.ids: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
+        self.span: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
         self.copy_of: list[tuple[int, int] | None] = [None] * n_microbatches
-        self._kept: dict[tuple[int, int], np.ndarray] = {}
 
     def of(self, blocks) -> np.ndarray:
-        """The backward tasks of every micro-batch of `blocks` (kept replicas only)."""
-        parts = []
+        """The backward tasks of every micro-batch of `blocks` (kept replicas only), by block,
+        then micro-batch."""
+        runs = []
         for b in blocks:
             for m, src in enumerate(self.copy_of):
-                parts.append(self._kept_ids(m, b) if src is None else self._kept_ids(src[0], b) + src[1])
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    def _kept_ids(self, m: int, b: int) -> np.ndarray:
-        a = self._kept.get((m, b))
-        if a is None:
-            a = self._kept[(m, b)] = np.array([x for x in self.ids[m][b] if x is not None], dtype=np.int64)
-        return a
+                if src is None:
+                    runs.append(self.span[m][b])
+                else:
+                    first, n = self.span[src[0]][b]
+                    runs.append((first + src[1], n))
+        if len(runs) == 1:
+            first, n = runs[0]
+            return np.arange(first, first + n, dtype=np.int64)
+        return np.concatenate([np.arange(first, first + n, dtype=np.int64) for first, n in runs])

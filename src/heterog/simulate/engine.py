@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit
 
 from heterog.lower.context import ClusterInfo
-from heterog.lower.taskgraph import Tasks
+from heterog.lower.taskgraph import Tasks, stable_by_task
 
 
 def run(tasks: Tasks, order: list[int], info: ClusterInfo, record: bool):
@@ -126,19 +126,13 @@ def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,
     initial = list(tasks.initial_bytes)
     overflow = next(((d, 0.0) for d in range(n_devices) if initial[d] > capacity_bytes[d]), None)
     # ends first: at equal times a device frees a task's memory before its next task allocates
-    parts = [(when[task], dev, delta) for when, (task, dev, delta) in
-             ((end, tasks.mem_end.arrays()), (start, tasks.mem_start.arrays()))]
-    time_a, dev_a, delta_a = (np.concatenate(c) for c in zip(*parts))
-    phase_a = np.repeat(np.array([0, 1], dtype=np.int8), [len(parts[0][0]), len(parts[1][0])])   # 0: an end
-    if not len(time_a):
+    dev_s, time_s, phase_s, delta_s = _events_in_order(*tasks.mem_end.in_order(), *tasks.mem_start.in_order(),
+                                                       start, end, n_devices)
+    if not len(time_s):
         trace = [[(0.0, initial[d])] if initial[d] else [] for d in range(n_devices)] if record else None
         return initial, overflow, trace
-    # events by device, then time; stable, so equal events keep ends first and task order
-    idx = np.argsort(time_a, kind="stable")
-    idx = idx[np.argsort(dev_a[idx].astype(np.int32), kind="stable")]
-    dev_s, time_s = dev_a[idx], time_a[idx]
     init_a = np.array(initial, dtype=float)
-    cur, peak_a, over = _replay(dev_s, time_s, phase_a[idx], delta_a[idx], init_a,
+    cur, peak_a, over = _replay(dev_s, time_s, phase_s, delta_s, init_a,
                                 np.asarray(capacity_bytes, dtype=float))
     peak = [max(p, i) for p, i in zip(peak_a.tolist(), initial)]
     if overflow is None and over >= 0:
@@ -150,6 +144,44 @@ def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,
         for d, a, b in zip(dev_s[first].tolist(), first.tolist(), np.r_[first[1:], len(dev_s)].tolist()):
             trace[d].extend(zip(time_s[a:b].tolist(), cur[a:b].tolist()))
     return peak, overflow, trace
+
+
+@njit(cache=True, nogil=True)
+def _events_in_order(e_task, e_dev, e_delta, s_task, s_dev, s_delta, start, end, n_devices):
+    """Memory events (ends at their task's end, starts at its start), ordered by device, then
+    time, ends before starts, then task, then the order added: (device, time, phase — 0 an
+    end —, bytes) per event. Counting sorts by task and device, then a stable sort by time
+    within each device."""
+    ne, ns = len(e_task), len(s_task)
+    n = ne + ns
+    dev = np.empty(n, dtype=np.int64)
+    time = np.empty(n)
+    delta = np.empty(n)
+    phase = np.empty(n, dtype=np.int8)
+    by_task = stable_by_task(e_task)
+    for k in range(ne):
+        i = by_task[k]
+        dev[k], time[k], delta[k], phase[k] = e_dev[i], end[e_task[i]], e_delta[i], 0
+    by_task = stable_by_task(s_task)
+    for k in range(ns):
+        i = by_task[k]
+        dev[ne + k], time[ne + k], delta[ne + k], phase[ne + k] = s_dev[i], start[s_task[i]], s_delta[i], 1
+    first = np.zeros(n_devices + 1, dtype=np.int64)
+    for d in dev:
+        first[d + 1] += 1
+    for d in range(n_devices):
+        first[d + 1] += first[d]
+    order = np.empty(n, dtype=np.int64)
+    at = first[:-1].copy()
+    for i in range(n):
+        order[at[dev[i]]] = i
+        at[dev[i]] += 1
+    for d in range(n_devices):
+        a, b = first[d], first[d + 1]
+        if b - a > 1:
+            seg = order[a:b]
+            order[a:b] = seg[np.argsort(time[seg], kind="mergesort")]
+    return dev[order], time[order], phase[order], delta[order]
 
 
 @njit(cache=True, nogil=True)
