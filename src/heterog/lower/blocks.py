@@ -26,6 +26,8 @@ class Block:
     nodes: tuple[tuple[str, ...], ...]  # their node tuples (cost-cache keys)
     devices: tuple[int, ...]         # replica device ids
     shares: tuple[float, ...]
+    placement: int                   # number of (devices, shares) in the SimCache: a cache key
+    device_set: int                  # number of the devices alone
     sync: str
     ps_device: int | None
     recompute: bool
@@ -61,7 +63,9 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
             names = [groups[g].name for g in p]
             blocks.append(Block(
                 groups=tuple(p), nodes=tuple(groups[g].nodes for g in p),
-                devices=info.ids(places[run[0]][1]), shares=places[run[0]][2], sync=grp.sync,
+                devices=info.ids(places[run[0]][1]), shares=places[run[0]][2], placement=places[run[0]][0],
+                device_set=places[run[0]][3],
+                sync=grp.sync,
                 ps_device=dev_id[grp.ps_device] if grp.ps_device else None,
                 recompute=grp.recompute,
                 label=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"))

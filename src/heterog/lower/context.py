@@ -357,7 +357,8 @@ class SimCache:
     def __init__(self, limit: int = 64):
         self.limit = limit
         self._entries: dict[str, dict] = {}
-        self.placement_ids: dict[tuple, int] = {}   # (device names, shares) → small int
+        self.placement_ids: dict[tuple, int] = {}   # (device names, shares) or names → small int
+        self._next_placement = 0     # ids are never reused: caches keyed by them stay valid
 
     def _get(self, kind: str, key, owners: tuple, make):
         """The entry for `key`, made if missing or if its key objects (`owners`, compared by
@@ -398,10 +399,18 @@ class SimCache:
         for g in plan.groups:
             groups[id(g)] = (g, True)
 
-    def placement(self, replicas: tuple) -> tuple[int, tuple[str, ...], tuple[float, ...]]:
-        """(id, device names, shares) of a placement: a small integer per distinct placement
-        (comparing 64-replica tuples field by field made block fusion slow). Cached by the
-        tuple's identity: the search re-uses unchanged groups between plans."""
+    def _number(self, key: tuple) -> int:
+        n = self.placement_ids.get(key)
+        if n is None:
+            n = self.placement_ids[key] = self._next_placement
+            self._next_placement += 1
+        return n
+
+    def placement(self, replicas: tuple) -> tuple[int, tuple[str, ...], tuple[float, ...], int]:
+        """(id, device names, shares, id of the device set) of a placement: small integers
+        per distinct placement and device set, never reused (comparing and hashing 64-replica
+        tuples made block fusion and the caches keyed by them slow). Cached by the tuple's
+        identity: the search re-uses unchanged groups between plans."""
         cache = self._entries.setdefault("placement", {})
         hit = cache.get(id(replicas))
         if hit is not None and hit[0] is replicas:
@@ -411,6 +420,6 @@ class SimCache:
             self.placement_ids.clear()
         names = tuple(r.device for r in replicas)
         shares = tuple(r.share for r in replicas)
-        out = (self.placement_ids.setdefault((names, shares), len(self.placement_ids)), names, shares)
+        out = (self._number((names, shares)), names, shares, self._number(names))
         cache[id(replicas)] = (replicas, out)
         return out

@@ -7,6 +7,8 @@ backwards and syncs."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from heterog.ir.plan import Plan
@@ -89,17 +91,17 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
     opt_time: dict[int, float] = {d: 0.0 for d in bwd_of_dev}
     # parameters, gradients and optimizer state: summed per placement first, since blocks
     # of one placement (all of them, in data parallelism) add the same per-class amounts
-    per_placement: dict[tuple[int, ...], dict[str, list[float]]] = {}
+    per_placement: dict[tuple[int, bool], tuple[dict[str, list[float]], tuple[int, ...]]] = {}
     state_cache = table.scratch.setdefault("state", {})   # (nodes, class) → (bytes, optimizer s)
-    classes_cache = table.scratch.setdefault("classes", {})   # devices → their classes
+    classes_cache = table.scratch.setdefault("classes", {})   # device set → its devices' classes
     for blk in blocks:
         served = _served(blk)
-        acc = per_placement.setdefault((blk.devices, served), {})
-        classes = classes_cache.get(blk.devices)
+        acc = per_placement.setdefault((blk.device_set, served), ({}, blk.devices))[0]
+        classes = classes_cache.get(blk.device_set)
         if classes is None:
             if len(classes_cache) > 10_000:
                 classes_cache.clear()
-            classes = classes_cache[blk.devices] = tuple({dclass[d] for d in blk.devices})
+            classes = classes_cache[blk.device_set] = tuple({dclass[d] for d in blk.devices})
         for dn in classes:
             v = acc.setdefault(dn, [0.0, 0.0])
             st = state_cache.get((blk.nodes, dn, served))
@@ -109,7 +111,7 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
                 st = state_cache[(blk.nodes, dn, served)] = _replica_state(blk, dn, served, table)
             v[0] += st[0]
             v[1] += st[1]
-    for (devs, _), acc in per_placement.items():
+    for acc, devs in per_placement.values():
         for d in devs:
             v = acc[dclass[d]]
             tasks.persistent_bytes[d] += v[0]
@@ -216,7 +218,7 @@ def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, spl
         for bi, blk in enumerate(blocks):
             if not preds[bi]:
                 for r, d in enumerate(blk.devices):
-                    n = sum(splits[(size, blk.shares)][r] for size in mb_sizes)
+                    n = sum(splits[(size, blk.placement)][r] for size in mb_sizes)
                     holders[d] = max(holders.get(d, 0), n)
         for d, n in holders.items():
             if n:
@@ -228,11 +230,10 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
-    devices, dclass = info.devices, info.dev_class
     mbs = plan.num_microbatches
     rep_key = rep_id(table.scratch, rep)     # first: it may drop the cache below
-    buffer_cache = table.scratch.setdefault("buffers", {})
-    grads_of: dict[tuple[int, ...], float] = {}
+    bucket_cache = table.scratch.setdefault("buckets", {})
+    grads_of: dict[int, list] = {}
     tied_out: dict[int, float] = {}
     for tie, owner, _ in split:
         tied_out[owner] = tied_out.get(owner, 0.0) + tie.param_bytes
@@ -241,35 +242,52 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
         if grad > 0:
             # zero_grad(set_to_none=True), PyTorch's default: gradients do not exist before
             # the first backward (micro-batch 0, see expand); summed per placement
-            grads_of[blk.devices] = grads_of.get(blk.devices, 0.0) + grad
+            grads_of.setdefault(blk.device_set, [blk.devices, 0.0])[1] += grad
         grad_synced = grad - tied_out.get(bi, 0.0)
         if len(blk.devices) > 1 and blk.sync != "none" and grad_synced > 0:
-            grad = grad_synced
-            members = blk.devices
-            names = info.names(members)
-            if blk.sync == "ps":     # the server applies the update between gather and scatter
-                links, load = info.star(members, blk.ps_device)
-                dur = table.sync_s("ps", grad, names, devices[blk.ps_device]) + sum(
-                    table.optimizer_s(nodes, dclass[blk.ps_device]) for nodes in blk.nodes)
-                involved = members if blk.ps_device in members else members + (blk.ps_device,)
-            else:
-                links, load = info.ring(tuple(sorted(members)))
-                dur = table.sync_s(blk.sync, grad, names, None)
-                involved = members
-            s = _collective(tasks, info, dur, mbs, bi, links, load, involved, grad, (bi,), Bk, link_loads)
-            # the bucket's communication buffer on every member while it is synchronised
-            # (effect chunks, cached: the search re-scores the same buckets constantly)
-            bk = (involved, members, grad, rep_key)
-            buf = buffer_cache.get(bk)
-            if buf is None:
-                make_room(buffer_cache, len(involved))
-                kept = [d for d in involved if rep[d] == d]
-                at, held = np.zeros(len(kept), dtype=np.int64), np.array(kept, dtype=np.int64)
-                buf = buffer_cache[bk] = ((at, held, np.full(len(kept), grad)), (at, held, np.full(len(kept), -grad)),
-                                          np.array([d for d in members if rep[d] == d], dtype=np.int64))
-            tasks.mem_start.add_chunk(s, buf[0])
-            tasks.mem_end.add_chunk(s, buf[1])
-            opt_inputs.add(s, buf[2])
-    for devs, grad in grads_of.items():
+            key = (blk.placement, blk.sync, blk.ps_device, grad_synced, rep_key,
+                   blk.nodes if blk.sync == "ps" else None)
+            bucket = bucket_cache.get(key)
+            if bucket is None:   # cached: the search re-scores the same buckets constantly
+                make_room(bucket_cache, len(blk.devices))
+                bucket = bucket_cache[key] = _bucket_sync(blk, grad_synced, info, table, rep)
+            s = _collective(tasks, info, bucket.dur, mbs, bi, bucket.links, bucket.load, bucket.involved,
+                            grad_synced, (bi,), Bk, link_loads)
+            tasks.mem_start.add_chunk(s, bucket.buffer_start)
+            tasks.mem_end.add_chunk(s, bucket.buffer_end)
+            opt_inputs.add(s, bucket.kept_members)
+    for devs, grad in grads_of.values():
         for d in devs:
             tasks.initial_bytes[d] -= grad
+
+
+class BucketSync(NamedTuple):
+    """A gradient bucket's sync as a task needs it (_bucket_sync)."""
+    dur: float
+    links: tuple[int, ...]
+    load: dict[int, float]           # link → bytes per buffer byte
+    involved: tuple[int, ...]        # members, and the server if it is not one
+    buffer_start: tuple              # the communication buffer on every involved device:
+    buffer_end: tuple                # effect chunks at the sync's start and end
+    kept_members: np.ndarray         # members simulated (their optimizer steps wait for it)
+
+
+def _bucket_sync(blk: Block, grad: float, info: ClusterInfo, table: CostTable, rep: list[int]) -> BucketSync:
+    """The sync of a replicated block's `grad` bytes: a parameter server applies the update
+    between gather and scatter; a collective runs over the members' ring."""
+    members = blk.devices
+    names = info.names(members)
+    if blk.sync == "ps":
+        links, load = info.star(members, blk.ps_device)
+        dur = table.sync_s("ps", grad, names, info.devices[blk.ps_device]) + sum(
+            table.optimizer_s(nodes, info.dev_class[blk.ps_device]) for nodes in blk.nodes)
+        involved = members if blk.ps_device in members else members + (blk.ps_device,)
+    else:
+        links, load = info.ring(tuple(sorted(members)))
+        dur = table.sync_s(blk.sync, grad, names, None)
+        involved = members
+    kept = [d for d in involved if rep[d] == d]
+    at, held = np.zeros(len(kept), dtype=np.int64), np.array(kept, dtype=np.int64)
+    return BucketSync(dur=dur, links=links, load=load, involved=involved,
+                      buffer_start=(at, held, np.full(len(kept), grad)), buffer_end=(at, held, np.full(len(kept), -grad)),
+                      kept_members=np.array([d for d in members if rep[d] == d], dtype=np.int64))

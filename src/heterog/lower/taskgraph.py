@@ -240,7 +240,8 @@ def rep_id(scratch: dict, rep: list[int]) -> int:
         if len(ids) >= 10_000:    # ids restart: drop every entry keyed by an old one
             ids.clear()
             scratch.pop("columns", None)
-            scratch.pop("buffers", None)
+            scratch.pop("buckets", None)
+            scratch.pop("moves", None)     # their transfer templates (lower/transfers.py)
         hit = ids[rt] = len(ids)
     return hit
 

@@ -41,10 +41,10 @@ def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: 
     sig: dict[int, list] = {}
     placements: dict[tuple, int] = {}
     for bi, blk in enumerate(blocks):
-        pk = (blk.devices, blk.shares)
+        pk = blk.placement
         if pk not in placements:
             pid = placements[pk] = len(placements)
-            per_size = [splits[(size, blk.shares)] for size in sizes]
+            per_size = [splits[(size, blk.placement)] for size in sizes]
             for r, d in enumerate(blk.devices):
                 if d not in p2p:
                     sig.setdefault(d, []).append((pid, tuple(sp[r] for sp in per_size)))
@@ -68,8 +68,8 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     splits: dict[tuple, list[int]] = {}
     for size in sizes:
         for blk in blocks:
-            if (size, blk.shares) not in splits:
-                splits[(size, blk.shares)] = split_samples(size, list(blk.shares))
+            if (size, blk.placement) not in splits:
+                splits[(size, blk.placement)] = split_samples(size, list(blk.shares))
     moves, p2p_sets = pair_moves(blocks, preds, sizes, splits, info, table)
     rep = tasks.rep = _representatives(blocks, splits, p2p_sets, sizes, len(info.devices), info.dev_class, merge)
     Bk, first_bwd = _microbatch_tasks(tasks, plan, preds, moves, splits, mb_sizes, info, table, merge)
@@ -118,11 +118,11 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
     replica_cache = table.scratch.setdefault("replica", {})
     kinds = tasks.kind
     for bi, blk in enumerate(tasks.blocks):
-        ck = (size, blk.nodes, blk.recompute, blk.devices, blk.shares, rep_key)
+        ck = (size, blk.nodes, blk.recompute, blk.placement, rep_key)
         cols = column_cache.get(ck)
         if cols is None:
             make_room(column_cache, len(blk.devices))
-            cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.shares)], rep, info.dev_class,
+            cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.placement)], rep, info.dev_class,
                                                      replica_cache, table)
         kept_r = cols.kept
         n_kept = len(kept_r)

@@ -41,12 +41,12 @@ def pair_moves(blocks: list[Block], preds, sizes: list[int], splits, info: Clust
         for bi, blk in enumerate(blocks):
             for a, (fx, ps) in preds[bi].items():
                 src = blocks[a]
-                ck = (size, src.devices, src.shares, blk.devices, blk.shares, fx, ps)
+                ck = (size, src.placement, blk.placement, fx, ps)
                 hit = move_cache.get(ck)
                 if hit is None:
                     if len(move_cache) > 20_000:
                         move_cache.clear()
-                    mv = moves_between(src, blk, splits[(size, src.shares)], splits[(size, blk.shares)],
+                    mv = moves_between(src, blk, splits[(size, src.placement)], splits[(size, blk.placement)],
                                        size, fx, ps, info, table)
                     ends = frozenset(d for x in mv if x[5] is not None for d in x[:2])
                     # identity: consecutive blocks of one placement; expanded without the tuples
