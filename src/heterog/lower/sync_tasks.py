@@ -29,14 +29,21 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, link_loads, opt_inputs)
     _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, link_loads)
     opt_preds = opt_inputs.by_device()
-    none = np.zeros(0, dtype=np.int64)
     for load, nbytes in link_loads.values():
         for l, share in load.items():
             tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
+    # each device's optimizer step after its backwards and syncs: one chunk of edges, each
+    # device's backwards then its syncs, in the order of the devices' first backwards
+    before, n_before, no_syncs = [], [], np.zeros(0, dtype=np.int64)
     for d, bl in bwd_of_dev.items():
-        o = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
-        _all_before(tasks, bl, o)
-        _all_before(tasks, opt_preds.get(d, none), o)
+        tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
+        syncs = opt_preds.get(d, no_syncs)
+        before += (bl, syncs)
+        n_before.append(len(bl) + len(syncs))
+    if before:
+        first = len(tasks.kind) - len(n_before)
+        tasks.edges.add_chunk(0, (np.concatenate(before),
+                                  np.repeat(np.arange(first, len(tasks.kind), dtype=np.int64), n_before)))
 
 
 class OptimizerInputs:

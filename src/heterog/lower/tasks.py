@@ -73,7 +73,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     moves, p2p_sets = pair_moves(blocks, preds, sizes, splits, info, table)
     rep = tasks.rep = _representatives(blocks, splits, p2p_sets, sizes, len(info.devices), info.dev_class, merge)
     Bk, first_bwd = _microbatch_tasks(tasks, plan, preds, moves, splits, mb_sizes, info, table, merge)
-    bwd_of_dev = _backwards_by_device(tasks)
+    bwd_of_dev = _backwards_by_device(tasks, Bk)
     sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep, preds, splits, mb_sizes)
     _first_microbatch_memory(tasks, first_bwd)
     if plan.schedule == "1f1b":
@@ -87,9 +87,7 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
                       info: ClusterInfo, table: CostTable, merge: bool):
     """Forward, backward and transfer tasks of every micro-batch (equal-sized ones copied when
     merging). Returns (backward task ids per micro-batch and block, micro-batch 0's columns)."""
-    nb, mbs = len(tasks.blocks), len(mb_sizes)
-    F = [[None] * nb for _ in range(mbs)]
-    Bk = Backwards(nb, mbs)
+    Bk = Backwards(len(tasks.blocks), len(mb_sizes))
     templates: dict[int, Segment] = {}   # size → the first micro-batch of that size
     first_bwd: list[tuple] = []   # (first task, effect chunk indices, columns) of micro-batch 0's blocks
     lb, comm = tasks.link_bytes, tasks.comm
@@ -100,8 +98,8 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
             continue
         seg_start, lb_before, comm_before = len(tasks.kind), dict(lb), len(comm)
         marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
-        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", F, Bk, first_bwd)
-        transfer_tasks(tasks, m, size, preds, moves, F, Bk.ids, rep_key)
+        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", Bk, first_bwd)
+        transfer_tasks(tasks, m, size, preds, moves, Bk, rep_key)
         templates[size] = Segment(m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
                                   list(comm)[comm_before:], marks,
                                   (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()), [])
@@ -109,7 +107,7 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
 
 
 def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, table: CostTable,
-                   rep_key: int, one_f1b: bool, F, Bk: "Backwards", first_bwd) -> None:
+                   rep_key: int, one_f1b: bool, Bk: "Backwards", first_bwd) -> None:
     """Micro-batch m's forwards and backwards: per block, its forwards then its backwards, one
     slice per column (the hot path); the columns that depend only on the block and the merged
     devices are cached."""
@@ -141,28 +139,34 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         if m == 0:
             first_bwd.append((f0, chunks, cols))
         Bk.span[m][bi] = (b0, n_kept)
-        if n_kept == len(blk.devices):
-            F[m][bi], Bk.ids[m][bi] = list(range(f0, b0)), list(range(b0, b0 + n_kept))
-        else:
-            fids, bids = [None] * len(blk.devices), [None] * len(blk.devices)
-            for k, r in enumerate(kept_r):
-                fids[r], bids[r] = f0 + k, b0 + k
-            F[m][bi], Bk.ids[m][bi] = fids, bids
+        Bk.cols[m][bi] = cols
 
 
-def _backwards_by_device(tasks: Tasks) -> dict[int, np.ndarray]:
+def _backwards_by_device(tasks: Tasks, Bk: "Backwards") -> dict[int, np.ndarray]:
     """Every device's backward tasks in id order (micro-batch, then block), the devices in the
     order of their first backward; and (tasks.bwd_count) how many each micro-batch has there:
-    1F1B retires a micro-batch on a device when the last of them ends."""
-    kind = np.array(tasks.kind, dtype=np.int64)
-    bwd = np.flatnonzero(kind == BWD)
-    dev = np.array(tasks.dev, dtype=np.int64)[bwd]
+    1F1B retires a micro-batch on a device when the last of them ends. From the blocks' spans
+    of kept backwards and their devices, not from the task columns."""
+    firsts, counts, devs, mbs = [], [], [], []
+    for m, src in enumerate(Bk.copy_of):
+        m0, off = (m, 0) if src is None else src
+        n_m = 0
+        for (b0, n), cols in zip(Bk.span[m0], Bk.cols[m0]):
+            firsts.append(b0 + off)
+            counts.append(n)
+            devs.append(cols.kept_dev)
+            n_m += n
+        mbs.append(n_m)
+    count = np.array(counts, dtype=np.int64)
+    ends = np.cumsum(count)
+    bwd = np.repeat(np.array(firsts, dtype=np.int64) - (ends - count), count) + np.arange(int(ends[-1]) if len(ends) else 0)
+    dev = np.concatenate(devs) if devs else np.zeros(0, dtype=np.int64)
     by_dev = np.argsort(dev, kind="stable")
-    devs, first, counts = np.unique(dev[by_dev], return_index=True, return_counts=True)
-    tasks_of = {d: bwd[by_dev[a:a + c]] for d, a, c in zip(devs.tolist(), first.tolist(), counts.tolist())}
-    n_mb = max(tasks.mb, default=0) + 1
-    pairs, count = np.unique(dev * n_mb + np.array(tasks.mb, dtype=np.int64)[bwd], return_counts=True)
-    tasks.bwd_count = {(p // n_mb, p % n_mb): c for p, c in zip(pairs.tolist(), count.tolist())}
+    uniq, first, n_of = np.unique(dev[by_dev], return_index=True, return_counts=True)
+    tasks_of = {d: bwd[by_dev[a:a + c]] for d, a, c in zip(uniq.tolist(), first.tolist(), n_of.tolist())}
+    n_mb = len(mbs)
+    pairs, n_pair = np.unique(dev * n_mb + np.repeat(np.arange(n_mb, dtype=np.int64), mbs), return_counts=True)
+    tasks.bwd_count = {(p // n_mb, p % n_mb): c for p, c in zip(pairs.tolist(), n_pair.tolist())}
     return {d: tasks_of[d] for d in sorted(tasks_of, key=lambda d: tasks_of[d][0])}
 
 
@@ -180,6 +184,8 @@ class BlockColumns(NamedTuple):
     block, its samples and the merged devices. Task i is the forward of kept replica i, task
     n + i its backward (n kept replicas); chunks hold task ids relative to the first."""
     kept: list[int]                 # replicas simulated (the others are merged devices)
+    kept_dev: np.ndarray            # their devices
+    position: list                  # replica → its index among the kept (None if merged)
     dev: list[int]                  # device of each task
     dur: list[float]                # duration of each task
     at_start: tuple                 # memory effects at task starts (TaskRows chunk)
@@ -212,12 +218,20 @@ def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[
     fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
     fwd_end = _chunk(d, -ws, ws != 0, 0)
     return BlockColumns(
-        kept=[r for r, _d, _dn, _s in kept], dev=devs + devs, dur=[x[0] for x in vs] + [x[1] for x in vs],
+        kept=[r for r, _d, _dn, _s in kept], kept_dev=d, position=_positions(blk, rep), dev=devs + devs, dur=[x[0] for x in vs] + [x[1] for x in vs],
         at_start=_joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
         at_end=_joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
         first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
         first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
         fwd_to_bwd=(np.arange(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64)))
+
+
+def _positions(blk: Block, rep: list[int]) -> list:
+    pos, k = [], 0
+    for d in blk.devices:
+        pos.append(k if rep[d] == d else None)
+        k += rep[d] == d
+    return pos
 
 
 def _chunk(devs: np.ndarray, delta: np.ndarray, where: np.ndarray | None, first: int) -> tuple[np.ndarray, ...]:
@@ -311,18 +325,18 @@ def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None
 
 
 class Backwards:
-    """Each block's backward task ids per micro-batch: `ids[m][b]` per replica (None for a
-    merged device's) and `span[m][b]` = (first id, count) of the kept ones, which are
-    consecutive, for an expanded micro-batch; a replicated one is (m0, id offset) in
-    `copy_of[m]`, its ids made only where a sync asks for them (`of`)."""
+    """Where each block's compute tasks are, per micro-batch: `span[m][b]` = (first backward
+    id, count) of its kept replicas, whose forwards are the `count` ids before (both runs
+    consecutive), and `cols[m][b]` its BlockColumns (devices, replica positions), for an
+    expanded micro-batch; a replicated one is (m0, id offset) in `copy_of[m]`, its ids made
+    only where a sync asks for them (`of`)."""
 
-    __slots__ = ("ids", "span", "copy_of")
+    __slots__ = ("span", "cols", "copy_of")
 
     def __init__(self, n_blocks: int, n_microbatches: int):
-        self.ids: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
         self.span: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
+        self.cols: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
         self.copy_of: list[tuple[int, int] | None] = [None] * n_microbatches
-
     def of(self, blocks) -> np.ndarray:
         """The backward tasks of every micro-batch of `blocks` (kept replicas only), by block,
         then micro-batch."""

@@ -59,39 +59,40 @@ def pair_moves(blocks: list[Block], preds, sizes: list[int], splits, info: Clust
     return moves, p2p_sets
 
 
-def transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, F, Bk, rep_key: int) -> None:
+def transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, Bk, rep_key: int) -> None:
     """Micro-batch m's re-partition transfers between blocks (activations forward, their
-    gradients backward), or plain dependencies where nothing crosses a link."""
+    gradients backward), or plain dependencies where nothing crosses a link. Bk: where the
+    blocks' compute tasks are (tasks.Backwards)."""
+    spans, cols = Bk.span[m], Bk.cols[m]
     for bi in range(len(tasks.blocks)):
-        Fb, Bb = F[m][bi], Bk[m][bi]
         for a in preds[bi]:
-            Fa, Ba = F[m][a], Bk[m][a]
             pm = moves[(size, a, bi)]
             if pm.moves is None:
-                _identity(tasks, Fa, Fb, Ba, Bb)
+                _identity(tasks, spans[a], spans[bi], pm.templates)
             elif len(pm.moves) <= SMALL_PAIR:
-                _one_by_one(tasks, m, a, bi, pm.moves, Fa, Fb, Ba, Bb)
+                _one_by_one(tasks, m, a, bi, pm.moves, spans[a], spans[bi], cols[a].position, cols[bi].position)
             else:
                 tpl = pm.templates.get(rep_key)
                 if tpl is None:
                     if len(pm.templates) > 8:
                         pm.templates.clear()
-                    tpl = pm.templates[rep_key] = _template(pm.moves, tasks.rep, Fa, Fb, a, bi)
-                _add_pair(tasks, m, a, bi, tpl, _first(Fa), _first(Fb))
+                    tpl = pm.templates[rep_key] = _template(pm.moves, tasks.rep, cols[a].position, cols[bi].position,
+                                                            spans[a][1], spans[bi][1], a, bi)
+                _add_pair(tasks, m, a, bi, tpl, spans[a][0] - spans[a][1], spans[bi][0] - spans[bi][1])
 
 
-def _first(ids: list) -> int:
-    return next((x for x in ids if x is not None), 0)
-
-
-def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: list, Fa, Fb, Ba, Bb) -> None:
-    """A pair's moves row by row (see the module docstring)."""
+def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: list, span_a, span_b, pos_a, pos_b) -> None:
+    """A pair's moves row by row (see the module docstring): replica i's forward is the
+    producer's first forward + its kept position, its backward the first backward + that."""
     rep, comm, lb, xfer_blocks = tasks.rep, tasks.comm, tasks.link_bytes, tasks.xfer_blocks
     mem, dep = tasks.mem, tasks.dep
+    ba0, bb0 = span_a[0], span_b[0]
+    fa0, fb0 = ba0 - span_a[1], bb0 - span_b[1]
     for da, db, i, j, nbytes, path, back, t_f, t_b in mv:
         if rep[da] != da or rep[db] != db:
             continue   # a merged device: its representative carries the dependency
-        fa, fb, ba, bb = Fa[i], Fb[j], Ba[i], Bb[j]
+        pi, pj = pos_a[i], pos_b[j]
+        fa, fb, ba, bb = fa0 + pi, fb0 + pj, ba0 + pi, bb0 + pj
         if path is None:          # same device, or nothing to send
             dep(fa, fb)
             dep(bb, ba)
@@ -142,11 +143,9 @@ class PairTransfers(NamedTuple):
     link_bytes: dict[int, float]
 
 
-def _template(mv: list, rep: list[int], Fa: list, Fb: list, a: int, bi: int) -> PairTransfers:
-    """A pair's transfers as arrays, rows in the order _one_by_one adds them."""
-    pos_a = _kept_positions(Fa)
-    pos_b = _kept_positions(Fb)
-    n_a, n_b = len([x for x in Fa if x is not None]), len([x for x in Fb if x is not None])
+def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b: int, a: int, bi: int) -> PairTransfers:
+    """A pair's transfers as arrays, rows in the order _one_by_one adds them (pos: replica →
+    kept position; n: kept replicas)."""
     edges: list[tuple] = []
     starts, ends = [], []
     dur, links, comm = [], [], []
@@ -179,15 +178,6 @@ def _template(mv: list, rep: list[int], Fa: list, Fb: list, a: int, bi: int) -> 
         kind=[XFER] * len(dur), dur=dur, none=[-1] * len(dur), links=links, comm=comm, link_bytes=lb)
 
 
-def _kept_positions(ids: list) -> list[int]:
-    """Replica → its position among the kept replicas (whose tasks have consecutive ids)."""
-    pos, k = [], 0
-    for x in ids:
-        pos.append(k)
-        k += x is not None
-    return pos
-
-
 def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: int, fb0: int) -> None:
     """A pair's transfers from its template, as chunks at the current position."""
     x0 = len(tasks.kind)
@@ -212,22 +202,25 @@ def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: in
             lb[l] = lb.get(l, 0.0) + v
 
 
-def _identity(tasks: Tasks, Fa: list, Fb: list, Ba: list, Bb: list) -> None:
-    """Edges of an identity re-partition as one chunk: forward i of the producer before forward
-    i of the consumer, backward i of the consumer before backward i of the producer. Both
-    blocks have the same devices and merged devices, so their kept replicas' tasks are runs of
-    consecutive ids (a merged device has None)."""
-    fa0 = next((x for x in Fa if x is not None), None)
-    if fa0 is None:
-        return
-    fb0 = next(x for x in Fb if x is not None)
-    ba0 = next(x for x in Ba if x is not None)
-    bb0 = next(x for x in Bb if x is not None)
-    n = ba0 - fa0       # kept replicas: a block's backwards follow its forwards
+def _identity(tasks: Tasks, span_a: tuple[int, int], span_b: tuple[int, int], chunks: dict) -> None:
+    """Edges of an identity re-partition: forward i of the producer before forward i of the
+    consumer, backward i of the consumer before backward i of the producer. Both blocks have
+    the same devices and merged devices, so their kept replicas' tasks are runs of
+    consecutive ids (spans: first backward, count); a long run is one chunk, cached by the
+    runs' relative positions (in `chunks`, the pair's templates)."""
+    ba0, n = span_a
+    bb0 = span_b[0]
+    fa0, fb0 = ba0 - n, bb0 - n
     if n <= SMALL_CHUNK:
         for i in range(n):
             tasks.dep(fa0 + i, fb0 + i)
             tasks.dep(bb0 + i, ba0 + i)
         return
-    k = np.arange(n, dtype=np.int64)
-    tasks.edges.add_chunk(0, (np.concatenate((k + fa0, k + bb0)), np.concatenate((k + fb0, k + ba0))))
+    key = (n, fb0 - fa0, bb0 - fa0)
+    chunk = chunks.get(key)
+    if chunk is None:
+        if len(chunks) > 64:
+            chunks.clear()
+        k = np.arange(n, dtype=np.int64)
+        chunk = chunks[key] = (np.concatenate((k, k + (bb0 - fa0))), np.concatenate((k + (fb0 - fa0), k + n)))
+    tasks.edges.add_chunk(fa0, chunk)
