@@ -28,11 +28,12 @@ def device_class_key(cluster: Cluster, device: str) -> tuple:
     return (d.gpu_type, d.slowdown, cluster.memory_bytes(device), cluster.host_speed(device))
 
 
-class LinkSets:
-    """The distinct link sets communication tasks hold, numbered, each also split for the
-    timed pass (simulate/engine.py) into the links it holds exclusively and the switch cores
-    it crosses (indices into shared_bw), which it shares as a pipe. Kept flat, so a
-    schedule's per-task rows are gathered with numpy, not concatenated task by task."""
+class NumberedSets:
+    """Distinct tuples of ints — the link sets communication tasks hold, their member
+    devices — numbered, each also split for the timed pass (simulate/engine.py) into the links
+    it holds exclusively and the switch cores it crosses (indices into shared_bw), which it
+    shares as a pipe. Kept flat, so per-task rows and sums are gathered with numpy, not
+    task by task."""
 
     ALL, EXCLUSIVE, CORES = 0, 1, 2     # the parts of a set
 
@@ -119,7 +120,9 @@ class ClusterInfo:
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
-        self.link_sets = LinkSets(self._core_index)
+        self.known_device_sets: set[int] = set()   # SimCache device-set numbers checked against it
+        self.link_sets = NumberedSets(self._core_index)
+        self.member_sets = NumberedSets({})
 
     def ids(self, names: tuple[str, ...]) -> tuple[int, ...]:
         hit = self._ids.get(names)
@@ -375,7 +378,12 @@ class SimCache:
         return self._get("cluster", id(cluster), (cluster,), lambda: ClusterInfo(cluster))
 
     def grouping(self, graph: OpGraph, names: Sequence[str], nodes: Sequence[tuple[str, ...]]) -> Grouping:
-        return self._get("grouping", (id(graph), tuple(nodes)), (graph,), lambda: Grouping(graph, names, nodes))
+        """The grouping of these node sets; found first by the identity of the node tuples
+        (a neighbour in the search shares them with its plan: hashing ~1000 names per call
+        cost more), then by their content."""
+        return self._get("grouping by identity", (id(graph), *map(id, nodes)), (graph, *nodes),
+                         lambda: self._get("grouping", (id(graph), tuple(nodes)), (graph,),
+                                           lambda: Grouping(graph, names, nodes)))
 
     def cost_table(self, graph: OpGraph, costs) -> CostTable:
         return self._get("table", (id(graph), id(costs)), (graph, costs), lambda: CostTable(graph, costs))

@@ -48,11 +48,15 @@ def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
     cache.validate(plan)
     info = cache.cluster_info(cluster)
     for g in plan.groups:
+        if cache.placement(g.replicas)[3] in info.known_device_sets:
+            continue      # this device set was checked against this cluster before
         for r in g.replicas:
             if r.device not in info.dev_id:
                 raise PlanError(f"group {g.name!r} field 'replicas': device {r.device!r} is not in "
                                 f"cluster {cluster.name!r}; use one of its devices "
                                 f"({', '.join(info.devices[:6])}{' …' if len(info.devices) > 6 else ''}).")
+        info.known_device_sets.add(cache.placement(g.replicas)[3])
+    for g in plan.groups:
         if g.ps_device is not None and g.ps_device not in info.dev_id:
             raise PlanError(f"group {g.name!r} field 'ps_device': device {g.ps_device!r} is not in "
                             f"cluster {cluster.name!r}.")

@@ -63,13 +63,12 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
     iteration = max(end) if end else 0.0
     compute = {d: 0.0 for d in used}
     comm = {d: 0.0 for d in used}
-    dur = tasks.dur
-    by_members: dict[tuple[int, ...], float] = {}   # summed per member set first: a
-    for t, (mk, _nbytes, _block) in tasks.comm.items():   # collective has hundreds
-        by_members[mk] = by_members.get(mk, 0.0) + dur[t]
-    for mk, x in by_members.items():
-        for m in mk:
-            comm[m] += x
+    if tasks.comm:
+        members = info.member_sets
+        sets = members.ids([v[0] for v in tasks.comm.values()])
+        for d, x in _per_element(members, sets, np.fromiter(tasks.comm, dtype=np.int64, count=len(tasks.comm)),
+                                 tasks).items():
+            comm[d] += x
     # per-device sums of compute time in task order (bincount adds in index order, like a loop)
     dev_a = tasks.array("dev")
     on_dev = dev_a >= 0
@@ -100,25 +99,31 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
         idle_time_s={names[d]: max(iteration - compute[d], 0.0) for d in used},
         link_bytes={info.links[l]: b for l, b in sorted(tasks.link_bytes.items())},
         link_busy_time_s=_link_busy(tasks, info),
-        num_tasks=len(dur),
+        num_tasks=len(tasks.dur),
         memory_timeline={names[d]: tuple(mem_trace[d]) for d in used} if mem_trace else {},
         timeline_source=lambda: _events(tasks, info, start, end),
     )
 
 
 def _link_busy(tasks, info) -> dict[str, float]:
-    """Per link, the summed time of the communication tasks holding it: per link set first
-    (in task order), then per link in the order the sets first appear."""
+    """Per link, the summed time of the communication tasks holding it."""
     comm_ids, sets = engine.comm_link_sets(tasks, info)
+    return {info.links[l]: b for l, b in _per_element(info.link_sets, sets, comm_ids, tasks).items()}
+
+
+def _per_element(registry, sets: np.ndarray, task_ids: np.ndarray, tasks) -> dict[int, float]:
+    """Per element (link, device) of the numbered sets the tasks `task_ids` (increasing)
+    hold, their summed durations: per set first (in task order), then per element in the
+    order the sets first appear — the order of the sums is part of the result."""
     if not len(sets):
         return {}
     uniq, first, inv = np.unique(sets, return_index=True, return_inverse=True)
-    per_set = np.bincount(inv, weights=tasks.array("dur")[comm_ids])
+    per_set = np.bincount(inv, weights=tasks.array("dur")[task_ids])
     order = np.argsort(first)
-    links, count = info.link_sets.gather(uniq[order], info.link_sets.ALL)
-    busy = np.bincount(links, weights=np.repeat(per_set[order], count), minlength=len(info.links))
-    held = np.unique(links)
-    return {info.links[l]: b for l, b in zip(held.tolist(), busy[held].tolist())}
+    elements, count = registry.gather(uniq[order], registry.ALL)
+    total = np.bincount(elements, weights=np.repeat(per_set[order], count))
+    held = np.unique(elements)
+    return dict(zip(held.tolist(), total[held].tolist()))
 
 
 def _events(tasks, info, start, end):
