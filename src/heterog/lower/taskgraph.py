@@ -132,7 +132,7 @@ class TaskRows:
     def __init__(self, dtypes: tuple, ids: tuple[bool, ...]):
         # per chunk: (single rows added before it, task id offset, (tasks, *values)); the
         # offset is applied when the rows are read, so a chunk is reused as it is
-        self.chunks: list[tuple[int, int, tuple[np.ndarray, ...]]] = []
+        self.chunks: list[tuple[int, int, tuple[np.ndarray, ...], int]] = []   # ..., rows
         self.task: list[int] = []
         self.values: tuple[list, ...] = tuple([] for _ in dtypes)
         self._ids = (True,) + ids        # columns holding task ids (shifted with the task)
@@ -147,11 +147,11 @@ class TaskRows:
     def add_chunk(self, first_task: int, chunk: tuple[np.ndarray, ...]) -> int:
         """Add a chunk (task ids relative to first_task: a cached chunk is reused at every
         place); returns its index."""
-        self.chunks.append((len(self.task), first_task, chunk))
+        self.chunks.append((len(self.task), first_task, chunk, len(chunk[0])))
         return len(self.chunks) - 1
 
     def replace_chunk(self, i: int, first_task: int, chunk: tuple[np.ndarray, ...]) -> None:
-        self.chunks[i] = (self.chunks[i][0], first_task, chunk)
+        self.chunks[i] = (self.chunks[i][0], first_task, chunk, len(chunk[0]))
 
     def mark(self) -> tuple[int, int]:
         """Where the rows added from now on begin (a micro-batch's segment, see segment)."""
@@ -176,18 +176,21 @@ class TaskRows:
         """The rows between two marks as columns with task ids applied, in the order added."""
         (c0, s0), (c1, s1) = since, until
         singles = tuple(np.array(c[s0:s1], dtype=dt) for c, dt in zip((self.task,) + self.values, self._dtypes))
-        parts, offsets, at = [], [], s0
-        for pos, first, chunk in self.chunks[c0:c1]:
+        parts, offsets, lengths, at = [], [], [], s0
+        for pos, first, chunk, n in self.chunks[c0:c1]:
             if pos > at:
                 parts.append(tuple(c[at - s0:pos - s0] for c in singles))
                 offsets.append(0)
+                lengths.append(pos - at)
                 at = pos
             parts.append(chunk)
             offsets.append(first)
+            lengths.append(n)
         parts.append(tuple(c[at - s0:] for c in singles))
         offsets.append(0)
+        lengths.append(s1 - at)
         cols = [np.concatenate(c) for c in zip(*parts)]
-        shift = np.repeat(np.array(offsets, dtype=np.int64), [len(p[0]) for p in parts])
+        shift = np.repeat(np.array(offsets, dtype=np.int64), lengths)
         for c, is_id in zip(cols, self._ids):
             if is_id:
                 c += shift

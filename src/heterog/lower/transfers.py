@@ -16,7 +16,7 @@ import numpy as np
 
 from heterog.lower.blocks import Block, moves_between
 from heterog.lower.context import ClusterInfo, CostTable
-from heterog.lower.taskgraph import SMALL_CHUNK, XFER, Tasks
+from heterog.lower.taskgraph import XFER, Tasks
 
 SMALL_PAIR = 4    # moves up to which a pair's transfers are added row by row
 
@@ -206,12 +206,12 @@ def _identity(tasks: Tasks, span_a: tuple[int, int], span_b: tuple[int, int], ch
     """Edges of an identity re-partition: forward i of the producer before forward i of the
     consumer, backward i of the consumer before backward i of the producer. Both blocks have
     the same devices and merged devices, so their kept replicas' tasks are runs of
-    consecutive ids (spans: first backward, count); a long run is one chunk, cached by the
-    runs' relative positions (in `chunks`, the pair's templates)."""
+    consecutive ids (spans: first backward, count); a run is one chunk, cached by the runs'
+    relative positions (in `chunks`, the pair's templates)."""
     ba0, n = span_a
     bb0 = span_b[0]
     fa0, fb0 = ba0 - n, bb0 - n
-    if n <= SMALL_CHUNK:
+    if n <= 2:     # cached chunks cost less than rows from 3 replicas on
         for i in range(n):
             tasks.dep(fa0 + i, fb0 + i)
             tasks.dep(bb0 + i, ba0 + i)
