@@ -217,6 +217,7 @@ class Grouping:
                 self.cross.setdefault((a, b), []).append((e.src, e.dst))
         # graph nodes are in topological order; a group's position is that of its first node
         self.first = [min(index[n] for n in nodes) for nodes in group_nodes]
+        self._orders: dict[tuple[float, ...], list[int]] = {}   # per priority vector
         self._check_acyclic(group_names)
 
     def _check_acyclic(self, names: Sequence[str]) -> None:
@@ -231,7 +232,17 @@ class Grouping:
 
     def order(self, priority: Sequence[float]) -> list[int]:
         """A topological order of the groups that runs the highest priority first among
-        those whose inputs are ready (Kahn's algorithm with a max-heap; ties: graph order)."""
+        those whose inputs are ready (Kahn's algorithm with a max-heap; ties: graph order);
+        remembered per priority vector (the search's plans mostly share one)."""
+        key = tuple(priority)
+        hit = self._orders.get(key)
+        if hit is None:
+            if len(self._orders) > 1000:
+                self._orders.clear()
+            hit = self._orders[key] = self._topological(priority)
+        return list(hit)
+
+    def _topological(self, priority: Sequence[float]) -> list[int]:
         indeg = [len(p) for p in self.pred]
         heap = [(-priority[g], self.first[g], g) for g in range(len(indeg)) if indeg[g] == 0]
         heapq.heapify(heap)

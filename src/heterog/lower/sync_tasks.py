@@ -99,7 +99,7 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
     # parameters, gradients and optimizer state: summed per placement first, since blocks
     # of one placement (all of them, in data parallelism) add the same per-class amounts
     per_placement: dict[tuple[int, bool], tuple[dict[str, list[float]], tuple[int, ...]]] = {}
-    state_cache = table.scratch.setdefault("state", {})   # (nodes, class) → (bytes, optimizer s)
+    state_cache = table.scratch.setdefault("state", {})   # (nodes, served) → class → (bytes, optimizer s)
     classes_cache = table.scratch.setdefault("classes", {})   # device set → its devices' classes
     for blk in blocks:
         served = _served(blk)
@@ -109,13 +109,16 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
             if len(classes_cache) > 10_000:
                 classes_cache.clear()
             classes = classes_cache[blk.device_set] = tuple({dclass[d] for d in blk.devices})
+        states = state_cache.get((blk.nodes, served))
+        if states is None:
+            if len(state_cache) > 20_000:
+                state_cache.clear()
+            states = state_cache[(blk.nodes, served)] = {}
         for dn in classes:
             v = acc.setdefault(dn, [0.0, 0.0])
-            st = state_cache.get((blk.nodes, dn, served))
+            st = states.get(dn)
             if st is None:
-                if len(state_cache) > 100_000:
-                    state_cache.clear()
-                st = state_cache[(blk.nodes, dn, served)] = _replica_state(blk, dn, served, table)
+                st = states[dn] = _replica_state(blk, dn, served, table)
             v[0] += st[0]
             v[1] += st[1]
     for acc, devs in per_placement.values():
