@@ -24,14 +24,10 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where)
     _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     split = _split_ties(table, where)
-    link_loads: dict[int, list] = {}    # link loads of collectives, applied once per distinct set
     opt_inputs = OptimizerInputs()
-    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, link_loads, opt_inputs)
-    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, link_loads)
+    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs)
+    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs)
     opt_preds = opt_inputs.by_device()
-    for load, nbytes in link_loads.values():
-        for l, share in load.items():
-            tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + share * nbytes
     # each device's optimizer step after its backwards and syncs: one chunk of edges, each
     # device's backwards then its syncs, in the order of the devices' first backwards
     before, n_before, no_syncs = [], [], np.zeros(0, dtype=np.int64)
@@ -183,7 +179,7 @@ def _split_ties(table: CostTable, where: dict[str, tuple[int, int]]) -> list[tup
 
 
 def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable, Bk,
-               rep: list[int], split, opt_inputs: "OptimizerInputs", link_loads: dict[int, list]) -> None:
+               rep: list[int], split, opt_inputs: "OptimizerInputs") -> None:
     """A ring all-reduce of each split tied parameter's gradient over the devices holding a
     copy, after every backward that reads it; the holders' optimizer steps wait for it."""
     for tie, owner, readers in split:
@@ -193,7 +189,7 @@ def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo,
         nbytes = float(tie.param_bytes)
         links, load = info.ring(members)
         s = _collective(tasks, info, table.sync_s("ring", nbytes, info.names(members), None), plan.num_microbatches,
-                        owner, links, load, members, nbytes, readers, Bk, link_loads)
+                        owner, links, load, members, nbytes, readers, Bk)
         tasks.ties[s] = tie.param
         kept = [d for d in members if rep[d] == d]
         for d in kept:     # the gradient's sync buffer
@@ -203,19 +199,14 @@ def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo,
 
 
 def _collective(tasks: Tasks, info: ClusterInfo, dur: float, mbs: int, block: int, links, load: dict[int, float],
-                involved: tuple[int, ...], nbytes: float, after: tuple[int, ...], Bk, link_loads: dict[int, list]) -> int:
+                involved: tuple[int, ...], nbytes: float, after: tuple[int, ...], Bk) -> int:
     """A gradient collective's task after every backward of the blocks `after`, with the bytes
-    it pushes through switch cores; its link loads are summed per distinct load map (the
-    rings of a data-parallel plan share one) into link_loads."""
+    it pushes through switch cores and its link loads (tasks.sync_loads)."""
     s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
     for l in info.shared_bw:
         if l in load:   # a ring crosses the core once per node it leaves
             tasks.core_bytes[s] = load[l] * nbytes
-    entry = link_loads.get(id(load))
-    if entry is None:
-        link_loads[id(load)] = [load, nbytes]
-    else:
-        entry[1] += nbytes
+    tasks.sync_loads[s] = load
     _all_before(tasks, Bk.of(after), s)
     return s
 
@@ -236,7 +227,7 @@ def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, spl
 
 
 def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                Bk, rep: list[int], split, link_loads: dict[int, list], opt_inputs: "OptimizerInputs") -> None:
+                Bk, rep: list[int], split, opt_inputs: "OptimizerInputs") -> None:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
@@ -262,7 +253,7 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
                 make_room(bucket_cache, len(blk.devices))
                 bucket = bucket_cache[key] = _bucket_sync(blk, grad_synced, info, table, rep)
             s = _collective(tasks, info, bucket.dur, mbs, bi, bucket.links, bucket.load, bucket.involved,
-                            grad_synced, (bi,), Bk, link_loads)
+                            grad_synced, (bi,), Bk)
             tasks.mem_start.add_chunk(s, bucket.buffer_start)
             tasks.mem_end.add_chunk(s, bucket.buffer_end)
             opt_inputs.add(s, bucket.kept_members)

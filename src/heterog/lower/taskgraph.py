@@ -24,7 +24,7 @@ class Tasks:
     communication tasks have. Call `seal()` after the last task is added."""
 
     __slots__ = ("kind", "dur", "dev", "links", "edges", "npred", "key", "mb", "comm",
-                 "mem_start", "mem_end", "link_bytes", "persistent_bytes",
+                 "mem_start", "mem_end", "sync_loads", "persistent_bytes",
                  "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
                  "xfer_blocks", "ties", "mb_stride", "scratch", "_phase_stride", "_succ_csr", "_arrays")
 
@@ -41,7 +41,7 @@ class Tasks:
         self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
         self.mem_start = effects()               # memory effects at a task's start
         self.mem_end = effects()                 # ... and at its end
-        self.link_bytes: dict[int, float] = {}
+        self.sync_loads: dict[int, dict[int, float]] = {}   # collective → link → bytes per buffer byte
         self.persistent_bytes = [0.0] * n_devices   # parameters + gradients + optimizer state
         self.initial_bytes = [0.0] * n_devices      # memory in use when the iteration starts
         self.core_bytes: dict[int, float] = {}      # collective → bytes through a switch core

@@ -90,18 +90,17 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
     Bk = Backwards(len(tasks.blocks), len(mb_sizes))
     templates: dict[int, Segment] = {}   # size → the first micro-batch of that size
     first_bwd: list[tuple] = []   # (first task, effect chunk indices, columns) of micro-batch 0's blocks
-    lb, comm = tasks.link_bytes, tasks.comm
+    comm = tasks.comm
     rep_key = rep_id(table.scratch, tasks.rep)     # once per call: it hashes the merged-device map
     for m, size in enumerate(mb_sizes):
         if size in templates and merge:
             _replicate(tasks, templates[size], m, Bk)
             continue
-        seg_start, lb_before, comm_before = len(tasks.kind), dict(lb), len(comm)
+        seg_start, comm_before = len(tasks.kind), len(comm)
         marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
         _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", Bk, first_bwd)
         transfer_tasks(tasks, m, size, preds, moves, Bk, rep_key)
-        templates[size] = Segment(m, seg_start, len(tasks.kind), {l: v - lb_before.get(l, 0.0) for l, v in lb.items()},
-                                  list(comm)[comm_before:], marks,
+        templates[size] = Segment(m, seg_start, len(tasks.kind), list(comm)[comm_before:], marks,
                                   (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()), [])
     return Bk, first_bwd
 
@@ -287,7 +286,6 @@ class Segment(NamedTuple):
     m0: int                         # the micro-batch
     start: int                      # its first task id
     end: int                        # one past its last
-    link_bytes: dict[int, float]    # bytes it adds per link
     comm: list[int]                 # its communication tasks
     since: tuple                    # TaskRows marks (memory at start, at end, edges) before it
     until: tuple                    # ... and after it
@@ -298,7 +296,7 @@ def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None
     """Micro-batch m has the same size as an earlier one, so its tasks are a copy of that
     micro-batch's segment with ids shifted (and m in the priority keys): list slices and
     array chunks instead of a second expansion."""
-    m0, start, end, seg_link_bytes, seg_comm, since, until, rows = template
+    m0, start, end, seg_comm, since, until, rows = template
     off = len(tasks.kind) - start
     tasks.kind.extend(tasks.kind[start:end])
     tasks.dur.extend(tasks.dur[start:end])
@@ -319,8 +317,6 @@ def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None
     for t in seg_comm:      # the segment's communication tasks
         comm[t + off] = comm[t]
         tasks.xfer_blocks[t + off] = tasks.xfer_blocks[t]
-    for l, v in seg_link_bytes.items():
-        tasks.link_bytes[l] = tasks.link_bytes.get(l, 0.0) + v
     Bk.copy_of[m] = (m0, off)
 
 

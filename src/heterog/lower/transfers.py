@@ -84,7 +84,7 @@ def transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, Bk, rep_key: i
 def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: list, span_a, span_b, pos_a, pos_b) -> None:
     """A pair's moves row by row (see the module docstring): replica i's forward is the
     producer's first forward + its kept position, its backward the first backward + that."""
-    rep, comm, lb, xfer_blocks = tasks.rep, tasks.comm, tasks.link_bytes, tasks.xfer_blocks
+    rep, comm, xfer_blocks = tasks.rep, tasks.comm, tasks.xfer_blocks
     mem, dep = tasks.mem, tasks.dep
     ba0, bb0 = span_a[0], span_b[0]
     fa0, fb0 = ba0 - span_a[1], bb0 - span_b[1]
@@ -117,10 +117,6 @@ def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: list, span_a, span_b,
         dep(bb, xb)
         mem(fb, False, db, -nbytes)
         mem(ba, False, da, -nbytes)
-        for l in path:
-            lb[l] = lb.get(l, 0.0) + nbytes
-        for l in back:
-            lb[l] = lb.get(l, 0.0) + nbytes
 
 
 class PairTransfers(NamedTuple):
@@ -140,7 +136,6 @@ class PairTransfers(NamedTuple):
     none: list[int]                 # -1 per task (device, priority key)
     links: list[tuple]
     comm: list[tuple]
-    link_bytes: dict[int, float]
 
 
 def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b: int, a: int, bi: int) -> PairTransfers:
@@ -149,7 +144,6 @@ def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b:
     edges: list[tuple] = []
     starts, ends = [], []
     dur, links, comm = [], [], []
-    lb: dict[int, float] = {}
     for da, db, i, j, nbytes, path, back, t_f, t_b in mv:
         if rep[da] != da or rep[db] != db:
             continue
@@ -164,8 +158,6 @@ def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b:
         dur += [t_f, t_b]
         links += [path, back]
         comm += [((da, db), nbytes, bi), ((db, da), nbytes, a)]
-        for l in path + back:
-            lb[l] = lb.get(l, 0.0) + nbytes
     ids = [e[0] for e in edges] + [e[1] for e in edges] + [s[0] for s in starts] + [e[0] for e in ends]
     n_e, n_s = len(edges), len(starts)
     return PairTransfers(
@@ -175,7 +167,7 @@ def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b:
         start_bytes=np.array([s[2] for s in starts], dtype=np.float64),
         end_dev=np.array([e[1] for e in ends], dtype=np.int64),
         end_bytes=np.array([e[2] for e in ends], dtype=np.float64),
-        kind=[XFER] * len(dur), dur=dur, none=[-1] * len(dur), links=links, comm=comm, link_bytes=lb)
+        kind=[XFER] * len(dur), dur=dur, none=[-1] * len(dur), links=links, comm=comm)
 
 
 def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: int, fb0: int) -> None:
@@ -197,9 +189,6 @@ def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: in
         new = range(x0, x0 + n)
         tasks.comm.update(zip(new, tpl.comm))
         tasks.xfer_blocks.update(dict.fromkeys(new, (a, bi)))
-        lb = tasks.link_bytes
-        for l, v in tpl.link_bytes.items():
-            lb[l] = lb.get(l, 0.0) + v
 
 
 def _identity(tasks: Tasks, span_a: tuple[int, int], span_b: tuple[int, int], chunks: dict) -> None:

@@ -11,6 +11,14 @@ KIND = "heterog.SimResult"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Traffic:
+    """What moved over the cluster in one iteration (SimResult builds it on first use)."""
+    communication_time_s: dict[str, float] = field(default_factory=dict)
+    link_bytes: dict[str, float] = field(default_factory=dict)
+    link_busy_time_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SimResult:
     iteration_time_s: float
     throughput_samples_per_s: float
@@ -22,16 +30,36 @@ class SimResult:
     overflow_device: str | None = None            # the first device (in time) to run out
     overflow_bytes: int = 0                       # its peak minus its memory
     compute_time_s: dict[str, float] = field(default_factory=dict)
-    communication_time_s: dict[str, float] = field(default_factory=dict)  # may overlap compute
     idle_time_s: dict[str, float] = field(default_factory=dict)           # compute queue empty
-    link_bytes: dict[str, float] = field(default_factory=dict)
-    link_busy_time_s: dict[str, float] = field(default_factory=dict)
     num_tasks: int = 0
     memory_timeline: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
-    # the timeline as a tuple of events, or a function that builds it: the search simulates
-    # thousands of plans and never reads their timelines, so they are built on first use
+    # the timeline as a tuple of events, and the traffic (Traffic), or functions that build
+    # them: the search simulates thousands of plans and reads neither, so both are built on
+    # first use
     timeline_source: Any = field(default=(), repr=False, compare=False)
+    traffic_source: Any = field(default=None, repr=False, compare=False)
     _built: list = field(default_factory=list, repr=False, compare=False)
+    _traffic: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def communication_time_s(self) -> dict[str, float]:
+        """Per device, the time of the transfers and collectives it takes part in (may overlap
+        compute)."""
+        return self._traffic_of().communication_time_s
+
+    @property
+    def link_bytes(self) -> dict[str, float]:
+        return self._traffic_of().link_bytes
+
+    @property
+    def link_busy_time_s(self) -> dict[str, float]:
+        return self._traffic_of().link_busy_time_s
+
+    def _traffic_of(self) -> "Traffic":
+        if not self._traffic:
+            src = self.traffic_source
+            self._traffic.append(src() if callable(src) else (src or Traffic()))
+        return self._traffic[0]
 
     @property
     def events(self) -> tuple[tuple[str, str, str, float, float], ...]:

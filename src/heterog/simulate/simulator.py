@@ -30,7 +30,7 @@ from heterog.lower.context import SimCache
 from heterog.lower.schedule import Schedule, build_schedule
 from heterog.lower.taskgraph import KIND_NAMES, OPT, SYNC, XFER
 from heterog.simulate import engine
-from heterog.simulate.result import SimResult
+from heterog.simulate.result import SimResult, Traffic
 
 def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, timeline: bool = True,
              cache: SimCache | None = None) -> SimResult:
@@ -62,13 +62,6 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
     names = info.devices
     iteration = max(end) if end else 0.0
     compute = {d: 0.0 for d in used}
-    comm = {d: 0.0 for d in used}
-    if tasks.comm:
-        members = info.member_sets
-        sets = members.ids([v[0] for v in tasks.comm.values()])
-        for d, x in _per_element(members, sets, np.fromiter(tasks.comm, dtype=np.int64, count=len(tasks.comm)),
-                                 tasks).items():
-            comm[d] += x
     # per-device sums of compute time in task order (bincount adds in index order, like a loop)
     dev_a = tasks.array("dev")
     on_dev = dev_a >= 0
@@ -95,30 +88,54 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
         persistent_memory_bytes={names[d]: int(tasks.persistent_bytes[d]) for d in used},
         overflow_device=over_dev, overflow_bytes=over_bytes,
         compute_time_s={names[d]: compute[d] for d in used},
-        communication_time_s={names[d]: comm[d] for d in used},
         idle_time_s={names[d]: max(iteration - compute[d], 0.0) for d in used},
-        link_bytes={info.links[l]: b for l, b in sorted(tasks.link_bytes.items())},
-        link_busy_time_s=_link_busy(tasks, info),
         num_tasks=len(tasks.dur),
         memory_timeline={names[d]: tuple(mem_trace[d]) for d in used} if mem_trace else {},
         timeline_source=lambda: _events(tasks, info, start, end),
+        traffic_source=lambda: _traffic(tasks, info, used),
     )
 
 
-def _link_busy(tasks, info) -> dict[str, float]:
-    """Per link, the summed time of the communication tasks holding it."""
+def _traffic(tasks, info, used: list[int]) -> Traffic:
+    """Per device the time of its communication, per link its bytes and busy time."""
+    comm = {d: 0.0 for d in used}
+    if tasks.comm:
+        members = info.member_sets
+        sets = members.ids([v[0] for v in tasks.comm.values()])
+        ids = np.fromiter(tasks.comm, dtype=np.int64, count=len(tasks.comm))
+        for d, x in _per_element(members, sets, tasks.array("dur")[ids]).items():
+            comm[d] += x
     comm_ids, sets = engine.comm_link_sets(tasks, info)
-    return {info.links[l]: b for l, b in _per_element(info.link_sets, sets, comm_ids, tasks).items()}
+    busy = _per_element(info.link_sets, sets, tasks.array("dur")[comm_ids])
+    names = info.devices
+    return Traffic(communication_time_s={names[d]: comm[d] for d in used},
+                   link_bytes={info.links[l]: b for l, b in sorted(_link_bytes(tasks, info).items())},
+                   link_busy_time_s={info.links[l]: b for l, b in busy.items()})
 
 
-def _per_element(registry, sets: np.ndarray, task_ids: np.ndarray, tasks) -> dict[int, float]:
-    """Per element (link, device) of the numbered sets the tasks `task_ids` (increasing)
-    hold, their summed durations: per set first (in task order), then per element in the
-    order the sets first appear — the order of the sums is part of the result."""
+def _link_bytes(tasks, info) -> dict[int, float]:
+    """Bytes per link: every transfer's on the links of its path, then each collective's
+    load (bytes per buffer byte) times its buffer, summed per distinct load map first."""
+    xfers = list(tasks.xfer_blocks)
+    sets = info.link_sets.ids([tasks.links[t] for t in xfers])
+    out = _per_element(info.link_sets, sets, np.array([tasks.comm[t][1] for t in xfers], dtype=np.float64))
+    per_load: dict[int, list] = {}
+    for s, load in tasks.sync_loads.items():
+        per_load.setdefault(id(load), [load, 0.0])[1] += tasks.comm[s][1]
+    for load, nbytes in per_load.values():
+        for l, share in load.items():
+            out[l] = out.get(l, 0.0) + share * nbytes
+    return out
+
+
+def _per_element(registry, sets: np.ndarray, weights: np.ndarray) -> dict[int, float]:
+    """Per element (link, device) of the numbered sets that tasks hold (in task order), the
+    sum of the tasks' weights: per set first, then per element in the order the sets first
+    appear — the order of the sums is part of the result."""
     if not len(sets):
         return {}
     uniq, first, inv = np.unique(sets, return_index=True, return_inverse=True)
-    per_set = np.bincount(inv, weights=tasks.array("dur")[task_ids])
+    per_set = np.bincount(inv, weights=weights)
     order = np.argsort(first)
     elements, count = registry.gather(uniq[order], registry.ALL)
     total = np.bincount(elements, weights=np.repeat(per_set[order], count))
