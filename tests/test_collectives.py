@@ -70,6 +70,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             params = ps.step(grad, params)
         out[(name, "params")] = params
         out[(name, "has_optimizer")] = ps.optimizer is not None
+    out["scratch_buffers"] = len(groups.scratch.held)   # every call received into one buffer
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -99,6 +100,7 @@ def test_allreduce_method_equals_the_plain_sum_on_every_member(results, name, me
     for r in range(WORLD):
         if r not in members:
             assert (name, SIZES[0]) not in results[r]
+        assert results[r]["scratch_buffers"] == 1, "receive buffers are reused from call to call"
 
 
 @pytest.mark.timeout(120)
@@ -158,12 +160,15 @@ def _program_worker(rank: int, port: int, out_dir: str) -> None:
                             timeout=timedelta(seconds=60))
     flow = _flow(rank)
     sync = ProgramSync(program=_program(), flow=flow, rank=rank, optimizer="sgd", timeout_s=60)
+    tied_storage = flow.param_by_name["tied"].grad.data_ptr()
     for ins in _program().instructions[f"d{rank}"]:
         sync.launch(ins)
     sync.finish()
     sync.sum_tied_gradients()
     out = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
            for n, p in flow.param_by_name.items()}
+    # a one-parameter bucket is summed in its own gradient, not copied out and back
+    out["tied_summed_in_place"] = flow.param_by_name["tied"].grad.data_ptr() == tied_storage
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -187,3 +192,4 @@ def test_program_sync_runs_each_blocks_method_and_sums_tied_gradients_over_all_h
     # the tied parameter's gradient: every holder's local gradient, summed on all three
     for r in (0, 1, 2):
         assert torch.allclose(got[r]["tied"][1], g(0, "tied") + g(1, "tied") + g(2, "tied"))
+        assert got[r]["tied_summed_in_place"]
