@@ -39,7 +39,7 @@ def _expected_signatures(sched) -> dict[str, list[tuple]]:
     """Per device, the instruction each task of the schedule stands for, in the schedule's order."""
     tasks, names = sched.tasks, sched.info.devices
     out: dict[str, list[tuple]] = {}
-    for t in sched.order:
+    for t in sched.order.tolist():
         k = tasks.kind[t]
         if k in (FWD, BWD):
             out.setdefault(names[tasks.dev[t]], []).append(
@@ -256,6 +256,8 @@ def test_cli_lower_prints_per_device_counts_and_writes_a_program_simulate_accept
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # `heterog run` in a process of its own: its rendezvous port is not
+# tests/conftest.py's, so no other local run may be alive meanwhile
 def test_simulate_and_run_predict_the_same_time_for_one_emulated_plan(tmp_path):
     """One prediction per plan: `heterog simulate` and the prediction `heterog run` prints
     come from the same inputs (pipeline.plan_inputs) and the same schedule."""

@@ -115,6 +115,9 @@ class ClusterInfo:
         self.dev_class: list[str] = []
         for d in cluster.devices:
             self.dev_class.append(rep.setdefault(device_class_key(cluster, d.name), d.name))
+        self.class_names = list(dict.fromkeys(self.dev_class))     # one name per class
+        index = {c: i for i, c in enumerate(self.class_names)}
+        self.class_index = np.array([index[c] for c in self.dev_class], dtype=np.int64)
         self.capacity_bytes = [cluster.memory_bytes(n) for n in self.devices]
         self._paths: dict[tuple[int, int], tuple[int, ...]] = {}
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}

@@ -53,7 +53,7 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
     ranges = _Ranges(sched.blocks, sizes)
     pieces = _input_pieces(sched, ranges)
     out: dict[str, list[Instruction]] = {d: [] for d in program_devices(plan, cluster)}
-    for t in sched.order:
+    for t in sched.order.tolist():
         kind = tasks.kind[t]
         mem = _memory(tasks, t)
         if kind in (FWD, BWD):

@@ -26,9 +26,10 @@ from numba import njit
 from heterog.lower.taskgraph import BWD, FWD, OPT, Tasks
 
 
-def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight: bool = True) -> list[int] | None:
-    """Start order of all tasks under list scheduling with zero-time communication; None if
-    the 1F1B admission rule deadlocks on this placement (the caller retries without it)."""
+def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight: bool = True) -> np.ndarray | None:
+    """Start order of all tasks (task ids) under list scheduling with zero-time
+    communication; None if the 1F1B admission rule deadlocks on this placement (the caller
+    retries without it)."""
     n = len(tasks.kind)
     succ_ptr, succ_idx = tasks.succ_csr()
     n_mb = max(tasks.mb, default=0) + 1
@@ -40,7 +41,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
         tasks.array("dur"), tasks.array("dev"), tasks.array("kind"), tasks.array("mb"), tasks.array("key"),
         tasks.npred, succ_ptr, succ_idx, tasks.sources, np.asarray(tasks.stage_limit, dtype=np.int64),
         bwd_left, n_devices, gpipe, not gpipe and limit_in_flight)
-    return order.tolist() if count == n else None
+    return order if count == n else None
 
 
 @njit(cache=True, nogil=True)

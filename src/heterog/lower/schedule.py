@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
@@ -39,7 +41,7 @@ class Schedule:
     grouping: Grouping
     blocks: list[Block]
     tasks: Tasks
-    order: list[int]          # task ids in the global reference order
+    order: np.ndarray         # task ids in the global reference order
     merged: bool              # symmetric devices simulated once (tasks.rep), micro-batches copied
 
 

@@ -20,7 +20,7 @@ from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, stage_limits
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.sync_tasks import sync_and_step
-from heterog.lower.taskgraph import BWD, FWD, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import BWD, FWD, ComputeRun, CopyRun, Tasks, make_room, rep_id
 from heterog.lower.transfers import pair_moves, transfer_tasks
 
 
@@ -110,7 +110,7 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
     """Micro-batch m's forwards and backwards: per block, its forwards then its backwards, one
     slice per column (the hot path); the columns that depend only on the block and the merged
     devices are cached."""
-    rep = tasks.rep
+    rep = None      # the merged-device map as an array, made at the first miss
     column_cache = table.scratch.setdefault("columns", {})
     replica_cache = table.scratch.setdefault("replica", {})
     kinds = tasks.kind
@@ -119,7 +119,9 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         cols = column_cache.get(ck)
         if cols is None:
             make_room(column_cache, len(blk.devices))
-            cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.placement)], rep, info.dev_class,
+            if rep is None:
+                rep = np.asarray(tasks.rep, dtype=np.int64)
+            cols = column_cache[ck] = _block_columns(blk, splits[(size, blk.placement)], rep, info,
                                                      replica_cache, table)
         kept_r = cols.kept
         n_kept = len(kept_r)
@@ -131,9 +133,13 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         tasks.dev.extend(cols.dev)
         tasks.links.extend([()] * (2 * n_kept))
         tasks.edges.add_chunk(f0, cols.fwd_to_bwd)
-        tasks.key.extend([tasks.prio(1 if one_f1b else 0, m, bi)] * n_kept)
-        tasks.key.extend([tasks.prio(0 if one_f1b else 1, m, -bi)] * n_kept)
+        key_f, key_b = tasks.prio(1 if one_f1b else 0, m, bi), tasks.prio(0 if one_f1b else 1, m, -bi)
+        tasks.key.extend([key_f] * n_kept)
+        tasks.key.extend([key_b] * n_kept)
         tasks.mb.extend([m] * (2 * n_kept))
+        if n_kept:
+            tasks.runs.append((f0, b0 + n_kept, ComputeRun(cols.dur_array, cols.dev_array, cols.kind_array,
+                                                           key_f, key_b, m)))
         chunks = (tasks.mem_start.add_chunk(f0, cols.at_start), tasks.mem_end.add_chunk(f0, cols.at_end))
         if m == 0:
             first_bwd.append((f0, chunks, cols))
@@ -184,9 +190,12 @@ class BlockColumns(NamedTuple):
     n + i its backward (n kept replicas); chunks hold task ids relative to the first."""
     kept: list[int]                 # replicas simulated (the others are merged devices)
     kept_dev: np.ndarray            # their devices
-    position: list                  # replica → its index among the kept (None if merged)
+    position: list                  # replica → its index among the kept (-1 if merged)
     dev: list[int]                  # device of each task
     dur: list[float]                # duration of each task
+    dev_array: np.ndarray           # the same as arrays (Tasks.array), and the tasks' kinds
+    dur_array: np.ndarray
+    kind_array: np.ndarray
     at_start: tuple                 # memory effects at task starts (TaskRows chunk)
     at_end: tuple                   # ... at task ends
     first_at_start: tuple           # the same for micro-batch 0, whose backwards create
@@ -194,43 +203,47 @@ class BlockColumns(NamedTuple):
     fwd_to_bwd: tuple               # edges: each forward before its backward
 
 
-def _block_columns(blk: Block, samples: list[int], rep: list[int], dclass: list[str],
+def _block_columns(blk: Block, samples: list[int], rep: np.ndarray, info: ClusterInfo,
                    replica_cache: dict, table: CostTable) -> BlockColumns:
-    """The block's columns (BlockColumns) from its replicas' costs (_replica_costs)."""
-    kept = [(r, d, dclass[d], samples[r]) for r, d in enumerate(blk.devices) if rep[d] == d]
-    vs = []
-    for _r, _d, dn, smp in kept:
-        ck = (blk.nodes, blk.recompute, dn, smp)
-        v = replica_cache.get(ck)
-        if v is None:
+    """The block's columns (BlockColumns) from its replicas' costs (_replica_costs), computed
+    once per distinct (device class, samples) and spread with numpy: a 1024-replica block has
+    a handful of distinct ones."""
+    devs_all = np.asarray(blk.devices, dtype=np.int64)
+    kept_r = np.flatnonzero(rep[devs_all] == devs_all)
+    d = devs_all[kept_r]
+    n = len(d)
+    smp = np.asarray(samples, dtype=np.int64)[kept_r]
+    base = int(smp.max()) + 1 if n else 1
+    distinct, inv = np.unique(info.class_index[d] * base + smp, return_inverse=True)
+    rows = []
+    for k in distinct.tolist():
+        dn = info.class_names[k // base]
+        ck = (blk.nodes, blk.recompute, dn, k % base)
+        hit = replica_cache.get(ck)
+        if hit is None:
             if len(replica_cache) > 200_000:
                 replica_cache.clear()
-            v = replica_cache[ck] = _replica_costs(blk, dn, smp, table)
-        vs.append(v)
-    devs = [d for _r, d, _dn, _s in kept]
-    n = len(kept)
-    d = np.array(devs, dtype=np.int64)
-    v = np.array(vs, dtype=np.float64).reshape(n, 7)
+            hit = replica_cache[ck] = _replica_costs(blk, dn, k % base, table)
+        rows.append(hit)
+    v = np.array(rows, dtype=np.float64).reshape(-1, 7)[inv.reshape(-1)]
     act, ws, peak_later, peak_first, grad = v[:, 2], v[:, 3], v[:, 4], v[:, 5], v[:, 6]   # see _replica_costs
     # forward: its activations and workspace; backward: up to its peak, then down to nothing;
     # micro-batch 0's backward peaks at peak_first and leaves the gradients behind
     fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
     fwd_end = _chunk(d, -ws, ws != 0, 0)
+    position = np.full(len(devs_all), -1, dtype=np.int64)   # -1: merged (never read)
+    position[kept_r] = np.arange(n)
+    devs = d.tolist()
+    dur = np.concatenate((v[:, 0], v[:, 1]))
     return BlockColumns(
-        kept=[r for r, _d, _dn, _s in kept], kept_dev=d, position=_positions(blk, rep), dev=devs + devs, dur=[x[0] for x in vs] + [x[1] for x in vs],
+        kept=kept_r.tolist(), kept_dev=d, position=position.tolist(), dev=devs + devs,
+        dur=dur.tolist(), dev_array=np.concatenate((d, d)), dur_array=dur,
+        kind_array=np.repeat(np.array([FWD, BWD], dtype=np.int64), n),
         at_start=_joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
         at_end=_joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
         first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
         first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
         fwd_to_bwd=(np.arange(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64)))
-
-
-def _positions(blk: Block, rep: list[int]) -> list:
-    pos, k = [], 0
-    for d in blk.devices:
-        pos.append(k if rep[d] == d else None)
-        k += rep[d] == d
-    return pos
 
 
 def _chunk(devs: np.ndarray, delta: np.ndarray, where: np.ndarray | None, first: int) -> tuple[np.ndarray, ...]:
@@ -311,6 +324,7 @@ def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None
     keys, compute = rows[0]
     tasks.key.extend((keys + shift * compute).tolist())     # communication keeps -1
     tasks.mb.extend([m] * (end - start))
+    tasks.runs.append((off + start, off + end, CopyRun(start, shift, m)))
     for r, chunk in zip(rows_of, rows[1:]):
         r.add_chunk(off, chunk)
     comm = tasks.comm

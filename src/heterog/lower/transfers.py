@@ -16,7 +16,7 @@ import numpy as np
 
 from heterog.lower.blocks import Block, moves_between
 from heterog.lower.context import ClusterInfo, CostTable
-from heterog.lower.taskgraph import XFER, Tasks
+from heterog.lower.taskgraph import XFER, Tasks, TransferRun
 
 SMALL_PAIR = 4    # moves up to which a pair's transfers are added row by row
 
@@ -133,6 +133,7 @@ class PairTransfers(NamedTuple):
     end_bytes: np.ndarray
     kind: list[int]                 # columns of the transfer tasks, two per move
     dur: list[float]
+    dur_array: np.ndarray
     none: list[int]                 # -1 per task (device, priority key)
     links: list[tuple]
     comm: list[tuple]
@@ -167,7 +168,8 @@ def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b:
         start_bytes=np.array([s[2] for s in starts], dtype=np.float64),
         end_dev=np.array([e[1] for e in ends], dtype=np.int64),
         end_bytes=np.array([e[2] for e in ends], dtype=np.float64),
-        kind=[XFER] * len(dur), dur=dur, none=[-1] * len(dur), links=links, comm=comm)
+        kind=[XFER] * len(dur), dur=dur, dur_array=np.array(dur, dtype=np.float64), none=[-1] * len(dur),
+        links=links, comm=comm)
 
 
 def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: int, fb0: int) -> None:
@@ -184,6 +186,7 @@ def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: in
     tasks.mb.extend([m] * n)
     tasks.edges.add_chunk(0, (ids[:c1], ids[c1:c2]))
     if n:
+        tasks.runs.append((x0, x0 + n, TransferRun(tpl.dur_array, m)))
         tasks.mem_start.add_chunk(0, (ids[c2:c3], tpl.start_dev, tpl.start_bytes))
         tasks.mem_end.add_chunk(0, (ids[c3:], tpl.end_dev, tpl.end_bytes))
         new = range(x0, x0 + n)

@@ -24,7 +24,7 @@ from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import Tasks, stable_by_task
 
 
-def run(tasks: Tasks, order: list[int], info: ClusterInfo, record: bool):
+def run(tasks: Tasks, order: np.ndarray, info: ClusterInfo, record: bool):
     """Timed simulation following `order` on the cluster `info` describes. Returns (start,
     end, peak, overflow, mem_trace) with overflow = (device, time) of the first device to
     exceed its memory, or None, and mem_trace per device [(time, bytes in use)] when `record`.
@@ -39,7 +39,7 @@ def run(tasks: Tasks, order: list[int], info: ClusterInfo, record: bool):
     return start.tolist(), end.tolist(), peak, overflow, trace
 
 
-def _times(tasks: Tasks, order: list[int], info: ClusterInfo):
+def _times(tasks: Tasks, order: np.ndarray, info: ClusterInfo):
     """Start and end of every task (numpy arrays): one pass over the fixed order (see the
     module docstring), compiled."""
     link_ptr, link_idx, core_ptr, core_idx, core_bytes = _resources(tasks, info)
