@@ -122,6 +122,7 @@ class ClusterInfo:
         self._paths: dict[tuple[int, int], tuple[int, ...]] = {}
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._arrays: dict[tuple[int, ...], np.ndarray] = {}
         self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
         self.known_device_sets: set[int] = set()   # SimCache device-set numbers checked against it
         self.link_sets = NumberedSets(self._core_index)
@@ -133,6 +134,15 @@ class ClusterInfo:
             if len(self._ids) > 10_000:
                 self._ids.clear()
             hit = self._ids[names] = tuple(self.dev_id[n] for n in names)
+        return hit
+
+    def device_array(self, ids: tuple[int, ...]) -> np.ndarray:
+        """Device ids as an array, made once per tuple."""
+        hit = self._arrays.get(ids)
+        if hit is None:
+            if len(self._arrays) > 10_000:
+                self._arrays.clear()
+            hit = self._arrays[ids] = np.array(ids, dtype=np.int64)
         return hit
 
     def names(self, ids: tuple[int, ...]) -> tuple[str, ...]:

@@ -66,10 +66,17 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     mb_sizes = split_samples(plan.batch_size, [1.0] * plan.num_microbatches)
     sizes = sorted(set(mb_sizes))
     splits: dict[tuple, list[int]] = {}
+    known = table.scratch.setdefault("splits", {})     # (size, placement) → samples per replica
     for size in sizes:
         for blk in blocks:
-            if (size, blk.placement) not in splits:
-                splits[(size, blk.placement)] = split_samples(size, list(blk.shares))
+            key = (size, blk.placement)
+            if key not in splits:
+                hit = known.get(key)
+                if hit is None:
+                    if len(known) > 50_000:
+                        known.clear()
+                    hit = known[key] = split_samples(size, list(blk.shares))
+                splits[key] = hit
     moves, p2p_sets = pair_moves(blocks, preds, sizes, splits, info, table)
     rep = tasks.rep = _representatives(blocks, splits, p2p_sets, sizes, len(info.devices), info.dev_class, merge)
     Bk, first_bwd = _microbatch_tasks(tasks, plan, preds, moves, splits, mb_sizes, info, table, merge)
@@ -208,13 +215,13 @@ def _block_columns(blk: Block, samples: list[int], rep: np.ndarray, info: Cluste
     """The block's columns (BlockColumns) from its replicas' costs (_replica_costs), computed
     once per distinct (device class, samples) and spread with numpy: a 1024-replica block has
     a handful of distinct ones."""
-    devs_all = np.asarray(blk.devices, dtype=np.int64)
+    devs_all = info.device_array(blk.devices)
     kept_r = np.flatnonzero(rep[devs_all] == devs_all)
     d = devs_all[kept_r]
     n = len(d)
     smp = np.asarray(samples, dtype=np.int64)[kept_r]
     base = int(smp.max()) + 1 if n else 1
-    distinct, inv = np.unique(info.class_index[d] * base + smp, return_inverse=True)
+    distinct, inv = _distinct(info.class_index[d] * base + smp)
     rows = []
     for k in distinct.tolist():
         dn = info.class_names[k // base]
@@ -244,6 +251,15 @@ def _block_columns(blk: Block, samples: list[int], rep: np.ndarray, info: Cluste
         first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
         first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
         fwd_to_bwd=(np.arange(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64)))
+
+
+def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(keys, return_inverse=True) for small non-negative ints, without sorting."""
+    present = np.bincount(keys) > 0 if len(keys) else np.zeros(0, dtype=bool)
+    distinct = np.flatnonzero(present)
+    index = np.zeros(len(present), dtype=np.int64)
+    index[distinct] = np.arange(len(distinct))
+    return distinct, index[keys]
 
 
 def _chunk(devs: np.ndarray, delta: np.ndarray, where: np.ndarray | None, first: int) -> tuple[np.ndarray, ...]:

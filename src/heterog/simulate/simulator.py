@@ -57,7 +57,8 @@ def time_schedule(sched: Schedule, *, timeline: bool = True) -> SimResult:
 
 
 def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResult:
-    used = sorted(set().union(*(b.devices for b in tasks.blocks))
+    device_sets = {b.device_set: b.devices for b in tasks.blocks}    # a few distinct ones
+    used = sorted(set().union(*device_sets.values())
                   | {b.ps_device for b in tasks.blocks if b.ps_device is not None})
     names = info.devices
     iteration = max(end) if end else 0.0
