@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is needed (set PYTHON=...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt torch
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --no-compile -c constraints.txt torch
+	$(BIN)/pip install -q --no-compile -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -22,8 +22,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/heterog demo
 
+# two xdist workers: in-process tests run beside the local runs, which tests/conftest.py keeps
+# one at a time
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not sweep" --durations=25 tests
+	$(BIN)/python -m pytest -q -m "not sweep" -n 2 --dist worksteal --durations=25 tests
 
 # the slow tests CI leaves out for its budget: every planner candidate of five model families,
 # the BERT and Llama equivalence runs, the demo test (their separate timings add up to ~7 min)

@@ -256,8 +256,6 @@ def test_cli_lower_prints_per_device_counts_and_writes_a_program_simulate_accept
 
 
 @pytest.mark.slow
-@pytest.mark.exclusive  # `heterog run` in a process of its own: its rendezvous port is not
-# tests/conftest.py's, so no other local run may be alive meanwhile
 def test_simulate_and_run_predict_the_same_time_for_one_emulated_plan(tmp_path):
     """One prediction per plan: `heterog simulate` and the prediction `heterog run` prints
     come from the same inputs (pipeline.plan_inputs) and the same schedule."""
