@@ -66,6 +66,21 @@ def proportional_dp(prob: Problem) -> Strategy:
     return _uniform(prob, Placement(tuple(devs), tuple(float(x) for x in shares), "ring"))
 
 
+def node_dp_starts(prob: Problem) -> list[Strategy]:
+    """Speed-proportional data parallelism over the devices of each node that has several:
+    starts for the search, not baselines. Leaving out a node behind a slow link (or a small
+    device) is then a start, not a chain of moves that annealing must keep
+    (docs/scenarios.md, "What the planner needs for the LM")."""
+    out = []
+    for node in sorted(set(prob.node_idx.tolist())):
+        devs = [d for d in _dp_devices(prob) if prob.node_idx[d] == node]
+        if 1 < len(devs) < prob.n_devices:
+            speed = 1.0 / prob.device_time_per_sample_s[devs]
+            shares = tuple(float(x) for x in speed / speed.sum())
+            out.append(_uniform(prob, Placement(tuple(devs), shares, "ring")))
+    return out
+
+
 def device_blocks(prob: Problem, k: int) -> list[list[int]]:
     """k blocks of devices, contiguous in node order (a stage stays inside nodes when it can)."""
     order = sorted(range(prob.n_devices), key=lambda i: (prob.node_of_device[i], i))

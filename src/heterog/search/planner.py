@@ -21,7 +21,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
-from heterog.search.baselines import BASELINE_BUILDERS, pipeline
+from heterog.search.baselines import BASELINE_BUILDERS, node_dp_starts, pipeline
 from heterog.search.constraints import DEFAULT_CACHE, ConstraintCache, ModelCuts, violations
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.grouping import make_groups
@@ -206,8 +206,8 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     score_fn = simulator_scorer(prob) if use_sim else estimate
     verify = simulator_scorer(prob) if (have_sim and not use_sim and scorer != "estimate") else None
     # the search also starts from a 1F1B pipeline: far less activation memory per stage, the
-    # way into models that no baseline fits
-    starts = [strategies[n] for n in BASELINE_BUILDERS] + [pipeline(prob, "1f1b")]
+    # way into models that no baseline fits; and from data parallelism inside each node
+    starts = [strategies[n] for n in BASELINE_BUILDERS] + [pipeline(prob, "1f1b")] + node_dp_starts(prob)
     searched = Annealer(prob, seed, scorer=score_fn, verifier=verify).run(
         starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f))
     strategies["search"] = searched.best
