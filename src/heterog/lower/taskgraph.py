@@ -308,6 +308,7 @@ def rep_id(scratch: dict, rep: list[int]) -> int:
         if len(ids) >= 10_000:    # ids restart: drop every entry keyed by an old one
             ids.clear()
             scratch.pop("columns", None)
+            scratch.pop("kept", None)
             scratch.pop("buckets", None)
             scratch.pop("moves", None)     # their transfer templates (lower/transfers.py)
         hit = ids[rt] = len(ids)
