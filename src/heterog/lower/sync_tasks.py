@@ -14,7 +14,7 @@ import numpy as np
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable
-from heterog.lower.taskgraph import OPT, SMALL_CHUNK, SYNC, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
 
 
 def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
@@ -25,8 +25,10 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
     _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     split = _split_ties(table, where)
     opt_inputs = OptimizerInputs()
-    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs)
-    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs)
+    waits: list[tuple[int, tuple[int, ...]]] = []     # (collective, the blocks it waits for)
+    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
+    _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
+    _after_backwards(tasks, Bk, waits)
     opt_preds = opt_inputs.by_device()
     # each device's optimizer step after its backwards and syncs: one chunk of edges, each
     # device's backwards then its syncs, in the order of the devices' first backwards
@@ -65,15 +67,6 @@ class OptimizerInputs:
         uniq, first = np.unique(devs[order], return_index=True)
         groups = np.split(syncs[order], first[1:])
         return dict(zip(uniq.tolist(), groups))
-
-
-def _all_before(tasks: Tasks, before, t: int) -> None:
-    """Edges from every task of `before` to t (a sync waits for hundreds: one chunk)."""
-    if len(before) <= SMALL_CHUNK:
-        for b in before:
-            tasks.dep(int(b), t)
-        return
-    tasks.edges.add_chunk(0, (np.asarray(before, dtype=np.int64), np.full(len(before), t, dtype=np.int64)))
 
 
 def _placement_of_tied_nodes(blocks: list[Block], table: CostTable) -> dict[str, tuple[int, int]]:
@@ -179,7 +172,7 @@ def _split_ties(table: CostTable, where: dict[str, tuple[int, int]]) -> list[tup
 
 
 def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable, Bk,
-               rep: list[int], split, opt_inputs: "OptimizerInputs") -> None:
+               rep: list[int], split, opt_inputs: "OptimizerInputs", waits: list) -> None:
     """A ring all-reduce of each split tied parameter's gradient over the devices holding a
     copy, after every backward that reads it; the holders' optimizer steps wait for it."""
     for tie, owner, readers in split:
@@ -189,7 +182,7 @@ def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo,
         nbytes = float(tie.param_bytes)
         links, load = info.ring(members)
         s = _collective(tasks, info, table.sync_s("ring", nbytes, info.names(members), None), plan.num_microbatches,
-                        owner, links, load, members, nbytes, readers, Bk)
+                        owner, links, load, members, nbytes, readers, waits)
         tasks.ties[s] = tie.param
         kept = [d for d in members if rep[d] == d]
         for d in kept:     # the gradient's sync buffer
@@ -199,16 +192,36 @@ def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo,
 
 
 def _collective(tasks: Tasks, info: ClusterInfo, dur: float, mbs: int, block: int, links, load: dict[int, float],
-                involved: tuple[int, ...], nbytes: float, after: tuple[int, ...], Bk) -> int:
-    """A gradient collective's task after every backward of the blocks `after`, with the bytes
-    it pushes through switch cores and its link loads (tasks.sync_loads)."""
+                involved: tuple[int, ...], nbytes: float, after: tuple[int, ...], waits: list) -> int:
+    """A gradient collective's task, to run after every backward of the blocks `after`
+    (edges added by _after_backwards), with the bytes it pushes through switch cores and its
+    link loads (tasks.sync_loads)."""
     s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
     for l in info.shared_bw:
         if l in load:   # a ring crosses the core once per node it leaves
             tasks.core_bytes[s] = load[l] * nbytes
     tasks.sync_loads[s] = load
-    _all_before(tasks, Bk.of(after), s)
+    waits.append((s, after))
     return s
+
+
+def _after_backwards(tasks: Tasks, Bk, waits: list[tuple[int, tuple[int, ...]]]) -> None:
+    """Edges from every backward (all micro-batches) of the blocks each collective waits for
+    to the collective, as one chunk in the order the collectives were made."""
+    firsts, counts, syncs = [], [], []
+    for s, after in waits:
+        n_s = 0
+        for first, n in Bk.runs(after):
+            firsts.append(first)
+            counts.append(n)
+            n_s += n
+        syncs.append(n_s)
+    if not waits:
+        return
+    count = np.array(counts, dtype=np.int64)
+    ends = np.cumsum(count)
+    src = np.repeat(np.array(firsts, dtype=np.int64) - (ends - count), count) + np.arange(int(ends[-1]), dtype=np.int64)
+    tasks.edges.add_chunk(0, (src, np.repeat(np.array([s for s, _ in waits], dtype=np.int64), syncs)))
 
 
 def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, splits, mb_sizes) -> None:
@@ -227,7 +240,7 @@ def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, spl
 
 
 def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                Bk, rep: list[int], split, opt_inputs: "OptimizerInputs") -> None:
+                Bk, rep: list[int], split, opt_inputs: "OptimizerInputs", waits: list) -> None:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
@@ -253,7 +266,7 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
                 make_room(bucket_cache, len(blk.devices))
                 bucket = bucket_cache[key] = _bucket_sync(blk, grad_synced, info, table, rep)
             s = _collective(tasks, info, bucket.dur, mbs, bi, bucket.links, bucket.load, bucket.involved,
-                            grad_synced, (bi,), Bk)
+                            grad_synced, (bi,), waits)
             tasks.mem_start.add_chunk(s, bucket.buffer_start)
             tasks.mem_end.add_chunk(s, bucket.buffer_end)
             opt_inputs.add(s, bucket.kept_members)

@@ -17,7 +17,6 @@ from numba import njit
 from heterog.lower.blocks import Block
 
 FWD, BWD, XFER, SYNC, OPT = 0, 1, 2, 3, 4
-SMALL_CHUNK = 16     # rows below which single rows cost less than a numpy chunk (~µs per call)
 KIND_NAMES = ("forward", "backward", "transfer", "sync", "optimizer")
 
 

@@ -236,8 +236,7 @@ class Backwards:
     """Where each block's compute tasks are, per micro-batch: `span[m][b]` = (first backward
     id, count) of its kept replicas, whose forwards are the `count` ids before (both runs
     consecutive), and `cols[m][b]` its BlockColumns (devices, replica positions), for an
-    expanded micro-batch; a replicated one is (m0, id offset) in `copy_of[m]`, its ids made
-    only where a sync asks for them (`of`)."""
+    expanded micro-batch; a replicated one is (m0, id offset) in `copy_of[m]` (see `runs`)."""
 
     __slots__ = ("span", "cols", "copy_of")
 
@@ -245,18 +244,16 @@ class Backwards:
         self.span: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
         self.cols: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
         self.copy_of: list[tuple[int, int] | None] = [None] * n_microbatches
-    def of(self, blocks) -> np.ndarray:
-        """The backward tasks of every micro-batch of `blocks` (kept replicas only), by block,
+
+    def runs(self, blocks) -> list[tuple[int, int]]:
+        """(first id, count) of the kept backwards of every micro-batch of `blocks`, by block,
         then micro-batch."""
-        runs = []
+        out = []
         for b in blocks:
             for m, src in enumerate(self.copy_of):
                 if src is None:
-                    runs.append(self.span[m][b])
+                    out.append(self.span[m][b])
                 else:
                     first, n = self.span[src[0]][b]
-                    runs.append((first + src[1], n))
-        if len(runs) == 1:
-            first, n = runs[0]
-            return np.arange(first, first + n, dtype=np.int64)
-        return np.concatenate([np.arange(first, first + n, dtype=np.int64) for first, n in runs])
+                    out.append((first + src[1], n))
+        return out
