@@ -160,7 +160,19 @@ def moves_between(src: Block, dst: Block, asplit: list[int], bsplit: list[int], 
 
 def block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:
     """preds[b][a] = (fixed, per-sample) bytes from block a to block b. A producer node's
-    tensor is sent once per consumer block even when several of its nodes read it."""
+    tensor is sent once per consumer block even when several of its nodes read it. Cached
+    per grouping and cut of its groups into blocks (read only: shared between calls)."""
+    cache = table.scratch.setdefault("block edges", {})
+    key = (id(grouping), tuple(b.groups for b in blocks))
+    hit = cache.get(key)
+    if hit is None or hit[0] is not grouping:
+        if len(cache) > 10_000:
+            cache.clear()
+        hit = cache[key] = (grouping, _block_edges(grouping, blocks, table))
+    return hit[1]
+
+
+def _block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:
     block_of_group = {}
     for bi, b in enumerate(blocks):
         for g in b.groups:
