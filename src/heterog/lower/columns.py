@@ -29,7 +29,6 @@ class BlockColumns(NamedTuple):
     at_end: tuple                   # ... at task ends
     first_at_start: tuple           # the same for micro-batch 0, whose backwards create
     first_at_end: tuple             # the gradients
-    fwd_to_bwd: tuple               # edges: each forward before its backward
 
 
 class KeptReplicas(NamedTuple):
@@ -43,7 +42,6 @@ class KeptReplicas(NamedTuple):
     dev: list[int]                  # the tasks' devices (forwards, then backwards)
     dev_array: np.ndarray
     kind_array: np.ndarray
-    fwd_to_bwd: tuple
 
 
 def _kept_replicas(blk: Block, samples: list[int], rep: np.ndarray, info: ClusterInfo) -> KeptReplicas:
@@ -60,8 +58,7 @@ def _kept_replicas(blk: Block, samples: list[int], rep: np.ndarray, info: Cluste
     return KeptReplicas(
         kept=kept_r.tolist(), devices=d, position=position.tolist(),
         costs_of=[(info.class_names[k // base], k % base) for k in distinct.tolist()], which=which,
-        dev=devs + devs, dev_array=np.concatenate((d, d)), kind_array=np.repeat(np.array([FWD, BWD], dtype=np.int64), n),
-        fwd_to_bwd=(np.arange(n, dtype=np.int64), np.arange(n, 2 * n, dtype=np.int64)))
+        dev=devs + devs, dev_array=np.concatenate((d, d)), kind_array=np.repeat(np.array([FWD, BWD], dtype=np.int64), n))
 
 
 def block_columns(blk: Block, size: int, samples: list[int], rep: np.ndarray, rep_key: int, info: ClusterInfo,
@@ -98,8 +95,7 @@ def block_columns(blk: Block, size: int, samples: list[int], rep: np.ndarray, re
         at_start=_joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
         at_end=_joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
         first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
-        first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
-        fwd_to_bwd=kr.fwd_to_bwd)
+        first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)))
 
 
 def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

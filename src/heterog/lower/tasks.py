@@ -140,7 +140,6 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         tasks.dur.extend(cols.dur)
         tasks.dev.extend(cols.dev)
         tasks.links.extend([()] * (2 * n_kept))
-        tasks.edges.add_chunk(f0, cols.fwd_to_bwd)
         key_f, key_b = tasks.prio(1 if one_f1b else 0, m, bi), tasks.prio(0 if one_f1b else 1, m, -bi)
         tasks.key.extend([key_f] * n_kept)
         tasks.key.extend([key_b] * n_kept)
@@ -153,6 +152,17 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
             first_bwd.append((f0, chunks, cols))
         Bk.span[m][bi] = (b0, n_kept)
         Bk.cols[m][bi] = cols
+    _forward_before_backward(tasks, Bk.span[m])
+
+
+def _forward_before_backward(tasks: Tasks, spans: list[tuple[int, int]]) -> None:
+    """Edges from each forward to its backward, for every block of a micro-batch at once (a
+    forward's first edge: its transfers' come after)."""
+    first = np.array([b0 for b0, _n in spans], dtype=np.int64)
+    count = np.array([n for _b0, n in spans], dtype=np.int64)
+    ends = np.cumsum(count)
+    fwd = np.repeat(first - count - (ends - count), count) + np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+    tasks.edges.add_chunk(0, (fwd, fwd + np.repeat(count, count)))
 
 
 def _backwards_by_device(tasks: Tasks, Bk: "Backwards") -> dict[int, np.ndarray]:
