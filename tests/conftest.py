@@ -5,18 +5,18 @@ launchers that are signalled or killed, profiles that time this machine — shar
 machine-wide state: namespaces (`ip netns` is global; some tests check that none named like
 ours appeared or is left), the cleanup of dead launchers' leftovers that every launch does
 (execute/stale.py), the rendezvous port a launcher picks seconds before its rank 0 binds it,
-and wall-time bounds on failing runs. So no two of them run at once: each holds an exclusive
-lock on one file per session (`_RunLock`), and they run one after another as in a serial
-run, while the other worker runs in-process tests beside them.
+and wall-time bounds on failing runs. So they run one after another, as in a serial run:
+all RANK_MODULES tests form one unit of work that a single worker runs in file order
+(`pytest_xdist_make_scheduler`), while the other worker runs the in-process modules beside
+them. Each also holds an exclusive lock on one file per session (`_RunLock`), so that no
+scheduling (another `--dist`, more workers) can overlap two of them.
 
-A test is a `ranks` test when its module is in RANK_MODULES or it is marked
-`@pytest.mark.ranks`. Under xdist, any other test that starts a rank or shaped links
-in-process fails at once and says so. Without xdist (`pytest tests/test_x.py`) the lock is
-not taken.
+Under xdist, a test outside RANK_MODULES that starts a rank or shaped links in-process fails
+at once and says so. Without xdist (`pytest tests/test_x.py`) none of this applies.
 
-(`--dist loadgroup` would be the natural way to keep these tests on one worker, but
-pytest-xdist 3.8 marks a group by rewriting `item._nodeid`, which pytest 9 no longer reads:
-groups are silently ignored. Hence the lock, and worksteal scheduling.)
+(`--dist loadgroup` with `xdist_group` marks would be the usual way, but pytest-xdist 3.8
+marks a group by rewriting `item._nodeid`, which pytest 9 no longer reads: the groups are
+silently ignored.)
 """
 
 from __future__ import annotations
@@ -59,20 +59,21 @@ RANK_MODULES = frozenset({
 })
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "ranks: starts local runs (rank processes, namespaces); with xdist, no "
-                                       "other such test runs meanwhile (tests/conftest.py)")
-
-
 def _is_ranks(item: pytest.Item) -> bool:
-    return item.path.name in RANK_MODULES or item.get_closest_marker("ranks") is not None
+    return item.path.name in RANK_MODULES
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Local runs first, in-process tests after (file order within each). `--dist worksteal`
-    gives each worker a contiguous half of this list and lets an idle one take the tail of
-    the other's: one worker starts on the local runs, the other on in-process tests."""
-    items.sort(key=lambda it: not _is_ranks(it))
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Module by module (xdist's loadscope: a module's fixtures are built once), except that
+    every RANK_MODULES test is one unit: one worker runs them all, in file order, while the
+    other takes the in-process modules. (xdist hands out the largest units first.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RanksTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ranks" if module.rsplit("/", 1)[-1] in RANK_MODULES else module
+    return RanksTogether(config, log)
 
 
 class _RunLock:
@@ -130,7 +131,7 @@ def _test_local_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     def refuse(*args, **kwargs):
         pytest.fail(f"{request.node.nodeid} starts rank processes or network namespaces but is not a 'ranks' "
                     f"test, so it could overlap another test's local run: add its module to RANK_MODULES in "
-                    f"tests/conftest.py, or mark it @pytest.mark.ranks", pytrace=False)
+                    f"tests/conftest.py", pytrace=False)
     monkeypatch.setattr(launcher, "_start_rank", refuse)
     monkeypatch.setattr(netns.LinkShaping, "_create", refuse)
     yield
