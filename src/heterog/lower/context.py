@@ -40,27 +40,40 @@ class NumberedSets:
     def __init__(self, core_index: dict[int, int]):
         self._core_index = core_index
         self._id: dict[tuple[int, ...], int] = {}
+        self._by_object: dict[int, tuple[tuple[int, ...], int]] = {}   # id(tuple) → (tuple, number)
         self._parts: tuple[list, list, list] = ([], [], [])
         self._flat: list | None = None
         self.generation = 0      # numbers given before a restart are stale
 
     def ids(self, sets: list[tuple[int, ...]]) -> np.ndarray:
-        """The number of each link set (valid until the next call)."""
-        if len(self._id) > 100_000:
+        """The number of each set (valid until the next call). Found first by the tuple's
+        identity (paths and rings are cached tuples, met again every call), then by content."""
+        if len(self._id) > 100_000 or len(self._by_object) > 200_000:
             self._id.clear()
+            self._by_object.clear()
             self._parts = ([], [], [])
             self.generation += 1
-        get, out, core = self._id.get, [], self._core_index
+        get, by_object, out = self._id.get, self._by_object, []
         for links in sets:
+            hit = by_object.get(id(links))
+            if hit is not None and hit[0] is links:
+                out.append(hit[1])
+                continue
             i = get(links)
             if i is None:
-                i = self._id[links] = len(self._id)
-                self._parts[self.ALL].append(links)
-                self._parts[self.EXCLUSIVE].append([l for l in links if l not in core])
-                self._parts[self.CORES].append([core[l] for l in links if l in core])
-                self._flat = None
+                i = self._add(links)
+            by_object[id(links)] = (links, i)    # holds the tuple: its id stays its own
             out.append(i)
         return np.array(out, dtype=np.int64)
+
+    def _add(self, links: tuple[int, ...]) -> int:
+        core = self._core_index
+        i = self._id[links] = len(self._id)
+        self._parts[self.ALL].append(links)
+        self._parts[self.EXCLUSIVE].append([l for l in links if l not in core])
+        self._parts[self.CORES].append([core[l] for l in links if l in core])
+        self._flat = None
+        return i
 
     def gather(self, sets: np.ndarray, part: int) -> tuple[np.ndarray, np.ndarray]:
         """The given part of each set in `sets`, one after the other: (values, per-set lengths)."""

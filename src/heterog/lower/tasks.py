@@ -235,10 +235,9 @@ def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None
     tasks.runs.append((off + start, off + end, CopyRun(start, shift, m)))
     for r, chunk in zip(rows_of, rows[1:]):
         r.add_chunk(off, chunk)
-    comm = tasks.comm
-    for t in seg_comm:      # the segment's communication tasks
-        comm[t + off] = comm[t]
-        tasks.xfer_blocks[t + off] = tasks.xfer_blocks[t]
+    comm, xfer_blocks = tasks.comm, tasks.xfer_blocks      # the segment's communication tasks
+    comm.update([(t + off, comm[t]) for t in seg_comm])
+    xfer_blocks.update([(t + off, xfer_blocks[t]) for t in seg_comm])
     Bk.copy_of[m] = (m0, off)
 
 
