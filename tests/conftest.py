@@ -1,4 +1,5 @@
-"""How the suite shares the machine when `make test` runs it on two pytest-xdist workers.
+"""How the suite shares the machine when it runs on two pytest-xdist workers
+(`pytest -n 2 --dist loadscope tests`; `make test` runs serially: on two cores it was no faster).
 
 Tests that start local runs — rank processes over gloo, shaped links in network namespaces,
 launchers that are signalled or killed, profiles that time this machine — share
