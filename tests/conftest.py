@@ -30,12 +30,14 @@ from typing import Iterator
 
 import pytest
 
-# One thread per process, as the launcher gives every rank (OMP_NUM_THREADS=1): on this
-# 2-core machine a test process's second OpenMP thread only spins against the ranks and the
-# other worker (measured: the same tests took 13 % less CPU time and ~20 % less wall time).
+# Under xdist, one thread per test process, as the launcher gives every rank
+# (OMP_NUM_THREADS=1): a test process's second OpenMP thread only spins against the ranks and
+# the other worker (measured under load: 13 % less CPU time, ~20 % less wall time). A serial
+# run (`make test`) keeps torch's default: there the second core is otherwise idle.
 # Set before anything imports torch; subprocesses (the CLI tests) inherit it.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 # Modules most of whose time goes to local runs.
 RANK_MODULES = frozenset({
