@@ -138,3 +138,10 @@ def _test_local_runs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(launcher, "_start_rank", refuse)
     monkeypatch.setattr(netns.LinkShaping, "_create", refuse)
     yield
+
+
+@pytest.fixture(scope="module")
+def plan_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The module's `@pytest.mark.batched` plans, run in one launch (tests/plan_batch.py)."""
+    from plan_batch import module_batch
+    return module_batch(request, tmp_path_factory.mktemp(request.path.stem))

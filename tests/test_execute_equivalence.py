@@ -1,7 +1,9 @@
 """Distributed training under a Plan equals single-process training (gloo, real processes).
 
 Each case runs 3 optimizer steps on 2–4 local ranks and compares every rank's parameters
-with `reference_train` on the same global batches, within 1e-5 relative.
+with `reference_train` on the same global batches, within 1e-5 relative. Two cases go through
+`run`, one launch each; the others' plans run one after the other in one launch of rank
+processes (tests/plan_batch.py), so the processes' start-up is paid once.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from heterog.pipeline import run
 from heterog.execute.partition import fx_node_names
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from plan_batch import BatchedRun
 
 MODELS = "tests/test_execute_models.py"
 STEPS = 3
+BATCH_RUN = dict(steps=STEPS, timeout_s=60)
 
 
 def make_plan(model: str, groups: list[Group], *, batch_size: int = 12, microbatches: int = 1,
@@ -32,11 +36,23 @@ def replicas(*pairs) -> tuple[Replica, ...]:
 
 
 def check_equal(plan: Plan, tmp_path, data: str | None = None, rel_tol: float = 1e-5) -> dict:
+    """Run the plan alone (`run`) and check it."""
     out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60, data=data)
+    return check_params(plan, out, tmp_path, data=data, rel_tol=rel_tol)
+
+
+def check_batched(done: BatchedRun, rel_tol: float = 1e-5) -> dict:
+    """Check a plan of the module's batch."""
+    return check_params(done.plan, done.result(), done.out_dir, rel_tol=rel_tol)
+
+
+def check_params(plan: Plan, out: dict, out_dir, *, data: str | None = None, rel_tol: float = 1e-5) -> dict:
+    """Every rank's parameters after the run (`out`, its files in `out_dir`) equal
+    single-process training's."""
     ref = reference_train(plan, steps=STEPS, data=data)
     seen: set[str] = set()
     for rank in range(len(out["devices"])):
-        params = torch.load(tmp_path / f"params_rank{rank}.pt")
+        params = torch.load(out_dir / f"params_rank{rank}.pt")
         for name, value in params.items():
             want = ref[name]
             rel = ((value - want).norm() / want.norm().clamp_min(1e-12)).item()
@@ -54,13 +70,18 @@ def test_even_data_parallel_allreduce(tmp_path):
     check_equal(plan, tmp_path)
 
 
-def test_uneven_shares_with_zero_sample_replica_and_adamw(tmp_path):
+def uneven_adamw() -> Plan:
     # batch 7 in 2 micro-batches (4 + 3); shares 0.6/0.3/0.1 give one replica 0 samples.
-    plan = make_plan("mlp", [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
+    return make_plan("mlp", [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
                                    replicas=replicas(("a", 0.6), ("b", 0.3), ("c", 0.1)), sync="ring")],
                      batch_size=7, microbatches=2, optimizer="adamw")
-    assert 0 in plan.replica_samples(plan.groups[0], 1)
-    check_equal(plan, tmp_path)
+
+
+@pytest.mark.batched(plan=uneven_adamw)
+def test_uneven_shares_with_zero_sample_replica_and_adamw(plan_batch):
+    done = plan_batch.get(uneven_adamw)
+    assert 0 in done.plan.replica_samples(done.plan.groups[0], 1)
+    check_batched(done)
 
 
 def test_parameter_server_sync_on_a_device_without_replica_with_user_data(tmp_path):
@@ -74,27 +95,35 @@ def test_parameter_server_sync_on_a_device_without_replica_with_user_data(tmp_pa
     assert out["devices"] == ["a", "b", "c"]
 
 
-def test_hybrid_vgg_convs_replicated_and_recomputed_linears_on_one_device(tmp_path):
+def hybrid_vgg() -> Plan:
     from test_execute_models import TinyVGG
     names = fx_node_names(TinyVGG())
     convs = tuple(n for n in names if n.startswith("features"))
     linears = tuple(n for n in names if n.startswith("classifier"))
-    plan = make_plan("tiny_vgg", [
+    return make_plan("tiny_vgg", [
         Group(name="convs", nodes=convs, replicas=replicas(("a", 0.5), ("b", 0.3), ("c", 0.2)), sync="ring",
               recompute=True),
         Group(name="linears", nodes=linears, replicas=replicas(("c", 1.0)))], batch_size=10)
-    out = check_equal(plan, tmp_path)
+
+
+@pytest.mark.batched(plan=hybrid_vgg)
+def test_hybrid_vgg_convs_replicated_and_recomputed_linears_on_one_device(plan_batch):
+    out = check_batched(plan_batch.get(hybrid_vgg))
     assert any("sent" in k for k in out["per_rank"][0])
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_two_stage_pipeline_with_microbatches_and_residual(tmp_path, schedule):
+def two_stage_resmlp(schedule: str) -> Plan:
     # ResMLP has loose ops (a residual add, .relu()) that follow their producer's group.
-    plan = make_plan("resmlp", [
+    return make_plan("resmlp", [
         Group(name="stage0", nodes=("inp", "block.0", "block.1"), replicas=replicas(("a", 1.0))),
         Group(name="stage1", nodes=("out",), replicas=replicas(("b", 1.0)))],
         batch_size=12, microbatches=3, schedule=schedule)
-    check_equal(plan, tmp_path)
+
+
+@pytest.mark.batched(plan=two_stage_resmlp)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stage_pipeline_with_microbatches_and_residual(plan_batch, schedule):
+    check_batched(plan_batch.get(two_stage_resmlp, schedule=schedule))
 
 
 def test_a_model_the_capture_cannot_take_is_refused_before_any_rank_starts(tmp_path):
@@ -109,16 +138,20 @@ def test_a_model_the_capture_cannot_take_is_refused_before_any_rank_starts(tmp_p
     assert not list(tmp_path.glob("log_rank*"))
 
 
-def test_interleaved_groups_on_overlapping_replicas(tmp_path):
+def interleaved() -> Plan:
     # a → b → a, where a and b share device "a" with ranges that start together but end
     # apart ([0, 4) vs [0, 3) of 5), in 2 micro-batches.
     # (A group must be a contiguous piece of the graph, so the 'a' placement is two groups.)
-    plan = make_plan("mlp", [
+    return make_plan("mlp", [
         Group(name="a1", nodes=("fc1", "act1"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
         Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("a", 0.5), ("c", 0.5)), sync="ring"),
         Group(name="a2", nodes=("fc3",), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree")],
         batch_size=10, microbatches=2)
-    check_equal(plan, tmp_path)
+
+
+@pytest.mark.batched(plan=interleaved)
+def test_interleaved_groups_on_overlapping_replicas(plan_batch):
+    check_batched(plan_batch.get(interleaved))
     cyclic = make_plan("mlp", [
         Group(name="a", nodes=("fc1", "act1", "fc3"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
         Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("a", 0.5), ("c", 0.5)), sync="ring")])
@@ -127,29 +160,38 @@ def test_interleaved_groups_on_overlapping_replicas(tmp_path):
         run(cyclic, steps=1, predict=False, timeout_s=60)
 
 
-def test_hugging_face_llama_under_data_parallelism(tmp_path):
+def llama_data_parallel() -> Plan:
     args = {"hidden": 32, "layers": 2, "heads": 4, "ffn": 64, "vocab": 100, "positions": 64}
-    plan = Plan(strategy="test", model=ModelSpec(name="llama", args=args, batch_size=6, seq_len=16),
+    return Plan(strategy="test", model=ModelSpec(name="llama", args=args, batch_size=6, seq_len=16),
                 groups=(Group(name="all", nodes=("model.embed_tokens", "lm_head"), sync="ring",
                               replicas=replicas(("a", 0.5), ("b", 0.5))),)).validate()
-    check_equal(plan, tmp_path)
 
 
+@pytest.mark.batched(plan=llama_data_parallel)
+def test_hugging_face_llama_under_data_parallelism(plan_batch):
+    check_batched(plan_batch.get(llama_data_parallel))
+
+
+def amp_bf16(layout: str) -> Plan:
+    if layout == "data":
+        groups = [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
+                        replicas=replicas(("a", 0.3), ("b", 0.7)), sync="ring")]
+        return make_plan("mlp", groups, precision="amp-bf16", optimizer="adamw")
+    groups = [Group(name="s0", nodes=("fc1", "act1"), replicas=replicas(("a", 1.0))),
+              Group(name="s1", nodes=("fc2", "act2", "fc3"), replicas=replicas(("b", 1.0)))]
+    return make_plan("mlp", groups, precision="amp-bf16", microbatches=3, schedule="1f1b", optimizer="adamw")
+
+
+@pytest.mark.batched(plan=amp_bf16)
 @pytest.mark.parametrize("layout", ["data", "pipeline"])
-def test_amp_bf16_matches_single_process_autocast_within_bf16_tolerance(tmp_path, layout):
+def test_amp_bf16_matches_single_process_autocast_within_bf16_tolerance(plan_batch, layout):
     """amp-bf16 runs under torch.autocast (bf16 compute, fp32 master weights) on every rank;
     the CPU has autocast bf16, so this is the GPU code path. The ranks' sample splits round
     differently than one batch does (measured up to 3e-4), while training in fp32 ends more
     than 1e-3 away from the autocast reference (checked below), so 1e-3 tells them apart."""
-    if layout == "data":
-        groups = [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
-                        replicas=replicas(("a", 0.3), ("b", 0.7)), sync="ring")]
-        plan = make_plan("mlp", groups, precision="amp-bf16", optimizer="adamw")
-    else:
-        groups = [Group(name="s0", nodes=("fc1", "act1"), replicas=replicas(("a", 1.0))),
-                  Group(name="s1", nodes=("fc2", "act2", "fc3"), replicas=replicas(("b", 1.0)))]
-        plan = make_plan("mlp", groups, precision="amp-bf16", microbatches=3, schedule="1f1b", optimizer="adamw")
-    check_equal(plan, tmp_path, rel_tol=1e-3)
+    done = plan_batch.get(amp_bf16, layout=layout)
+    plan = done.plan
+    check_batched(done, rel_tol=1e-3)
     bf16 = reference_train(plan, steps=STEPS)
     fp32 = reference_train(dataclasses.replace(plan, precision="fp32"), steps=STEPS)
     assert max(((bf16[k] - fp32[k]).norm() / fp32[k].norm()).item() for k in fp32) > 1e-3

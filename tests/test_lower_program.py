@@ -174,10 +174,12 @@ def test_summary_counts_instructions_bytes_and_the_programs_peak():
 MODELS = "tests/test_execute_models.py"
 
 
-def _executed_matches_program(tmp_path, p):
-    from heterog.pipeline import run
+BATCH_RUN = dict(steps=1, timeout_s=60)    # the random plans below run in one launch
+
+
+def _executed_matches_program(done):
     from heterog.ir.plan import Plan
-    out = run(p, steps=1, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60)
+    p, out, tmp_path = done.plan, done.result(), done.out_dir
     prog = Program.load(tmp_path / "program.json")
     assert Plan.from_dict(prog.plan).groups[0].name == p.groups[0].name
     for rank, d in enumerate(out["devices"]):
@@ -200,9 +202,7 @@ def _executed_matches_program(tmp_path, p):
                            if isinstance(i, Compute) and i.phase == Phase.FORWARD and i.hi > i.lo]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["data", "hybrid", "gpipe", "1f1b", "ps"])
-def test_each_rank_executes_exactly_its_program(tmp_path, kind):
+def random_plan_of_kind(kind: str):
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
     rng = random.Random(kind)
     nodes = ("fc1", "act1", "fc2", "act2", "fc3")
@@ -222,10 +222,16 @@ def test_each_rank_executes_exactly_its_program(tmp_path, kind):
     else:
         groups = [Group(name="all", nodes=nodes, replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="ps",
                         ps_device="c")]
-    p = Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=12), groups=tuple(groups),
-             num_microbatches=3 if kind in ("gpipe", "1f1b") else 1,
-             schedule="1f1b" if kind == "1f1b" else "gpipe").validate()
-    _executed_matches_program(tmp_path, p)
+    return Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=12), groups=tuple(groups),
+                num_microbatches=3 if kind in ("gpipe", "1f1b") else 1,
+                schedule="1f1b" if kind == "1f1b" else "gpipe").validate()
+
+
+@pytest.mark.slow
+@pytest.mark.batched(plan=random_plan_of_kind)
+@pytest.mark.parametrize("kind", ["data", "hybrid", "gpipe", "1f1b", "ps"])
+def test_each_rank_executes_exactly_its_program(plan_batch, kind):
+    _executed_matches_program(plan_batch.get(random_plan_of_kind, kind=kind))
 
 
 def test_cli_lower_prints_per_device_counts_and_writes_a_program_simulate_accepts(tmp_path):

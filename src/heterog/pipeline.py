@@ -336,8 +336,10 @@ class _Prepared:
     launch: PlanLaunch
 
 
-def _prepare(plan: Plan, graphs: dict[str, Any], fault: dict[str, Any] | None) -> _Prepared:
-    """Lower one plan of run_many (the model captured once per model spec: `graphs`)."""
+def _prepare(plan: Plan, index: int, graphs: dict[str, Any], fault: dict[str, Any] | None, dump_params: bool,
+             out_dir: Path | None) -> _Prepared:
+    """Lower plan `index` of run_many (the model captured once per model spec: `graphs`);
+    its Program saved in its folder, as `run` saves it."""
     cluster, devices = _local_ranks(plan)
     if cluster.kind != "emulated":
         raise PlanError(f"run_many runs emulated clusters' plans on CPU processes; the plan's cluster "
@@ -345,22 +347,30 @@ def _prepare(plan: Plan, graphs: dict[str, Any], fault: dict[str, Any] | None) -
     key = json.dumps(plan.to_dict()["model"], sort_keys=True, default=str)
     program, graph, costs, local, covered = _lower_for_run(plan, cluster, False, graph=graphs.get(key))
     graphs[key] = graph
+    folder = f"plan{index}"
+    if out_dir is not None:
+        (out_dir / folder).mkdir(parents=True, exist_ok=True)
+        program.save(out_dir / folder / "program.json")
     launch = PlanLaunch(plan_doc=plan.to_dict(), program_doc=program.to_dict(), devices=devices,
-                        slowdowns=emulated_slowdowns(plan, cluster, devices, False), fault=fault)
+                        slowdowns=emulated_slowdowns(plan, cluster, devices, False), fault=fault,
+                        dump_params=dump_params, folder=folder)
     return _Prepared(plan=plan, covered=covered, cluster=cluster, local=local, graph=graph, costs=costs,
                      devices=devices, launch=launch)
 
 
 def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s: float = 60.0, seed: int = 0,
              warmup_steps: int = 1, predict: bool = True, out_dir: str | os.PathLike | None = None,
-             force: bool = False, faults: dict[int, dict[str, Any]] | None = None) -> list[PlanRun]:
+             force: bool = False, faults: dict[int, dict[str, Any]] | None = None,
+             dump_params: bool = False) -> list[PlanRun]:
     """Train `steps` steps of each plan, one after the other, in one launch of local rank
     processes (launcher.launch_local_many): the processes start, import torch and export each
     model once for all the plans, instead of once per plan as `run` does. For sweeps of many
     short runs (every candidate of a planner). Plans of emulated clusters only, their links
     not shaped; a plan that fails does not stop the others: each PlanRun holds its result (the
-    dict `run` returns) or its error, in the order given. out_dir keeps plan i's files in
-    `plan<i>/`. faults: a test hook, plan index → run's `fault`."""
+    dict `run` returns) or its error, in the order given. out_dir keeps plan i's files (its
+    Program, its ranks' results) in `plan<i>/`. faults: a test hook, plan index → run's
+    `fault`. dump_params: each rank also writes what `run(dump_params=True)` writes (its
+    parameters after the last step, the instructions it executed) into its plan's folder."""
     loaded = [p if isinstance(p, Plan) else Plan.load(p) for p in plans]
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
@@ -368,7 +378,8 @@ def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s
     prepared: list[_Prepared | Exception] = []
     for i, plan in enumerate(loaded):
         try:
-            prepared.append(_prepare(plan, graphs, (faults or {}).get(i)))
+            prepared.append(_prepare(plan, i, graphs, (faults or {}).get(i), dump_params,
+                                     Path(out_dir) if out_dir else None))
         except Exception as e:  # noqa: BLE001 - reported in that plan's PlanRun; the others run
             prepared.append(e)
     ready = [p for p in prepared if isinstance(p, _Prepared)]

@@ -140,6 +140,8 @@ class PlanLaunch:
     devices: tuple[str, ...]
     slowdowns: dict[str, float] = field(default_factory=dict)
     fault: dict[str, Any] | None = None     # test hook, as LaunchConfig.fault
+    dump_params: bool = False               # as LaunchConfig.dump_params, into the plan's folder
+    folder: str = ""                        # the plan's folder in the run's; plan<i> if empty
 
 
 def launch_local_many(plans: list[PlanLaunch], *, steps: int, timeout_s: float = 60.0, seed: int = 0,
@@ -173,9 +175,10 @@ def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path
     finished and for the first that failed."""
     world = max(len(plans[i].devices) for i in todo)
     wait_s = timeout_s * (steps + 3) + 60          # as launch_local's deadline, per plan
-    plan_dir = {i: work / f"plan{i}" for i in todo}
+    plan_dir = {i: work / (plans[i].folder or f"plan{i}") for i in todo}
     entries = [{"index": i, "devices": list(plans[i].devices), "program": plans[i].program_doc,
-                "slowdowns": plans[i].slowdowns, "fault": plans[i].fault, "out_dir": str(plan_dir[i]),
+                "slowdowns": plans[i].slowdowns, "fault": plans[i].fault,
+                "dump_params": plans[i].dump_params, "out_dir": str(plan_dir[i]),
                 "wait_s": wait_s} for i in todo]
     port = free_port()
     procs: list[subprocess.Popen] = []
