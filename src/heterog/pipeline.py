@@ -216,7 +216,10 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
                          "sent_bytes_total": r["sent_bytes"], "max_rss_bytes": r["max_rss_bytes"],
                          "torch_device": r.get("torch_device", "cpu"),
                          "peak_allocated_bytes": r.get("memory", {}).get("peak_allocated_bytes"),
-                         "peak_reserved_bytes": r.get("memory", {}).get("peak_reserved_bytes")})
+                         "peak_reserved_bytes": r.get("memory", {}).get("peak_reserved_bytes"),
+                         # an emulated device with a memory cap: its live tensors' peak
+                         "peak_live_bytes": r.get("peak_live_bytes"),
+                         "memory_cap_bytes": r.get("memory_cap_bytes")})
     losses = [sum(r["steps"][k]["loss"] for r in results) for k in range(steps)]
     return {"measured_iteration_time_s": statistics.median(per_step), "measured_steps": len(per_step),
             "per_rank": per_rank, "losses": losses}

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -46,17 +48,17 @@ class P2P:
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.timeout = timedelta(seconds=timeout_s)
-        self._pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor, int, Any]] = []
         self.sent_bytes = 0
         self.recv_wait_s = 0.0
 
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
         wait_for(work, rank=self.rank, peer=peer, timeout=self.timeout, what=what)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, key: Any = None) -> None:
         t = tensor.detach().contiguous()
         work = dist.isend(t, dst, tag=tag)
-        self._pending.append((work, t, dst))  # keep the buffer alive until it is sent
+        self._pending.append((work, t, dst, key))  # keep the buffer alive until it is sent
         self.sent_bytes += t.numel() * t.element_size()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
@@ -67,14 +69,14 @@ class P2P:
         self.recv_wait_s += time.perf_counter() - t0
         return buf
 
-    def send_with_header(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def send_with_header(self, tensor: torch.Tensor, dst: int, tag: int, key: Any = None) -> None:
         if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPES:
             raise RankError(self.rank, f"cannot send a {tensor.dim()}-d {tensor.dtype} tensor between "
                                        f"groups (at most {MAX_DIMS} dims of {len(_DTYPES)} dtypes).")
         values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
         header = torch.tensor(values + [0] * (2 + MAX_DIMS - len(values)), dtype=torch.int64, device=self.device)
-        self.isend(header, dst, tag)
-        self.isend(tensor, dst, tag + 1)
+        self.isend(header, dst, tag, key)
+        self.isend(tensor, dst, tag + 1, key)
 
     def recv_with_header(self, src: int, tag: int) -> torch.Tensor:
         header = self.recv((2 + MAX_DIMS,), torch.int64, src, tag).tolist()
@@ -82,8 +84,21 @@ class P2P:
         shape = tuple(header[2:2 + header[1]])
         return self.recv(shape, dtype, src, tag + 1)
 
+    def release(self, key: Any) -> None:
+        """Wait for the sends made with `key`, which the caller knows have arrived (gloo calls
+        a send complete only once waited for), and let go of their buffers."""
+        done = [p for p in self._pending if p[3] == key]
+        if done:
+            self._pending = [p for p in self._pending if p[3] != key]
+            for work, _, dst, _ in done:
+                self._wait(work, dst, "send")
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The buffers of sends not yet waited for (live memory)."""
+        return [p[1] for p in self._pending]
+
     def wait_all(self) -> None:
         """Wait for every send of the step (the receivers have posted theirs by now)."""
         pending, self._pending = self._pending, []
-        for work, _, dst in pending:
+        for work, _, dst, _ in pending:
             self._wait(work, dst, "send")

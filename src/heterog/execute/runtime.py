@@ -9,9 +9,15 @@ step. This module runs them one after another with torch:
   several blocks of one fused run (blocks cut only for gradient buckets, which exchange
   nothing with other devices in between) runs at the first of their computes in the program;
 - a compute's input is assembled from the pieces its instruction names: this rank's own
-  earlier outputs (sliced) or tensors a receive brought. Pieces from other blocks are detached
-  leaves, so a block's backward is one explicit `torch.autograd.backward` over its outputs
-  that received gradients; the leaves' gradients go back as the program's backward sends say;
+  earlier outputs (sliced) or tensors a receive brought. Pieces from other blocks enter
+  through a boundary (`Boundary`, graph_cut.py) that cuts the autograd graph, so a block's backward is one
+  explicit `torch.autograd.backward` over its outputs that received gradients; the input
+  gradients the boundaries catch go back as the program's backward sends say. The boundary
+  holds nothing of its input: a received tensor lives past its forward only if the stage
+  saved it for backward, as the memory model (lower/transfers.py) counts it. Likewise a
+  stage's outputs are kept only until their last reader here (a compute or a send) has run:
+  the backward starts from a `Sink` that takes the outputs' gradients from a slot, so it
+  needs no output tensor;
 - collectives start asynchronously (sync.py) when the program reaches them and are waited
   for at the optimizer step.
 
@@ -34,6 +40,7 @@ import torch.utils.checkpoint
 from heterog.errors import PlanError
 from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
+from heterog.execute.graph_cut import Boundary, GradientSlot, Sink, last_reads, transfer_key
 from heterog.execute.p2p import P2P
 from heterog.execute.partition import INPUT, Dataflow, Stage
 from heterog.execute.workload import Workload, slice_batch
@@ -56,8 +63,8 @@ class _Call:
     """A forward that ran here: what its backward needs."""
     stage: Stage
     lo: int
-    outs: Any
-    leaves: list[tuple[str, torch.Tensor, tuple[InputPiece, ...]]] = field(default_factory=list)
+    sinks: dict[str, tuple[GradientSlot, torch.Tensor]] = field(default_factory=dict)  # value → its backward
+    leaves: list[tuple[str, GradientSlot, tuple[InputPiece, ...]]] = field(default_factory=list)
     loss: torch.Tensor | None = None
     saved: list[torch.Tensor] = field(default_factory=list)   # what autograd saved (memory cap only)
 
@@ -84,6 +91,7 @@ class Interpreter:
         self.trace: list[tuple] = []
         self.samples: list[int] = []   # per forward compute: samples in the tensors it produced
         self.recorder = None      # execute.trace.StepRecorder: measured spans per instruction
+        self._anchor = torch.zeros((), requires_grad=True)     # Boundary's
         self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
         self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
         self.crossing = _crossing_values(program, flow, self.block_of_group)
@@ -97,6 +105,7 @@ class Interpreter:
         for n in program.microbatch_sizes:
             offsets.append(offsets[-1] + n)
         self.mb_offsets = offsets
+        self.drop_after = last_reads(self.instructions, flow, self.stages_of, self.first_compute, self.crossing)
 
     # -- helpers --------------------------------------------------------------------------
     def _timed(self, fn, *args, **kwargs):
@@ -131,6 +140,7 @@ class Interpreter:
         self._inbox: dict[tuple[int, str], torch.Tensor] = {}
         self._outbox: dict[tuple[int, str], torch.Tensor] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
+        self._meta: dict[tuple[str, int], GradientSlot] = {}    # a value's shape, for its gradient
         self._calls: dict[tuple[int, int], _Call] = {}
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
@@ -139,6 +149,8 @@ class Interpreter:
         for index, ins in enumerate(self.instructions):
             with self._span(ins):
                 self._run(index, ins)
+            for key in self.drop_after.get(index, ()):
+                self._env.pop(key, None)
             if self.memory_cap is not None:
                 live = self.live_bytes()
                 self.peak_live_bytes = max(self.peak_live_bytes, live.total_bytes)
@@ -178,8 +190,8 @@ class Interpreter:
         count = StorageCounter()
         params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
         state = self.optimizer.state.values() if self.optimizer else ()
-        held = (self._env, self._inbox, self._outbox, self._grads,
-                [(c.outs, c.saved, c.loss, [leaf for _, leaf, _ in c.leaves]) for c in self._calls.values()])
+        held = (self._env, self._inbox, self._outbox, self._grads, self.p2p.in_flight(),
+                [(c.saved, c.loss) for c in self._calls.values()])
         return LiveBytes(parameters_bytes=count.add(params),
                          gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
                          optimizer_state_bytes=count.add(tensors_in(list(state))),
@@ -233,10 +245,11 @@ class Interpreter:
             for key in [k for k in self._env if k[1] == m]:
                 del self._env[key]
 
-    def _gather(self, v: str, ins: Compute) -> tuple[Any, tuple[InputPiece, ...] | None]:
-        """Samples [ins.lo, ins.hi) of value v for a stage run by `ins`: (value, the pieces it
-        came in when it is a gradient leaf, else None). Values from other stages are detached
-        leaves: each stage's backward is explicit, and their gradients go back piece by piece."""
+    def _gather(self, v: str, ins: Compute) -> tuple[Any, tuple[GradientSlot, tuple[InputPiece, ...]] | None]:
+        """Samples [ins.lo, ins.hi) of value v for a stage run by `ins`: (value, where its
+        gradient lands and the pieces it came in, when it takes a gradient; else None). Values
+        from other stages enter through a Boundary: each stage's backward is explicit, and
+        their gradients go back piece by piece."""
         owner, m = self.flow.owner[v], ins.microbatch
         if owner == INPUT:
             lo = self.mb_offsets[m]
@@ -266,18 +279,18 @@ class Interpreter:
             return parts[0], None
         x = (parts[0] if len(parts) == 1 else torch.cat([t.detach() for t in parts])).detach()
         if x.is_floating_point():
-            x.requires_grad_(True)
-            return x, pieces
+            slot = GradientSlot(shape=x.shape, dtype=x.dtype, device=x.device)
+            return Boundary.apply(self._anchor, x, slot), (slot, pieces)
         return x, None
 
     def _forward(self, si: int, ins: Compute) -> None:
         s, m = self.flow.stages[si], ins.microbatch
         args, leaves = [], []
         for v in s.args:
-            x, pieces = self._gather(v, ins)
+            x, grad_in = self._gather(v, ins)
             args.append(x)
-            if pieces is not None:
-                leaves.append((v, x, pieces))
+            if grad_in is not None:
+                leaves.append((v, *grad_in))
         saved: list[torch.Tensor] = []
         with self.rank_device.autocast(self.precision), self._saving(saved):   # fp32 master weights
             if self.program.blocks[ins.block].recompute:
@@ -286,7 +299,13 @@ class Interpreter:
             else:
                 out = self._timed(s.module, *args)
         self._env[(s.value, m)] = out
-        call = _Call(stage=s, lo=ins.lo, outs=out, leaves=leaves, saved=saved)
+        call = _Call(stage=s, lo=ins.lo, leaves=leaves, saved=saved)
+        for v in self._values_of(s):
+            t = self._value(v, m)
+            if isinstance(t, torch.Tensor):
+                slot = self._meta[(v, m)] = GradientSlot(shape=t.shape, dtype=t.dtype, device=t.device)
+                if t.requires_grad:
+                    call.sinks[v] = (slot, Sink.apply(t, slot))
         flow = self.flow
         if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
             y = self._value(flow.output, m)
@@ -307,16 +326,16 @@ class Interpreter:
         if call.loss is not None:
             roots.append(call.loss)
             root_grads.append(None)
-        for v in self._values_of(s):
+        for v, (slot, sink) in call.sinks.items():
             g = self._grads.pop((v, m), None)
-            t = self._value(v, m)
-            if g is not None and isinstance(t, torch.Tensor) and t.requires_grad:
-                roots.append(t)
-                root_grads.append(g)
+            if g is not None:
+                slot.grad = g
+                roots.append(sink)
+                root_grads.append(None)
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
-        for v, leaf, pieces in call.leaves:       # input gradients back to their producers
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        for v, slot, pieces in call.leaves:       # input gradients back to their producers
+            g = slot.gradient()
             for p in pieces:
                 part = g[p.lo - call.lo:p.hi - call.lo]
                 if p.tag is None:
@@ -331,7 +350,8 @@ class Interpreter:
     def _add_grad(self, v: str, m: int, lo: int, hi: int, g: torch.Tensor) -> None:
         buf = self._grads.get((v, m))
         if buf is None:
-            buf = self._grads[(v, m)] = torch.zeros_like(self._value(v, m))
+            meta = self._meta[(v, m)]
+            buf = self._grads[(v, m)] = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
         buf[lo:hi] += g
 
     # -- transfers ----------------------------------------------------------------------------
@@ -346,7 +366,8 @@ class Interpreter:
             if ins.phase == Phase.FORWARD:
                 lo, hi = self.range_of[(ins.src_block, ins.microbatch)]
                 local = self._value(v, ins.microbatch)
-                self.p2p.send_with_header(self._slice(local, v, ins.lo - lo, ins.hi - lo, hi - lo), peer, tag)
+                self.p2p.send_with_header(self._slice(local, v, ins.lo - lo, ins.hi - lo, hi - lo), peer, tag,
+                                          key=transfer_key(ins))
             else:
                 self.p2p.send_with_header(self._outbox.pop((ins.tag, v)), peer, tag)
 
@@ -363,6 +384,8 @@ class Interpreter:
             else:
                 lo = self.range_of[(ins.src_block, ins.microbatch)][0]
                 self._add_grad(v, ins.microbatch, ins.lo - lo, ins.hi - lo, x)
+        if ins.phase == Phase.BACKWARD:     # the peer has used what this rank sent it forward
+            self.p2p.release(transfer_key(ins))
 
 
 def _stages_of_blocks(program: Program, flow: Dataflow, instructions):

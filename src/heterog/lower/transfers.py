@@ -3,7 +3,11 @@
 Replicas own contiguous sample ranges of a micro-batch in replica order, so the samples
 replica i of a producer block shares with replica j of a consumer move i → j (blocks.py
 `moves_between`): activations forward, their gradients backward, each a transfer task over
-cluster.path, or a plain dependency where nothing crosses a link. A pair of blocks with many
+cluster.path, or a plain dependency where nothing crosses a link. Memory, as the executor holds
+it: the receiver holds a tensor from its transfer's start until the task that reads it ends;
+the sender holds an activation from the task that makes it until the gradient of the same
+move has come back (gloo calls a send complete only once waited for, and the executor waits
+for it then), and a gradient it sends until that transfer ends. A pair of blocks with many
 moves adds them as array chunks from a per-pair template (PairTransfers, cached: the search
 re-scores the same pairs constantly); a pair with a few adds them row by row.
 """
@@ -107,7 +111,8 @@ def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: list, span_a, span_b,
         dep(xb, ba)
         tasks.key.extend((-1, -1))
         tasks.mb.extend((m, m))
-        # the receiver holds the tensor until the task that reads it ends
+        # the receiver holds the tensor until the task that reads it ends; the sender holds
+        # an activation until its gradient is back, a gradient until it has left
         mem(xf, True, db, nbytes)
         mem(xb, True, da, nbytes)
         comm[xf] = ((da, db), nbytes, bi)
@@ -117,6 +122,10 @@ def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: list, span_a, span_b,
         dep(bb, xb)
         mem(fb, False, db, -nbytes)
         mem(ba, False, da, -nbytes)
+        mem(fa, False, da, nbytes)
+        mem(xb, False, da, -nbytes)
+        mem(bb, False, db, nbytes)
+        mem(xb, False, db, -nbytes)
 
 
 class PairTransfers(NamedTuple):
@@ -155,7 +164,8 @@ def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b:
         xf, xb = (2, len(dur)), (2, len(dur) + 1)
         edges += [(xf, fb), (xb, ba), (fa, xf), (bb, xb)]
         starts += [(xf, db, nbytes), (xb, da, nbytes)]
-        ends += [(fb, db, -nbytes), (ba, da, -nbytes)]
+        ends += [(fb, db, -nbytes), (ba, da, -nbytes), (fa, da, nbytes), (xb, da, -nbytes),
+                 (bb, db, nbytes), (xb, db, -nbytes)]
         dur += [t_f, t_b]
         links += [path, back]
         comm += [((da, db), nbytes, bi), ((db, da), nbytes, a)]
