@@ -81,9 +81,7 @@ class NumberedSets:
             self._flat = [_flatten(rows) for rows in self._parts]
         flat, start, length = self._flat[part]
         per_set = length[sets]
-        ends = np.cumsum(per_set)
-        shift = np.repeat(start[sets] - (ends - per_set), per_set)
-        return flat[np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + shift], per_set
+        return flat[id_runs(start[sets], per_set)], per_set
 
     def rows(self, n: int, tasks: np.ndarray, sets: np.ndarray, part: int) -> tuple[np.ndarray, np.ndarray]:
         """Compressed rows (pointer, index) over n tasks: row t of `tasks` (increasing) is the
@@ -94,6 +92,15 @@ class NumberedSets:
         ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=ptr[1:])
         return ptr, values
+
+
+def id_runs(firsts, counts) -> np.ndarray:
+    """The ids firsts[i], firsts[i] + 1, …, firsts[i] + counts[i] − 1 of every run i, one run
+    after the other (numpy, no Python loop)."""
+    count = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(count)
+    total = int(ends[-1]) if len(ends) else 0
+    return np.repeat(np.asarray(firsts, dtype=np.int64) - (ends - count), count) + np.arange(total, dtype=np.int64)
 
 
 def _flatten(rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

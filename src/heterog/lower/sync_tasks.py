@@ -13,7 +13,7 @@ import numpy as np
 
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.context import ClusterInfo, CostTable, id_runs
 from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
 
 
@@ -218,9 +218,7 @@ def _after_backwards(tasks: Tasks, Bk, waits: list[tuple[int, tuple[int, ...]]])
         syncs.append(n_s)
     if not waits:
         return
-    count = np.array(counts, dtype=np.int64)
-    ends = np.cumsum(count)
-    src = np.repeat(np.array(firsts, dtype=np.int64) - (ends - count), count) + np.arange(int(ends[-1]), dtype=np.int64)
+    src = id_runs(firsts, counts)
     tasks.edges.add_chunk(0, (src, np.repeat(np.array([s for s, _ in waits], dtype=np.int64), syncs)))
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, stage_limits
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.context import ClusterInfo, CostTable, id_runs
 from heterog.lower.sync_tasks import sync_and_step
 from heterog.lower.columns import block_columns
 from heterog.lower.taskgraph import BWD, FWD, ComputeRun, CopyRun, Tasks, make_room, rep_id
@@ -160,8 +160,7 @@ def _forward_before_backward(tasks: Tasks, spans: list[tuple[int, int]]) -> None
     forward's first edge: its transfers' come after)."""
     first = np.array([b0 for b0, _n in spans], dtype=np.int64)
     count = np.array([n for _b0, n in spans], dtype=np.int64)
-    ends = np.cumsum(count)
-    fwd = np.repeat(first - count - (ends - count), count) + np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+    fwd = id_runs(first - count, count)
     tasks.edges.add_chunk(0, (fwd, fwd + np.repeat(count, count)))
 
 
@@ -180,9 +179,7 @@ def _backwards_by_device(tasks: Tasks, Bk: "Backwards") -> dict[int, np.ndarray]
             devs.append(cols.kept_dev)
             n_m += n
         mbs.append(n_m)
-    count = np.array(counts, dtype=np.int64)
-    ends = np.cumsum(count)
-    bwd = np.repeat(np.array(firsts, dtype=np.int64) - (ends - count), count) + np.arange(int(ends[-1]) if len(ends) else 0)
+    bwd = id_runs(firsts, counts)
     dev = np.concatenate(devs) if devs else np.zeros(0, dtype=np.int64)
     by_dev = np.argsort(dev, kind="stable")
     uniq, first, n_of = np.unique(dev[by_dev], return_index=True, return_counts=True)
