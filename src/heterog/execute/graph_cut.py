@@ -27,8 +27,11 @@ class GradientSlot:
     device: torch.device
     grad: torch.Tensor | None = None
 
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
     def gradient(self) -> torch.Tensor:
-        return self.grad if self.grad is not None else torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.grad if self.grad is not None else self.zeros()
 
 
 class Boundary(torch.autograd.Function):

@@ -2,7 +2,8 @@
 
 Gloo's blocking send waits for the matching receive, and a hand-written pipeline with
 blocking sends deadlocks (TOOLCHAIN.md). Here every send is an `isend` whose handle is kept
-until the end of the step, and only receives block — each with the run's timeout. Every
+until the end of the step, or until the caller knows it arrived (`release`: a forward
+activation once its gradient is back), and only receives block — each with the run's timeout. Every
 rank walks the same global order of events (Executor.events: forwards in topological order,
 backwards in reverse, GPipe or 1F1B interleaving), skipping those that are not its own, and
 a receive only waits for a value produced by an earlier event in that order, so by
@@ -17,7 +18,6 @@ A data message is preceded by a small header (dtype, shape) so the receiver can 
 from __future__ import annotations
 
 from datetime import timedelta
-
 from typing import Any
 
 import torch
@@ -48,7 +48,8 @@ class P2P:
         self.rank = rank
         self.device = device or torch.device("cpu")
         self.timeout = timedelta(seconds=timeout_s)
-        self._pending: list[tuple[dist.Work, torch.Tensor, int, Any]] = []
+        # sends not yet waited for, by the key they were made with (None: none given)
+        self._pending: dict[Any, list[tuple[dist.Work, torch.Tensor, int]]] = {}
         self.sent_bytes = 0
         self.recv_wait_s = 0.0
 
@@ -58,7 +59,7 @@ class P2P:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, key: Any = None) -> None:
         t = tensor.detach().contiguous()
         work = dist.isend(t, dst, tag=tag)
-        self._pending.append((work, t, dst, key))  # keep the buffer alive until it is sent
+        self._pending.setdefault(key, []).append((work, t, dst))  # keep the buffer alive until it is sent
         self.sent_bytes += t.numel() * t.element_size()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
@@ -87,18 +88,16 @@ class P2P:
     def release(self, key: Any) -> None:
         """Wait for the sends made with `key`, which the caller knows have arrived (gloo calls
         a send complete only once waited for), and let go of their buffers."""
-        done = [p for p in self._pending if p[3] == key]
-        if done:
-            self._pending = [p for p in self._pending if p[3] != key]
-            for work, _, dst, _ in done:
-                self._wait(work, dst, "send")
+        for work, _, dst in self._pending.pop(key, ()):
+            self._wait(work, dst, "send")
 
     def in_flight(self) -> list[torch.Tensor]:
         """The buffers of sends not yet waited for (live memory)."""
-        return [p[1] for p in self._pending]
+        return [t for sends in self._pending.values() for _, t, _ in sends]
 
     def wait_all(self) -> None:
         """Wait for every send of the step (the receivers have posted theirs by now)."""
-        pending, self._pending = self._pending, []
-        for work, _, dst, _ in pending:
-            self._wait(work, dst, "send")
+        pending, self._pending = self._pending, {}
+        for sends in pending.values():
+            for work, _, dst in sends:
+                self._wait(work, dst, "send")

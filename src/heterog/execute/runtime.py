@@ -140,7 +140,7 @@ class Interpreter:
         self._inbox: dict[tuple[int, str], torch.Tensor] = {}
         self._outbox: dict[tuple[int, str], torch.Tensor] = {}
         self._grads: dict[tuple[str, int], torch.Tensor] = {}
-        self._meta: dict[tuple[str, int], GradientSlot] = {}    # a value's shape, for its gradient
+        self._slots: dict[tuple[str, int], GradientSlot] = {}    # a value's shape, for its gradient
         self._calls: dict[tuple[int, int], _Call] = {}
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
@@ -303,7 +303,7 @@ class Interpreter:
         for v in self._values_of(s):
             t = self._value(v, m)
             if isinstance(t, torch.Tensor):
-                slot = self._meta[(v, m)] = GradientSlot(shape=t.shape, dtype=t.dtype, device=t.device)
+                slot = self._slots[(v, m)] = GradientSlot(shape=t.shape, dtype=t.dtype, device=t.device)
                 if t.requires_grad:
                     call.sinks[v] = (slot, Sink.apply(t, slot))
         flow = self.flow
@@ -350,8 +350,7 @@ class Interpreter:
     def _add_grad(self, v: str, m: int, lo: int, hi: int, g: torch.Tensor) -> None:
         buf = self._grads.get((v, m))
         if buf is None:
-            meta = self._meta[(v, m)]
-            buf = self._grads[(v, m)] = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
+            buf = self._grads[(v, m)] = self._slots[(v, m)].zeros()
         buf[lo:hi] += g
 
     # -- transfers ----------------------------------------------------------------------------
