@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from heterog.errors import ArtifactError
 
@@ -63,3 +63,37 @@ def parse_artifact(text: str, kind: str, version: int, *, source: str = "<string
             f"{source}: {kind} schema version {doc.get('version')!r} is not supported "
             f"(this heterog reads version {version}); re-create the file with this version.")
     return doc
+
+
+class Artifact:
+    """Save, load, from_json and to_json for every versioned artifact class, written once so
+    that each artifact is written atomically and read with the same kind/version checks and
+    error messages.
+
+    A subclass names its kind and schema version in its class statement,
+    `class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION)`, and supplies `to_dict()` (the
+    body) and `from_dict(doc, source=...)`, which validates the body and names `source` in its
+    errors; its default `source` (e.g. "<plan>") stands for a document given as a string."""
+
+    __slots__ = ()
+    KIND: ClassVar[str]
+    SCHEMA_VERSION: ClassVar[int]
+
+    def __init_subclass__(cls, *, kind: str, version: int, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.KIND, cls.SCHEMA_VERSION = kind, version
+
+    def to_json(self) -> str:
+        """The whole document (kind, version, body) on one line."""
+        return json.dumps({"kind": self.KIND, "version": self.SCHEMA_VERSION, **self.to_dict()})
+
+    def save(self, path: str | os.PathLike) -> None:
+        save_artifact(path, self.KIND, self.SCHEMA_VERSION, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Self:
+        return cls.from_dict(load_artifact(path, cls.KIND, cls.SCHEMA_VERSION), str(path))
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        return cls.from_dict(parse_artifact(text, cls.KIND, cls.SCHEMA_VERSION))

@@ -130,14 +130,24 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def time_unit(seconds: float) -> tuple[float, str]:
+    """(factor, unit) to show a duration in: s from 1 s, ms from 1 ms, µs below. One rule
+    for every time heterog prints, the report's axis ticks included."""
+    if seconds >= 1:
+        return 1.0, "s"
+    if seconds >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "µs"
+
+
+_TIME_DECIMALS = {"s": 3, "ms": 2, "µs": 1}
+
+
 def human_time(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "—"
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} µs"
+    factor, unit = time_unit(seconds)
+    return f"{seconds * factor:.{_TIME_DECIMALS[unit]}f} {unit}"
 
 
 def human_flops(f: float) -> str:

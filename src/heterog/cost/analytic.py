@@ -384,27 +384,11 @@ class AnalyticCostModel:
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         return comm.p2p_time_s(self.cluster, nbytes, src, dst)
 
-    # Every collective time is affine in the bytes (each step: a latency plus the most loaded
-    # link's bytes over its bandwidth, the loads all proportional to the buffer), so it is
-    # computed once per (op, method, members) at two sizes and interpolated exactly after.
-    def _affine(self, key: tuple, fn) -> tuple[float, float]:
-        return comm.affine_in_bytes(self._comm_cache, key, fn)
-
     def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
-        if nbytes <= 0 or len(set(devices)) <= 1:
-            return 0.0
-        members = tuple(devices)
-        fixed, per_byte = self._affine(("c", op, method, members), lambda b: comm.collective_time_s(
-            self.cluster, op, b, members, method))
-        return fixed + per_byte * nbytes
+        return comm.cached_collective_time_s(self._comm_cache, self.cluster, op, nbytes, devices, method)
 
     def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:
-        if nbytes <= 0:
-            return 0.0
-        members = tuple(devices)
-        fixed, per_byte = self._affine(("ps", server, members), lambda b: comm.ps_sync_time_s(
-            self.cluster, b, members, server))
-        return fixed + per_byte * nbytes
+        return comm.cached_ps_sync_time_s(self._comm_cache, self.cluster, nbytes, devices, server)
 
     # -- memory ----------------------------------------------------------------------------------
     def persistent_bytes(self, nodes: Sequence[str], device: str) -> float:

@@ -189,3 +189,29 @@ def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], serv
     push = step_time_s(cluster, ((d, server, nbytes) for d in others))
     pull = step_time_s(cluster, ((server, d, nbytes) for d in others))
     return push + pull
+
+
+# What a cost model calls. Every collective time is affine in the bytes (each step: a latency
+# plus the most loaded link's bytes over its bandwidth, the loads all proportional to the
+# buffer), so each (op, method, members) is timed once at two sizes and interpolated exactly
+# after. The caller owns `cache`; its keys name the members, not the cluster, so one cache
+# serves one cluster per set of members.
+
+def cached_collective_time_s(cache: dict, cluster: Cluster, op: str, nbytes: float,
+                             devices: Sequence[str], method: str = "ring") -> float:
+    if nbytes <= 0 or len(set(devices)) <= 1:
+        return 0.0
+    members = tuple(devices)
+    fixed, per_byte = affine_in_bytes(cache, ("c", op, method, members),
+                                      lambda b: collective_time_s(cluster, op, b, members, method))
+    return fixed + per_byte * nbytes
+
+
+def cached_ps_sync_time_s(cache: dict, cluster: Cluster, nbytes: float, devices: Sequence[str],
+                          server: str) -> float:
+    if nbytes <= 0:
+        return 0.0
+    members = tuple(devices)
+    fixed, per_byte = affine_in_bytes(cache, ("ps", server, members),
+                                      lambda b: ps_sync_time_s(cluster, b, members, server))
+    return fixed + per_byte * nbytes

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from heterog.errors import ArtifactError, GraphError
 from heterog.ir.affine import ZERO, Affine
-from heterog.jsonio import load_artifact, parse_artifact, save_artifact
+from heterog.jsonio import Artifact
 
 SCHEMA_VERSION = 1
 KIND = "heterog.OpGraph"
@@ -106,7 +106,7 @@ class Tie:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OpGraph:
+class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
     model: str
     batch_size: int                 # the reference batch the capture ran at
     seq_len: int | None = None
@@ -173,7 +173,7 @@ class OpGraph:
 
     def fingerprint(self) -> str:
         """Identifies the model structure and costs; a Plan records it to detect mismatches."""
-        body = json.dumps(self._body(include_meta=False), sort_keys=True).encode()
+        body = json.dumps(self.to_dict(include_meta=False), sort_keys=True).encode()
         return hashlib.sha256(body).hexdigest()[:16]
 
     # -- validation -----------------------------------------------------------------------
@@ -258,7 +258,7 @@ class OpGraph:
         return None
 
     # -- serialisation ------------------------------------------------------------------------
-    def _body(self, include_meta: bool = True) -> dict[str, Any]:
+    def to_dict(self, include_meta: bool = True) -> dict[str, Any]:
         body = {
             "model": self.model,
             "batch_size": self.batch_size,
@@ -275,22 +275,8 @@ class OpGraph:
             body["meta"] = self.meta
         return body
 
-    def to_json(self) -> str:
-        return json.dumps({"kind": KIND, "version": SCHEMA_VERSION, **self._body()})
-
-    def save(self, path) -> None:
-        save_artifact(path, KIND, SCHEMA_VERSION, self._body())
-
     @staticmethod
-    def load(path) -> "OpGraph":
-        return OpGraph._from_doc(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
-
-    @staticmethod
-    def from_json(text: str) -> "OpGraph":
-        return OpGraph._from_doc(parse_artifact(text, KIND, SCHEMA_VERSION), "<graph>")
-
-    @staticmethod
-    def _from_doc(doc: dict[str, Any], source: str) -> "OpGraph":
+    def from_dict(doc: dict[str, Any], source: str = "<graph>") -> "OpGraph":
         try:
             raw_nodes = doc["nodes"]
             raw_edges = doc["edges"]

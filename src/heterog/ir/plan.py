@@ -9,7 +9,6 @@ devices is data parallelism; a subset is hybrid.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
@@ -18,7 +17,7 @@ from typing import Any, Callable
 
 from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
 from heterog.errors import ArtifactError, PlanError
-from heterog.jsonio import load_artifact, parse_artifact, save_artifact
+from heterog.jsonio import Artifact
 from heterog.userfile import locate, register_location
 
 SCHEMA_VERSION = 1
@@ -99,7 +98,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
     strategy: str                   # 'even-dp-allreduce', 'search', ... (see search/)
     model: ModelSpec
     precision: str = "fp32"
@@ -215,23 +214,15 @@ class Plan:
             out[f.name] = v
         return out
 
-    def to_json(self) -> str:
-        return json.dumps({"kind": KIND, "version": SCHEMA_VERSION, **self.to_dict()})
-
     def save(self, path) -> None:
         """Write the plan; a user model file is recorded relative to the plan file, with its
         content hash, so the plan can be used from another folder or node (portable_model)."""
-        plan = replace(self, model=portable_model(self.model, Path(path).parent))
-        save_artifact(path, KIND, SCHEMA_VERSION, plan.to_dict())
+        Artifact.save(replace(self, model=portable_model(self.model, Path(path).parent)), path)
 
-    @staticmethod
-    def load(path) -> "Plan":
-        plan = Plan.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
+    @classmethod
+    def load(cls, path) -> "Plan":
+        plan = super().load(path)
         return replace(plan, model=resolve_model(plan.model, Path(path).parent, source=str(path)))
-
-    @staticmethod
-    def from_json(text: str) -> "Plan":
-        return Plan.from_dict(parse_artifact(text, KIND, SCHEMA_VERSION), "<plan>")
 
     @staticmethod
     def from_dict(doc: dict[str, Any], source: str = "<plan>") -> "Plan":

@@ -27,7 +27,7 @@ from typing import Any
 
 from heterog.errors import ArtifactError, PlanError
 from heterog.ir.kinds import InstructionKind, Phase, SyncMethod
-from heterog.jsonio import load_artifact, parse_artifact, save_artifact
+from heterog.jsonio import Artifact
 
 KIND = "heterog.Program"
 SCHEMA_VERSION = 1
@@ -133,7 +133,7 @@ class BlockInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Program:
+class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
     devices: tuple[str, ...]                          # rank r ↔ devices[r]
     blocks: tuple[BlockInfo, ...]
     microbatch_sizes: tuple[int, ...]
@@ -176,17 +176,6 @@ class Program:
                 "initial_bytes": self.initial_bytes,
                 "instructions": {d: [ins(i) for i in lst] for d, lst in self.instructions.items()},
                 "plan": self.plan}
-
-    def save(self, path) -> None:
-        save_artifact(path, KIND, SCHEMA_VERSION, self.to_dict())
-
-    @staticmethod
-    def load(path) -> "Program":
-        return Program.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
-
-    @staticmethod
-    def from_json(text: str) -> "Program":
-        return Program.from_dict(parse_artifact(text, KIND, SCHEMA_VERSION), "<program>")
 
     @staticmethod
     def from_dict(doc: dict[str, Any], source: str = "<program>") -> "Program":

@@ -26,7 +26,7 @@ from typing import Any
 
 from heterog.cost.profile import Profile
 from heterog.errors import ArtifactError
-from heterog.jsonio import load_artifact, save_artifact
+from heterog.jsonio import Artifact
 
 KIND = "heterog.DeviceProfile"
 SCHEMA_VERSION = 1
@@ -45,7 +45,7 @@ def _positive(where: str, v: Any) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DeviceProfile:
+class DeviceProfile(Artifact, kind=KIND, version=SCHEMA_VERSION):
     device: dict[str, str]
     gemm: tuple[dict[str, Any], ...] = ()
     copy: dict[str, float] | None = None
@@ -69,13 +69,6 @@ class DeviceProfile:
                 "host": self.host, "comm": self.comm, "steps": [dict(s) for s in self.steps],
                 "nodes": None if self.nodes is None else self.nodes.to_dict(), "host_speed": self.host_speed,
                 "meta": self.meta}
-
-    def save(self, path: str | Path) -> None:
-        save_artifact(path, KIND, SCHEMA_VERSION, self.to_dict())
-
-    @staticmethod
-    def load(path: str | Path) -> "DeviceProfile":
-        return DeviceProfile.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
 
     @staticmethod
     def from_dict(doc: dict[str, Any], source: str = "<device profile>") -> "DeviceProfile":

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from html import escape
 from typing import Iterable, Sequence
 
+from heterog.cli.output import time_unit
+
 LABEL_PX = 150
 ROW_PX = 22
 AXIS_PX = 22
@@ -69,11 +71,8 @@ def _nice_step(span: float, ticks: int = 6) -> float:
 def _fmt_time(t: float) -> str:
     if t == 0:
         return "0"
-    if t >= 1:
-        return f"{t:g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:g} ms"
-    return f"{t * 1e6:g} µs"
+    factor, unit = time_unit(t)
+    return f"{t * factor:g} {unit}"
 
 
 def timeline_svg(rows: Sequence[Row], duration_s: float, *, width_px: int, title: str,
