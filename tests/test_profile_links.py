@@ -10,7 +10,7 @@ import torch
 
 from heterog.capture import capture_model
 from heterog.cost import build_cost_model
-from heterog.cost.profile import LinkCalibratedCosts, LinkCalibration, ProfileError
+from heterog.cost.profile import LinkCalibratedCosts, LinkCalibration, LinkScope, ProfileError
 from heterog.demo import SCENARIOS
 from heterog.execute.workload import resolve_workload
 from heterog.ir.plan import ModelSpec
@@ -93,6 +93,34 @@ def test_calibrated_links_slow_only_what_crosses_the_measured_nic():
     bw = cluster.bottleneck_bandwidth_bytes_per_s("a/cpu0", "b/cpu0") * 0.5
     assert costs.transfer_time_s(big, "a/cpu0", "b/cpu0") == pytest.approx(
         cluster.latency_s("a/cpu0", "b/cpu0") + big / bw, rel=1e-6)
+
+
+def test_an_intra_node_calibration_slows_only_the_node_s_own_ports():
+    sc = SCENARIOS["lm-slow-link"]
+    cluster = sc.cluster()
+    base = build_cost_model(capture_model("gpt2", GPT2, batch_size=4, seq_len=8), cluster)
+    cal = LinkCalibration(node="a", one_way_efficiency=0.5, duplex_efficiency=0.25, latency_s=0.0,
+                          scope=LinkScope.INTRA)
+    costs = LinkCalibratedCosts(base, cluster, (cal,))
+    big = 64 * 2**20
+    pair = ["a/cpu0", "a/cpu1"]
+    assert costs.transfer_time_s(big, *pair) == pytest.approx(2 * base.transfer_time_s(big, *pair), rel=0.01)
+    assert costs.collective_time_s("allreduce", big, pair) == pytest.approx(
+        4 * base.collective_time_s("allreduce", big, pair), rel=0.01)
+    # across b's NIC (25 MB/s) the loopback ports are nowhere near the bottleneck
+    assert costs.transfer_time_s(big, "a/cpu0", "b/cpu0") == pytest.approx(
+        base.transfer_time_s(big, "a/cpu0", "b/cpu0"), rel=0.01)
+
+
+def test_loopback_between_two_ranks_is_measured_without_root():
+    from heterog.profile.links import LinkMeasurementError, calibrate_links, measure_intra_link
+    cluster = SCENARIOS["lm-slow-link"].cluster()
+    (cal, m), = calibrate_links(cluster, nics=False)
+    assert (cal.node, cal.scope) == ("a", LinkScope.INTRA)
+    assert m.nominal_bandwidth_bytes_per_s == pytest.approx(2e9)      # the cpu type's declared rate
+    assert m.one_way_bandwidth_bytes_per_s > 1e7 and m.ring_bandwidth_bytes_per_s > 1e7
+    with pytest.raises(LinkMeasurementError, match="not two devices of one node"):
+        measure_intra_link(cluster, "a/cpu0", "b/cpu0")
 
 
 def test_the_simulator_and_planner_take_calibrated_costs():

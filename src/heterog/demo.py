@@ -152,23 +152,24 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
 
 
 def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) -> tuple[Any, tuple]:
-    """Costs whose communication uses the shaped links as measured, and the measurements;
-    the costs unchanged where links are not shaped here (not root, one node, not emulated)."""
+    """Costs whose communication uses the emulated cluster's links as measured — the
+    intra-node loopback always, the shaped NICs as root — and the measurements; the costs
+    unchanged on a cluster that is not emulated."""
     import os
 
     from heterog.cost.profile import LinkCalibratedCosts
     from heterog.profile.links import LinkMeasurementError, calibrate_links
-    if cluster.kind != "emulated" or len(cluster.nodes) < 2 or os.geteuid() != 0:
+    if cluster.kind != "emulated":
         return costs, ()
     try:
-        pairs = calibrate_links(cluster, say=say)
+        pairs = calibrate_links(cluster, nics=os.geteuid() == 0, say=say)
     except LinkMeasurementError as e:
         say(f"links not calibrated ({e})")
         return costs, ()
     if not pairs:
         return costs, ()
     return (LinkCalibratedCosts(costs, cluster, tuple(c for c, _ in pairs)),
-            tuple({**m.to_dict(), "node": c.node} for c, m in pairs))
+            tuple({**m.to_dict(), "node": c.node, "scope": str(c.scope)} for c, m in pairs))
 
 
 def predict(setup: Setup, plan: Plan) -> float:

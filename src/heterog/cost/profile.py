@@ -20,12 +20,13 @@ import math
 import warnings
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import StrEnum
 from typing import Any
 
 from heterog.cost import comm
 from heterog.errors import ArtifactError
-from heterog.jsonio import load_artifact, parse_artifact, save_artifact
+from heterog.hardware.cluster import Cluster
+from heterog.jsonio import Artifact
 
 KIND = "heterog.Profile"
 SCHEMA_VERSION = 1
@@ -37,7 +38,7 @@ class ProfileError(ArtifactError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Profile:
+class Profile(Artifact, kind=KIND, version=SCHEMA_VERSION):
     model: str = ""
     precision: str = "fp32"
     graph_fingerprint: str = ""
@@ -75,17 +76,6 @@ class Profile:
         return {"model": self.model, "precision": self.precision, "graph_fingerprint": self.graph_fingerprint,
                 "times": {n: {g: {p: [list(x) for x in pts] for p, pts in ph.items()} for g, ph in by.items()}
                           for n, by in self.times.items()}}
-
-    def save(self, path: str | Path) -> None:
-        save_artifact(path, KIND, SCHEMA_VERSION, self.to_dict())
-
-    @staticmethod
-    def load(path: str | Path) -> "Profile":
-        return Profile.from_dict(load_artifact(path, KIND, SCHEMA_VERSION), str(path))
-
-    @staticmethod
-    def from_json(text: str) -> "Profile":
-        return Profile.from_dict(parse_artifact(text, KIND, SCHEMA_VERSION), "<profile>")
 
     @staticmethod
     def from_dict(doc: dict[str, Any], source: str = "<profile>") -> "Profile":
@@ -126,17 +116,26 @@ class Profile:
 
 # -- links as measured -----------------------------------------------------------------------------
 
+class LinkScope(StrEnum):
+    """Which link of a node a calibration measured: its NIC (to other nodes) or the ports
+    between its own devices (intra-node)."""
+    NIC = "nic"
+    INTRA = "intra"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkCalibration:
-    """What one node's NIC carried when measured (profile/links.py), relative to what the
-    cluster declares: payload bandwidth one way and with both directions busy, and the fixed
-    time of one message. A tc-shaped NIC carries less than its nominal rate (frame headers
-    and the other direction's ACKs take tokens), and less again when a ring step sends and
-    receives at once."""
+    """What one node's NIC — or, with scope INTRA, the link between two of its devices —
+    carried when measured (profile/links.py), relative to what the cluster declares: payload
+    bandwidth one way and with both directions busy, and the fixed time of one message. A
+    tc-shaped NIC carries less than its nominal rate (frame headers and the other direction's
+    ACKs take tokens), and less again when a ring step sends and receives at once; two gloo
+    ranks on one host move bytes through the kernel's loopback at what their CPUs can copy."""
     node: str
     one_way_efficiency: float        # measured one-way payload bandwidth ÷ nominal
     duplex_efficiency: float         # measured per-direction bandwidth in a 2-member ring ÷ nominal
     latency_s: float                 # one message's fixed time across the link (gloo included)
+    scope: LinkScope = LinkScope.NIC
 
     def __post_init__(self) -> None:
         for name in ("one_way_efficiency", "duplex_efficiency"):
@@ -149,15 +148,21 @@ class LinkCalibration:
 
 
 def _effective_cluster(cluster, calibrations: tuple[LinkCalibration, ...], duplex: bool):
-    """The cluster with each calibrated node's NIC at its measured bandwidth and latency."""
+    """The cluster with each calibrated node's NIC, and each calibrated node's device ports,
+    at their measured bandwidth and latency."""
     from heterog.hardware.spec import cluster_from_dict, cluster_to_dict
     doc = cluster_to_dict(cluster)
-    by_node = {c.node: c for c in calibrations}
-    for node in doc["nodes"]:
-        c = by_node.get(node["name"])
-        if c is not None:
-            node["nic_bandwidth_bytes_per_s"] *= c.duplex_efficiency if duplex else c.one_way_efficiency
+    for c in calibrations:
+        node = next(n for n in doc["nodes"] if n["name"] == c.node)
+        eff = c.duplex_efficiency if duplex else c.one_way_efficiency
+        if c.scope == LinkScope.NIC:
+            node["nic_bandwidth_bytes_per_s"] *= eff
             node["nic_latency_s"] = max(node["nic_latency_s"], c.latency_s)
+            continue
+        for d in node["devices"]:
+            d["intra_bandwidth_bytes_per_s"] = eff * cluster.links[
+                Cluster.port(d["name"], "up")].bandwidth_bytes_per_s
+        node["intra_latency_s"] = max(node["intra_latency_s"], c.latency_s)
     with warnings.catch_warnings():    # a slow link made slower is still the cluster meant
         warnings.simplefilter("ignore")
         return cluster_from_dict(doc)
@@ -190,25 +195,12 @@ class LinkCalibratedCosts:
             raise AttributeError(name)
         return getattr(self.base, name)
 
-    def _affine(self, key: tuple, fn) -> tuple[float, float]:
-        return comm.affine_in_bytes(self._cache, key, fn)
-
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         return comm.p2p_time_s(self._one_way, nbytes, src, dst)
 
     def collective_time_s(self, op: str, nbytes: float, devices, method: str = "ring") -> float:
-        if nbytes <= 0 or len(set(devices)) <= 1:
-            return 0.0
-        members = tuple(devices)
-        links = self._duplex if len(set(members)) == 2 else self._one_way
-        fixed, per_byte = self._affine(("c", op, method, members), lambda b: comm.collective_time_s(
-            links, op, b, members, method))
-        return fixed + per_byte * nbytes
+        links = self._duplex if len(set(devices)) == 2 else self._one_way
+        return comm.cached_collective_time_s(self._cache, links, op, nbytes, devices, method)
 
     def ps_sync_time_s(self, nbytes: float, devices, server: str) -> float:
-        if nbytes <= 0:
-            return 0.0
-        members = tuple(devices)
-        fixed, per_byte = self._affine(("ps", server, members), lambda b: comm.ps_sync_time_s(
-            self._one_way, b, members, server))
-        return fixed + per_byte * nbytes
+        return comm.cached_ps_sync_time_s(self._cache, self._one_way, nbytes, devices, server)

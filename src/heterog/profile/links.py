@@ -1,4 +1,5 @@
-"""Measure what a tc-shaped link between two emulated nodes really carries.
+"""Measure what the links of an emulated cluster really carry: a tc-shaped NIC between two
+nodes, and the loopback between two devices (ranks) of one node.
 
 A cluster YAML gives a node's NIC bandwidth; netns.py shapes it with tc TBF. What gloo then
 moves over it is less than the nominal rate, for physical reasons no per-link constant in the
@@ -19,6 +20,10 @@ starts one gloo rank in each of the two devices' node namespaces, and times
 and returns a `LinkMeasurement`. Its `efficiency` (measured payload bandwidth ÷ the slower
 NIC's nominal rate) is what `cost.profile.LinkCalibration` carries to the cost model. Two
 processes, a few seconds; needs root (namespaces), like the shaped runs themselves.
+
+`measure_intra_link` times the same over this host's loopback: the `cpu` type declares
+2 GB/s between two ranks of a node, and gloo moved 0.4–1 GB/s here (a two-member ring
+all-reduce of 65 MB took 3× its declared time inside a 3-rank run, docs/scenarios.md).
 """
 
 from __future__ import annotations
@@ -37,8 +42,11 @@ from typing import Any
 
 from heterog.errors import ResourceError
 
-ONE_WAY_BYTES = (256 * 1024, 4 * 2**20)      # two sizes: latency from the small, rate from both
-RING_BYTES = 8 * 2**20
+# (one-way sizes, ring size): latency from the small message, rate from both. Through a
+# shaped NIC of ~25 MB/s a few MiB take a fraction of a second; through loopback they take
+# milliseconds, where gloo's per-message work would still hide the rate.
+SHAPED_BYTES = ((256 * 1024, 4 * 2**20), 8 * 2**20)
+LOOPBACK_BYTES = ((2**20, 16 * 2**20), 32 * 2**20)
 REPEATS = 3
 TIMEOUT_S = 120
 
@@ -84,7 +92,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, master_addr: str, port: int, out_path: str) -> None:
+def _rank_main(rank: int, master_addr: str, port: int, out_path: str, sizes: str) -> None:
     """One of the two ranks: one-way messages rank 0 → rank 1, then ring all-reduces."""
     from datetime import timedelta
 
@@ -95,7 +103,8 @@ def _rank_main(rank: int, master_addr: str, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     rows: dict[str, Any] = {"one_way": [], "ring": []}
-    for nbytes in ONE_WAY_BYTES:
+    *one_way_bytes, ring_bytes = (int(x) for x in sizes.split(","))
+    for nbytes in one_way_bytes:
         t = torch.ones(nbytes // 4)
         times = []
         for _ in range(REPEATS + 1):            # the first is a warm-up (connection, buffers)
@@ -110,14 +119,14 @@ def _rank_main(rank: int, master_addr: str, port: int, out_path: str) -> None:
         rows["one_way"].append([nbytes, statistics.median(times[1:])])
     groups = ProcessGroupCache(timeout_s=60)
     groups.create_all([[0, 1]])
-    flat = torch.ones(RING_BYTES // 4)
+    flat = torch.ones(ring_bytes // 4)
     times = []
     for _ in range(REPEATS + 1):
         dist.barrier()
         t0 = time.perf_counter()
         allreduce_sum(flat, [0, 1], "ring", None, groups)
         times.append(time.perf_counter() - t0)
-    rows["ring"].append([RING_BYTES, statistics.median(times[1:])])
+    rows["ring"].append([ring_bytes, statistics.median(times[1:])])
     # a barrier's own round trip, to take out of the one-way times
     bt = []
     for _ in range(5):
@@ -146,6 +155,33 @@ def _fit(rows: dict[str, Any], src: str, dst: str, nominal: float) -> LinkMeasur
                            ring_time_s=float(ring_s))
 
 
+def _run_pair(wrap: tuple[list[str], list[str]], env: tuple[dict, dict], master_addr: str,
+              sizes: tuple[tuple[int, int], int], what: str) -> dict[str, Any]:
+    """Run the two ranks of a measurement (each under its own command prefix and environment)
+    with the message sizes `sizes` and return rank 0's rows."""
+    (small, large), ring = sizes
+    with tempfile.TemporaryDirectory(prefix="heterog-link-") as tmp:
+        out, port = Path(tmp) / "rows.json", _free_port()
+        procs = [subprocess.Popen([*wrap[r], sys.executable, "-m", "heterog.profile.links",
+                                   str(r), master_addr, str(port), str(out), f"{small},{large},{ring}"],
+                                  env={**os.environ, **env[r]}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        errors = []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate()
+                errors.append(f"a rank did not finish within {TIMEOUT_S} s")
+            if p.returncode:
+                errors.append((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+        if errors or not out.exists():
+            raise LinkMeasurementError(f"measuring {what} failed: {errors}; run without link "
+                                       f"calibration (the declared link rates are used).")
+        return json.loads(out.read_text())
+
+
 def measure_shaped_link(cluster, src: str, dst: str) -> LinkMeasurement:
     """Two gloo ranks on the nodes of `src` and `dst`, their NICs shaped as the cluster says
     (netns.LinkShaping): one-way messages and a two-member ring all-reduce (see the module
@@ -160,51 +196,59 @@ def measure_shaped_link(cluster, src: str, dst: str) -> LinkMeasurement:
     except ShapingUnavailable as e:
         raise LinkMeasurementError(f"cannot shape the link {src} ↔ {dst} here: {e}") from None
     try:
-        with tempfile.TemporaryDirectory(prefix="heterog-link-") as tmp:
-            out, port = Path(tmp) / "rows.json", _free_port()
-            procs = [subprocess.Popen([*links.wrap[r], sys.executable, "-m", "heterog.profile.links",
-                                       str(r), links.master_addr, str(port), str(out)],
-                                      env={**os.environ, **links.env[r]}, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-            errors = []
-            for p in procs:
-                try:
-                    _, err = p.communicate(timeout=TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    _, err = p.communicate()
-                    errors.append(f"a rank did not finish within {TIMEOUT_S} s")
-                if p.returncode:
-                    errors.append((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
-            if errors or not out.exists():
-                raise LinkMeasurementError(f"measuring the shaped link {src} ↔ {dst} failed: {errors}; "
-                                           f"run without link calibration (the nominal NIC rates are used).")
-            rows = json.loads(out.read_text())
+        rows = _run_pair(links.wrap, links.env, links.master_addr, SHAPED_BYTES,
+                         f"the shaped link {src} ↔ {dst}")
     finally:
         links.remove()
     return _fit(rows, src, dst, nominal)
 
 
-def calibrate_links(cluster, say=lambda msg: None) -> tuple[tuple[Any, LinkMeasurement], ...]:
-    """(`cost.profile.LinkCalibration`, the measurement) for every node but the one with the
-    fastest NIC, each measured against a device of that node (so the measured node's NIC is
-    the slower end of the pair, the one the measurement describes). Efficiencies are capped
-    at 1: TBF's burst lets a few-MiB message pass a little above the rate, a long stream not."""
+def measure_intra_link(cluster, src: str, dst: str) -> LinkMeasurement:
+    """Two gloo ranks on this host's loopback, as two devices of one emulated node talk (both
+    ranks of a node share its namespace, so their bytes never cross a shaped NIC): what the
+    kernel and gloo copy per second is the node's intra-node rate, which the `cpu` type only
+    declares. No root needed."""
+    from heterog.hardware.cluster import Cluster
+    if cluster.node_of[src] != cluster.node_of[dst] or src == dst:
+        raise LinkMeasurementError(f"{src} and {dst} are not two devices of one node; pick two "
+                                   f"devices of the node whose intra-node link to measure.")
+    nominal = min(cluster.links[Cluster.port(d, "up")].bandwidth_bytes_per_s for d in (src, dst))
+    rows = _run_pair(([], []), ({}, {}), "127.0.0.1", LOOPBACK_BYTES, f"the intra-node link {src} ↔ {dst}")
+    return _fit(rows, src, dst, nominal)
+
+
+def _calibration(node: str, m: LinkMeasurement, scope):
     from heterog.cost.profile import LinkCalibration
+    return LinkCalibration(node=node, one_way_efficiency=min(m.efficiency, 1.0),
+                           duplex_efficiency=min(m.duplex_efficiency, 1.0), latency_s=m.latency_s, scope=scope)
+
+
+def calibrate_links(cluster, *, nics: bool = True, say=lambda msg: None) -> tuple[tuple[Any, LinkMeasurement], ...]:
+    """(`cost.profile.LinkCalibration`, the measurement) for the links of an emulated cluster:
+    the intra-node link of every node with two devices or more (two of its devices), and with
+    `nics` (needs root) the NIC of every node but the one with the fastest NIC, each measured
+    against a device of that node (so the measured node's NIC is the slower end of the pair,
+    the one the measurement describes). Efficiencies are capped at 1: TBF's burst lets a
+    few-MiB message pass a little above the rate, a long stream not."""
+    from heterog.cost.profile import LinkScope
     nodes = [n for n in cluster.nodes if n.devices]
-    if len(nodes) < 2:
-        return ()
-    ref = max(nodes, key=lambda n: n.nic_bandwidth_bytes_per_s)
     out = []
+    for n in nodes:
+        if len(n.devices) >= 2:
+            say(f"measuring the intra-node link of {n.name}")
+            m = measure_intra_link(cluster, n.devices[0], n.devices[1])
+            out.append((_calibration(n.name, m, LinkScope.INTRA), m))
+    if not nics or len(nodes) < 2:
+        return tuple(out)
+    ref = max(nodes, key=lambda n: n.nic_bandwidth_bytes_per_s)
     for n in nodes:
         if n is ref:
             continue
         say(f"measuring the shaped link {ref.name} ↔ {n.name}")
         m = measure_shaped_link(cluster, ref.devices[0], n.devices[0])
-        out.append((LinkCalibration(node=n.name, one_way_efficiency=min(m.efficiency, 1.0),
-                                    duplex_efficiency=min(m.duplex_efficiency, 1.0), latency_s=m.latency_s), m))
+        out.append((_calibration(n.name, m, LinkScope.NIC), m))
     return tuple(out)
 
 
 if __name__ == "__main__":       # one rank of measure_shaped_link, inside its node's namespace
-    _rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    _rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
