@@ -255,3 +255,18 @@ def test_warm_caches_across_calls_give_the_same_answer_as_a_fresh_cost_model():
         assert a.iteration_time_s == b.iteration_time_s
         assert a.peak_memory_bytes == b.peak_memory_bytes
         assert a.events == b.events
+
+
+def test_the_array_form_of_the_repartition_rule_is_the_rule():
+    """lower/blocks.py keeps the re-partition rule twice — a generator for a few replicas and
+    arrays for hundreds: random splits of one batch, empty replicas included, give the same
+    overlaps in the same order."""
+    from heterog.lower.blocks import overlap_arrays, overlaps
+    rng = random.Random(3)
+    for _ in range(3000):
+        a = [rng.choice((0, 0, 1, 2, 3, 5, 8, 13)) for _ in range(rng.randint(0, 7))]
+        total = sum(a)
+        cuts = sorted(rng.randint(0, total) for _ in range(rng.randint(0, 6)))
+        b = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, total])] if a or cuts else []
+        i, j, n = overlap_arrays(a, b)
+        assert list(overlaps(a, b)) == list(zip(i.tolist(), j.tolist(), n.tolist())), (a, b)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from heterog.ir.plan import Plan
 from heterog.lower.context import ClusterInfo, CostTable, SimCache
 
@@ -119,7 +121,9 @@ def sent_once(edges, size) -> list:
 
 def overlaps(a: list[int], b: list[int]):
     """(i, j, n): n samples owned by replica i of one split and replica j of the other,
-    when both own contiguous ranges of the same micro-batch in replica order."""
+    when both own contiguous ranges of the same micro-batch in replica order. For a few
+    replicas (the search's estimate, the executor's ranges); `overlap_arrays` is the same
+    rule over arrays, for blocks of hundreds of replicas (tests hold the two equal)."""
     i = j = 0
     ea, eb = a[0] if a else 0, b[0] if b else 0
     pos = 0
@@ -138,24 +142,82 @@ def overlaps(a: list[int], b: list[int]):
                 eb += b[j]
 
 
+def overlap_arrays(a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`overlaps` as three arrays (i, j, n): each overlap ends where one of the two replicas
+    owning it ends; the owners are the first replicas whose ranges reach that end (an empty
+    replica never owns one)."""
+    ea, eb = np.cumsum(a), np.cumsum(b)
+    if not len(ea) or not len(eb):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0, dtype=ea.dtype if len(ea) else eb.dtype)
+    cuts = np.union1d(ea, eb)
+    cuts = cuts[(cuts > 0) & (cuts <= min(ea[-1], eb[-1]))]
+    return (np.searchsorted(ea, cuts, "left"), np.searchsorted(eb, cuts, "left"),
+            np.diff(cuts, prepend=cuts.dtype.type(0)))
+
+
+@dataclass(frozen=True, slots=True)
+class Moves:
+    """The re-partition between two placements, one entry per (producer replica, consumer
+    replica) pair that shares samples, in sample order: devices, replicas, bytes, whether
+    anything crosses a link (a different device and bytes to send), the paths there and back
+    (None where nothing crosses) and the uncontended times (0 where nothing crosses)."""
+    src: np.ndarray
+    dst: np.ndarray
+    i: np.ndarray
+    j: np.ndarray
+    nbytes: np.ndarray
+    cross: np.ndarray
+    paths: list
+    backs: list
+    t_fwd: np.ndarray
+    t_bwd: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.src)
+
+
+def _pair_rows(info: ClusterInfo, table: CostTable, keys: list[int]) -> list[tuple]:
+    """Per device pair (key: src · devices + dst): the paths there and back and the transfer
+    time lines (fixed s, s per byte) both ways, kept in the cost table for its cluster's
+    numbering."""
+    n = len(info.devices)
+    known = table.scratch.setdefault(("p2p pairs", id(info)), {})
+    rows = []
+    for key in keys:
+        r = known.get(key)
+        if r is None:
+            a, b = divmod(key, n)
+            sa, sb = info.devices[a], info.devices[b]
+            r = known[key] = (info.path(a, b), info.path(b, a), *table.transfer_line(sa, sb),
+                              *table.transfer_line(sb, sa))
+        rows.append(r)
+    return rows
+
+
 def moves_between(src: Block, dst: Block, asplit: list[int], bsplit: list[int], size: int, fx: float, ps: float,
-           info: ClusterInfo, table: CostTable) -> list[tuple]:
-    """The re-partition between two placements, with its paths and uncontended times:
-    (src device, dst device, src replica, dst replica, bytes, path, back path, t_fwd, t_bwd);
-    path is None when nothing crosses a link. The search re-scores the same pairs constantly,
-    so the caller caches these per cost table."""
-    out = []
-    names = info.devices
-    for i, j, n in overlaps(asplit, bsplit):
-        da, db = src.devices[i], dst.devices[j]
-        nbytes = fx * n / size + ps * n
-        if da == db or nbytes <= 0:
-            out.append((da, db, i, j, nbytes, None, None, 0.0, 0.0))
-        else:
-            out.append((da, db, i, j, nbytes, info.path(da, db), info.path(db, da),
-                        table.transfer_s(nbytes, names[da], names[db]),
-                        table.transfer_s(nbytes, names[db], names[da])))
-    return out
+                  info: ClusterInfo, table: CostTable) -> Moves:
+    """The re-partition between two placements, with its paths and uncontended times. The
+    search re-scores the same pairs constantly, so the caller caches these per cost table."""
+    i, j, n = overlap_arrays(asplit, bsplit)
+    da = np.asarray(src.devices, dtype=np.int64)[i]
+    db = np.asarray(dst.devices, dtype=np.int64)[j]
+    nbytes = fx * n / size + ps * n
+    cross = (da != db) & (nbytes > 0)
+    paths: list = [None] * len(da)
+    backs: list = [None] * len(da)
+    t_fwd, t_bwd = np.zeros(len(da)), np.zeros(len(da))
+    k = np.flatnonzero(cross)
+    if len(k):
+        rows = _pair_rows(info, table, (da[k] * len(info.devices) + db[k]).tolist())
+        for idx, r in zip(k.tolist(), rows):
+            paths[idx], backs[idx] = r[0], r[1]
+        fixed_f, per_f, fixed_b, per_b = np.array([r[2:] for r in rows]).T
+        t_fwd[k] = fixed_f + per_f * nbytes[k]
+        t_bwd[k] = fixed_b + per_b * nbytes[k]
+    return Moves(src=da, dst=db, i=i, j=j, nbytes=nbytes, cross=cross, paths=paths, backs=backs,
+                 t_fwd=t_fwd, t_bwd=t_bwd)
 
 
 def block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from heterog.cost import comm
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
@@ -378,9 +379,16 @@ class CostTable:
             hit = self._edge[(src, dst)] = (at0, at1 - at0)
         return hit
 
-    def transfer_s(self, nbytes: float, src: str, dst: str) -> float:
-        return self._cached(self._comm, ("p2p", nbytes, src, dst),
-                            lambda: float(self.costs.transfer_time_s(nbytes, src, dst)))
+    def transfer_line(self, src: str, dst: str) -> tuple[float, float]:
+        """(fixed s, s per byte) of a point-to-point transfer src → dst: affine in its bytes
+        (the CostModel protocol: latency + bytes / bottleneck bandwidth), so probed twice per
+        pair and exact after — a neighbour's re-partition sends new byte counts each time."""
+        key = ("p2p", src, dst)
+        hit = self._comm.get(key)
+        if hit is None:
+            self._trim()
+            hit = comm.affine_in_bytes(self._comm, key, lambda b: float(self.costs.transfer_time_s(b, src, dst)))
+        return hit
 
     def sync_s(self, method: str, nbytes: float, devices: tuple[str, ...], server: str | None) -> float:
         def make() -> float:

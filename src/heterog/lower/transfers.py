@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from heterog.lower.blocks import Block, moves_between
+from heterog.lower.blocks import Block, Moves, moves_between
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.taskgraph import XFER, Tasks, TransferRun
 
@@ -29,7 +29,7 @@ class PairMoves(NamedTuple):
     """The moves between two placements at one micro-batch size (None: an identity, replica i
     feeds replica i on the same device), the devices that send or receive point to point, and
     the pair's templates per merged-device map (rep_id)."""
-    moves: list | None
+    moves: Moves | None
     ends: frozenset
     templates: dict
 
@@ -52,10 +52,10 @@ def pair_moves(blocks: list[Block], preds, sizes: list[int], splits, info: Clust
                         move_cache.clear()
                     mv = moves_between(src, blk, splits[(size, src.placement)], splits[(size, blk.placement)],
                                        size, fx, ps, info, table)
-                    ends = frozenset(d for x in mv if x[5] is not None for d in x[:2])
-                    # identity: consecutive blocks of one placement; expanded without the tuples
-                    ident = (src.devices == blk.devices and len(mv) == len(blk.devices)
-                             and all(x[2] == x[3] == i and x[5] is None for i, x in enumerate(mv)))
+                    ends = frozenset(np.concatenate((mv.src[mv.cross], mv.dst[mv.cross])).tolist())
+                    # identity: consecutive blocks of one placement; expanded without the moves
+                    ident = (src.devices == blk.devices and mv.count == len(blk.devices) and not ends
+                             and bool((mv.i == np.arange(mv.count)).all() and (mv.j == mv.i).all()))
                     hit = move_cache[ck] = PairMoves(None if ident else mv, ends, {})
                 moves[(size, a, bi)] = hit
                 if hit.ends:
@@ -73,7 +73,7 @@ def transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, Bk, rep_key: i
             pm = moves[(size, a, bi)]
             if pm.moves is None:
                 _identity(tasks, spans[a], spans[bi], pm.templates)
-            elif len(pm.moves) <= SMALL_PAIR:
+            elif pm.moves.count <= SMALL_PAIR:
                 _one_by_one(tasks, m, a, bi, pm.moves, spans[a], spans[bi], cols[a].position, cols[bi].position)
             else:
                 tpl = pm.templates.get(rep_key)
@@ -85,14 +85,20 @@ def transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, Bk, rep_key: i
                 _add_pair(tasks, m, a, bi, tpl, spans[a][0] - spans[a][1], spans[bi][0] - spans[bi][1])
 
 
-def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: list, span_a, span_b, pos_a, pos_b) -> None:
+def _rows(mv: Moves):
+    """The moves one by one: (src, dst, i, j, bytes, path, back path, t_fwd, t_bwd)."""
+    return zip(mv.src.tolist(), mv.dst.tolist(), mv.i.tolist(), mv.j.tolist(), mv.nbytes.tolist(), mv.paths,
+               mv.backs, mv.t_fwd.tolist(), mv.t_bwd.tolist())
+
+
+def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: Moves, span_a, span_b, pos_a, pos_b) -> None:
     """A pair's moves row by row (see the module docstring): replica i's forward is the
     producer's first forward + its kept position, its backward the first backward + that."""
     rep, comm, xfer_blocks = tasks.rep, tasks.comm, tasks.xfer_blocks
     mem, dep = tasks.mem, tasks.dep
     ba0, bb0 = span_a[0], span_b[0]
     fa0, fb0 = ba0 - span_a[1], bb0 - span_b[1]
-    for da, db, i, j, nbytes, path, back, t_f, t_b in mv:
+    for da, db, i, j, nbytes, path, back, t_f, t_b in _rows(mv):
         if rep[da] != da or rep[db] != db:
             continue   # a merged device: its representative carries the dependency
         pi, pj = pos_a[i], pos_b[j]
@@ -148,38 +154,48 @@ class PairTransfers(NamedTuple):
     comm: list[tuple]
 
 
-def _template(mv: list, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b: int, a: int, bi: int) -> PairTransfers:
+def _template(mv: Moves, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b: int, a: int,
+              bi: int) -> PairTransfers:
     """A pair's transfers as arrays, rows in the order _one_by_one adds them (pos: replica →
-    kept position; n: kept replicas)."""
-    edges: list[tuple] = []
-    starts, ends = [], []
-    dur, links, comm = [], [], []
-    for da, db, i, j, nbytes, path, back, t_f, t_b in mv:
-        if rep[da] != da or rep[db] != db:
-            continue
-        fa, ba, fb, bb = (0, pos_a[i]), (0, n_a + pos_a[i]), (1, pos_b[j]), (1, n_b + pos_b[j])
-        if path is None:
-            edges += [(fa, fb), (bb, ba)]
-            continue
-        xf, xb = (2, len(dur)), (2, len(dur) + 1)
-        edges += [(xf, fb), (xb, ba), (fa, xf), (bb, xb)]
-        starts += [(xf, db, nbytes), (xb, da, nbytes)]
-        ends += [(fb, db, -nbytes), (ba, da, -nbytes), (fa, da, nbytes), (xb, da, -nbytes),
-                 (bb, db, nbytes), (xb, db, -nbytes)]
-        dur += [t_f, t_b]
-        links += [path, back]
-        comm += [((da, db), nbytes, bi), ((db, da), nbytes, a)]
-    ids = [e[0] for e in edges] + [e[1] for e in edges] + [s[0] for s in starts] + [e[0] for e in ends]
-    n_e, n_s = len(edges), len(starts)
+    kept position; n: kept replicas). Per move, in _one_by_one's order: edges (xf→fb, xb→ba,
+    fa→xf, bb→xb) where something crosses, (fa→fb, bb→ba) where not; then two effects at
+    start and six at end per crossing move."""
+    rep_a = np.asarray(rep, dtype=np.int64)
+    k = np.flatnonzero((rep_a[mv.src] == mv.src) & (rep_a[mv.dst] == mv.dst))
+    c = mv.cross[k]
+    da, db, nb = mv.src[k], mv.dst[k], mv.nbytes[k]
+    fa = np.asarray(pos_a, dtype=np.int64)[mv.i[k]]
+    fb = np.asarray(pos_b, dtype=np.int64)[mv.j[k]]
+    ba, bb = fa + n_a, fb + n_b
+    xf = 2 * (np.cumsum(c) - 1)
+    xb = xf + 1
+    zero, one, two = np.zeros_like(fa), np.ones_like(fa), np.full_like(fa, 2)
+    keep = np.column_stack((np.ones_like(c), np.ones_like(c), c, c)).ravel()
+
+    def column(*cols):         # per move four edges (rows), flattened, the unused dropped
+        return np.column_stack(cols).ravel()[keep]
+    src_rel = column(np.where(c, xf, fa), np.where(c, xb, bb), fa, bb)
+    src_sel = column(np.where(c, two, zero), np.where(c, two, one), zero, one)
+    dst_rel = column(fb, ba, xf, xb)
+    dst_sel = column(one, zero, two, two)
+    start_rel = np.column_stack((xf, xb))[c].ravel()
+    ends = np.column_stack((fb, ba, fa, xb, bb, xb))[c].ravel()
+    end_sel = np.tile(np.array((1, 0, 0, 2, 1, 2), dtype=np.int64), int(c.sum()))
+    da_c, db_c, nb_c = da[c], db[c], nb[c]
+    kc = k[c].tolist()
+    dur = np.column_stack((mv.t_fwd[k][c], mv.t_bwd[k][c])).ravel()
+    links = [p for x in kc for p in (mv.paths[x], mv.backs[x])]
+    comm = [t for s, d, n in zip(da_c.tolist(), db_c.tolist(), nb_c.tolist())
+            for t in (((s, d), n, bi), ((d, s), n, a))]
+    n_e, n_s = len(src_rel), len(start_rel)
     return PairTransfers(
-        rel=np.array([x[1] for x in ids], dtype=np.int64), sel=np.array([x[0] for x in ids], dtype=np.int64),
+        rel=np.concatenate((src_rel, dst_rel, start_rel, ends)),
+        sel=np.concatenate((src_sel, dst_sel, np.full(n_s, 2, dtype=np.int64), end_sel)),
         cuts=(n_e, 2 * n_e, 2 * n_e + n_s),
-        start_dev=np.array([s[1] for s in starts], dtype=np.int64),
-        start_bytes=np.array([s[2] for s in starts], dtype=np.float64),
-        end_dev=np.array([e[1] for e in ends], dtype=np.int64),
-        end_bytes=np.array([e[2] for e in ends], dtype=np.float64),
-        kind=[XFER] * len(dur), dur=dur, dur_array=np.array(dur, dtype=np.float64), none=[-1] * len(dur),
-        links=links, comm=comm)
+        start_dev=np.column_stack((db_c, da_c)).ravel(), start_bytes=np.column_stack((nb_c, nb_c)).ravel(),
+        end_dev=np.column_stack((db_c, da_c, da_c, da_c, db_c, db_c)).ravel(),
+        end_bytes=np.column_stack((-nb_c, -nb_c, nb_c, -nb_c, nb_c, -nb_c)).ravel(),
+        kind=[XFER] * len(dur), dur=dur.tolist(), dur_array=dur, none=[-1] * len(dur), links=links, comm=comm)
 
 
 def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: int, fb0: int) -> None:

@@ -69,7 +69,8 @@ def edge_costs_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
             for da, db, n in moves:
                 nbytes = fx * n / size + ps * n
                 if da != db and nbytes > 0:
-                    worst = max(worst, table.transfer_s(nbytes, da, db))
+                    fixed, per_byte = table.transfer_line(da, db)
+                    worst = max(worst, fixed + per_byte * nbytes)
             if worst:
                 out[(src, dst)] = worst
     return out
