@@ -139,8 +139,9 @@ class Interpreter:
         self._env: dict[tuple[str, int], Any] = {}
         self._inbox: dict[tuple[int, str], torch.Tensor] = {}
         self._outbox: dict[tuple[int, str], torch.Tensor] = {}
-        self._grads: dict[tuple[str, int], torch.Tensor] = {}
-        self._slots: dict[tuple[str, int], GradientSlot] = {}    # a value's shape, for its gradient
+        # per stage output (value, micro-batch): its shape, and the gradient its readers send
+        # back, summed there until the stage's backward spends it
+        self._slots: dict[tuple[str, int], GradientSlot] = {}
         self._calls: dict[tuple[int, int], _Call] = {}
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
@@ -190,7 +191,7 @@ class Interpreter:
         count = StorageCounter()
         params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
         state = self.optimizer.state.values() if self.optimizer else ()
-        held = (self._env, self._inbox, self._outbox, self._grads, self.p2p.in_flight(),
+        held = (self._env, self._inbox, self._outbox, [s.grad for s in self._slots.values()], self.p2p.in_flight(),
                 [(c.saved, c.loss) for c in self._calls.values()])
         return LiveBytes(parameters_bytes=count.add(params),
                          gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
@@ -326,14 +327,14 @@ class Interpreter:
         if call.loss is not None:
             roots.append(call.loss)
             root_grads.append(None)
-        for v, (slot, sink) in call.sinks.items():
-            g = self._grads.pop((v, m), None)
-            if g is not None:
-                slot.grad = g
+        for slot, sink in call.sinks.values():
+            if slot.grad is not None:
                 roots.append(sink)
                 root_grads.append(None)
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
+        for v in self._values_of(s):              # the outputs' gradients are spent
+            self._slots.pop((v, m), None)
         for v, slot, pieces in call.leaves:       # input gradients back to their producers
             g = slot.gradient()
             for p in pieces:
@@ -348,10 +349,10 @@ class Interpreter:
         return [s.value] + [v for v, (src, _) in self.flow.projections.items() if src == s.value]
 
     def _add_grad(self, v: str, m: int, lo: int, hi: int, g: torch.Tensor) -> None:
-        buf = self._grads.get((v, m))
-        if buf is None:
-            buf = self._grads[(v, m)] = self._slots[(v, m)].zeros()
-        buf[lo:hi] += g
+        slot = self._slots[(v, m)]
+        if slot.grad is None:
+            slot.grad = slot.zeros()
+        slot.grad[lo:hi] += g
 
     # -- transfers ----------------------------------------------------------------------------
     def _send(self, ins: Send) -> None:
