@@ -22,8 +22,8 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/heterog demo
 
-# serial: on two cores `-n 2 --dist loadscope` (which tests/conftest.py supports) measured no
-# faster, as the local-run tests, run one after another, are most of the time
+# serial: on two cores two pytest-xdist workers measured no faster, as the local-run tests,
+# which must not overlap, are most of the time
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not sweep" --durations=25 tests
 
