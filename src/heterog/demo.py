@@ -265,7 +265,7 @@ def speedup(strategies: dict[str, dict[str, Any]], base: str, top: str = "hetero
             / strategies[top]["predicted_iteration_time_s"]}
 
 
-def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetitions: int = 3,
+def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetitions: int = 5,
          scenario: str = DEMO_SCENARIO, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Plan the scenario's model, then run heterog's plan, the best baseline and even data
     parallelism `repetitions` times each, interleaved. Even data parallelism that the

@@ -218,7 +218,7 @@ def register(app: typer.Typer) -> None:
         budget_s: float = typer.Option(5.0, "--budget-s", help="Planner time budget."),
         no_profile: bool = typer.Option(False, "--no-profile",
                                         help="Predict with the analytic model only (no measured profile)."),
-        repetitions: int = typer.Option(3, "--repetitions", min=1,
+        repetitions: int = typer.Option(5, "--repetitions", min=1,
                                         help="Measure each strategy this many times, interleaved."),
         scenario: str = typer.Option("", "--scenario", help="One of heterog.demo.SCENARIOS (default: the "
                                      "one that shows heterog best; benchmarks/run_vs_sim.py runs them all)."),
