@@ -22,8 +22,8 @@ NIC's nominal rate) is what `cost.profile.LinkCalibration` carries to the cost m
 processes, a few seconds; needs root (namespaces), like the shaped runs themselves.
 
 `measure_intra_link` times the same over this host's loopback: the `cpu` type declares
-2 GB/s between two ranks of a node, and gloo moved 0.4–1 GB/s here (a two-member ring
-all-reduce of 65 MB took 3× its declared time inside a 3-rank run, docs/scenarios.md).
+2 GB/s between two ranks of a node, and gloo moved 0.5–0.8 GB/s per member in a two-member
+ring here (docs/scenarios.md, round 7).
 """
 
 from __future__ import annotations
@@ -250,5 +250,5 @@ def calibrate_links(cluster, *, nics: bool = True, say=lambda msg: None) -> tupl
     return tuple(out)
 
 
-if __name__ == "__main__":       # one rank of measure_shaped_link, inside its node's namespace
+if __name__ == "__main__":       # one rank of a measurement (in its node's namespace when shaped)
     _rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
