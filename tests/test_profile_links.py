@@ -14,7 +14,7 @@ from heterog.cost.profile import LinkCalibratedCosts, LinkCalibration, LinkScope
 from heterog.demo import SCENARIOS
 from heterog.execute.workload import resolve_workload
 from heterog.ir.plan import ModelSpec
-from heterog.profile.measure import WholeStep, attribute_unhooked, measure_profile
+from heterog.profile.measure import WholeStep, attribute_unhooked, measure_profile, profile_batch_sizes
 
 GPT2 = {"hidden": 32, "layers": 1, "heads": 2, "vocab": 512, "positions": 16, "dropout": 0.0}
 
@@ -33,21 +33,35 @@ def test_unhooked_time_goes_to_the_loss_and_the_loose_nodes_by_their_bytes(gpt2_
     whole = WholeStep(fwd_s=sum(v["fwd"] for v in hooked.values()) + 0.010,
                       bwd_s=sum(v["bwd"] for v in hooked.values()) + 0.030, loss_fwd_s=0.004, loss_bwd_s=0.006)
     out = attribute_unhooked(hooked, whole, g, 4)
-    assert set(out) == {n.name for n in unseen}
+    assert set(out) == {n.name for n in g.nodes}
+    assert all(out[n] == v for n, v in hooked.items())         # the step had room: hooked kept
     assert sum(out[n.name]["fwd"] for n in losses) == pytest.approx(0.004)
     assert sum(out[n.name]["bwd"] for n in losses) == pytest.approx(0.006)
     # hooked + attributed = the whole step, in each phase
-    assert sum(v["fwd"] for v in out.values()) == pytest.approx(0.010)
-    assert sum(v["bwd"] for v in out.values()) == pytest.approx(0.030)
+    assert sum(out[n.name]["fwd"] for n in unseen) == pytest.approx(0.010)
+    assert sum(out[n.name]["bwd"] for n in unseen) == pytest.approx(0.030)
+    assert sum(v["fwd"] for v in out.values()) == pytest.approx(whole.fwd_s)
     others = [n for n in unseen if n not in losses]
     a, b = sorted(others, key=lambda n: n.fwd_bytes.at(4))[-2:]
     assert out[a.name]["fwd"] / out[b.name]["fwd"] == pytest.approx(a.fwd_bytes.at(4) / b.fwd_bytes.at(4))
 
 
-def test_hooks_seeing_more_than_the_whole_step_leave_nothing_negative(gpt2_graph):
-    hooked = {n.name: {"fwd": 1.0, "bwd": 1.0} for n in gpt2_graph.nodes if "::" not in n.name}
-    out = attribute_unhooked(hooked, WholeStep(fwd_s=0.5, bwd_s=0.5), gpt2_graph, 4)
+def test_hooks_seeing_more_than_the_whole_step_are_scaled_down_to_it(gpt2_graph):
+    hooked = {n.name: {"fwd": 1.0, "bwd": 2.0} for n in gpt2_graph.nodes if "::" not in n.name}
+    out = attribute_unhooked(hooked, WholeStep(fwd_s=0.5, bwd_s=0.5, loss_fwd_s=0.1, loss_bwd_s=0.2),
+                             gpt2_graph, 4)
     assert all(t >= 0 for v in out.values() for t in v.values())
+    for phase in ("fwd", "bwd"):     # the step as measured without hooks, loss included
+        assert sum(v[phase] for v in out.values()) == pytest.approx(0.5)
+    some = next(iter(hooked))      # all that the loss leaves, shared as the hooks saw it
+    assert out[some]["fwd"] == pytest.approx(0.4 / len(hooked))
+    assert out[some]["bwd"] == pytest.approx(0.3 / len(hooked))
+
+
+def test_profile_batch_sizes_are_dense_where_the_cpu_is_not_linear():
+    assert profile_batch_sizes(96) == (1, 2, 4, 8, 16, 24, 32, 64, 96)
+    assert profile_batch_sizes(16) == (1, 2, 4, 8, 16)
+    assert profile_batch_sizes(1) == (1,)
 
 
 def test_a_profile_with_the_graph_times_every_node_and_sums_to_the_step(gpt2_graph):

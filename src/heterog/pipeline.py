@@ -88,10 +88,9 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
     prof = None
     if profile:
         from heterog.execute.workload import resolve_workload
-        from heterog.profile.measure import measure_profile
-        b = plan.batch_size
+        from heterog.profile.measure import measure_profile, profile_batch_sizes
         prof = measure_profile(resolve_workload(plan.model), graph=graph,
-                               batch_sizes=tuple(sorted({1, max(1, b // 4), b})))
+                               batch_sizes=profile_batch_sizes(plan.batch_size))
     return graph, cluster, build_cost_model(graph, cluster, precision=plan.precision,
                                             optimizer=plan.optimizer, profile=prof)
 

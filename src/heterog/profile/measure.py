@@ -4,14 +4,15 @@ Every leaf module call (an OpGraph node name: module path, '#k' on the k-th repe
 is timed with module hooks: forward from its pre-hook to its hook, backward from its full
 backward pre-hook to its full backward hook. Loose ops are not timed here; the cost model
 keeps its analytic estimate for them. Times are taken at a few batch sizes (the cost model
-interpolates linearly between them, extrapolating along the last line), over `repeats`
-runs each. HeteroG took the minimum of 5 runs on dedicated GPUs (REFERENCE.md); on a
+interpolates linearly between them, extrapolating along the last line; `profile_batch_sizes`
+picks them densely where the CPU is not linear), over `repeats` rounds that each visit every
+batch size, so that a slow spell of a shared machine spoils one round, not one batch size. HeteroG took the minimum of 5 runs on dedicated GPUs (REFERENCE.md); on a
 shared CPU the minimum is a best case the ranks rarely see, so the median is the default.
 
 clock='cpu' (default) measures the thread's CPU time, the quantity the emulated devices
 are paced on (execute/emulation.py), so a profile taken on a busy machine still describes
-the uncontended CPU; clock='wall' measures elapsed time. The result is a `heterog.cost.profile.Profile` for device type 'cpu', which the
-emulated clusters' devices use; their slowdown multiplies it.
+the uncontended CPU; clock='wall' measures elapsed time. The result is a `heterog.cost.profile.Profile` for
+device type 'cpu', which the emulated clusters' devices use; their slowdown multiplies it.
 
 Time outside the leaf modules. The hooks see only leaf modules; the loss and the loose ops
 between modules (residual adds, attention written as functions, reshapes) were left to the
@@ -19,10 +20,11 @@ analytic estimate, which on this CPU under-counted them: for the GPT-2 of the ru
 scenarios (vocab 32768, batch 16) the hooked nodes plus the estimate summed to 199 ms
 forward and 258 ms backward, while the whole step measured 223 ms and 357 ms. So with a
 graph, `measure_profile` also times each whole forward and backward without hooks and the
-loss on its own (`whole_step_times`): the loss's time goes to the graph's loss nodes, the
+loss on its own (`attribute_unhooked`): the loss's time goes to the graph's loss nodes, the
 rest of the unattributed time (whole − hooked nodes − loss) to the other nodes the hooks did
 not see, in proportion to the bytes each moves (they are memory-bound ops), so every node
-has a measured time and their sum is the measured step.
+has a measured time and their sum is the measured step — also where the hooks' own cost
+makes the hooked nodes alone exceed it (small batches), by scaling them down.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,10 +47,10 @@ def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if name and len(m._modules) == 0]
 
 
-def time_nodes(model: nn.Module, run_step, *, repeats: int, statistic: str = "median",
-               clock: str = "cpu") -> dict[str, dict[str, float]]:
-    """node → {'fwd': s, 'bwd': s}: the median (or 'min') over `repeats` calls of run_step()."""
-    now = time.thread_time if clock == "cpu" else time.perf_counter
+@contextmanager
+def _node_hooks(model: nn.Module, now: Callable[[], float]) -> Iterator[dict[str, dict[str, list[float]]]]:
+    """Hooks on every leaf module while the block runs; yields node → {'fwd': [s…], 'bwd': [s…]}
+    with one sample per call (node names count repeated calls from the block's start)."""
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"fwd": [], "bwd": []})
     calls: dict[str, int] = {}
     started: dict[tuple[str, str], list[tuple[str, float]]] = defaultdict(list)
@@ -78,17 +81,27 @@ def time_nodes(model: nn.Module, run_step, *, repeats: int, statistic: str = "me
         handles += [m.register_forward_pre_hook(fwd_pre), m.register_forward_hook(fwd_post),
                     m.register_full_backward_pre_hook(bwd_pre), m.register_full_backward_hook(bwd_post)]
     try:
-        run_step()  # warm-up: allocator, kernel selection
-        samples.clear()
-        for _ in range(repeats):
-            calls.clear()
-            started.clear()
-            run_step()
+        yield samples
     finally:
         for h in handles:
             h.remove()
-    reduce = min if statistic == "min" else statistics.median
-    return {n: {p: reduce(ts) for p, ts in v.items() if ts} for n, v in samples.items()}
+
+
+def _clock(clock: str) -> Callable[[], float]:
+    return time.thread_time if clock == "cpu" else time.perf_counter
+
+
+def _reduce(statistic: str) -> Callable[[list[float]], float]:
+    return min if statistic == "min" else statistics.median
+
+
+def _per_node(rounds: list[dict[str, dict[str, list[float]]]], reduce) -> dict[str, dict[str, float]]:
+    merged: dict[str, dict[str, list[float]]] = defaultdict(lambda: {"fwd": [], "bwd": []})
+    for samples in rounds:
+        for name, phases in samples.items():
+            for phase, ts in phases.items():
+                merged[name][phase] += ts
+    return {n: {p: reduce(ts) for p, ts in v.items() if ts} for n, v in merged.items()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,62 +121,121 @@ def _leaves(out: Any) -> Any:
                     if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
 
 
-def whole_step_times(model: nn.Module, work: Workload, inputs: tuple, targets: Any, *, repeats: int,
-                     statistic: str = "median", clock: str = "cpu") -> WholeStep:
-    """Forward (model + loss) and backward of whole steps, and the loss alone, over `repeats`
-    runs after a warm-up: the time the per-node hooks do not see is whole − their sum."""
-    now = time.thread_time if clock == "cpu" else time.perf_counter
-    reduce = min if statistic == "min" else statistics.median
+def _whole_step(model: nn.Module, work: Workload, inputs: tuple, targets: Any, out: Any,
+                now: Callable[[], float]) -> tuple[float, float, float | None, float | None]:
+    """One step without hooks — forward with the loss, backward — then the loss alone on the
+    model's output `out` (None: an output the loss cannot take apart); four times."""
+    model.zero_grad(set_to_none=True)
+    t0 = now()
+    loss = work.loss(model(*inputs), targets)
+    t1 = now()
+    loss.backward()
+    t2 = now()
+    if out is None:
+        return t1 - t0, t2 - t1, None, None
+    leaves = _leaves(out)
+    t3 = now()
+    loss = work.loss(leaves, targets)
+    t4 = now()
+    loss.backward()
+    return t1 - t0, t2 - t1, t4 - t3, now() - t4
 
-    fwd, bwd = _timed_steps(lambda: model.zero_grad(set_to_none=True), lambda _: model(*inputs),
-                            work, targets, repeats, now)
+
+def _detached_output(model: nn.Module, work: Workload, inputs: tuple, targets: Any) -> Any:
+    """The model's output for timing the loss alone, or None where the loss needs it whole."""
     try:
         with torch.no_grad():
             out = model(*inputs)
-        lf, lb = _timed_steps(lambda: _leaves(out), lambda leaves: leaves, work, targets, repeats, now)
-    except (TypeError, RuntimeError):   # an output the loss needs whole (e.g. not a pytree)
-        lf, lb = [], []
-    return WholeStep(fwd_s=reduce(fwd), bwd_s=reduce(bwd), loss_fwd_s=reduce(lf) if lf else None,
-                     loss_bwd_s=reduce(lb) if lb else None)
+        work.loss(_leaves(out), targets)
+        return out
+    except (TypeError, RuntimeError):
+        return None
 
 
-def _timed_steps(prepare: Callable[[], Any], forward: Callable[[Any], Any], work: Workload, targets: Any,
-                 repeats: int, now: Callable[[], float]) -> tuple[list[float], list[float]]:
-    """Forward (forward(prepare()) and the loss) and backward times of `repeats` runs after a
-    warm-up; prepare() runs untimed ahead of each."""
-    fwd, bwd = [], []
-    for k in range(repeats + 1):
-        x = prepare()
-        t0 = now()
-        loss = work.loss(forward(x), targets)
-        t1 = now()
-        loss.backward()
-        t2 = now()
-        if k:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-    return fwd, bwd
+def _whole(rounds: list[tuple], reduce) -> WholeStep:
+    fwd, bwd, lf, lb = zip(*rounds)
+    return WholeStep(fwd_s=reduce(fwd), bwd_s=reduce(bwd),
+                     loss_fwd_s=reduce(lf) if lf[0] is not None else None,
+                     loss_bwd_s=reduce(lb) if lb[0] is not None else None)
 
 
 def attribute_unhooked(node_times: dict[str, dict[str, float]], whole: WholeStep, graph,
                        batch: float) -> dict[str, dict[str, float]]:
-    """Times for the graph nodes the hooks did not see, from what the whole step measured
-    beyond the hooked nodes (see the module docstring): the loss's own time to the loss
-    nodes, the rest to the other unhooked nodes in proportion to the bytes each moves."""
+    """Every node's time, so that per phase they sum to the whole step measured without hooks
+    (module docstring): the loss's own time to the loss nodes, what the whole step took beyond
+    the hooked nodes and the loss to the other unhooked nodes in proportion to the bytes each
+    moves. Where the hooked nodes alone exceed it — the hooks' own cost, a large share of a
+    small batch's step (a GPT-2 at batch 1: hooked 55 ms, the step 31 ms) — they are scaled
+    down to fit and the loose nodes get nothing."""
     unseen = [n for n in graph.nodes if n.name not in node_times]
     losses = [n for n in unseen if str(n.kind) == "loss"] if whole.loss_fwd_s is not None else []
     others = [n for n in unseen if n not in losses]
-    out: dict[str, dict[str, float]] = {n.name: {} for n in unseen}
+    out: dict[str, dict[str, float]] = {n: dict(v) for n, v in node_times.items()}
+    out.update({n.name: {} for n in unseen})
     for phase, total, loss_s in (("fwd", whole.fwd_s, whole.loss_fwd_s), ("bwd", whole.bwd_s, whole.loss_bwd_s)):
         hooked = sum(v.get(phase, 0.0) for v in node_times.values())
         for n in losses:
             out[n.name][phase] = loss_s / len(losses)
-        rest = max(total - hooked - (loss_s if losses else 0.0), 0.0)
+        room = max(total - (loss_s if losses else 0.0), 0.0)
+        if hooked > room:
+            for n, v in node_times.items():
+                if phase in v:
+                    out[n][phase] = v[phase] * room / hooked
+        rest = max(room - hooked, 0.0)
         weights = [float((n.fwd_bytes if phase == "fwd" else n.bwd_bytes).at(batch)) for n in others]
         if sum(weights) <= 0:
             weights = [1.0] * len(others)
         for n, w in zip(others, weights):
-            out[n.name][phase] = rest * w / sum(weights) if weights else 0.0
+            out[n.name][phase] = rest * w / sum(weights)
+    return out
+
+
+def profile_batch_sizes(batch: int) -> tuple[int, ...]:
+    """The batch sizes to profile for a plan of global batch `batch`: the powers of two below
+    it, its quarter and itself. A CPU step is not linear in the batch where pipelines'
+    micro-batches and small shares fall (toy-cnn: batch 2 costs twice batch 1, batch 6 only
+    1.5× batch 2), and the cost model interpolates linearly between the measured points."""
+    sizes = {batch, max(1, batch // 4)}
+    k = 1
+    while k < batch:
+        sizes.add(k)
+        k *= 2
+    return tuple(sorted(sizes))
+
+
+def _grad_inputs(work: Workload, b: int, seed: int) -> tuple[tuple, Any]:
+    """A batch whose floating inputs need grad (or the first module's backward hook would not fire)."""
+    inputs, targets = global_batch(work, b, seed=seed, step=0)
+    return tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                 else x for x in inputs), targets
+
+
+def node_times_by_batch(model: nn.Module, work: Workload, batch_sizes: tuple[int, ...], *, repeats: int,
+                        graph=None, seed: int = 0, statistic: str = "median",
+                        clock: str = "cpu") -> dict[int, dict[str, dict[str, float]]]:
+    """batch → node → {'fwd': s, 'bwd': s}, over `repeats` rounds after a warm-up round. A
+    round takes one hooked step at every batch size and, with a graph, one whole step and the
+    loss alone at each: a spell of a shared machine (this one's same step varies 450–665 ms
+    within minutes) then lands on one round of every batch size, and the median drops it."""
+    now, reduce = _clock(clock), _reduce(statistic)
+    data = {b: _grad_inputs(work, b, seed) for b in batch_sizes}
+    outputs = {b: _detached_output(model, work, *data[b]) for b in batch_sizes} if graph is not None else {}
+    hooked: dict[int, list] = {b: [] for b in batch_sizes}
+    whole: dict[int, list] = {b: [] for b in batch_sizes}
+    for k in range(repeats + 1):                # round 0 warms up: allocator, kernel selection
+        for b, (inputs, targets) in data.items():
+            with _node_hooks(model, now) as samples:
+                model.zero_grad(set_to_none=True)
+                work.loss(model(*inputs), targets).backward()
+            if k:
+                hooked[b].append(samples)
+            if graph is not None:
+                w = _whole_step(model, work, inputs, targets, outputs[b], now)
+                if k:
+                    whole[b].append(w)
+    out = {b: _per_node(hooked[b], reduce) for b in batch_sizes}
+    if graph is not None:   # the time outside the hooked nodes, measured (module docstring)
+        out = {b: attribute_unhooked(t, _whole(whole[b], reduce), graph, b) for b, t in out.items()}
     return out
 
 
@@ -173,22 +245,10 @@ def measure_profile(work: Workload, *, batch_sizes: tuple[int, ...], repeats: in
     """A Profile of `work`'s leaf modules at `batch_sizes` on this CPU with `threads` threads."""
     torch.set_num_threads(threads)
     model = build_model(work, seed=seed)
+    by_batch = node_times_by_batch(model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed,
+                                   statistic=statistic, clock=clock)
     times: dict[str, dict[str, dict[str, list]]] = {}
-    for b in batch_sizes:
-        inputs, targets = global_batch(work, b, seed=seed, step=0)
-        # the first module's inputs need grad, or its backward hook would not fire
-        inputs = tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor)
-                       and x.is_floating_point() else x for x in inputs)
-
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            work.loss(model(*inputs), targets).backward()
-
-        node_times = time_nodes(model, step, repeats=repeats, statistic=statistic, clock=clock)
-        if graph is not None:   # the time outside the hooked nodes, measured (module docstring)
-            whole = whole_step_times(model, work, inputs, targets, repeats=repeats, statistic=statistic,
-                                     clock=clock)
-            node_times = {**node_times, **attribute_unhooked(node_times, whole, graph, b)}
+    for b, node_times in by_batch.items():
         for node, phases in node_times.items():
             for phase, t in phases.items():
                 times.setdefault(node, {}).setdefault(device_type, {}).setdefault(phase, []).append((float(b), t))
@@ -198,3 +258,34 @@ def measure_profile(work: Workload, *, batch_sizes: tuple[int, ...], repeats: in
                               for n, by in times.items()}
     return Profile(model=work.name, precision="fp32",
                    graph_fingerprint=graph.fingerprint() if graph is not None else "", times=frozen)
+
+
+class SpeedProbe:
+    """How fast this machine runs one model now: the median CPU time of a few whole steps
+    (forward with the loss, backward; one thread) at one batch size — the quantity a profile's
+    node times sum to at that batch (attribute_unhooked), measured again later. A shared
+    machine drifts (here the same GPT-2 step took 450–665 ms within four minutes on a quiet
+    host, and runs an hour apart differed by half), so a prediction for a run made minutes
+    after the profile can scale the profile's compute by probe-now / profile
+    (cost.profile.SpeedScaledCosts)."""
+
+    def __init__(self, work: Workload, batch: int, *, repeats: int = 5, seed: int = 0):
+        self.work, self.repeats = work, repeats
+        self.model = build_model(work, seed=seed)
+        self.inputs, self.targets = _grad_inputs(work, batch, seed)
+
+    def __call__(self) -> float:
+        """Seconds of CPU time of one step, median of `repeats` after a warm-up."""
+        steps = [_whole_step(self.model, self.work, self.inputs, self.targets, None, time.thread_time)
+                 for _ in range(self.repeats + 1)][1:]
+        return statistics.median(f + b for f, b, _, _ in steps)
+
+
+def profile_step_s(profile: Profile, batch: int, device_type: str = "cpu") -> float:
+    """A profile's whole step at `batch` (its measured batch sizes): forward and backward
+    summed over its nodes, each at the measured point for that batch."""
+    total = 0.0
+    for by_type in profile.times.values():
+        for points in by_type.get(device_type, {}).values():
+            total += sum(t for b, t in points if b == float(batch))
+    return total
