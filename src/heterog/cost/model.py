@@ -25,6 +25,11 @@ class CostModel(Protocol):
         """Time of the optimizer step over the parameters of `nodes` on `device`."""
         ...
 
+    def accumulate_time_s(self, nodes: Sequence[str], device: str) -> float:
+        """Time to add one micro-batch's parameter gradients of `nodes` into those already
+        held on `device`: every backward after a step's first (the first creates them)."""
+        ...
+
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         """Point-to-point time over the real path: latency + bytes / bottleneck bandwidth."""
         ...

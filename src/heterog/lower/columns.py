@@ -21,10 +21,12 @@ class BlockColumns(NamedTuple):
     kept_dev: np.ndarray            # their devices
     position: list                  # replica → its index among the kept (-1 if merged)
     dev: list[int]                  # device of each task
-    dur: list[float]                # duration of each task
+    dur: list[float]                # duration of each task (backwards adding into held gradients)
     dev_array: np.ndarray           # the same as arrays (Tasks.array), and the tasks' kinds
     dur_array: np.ndarray
     kind_array: np.ndarray
+    first_dur: list[float]          # the same for micro-batch 0, whose backwards create the
+    first_dur_array: np.ndarray     # gradients instead of adding into them
     at_start: tuple                 # memory effects at task starts (TaskRows chunk)
     at_end: tuple                   # ... at task ends
     first_at_start: tuple           # the same for micro-batch 0, whose backwards create
@@ -82,16 +84,18 @@ def block_columns(blk: Block, size: int, samples: list[int], rep: np.ndarray, re
             hit = replica_cache[ck] = _replica_costs(blk, dn, smp, table)
         rows.append(hit)
     d, n = kr.devices, len(kr.devices)
-    v = np.array(rows, dtype=np.float64).reshape(-1, 7)[kr.which]
+    v = np.array(rows, dtype=np.float64).reshape(-1, 8)[kr.which]
     act, ws, peak_later, peak_first, grad = v[:, 2], v[:, 3], v[:, 4], v[:, 5], v[:, 6]   # see _replica_costs
     # forward: its activations and workspace; backward: up to its peak, then down to nothing;
     # micro-batch 0's backward peaks at peak_first and leaves the gradients behind
     fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
     fwd_end = _chunk(d, -ws, ws != 0, 0)
-    dur = np.concatenate((v[:, 0], v[:, 1]))
+    first = np.concatenate((v[:, 0], v[:, 1]))
+    dur = np.concatenate((v[:, 0], v[:, 1] + v[:, 7]))
     return BlockColumns(
         kept=kr.kept, kept_dev=d, position=kr.position, dev=kr.dev,
         dur=dur.tolist(), dev_array=kr.dev_array, dur_array=dur, kind_array=kr.kind_array,
+        first_dur=first.tolist(), first_dur_array=first,
         at_start=_joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
         at_end=_joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
         first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
@@ -121,7 +125,8 @@ def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple
     """Costs of one replica of a block on a device of class dn at `samples`:
     (forward s, backward s, activations saved by the forward, largest forward workspace,
      backward peak above the level before it — later micro-batches, backward peak — the first
-     micro-batch, whose gradients appear meanwhile, gradient bytes).
+     micro-batch, whose gradients appear meanwhile, gradient bytes, the time a later
+     micro-batch's backward takes to add its gradients into those held).
 
     The backward is walked group by group in reverse (PyTorch frees a group's saved
     activations after its backward; with zero_grad(set_to_none=True) its gradients appear
@@ -130,7 +135,9 @@ def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple
     """
     fwd = bwd = 0.0
     acts, fulls, grads, wss = [], [], [], []
+    accumulate = 0.0
     for nodes in blk.nodes:
+        accumulate += table.accumulate_s(nodes, dn)
         f_s, b_s = table.times_s(nodes, dn, samples)
         fwd += f_s
         bwd += b_s + (f_s if blk.recompute else 0.0)   # recompute runs the forward again
@@ -152,4 +159,4 @@ def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple
         alive = below + fulls[k] + wss[k]
         peak_later = max(peak_later, alive)
         peak_first = max(peak_first, alive + after)
-    return (fwd, bwd, act_all, max(wss, default=0.0), peak_later, peak_first, grad_all)
+    return (fwd, bwd, act_all, max(wss, default=0.0), peak_later, peak_first, grad_all, accumulate)

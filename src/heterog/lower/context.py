@@ -341,6 +341,10 @@ class CostTable:
         return self._cached(self._time, ("opt", nodes, device),
                             lambda: float(self.costs.optimizer_time_s(nodes, device)))
 
+    def accumulate_s(self, nodes: tuple[str, ...], device: str) -> float:
+        return self._cached(self._time, ("acc", nodes, device),
+                            lambda: float(self.costs.accumulate_time_s(nodes, device)))
+
     def activation_bytes(self, nodes: tuple[str, ...], samples: int, recompute: bool) -> float:
         return self._cached(self._mem, ("act", nodes, samples, recompute), lambda: (
             0.0 if samples <= 0 else float(self.costs.activation_bytes(nodes, samples, recompute))))

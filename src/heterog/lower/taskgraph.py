@@ -214,9 +214,6 @@ class TaskRows:
         self.chunks.append((len(self.task), first_task, chunk, len(chunk[0])))
         return len(self.chunks) - 1
 
-    def replace_chunk(self, i: int, first_task: int, chunk: tuple[np.ndarray, ...]) -> None:
-        self.chunks[i] = (self.chunks[i][0], first_task, chunk, len(chunk[0]))
-
     def mark(self) -> tuple[int, int]:
         """Where the rows added from now on begin (a micro-batch's segment, see segment)."""
         return len(self.chunks), len(self.task)

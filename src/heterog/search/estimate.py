@@ -4,7 +4,8 @@ The simulator (heterog.simulate) has the final word on every candidate the plann
 this estimate exists because the search scores thousands of moves and a 1024-GPU plan has
 too many per-op events to simulate each time. It is a list schedule at group granularity:
 
-- GPipe: all forward micro-batches, then all backward ones in reverse group order; each
+- GPipe: all forward micro-batches, then all backward ones in reverse group order (each
+  after the first adds its gradients into those held: accumulate_time_s); each
   device runs its work in that order (one queue per device), each replica starts when its
   device is free and its inputs have arrived;
 - a group placed exactly like its producer reads its input locally, replica by replica;
@@ -181,7 +182,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
                     own, up, down = xfer(c, g, (g, c))  # the gradient flows back c → g
                     ready = np.maximum(ready, nics.transfer(float(fin_b[c][m].max()), own, up, down))
             start = np.maximum(free[dev[g]], ready)
-            fin = start + t_b[g]
+            fin = start + (t_b[g] + prob.accumulate_time_s[g, cls[g]] if m else t_b[g])   # the lowering's rule
             free[dev[g]] = fin
             fin_b[g][m] = fin
             if m == M - 1 and g in closes:

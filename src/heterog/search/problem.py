@@ -103,6 +103,7 @@ class Problem:
         self.fwd = np.zeros((G, C, 2))  # [..., 0] fixed time, [..., 1] time per sample
         self.bwd = np.zeros((G, C, 2))
         self.opt_time_s = np.zeros((G, C))
+        self.accumulate_time_s = np.zeros((G, C))   # a later micro-batch's backward adds its gradients
         self.persistent_bytes = np.zeros((G, C))
         self.act_per_sample = np.zeros((G, 2))  # without / with recompute
         self.workspace_per_sample = np.zeros(G)
@@ -118,6 +119,7 @@ class Problem:
                     a = _fit(lo, hi, b_lo, B)
                     arr[g, ci] = (a.fixed, a.per_sample)
                 self.opt_time_s[g, ci] = self.costs.optimizer_time_s(names, rep)
+                self.accumulate_time_s[g, ci] = self.costs.accumulate_time_s(names, rep)
                 self.persistent_bytes[g, ci] = self.costs.persistent_bytes(names, rep)
             self.act_per_sample[g, 0] = self.costs.activation_bytes(names, B, False) / B
             self.act_per_sample[g, 1] = self.costs.activation_bytes(names, B, True) / B

@@ -142,6 +142,10 @@ class TableCostModel:
         passes = 3 if self.optimizer == "sgd" else 7  # bytes touched per parameter byte
         return pbytes * passes / self.cluster.gpu(device).memory_bandwidth_bytes_per_s
 
+    def accumulate_time_s(self, nodes: Sequence[str], device: str) -> float:
+        pbytes = sum(self._node[n].param_bytes for n in nodes)
+        return 3 * pbytes / self.cluster.gpu(device).memory_bandwidth_bytes_per_s * self.cluster.device(device).slowdown
+
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         if src == dst or nbytes <= 0:
             return 0.0
