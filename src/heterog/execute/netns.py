@@ -32,8 +32,8 @@ PREFIX = "hg"
 # Namespaces are global to the machine, so their owner files are too (not under $TMPDIR,
 # which differs between runs); only root makes namespaces, and /run is root's.
 OWNERS_DIR = Path("/run/heterog-netns-owners")
-# A namespace this young may be one a live launcher is still setting up (its ranks not yet
-# inside); never remove it. /run/netns/<name> is created with the namespace.
+# A namespace this young without an owner record may be one a launcher is still setting up
+# (its ranks not yet inside); never remove it. /run/netns/<name> is created with the namespace.
 YOUNG_NAMESPACE_S = 10.0
 
 
@@ -173,7 +173,11 @@ def remove_stale_namespaces() -> list[str]:
     removed = []
     for ns in names:
         token = ns[len(PREFIX):len(PREFIX) + 6]
-        if _owner_alive(token) or _young(ns):
+        # a launcher records itself before it makes its namespaces: with its record there, its
+        # death decides (a launcher killed seconds after starting left namespaces that young);
+        # without one, only a namespace old enough is surely nobody's setup in progress
+        recorded = (OWNERS_DIR / f"{token}.json").exists()
+        if _owner_alive(token) or (not recorded and _young(ns)):
             continue
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=20)
         if pids.stdout.strip():
