@@ -119,8 +119,6 @@ class Setup:
     spec: ModelSpec
     profiled: bool
     links: tuple[dict[str, Any], ...] = ()      # the shaped links as measured (profile/links.py)
-    speed_probe: Any = None                     # the machine's step time now (profile/measure.py)
-    profile_step_s: float | None = None         # ... and as the profile measured it
 
 
 def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_size: int,
@@ -133,26 +131,24 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.execute.workload import resolve_workload
-    from heterog.profile.measure import SpeedProbe, measure_profile, profile_batch_sizes, profile_step_s
+    from heterog.profile.measure import measure_profile, profile_batch_sizes
 
     torch.set_num_threads(1)  # every rank runs one thread; the cpu type is probed to match
     spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)
     graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
-    prof = probe = None
+    prof = None
     if profile:
         say("measuring per-node times on this CPU (one thread)")
         # batch 1 catches the per-call overhead that dominates the small per-replica
         # micro-batches of pipelines; the cost model interpolates between the points.
         prof = measure_profile(resolve_workload(spec), batch_sizes=profile_batch_sizes(batch_size), graph=graph,
                                repeats=9)
-        probe = SpeedProbe(resolve_workload(spec), batch_size)
     costs = build_cost_model(graph, cluster, profile=prof)
     measured: tuple[dict[str, Any], ...] = ()
     if profile and links:
         costs, measured = _calibrated_links(costs, cluster, say)
     return Setup(graph=graph, cluster=cluster, costs=costs, spec=spec, profiled=prof is not None,
-                 links=measured, speed_probe=probe,
-                 profile_step_s=profile_step_s(prof, batch_size) if prof is not None else None)
+                 links=measured)
 
 
 def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) -> tuple[Any, tuple]:
@@ -224,39 +220,24 @@ def best_baseline(result) -> Any:
 
 
 def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions: int,
-                say: Callable[[str], None], failed: dict[str, str] | None = None,
-                probes: list[tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
+                say: Callable[[str], None], failed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Measure every strategy `repetitions` times, interleaved (A B C A B C …), so a slow spell
     of a shared machine hits all of them alike; per strategy the median, the spread and the
     repetitions themselves. With `failed` given, a plan whose run fails is recorded there
-    (label → the error) and left out; otherwise the error propagates. With `probes` given
-    (and a profiled setup), the machine's speed is probed before the first repetition and
-    after each, appended there as (seconds since the first, step seconds), and every run is
-    also predicted at the speed of its moment (`at_run_speed`)."""
+    (label → the error) and left out; otherwise the error propagates."""
     from heterog.errors import RankError
-    tracking = probes is not None and setup.speed_probe is not None and bool(setup.profile_step_s)
-    t_first = time.perf_counter()
-
-    def probe() -> None:
-        if tracking:
-            probes.append((time.perf_counter() - t_first, float(setup.speed_probe())))
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in plans}
-    probe()
     for rep in range(repetitions):
         for label, plan in plans.items():
             if failed is not None and label in failed:
                 continue
             say(f"repetition {rep + 1}/{repetitions}: {label} ({plan.strategy}), {steps} steps")
-            t0 = time.perf_counter()
             try:
                 runs[label].append(measure(setup, plan, steps=steps))
             except RankError as e:
                 if failed is None:
                     raise
                 failed[label] = str(e).split(" Log tail:")[0]
-                continue
-            runs[label][-1]["at_s"] = (t0 + time.perf_counter()) / 2 - t_first
-        probe()
     out = {}
     for label, rs in runs.items():
         if failed is not None and label in failed:
@@ -270,25 +251,7 @@ def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions
                       "spread": max(times) / min(times) - 1.0,
                       "relative_error": (median - predicted) / predicted,
                       "link_shaping": rs[0]["link_shaping"], "per_rank": rs[-1]["per_rank"], "notes": rs[0]["notes"]}
-        if tracking:
-            out[label]["at_run_speed"] = at_run_speed(setup, plans[label], rs, probes, median)
     return out
-
-
-def at_run_speed(setup: Setup, plan: Plan, runs: list[dict[str, Any]], probes: list[tuple[float, float]],
-                 measured_s: float) -> dict[str, Any]:
-    """A plan's prediction at the machine's speed when each run ran: its profile's compute
-    scaled by the probed step time at the run's middle (interpolated between the probes
-    around it) over the profile's own (cost.profile.SpeedScaledCosts)."""
-    import numpy as np
-
-    from heterog.cost.profile import SpeedScaledCosts
-    at, step = np.array([t for t, _ in probes]), np.array([s for _, s in probes])
-    factors = [float(np.interp(r["at_s"], at, step)) / setup.profile_step_s for r in runs]
-    predicted = [predict(dataclasses.replace(setup, costs=SpeedScaledCosts(setup.costs, f)), plan) for f in factors]
-    p = statistics.median(predicted)
-    return {"speed_factors": factors, "predicted_s": predicted, "predicted_iteration_time_s": p,
-            "relative_error": (measured_s - p) / p}
 
 
 def speedup(strategies: dict[str, dict[str, Any]], base: str, top: str = "heterog") -> dict[str, Any]:

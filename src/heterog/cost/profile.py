@@ -205,35 +205,3 @@ class LinkCalibratedCosts:
     def ps_sync_time_s(self, nbytes: float, devices, server: str) -> float:
         return comm.cached_ps_sync_time_s(self._cache, self._one_way, nbytes, devices, server)
 
-
-class SpeedScaledCosts:
-    """A cost model whose compute (forward, backward, optimizer, gradient accumulation) takes
-    `factor` times as long; communication and memory are the wrapped model's. For predicting a
-    run on a machine whose speed drifted since its profile was taken: `factor` is the machine's
-    step time now over the profile's (profile/measure.py SpeedProbe)."""
-
-    def __init__(self, base, factor: float):
-        if not factor > 0:
-            raise ProfileError(f"a speed factor must be > 0, found {factor}.")
-        self.base = base
-        self.factor = float(factor)
-
-    def __getattr__(self, name: str):      # the rest of the protocol (and its extensions)
-        if name == "base":
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-    def compute_time_s(self, node: str, device: str, batch: float, phase: str) -> float:
-        return self.factor * self.base.compute_time_s(node, device, batch, phase)
-
-    def group_time_s(self, nodes, device: str, batch: float, phase: str) -> float:
-        group = getattr(self.base, "group_time_s", None)
-        if group is None:
-            return sum(self.compute_time_s(n, device, batch, phase) for n in nodes)
-        return self.factor * group(nodes, device, batch, phase)
-
-    def optimizer_time_s(self, nodes, device: str) -> float:
-        return self.factor * self.base.optimizer_time_s(nodes, device)
-
-    def accumulate_time_s(self, nodes, device: str) -> float:
-        return self.factor * self.base.accumulate_time_s(nodes, device)

@@ -259,33 +259,3 @@ def measure_profile(work: Workload, *, batch_sizes: tuple[int, ...], repeats: in
     return Profile(model=work.name, precision="fp32",
                    graph_fingerprint=graph.fingerprint() if graph is not None else "", times=frozen)
 
-
-class SpeedProbe:
-    """How fast this machine runs one model now: the median CPU time of a few whole steps
-    (forward with the loss, backward; one thread) at one batch size — the quantity a profile's
-    node times sum to at that batch (attribute_unhooked), measured again later. A shared
-    machine drifts (here the same GPT-2 step took 450–665 ms within four minutes on a quiet
-    host, and runs an hour apart differed by half), so a prediction for a run made minutes
-    after the profile can scale the profile's compute by probe-now / profile
-    (cost.profile.SpeedScaledCosts)."""
-
-    def __init__(self, work: Workload, batch: int, *, repeats: int = 5, seed: int = 0):
-        self.work, self.repeats = work, repeats
-        self.model = build_model(work, seed=seed)
-        self.inputs, self.targets = _grad_inputs(work, batch, seed)
-
-    def __call__(self) -> float:
-        """Seconds of CPU time of one step, median of `repeats` after a warm-up."""
-        steps = [_whole_step(self.model, self.work, self.inputs, self.targets, None, time.thread_time)
-                 for _ in range(self.repeats + 1)][1:]
-        return statistics.median(f + b for f, b, _, _ in steps)
-
-
-def profile_step_s(profile: Profile, batch: int, device_type: str = "cpu") -> float:
-    """A profile's whole step at `batch` (its measured batch sizes): forward and backward
-    summed over its nodes, each at the measured point for that batch."""
-    total = 0.0
-    for by_type in profile.times.values():
-        for points in by_type.get(device_type, {}).values():
-            total += sum(t for b, t in points if b == float(batch))
-    return total
