@@ -204,4 +204,3 @@ class LinkCalibratedCosts:
 
     def ps_sync_time_s(self, nbytes: float, devices, server: str) -> float:
         return comm.cached_ps_sync_time_s(self._cache, self._one_way, nbytes, devices, server)
-
