@@ -80,6 +80,32 @@ def test_two_stage_pipeline_matches_gpipe_formula(m, schedule):
     assert r.iteration_time_s == pytest.approx((m + 2 - 1) * (t_f + t_b) + step)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_every_backward_after_the_first_adds_into_the_held_gradients(schedule):
+    # one device, m micro-batches: m (t_f + t_b) + (m − 1) accumulations + step; micro-batch
+    # 0's backwards create the gradients, every later one adds into them
+    g = chain_graph(4, flops=GF, edge_bytes=0.0)
+    c = cluster([[RATE]])
+    acc_per_byte = 2e-9
+    costs = TableCosts(g, c, accumulate_s_per_byte=acc_per_byte)
+    batch, m = 16, 4
+    p = plan([("s0", ["l0", "l1"], [("n0/d0", 1.0)]), ("s1", ["l2", "l3"], [("n0/d0", 1.0)])],
+             batch_size=batch, num_microbatches=m, schedule=schedule)
+    r = simulate(g, c, p, costs)
+    t_f = 4 * GF * (batch / m) / RATE
+    params = 4 * 4_000_000
+    step = 1e-9 * params
+    assert r.iteration_time_s == pytest.approx(m * 3 * t_f + (m - 1) * acc_per_byte * params + step)
+    # the search's estimate keeps the same rule
+    from heterog.search.grouping import make_groups
+    from heterog.search.problem import Placement, Problem, Strategy
+    from heterog.search.estimate import estimate
+    prob = Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 2), batch_size=batch)
+    one = Placement(devices=(0,), shares=(1.0,))
+    est = estimate(prob, Strategy(placements=(one,) * prob.n_groups, microbatches=m, schedule=schedule))
+    assert est.iteration_time_s == pytest.approx(r.iteration_time_s, rel=1e-6)
+
+
 def test_one_f_one_b_keeps_fewer_activations_than_gpipe():
     g = chain_graph(4, flops=GF, edge_bytes=0.0, saved=1e6)
     c = cluster([[RATE], [RATE]])

@@ -27,7 +27,7 @@ class Tasks:
     __slots__ = ("kind", "dur", "dev", "links", "edges", "npred", "key", "mb", "comm",
                  "mem_start", "mem_end", "sync_loads", "persistent_bytes",
                  "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
-                 "xfer_blocks", "ties", "mb_stride", "scratch", "runs", "_phase_stride", "_succ_csr", "_arrays")
+                 "xfer_blocks", "ties", "mb_stride", "scratch", "runs", "dur_patches", "_phase_stride", "_succ_csr", "_arrays")
 
     def __init__(self, blocks: list[Block], n_devices: int, num_microbatches: int):
         self.kind: list[int] = []
@@ -59,6 +59,9 @@ class Tasks:
         # runs of tasks whose columns exist as arrays: (first id, end id, ComputeRun |
         # TransferRun | CopyRun); array() takes them from there, not from the lists
         self.runs: list[tuple] = []
+        # durations set once every micro-batch is expanded — micro-batch 0's backwards, which
+        # create the gradients the copies of it add into (tasks.py): (first id, durations)
+        self.dur_patches: list[tuple[int, np.ndarray]] = []
         self.scratch: dict = {}                  # what the timed pass derives once (engine.py)
 
     def prio(self, phase: int, mb: int, signed_block: int) -> int:
@@ -125,6 +128,9 @@ class Tasks:
                 run.fill(a, column, first, end)
                 at = end
             a[at:] = values[at:]
+            if column == "dur":
+                for first, dur in self.dur_patches:
+                    a[first:first + len(dur)] = dur
             self._arrays[column] = a
         return a
 
@@ -213,6 +219,9 @@ class TaskRows:
         place); returns its index."""
         self.chunks.append((len(self.task), first_task, chunk, len(chunk[0])))
         return len(self.chunks) - 1
+
+    def replace_chunk(self, i: int, first_task: int, chunk: tuple[np.ndarray, ...]) -> None:
+        self.chunks[i] = (self.chunks[i][0], first_task, chunk, len(chunk[0]))
 
     def mark(self) -> tuple[int, int]:
         """Where the rows added from now on begin (a micro-batch's segment, see segment)."""

@@ -80,9 +80,10 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
                 splits[key] = hit
     moves, p2p_sets = pair_moves(blocks, preds, sizes, splits, info, table)
     rep = tasks.rep = _representatives(blocks, splits, p2p_sets, sizes, len(info.devices), info.dev_class, merge)
-    Bk = _microbatch_tasks(tasks, plan, preds, moves, splits, mb_sizes, info, table, merge)
+    Bk, first_bwd = _microbatch_tasks(tasks, plan, preds, moves, splits, mb_sizes, info, table, merge)
     bwd_of_dev = _backwards_by_device(tasks, Bk)
     sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep, preds, splits, mb_sizes)
+    _first_microbatch(tasks, first_bwd)
     if plan.schedule == "1f1b":
         for d, limit in stage_limits([blk.devices for blk in blocks]).items():
             tasks.stage_limit[d] = limit
@@ -93,10 +94,10 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
 def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: list[int],
                       info: ClusterInfo, table: CostTable, merge: bool):
     """Forward, backward and transfer tasks of every micro-batch (equal-sized ones copied when
-    merging; micro-batch 0, whose backwards create the gradients, is never copied). Returns the
-    backward task ids per micro-batch and block."""
+    merging). Returns (backward task ids per micro-batch and block, micro-batch 0's columns)."""
     Bk = Backwards(len(tasks.blocks), len(mb_sizes))
-    templates: dict[int, Segment] = {}   # size → the first micro-batch after 0 of that size
+    templates: dict[int, Segment] = {}   # size → the first micro-batch of that size
+    first_bwd: list[tuple] = []   # (first task, effect chunk indices, columns) of micro-batch 0's blocks
     comm = tasks.comm
     rep_key = rep_id(table.scratch, tasks.rep)     # once per call: it hashes the merged-device map
     for m, size in enumerate(mb_sizes):
@@ -105,16 +106,15 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
             continue
         seg_start, comm_before = len(tasks.kind), len(comm)
         marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
-        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", Bk)
+        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", Bk, first_bwd)
         transfer_tasks(tasks, m, size, preds, moves, Bk, rep_key)
-        if m > 0:       # micro-batch 0's backwards differ (they create the gradients): no template
-            templates[size] = Segment(m, seg_start, len(tasks.kind), list(comm)[comm_before:], marks,
-                                      (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()), [])
-    return Bk
+        templates[size] = Segment(m, seg_start, len(tasks.kind), list(comm)[comm_before:], marks,
+                                  (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()), [])
+    return Bk, first_bwd
 
 
 def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, table: CostTable,
-                   rep_key: int, one_f1b: bool, Bk: "Backwards") -> None:
+                   rep_key: int, one_f1b: bool, Bk: "Backwards", first_bwd) -> None:
     """Micro-batch m's forwards and backwards: per block, its forwards then its backwards, one
     slice per column (the hot path); the columns that depend only on the block and the merged
     devices are cached."""
@@ -137,8 +137,7 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         b0 = f0 + n_kept
         kinds.extend([FWD] * n_kept)
         kinds.extend([BWD] * n_kept)
-        first = m == 0      # its backwards create the gradients (columns.py)
-        tasks.dur.extend(cols.first_dur if first else cols.dur)
+        tasks.dur.extend(cols.dur)
         tasks.dev.extend(cols.dev)
         tasks.links.extend([()] * (2 * n_kept))
         key_f, key_b = tasks.prio(1 if one_f1b else 0, m, bi), tasks.prio(0 if one_f1b else 1, m, -bi)
@@ -146,11 +145,11 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         tasks.key.extend([key_b] * n_kept)
         tasks.mb.extend([m] * (2 * n_kept))
         if n_kept:
-            tasks.runs.append((f0, b0 + n_kept, ComputeRun(cols.first_dur_array if first else cols.dur_array,
-                                                           cols.dev_array, cols.kind_array,
+            tasks.runs.append((f0, b0 + n_kept, ComputeRun(cols.dur_array, cols.dev_array, cols.kind_array,
                                                            key_f, key_b, m)))
-        tasks.mem_start.add_chunk(f0, cols.first_at_start if first else cols.at_start)
-        tasks.mem_end.add_chunk(f0, cols.first_at_end if first else cols.at_end)
+        chunks = (tasks.mem_start.add_chunk(f0, cols.at_start), tasks.mem_end.add_chunk(f0, cols.at_end))
+        if m == 0:
+            first_bwd.append((f0, chunks, cols))
         Bk.span[m][bi] = (b0, n_kept)
         Bk.cols[m][bi] = cols
     _forward_before_backward(tasks, Bk.span[m])
@@ -189,6 +188,21 @@ def _backwards_by_device(tasks: Tasks, Bk: "Backwards") -> dict[int, np.ndarray]
     pairs, n_pair = np.unique(dev * n_mb + np.repeat(np.arange(n_mb, dtype=np.int64), mbs), return_counts=True)
     tasks.bwd_count = {(p // n_mb, p % n_mb): c for p, c in zip(pairs.tolist(), n_pair.tolist())}
     return {d: tasks_of[d] for d in sorted(tasks_of, key=lambda d: tasks_of[d][0])}
+
+
+def _first_microbatch(tasks: Tasks, first_bwd) -> None:
+    """Micro-batch 0's backwards create the gradients (see columns.py): the later micro-batches
+    were expanded or copied from it as adding into them, so its blocks' memory effects and
+    backward durations are replaced by the first-micro-batch ones afterwards. Effects added by
+    transfers stay after them."""
+    for f0, (si, ei), cols in first_bwd:
+        tasks.mem_start.replace_chunk(si, f0, cols.first_at_start)
+        tasks.mem_end.replace_chunk(ei, f0, cols.first_at_end)
+        n = len(cols.kept)
+        if n:
+            b0 = f0 + n
+            tasks.dur[b0:b0 + n] = cols.first_dur[n:]
+            tasks.dur_patches.append((b0, cols.first_dur_array[n:]))
 
 
 class Segment(NamedTuple):
