@@ -118,6 +118,20 @@ def _assert_nothing_left(tmp: Path, namespaces: set[str]) -> None:
     assert set(leftover_namespaces()) & namespaces == set()
 
 
+def _wait_until_caught(proc: subprocess.Popen, sig: int, timeout_s: float = 60) -> None:
+    """Until the CLI catches `sig` (its handler is installed after the imports). A process
+    started from a shell's background job inherits SIGINT ignored, and a slow machine may
+    still be importing after the test's first wait: a signal sent then is lost, not handled."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.communicate()
+        for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:") and int(line.split()[1], 16) >> (sig - 1) & 1:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"heterog never installed its handler for {signal.Signals(sig).name}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_during_plan(tmp_path, sig, code):
@@ -125,6 +139,7 @@ def test_signal_during_plan(tmp_path, sig, code):
     proc = _heterog(["plan", "--model", "resnet50", "--batch-size", "64", "--cluster", "mixed-16",
                      "--budget-s", "120", "--out", str(out)], tmp_path)
     time.sleep(8)  # imports and capture; the search runs for up to two minutes
+    _wait_until_caught(proc, sig)
     assert proc.poll() is None, proc.communicate()
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
@@ -169,3 +184,28 @@ def test_next_run_removes_what_a_killed_launcher_left(tmp_path):
     assert nxt.returncode == 0, stderr
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in orphans)
     _assert_nothing_left(tmp_path, namespaces)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_dropped_inside_a_weakref_callback_still_stops_the_search():
+    """Python drops an exception raised while a weakref callback runs (torch's run in every
+    garbage collection): a stop signal landing there must still stop `heterog plan` at its
+    next progress callback (it once ran on for the whole search budget)."""
+    import weakref
+
+    from heterog.cli import main as cli_main
+    from heterog.cli.plan_cmd import _progress_bar
+    cli_main.STOP_REQUESTED.clear()
+
+    class Held:
+        pass
+    held = Held()
+    ref = weakref.ref(held, lambda _: cli_main._interrupt(signal.SIGINT, None))
+    del held                  # the callback runs; its KeyboardInterrupt is reported, not raised
+    assert ref() is None and cli_main.STOP_REQUESTED == [signal.SIGINT]
+    _, update = _progress_bar(False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            update("search", 0.5)
+    finally:
+        cli_main.STOP_REQUESTED.clear()

@@ -76,6 +76,23 @@ def _paragraph(text: str) -> str:
     return " ".join(text.split())
 
 
+STOP_REQUESTED: list[int] = []   # signals that asked this command to stop
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGINT / SIGTERM: raise KeyboardInterrupt, and remember it — Python drops an exception
+    raised while a weakref callback or __del__ runs (torch's WeakIdKeyDictionary callbacks
+    run in every garbage collection), so a long command checks `raise_if_stopped`."""
+    STOP_REQUESTED.append(signum)
+    raise KeyboardInterrupt
+
+
+def raise_if_stopped() -> None:
+    """KeyboardInterrupt if a stop signal arrived (for the callbacks of long-running work)."""
+    if STOP_REQUESTED:
+        raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def _signals_recorded() -> Iterator[list[int]]:
     """Turn SIGTERM into KeyboardInterrupt (so every `finally` cleans up, as for Ctrl-C) and
@@ -91,13 +108,14 @@ def _signals_recorded() -> Iterator[list[int]]:
         os.set_blocking(r, False)
         os.set_blocking(w, False)
         old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        old_term = signal.signal(signal.SIGTERM, _interrupt)
         # SIGINT too: a process started by a shell's background job inherits it ignored,
         # and `kill -INT` must still stop it with exit 130
-        old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+        old_int = signal.signal(signal.SIGINT, _interrupt)
     except ValueError:  # not the main thread (e.g. embedded): leave signals alone
         yield seen
         return
+    STOP_REQUESTED.clear()
     try:
         yield seen
     finally:

@@ -12,15 +12,18 @@ from heterog.cli.output import console, human_bytes, human_time, print_json, pri
 
 
 def _progress_bar(enabled: bool):
-    """A rich progress bar on a terminal; a no-op callback otherwise (never in --json)."""
+    """A rich progress bar on a terminal (never in --json); either way a callback that stops
+    the search when a stop signal arrived (cli/main.py raise_if_stopped)."""
+    from heterog.cli.main import raise_if_stopped
     if not enabled:
-        return None, None
+        return None, lambda stage, frac: raise_if_stopped()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     bar = Progress(TextColumn("{task.description:<12}"), BarColumn(), TimeElapsedColumn(),
                    console=console, transient=True)
     task = bar.add_task("planning", total=1.0)
 
     def update(stage: str, frac: float) -> None:
+        raise_if_stopped()
         bar.update(task, completed=frac, description=stage)
     return bar, update
 
@@ -85,8 +88,8 @@ def plan_command(
     else:
         result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                       cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, strategy=strategy,
-                      profile=profile)
+                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update,
+                      strategy=strategy, profile=profile)
     if out is not None:
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:
