@@ -354,17 +354,26 @@ class AnalyticCostModel:
         fwd = self._table(d.gpu_type, "fwd").times_s(idx, batch, self._host_scale(device))
         return float(np.where(self._in_block[idx], fwd, 0.0).sum()) * d.slowdown
 
-    def optimizer_time_s(self, nodes: Sequence[str], device: str) -> float:
+    def _parameter_pass(self, nodes: Sequence[str], device: str, bytes_per_param_byte: float):
+        """A pass over the parameters of `nodes` on `device` (the optimizer step, a gradient
+        accumulation): (their indices, the device, its type, the streaming time at the memory
+        rate the optimizer reaches), or None without parameters."""
         idx = self._idx(nodes)
         pbytes = float(self.memory.param_bytes[idx].sum())
         if pbytes <= 0:
-            return 0.0
+            return None
         d = self._device(device)
         gpu = self.cluster.gpu_types[d.gpu_type]
+        return idx, d, gpu, bytes_per_param_byte * pbytes / (
+            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu, "optimizer"))
+
+    def optimizer_time_s(self, nodes: Sequence[str], device: str) -> float:
+        p = self._parameter_pass(nodes, device, OPTIMIZER_BYTES_PER_PARAM_BYTE[self.optimizer])
+        if p is None:
+            return 0.0
+        idx, d, gpu, traffic_s = p
         oh = host_overheads(gpu)
         tensors = float(self._n_tensors[idx].sum())
-        traffic_s = OPTIMIZER_BYTES_PER_PARAM_BYTE[self.optimizer] * pbytes / (
-            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu, "optimizer"))
         if oh.synchronous:
             # CPU: torch.optim's default is the per-tensor for-loop (foreach is CUDA-only);
             # AdamW's two out-of-place temporaries (sqrt, division) per tensor land on fresh
@@ -383,20 +392,16 @@ class AnalyticCostModel:
 
     def accumulate_time_s(self, nodes: Sequence[str], device: str) -> float:
         """autograd's AccumulateGrad: `grad += new` per parameter, reading two and writing one
-        parameter-sized tensor, one op per tensor. On this CPU a pipeline stage holding the
-        toy CNN's 16.5 MB of parameters paid ~3 ms per micro-batch for it, a GPipe step of 16
-        micro-batches on a 3×-paced device ~0.2 s the profile (one backward per step) missed."""
-        idx = self._idx(nodes)
-        pbytes = float(self.memory.param_bytes[idx].sum())
-        if pbytes <= 0:
+        parameter-sized tensor, one op per tensor. On this CPU a pipeline stage holding most of
+        the toy CNN's 16.5 MB of parameters paid a few ms per micro-batch for it, ~0.2 s a GPipe
+        step of 16 micro-batches on a 3×-paced device that the profile (one backward per step)
+        did not see."""
+        p = self._parameter_pass(nodes, device, ACCUMULATE_BYTES_PER_PARAM_BYTE)
+        if p is None:
             return 0.0
-        d = self._device(device)
-        gpu = self.cluster.gpu_types[d.gpu_type]
-        traffic_s = ACCUMULATE_BYTES_PER_PARAM_BYTE * pbytes / (
-            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu, "optimizer"))
-        oh = host_overheads(gpu)
-        if oh.synchronous:
-            return (traffic_s + float(self._n_tensors[idx].sum()) * oh.dispatch_s) * d.slowdown
+        idx, d, gpu, traffic_s = p
+        if host_overheads(gpu).synchronous:
+            return (traffic_s + float(self._n_tensors[idx].sum()) * host_overheads(gpu).dispatch_s) * d.slowdown
         return traffic_s * d.slowdown
 
     # -- communication ---------------------------------------------------------------------------
