@@ -19,8 +19,9 @@ computed because the shared machine did not give it the CPU (demo.contention); t
 reported over all plans and over those that ran uncontended.
 
 Per scenario: plan; run every distinct feasible candidate for `--steps` steps, interleaved
-(A B C … A B C …) for `--repetitions` repetitions, so a slow spell of the shared machine
-hits all alike; per plan the predicted time (simulator, on this CPU's measured per-node
+(A B C …, then … C B A) for `--repetitions` rounds in one launch of the ranks
+(pipeline.run_interleaved: consecutive plans run seconds apart), so a slow spell of the
+shared machine hits all alike; per plan the predicted time (simulator, on this CPU's measured per-node
 times at one thread) and the measured median and spread. heterog's plan is the planner's
 best; the best baseline is the fastest *measured* baseline (single-device, even-dp-*,
 proportional-dp, model-parallel, pipeline). Speedups are per-repetition ratios: the median

@@ -221,33 +221,36 @@ def best_baseline(result) -> Any:
 
 def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions: int,
                 say: Callable[[str], None], failed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """Measure every strategy `repetitions` times, interleaved (A B C A B C …), so a slow spell
-    of a shared machine hits all of them alike; per strategy the median, the spread and the
+    """Measure every strategy `repetitions` times, interleaved (A B C, C B A, …) in one launch
+    (pipeline.run_interleaved), so a slow spell of a shared machine hits all of them alike and
+    consecutive strategies run seconds apart; per strategy the median, the spread and the
     repetitions themselves. With `failed` given, a plan whose run fails is recorded there
     (label → the error) and left out; otherwise the error propagates."""
-    from heterog.errors import RankError
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in plans}
-    for rep in range(repetitions):
-        for label, plan in plans.items():
-            if failed is not None and label in failed:
-                continue
-            say(f"repetition {rep + 1}/{repetitions}: {label} ({plan.strategy}), {steps} steps")
-            try:
-                runs[label].append(measure(setup, plan, steps=steps))
-            except RankError as e:
-                if failed is None:
-                    raise
-                failed[label] = str(e).split(" Log tail:")[0]
+    import warnings
+
+    from heterog.errors import HeterogWarning
+    from heterog.pipeline import run_interleaved
+    labels = list(plans)
+    say(f"{repetitions} repetitions of {', '.join(f'{k} ({plans[k].strategy})' for k in labels)}, "
+        f"{steps} steps each, interleaved in one launch")
+    with warnings.catch_warnings():    # the scenario's deliberate slow link / small memory, again
+        warnings.simplefilter("ignore", HeterogWarning)
+        got = run_interleaved([runnable(setup, plans[k]) for k in labels], steps=steps, repetitions=repetitions,
+                              predict=False, timeout_s=120.0)
     out = {}
-    for label, rs in runs.items():
-        if failed is not None and label in failed:
+    for label, runs in zip(labels, got):
+        if runs.error is not None:
+            if failed is None:
+                raise runs.error
+            failed[label] = str(runs.error).split(" Log tail:")[0]
             continue
+        rs = runs.repetitions
         times = [r["measured_iteration_time_s"] for r in rs]
         median = statistics.median(times)
-        predicted = rs[0]["predicted_iteration_time_s"]
+        predicted = predict(setup, plans[label])
         out[label] = {"strategy": plans[label].strategy, "predicted_iteration_time_s": predicted,
                       "measured_iteration_time_s": median, "repetitions_s": times,
-                      "contention": statistics.median(r["contention"] for r in rs),
+                      "contention": statistics.median(contention(r["per_rank"]) for r in rs),
                       "spread": max(times) / min(times) - 1.0,
                       "relative_error": (median - predicted) / predicted,
                       "link_shaping": rs[0]["link_shaping"], "per_rank": rs[-1]["per_rank"], "notes": rs[0]["notes"]}

@@ -8,12 +8,15 @@ Stages import only downward; this module is the one that calls them in sequence:
   Program on local processes, and puts the simulator's prediction of the same schedule beside
   the measurement;
 - `run_many(plans, steps=…)` → one PlanRun per plan (run's dict, or the error): the plans one
-  after the other in one launch of the rank processes, for sweeps.
+  after the other in one launch of the rank processes, for sweeps;
+- `run_interleaved(plans, steps=…, repetitions=…)` → one PlanRepetitions per plan: plans of
+  one emulated cluster measured side by side (A B C C B A …) in one launch with shaped links.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -24,7 +27,7 @@ from typing import Any
 
 from heterog.errors import PlanError
 from heterog.execute.device import nccl_env
-from heterog.execute.launcher import LaunchConfig, PlanLaunch, launch_local, launch_local_many
+from heterog.execute.launcher import LaunchConfig, PlanLaunch, ProcessLayout, launch_local, launch_local_many
 from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
@@ -400,4 +403,89 @@ def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s
         out.append(PlanRun(index=i, strategy=plan.strategy, result=_outcome(
             plan, prep.covered, prep.cluster, prep.local, prep.graph, prep.costs, prep.devices, got,
             steps=steps, warmup_steps=warmup_steps, predict=predict, notes=[], shaping=shaping)))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRepetitions:
+    """One plan's outcome in run_interleaved: per repetition the dict `run` returns for it (in
+    the order measured), or `error`, what stopped the plan (its later repetitions not run)."""
+    index: int
+    strategy: str
+    repetitions: tuple[dict[str, Any], ...] = ()
+    error: Exception | None = None
+
+
+def _shaped_layout(stack: contextlib.ExitStack, cluster: Cluster, devices: tuple[str, ...],
+                   shape_links: bool | None, notes: list[str]) -> tuple[ProcessLayout, dict[str, Any]]:
+    """One process per device, in network namespaces with the cluster's NIC bandwidths when
+    wanted and possible (as `run` shapes them); (the layout, the shaping record)."""
+    want = shape_links if shape_links is not None else cluster.kind == "emulated"
+    if not want:
+        return ProcessLayout(devices=devices), {"enabled": False, "reason": "not requested"}
+    if len({cluster.node_of[d] for d in devices}) == 1:
+        return (ProcessLayout(devices=devices),
+                {"enabled": False, "reason": "the plans' devices share one node: no link to shape"})
+    try:
+        links = stack.enter_context(LinkShaping(cluster=cluster, devices=devices))
+    except ShapingUnavailable as e:
+        notes.append(f"links not shaped: {e}")
+        return ProcessLayout(devices=devices), {"enabled": False, "reason": str(e)}
+    return (ProcessLayout(devices=devices, wrap=links.wrap, env=links.env, master_addr=links.master_addr),
+            {"enabled": True, "method": "netns+veth+tc-tbf", "nic_bandwidth_bytes_per_s": links.links})
+
+
+def run_interleaved(plans: list[Plan | str | os.PathLike], *, steps: int = 5, repetitions: int = 3,
+                    timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, predict: bool = True,
+                    shape_links: bool | None = None, out_dir: str | os.PathLike | None = None,
+                    force: bool = False, faults: dict[int, dict[str, Any]] | None = None) -> list[PlanRepetitions]:
+    """Measure plans of one emulated cluster side by side: `repetitions` rounds, each training
+    every plan `steps` steps in turn (A B C, then C B A, …), all in one launch of one process per
+    device. On a shared machine whose speed drifts, consecutive plans then run seconds apart
+    instead of a launch (~10 s of imports and export) apart, so the per-round ratio of two
+    plans compares like with like; the start-up and the namespaces (links shaped as `run`
+    shapes them) are paid once. A plan that fails is reported in its PlanRepetitions and not
+    run again; the others go on. out_dir keeps round r of plan i in `rep<r>/plan<i>/`. faults: a
+    test hook, plan index → run's `fault` (every round of that plan)."""
+    loaded = [p if isinstance(p, Plan) else Plan.load(p) for p in plans]
+    if steps < 1 or repetitions < 1:
+        raise PlanError(f"steps and repetitions must be ≥ 1, found {steps} and {repetitions}.")
+    if not loaded:
+        return []
+    prints = {p.cluster_fingerprint for p in loaded}
+    if len(prints) > 1:
+        raise PlanError("run_interleaved measures plans of one cluster side by side; the plans were made "
+                        "for different clusters (their cluster fingerprints differ): run each group apart.")
+    graphs: dict[str, Any] = {}
+    prepared = [_prepare(plan, i, graphs, (faults or {}).get(i), False, None) for i, plan in enumerate(loaded)]
+    cluster = prepared[0].cluster
+    used = {d for p in prepared for d in p.devices}
+    devices = tuple(d.name for d in cluster.devices if d.name in used)
+    # odd rounds run the plans in reverse order (A B C C B A A B C …), so a drift of the machine's
+    # speed within a round does not always fall on the same plans
+    order = [(r, i) for r in range(repetitions)
+             for i in (range(len(prepared)) if r % 2 == 0 else reversed(range(len(prepared))))]
+    entries = [dataclasses.replace(prepared[i].launch, folder=f"rep{r}/plan{i}", key=f"plan{i}") for r, i in order]
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_sigterm_as_interrupt())
+        layout, shaping = _shaped_layout(stack, cluster, devices, shape_links, notes)
+        launched = launch_local_many(entries, steps=steps, timeout_s=timeout_s, seed=seed,
+                                     out_dir=Path(out_dir) if out_dir else None, force=force, layout=layout)
+    out = []
+    for i, (plan, prep) in enumerate(zip(loaded, prepared)):
+        got = [launched[k] for k, (_, j) in enumerate(order) if j == i]     # plan i's rounds, in order
+        error = next((g for g in got if isinstance(g, Exception)), None)
+        reps: list[dict[str, Any]] = []
+        for k, results in enumerate(got if error is None else ()):
+            reps.append(_outcome(plan, prep.covered, prep.cluster, prep.local, prep.graph, prep.costs, prep.devices,
+                                 results, steps=steps, warmup_steps=warmup_steps, predict=predict and k == 0,
+                                 notes=list(notes), shaping=shaping))
+            if k:       # one prediction per plan: every round ran the same schedule
+                for key in ("predicted_iteration_time_s", "prediction_source"):
+                    reps[-1][key] = reps[0][key]
+                m = reps[-1]["measured_iteration_time_s"]
+                pred = reps[0]["predicted_iteration_time_s"]
+                reps[-1]["relative_error"] = (m - pred) / pred if pred else None
+        out.append(PlanRepetitions(index=i, strategy=plan.strategy, repetitions=tuple(reps), error=error))
     return out

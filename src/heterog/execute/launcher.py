@@ -13,8 +13,10 @@ folders and ranks, network namespaces) and checks that the plan's memory per ran
 this machine's free memory (refusing with the numbers unless forced).
 
 `launch_local_many` runs several plans in one set of processes (worker.run_plans), for sweeps
-where starting the ranks would cost more than the runs: the same culprit rules per plan, and
-after a failing plan the remaining ones start in fresh processes.
+where starting the ranks would cost more than the runs, and for measurements that interleave
+plans: the same culprit rules per plan, and after a failing plan the remaining ones start in
+fresh processes. Given `processes` (one device each), every plan's rank runs in the process
+of its device, so a process keeps its network namespace (netns.py) across plans.
 """
 
 from __future__ import annotations
@@ -142,72 +144,111 @@ class PlanLaunch:
     fault: dict[str, Any] | None = None     # test hook, as LaunchConfig.fault
     dump_params: bool = False               # as LaunchConfig.dump_params, into the plan's folder
     folder: str = ""                        # the plan's folder in the run's; plan<i> if empty
+    # entries of one plan (its repetitions) share a key: when one fails, the later ones are
+    # not started but get the same error
+    key: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessLayout:
+    """The processes of a multi-plan launch, one per device (a plan's rank runs in the process
+    of its device), each with its command prefix and environment (netns.LinkShaping's), and
+    the address of process 0, which holds the launch's store."""
+    devices: tuple[str, ...]
+    wrap: dict[int, list[str]] = field(default_factory=dict)
+    env: dict[int, dict[str, str]] = field(default_factory=dict)
+    master_addr: str = "127.0.0.1"
+
+    def processes_of(self, plan: PlanLaunch) -> list[int]:
+        missing = [d for d in plan.devices if d not in self.devices]
+        if missing:
+            raise PlanError(f"the plan's device(s) {missing} have no process in this launch "
+                            f"(processes run {list(self.devices)}).")
+        return [self.devices.index(d) for d in plan.devices]
 
 
 def launch_local_many(plans: list[PlanLaunch], *, steps: int, timeout_s: float = 60.0, seed: int = 0,
-                      out_dir: Path | None = None, force: bool = False) -> list[list[dict] | Exception]:
-    """Run several plans' Programs one after the other in one set of rank processes (as many
-    as the largest plan has ranks; worker.run_plans), so the start-up — processes, imports,
-    the model's export — is paid once, not per plan. Returns, per plan, its ranks' results
-    (rank order) or the error that stopped it: a failing plan ends its processes, which the
-    launcher names as launch_local does, and the plans after it start in fresh ones. CPU
-    ranks (gloo) only, no link shaping, checkpoints, user data or fault injection."""
+                      out_dir: Path | None = None, force: bool = False,
+                      layout: ProcessLayout | None = None) -> list[list[dict] | Exception]:
+    """Run several plans' Programs one after the other in one set of rank processes
+    (worker.run_plans), so the start-up — processes, imports, the model's export — is paid
+    once, not per plan. Without `layout`, process r is rank r of every plan that has more than
+    r ranks (as many processes as the largest plan has ranks); with it, one process per
+    layout device, and each plan's rank runs in its device's process (so shaped links keep
+    their namespaces). Returns, per plan, its ranks' results (rank order) or the error that
+    stopped it: a failing plan ends its processes, which the launcher names as launch_local
+    does, and the plans after it start in fresh ones (entries of a failed plan's key get its
+    error without running). CPU ranks (gloo) only; no checkpoints or user data."""
     out: list[list[dict] | Exception | None] = [None] * len(plans)
     for i, p in enumerate(plans):
         try:
             if (why := in_memory_model_error(p.plan_doc["model"]["name"])) is not None:
                 raise PlanError(why)
             stale.check_memory(p.plan_doc, p.devices, force=force)
+            if layout is not None:
+                layout.processes_of(p)
         except PlanError as e:
             out[i] = e
     stale.remove_stale_runs()
     with _run_dir(out_dir) as work:
         launch = 0
         while todo := [i for i in range(len(plans)) if out[i] is None]:
-            _launch_many(plans, todo, out, work, launch, steps=steps, timeout_s=timeout_s, seed=seed)
+            _launch_many(plans, todo, out, work, launch, steps=steps, timeout_s=timeout_s, seed=seed,
+                         layout=layout)
+            failed = {plans[i].key: out[i] for i in range(len(plans)) if isinstance(out[i], Exception)}
+            for i in range(len(plans)):
+                if out[i] is None and plans[i].key and plans[i].key in failed:
+                    out[i] = failed[plans[i].key]
             launch += 1
         return out  # type: ignore[return-value]
 
 
 def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path, launch: int, *,
-                 steps: int, timeout_s: float, seed: int) -> None:
+                 steps: int, timeout_s: float, seed: int, layout: ProcessLayout | None) -> None:
     """One set of processes for the plans `todo` (in order); fills `out` for every plan that
     finished and for the first that failed."""
-    world = max(len(plans[i].devices) for i in todo)
+    procs_of = {i: layout.processes_of(plans[i]) if layout is not None else list(range(len(plans[i].devices)))
+                for i in todo}
+    world = len(layout.devices) if layout is not None else max(len(plans[i].devices) for i in todo)
     wait_s = timeout_s * (steps + 3) + 60          # as launch_local's deadline, per plan
     plan_dir = {i: work / (plans[i].folder or f"plan{i}") for i in todo}
-    entries = [{"index": i, "devices": list(plans[i].devices), "program": plans[i].program_doc,
-                "slowdowns": plans[i].slowdowns, "fault": plans[i].fault,
+    entries = [{"index": i, "devices": list(plans[i].devices), "processes": procs_of[i],
+                "program": plans[i].program_doc, "slowdowns": plans[i].slowdowns, "fault": plans[i].fault,
                 "dump_params": plans[i].dump_params, "out_dir": str(plan_dir[i]),
                 "wait_s": wait_s} for i in todo]
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
+    lay = layout or ProcessLayout(devices=())
     try:
         for rank in range(world):
             spec = {"rank": rank, "world": world, "steps": steps, "timeout_s": timeout_s, "seed": seed,
-                    "master_addr": "127.0.0.1", "master_port": port, "plans": entries}
-            _start_rank(work, spec, f"launch{launch}_rank{rank}", procs, logs)
+                    "master_addr": lay.master_addr, "master_port": port, "plans": entries}
+            _start_rank(work, spec, f"launch{launch}_rank{rank}", procs, logs, wrap=lay.wrap.get(rank, []),
+                        env=lay.env.get(rank, {}))
         overdue = RankError(0, "the multi-plan launch exceeded its overall deadline")
         try:
             finished = _wait_all(procs, time.monotonic() + wait_s * len(todo) + 60, lambda stuck: overdue)
         except RankError:
             finished = False
         for i in todo:
-            n = len(plans[i].devices)
-            files = [plan_dir[i] / f"result_rank{r}.json" for r in range(n)]
+            mine = procs_of[i]
+            files = [plan_dir[i] / f"result_rank{r}.json" for r in range(len(mine))]
             if finished or all(f.exists() for f in files):
                 out[i] = [json.loads(f.read_text()) for f in files]
                 continue
-            _grace(procs[:n], timeout_s)
+            used = [procs[p] for p in mine]
+            _grace(used, timeout_s)
             # a process this plan does not use is to blame only when none of the plan's failed
             # (the store lives in process 0: when that one fails, the idle ones fail after it)
-            plan_failed = any(p.poll() not in (None, 0) for p in procs[:n])
-            idle_dead = [] if plan_failed else [r for r in range(n, world) if procs[r].poll() not in (None, 0)]
+            plan_failed = any(p.poll() not in (None, 0) for p in used)
+            idle_dead = [] if plan_failed else [r for r in range(world) if r not in mine
+                                                and procs[r].poll() not in (None, 0)]
             out[i] = (RankError(idle_dead[0], f"process {idle_dead[0]} of the launch, which this plan does not "
                                               f"use, died (exit code {procs[idle_dead[0]].poll()}); the plan was "
                                               f"stopped. Log tail: {_tail(logs[idle_dead[0]], 600)}")
-                      if idle_dead else _culprit(procs[:n], logs[:n], plan_dir[i], plans[i].devices, timeout_s))
+                      if idle_dead else _culprit(used, [logs[p] for p in mine], plan_dir[i], plans[i].devices,
+                                                 timeout_s))
             return
     finally:
         _kill_all(procs)

@@ -6,8 +6,9 @@ number of steps and the emulation settings. The worker writes `result_rank<R>.js
 `error_rank<R>.json` when it fails, into the spec's out_dir; the launcher reads them.
 
 A multi-plan spec (launcher.launch_local_many, for pipeline.run_many) lists several plans:
-the process runs them one after the other (`run_plans`), as rank r of every plan that has
-more than r devices, each plan in a process group of its own (a fresh `init_process_group`
+the process runs them one after the other (`run_plans`), as the rank of every plan whose
+`processes` list names it (by default rank r of every plan that has more than r devices),
+each plan in a process group of its own (a fresh `init_process_group`
 over a prefix of one shared store), and waits at a barrier of all processes after each plan,
 so a plan that does not use it finds it idle. Plans of one model share its construction and
 its export (`ModelCache`). A failure ends the process: the launcher starts the remaining
@@ -235,18 +236,21 @@ def _store_barrier(store: Any, key: str, world: int, timeout_s: float) -> None:
 
 
 def run_plans(spec: dict[str, Any]) -> int:
-    """A multi-plan spec (module docstring): each plan in turn, as rank `spec['rank']` of the
-    plans that have that many devices; idle at the barrier after each plan otherwise."""
+    """A multi-plan spec (module docstring): each plan in turn, as its rank when the plan's
+    `processes` name this process (`spec['rank']`); idle at the barrier after each plan otherwise."""
     me, world = spec["rank"], spec["world"]
     store = dist.TCPStore(spec["master_addr"], spec["master_port"], world, is_master=me == 0,
                           timeout=timedelta(seconds=spec["timeout_s"]))
     models = ModelCache()
     common = {k: v for k, v in spec.items() if k != "plans"}
     for entry in spec["plans"]:
-        plan_spec, out_dir = {**common, **entry, "rank": me}, Path(entry["out_dir"])
-        if me < len(entry["devices"]):
+        processes = entry.get("processes") or list(range(len(entry["devices"])))
+        out_dir = Path(entry["out_dir"])
+        if me in processes:       # rank of the plan: the place of this process in its list
+            plan_spec = {**common, **entry, "rank": processes.index(me)}
             prefixed = dist.PrefixStore(f"plan{entry['index']}/", store)
-            if _report(out_dir, me, lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
+            if _report(out_dir, plan_spec["rank"],
+                       lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
                 return 1
         _store_barrier(store, f"after{entry['index']}", world, entry["wait_s"])
     if me == 0:     # the store lives in this process: leave last
