@@ -189,7 +189,7 @@ def targets(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default=",".join(D.SCENARIOS), help="comma-separated names")
-    ap.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is warm-up)")
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="4 steps, 2 repetitions, 2 s planning: a smoke run")

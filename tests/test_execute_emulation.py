@@ -95,3 +95,43 @@ def test_without_root_the_run_falls_back_to_unshaped_links_and_says_so(tmp_path,
     out = run(plan, steps=2, predict=False, timeout_s=60, out_dir=tmp_path)
     assert out["link_shaping"] == {"enabled": False, "reason": "not root: network namespaces and tc need root"}
     assert any("links not shaped" in n for n in out["notes"])
+
+
+_FAULTS = """
+import resource, sys, torch
+sys.path.insert(0, {src!r})
+if {call}:
+    from heterog.execute.emulation import keep_freed_memory
+    assert keep_freed_memory()
+faults = []
+for step in range(12):     # a tensor above glibc's largest mmap threshold, made anew each step
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(16 * 2**20)      # 64 MiB
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del x
+print(sum(faults[-3:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["default", "env", "call"])
+def test_ranks_and_the_profile_keep_freed_memory_like_a_caching_allocator(how):
+    """A 64 MiB tensor made anew every step: glibc by default maps fresh pages each time
+    (16 384 page faults a step); a rank (started with KEEP_FREED_MEMORY_ENV) or the profile
+    (keep_freed_memory()) reuses freed blocks and, after a few steps, faults no more."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    if how == "env":
+        env.update(KEEP_FREED_MEMORY_ENV)
+    out = subprocess.run([sys.executable, "-c", _FAULTS.format(src=src, call=how == "call")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    faults = int(out.stdout.split()[-1])      # over the last three steps
+    if how == "default":
+        assert faults > 3 * 10_000, faults
+    else:
+        assert faults < 300, faults

@@ -40,6 +40,7 @@ from heterog.errors import CheckpointError, PlanError, RankError
 from heterog.ir.plan import in_memory_model_error
 from heterog.execute import stale
 from heterog.execute.checkpoint import find_checkpoint, model_key
+from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,7 @@ def _start_rank(work: Path, spec: dict[str, Any], name: str, procs: list[subproc
     spec_path = work / f"spec_{name}.json"
     spec_path.write_text(json.dumps(spec))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **KEEP_FREED_MEMORY_ENV, **(env or {})}
     log = work / f"log_{name}.txt"
     logs.append(log)
     with open(log, "w") as fh:

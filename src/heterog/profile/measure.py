@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from heterog.cost.profile import Profile
+from heterog.execute.emulation import keep_freed_memory
 from heterog.execute.workload import Workload, build_model, global_batch
 
 
@@ -242,7 +243,9 @@ def node_times_by_batch(model: nn.Module, work: Workload, batch_sizes: tuple[int
 def measure_profile(work: Workload, *, batch_sizes: tuple[int, ...], repeats: int = 5,
                     threads: int = 1, device_type: str = "cpu", graph=None, seed: int = 0,
                     statistic: str = "median", clock: str = "cpu") -> Profile:
-    """A Profile of `work`'s leaf modules at `batch_sizes` on this CPU with `threads` threads."""
+    """A Profile of `work`'s leaf modules at `batch_sizes` on this CPU with `threads` threads,
+    with freed memory kept for reuse as the ranks keep it (execute/emulation.py)."""
+    keep_freed_memory()
     torch.set_num_threads(threads)
     model = build_model(work, seed=seed)
     by_batch = node_times_by_batch(model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed,
