@@ -106,6 +106,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     # Paced 6× and more, so the pacing absorbs a shared machine's contention (emulation.py).
     Scenario(name="lm-fast-far", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
              batch_size=16, seq_len=32, slowdowns=(8.0, 8.0, 6.0)),
+    # cnn-slow-link's cluster for the LM: two like devices on node a, the slowest behind the
+    # slow link. lm-slow-link's a/cpu1 (6×) caps data parallelism over node a at 1.5× one
+    # device; here it may reach 2×.
+    Scenario(name="lm-slow-far", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
+             batch_size=16, seq_len=32, slowdowns=(3.0, 3.0, 6.0)),
 )}
 DEMO_SCENARIO = "cnn-slow-link"
 

@@ -107,10 +107,12 @@ class LiveBytes:
     gradients_bytes: int = 0
     optimizer_state_bytes: int = 0
     activations_bytes: int = 0
+    buffers_bytes: int = 0       # the gradient sync's kept buffers (receive buffers, a server's sum)
 
     @property
     def total_bytes(self) -> int:
-        return self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes + self.activations_bytes
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes + self.activations_bytes
+                + self.buffers_bytes)
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -157,7 +159,8 @@ class MemoryCap:
             f"device {self.device} exceeded its emulated memory cap of {self.cap_bytes / MIB:.0f} MiB at "
             f"instruction {index} ({what}): live tensors hold {live.total_bytes / MIB:.1f} MiB (parameters "
             f"{live.parameters_bytes / MIB:.1f}, gradients {live.gradients_bytes / MIB:.1f}, optimizer state "
-            f"{live.optimizer_state_bytes / MIB:.1f}, activations {live.activations_bytes / MIB:.1f} MiB). "
+            f"{live.optimizer_state_bytes / MIB:.1f}, activations {live.activations_bytes / MIB:.1f}, sync buffers "
+            f"{live.buffers_bytes / MIB:.1f} MiB). "
             f"The plan puts more on {self.device} than it holds: use a plan from `heterog plan` for this "
             f"cluster (it keeps every device within its memory) or raise memory_gib of {self.device} in "
             f"the cluster YAML.")

@@ -190,13 +190,17 @@ class Interpreter:
         sent, gradients in flight, and what autograd saved for the backwards still to run)."""
         count = StorageCounter()
         params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
-        state = self.optimizer.state.values() if self.optimizer else ()
+        state = list(self.optimizer.state.values()) if self.optimizer else []
+        servers = self.sync.runner.servers.values()       # a parameter server's copy and optimizer
+        params += [s.master for s in servers if s.master is not None]
+        state += [v for s in servers if s.optimizer is not None for v in s.optimizer.state.values()]
         held = (self._env, self._inbox, self._outbox, [s.grad for s in self._slots.values()], self.p2p.in_flight(),
                 [(c.saved, c.loss) for c in self._calls.values()])
         return LiveBytes(parameters_bytes=count.add(params),
                          gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
-                         optimizer_state_bytes=count.add(tensors_in(list(state))),
-                         activations_bytes=count.add(tensors_in(held)))
+                         optimizer_state_bytes=count.add(tensors_in(state)),
+                         activations_bytes=count.add(tensors_in(held)),
+                         buffers_bytes=count.add(self.sync.runner.kept_buffers()))
 
     def _saving(self, saved: list[torch.Tensor]):
         """With a memory cap: record what autograd saves for backward, so it is counted."""

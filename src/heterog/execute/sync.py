@@ -78,6 +78,12 @@ class BucketRunner:
         self._pending: list[tuple[Bucket, Future, bool]] = []
         self.sync_s = 0.0
 
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """The buffers kept from step to step: the collectives' receive buffers and each
+        parameter server's (execute/collectives.py), for the emulated memory cap."""
+        kept = list(self.groups.scratch.held.values())
+        return kept + [s.buffer for s in self.servers.values() if s.buffer is not None]
+
     def create_groups(self, buckets: Sequence[Bucket]) -> None:
         self.groups.create_all([b.members for b in buckets])
 
@@ -97,7 +103,9 @@ class BucketRunner:
             grad, values = torch.zeros(bucket.numel, device=self.device), None
         else:
             grad, in_place = _flat_gradients(params, bucket.method)
-            values = torch.cat([p.detach().reshape(-1) for p in params]) if bucket.method is SyncMethod.PS else None
+            server = self.servers.get(bucket.names)
+            values = (torch.cat([p.detach().reshape(-1) for p in params])   # the server's first copy
+                      if bucket.method is SyncMethod.PS and (server is None or server.needs_parameters) else None)
         self._pending.append((bucket, self._thread.submit(self._run, bucket, grad, values), in_place))
         self.sync_s += time.perf_counter() - t0
 

@@ -138,17 +138,18 @@ def _replica_state(blk: Block, dn: str, served: bool, table: CostTable) -> tuple
 
 def _server_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable) -> None:
     """A parameter server keeps, for each block it serves, a copy of the parameters, the
-    optimizer state and the summed gradient (execute/collectives.py ParameterServer): a
-    server outside the replicas holds what a replica would (persistent_bytes); one that is
-    also a replica adds the copy and the state to its replica's parameters and gradient."""
+    optimizer state and a buffer for the summed gradient (execute/collectives.py
+    ParameterServer): what a replica would hold (persistent_bytes), beside its own replica's
+    when it is one; every other replica keeps a buffer the new parameters arrive in."""
     for blk in blocks:
         if not _served(blk):
             continue
         dn = info.dev_class[blk.ps_device]
-        full = sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
-        if blk.ps_device in blk.devices:
-            full -= sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
-        tasks.persistent_bytes[blk.ps_device] += full
+        tasks.persistent_bytes[blk.ps_device] += sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
+        received = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
+        for d in blk.devices:
+            if d != blk.ps_device:
+                tasks.persistent_bytes[d] += received
 
 
 def _tied_copies(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable,

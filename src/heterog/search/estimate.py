@@ -204,8 +204,12 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
         act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local
         np.add.at(peak, dev[g], prob.persistent_bytes[g, cls[g]] + act)
         np.maximum.at(work, dev[g], prob.workspace_per_sample[g] * shares[g] * b_m)
-        if P[g].sync == "ps" and P[g].ps is not None and P[g].ps not in P[g].devices:
-            peak[P[g].ps] += 2 * prob.grad_bytes[g]  # the server holds the sum and the parameters
+        if P[g].sync == "ps" and P[g].ps is not None and len(P[g].devices) > 1:
+            # the server holds its copy and the sum (sync_tasks._server_state), each other
+            # replica the buffer the parameters come back in
+            peak[P[g].ps] += 2 * prob.grad_bytes[g]
+            others = [d for d in P[g].devices if d != P[g].ps]
+            np.add.at(peak, others, prob.grad_bytes[g])
     peak += work
     overflow = float(np.max((peak - prob.memory_bytes) / prob.memory_bytes))
     return Estimate(iteration_time_s=float(end.max()), peak_memory_bytes=peak, overflow=max(0.0, overflow))
