@@ -241,7 +241,7 @@ def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions
     with warnings.catch_warnings():    # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
         got = run_interleaved([runnable(setup, plans[k]) for k in labels], steps=steps, repetitions=repetitions,
-                              predict=False, timeout_s=120.0)
+                              predict=False, timeout_s=120.0, inputs=(setup.graph, setup.cluster, setup.costs))
     out = {}
     for label, runs in zip(labels, got):
         if runs.error is not None:

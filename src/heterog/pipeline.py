@@ -167,11 +167,12 @@ def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
     return float(sim.iteration_time_s), "simulator"
 
 
-def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool, graph=None):
+def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool, graph=None, inputs: tuple | None = None):
     """(program, graph, costs, cluster as seen here, the plan as lowered): the run and its
     prediction share one schedule, lowered with the costs of this machine's ranks
-    (local_cluster). `graph`: the model's capture, when the caller has it."""
-    graph, local, costs = plan_inputs(plan, cluster, profile=profile, graph=graph)
+    (local_cluster). `graph`: the model's capture, when the caller has it; `inputs`: the
+    (graph, cluster, costs) the caller predicts with (a profiled cost model), to lower with."""
+    graph, local, costs = inputs if inputs is not None else plan_inputs(plan, cluster, profile=profile, graph=graph)
     plan = cover_graph(plan, graph)
     return lower_schedule(graph, local, plan, costs), graph, costs, local, plan
 
@@ -342,15 +343,17 @@ class _Prepared:
 
 
 def _prepare(plan: Plan, index: int, graphs: dict[str, Any], fault: dict[str, Any] | None, dump_params: bool,
-             out_dir: Path | None) -> _Prepared:
-    """Lower plan `index` of run_many (the model captured once per model spec: `graphs`);
-    its Program saved in its folder, as `run` saves it."""
+             out_dir: Path | None, inputs: tuple | None = None) -> _Prepared:
+    """Lower plan `index` of run_many (the model captured once per model spec: `graphs`;
+    with `inputs`, the caller's graph, cluster and costs); its Program saved in its folder, as
+    `run` saves it."""
     cluster, devices = _local_ranks(plan)
     if cluster.kind != "emulated":
         raise PlanError(f"run_many runs emulated clusters' plans on CPU processes; the plan's cluster "
                         f"{cluster.name!r} is a real one: run it with heterog.run.")
     key = json.dumps(plan.to_dict()["model"], sort_keys=True, default=str)
-    program, graph, costs, local, covered = _lower_for_run(plan, cluster, False, graph=graphs.get(key))
+    program, graph, costs, local, covered = _lower_for_run(plan, cluster, False, graph=graphs.get(key),
+                                                           inputs=inputs)
     graphs[key] = graph
     folder = f"plan{index}"
     if out_dir is not None:
@@ -438,15 +441,18 @@ def _shaped_layout(stack: contextlib.ExitStack, cluster: Cluster, devices: tuple
 def run_interleaved(plans: list[Plan | str | os.PathLike], *, steps: int = 5, repetitions: int = 3,
                     timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, predict: bool = True,
                     shape_links: bool | None = None, out_dir: str | os.PathLike | None = None,
-                    force: bool = False, faults: dict[int, dict[str, Any]] | None = None) -> list[PlanRepetitions]:
+                    force: bool = False, faults: dict[int, dict[str, Any]] | None = None,
+                    inputs: tuple | None = None) -> list[PlanRepetitions]:
     """Measure plans of one emulated cluster side by side: `repetitions` rounds, each training
     every plan `steps` steps in turn (A B C, then C B A, …), all in one launch of one process per
     device. On a shared machine whose speed drifts, consecutive plans then run seconds apart
     instead of a launch (~10 s of imports and export) apart, so the per-round ratio of two
     plans compares like with like; the start-up and the namespaces (links shaped as `run`
     shapes them) are paid once. A plan that fails is reported in its PlanRepetitions and not
-    run again; the others go on. out_dir keeps round r of plan i in `rep<r>/plan<i>/`. faults: a
-    test hook, plan index → run's `fault` (every round of that plan)."""
+    run again; the others go on. out_dir keeps round r of plan i in `rep<r>/plan<i>/`. inputs:
+    the (graph, cluster, costs) the caller predicts with, so the Programs that run are the
+    schedules it predicts (default: the plans' analytic costs). faults: a test hook, plan
+    index → run's `fault` (every round of that plan)."""
     loaded = [p if isinstance(p, Plan) else Plan.load(p) for p in plans]
     if steps < 1 or repetitions < 1:
         raise PlanError(f"steps and repetitions must be ≥ 1, found {steps} and {repetitions}.")
@@ -457,7 +463,8 @@ def run_interleaved(plans: list[Plan | str | os.PathLike], *, steps: int = 5, re
         raise PlanError("run_interleaved measures plans of one cluster side by side; the plans were made "
                         "for different clusters (their cluster fingerprints differ): run each group apart.")
     graphs: dict[str, Any] = {}
-    prepared = [_prepare(plan, i, graphs, (faults or {}).get(i), False, None) for i, plan in enumerate(loaded)]
+    prepared = [_prepare(plan, i, graphs, (faults or {}).get(i), False, None, inputs)
+                for i, plan in enumerate(loaded)]
     cluster = prepared[0].cluster
     used = {d for p in prepared for d in p.devices}
     devices = tuple(d.name for d in cluster.devices if d.name in used)
