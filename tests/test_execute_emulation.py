@@ -104,12 +104,12 @@ if {call}:
     from heterog.execute.emulation import keep_freed_memory
     assert keep_freed_memory()
 faults = []
-for step in range(12):     # a tensor above glibc's largest mmap threshold, made anew each step
+for step in range(24):     # a tensor above glibc's largest mmap threshold, made anew each step
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(16 * 2**20)      # 64 MiB
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     del x
-print(sum(faults[-3:]))
+print(sum(faults[-6:]))
 """
 
 
@@ -117,7 +117,10 @@ print(sum(faults[-3:]))
 def test_ranks_and_the_profile_keep_freed_memory_like_a_caching_allocator(how):
     """A 64 MiB tensor made anew every step: glibc by default maps fresh pages each time
     (16 384 page faults a step); a rank (started with KEEP_FREED_MEMORY_ENV) or the profile
-    (keep_freed_memory()) reuses freed blocks and, after a few steps, faults no more."""
+    (keep_freed_memory()) reuses freed blocks and, after a few steps, faults no more. "A few":
+    torch's 64-byte-aligned allocations find a freed block just too short until neighbouring
+    freed blocks merge, which took 7 to 10 steps in 20 runs here (a 12-step version of this
+    test failed on CI when step 10 still faulted), so the last 6 of 24 steps are checked."""
     import subprocess
     import sys
     from pathlib import Path
@@ -130,8 +133,8 @@ def test_ranks_and_the_profile_keep_freed_memory_like_a_caching_allocator(how):
     out = subprocess.run([sys.executable, "-c", _FAULTS.format(src=src, call=how == "call")], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    faults = int(out.stdout.split()[-1])      # over the last three steps
+    faults = int(out.stdout.split()[-1])      # over the last six steps
     if how == "default":
-        assert faults > 3 * 10_000, faults
+        assert faults > 6 * 10_000, faults
     else:
         assert faults < 300, faults

@@ -68,10 +68,24 @@ def _signature(i) -> tuple:
     return ("optimizer",)
 
 
+def _own_inputs(sched, d: str) -> dict[int, list[tuple]]:
+    """Per sync block, the signatures of the instructions on device d that feed it."""
+    tasks, names = sched.tasks, sched.info.devices
+    src, dst = tasks.edges.arrays()
+    out: dict[int, list[tuple]] = {}
+    for a, b in zip(src.tolist(), dst.tolist()):
+        if tasks.kind[b] == SYNC and tasks.kind[a] in (FWD, BWD) and names[tasks.dev[a]] == d:
+            out.setdefault(tasks.comm[b][2], []).append(
+                ("compute", tasks.block_of(a), "forward" if tasks.kind[a] == FWD else "backward", tasks.mb[a]))
+    return out
+
+
 def test_the_simulators_tasks_are_exactly_the_programs_instructions():
+    """Each device runs its projection of the schedule's order, but for its collectives: each
+    is launched as soon as this device's own inputs of it are done, collectives in one order."""
     g, c, devices = _setup()
     rng = random.Random(3)
-    kinds = set()
+    kinds, moved = set(), 0
     for _ in range(40):
         p = _random_plan(rng, devices, 8, 16)
         costs = TableCosts(g, c)
@@ -79,10 +93,39 @@ def test_the_simulators_tasks_are_exactly_the_programs_instructions():
         prog = to_program(sched, c)
         want = _expected_signatures(sched)
         for d in prog.devices:
-            assert [_signature(i) for i in prog.instructions[d]] == want.get(d, []), d
+            got = [_signature(i) for i in prog.instructions[d]]
+            projection = want.get(d, [])
+            assert sorted(got) == sorted(projection), d                  # the same instructions
+            assert [x for x in got if x[0] != "collective"] == [x for x in projection if x[0] != "collective"], d
+            assert [x for x in got if x[0] == "collective"] == [x for x in projection if x[0] == "collective"], d
+            inputs = _own_inputs(sched, d)
+            for k, x in enumerate(got):
+                if x[0] != "collective" or not inputs.get(x[1]):
+                    continue
+                before = got[:k]
+                assert set(inputs[x[1]]) <= set(before), (d, x)           # after its own inputs
+                assert before[-1] in inputs[x[1]] or before[-1][0] == "collective", (d, x, before[-1])
+            moved += got != projection
         kinds.add((p.schedule, p.num_microbatches > 1, any(gr.sync == "ps" for gr in p.groups),
                    len({gr.replicas for gr in p.groups}) > 1))
     assert len(kinds) >= 6, kinds    # pipelines, micro-batches, servers and hybrids all drawn
+    assert moved, "no random plan launched a collective before its place in the global order"
+
+
+def test_a_replica_launches_its_sync_before_its_next_backward():
+    """Two like replicas end a block's backward at the same time: the global order lists the
+    sync after one of them has started its next backward; that replica must not wait for it
+    (the simulator overlaps the sync with that backward)."""
+    g, c, devices = _setup()
+    half = [f"l{i}" for i in range(4)], [f"l{i}" for i in range(4, 8)]
+    p = plan([("a", half[0], [(devices[0], 0.5), (devices[2], 0.5)]),
+              ("b", half[1], [(devices[0], 0.5), (devices[2], 0.5)])], batch_size=8, sync="ring")
+    p = dataclasses.replace(p, bucket_bytes=8_000_000)     # a bucket per group: two syncs
+    prog = lower(g, c, p, TableCosts(g, c))
+    for d in (devices[0], devices[2]):
+        got = [_signature(i) for i in prog.instructions[d]]
+        assert got.index(("collective", 1)) == got.index(("compute", 1, "backward", 0)) + 1, (d, got)
+        assert got.index(("collective", 1)) < got.index(("compute", 0, "backward", 0)), (d, got)
 
 
 def test_every_random_program_validates_and_round_trips_through_json():

@@ -7,6 +7,9 @@ the producer's device and a receive on the consumer's, a gradient sync as a coll
 member, the optimizer step on its device. Each device's list is thus a projection of one
 global order in which every receive follows its send and every collective comes after all
 that its members must do first: the Program cannot deadlock (validate() checks it anyway).
+A collective then moves up on each member to just after that member's own inputs
+(`_launch_when_ready`): its launch does not block, and the simulator starts it when its inputs
+are done, not when a member gets round to it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
     ranges = _Ranges(sched.blocks, sizes)
     pieces = _input_pieces(sched, ranges)
     out: dict[str, list[Instruction]] = {d: [] for d in program_devices(plan, cluster)}
+    tasks_of: dict[str, list[int]] = {d: [] for d in out}     # the task of each instruction
     for t in sched.order.tolist():
         kind = tasks.kind[t]
         mem = _memory(tasks, t)
@@ -72,6 +76,9 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
             d = tasks.dev[t]
             alloc, free = mem.get(d, (0.0, 0.0))
             out[names[d]].append(Optimizer(alloc_bytes=alloc, free_bytes=free))
+        for d in ((names[tasks.dev[t]],) if kind in (FWD, BWD, OPT) else out):
+            tasks_of[d].extend([t] * (len(out[d]) - len(tasks_of[d])))
+    _launch_when_ready(out, tasks_of, tasks)
     blocks = tuple(BlockInfo(groups=b.groups, devices=info.names(b.devices), shares=b.shares,
                              sync=SyncMethod(b.sync),
                              ps_device=names[b.ps_device] if b.ps_device is not None else None,
@@ -81,6 +88,37 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
                    initial_bytes={names[d]: float(tasks.initial_bytes[d]) for d in range(len(names))
                                   if names[d] in out},
                    plan=plan.to_dict())
+
+
+def _launch_when_ready(out: dict[str, list[Instruction]], tasks_of: dict[str, list[int]], tasks) -> None:
+    """Move each collective up on every member to just after the member's own last input.
+
+    The global order lists a sync when its last input ends, on whichever device; a member
+    whose own gradient was ready earlier may by then have started other work, and its list
+    would launch the sync only after that — while the simulator (and a trainer) starts the
+    sync when its inputs are done. A launch does not block (execute/sync.py: a background
+    thread), so launching at the member's last input is safe; collectives keep their order
+    among themselves on every device, as the backends require. A member with no input of
+    the sync on its own list (a parameter server holding no replica) keeps its place."""
+    src, dst = tasks.edges.arrays()
+    preds: dict[int, set[int]] = {}
+    for a, b in zip(src.tolist(), dst.tolist()):
+        if tasks.kind[b] == SYNC:
+            preds.setdefault(b, set()).add(a)
+    for d, ins in out.items():
+        tids = tasks_of[d]
+        here = set(tids)
+        i = 0
+        while i < len(ins):
+            if isinstance(ins[i], Collective):
+                mine = preds.get(tids[i], set())
+                j = i
+                while j > 0 and not isinstance(ins[j - 1], Collective) and tids[j - 1] not in mine:
+                    j -= 1
+                if j < i and mine & here:     # not a member without inputs here (a server)
+                    ins.insert(j, ins.pop(i))
+                    tids.insert(j, tids.pop(i))
+            i += 1
 
 
 class _Ranges:

@@ -277,12 +277,21 @@ def _check_collectives(prog: Program, source: str) -> None:
 
 
 def _check_deadlock(prog: Program, source: str) -> None:
-    """Run the program abstractly: sends never block, a receive waits for its send, a
-    collective waits until every member has reached it. Every device must reach its end."""
+    """Run the program abstractly, as the executor does: sends never block, a receive waits
+    for its send, a collective is launched without waiting (execute/sync.py: a background
+    thread), and the optimizer step, like the end of the step, waits until every member of
+    each collective its device launched has launched it too. Every device must reach its end."""
     pos = {d: 0 for d in prog.devices}
     posted: set[int] = set()
     arrived: dict[tuple[int, str], set[str]] = defaultdict(set)
+    everyone = {i.ident: set(i.members) | ({i.server} if i.server else set())
+                for lst in prog.instructions.values() for i in lst if isinstance(i, Collective)}
+    launched: dict[str, list[tuple[int, str]]] = defaultdict(list)
     lists = prog.instructions
+
+    def synced(d: str) -> bool:
+        return all(everyone[c] <= arrived[c] for c in launched[d])
+
     progress = True
     while progress:
         progress = False
@@ -292,18 +301,20 @@ def _check_deadlock(prog: Program, source: str) -> None:
                 i = lst[pos[d]]
                 if isinstance(i, Recv) and i.tag not in posted:
                     break
+                if isinstance(i, Optimizer) and not synced(d):
+                    break
                 if isinstance(i, Collective):
                     arrived[i.ident].add(d)
-                    everyone = set(i.members) | ({i.server} if i.server else set())
-                    if not everyone <= arrived[i.ident]:
-                        break
+                    launched[d].append(i.ident)
                 if isinstance(i, Send):
                     posted.add(i.tag)
                 pos[d] += 1
                 progress = True
-    stuck = {d: lists[d][p] for d, p in pos.items() if p < len(lists[d])}
+    stuck = {d: lists[d][p] if p < len(lists[d]) else None for d, p in pos.items()
+             if p < len(lists[d]) or not synced(d)}
     if stuck:
-        what = "; ".join(f"{d!r} waits at instruction {pos[d]} ({_describe(i)})" for d, i in list(stuck.items())[:4])
+        what = "; ".join(f"{d!r} waits at instruction {pos[d]} ({_describe(i)})" if i is not None
+                         else f"{d!r} waits at its end for its collectives" for d, i in list(stuck.items())[:4])
         raise PlanError(f"{source}: the program deadlocks: {what}. Each waits on a peer that waits "
                         f"on it; re-create the program with `heterog lower` (its order cannot deadlock).")
 
@@ -313,4 +324,6 @@ def _describe(i: Instruction) -> str:
         return f"receive tag {i.tag} from {i.peer!r}"
     if isinstance(i, Collective):
         return f"{i.method} collective of {i.describe()} with {list(i.members)}"
+    if isinstance(i, Optimizer):
+        return "optimizer step, waiting for the collectives this device launched"
     return str(i.kind)
