@@ -119,8 +119,9 @@ def test_ranks_and_the_profile_keep_freed_memory_like_a_caching_allocator(how):
     (16 384 page faults a step); a rank (started with KEEP_FREED_MEMORY_ENV) or the profile
     (keep_freed_memory()) reuses freed blocks and, after a few steps, faults no more. "A few":
     torch's 64-byte-aligned allocations find a freed block just too short until neighbouring
-    freed blocks merge, which took 7 to 10 steps in 20 runs here (a 12-step version of this
-    test failed on CI when step 10 still faulted), so the last 6 of 24 steps are checked."""
+    freed blocks merge: the last faulting step was the 7th to the 10th in 20 runs here (a 12-step
+    version of this test failed on CI with one step's faults in its last three), so the last 6
+    of 24 steps are checked."""
     import subprocess
     import sys
     from pathlib import Path
