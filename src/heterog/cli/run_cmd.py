@@ -96,7 +96,7 @@ def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
         return human_bytes(n) if n is not None else "-"
     return [[str(r["rank"]), r["device"], f"{r['slowdown']:g}×", human_time(r["step_time_s"]),
              human_time(r["compute_s"]), human_time(r["paced_s"]), human_time(r["recv_wait_s"]),
-             human_time(r["sync_s"]), mem(r.get("peak_allocated_bytes")),
+             human_time(r["sync_s"]), human_time(r.get("other_s")), mem(r.get("peak_allocated_bytes")),
              mem(r.get("predicted_peak_memory_bytes"))] for r in per_rank]
 
 
@@ -194,9 +194,9 @@ def register(app: typer.Typer) -> None:
             print_json(result)
             return
         print_table(f"{p.strategy} on {result['cluster']}: median step of {result['measured_steps']}",
-                    ["rank", "device", "slow", "step", "compute", "paced", "wait", "sync", "peak mem",
+                    ["rank", "device", "slow", "step", "compute", "paced", "wait", "sync", "other", "peak mem",
                      "predicted mem"],
-                    _rank_rows(result["per_rank"]), optional=("paced", "wait", "predicted mem"))
+                    _rank_rows(result["per_rank"]), optional=("paced", "wait", "other", "predicted mem"))
         pred = result["predicted_iteration_time_s"]
         err = result["relative_error"]
         console.print(f"measured iteration time  {human_time(result['measured_iteration_time_s'])}"

@@ -77,15 +77,16 @@ class Pacer:
 
     def pace(self, wall_s: float, cpu_s: float) -> float:
         """A piece of compute took `wall_s` and used `cpu_s` of this thread's CPU: wait until
-        slowdown × cpu_s has passed since it started; returns the wait."""
+        slowdown × cpu_s has passed since it started; returns the time it waited."""
         extra = self.slowdown * cpu_s - wall_s
         if extra <= 0:
             return 0.0
-        deadline = time.perf_counter() + extra
+        start = time.perf_counter()
+        deadline = start + extra
         time.sleep(extra)
         while time.perf_counter() < deadline:  # sleep may return early
             time.sleep(deadline - time.perf_counter())
-        return extra
+        return time.perf_counter() - start      # as waited: a sleep also overshoots
 
 
 def pin_to_cores(rank: int, cores: list[int] | None = None) -> list[int]:

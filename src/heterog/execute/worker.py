@@ -187,6 +187,9 @@ def train(spec: dict[str, Any], out_dir: Path, *, store: Any = None,
                       "compute_s": ex.stats.compute_s - c0, "cpu_s": ex.stats.cpu_s - u0,
                       "paced_s": ex.stats.paced_s - w0,
                       "recv_wait_s": p2p.recv_wait_s - r0, "sync_s": sync.sync_s - s0})
+        # the executor's own time: the step less its timed parts (gradient slots, slicing, sends)
+        steps[-1]["other_s"] = steps[-1]["step_time_s"] - sum(steps[-1][k] for k in (
+            "compute_s", "paced_s", "recv_wait_s", "sync_s"))
         step_log.append(StepRecord(step=step, rank=rank, device=device, loss=float(loss),
                                    step_time_s=steps[-1]["step_time_s"], compute_s=steps[-1]["compute_s"],
                                    sync_s=steps[-1]["sync_s"], recv_wait_s=steps[-1]["recv_wait_s"]))
