@@ -40,7 +40,7 @@ def one_run(index: int, scenario: str | None) -> dict[str, Any]:
     s = d["strategies"]
     even = s.get("even-dp")
     return {"run": index, "started_unix_s": t0, "load_average_after": os.getloadavg(),
-            "heterog_strategy": s["heterog"]["strategy"],
+            "heterog_strategy": s["heterog"]["strategy"], "heterog_placement": s["heterog"]["placement"],
             "heterog_predicted_s": s["heterog"]["predicted_iteration_time_s"],
             "heterog_measured_s": s["heterog"]["measured_iteration_time_s"],
             "heterog_repetitions_s": s["heterog"]["repetitions_s"],

@@ -36,7 +36,6 @@ machine is shared: the load average before and after is recorded with the figure
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -79,14 +78,6 @@ def distinct_plans(result) -> tuple[dict[str, Any], dict[str, str], str]:
     return plans, same, first_of[plan_key(result.best)]
 
 
-def placement(plan) -> dict[str, Any]:
-    """What a plan is, in a few lines of JSON: its runs of groups with one placement (as the
-    report's table shows them), so a round's plans can be compared with the last round's."""
-    from heterog.report.tables import segments
-    return {"num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
-            "segments": [dataclasses.asdict(s) for s in segments(plan)]}
-
-
 def refused(setup, result) -> dict[str, Any] | None:
     """Even DP when the planner finds it does not fit: run it once, record how it fails."""
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
@@ -119,9 +110,8 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
     failed: dict[str, str] = {}
     strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print,
                                failed=failed)
-    for label, s in strategies.items():
+    for s in strategies.values():
         del s["per_rank"]
-        s["placement"] = placement(plans[label])
     baselines = [k for k in strategies if k in BASELINE_BUILDERS and k != top]
     best_base = min(baselines, key=lambda k: strategies[k]["measured_iteration_time_s"]) if baselines else None
     even = "even-dp-allreduce" if "even-dp-allreduce" in strategies else same.get("even-dp-allreduce")

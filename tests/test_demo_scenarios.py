@@ -10,7 +10,9 @@ from typer.testing import CliRunner
 
 from heterog.cli.main import app
 from heterog.cli.run_cmd import _with_repetitions
-from heterog.demo import DEMO_SCENARIO, SCENARIOS, speedup
+from heterog.capture import capture_model
+from heterog.demo import DEMO_SCENARIO, SCENARIOS, placement, speedup
+from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 
 
 def test_scenarios_differ_in_speed_links_and_memory():
@@ -34,6 +36,22 @@ def test_speedup_holds_only_at_the_worst_repetition():
     sp = speedup(strategies, "base")
     assert sp["median"] == pytest.approx(1.5) and sp["worst"] == pytest.approx(0.9)
     assert not sp["holds"] and sp["predicted"] == pytest.approx(2.0)
+
+
+def test_placement_lists_the_runs_of_groups_with_one_placement():
+    nodes = [n.name for n in capture_model("mlp", None, batch_size=8).nodes]
+    half = len(nodes) // 2
+    dp = (Replica(device="a/c0", share=0.75), Replica(device="a/c1", share=0.25))
+    groups = (Group(name="g0", nodes=tuple(nodes[:1]), sync="ring", replicas=dp),
+              Group(name="g1", nodes=tuple(nodes[1:half]), sync="ring", replicas=dp),
+              Group(name="g2", nodes=tuple(nodes[half:]), sync="ps", ps_device="a/c1",
+                    replicas=(Replica(device="a/c1", share=1.0),)))
+    got = placement(Plan(strategy="hand", model=ModelSpec(name="mlp", batch_size=8), groups=groups))
+    assert got["num_microbatches"] == 1
+    assert [(s["first"], s["last"], s["nodes"], s["sync"], s["ps_device"]) for s in got["segments"]] == [
+        (0, 1, half, "ring", None), (2, 2, len(nodes) - half, "ps", "a/c1")]
+    assert got["segments"][0]["shares"] == {"a/c0": 0.75, "a/c1": 0.25}
+    json.dumps(got)     # it goes into the benchmarks' results as it is
 
 
 def test_run_repetitions_summary():

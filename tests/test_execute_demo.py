@@ -24,6 +24,8 @@ def test_demo_json_reports_both_strategies_and_a_real_speedup():
         assert len(s["repetitions_s"]) == 2 and s["spread"] >= 0
         # links are shaped between nodes; a plan on one node (single-device) has none to shape
         assert s["link_shaping"]["enabled"] or "reason" in s["link_shaping"] or s["strategy"] == "single-device"
+        devices = {d.name for d in SCENARIOS[DEMO_SCENARIO].cluster().devices}
+        assert {d for seg in s["placement"]["segments"] for d in seg["shares"]} <= devices   # what ran, kept
     # devices differ 2× in speed and node b sits behind a slow link: a plan aware of both must
     # beat equal shares for real (noisy machine: the bench targets 1.3×, the test a clear win)
     assert out["measured_speedup"] > 1.1, out["measured_speedup"]

@@ -204,6 +204,14 @@ def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -
             "contention": contention(out["per_rank"]), "per_rank": out["per_rank"], "notes": out["notes"]}
 
 
+def placement(plan: Plan) -> dict[str, Any]:
+    """What a plan is, in a few lines of JSON: its runs of groups with one placement (the
+    report's placement table: shares, sync, parameter server), micro-batches and schedule."""
+    from heterog.report.tables import segments
+    return {"num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
+            "segments": [dataclasses.asdict(s) for s in segments(plan)]}
+
+
 def contention(per_rank: list[dict[str, Any]]) -> float:
     """How much slower than declared the slowest-running emulated device computed, because
     the shared machine did not give its rank the CPU: pacing (emulation.py) stretches
@@ -258,7 +266,8 @@ def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions
                       "contention": statistics.median(contention(r["per_rank"]) for r in rs),
                       "spread": max(times) / min(times) - 1.0,
                       "relative_error": (median - predicted) / predicted,
-                      "link_shaping": rs[0]["link_shaping"], "per_rank": rs[-1]["per_rank"], "notes": rs[0]["notes"]}
+                      "link_shaping": rs[0]["link_shaping"], "per_rank": rs[-1]["per_rank"], "notes": rs[0]["notes"],
+                      "placement": placement(plans[label])}
     return out
 
 
