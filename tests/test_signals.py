@@ -209,3 +209,22 @@ def test_a_stop_dropped_inside_a_weakref_callback_still_stops_the_search():
             update("search", 0.5)
     finally:
         cli_main.STOP_REQUESTED.clear()
+
+
+def test_a_stop_reaches_the_search_when_the_cli_runs_as_python_m():
+    """`python -m heterog.cli.main` (as these tests start it) runs main.py as `__main__`, a
+    second copy of heterog.cli.main beside the one plan_cmd imports: the copy's handler must
+    record the stop where the search's progress callback looks (it once did not, and a stop
+    landing in a weakref callback left the search running for its whole budget)."""
+    import runpy
+
+    from heterog.cli.plan_cmd import _progress_bar
+    as_main = runpy.run_module("heterog.cli.main", run_name="__not_main__")   # a fresh copy, not run
+    _, update = _progress_bar(False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            as_main["_interrupt"](signal.SIGTERM, None)
+        with pytest.raises(KeyboardInterrupt):
+            update("search", 0.5)
+    finally:
+        as_main["STOP_REQUESTED"].clear()

@@ -26,6 +26,8 @@ import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
 from heterog import __version__
+from heterog.cli.stop import STOP_REQUESTED
+from heterog.cli.stop import interrupt as _interrupt
 from heterog.errors import HeterogError, HeterogWarning
 
 # One module per command family; each defines register(app: typer.Typer).
@@ -76,21 +78,6 @@ def _paragraph(text: str) -> str:
     return " ".join(text.split())
 
 
-STOP_REQUESTED: list[int] = []   # signals that asked this command to stop
-
-
-def _interrupt(signum, frame) -> None:
-    """SIGINT / SIGTERM: raise KeyboardInterrupt, and remember it — Python drops an exception
-    raised while a weakref callback or __del__ runs (torch's WeakIdKeyDictionary callbacks
-    run in every garbage collection), so a long command checks `raise_if_stopped`."""
-    STOP_REQUESTED.append(signum)
-    raise KeyboardInterrupt
-
-
-def raise_if_stopped() -> None:
-    """KeyboardInterrupt if a stop signal arrived (for the callbacks of long-running work)."""
-    if STOP_REQUESTED:
-        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

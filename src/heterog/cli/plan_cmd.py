@@ -13,8 +13,8 @@ from heterog.cli.output import console, human_bytes, human_time, print_json, pri
 
 def _progress_bar(enabled: bool):
     """A rich progress bar on a terminal (never in --json); either way a callback that stops
-    the search when a stop signal arrived (cli/main.py raise_if_stopped)."""
-    from heterog.cli.main import raise_if_stopped
+    the search when a stop signal arrived (cli/stop.py raise_if_stopped)."""
+    from heterog.cli.stop import raise_if_stopped
     if not enabled:
         return None, lambda stage, frac: raise_if_stopped()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
