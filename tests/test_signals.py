@@ -228,3 +228,28 @@ def test_a_stop_reaches_the_search_when_the_cli_runs_as_python_m():
             update("search", 0.5)
     finally:
         as_main["STOP_REQUESTED"].clear()
+
+
+def test_a_stop_dropped_inside_a_weakref_callback_prints_no_traceback(monkeypatch):
+    """Python reports an exception raised in a weakref callback through sys.unraisablehook
+    ("Exception ignored in …" and a traceback on stderr); for a stop it has recorded, the CLI
+    reports nothing, so its one line is all a user sees (CI once saw that traceback above
+    "heterog plan stopped by SIGINT"). Other such errors still reach the hook before it."""
+    import weakref
+
+    from heterog.cli import main as cli_main
+    reported: list[type] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(type(u.exc_value)))
+
+    class Held:
+        pass
+    with cli_main._signals_recorded():
+        held = Held()
+        ref = weakref.ref(held, lambda _: cli_main._interrupt(signal.SIGINT, None))
+        del held
+        assert ref() is None and cli_main.STOP_REQUESTED == [signal.SIGINT]
+        held = Held()
+        ref = weakref.ref(held, lambda _: 1 / 0)
+        del held
+    cli_main.STOP_REQUESTED.clear()
+    assert reported == [ZeroDivisionError]

@@ -28,6 +28,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError
 from heterog import __version__
 from heterog.cli.stop import STOP_REQUESTED
 from heterog.cli.stop import interrupt as _interrupt
+from heterog.cli.stop import quiet_unraisable
 from heterog.errors import HeterogError, HeterogWarning
 
 # One module per command family; each defines register(app: typer.Typer).
@@ -103,9 +104,12 @@ def _signals_recorded() -> Iterator[list[int]]:
         yield seen
         return
     STOP_REQUESTED.clear()
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = quiet_unraisable(old_hook)
     try:
         yield seen
     finally:
+        sys.unraisablehook = old_hook
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
         signal.set_wakeup_fd(old_fd)

@@ -8,6 +8,8 @@ import this module, so there is one record.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 STOP_REQUESTED: list[int] = []   # signals that asked this command to stop
 
 
@@ -23,3 +25,15 @@ def raise_if_stopped() -> None:
     """KeyboardInterrupt if a stop signal arrived (for the callbacks of long-running work)."""
     if STOP_REQUESTED:
         raise KeyboardInterrupt
+
+
+def quiet_unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A sys.unraisablehook that drops the KeyboardInterrupt of a stop already recorded (the
+    one `interrupt` raised inside a weakref callback: Python would print it as "Exception
+    ignored in …" with a traceback, although the command stops cleanly at its next
+    `raise_if_stopped`) and passes everything else to `previous`."""
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and STOP_REQUESTED:
+            return
+        previous(unraisable)
+    return hook
