@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,13 +39,14 @@ def rank_main(rank: int, port: int, numel: int, slowdown: float, rounds: int, ou
     import torch.distributed as dist
 
     from heterog.execute.collectives import ProcessGroupCache, allreduce_sum
+    from heterog.execute.emulation import Pacer
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     groups = ProcessGroupCache(timeout_s=60)
     groups.create_all([[0, 1]])
     flat, a = torch.ones(numel), torch.randn(256, 256)
-    pool = ThreadPoolExecutor(max_workers=1)
+    pool, pacer = ThreadPoolExecutor(max_workers=1), Pacer(slowdown)
 
     def one(loaded: bool) -> float:
         dist.barrier()
@@ -56,9 +56,7 @@ def rank_main(rank: int, port: int, numel: int, slowdown: float, rounds: int, ou
             c0, w0 = time.thread_time(), time.perf_counter()
             for _ in range(4):
                 a @ a
-            extra = slowdown * (time.thread_time() - c0) - (time.perf_counter() - w0)
-            if extra > 0:
-                time.sleep(extra)
+            pacer.pace(time.perf_counter() - w0, time.thread_time() - c0)
         done.result()
         return time.perf_counter() - t0
 
@@ -73,11 +71,9 @@ def rank_main(rank: int, port: int, numel: int, slowdown: float, rounds: int, ou
 
 
 def measure(numel: int, slowdown: float, rounds: int) -> dict[str, list[float]]:
-    with tempfile.TemporaryDirectory(prefix="heterog-overlap-") as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        out = Path(tmp) / "times.json"
+    from heterog.profile.links import _free_port
+    with tempfile.TemporaryDirectory(prefix="heterog-overlap-") as tmp:
+        out, port = Path(tmp) / "times.json", _free_port()
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port),
                                    "--numel", str(numel), "--slowdown", str(slowdown), "--rounds", str(rounds),
                                    "--rank-out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -216,7 +216,7 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
                          "groups": r["groups"], "step_time_s": med("step_time_s"),
                          "compute_s": med("compute_s"), "cpu_s": med("cpu_s"), "paced_s": med("paced_s"),
                          "recv_wait_s": med("recv_wait_s"), "sync_s": med("sync_s"),
-                         "other_s": statistics.median(s.get("other_s", 0.0) for s in measured),
+                         "other_s": med("other_s"),
                          "sent_bytes_total": r["sent_bytes"], "max_rss_bytes": r["max_rss_bytes"],
                          "torch_device": r.get("torch_device", "cpu"),
                          "peak_allocated_bytes": r.get("memory", {}).get("peak_allocated_bytes"),

@@ -26,9 +26,8 @@ import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
 
 from heterog import __version__
-from heterog.cli.stop import STOP_REQUESTED
+from heterog.cli.stop import STOP_REQUESTED, quiet_unraisable
 from heterog.cli.stop import interrupt as _interrupt
-from heterog.cli.stop import quiet_unraisable
 from heterog.errors import HeterogError, HeterogWarning
 
 # One module per command family; each defines register(app: typer.Typer).
@@ -77,8 +76,6 @@ def _command_name(argv: list[str]) -> str:
 def _paragraph(text: str) -> str:
     """Error text as one paragraph: lines joined, runs of spaces collapsed."""
     return " ".join(text.split())
-
-
 
 
 @contextlib.contextmanager
