@@ -34,6 +34,7 @@ PS_CASES = [  # (name, server, replicas, optimizer)
     ("ps-server-is-replica-adamw", 1, [0, 1, 2, 3], "adamw"),
 ]
 PS_STEPS = 3
+SKIPPED_STEP = 1     # the deferred server skips this step's update (an fp16 overflow)
 
 
 def grad_of(rank: int, size: int, step: int = 0) -> torch.Tensor:
@@ -63,13 +64,23 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     for name, server, replicas, kind in PS_CASES:
         if rank not in replicas and rank != server:
             continue
-        ps = ParameterServer(server=server, replicas=replicas, groups=groups, make_optimizer=optimizer(kind))
+        ps = ParameterServer(server=server, replicas=replicas, groups=groups, make_optimizer=optimizer(kind),
+                             numel=50)
         params = torch.linspace(-1, 1, 50)
         for step in range(PS_STEPS):
             grad = grad_of(rank, 50, step) if rank in replicas else torch.zeros(50)
             params = ps.step(grad, params)
         out[(name, "params")] = params
         out[(name, "has_optimizer")] = ps.optimizer is not None
+        # the fp16 form: push, every member agrees to skip step 1, pull only when applied
+        deferred = ParameterServer(server=server, replicas=replicas, groups=groups, make_optimizer=optimizer(kind),
+                                   numel=50)
+        params = torch.linspace(-1, 1, 50)
+        for step in range(PS_STEPS):
+            deferred.push(grad_of(rank, 50, step) if rank in replicas else torch.zeros(50), params)
+            if step != SKIPPED_STEP:
+                params = deferred.pull().clone()
+        out[(name, "deferred")] = params
     out["scratch_buffers"] = len(groups.scratch.held)   # every call received into one buffer
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
@@ -193,3 +204,19 @@ def test_program_sync_runs_each_blocks_method_and_sums_tied_gradients_over_all_h
     for r in (0, 1, 2):
         assert torch.allclose(got[r]["tied"][1], g(0, "tied") + g(1, "tied") + g(2, "tied"))
         assert got[r]["tied_summed_in_place"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,server,replicas,kind", PS_CASES, ids=[c[0] for c in PS_CASES])
+def test_deferred_parameter_server_skips_a_step_on_every_member(results, name, server, replicas, kind):
+    """push / pull apart (fp16): a step whose pull every member skips leaves the parameters
+    and the optimizer as they were; the other steps equal single-process steps."""
+    ref = torch.nn.Parameter(torch.linspace(-1, 1, 50))
+    opt = optimizer(kind)([ref])
+    for step in range(PS_STEPS):
+        if step == SKIPPED_STEP:
+            continue
+        ref.grad = sum(grad_of(r, 50, step) for r in replicas)
+        opt.step()
+    for r in sorted(set(replicas) | {server}):
+        assert torch.allclose(results[r][(name, "deferred")], ref.detach(), rtol=1e-6, atol=1e-7), (name, r)

@@ -37,7 +37,7 @@ def _plan(n: int, precision: str = "fp32") -> Plan:
 
 def test_cpu_device_defaults():
     """The device module's CPU side (what the CPU suite runs everywhere)."""
-    d = rank_device(use_cuda=False, local_rank=3)
+    d = rank_device(use_cuda=False, index=3)
     assert d.torch_device == torch.device("cpu") and d.backend == "gloo"
     with d.autocast("amp-bf16"):
         y = torch.ones(4, 4) @ torch.ones(4, 4)

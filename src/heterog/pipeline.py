@@ -105,6 +105,15 @@ def lower(plan: Plan | str | os.PathLike) -> Program:
     return _lower_for_run(plan, plan_cluster(plan) or local_cpu_cluster(plan), False)[0]
 
 
+def check(plan: Plan | str | os.PathLike, *, device: str = "meta", cache=None):
+    """heterog check: lower the plan, then build every rank's stages for `device` and run
+    their compute without communication (execute/check.py); a CheckResult."""
+    from heterog.execute.check import check_program
+    if not isinstance(plan, Plan):
+        plan = read_plan(plan)
+    return check_program(plan, lower(plan), device=device, cache=cache)
+
+
 def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, ...],
                        emulated: bool) -> dict[str, float]:
     """Each rank's compute slowdown: declared on emulated clusters; from peak FLOP/s when a
@@ -223,10 +232,15 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
                          "peak_reserved_bytes": r.get("memory", {}).get("peak_reserved_bytes"),
                          # an emulated device with a memory cap: its live tensors' peak
                          "peak_live_bytes": r.get("peak_live_bytes"),
-                         "memory_cap_bytes": r.get("memory_cap_bytes")})
+                         "memory_cap_bytes": r.get("memory_cap_bytes"),
+                         "backend": r.get("backend", "gloo"),
+                         "skipped_steps": r["steps"][-1].get("skipped", 0)})
     losses = [sum(r["steps"][k]["loss"] for r in results) for k in range(steps)]
-    return {"measured_iteration_time_s": statistics.median(per_step), "measured_steps": len(per_step),
-            "per_rank": per_rank, "losses": losses}
+    out = {"measured_iteration_time_s": statistics.median(per_step), "measured_steps": len(per_step),
+           "per_rank": per_rank, "losses": losses}
+    if results[0]["steps"][0].get("loss_scale") is not None:     # fp16: the scale after each step
+        out["loss_scales"] = [s["loss_scale"] for s in results[0]["steps"]]
+    return out
 
 
 def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = False,

@@ -15,6 +15,12 @@ cluster: devices lost or added) and DCP reads exactly those. The step counter co
 marker; synthetic batches are seeded by step and user data is advanced to that step
 (workload.py), so no step is lost or repeated. Not saved: torch's RNG state (the zoo's small
 models have no dropout) and BatchNorm running statistics (buffers, not parameters).
+
+A parameter server keeps the optimizer state of the parameters it serves in one flat copy
+(collectives.ParameterServer); it saves that state cut per parameter, under the same keys a
+rank-local optimizer writes, so a checkpoint resumes under a plan with another server, or
+with none. Loaded state goes on its parameter's device, except the scalar `step` counters,
+which stay on the CPU as torch's optimizers keep them (unless capturable or fused).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -124,18 +130,23 @@ def find_checkpoint(path: str | Path) -> CheckpointInfo:
     return max(found, key=lambda info: info.step)
 
 
-def _state(named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _state(named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None,
+           servers: Sequence[Any] = ()) -> dict[str, Any]:
     state: dict[str, Any] = {f"model/{name}": p.detach() for name, p in named_params}
     if opt is not None:
         for name, p in named_params:
             for key, value in opt.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):  # SGD without momentum keeps none
                     state[f"optim/{name}/{key}"] = value
+    for served in servers:      # a parameter server's state, per parameter (module docstring)
+        for name, pieces in served.server.state_by_name(served.names, served.numels).items():
+            for key, value in pieces.items():
+                state[f"optim/{name}/{key}"] = value
     return state
 
 
 def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, nn.Parameter]],
-                    opt: torch.optim.Optimizer | None, *, rank: int, model: str) -> Path:
+                    opt: torch.optim.Optimizer | None, *, rank: int, model: str, servers: Sequence[Any] = ()) -> Path:
     """Every rank calls this after `step` completed steps; returns the checkpoint folder."""
     target = step_dir(root, step)
     if rank == 0:
@@ -143,7 +154,7 @@ def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, n
             shutil.rmtree(target)
         target.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(named_params, opt), checkpoint_id=target)
+    dcp.save(_state(named_params, opt, servers), checkpoint_id=target)
     names: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(names, [n for n, _ in named_params])  # also: every rank finished writing
     if rank == 0:
@@ -154,9 +165,19 @@ def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, n
     return target
 
 
+def _state_device(opt: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torch.device:
+    """Where torch's optimizers keep a state entry: `step` on the CPU unless the optimizer is
+    capturable or fused, everything else beside its parameter."""
+    if key == "step":
+        group = opt.param_groups[0] if opt.param_groups else {}
+        return p.device if group.get("capturable") or group.get("fused") else torch.device("cpu")
+    return p.device
+
+
 def load_checkpoint(info: CheckpointInfo, named_params: list[tuple[str, nn.Parameter]],
-                    opt: torch.optim.Optimizer | None, *, model: str) -> None:
-    """Load the parameters (in place) and optimizer state this rank holds, by name."""
+                    opt: torch.optim.Optimizer | None, *, model: str, servers: Sequence[Any] = ()) -> None:
+    """Load the parameters (in place) and optimizer state this rank holds, by name, and the
+    state of the parameter servers it runs."""
     if info.model != model_key(model):
         raise CheckpointError(f"{info.path}: the checkpoint is of model {info.model!r}, not {model!r}; "
                               f"resume with the same model.")
@@ -171,33 +192,46 @@ def load_checkpoint(info: CheckpointInfo, named_params: list[tuple[str, nn.Param
             raise CheckpointError(f"{info.path}: parameter {name!r} has shape {tuple(meta[key].size)} in the "
                                   f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values.")
         state[key] = p.detach()
-    opt_keys: dict[str, tuple[nn.Parameter, str]] = {}
+    wanted: list[tuple[str, str, torch.device]] = []      # (name, state key, device)
+    if opt is not None:
+        wanted += [(name, key, _state_device(opt, key, p)) for name, p in named_params for key in _keys(meta, name)]
+    for served in servers:
+        server = served.server
+        wanted += [(name, key, _state_device(server.optimizer, key, server.master))
+                   for name in served.names for key in _keys(meta, name)] if server.optimizer is not None else []
+    for name, key, device in wanted:
+        m = meta[f"optim/{name}/{key}"]
+        state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
+    dcp.load(state, checkpoint_id=info.path)
     if opt is not None:
         for name, p in named_params:
-            prefix = f"optim/{name}/"
-            for key, m in meta.items():
-                if key.startswith(prefix):
-                    state[key] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                    opt_keys[key] = (p, key[len(prefix):])
-    dcp.load(state, checkpoint_id=info.path)
-    for key, (p, field) in opt_keys.items():
-        opt.state[p][field] = state[key]  # type: ignore[union-attr]
+            for key in _keys(meta, name):
+                opt.state[p][key] = state[f"optim/{name}/{key}"]
+    for served in servers:
+        served.server.load_state({name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)}
+                                  for name in served.names}, served.names)
+
+
+def _keys(meta: dict[str, Any], name: str) -> list[str]:
+    """The optimizer state keys the checkpoint holds for parameter `name`."""
+    prefix = f"optim/{name}/"
+    return [k[len(prefix):] for k in meta if k.startswith(prefix)]
 
 
 # -- the two calls the worker's training loop makes --------------------------------------------
 
 def resume(cfg: CheckpointConfig, named_params: list[tuple[str, nn.Parameter]],
-           opt: torch.optim.Optimizer | None, *, model: str) -> int:
+           opt: torch.optim.Optimizer | None, *, model: str, servers: Sequence[Any] = ()) -> int:
     """Load cfg.resume's checkpoint when given; return the first step to run (0 without)."""
     if not cfg.resume:
         return 0
     info = find_checkpoint(cfg.resume)
-    load_checkpoint(info, named_params, opt, model=model)
+    load_checkpoint(info, named_params, opt, model=model, servers=servers)
     return info.step
 
 
 def save_if_due(cfg: CheckpointConfig, completed_steps: int, named_params: list[tuple[str, nn.Parameter]],
-                opt: torch.optim.Optimizer | None, *, rank: int, model: str) -> None:
+                opt: torch.optim.Optimizer | None, *, rank: int, model: str, servers: Sequence[Any] = ()) -> None:
     """Save after every cfg.every_steps-th completed step (all ranks call it, same step)."""
     if cfg.dir and cfg.saves_after(completed_steps):
-        save_checkpoint(cfg.dir, completed_steps, named_params, opt, rank=rank, model=model)
+        save_checkpoint(cfg.dir, completed_steps, named_params, opt, rank=rank, model=model, servers=servers)

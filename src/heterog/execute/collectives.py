@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from heterog.execute.p2p import wait_for
+from heterog.execute.transport import wait_for
 from heterog.ir.kinds import SyncMethod
 
 TAGS_PER_CALL = 1 << 12
@@ -62,6 +62,7 @@ class ProcessGroupCache:
     """Sub-groups by their sorted member ranks, how many calls each has carried, and the
     receive buffers the calls reuse."""
     timeout_s: float
+    host_staging: bool = False          # CUDA tensors cross through host copies (gloo)
     groups: dict[tuple[int, ...], object] = field(default_factory=dict)
     calls: dict[tuple[int, ...], int] = field(default_factory=dict)
     scratch: ScratchBuffers = field(default_factory=ScratchBuffers)
@@ -83,27 +84,50 @@ class ProcessGroupCache:
         self.calls[key] = index + 1
         return self.groups[key], (index % (1 << 16)) * TAGS_PER_CALL
 
+    def link(self, members: Sequence[int]) -> "_Link":
+        """The messages of the next call on the sub-group of `members` (this rank's side)."""
+        pg, tag = self.get(members)
+        return _Link(rank=dist.get_rank(), pg=pg, tag=tag, timeout=timedelta(seconds=self.timeout_s),
+                     scratch=self.scratch, host_staging=self.host_staging)
+
 
 @dataclass(kw_only=True)
 class _Link:
-    """The point-to-point messages of one call, with the call's tag base and timeout."""
+    """The point-to-point messages of one call, with the call's tag base and timeout. Each
+    step's send and receive are posted as one group (`dist.batch_isend_irecv`), so a
+    two-member ring's send to and receive from the same peer progress together on NCCL.
+    `host_staging`: CUDA tensors cross through host copies (gloo between ranks that share
+    a GPU, transport.py)."""
     rank: int
     pg: object
     tag: int
     timeout: timedelta
     scratch: ScratchBuffers = field(default_factory=ScratchBuffers)
+    host_staging: bool = False
 
     def exchange(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
                  src: int | None, step: int) -> None:
-        works = []
         send = send if send is not None and send.numel() else None   # a ring chunk may be empty
         recv = recv if recv is not None and recv.numel() else None   # (the same one on both ends)
+        staged = recv
+        ops, peers = [], []
         if send is not None:
-            works.append((dist.isend(send.contiguous(), dst, group=self.pg, tag=self.tag + step), dst))
+            out = send.contiguous()
+            if self.host_staging and out.device.type != "cpu":
+                out = out.to("cpu")
+            ops.append(dist.P2POp(dist.isend, out, dst, group=self.pg, tag=self.tag + step))
+            peers.append(dst)
         if recv is not None:
-            works.append((dist.irecv(recv, src, group=self.pg, tag=self.tag + step), src))
-        for work, peer in works:
+            if self.host_staging and recv.device.type != "cpu":
+                staged = torch.empty(recv.shape, dtype=recv.dtype, device="cpu")
+            ops.append(dist.P2POp(dist.irecv, staged, src, group=self.pg, tag=self.tag + step))
+            peers.append(src)
+        if not ops:
+            return
+        for work, peer in zip(dist.batch_isend_irecv(ops), peers):
             wait_for(work, rank=self.rank, peer=peer, timeout=self.timeout, what=f"collective step {step}")
+        if staged is not recv:
+            recv.copy_(staged)
 
 
 def allreduce_sum(flat: torch.Tensor, members: Sequence[int], method: SyncMethod | str,
@@ -118,9 +142,7 @@ def allreduce_sum(flat: torch.Tensor, members: Sequence[int], method: SyncMethod
     assert flat.dim() == 1 and flat.is_contiguous(), "allreduce_sum takes a flat contiguous tensor"
     if len(members) == 1:
         return
-    pg, tag = groups.get(members)
-    link = _Link(rank=rank, pg=pg, tag=tag, timeout=timedelta(seconds=groups.timeout_s),
-                 scratch=groups.scratch)
+    link = groups.link(members)
     method = SyncMethod(method)
     if method is SyncMethod.RING:
         ring_allreduce(flat, members, link)
@@ -202,26 +224,37 @@ def hierarchical_allreduce(flat: torch.Tensor, members: Sequence[int], nodes: Se
 class ParameterServer:
     """One bucket of parameters served by `server` for `replicas` (HeteroG's PS).
 
-    `step(flat_grad)` on every member: replicas send their gradient, the server adds them in
-    replica order (its own too when it is a replica), applies its optimizer to its copy of
-    the parameters and sends the new parameters back; returns them (on the server, its copy
-    itself: the caller copies them into the model before the next step). The server's copy
-    starts as the first replica's parameters, sent at the first step, so a server that holds
-    no replica needs no model. Only the server has an optimizer. The gradient sum and the
-    replica's receive buffer are kept from step to step, as a server keeps its buffers: made
-    anew, each was a fresh bucket-sized allocation every step (page faults on this CPU; the
-    classifier's PS sync in cnn-small-memory took 0.5 s at the first steps, 0.05 s later)."""
+    A step is two phases on every member, in the same order on all of them:
+    `push(flat_grad)`: replicas send their gradient, the server adds them in replica order
+    (its own too when it is a replica); `pull()`: the server applies its optimizer to its
+    copy of the parameters and sends the new parameters back; returns them (on the server,
+    its copy itself: the caller copies them into the model before the next step). `step` is
+    both at once. With fp16 the phases are apart: between them every rank learns whether any
+    gradient overflowed (the server checks and unscales its sum, `unscale_and_check`), and a
+    step that overflowed skips the pull on every member, as torch.amp.GradScaler skips it.
+
+    The server's copy starts as the first replica's parameters, sent at the first step, so a
+    server that holds no replica needs no model. Only the server has an optimizer; it is made
+    with the server (`numel`), so a resumed run can load its state (`load_state`) before the
+    first step. The gradient sum and the replica's receive buffer are kept from step to
+    step, as a server keeps its buffers: made anew, each was a fresh bucket-sized allocation
+    every step (page faults on this CPU; the classifier's PS sync in cnn-small-memory took
+    0.5 s at the first steps, 0.05 s later)."""
 
     def __init__(self, *, server: int, replicas: Sequence[int], groups: ProcessGroupCache,
-                 make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]):
+                 make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer | None],
+                 numel: int, device: torch.device | None = None):
         self.server, self.replicas = server, list(replicas)
         self.members = sorted(set(self.replicas) | {server})
         self.groups = groups
-        self.make_optimizer = make_optimizer
         self.master: torch.nn.Parameter | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        if dist.get_rank() == server:
+            self.master = torch.nn.Parameter(torch.zeros(numel, device=device))
+            self.optimizer = make_optimizer([self.master])
         self.steps = 0
         self.buffer: torch.Tensor | None = None     # the server's gradient sum, a replica's parameters in
+        self._link: _Link | None = None             # the call of the step under way
 
     def _kept(self, like: torch.Tensor) -> torch.Tensor:
         if self.buffer is None or self.buffer.shape != like.shape or self.buffer.dtype != like.dtype:
@@ -230,40 +263,39 @@ class ParameterServer:
 
     @property
     def needs_parameters(self) -> bool:
-        """Whether step() reads this member's parameters (at the first step only)."""
+        """Whether push() reads this member's parameters (at the first step only)."""
         return self.steps == 0
 
     def step(self, flat_grad: torch.Tensor, flat_params: torch.Tensor | None = None) -> torch.Tensor:
-        """`flat_params`: this replica's current parameters (read at the first step only)."""
+        """Both phases: `flat_params`, this replica's current parameters, is read at the first step only."""
+        self.push(flat_grad, flat_params)
+        return self.pull()
+
+    def push(self, flat_grad: torch.Tensor, flat_params: torch.Tensor | None = None) -> None:
         rank = dist.get_rank()
-        pg, tag = self.groups.get(self.members)
-        link = _Link(rank=rank, pg=pg, tag=tag, timeout=timedelta(seconds=self.groups.timeout_s),
-                     scratch=self.groups.scratch)
+        link = self._link = self.groups.link(self.members)
         first = self.steps == 0
         self.steps += 1
         n = len(self.members)
         if rank == self.server:
-            return self._serve(flat_grad, flat_params, link, first, n)
+            self._gather(flat_grad, flat_params, link, first, n)
+            return
         if first and rank == self.replicas[0] and self.server not in self.replicas:
             assert flat_params is not None, "the first replica sends the initial parameters"
             link.exchange(flat_params.detach(), self.server, None, None, 3 * n)
         link.exchange(flat_grad, self.server, None, None, self.members.index(rank))
-        out = self._kept(flat_grad)
-        link.exchange(None, None, out, self.server, n + self.members.index(rank))
-        return out
+        self._kept(flat_grad)           # the parameters come back into it (pull)
 
-    def _serve(self, flat_grad: torch.Tensor, flat_params: torch.Tensor | None, link: _Link,
-               first: bool, n: int) -> torch.Tensor:
+    def _gather(self, flat_grad: torch.Tensor, flat_params: torch.Tensor | None, link: _Link,
+                first: bool, n: int) -> None:
+        assert self.master is not None
         if first:
-            if self.server in self.replicas:
-                assert flat_params is not None
-                init = flat_params.detach().clone()
-            else:
-                init = torch.empty_like(flat_grad)
-                link.exchange(None, None, init, self.replicas[0], 3 * n)
-            self.master = torch.nn.Parameter(init)
-            self.optimizer = self.make_optimizer([self.master])
-        assert self.master is not None and self.optimizer is not None
+            with torch.no_grad():
+                if self.server in self.replicas:
+                    assert flat_params is not None
+                    self.master.copy_(flat_params.detach())
+                else:
+                    link.exchange(None, None, self.master.data, self.replicas[0], 3 * n)
         total = self._kept(self.master)
         if self.server in self.replicas:
             total.copy_(flat_grad.detach())
@@ -274,10 +306,55 @@ class ParameterServer:
             if r != self.server:
                 link.exchange(None, None, buf, r, self.members.index(r))
                 total.add_(buf)
-        self.master.grad = total
-        self.optimizer.step()
-        self.master.grad = None
-        for r in self.replicas:
-            if r != self.server:
-                link.exchange(self.master.detach(), r, None, None, n + self.members.index(r))
-        return self.master.detach()
+
+    def unscale_and_check(self, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """fp16, between the phases: on the server, divide the gradient sum by the loss scale
+        and set found_inf when it holds an inf or NaN (torch.amp's own kernel)."""
+        if dist.get_rank() == self.server and self.buffer is not None:
+            torch._amp_foreach_non_finite_check_and_unscale_([self.buffer], found_inf, inv_scale)
+
+    def pull(self) -> torch.Tensor:
+        rank = dist.get_rank()
+        link, n = self._link, len(self.members)
+        assert link is not None, "pull() before push()"
+        self._link = None
+        if rank == self.server:
+            assert self.master is not None
+            if self.optimizer is not None:
+                self.master.grad = self.buffer
+                self.optimizer.step()
+                self.master.grad = None
+            for r in self.replicas:
+                if r != self.server:
+                    link.exchange(self.master.detach(), r, None, None, n + self.members.index(r))
+            return self.master.detach()
+        assert self.buffer is not None
+        link.exchange(None, None, self.buffer, self.server, n + self.members.index(rank))
+        return self.buffer
+
+    # -- checkpoints: the server's optimizer state, by parameter name ------------------------------
+    def state_by_name(self, names: Sequence[str], numels: Sequence[int]) -> dict[str, dict[str, torch.Tensor]]:
+        """The server's optimizer state cut per parameter (the keys a per-parameter optimizer
+        has: AdamW's exp_avg, exp_avg_sq, step), so a checkpoint does not depend on who served."""
+        if self.optimizer is None or self.master is None:
+            return {}
+        state = self.optimizer.state.get(self.master, {})
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        offset = 0
+        for name, k in zip(names, numels):
+            out[name] = {key: (v.detach().clone() if v.dim() == 0 else v.detach()[offset:offset + k].clone())
+                         for key, v in state.items() if isinstance(v, torch.Tensor)}
+            offset += k
+        return out
+
+    def load_state(self, per_name: dict[str, dict[str, torch.Tensor]], names: Sequence[str]) -> None:
+        """Set the server's optimizer state from per-parameter pieces (state_by_name's form)."""
+        if self.optimizer is None or self.master is None or not per_name:
+            return
+        keys = set.intersection(*(set(per_name[n]) for n in names)) if all(n in per_name for n in names) else set()
+        state: dict[str, torch.Tensor] = {}
+        for key in keys:
+            pieces = [per_name[n][key] for n in names]
+            state[key] = pieces[0].clone() if pieces[0].dim() == 0 else torch.cat([p.reshape(-1) for p in pieces])
+        if state:
+            self.optimizer.state[self.master] = state

@@ -52,7 +52,7 @@ class LaunchConfig:
     slowdowns: dict[str, float] = field(default_factory=dict)
     pin_cores: bool = False
     dump_params: bool = False
-    fault: dict[str, Any] | None = None       # test hook: {"rank", "kind": die|hang, "step"}
+    fault: dict[str, Any] | None = None       # test hook: {"rank", "kind": die|hang|overflow, "step"}
     data: str | None = None                   # user data 'path/file.py:fn' (workload.with_data)
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment

@@ -295,7 +295,7 @@ def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], p
     """A topological order of the stages that runs, among the ready ones, the stage with the
     highest plan priority first (a stage's priority: the highest of its groups' nodes'; ties
     keep the traced order). Every rank computes the same order from the plan, which keeps the
-    transfers deadlock-free (p2p.py); without priorities it is the traced order."""
+    transfers deadlock-free (transport.py); without priorities it is the traced order."""
     prio = {s.value: max((plan.priorities.get(n, 0.0) for g in groups_of[s.value]
                           for n in plan.groups[g].nodes), default=0.0) for s in stages}
     index = {s.value: segment_of[s.value] for s in stages}

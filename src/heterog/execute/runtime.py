@@ -19,7 +19,11 @@ step. This module runs them one after another with torch:
   the backward starts from a `Sink` that takes the outputs' gradients from a slot, so it
   needs no output tensor;
 - collectives start asynchronously (sync.py) when the program reaches them and are waited
-  for at the optimizer step.
+  for at the optimizer step;
+- transfers go through the Transport (transport.py): each Send and Recv moves the values
+  that cross between its blocks, shaped by the wire table, posted in the sender's order;
+- every instruction is timed with the rank's Clock (a CUDA event on a GPU), and the spans
+  are read after the step (`spans`), so timing adds no synchronisation inside it.
 
 Exactness: the loss of a replica's samples is mean-reduced by the zoo entry, so it is scaled
 by samples / global batch; the sum over replicas and micro-batches is the global-batch mean.
@@ -32,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint
@@ -41,21 +45,32 @@ from heterog.errors import PlanError
 from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
 from heterog.execute.graph_cut import Boundary, GradientSlot, Sink, last_reads, transfer_key
-from heterog.execute.p2p import P2P
 from heterog.execute.partition import INPUT, Dataflow, Stage
+from heterog.execute.trace import Span, SpanCategory
+from heterog.execute.transport import MAX_VALUES, Transport
 from heterog.execute.workload import Workload, slice_batch
 from heterog.ir.kinds import Phase, Precision
 from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
 
-MAX_VALUES = 64      # values one transfer may carry (tags: (program tag · MAX_VALUES + k) · 2)
-
 
 @dataclass(kw_only=True)
 class StepStats:
-    compute_s: float = 0.0       # measured forward/backward/optimizer wall time (before pacing)
+    compute_s: float = 0.0       # measured forward/backward/optimizer time (before pacing)
     cpu_s: float = 0.0           # CPU time of that compute (this thread)
     paced_s: float = 0.0         # waiting added to emulate a slower device
+    recv_wait_s: float = 0.0     # receives: how long this rank waited for its peers' tensors
+    sync_s: float = 0.0          # collective launches and the wait for their results
     samples: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Mark:
+    """One timed piece of a step: an instruction (index) or a collective's run on the lane."""
+    name: str
+    category: SpanCategory
+    start: Any                   # Clock marks
+    end: Any
+    index: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -72,29 +87,35 @@ class _Call:
 class Interpreter:
     """Runs this rank's instructions of a Program, one training step per `step()` call."""
 
-    def __init__(self, *, program: Program, device: str, flow: Dataflow, work: Workload, p2p: P2P,
+    def __init__(self, *, program: Program, device: str, flow: Dataflow, work: Workload, transport: Transport,
                  pacer: Pacer, sync, batch_size: int, rank_of: dict[str, int], optimizer=None,
                  rank_device: RankDevice | None = None, precision: str = "fp32",
-                 memory_cap: MemoryCap | None = None):
+                 memory_cap: MemoryCap | None = None, crossing: dict[tuple[int, int], list[str]] | None = None):
         self.program, self.flow, self.work = program, flow, work
         self.memory_cap = memory_cap     # an emulated device's capacity, checked after every instruction
         self.peak_live_bytes = 0
         self.instructions = program.instructions[device]
-        self.p2p, self.pacer, self.sync = p2p, pacer, sync
+        self.transport, self.pacer, self.sync = transport, pacer, sync
         self.batch_size, self.rank_of = batch_size, rank_of
         self.optimizer = optimizer
         self.rank_device = rank_device or RankDevice(kind="cpu")
         self.precision = precision
         # fp16: one loss scale on every rank; the check after the sync is a collective
-        self.scaler = LossScaler(self.rank_device) if precision == Precision.FP16 else None
+        self.scaler = (LossScaler(self.rank_device) if precision == Precision.FP16 and self.rank_device.kind != "meta"
+                       else None)
+        # how a stage module is called (heterog check runs it node by node to name a failing node)
+        self.call_stage: Callable[..., Any] = _call
         self.stats = StepStats()
+        self.skipped_steps = 0           # fp16: steps skipped on an overflow
+        self.overflow_hook: Callable[[], None] | None = None   # test hook: an inf into a gradient
+        self.clock = self.rank_device.clock()
+        self._marks: list[_Mark] = []
         self.trace: list[tuple] = []
         self.samples: list[int] = []   # per forward compute: samples in the tensors it produced
-        self.recorder = None      # execute.trace.StepRecorder: measured spans per instruction
-        self._anchor = torch.zeros((), requires_grad=True)     # Boundary's
+        self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)   # Boundary's
         self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
         self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
-        self.crossing = _crossing_values(program, flow, self.block_of_group)
+        self.crossing = crossing if crossing is not None else crossing_values(program, flow)
         self.range_of: dict[tuple[int, int], tuple[int, int]] = {}
         self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}   # (run, micro-batch) → pieces
         for ins in self.instructions:
@@ -109,11 +130,13 @@ class Interpreter:
 
     # -- helpers --------------------------------------------------------------------------
     def _timed(self, fn, *args, **kwargs):
-        """Run compute; account its wall time and pace it (emulation.py: on CPU time)."""
+        """Run compute; pace it on an emulated device (emulation.py: on CPU time). Its time
+        is the instruction's span (`_timing`); the CPU time is kept for the pacing figures."""
+        if self.pacer.slowdown == 1.0 and self.rank_device.kind != "cpu":
+            return fn(*args, **kwargs)
         t0, c0 = time.perf_counter(), time.thread_time()
         out = fn(*args, **kwargs)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        self.stats.compute_s += wall
         self.stats.cpu_s += cpu
         self.stats.paced_s += self.pacer.pace(wall, cpu)
         return out
@@ -135,7 +158,8 @@ class Interpreter:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
-        """Run every instruction of this rank once; returns this rank's summed loss."""
+        """Run every instruction of this rank once; returns this rank's summed loss. Its
+        timings are read afterwards, once the device has finished (`read_timings`)."""
         self._env: dict[tuple[str, int], Any] = {}
         self._inbox: dict[tuple[int, str], torch.Tensor] = {}
         self._outbox: dict[tuple[int, str], torch.Tensor] = {}
@@ -146,10 +170,18 @@ class Interpreter:
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
         self._loss_total = 0.0
+        self._marks = []
+        self.sync.runner.runs.clear()
+        self.stats = StepStats()
         self.trace, self.samples = [], []     # what this step ran
+        self.transport.new_step()
         for index, ins in enumerate(self.instructions):
-            with self._span(ins):
-                self._run(index, ins)
+            if isinstance(ins, Optimizer):
+                self._optimizer(index)
+            else:
+                name, category = self._describe(ins)
+                with self._timing(name, category, index):
+                    self._run(index, ins)
             for key in self.drop_after.get(index, ()):
                 self._env.pop(key, None)
             if self.memory_cap is not None:
@@ -158,13 +190,73 @@ class Interpreter:
                 self.memory_cap.check(live, index=index, what=type(ins).__name__.lower()
                                       + (f" {ins.phase} of block {ins.block}, micro-batch {ins.microbatch}"
                                          if isinstance(ins, Compute) else ""))
-        self.p2p.wait_all()
-        self.sync.finish()      # a server without a replica has collectives but no optimizer step
+        self.transport.wait_all()
+        with self._timing("gradient sync (end of step)", SpanCategory.SYNC):
+            self.sync.finish()      # a server without a replica has collectives but no optimizer step
         if self.scaler is not None:      # every rank, so that all skip an overflowing step alike
-            params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
-            if self.scaler.unscale_and_check(params) and self.optimizer is not None:
-                self._timed(self.optimizer.step)
+            self._scaled_step()
+        if self.rank_device.kind == "meta":      # shapes only (heterog check)
+            return float("nan")
         return float(self._loss_total)
+
+    def _scaled_step(self) -> None:
+        """fp16: unscale every gradient (the servers' sums too), skip the update on every rank
+        if any overflowed, else let the servers and the local optimizer step."""
+        assert self.scaler is not None
+        params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
+        if self.overflow_hook is not None:
+            self.overflow_hook()
+        with self._timing("loss-scale check", SpanCategory.SYNC):
+            ok = self.scaler.unscale_and_check(params, also=self.sync.runner.unscale_and_check_servers)
+            self.sync.runner.pull_deferred(ok)
+        if ok and self.optimizer is not None:
+            with self._timing("optimizer step", SpanCategory.OPTIMIZER):
+                self._timed(self.optimizer.step)
+        self.skipped_steps += 0 if ok else 1
+
+    def _timing(self, name: str, category: SpanCategory, index: int | None = None):
+        """Mark the start and end of a piece of the step with the rank's clock."""
+        @contextlib.contextmanager
+        def timed():
+            start = self.clock.mark()
+            try:
+                yield
+            finally:
+                self._marks.append(_Mark(name=name, category=category, start=start, end=self.clock.mark(),
+                                         index=index))
+        return timed()
+
+    def _describe(self, ins) -> tuple[str, SpanCategory]:
+        if isinstance(ins, Compute):
+            forward = ins.phase == Phase.FORWARD
+            return (f"{self.program.blocks[ins.block].label} {'F' if forward else 'B'} mb{ins.microbatch}",
+                    SpanCategory.FORWARD if forward else SpanCategory.BACKWARD)
+        if isinstance(ins, (Send, Recv)):
+            return f"{ins.kind} {ins.peer} mb{ins.microbatch}", SpanCategory.TRANSFER
+        if isinstance(ins, Collective):
+            return f"{self.program.blocks[ins.block].label} {ins.method} sync", SpanCategory.SYNC
+        raise AssertionError(f"no span for {type(ins).__name__}")
+
+    def read_timings(self, *, rank: int, step: int, origin: Any, origin_s: float) -> list[Span]:
+        """After the step (the device synchronised): this step's spans, times as `origin_s`
+        plus the clock's seconds since `origin` (a mark taken at the step's start), and the
+        step's stats derived from them (`stats`)."""
+        runs = [_Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b)
+                for label, a, b in self.sync.runner.runs]
+        spans = [Span(name=m.name, category=m.category, rank=rank, step=step, index=m.index,
+                      start_s=origin_s + self.clock.seconds(origin, m.start),
+                      end_s=origin_s + self.clock.seconds(origin, m.end)) for m in [*self._marks, *runs]]
+        total = {c: 0.0 for c in SpanCategory}
+        for sp, m in zip(spans, [*self._marks, *runs]):
+            if m.category is SpanCategory.TRANSFER and m.index is not None \
+                    and not isinstance(self.instructions[m.index], Recv):
+                continue                   # a send's posting is the executor's own time
+            total[sp.category] += sp.end_s - sp.start_s
+        compute = total[SpanCategory.FORWARD] + total[SpanCategory.BACKWARD] + total[SpanCategory.OPTIMIZER]
+        self.stats.compute_s = max(compute - self.stats.paced_s, 0.0)
+        self.stats.recv_wait_s = total[SpanCategory.TRANSFER]
+        self.stats.sync_s = total[SpanCategory.SYNC]
+        return spans
 
     def _run(self, index: int, ins) -> None:
         if isinstance(ins, Compute):
@@ -176,12 +268,17 @@ class Interpreter:
         elif isinstance(ins, Collective):
             self.trace.append(("collective", ins.block, str(ins.method), ins.members))
             self.sync.launch(ins)
-        elif isinstance(ins, Optimizer):
-            self.p2p.wait_all()
+
+    def _optimizer(self, index: int) -> None:
+        """The Optimizer instruction: wait for the syncs (a SYNC span), then step (fp16 steps
+        after the loss-scale check at the end of the step instead)."""
+        with self._timing("gradient sync wait", SpanCategory.SYNC, index):
+            self.transport.wait_all()
             self.sync.finish()
             self.sync.sum_tied_gradients()    # copies of a tied parameter: one gradient for all
-            self.trace.append(("optimizer",))
-            if self.optimizer is not None and self.scaler is None:
+        self.trace.append(("optimizer",))
+        if self.optimizer is not None and self.scaler is None:
+            with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
                 self._timed(self.optimizer.step)
 
     def live_bytes(self) -> LiveBytes:
@@ -194,7 +291,7 @@ class Interpreter:
         servers = self.sync.runner.servers.values()       # a parameter server's copy and optimizer
         params += [s.master for s in servers if s.master is not None]
         state += [v for s in servers if s.optimizer is not None for v in s.optimizer.state.values()]
-        held = (self._env, self._inbox, self._outbox, [s.grad for s in self._slots.values()], self.p2p.in_flight(),
+        held = (self._env, self._inbox, self._outbox, [s.grad for s in self._slots.values()], self.transport.in_flight(),
                 [(c.saved, c.loss) for c in self._calls.values()])
         return LiveBytes(parameters_bytes=count.add(params),
                          gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
@@ -207,21 +304,6 @@ class Interpreter:
         if self.memory_cap is None:
             return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
-
-    def _span(self, ins):
-        if self.recorder is None:
-            return contextlib.nullcontext()
-        from heterog.execute.trace import SpanCategory
-        if isinstance(ins, Compute):
-            cat = SpanCategory.FORWARD if ins.phase == Phase.FORWARD else SpanCategory.BACKWARD
-            name = f"{self.program.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}"
-        elif isinstance(ins, (Send, Recv)):
-            cat, name = SpanCategory.TRANSFER, f"{ins.kind} {ins.peer} mb{ins.microbatch}"
-        elif isinstance(ins, Collective):
-            cat, name = SpanCategory.SYNC, f"{self.program.blocks[ins.block].label} {ins.method} sync"
-        else:
-            cat, name = SpanCategory.OPTIMIZER, "optimizer step"
-        return self.recorder.span(name, cat)
 
     def _compute(self, index: int, ins: Compute) -> None:
         self.trace.append(("compute", ins.block, str(ins.phase), ins.microbatch, ins.hi - ins.lo))
@@ -300,9 +382,10 @@ class Interpreter:
         with self.rank_device.autocast(self.precision), self._saving(saved):   # fp32 master weights
             if self.program.blocks[ins.block].recompute:
                 # activation recomputation: keep only the stage's inputs; re-run forward in backward
-                out = self._timed(torch.utils.checkpoint.checkpoint, s.module, *args, use_reentrant=False)
+                out = self._timed(torch.utils.checkpoint.checkpoint, self.call_stage, s.module, *args,
+                                  use_reentrant=False)
             else:
-                out = self._timed(s.module, *args)
+                out = self._timed(self.call_stage, s.module, *args)
         self._env[(s.value, m)] = out
         call = _Call(stage=s, lo=ins.lo, leaves=leaves, saved=saved)
         for v in self._values_of(s):
@@ -360,36 +443,32 @@ class Interpreter:
 
     # -- transfers ----------------------------------------------------------------------------
     def _send(self, ins: Send) -> None:
-        peer = self.rank_of[ins.peer]
-        values = self.crossing.get((ins.src_block, ins.dst_block), ())   # none: the split recomputes them
         self.trace.append(("send", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))
-        for k, v in enumerate(values):
-            if ins.phase == Phase.BACKWARD and v in self.flow.no_grad:
-                continue      # an integer value (token ids): no gradient goes back
-            tag = (ins.tag * MAX_VALUES + k) * 2
+        tensors = []
+        for _, v in self.transport.messages(ins):
             if ins.phase == Phase.FORWARD:
                 lo, hi = self.range_of[(ins.src_block, ins.microbatch)]
                 local = self._value(v, ins.microbatch)
-                self.p2p.send_with_header(self._slice(local, v, ins.lo - lo, ins.hi - lo, hi - lo), peer, tag,
-                                          key=transfer_key(ins))
+                tensors.append(self._slice(local, v, ins.lo - lo, ins.hi - lo, hi - lo))
             else:
-                self.p2p.send_with_header(self._outbox.pop((ins.tag, v)), peer, tag)
+                tensors.append(self._outbox.pop((ins.tag, v)))
+        self.transport.send(ins, tensors, key=transfer_key(ins) if ins.phase == Phase.FORWARD else None)
 
     def _recv(self, ins: Recv) -> None:
-        peer = self.rank_of[ins.peer]
-        values = self.crossing.get((ins.src_block, ins.dst_block), ())   # none: the split recomputes them
         self.trace.append(("recv", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))
-        for k, v in enumerate(values):
-            if ins.phase == Phase.BACKWARD and v in self.flow.no_grad:
-                continue
-            x = self.p2p.recv_with_header(peer, (ins.tag * MAX_VALUES + k) * 2)
+        received = self.transport.recv(ins)
+        for (_, v), x in zip(self.transport.messages(ins), received, strict=True):
             if ins.phase == Phase.FORWARD:
                 self._inbox[(ins.tag, v)] = x
             else:
                 lo = self.range_of[(ins.src_block, ins.microbatch)][0]
                 self._add_grad(v, ins.microbatch, ins.lo - lo, ins.hi - lo, x)
         if ins.phase == Phase.BACKWARD:     # the peer has used what this rank sent it forward
-            self.p2p.release(transfer_key(ins))
+            self.transport.release(transfer_key(ins))
+
+
+def _call(module: torch.nn.Module, *args: Any) -> Any:
+    return module(*args)
 
 
 def _stages_of_blocks(program: Program, flow: Dataflow, instructions):
@@ -417,8 +496,10 @@ def _stages_of_blocks(program: Program, flow: Dataflow, instructions):
     return stages_of, first, run_of
 
 
-def _crossing_values(program: Program, flow: Dataflow, block_of: dict[int, int]) -> dict[tuple[int, int], list[str]]:
-    """(producer block, consumer block) → the values that move between them, in a fixed order."""
+def crossing_values(program: Program, flow: Dataflow) -> dict[tuple[int, int], list[str]]:
+    """(producer block, consumer block) → the values that move between them, in a fixed order
+    (the same on every rank: the order of the split's stages and their arguments)."""
+    block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
     out: dict[tuple[int, int], list[str]] = {}
     for s in flow.stages:
         consumers = sorted({block_of[g] for g in (s.groups or (s.group,))})

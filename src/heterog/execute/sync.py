@@ -14,9 +14,22 @@ its local gradient in one ring all-reduce over all holders, then each holder ste
 with the same gradient, so the copies stay equal (Megatron-LM's embedding all-reduce).
 
 A sync unit is a `Bucket`: parameter names (the same list on every rank), members in the
-method's order, method, server and nodes. Buckets run on one background thread, in the
-order they are launched (the same on every rank), so they overlap the backward pass; each
-uses its own sub-group, apart from the activation transfers.
+method's order, method, server and nodes. Buckets run on a *lane*, in the order they are
+launched (the same on every rank), so they overlap the backward pass; each uses its own
+sub-group, apart from the activation transfers (transport.py):
+- CPU ranks (gloo): `ThreadLane`, one background thread, whose blocking waits leave the
+  main thread computing;
+- CUDA ranks (NCCL): `StreamLane`, a side CUDA stream. The collective's operations are
+  enqueued by the main thread itself, in Program order, after an event that marks the
+  gradients ready; NCCL's waits are stream waits, so the host never blocks and no second
+  thread issues NCCL calls beside the main one (NCCL requires operations on its
+  communicators to be ordered). The compute stream waits for the side stream only where
+  the result is used (`finish`).
+
+fp16 (`deferred=True`): a parameter server only gathers the gradient sum when its bucket is
+launched; whether it applies the update is decided after every rank has checked its
+gradients (device.LossScaler), and `pull_deferred` then applies it on every server, or skips
+it on all of them (collectives.ParameterServer).
 
 `ProgramSync` drives it from a lowered Program: one bucket per Collective instruction (a
 block's parameters, or with `tie` a tied parameter's copies), launched when the rank's
@@ -30,7 +43,7 @@ import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -54,6 +67,14 @@ class Bucket:
     nodes: tuple[tuple[int, ...], ...] | None = None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Served:
+    """A parameter server this rank runs: its parameters' names and sizes (in bucket order)."""
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    server: ParameterServer
+
+
 def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> list[Bucket]:
     """One ring all-reduce per tied parameter, over every rank that holds a copy."""
     out = []
@@ -65,17 +86,81 @@ def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> lis
     return out
 
 
+@dataclass(kw_only=True)
+class _Done:
+    """A StreamLane call's outcome (its operations enqueued; the value usable after a wait)."""
+    value: Any = None
+    error: BaseException | None = None
+
+
+class ThreadLane:
+    """CPU ranks: collectives on one background thread, in launch order."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heterog-sync")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def result(self, handle: Future) -> Any:
+        return handle.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class StreamLane:
+    """CUDA ranks: collectives enqueued on a side stream by the calling thread (module
+    docstring). `submit` orders the side stream after the compute stream's work so far and
+    keeps the tensors it is given alive for the side stream; `result` makes the compute
+    stream wait for the side stream."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Done:
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                a.record_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                return _Done(value=fn(*args))
+        except RuntimeError as e:
+            return _Done(error=e)
+
+    def result(self, handle: _Done) -> Any:
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        if handle.error is not None:
+            raise handle.error
+        return handle.value
+
+    def close(self) -> None:
+        pass
+
+
+def make_lane(device: torch.device, host_staging: bool) -> ThreadLane | StreamLane:
+    """A stream on a CUDA rank that talks NCCL; a thread otherwise (CPU ranks, and CUDA ranks
+    that share a GPU through gloo with host copies, whose waits block the host)."""
+    return StreamLane(device) if device.type == "cuda" and not host_staging else ThreadLane()
+
+
 class BucketRunner:
-    """Runs buckets on this rank: gathers gradients, syncs on a background thread, installs."""
+    """Runs buckets on this rank: gathers gradients, syncs them on the lane, installs."""
 
     def __init__(self, *, flow: Dataflow, rank: int, optimizer: str, timeout_s: float,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, host_staging: bool = False, deferred: bool = False,
+                 clock: Any = None):
         self.flow, self.rank, self.optimizer = flow, rank, optimizer
         self.device = device or torch.device("cpu")
-        self.groups = ProcessGroupCache(timeout_s=timeout_s)
+        self.groups = ProcessGroupCache(timeout_s=timeout_s, host_staging=host_staging)
         self.servers: dict[tuple[str, ...], ParameterServer] = {}
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heterog-sync")
-        self._pending: list[tuple[Bucket, Future, bool]] = []
+        self.lane = make_lane(self.device, host_staging)
+        self.deferred = deferred
+        self.clock = clock
+        self._pending: list[tuple[Bucket, Any, bool]] = []
+        self._gathered: list[Bucket] = []          # deferred: servers that hold a sum to apply
+        self.runs: list[tuple[str, Any, Any]] = []  # (label, start mark, end mark) of each collective run
         self.sync_s = 0.0
 
     def kept_buffers(self) -> list[torch.Tensor]:
@@ -86,6 +171,16 @@ class BucketRunner:
 
     def create_groups(self, buckets: Sequence[Bucket]) -> None:
         self.groups.create_all([b.members for b in buckets])
+
+    def create_servers(self, buckets: Sequence[Bucket]) -> None:
+        """A ParameterServer for every ps bucket this rank is a member of (on the server, with
+        its copy and optimizer), before the first step, so a resumed run can load its state."""
+        for b in buckets:
+            if b.method is SyncMethod.PS and self.rank in b.members and b.names not in self.servers:
+                assert b.server is not None
+                self.servers[b.names] = ParameterServer(
+                    server=b.server, replicas=b.replicas, groups=self.groups, numel=b.numel, device=self.device,
+                    make_optimizer=lambda ps: make_optimizer(ps, self.optimizer))
 
     def _params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
         return [self.flow.param_by_name[n] for n in bucket.names]
@@ -106,35 +201,62 @@ class BucketRunner:
             server = self.servers.get(bucket.names)
             values = (torch.cat([p.detach().reshape(-1) for p in params])   # the server's first copy
                       if bucket.method is SyncMethod.PS and (server is None or server.needs_parameters) else None)
-        self._pending.append((bucket, self._thread.submit(self._run, bucket, grad, values), in_place))
+        self._pending.append((bucket, self.lane.submit(self._run, bucket, grad, values), in_place))
         self.sync_s += time.perf_counter() - t0
 
-    def _run(self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+        start = self.clock.mark() if self.clock is not None else None
+        out: torch.Tensor | None = grad
         if bucket.method is SyncMethod.PS:
-            assert bucket.server is not None
-            server = self.servers.get(bucket.names)
-            if server is None:
-                server = self.servers[bucket.names] = ParameterServer(
-                    server=bucket.server, replicas=bucket.replicas, groups=self.groups,
-                    make_optimizer=lambda ps: make_optimizer(ps, self.optimizer))
-            return server.step(grad, values)
-        allreduce_sum(grad, bucket.members, bucket.method, bucket.nodes, self.groups)
-        return grad
+            server = self.servers[bucket.names]
+            if self.deferred:
+                server.push(grad, values)
+                out = None
+            else:
+                out = server.step(grad, values)
+        else:
+            allreduce_sum(grad, bucket.members, bucket.method, bucket.nodes, self.groups)
+        if self.clock is not None:
+            self.runs.append((f"{bucket.label} {bucket.method}", start, self.clock.mark()))
+        return out
+
+    def _result(self, bucket: Bucket, handle: Any) -> Any:
+        try:
+            return self.lane.result(handle)
+        except RuntimeError as e:
+            raise RankError(self.rank, f"gradient sync of {bucket.label} ({bucket.method}) with ranks "
+                                       f"{list(bucket.members)} failed or timed out "
+                                       f"({str(e).splitlines()[0]}).") from None
 
     def finish(self) -> None:
         """Wait for every launched bucket (in launch order) and install its result."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, []
-        for bucket, future, in_place in pending:
-            try:
-                flat = future.result()
-            except RuntimeError as e:
-                raise RankError(self.rank, f"gradient sync of {bucket.label} ({bucket.method}) with ranks "
-                                           f"{list(bucket.members)} failed or timed out "
-                                           f"({str(e).splitlines()[0]}).") from None
-            if self._holds(bucket) and not in_place:     # in place: the gradient holds the sum
+        for bucket, handle, in_place in pending:
+            flat = self._result(bucket, handle)
+            if flat is None:                       # deferred: the server's update comes later
+                self._gathered.append(bucket)
+            elif self._holds(bucket) and not in_place:     # in place: the gradient holds the sum
                 self._install(bucket, flat)
         self.sync_s += time.perf_counter() - t0
+
+    def unscale_and_check_servers(self, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """fp16: each gathered server's sum divided by the loss scale, overflow noted."""
+        for bucket in self._gathered:
+            self.servers[bucket.names].unscale_and_check(found_inf, inv_scale)
+
+    def pull_deferred(self, apply: bool) -> None:
+        """fp16: every gathered server applies its update and returns the parameters (apply),
+        or none does (an overflow anywhere: the replicas keep theirs); in launch order."""
+        gathered, self._gathered = self._gathered, []
+        for bucket in gathered:
+            if apply:
+                flat = self._result(bucket, self.lane.submit(self.servers[bucket.names].pull))
+                if self._holds(bucket):
+                    self._install(bucket, flat)
+            elif self._holds(bucket):
+                for p in self._params(bucket):
+                    p.grad = None
 
     def _install(self, bucket: Bucket, flat: torch.Tensor) -> None:
         offset = 0
@@ -150,7 +272,7 @@ class BucketRunner:
             offset += n
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self.lane.close()
 
 
 def _flat_gradients(params: Sequence[torch.nn.Parameter], method: SyncMethod) -> tuple[torch.Tensor, bool]:
@@ -174,10 +296,12 @@ class ProgramSync:
     Collective for (tables the capture does not list as ties)."""
 
     def __init__(self, *, program: Any, flow: Dataflow, rank: int, optimizer: str, timeout_s: float,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, host_staging: bool = False, deferred: bool = False,
+                 clock: Any = None):
         self.program, self.flow, self.rank = program, flow, rank
         self.rank_of = program.rank_of()
-        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=optimizer, timeout_s=timeout_s, device=device)
+        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=optimizer, timeout_s=timeout_s, device=device,
+                                   host_staging=host_staging, deferred=deferred, clock=clock)
         ranks_of_group: dict[int, list[int]] = {}
         for block in program.blocks:
             for g in block.groups:
@@ -187,6 +311,18 @@ class ProgramSync:
         sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties]
         self.runner.create_groups([Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING)
                                    for m in sets])
+        self.runner.create_servers([b for c in self._collectives() if (b := self._bucket(c)).names])
+
+    def served(self) -> list["Served"]:
+        """The ps buckets this rank serves, with their servers (for checkpoints)."""
+        out = []
+        for c in self._collectives():
+            b = self._bucket(c)
+            server = self.runner.servers.get(b.names)
+            if server is not None and server.server == self.rank and b.names:
+                out.append(Served(names=b.names, numels=tuple(self.flow.param_numel[n] for n in b.names),
+                                  server=server))
+        return out
 
     @property
     def sync_s(self) -> float:

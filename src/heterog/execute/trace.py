@@ -34,7 +34,8 @@ class SpanCategory(StrEnum):
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     COMPUTE = "compute"        # forward and backward of a whole step, not split further
-    SYNC = "sync"              # waiting for gradient synchronisation to finish
+    SYNC = "sync"              # launching gradient syncs and waiting for them to finish
+    COLLECTIVE = "collective"  # a gradient sync running on the rank's communication lane
     TRANSFER = "transfer"      # waiting for point-to-point sends / receives
     STEP = "step"              # a whole training step (the outer span)
 
@@ -51,15 +52,18 @@ class Span:
     step: int
     start_s: float             # wall-clock seconds since the epoch
     end_s: float
+    index: int | None = None   # the Program instruction of the rank it times, if one
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "category": str(self.category), "rank": self.rank, "step": self.step,
-                "start_s": self.start_s, "end_s": self.end_s}
+                "start_s": self.start_s, "end_s": self.end_s, "index": self.index}
 
     @staticmethod
     def from_dict(doc: dict[str, Any]) -> "Span":
+        index = doc.get("index")
         return Span(name=doc["name"], category=SpanCategory(doc["category"]), rank=int(doc["rank"]),
-                    step=int(doc["step"]), start_s=float(doc["start_s"]), end_s=float(doc["end_s"]))
+                    step=int(doc["step"]), start_s=float(doc["start_s"]), end_s=float(doc["end_s"]),
+                    index=None if index is None else int(index))
 
 
 @dataclass(kw_only=True)
@@ -85,6 +89,10 @@ class StepRecorder:
         finally:
             self.spans.append(Span(name=name, category=cat, rank=self.rank if rank is None else rank,
                                    step=self.step, start_s=start, end_s=self.now_s()))
+
+    def add(self, spans: Iterable[Span]) -> None:
+        """Spans timed elsewhere (the interpreter's, read after the step)."""
+        self.spans.extend(spans)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": KIND, "version": SCHEMA_VERSION, "rank": self.rank, "device": self.device,

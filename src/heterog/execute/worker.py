@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -31,49 +32,65 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from heterog.errors import RankError
+from heterog.errors import PlanError, RankError
 from heterog.execute import checkpoint
-from heterog.execute.device import RankDevice, rank_device
+from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
-from heterog.execute.p2p import P2P
-from heterog.execute.partition import build_dataflow, detach_unheld, export_plan_model, program_group_order
+from heterog.execute.partition import (Dataflow, build_dataflow, detach_unheld, export_plan_model,
+                                       program_group_order)
+from heterog.execute.placement import place_rank, rewrite_stage_devices
+from heterog.execute.runtime import Interpreter, crossing_values
 from heterog.execute.split_export import ExportedModel, copy_exported
-from heterog.execute.runtime import Interpreter
-from heterog.execute.sync import ProgramSync
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
-from heterog.execute.trace import SpanCategory, StepRecorder
+from heterog.execute.sync import ProgramSync
+from heterog.execute.trace import Span, SpanCategory, StepRecorder
+from heterog.execute.transport import Channels, Transport, transfer_pairs
+from heterog.execute.wire import wire_table
 from heterog.execute.workload import (Workload, build_model, global_batch, make_optimizer, resolve_workload,
                                       to_device, with_data)
-from heterog.errors import PlanError
+from heterog.ir.kinds import Precision
 from heterog.ir.plan import Plan
-from heterog.lower.program import Program
 from heterog.jsonio import write_atomic
+from heterog.lower.program import Program
 
 
 def _init(spec: dict[str, Any], store: Any = None) -> tuple[int, int, str, RankDevice]:
     """Join the process group; return (rank, world size, this rank's plan device, its torch
-    device): a GPU when the run is on GPUs (`cuda:<local rank>`, NCCL), else the CPU (gloo).
-    `store`: rendezvous through it (a multi-plan launch) instead of the spec's address."""
+    device): the GPU the plan names when the run is on GPUs (NCCL, or gloo with host copies
+    when ranks share a GPU), else the CPU (gloo). `store`: rendezvous through it (a
+    multi-plan launch) instead of the spec's address."""
     timeout = timedelta(seconds=spec["timeout_s"])
     if "RANK" in os.environ and spec.get("torchrun"):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ["LOCAL_RANK"])
-        node_devices = spec["node_devices"][int(os.environ["GROUP_RANK"])]
-        device = node_devices[local]
-        rdev = rank_device(use_cuda=spec.get("cuda", False), local_rank=local)
-        rdev.activate()
+        device = spec["node_devices"][int(os.environ["GROUP_RANK"])][local]
+        # the printed command sets CUDA_VISIBLE_DEVICES to the node's planned GPUs, in order
+        rdev = rank_device(use_cuda=spec.get("cuda", False), index=local, rank=rank)
+        _activate(rdev, spec, device, rank)
         dist.init_process_group(rdev.backend, rank=rank, world_size=world, timeout=timeout)
         return rank, world, device, rdev
     rank = spec["rank"]
     world = len(spec["devices"])
-    rdev = rank_device(use_cuda=spec.get("cuda", False), local_rank=rank)
-    rdev.activate()
+    device = spec["devices"][rank]
+    indices = spec.get("cuda_indices") or list(range(world))
+    rdev = rank_device(use_cuda=spec.get("cuda", False), index=indices[rank], rank=rank,
+                       host_staging=bool(spec.get("host_staging")))
+    _activate(rdev, spec, device, rank)
     if store is not None:
         dist.init_process_group(rdev.backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(rdev.backend, init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
                                 rank=rank, world_size=world, timeout=timeout)
-    return rank, world, spec["devices"][rank], rdev
+    return rank, world, device, rdev
+
+
+def _activate(rdev: RankDevice, spec: dict[str, Any], device: str, rank: int) -> None:
+    """Select the rank's GPU and refuse one of another type than the plan's device."""
+    rdev.activate()
+    if rdev.kind == "cuda":
+        expected = (spec.get("gpu_types") or {}).get(device)
+        if expected:
+            check_gpu_type(rdev, expected, device=device, rank=rank)
 
 
 def _fault(spec: dict[str, Any], rank: int, step: int, phase: str = "start") -> None:
@@ -83,7 +100,18 @@ def _fault(spec: dict[str, Any], rank: int, step: int, phase: str = "start") -> 
     if f and f["rank"] == rank and f["step"] == step and f.get("phase", "start") == phase:
         if f["kind"] == "die":
             os._exit(17)
-        time.sleep(10 * spec["timeout_s"] + 3600)
+        if f["kind"] == "hang":
+            time.sleep(10 * spec["timeout_s"] + 3600)
+
+
+def _overflow(spec: dict[str, Any], rank: int, step: int, params: list[nn.Parameter]) -> None:
+    """Test hook (fault kind 'overflow', fp16): an inf in this rank's first gradient at
+    `step`, after the sync, as if its gradients had overflowed."""
+    f = spec.get("fault")
+    if f and f["kind"] == "overflow" and f["rank"] == rank and f["step"] == step:
+        g = next((p.grad for p in params if p.grad is not None), None)
+        if g is not None:
+            g.view(-1)[0] = float("inf")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,12 +149,63 @@ class ModelCache:
         return entry.model, (copy_exported(entry.exported) if entry.exported is not None else None)
 
 
-def _model_and_flow(work: Workload, plan: Plan, program: Program, seed: int, models: ModelCache | None):
-    """(model, its split for the program's blocks, the first global batch's inputs)."""
+@dataclass(kw_only=True)
+class RankSetup:
+    """Everything a rank builds before step 1 (`build_rank`): the split placed on its device,
+    its transfers, syncs, optimizer and interpreter."""
+    rank: int
+    device: str
+    plan: Plan
+    work: Workload
+    flow: Dataflow
+    held: set[int]
+    params: list[nn.Parameter]
+    named: list[tuple[str, nn.Parameter]]
+    optimizer: torch.optim.Optimizer | None
+    transport: Transport
+    sync: ProgramSync
+    interpreter: Interpreter
+    pacer: Pacer
+    cap: Any
+
+
+def build_rank(spec: dict[str, Any], rank: int, device: str, rdev: RankDevice, rank_of: dict[str, int], *,
+               models: ModelCache | None = None) -> RankSetup:
+    """Split the model for the Program, place this rank's stages on its device and check
+    them (placement.py), derive the wire table (wire.py), and make the transport, the syncs,
+    the optimizer and the interpreter."""
+    program = Program.from_dict(spec["program"], "the program of this run")
+    plan = Plan.from_dict(program.plan)
+    work = with_data(resolve_workload(plan.model), spec.get("data"))
+    seed = spec.get("seed", 0)
     model, exported = models.get(work, plan, seed) if models is not None else (build_model(work, seed=seed), None)
     inputs0, _ = global_batch(work, plan.batch_size, seed=seed, step=0)
     flow = build_dataflow(model, plan, len(inputs0), group_order=program_group_order(program), exported=exported)
-    return model, flow
+    held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
+    rewrite_stage_devices(flow.stages, rdev.torch_device)
+    place_rank(flow, held, rdev.torch_device, rank=rank)
+    crossing = crossing_values(program, flow)
+    wire = wire_table(flow, to_device(inputs0, rdev.torch_device), {v for vs in crossing.values() for v in vs},
+                      device=rdev.torch_device, autocast=rdev.autocast(plan.precision))
+    detach_unheld(flow, held)
+    timeout_s = spec["timeout_s"]
+    channels = Channels(transfer_pairs(program, rank_of), timeout_s)
+    transport = Transport(rank=rank, device=rdev.torch_device, program=program, rank_of=rank_of, crossing=crossing,
+                          no_grad=flow.no_grad, wire=wire, channels=channels, timeout_s=timeout_s,
+                          host_staging=rdev.host_staging)
+    sync = ProgramSync(program=program, flow=flow, rank=rank, optimizer=plan.optimizer, timeout_s=timeout_s,
+                       device=rdev.torch_device, host_staging=rdev.host_staging,
+                       deferred=plan.precision == Precision.FP16, clock=rdev.clock())
+    named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
+    params = [p for _, p in named]
+    opt = make_optimizer(params, plan.optimizer)
+    pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
+    cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)   # emulated devices only
+    ex = Interpreter(program=program, device=device, flow=flow, work=work, transport=transport, pacer=pacer,
+                     sync=sync, batch_size=plan.batch_size, rank_of=rank_of, optimizer=opt, rank_device=rdev,
+                     precision=plan.precision, memory_cap=cap, crossing=crossing)
+    return RankSetup(rank=rank, device=device, plan=plan, work=work, flow=flow, held=held, params=params,
+                     named=named, optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap)
 
 
 def train(spec: dict[str, Any], out_dir: Path, *, store: Any = None,
@@ -138,80 +217,73 @@ def train(spec: dict[str, Any], out_dir: Path, *, store: Any = None,
     devices_by_rank: list[str] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(devices_by_rank, device)
     rank_of = {d: r for r, d in enumerate(devices_by_rank)}
-    program = Program.from_dict(spec["program"], "the program of this run")
-    plan = Plan.from_dict(program.plan)
-    missing = [d for d in program.devices if d not in rank_of]
+    missing = [d for d in spec["program"]["devices"] if d not in rank_of]
     if missing:
         raise RankError(rank, f"the program uses device(s) {missing} that no rank was started for; "
                               f"ranks run {devices_by_rank}.")
-    work = with_data(resolve_workload(plan.model), spec.get("data"))
-    seed = spec.get("seed", 0)
-    model, flow = _model_and_flow(work, plan, program, seed, models)
-    held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
-    detach_unheld(flow, held)
-    model.to(rdev.torch_device)       # parameters stay the same objects (optimizer, sync, checkpoints)
-    timeout_s = spec["timeout_s"]
-    p2p = P2P(rank, timeout_s, device=rdev.torch_device)
-    sync = ProgramSync(program=program, flow=flow, rank=rank, optimizer=plan.optimizer, timeout_s=timeout_s,
-                       device=rdev.torch_device)
-    params = [p for g in sorted(held) for _, p in flow.params_of_group.get(g, [])]
-    opt = make_optimizer(params, plan.optimizer)
-    pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
-    cap = None if spec.get("cuda") else memory_cap(plan.cluster, device)   # emulated devices only
-    ex = Interpreter(program=program, device=device, flow=flow, work=work, p2p=p2p, pacer=pacer, sync=sync,
-                     batch_size=plan.batch_size, rank_of=rank_of, optimizer=opt, rank_device=rdev,
-                     precision=plan.precision, memory_cap=cap)
-    steps: list[dict[str, float]] = []
+    setup = build_rank(spec, rank, device, rdev, rank_of, models=models)
     ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
-    named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
-    first_step = checkpoint.resume(ckpt, named, opt, model=plan.model.name)
+    first_step = checkpoint.resume(ckpt, setup.named, setup.optimizer, model=setup.plan.model.name,
+                                   servers=setup.sync.served())
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
-    for step in range(first_step, spec["steps"]):
-        progress.write_text(str(step))
-        _fault(spec, rank, step)
-        inputs, targets = to_device(global_batch(work, plan.batch_size, seed=seed, step=step), rdev.torch_device)
-        dist.barrier()
-        rec.step = step
-        timer = rdev.timer()
-        timer.start()
-        c0, u0, w0 = ex.stats.compute_s, ex.stats.cpu_s, ex.stats.paced_s
-        r0, s0 = p2p.recv_wait_s, sync.sync_s
-        with rec.span(f"step {step}", SpanCategory.STEP):
-            for p in params:
-                p.grad = None
-            ex.recorder = rec
-            loss = ex.step(inputs, targets)
-            _fault(spec, rank, step, "mid")
-        steps.append({"step_time_s": timer.stop(), "loss": loss,
-                      "compute_s": ex.stats.compute_s - c0, "cpu_s": ex.stats.cpu_s - u0,
-                      "paced_s": ex.stats.paced_s - w0,
-                      "recv_wait_s": p2p.recv_wait_s - r0, "sync_s": sync.sync_s - s0})
-        # the executor's own time: the step less its timed parts (gradient slots, slicing, sends)
-        steps[-1]["other_s"] = steps[-1]["step_time_s"] - sum(steps[-1][k] for k in (
-            "compute_s", "paced_s", "recv_wait_s", "sync_s"))
-        step_log.append(StepRecord(step=step, rank=rank, device=device, loss=float(loss),
-                                   step_time_s=steps[-1]["step_time_s"], compute_s=steps[-1]["compute_s"],
-                                   sync_s=steps[-1]["sync_s"], recv_wait_s=steps[-1]["recv_wait_s"]))
-        checkpoint.save_if_due(ckpt, step + 1, named, opt, rank=rank, model=plan.model.name)
+    steps = [_train_step(spec, setup, rdev, rec, step_log, step, progress) for step in range(first_step, spec["steps"])]
     progress.write_text("done")
     write_atomic(out_dir / TRACE_FILE.format(rank=rank), json.dumps(rec.to_dict()))
+    ex, flow = setup.interpreter, setup.flow
     if spec.get("dump_params"):   # with the parameters: what ran, for tests against the Program
         write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
         write_atomic(out_dir / f"samples_rank{rank}.json", json.dumps(ex.samples))
-        torch.save({name: p.detach().clone() for g in sorted(held)
-                    for name, p in flow.params_of_group.get(g, [])}, out_dir / f"params_rank{rank}.pt")
+        torch.save({name: p.detach().to("cpu").clone() for name, p in setup.named}, out_dir / f"params_rank{rank}.pt")
     dist.barrier()
-    sync.runner.close()        # its sync thread (a multi-plan launch would keep one per plan)
+    setup.sync.runner.close()        # its sync thread (a multi-plan launch would keep one per plan)
     dist.destroy_process_group()
-    import resource  # peak resident memory of this rank (Linux: KiB), torch libraries included
-    max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"rank": rank, "device": device, "slowdown": pacer.slowdown, "cores": cores,
+    max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    cap = setup.cap
+    return {"rank": rank, "device": device, "slowdown": setup.pacer.slowdown, "cores": cores,
             "max_rss_bytes": max_rss_bytes, "torch_device": str(rdev.torch_device), "memory": rdev.memory(),
+            "backend": rdev.backend, "host_staging": rdev.host_staging,
             "memory_cap_bytes": cap.cap_bytes if cap else None,
             "peak_live_bytes": ex.peak_live_bytes if cap else None,
-            "groups": [plan.groups[g].name for g in sorted(held)], "steps": steps,
-            "sent_bytes": p2p.sent_bytes, "split": flow.split, "warnings": flow.warnings}
+            "groups": [setup.plan.groups[g].name for g in sorted(setup.held)], "steps": steps,
+            "sent_bytes": setup.transport.sent_bytes, "split": flow.split, "warnings": flow.warnings}
+
+
+def _train_step(spec: dict[str, Any], setup: RankSetup, rdev: RankDevice, rec: StepRecorder, step_log: StepLog,
+                step: int, progress: Path) -> dict[str, float]:
+    """One training step of this rank, timed with the rank's clock (CUDA events on a GPU,
+    read once the step has finished); its record."""
+    rank, ex = setup.rank, setup.interpreter
+    progress.write_text(str(step))
+    _fault(spec, rank, step)
+    inputs, targets = to_device(global_batch(setup.work, setup.plan.batch_size, seed=spec.get("seed", 0), step=step),
+                                rdev.torch_device)
+    dist.barrier()
+    for p in setup.params:
+        p.grad = None
+    origin, origin_s = ex.clock.mark(), rec.now_s()
+    if (spec.get("fault") or {}).get("kind") == "overflow":
+        ex.overflow_hook = lambda: _overflow(spec, rank, step, setup.params)
+    loss = ex.step(inputs, targets)
+    _fault(spec, rank, step, "mid")
+    end = ex.clock.mark()
+    rdev.synchronize()
+    step_time_s = ex.clock.seconds(origin, end)
+    spans = ex.read_timings(rank=rank, step=step, origin=origin, origin_s=origin_s)
+    rec.add([Span(name=f"step {step}", category=SpanCategory.STEP, rank=rank, step=step, start_s=origin_s,
+                  end_s=origin_s + step_time_s), *spans])
+    st = ex.stats
+    record = {"step_time_s": step_time_s, "loss": loss, "compute_s": st.compute_s, "cpu_s": st.cpu_s,
+              "paced_s": st.paced_s, "recv_wait_s": st.recv_wait_s, "sync_s": st.sync_s,
+              "loss_scale": ex.scaler.scale if ex.scaler is not None else None,
+              "skipped": ex.skipped_steps}
+    # the executor's own time: the step less its timed parts (gradient slots, slicing, sends)
+    record["other_s"] = step_time_s - sum(record[k] for k in ("compute_s", "paced_s", "recv_wait_s", "sync_s"))
+    step_log.append(StepRecord(step=step, rank=rank, device=setup.device, loss=float(loss), step_time_s=step_time_s,
+                               compute_s=st.compute_s, sync_s=st.sync_s, recv_wait_s=st.recv_wait_s))
+    checkpoint.save_if_due(checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint")), step + 1, setup.named,
+                           setup.optimizer, rank=rank, model=setup.plan.model.name, servers=setup.sync.served())
+    return record
 
 
 def _report(out_dir: Path, rank: int, work: Callable[[], dict[str, Any]]) -> int:
