@@ -7,6 +7,7 @@ where they are not installed; nothing is uninstalled."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -69,14 +70,15 @@ def test_the_command_line_loads_without_numba_and_torch_geometric(tmp_path):
 
 
 def test_the_executor_side_does_not_load_numba_or_torch_geometric():
-    """Where both are installed: the command line and a rank process import neither (a rank
-    interprets its Program, it never schedules or simulates)."""
+    """Where both are installed: the command line and a rank process import neither, nor scipy
+    (a rank interprets its Program, it never schedules or simulates), so a GPU machine's ranks
+    need none of their wheels."""
     code = ("import sys, contextlib, io\n"
             "from heterog.cli.main import run_cli\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    assert run_cli(['run', '--help']) == 0\n"
             "import heterog.execute.worker\n"
-            f"print(sorted(m for m in {ABSENT + ('heterog._jit',)!r} if m in sys.modules))\n")
+            f"print(sorted(m for m in {ABSENT + ('scipy', 'heterog._jit')!r} if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]", out.stdout
@@ -86,9 +88,9 @@ def simulated(cases: list[tuple[str, str]]) -> dict:
     """Per (cluster, plan) of benchmarks/simulator_speed.py: the execution order, every task's
     start and end, the peaks, first overflow and memory timelines (engine.run), and the whole
     SimResult as the search and the CLI read it."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from simulator_speed import make_plans, synthetic_graph
-
+    spec = importlib.util.spec_from_file_location("simulator_speed", BENCHMARKS / "simulator_speed.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
     from heterog.cost import build_cost_model
     from heterog.hardware.spec import load_cluster
     from heterog.lower.schedule import build_schedule
@@ -97,9 +99,9 @@ def simulated(cases: list[tuple[str, str]]) -> dict:
     out = {}
     for cname in dict.fromkeys(c for c, _ in cases):
         cluster = load_cluster(cname)
-        graph = synthetic_graph(batch_size=max(64, 4 * len(cluster.devices)))
+        graph = bench.synthetic_graph(batch_size=max(64, 4 * len(cluster.devices)))
         costs = build_cost_model(graph, cluster)
-        plans = make_plans(graph, cluster, random.Random(0))
+        plans = bench.make_plans(graph, cluster, random.Random(0))
         for c, pname in cases:
             if c != cname:
                 continue
