@@ -11,18 +11,33 @@ the search's case: each call scores a neighbour of the plan (new shares for one 
 re-partitions the batch around it); "plan itself" re-simulates the unchanged plan. Times are
 CPU time of this process (the machine may be shared).
 
-    .venv/bin/python benchmarks/simulator_speed.py [--quick]
+    .venv/bin/python benchmarks/simulator_speed.py [--quick] [--cluster=NAME] [--no-numba] [--out=PATH]
+
+--no-numba measures the simulator as it runs where numba cannot be imported (its loops as
+plain Python, HETEROG_NO_NUMBA=1), beside a compiled run of the same plans in a child process,
+checks that both simulate every plan alike, and states the slowdown per plan
+(results/simulator_speed_no_numba.json). --out: where the JSON goes (default
+results/simulator_speed.json).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+NO_NUMBA_ENV = "HETEROG_NO_NUMBA"     # heterog._jit reads it when heterog is first imported
+if "--no-numba" in sys.argv:
+    os.environ[NO_NUMBA_ENV] = "1"
+
+from heterog import _jit as jit
 from heterog.cost import build_cost_model
 from heterog.hardware.spec import load_cluster
 from heterog.ir.affine import Affine
@@ -153,9 +168,8 @@ def check_warm_equals_cold(graph, cluster, plans, costs, cache) -> None:
             f"plan {plan.strategy}: warm caches changed the simulated result"
 
 
-def main() -> None:
-    quick = "--quick" in sys.argv
-    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--cluster=")]
+def measure_all(quick: bool, only: list[str]) -> list[dict]:
+    """One row per (cluster, plan), printed as it is measured."""
     rows = []
     for cname in only or CLUSTERS:
         cluster = load_cluster(cname)
@@ -168,9 +182,65 @@ def main() -> None:
                   f"(neighbours {m['neighbour_tasks_mean']:7.0f})  cold {m['cold_s'] * 1e3:8.1f} ms  "
                   f"neighbours {m['warm_ms']:7.2f} ms CPU = {m['warm_sims_per_s']:7.1f}/s  "
                   f"plan itself {m['plan_sims_per_s']:7.1f}/s", flush=True)
-    out = Path(__file__).parent / "results" / "simulator_speed.json"
-    doc = {"benchmark": "simulator_speed", "command": "python benchmarks/simulator_speed.py",
-           "python": sys.version.split()[0], "rows": rows}
+    return rows
+
+
+def compiled_rows(args: list[str]) -> list[dict]:
+    """The same measurements with numba, in a child process (heterog._jit decides at import)."""
+    env = {k: v for k, v in os.environ.items() if k != NO_NUMBA_ENV}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "compiled.json"
+        subprocess.run([sys.executable, __file__, *args, f"--out={out}"], env=env, check=True)
+        doc = json.loads(out.read_text())
+    if not doc["numba_compiled"]:
+        sys.exit(f"numba cannot be imported here ({doc['why_uncompiled']}): no compiled run to compare with")
+    return doc["rows"]
+
+
+def slowdown_rows(compiled: list[dict], uncompiled: list[dict]) -> list[dict]:
+    """Per plan, uncompiled ÷ compiled CPU time: a neighbour's simulation (the search's
+    case), the plan itself re-simulated, and the first simulation with a fresh cost model."""
+    rows = []
+    for c, u in zip(compiled, uncompiled, strict=True):
+        assert (c["cluster"], c["plan"], c["tasks"]) == (u["cluster"], u["plan"], u["tasks"])
+        assert c["iteration_time_s"] == u["iteration_time_s"], \
+            f"{c['cluster']} {c['plan']}: the uncompiled simulator's iteration time differs"
+        rows.append({"cluster": c["cluster"], "devices": c["devices"], "plan": c["plan"], "tasks": c["tasks"],
+                     "neighbour_ms": {"compiled": c["warm_ms"], "uncompiled": u["warm_ms"]},
+                     "neighbour_slowdown": u["warm_ms"] / c["warm_ms"],
+                     "plan_slowdown": c["plan_sims_per_s"] / u["plan_sims_per_s"],
+                     "cold_slowdown": u["cold_s"] / c["cold_s"]})
+    for r in rows:
+        print(f"{r['cluster']:>11} {r['plan']:8s} tasks {r['tasks']:6d}  neighbour "
+              f"{r['neighbour_ms']['compiled']:8.2f} ms compiled, {r['neighbour_ms']['uncompiled']:8.2f} ms "
+              f"uncompiled: {r['neighbour_slowdown']:5.1f}× slower  (plan itself {r['plan_slowdown']:5.1f}×, "
+              f"cold {r['cold_slowdown']:5.1f}×)")
+    return rows
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--cluster=")]
+    outs = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")]
+    no_numba = "--no-numba" in sys.argv
+    name = "simulator_speed_no_numba" if no_numba else "simulator_speed"
+    out = Path(outs[0]) if outs else Path(__file__).parent / "results" / f"{name}.json"
+    command = " ".join(["python benchmarks/simulator_speed.py", *sys.argv[1:]])
+    doc = {"benchmark": name, "command": command, "python": sys.version.split()[0], "numba_compiled": jit.COMPILED,
+           "why_uncompiled": jit.WHY_UNCOMPILED}
+    if no_numba:
+        compiled = compiled_rows([a for a in sys.argv[1:] if a == "--quick" or a.startswith("--cluster=")])
+        print("uncompiled (HETEROG_NO_NUMBA=1):", flush=True)
+        uncompiled = measure_all(quick, only)
+        rows = slowdown_rows(compiled, uncompiled)
+        ratios = [r["neighbour_slowdown"] for r in rows]
+        print(f"without numba a neighbour's simulation takes {min(ratios):.1f}–{max(ratios):.1f}× the CPU time "
+              f"(median {statistics.median(ratios):.1f}×)")
+        doc.update(rows=rows, compiled_rows=compiled, uncompiled_rows=uncompiled,
+                   neighbour_slowdown={"min": min(ratios), "median": statistics.median(ratios),
+                                       "max": max(ratios)})
+    else:
+        doc["rows"] = measure_all(quick, only)
     write_atomic(out, json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
 

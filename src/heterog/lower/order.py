@@ -15,14 +15,15 @@ task shorter; dynamic list scheduling and first-come links both have Graham-styl
 The order does not depend on link bandwidths, only on compute times and priorities.
 
 The list scheduler is compiled (numba): the search calls it for every neighbour it scores,
-on task graphs of up to ~60 000 tasks, where a Python loop cost µs per task.
+on task graphs of up to ~60 000 tasks, where a Python loop cost µs per task. Where numba
+cannot be imported the same source runs as plain Python, with the same order (heterog/_jit.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from heterog._jit import njit
 from heterog.lower.taskgraph import BWD, FWD, OPT, Tasks
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
 
+from heterog._jit import njit
 from heterog.lower.blocks import Block
 
 FWD, BWD, XFER, SYNC, OPT = 0, 1, 2, 3, 4

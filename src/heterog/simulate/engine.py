@@ -18,8 +18,8 @@ device frees a task's memory before its next task allocates).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from heterog._jit import njit
 from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import Tasks, stable_by_task
 
@@ -41,7 +41,7 @@ def run(tasks: Tasks, order: np.ndarray, info: ClusterInfo, record: bool):
 
 def _times(tasks: Tasks, order: np.ndarray, info: ClusterInfo):
     """Start and end of every task (numpy arrays): one pass over the fixed order (see the
-    module docstring), compiled."""
+    module docstring), compiled where numba can be imported (heterog/_jit.py)."""
     link_ptr, link_idx, core_ptr, core_idx, core_bytes = _resources(tasks, info)
     succ_ptr, succ_idx = tasks.succ_csr()
     return _timed_pass(np.asarray(order, dtype=np.int64), tasks.array("dur"), tasks.array("dev"),
