@@ -139,3 +139,36 @@ def test_loader_data_resumes_at_the_same_batch(tmp_path):
     for k in range(4, 8):
         assert torch.equal(straight[k], resumed[k]), k
     assert not torch.equal(straight[0], straight[3])  # a new epoch is shuffled anew
+
+
+def server_plan() -> Plan:
+    """AdamW held by parameter servers: the front by c (no replica), the back by b (a replica)."""
+    return Plan(strategy="test", model=ModelSpec(name=MODEL, batch_size=12), optimizer="adamw",
+                groups=(Group(name="front", nodes=NODES[:2], sync="ps", ps_device="c",
+                              replicas=_replicas(("a", 0.5), ("b", 0.5))),
+                        Group(name="back", nodes=NODES[2:], sync="ps", ps_device="b",
+                              replicas=_replicas(("a", 0.5), ("b", 0.5))))).validate()
+
+
+PS_STEPS = 6
+
+
+@pytest.mark.slow
+def test_parameter_server_state_is_saved_and_resumes_under_any_sync(tmp_path):
+    """A run whose optimizer state lives on parameter servers, killed in step 4: resumed from
+    its step-2 checkpoint under the same plan, and under a ring plan (the servers' state was
+    saved per parameter), it ends with the uninterrupted run's parameters."""
+    run(server_plan(), steps=PS_STEPS, out_dir=tmp_path / "full", dump_params=True, predict=False, timeout_s=20)
+    want = _params(tmp_path / "full", 3)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(RankError):
+        run(server_plan(), steps=PS_STEPS, out_dir=tmp_path / "cut", predict=False, timeout_s=10,
+            fault={"rank": 0, "kind": "die", "step": 3, "phase": "mid"},
+            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict())
+    assert find_checkpoint(ckpt).step == 2
+    run(server_plan(), steps=PS_STEPS, out_dir=tmp_path / "same", dump_params=True, predict=False,
+        timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    _assert_close(_params(tmp_path / "same", 3), want, 1e-6)
+    run(three_device_plan(), steps=PS_STEPS, out_dir=tmp_path / "ring", dump_params=True, predict=False,
+        timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    _assert_close(_params(tmp_path / "ring", 3), want, 1e-5)

@@ -108,3 +108,21 @@ def test_profiler_times_every_leaf_module_at_two_batches():
         for phase in ("fwd", "bwd"):
             pts = by_type["cpu"][phase]
             assert [b for b, _ in pts] == [4.0, 16.0] and all(t > 0 for _, t in pts), (node, phase)
+
+
+def test_torchrun_puts_each_rank_on_the_gpu_its_plan_names(tmp_path):
+    """A node of 8 GPUs whose plan leaves gpu4 out: the command exposes exactly gpu0-3 and
+    gpu5-7, in order, so local rank 4 is the plan's gpu5 (not the node's fifth GPU), and the
+    spec names each rank's GPU type for the rank to check."""
+    cluster = parse_cluster_yaml("name: box8\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
+                                 "    devices: [{type: A100-80GB, count: 8}]\n")
+    used = [d.name for i, d in enumerate(cluster.devices) if i != 4]
+    plan = _zoo_mlp_plan(cluster, used, [1 / 7] * 7)
+    plan.save(tmp_path / "plan.json")
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "plan.json"), "--torchrun", "--json"])
+    assert res.exit_code == 0, res.output
+    (command,) = json.loads(res.output)["commands"]
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3,5,6,7 " in command and "--nproc-per-node=7" in command, command
+    spec = json.loads((tmp_path / "plan.torchrun.json").read_text())
+    assert spec["node_devices"] == [used] and spec["cuda"]
+    assert spec["gpu_types"] == {d: "A100-80GB" for d in used}

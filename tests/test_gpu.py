@@ -1,6 +1,10 @@
 """GPU tests (marker `gpu`): skipped without CUDA, never required by CI. On a machine with
-GPUs: a single-GPU plan, a two-rank plan when two GPUs are visible, amp-bf16, and the device
-module's CUDA side. `heterog profile` on a GPU is in test_profile_calibrate.py."""
+GPUs: a single-GPU plan, a two-rank plan when two GPUs are visible, amp-bf16 and fp16, the
+device module's CUDA side; GPT-2, Llama and BERT under a 1F1B pipeline and an uneven hybrid —
+`heterog check --device cuda` and training equal to single-process training, with the two
+ranks on two GPUs (NCCL) or sharing one (gloo with host copies); a rank refusing a GPU of
+another type than its plan's. `heterog profile` on a GPU is in test_profile_calibrate.py.
+benchmarks/gpu_check.py runs these first."""
 
 from __future__ import annotations
 
@@ -96,3 +100,91 @@ def test_cuda_device_memory_and_events():
     (x @ x).sum().item()
     assert t.stop() > 0
     assert d.memory()["peak_allocated_bytes"] >= 4 * 1024 * 1024
+
+
+SEQ = 8
+LANGUAGE_MODELS = {
+    "gpt2": dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0),
+    "llama": dict(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=96, positions=32),
+    "bert-large": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32, dropout=0.0),
+}
+
+
+def _split_plan(model: str, kind: str, precision: str = "fp32") -> Plan:
+    """A 2-stage 1F1B pipeline or an uneven hybrid of a small language model on two devices
+    of this machine's GPU type."""
+    from heterog.capture import capture_model
+    from heterog.hardware.spec import cluster_from_dict
+    args = LANGUAGE_MODELS[model]
+    nodes = [n.name for n in capture_model(model, args, batch_size=2, seq_len=SEQ).nodes]
+    front, back = tuple(nodes[:len(nodes) // 2]), tuple(nodes[len(nodes) // 2:])
+    c = _gpu_cluster(2)
+    a, b = [d.name for d in cluster_from_dict(c).devices]
+    if kind == "pipeline":
+        groups = (Group(name="s0", nodes=front, replicas=(Replica(device=a, share=1.0),)),
+                  Group(name="s1", nodes=back, replicas=(Replica(device=b, share=1.0),)))
+    else:
+        groups = (Group(name="front", nodes=front, replicas=(Replica(device=a, share=1.0),)),
+                  Group(name="back", nodes=back, sync="ring",
+                        replicas=(Replica(device=a, share=2 / 3), Replica(device=b, share=1 / 3))))
+    return Plan(strategy=kind, model=ModelSpec(name=model, args=args, batch_size=6, seq_len=SEQ), groups=groups,
+                num_microbatches=2 if kind == "pipeline" else 1, schedule="1f1b" if kind == "pipeline" else "gpipe",
+                precision=precision, cluster=c).validate()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["pipeline", "hybrid"])
+@pytest.mark.parametrize("model", list(LANGUAGE_MODELS))
+def test_language_model_plans_check_on_cuda(model, kind):
+    from heterog.pipeline import check
+    result = check(_split_plan(model, kind), device="cuda")
+    assert result.ok, [r.problem for r in result.ranks]
+    assert all(r.computes_run == r.computes > 0 and r.peak_memory_bytes for r in result.ranks)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["pipeline", "hybrid"])
+@pytest.mark.parametrize("model", list(LANGUAGE_MODELS))
+def test_language_model_plans_train_on_cuda_as_single_process(tmp_path, model, kind):
+    """Two ranks on two GPUs (NCCL), or sharing one (gloo, host copies): parameters after 3
+    steps equal single-process training on the CPU (within GPU-vs-CPU rounding)."""
+    from heterog.execute.reference import reference_train
+    from heterog.pipeline import run
+    plan = _split_plan(model, kind)
+    out = run(plan, steps=3, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=300, share_gpus=True)
+    assert all(r["torch_device"].startswith("cuda") for r in out["per_rank"])
+    ref = reference_train(plan, steps=3)
+    for rank in range(2):
+        for name, value in torch.load(tmp_path / f"params_rank{rank}.pt").items():
+            rel = ((value - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)).item()
+            assert rel < 1e-4 or (value - ref[name]).abs().max().item() < 1e-6, (name, rel)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp16_trains_on_cuda_with_a_loss_scale(tmp_path):
+    from heterog.pipeline import run
+    out = run(_plan(1, "fp16"), steps=3, out_dir=tmp_path, predict=False, timeout_s=120)
+    assert out["loss_scales"] == [65536.0] * 3 and all(x == x for x in out["losses"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_rank_refuses_a_gpu_of_another_type(tmp_path):
+    """The plan's device is a T4 (an A100-80GB on a T4 machine); the rank finds this machine's
+    GPU instead and stops before training, naming both."""
+    from heterog.errors import RankError
+    from heterog.hardware.spec import cluster_from_dict, cluster_to_dict, parse_cluster_yaml
+    from heterog.pipeline import run
+    local = _gpu_cluster(1)["nodes"][0]["devices"][0]["type"]
+    other = "T4" if local != "T4" else "A100-80GB"
+    c = cluster_to_dict(parse_cluster_yaml(f"name: wrong\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
+                                           f"    devices: [{{type: {other}, count: 1}}]\n"))
+    dev = cluster_from_dict(c).devices[0].name
+    plan = Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=16),
+                groups=(Group(name="all", nodes=NODES, replicas=(Replica(device=dev, share=1.0),)),),
+                cluster=c).validate()
+    with pytest.raises(RankError, match=f"a {other}, but its GPU cuda:0"):
+        run(plan, steps=1, predict=False, timeout_s=60)

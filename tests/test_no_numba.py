@@ -63,10 +63,12 @@ def test_the_command_line_loads_without_numba_and_torch_geometric(tmp_path):
             "        sys.exit(f'{name} is importable: the hook does not work')\n"
             "import heterog.cli.main\n"
             "from heterog.cli.main import run_cli\n"
+            "assert run_cli(['check', '--help']) == 0\n"
             "sys.exit(run_cli(['run', '--help']))\n")
     out = _python_without(tmp_path, code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Usage: heterog run" in out.stdout and "--steps" in out.stdout, out.stdout
+    assert "Usage: heterog check" in out.stdout and "--device" in out.stdout, out.stdout
 
 
 def test_the_executor_side_does_not_load_numba_or_torch_geometric():

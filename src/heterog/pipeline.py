@@ -27,7 +27,8 @@ from typing import Any
 
 from heterog.errors import PlanError
 from heterog.execute.device import nccl_env
-from heterog.execute.launcher import LaunchConfig, PlanLaunch, ProcessLayout, launch_local, launch_local_many
+from heterog.execute.launcher import (LaunchConfig, PlanLaunch, ProcessLayout, launch_local, launch_local_many,
+                                      local_gpu_indices)
 from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
@@ -150,6 +151,29 @@ def on_gpus(cluster: Cluster, devices: tuple[str, ...], emulated: bool) -> bool:
     return cluster.kind != "emulated" and not emulated and local_gpus() >= len(devices) > 0
 
 
+def gpu_layout(cluster: Cluster, devices: tuple[str, ...], *, share: bool = False
+               ) -> tuple[tuple[int, ...], bool, str | None]:
+    """(each rank's GPU index on this machine, whether ranks share GPUs through host copies,
+    a note). Devices of one node run on the GPUs they name (their positions in the node,
+    launcher.local_gpu_indices); devices of several nodes run one per GPU in rank order;
+    with `share`, more ranks than GPUs take the GPUs in turn (gloo, host staging)."""
+    visible = local_gpus()
+    nodes = {cluster.node_of[d] for d in devices}
+    if len(nodes) == 1:
+        node = cluster.node_index[next(iter(nodes))]
+        indices = local_gpu_indices(node.devices, devices)
+        if max(indices) < visible:
+            return tuple(indices), False, None
+    if len(devices) <= visible:
+        return tuple(range(len(devices))), False, ("the plan's devices span several nodes: rank r runs on "
+                                                   "this machine's cuda:r" if len(nodes) > 1 else None)
+    if not share:
+        raise PlanError(f"the plan has {len(devices)} ranks and this machine {visible} GPU(s).")
+    return (tuple(r % visible for r in range(len(devices))), True,
+            f"{len(devices)} ranks share {visible} GPU(s): NCCL refuses two ranks on one GPU, so they talk "
+            f"through gloo with host copies (correct, not fast)")
+
+
 def local_cluster(cluster: Cluster) -> Cluster:
     """An emulated cluster as its ranks see this machine: the `cpu` type measured at one
     thread (each rank runs one), whatever thread count the plan was made with. It leaves this
@@ -248,10 +272,14 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
         pin_cores: bool = False, predict: bool = True, out_dir: str | os.PathLike | None = None,
         dump_params: bool = False, fault: dict[str, Any] | None = None,
         data: str | None = None, profile: bool = False, checkpoint: dict[str, Any] | None = None,
-        force: bool = False, nccl_override: dict[str, str] | None = None) -> dict[str, Any]:
+        force: bool = False, nccl_override: dict[str, str] | None = None,
+        share_gpus: bool = False) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
-    A real GPU cluster's plan runs one rank per visible GPU (NCCL; one NCCL algorithm and
-    protocol on every rank when the GPU types differ, nccl_override to choose another).
+    A real GPU cluster's plan runs one rank per visible GPU, each on the GPU its device names
+    (gpu_layout; NCCL; one NCCL algorithm and protocol on every rank when the GPU types
+    differ, nccl_override to choose another). share_gpus: with fewer GPUs than ranks, ranks
+    share them through gloo with host copies (NCCL refuses two ranks on one GPU) — for
+    checking a multi-rank plan on one GPU, not for speed.
 
     profile: predict from per-node times measured on this CPU (see predict_iteration_time).
     data: 'path/file.py:fn', fn(batch_size, step) → the global batch (inputs tuple, targets)
@@ -267,7 +295,8 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
     cluster, devices = _local_ranks(plan)
-    slowdowns = emulated_slowdowns(plan, cluster, devices, emulated)
+    shared = share_gpus and not emulated and cluster.kind != "emulated" and 0 < local_gpus() < len(devices)
+    slowdowns = {} if shared else emulated_slowdowns(plan, cluster, devices, emulated)
     notes: list[str] = []
     if emulated and cluster is not None and cluster.kind != "emulated":
         notes.append(f"{cluster.name} emulated with CPU processes paced by relative peak FLOP/s; the "
@@ -291,12 +320,14 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
             except ShapingUnavailable as e:
                 shaping = {"enabled": False, "reason": str(e)}
                 notes.append(f"links not shaped: {e}")
-        cuda = on_gpus(cluster, devices, emulated)
+        cuda = shared or on_gpus(cluster, devices, emulated)
         if cuda:
             env, note = nccl_env({cluster.device(d).gpu_type for d in devices}, nccl_override)
             cfg_net["env"] = {r: env for r in range(len(devices))}
-            if note:
-                notes.append(note)
+            indices, staging, layout_note = gpu_layout(cluster, devices, share=shared)
+            cfg_net.update(cuda_indices=indices, host_staging=staging,
+                           gpu_types={d: cluster.device(d).gpu_type for d in devices})
+            notes += [n for n in (note, layout_note) if n]
         cfg = LaunchConfig(devices=devices, steps=steps, timeout_s=timeout_s, seed=seed,
                            slowdowns=slowdowns, pin_cores=pin_cores, dump_params=dump_params,
                            fault=fault, data=data, checkpoint=checkpoint, force=force, cuda=cuda, **cfg_net)

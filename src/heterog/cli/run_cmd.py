@@ -264,27 +264,30 @@ def _print_torchrun(plan, plan_path: Path, steps: int, timeout_s: float, master_
                     as_json: bool, *, data: str | None = None, checkpoint: dict | None = None) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
     from heterog.pipeline import plan_cluster, rank_devices
-    from heterog.execute.launcher import torchrun_commands
+    from heterog.execute.launcher import local_gpu_indices, torchrun_commands
     from heterog.jsonio import write_atomic
 
     cluster = plan_cluster(plan)
     devices = rank_devices(plan, cluster)
     if cluster is None:
         node_devices = [list(devices)]
+        visible = None
     else:
-        node_devices = [[d for d in n.devices if d in devices] for n in cluster.nodes]
-        node_devices = [n for n in node_devices if n]
+        used_nodes = [n for n in cluster.nodes if any(d in devices for d in n.devices)]
+        node_devices = [[d for d in n.devices if d in devices] for n in used_nodes]
+        visible = [local_gpu_indices(n.devices, used) for n, used in zip(used_nodes, node_devices)]
     from heterog.execute.device import nccl_env
     from heterog.pipeline import lower
     gpus = cluster is not None and cluster.kind != "emulated"     # ranks on cuda:<local rank>, NCCL
     env, note = nccl_env({cluster.device(d).gpu_type for d in devices}) if gpus else ({}, None)
     spec_path = plan_path.with_suffix(".torchrun.json")
+    gpu_types = {d: cluster.device(d).gpu_type for d in devices} if gpus else {}
     write_atomic(spec_path, json.dumps({"torchrun": True, "program": lower(plan).to_dict(),
-                                        "node_devices": node_devices, "cuda": gpus,
+                                        "node_devices": node_devices, "cuda": gpus, "gpu_types": gpu_types,
                                         "steps": steps, "timeout_s": timeout_s, "out_dir": "heterog-run",
                                         "data": data, "checkpoint": checkpoint}))
     cmds = torchrun_commands(spec_path=str(spec_path), node_devices=node_devices, master_addr=master_addr,
-                             env=env)
+                             env=env, visible=visible if gpus else None)
     if note and not as_json:
         console.print(note)
     files = _files_every_node_needs(plan, spec_path, data)

@@ -139,7 +139,7 @@ def _state(named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimi
                 if isinstance(value, torch.Tensor):  # SGD without momentum keeps none
                     state[f"optim/{name}/{key}"] = value
     for served in servers:      # a parameter server's state, per parameter (module docstring)
-        for name, pieces in served.server.state_by_name(served.names, served.numels).items():
+        for name, pieces in served.server.state_by_name(served.names, served.shapes).items():
             for key, value in pieces.items():
                 state[f"optim/{name}/{key}"] = value
     return state

@@ -26,6 +26,7 @@ the same order (`ProcessGroupCache.create_all`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -333,16 +334,18 @@ class ParameterServer:
         return self.buffer
 
     # -- checkpoints: the server's optimizer state, by parameter name ------------------------------
-    def state_by_name(self, names: Sequence[str], numels: Sequence[int]) -> dict[str, dict[str, torch.Tensor]]:
-        """The server's optimizer state cut per parameter (the keys a per-parameter optimizer
-        has: AdamW's exp_avg, exp_avg_sq, step), so a checkpoint does not depend on who served."""
+    def state_by_name(self, names: Sequence[str], shapes: Sequence[torch.Size]) -> dict[str, dict[str, torch.Tensor]]:
+        """The server's optimizer state cut per parameter, each piece shaped like its
+        parameter (the keys and shapes a per-parameter optimizer has: AdamW's exp_avg,
+        exp_avg_sq, step), so a checkpoint does not depend on who served."""
         if self.optimizer is None or self.master is None:
             return {}
         state = self.optimizer.state.get(self.master, {})
         out: dict[str, dict[str, torch.Tensor]] = {}
         offset = 0
-        for name, k in zip(names, numels):
-            out[name] = {key: (v.detach().clone() if v.dim() == 0 else v.detach()[offset:offset + k].clone())
+        for name, shape in zip(names, shapes):
+            k = math.prod(shape)
+            out[name] = {key: (v.detach().clone() if v.dim() == 0 else v.detach()[offset:offset + k].reshape(shape).clone())
                          for key, v in state.items() if isinstance(v, torch.Tensor)}
             offset += k
         return out

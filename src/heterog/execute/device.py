@@ -162,6 +162,8 @@ class LossScaler:
         if also is not None:
             also(found, inv)
         if dist.is_initialized():
+            if self.device.host_staging:       # gloo between ranks sharing a GPU: reduce on the host
+                found = found.to("cpu")
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         ok = found.item() == 0.0
         self.update(ok)

@@ -56,7 +56,10 @@ class LaunchConfig:
     data: str | None = None                   # user data 'path/file.py:fn' (workload.with_data)
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
-    cuda: bool = False                        # rank r computes on cuda:r (NCCL), else the CPU (gloo)
+    cuda: bool = False                        # ranks compute on GPUs (NCCL), else the CPU (gloo)
+    cuda_indices: tuple[int, ...] = ()        # rank → its GPU's index here (default: rank r on cuda:r)
+    host_staging: bool = False                # ranks share GPUs: gloo, tensors cross through the host
+    gpu_types: dict[str, str] = field(default_factory=dict)   # device → the GPU type its rank must find
     master_addr: str = "127.0.0.1"
     checkpoint: dict[str, Any] | None = None  # checkpoint.CheckpointConfig.to_dict()
     force: bool = False                       # start even when memory looks too small
@@ -93,6 +96,8 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
                         "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
                         "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault,
                         "data": cfg.data, "checkpoint": ckpt, "cuda": cfg.cuda, "out_dir": str(work),
+                        "cuda_indices": list(cfg.cuda_indices), "host_staging": cfg.host_staging,
+                        "gpu_types": cfg.gpu_types,
                         "master_addr": cfg.master_addr, "master_port": port}
                 _start_rank(work, spec, f"rank{rank}", procs, logs, wrap=cfg.wrap.get(rank, []),
                             env=cfg.env.get(rank, {}))
@@ -355,15 +360,25 @@ def _culprit(procs: list[subprocess.Popen], logs: list[Path], work: Path, device
     return RankError(r, f"failed on device {devices[r]}: {msg}")
 
 
+def local_gpu_indices(node_devices: Sequence[str], used: Sequence[str]) -> list[int]:
+    """The GPU index on its node of each used device: its position among the node's devices,
+    which a cluster file lists in the order of the node's GPUs (CUDA_VISIBLE_DEVICES order)."""
+    return [list(node_devices).index(d) for d in used]
+
+
 def torchrun_commands(*, spec_path: str, node_devices: list[list[str]], master_addr: str,
-                      master_port: int = 29500, env: dict[str, str] | None = None) -> list[str]:
+                      master_port: int = 29500, env: dict[str, str] | None = None,
+                      visible: list[list[int]] | None = None) -> list[str]:
     """One torchrun command per node; rank order follows node order, then device order. `env`
-    (e.g. one NCCL algorithm for unlike GPUs) prefixes every command."""
+    (e.g. one NCCL algorithm for unlike GPUs) prefixes every command; `visible[i]`, node i's
+    GPUs the plan uses, becomes its CUDA_VISIBLE_DEVICES, so local rank k runs on the k-th of
+    them — the GPU its plan device names, also when the plan leaves some of the node's out."""
     prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
     out = []
     for i, devs in enumerate(node_devices):
+        gpus = [f"CUDA_VISIBLE_DEVICES={','.join(map(str, visible[i]))}"] if visible else []
         out.append(" ".join([
-            *prefix, "torchrun", f"--nnodes={len(node_devices)}", f"--node-rank={i}",
+            *prefix, *gpus, "torchrun", f"--nnodes={len(node_devices)}", f"--node-rank={i}",
             f"--nproc-per-node={len(devs)}", f"--master-addr={shlex.quote(master_addr)}",
             f"--master-port={master_port}", "-m", "heterog.execute.worker", shlex.quote(spec_path)]))
     return out

@@ -99,6 +99,7 @@ class Dataflow:
     param_numels: dict[int, list[int]] = field(default_factory=dict)  # kept after detach_unheld
     param_names: dict[int, tuple[str, ...]] = field(default_factory=dict)
     param_numel: dict[str, int] = field(default_factory=dict)
+    param_shape: dict[str, torch.Size] = field(default_factory=dict)   # as built (kept after detach_unheld)
     param_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # name → groups holding a copy
     unused: frozenset[str] = frozenset()         # parameters forward never reads (no gradient)
@@ -335,6 +336,7 @@ def _collect_params(flow: Dataflow, gm: fx.GraphModule, seg: dict[fx.Node, int],
             flow.tied[name] = tuple(sorted(groups))
     flow.param_names = {g: tuple(n for n, _ in ps) for g, ps in flow.params_of_group.items()}
     flow.param_numel = {n: p.numel() for n, p in by_name.items()}
+    flow.param_shape = {n: p.shape for n, p in by_name.items()}
     flow.param_by_name = dict(by_name)
     unused = [(n, p) for n, p in model.named_parameters() if n not in users]
     by_node = {name: g for g, grp in enumerate(plan.groups) for name in grp.nodes}
@@ -343,6 +345,7 @@ def _collect_params(flow: Dataflow, gm: fx.GraphModule, seg: dict[fx.Node, int],
         flow.params_of_group.setdefault(g, []).append((name, p))
         flow.param_names[g] = flow.param_names.get(g, ()) + (name,)
         flow.param_numel[name] = p.numel()
+        flow.param_shape[name] = p.shape
         flow.param_by_name[name] = p
     flow.unused = frozenset(n for n, _ in unused)
     if unused:
@@ -405,6 +408,7 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
                     params_of_group=params, split=False,
                     param_names={g: tuple(n for n, _ in ps) for g, ps in params.items()},
                     param_numel={n: p.numel() for n, p in model.named_parameters()},
+                    param_shape={n: p.shape for n, p in model.named_parameters()},
                     param_by_name=dict(model.named_parameters()))
 
 

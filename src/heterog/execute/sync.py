@@ -71,7 +71,7 @@ class Bucket:
 class Served:
     """A parameter server this rank runs: its parameters' names and sizes (in bucket order)."""
     names: tuple[str, ...]
-    numels: tuple[int, ...]
+    shapes: tuple[torch.Size, ...]
     server: ParameterServer
 
 
@@ -320,8 +320,8 @@ class ProgramSync:
             b = self._bucket(c)
             server = self.runner.servers.get(b.names)
             if server is not None and server.server == self.rank and b.names:
-                out.append(Served(names=b.names, numels=tuple(self.flow.param_numel[n] for n in b.names),
-                                  server=server))
+                out.append(Served(names=b.names, server=server,
+                                  shapes=tuple(self.flow.param_shape[n] for n in b.names)))
         return out
 
     @property
