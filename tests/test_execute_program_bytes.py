@@ -17,7 +17,7 @@ import torch
 
 from heterog.capture import capture_model
 from heterog.execute.partition import build_dataflow, program_group_order
-from heterog.execute.runtime import _crossing_values
+from heterog.execute.runtime import crossing_values
 from heterog.execute.workload import build_model, resolve_workload
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.lower.program import Phase, Send
@@ -42,7 +42,7 @@ def _sent_bytes(plan: Plan) -> tuple[dict[tuple[int, int], float], dict[tuple[in
     flow = build_dataflow(build_model(resolve_workload(plan.model), seed=0), plan, 1,
                           group_order=program_group_order(program))
     block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
-    crossing = _crossing_values(program, flow, block_of)
+    crossing = crossing_values(program, flow)
     outputs = {s.value: next(n for n in s.module.graph.nodes if n.op == "output").args[0]
                for s in flow.stages if hasattr(s.module, "graph")}
 
