@@ -9,6 +9,7 @@ from typing import Any, Optional
 import typer
 
 from heterog.cli.output import console, human_bytes, human_time, print_json, print_table, parse_model_args
+from heterog.hardware.catalog import precision_help
 
 
 def _progress_bar(enabled: bool):
@@ -49,7 +50,7 @@ def plan_command(
     batch_size: int = typer.Option(..., "--batch-size", min=1, help="Global batch size of one iteration."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length (language models)."),
     cluster: str = typer.Option(..., "--cluster", help="Cluster YAML file or built-in name (e.g. paper-8gpu)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 or amp-bf16."),
+    precision: str = typer.Option("fp32", "--precision", help=precision_help()),
     optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw."),
     budget_s: float = typer.Option(10.0, "--budget-s", min=0.1, help="Search time budget in seconds."),
     seed: int = typer.Option(0, "--seed", help="Random seed of the search."),

@@ -40,9 +40,7 @@ from heterog.cost.host import autocast_casts, cudnn_calls, host_times_s
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
-# 'tf32' (fp32 with torch.backends.cuda.matmul.allow_tf32 on) is a cost-model precision only:
-# measured data (peer per-layer sessions) ran that way; plans use Precision's members.
-PRECISIONS = (*Precision, "tf32")
+PRECISIONS = tuple(Precision)
 E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math rarely beats half of peak
 # Kernel efficiency relative to a square GEMM of the same work. Attention kernels pay for the
 # softmax between their two products. cuDNN convolutions on tensor cores (TF32/BF16/FP16) reach
@@ -86,16 +84,11 @@ FRESH_PAGE_SHARE = 0.9  # tensors within 10% of the step's largest count as the 
 
 
 def _matmul_precision(kind: str, precision: str, gpu: GpuType) -> str:
-    """The catalog precision whose peak a tensor-core kernel of `kind` runs at."""
-    if precision == "amp-bf16":
-        want = "bf16"
-    elif precision == "fp16":
-        want = "fp16"
-    elif precision == "tf32":
-        want = "tf32"           # torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        want = "tf32" if kind == "conv" else "fp32"
-    return want if gpu.peak_flops_per_s.get(want, 0.0) > 0 else "fp32"
+    """The catalog precision whose peak a tensor-core kernel of `kind` runs at: the plan's
+    (GpuType.catalog_precision, fp32 where the type has no fast path for it), except that
+    PyTorch runs fp32 convolutions on TF32 tensor cores by default (cudnn.allow_tf32 is on,
+    cuda.matmul.allow_tf32 off)."""
+    return gpu.catalog_precision("tf32" if precision == "fp32" and kind == "conv" else precision)
 
 
 class _TypeTable:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterog.cost.memory import TENSOR_CORE_KINDS, forced_fp32, dtype_factors
-from heterog.hardware.gputype import GpuType, HostCosts
+from heterog.hardware.gputype import GpuType, HostCosts, TensorCores
 from heterog.ir.opgraph import OpGraph
 
 CAST_BYTES_PER_FP32_BYTE = 1.5   # a 4-byte element read and a 2-byte one written, per 4 bytes
@@ -107,9 +107,10 @@ def autocast_casts(graph: OpGraph, precision: str) -> Casts | None:
     return Casts(count=count, bytes_fixed=fixed, bytes_per_sample=per_sample)
 
 
-# GPU types (and calibrations inheriting from them) whose PyTorch attention in half precision
-# runs through cuDNN: the Hopper parts
-CUDNN_ATTENTION_TYPES = frozenset({"H100-SXM", "H100-PCIe", "H200", "GH200"})
+# Tensor-core generations whose PyTorch attention in half precision runs through cuDNN: the
+# H200's bf16 profile (PyTorch 2.11) runs `_cudnn_attention_forward`; Blackwell is assumed to
+# take the same SDPA backend (not measured)
+CUDNN_ATTENTION_GENERATIONS = frozenset({TensorCores.HOPPER, TensorCores.BLACKWELL})
 
 
 def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
@@ -117,7 +118,7 @@ def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
     if gpu.vendor != "nvidia":
         return np.zeros(len(graph.nodes))
     half = precision in ("amp-bf16", "fp16")
-    hopper = gpu.name in CUDNN_ATTENTION_TYPES or gpu.efficiency.inherits in CUDNN_ATTENTION_TYPES
+    hopper = gpu.public is not None and gpu.public.tensor_cores in CUDNN_ATTENTION_GENERATIONS
     return np.array([1.0 if n.kind == "conv" or (n.kind == "attention" and half and hopper) else 0.0
                      for n in graph.nodes])
 

@@ -249,8 +249,10 @@ def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candi
 
 def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Plan:
     """Attach the explanation (prediction and cluster came with _runnable, priorities with
-    scoring)."""
-    plan = replace(winner.plan, notes=tuple(explain.notes(prob, winner, candidates)))
+    scoring), and how the devices run the plan's precision (cost/precision.py)."""
+    from heterog.cost.precision import precision_advice
+    plan = replace(winner.plan, notes=tuple(explain.notes(prob, winner, candidates))
+                   + precision_advice(prob.cluster, winner.plan.precision).notes)
     return plan.validate(prob.graph, prob.cluster)
 
 
