@@ -61,8 +61,8 @@ H200_PARAMS = (("forward_node_s", 2e-6, 3e-4), ("forward_op_s", 1e-7, 1e-4), ("b
                ("autocast_cast_s", 1e-7, 1e-4), ("optimizer_tensor_s", 1e-7, 1e-4),
                ("size_scale", 0.5, 2.0), ("compute.tf32", 0.1, 2.0), ("conv.bf16", 0.1, 2.0),
                ("memory_by_kind.norm", 0.05, 1.0), ("memory_by_kind.elementwise", 0.05, 1.0),
-               ("host_speed.b", 0.3, 3.0))
-H200_START = (3e-5, 5e-6, 1.5e-5, 1e-5, 3e-6, 1, 1, 1, 0.5, 0.7, 0.8)
+               ("memory_by_kind.batchnorm", 0.05, 1.0), ("host_speed.b", 0.3, 3.0))
+H200_START = (3e-5, 5e-6, 1.5e-5, 1e-5, 3e-6, 1, 1, 1, 0.5, 0.7, 0.5, 0.8)
 # The steps were measured in two sessions (h200_steps.json `family`: 'cnn'/'transformer' and
 # '*-sweep'); the same step (resnet50, batch 32, fp32) took 18.1 ms in one and 24.6 ms in the
 # other. The host is a property of the node (cluster YAML `host_speed`), so each session is a
@@ -128,6 +128,8 @@ def h200_with(theta: dict[str, float], base: GpuType | None = None) -> GpuType:
     conv = {**eff.conv, **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("conv.")}}
     by_kind = {**eff.memory_by_kind,
                **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("memory_by_kind.")}}
+    if "memory_by_kind.batchnorm" not in theta and "elementwise" in by_kind:
+        by_kind["batchnorm"] = by_kind["elementwise"]     # no CNN trained: batch norm as element-wise
     return dataclasses.replace(gpu, host=host, efficiency=dataclasses.replace(
         eff, compute=compute, conv=conv, memory_by_kind=by_kind, size_scale=theta.get("size_scale", eff.size_scale)))
 
@@ -179,12 +181,12 @@ def resnet_kind_split_s(gpu: GpuType) -> np.ndarray:
 
 
 def unidentified(cases: list[StepCase]) -> set[str]:
-    """Figures the training steps cannot determine, held at their start value (no fit): the
-    TF32 and half-precision convolution factors scale only cuDNN convolutions, which the
-    transformers do not run (fitted when resnet50 is held out, the TF32 factor wandered to
-    0.2-0.8 with no gradient)."""
+    """Figures the training steps cannot determine, not fitted: the TF32 and half-precision
+    convolution factors scale only cuDNN convolutions, which the transformers do not run
+    (fitted when resnet50 is held out, the TF32 factor wandered to 0.2-0.8 with no gradient),
+    held at 1; the batch-norm bandwidth, taken as the element-wise kind's (h200_with)."""
     convs = any(n.kind == "conv" for m, s in {(c.model, c.seq_len) for c in cases} for n in graph_of(m, s).nodes)
-    return set() if convs else {"compute.tf32", "conv.bf16"}
+    return set() if convs else {"compute.tf32", "conv.bf16", "memory_by_kind.batchnorm"}
 
 
 def fit_h200(cases: list[StepCase]) -> dict[str, float]:
@@ -206,8 +208,8 @@ def fit_h200(cases: list[StepCase]) -> dict[str, float]:
 
     res = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=1e-3,
                         max_nfev=60)
-    return {**{n: start[n] for n in held - set(fixed)}, **dict(zip(names, (float(v) for v in np.exp(res.x)))),
-            **fixed}
+    return {**{n: start[n] for n in held - set(fixed) if not n.startswith("memory_by_kind.")},
+            **dict(zip(names, (float(v) for v in np.exp(res.x)))), **fixed}
 
 
 def peak_bytes(cases: list[StepCase], fixed_bytes: float) -> np.ndarray:

@@ -37,6 +37,7 @@ from heterog.ir.opgraph import OpGraph
 from heterog.cost import comm
 from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.cost.host import autocast_casts, cudnn_calls, host_times_s
+from heterog.cost.kernels import bandwidth_kind, conv_kernels, traffic_factors
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
@@ -104,6 +105,15 @@ class _TypeTable:
         # traffic in the dtype of what the node writes (reads are mostly of the same size);
         # CPU kernels on half tensors convert to fp32 and back, so they gain no speed there
         factor = dtype_factors(graph, precision).out if gpu.vendor != "cpu" else np.ones(len(nodes))
+        conv = np.array([n.kind == "conv" for n in nodes])
+        convs = conv_kernels(graph, _matmul_precision("conv", precision, gpu)) if gpu.vendor != "cpu" else None
+        if convs is not None:
+            # kernels that read their input more than once; depthwise convolutions on CUDA
+            # cores; channels padded to the tensor cores' alignment (cost/kernels.py)
+            factor = factor * traffic_factors(graph, phase) * (1.0 if fw else convs.bwd_passes)
+            tc = np.where(conv & ~convs.on_tensor_cores, 0.0, tc)
+            flops_fixed = np.where(conv, flops_fixed * convs.flop_padding, flops_fixed)
+            flops_ps = np.where(conv, flops_ps * convs.flop_padding, flops_ps)
         bytes_obj = [(n.fwd_bytes if fw else n.bwd_bytes) for n in nodes]
         self.bytes_fixed = np.array([b.fixed for b in bytes_obj]) * factor
         self.bytes_ps = np.array([b.per_sample for b in bytes_obj]) * factor
@@ -117,9 +127,9 @@ class _TypeTable:
         # transforms the activations in and out (separate kernels, after the roofline)
         self.transform_ps = np.zeros(len(nodes))
         if precision in ("amp-bf16", "fp16") and gpu.vendor == "nvidia":
-            conv = np.array([n.kind == "conv" for n in nodes])
             act_ps = np.array([b.per_sample for b in bytes_obj]) * factor
-            self.transform_ps = np.where(conv, NCHW_HALF_CONV_TRANSFORM_PASSES * act_ps, 0.0)
+            nchw_tc = conv & convs.on_tensor_cores & ~convs.nhwc
+            self.transform_ps = np.where(nchw_tc, NCHW_HALF_CONV_TRANSFORM_PASSES * act_ps, 0.0)
         self.transform_bandwidth = gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu)
         self.tc_fixed, self.tc_ps = flops_fixed * tc, flops_ps * tc
         self.other_fixed, self.other_ps = flops_fixed * (1 - tc), flops_ps * (1 - tc)
@@ -146,8 +156,12 @@ class _TypeTable:
                 gpu.efficiency.conv_factor(p) if n.kind == "conv" and gpu.vendor != "cpu" else 1.0)
         self.curve_index = curve_index
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
-        kind_eff = {k: memory_efficiency(gpu, k, phase) for k in {n.kind for n in nodes}}
-        self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[n.kind] for n in nodes])
+        # GPUs: a batch norm pass streams like an element-wise kernel (cost/kernels.py)
+        kind_of = [n.kind if convs is None else "elementwise" if c and not on_tc else bandwidth_kind(n)
+                   for n, c, on_tc in zip(nodes, conv, np.ones(len(nodes), bool) if convs is None
+                                          else convs.on_tensor_cores)]
+        kind_eff = {k: memory_efficiency(gpu, k, phase) for k in set(kind_of)}
+        self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[k] for k in kind_of])
         if precision == "amp-bf16" and gpu.vendor != "cpu":
             bn = np.array([_is_batch_norm(n) for n in nodes])
             self.bandwidth = np.where(bn, self.bandwidth * NATIVE_BN_BF16_FACTOR, self.bandwidth)

@@ -130,6 +130,16 @@ def cpu_curve() -> Curve:
     return Curve(np.log(np.array(sizes, dtype=float)), effs, falloff=1.0)
 
 
+def kind_factor(own: dict[str, float], default: dict[str, float], kind: str) -> float:
+    """A memory-bound kind's bandwidth relative to a copy: the type's own, else the catalog
+    default; batch norm without a figure of its own streams like an element-wise kernel
+    (cost/kernels.py)."""
+    for table in (own, default):
+        if kind in table:
+            return table[kind]
+    return kind_factor(own, default, "elementwise") if kind == "batchnorm" else 1.0
+
+
 def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd") -> float:
     """Achievable fraction of data-sheet memory bandwidth for streaming kernels of `kind`.
     GPUs: the type's sustained copy fraction (catalog `efficiency.memory`; else the H200
@@ -142,7 +152,7 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd")
         if kind is None:
             return base
         from heterog.hardware.catalog import memory_by_kind_default
-        return base * e.memory_by_kind.get(kind, memory_by_kind_default().get(kind, 1.0))
+        return base * kind_factor(e.memory_by_kind, memory_by_kind_default(), kind)
     if kind is None:
         return 1.0
     from heterog.hardware.catalog import measure_cpu

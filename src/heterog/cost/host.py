@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.cost.kernels import conv_kernels
 from heterog.cost.memory import TENSOR_CORE_KINDS, forced_fp32, dtype_factors
 from heterog.hardware.gputype import GpuType, HostCosts, TensorCores
 from heterog.ir.opgraph import OpGraph
@@ -119,8 +120,10 @@ def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
         return np.zeros(len(graph.nodes))
     half = precision in ("amp-bf16", "fp16")
     hopper = gpu.public is not None and gpu.public.tensor_cores in CUDNN_ATTENTION_GENERATIONS
-    return np.array([1.0 if n.kind == "conv" or (n.kind == "attention" and half and hopper) else 0.0
-                     for n in graph.nodes])
+    # every convolution but a depthwise one that PyTorch runs with its own kernels
+    conv = conv_kernels(graph, gpu.catalog_precision("tf32" if precision == "fp32" else precision)).cudnn
+    return np.array([1.0 if c or (n.kind == "attention" and half and hopper) else 0.0
+                     for n, c in zip(graph.nodes, conv)])
 
 
 def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None,
@@ -129,7 +132,11 @@ def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | Non
     nodes = graph.nodes
     if phase == "fwd":
         ops = np.array([float(n.fwd_kernels) for n in nodes])
-        t = np.where(ops > 0, host.forward_node_s + host.forward_op_s * np.maximum(ops - 1, 0), 0.0)
+        # a leaf module's call (nn.Module.__call__, hooks) and first op; a loose op runs in its
+        # container's forward, with no module call of its own (the capture names it 'path::op@k')
+        leaf = np.array(["::" not in n.name for n in nodes])
+        first = np.where(leaf, host.forward_node_s, host.forward_op_s)
+        t = np.where(ops > 0, first + host.forward_op_s * np.maximum(ops - 1, 0), 0.0)
     else:
         ops = np.array([float(n.bwd_kernels) for n in nodes])
         t = host.backward_op_s * ops

@@ -76,7 +76,7 @@ class PublicFigures:
                              board_power_w=float(d["board_power_w"]), tensor_cores=TensorCores(d["tensor_cores"]),
                              memory_type=str(d.get("memory_type", "")), source=str(d.get("source", "")))
 # memory-bound op kinds with their own sustained bandwidth (cost.analytic reads these)
-MEMORY_KINDS = ("elementwise", "norm", "pool", "embedding", "memory", "loss", "optimizer")
+MEMORY_KINDS = ("elementwise", "norm", "batchnorm", "pool", "embedding", "memory", "loss", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
