@@ -63,8 +63,11 @@ def plan_command(
                                      help="Fine-tune the GNN on this problem for this many seconds first."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-node times (`heterog profile` "
-                                           "file) that replace the analytic estimate where they measured."),
+    profile: Optional[list[str]] = typer.Option(None, "--profile", help="A `heterog profile` file for one device "
+                                                "type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
+                                                "times replace the estimate where they measured, and a GPU's "
+                                                "profile calibrates its type; TYPE: the cluster type it stands for "
+                                                "(default: the type it was measured on)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="Write this candidate's plan to --out instead of "
                                            "the best (a name from the candidates table, e.g. even-dp-allreduce)."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write an HTML report of the plan and "

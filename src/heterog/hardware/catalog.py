@@ -96,7 +96,7 @@ def _public_from_entry(e: dict[str, Any] | None, sources: dict[str, Any], where:
         raise ClusterError(f"{where}: public figures are malformed ({err}).") from None
 
 
-def _gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
+def gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
     """A catalog entry as a GpuType; without an `efficiency` of its own (no measurements),
     its efficiency derived from its public figures (cost/public_model.py)."""
     where = f"{where}: GPU type {e.get('name', '?')!r}"
@@ -135,16 +135,17 @@ def user_catalog_paths() -> list[Path]:
     return [Path(p) for p in raw.split(os.pathsep) if p.strip()]
 
 
-def _user_entries(path: Path) -> list[dict[str, Any]]:
+def catalog_entries(path: Path, named_by: str = "the cluster file") -> list[dict[str, Any]]:
+    """The `gpus:` entries of a user catalog file (`heterog calibrate` writes one)."""
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as err:
-        raise ClusterError(f"${CATALOG_ENV} names {path}, which cannot be read ({err.strerror}); "
-                           f"fix the path or unset {CATALOG_ENV}.") from None
+        raise ClusterError(f"{named_by} names the catalog {path}, which cannot be read ({err.strerror}); "
+                           f"fix the path.") from None
     except yaml.YAMLError as err:
         raise ClusterError(f"{path}: not valid YAML ({err}).") from None
     gpus = doc.get("gpus") if isinstance(doc, dict) else None
-    if not isinstance(gpus, list):
+    if not isinstance(gpus, list) or not all(isinstance(e, dict) for e in gpus):
         raise ClusterError(f"{path}: a user catalog needs a `gpus:` list of entries in the format of "
                            f"hardware/catalog.yaml (`heterog calibrate` writes one).")
     return gpus
@@ -171,9 +172,9 @@ def _gpu_table_for(user_catalogs: str) -> _Table:
     spellings: dict[tuple[str, ...], str] = {}
     sources = [("catalog.yaml", e) for e in _catalog_doc()["gpus"]]
     for path in user_catalog_paths():
-        sources += [(str(path), e) for e in _user_entries(path)]
+        sources += [(str(path), e) for e in catalog_entries(path, f"${CATALOG_ENV}")]
     for where, e in sources:
-        g = _gpu_from_entry(e, where)
+        g = gpu_from_entry(e, where)
         types[g.name] = g
         for alias in [g.name, *e.get("aka", [])]:
             spellings[_tokens(alias)] = g.name
@@ -248,9 +249,11 @@ def host_overheads(gpu: GpuType) -> HostOverheads:
     """The CPU device type's own costs (measured); GPUs: see host_costs."""
     if gpu.vendor == "cpu":
         p = measure_cpu()
-        return HostOverheads(dispatch_s=p.dispatch_s, kernel_gap_s=0.0,
-                             optimizer_per_tensor_s=p.dispatch_s, synchronous=True,
-                             backward_dispatch_s=p.backward_dispatch_s,
+        # a calibrated CPU type (heterog calibrate) carries the profiled machine's op costs
+        dispatch_s = gpu.host.forward_op_s if gpu.host is not None else p.dispatch_s
+        return HostOverheads(dispatch_s=dispatch_s, kernel_gap_s=0.0,
+                             optimizer_per_tensor_s=dispatch_s, synchronous=True,
+                             backward_dispatch_s=gpu.host.backward_op_s if gpu.host is not None else p.backward_dispatch_s,
                              fresh_page_s_per_byte=p.fresh_page_s_per_byte,
                              fresh_threshold_bytes=GLIBC_MMAP_THRESHOLD_MAX_BYTES)
     h = host_costs(gpu)
