@@ -17,8 +17,11 @@ kernel count, n = (F_tc / k / 2)^(1/3) the equivalent square-product size that p
 efficiency from the calibrated curve (cost/efficiency.py), times the GPU type's own sustained
 factors (catalog `efficiency`, never above peak). P_tc by precision, as PyTorch runs
 by default: fp32 — matmul and attention at the FP32 rate, cuDNN convolutions at TF32
-(torch.backends.cudnn.allow_tf32 is on, cuda.matmul.allow_tf32 is off); amp-bf16 — BF16
-tensor cores; fp16 — FP16. A precision with no fast path on a type falls back to FP32.
+(torch.backends.cudnn.allow_tf32 is on, cuda.matmul.allow_tf32 is off); tf32 — both on TF32
+tensor cores; amp-bf16 — BF16 tensor cores; fp16 — FP16. A precision with no fast path on a
+type runs at its FP32 rate (cost/precision.py says so to the user). Kernels PyTorch runs
+differently from what the capture counts — normalisation passes, depthwise and
+channel-padded convolutions — follow cost/kernels.py.
 A measured profile (cost/profile.py), when given, replaces the estimate per node.
 """
 

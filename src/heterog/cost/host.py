@@ -10,6 +10,8 @@ its host time.
 
 Host time of a node (hardware.gputype.HostCosts, fitted on the H200 steps):
   forward  = forward_node_s + forward_op_s · (ops − 1) + autocast_cast_s · casts + cudnn_op_s · cudnn
+             (a leaf module's node; a loose op, run by its container's forward with no module
+              call of its own, pays forward_op_s · ops)
   backward = backward_op_s · ops + autocast_cast_s · casts + cudnn_op_s · cudnn
 
 cuDNN calls (`cudnn_calls`): an op that runs through cuDNN's frontend API costs the host far
@@ -20,7 +22,8 @@ more in forward and ~113 µs more in backward (resnet50), a cuDNN attention ~97 
 more (gpt2-medium, bf16): the same ~80–90 µs per call in two unrelated models, so it is one
 figure of the host software, not of a model. It is why resnet50's small-batch steps cost the
 host 16–25 ms although it has fewer ops than a transformer. Which nodes call cuDNN: every
-convolution on an NVIDIA GPU; attention in half precision on Hopper, where PyTorch's
+convolution on an NVIDIA GPU but the depthwise ones PyTorch runs with its own kernels
+(cost/kernels.py); attention in half precision on Hopper, where PyTorch's
 scaled_dot_product_attention picks its cuDNN backend (the gpt2-medium bf16 profile shows
 `_cudnn_attention_forward`; in fp32 it ran `_efficient_attention_forward`, not cuDNN).
 
