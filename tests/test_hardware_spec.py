@@ -191,7 +191,9 @@ def test_load_cluster_unknown_name():
     ("NVIDIA A100-SXM4-40GB", None, "A100-40GB"), ("NVIDIA A10", None, "A10"),
     ("Tesla V100-SXM2-32GB", None, "V100-32GB"), ("NVIDIA H100 80GB HBM3", None, "H100-SXM"),
     ("NVIDIA H100 PCIe", None, "H100-PCIe"), ("NVIDIA L4", None, "L4"), ("NVIDIA L40S", None, "L40S"),
-    ("NVIDIA GeForce RTX 4090", None, "RTX-4090"), ("NVIDIA A100 80GB PCIe", 85 * 10**9, "A100-80GB")])
+    ("NVIDIA GeForce RTX 4090", None, "RTX-4090"), ("NVIDIA A100 80GB PCIe", 85 * 10**9, "A100-80GB"),
+    ("NVIDIA A10G", None, "A10G"), ("NVIDIA RTX A6000", None, "RTX-A6000"), ("NVIDIA B200", None, "B200"),
+    ("NVIDIA GH200 480GB", None, "GH200"), ("NVIDIA A40", None, "A40")])
 def test_gpu_from_device_name(device_name, memory, expected):
     assert catalog.gpu_from_device_name(device_name, memory).name == expected
 

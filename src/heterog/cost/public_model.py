@@ -15,16 +15,20 @@ The rule (hardware.gputype.PublicFigures holds the inputs):
   the board's power under a heavy load, and that is what a GEMM gets: a 70 W T4 (585 MHz
   base, 1590 MHz boost) reaches ~24 TF of its 65 TF FP16 in cuBLAS, "due to power capping"
   (NVIDIA developer forum, forums.developer.nvidia.com/t/about-gpu-peak-performance/264462),
-  which this rule predicts within 10 % without having seen it. (Fitted with a free
-  interpolation between base and boost, the measured types put the clock at the base: the
-  fraction came out at 0.0–0.01 once that figure was included, and the types' errors did
-  not change without it.) A vendor that publishes no base clock gets
-  `default_base_fraction` of its boost.
+  which this rule predicts within 10 % without having seen it (tests/test_cost_public_model.py).
+  A free interpolation between base and boost, fitted on the measured types instead, is not
+  identified by them (their base clocks are 76-90 % of their boost clocks; it wandered between
+  the two across the leave-one-type-out folds); with the T4 figure among the data it settles
+  on the base clock. A vendor that publishes no base clock gets `default_base_fraction` of its
+  boost.
 - **Tensor-core plateau.** cuBLAS and cuDNN kernels keep full-rate tensor cores busy only as
   far as registers and shared memory feed them; half-rate units (GeForce parts accumulating
   in FP32: RTX 2080 Ti, 3090, 4090) are easy to feed. The work one compute unit does per
   boost-clock cycle, R = peak / (units × boost), measures it (512 FLOP for a 3090's FP16,
-  1024 for a V100, 2048 for an A100, ~3800 for an H100):
+  1024 for a V100, 2048 for an A100, ~3800 for an H100), counted in half-precision operands:
+  a TF32 operand is a 4-byte word in registers and shared memory, so TF32 doubles R (a
+  refinement chosen after the GH200's and A100's TF32 layers came out too fast against their
+  FP16 ones in the leave-one-type-out scores; docs/cost_model.md says how much it moved):
   plateau = tensor_efficiency × (R / 1024)^−tensor_rate_exponent × base / boost, at most 1.
 - **CUDA-core plateau** (fp32, and P100's paired fp16): simt_efficiency × base / boost.
 - **Memory**: memory_efficiency of the data-sheet bandwidth — what the measured layers'

@@ -123,7 +123,8 @@ class Efficiency:
     # the type reaches the efficiency the scaled H200 curve gives at size n only at
     # n · size_scale (> 1: small kernels fill this type's SMs worse than the rule predicts)
     size_scale: float = 1.0
-    inherits: str = ""                          # sibling type these figures were taken from
+    inherits: str = ""                          # the catalog type a calibration was made of
+                                                # (`heterog calibrate`); catalog types: ""
     source: str = ""
 
     def __post_init__(self) -> None:
