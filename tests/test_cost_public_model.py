@@ -78,7 +78,7 @@ def test_a_precision_some_devices_do_not_run_fast_is_said_and_a_better_one_sugge
     assert advice.suggested == "fp16"
     assert {t.gpu_type for t in advice.types if not t.accelerated} == {"V100-16GB", "P100", "GTX-1080Ti"}
     assert all(t.runs_as == "fp32" for t in advice.types)
-    assert "no fast path on" in advice.notes[0] and "--precision fp16" in advice.notes[1]
+    assert "no fast path on" in advice.notes[0] and "Use --precision fp16" in advice.notes[1]
     assert precision_advice(load_cluster("paper-8gpu"), "fp32").notes == ()
     assert precision_advice(load_cluster("mixed-64"), "amp-bf16").suggested is None   # a few V100s: not worth it
 

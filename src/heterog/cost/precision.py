@@ -85,7 +85,7 @@ def precision_advice(cluster: Cluster, precision: str) -> PrecisionAdvice:
         fast = [f"{t.gpu_type} ({how_it_runs(types[t.gpu_type][0], best)})" for t in rows
                 if types[t.gpu_type][0].accelerates(best)]
         scale = " (with a loss scale: the executor's gradient scaler)" if best == Precision.FP16 else ""
-        notes.append(f"{best}{scale} suits this cluster better: {rate[best] / rate[Precision(precision)]:.1f}x "
+        notes.append(f"{best}{scale} suits these devices better: {rate[best] / rate[Precision(precision)]:.1f}x "
                      f"the summed data-sheet rate of {precision}; fast on {', '.join(fast)}. "
-                     f"Plan again with --precision {best}.")
+                     f"Use --precision {best}.")
     return PrecisionAdvice(precision=str(precision), types=rows, suggested=suggested, notes=tuple(notes))
