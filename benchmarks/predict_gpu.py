@@ -9,19 +9,18 @@
    the third model is predicted; each model's row is scored on a fit
    that never saw it. Peak memory likewise (the one fitted memory figure is the allocator's
    fixed overhead).
-2. Per-layer times on other GPU types (cost/data/peer_layers.json, from Sailor and the Aceso
-   profiler), each predicted as the layer that was measured (Megatron-LM's,
-   cost/peer_layer.py): per type, its sustained compute (per precision), size scale and
-   memory factors, and the Aceso harness's per-op floor, are fitted on the other models'
-   layers of that type (leave-one-model-out within the type) and the held-out model's
-   layers predicted. Sailor records compare forward + backward; Aceso's backward is
-   input-gradient only, so Aceso records compare the forward.
+2. Per-layer times on seven other GPU types (cost/data/peer_layers.json), each predicted as
+   the layer that was measured (benchmarks/predict_gpu_layers.py says how): leave one model
+   out within a type (a measured type's own figures), and leave one type out (a type from
+   its public figures and the other types' data only: how every catalog type without
+   measurements is costed).
 
 A fit on all the data (what the catalog ships) is printed at the end (--fit-all); its own
 errors are not reported, since a figure scored on the data it was fitted to does not count.
 
-    .venv/bin/python benchmarks/predict_gpu.py [--quick | --layers-only] [--fit-all]
-writes benchmarks/results/predict_gpu.json (--layers-only: predict_gpu_layers.json).
+    .venv/bin/python benchmarks/predict_gpu.py [--quick | --layers-only | --leave-one-type-out] [--fit-all]
+writes benchmarks/results/predict_gpu.json (--layers-only: predict_gpu_layers.json;
+--leave-one-type-out: predict_gpu_types.json).
 """
 
 from __future__ import annotations
@@ -41,12 +40,17 @@ from scipy.optimize import least_squares
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
 from heterog.cost.analytic import AnalyticCostModel  # noqa: E402
 from heterog.cost.memory import MemoryModel  # noqa: E402
 from heterog.cost.predict import _captured, single_device_cluster  # noqa: E402
 from heterog.hardware.catalog import get_gpu, host_costs  # noqa: E402
-from heterog.hardware.gputype import Efficiency, GpuType  # noqa: E402
+from heterog.hardware.gputype import GpuType  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
+from predict_gpu_layers import (DEVICE, PEER_LAYER, PEER_TO_CATALOG, fit_all_types,  # noqa: E402,F401
+                                fit_public_model_all, layer_precision, layer_records, leave_one_type_out,
+                                per_type_leave_one_model_out)
 
 RESULT = ROOT / "benchmarks" / "results" / "predict_gpu.json"
 ZOO = {"resnet50": "resnet50", "bert_large": "bert-large", "gpt2_medium": "gpt2-medium"}
@@ -57,15 +61,16 @@ H200_PARAMS = (("forward_node_s", 2e-6, 3e-4), ("forward_op_s", 1e-7, 1e-4), ("b
                ("autocast_cast_s", 1e-7, 1e-4), ("optimizer_tensor_s", 1e-7, 1e-4),
                ("size_scale", 0.5, 2.0), ("compute.tf32", 0.1, 2.0), ("conv.bf16", 0.1, 2.0),
                ("memory_by_kind.norm", 0.05, 1.0), ("memory_by_kind.elementwise", 0.05, 1.0),
-               ("host_speed.b", 0.3, 3.0))
-H200_START = (3e-5, 5e-6, 1.5e-5, 1e-5, 3e-6, 1, 1, 1, 0.5, 0.7, 0.8)
+               ("memory_by_kind.batchnorm", 0.05, 1.0), ("host_speed.b", 0.3, 3.0))
+H200_START = (3e-5, 5e-6, 1.5e-5, 1e-5, 3e-6, 1, 1, 1, 0.5, 0.7, 0.5, 0.8)
 # The steps were measured in two sessions (h200_steps.json `family`: 'cnn'/'transformer' and
 # '*-sweep'); the same step (resnet50, batch 32, fp32) took 18.1 ms in one and 24.6 ms in the
 # other. The host is a property of the node (cluster YAML `host_speed`), so each session is a
 # node with its own host speed: session 'a' is the reference host (1.0), the other's speed is
 # fitted with the host costs on the training models' steps (both sessions ran every model).
 SESSIONS = ("a", "b")
-DEVICE = "local/gpu0"
+# the model families the step targets are stated for
+FAMILIES = {"cnn": ("resnet50",), "transformer": ("bert_large", "gpt2_medium")}
 # size_scale is bounded to [0.5, 2]: beyond the layer sizes measured, a larger shift would
 # charge small kernels (small batch shares) like far larger products
 
@@ -123,6 +128,8 @@ def h200_with(theta: dict[str, float], base: GpuType | None = None) -> GpuType:
     conv = {**eff.conv, **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("conv.")}}
     by_kind = {**eff.memory_by_kind,
                **{k.split(".", 1)[1]: v for k, v in theta.items() if k.startswith("memory_by_kind.")}}
+    if "memory_by_kind.batchnorm" not in theta and "elementwise" in by_kind:
+        by_kind["batchnorm"] = by_kind["elementwise"]     # no CNN trained: batch norm as element-wise
     return dataclasses.replace(gpu, host=host, efficiency=dataclasses.replace(
         eff, compute=compute, conv=conv, memory_by_kind=by_kind, size_scale=theta.get("size_scale", eff.size_scale)))
 
@@ -158,7 +165,9 @@ def step_times_s(cases: list[StepCase], gpu: GpuType, speeds: dict[str, float] |
 # totals could not trade convolution for batch-norm time: the held-out error grew (all
 # models 10.2 % -> 12.5 %, bert-large 6.6 % -> 12.3 %; docs/cost_model.md), since one norm
 # and one element-wise factor then serve cuDNN batch norm and ReLU as well as the
-# transformers' layer norm and (capture-inflated) dropout. Not used in the fit.
+# transformers' layer norm and (capture-inflated) dropout. Tried again with batch norm as a
+# kind of its own (cost/kernels.py): bert-large held out 6.9 -> 10.2 %, all 8.3 -> 10.2 %.
+# Not used in the fit.
 RESNET_KINDS = {"conv": ("aten::_convolution", "aten::convolution_backward"),
                 "norm": ("aten::cudnn_batch_norm", "aten::cudnn_batch_norm_backward"),
                 "elementwise": ("aten::add_", "aten::clamp_min_", "aten::threshold_backward")}
@@ -174,12 +183,12 @@ def resnet_kind_split_s(gpu: GpuType) -> np.ndarray:
 
 
 def unidentified(cases: list[StepCase]) -> set[str]:
-    """Figures the training steps cannot determine, held at their start value (no fit): the
-    TF32 and half-precision convolution factors scale only cuDNN convolutions, which the
-    transformers do not run (fitted when resnet50 is held out, the TF32 factor wandered to
-    0.2-0.8 with no gradient)."""
+    """Figures the training steps cannot determine, not fitted: the TF32 and half-precision
+    convolution factors scale only cuDNN convolutions, which the transformers do not run
+    (fitted when resnet50 is held out, the TF32 factor wandered to 0.2-0.8 with no gradient),
+    held at 1; the batch-norm bandwidth, taken as the element-wise kind's (h200_with)."""
     convs = any(n.kind == "conv" for m, s in {(c.model, c.seq_len) for c in cases} for n in graph_of(m, s).nodes)
-    return set() if convs else {"compute.tf32", "conv.bf16"}
+    return set() if convs else {"compute.tf32", "conv.bf16", "memory_by_kind.batchnorm"}
 
 
 def fit_h200(cases: list[StepCase]) -> dict[str, float]:
@@ -201,8 +210,8 @@ def fit_h200(cases: list[StepCase]) -> dict[str, float]:
 
     res = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=1e-3,
                         max_nfev=60)
-    return {**{n: start[n] for n in held - set(fixed)}, **dict(zip(names, (float(v) for v in np.exp(res.x)))),
-            **fixed}
+    return {**{n: start[n] for n in held - set(fixed) if not n.startswith("memory_by_kind.")},
+            **dict(zip(names, (float(v) for v in np.exp(res.x)))), **fixed}
 
 
 def peak_bytes(cases: list[StepCase], fixed_bytes: float) -> np.ndarray:
@@ -241,159 +250,6 @@ def h200_leave_one_model_out(cases: list[StepCase]) -> dict:
     return {"rows": rows, "fits": fits}
 
 
-# -- per-layer times on other GPU types -------------------------------------------------------------
-
-PEER_TO_CATALOG = {"A100-40": "A100-40GB", "A100-80": "A100-80GB", "V100-16": "V100-16GB",
-                   "RTX-2080": "RTX-2080Ti", "RTX-3090": "RTX-3090", "Titan-RTX": "Titan-RTX", "GH-96": "GH200"}
-
-
-def layer_records() -> list[dict]:
-    doc = json.loads(resources.files("heterog.cost").joinpath("data", "peer_layers.json").read_text())
-    return [r for r in doc["layer_times"] if r["gpu"] in PEER_TO_CATALOG]
-
-
-def layer_precision(r: dict) -> str:
-    if r["dtype"] == "fp16":
-        return "fp16"
-    return "tf32" if str(r.get("math_mode_inferred") or "").startswith("tf32") else "fp32"
-
-
-PEER_LAYER = str(Path(__file__).resolve().parent.parent / "src" / "heterog" / "cost" / "peer_layer.py")
-
-
-def layer_graph(r: dict):
-    """A one-layer model of the record's shape, as the measured layer ran it, and the module
-    prefix of its layer. GPT/OPT layers: Megatron-LM's layer (cost/peer_layer.py: unfused
-    attention with dropout on the s×s probabilities, fused softmax and GELU), which is what
-    Aceso's op table and Sailor's profiles time; the zoo's GPT-2 (fused SDPA attention, eager
-    tanh-GELU) moves a different amount of memory. Llama (one GH200 record): the zoo's."""
-    h, heads, seq = r["hidden"], r["heads"], r["seq_len"]
-    if r["ffn_type"] == "swiglu":
-        args = {"hidden": h, "layers": 1, "heads": heads, "kv_heads": 8, "ffn": r["ffn"], "vocab": 128,
-                "positions": seq}
-        return _captured("llama", args, 1, seq), "model.layers.0"
-    args = {"hidden": h, "heads": heads, "ffn": r["ffn"], "layers": 1, "positions": seq,
-            "fused_softmax": r["dtype"] == "fp16"}
-    return _captured(f"{PEER_LAYER}:megatron_gpt_layer", args, 1, seq), "layers.0"
-
-
-def is_aceso(r: dict) -> bool:
-    return r["source"].startswith("aceso")
-
-
-def layer_times_s(records: list[dict], gpu: GpuType, aceso_op_floor_s: float = 0.0) -> np.ndarray:
-    """Predicted time of each record's comparable quantity (see the module docstring). An
-    Aceso record is a sum of ops each timed alone by the host over 40 repeats: no op of it
-    takes less than the harness's own per-op time, `aceso_op_floor_s` (its layer norm takes
-    ~70-80 µs on A100 at micro-batch 1 and 8 alike, where its bytes grow 8×)."""
-    cluster = single_device_cluster(gpu)
-    out = []
-    models: dict[tuple, tuple] = {}
-    for r in records:
-        key = (r["hidden"], r["heads"], r["seq_len"], r["ffn_type"], layer_precision(r))
-        if key not in models:
-            g, prefix = layer_graph(r)
-            names = [n.name for n in g.nodes if n.module_path.startswith(prefix + ".") or n.module_path == prefix]
-            ops = np.array(["::" not in n for n in names])     # one profiled op per module
-            models[key] = (AnalyticCostModel(g, cluster, precision=layer_precision(r), optimizer="adamw"), names, ops)
-        m, names, ops = models[key]
-        if is_aceso(r):
-            ts = m.node_times_s(names, DEVICE, r["micro_batch"], "fwd")
-            out.append(float(np.where(ops, np.maximum(ts, aceso_op_floor_s), ts).sum()))
-        else:
-            out.append(m.group_time_s(names, DEVICE, r["micro_batch"], "fwd")
-                       + m.group_time_s(names, DEVICE, r["micro_batch"], "bwd"))
-    return np.array(out)
-
-
-def layer_measured_s(r: dict) -> float:
-    return (r["fwd_ms"] + (r["bwd_ms"] if r["source"].startswith("sailor") else 0.0)) * 1e-3
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class TypeFit:
-    """A type's fitted figures (shipped in the catalog) and the Aceso harness's per-op floor
-    on that type's machine (a property of how the data was measured: used to score, not
-    shipped)."""
-    efficiency: Efficiency
-    aceso_op_floor_s: float
-
-
-def fit_type(gpu: GpuType, records: list[dict]) -> TypeFit:
-    """A type's compute factor per precision its records ran at, its size scale and memory
-    factor, and the Aceso floor of its machine (when its records include Aceso's)."""
-    precisions = sorted({layer_precision(r) for r in records})
-    measured = np.array([layer_measured_s(r) for r in records])
-    k = len(precisions)
-    floor = any(is_aceso(r) for r in records)
-
-    def fit_of(x) -> TypeFit:
-        eff = Efficiency(compute=dict(zip(precisions, np.exp(x[:k]))), size_scale=float(np.exp(x[k])),
-                         memory=float(min(np.exp(x[k + 1]), 1.0)), source="predict_gpu.py fit")
-        return TypeFit(efficiency=eff, aceso_op_floor_s=float(np.exp(x[k + 2])) if floor else 0.0)
-
-    def residuals(x):
-        f = fit_of(x)
-        return np.log(layer_times_s(records, dataclasses.replace(gpu, efficiency=f.efficiency),
-                                    f.aceso_op_floor_s) / measured)
-
-    x0 = np.log([0.8] * k + [1.0, 0.7] + ([8e-5] if floor else []))   # from above: a floor under every op has no gradient
-    lo = np.log([0.05] * k + [0.5, 0.1] + ([1e-6] if floor else []))
-    hi = np.log([3.0] * k + [2.0, 1.0] + ([3e-4] if floor else []))
-    res = least_squares(residuals, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=1e-3, max_nfev=80)
-    return fit_of(res.x)
-
-
-def arch(r: dict) -> str:
-    return r["model"].split("/", 1)[1]
-
-
-# Types whose own layers cover too little to fit them (A100-80GB: two models, TF32 only, and
-# a degenerate fit): the catalog gives them their sibling's figures, and they are scored so,
-# with the sibling fitted on all of its own data and none of theirs.
-SCORE_BY_SIBLING = {"A100-80GB": "A100-40GB"}
-
-
-def per_type_leave_one_model_out(records: list[dict]) -> dict:
-    rows, fits = [], {}
-    catalog_of = {v: k for k, v in PEER_TO_CATALOG.items()}
-    for peer, name in PEER_TO_CATALOG.items():
-        recs = [r for r in records if r["gpu"] == peer]
-        gpu = get_gpu(name)
-        base = dataclasses.replace(gpu, efficiency=Efficiency())
-        sibling = SCORE_BY_SIBLING.get(name)
-        if sibling is not None:
-            fit = fit_type(dataclasses.replace(get_gpu(sibling), efficiency=Efficiency()),
-                           [r for r in records if r["gpu"] == catalog_of[sibling]])
-            pred = layer_times_s(recs, dataclasses.replace(base, efficiency=fit.efficiency), fit.aceso_op_floor_s)
-            unfitted = layer_times_s(recs, base)
-            for r, t, u in zip(recs, pred, unfitted):
-                rows.append({"gpu": name, "peer_gpu": peer, "model": r["model"], "source": r["source"],
-                             "micro_batch": r["micro_batch"], "precision": layer_precision(r),
-                             "measured_s": layer_measured_s(r), "predicted_s": float(t), "scored_with": sibling,
-                             "error": float(t / layer_measured_s(r) - 1),
-                             "error_without_type_factors": float(u / layer_measured_s(r) - 1)})
-            print(f"  {name}: {len(recs)} layers predicted from {sibling}'s fit", flush=True)
-            continue
-        for held in sorted({arch(r) for r in recs}):
-            train = [r for r in recs if arch(r) != held]
-            test = [r for r in recs if arch(r) == held]
-            if not train:
-                continue
-            fit = fit_type(base, train)
-            fits[f"{name}/{held}"] = dataclasses.asdict(fit)
-            pred = layer_times_s(test, dataclasses.replace(base, efficiency=fit.efficiency), fit.aceso_op_floor_s)
-            unfitted = layer_times_s(test, base)
-            for r, t, u in zip(test, pred, unfitted):
-                rows.append({"gpu": name, "peer_gpu": peer, "model": r["model"], "source": r["source"],
-                             "micro_batch": r["micro_batch"], "precision": layer_precision(r),
-                             "measured_s": layer_measured_s(r), "predicted_s": float(t),
-                             "error": float(t / layer_measured_s(r) - 1),
-                             "error_without_type_factors": float(u / layer_measured_s(r) - 1)})
-        print(f"  {name}: {sum(1 for r in rows if r['gpu'] == name)} held-out layer predictions", flush=True)
-    return {"rows": rows, "fits": fits}
-
-
 # -- report -----------------------------------------------------------------------------------------
 
 def med_abs(xs) -> float:
@@ -401,24 +257,29 @@ def med_abs(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def print_tables(h200: dict, layers: dict) -> dict:
-    summary: dict = {"h200": {}, "per_type": {}}
+def h200_table(h200: dict) -> dict:
+    out = {}
     print("\nH200 whole steps, leave-one-model-out (fit on the other two models)")
     print("| held-out model | cases | median time error | worst time error | median memory error | "
           "memory under-predicted > 10% |")
     print("|---|---|---|---|---|---|")
-    for model in [*ZOO, "all"]:
-        rs = [r for r in h200["rows"] if model == "all" or r["model"] == model]
+    for model in [*ZOO, *FAMILIES, "all"]:
+        rs = [r for r in h200["rows"] if model == "all" or r["model"] == model or r["model"] in FAMILIES.get(model, ())]
         if not rs:
             continue
         s = {"cases": len(rs), "median_time_error": med_abs(r["time_error"] for r in rs),
              "worst_time_error": max(abs(r["time_error"]) for r in rs),
              "median_memory_error": med_abs(r["memory_error"] for r in rs),
              "memory_under_10pct": sum(r["memory_error"] < -0.10 for r in rs)}
-        summary["h200"][model] = s
+        out[model] = s
         print(f"| {model} | {s['cases']} | {100 * s['median_time_error']:.1f} % | {100 * s['worst_time_error']:.1f} % "
               f"| {100 * s['median_memory_error']:.1f} % | {s['memory_under_10pct']} |")
-    print("\nPer-layer time by GPU type, leave-one-model-out within the type")
+    return out
+
+
+def per_type_table(layers: dict) -> dict:
+    out = {}
+    print("\nPer-layer time by GPU type, leave-one-model-out within the type (its own fitted figures)")
     print("| GPU type | layers | median error | worst error | median error, H200 scaling only |")
     print("|---|---|---|---|---|")
     for name in [*PEER_TO_CATALOG.values(), "all"]:
@@ -428,10 +289,32 @@ def print_tables(h200: dict, layers: dict) -> dict:
         s = {"layers": len(rs), "median_error": med_abs(r["error"] for r in rs),
              "worst_error": max(abs(r["error"]) for r in rs),
              "median_error_unfitted": med_abs(r["error_without_type_factors"] for r in rs)}
-        summary["per_type"][name] = s
+        out[name] = s
         print(f"| {name} | {s['layers']} | {100 * s['median_error']:.1f} % | {100 * s['worst_error']:.1f} % "
               f"| {100 * s['median_error_unfitted']:.1f} % |")
-    return summary
+    return out
+
+
+def leave_one_type_out_table(types: dict) -> dict:
+    """Per type and precision, and per type over its precisions."""
+    out = {}
+    print("\nPer-layer time by GPU type, leave-one-type-out (from public figures; none of the type's own data)")
+    print("| GPU type | precision | layers | median abs error | median error | worst error |")
+    print("|---|---|---|---|---|---|")
+    for name in [*PEER_TO_CATALOG.values(), "all"]:
+        mine = [r for r in types["rows"] if name == "all" or r["gpu"] == name]
+        for precision in [*sorted({r["precision"] for r in mine}), "all"]:
+            rs = [r for r in mine if precision == "all" or r["precision"] == precision]
+            if not rs or (name == "all" and precision != "all"):
+                continue
+            s = {"layers": len(rs), "median_abs_error": med_abs(r["error"] for r in rs),
+                 "median_error": statistics.median(r["error"] for r in rs),
+                 "worst_error": max(abs(r["error"]) for r in rs)}
+            out[f"{name}/{precision}"] = s
+            shown = "**all**" if precision == "all" else precision
+            print(f"| {name} | {shown} | {s['layers']} | {100 * s['median_abs_error']:.1f} % | "
+                  f"{100 * s['median_error']:+.1f} % | {100 * s['worst_error']:.1f} % |")
+    return out
 
 
 def main() -> None:
@@ -439,24 +322,32 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="H200 steps only")
     ap.add_argument("--fit-all", action="store_true", help="also print the all-data fits the catalog ships")
     ap.add_argument("--layers-only", action="store_true", help="per-layer GPU types only (no H200 steps)")
+    ap.add_argument("--leave-one-type-out", action="store_true",
+                    help="only predict each per-layer type from its public figures and the other types")
     args = ap.parse_args()
     t0 = time.perf_counter()
     cases = step_cases()
-    print("H200 steps: leave-one-model-out fits", flush=True)
-    h200 = {"rows": [], "fits": {}} if args.layers_only else h200_leave_one_model_out(cases)
-    layers = {"rows": []} if args.quick else per_type_leave_one_model_out(layer_records())
-    summary = print_tables(h200, layers)
-    doc = {"command": "benchmarks/predict_gpu.py" + (" --quick" if args.quick else "")
-           + (" --layers-only" if args.layers_only else "") + (" --fit-all" if args.fit_all else ""),
-           "summary": summary, "h200": h200, "per_layer": layers, "elapsed_s": time.perf_counter() - t0}
+    records = layer_records()
+    steps = not (args.layers_only or args.leave_one_type_out)
+    h200 = {"rows": [], "fits": {}}
+    if steps:
+        print("H200 steps: leave-one-model-out fits", flush=True)
+        h200 = h200_leave_one_model_out(cases)
+    layers = {"rows": []} if args.quick or args.leave_one_type_out else per_type_leave_one_model_out(records)
+    types = {"rows": []} if args.quick else leave_one_type_out(records)
+    summary = {"h200": h200_table(h200) if steps else {}, "per_type": per_type_table(layers) if layers["rows"] else {},
+               "leave_one_type_out": leave_one_type_out_table(types) if types["rows"] else {}}
+    flags = [f for f, on in (("--quick", args.quick), ("--layers-only", args.layers_only),
+                             ("--leave-one-type-out", args.leave_one_type_out), ("--fit-all", args.fit_all)) if on]
+    doc = {"command": " ".join(["benchmarks/predict_gpu.py", *flags]), "summary": summary, "h200": h200,
+           "per_layer": layers, "leave_one_type_out": types, "elapsed_s": time.perf_counter() - t0}
     if args.fit_all:
-        doc["fit_all"] = {**({} if args.layers_only else {"h200": fit_h200(cases), "fixed_bytes": fit_memory(cases)}),
-                          "per_type": {} if args.quick else {
-                              name: dataclasses.asdict(fit_type(dataclasses.replace(get_gpu(name), efficiency=Efficiency()),
-                                                                [r for r in layer_records() if r["gpu"] == peer]))
-                              for peer, name in PEER_TO_CATALOG.items() if name not in SCORE_BY_SIBLING}}
-        print("\nall-data fits (for the catalog):", json.dumps(doc["fit_all"], indent=1))
-    out = RESULT.with_name("predict_gpu_layers.json") if args.layers_only else RESULT
+        doc["fit_all"] = {**({"h200": fit_h200(cases), "fixed_bytes": fit_memory(cases)} if steps else {}),
+                          **({} if args.quick else {"per_type": fit_all_types(records),
+                                                    "public_model": fit_public_model_all(records)})}
+        print("\nall-data fits (for the catalog):", json.dumps(doc["fit_all"], indent=1, default=float))
+    out = (RESULT.with_name("predict_gpu_types.json") if args.leave_one_type_out
+           else RESULT.with_name("predict_gpu_layers.json") if args.layers_only else RESULT)
     write_atomic(out, json.dumps(doc, indent=1, default=float))
     print(f"\nwrote {out.relative_to(ROOT)} in {doc['elapsed_s']:.0f} s")
 

@@ -76,22 +76,18 @@ def test_autocast_adds_its_casts(graph):
 
 def test_a_power_limited_card_sustains_less_than_its_peak():
     """The T4 (70 W) and L4 (72 W) sustain a smaller share of their data-sheet tensor peak
-    than the unlimited sibling their figures come from, on the same layer (hidden 2048, 4k
-    tokens; at hidden 4096 and 32k tokens both cards' large products reach the data-sheet
-    peak, which no kernel passes, so the layer's share differs only by its small kernels)."""
+    than full-power cards of their generations (Titan RTX, 280 W; RTX 4090, 450 W) on the same
+    layer (hidden 2048, 4k tokens): their GEMMs hold the base clock, far below the boost clock
+    the peak assumes (cost/public_model.py). No type passes its data-sheet peak."""
     big = transformer_graph(layers=1, hidden=2048, seq=512, batch=8)
 
     def share(name: str) -> float:
         gpu = get_gpu(name)
         r = predict(big, batch_size=8, device=gpu, precision="fp16")
         return r["flops_per_iteration"] / r["iteration_time_s"] / gpu.peak_flops_per_s["fp16"]
-    for card, sibling in (("T4", "RTX-2080Ti"), ("L4", "RTX-3090")):
-        eff = get_gpu(card).efficiency
-        assert eff.inherits == sibling
-        assert eff.compute_factor("fp16") < get_gpu(sibling).efficiency.compute_factor("fp16")
-        assert share(card) < 0.9 * share(sibling)
-    assert share("T4") < 1.0    # and never above the data-sheet peak, on any type
-    assert all(share(n) <= 1.0 for n in ("RTX-2080Ti", "RTX-3090", "A100-80GB", "H100-SXM"))
+    for card, full_power in (("T4", "Titan-RTX"), ("L4", "RTX-4090")):
+        assert share(card) < 0.75 * share(full_power)
+    assert all(share(n) <= 1.0 for n in ("T4", "RTX-2080Ti", "RTX-3090", "A100-80GB", "H100-SXM"))
 
 
 def test_every_catalog_type_names_the_source_of_its_efficiency():

@@ -126,3 +126,65 @@ def test_the_host_speed_fit_recovers_a_known_node(monkeypatch):
     assert fit_host_speed(DeviceProfile.from_dict({"device": {"type": "H200"}}), get_gpu("H200")) is None
     with pytest.raises(DeviceProfileError, match="host_speed"):
         DeviceProfile.from_dict({"device": {"type": "H200"}, "host_speed": 0})
+
+
+def test_profile_calibrate_plan_round_trip_on_this_cpu(tmp_path):
+    """`heterog profile` on the CPU → `heterog calibrate` → a catalog entry a cluster file names
+    (`catalog:`) → `heterog plan --profile FILE:TYPE`: the plan's devices of that type are
+    costed with the measured per-node times. Seconds: one quick profile, no two-rank comm."""
+    from heterog.cost import build_cost_model
+    from heterog.cost.calibrated import apply_profiles
+    from heterog.cost.predict import _captured
+    from heterog.hardware.spec import load_cluster
+
+    prof, cat = tmp_path / "p.json", tmp_path / "lab-catalog.yaml"
+    r = runner.invoke(app, ["profile", "--out", str(prof), "--quick", "--no-comm", "--model", "mlp",
+                            "--batch-sizes", "2,8"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["calibrate", str(prof), "--name", "lab-cpu", "--out", str(cat)])
+    assert r.exit_code == 0, r.output
+    entry = yaml.safe_load(cat.read_text())["gpus"][0]
+    measured = DeviceProfile.load(prof)
+    best_fp32 = max(2 * g["n"] ** 3 / g["time_s"] for g in measured.gemm if g["dtype"] == "fp32")
+    assert entry["vendor"] == "cpu" and entry["peak_tflops"]["fp32"] == pytest.approx(best_fp32 / 1e12)
+    spec = tmp_path / "lab.yaml"
+    spec.write_text("name: lab\nkind: emulated\ncatalog: lab-catalog.yaml\nnodes:\n  - name: a\n"
+                    "    nic_bandwidth_gbps: 1\n    devices: [{type: lab-cpu, count: 2}]\n")
+    r = runner.invoke(app, ["plan", "--model", "mlp", "--batch-size", "8", "--cluster", str(spec), "--budget-s", "1",
+                            "--no-gnn", "--max-iters", "10", "--profile", f"{prof}:lab-cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    best = json.loads(r.output)["best"]
+    assert set(best["cluster"]["gpu_types"]) == {"lab-cpu"} and best["predicted_iteration_time_s"] > 0
+    # the cost model the plan used takes the profile's times for the nodes it measured
+    cluster, times = apply_profiles(load_cluster(spec), [f"{prof}:lab-cpu"])
+    costs = build_cost_model(_captured("mlp", None, 1, None), cluster, profile=times)
+    node, by_type = next(iter(measured.nodes.times.items()))
+    batch, time_s = by_type["cpu"]["fwd"][0]
+    assert costs.compute_time_s(node, "a/cpu0", batch, "fwd") == pytest.approx(time_s)
+
+
+def test_a_gpu_profile_calibrates_its_type_in_the_plan_cluster():
+    """A device profile of a GPU applied to a cluster replaces that type's figures with the
+    calibration's; a profile of a type the cluster lacks says which types it has."""
+    from heterog.cost.calibrated import apply_profiles
+    from heterog.cost.profile import ProfileError
+    from heterog.hardware.spec import cluster_from_dict
+    doc = {"name": "h", "nodes": [{"name": "n", "nic_bandwidth_gbps": 100, "devices": [{"type": "H200", "count": 2},
+                                                                                       {"type": "T4"}]}]}
+    prof = DeviceProfile.from_shared_files([H200_MICRO], "H200")
+    cluster, times = apply_profiles(cluster_from_dict(doc), [prof])
+    assert times is None and cluster.gpu_types["H200"].efficiency.source.startswith("heterog calibrate")
+    assert cluster.gpu_types["T4"] == get_gpu("T4")
+    other = cluster_from_dict({**doc, "nodes": [{**doc["nodes"][0], "devices": [{"type": "T4"}]}]})
+    with pytest.raises(ProfileError, match=r"no device of type 'H200'; name the type it stands for"):
+        apply_profiles(other, [prof])
+
+
+def test_a_cluster_file_names_a_missing_catalog(tmp_path):
+    from heterog.errors import ClusterError
+    from heterog.hardware.spec import load_cluster
+    spec = tmp_path / "c.yaml"
+    spec.write_text("name: c\ncatalog: nowhere.yaml\nnodes:\n  - name: a\n    nic_bandwidth_gbps: 1\n"
+                    "    devices: [{type: T4}]\n")
+    with pytest.raises(ClusterError, match=r"c.yaml:2: field catalog: .*nowhere.yaml.*cannot be read"):
+        load_cluster(spec)

@@ -202,9 +202,10 @@ def _fit_graph(a: Recorder, b: Recorder, batch_a: int, batch_b: int, *, name: st
                             bytes=fit(float(sum(storages.values())), float(sum(other.values())))))
     ties = tuple(Tie(param=pname, nodes=tuple(nodes[i].name for i in users), param_bytes=nbytes)
                  for pname, users, nbytes in a.ties())
+    conv = {nodes[i].name: na.conv for i, na in enumerate(a.nodes) if na.conv is not None}
     graph = OpGraph(model=name, batch_size=batch_a, seq_len=seq_len, dtype=dtype,
                     nodes=tuple(nodes), edges=tuple(edges), input_bytes=input_bytes,
-                    num_parameters=num_parameters, meta=meta, ties=ties)
+                    num_parameters=num_parameters, meta={**meta, "conv": conv} if conv else meta, ties=ties)
     return graph.validate()
 
 

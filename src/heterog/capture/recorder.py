@@ -66,6 +66,17 @@ def _signals_deferred() -> Iterator[None]:
             signal.raise_signal(num)
 
 
+def conv_geometry(args: tuple) -> dict[str, Any]:
+    """What the cost model needs to know of aten.convolution(input, weight, bias, stride,
+    padding, dilation, transposed, output_padding, groups) to pick cuDNN's algorithm: kernel
+    size, channels, groups, stride, and whether the input is channels-last (NHWC)."""
+    x, w = args[0], args[1]
+    return {"kernel": [int(k) for k in w.shape[2:]], "in_channels": int(x.shape[1]), "out_channels": int(w.shape[0]),
+            "groups": int(args[8]), "stride": max(int(v) for v in args[3]),
+            "channels_last": x.dim() == 4 and x.shape[1] > 1 and not x.is_contiguous()
+            and x.is_contiguous(memory_format=torch.channels_last)}
+
+
 def is_leaf_module(module: nn.Module) -> bool:
     """A placeable unit: a module with no child modules. The executor's fx tracer uses the
     same rule (is_leaf_module) so that its call_module targets match OpGraph node names."""
@@ -102,6 +113,7 @@ class NodeStats:
     param_bytes: int = 0
     fwd_outputs: dict[int, int] = field(default_factory=dict)   # storage → largest nbytes written
     consumed: dict[int, int] = field(default_factory=dict)      # storage → nbytes read by others
+    conv: dict[str, Any] | None = None  # its convolution's geometry (conv_geometry), if it runs one
 
 
 @dataclass(slots=True)
@@ -324,6 +336,8 @@ class Recorder(TorchDispatchMode):
             node.kinds.add(op_kind(func))
             if op_name(func) in ("_softmax", "_safe_softmax", "softmax"):
                 node.kinds.add("softmax")
+            if op_name(func) == "convolution" and node.conv is None:
+                node.conv = conv_geometry(args)
             self._track_inputs(idx, ins)
             for t in outs:
                 # A view (or an in-place op) returns a tensor the current node produced; its

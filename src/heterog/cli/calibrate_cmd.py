@@ -42,10 +42,13 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(entry)
             return
-        console.print(f"catalog entry {entry['name']!r} written to {out}: compute factors "
-                      f"{entry['efficiency']['compute']}, memory {entry['efficiency']['memory']}, "
-                      f"host {entry['host']['source']}")
-        console.print(f"use it: export HETEROG_CATALOG={out}; heterog predict ... --device {entry['name']}")
+        eff = entry.get("efficiency")
+        fitted = (f"compute factors {eff['compute']}, memory {eff['memory']}" if eff else
+                  f"fp32 {entry['peak_tflops']['fp32']:.3g} TFLOP/s, copy {entry['memory_bandwidth_gbytes_per_s']:.3g} GB/s")
+        console.print(f"catalog entry {entry['name']!r} written to {out}: {fitted}"
+                      + (f", host {entry['host']['source']}" if entry.get("host") else ""))
+        console.print(f"use it: export HETEROG_CATALOG={out}, or `catalog: {out}` in a cluster YAML; then "
+                      f"`type: {entry['name']}` there or `heterog predict ... --device {entry['name']}`")
         from heterog.cost.calibrate import fit_host_speed
         from heterog.hardware.catalog import get_gpu
         speed = prof.host_speed if prof.host_speed is not None else fit_host_speed(prof, get_gpu(base or prof.device_type))

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import typer
 
 from heterog.cli.output import console, human_bytes, human_time, print_json, print_table, parse_model_args
+from heterog.hardware.catalog import precision_help
 
 
 def _progress_bar(enabled: bool):
@@ -49,7 +50,7 @@ def plan_command(
     batch_size: int = typer.Option(..., "--batch-size", min=1, help="Global batch size of one iteration."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length (language models)."),
     cluster: str = typer.Option(..., "--cluster", help="Cluster YAML file or built-in name (e.g. paper-8gpu)."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 or amp-bf16."),
+    precision: str = typer.Option("fp32", "--precision", help=precision_help()),
     optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw."),
     budget_s: float = typer.Option(10.0, "--budget-s", min=0.1, help="Search time budget in seconds."),
     seed: int = typer.Option(0, "--seed", help="Random seed of the search."),
@@ -62,8 +63,11 @@ def plan_command(
                                      help="Fine-tune the GNN on this problem for this many seconds first."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-node times (`heterog profile` "
-                                           "file) that replace the analytic estimate where they measured."),
+    profile: Optional[list[str]] = typer.Option(None, "--profile", help="A `heterog profile` file for one device "
+                                                "type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
+                                                "times replace the estimate where they measured, and a GPU's "
+                                                "profile calibrates its type; TYPE: the cluster type it stands for "
+                                                "(default: the type it was measured on)."),
     strategy: Optional[str] = typer.Option(None, "--strategy", help="Write this candidate's plan to --out instead of "
                                            "the best (a name from the candidates table, e.g. even-dp-allreduce)."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write an HTML report of the plan and "

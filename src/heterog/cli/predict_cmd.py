@@ -6,8 +6,9 @@ from typing import Optional
 
 import typer
 
-from heterog.cli.output import (WIDE_HELP, human_bytes, human_flops, human_time, parse_model_args, print_json,
-                                print_table, set_wide)
+from heterog.cli.output import (WIDE_HELP, console, human_bytes, human_flops, human_time, parse_model_args,
+                                print_json, print_table, set_wide)
+from heterog.hardware.catalog import precision_help
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(..., "--batch-size", min=1),
         seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1),
         device: str = typer.Option(..., "--device", help="GPU type (`heterog gpus`) or 'cpu'."),
-        precision: str = typer.Option("fp32", "--precision", help="fp32 | tf32 | amp-bf16 | fp16"),
+        precision: str = typer.Option("fp32", "--precision", help=precision_help()),
         optimizer: str = typer.Option("sgd", "--optimizer", help="sgd (with momentum) | adamw"),
         recompute: bool = typer.Option(False, "--recompute", help="Checkpoint each transformer/residual block."),
         profile: Optional[str] = typer.Option(None, "--profile", help="Measured per-node times (`heterog profile "
@@ -57,6 +58,8 @@ def register(app: typer.Typer) -> None:
         rows += [(f"slowest: {t['node']}", f"{human_time(t['time_s'])} ({t['kind']})") for t in b["top_nodes"]]
         print_table(f"{result['model']} × batch {batch_size} on {result['device']} "
                     f"({precision}, {optimizer}{', recompute' if recompute else ''})", ["", "predicted"], rows)
+        for note in result["notes"]:
+            console.print(f"  • {note}")
 
     @app.command("gpus")
     def gpus_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -71,15 +74,20 @@ def register(app: typer.Typer) -> None:
                          "memory_bandwidth_bytes_per_s": g.memory_bandwidth_bytes_per_s,
                          "memory_bytes": g.memory_bytes, "intra_node_link": g.intra_node_link,
                          "intra_node_bandwidth_bytes_per_s": g.intra_node_bandwidth_bytes_per_s,
+                         "fast_precisions": fast(g), "efficiency_source": g.efficiency.source,
+                         "public": None if g.public is None else g.public.to_dict(),
                          "sources": g.sources} for g in gpus])
             return
         tf = lambda g, p: f"{g.peak_flops_per_s.get(p, 0) / 1e12:.1f}" if g.peak_flops_per_s.get(p) else "—"  # noqa: E731
-        print_table("GPU types (dense peak TFLOP/s)", ["type", "fp32", "tf32", "fp16", "bf16", "memory",
-                                                      "mem GB/s", "link", "link GB/s"],
-                    [(g.name, tf(g, "fp32"), tf(g, "tf32"), tf(g, "fp16"), tf(g, "bf16"),
+        print_table("GPU types (dense peak TFLOP/s)", ["type", "fp32", "tf32", "fp16", "bf16", "fast precisions",
+                                                      "memory", "mem GB/s", "link", "link GB/s"],
+                    [(g.name, tf(g, "fp32"), tf(g, "tf32"), tf(g, "fp16"), tf(g, "bf16"), " ".join(fast(g)) or "—",
                       human_bytes(g.memory_bytes), f"{g.memory_bandwidth_bytes_per_s / 1e9:.0f}",
                       g.intra_node_link, f"{g.intra_node_bandwidth_bytes_per_s / 1e9:.0f}")
-                     for g in gpus], optional=("link",))
+                     for g in gpus], optional=("link", "fast precisions"))
+
+    def fast(g) -> list[str]:
+        return [p for p in ("tf32", "amp-bf16", "fp16") if g.vendor != "cpu" and g.accelerates(p)]
 
     @app.command("clusters")
     def clusters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from heterog.cli.output import console, human_time, parse_model_args, print_json, print_table
+from heterog.hardware.catalog import precision_help
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +19,8 @@ def register(app: typer.Typer) -> None:
         model_arg: Optional[list[str]] = typer.Option(None, "--model-arg", help="Model argument key=value (repeatable)."),
         batch_sizes: str = typer.Option("1,4", "--batch-sizes", help="Comma-separated batch sizes for --model."),
         seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1),
-        precision: str = typer.Option("fp32", "--precision", help="fp32 | amp-bf16 (steps of --model)."),
+        precision: str = typer.Option("fp32", "--precision", help="Precision of --model's steps: "
+                                      + precision_help()),
         optimizer: str = typer.Option("sgd", "--optimizer", help="sgd | adamw (steps of --model)."),
         device: str = typer.Option("auto", "--device", help="auto (CUDA if visible, else CPU) | cpu | cuda | cuda:N."),
         quick: bool = typer.Option(False, "--quick", help="Fewer GEMM sizes and a smaller copy."),
@@ -28,7 +30,10 @@ def register(app: typer.Typer) -> None:
         """Measure GEMM throughput, copy bandwidth, host time per op, two-rank all-reduce and
         p2p bandwidth, and (with --model) whole steps and per-node times; `heterog calibrate`
         turns the file into a catalog entry, `predict/plan --profile` use its node times."""
+        from heterog.ir.plan import PRECISIONS
         from heterog.profile.run import profile_device
+        if precision not in PRECISIONS:
+            raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}, found {precision!r}.")
         try:
             sizes = tuple(int(b) for b in batch_sizes.split(",") if b.strip())
         except ValueError:

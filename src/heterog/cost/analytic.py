@@ -17,8 +17,11 @@ kernel count, n = (F_tc / k / 2)^(1/3) the equivalent square-product size that p
 efficiency from the calibrated curve (cost/efficiency.py), times the GPU type's own sustained
 factors (catalog `efficiency`, never above peak). P_tc by precision, as PyTorch runs
 by default: fp32 — matmul and attention at the FP32 rate, cuDNN convolutions at TF32
-(torch.backends.cudnn.allow_tf32 is on, cuda.matmul.allow_tf32 is off); amp-bf16 — BF16
-tensor cores; fp16 — FP16. A precision with no fast path on a type falls back to FP32.
+(torch.backends.cudnn.allow_tf32 is on, cuda.matmul.allow_tf32 is off); tf32 — both on TF32
+tensor cores; amp-bf16 — BF16 tensor cores; fp16 — FP16. A precision with no fast path on a
+type runs at its FP32 rate (cost/precision.py says so to the user). Kernels PyTorch runs
+differently from what the capture counts — normalisation passes, depthwise and
+channel-padded convolutions — follow cost/kernels.py.
 A measured profile (cost/profile.py), when given, replaces the estimate per node.
 """
 
@@ -37,12 +40,11 @@ from heterog.ir.opgraph import OpGraph
 from heterog.cost import comm
 from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.cost.host import autocast_casts, cudnn_calls, host_times_s
+from heterog.cost.kernels import bandwidth_kind, conv_kernels, traffic_factors
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 
-# 'tf32' (fp32 with torch.backends.cuda.matmul.allow_tf32 on) is a cost-model precision only:
-# measured data (peer per-layer sessions) ran that way; plans use Precision's members.
-PRECISIONS = (*Precision, "tf32")
+PRECISIONS = tuple(Precision)
 E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math rarely beats half of peak
 # Kernel efficiency relative to a square GEMM of the same work. Attention kernels pay for the
 # softmax between their two products. cuDNN convolutions on tensor cores (TF32/BF16/FP16) reach
@@ -86,16 +88,11 @@ FRESH_PAGE_SHARE = 0.9  # tensors within 10% of the step's largest count as the 
 
 
 def _matmul_precision(kind: str, precision: str, gpu: GpuType) -> str:
-    """The catalog precision whose peak a tensor-core kernel of `kind` runs at."""
-    if precision == "amp-bf16":
-        want = "bf16"
-    elif precision == "fp16":
-        want = "fp16"
-    elif precision == "tf32":
-        want = "tf32"           # torch.backends.cuda.matmul.allow_tf32 = True
-    else:
-        want = "tf32" if kind == "conv" else "fp32"
-    return want if gpu.peak_flops_per_s.get(want, 0.0) > 0 else "fp32"
+    """The catalog precision whose peak a tensor-core kernel of `kind` runs at: the plan's
+    (GpuType.catalog_precision, fp32 where the type has no fast path for it), except that
+    PyTorch runs fp32 convolutions on TF32 tensor cores by default (cudnn.allow_tf32 is on,
+    cuda.matmul.allow_tf32 off)."""
+    return gpu.catalog_precision("tf32" if precision == "fp32" and kind == "conv" else precision)
 
 
 class _TypeTable:
@@ -111,6 +108,15 @@ class _TypeTable:
         # traffic in the dtype of what the node writes (reads are mostly of the same size);
         # CPU kernels on half tensors convert to fp32 and back, so they gain no speed there
         factor = dtype_factors(graph, precision).out if gpu.vendor != "cpu" else np.ones(len(nodes))
+        conv = np.array([n.kind == "conv" for n in nodes])
+        convs = conv_kernels(graph, _matmul_precision("conv", precision, gpu)) if gpu.vendor != "cpu" else None
+        if convs is not None:
+            # kernels that read their input more than once; depthwise convolutions on CUDA
+            # cores; channels padded to the tensor cores' alignment (cost/kernels.py)
+            factor = factor * traffic_factors(graph, phase) * (1.0 if fw else convs.bwd_passes)
+            tc = np.where(conv & ~convs.on_tensor_cores, 0.0, tc)
+            flops_fixed = np.where(conv, flops_fixed * convs.flop_padding, flops_fixed)
+            flops_ps = np.where(conv, flops_ps * convs.flop_padding, flops_ps)
         bytes_obj = [(n.fwd_bytes if fw else n.bwd_bytes) for n in nodes]
         self.bytes_fixed = np.array([b.fixed for b in bytes_obj]) * factor
         self.bytes_ps = np.array([b.per_sample for b in bytes_obj]) * factor
@@ -124,9 +130,9 @@ class _TypeTable:
         # transforms the activations in and out (separate kernels, after the roofline)
         self.transform_ps = np.zeros(len(nodes))
         if precision in ("amp-bf16", "fp16") and gpu.vendor == "nvidia":
-            conv = np.array([n.kind == "conv" for n in nodes])
             act_ps = np.array([b.per_sample for b in bytes_obj]) * factor
-            self.transform_ps = np.where(conv, NCHW_HALF_CONV_TRANSFORM_PASSES * act_ps, 0.0)
+            nchw_tc = conv & convs.on_tensor_cores & ~convs.nhwc
+            self.transform_ps = np.where(nchw_tc, NCHW_HALF_CONV_TRANSFORM_PASSES * act_ps, 0.0)
         self.transform_bandwidth = gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu)
         self.tc_fixed, self.tc_ps = flops_fixed * tc, flops_ps * tc
         self.other_fixed, self.other_ps = flops_fixed * (1 - tc), flops_ps * (1 - tc)
@@ -153,8 +159,12 @@ class _TypeTable:
                 gpu.efficiency.conv_factor(p) if n.kind == "conv" and gpu.vendor != "cpu" else 1.0)
         self.curve_index = curve_index
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
-        kind_eff = {k: memory_efficiency(gpu, k, phase) for k in {n.kind for n in nodes}}
-        self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[n.kind] for n in nodes])
+        # GPUs: a batch norm pass streams like an element-wise kernel (cost/kernels.py)
+        kind_of = [n.kind if convs is None else "elementwise" if c and not on_tc else bandwidth_kind(n)
+                   for n, c, on_tc in zip(nodes, conv, np.ones(len(nodes), bool) if convs is None
+                                          else convs.on_tensor_cores)]
+        kind_eff = {k: memory_efficiency(gpu, k, phase) for k in set(kind_of)}
+        self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[k] for k in kind_of])
         if precision == "amp-bf16" and gpu.vendor != "cpu":
             bn = np.array([_is_batch_norm(n) for n in nodes])
             self.bandwidth = np.where(bn, self.bandwidth * NATIVE_BN_BF16_FACTOR, self.bandwidth)

@@ -153,8 +153,7 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
         raise ClusterError(f"calibrate needs a base GPU type for the data-sheet peaks: {e} Pass --base "
                            f"with the catalog type of the profiled device.") from None
     if base_type.vendor == "cpu":
-        raise ClusterError("the 'cpu' device type is measured on every machine by its own probe "
-                           "(hardware.catalog.measure_cpu); calibrate a GPU profile, or pass --base GPU_TYPE.")
+        return cpu_entry(profile, name)
     mem = profile.copy_bandwidth_bytes_per_s()
     eff = Efficiency(compute=compute_factors(profile, base_type) or dict(base_type.efficiency.compute),
                      conv=dict(base_type.efficiency.conv),
@@ -175,12 +174,49 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
         "memory_gib": base_type.memory_bytes / 2**30, "intra_node_link": base_type.intra_node_link,
         "intra_node_bandwidth_gbytes_per_s": base_type.intra_node_bandwidth_bytes_per_s / 1e9,
         "sources": {**base_type.sources, "calibration": f"heterog calibrate ({when}); base type {base_type.name}"},
+        **({"public": base_type.public.to_dict()} if base_type.public is not None else {}),
         "efficiency": {"compute": eff.compute, **({"conv": eff.conv} if eff.conv else {}), "memory": eff.memory,
                        "memory_by_kind": eff.memory_by_kind, "inherits": eff.inherits, "source": eff.source},
         "host": {**{f: getattr(host, f) for f in ("forward_node_s", "forward_op_s", "backward_op_s",
                                                    "autocast_cast_s", "optimizer_tensor_s", "kernel_gap_s",
                                                    "cudnn_op_s")},
                  "source": _host_source(profile, base_type, scale)},
+    }
+
+
+def cpu_entry(profile: DeviceProfile, name: str | None) -> dict[str, Any]:
+    """A catalog entry for the profiled CPU (vendor 'cpu'): its measured GEMM rates, copy
+    bandwidth, two-rank point-to-point bandwidth and host time per op. The cost model's CPU
+    path takes the rest (per-kind bandwidths, page faults) from this machine's own probe
+    (hardware.catalog.measure_cpu), as it does for the `cpu` type."""
+    if not name or name.strip().lower() == "cpu":
+        raise ClusterError("a calibrated CPU needs a name of its own (--name, e.g. 'lab-cpu'): 'cpu' is the "
+                           "type every machine measures for itself.")
+    peak = {p: max((2 * g["n"] ** 3 / g["time_s"] for g in profile.gemm if g["dtype"] == p), default=0.0) / 1e12
+            for p in ("fp32", "tf32", "fp16", "bf16")}
+    copy = profile.copy_bandwidth_bytes_per_s()
+    if peak["fp32"] <= 0 or copy is None:
+        raise ClusterError("the CPU profile has no fp32 GEMM or no copy measurement; run `heterog profile` "
+                           "again without editing its file.")
+    rows = (profile.comm or {}).get("rows", [])
+    p2p = max((r["bytes"] / r["p2p_s"] for r in rows), default=2e9)
+    import psutil
+    where = profile.device.get("name") or "this machine"
+    host = profile.host or {}
+    op_s, bwd_s = host.get("forward_op_s", 0.0), host.get("backward_op_s", 0.0)
+    return {
+        "name": name, "vendor": "cpu", "peak_tflops": peak, "memory_bandwidth_gbytes_per_s": copy / 1e9,
+        "memory_gib": psutil.virtual_memory().total / 2**30, "intra_node_link": "loopback",
+        "intra_node_bandwidth_gbytes_per_s": p2p / 1e9,
+        "sources": {"peak_tflops": f"measured by heterog profile on {where}: the fastest square GEMM per precision",
+                    "memory": f"measured by heterog profile on {where}: a copy's bytes read + written per second",
+                    "intra_node_link": "measured by heterog profile: gloo point-to-point between two local ranks"
+                                       if rows else "gloo between local processes, ~2 GB/s (not measured)",
+                    "calibration": f"heterog calibrate ({datetime.date.today().isoformat()}) of a CPU profile"},
+        **({"host": {"forward_node_s": host.get("module_call_s", 0.0) + op_s, "forward_op_s": op_s,
+                     "backward_op_s": bwd_s, "autocast_cast_s": host.get("autocast_cast_s", 0.0),
+                     "optimizer_tensor_s": op_s, "kernel_gap_s": 0.0,
+                     "source": f"measured per-op host times on {where}"}} if op_s > 0 else {}),
     }
 
 

@@ -7,12 +7,15 @@ call; the smallest sizes all take ~20 µs, which is launch + event latency, not 
 We subtract a measurement floor (MEASUREMENT_FLOOR_S) before computing the efficiency, since
 the cost model adds its own per-kernel costs (hardware.catalog.host_overheads).
 
-Scaling to other GPUs. A product saturates a GPU once it has enough output tiles for all
-its SMs; tiles grow as n², SM count roughly as the peak, so a GPU with peak P reaches the
-H200's efficiency at size n·sqrt(P / P_H200): eff_X(n) = eff_H200(n · sqrt(P_H200 / P_X)).
-Each type then applies its own fitted figures (hardware.gputype.Efficiency, catalog.yaml):
-the size shift `size_scale`, the compute factor per precision (cost.analytic), and its
-sustained memory bandwidth per kind of op (memory_efficiency).
+Scaling to other GPUs. A product saturates a GPU once it has an output tile for each of its
+compute units (SMs); tiles grow as n², so a GPU with U units reaches the H200's efficiency at
+size n·sqrt(U / U_H200): eff_X(n) = eff_H200(n · sqrt(U_H200 / U_X)). A type without public
+figures (a custom type of a cluster file) has no unit count: its peak stands in for it,
+eff_X(n) = eff_H200(n · sqrt(P_H200 / P_X)). Each type then applies its own figures
+(hardware.gputype.Efficiency, catalog.yaml; fitted on its measurements or derived from its
+public figures, cost/public_model.py): the size shift `size_scale`, the compute factor per
+precision (cost.analytic), and its sustained memory bandwidth per kind of op
+(memory_efficiency).
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ def h200_curve(precision: str) -> Curve:
     return Curve(np.array(sizes), np.maximum.accumulate(np.array(effs)))
 
 
+def h200_plateau(precision: str) -> float:
+    """The H200 sweep's large-product efficiency at a catalog precision (its curve's top)."""
+    return float(h200_curve(precision if precision in _H200_PEAK_FLOPS_PER_S else "fp32").efficiency.max())
+
+
+def h200_compute_units() -> int:
+    """SMs of the H200 the sweep ran on (h200_micro.json `env.sm_count`)."""
+    return int(_h200_doc()["env"]["sm_count"])
+
+
 def h200_copy_efficiency() -> float:
     return min(_h200_doc()["copy"]["gbps"] * 1e9 / _H200_BANDWIDTH_BYTES_PER_S, 1.0)
 
@@ -89,18 +102,21 @@ def gpu_curve(gpu: GpuType, precision: str) -> Curve:
     if gpu.vendor == "cpu":
         return cpu_curve()
     base = h200_curve(precision if precision in _H200_PEAK_FLOPS_PER_S else "fp32")
-    peak = gpu.peak_flops_per_s.get(precision) or gpu.peak_flops_per_s["fp32"]
-    by_peak = base.scaled(math.sqrt(_H200_PEAK_FLOPS_PER_S[precision] / peak))
+    if gpu.public is not None:
+        ruled = base.scaled(math.sqrt(h200_compute_units() / gpu.public.compute_units))
+    else:
+        peak = gpu.peak_flops_per_s.get(precision) or gpu.peak_flops_per_s["fp32"]
+        ruled = base.scaled(math.sqrt(_H200_PEAK_FLOPS_PER_S[precision] / peak))
     scale = gpu.efficiency.size_scale
     if scale == 1.0:
-        return by_peak
-    shifted = by_peak.scaled(1.0 / scale)
+        return ruled
+    shifted = ruled.scaled(1.0 / scale)
     if scale < 1.0:
         return shifted
     # A type that saturates later (scale > 1) keeps the smallest kernel's time of the rule by
     # peak: efficiency stays at its smallest measured value from that size up to the shifted
     # one, so tiny kernels are not charged like the shifted curve's smallest product.
-    return Curve(np.concatenate([by_peak.log_sizes[:1], shifted.log_sizes]),
+    return Curve(np.concatenate([ruled.log_sizes[:1], shifted.log_sizes]),
                  np.concatenate([shifted.efficiency[:1], shifted.efficiency]), shifted.falloff)
 
 
@@ -112,6 +128,16 @@ def cpu_curve() -> Curve:
     sizes = sorted(p.matmul_flops_per_s)
     effs = np.maximum.accumulate(np.array([p.matmul_flops_per_s[n] / peak for n in sizes]))
     return Curve(np.log(np.array(sizes, dtype=float)), effs, falloff=1.0)
+
+
+def kind_factor(own: dict[str, float], default: dict[str, float], kind: str) -> float:
+    """A memory-bound kind's bandwidth relative to a copy: the type's own, else the catalog
+    default; batch norm without a figure of its own streams like an element-wise kernel
+    (cost/kernels.py)."""
+    for table in (own, default):
+        if kind in table:
+            return table[kind]
+    return kind_factor(own, default, "elementwise") if kind == "batchnorm" else 1.0
 
 
 def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd") -> float:
@@ -126,7 +152,7 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd")
         if kind is None:
             return base
         from heterog.hardware.catalog import memory_by_kind_default
-        return base * e.memory_by_kind.get(kind, memory_by_kind_default().get(kind, 1.0))
+        return base * kind_factor(e.memory_by_kind, memory_by_kind_default(), kind)
     if kind is None:
         return 1.0
     from heterog.hardware.catalog import measure_cpu

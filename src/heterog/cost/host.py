@@ -10,6 +10,8 @@ its host time.
 
 Host time of a node (hardware.gputype.HostCosts, fitted on the H200 steps):
   forward  = forward_node_s + forward_op_s · (ops − 1) + autocast_cast_s · casts + cudnn_op_s · cudnn
+             (a leaf module's node; a loose op, run by its container's forward with no module
+              call of its own, pays forward_op_s · ops)
   backward = backward_op_s · ops + autocast_cast_s · casts + cudnn_op_s · cudnn
 
 cuDNN calls (`cudnn_calls`): an op that runs through cuDNN's frontend API costs the host far
@@ -20,7 +22,8 @@ more in forward and ~113 µs more in backward (resnet50), a cuDNN attention ~97 
 more (gpt2-medium, bf16): the same ~80–90 µs per call in two unrelated models, so it is one
 figure of the host software, not of a model. It is why resnet50's small-batch steps cost the
 host 16–25 ms although it has fewer ops than a transformer. Which nodes call cuDNN: every
-convolution on an NVIDIA GPU; attention in half precision on Hopper, where PyTorch's
+convolution on an NVIDIA GPU but the depthwise ones PyTorch runs with its own kernels
+(cost/kernels.py); attention in half precision on Hopper, where PyTorch's
 scaled_dot_product_attention picks its cuDNN backend (the gpt2-medium bf16 profile shows
 `_cudnn_attention_forward`; in fp32 it ran `_efficient_attention_forward`, not cuDNN).
 
@@ -48,8 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.cost.kernels import conv_kernels
 from heterog.cost.memory import TENSOR_CORE_KINDS, forced_fp32, dtype_factors
-from heterog.hardware.gputype import GpuType, HostCosts
+from heterog.hardware.gputype import GpuType, HostCosts, TensorCores
 from heterog.ir.opgraph import OpGraph
 
 CAST_BYTES_PER_FP32_BYTE = 1.5   # a 4-byte element read and a 2-byte one written, per 4 bytes
@@ -107,9 +111,10 @@ def autocast_casts(graph: OpGraph, precision: str) -> Casts | None:
     return Casts(count=count, bytes_fixed=fixed, bytes_per_sample=per_sample)
 
 
-# GPU types (and calibrations inheriting from them) whose PyTorch attention in half precision
-# runs through cuDNN: the Hopper parts
-CUDNN_ATTENTION_TYPES = frozenset({"H100-SXM", "H100-PCIe", "H200", "GH200"})
+# Tensor-core generations whose PyTorch attention in half precision runs through cuDNN: the
+# H200's bf16 profile (PyTorch 2.11) runs `_cudnn_attention_forward`; Blackwell is assumed to
+# take the same SDPA backend (not measured)
+CUDNN_ATTENTION_GENERATIONS = frozenset({TensorCores.HOPPER, TensorCores.BLACKWELL})
 
 
 def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
@@ -117,9 +122,11 @@ def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
     if gpu.vendor != "nvidia":
         return np.zeros(len(graph.nodes))
     half = precision in ("amp-bf16", "fp16")
-    hopper = gpu.name in CUDNN_ATTENTION_TYPES or gpu.efficiency.inherits in CUDNN_ATTENTION_TYPES
-    return np.array([1.0 if n.kind == "conv" or (n.kind == "attention" and half and hopper) else 0.0
-                     for n in graph.nodes])
+    hopper = gpu.public is not None and gpu.public.tensor_cores in CUDNN_ATTENTION_GENERATIONS
+    # every convolution but a depthwise one that PyTorch runs with its own kernels
+    conv = conv_kernels(graph, gpu.catalog_precision("tf32" if precision == "fp32" else precision)).cudnn
+    return np.array([1.0 if c or (n.kind == "attention" and half and hopper) else 0.0
+                     for n, c in zip(graph.nodes, conv)])
 
 
 def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None,
@@ -128,7 +135,11 @@ def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | Non
     nodes = graph.nodes
     if phase == "fwd":
         ops = np.array([float(n.fwd_kernels) for n in nodes])
-        t = np.where(ops > 0, host.forward_node_s + host.forward_op_s * np.maximum(ops - 1, 0), 0.0)
+        # a leaf module's call (nn.Module.__call__, hooks) and first op; a loose op runs in its
+        # container's forward, with no module call of its own (the capture names it 'path::op@k')
+        leaf = np.array(["::" not in n.name for n in nodes])
+        first = np.where(leaf, host.forward_node_s, host.forward_op_s)
+        t = np.where(ops > 0, first + host.forward_op_s * np.maximum(ops - 1, 0), 0.0)
     else:
         ops = np.array([float(n.bwd_kernels) for n in nodes])
         t = host.backward_op_s * ops

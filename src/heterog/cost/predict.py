@@ -8,6 +8,7 @@ from typing import Any
 
 from heterog.cost import build_cost_model
 from heterog.cost.memory import CUDA_CONTEXT_BYTES
+from heterog.cost.precision import precision_advice
 from heterog.errors import ModelError
 from heterog.hardware.catalog import get_gpu
 from heterog.hardware.cluster import Cluster, build_cluster
@@ -131,6 +132,9 @@ def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, b
         "flops_per_iteration": flops,
         "fits": bool(mem.reserved_bytes + context <= gpu.memory_bytes),
         "device_memory_bytes": gpu.memory_bytes,
+        # how this device runs the precision (its fp32 rate where it has no fast path for it)
+        "precision_runs_as": gpu.catalog_precision(precision),
+        "notes": list(precision_advice(cluster, precision).notes),
         "breakdown": {
             "forward_s": fwd_s,
             "backward_s": bwd_s - recompute_s,

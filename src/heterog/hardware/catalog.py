@@ -1,8 +1,11 @@
 """The GPU catalog (catalog.yaml: data sheets with their sources) and the `cpu` device type,
 whose rates are measured on this machine by a short probe and cached.
 
-`get_gpu(name)` is the one way to turn a type name into a GpuType; unknown names raise a
-ClusterError that suggests close names (matching ignores case, '-' and '_', and knows aliases).
+`get_gpu(name)` is the one way to turn a type name into a GpuType. Matching ignores case and
+separators, reads '80g' as '80GB' and knows each type's other spellings (`aka`); a name that
+several types share (a family: 'A100', 'V100', 'H100') is refused with the types it could
+mean, and an unknown one gets the close names — never a silent guess. A catalog type without
+measurements gets its efficiency from its public figures (cost/public_model.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import difflib
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,7 +25,7 @@ from typing import Any
 import yaml
 
 from heterog.errors import ClusterError
-from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts
+from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts, PublicFigures
 from heterog.jsonio import write_atomic
 
 CPU_TYPE = "cpu"
@@ -31,8 +35,13 @@ GLIBC_MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20
 _PROBE_VERSION = 9
 
 
+def _tokens(name: str) -> tuple[str, ...]:
+    """A name's words, lower case, memory sizes as '<n>g' ('80GB', '80gb', '80G' alike)."""
+    return tuple(re.sub(r"^(\d+)gb$", r"\1g", t) for t in re.split(r"[^a-z0-9]+", name.lower()) if t)
+
+
 def _norm(name: str) -> str:
-    return name.lower().replace("-", "").replace("_", "").replace(" ", "")
+    return "".join(_tokens(name))
 
 
 CATALOG_ENV = "HETEROG_CATALOG"
@@ -44,6 +53,11 @@ HOST_FIELDS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast
 def _catalog_doc() -> dict[str, Any]:
     text = resources.files("heterog.hardware").joinpath("catalog.yaml").read_text()
     return yaml.safe_load(text)
+
+
+def catalog_document() -> dict[str, Any]:
+    """The packaged catalog.yaml as data (read once)."""
+    return _catalog_doc()
 
 
 def _host_from_entry(e: dict[str, Any], where: str) -> HostCosts:
@@ -70,8 +84,33 @@ def _efficiency_from_entry(e: dict[str, Any] | None, where: str) -> Efficiency:
         raise ClusterError(f"{where}: efficiency is malformed ({err}).") from None
 
 
-def _gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
+def _public_from_entry(e: dict[str, Any] | None, sources: dict[str, Any], where: str) -> PublicFigures | None:
+    if not e:
+        return None
+    try:
+        return PublicFigures.from_dict({**e, "source": e.get("source") or sources.get("public", "")})
+    except KeyError as err:
+        raise ClusterError(f"{where}: public figures lack {err.args[0]!r} (compute_units, boost_clock_mhz, "
+                           f"base_clock_mhz, board_power_w, tensor_cores, memory_type).") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ClusterError(f"{where}: public figures are malformed ({err}).") from None
+
+
+def gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
+    """A catalog entry as a GpuType; without an `efficiency` of its own (no measurements),
+    its efficiency derived from its public figures (cost/public_model.py)."""
     where = f"{where}: GPU type {e.get('name', '?')!r}"
+    gpu = _gpu_type_of(e, where)
+    if e.get("efficiency") or gpu.public is None:
+        return gpu
+    from heterog.cost.public_model import derive
+    try:
+        return derive(gpu)
+    except ValueError as err:
+        raise ClusterError(f"{where}: {err}") from None
+
+
+def _gpu_type_of(e: dict[str, Any], where: str) -> GpuType:
     try:
         return GpuType(
             name=e["name"], vendor=e["vendor"],
@@ -82,7 +121,8 @@ def _gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
             intra_node_bandwidth_bytes_per_s=float(e["intra_node_bandwidth_gbytes_per_s"]) * 1e9,
             sources=dict(e.get("sources", {})),
             efficiency=_efficiency_from_entry(e.get("efficiency"), where),
-            host=_host_from_entry(e["host"], where) if e.get("host") else None)
+            host=_host_from_entry(e["host"], where) if e.get("host") else None,
+            public=_public_from_entry(e.get("public"), dict(e.get("sources") or {}), where))
     except KeyError as err:
         raise ClusterError(f"{where} lacks {err.args[0]!r} (see hardware/catalog.yaml for the fields).") from None
     except (TypeError, ValueError, AttributeError) as err:
@@ -95,67 +135,97 @@ def user_catalog_paths() -> list[Path]:
     return [Path(p) for p in raw.split(os.pathsep) if p.strip()]
 
 
-def _user_entries(path: Path) -> list[dict[str, Any]]:
+def catalog_entries(path: Path, named_by: str = "the cluster file") -> list[dict[str, Any]]:
+    """The `gpus:` entries of a user catalog file (`heterog calibrate` writes one)."""
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as err:
-        raise ClusterError(f"${CATALOG_ENV} names {path}, which cannot be read ({err.strerror}); "
-                           f"fix the path or unset {CATALOG_ENV}.") from None
+        raise ClusterError(f"{named_by} names the catalog {path}, which cannot be read ({err.strerror}); "
+                           f"fix the path.") from None
     except yaml.YAMLError as err:
         raise ClusterError(f"{path}: not valid YAML ({err}).") from None
     gpus = doc.get("gpus") if isinstance(doc, dict) else None
-    if not isinstance(gpus, list):
+    if not isinstance(gpus, list) or not all(isinstance(e, dict) for e in gpus):
         raise ClusterError(f"{path}: a user catalog needs a `gpus:` list of entries in the format of "
                            f"hardware/catalog.yaml (`heterog calibrate` writes one).")
     return gpus
 
 
-def _gpu_table() -> tuple[dict[str, GpuType], dict[str, str]]:
+@dataclass(frozen=True, slots=True)
+class _Table:
+    """The known types: by canonical name, and every spelling (name or alias) of each as its
+    words (`_tokens`) → canonical name."""
+    types: dict[str, GpuType]
+    spellings: dict[tuple[str, ...], str]
+    lookup: dict[str, str]                  # the words joined → canonical name
+
+
+def _gpu_table() -> _Table:
     return _gpu_table_for(os.environ.get(CATALOG_ENV, ""))
 
 
 @lru_cache(maxsize=4)
-def _gpu_table_for(user_catalogs: str) -> tuple[dict[str, GpuType], dict[str, str]]:
-    """(types by canonical name, normalised name or alias → canonical name): the packaged
-    catalog, then each user catalog in order (an entry with a known name replaces it)."""
+def _gpu_table_for(user_catalogs: str) -> _Table:
+    """The packaged catalog, then each user catalog in order (an entry with a known name
+    replaces it)."""
     types: dict[str, GpuType] = {}
-    lookup: dict[str, str] = {}
+    spellings: dict[tuple[str, ...], str] = {}
     sources = [("catalog.yaml", e) for e in _catalog_doc()["gpus"]]
     for path in user_catalog_paths():
-        sources += [(str(path), e) for e in _user_entries(path)]
+        sources += [(str(path), e) for e in catalog_entries(path, f"${CATALOG_ENV}")]
     for where, e in sources:
-        g = _gpu_from_entry(e, where)
+        g = gpu_from_entry(e, where)
         types[g.name] = g
         for alias in [g.name, *e.get("aka", [])]:
-            lookup[_norm(alias)] = g.name
-    return types, lookup
+            spellings[_tokens(alias)] = g.name
+    return _Table(types=types, spellings=spellings,
+                  lookup={"".join(words): canon for words, canon in spellings.items()})
+
+
+def _resolve(name: str) -> str:
+    """The canonical type `name` means: an exact spelling (any case or separators, '80g' for
+    '80GB') of a name or alias; else the same words in another order; else the one type whose
+    name starts with these words. Several such types: ClusterError with the choices."""
+    table = _gpu_table()
+    words = _tokens(name)
+    exact = table.lookup.get("".join(words))
+    if exact is not None:
+        return exact
+    same = {canon for toks, canon in table.spellings.items() if sorted(toks) == sorted(words)}
+    if len(same) == 1:
+        return same.pop()
+    family = sorted({canon for toks, canon in table.spellings.items()
+                     if words and len(toks) > len(words) and toks[:len(words)] == words})
+    if len(family) == 1:
+        return family[0]
+    if family:
+        raise ClusterError(f"GPU type {name!r} is ambiguous: it could be {', '.join(family)} (they differ in "
+                           f"memory, bandwidth or power); name one of them.")
+    raise ClusterError(unknown_gpu_message(name))
 
 
 def list_gpus(*, include_cpu: bool = False) -> list[GpuType]:
     """Every catalog GPU type, in catalog order; with include_cpu, the measured `cpu` type too."""
-    out = list(_gpu_table()[0].values())
+    out = list(_gpu_table().types.values())
     if include_cpu:
         out.append(cpu_gpu_type())
     return out
 
 
 def gpu_names() -> list[str]:
-    return [*_gpu_table()[0], CPU_TYPE]
+    return [*_gpu_table().types, CPU_TYPE]
 
 
 def get_gpu(name: str) -> GpuType:
-    """The GpuType called `name` (case-insensitive, aliases allowed); 'cpu' is measured here."""
+    """The GpuType called `name` (case and separators ignored, aliases allowed; a family name
+    several types share is refused with the choices); 'cpu' is measured here."""
     if _norm(name) == CPU_TYPE:
         return cpu_gpu_type()
-    types, lookup = _gpu_table()
-    canonical = lookup.get(_norm(name))
-    if canonical is None:
-        raise ClusterError(unknown_gpu_message(name))
-    return types[canonical]
+    return _gpu_table().types[_resolve(name)]
 
 
 def unknown_gpu_message(name: str) -> str:
-    _, lookup = _gpu_table()
+    lookup = _gpu_table().lookup
     close = difflib.get_close_matches(_norm(name), list(lookup), n=3, cutoff=0.5)
     names = sorted({lookup[c] for c in close})
     hint = f" Did you mean {', '.join(names)}?" if names else ""
@@ -179,9 +249,11 @@ def host_overheads(gpu: GpuType) -> HostOverheads:
     """The CPU device type's own costs (measured); GPUs: see host_costs."""
     if gpu.vendor == "cpu":
         p = measure_cpu()
-        return HostOverheads(dispatch_s=p.dispatch_s, kernel_gap_s=0.0,
-                             optimizer_per_tensor_s=p.dispatch_s, synchronous=True,
-                             backward_dispatch_s=p.backward_dispatch_s,
+        # a calibrated CPU type (heterog calibrate) carries the profiled machine's op costs
+        dispatch_s = gpu.host.forward_op_s if gpu.host is not None else p.dispatch_s
+        return HostOverheads(dispatch_s=dispatch_s, kernel_gap_s=0.0,
+                             optimizer_per_tensor_s=dispatch_s, synchronous=True,
+                             backward_dispatch_s=gpu.host.backward_op_s if gpu.host is not None else p.backward_dispatch_s,
                              fresh_page_s_per_byte=p.fresh_page_s_per_byte,
                              fresh_threshold_bytes=GLIBC_MMAP_THRESHOLD_MAX_BYTES)
     h = host_costs(gpu)
@@ -425,3 +497,21 @@ def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> G
         if gb:
             family.sort(key=lambda g: abs(g.memory_bytes / 2**30 - int(gb.group(1))))
     return family[0]
+
+
+# -- which types run which precision fast (the --precision help) -----------------------------------
+
+PLAN_PRECISIONS = {"fp32": "fp32", "tf32": "tf32", "amp-bf16": "bf16", "fp16": "fp16"}
+
+
+def precision_help() -> str:
+    """The `--precision` help: every accepted value and, from the packaged catalog's peaks,
+    which GPU types run each faster than fp32 (GpuType.accelerates; cost/precision.py)."""
+    entries = _catalog_doc()["gpus"]
+    parts = []
+    for plan_p, p in list(PLAN_PRECISIONS.items())[1:]:
+        slow = [e["name"] for e in entries
+                if not float(e["peak_tflops"].get(p) or 0) > float(e["peak_tflops"]["fp32"])]
+        parts.append(f"{plan_p} on all but {', '.join(slow)}" if slow else f"{plan_p} on all")
+    return (f"{' | '.join(PLAN_PRECISIONS)}. Faster than fp32: {'; '.join(parts)}. Elsewhere a precision "
+            f"runs at the card's fp32 rate (the plan says so); `heterog gpus` lists the rates.")

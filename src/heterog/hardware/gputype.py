@@ -1,11 +1,13 @@
 """The facts about one kind of accelerator that the cost model needs. The table of known
 types is data (catalog.yaml), each figure with its public source.
 
-Three records describe a type:
+Four records describe a type:
 - `GpuType`: data-sheet peaks, memory, intra-node link;
-- `Efficiency`: what the type sustains of those peaks in training kernels (power- and
-  clock-limited cards reach far less than SXM parts), fitted per type on measured layers
-  or inherited from a named sibling;
+- `PublicFigures`: what else the data sheets say about how it runs — compute units, base and
+  boost clocks, board power, tensor-core generation, memory technology;
+- `Efficiency`: what the type sustains of its peaks in training kernels (power- and
+  clock-limited cards reach far less than SXM parts): fitted per type on measured layers
+  where the type was measured, else derived from its public figures (cost/public_model.py);
 - `HostCosts`: what eager PyTorch's host (Python, dispatcher, autograd, autocast) spends per
   op while driving this device. The host is a property of the machine, so every GPU type
   shares one default unless a calibration (`heterog calibrate`) measured its own.
@@ -14,10 +16,67 @@ Three records describe a type:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+
+
+class TensorCores(StrEnum):
+    """The matrix-unit generation of a type: which precisions it accelerates and how much
+    work one unit does per clock follow from it (and from the peaks the data sheet gives)."""
+    NONE = "none"              # Pascal and older: no matrix units (P100's fp16 is 2× fp32 SIMT)
+    VOLTA = "volta"            # fp16
+    TURING = "turing"          # fp16
+    AMPERE = "ampere"          # fp16, bf16, tf32
+    ADA = "ada"                # fp16, bf16, tf32 (fp8)
+    HOPPER = "hopper"          # fp16, bf16, tf32 (fp8); cuDNN attention in half precision
+    BLACKWELL = "blackwell"    # fp16, bf16, tf32 (fp8, fp4)
+    CDNA2 = "cdna2"            # AMD matrix cores: fp16, bf16, fp32 matrix
+    CDNA3 = "cdna3"            # AMD matrix cores: fp16, bf16, tf32
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PublicFigures:
+    """Data-sheet facts beyond the peaks, from which a type's sustained efficiency is derived
+    when it has no measurements (cost/public_model.py). The peaks assume the boost clock; a
+    dense training kernel holds the clock the board power allows, which the base clock
+    bounds (NVIDIA defines it as the clock guaranteed at the board's power under a heavy
+    load): a 70 W T4 runs its GEMMs near 585 MHz, not at its 1590 MHz boost."""
+    compute_units: int                  # SMs (NVIDIA) or CUs (AMD)
+    boost_clock_mhz: float              # the clock the data-sheet peaks are computed at
+    base_clock_mhz: float | None        # None: not published (AMD, B200)
+    board_power_w: float
+    tensor_cores: TensorCores
+    memory_type: str                    # 'HBM3e', 'GDDR6', …
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.compute_units < 1:
+            raise ValueError(f"public.compute_units = {self.compute_units!r}: the number of SMs or CUs, ≥ 1.")
+        if not self.boost_clock_mhz > 0 or not self.board_power_w > 0:
+            raise ValueError("public.boost_clock_mhz and board_power_w must be positive.")
+        if self.base_clock_mhz is not None and not 0 < self.base_clock_mhz <= self.boost_clock_mhz:
+            raise ValueError(f"public.base_clock_mhz = {self.base_clock_mhz!r}: positive and at most the "
+                             f"boost clock ({self.boost_clock_mhz} MHz).")
+        if self.tensor_cores not in tuple(TensorCores):
+            raise ValueError(f"public.tensor_cores = {self.tensor_cores!r}: one of "
+                             f"{', '.join(TensorCores)}.")
+
+    def to_dict(self) -> dict:
+        return {"compute_units": self.compute_units, "boost_clock_mhz": self.boost_clock_mhz,
+                "base_clock_mhz": self.base_clock_mhz, "board_power_w": self.board_power_w,
+                "tensor_cores": str(self.tensor_cores), "memory_type": self.memory_type, "source": self.source}
+
+    @staticmethod
+    def from_dict(d: dict) -> "PublicFigures":
+        """ValueError (KeyError for a missing field) when malformed."""
+        base = d.get("base_clock_mhz")
+        return PublicFigures(compute_units=int(d["compute_units"]), boost_clock_mhz=float(d["boost_clock_mhz"]),
+                             base_clock_mhz=None if base is None else float(base),
+                             board_power_w=float(d["board_power_w"]), tensor_cores=TensorCores(d["tensor_cores"]),
+                             memory_type=str(d.get("memory_type", "")), source=str(d.get("source", "")))
 # memory-bound op kinds with their own sustained bandwidth (cost.analytic reads these)
-MEMORY_KINDS = ("elementwise", "norm", "pool", "embedding", "memory", "loss", "optimizer")
+MEMORY_KINDS = ("elementwise", "norm", "batchnorm", "pool", "embedding", "memory", "loss", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +123,8 @@ class Efficiency:
     # the type reaches the efficiency the scaled H200 curve gives at size n only at
     # n · size_scale (> 1: small kernels fill this type's SMs worse than the rule predicts)
     size_scale: float = 1.0
-    inherits: str = ""                          # sibling type these figures were taken from
+    inherits: str = ""                          # the catalog type a calibration was made of
+                                                # (`heterog calibrate`); catalog types: ""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -105,6 +165,7 @@ class GpuType:
     sources: dict[str, str] = field(default_factory=dict)  # figure → public source
     efficiency: Efficiency = field(default_factory=Efficiency)
     host: HostCosts | None = None               # None: the vendor's default (catalog host_overheads)
+    public: PublicFigures | None = None         # None: a custom type with peaks only
 
     def __post_init__(self) -> None:
         for p in PRECISIONS:
@@ -112,6 +173,21 @@ class GpuType:
                 raise ValueError(f"GPU type {self.name}: peak_flops_per_s[{p}] must be ≥ 0.")
         if self.memory_bandwidth_bytes_per_s <= 0 or self.memory_bytes <= 0:
             raise ValueError(f"GPU type {self.name}: memory bandwidth and size must be positive.")
+
+    def catalog_precision(self, precision: str) -> str:
+        """The catalog precision whose peak a tensor-core kernel runs at when a plan runs in
+        `precision` (fp32 / tf32 / amp-bf16 / fp16): the half or TF32 rate where the type
+        has one, else its fp32 rate — how PyTorch runs it there (bf16 on a Volta or Turing
+        card has no tensor-core path; a GTX 1080 Ti's fp16 runs at 1/64 rate, and cuBLAS
+        computes it in fp32)."""
+        want = {"amp-bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}.get(precision, "fp32")
+        return want if self.peak_flops_per_s.get(want, 0.0) > 0 else "fp32"
+
+    def accelerates(self, precision: str) -> bool:
+        """Whether a plan precision runs faster here than fp32 does (fp32 itself: True)."""
+        p = self.catalog_precision(precision)
+        return p == "fp32" if precision == "fp32" else (
+            p != "fp32" and self.peak_flops_per_s[p] > self.peak_flops_per_s["fp32"])
 
 
 def gpu_extras_to_dict(g: GpuType) -> dict:
@@ -126,6 +202,8 @@ def gpu_extras_to_dict(g: GpuType) -> dict:
             out["efficiency"]["conv"] = dict(e.conv)
     if g.host is not None:
         out["host"] = {f: getattr(g.host, f) for f in g.host.__dataclass_fields__}
+    if g.public is not None:
+        out["public"] = g.public.to_dict()
     return out
 
 
@@ -143,4 +221,9 @@ def gpu_extras_from_dict(d: dict) -> dict:
     if d.get("host"):
         h = dict(d["host"])
         out["host"] = HostCosts(**{k: (str(v) if k == "source" else float(v)) for k, v in h.items()})
+    if d.get("public"):
+        try:
+            out["public"] = PublicFigures.from_dict(d["public"])
+        except KeyError as e:
+            raise ValueError(f"public figures lack {e.args[0]!r}") from None
     return out

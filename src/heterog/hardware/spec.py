@@ -20,6 +20,8 @@ memory_gib or memory_bytes):
           - {type: A100-80GB, count: 4}          # named a100/gpu0 … a100/gpu3
           - {type: cpu, name: w0, slowdown: 2}   # emulated: `slowdown` × slower compute
     gpu_types: {NAME: {...}}         # optional custom types (cluster_to_dict writes them all)
+    catalog: my-catalog.yaml         # optional: catalog files (`heterog calibrate --out`), relative
+                                     #   to this file, whose types the devices may name
 
 Errors name the file, line and field, and say how to fix them.
 """
@@ -46,7 +48,7 @@ DEFAULT_NIC_LATENCY_S = 10e-6    # RDMA/TCP one-way latency order; HeteroG used 
 DEFAULT_INTRA_LATENCY_S = 3e-6   # NVLink/PCIe peer copy including the launch
 KINDS = ("real", "emulated")
 
-_TOP = {"name", "kind", "description", "switch", "nodes", "gpu_types", "meta", "version"}
+_TOP = {"name", "kind", "description", "switch", "nodes", "gpu_types", "meta", "version", "catalog"}
 _NODE = {"name", "count", "devices", "nic_bandwidth_gbps", "nic_bandwidth_gbytes_per_s",
          "nic_bandwidth_bytes_per_s", "nic_latency_us", "nic_latency_s", "intra_latency_us",
          "intra_latency_s", "host_speed"}
@@ -210,7 +212,29 @@ def _gpu_type_from_dict(ctx: _Ctx, where: str, d: Any, name: str) -> GpuType:
         raise ctx.fail(where, d, None, f"GPU type {name!r} is malformed ({e}).") from None
 
 
-def _parse(doc: Any, source: str) -> Cluster:
+def _catalog_types(ctx: "_Ctx", doc: dict, base_dir: Path | None) -> dict[str, GpuType]:
+    """The types of the catalog files named by the spec's `catalog:` (a path or a list),
+    each path relative to the spec's own file: by name and by every alias."""
+    paths = doc["catalog"]
+    paths = [paths] if isinstance(paths, str) else paths
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ctx.fail("", doc, "catalog", "expected a catalog file (or a list of them) written by "
+                                           "`heterog calibrate`.")
+    out: dict[str, GpuType] = {}
+    for raw in paths:
+        path = Path(raw) if Path(raw).is_absolute() or base_dir is None else base_dir / raw
+        try:
+            entries = catalog.catalog_entries(path)
+        except ClusterError as e:
+            raise ctx.fail("", doc, "catalog", str(e)) from None
+        for e in entries:
+            g = catalog.gpu_from_entry(e, str(path))
+            for alias in [g.name, *e.get("aka", [])]:
+                out[alias] = g
+    return out
+
+
+def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
     ctx = _Ctx(source)
     _check_keys(ctx, "", doc, _TOP)
     for req in ("name", "nodes"):
@@ -221,7 +245,7 @@ def _parse(doc: Any, source: str) -> Cluster:
     if kind not in KINDS:
         raise ctx.fail("", doc, "kind", f"must be one of {', '.join(KINDS)}, found {kind!r}.")
 
-    custom: dict[str, GpuType] = {}
+    custom: dict[str, GpuType] = _catalog_types(ctx, doc, base_dir) if "catalog" in doc else {}
     if "gpu_types" in doc:
         if not isinstance(doc["gpu_types"], dict):
             raise ctx.fail("", doc, "gpu_types", "expected a mapping of type name → fields.")
@@ -360,7 +384,7 @@ def _builtin_text(name: str) -> str | None:
     return f.read_text() if f.is_file() else None
 
 
-def parse_cluster_yaml(text: str, source: str = "<yaml>") -> Cluster:
+def parse_cluster_yaml(text: str, source: str = "<yaml>", base_dir: Path | None = None) -> Cluster:
     try:
         doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
@@ -368,7 +392,7 @@ def parse_cluster_yaml(text: str, source: str = "<yaml>") -> Cluster:
         raise ClusterError(f"{source}:{line}: not valid YAML ({e.problem}).") from None
     except ClusterError as e:
         raise ClusterError(f"{source}: {e}") from None
-    return _parse(doc, source)
+    return _parse(doc, source, base_dir)
 
 
 def load_cluster(name_or_path: str | Path) -> Cluster:
@@ -381,7 +405,7 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
     if not path.is_file():
         raise ClusterError(f"no cluster {str(name_or_path)!r}: not a built-in "
                            f"({', '.join(builtin_clusters())}) and no such file.")
-    return parse_cluster_yaml(path.read_text(), str(path))
+    return parse_cluster_yaml(path.read_text(), str(path), path.resolve().parent)
 
 
 def cluster_from_dict(doc: dict[str, Any]) -> Cluster:
@@ -427,3 +451,14 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     if cluster.meta:
         out["meta"] = dict(cluster.meta)
     return out
+
+
+def with_gpu_type(cluster: Cluster, gpu: GpuType) -> Cluster:
+    """`cluster` with the figures of its type `gpu.name` replaced by `gpu`'s (a calibration
+    of that type: `heterog plan --profile`)."""
+    if gpu.name not in cluster.gpu_types:
+        raise ClusterError(f"cluster {cluster.name!r} has no device of type {gpu.name!r} (its types: "
+                           f"{', '.join(cluster.gpu_types)}).")
+    doc = cluster_to_dict(cluster)
+    doc["gpu_types"][gpu.name] = _gpu_type_to_dict(gpu)
+    return cluster_from_dict(doc)

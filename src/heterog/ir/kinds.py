@@ -8,6 +8,8 @@ from enum import StrEnum
 
 class Precision(StrEnum):
     FP32 = "fp32"
+    TF32 = "tf32"             # fp32 tensors, matmuls and convolutions on TF32 tensor cores
+                              # (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 on)
     AMP_BF16 = "amp-bf16"     # autocast to bfloat16, fp32 master weights
     FP16 = "fp16"             # autocast to float16, fp32 master weights, gradient scaler
 

@@ -57,18 +57,24 @@ def timed_s(fn: Callable[[], Any], dev: torch.device, *, repeats: int = 5) -> fl
 
 def measure_gemm(dev: torch.device, *, quick: bool = False) -> list[dict[str, Any]]:
     """Square n×n×n products: [{'n', 'dtype', 'time_s'}] (the format of h200_micro.json's
-    'matmul' rows, in seconds)."""
+    'matmul' rows, in seconds). On CUDA also fp16, and tf32: fp32 tensors with
+    torch.backends.cuda.matmul.allow_tf32 on for the measurement."""
     sizes = GEMM_SIZES_GPU if dev.type == "cuda" else GEMM_SIZES_CPU
     sizes = sizes[:3] if quick else sizes
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if dev.type == "cuda":
-        dtypes["fp16"] = torch.float16
+        dtypes.update(fp16=torch.float16, tf32=torch.float32)
     rows = []
-    for name, dt in dtypes.items():
-        for n in sizes:
-            a = torch.randn(n, n, device=dev, dtype=dt)
-            b = torch.randn(n, n, device=dev, dtype=dt)
-            rows.append({"n": n, "dtype": name, "time_s": timed_s(lambda: torch.mm(a, b), dev)})
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for name, dt in dtypes.items():
+            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+            for n in sizes:
+                a = torch.randn(n, n, device=dev, dtype=dt)
+                b = torch.randn(n, n, device=dev, dtype=dt)
+                rows.append({"n": n, "dtype": name, "time_s": timed_s(lambda: torch.mm(a, b), dev)})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
     return rows
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import platform
 import time
@@ -22,6 +23,27 @@ def device_type_of(dev: torch.device) -> tuple[str, str]:
     return gpu_from_device_name(props.name, props.total_memory).name, props.name
 
 
+# fp16 steps scale the loss as the executor's LossScaler does (a constant here: the step's
+# kernels are what is timed, not the scale's dynamics)
+FP16_LOSS_SCALE = 2.0**16
+
+
+@contextlib.contextmanager
+def precision_context(precision: str, dev: torch.device):
+    """A step's forward in the plan precision: autocast to bf16/fp16; tf32 turns on TF32
+    matmuls (cuDNN convolutions use TF32 by default) for the step; fp32 as it is."""
+    if precision in ("amp-bf16", "fp16"):
+        with torch.autocast(dev.type, dtype=torch.bfloat16 if precision == "amp-bf16" else torch.float16):
+            yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32" or before
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def measure_steps(model: str, model_args: dict[str, Any] | None, batch_sizes: tuple[int, ...],
                   seq_len: int | None, precision: str, optimizer: str, dev: torch.device) -> list[dict]:
     """Whole training steps (zero_grad, forward, loss, backward, optimizer step) per batch size:
@@ -39,9 +61,9 @@ def measure_steps(model: str, model_args: dict[str, Any] | None, batch_sizes: tu
 
         def step():
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "amp-bf16"):
+            with precision_context(precision, dev):
                 loss = work.loss(net(*inputs), targets)
-            loss.backward()
+            (loss * FP16_LOSS_SCALE if precision == "fp16" else loss).backward()
             opt.step()
 
         if dev.type == "cuda":

@@ -249,8 +249,10 @@ def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candi
 
 def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Plan:
     """Attach the explanation (prediction and cluster came with _runnable, priorities with
-    scoring)."""
-    plan = replace(winner.plan, notes=tuple(explain.notes(prob, winner, candidates)))
+    scoring), and how the devices run the plan's precision (cost/precision.py)."""
+    from heterog.cost.precision import precision_advice
+    plan = replace(winner.plan, notes=tuple(explain.notes(prob, winner, candidates))
+                   + precision_advice(prob.cluster, winner.plan.precision).notes)
     return plan.validate(prob.graph, prob.cluster)
 
 
@@ -262,16 +264,17 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
     """Capture `model`, load `cluster`, build the cost model and plan. Returns the CLI's JSON:
     {"best": plan dict, "candidates": [...], "search_time_s"}; with `strategy`, also
     "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run.
-    profile: measured per-node times (a `heterog profile` file, or a Profile) replace the
-    analytic estimate for the nodes they measured."""
+    profile: measured profiles ('FILE' or 'FILE:TYPE', a Profile or DeviceProfile, or a list),
+    each for one device type: their per-node times replace the analytic estimate for the nodes
+    they measured, and a GPU's device profile calibrates its type (cost/calibrated.py)."""
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.hardware.spec import load_cluster
 
-    clu = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    from heterog.cost.calibrated import apply_profiles
+    clu, node_times = apply_profiles(load_cluster(cluster) if isinstance(cluster, str) else cluster, profile)
     graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
-    from heterog.cost.predict import node_profile
-    costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer, profile=node_profile(profile))
+    costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer, profile=node_times)
     spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
     result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
                         precision=precision, optimizer=optimizer, finetune_s=finetune_s,
