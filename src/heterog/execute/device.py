@@ -66,6 +66,14 @@ class RankDevice:
             return torch.autocast(self.kind, dtype=torch.float16)
         return contextlib.nullcontext()
 
+    def set_math_mode(self, precision: str) -> None:
+        """tf32 (a whole-run setting, as backward's matmuls need it too): matmuls and cuDNN
+        convolutions on TF32 tensor cores; a CPU runs tf32 exactly as fp32. Other precisions
+        keep torch's defaults (cuDNN convolutions already use TF32 in fp32)."""
+        if self.kind == "cuda" and precision == Precision.TF32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
     def timer(self) -> "StepTimer":
         return StepTimer(self)
 

@@ -182,6 +182,7 @@ def build_rank(spec: dict[str, Any], rank: int, device: str, rdev: RankDevice, r
     inputs0, _ = global_batch(work, plan.batch_size, seed=seed, step=0)
     flow = build_dataflow(model, plan, len(inputs0), group_order=program_group_order(program), exported=exported)
     held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
+    rdev.set_math_mode(plan.precision)
     rewrite_stage_devices(flow.stages, rdev.torch_device)
     place_rank(flow, held, rdev.torch_device, rank=rank)
     crossing = crossing_values(program, flow)
