@@ -94,7 +94,7 @@ def plan_command(
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:
         from heterog.cli.report_cmd import report_from_plan_result
-        report_from_plan_result(result, report)
+        report_from_plan_result(result, report, profile)
     if as_json:
         print_json(result)
     else:

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from heterog.cachedir import cache_dir as user_cache_dir
 from heterog.errors import ClusterError
 from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts
 from heterog.jsonio import write_atomic
@@ -248,7 +249,7 @@ def _probe_key() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HETEROG_CACHE_DIR", Path.home() / ".cache" / "heterog"))
+    return user_cache_dir()
 
 
 def _best_time_s(fn, *, repeats: int, min_time_s: float = 0.0) -> float:

@@ -264,15 +264,11 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
     "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run.
     profile: measured per-node times (a `heterog profile` file, or a Profile) replace the
     analytic estimate for the nodes they measured."""
-    from heterog.capture import capture_model
-    from heterog.cost import build_cost_model
-    from heterog.hardware.spec import load_cluster
+    from heterog.inputs import model_inputs
 
-    clu = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
-    from heterog.cost.predict import node_profile
-    costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer, profile=node_profile(profile))
     spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
+    # the inputs simulate, report and run build for the plan (heterog/inputs.py): one prediction
+    graph, clu, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, profile=profile)
     result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
                         precision=precision, optimizer=optimizer, finetune_s=finetune_s,
                         max_iters=max_iters, progress=progress)
