@@ -1,4 +1,5 @@
-"""Captured graphs kept on disk, so that a command given a plan does not capture its model again.
+"""Captured graphs (and what the executor can cut of a model) kept on disk, so that a command
+given a plan does not capture or export its model again.
 
 A capture costs seconds (importing torch and transformers, two recorded iterations on fake
 tensors); reading the graph's JSON back costs milliseconds. `capture_cached` is
@@ -16,9 +17,11 @@ tensors); reading the graph's JSON back costs milliseconds. `capture_cached` is
 - Bounded: after a write, the least recently used entries (by modification time, which a hit
   refreshes) are deleted until the folder holds at most $HETEROG_GRAPH_CACHE_MIB MiB
   (default 512).
-- Where: `graphs/` in the user's cache folder (heterog/cachedir.py); HETEROG_GRAPH_CACHE=0
+- Where: `captures/` in the user's cache folder (heterog/cachedir.py); HETEROG_GRAPH_CACHE=0
   turns the cache off.
 
+The same store keeps each model's cut constraints (search/constraints.py: a torch.export of
+the model, seconds to tens of seconds), keyed the same way with the exporting code's sources.
 In-memory modules (heterog.plan(module, …)) are not cached: nothing names them across runs.
 """
 
@@ -42,10 +45,11 @@ LIMIT_ENV = "HETEROG_GRAPH_CACHE_MIB"
 SWITCH_ENV = "HETEROG_GRAPH_CACHE"
 DEFAULT_LIMIT_MIB = 512
 KEY_VERSION = 1
+GRAPH_CODE = ("capture", "ir")     # the code a captured graph depends on
 
 
-def graphs_dir() -> Path:
-    return cache_dir() / "graphs"
+def store_dir() -> Path:
+    return cache_dir() / "captures"
 
 
 def enabled() -> bool:
@@ -59,13 +63,15 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-@lru_cache(maxsize=1)
-def _code_fingerprint() -> str:
-    """heterog's capture and graph code: an edited recorder or zoo model captures anew."""
+@lru_cache(maxsize=8)
+def code_fingerprint(*parts: str) -> str:
+    """The sources of heterog's `parts` (folders or files under the package): an edited
+    recorder, zoo model or exporter makes new keys."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for folder in ("capture", "ir"):
-        for f in sorted((root / folder).rglob("*.py")):
+    for part in parts:
+        target = root / part
+        for f in sorted(target.rglob("*.py")) if target.is_dir() else [target]:
             h.update(f.relative_to(root).as_posix().encode())
             h.update(f.read_bytes())
     return h.hexdigest()
@@ -85,14 +91,57 @@ def _user_files(name: str) -> dict[str, str]:
             for f in sorted(file.resolve().parent.glob("*.py")) if f.is_file()}
 
 
-def graph_key(name: str, model_args: dict[str, Any] | None, batch_size: int, seq_len: int | None) -> str:
-    """The cache key of one capture (a hex digest)."""
+def model_key(kind: str, name: str, model_args: dict[str, Any] | None, *, code: tuple[str, ...],
+              **more: Any) -> str:
+    """The key of one cached result of `kind` about a model (a hex digest): the model spec,
+    a user file's bytes and its neighbours', the package versions and `code`'s sources."""
     from heterog import __version__
-    doc = {"key_version": KEY_VERSION, "model": name, "args": model_args or {}, "batch_size": batch_size,
-           "seq_len": seq_len, "files": _user_files(name), "heterog": __version__,
-           "code": _code_fingerprint(), "python": platform.python_version(),
-           "torch": _version("torch"), "transformers": _version("transformers")}
+    doc = {"key_version": KEY_VERSION, "kind": kind, "model": name, "args": model_args or {}, **more,
+           "files": _user_files(name), "heterog": __version__, "code": code_fingerprint(*code),
+           "python": platform.python_version(), "torch": _version("torch"),
+           "transformers": _version("transformers")}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def graph_key(name: str, model_args: dict[str, Any] | None, batch_size: int, seq_len: int | None) -> str:
+    """The cache key of one capture."""
+    return model_key("graph", name, model_args, code=GRAPH_CODE, batch_size=batch_size, seq_len=seq_len)
+
+
+def entry_path(kind: str, key: str) -> Path:
+    return store_dir() / f"{kind}-{key}.json"
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)  # most recently used
+    except OSError:
+        pass
+
+
+def load_json(kind: str, key: str) -> Any | None:
+    """A stored JSON document, or None (disabled, missing, evicted, damaged)."""
+    path = entry_path(kind, key)
+    if not enabled() or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    _touch(path)
+    return doc
+
+
+def store_json(kind: str, key: str, doc: Any) -> None:
+    """Store a JSON document atomically, then bound the store's size."""
+    if not enabled():
+        return
+    from heterog.jsonio import write_atomic
+    try:
+        write_atomic(entry_path(kind, key), json.dumps(doc))
+        _evict(store_dir(), _limit_bytes())
+    except OSError:
+        pass            # a read-only or full disk: the result still serves this run
 
 
 def _read(path: Path) -> OpGraph | None:
@@ -100,10 +149,7 @@ def _read(path: Path) -> OpGraph | None:
         graph = OpGraph.load(path)
     except (ArtifactError, OSError, ValueError, KeyError, TypeError):
         return None     # missing, half-evicted or damaged: capture again
-    try:
-        os.utime(path)  # most recently used
-    except OSError:
-        pass
+    _touch(path)
     return graph
 
 
@@ -134,25 +180,32 @@ def _limit_bytes() -> int:
         return DEFAULT_LIMIT_MIB * 2**20
 
 
+def _capture(name: str, model_args: dict[str, Any] | None, batch_size: int, seq_len: int | None) -> OpGraph:
+    from heterog.capture.capture import capture_model     # imports torch: only when capturing
+    return capture_model(name, model_args, batch_size=batch_size, seq_len=seq_len)
+
+
 def capture_cached(name: str, model_args: dict[str, Any] | None = None, *, batch_size: int,
                    seq_len: int | None = None) -> OpGraph:
     """capture_model(name, model_args, batch_size=…, seq_len=…), read from the cache when this
     exact capture was made before; `meta["graph_cache"]` says "hit" or "miss"."""
-    from heterog.capture.capture import capture_model
+    from heterog.capture.models import MODEL_INFO, is_user_model, unknown_model_error
+    from heterog.ir.plan import in_memory_model_error
+    if name not in MODEL_INFO and not is_user_model(name) and in_memory_model_error(name) is None:
+        raise unknown_model_error(name)     # before importing torch: a typo is answered at once
     if not enabled():
-        return capture_model(name, model_args, batch_size=batch_size, seq_len=seq_len)
-    folder = graphs_dir()
-    path = folder / f"{graph_key(name, model_args, batch_size, seq_len)}.json"
+        return _capture(name, model_args, batch_size, seq_len)
+    path = entry_path("graph", graph_key(name, model_args, batch_size, seq_len))
     started = time.perf_counter()
     graph = _read(path) if path.is_file() else None
     if graph is not None:
         graph.meta["graph_cache"] = "hit"
         graph.meta["load_time_s"] = round(time.perf_counter() - started, 4)
         return graph
-    graph = capture_model(name, model_args, batch_size=batch_size, seq_len=seq_len)
+    graph = _capture(name, model_args, batch_size, seq_len)
     try:
         graph.save(path)
-        _evict(folder, _limit_bytes())
+        _evict(store_dir(), _limit_bytes())
     except OSError:
         pass            # a read-only or full disk: the capture still serves this run
     graph.meta["graph_cache"] = "miss"
