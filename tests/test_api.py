@@ -1,4 +1,6 @@
-"""The stable Python API of DESIGN.md: heterog.capture / load_cluster / predict / simulate / plan / run."""
+"""The stable Python API (heterog/__init__.py): capture, load_cluster, predict, plan, inputs, lower, simulate,
+run, run_many — callable in a fresh interpreter, after their packages are imported, and on what
+heterog's own functions return."""
 
 import subprocess
 import sys

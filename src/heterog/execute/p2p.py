@@ -1,7 +1,7 @@
 """Point-to-point transfers of sample ranges between ranks, non-blocking on the send side.
 
 Gloo's blocking send waits for the matching receive, and a hand-written pipeline with
-blocking sends deadlocks (TOOLCHAIN.md). Here every send is an `isend` whose handle is kept
+blocking sends deadlocks (torch.distributed.send blocks until the matching recv on gloo). Here every send is an `isend` whose handle is kept
 until the end of the step, or until the caller knows it arrived (`release`: a forward
 activation once its gradient is back), and only receives block — each with the run's timeout. Every
 rank walks the same global order of events (Executor.events: forwards in topological order,

@@ -395,7 +395,8 @@ def cpu_gpu_type() -> GpuType:
         intra_node_bandwidth_bytes_per_s=2e9,
         sources={"peak_flops_per_s": f"measured on this machine ({p.key})",
                  "memory_bandwidth_bytes_per_s": "measured: 64 MiB copy, bytes read + written",
-                 "intra_node_link": "TOOLCHAIN.md: gloo point-to-point ~2 GB/s on one machine"})
+                 "intra_node_link": "gloo point-to-point between processes of one machine, ~2 GB/s "
+                                    "(profile/links.py measures a machine's own)"})
 
 
 def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> GpuType:
