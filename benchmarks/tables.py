@@ -31,6 +31,8 @@ def secs(t: float | None) -> str:
         return "—"
     if t >= 1:
         return f"{t:.2f} s"
+    if t < 0.01:
+        return f"{t * 1e3:.3g} ms"
     return f"{t * 1e3:.1f} ms" if t < 0.1 else f"{t * 1e3:.0f} ms"
 
 
@@ -53,13 +55,18 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def command_of(doc: dict[str, Any], script: str) -> str:
-    """The command that wrote `doc`, as a user types it in the repository: `--out PATH` and
-    interpreter paths dropped (they name where one run wrote, not what it measured)."""
-    cmd = doc.get("command") or doc.get("summary", {}).get("command") or f"python {script}"
-    cmd = re.sub(r"\s--out\s+\S+", "", str(cmd)).strip()
-    cmd = re.sub(r"^(\S*/)?python\S*\s+", "", cmd)
-    cmd = re.sub(r"^\S*?(benchmarks/)", r"\1", cmd)
-    return "python " + cmd if cmd.startswith("benchmarks/") else cmd
+    """The command that wrote `doc`, as a user types it in the repository: annotations in
+    parentheses, `--out PATH` and interpreter paths dropped (they say where one run wrote, not
+    what it measured); several commands joined by '+' become '; '."""
+    raw = str(doc.get("command") or doc.get("summary", {}).get("command") or f"python {script}")
+    out = []
+    for cmd in raw.split(" + "):
+        cmd = re.sub(r"\s*\(.*?\)", "", cmd)
+        cmd = re.sub(r"\s--out\s+\S+", "", cmd).strip()
+        cmd = re.sub(r"^(\S*/)?python\S*\s+", "", cmd)
+        cmd = re.sub(r"^\S*?(benchmarks/)", r"\1", cmd)
+        out.append("python " + cmd if cmd.startswith("benchmarks/") else cmd)
+    return "; ".join(out)
 
 
 # -- one renderer per benchmark: result document → markdown lines ----------------------------
@@ -76,10 +83,10 @@ def demo(doc: dict[str, Any], short: bool) -> list[str]:
     out = table(["run", "heterog's plan: predicted / measured", "best baseline", "even DP",
                  "over best baseline: median (worst)", "over even DP: median (worst)"], rows)
     s = doc["summary"]
-    for key, what in (("speedup_vs_best_baseline", "best baseline"), ("speedup_vs_even_dp", "even DP")):
+    for key, what in (("speedup_vs_best_baseline", "the best baseline"), ("speedup_vs_even_dp", "even DP")):
         if key in s:
             v = s[key]
-            out.append(f"Over the {what}: mean {times(v['mean'])}, runs within {pct(v['low'], True)} / "
+            out.append(f"Over {what}: mean {times(v['mean'])}, runs within {pct(v['low'], True)} / "
                        f"{pct(v['high'], True)} of it, worst single repetition {times(v['worst_repetition_min'])}.")
     return out
 
@@ -143,6 +150,20 @@ def _med_max(values: list[float | None]) -> str:
 
 def predict_gpu(doc: dict[str, Any], short: bool) -> list[str]:
     s = doc["summary"]
+    if short:       # one row per check: the held-out H200 steps, then each kind of per-type figure
+        rows = []
+        if "h200" in s and "all" in s["h200"]:
+            a = s["h200"]["all"]
+            rows.append(["H200 step time, each model held out", a["cases"], pct(a["median_time_error"]),
+                         pct(a["worst_time_error"])])
+            rows.append(["H200 peak memory, each model held out", a["cases"], pct(a["median_memory_error"]), "—"])
+        for key, what in (("per_type", "per-layer time, layers held out within each GPU type"),
+                          ("leave_one_type_out", "per-layer time, each GPU type held out")):
+            if key in s and "all" in s[key]:
+                a = s[key]["all"]
+                rows.append([f"{what} ({len(s[key]) - 1} types)", a.get("layers", a.get("cases", "—")),
+                             pct(a.get("median_error")), pct(a.get("worst_error"))])
+        return table(["prediction", "cases", "median error", "worst"], rows)
     out = []
     if "h200" in s:
         out += ["H200 training steps, each model predicted with figures fitted on the others:", ""]
@@ -204,12 +225,21 @@ def report_size(doc: dict[str, Any], short: bool) -> list[str]:
 
 
 def one_prediction(doc: dict[str, Any], short: bool) -> list[str]:
-    out = []
-    for case in doc["cases"]:
-        out.append(f"**{case['model']} on {case['cluster']}** ({case['strategy']}):")
-        out.append("")
-        out += table(["command", "predicted iteration"],
-                     [[f"`{c}`", secs(t)] for c, t in case["predicted_s"].items()])
+    """One row per command, one column per plan; `heterog run` rows merged whatever its flags."""
+    cases = doc["cases"]
+
+    def key(cmd: str) -> str:
+        return "heterog run plan.json" if cmd.startswith("heterog run ") else cmd
+
+    commands = list(dict.fromkeys(key(c) for case in cases for c in case["predicted_s"]))
+    by_case = [{key(c): t for c, t in case["predicted_s"].items()} for case in cases]
+    header = ["command", *(f"{c['model']} on {c['cluster']} ({c['strategy']})" for c in cases)]
+    out = table(header, [[f"`{cmd}`", *(f"{t[cmd] * 1e3:.6g} ms" if cmd in t else "—" for t in by_case)]
+                         for cmd in commands])
+    same = all(c["all_equal"] for c in cases)
+    out.append(("Each plan got one predicted time from every command" if same else
+                "The commands did not all print the same predicted time") +
+               " (each in its own process; a GPU cluster's plan runs here with `--emulated`).")
     return out
 
 
@@ -338,8 +368,7 @@ def load(section: Section) -> dict[str, Any] | None:
 
 
 def section_lines(section: Section, doc: dict[str, Any], *, short: bool, level: str) -> list[str]:
-    head = f"{level} {section.title} — `{command_of(doc, section.script)}`"
-    return [head, "", *section.render(doc, short)]
+    return [f"{level} {section.title} — `{command_of(doc, section.script)}`", *section.render(doc, short)]
 
 
 def benchmarks_page() -> str:
@@ -351,10 +380,9 @@ def benchmarks_page() -> str:
         doc = load(s)
         if doc is None:
             continue
-        out += section_lines(s, doc, short=False, level="##")
-        out[-1:] = [out[-1], ""] if out[-1] else [""]
-        out += [s.about, "", f"Results: `benchmarks/results/{s.result}`.", ""]
-    return "\n".join(out).rstrip() + "\n"
+        out += [f"## {s.title} — `{command_of(doc, s.script)}`", "", s.about, "", *s.render(doc, False)]
+        out += ["" if out[-1] else None, f"Results: `benchmarks/results/{s.result}`.", ""]
+    return "\n".join(line for line in out if line is not None).rstrip() + "\n"
 
 
 def scenarios_block() -> list[str]:
@@ -394,10 +422,14 @@ def fill(text: str, named: dict[str, list[str]], where: str) -> str:
 
 
 def pages() -> dict[Path, str]:
+    """Every page this script writes: docs/benchmarks.md whole, and the named blocks of README.md
+    and of the other docs pages."""
     named = blocks()
-    out = {ROOT / "docs" / "benchmarks.md": benchmarks_page()}
-    for page in (ROOT / "README.md", ROOT / "docs" / "scenarios.md"):
-        out[page] = fill(page.read_text(), named, page.name)
+    generated = ROOT / "docs" / "benchmarks.md"
+    out = {generated: benchmarks_page()}
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        if page != generated:
+            out[page] = fill(page.read_text(), named, page.name)
     return out
 
 

@@ -6,7 +6,7 @@ The stable Python API (the same keys as the CLI's --json output):
     load_cluster(name_or_yaml)           → Cluster
     predict(model, batch_size=, device=) one device, one training step
     plan(model, batch_size=, cluster=)   → {"best", "candidates", "search_time_s"}
-    inputs(plan)                         → (graph, cluster, costs) every prediction uses
+    plan_inputs(plan)                    → (graph, cluster, costs) every prediction uses
     lower(plan)                          → Program (per-device instructions)
     simulate(plan)                       → SimResult (or simulate(graph, cluster, plan, costs))
     run(plan, steps=)                    → measured vs predicted iteration time
@@ -30,7 +30,7 @@ _API: dict[str, tuple[str, str]] = {
     "load_cluster": ("heterog.hardware.spec", "load_cluster"),
     "predict": ("heterog.cost.predict", "predict"),
     "plan": ("heterog.plan_module", "plan"),
-    "inputs": ("heterog.inputs", "plan_inputs"),
+    "plan_inputs": ("heterog.inputs", "plan_inputs"),
     "lower": ("heterog.pipeline", "lower"),
     "simulate": ("heterog.pipeline", "simulate"),
     "run": ("heterog.pipeline", "run"),

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
-from heterog.ir.plan import ModelSpec, Plan
+from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
 
 
 class PlanInputs(NamedTuple):
@@ -80,8 +80,21 @@ def plan_inputs(plan: Any, *, cluster: Cluster | str | os.PathLike | None = None
                             "cluster it is for; give one (--cluster NAME_OR_FILE).")
         from heterog.hardware.spec import cluster_from_dict
         cluster = cluster_from_dict(plan.cluster)
+    if graph is None and plan.model.name.startswith(IN_MEMORY_PREFIX):
+        graph = _in_memory_graph(plan)
     return model_inputs(plan.model, cluster, precision=plan.precision, optimizer=plan.optimizer,
                         profile=profile, graph=graph)
+
+
+def _in_memory_graph(plan: Plan) -> OpGraph:
+    from heterog.capture.cache import in_memory_graph
+    graph = in_memory_graph(plan.graph_fingerprint)
+    if graph is None:
+        raise PlanError(f"the plan was made for an in-memory nn.Module ({plan.model.name!r}) in another "
+                        f"interpreter, so its graph is not here; plan the module again here, or pass its graph "
+                        f"(heterog.capture(module, example_inputs)), or put the module in a file "
+                        f"(docs/robustness.md).")
+    return graph
 
 
 def as_plan(plan: Any, source: str = "<plan>") -> Plan:

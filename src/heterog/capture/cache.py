@@ -210,3 +210,20 @@ def capture_cached(name: str, model_args: dict[str, Any] | None = None, *, batch
         pass            # a read-only or full disk: the capture still serves this run
     graph.meta["graph_cache"] = "miss"
     return graph
+
+
+# Graphs of in-memory modules planned in this interpreter (heterog.plan(module, …)), by
+# fingerprint: their plans can be simulated and reported here, as a zoo model's can anywhere.
+_IN_MEMORY: dict[str, OpGraph] = {}
+_IN_MEMORY_MAX = 16
+
+
+def remember_in_memory(graph: OpGraph) -> None:
+    _IN_MEMORY.pop(graph.fingerprint(), None)
+    _IN_MEMORY[graph.fingerprint()] = graph
+    while len(_IN_MEMORY) > _IN_MEMORY_MAX:
+        _IN_MEMORY.pop(next(iter(_IN_MEMORY)))
+
+
+def in_memory_graph(fingerprint: str) -> OpGraph | None:
+    return _IN_MEMORY.get(fingerprint)
