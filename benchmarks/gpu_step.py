@@ -5,7 +5,7 @@ For resnet50, gpt2-medium and a small Llama at two batch sizes each: the median 
   plain     the model's own forward, loss, backward and optimizer step in one process;
   heterog   the same step as heterog runs it: a one-device plan lowered to a Program and
             carried out by the executor (heterog.pipeline.run);
-and `heterog predict` for the same step. Targets (issue 11): heterog within 3% of plain in time
+and `heterog predict` for the same step. Targets: heterog within 3% of plain in time
 and 5% in memory. Writes benchmarks/results/gpu_step_<gpu>.json.
 
     python benchmarks/gpu_step.py            # on a machine with a CUDA GPU

@@ -28,7 +28,7 @@ proportional-dp, model-parallel, pipeline). Speedups are per-repetition ratios: 
 and the worst repetition's. An even-DP plan the planner finds does not fit is run once to
 show that the emulated memory cap stops it.
 
-Targets (issue 10): median |predicted − measured| ≤ 10 % over all plans; in at least one
+Targets: median |predicted − measured| ≤ 10 % over all plans; in at least one
 scenario per family heterog ≥ 1.3× over the best baseline at the worst repetition. The
 machine is shared: the load average before and after is recorded with the figures.
 """

@@ -68,7 +68,8 @@ def test_tables_are_made_from_the_result_files():
 OUTSIDE = [r"\.\./shared", r"\bshared/data\b", "/" + "work/", *(rf"\b{n}\.md\b" for n in
                                                                    ("DESIGN", "TOOLCHAIN", "REFERENCE", "STYLE"))]
 HISTORY = [r"\bround[ -]\d", r"_round\d", r"\b(this|last|previous|next|earlier) (round|session)s?\b",
-           r"\b(these|our|the project's) sessions\b", r"\bthe session's\b", r"\brounds ago\b"]
+           r"\b(these|our|the project's) sessions\b", r"\bthe session's\b", r"\brounds ago\b",
+           r"\bissue \d+", r"\bthe issue.s\b"]
 DATED = [r"\b20\d\d-[01]\d-[0-3]\d\b", r"\b\d\d:\d\d(–\d\d:\d\d)? UTC\b"]
 
 

@@ -33,6 +33,7 @@ CANDIDATES = ("single-device", "even-dp-allreduce", "even-dp-ps", "proportional-
 DEFAULT_BUDGET_S = 10.0
 ELITE_RESCORED = 4  # strategies from each search that the simulator re-scores (at most)
 PRIORITY_MAX_DEVICES = 128
+FINAL_SIMULATIONS = 7   # after the search: search, gnn, gnn+search scored twice each, the winner explained
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,7 +202,10 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
         gnn_props = pol.propose(prob, samples=8, seed=seed)
         strategies["gnn"] = min(gnn_props, key=lambda s: estimate(prob, s).score)
     say("gnn", 0.1)
-    left = max(0.0, budget_s - (time.perf_counter() - begin)) * 0.8
+    # what must follow the search fits the budget too: scoring its best strategies (twice each,
+    # with and without priorities) and the explanation's simulation of the winner
+    reserve_s = FINAL_SIMULATIONS * per_call_s
+    left = max(0.0, budget_s - (time.perf_counter() - begin) - reserve_s) * 0.8
     share = 0.5 if gnn_props else 1.0
     have_sim = _simulator() is not None
     # with max_iters the run must not depend on the machine's speed: no timing-based choices
