@@ -212,7 +212,9 @@ def capture(doc: dict[str, Any], short: bool) -> list[str]:
 
 def command_times(doc: dict[str, Any], short: bool) -> list[str]:
     out = table(["command", "what", "cold", "warm"],
-                [[f"`{r['command']}`", r["what"], secs(r.get("cold_s")), secs(r["warm_s"])] for r in doc["rows"]])
+                [[f"`{r['command']}`", r["what"], secs(r.get("cold_s")),
+                  secs(r["warm_s"]) + (f" (search {secs(r['search_s'])})" if "search_s" in r else "")]
+                 for r in doc["rows"]])
     out.append(f"Wall-clock medians of {doc['repeats']} runs each on a {doc['cpu_count']}-core machine "
                f"(load average {doc['load_average_before'][0]:.1f} at the start); cold: an empty cache folder.")
     return out

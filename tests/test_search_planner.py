@@ -147,3 +147,26 @@ def test_plan_strategy_writes_the_named_candidates_plan(tmp_path, capsys):
     capsys.readouterr()
     assert run_cli([*args, "--strategy", "even-dp-allreduc"]) == 2     # refused before any search
     assert "Did you mean 'even-dp-allreduce'" in capsys.readouterr().err
+
+
+def test_the_explanations_claims_are_the_simulations():
+    """Busy fractions and a pipeline's stage figures in the notes are read from a simulation
+    of the chosen plan, never written as boilerplate."""
+    from heterog.search import explain
+    from heterog.search.planner import Candidate
+    from heterog.search.problem import Problem
+    from heterog.simulate.simulator import simulate
+    g, c, costs = _inputs()
+    r = plan_graph(g, c, costs, budget_s=3, policy=False, max_iters=200)
+    pipe = next(x for x in r.candidates if x.strategy == "pipeline")
+    sim = simulate(g, c, pipe.plan, costs, timeline=False)
+    prob = Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 8), batch_size=64)
+    notes = explain.notes(prob, Candidate(strategy="pipeline", plan=pipe.plan, iteration_time_s=sim.iteration_time_s,
+                                          feasible=True, peak_memory_bytes={}, scored_by="simulator"), r.candidates)
+    busy = {d: sim.compute_time_s[d] / sim.iteration_time_s for d in pipe.plan.devices()}
+    top = max(busy, key=busy.get)
+    assert any(f"busiest: {top} at {busy[top] * 100:.0f} %" in n for n in notes), notes
+    if pipe.plan.num_microbatches > 1:
+        line = next(n for n in notes if "micro-batches per iteration" in n)
+        assert "busy" not in line.split("computes")[0] and "%" in line, line
+    assert not any("keep the" in n and "busy" in n for n in notes)
