@@ -63,7 +63,7 @@ def main() -> int:
     t0, load_before = time.perf_counter(), os.getloadavg()
     setup = D.prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
                       seq_len=sc.seq_len, profile=True, say=print)
-    result = plan_graph(setup.graph, cluster, setup.costs, budget_s=5.0, model_spec=setup.spec)
+    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=5.0, model_spec=setup.spec)
     single = min((c for c in result.candidates if c.feasible and len(c.plan.devices()) == 1),
                  key=lambda c: c.iteration_time_s)
     runs = {"new order": result.best, "old order": result.best, f"control: {single.strategy}": single.plan}
