@@ -395,11 +395,12 @@ def scenarios_block() -> list[str]:
     for sc in SCENARIOS.values():
         r = runs.get(sc.name)
         vb = r["speedup_vs_best_baseline"] if r else None
-        rows.append([sc.name, f"{sc.model} {sc.model_args}", sc.batch_size,
+        args = ", ".join(f"{k} {v}" for k, v in sc.model_args.items())
+        rows.append([sc.name, f"{sc.model} ({args})", f"{sc.batch_size}" + (f" × {sc.seq_len}" if sc.seq_len else ""),
                      " / ".join(f"{x:g}×" for x in sc.slowdowns), f"{sc.slow_link_gbps:g} Gb/s",
                      f"{sc.memory_gib * 1024:g} MiB on {sc.capped_device}" if sc.memory_gib else "—",
                      f"{r['heterog_strategy']}, {times(vb['median'])} over {r['best_baseline']}" if r else "not run"])
-    return table(["scenario", "model", "batch", "slowdowns a/cpu0, a/cpu1, b/cpu0", "node b's link",
+    return table(["scenario", "model", "batch (× sequence)", "slowdowns a/cpu0, a/cpu1, b/cpu0", "node b's link",
                   "memory cap", "latest run: heterog's plan, measured speedup"], rows)
 
 
