@@ -4,7 +4,7 @@
 
 Each capture runs in its own subprocess so its peak RSS (getrusage ru_maxrss, which
 includes the ~0.3-0.4 GB of importing torch and transformers) is not inflated by earlier
-ones. Targets (issue 2): the 7B model in under 30 s and 2 GiB — no parameter memory is
+ones. Targets: the 7B model in under 30 s and 2 GiB — no parameter memory is
 allocated (7B fp32 parameters alone would be 28 GB). Writes benchmarks/results/capture.json.
 """
 

@@ -5,7 +5,7 @@
 Each run is a fresh `heterog demo --json` (profile, plan, then heterog's plan, the best
 baseline and even data parallelism measured interleaved in one launch). Per run: heterog's
 plan, predicted and measured times, and the median and worst-repetition speedups over the
-best baseline and over even data parallelism. The issue's target: the speedups of five runs
+best baseline and over even data parallelism. Target: the speedups of five runs
 in a row within ±10 % of their mean. Writes benchmarks/results/demo_five_runs.json.
 """
 

@@ -1,12 +1,12 @@
 """Extract the per-layer subset of the shared peer measurements that heterog calibrates on.
 
-Source: shared/data/peer_calibration.json (eth-easl/sailor at cf2c8e3c, with the Aceso
-profiler data it carries; see shared/data/README.md). Kept: the `transformer_layer` records
+Source: the peer calibration file compiled from eth-easl/sailor at cf2c8e3c (with the Aceso
+profiler data it carries), given as --source; it is not part of the repository. Kept: the `transformer_layer` records
 at tensor-parallel degree 1 (the fields a per-layer prediction needs) and the `gpus` table.
 Nothing from the held-out sources (Zorse/Cephalo model_latencies.json, AMP's or Sailor's
 validation runs) is in that file or here.
 
-    .venv/bin/python benchmarks/extract_peer_layers.py [--source PATH]
+    .venv/bin/python benchmarks/extract_peer_layers.py --source PATH
 writes src/heterog/cost/data/peer_layers.json.
 """
 
@@ -29,14 +29,14 @@ FIELDS = ("gpu", "model", "source", "hidden", "heads", "ffn", "ffn_type", "seq_l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--source", default=str(ROOT.parent / "shared" / "data" / "peer_calibration.json"))
+    ap.add_argument("--source", required=True, help="peer_calibration.json (eth-easl/sailor at cf2c8e3c)")
     args = ap.parse_args()
     doc = json.loads(Path(args.source).read_text())
     layers = [{k: r.get(k) for k in FIELDS} for r in doc["layer_times"]
               if r["part"] == "transformer_layer" and r.get("tp") == 1
               and r.get("fwd_ms") is not None and r.get("bwd_ms") is not None]
     out = {"about": "Per-layer transformer times (tp = 1) extracted by benchmarks/extract_peer_layers.py "
-                    "from shared/data/peer_calibration.json: " + doc["about"],
+                    "from the peer calibration file (eth-easl/sailor at cf2c8e3c): " + doc["about"],
            "flop_formula": doc.get("flop_formula"), "gpus": doc["gpus"], "layer_times": layers}
     write_atomic(OUT, json.dumps(out, indent=0, sort_keys=True))
     print(f"{len(layers)} layer records → {OUT} ({OUT.stat().st_size / 1024:.0f} KiB)")

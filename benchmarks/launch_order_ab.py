@@ -1,12 +1,11 @@
 """A/B of a Program's collective launch order: heterog's plan for one scenario, lowered as
 the Programs are now (each collective launched right after the member's own last input,
-lower/lowering.py `_launch_when_ready`) and as they were before round 10 (the list
+lower/lowering.py `_launch_when_ready`) and in the earlier order (the list
 scheduler's global order projected on each device), measured interleaved in one launch with
 the scenario's fastest single-device plan as a control for the host's speed.
 
-Why: after the launch change, run_vs_sim measured the LM's data-parallel plans 28-33 % over
-their prediction; either the host was slower than at its profile, or an all-reduce launched
-early shares the rank's one core with the backward it overlaps (gloo reduces on the CPU).
+Why: when a language model's data-parallel plans run well over their prediction, either the
+host is slower than at its profile, or an all-reduce launched early shares the rank's one core with the backward it overlaps (gloo reduces on the CPU).
 Both orders run the same plan and are predicted alike, so their ratio, taken side by side,
 separates the two; the control's error says how far the host has drifted from its profile.
 
@@ -64,7 +63,7 @@ def main() -> int:
     t0, load_before = time.perf_counter(), os.getloadavg()
     setup = D.prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
                       seq_len=sc.seq_len, profile=True, say=print)
-    result = plan_graph(setup.graph, cluster, setup.costs, budget_s=5.0, model_spec=setup.spec)
+    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=5.0, model_spec=setup.spec)
     single = min((c for c in result.candidates if c.feasible and len(c.plan.devices()) == 1),
                  key=lambda c: c.iteration_time_s)
     runs = {"new order": result.best, "old order": result.best, f"control: {single.strategy}": single.plan}

@@ -7,7 +7,7 @@
                forward) against the model's node for it in cost/peer_layer.py, with no per-type
                figures: the median ratio predicted / measured per type, precision, op and
                hidden size (writes benchmarks/results/predict_gpu_peer_ops.json). Needs the
-               full peer file: --peer-file (default ../shared/data/peer_calibration.json).
+               full peer file, not part of the repository: --peer-file PATH.
 
     .venv/bin/python benchmarks/predict_gpu_diagnostics.py --resnet-bf16 | --peer-ops
 """
@@ -134,7 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--resnet-bf16", action="store_true")
     ap.add_argument("--peer-ops", action="store_true")
-    ap.add_argument("--peer-file", type=Path, default=ROOT.parent / "shared" / "data" / "peer_calibration.json")
+    ap.add_argument("--peer-file", type=Path, help="peer_calibration.json (eth-easl/sailor at cf2c8e3c), for --peer-ops")
     args = ap.parse_args()
     if args.resnet_bf16:
         ev = resnet_bf16_evidence()
@@ -142,6 +142,8 @@ def main() -> None:
         write_atomic(RESULT.with_name("predict_gpu_resnet_bf16.json"),
                      json.dumps({"command": "benchmarks/predict_gpu_diagnostics.py --resnet-bf16", **ev}, indent=1))
     if args.peer_ops:
+        if args.peer_file is None:
+            ap.error("--peer-ops needs --peer-file PATH")
         doc = {"command": "benchmarks/predict_gpu_diagnostics.py --peer-ops", **peer_ops(args.peer_file)}
         write_atomic(RESULT.with_name("predict_gpu_peer_ops.json"), json.dumps(doc, indent=1))
 

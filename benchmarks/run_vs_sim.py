@@ -28,7 +28,7 @@ proportional-dp, model-parallel, pipeline). Speedups are per-repetition ratios: 
 and the worst repetition's. An even-DP plan the planner finds does not fit is run once to
 show that the emulated memory cap stops it.
 
-Targets (issue 10): median |predicted − measured| ≤ 10 % over all plans; in at least one
+Targets: median |predicted − measured| ≤ 10 % over all plans; in at least one
 scenario per family heterog ≥ 1.3× over the best baseline at the worst repetition. The
 machine is shared: the load average before and after is recorded with the figures.
 """
@@ -98,7 +98,7 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
     cluster = sc.cluster()
     setup = D.prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
                       seq_len=sc.seq_len, profile=not args.no_profile, say=print)
-    result = plan_graph(setup.graph, cluster, setup.costs, budget_s=args.budget_s, model_spec=setup.spec)
+    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=args.budget_s, model_spec=setup.spec)
     plans, same, top = distinct_plans(result)
     out: dict[str, Any] = {"scenario": sc.name, "family": sc.family, "description": sc.description,
                            "model": sc.model, "model_args": sc.model_args, "batch_size": sc.batch_size,

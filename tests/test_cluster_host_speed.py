@@ -1,4 +1,4 @@
-"""Per-node host speed (issue 12, item 1): a property of the node in the cluster YAML, carried
+"""Per-node host speed: a property of the node in the cluster YAML, carried
 on the Cluster, and used by the cost model for every device of that node."""
 
 from __future__ import annotations

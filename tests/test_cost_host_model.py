@@ -1,4 +1,4 @@
-"""The GPU cost model's mechanisms (issue 12): host pacing, autocast casts, per-type
+"""The GPU cost model's mechanisms: host pacing, autocast casts, per-type
 sustained efficiency. Accuracy against measurements is benchmarks/predict_gpu.py's job."""
 
 from __future__ import annotations

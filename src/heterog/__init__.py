@@ -1,36 +1,61 @@
 """heterog: plan and run fast training on clusters of unlike GPUs.
 
-The stable Python API (same keys as the CLI's --json output):
-capture, load_cluster, predict, plan, simulate, run, run_many. Imports are lazy so that the command
-line starts fast and stages load only what they use.
+The stable Python API (the same keys as the CLI's --json output):
+
+    capture(model, example_inputs)       nn.Module → OpGraph
+    load_cluster(name_or_yaml)           → Cluster
+    predict(model, batch_size=, device=) one device, one training step
+    plan(model, batch_size=, cluster=)   → {"best", "candidates", "search_time_s"}
+    plan_inputs(plan)                    → (graph, cluster, costs) every prediction uses
+    lower(plan)                          → Program (per-device instructions)
+    simulate(plan)                       → SimResult (or simulate(graph, cluster, plan, costs))
+    run(plan, steps=)                    → measured vs predicted iteration time
+    run_many(plans, steps=)              → one PlanRun per plan, in one launch
+
+Wherever a plan is taken, a Plan, its dict (a plan result's "best"), a whole plan result, or a
+path to a plan, program or `heterog plan --json` file is accepted. Imports are lazy so that
+the command line starts fast and stages load only what they use.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "capture": "heterog.capture",          # a callable package: heterog.capture(model, inputs)
-    "load_cluster": "heterog.hardware.spec",
-    "predict": "heterog.cost.predict",
-    "simulate": "heterog.simulate",        # a callable package: heterog.simulate(graph, cluster, plan, costs)
-    "plan": "heterog.plan_module",         # a name, a user file or an nn.Module (plan_module.py)
-    "run": "heterog.pipeline",
-    "run_many": "heterog.pipeline",
-    "OpGraph": "heterog.ir.opgraph",
-    "Plan": "heterog.ir.plan",
-    "Cluster": "heterog.hardware.cluster",
-    "HeterogError": "heterog.errors",
+# name → (module, attribute)
+_API: dict[str, tuple[str, str]] = {
+    "capture": ("heterog.capture.capture", "capture"),
+    "load_cluster": ("heterog.hardware.spec", "load_cluster"),
+    "predict": ("heterog.cost.predict", "predict"),
+    "plan": ("heterog.plan_module", "plan"),
+    "plan_inputs": ("heterog.inputs", "plan_inputs"),
+    "lower": ("heterog.pipeline", "lower"),
+    "simulate": ("heterog.pipeline", "simulate"),
+    "run": ("heterog.pipeline", "run"),
+    "run_many": ("heterog.pipeline", "run_many"),
+    "OpGraph": ("heterog.ir.opgraph", "OpGraph"),
+    "Plan": ("heterog.ir.plan", "Plan"),
+    "Cluster": ("heterog.hardware.cluster", "Cluster"),
+    "HeterogError": ("heterog.errors", "HeterogError"),
 }
+# API names that are also subpackages: `heterog.X` is the (callable) package, so that
+# heterog.capture.zoo and heterog.capture(model, inputs) both work
+_PACKAGES = frozenset({"capture", "simulate", "lower"})
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_API)
+
+
+def api_function(name: str) -> Callable[..., Any]:
+    """The function (or class) the API calls `name`."""
+    module, attr = _API[name]
+    return getattr(importlib.import_module(module), attr)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        module = importlib.import_module(_EXPORTS[name])
-        return module if module.__name__ == f"heterog.{name}" else getattr(module, name)
+    if name in _PACKAGES:
+        return importlib.import_module(f"heterog.{name}")
+    if name in _API:
+        return api_function(name)
     raise AttributeError(f"module 'heterog' has no attribute {name!r}")

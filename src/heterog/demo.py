@@ -21,8 +21,6 @@ import statistics
 import time
 from typing import Any, Callable
 
-import torch
-
 from heterog.pipeline import run
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import ModelSpec, Plan
@@ -133,14 +131,14 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
     `profile`, per-node times are measured here; with `links` too (as root, on an emulated
     cluster of several nodes), each shaped link is measured once and the cost model's
     transfers and collectives use what it carried (cost.profile.LinkCalibratedCosts)."""
-    from heterog.capture import capture_model
-    from heterog.cost import build_cost_model
+    from heterog.capture.cache import capture_cached
     from heterog.execute.workload import resolve_workload
+    from heterog.inputs import device_view, model_inputs
     from heterog.profile.measure import measure_profile, profile_batch_sizes
 
-    torch.set_num_threads(1)  # every rank runs one thread; the cpu type is probed to match
+    device_view(cluster)    # one torch thread: every rank runs one, and the profile measures at one
     spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)
-    graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
+    graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
     prof = None
     if profile:
         say("measuring per-node times on this CPU (one thread)")
@@ -148,7 +146,8 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
         # micro-batches of pipelines; the cost model interpolates between the points.
         prof = measure_profile(resolve_workload(spec), batch_sizes=profile_batch_sizes(batch_size), graph=graph,
                                repeats=9)
-    costs = build_cost_model(graph, cluster, profile=prof)
+    # the inputs heterog plan / simulate / run build (heterog/inputs.py), with this profile
+    graph, cluster, costs = model_inputs(spec, cluster, profile=prof, graph=graph)
     measured: tuple[dict[str, Any], ...] = ()
     if profile and links:
         costs, measured = _calibrated_links(costs, cluster, say)
@@ -296,7 +295,7 @@ def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetit
     setup = prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
                     seq_len=sc.seq_len, profile=profile, say=say)
     say(f"planning for {cluster.name}: {sc.description} (budget {budget_s:g} s)")
-    result = plan_graph(setup.graph, cluster, setup.costs, budget_s=budget_s, model_spec=setup.spec)
+    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=budget_s, model_spec=setup.spec)
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
     plans = {"heterog": result.best, "best-baseline": best_baseline(result).plan}
     if even.feasible:

@@ -11,12 +11,34 @@ from typing import Any, ClassVar, Self
 from heterog.errors import ArtifactError
 
 
+def _current_umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (/proc, since 4.7);
+    elsewhere set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to path through a temporary file in the same folder and an atomic rename."""
+    """Write text to path through a temporary file in the same folder and an atomic rename.
+
+    The file gets the permissions a plain open() would give it — an existing file's own, a new
+    one 0666 less the umask — not the temporary file's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except OSError:
+        mode = 0o666 & ~_current_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -1,8 +1,13 @@
-"""Orchestration: capture → cost → lower → simulate → run, in one place for the CLI and the API.
+"""Orchestration: inputs → lower → simulate → run, in one place for the CLI and the API.
 
-Stages import only downward; this module is the one that calls them in sequence:
-- `plan_inputs(plan)`: the model's OpGraph, the plan's Cluster and the cost model for it;
+Stages import only downward; this module is the one that calls them in sequence. Every
+function that takes a plan takes anything `inputs.as_plan` accepts (a Plan, a plan dict such
+as a plan result's "best", a plan result, a Program, or a plan / program / `plan --json` file),
+and builds the plan's graph, cluster and costs with `inputs.model_inputs`, as `heterog plan`
+does, so that they all predict the same time:
 - `lower(plan)` → Program: the per-device instructions (heterog.lower);
+- `simulate(plan)` → SimResult: the simulator's prediction (also `simulate(graph, cluster,
+  plan, costs)`, the simulator itself);
 - `run(plan, steps=…)` → {"measured_iteration_time_s", "predicted_iteration_time_s", "per_rank",
   "losses", "link_shaping", "notes", …}: lowers the plan, has the executor carry out the
   Program on local processes, and puts the simulator's prediction of the same schedule beside
@@ -11,6 +16,7 @@ Stages import only downward; this module is the one that calls them in sequence:
   after the other in one launch of the rank processes, for sweeps;
 - `run_interleaved(plans, steps=…, repetitions=…)` → one PlanRepetitions per plan: plans of
   one emulated cluster measured side by side (A B C C B A …) in one launch with shaped links.
+The executor (torch.distributed, the launcher) is imported only by the functions that run.
 """
 
 from __future__ import annotations
@@ -23,19 +29,20 @@ import signal
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from heterog.errors import PlanError
-from heterog.execute.device import nccl_env
-from heterog.execute.launcher import (LaunchConfig, PlanLaunch, ProcessLayout, launch_local, launch_local_many,
-                                      local_gpu_indices)
-from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
+from heterog.inputs import PlanInputs, as_plan, device_view
+from heterog.inputs import plan_inputs as _inputs_of_plan
 from heterog.ir.plan import Plan
 from heterog.lower.lowering import lower as lower_schedule
 from heterog.lower.lowering import program_devices
 from heterog.lower.program import Program
 from heterog.lower.schedule import cover_graph
+
+if TYPE_CHECKING:
+    from heterog.execute.launcher import PlanLaunch, ProcessLayout
 
 MAX_LOCAL_RANKS = 16
 
@@ -65,45 +72,52 @@ def rank_devices(plan: Plan, cluster: Cluster | None) -> tuple[str, ...]:
 
 
 def read_plan(path: str | os.PathLike) -> Plan:
-    """A Plan from a plan file, or the plan a Program file was lowered from."""
-    import json
-    try:
-        kind = json.loads(Path(path).read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
-        kind = None      # Plan.load says what is wrong with the file
-    if kind == "heterog.Program":
-        return Plan.from_dict(Program.load(path).plan, str(path))
-    return Plan.load(path)
+    """A Plan from a plan file, the plan a Program file was lowered from, or the best plan of
+    `heterog plan --json` output."""
+    return as_plan(path)
 
 
-def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=None):
-    """(graph, cluster, cost model) for `plan`: the model captured at the plan's batch, the
-    cluster as its ranks see it (local_cluster: an emulated cluster's CPU devices are
-    one-thread processes, so this process computes their costs at one thread too), and costs
-    as the plan's precision and optimizer run (profile: per-node times measured on this CPU
-    first, for emulated clusters; a few seconds). simulate, run and report all call this, so
-    they predict the same time for the same plan."""
-    cluster = local_cluster(cluster)
-    from heterog.capture import capture_model
-    from heterog.cost import build_cost_model
-    if graph is None:       # a model the capture refuses is a ModelError saying why
-        graph = capture_model(plan.model.name, plan.model.args or None,
-                              batch_size=plan.batch_size, seq_len=plan.model.seq_len)
+def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=None) -> PlanInputs:
+    """(graph, cluster as its ranks see it, cost model) for `plan` on `cluster`, built as
+    `heterog plan` builds them (inputs.model_inputs). profile: per-node times measured on this
+    CPU first (one thread, as the ranks run; a few seconds), for emulated clusters."""
     prof = None
     if profile:
+        from heterog.capture.cache import capture_cached
         from heterog.execute.workload import resolve_workload
         from heterog.profile.measure import measure_profile, profile_batch_sizes
+        device_view(cluster)        # one thread, as the ranks measure
+        if graph is None:
+            graph = capture_cached(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
+                                   seq_len=plan.model.seq_len)
         prof = measure_profile(resolve_workload(plan.model), graph=graph,
                                batch_sizes=profile_batch_sizes(plan.batch_size))
-    return graph, cluster, build_cost_model(graph, cluster, precision=plan.precision,
-                                            optimizer=plan.optimizer, profile=prof)
+    return _inputs_of_plan(plan, cluster=cluster, graph=graph, profile=prof)
 
 
-def lower(plan: Plan | str | os.PathLike) -> Program:
-    """The Program of a plan (or plan file): every device's instructions, validated."""
-    if not isinstance(plan, Plan):
-        plan = read_plan(plan)
-    return _lower_for_run(plan, plan_cluster(plan) or local_cpu_cluster(plan), False)[0]
+def _cluster_of(plan: Plan) -> Cluster:
+    return plan_cluster(plan) or local_cpu_cluster(plan)
+
+
+def lower(plan: Any) -> Program:
+    """The Program of a plan (anything inputs.as_plan takes): every device's instructions,
+    validated."""
+    plan = as_plan(plan)
+    return _lower_for_run(plan, _cluster_of(plan), False)[0]
+
+
+def simulate(plan: Any, *simulator_args: Any, **options: Any):
+    """The simulator's prediction of one iteration of `plan` (anything inputs.as_plan takes) on
+    the cluster it records, from the inputs `heterog plan` used: the time it predicted.
+
+    simulate(graph, cluster, plan, costs, timeline=…, cache=…), with the inputs given, is the
+    simulator itself (heterog.simulate.simulator.simulate)."""
+    from heterog.simulate.simulator import simulate as simulate_schedule
+    if simulator_args or "costs" in options:
+        return simulate_schedule(plan, *simulator_args, **options)
+    plan = as_plan(plan)
+    graph, seen, costs = plan_inputs(plan, _cluster_of(plan))
+    return simulate_schedule(graph, seen, cover_graph(plan, graph), costs, **options)
 
 
 def check(plan: Plan | str | os.PathLike, *, device: str = "meta", cache=None):
@@ -157,6 +171,7 @@ def gpu_layout(cluster: Cluster, devices: tuple[str, ...], *, share: bool = Fals
     a note). Devices of one node run on the GPUs they name (their positions in the node,
     launcher.local_gpu_indices); devices of several nodes run one per GPU in rank order;
     with `share`, more ranks than GPUs take the GPUs in turn (gloo, host staging)."""
+    from heterog.execute.launcher import local_gpu_indices
     visible = local_gpus()
     nodes = {cluster.node_of[d] for d in devices}
     if len(nodes) == 1:
@@ -174,21 +189,6 @@ def gpu_layout(cluster: Cluster, devices: tuple[str, ...], *, share: bool = Fals
             f"through gloo with host copies (correct, not fast)")
 
 
-def local_cluster(cluster: Cluster) -> Cluster:
-    """An emulated cluster as its ranks see this machine: the `cpu` type measured at one
-    thread (each rank runs one), whatever thread count the plan was made with. It leaves this
-    process at one thread, so costs computed later (lazily, by the simulator) agree."""
-    if cluster.kind != "emulated" or "cpu" not in cluster.gpu_types:
-        return cluster
-    import dataclasses
-
-    import torch
-
-    from heterog.hardware.catalog import get_gpu
-    torch.set_num_threads(1)
-    return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
-
-
 def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
                            per_device: dict[str, dict] | None = None) -> tuple[float, str]:
     """The simulator's iteration time for the schedule the run carries out; per_device, when
@@ -203,7 +203,7 @@ def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
 def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool, graph=None, inputs: tuple | None = None):
     """(program, graph, costs, cluster as seen here, the plan as lowered): the run and its
     prediction share one schedule, lowered with the costs of this machine's ranks
-    (local_cluster). `graph`: the model's capture, when the caller has it; `inputs`: the
+    (inputs.device_view). `graph`: the model's capture, when the caller has it; `inputs`: the
     (graph, cluster, costs) the caller predicts with (a profiled cost model), to lower with."""
     graph, local, costs = inputs if inputs is not None else plan_inputs(plan, cluster, profile=profile, graph=graph)
     plan = cover_graph(plan, graph)
@@ -213,7 +213,7 @@ def _lower_for_run(plan: Plan, cluster: Cluster, profile: bool, graph=None, inpu
 def _local_ranks(plan: Plan) -> tuple[Cluster, tuple[str, ...]]:
     """(the plan's cluster, the devices of its ranks), refused when this machine's launcher
     cannot start that many processes."""
-    cluster = plan_cluster(plan) or local_cpu_cluster(plan)
+    cluster = _cluster_of(plan)
     devices = rank_devices(plan, cluster)
     if len(devices) > MAX_LOCAL_RANKS:
         raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
@@ -290,8 +290,11 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
     checkpoint.CheckpointConfig as a dict (save every N steps, resume); force: start even
     when the plan's memory per rank exceeds this machine's free memory.
     """
-    if not isinstance(plan, Plan):
-        plan = Plan.load(plan)
+    from heterog.execute.device import nccl_env
+    from heterog.execute.launcher import LaunchConfig, launch_local
+    from heterog.execute.netns import LinkShaping, ShapingUnavailable
+
+    plan = as_plan(plan)
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
     cluster, devices = _local_ranks(plan)
@@ -393,6 +396,7 @@ def _prepare(plan: Plan, index: int, graphs: dict[str, Any], fault: dict[str, An
     """Lower plan `index` of run_many (the model captured once per model spec: `graphs`;
     with `inputs`, the caller's graph, cluster and costs); its Program saved in its folder, as
     `run` saves it."""
+    from heterog.execute.launcher import PlanLaunch
     cluster, devices = _local_ranks(plan)
     if cluster.kind != "emulated":
         raise PlanError(f"run_many runs emulated clusters' plans on CPU processes; the plan's cluster "
@@ -425,7 +429,9 @@ def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s
     Program, its ranks' results) in `plan<i>/`. faults: a test hook, plan index → run's
     `fault`. dump_params: each rank also writes what `run(dump_params=True)` writes (its
     parameters after the last step, the instructions it executed) into its plan's folder."""
-    loaded = [p if isinstance(p, Plan) else Plan.load(p) for p in plans]
+    from heterog.execute.launcher import launch_local_many
+
+    loaded = [as_plan(p) for p in plans]
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
     graphs: dict[str, Any] = {}
@@ -469,6 +475,8 @@ def _shaped_layout(stack: contextlib.ExitStack, cluster: Cluster, devices: tuple
                    shape_links: bool | None, notes: list[str]) -> tuple[ProcessLayout, dict[str, Any]]:
     """One process per device, in network namespaces with the cluster's NIC bandwidths when
     wanted and possible (as `run` shapes them); (the layout, the shaping record)."""
+    from heterog.execute.launcher import ProcessLayout
+    from heterog.execute.netns import LinkShaping, ShapingUnavailable
     want = shape_links if shape_links is not None else cluster.kind == "emulated"
     if not want:
         return ProcessLayout(devices=devices), {"enabled": False, "reason": "not requested"}
@@ -499,7 +507,9 @@ def run_interleaved(plans: list[Plan | str | os.PathLike], *, steps: int = 5, re
     the (graph, cluster, costs) the caller predicts with, so the Programs that run are the
     schedules it predicts (default: the plans' analytic costs). faults: a test hook, plan
     index → run's `fault` (every round of that plan)."""
-    loaded = [p if isinstance(p, Plan) else Plan.load(p) for p in plans]
+    from heterog.execute.launcher import launch_local_many
+
+    loaded = [as_plan(p) for p in plans]
     if steps < 1 or repetitions < 1:
         raise PlanError(f"steps and repetitions must be ≥ 1, found {steps} and {repetitions}.")
     if not loaded:

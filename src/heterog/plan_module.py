@@ -8,8 +8,9 @@ A module is captured here (heterog.capture, on fake tensors: only shapes are use
 graph handed to the planner's `plan_graph`, the same function the named path ends in; so
 both return the same JSON ({"best", "candidates", "search_time_s"}).
 
-A plan of an in-memory module names its model 'in-memory:NAME'. It can be simulated from
-its graph, but not run by `heterog run`: the ranks rebuild the model in other processes, and
+A plan of an in-memory module names its model 'in-memory:NAME'. It can be simulated, lowered
+and reported in the interpreter that planned it (its graph is kept there, by fingerprint), but
+not run by `heterog run`: the ranks rebuild the model in other processes, and
 they cannot import an object that lives only in this interpreter. Running it needs the module
 in a file (docs/robustness.md: the user-model convention); the executor says so.
 """
@@ -60,14 +61,14 @@ def plan(model: str | nn.Module, *, cluster: Any, example_inputs: Any = None, ta
 def _plan_module(module: nn.Module, example_inputs: Any, *, targets: Any, loss_fn: Callable | None, name: str,
                  cluster: Any, seq_len: int | None, precision: str, optimizer: str, **search: Any) -> dict[str, Any]:
     from heterog.capture import capture
-    from heterog.cost import build_cost_model
-    from heterog.hardware.spec import load_cluster
+    from heterog.capture.cache import remember_in_memory
+    from heterog.inputs import model_inputs
     from heterog.search.planner import plan_graph
 
-    clu = load_cluster(cluster) if isinstance(cluster, str) else cluster
     graph = capture(module, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}",
                     seq_len=seq_len)
-    costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer)
+    remember_in_memory(graph)       # so heterog.simulate / lower / report of its plan work in this interpreter
     spec = ModelSpec(name=graph.model, batch_size=graph.batch_size, seq_len=seq_len)
+    graph, clu, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
     return plan_graph(graph, clu, costs, model_spec=spec, precision=precision, optimizer=optimizer,
                       **search).to_dict()

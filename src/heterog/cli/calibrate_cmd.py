@@ -14,8 +14,8 @@ from heterog.cli.output import console, print_json
 def register(app: typer.Typer) -> None:
     @app.command("calibrate")
     def calibrate_cmd(
-        profile: list[Path] = typer.Argument(..., help="A `heterog profile` file, or files in the format of "
-                                                        "shared/data (a matmul/copy sweep and/or a steps file)."),
+        profile: list[Path] = typer.Argument(..., help="A `heterog profile` file, or measurement files (a "
+                                                        "matmul/copy sweep and/or a steps file)."),
         out: Path = typer.Option(..., "--out", help="Catalog file to write (YAML); point HETEROG_CATALOG at it."),
         name: Optional[str] = typer.Option(None, "--name", help="Name of the new type (default: the base type's)."),
         base: Optional[str] = typer.Option(None, "--base", help="Catalog type whose data-sheet figures the device "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -29,7 +30,38 @@ def _progress_bar(enabled: bool):
     return bar, update
 
 
-def _show(result: dict[str, Any]) -> None:
+_TIME_WORDS = {"graph": "graph", "cluster_and_costs": "cluster and costs",
+               "cut_analysis": "what the executor can cut"}
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (interpreter, imports and all)."""
+    import time
+
+    import psutil
+    return time.time() - psutil.Process().create_time()
+
+
+def _time_line(result: dict[str, Any], budget_s: float) -> str:
+    """Where the command's time went: the search (what --budget-s bounds) and the rest."""
+    other = result.get("other_time_s", {})
+    parts = []
+    for key, seconds in other.items():
+        word = _TIME_WORDS.get(key, key)
+        if key == "graph":
+            word += f" ({'cached' if result.get('graph_cache') == 'hit' else 'captured'})"
+        parts.append(f"{word} {seconds:.1f} s")
+    total = result.get("wall_time_s")
+    if total is not None:
+        rest = total - result["search_time_s"] - sum(other.values())
+        parts.insert(0, f"start-up and imports {max(rest, 0.0):.1f} s")
+    line = f"searched for {result['search_time_s']:.1f} s (--budget-s {budget_s:g})"
+    if parts:
+        line += "; besides: " + ", ".join(parts)
+    return line + (f"; {total:.1f} s in all" if total is not None else "")
+
+
+def _show(result: dict[str, Any], budget_s: float) -> None:
     rows = []
     for c in result["candidates"]:
         peak = max(c["peak_memory_bytes"].values(), default=0)
@@ -39,7 +71,8 @@ def _show(result: dict[str, Any]) -> None:
     print_table("candidates", ["strategy", "iteration", "fits", "devices", "micro-batches", "max peak memory"], rows)
     best = result["best"]
     console.print(f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} "
-                  f"per iteration; searched for {result['search_time_s']:.1f} s")
+                  f"per iteration")
+    console.print(_time_line(result, budget_s))
     for line in best["notes"]:
         console.print(f"  • {line}")
 
@@ -75,34 +108,33 @@ def plan_command(
 ) -> None:
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
     from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
-    from heterog.search.planner import plan
+    from heterog.errors import did_you_mean
+    from heterog.search.planner import CANDIDATES, plan
 
     if precision not in PRECISIONS:
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
     if optimizer not in OPTIMIZERS:
         raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
+    if strategy is not None and strategy not in CANDIDATES:     # before the search, not after it
+        raise typer.BadParameter(f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
+                                 f"candidates are {', '.join(CANDIDATES)}.", param_hint="--strategy")
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())
     pol: Any = False if no_gnn else policy
-    if bar is not None:
-        with bar:
-            result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
-                          cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                          seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update,
-                          strategy=strategy, profile=profile)
-    else:
+    with bar if bar is not None else contextlib.nullcontext():
         result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
                       cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
                       seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update,
                       strategy=strategy, profile=profile)
+    result["wall_time_s"] = process_age_s()     # start to plan, for the time line (not the report)
     if out is not None:
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:
         from heterog.cli.report_cmd import report_from_plan_result
-        report_from_plan_result(result, report)
+        report_from_plan_result(result, report, profile)
     if as_json:
         print_json(result)
     else:
-        _show(result)
+        _show(result, budget_s)
         if out is not None:
             console.print(f"plan{f' of {strategy!r}' if strategy else ''} written to {out}")
         if report is not None:

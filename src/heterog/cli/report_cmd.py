@@ -12,18 +12,18 @@ from heterog.cli.output import console, human_time, print_json
 
 
 def write_report(plan_path: Path, out: Path, *, run_path: Path | None = None, graph: Path | None = None,
-                 cluster: str | None = None) -> dict:
+                 cluster: str | None = None, profile: Path | None = None) -> dict:
     """Read a plan file (or `plan --json` output) and a run, then write the report."""
     from heterog.report import load_plan_file, load_run
 
     t0 = time.perf_counter()
     pf = load_plan_file(plan_path)
     run = load_run(run_path) if run_path is not None else None
-    return write_report_for(pf, out, run=run, graph=graph, cluster=cluster, source=str(plan_path), t0=t0)
+    return write_report_for(pf, out, run=run, graph=graph, cluster=cluster, profile=profile, t0=t0)
 
 
 def write_report_for(pf, out: Path, *, run=None, graph: Path | None = None, cluster: str | None = None,
-                     source: str = "<plan>", t0: float | None = None) -> dict:
+                     profile: Path | None = None, t0: float | None = None) -> dict:
     """Simulate the plan as `heterog simulate` does (same graph, cluster and costs, so the same
     predicted time), build the page and write it atomically. Returns a summary with timings."""
     from heterog.cli.simulate_cmd import inputs_for_plan
@@ -32,7 +32,7 @@ def write_report_for(pf, out: Path, *, run=None, graph: Path | None = None, clus
     from heterog.simulate import simulate
 
     t0 = time.perf_counter() if t0 is None else t0
-    plan, g, c, costs = inputs_for_plan(pf.plan, graph, cluster, source)
+    plan, g, c, costs = inputs_for_plan(pf.plan, graph, cluster, profile)
     t1 = time.perf_counter()
     sim = simulate(g, c, plan, costs)
     t2 = time.perf_counter()
@@ -44,7 +44,7 @@ def write_report_for(pf, out: Path, *, run=None, graph: Path | None = None, clus
             "render_s": t3 - t2, "total_s": t3 - t0}
 
 
-def report_from_plan_result(result: dict, out: Path) -> dict:
+def report_from_plan_result(result: dict, out: Path, profile: Path | None = None) -> dict:
     """`heterog plan --report FILE`: the report of the planner's answer, candidates included."""
     from heterog.ir.plan import Plan
     from heterog.report.inputs import PlanFile, candidate_from_dict
@@ -52,7 +52,7 @@ def report_from_plan_result(result: dict, out: Path) -> dict:
     pf = PlanFile(plan=Plan.from_dict(result["best"]), search_time_s=result.get("search_time_s"),
                   candidates=tuple(candidate_from_dict(c, f"candidates[{i}]")
                                    for i, c in enumerate(result["candidates"])))
-    return write_report_for(pf, out, source="heterog plan")
+    return write_report_for(pf, out, profile=profile)
 
 
 def report_command(
@@ -63,10 +63,12 @@ def report_command(
                                        "draw its measured step beside the simulated one."),
     graph: Optional[Path] = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Report on this cluster instead of the plan's."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-node times, as given to "
+                                           "`heterog plan --profile`."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Write one self-contained HTML page: per-device timelines, memory, placement, candidates, bottleneck."""
-    summary = write_report(plan_path, out, run_path=run, graph=graph, cluster=cluster)
+    summary = write_report(plan_path, out, run_path=run, graph=graph, cluster=cluster, profile=profile)
     if as_json:
         print_json(summary)
     else:

@@ -9,38 +9,28 @@ import typer
 
 from heterog.cli.output import (WIDE_HELP, console, human_bytes, human_time, print_json, print_table, set_wide,
                                 write_json)
-from heterog.errors import PlanError
 
 
-def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None):
-    """The plan, and the graph, cluster and cost model it was made for.
+def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None,
+                profile: Path | None = None):
+    """The plan, and the graph, cluster and cost model it was made with (heterog/inputs.py,
+    as `heterog plan` builds them): the graph from the capture cache (or --graph), the cluster
+    the plan records (or --cluster), costs at the plan's precision and optimizer."""
+    from heterog.inputs import as_plan
 
-    The graph is re-captured from plan.model (or read from --graph); the cluster is the spec
-    stored in the plan (or --cluster); costs are the analytic model at the plan's precision
-    and optimizer.
-    """
-    from heterog.pipeline import read_plan
-
-    return inputs_for_plan(read_plan(plan_path), graph_path, cluster_name, str(plan_path))
+    return inputs_for_plan(as_plan(plan_path), graph_path, cluster_name, profile)
 
 
-def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, source: str):
-    """load_inputs for a Plan already in memory (`heterog report` reads it from `plan --json`)."""
+def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, profile: Path | None = None):
+    """load_inputs for a Plan already in memory (`heterog report` reads it from `plan --json`);
+    the plan comes back covering the whole graph (lower.schedule.cover_graph), as it runs."""
+    from heterog.inputs import plan_inputs
     from heterog.ir.opgraph import OpGraph
-    from heterog.pipeline import plan_inputs
+    from heterog.lower.schedule import cover_graph
 
     graph = OpGraph.load(graph_path) if graph_path is not None else None
-    if cluster_name is not None:
-        from heterog.hardware.spec import load_cluster
-        cluster = load_cluster(cluster_name)
-    elif plan.cluster:
-        from heterog.hardware.spec import cluster_from_dict
-        cluster = cluster_from_dict(plan.cluster)
-    else:
-        raise PlanError(f"{source}: field 'cluster' is empty, so the plan does not say which cluster "
-                        f"it is for; pass --cluster NAME_OR_FILE.")
-    graph, cluster, costs = plan_inputs(plan, cluster, graph=graph)
-    return plan, graph, cluster, costs
+    graph, cluster, costs = plan_inputs(plan, cluster=cluster_name, graph=graph, profile=profile)
+    return cover_graph(plan, graph), graph, cluster, costs
 
 
 def _show(result, plan) -> None:
@@ -76,12 +66,14 @@ def simulate_command(
     cluster: Optional[str] = typer.Option(None, "--cluster", help="Simulate on this cluster instead of the plan's."),
     priorities: Optional[str] = typer.Option(None, "--priorities",
                                              help="Recompute execution priorities: upward or heteroG."),
+    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-node times, as given to "
+                                           "`heterog plan --profile` (the same prediction needs the same file)."),
 ) -> None:
     """Simulate one training iteration of PLAN: time, per-device busy/idle time, memory, links."""
     set_wide(wide)
     from heterog.simulate import assign_priorities, simulate
 
-    plan, g, c, costs = load_inputs(plan_path, graph, cluster)
+    plan, g, c, costs = load_inputs(plan_path, graph, cluster, profile)
     if priorities is not None:
         plan = assign_priorities(g, c, plan, costs, priorities)
     result = simulate(g, c, plan, costs)

@@ -2,8 +2,8 @@
 
 Compute: an emulated device with slowdown k runs each piece of compute for real and
 measures the CPU time its thread spent on it, then waits until k × that CPU time has
-passed since the piece started (pacing; TOOLCHAIN.md: thread counts do not give clean
-ratios on 2 cores, pacing does). Pacing on CPU time rather than wall time makes a device's
+passed since the piece started (pacing: on 2 cores, thread counts were measured not to give
+clean speed ratios, pacing does). Pacing on CPU time rather than wall time makes a device's
 speed independent of the other processes sharing the cores (other ranks, other users):
 time a rank spends descheduled is absorbed by its wait, as long as the contention stays
 below its slowdown. A device with slowdown 1 never waits, so it runs at whatever speed the

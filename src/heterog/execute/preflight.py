@@ -31,10 +31,10 @@ def check_plan_fits_model(plan: Plan) -> None:
 
 def _capture_for_plan(plan: Plan):
     """The plan's model captured at the plan's batch, or a PlanError saying it cannot be built."""
-    from heterog.capture import capture_model
+    from heterog.capture.cache import capture_cached      # the graph the plan's inputs read too
     try:
-        return capture_model(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
-                             seq_len=plan.model.seq_len)
+        return capture_cached(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
+                              seq_len=plan.model.seq_len)
     except HeterogError as e:
         raise PlanError(f"the plan's model {plan.model.name!r} cannot be built to check the plan "
                         f"against it: {e}") from None

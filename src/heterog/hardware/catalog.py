@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from heterog.cachedir import cache_dir as user_cache_dir
 from heterog.errors import ClusterError
 from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts, PublicFigures
 from heterog.jsonio import write_atomic
@@ -320,7 +321,7 @@ def _probe_key() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HETEROG_CACHE_DIR", Path.home() / ".cache" / "heterog"))
+    return user_cache_dir()
 
 
 def _best_time_s(fn, *, repeats: int, min_time_s: float = 0.0) -> float:
@@ -466,7 +467,8 @@ def cpu_gpu_type() -> GpuType:
         intra_node_bandwidth_bytes_per_s=2e9,
         sources={"peak_flops_per_s": f"measured on this machine ({p.key})",
                  "memory_bandwidth_bytes_per_s": "measured: 64 MiB copy, bytes read + written",
-                 "intra_node_link": "TOOLCHAIN.md: gloo point-to-point ~2 GB/s on one machine"})
+                 "intra_node_link": "gloo point-to-point between processes of one machine, ~2 GB/s "
+                                    "(profile/links.py measures a machine's own)"})
 
 
 def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> GpuType:

@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from heterog.errors import ClusterError, HeterogWarning
+from heterog.errors import ClusterError, HeterogWarning, did_you_mean
 from heterog.hardware import catalog
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import PRECISIONS, GpuType, gpu_extras_from_dict, gpu_extras_to_dict
@@ -404,7 +404,8 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
     path = Path(name_or_path)
     if not path.is_file():
         raise ClusterError(f"no cluster {str(name_or_path)!r}: not a built-in "
-                           f"({', '.join(builtin_clusters())}) and no such file.")
+                           f"({', '.join(builtin_clusters())}) and no such file."
+                           f"{did_you_mean(str(name_or_path), builtin_clusters())}")
     return parse_cluster_yaml(path.read_text(), str(path), path.resolve().parent)
 
 

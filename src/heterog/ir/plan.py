@@ -1,6 +1,6 @@
 """Plan: a deployment strategy, the only thing the search emits and the executor obeys.
 
-Vocabulary (DESIGN.md): the OpGraph's nodes are partitioned into *groups*; each group has a
+Vocabulary (README.md, "Words"): the OpGraph's nodes are partitioned into *groups*; each group has a
 *placement*, a tuple of *replicas* (device, share of every micro-batch); a replicated group's
 gradients are synchronised by `sync`. One replica with share 1.0 is model parallelism; all
 devices is data parallelism; a subset is hybrid.

@@ -139,6 +139,7 @@ class DeviceProfile(Artifact, kind=KIND, version=SCHEMA_VERSION):
                               "peak_bytes": s.get("peak_mem_bytes")})
         if not (gemm or copy or steps):
             raise DeviceProfileError(f"{', '.join(map(str, paths))}: no 'matmul', 'copy' or 'steps' found; "
-                                     f"give heterog profile output or files in the format of shared/data.")
+                                     f"give heterog profile output, or a sweep ('matmul' rows of m, dtype, "
+                                     f"median_ms; 'copy' with gbps) and/or 'steps' rows.")
         return DeviceProfile.from_dict({"device": {"type": device_type, "name": name}, "gemm": gemm, "copy": copy,
                                         "steps": steps, "meta": {"converted_from": [str(p) for p in paths]}})

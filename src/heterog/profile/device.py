@@ -7,7 +7,7 @@ that `heterog calibrate`, `heterog predict --profile` and `heterog plan --profil
 On a GPU (CUDA) every timing synchronises the device around the timed region; host costs
 are measured on ops too small to keep the GPU busy, so the wall time per op is the host's.
 On the CPU the same code runs without synchronisation. The CUDA branches have not been run
-on a GPU yet (no GPU was lent to this project's sessions): treat a GPU profile as unverified.
+on a GPU yet: treat a GPU profile as unverified.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ processes, a few seconds; needs root (namespaces), like the shaped runs themselv
 
 `measure_intra_link` times the same over this host's loopback: the `cpu` type declares
 2 GB/s between two ranks of a node, and gloo moved 0.5–0.8 GB/s per member in a two-member
-ring here (docs/scenarios.md, round 7).
+ring on a 2-core machine.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ backward pre-hook to its full backward hook. Loose ops are not timed here; the c
 keeps its analytic estimate for them. Times are taken at a few batch sizes (the cost model
 interpolates linearly between them, extrapolating along the last line; `profile_batch_sizes`
 picks them densely where the CPU is not linear), over `repeats` rounds that each visit every
-batch size, so that a slow spell of a shared machine spoils one round, not one batch size. HeteroG took the minimum of 5 runs on dedicated GPUs (REFERENCE.md); on a
+batch size, so that a slow spell of a shared machine spoils one round, not one batch size. HeteroG's
+profiler took the minimum of 5 runs on dedicated GPUs (CoNEXT 2020); on a
 shared CPU the minimum is a best case the ranks rarely see, so the median is the default.
 
 clock='cpu' (default) measures the thread's CPU time, the quantity the emulated devices
@@ -223,7 +224,7 @@ def node_times_by_batch(model: nn.Module, work: Workload, batch_sizes: tuple[int
     outputs = {b: _detached_output(model, work, *data[b]) for b in batch_sizes} if graph is not None else {}
     hooked: dict[int, list] = {b: [] for b in batch_sizes}
     whole: dict[int, list] = {b: [] for b in batch_sizes}
-    for k in range(repeats + 1):                # round 0 warms up: allocator, kernel selection
+    for k in range(repeats + 1):                # the first pass warms up: allocator, kernel selection
         for b, (inputs, targets) in data.items():
             with _node_hooks(model, now) as samples:
                 model.zero_grad(set_to_none=True)

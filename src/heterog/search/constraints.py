@@ -10,7 +10,8 @@ placement run. grouping.py turns the first two into the grouping itself; planner
 candidates that need a split of an unsplittable model.
 
 Exporting a model takes seconds, so the constraints are computed once per model and kept in
-a `ConstraintCache` owned by the caller (the planner's default one lives in this module).
+a `ConstraintCache` owned by the caller (the planner's default one lives in this module), and
+on disk in the store of captured graphs (capture/cache.py), so later commands skip the export.
 The model is built on the meta device (no parameter memory at any size) and exported there;
 a model that only exports on real tensors is tried again on the CPU at a tiny batch.
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from heterog.ir.plan import ModelSpec
+from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,30 @@ def model_cuts(spec: ModelSpec) -> ModelCuts:
     return ModelCuts(splittable=False, reason=errors[-1])
 
 
+# the code a model's cuts depend on: the models, their export and the rules read from it
+CUTS_CODE = ("capture", "ir", "execute/split_export.py", "search/constraints.py")
+
+
+def stored_model_cuts(spec: ModelSpec) -> ModelCuts:
+    """model_cuts through the on-disk store of capture/cache.py: a model is exported once per
+    machine, not once per command."""
+    from heterog.capture.cache import load_json, model_key, store_json
+    key = model_key("cuts", spec.name, spec.args, code=CUTS_CODE, seq_len=spec.seq_len)
+    doc = load_json("cuts", key)
+    if isinstance(doc, dict):
+        try:
+            return ModelCuts(splittable=bool(doc["splittable"]), follow_consumers=frozenset(doc["follow_consumers"]),
+                             same_placement=frozenset(tuple(p) for p in doc["same_placement"]),
+                             reason=str(doc["reason"]))
+        except (KeyError, TypeError, ValueError):
+            pass        # damaged: export again
+    cuts = model_cuts(spec)
+    if not spec.name.startswith(IN_MEMORY_PREFIX):
+        store_json("cuts", key, {"splittable": cuts.splittable, "follow_consumers": sorted(cuts.follow_consumers),
+                                 "same_placement": sorted(cuts.same_placement), "reason": cuts.reason})
+    return cuts
+
+
 class ConstraintCache:
     """ModelCuts per model (name, arguments, sequence length), the `max_entries` most
     recently used kept."""
@@ -101,7 +126,7 @@ class ConstraintCache:
         if key in self._cuts:
             self._cuts.move_to_end(key)
             return self._cuts[key]
-        cuts = model_cuts(spec)
+        cuts = stored_model_cuts(spec)
         self._cuts[key] = cuts
         while len(self._cuts) > self.max_entries:
             self._cuts.popitem(last=False)

@@ -31,8 +31,84 @@ def _kind(prob: "Problem", device: str) -> str:
     return d.gpu_type if d.slowdown == 1.0 else f"{d.gpu_type}/{d.slowdown:g}x-slower"
 
 
+def _simulated(prob: "Problem", plan: Plan):
+    """The winner's simulated iteration (per-device compute and idle time), or None when the
+    simulator is not available (the plan was scored by the estimate)."""
+    try:
+        from heterog.simulate.simulator import simulate
+    except ImportError:
+        return None
+    return simulate(prob.graph, prob.cluster, plan, prob.costs, timeline=False, cache=prob.sim_cache)
+
+
+def _percent_range(fracs: list[float]) -> str:
+    lo, hi = min(fracs), max(fracs)
+    return f"{lo * 100:.0f} %" if round(lo * 100) == round(hi * 100) else f"{lo * 100:.0f}–{hi * 100:.0f} %"
+
+
+def _busy_note(plan: Plan, sim) -> str:
+    """How much of the iteration each used device computes, from the simulation."""
+    t = sim.iteration_time_s
+    busy = {d: sim.compute_time_s.get(d, 0.0) / t for d in plan.devices()} if t > 0 else {}
+    if not busy:
+        return ""
+    top = max(busy, key=busy.get)
+    return (f"in the simulated iteration the {len(busy)} device(s) used compute {_percent_range(list(busy.values()))} "
+            f"of the time (busiest: {top} at {busy[top] * 100:.0f} %); the rest they wait for inputs, "
+            f"transfers and gradient syncs.")
+
+
+def _microbatch_note(plan: Plan, segments: list[tuple[int, int]], sim) -> str:
+    """What the micro-batches do here: accumulation on one stage, or a pipeline whose bubbles
+    the simulation measures (the stages' compute share of the iteration)."""
+    stages = list(dict.fromkeys(tuple(r.device for r in plan.groups[a].replicas) for a, _ in segments))
+    m, sched = plan.num_microbatches, plan.schedule
+    if len(stages) == 1:
+        if sched == "1f1b":
+            return (f"{m} micro-batches accumulate gradients (1F1B on one stage): only one micro-batch's "
+                    f"activations are live at a time, which lowers peak memory.")
+        return f"{m} micro-batches per iteration ({sched})."
+    line = f"{m} micro-batches per iteration ({sched}) over {len(stages)} stages"
+    if sim is not None and sim.iteration_time_s > 0:
+        per_stage = [max(sim.compute_time_s.get(d, 0.0) for d in devs) / sim.iteration_time_s for devs in stages]
+        line += (f"; each stage's busiest device computes {_percent_range(per_stage)} of the iteration, "
+                 f"the rest is pipeline fill and drain, transfers and syncs")
+    if sched == "1f1b":
+        line += "; 1F1B keeps at most p − s micro-batches in flight at stage s of p, which bounds activation memory"
+    return line + "."
+
+
+def _segment_note(prob: "Problem", plan: Plan, a: int, b: int, speed: np.ndarray) -> str:
+    g = plan.groups[a]
+    span = f"groups g{a}–g{b - 1}" if b - a > 1 else f"group g{a}"
+    if len(g.replicas) == 1:
+        return f"{span}: on {g.replicas[0].device} alone (model parallel; no gradient sync)."
+    types = Counter(_kind(prob, r.device) for r in g.replicas)
+    kinds = ", ".join(f"{k}×{t}" for t, k in types.items())
+    line = f"{span}: data parallel on {len(g.replicas)} devices ({kinds}), sync {g.sync}"
+    if g.ps_device:
+        line += f" via a parameter server on {g.ps_device}"
+    idx = [prob.device_names.index(r.device) for r in g.replicas] if prob.n_devices <= 64 else None
+    if idx is not None and len(set(np.round(speed[idx], 6))) > 1:
+        share: dict[str, tuple[float, float]] = {}
+        for r, i in zip(g.replicas, idx):
+            share.setdefault(_kind(prob, r.device), (r.share, speed[i]))
+        desc = ", ".join(f"{t} {s * 100:.1f}%" for t, (s, _) in share.items())
+        by_speed = [s for s, _ in sorted(share.values(), key=lambda sv: sv[1])]
+        if len({round(s, 3) for s in by_speed}) == 1:
+            line += f"; equal shares ({desc} each) although the devices' speeds differ"
+        elif by_speed == sorted(by_speed):
+            line += f"; per-replica shares {desc}: the faster a device, the more samples it takes"
+        else:
+            line += f"; per-replica shares {desc}"
+    return line + "."
+
+
 def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"]) -> list[str]:
+    """The plan's explanation. Every claim is computed: times and memory from the candidates'
+    scores, busy fractions and pipeline fill from a simulation of the winner."""
     plan = winner.plan
+    sim = _simulated(prob, plan) if winner.scored_by == "simulator" else None
     out = [f"chose {winner.strategy!r}: {human_time(winner.iteration_time_s)} per iteration "
            f"({'simulated' if winner.scored_by == 'simulator' else 'estimated'}), using "
            f"{len(plan.devices())} of {prob.n_devices} devices."]
@@ -52,43 +128,14 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
     if beaten:
         out.append("compared: " + "; ".join(beaten) + ".")
     speed = 1.0 / prob.device_time_per_sample_s
-    for a, b in _segments(plan)[:8]:
-        g = plan.groups[a]
-        span = f"groups g{a}–g{b - 1}" if b - a > 1 else f"group g{a}"
-        if len(g.replicas) == 1:
-            out.append(f"{span}: on {g.replicas[0].device} alone (model parallel; no gradient sync).")
-            continue
-        types = Counter(_kind(prob, r.device) for r in g.replicas)
-        kinds = ", ".join(f"{k}×{t}" for t, k in types.items())
-        idx = [prob.device_names.index(r.device) for r in g.replicas] if prob.n_devices <= 64 else None
-        line = f"{span}: data parallel on {len(g.replicas)} devices ({kinds}), sync {g.sync}"
-        if g.ps_device:
-            line += f" via a parameter server on {g.ps_device}"
-        if idx is not None and len(set(np.round(speed[idx], 6))) > 1:
-            share = {}
-            for r, i in zip(g.replicas, idx):
-                share.setdefault(_kind(prob, r.device), (r.share, speed[i]))
-            desc = ", ".join(f"{t} {s * 100:.1f}%" for t, (s, _) in share.items())
-            if len({round(s, 3) for s, _ in share.values()}) > 1:
-                line += (f"; per-replica shares {desc}, balanced by the share LP so the replicas "
-                         f"finish together (faster devices get more samples)")
-            else:
-                line += f"; equal shares ({desc} each) despite unequal speeds: memory caps bind"
-        out.append(line + ".")
-    if len(_segments(plan)) > 8:
-        out.append(f"… {len(_segments(plan)) - 8} more segments of groups.")
+    segments = _segments(plan)
+    out += [_segment_note(prob, plan, a, b, speed) for a, b in segments[:8]]
+    if len(segments) > 8:
+        out.append(f"… {len(segments) - 8} more segments of groups.")
     if plan.num_microbatches > 1:
-        stages = len({tuple(r.device for r in plan.groups[a].replicas) for a, _ in _segments(plan)})
-        if stages == 1 and plan.schedule == "1f1b":
-            out.append(f"{plan.num_microbatches} micro-batches accumulate gradients (1F1B on one stage): "
-                       f"only one micro-batch's activations are live at a time, which lowers peak memory.")
-        elif stages == 1:
-            out.append(f"{plan.num_microbatches} micro-batches per iteration (gpipe).")
-        else:
-            extra = (" 1F1B keeps at most one micro-batch per later stage in flight, which bounds activation memory."
-                     if plan.schedule == "1f1b" else "")
-            out.append(f"{plan.num_microbatches} micro-batches per iteration ({plan.schedule}) keep the "
-                       f"{stages} stages busy.{extra}")
+        out.append(_microbatch_note(plan, segments, sim))
+    if sim is not None and (busy := _busy_note(plan, sim)):
+        out.append(busy)
     if any(g.recompute for g in plan.groups):
         k = sum(g.recompute for g in plan.groups)
         out.append(f"{k} group(s) recompute activations in backward: less activation memory for a "

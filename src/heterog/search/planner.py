@@ -10,13 +10,13 @@ all feasible candidates, so it is never worse than a baseline as the simulator s
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from heterog.cost.model import CostModel
-from heterog.errors import InfeasibleError, PlanError
+from heterog.errors import InfeasibleError, PlanError, did_you_mean
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
@@ -33,6 +33,7 @@ CANDIDATES = ("single-device", "even-dp-allreduce", "even-dp-ps", "proportional-
 DEFAULT_BUDGET_S = 10.0
 ELITE_RESCORED = 4  # strategies from each search that the simulator re-scores (at most)
 PRIORITY_MAX_DEVICES = 128
+FINAL_SIMULATIONS = 7   # after the search: search, gnn, gnn+search scored twice each, the winner explained
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,19 +56,21 @@ class Candidate:
 class PlanResult:
     best: Plan
     candidates: tuple[Candidate, ...]
-    search_time_s: float
+    search_time_s: float                                    # what --budget-s bounds
+    other_time_s: dict[str, float] = field(default_factory=dict)    # what else planning took
 
     def plan_of(self, strategy: str) -> Plan:
         """The plan of the candidate named `strategy` (a baseline's or heterog's)."""
         for c in self.candidates:
             if c.strategy == strategy:
                 return c.plan
-        raise PlanError(f"no candidate named {strategy!r}; the planner compared "
-                        f"{', '.join(c.strategy for c in self.candidates)}.")
+        names = [c.strategy for c in self.candidates]
+        raise PlanError(f"no candidate named {strategy!r}.{did_you_mean(strategy, names)} The planner "
+                        f"compared {', '.join(names)}.")
 
     def to_dict(self) -> dict[str, Any]:
         return {"best": self.best.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
-                "search_time_s": self.search_time_s}
+                "search_time_s": self.search_time_s, "other_time_s": dict(self.other_time_s)}
 
 
 def _simulator() -> Callable | None:
@@ -170,8 +173,10 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     model once per `cut_cache` (the module's default cache when None), None ignores them.
     Groups follow them, and a candidate that breaks them is reported infeasible.
     """
+    started = time.perf_counter()
     if cuts == "auto":   # before the clock starts: an export (seconds, once per model) is not search time
         cuts = (cut_cache or DEFAULT_CACHE).get(model_spec) if model_spec is not None else None
+    cuts_s = time.perf_counter() - started
     assert cuts is None or isinstance(cuts, ModelCuts), cuts
     begin = time.perf_counter()
     say = progress or (lambda stage, frac: None)
@@ -197,7 +202,10 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
         gnn_props = pol.propose(prob, samples=8, seed=seed)
         strategies["gnn"] = min(gnn_props, key=lambda s: estimate(prob, s).score)
     say("gnn", 0.1)
-    left = max(0.0, budget_s - (time.perf_counter() - begin)) * 0.8
+    # what must follow the search fits the budget too: scoring its best strategies (twice each,
+    # with and without priorities) and the explanation's simulation of the winner
+    reserve_s = FINAL_SIMULATIONS * per_call_s
+    left = max(0.0, budget_s - (time.perf_counter() - begin) - reserve_s) * 0.8
     share = 0.5 if gnn_props else 1.0
     have_sim = _simulator() is not None
     # with max_iters the run must not depend on the machine's speed: no timing-based choices
@@ -233,7 +241,8 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
     best = _finish(prob, winner, ordered)
     say("done", 1.0)
-    return PlanResult(best=best, candidates=tuple(ordered), search_time_s=time.perf_counter() - begin)
+    return PlanResult(best=best, candidates=tuple(ordered), search_time_s=time.perf_counter() - begin,
+                      other_time_s={"cut_analysis": cuts_s})
 
 
 def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candidate:
@@ -267,19 +276,23 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
     profile: measured profiles ('FILE' or 'FILE:TYPE', a Profile or DeviceProfile, or a list),
     each for one device type: their per-node times replace the analytic estimate for the nodes
     they measured, and a GPU's device profile calibrates its type (cost/calibrated.py)."""
-    from heterog.capture import capture_model
-    from heterog.cost import build_cost_model
-    from heterog.hardware.spec import load_cluster
+    from heterog.capture.cache import capture_cached
+    from heterog.inputs import model_inputs
 
-    from heterog.cost.calibrated import apply_profiles
-    clu, node_times = apply_profiles(load_cluster(cluster) if isinstance(cluster, str) else cluster, profile)
-    graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
-    costs = build_cost_model(graph, clu, precision=precision, optimizer=optimizer, profile=node_times)
+    t0 = time.perf_counter()
     spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
+    graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
+    t1 = time.perf_counter()
+    # the inputs simulate, report and run build for the plan (heterog/inputs.py): one prediction
+    graph, clu, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, profile=profile,
+                                     graph=graph)
+    t2 = time.perf_counter()
     result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
                         precision=precision, optimizer=optimizer, finetune_s=finetune_s,
                         max_iters=max_iters, progress=progress)
     out = result.to_dict()
+    out["other_time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["other_time_s"]}
+    out["graph_cache"] = graph.meta.get("graph_cache", "off")
     if strategy is not None:
         out["chosen"] = result.plan_of(strategy).to_dict()
     return out

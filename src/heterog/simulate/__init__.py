@@ -6,7 +6,8 @@ from heterog.simulate.simulator import simulate
 
 __all__ = ["simulate", "SimResult", "assign_priorities", "node_ranks"]
 
-# heterog.simulate(...) is simulate(...) even after the package is imported (see heterog/_callable.py)
+# heterog.simulate(...) is the API's simulate (a plan, or graph, cluster, plan and costs), even
+# after the package is imported (see heterog/_callable.py)
 import sys as _sys  # noqa: E402
 
 from heterog._callable import CallablePackage as _CallablePackage  # noqa: E402
