@@ -40,6 +40,7 @@ def rank_main(rank: int, port: int, numel: int, slowdown: float, rounds: int, ou
 
     from heterog.execute.collectives import ProcessGroupCache, allreduce_sum
     from heterog.execute.emulation import Pacer
+
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
@@ -52,7 +53,7 @@ def rank_main(rank: int, port: int, numel: int, slowdown: float, rounds: int, ou
         dist.barrier()
         t0 = time.perf_counter()
         done = pool.submit(allreduce_sum, flat, [0, 1], "ring", None, groups)
-        while loaded and not done.done():      # paced compute until the all-reduce is done
+        while loaded and not done.done():  # paced compute until the all-reduce is done
             c0, w0 = time.thread_time(), time.perf_counter()
             for _ in range(4):
                 a @ a
@@ -60,10 +61,10 @@ def rank_main(rank: int, port: int, numel: int, slowdown: float, rounds: int, ou
         done.result()
         return time.perf_counter() - t0
 
-    one(False)                                  # warm-up: connections, buffers
+    one(False)  # warm-up: connections, buffers
     times: dict[str, list[float]] = {"idle": [], "loaded": []}
     for r in range(rounds):
-        for mode in (("idle", "loaded") if r % 2 == 0 else ("loaded", "idle")):
+        for mode in ("idle", "loaded") if r % 2 == 0 else ("loaded", "idle"):
             times[mode].append(one(mode == "loaded"))
     if rank == 0:
         Path(out).write_text(json.dumps(times))
@@ -72,12 +73,31 @@ def rank_main(rank: int, port: int, numel: int, slowdown: float, rounds: int, ou
 
 def measure(numel: int, slowdown: float, rounds: int) -> dict[str, list[float]]:
     from heterog.profile.links import _free_port
+
     with tempfile.TemporaryDirectory(prefix="heterog-overlap-") as tmp:
         out, port = Path(tmp) / "times.json", _free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--port", str(port),
-                                   "--numel", str(numel), "--slowdown", str(slowdown), "--rounds", str(rounds),
-                                   "--rank-out", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"})
-                 for r in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank",
+                    str(r),
+                    "--port",
+                    str(port),
+                    "--numel",
+                    str(numel),
+                    "--slowdown",
+                    str(slowdown),
+                    "--rounds",
+                    str(rounds),
+                    "--rank-out",
+                    str(out),
+                ],
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            for r in (0, 1)
+        ]
         if any(p.wait(timeout=300) for p in procs) or not out.exists():
             raise SystemExit(f"a rank failed (slowdown {slowdown}); see its output above")
         return json.loads(out.read_text())
@@ -100,19 +120,35 @@ def main() -> int:
         return 0
     from heterog.cli.output import print_table
     from heterog.jsonio import write_atomic
+
     numel = int(args.megabytes * 1e6 / 4)
-    rows, doc = [], {"bytes": numel * 4, "rounds": args.rounds, "load_average_before": os.getloadavg(),
-                     "command": "python benchmarks/allreduce_under_compute.py " + " ".join(sys.argv[1:]),
-                     "by_slowdown": {}}
+    rows, doc = (
+        [],
+        {
+            "bytes": numel * 4,
+            "rounds": args.rounds,
+            "load_average_before": os.getloadavg(),
+            "command": "python benchmarks/allreduce_under_compute.py " + " ".join(sys.argv[1:]),
+            "by_slowdown": {},
+        },
+    )
     for k in (float(x) for x in args.slowdowns.split(",")):
         t = measure(numel, k, args.rounds)
         idle, loaded = statistics.median(t["idle"]), statistics.median(t["loaded"])
-        doc["by_slowdown"][f"{k:g}"] = {"idle_s": t["idle"], "loaded_s": t["loaded"], "median_idle_s": idle,
-                                        "median_loaded_s": loaded, "loaded_over_idle": loaded / idle}
+        doc["by_slowdown"][f"{k:g}"] = {
+            "idle_s": t["idle"],
+            "loaded_s": t["loaded"],
+            "median_idle_s": idle,
+            "median_loaded_s": loaded,
+            "loaded_over_idle": loaded / idle,
+        }
         rows.append([f"{k:g}×", f"{idle * 1e3:.1f} ms", f"{loaded * 1e3:.1f} ms", f"{loaded / idle:.2f}×"])
     doc["load_average_after"] = os.getloadavg()
-    print_table(f"two-member ring all-reduce of {numel * 4 / 1e6:.1f} MB on loopback, median of {args.rounds}",
-                ["ranks paced", "idle ranks", "ranks computing", "slower by"], rows)
+    print_table(
+        f"two-member ring all-reduce of {numel * 4 / 1e6:.1f} MB on loopback, median of {args.rounds}",
+        ["ranks paced", "idle ranks", "ranks computing", "slower by"],
+        rows,
+    )
     write_atomic(args.out, json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -46,6 +46,7 @@ print(json.dumps({
 def cases(selected: list[str] | None) -> list[tuple[str, str, dict, int, int | None]]:
     sys.path.insert(0, str(ROOT / "src"))
     from heterog.capture.zoo import ZOO
+
     out = []
     for name, entry in ZOO.items():
         out.append((name, name, {}, entry.default_batch_size, entry.default_seq_len))
@@ -58,8 +59,13 @@ def cases(selected: list[str] | None) -> list[tuple[str, str, dict, int, int | N
 def run_one(model: str, args: dict, batch: int, seq: int | None) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([model, args, batch, seq])],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps([model, args, batch, seq])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
     row = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,24 +85,52 @@ def main() -> None:
     for label, model, args, batch, seq in cases(opts.models.split(",") if opts.models else None):
         row = {"name": label, "model": model, "model_args": args, **run_one(model, args, batch, seq)}
         results.append(row)
-        print(f"{label}: " + (row["error"] if "error" in row else
-                              f"{row['capture_time_s']:.1f} s, {human_bytes(row['peak_rss_bytes'])}"), flush=True)
-    rows = [[r["name"], f"{r.get('num_parameters', 0):,}", r.get("batch_size", "—"), r.get("seq_len") or "—",
-             r.get("num_nodes", "—"), human_flops(r.get("forward_flops", 0)),
-             f"{r['capture_time_s']:.1f}" if "capture_time_s" in r else r.get("error", ""),
-             human_bytes(r["peak_rss_bytes"]) if "peak_rss_bytes" in r else "—"] for r in results]
-    print_table("capture: time and peak RSS per model (fresh process each)",
-                ["model", "parameters", "batch", "seq", "nodes", "forward", "capture s", "peak RSS"], rows)
+        print(
+            f"{label}: "
+            + (
+                row["error"]
+                if "error" in row
+                else f"{row['capture_time_s']:.1f} s, {human_bytes(row['peak_rss_bytes'])}"
+            ),
+            flush=True,
+        )
+    rows = [
+        [
+            r["name"],
+            f"{r.get('num_parameters', 0):,}",
+            r.get("batch_size", "—"),
+            r.get("seq_len") or "—",
+            r.get("num_nodes", "—"),
+            human_flops(r.get("forward_flops", 0)),
+            f"{r['capture_time_s']:.1f}" if "capture_time_s" in r else r.get("error", ""),
+            human_bytes(r["peak_rss_bytes"]) if "peak_rss_bytes" in r else "—",
+        ]
+        for r in results
+    ]
+    print_table(
+        "capture: time and peak RSS per model (fresh process each)",
+        ["model", "parameters", "batch", "seq", "nodes", "forward", "capture s", "peak RSS"],
+        rows,
+    )
     seven = next((r for r in results if r["name"] == "llama-7b" and "capture_time_s" in r), None)
     summary = {}
     if seven:
-        summary = {"llama_7b_capture_time_s": seven["capture_time_s"],
-                   "llama_7b_peak_rss_bytes": seven["peak_rss_bytes"],
-                   "llama_7b_meets_target": seven["capture_time_s"] < 30 and seven["peak_rss_bytes"] < 2 * 2**30}
-        print(f"7B llama: {seven['capture_time_s']:.1f} s, peak RSS {human_bytes(seven['peak_rss_bytes'])} "
-              f"(target < 30 s and < 2 GiB: {'met' if summary['llama_7b_meets_target'] else 'NOT met'})")
-    doc = {"benchmark": "capture", "command": "python benchmarks/capture.py", "cpu_count": os.cpu_count(),
-           "results": results, "summary": summary}
+        summary = {
+            "llama_7b_capture_time_s": seven["capture_time_s"],
+            "llama_7b_peak_rss_bytes": seven["peak_rss_bytes"],
+            "llama_7b_meets_target": seven["capture_time_s"] < 30 and seven["peak_rss_bytes"] < 2 * 2**30,
+        }
+        print(
+            f"7B llama: {seven['capture_time_s']:.1f} s, peak RSS {human_bytes(seven['peak_rss_bytes'])} "
+            f"(target < 30 s and < 2 GiB: {'met' if summary['llama_7b_meets_target'] else 'NOT met'})"
+        )
+    doc = {
+        "benchmark": "capture",
+        "command": "python benchmarks/capture.py",
+        "cpu_count": os.cpu_count(),
+        "results": results,
+        "summary": summary,
+    }
     write_atomic(ROOT / "benchmarks" / "results" / "capture.json", json.dumps(doc, indent=1) + "\n")
 
 

@@ -32,8 +32,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ from heterog.jsonio import write_atomic
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP, MEASURED = 3, 7
 SEQ = 8
-SMALL = {   # family → (zoo model, small args): the check's configurations
+SMALL = {  # family → (zoo model, small args): the check's configurations
     "cnn": ("mobilenet_v2", dict(num_classes=10)),
     "seq2seq": ("transformer", dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0)),
     "bert": ("bert-large", dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32)),
@@ -68,67 +69,120 @@ def free_port() -> int:
 def one_node(gpu: str, n: int, cpu: bool) -> dict[str, Any]:
     """A cluster document of n devices on one node: the local GPU type, or CPU devices."""
     from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
+
     if cpu:
         devices = ", ".join(f"{{type: cpu, name: box/cpu{i}}}" for i in range(n))
-        return cluster_to_dict(parse_cluster_yaml(f"name: one-cpu\nkind: emulated\nnodes:\n  - name: box\n"
-                                                  f"    nic_bandwidth_gbps: 10\n    devices: [{devices}]\n"))
-    return cluster_to_dict(parse_cluster_yaml(f"name: one-gpu\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
-                                              f"    devices: [{{type: {gpu}, count: {n}}}]\n"))
+        return cluster_to_dict(
+            parse_cluster_yaml(
+                f"name: one-cpu\nkind: emulated\nnodes:\n  - name: box\n"
+                f"    nic_bandwidth_gbps: 10\n    devices: [{devices}]\n"
+            )
+        )
+    return cluster_to_dict(
+        parse_cluster_yaml(
+            f"name: one-gpu\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
+            f"    devices: [{{type: {gpu}, count: {n}}}]\n"
+        )
+    )
 
 
 def node_names(model: str, args: dict, seq_len: int | None) -> list[str]:
     from heterog.capture import capture_model
+
     return [n.name for n in capture_model(model, args or None, batch_size=2, seq_len=seq_len).nodes]
 
 
-def split_plan(model: str, args: dict, kind: str, cluster: dict, *, batch: int = 6, seq_len: int | None = SEQ,
-               optimizer: str = "sgd"):
+def split_plan(
+    model: str,
+    args: dict,
+    kind: str,
+    cluster: dict,
+    *,
+    batch: int = 6,
+    seq_len: int | None = SEQ,
+    optimizer: str = "sgd",
+):
     """A 2-stage 1F1B pipeline ('pipeline') or an uneven hybrid ('hybrid': the front on one
     device, the back replicated 2/3 : 1/3) over the cluster's first devices."""
     from heterog.hardware.spec import cluster_from_dict
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     nodes = node_names(model, args, seq_len)
     k = len(nodes) // 2
     devs = [d.name for d in cluster_from_dict(cluster).devices]
     front, back = tuple(nodes[:k]), tuple(nodes[k:])
     if kind == "pipeline":
-        groups = (Group(name="s0", nodes=front, replicas=(Replica(device=devs[0], share=1.0),)),
-                  Group(name="s1", nodes=back, replicas=(Replica(device=devs[1], share=1.0),)))
+        groups = (
+            Group(name="s0", nodes=front, replicas=(Replica(device=devs[0], share=1.0),)),
+            Group(name="s1", nodes=back, replicas=(Replica(device=devs[1], share=1.0),)),
+        )
     else:
-        groups = (Group(name="front", nodes=front, replicas=(Replica(device=devs[0], share=1.0),)),
-                  Group(name="back", nodes=back, sync="ring",
-                        replicas=(Replica(device=devs[0], share=2 / 3), Replica(device=devs[1], share=1 / 3))))
-    return Plan(strategy=kind, model=ModelSpec(name=model, args=args, batch_size=batch, seq_len=seq_len),
-                groups=groups, num_microbatches=2 if kind == "pipeline" else 1,
-                schedule="1f1b" if kind == "pipeline" else "gpipe", optimizer=optimizer, cluster=cluster).validate()
+        groups = (
+            Group(name="front", nodes=front, replicas=(Replica(device=devs[0], share=1.0),)),
+            Group(
+                name="back",
+                nodes=back,
+                sync="ring",
+                replicas=(Replica(device=devs[0], share=2 / 3), Replica(device=devs[1], share=1 / 3)),
+            ),
+        )
+    return Plan(
+        strategy=kind,
+        model=ModelSpec(name=model, args=args, batch_size=batch, seq_len=seq_len),
+        groups=groups,
+        num_microbatches=2 if kind == "pipeline" else 1,
+        schedule="1f1b" if kind == "pipeline" else "gpipe",
+        optimizer=optimizer,
+        cluster=cluster,
+    ).validate()
 
 
 # -- sections ------------------------------------------------------------------------------------------
 def env_section(cpu: bool) -> dict[str, Any]:
     from heterog import _jit
-    out: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                           "numba_compiled": _jit.COMPILED, "cpu_smoke": cpu}
+
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "numba_compiled": _jit.COMPILED,
+        "cpu_smoke": cpu,
+    }
     if not cpu:
         from heterog.hardware.catalog import gpu_from_device_name
+
         props = torch.cuda.get_device_properties(0)
-        out.update(gpu_name=props.name, gpu_type=gpu_from_device_name(props.name, props.total_memory).name,
-                   gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda, gpus=torch.cuda.device_count())
+        out.update(
+            gpu_name=props.name,
+            gpu_type=gpu_from_device_name(props.name, props.total_memory).name,
+            gpu_memory_bytes=props.total_memory,
+            cuda=torch.version.cuda,
+            gpus=torch.cuda.device_count(),
+        )
     return out
 
 
 def tests_section(cpu: bool) -> dict[str, Any]:
     if cpu:
         return {"skipped": "the gpu-marked tests need a CUDA device"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           "tests/test_gpu.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     tail = proc.stdout.strip().splitlines()[-15:]
-    return {"exit_code": proc.returncode, "summary": tail[-1] if tail else "", "failures":
-            [line for line in tail if line.startswith(("FAILED", "ERROR"))]}
+    return {
+        "exit_code": proc.returncode,
+        "summary": tail[-1] if tail else "",
+        "failures": [line for line in tail if line.startswith(("FAILED", "ERROR"))],
+    }
 
 
 def check_section(cpu: bool, gpu: str) -> dict[str, Any]:
     from heterog.execute.check import BuildCache
     from heterog.pipeline import check
+
     cache = BuildCache()
     cluster = one_node(gpu, 2, cpu)
     families = {"gpt2": SMALL["gpt2"]} if cpu else SMALL
@@ -136,20 +190,30 @@ def check_section(cpu: bool, gpu: str) -> dict[str, Any]:
     for family, (model, args) in families.items():
         for kind in ("pipeline", "hybrid"):
             seq = None if family == "cnn" else SEQ
-            result = check(split_plan(model, args, kind, cluster, seq_len=seq), device="cpu" if cpu else "cuda",
-                           cache=cache)
-            rows.append({"family": family, "model": model, "plan": kind, "ok": result.ok,
-                         "ranks": [r.to_dict() for r in result.ranks]})
+            result = check(
+                split_plan(model, args, kind, cluster, seq_len=seq), device="cpu" if cpu else "cuda", cache=cache
+            )
+            rows.append(
+                {
+                    "family": family,
+                    "model": model,
+                    "plan": kind,
+                    "ok": result.ok,
+                    "ranks": [r.to_dict() for r in result.ranks],
+                }
+            )
             print(f"check {family:8} {kind:8} {'ok' if result.ok else 'FAILED: ' + str(result.ranks)}", flush=True)
     return {"rows": rows, "all_ok": all(r["ok"] for r in rows)}
 
 
-def plain_step(model: str, args: dict, batch: int, seq_len: int | None, optimizer: str, precision: str,
-               device: torch.device) -> tuple[float, int]:
+def plain_step(
+    model: str, args: dict, batch: int, seq_len: int | None, optimizer: str, precision: str, device: torch.device
+) -> tuple[float, int]:
     """Median step time and peak memory of a plain PyTorch loop."""
     from heterog.execute.device import RankDevice
     from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, to_device
     from heterog.ir.plan import ModelSpec
+
     work = resolve_workload(ModelSpec(name=model, args=args, batch_size=batch, seq_len=seq_len))
     net = build_model(work, seed=0).to(device)
     opt = make_optimizer(list(net.parameters()), optimizer)
@@ -178,13 +242,25 @@ def heterog_step(plan, cpu: bool, models) -> tuple[float, int]:
     plan's Program: the worker's own training loop, as one rank in this process."""
     from heterog.execute.worker import train
     from heterog.pipeline import lower
+
     program = lower(plan)
     device = program.devices[0]
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"rank": 0, "devices": [device], "program": program.to_dict(), "steps": WARMUP + MEASURED,
-                "timeout_s": 600, "seed": 0, "cuda": not cpu, "cuda_indices": [0], "out_dir": tmp,
-                "gpu_types": {} if cpu else {device: plan.cluster["nodes"][0]["devices"][0]["type"]},
-                "master_addr": "127.0.0.1", "master_port": free_port(), "threads": torch.get_num_threads()}
+        spec = {
+            "rank": 0,
+            "devices": [device],
+            "program": program.to_dict(),
+            "steps": WARMUP + MEASURED,
+            "timeout_s": 600,
+            "seed": 0,
+            "cuda": not cpu,
+            "cuda_indices": [0],
+            "out_dir": tmp,
+            "gpu_types": {} if cpu else {device: plan.cluster["nodes"][0]["devices"][0]["type"]},
+            "master_addr": "127.0.0.1",
+            "master_port": free_port(),
+            "threads": torch.get_num_threads(),
+        }
         result = train(spec, Path(tmp), models=models)
     times = [s["step_time_s"] for s in result["steps"]]
     return statistics.median(times[WARMUP:]), result["memory"]["peak_allocated_bytes"]
@@ -194,45 +270,77 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
     from heterog.cost.predict import predict
     from heterog.execute.worker import ModelCache
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     cluster = one_node(gpu, 1, cpu)
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     rows = []
     models = ModelCache()
-    for model, args, batches, seq_len, optimizer in (CPU_STEP_CASES if cpu else STEP_CASES):
+    for model, args, batches, seq_len, optimizer in CPU_STEP_CASES if cpu else STEP_CASES:
         for batch in batches:
             for precision in ("fp32",) if cpu else ("fp32", "amp-bf16"):
-                plan = Plan(strategy="one-device", model=ModelSpec(name=model, args=args, batch_size=batch,
-                                                                   seq_len=seq_len),
-                            groups=(Group(name="all", nodes=tuple(node_names(model, args, seq_len)),
-                                          replicas=(Replica(device=cluster["nodes"][0]["devices"][0]["name"],
-                                                            share=1.0),)),),
-                            optimizer=optimizer, precision=precision, cluster=cluster).validate()
+                plan = Plan(
+                    strategy="one-device",
+                    model=ModelSpec(name=model, args=args, batch_size=batch, seq_len=seq_len),
+                    groups=(
+                        Group(
+                            name="all",
+                            nodes=tuple(node_names(model, args, seq_len)),
+                            replicas=(Replica(device=cluster["nodes"][0]["devices"][0]["name"], share=1.0),),
+                        ),
+                    ),
+                    optimizer=optimizer,
+                    precision=precision,
+                    cluster=cluster,
+                ).validate()
                 t_plain, m_plain = plain_step(model, args, batch, seq_len, optimizer, precision, device)
                 t_het, m_het = heterog_step(plan, cpu, models)
-                pred = predict(model, model_args=args, batch_size=batch, seq_len=seq_len,
-                               device="cpu" if cpu else gpu, precision=precision, optimizer=optimizer)
-                row = {"model": model, "batch_size": batch, "precision": precision, "optimizer": optimizer,
-                       "plain_step_s": t_plain, "heterog_step_s": t_het, "overhead": t_het / t_plain - 1,
-                       "plain_peak_bytes": m_plain, "heterog_peak_bytes": m_het,
-                       "predicted_step_s": pred["iteration_time_s"],
-                       "step_prediction_error": pred["iteration_time_s"] / t_plain - 1,
-                       "predicted_peak_bytes": pred["peak_memory_bytes"],
-                       "memory_prediction_error": pred["peak_memory_bytes"] / m_plain - 1 if m_plain else None}
+                pred = predict(
+                    model,
+                    model_args=args,
+                    batch_size=batch,
+                    seq_len=seq_len,
+                    device="cpu" if cpu else gpu,
+                    precision=precision,
+                    optimizer=optimizer,
+                )
+                row = {
+                    "model": model,
+                    "batch_size": batch,
+                    "precision": precision,
+                    "optimizer": optimizer,
+                    "plain_step_s": t_plain,
+                    "heterog_step_s": t_het,
+                    "overhead": t_het / t_plain - 1,
+                    "plain_peak_bytes": m_plain,
+                    "heterog_peak_bytes": m_het,
+                    "predicted_step_s": pred["iteration_time_s"],
+                    "step_prediction_error": pred["iteration_time_s"] / t_plain - 1,
+                    "predicted_peak_bytes": pred["peak_memory_bytes"],
+                    "memory_prediction_error": pred["peak_memory_bytes"] / m_plain - 1 if m_plain else None,
+                }
                 rows.append(row)
-                print(f"step {model:>12} b{batch:<3} {precision:8} plain {t_plain * 1e3:8.2f} ms  heterog "
-                      f"{t_het * 1e3:8.2f} ms ({row['overhead']:+.1%})  predicted {pred['iteration_time_s'] * 1e3:8.2f}"
-                      f" ms ({row['step_prediction_error']:+.1%})  peak {m_plain / 2**20:8.1f} MiB, predicted "
-                      f"{pred['peak_memory_bytes'] / 2**20:8.1f} MiB", flush=True)
+                print(
+                    f"step {model:>12} b{batch:<3} {precision:8} plain {t_plain * 1e3:8.2f} ms  heterog "
+                    f"{t_het * 1e3:8.2f} ms ({row['overhead']:+.1%})  predicted {pred['iteration_time_s'] * 1e3:8.2f}"
+                    f" ms ({row['step_prediction_error']:+.1%})  peak {m_plain / 2**20:8.1f} MiB, predicted "
+                    f"{pred['peak_memory_bytes'] / 2**20:8.1f} MiB",
+                    flush=True,
+                )
     overheads = [r["overhead"] for r in rows]
-    return {"rows": rows, "median_overhead": statistics.median(overheads),
-            "median_abs_step_prediction_error": statistics.median(abs(r["step_prediction_error"]) for r in rows),
-            "median_abs_memory_prediction_error": statistics.median(abs(r["memory_prediction_error"])
-                                                                    for r in rows if r["memory_prediction_error"] is not None)}
+    return {
+        "rows": rows,
+        "median_overhead": statistics.median(overheads),
+        "median_abs_step_prediction_error": statistics.median(abs(r["step_prediction_error"]) for r in rows),
+        "median_abs_memory_prediction_error": statistics.median(
+            abs(r["memory_prediction_error"]) for r in rows if r["memory_prediction_error"] is not None
+        ),
+    }
 
 
 def shared_section(cpu: bool, gpu: str) -> dict[str, Any]:
     from heterog.execute.reference import reference_train
     from heterog.pipeline import run
+
     model, args = SMALL["gpt2"]
     cluster = one_node(gpu, 2, cpu)
     rows = []
@@ -245,9 +353,16 @@ def shared_section(cpu: bool, gpu: str) -> dict[str, Any]:
             for rank in range(len(out["devices"])):
                 for name, value in torch.load(Path(tmp) / f"params_rank{rank}.pt").items():
                     worst = max(worst, ((value - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)).item())
-        rows.append({"plan": kind, "backend": out["per_rank"][0]["backend"], "notes": out["notes"],
-                     "max_relative_difference": worst, "equal": worst <= 1e-4,
-                     "measured_iteration_time_s": out["measured_iteration_time_s"]})
+        rows.append(
+            {
+                "plan": kind,
+                "backend": out["per_rank"][0]["backend"],
+                "notes": out["notes"],
+                "max_relative_difference": worst,
+                "equal": worst <= 1e-4,
+                "measured_iteration_time_s": out["measured_iteration_time_s"],
+            }
+        )
         print(f"shared {kind:8} backend {rows[-1]['backend']}  max relative difference {worst:.1e}", flush=True)
     return {"rows": rows, "all_equal": all(r["equal"] for r in rows)}
 
@@ -260,11 +375,17 @@ def main(argv: list[str]) -> int:
         return 2
     env = env_section(cpu)
     gpu = env.get("gpu_type", "cpu")
-    doc: dict[str, Any] = {"benchmark": "gpu_check", "command": "python benchmarks/gpu_check.py" + (" --cpu" if cpu else ""),
-                           "sections": {"env": env}}
+    doc: dict[str, Any] = {
+        "benchmark": "gpu_check",
+        "command": "python benchmarks/gpu_check.py" + (" --cpu" if cpu else ""),
+        "sections": {"env": env},
+    }
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("tests", lambda: tests_section(cpu)), ("check", lambda: check_section(cpu, gpu)),
-        ("steps", lambda: steps_section(cpu, gpu)), ("shared", lambda: shared_section(cpu, gpu))]
+        ("tests", lambda: tests_section(cpu)),
+        ("check", lambda: check_section(cpu, gpu)),
+        ("steps", lambda: steps_section(cpu, gpu)),
+        ("shared", lambda: shared_section(cpu, gpu)),
+    ]
     failed = False
     for name, fn in sections:
         t0 = time.perf_counter()

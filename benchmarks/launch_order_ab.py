@@ -46,6 +46,7 @@ def lowered_in_old_order(index: int):
             return prepare(plan, i, *args, **kwargs)
         finally:
             lowering._launch_when_ready = launch_when_ready
+
     return wrapped
 
 
@@ -61,37 +62,72 @@ def main() -> int:
     sc = D.SCENARIOS[args.scenario]
     cluster = sc.cluster()
     t0, load_before = time.perf_counter(), os.getloadavg()
-    setup = D.prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
-                      seq_len=sc.seq_len, profile=True, say=print)
+    setup = D.prepare(
+        cluster=cluster,
+        model=sc.model,
+        model_args=sc.model_args,
+        batch_size=sc.batch_size,
+        seq_len=sc.seq_len,
+        profile=True,
+        say=print,
+    )
     result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=5.0, model_spec=setup.spec)
-    single = min((c for c in result.candidates if c.feasible and len(c.plan.devices()) == 1),
-                 key=lambda c: c.iteration_time_s)
+    single = min(
+        (c for c in result.candidates if c.feasible and len(c.plan.devices()) == 1), key=lambda c: c.iteration_time_s
+    )
     runs = {"new order": result.best, "old order": result.best, f"control: {single.strategy}": single.plan}
     pipeline._prepare = lowered_in_old_order(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeterogWarning)
-        got = pipeline.run_interleaved([D.runnable(setup, p) for p in runs.values()], steps=args.steps,
-                                       repetitions=args.repetitions, predict=False, timeout_s=120.0,
-                                       inputs=(setup.graph, setup.cluster, setup.costs))
-    rows, doc = [], {"scenario": sc.name, "heterog_strategy": result.best.strategy, "runs": {},
-                     "command": "python benchmarks/launch_order_ab.py " + " ".join(sys.argv[1:])}
+        got = pipeline.run_interleaved(
+            [D.runnable(setup, p) for p in runs.values()],
+            steps=args.steps,
+            repetitions=args.repetitions,
+            predict=False,
+            timeout_s=120.0,
+            inputs=(setup.graph, setup.cluster, setup.costs),
+        )
+    rows, doc = (
+        [],
+        {
+            "scenario": sc.name,
+            "heterog_strategy": result.best.strategy,
+            "runs": {},
+            "command": "python benchmarks/launch_order_ab.py " + " ".join(sys.argv[1:]),
+        },
+    )
     for (label, plan), r in zip(runs.items(), got):
         if r.error is not None:
             raise SystemExit(f"{label} failed to run: {r.error}")
         times = [x["measured_iteration_time_s"] for x in r.repetitions]
         predicted = D.predict(setup, plan)
         median = statistics.median(times)
-        doc["runs"][label] = {"predicted_iteration_time_s": predicted, "measured_iteration_time_s": median,
-                              "repetitions_s": times, "relative_error": (median - predicted) / predicted,
-                              "sync_s": [p["sync_s"] for p in r.repetitions[-1]["per_rank"]]}
-        rows.append([label, human_time(predicted), human_time(median), f"{max(times) / min(times) - 1:.0%}",
-                     f"{(median - predicted) / predicted:+.1%}"])
+        doc["runs"][label] = {
+            "predicted_iteration_time_s": predicted,
+            "measured_iteration_time_s": median,
+            "repetitions_s": times,
+            "relative_error": (median - predicted) / predicted,
+            "sync_s": [p["sync_s"] for p in r.repetitions[-1]["per_rank"]],
+        }
+        rows.append(
+            [
+                label,
+                human_time(predicted),
+                human_time(median),
+                f"{max(times) / min(times) - 1:.0%}",
+                f"{(median - predicted) / predicted:+.1%}",
+            ]
+        )
     new, old = (doc["runs"][k]["repetitions_s"] for k in ("new order", "old order"))
     doc["old_over_new"] = statistics.median(o / n for o, n in zip(old, new))
-    doc.update(load_average_before=load_before, load_average_after=os.getloadavg(),
-               wall_time_s=time.perf_counter() - t0)
-    print_table(f"{sc.name}: heterog's plan ({result.best.strategy}) in both launch orders, interleaved",
-                ["run", "predicted", "measured (median)", "spread", "error"], rows)
+    doc.update(
+        load_average_before=load_before, load_average_after=os.getloadavg(), wall_time_s=time.perf_counter() - t0
+    )
+    print_table(
+        f"{sc.name}: heterog's plan ({result.best.strategy}) in both launch orders, interleaved",
+        ["run", "predicted", "measured (median)", "spread", "error"],
+        rows,
+    )
     print(f"old order / new order, median of the per-repetition ratios: {doc['old_over_new']:.3f}")
     write_atomic(args.out, json.dumps(doc, indent=1) + "\n")
     return 0

@@ -24,26 +24,64 @@ CASES = (("toy-cnn", 32, "emulated-4", []), ("toy-cnn", 256, "paper-8gpu", ["--e
 
 
 def heterog(*args: str, cwd: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "heterog.cli.main", *args, "--json"], cwd=cwd, check=True,
-                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "heterog.cli.main", *args, "--json"],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     return json.loads(out.stdout)
 
 
 def case(model: str, batch: int, cluster: str, run_flags: list[str], folder: Path) -> dict:
-    planned = heterog("plan", "--model", model, "--batch-size", str(batch), "--cluster", cluster, "--budget-s", "3",
-                      "--max-iters", "40", "--seed", "0", "--no-gnn", "--out", "plan.json", cwd=folder)
-    api = subprocess.run([sys.executable, "-c", "import heterog; print(heterog.simulate('plan.json').iteration_time_s)"],
-                         cwd=folder, check=True, capture_output=True, text=True)
+    planned = heterog(
+        "plan",
+        "--model",
+        model,
+        "--batch-size",
+        str(batch),
+        "--cluster",
+        cluster,
+        "--budget-s",
+        "3",
+        "--max-iters",
+        "40",
+        "--seed",
+        "0",
+        "--no-gnn",
+        "--out",
+        "plan.json",
+        cwd=folder,
+    )
+    api = subprocess.run(
+        [sys.executable, "-c", "import heterog; print(heterog.simulate('plan.json').iteration_time_s)"],
+        cwd=folder,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     predicted = {
         "heterog plan": planned["best"]["predicted_iteration_time_s"],
         "heterog simulate plan.json": heterog("simulate", "plan.json", cwd=folder)["iteration_time_s"],
-        "heterog report plan.json": heterog("report", "plan.json", "--out", "report.html", cwd=folder)["iteration_time_s"],
+        "heterog report plan.json": heterog("report", "plan.json", "--out", "report.html", cwd=folder)[
+            "iteration_time_s"
+        ],
         "heterog run plan.json": heterog("run", "plan.json", "--steps", "2", *run_flags, cwd=folder)[
-            "predicted_iteration_time_s"],
+            "predicted_iteration_time_s"
+        ],
         "heterog.simulate('plan.json')": float(api.stdout.strip().splitlines()[-1]),
     }
-    return {"model": model, "batch_size": batch, "cluster": cluster, "strategy": planned["best"]["strategy"],
-            "run_flags": run_flags, "predicted_s": predicted, "all_equal": len({round(t, 12) for t in predicted.values()}) == 1}
+    return {
+        "model": model,
+        "batch_size": batch,
+        "cluster": cluster,
+        "strategy": planned["best"]["strategy"],
+        "run_flags": run_flags,
+        "predicted_s": predicted,
+        "all_equal": len({round(t, 12) for t in predicted.values()}) == 1,
+    }
 
 
 def main() -> None:

@@ -58,8 +58,15 @@ SCALE_CASES = [("resnet50", {}, 2048, None, "scale-1024")]
 def run_case(graph, cluster_name, spec, budget_s, seed, policy=None):
     cluster = load_cluster(cluster_name)
     costs = build_cost_model(graph, cluster)
-    row = {"model": spec.name, "model_args": spec.args, "batch_size": spec.batch_size, "seq_len": spec.seq_len,
-           "cluster": cluster_name, "devices": len(cluster.devices), "budget_s": budget_s}
+    row = {
+        "model": spec.name,
+        "model_args": spec.args,
+        "batch_size": spec.batch_size,
+        "seq_len": spec.seq_len,
+        "cluster": cluster_name,
+        "devices": len(cluster.devices),
+        "budget_s": budget_s,
+    }
     t = time.perf_counter()
     try:
         r = plan_graph(graph, cluster, costs, budget_s=budget_s, seed=seed, model_spec=spec, policy=policy)
@@ -69,12 +76,18 @@ def run_case(graph, cluster_name, spec, budget_s, seed, policy=None):
     times = {c.strategy: (c.iteration_time_s if c.feasible else None) for c in r.candidates}
     even = times.get("even-dp-allreduce")
     baseline_best = min((v for k, v in times.items() if k in CANDIDATES[:6] and v is not None), default=None)
-    row.update(feasible=True, times_s=times, best=r.best.strategy,
-               best_time_s=r.best.predicted_iteration_time_s,
-               speedup_vs_even_dp=(even / r.best.predicted_iteration_time_s) if even else None,
-               speedup_vs_best_baseline=(baseline_best / r.best.predicted_iteration_time_s) if baseline_best else None,
-               search_time_s=r.search_time_s, devices_used=len(r.best.devices()),
-               scored_by=r.candidates[0].scored_by, notes=list(r.best.notes[:2]))
+    row.update(
+        feasible=True,
+        times_s=times,
+        best=r.best.strategy,
+        best_time_s=r.best.predicted_iteration_time_s,
+        speedup_vs_even_dp=(even / r.best.predicted_iteration_time_s) if even else None,
+        speedup_vs_best_baseline=(baseline_best / r.best.predicted_iteration_time_s) if baseline_best else None,
+        search_time_s=r.search_time_s,
+        devices_used=len(r.best.devices()),
+        scored_by=r.candidates[0].scored_by,
+        notes=list(r.best.notes[:2]),
+    )
     return row
 
 
@@ -109,42 +122,73 @@ def main(argv=None) -> int:
         budget = args.scale_budget_s if c == "scale-1024" else args.budget_s
         row = run_case(graphs[key], c, spec, budget, args.seed, args.policy)
         rows.append(row)
-        print(f"{m:14s} {c:11s} best={row.get('best')} x{row.get('speedup_vs_even_dp') or 0:.2f} "
-              f"{row['search_time_s']:.1f}s", file=sys.stderr)
+        print(
+            f"{m:14s} {c:11s} best={row.get('best')} x{row.get('speedup_vs_even_dp') or 0:.2f} "
+            f"{row['search_time_s']:.1f}s",
+            file=sys.stderr,
+        )
     cols = ["model", "batch", "cluster", *CANDIDATES, "best", "× even-dp", "× best baseline", "search s"]
     table = []
     for r in rows:
         t = r.get("times_s", {})
-        label = r["model"] + ("" if not r["model_args"] else "(" + ",".join(f"{k}={v}" for k, v in r["model_args"].items()) + ")")
-        table.append([label, r["batch_size"], r["cluster"], *[_fmt(t.get(n)) if n in t else "—" for n in CANDIDATES],
-                      r.get("best", "infeasible"),
-                      f"{r['speedup_vs_even_dp']:.2f}" if r.get("speedup_vs_even_dp") else "even-dp OOM",
-                      f"{r['speedup_vs_best_baseline']:.2f}" if r.get("speedup_vs_best_baseline") else "all OOM",
-                      f"{r['search_time_s']:.1f}"])
+        label = r["model"] + (
+            "" if not r["model_args"] else "(" + ",".join(f"{k}={v}" for k, v in r["model_args"].items()) + ")"
+        )
+        table.append(
+            [
+                label,
+                r["batch_size"],
+                r["cluster"],
+                *[_fmt(t.get(n)) if n in t else "—" for n in CANDIDATES],
+                r.get("best", "infeasible"),
+                f"{r['speedup_vs_even_dp']:.2f}" if r.get("speedup_vs_even_dp") else "even-dp OOM",
+                f"{r['speedup_vs_best_baseline']:.2f}" if r.get("speedup_vs_best_baseline") else "all OOM",
+                f"{r['search_time_s']:.1f}",
+            ]
+        )
     print_table("simulated iteration time (ms) per candidate", cols, table)
     gnn_alone = [r for r in rows if r.get("times_s", {}).get("gnn")]
     summary = {
         "cases": len(rows),
         "best_never_worse_than_baselines": all(
             r["best_time_s"] <= min((v for k, v in r["times_s"].items() if v is not None), default=float("inf")) + 1e-12
-            for r in rows if r.get("feasible")),
+            for r in rows
+            if r.get("feasible")
+        ),
         "gnn_alone_beats_best_baseline": sum(
-            1 for r in gnn_alone if r["times_s"]["gnn"] < min(v for k, v in r["times_s"].items()
-                                                              if k in CANDIDATES[:6] and v is not None) - 1e-12
-            if any(k in CANDIDATES[:6] and v is not None for k, v in r["times_s"].items())),
+            1
+            for r in gnn_alone
+            if r["times_s"]["gnn"]
+            < min(v for k, v in r["times_s"].items() if k in CANDIDATES[:6] and v is not None) - 1e-12
+            if any(k in CANDIDATES[:6] and v is not None for k, v in r["times_s"].items())
+        ),
         "gnn_plus_search_beats_search": sum(
-            1 for r in rows if r.get("times_s", {}).get("gnn+search") and r["times_s"].get("search")
-            and r["times_s"]["gnn+search"] < r["times_s"]["search"] - 1e-12),
+            1
+            for r in rows
+            if r.get("times_s", {}).get("gnn+search")
+            and r["times_s"].get("search")
+            and r["times_s"]["gnn+search"] < r["times_s"]["search"] - 1e-12
+        ),
         "search_beats_gnn_plus_search": sum(
-            1 for r in rows if r.get("times_s", {}).get("gnn+search") and r["times_s"].get("search")
-            and r["times_s"]["search"] < r["times_s"]["gnn+search"] - 1e-12),
+            1
+            for r in rows
+            if r.get("times_s", {}).get("gnn+search")
+            and r["times_s"].get("search")
+            and r["times_s"]["search"] < r["times_s"]["gnn+search"] - 1e-12
+        ),
         "total_time_s": time.perf_counter() - begin,
     }
     print(json.dumps(summary, indent=1))
-    write_json(args.out, {"benchmark": "plan_quality", "command": "python benchmarks/plan_quality.py "
-                              + " ".join(argv if argv is not None else sys.argv[1:]),
-                              "machine": platform.processor() or platform.machine(), "summary": summary,
-                              "rows": rows})
+    write_json(
+        args.out,
+        {
+            "benchmark": "plan_quality",
+            "command": "python benchmarks/plan_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": platform.processor() or platform.machine(),
+            "summary": summary,
+            "rows": rows,
+        },
+    )
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

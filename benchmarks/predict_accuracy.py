@@ -48,6 +48,7 @@ QUICK = ["mlp-512x4", "toy-cnn-w32", "gpt2-2L-256"]
 
 # -- the measuring subprocess -------------------------------------------------------------------
 
+
 def _rss_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -57,6 +58,7 @@ def _rss_bytes(field: str) -> int:
 
 def worker(cfg: dict) -> dict:
     import torch
+
     from heterog.capture.zoo import get_zoo_model
 
     dev = torch.device(cfg["device"])
@@ -76,6 +78,7 @@ def worker(cfg: dict) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
     import contextlib
+
     amp = cfg.get("precision", "fp32") == "amp-bf16"
 
     def step() -> None:
@@ -101,8 +104,12 @@ def worker(cfg: dict) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.thread_time() - c0)
-    out = {"step_times_s": times, "wall_time_s": statistics.median(times),
-           "thread_cpu_time_s": statistics.median(cpu_times), "threads": torch.get_num_threads()}
+    out = {
+        "step_times_s": times,
+        "wall_time_s": statistics.median(times),
+        "thread_cpu_time_s": statistics.median(cpu_times),
+        "threads": torch.get_num_threads(),
+    }
     # With one thread on a shared CPU, the thread's own CPU time is the step time the
     # process would see alone; wall time also counts the waits for other processes.
     use_cpu = cfg.get("clock") == "thread" and dev.type == "cpu"
@@ -123,6 +130,7 @@ def worker(cfg: dict) -> dict:
     except OSError:
         out["rss_growth_bytes"] = None
     from torch.distributed._tools.mem_tracker import MemTracker
+
     mt = MemTracker()
     mt.track_external(model, opt)
     with mt:
@@ -135,20 +143,27 @@ def worker(cfg: dict) -> dict:
 
 # -- the driver --------------------------------------------------------------------------------------
 
+
 def _catalog_type() -> str:
     """The catalog type of this machine's GPU (torch.cuda.get_device_name + its memory)."""
     import torch
 
     from heterog.hardware.catalog import gpu_from_device_name
+
     props = torch.cuda.get_device_properties(0)
     return gpu_from_device_name(props.name, props.total_memory).name
 
 
 def measure(cfg: dict) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], capture_output=True,
-                          text=True, env=env, timeout=600)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(cfg)], capture_output=True, text=True, env=env, timeout=600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{cfg['label']}: worker failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -168,10 +183,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", choices=["fp32", "amp-bf16"], default="fp32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
-                    help="'thread': the worker thread's CPU time (needs --threads 1; for a loaded machine)")
-    ap.add_argument("--cached-probe", action="store_true",
-                    help="use the cached CPU probe instead of measuring it again now, under today's load")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="'thread': the worker thread's CPU time (needs --threads 1; for a loaded machine)",
+    )
+    ap.add_argument(
+        "--cached-probe",
+        action="store_true",
+        help="use the cached CPU probe instead of measuring it again now, under today's load",
+    )
     ap.add_argument("--out", default=str(RESULT))
     args = ap.parse_args()
     if args.worker:
@@ -182,6 +204,7 @@ def main() -> None:
 
     from heterog.cli.output import print_table, write_json
     from heterog.cost.predict import predict
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.clock == "thread" and args.threads != 1:
         raise SystemExit("--clock thread measures one thread's CPU time: add --threads 1")
@@ -192,6 +215,7 @@ def main() -> None:
 
         from heterog.cost import efficiency
         from heterog.hardware import catalog
+
         os.environ["HETEROG_CACHE_DIR"] = tempfile.mkdtemp(prefix="heterog-probe-")
         catalog._measure_cpu_for.cache_clear()
         efficiency.cpu_curve.cache_clear()
@@ -200,40 +224,87 @@ def main() -> None:
     load_before = os.getloadavg()
     rows, records = [], []
     for label, model, margs, bs, seq, optim in chosen:
-        cfg = {"label": label, "model": model, "args": margs, "batch_size": bs, "seq_len": seq,
-               "optimizer": optim, "device": device, "steps": args.steps, "warmup": args.warmup,
-               "max_time_s": 20.0, "threads": args.threads, "precision": args.precision,
-               "clock": args.clock}
+        cfg = {
+            "label": label,
+            "model": model,
+            "args": margs,
+            "batch_size": bs,
+            "seq_len": seq,
+            "optimizer": optim,
+            "device": device,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "max_time_s": 20.0,
+            "threads": args.threads,
+            "precision": args.precision,
+            "clock": args.clock,
+        }
         m = measure(cfg)
-        p = predict(model, model_args=margs, batch_size=bs, seq_len=seq, device=catalog_type,
-                    optimizer=optim, precision=args.precision)
-        rec = {"label": label, "model": model, "model_args": margs, "batch_size": bs, "seq_len": seq,
-               "optimizer": optim, "measured": m,
-               "predicted": {k: p[k] for k in ("iteration_time_s", "peak_memory_bytes", "flops_per_iteration",
-                                              "fits")} | {"breakdown": p["breakdown"]},
-               "time_error_pct": pct_error(p["iteration_time_s"], m["time_s"]),
-               "memory_error_pct": pct_error(p["peak_memory_bytes"], m["peak_memory_bytes"])}
+        p = predict(
+            model,
+            model_args=margs,
+            batch_size=bs,
+            seq_len=seq,
+            device=catalog_type,
+            optimizer=optim,
+            precision=args.precision,
+        )
+        rec = {
+            "label": label,
+            "model": model,
+            "model_args": margs,
+            "batch_size": bs,
+            "seq_len": seq,
+            "optimizer": optim,
+            "measured": m,
+            "predicted": {k: p[k] for k in ("iteration_time_s", "peak_memory_bytes", "flops_per_iteration", "fits")}
+            | {"breakdown": p["breakdown"]},
+            "time_error_pct": pct_error(p["iteration_time_s"], m["time_s"]),
+            "memory_error_pct": pct_error(p["peak_memory_bytes"], m["peak_memory_bytes"]),
+        }
         records.append(rec)
-        rows.append((label, f"{m['time_s'] * 1e3:.1f}", f"{p['iteration_time_s'] * 1e3:.1f}",
-                     f"{rec['time_error_pct']:.1f}", f"{m['peak_memory_bytes'] / 2**20:.1f}",
-                     f"{p['peak_memory_bytes'] / 2**20:.1f}", f"{rec['memory_error_pct']:.1f}",
-                     f"{(m.get('rss_growth_bytes') or 0) / 2**20:.0f}"))
+        rows.append(
+            (
+                label,
+                f"{m['time_s'] * 1e3:.1f}",
+                f"{p['iteration_time_s'] * 1e3:.1f}",
+                f"{rec['time_error_pct']:.1f}",
+                f"{m['peak_memory_bytes'] / 2**20:.1f}",
+                f"{p['peak_memory_bytes'] / 2**20:.1f}",
+                f"{rec['memory_error_pct']:.1f}",
+                f"{(m.get('rss_growth_bytes') or 0) / 2**20:.0f}",
+            )
+        )
     t_err = [r["time_error_pct"] for r in records]
     m_err = [r["memory_error_pct"] for r in records]
-    summary = {"device": device, "catalog_type": catalog_type, "precision": args.precision,
-               "time_error_pct": {"median": statistics.median(t_err), "worst": max(t_err)},
-               "memory_error_pct": {"median": statistics.median(m_err), "worst": max(m_err)},
-               "load_average_before": load_before, "load_average_after": os.getloadavg(),
-               "cpu_count": os.cpu_count(), "clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(),
-               "command": "benchmarks/predict_accuracy.py " + " ".join(sys.argv[1:])}
-    print_table(f"predict vs measured on {catalog_type} (load {load_before[0]:.2f} → {os.getloadavg()[0]:.2f})",
-                ["config", "meas ms", "pred ms", "time err %", "meas MiB", "pred MiB", "mem err %", "RSS+ MiB"],
-                rows)
-    print(f"time error: median {summary['time_error_pct']['median']:.1f}%, worst "
-          f"{summary['time_error_pct']['worst']:.1f}%; memory error: median "
-          f"{summary['memory_error_pct']['median']:.1f}%, worst {summary['memory_error_pct']['worst']:.1f}%")
-    write_json(args.out, {"summary": summary, "configs": records,
-                          "method": __doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2]})
+    summary = {
+        "device": device,
+        "catalog_type": catalog_type,
+        "precision": args.precision,
+        "time_error_pct": {"median": statistics.median(t_err), "worst": max(t_err)},
+        "memory_error_pct": {"median": statistics.median(m_err), "worst": max(m_err)},
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "clock": args.clock,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "command": "benchmarks/predict_accuracy.py " + " ".join(sys.argv[1:]),
+    }
+    print_table(
+        f"predict vs measured on {catalog_type} (load {load_before[0]:.2f} → {os.getloadavg()[0]:.2f})",
+        ["config", "meas ms", "pred ms", "time err %", "meas MiB", "pred MiB", "mem err %", "RSS+ MiB"],
+        rows,
+    )
+    print(
+        f"time error: median {summary['time_error_pct']['median']:.1f}%, worst "
+        f"{summary['time_error_pct']['worst']:.1f}%; memory error: median "
+        f"{summary['memory_error_pct']['median']:.1f}%, worst {summary['memory_error_pct']['worst']:.1f}%"
+    )
+    write_json(
+        args.out,
+        {"summary": summary, "configs": records, "method": __doc__.split("\n\n")[1] + " " + __doc__.split("\n\n")[2]},
+    )
 
 
 if __name__ == "__main__":

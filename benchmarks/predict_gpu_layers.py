@@ -38,8 +38,15 @@ from heterog.hardware.catalog import get_gpu
 from heterog.hardware.gputype import Efficiency, GpuType
 
 DEVICE = "local/gpu0"
-PEER_TO_CATALOG = {"A100-40": "A100-40GB", "A100-80": "A100-80GB", "V100-16": "V100-16GB",
-                   "RTX-2080": "RTX-2080Ti", "RTX-3090": "RTX-3090", "Titan-RTX": "Titan-RTX", "GH-96": "GH200"}
+PEER_TO_CATALOG = {
+    "A100-40": "A100-40GB",
+    "A100-80": "A100-80GB",
+    "V100-16": "V100-16GB",
+    "RTX-2080": "RTX-2080Ti",
+    "RTX-3090": "RTX-3090",
+    "Titan-RTX": "Titan-RTX",
+    "GH-96": "GH200",
+}
 PEER_LAYER = str(Path(__file__).resolve().parent.parent / "src" / "heterog" / "cost" / "peer_layer.py")
 # Types on one die: holding one out holds out the other's data too (the H200 enters the
 # cross-type fit through its matmul sweep's plateaus)
@@ -52,9 +59,13 @@ H200_SWEEP_PRECISIONS = ("bf16", "tf32", "fp32")
 # source): the catalog derives them from their public figures; their score is leave-one-type-out
 NOT_FITTED = frozenset({"A100-80GB"})
 # (lower, start, upper) of each cross-type constant in the fit
-MODEL_BOUNDS = {"tensor_efficiency": (0.2, 0.9, 1.5), "tensor_rate_exponent": (0.0, 0.2, 1.0),
-                "simt_efficiency": (0.3, 0.9, 1.2), "memory_efficiency": (0.3, 0.8, 1.0)}
-FLOOR_BOUNDS_S = (1e-6, 8e-5, 3e-4)     # the Aceso floor: from above (a floor under every op has no gradient)
+MODEL_BOUNDS = {
+    "tensor_efficiency": (0.2, 0.9, 1.5),
+    "tensor_rate_exponent": (0.0, 0.2, 1.0),
+    "simt_efficiency": (0.3, 0.9, 1.2),
+    "memory_efficiency": (0.3, 0.8, 1.0),
+}
+FLOOR_BOUNDS_S = (1e-6, 8e-5, 3e-4)  # the Aceso floor: from above (a floor under every op has no gradient)
 
 
 def layer_records() -> list[dict]:
@@ -80,11 +91,24 @@ def layer_graph(r: dict):
     tanh-GELU) moves a different amount of memory. Llama (one GH200 record): the zoo's."""
     h, heads, seq = r["hidden"], r["heads"], r["seq_len"]
     if r["ffn_type"] == "swiglu":
-        args = {"hidden": h, "layers": 1, "heads": heads, "kv_heads": 8, "ffn": r["ffn"], "vocab": 128,
-                "positions": seq}
+        args = {
+            "hidden": h,
+            "layers": 1,
+            "heads": heads,
+            "kv_heads": 8,
+            "ffn": r["ffn"],
+            "vocab": 128,
+            "positions": seq,
+        }
         return _captured("llama", args, 1, seq), "model.layers.0"
-    args = {"hidden": h, "heads": heads, "ffn": r["ffn"], "layers": 1, "positions": seq,
-            "fused_softmax": r["dtype"] == "fp16"}
+    args = {
+        "hidden": h,
+        "heads": heads,
+        "ffn": r["ffn"],
+        "layers": 1,
+        "positions": seq,
+        "fused_softmax": r["dtype"] == "fp16",
+    }
     return _captured(f"{PEER_LAYER}:megatron_gpt_layer", args, 1, seq), "layers.0"
 
 
@@ -105,15 +129,17 @@ def layer_times_s(records: list[dict], gpu: GpuType, aceso_op_floor_s: float = 0
         if key not in models:
             g, prefix = layer_graph(r)
             names = [n.name for n in g.nodes if n.module_path.startswith(prefix + ".") or n.module_path == prefix]
-            ops = np.array(["::" not in n for n in names])     # one profiled op per module
+            ops = np.array(["::" not in n for n in names])  # one profiled op per module
             models[key] = (AnalyticCostModel(g, cluster, precision=layer_precision(r), optimizer="adamw"), names, ops)
         m, names, ops = models[key]
         if is_aceso(r):
             ts = m.node_times_s(names, DEVICE, r["micro_batch"], "fwd")
             out.append(float(np.where(ops, np.maximum(ts, aceso_op_floor_s), ts).sum()))
         else:
-            out.append(m.group_time_s(names, DEVICE, r["micro_batch"], "fwd")
-                       + m.group_time_s(names, DEVICE, r["micro_batch"], "bwd"))
+            out.append(
+                m.group_time_s(names, DEVICE, r["micro_batch"], "fwd")
+                + m.group_time_s(names, DEVICE, r["micro_batch"], "bwd")
+            )
     return np.array(out)
 
 
@@ -123,18 +149,29 @@ def layer_measured_s(r: dict) -> float:
 
 def _row(name: str, r: dict, predicted_s: float, **extra) -> dict:
     measured = layer_measured_s(r)
-    return {"gpu": name, "peer_gpu": r["gpu"], "model": r["model"], "source": r["source"],
-            "micro_batch": r["micro_batch"], "precision": layer_precision(r), "measured_s": measured,
-            "predicted_s": float(predicted_s), "error": float(predicted_s / measured - 1), **extra}
+    return {
+        "gpu": name,
+        "peer_gpu": r["gpu"],
+        "model": r["model"],
+        "source": r["source"],
+        "micro_batch": r["micro_batch"],
+        "precision": layer_precision(r),
+        "measured_s": measured,
+        "predicted_s": float(predicted_s),
+        "error": float(predicted_s / measured - 1),
+        **extra,
+    }
 
 
 # -- leave one model out within a type: a measured type's own figures -----------------------------
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TypeFit:
     """A type's fitted figures (shipped in the catalog) and the Aceso harness's per-op floor
     on that type's machine (a property of how the data was measured: used to score, not
     shipped)."""
+
     efficiency: Efficiency
     aceso_op_floor_s: float
 
@@ -148,14 +185,19 @@ def fit_type(gpu: GpuType, records: list[dict]) -> TypeFit:
     floor = any(is_aceso(r) for r in records)
 
     def fit_of(x) -> TypeFit:
-        eff = Efficiency(compute=dict(zip(precisions, np.exp(x[:k]))), size_scale=float(np.exp(x[k])),
-                         memory=float(min(np.exp(x[k + 1]), 1.0)), source="predict_gpu.py fit")
+        eff = Efficiency(
+            compute=dict(zip(precisions, np.exp(x[:k]))),
+            size_scale=float(np.exp(x[k])),
+            memory=float(min(np.exp(x[k + 1]), 1.0)),
+            source="predict_gpu.py fit",
+        )
         return TypeFit(efficiency=eff, aceso_op_floor_s=float(np.exp(x[k + 2])) if floor else 0.0)
 
     def residuals(x):
         f = fit_of(x)
-        return np.log(layer_times_s(records, dataclasses.replace(gpu, efficiency=f.efficiency),
-                                    f.aceso_op_floor_s) / measured)
+        return np.log(
+            layer_times_s(records, dataclasses.replace(gpu, efficiency=f.efficiency), f.aceso_op_floor_s) / measured
+        )
 
     lo_s, x0_s, hi_s = FLOOR_BOUNDS_S
     x0 = np.log([0.8] * k + [1.0, 0.7] + ([x0_s] if floor else []))
@@ -184,19 +226,25 @@ def per_type_leave_one_model_out(records: list[dict]) -> dict:
             fits[f"{name}/{held}"] = dataclasses.asdict(fit)
             pred = layer_times_s(test, dataclasses.replace(base, efficiency=fit.efficiency), fit.aceso_op_floor_s)
             unfitted = layer_times_s(test, base)
-            rows += [_row(name, r, t, error_without_type_factors=float(u / layer_measured_s(r) - 1))
-                     for r, t, u in zip(test, pred, unfitted)]
+            rows += [
+                _row(name, r, t, error_without_type_factors=float(u / layer_measured_s(r) - 1))
+                for r, t, u in zip(test, pred, unfitted)
+            ]
         print(f"  {name}: {sum(1 for r in rows if r['gpu'] == name)} held-out layer predictions", flush=True)
     return {"rows": rows, "fits": fits}
 
 
 def fit_all_types(records: list[dict]) -> dict[str, dict]:
     """Each measured type's figures fitted on all of its layers (what the catalog ships)."""
-    return {name: dataclasses.asdict(fit_type(dataclasses.replace(get_gpu(name), efficiency=Efficiency()), recs))
-            for name, recs in records_by_type(records).items() if name not in NOT_FITTED}
+    return {
+        name: dataclasses.asdict(fit_type(dataclasses.replace(get_gpu(name), efficiency=Efficiency()), recs))
+        for name, recs in records_by_type(records).items()
+        if name not in NOT_FITTED
+    }
 
 
 # -- leave one type out: a type from its public figures ----------------------------------------
+
 
 def die_mates(name: str) -> frozenset[str]:
     return next((d for d in SAME_DIE if name in d), frozenset({name}))
@@ -213,17 +261,22 @@ def fit_public_model(by_type: dict[str, list[dict]], with_h200: bool) -> tuple[P
     h200 = get_gpu("H200")
 
     def unpack(x) -> tuple[PublicModel, dict[str, float]]:
-        model = dataclasses.replace(fixed, **dict(zip(names, (float(v) for v in x[:len(names)]))),
-                                    source="predict_gpu_layers.py fit")
-        return model, dict(zip(floored, (float(v) for v in np.exp(x[len(names):]))))
+        model = dataclasses.replace(
+            fixed, **dict(zip(names, (float(v) for v in x[: len(names)]))), source="predict_gpu_layers.py fit"
+        )
+        return model, dict(zip(floored, (float(v) for v in np.exp(x[len(names) :]))))
 
     def residuals(x):
         model, floors = unpack(x)
-        out = [np.log(layer_times_s(rs, derive(get_gpu(n), model), floors.get(n, 0.0)) / measured[n])
-               for n, rs in by_type.items()]
+        out = [
+            np.log(layer_times_s(rs, derive(get_gpu(n), model), floors.get(n, 0.0)) / measured[n])
+            for n, rs in by_type.items()
+        ]
         if with_h200:
-            out += [np.full(H200_SWEEP_WEIGHT, math.log(model.plateau(h200, p) / h200_plateau(p)))
-                    for p in H200_SWEEP_PRECISIONS]
+            out += [
+                np.full(H200_SWEEP_WEIGHT, math.log(model.plateau(h200, p) / h200_plateau(p)))
+                for p in H200_SWEEP_PRECISIONS
+            ]
         return np.concatenate(out)
 
     lo_s, x0_s, hi_s = FLOOR_BOUNDS_S
@@ -246,11 +299,18 @@ def leave_one_type_out(records: list[dict]) -> dict:
         floor = statistics.median(floors.values()) if any(is_aceso(r) for r in recs) else 0.0
         pred = layer_times_s(recs, derive(get_gpu(held), model), floor)
         rows += [_row(held, r, t) for r, t in zip(recs, pred)]
-        fits[held] = {"model": {f: getattr(model, f) for f in MODEL_FIELDS}, "training_floors_s": floors,
-                      "held_out_floor_s": floor, "trained_on": sorted(train) + (["H200 sweep"] if "H200" not in mates else [])}
+        fits[held] = {
+            "model": {f: getattr(model, f) for f in MODEL_FIELDS},
+            "training_floors_s": floors,
+            "held_out_floor_s": floor,
+            "trained_on": sorted(train) + (["H200 sweep"] if "H200" not in mates else []),
+        }
         errs = [abs(r["error"]) for r in rows if r["gpu"] == held]
-        print(f"  {held}: {len(recs)} layers predicted from public figures, median |error| "
-              f"{100 * statistics.median(errs):.1f} %", flush=True)
+        print(
+            f"  {held}: {len(recs)} layers predicted from public figures, median |error| "
+            f"{100 * statistics.median(errs):.1f} %",
+            flush=True,
+        )
     return {"rows": rows, "fits": fits}
 
 

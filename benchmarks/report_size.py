@@ -43,8 +43,14 @@ def planned_case(model: str, batch: int, seq_len: int, cluster: str, folder: Pat
     src = folder / f"{model}-{cluster}.json"
     src.write_text(json.dumps(result))
     summary = write_report(src, folder / f"{model}-{cluster}.html")
-    return {"model": model, "batch_size": batch, "seq_len": seq_len, "cluster": cluster, "plan_s": plan_s,
-            **{k: v for k, v in summary.items() if k != "out"}}
+    return {
+        "model": model,
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "cluster": cluster,
+        "plan_s": plan_s,
+        **{k: v for k, v in summary.items() if k != "out"},
+    }
 
 
 def synthetic_1024(folder: Path) -> dict:
@@ -67,8 +73,15 @@ def synthetic_1024(folder: Path) -> dict:
     html = build_report(ReportInputs(plan=p, sim=sim, cluster=cluster))
     t2 = time.perf_counter()
     (folder / "scale-1024.html").write_text(html)
-    return {"model": "synthetic-1000-nodes", "cluster": "scale-1024", "plan": name, "devices": len(cluster.devices),
-            "bytes": len(html.encode()), "simulate_s": t1 - t0, "render_s": t2 - t1}
+    return {
+        "model": "synthetic-1000-nodes",
+        "cluster": "scale-1024",
+        "plan": name,
+        "devices": len(cluster.devices),
+        "bytes": len(html.encode()),
+        "simulate_s": t1 - t0,
+        "render_s": t2 - t1,
+    }
 
 
 REPEATS = 3
@@ -79,8 +92,9 @@ def timed(args: list[str], cache: Path, cwd: Path) -> tuple[float, str]:
     """Wall time of one command in a fresh process, and its stdout."""
     env = {**os.environ, "HETEROG_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "heterog.cli.main", *args], cwd=cwd, env=env, check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "heterog.cli.main", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    )
     return time.perf_counter() - t0, out.stdout
 
 
@@ -88,25 +102,50 @@ def command_times(folder: Path) -> dict:
     warm = folder / "cache-warm"
     cold = iter(folder / f"cache-cold-{i}" for i in range(100))
     rows = []
-    timed(["models"], warm, folder)         # warm-up: the interpreter's own files in the page cache
-    rows.append({"command": "heterog models", "what": "list the zoo", "cold_s": None,
-                 "warm_s": statistics.median(timed(["models"], warm, folder)[0] for _ in range(5))})
+    timed(["models"], warm, folder)  # warm-up: the interpreter's own files in the page cache
+    rows.append(
+        {
+            "command": "heterog models",
+            "what": "list the zoo",
+            "cold_s": None,
+            "warm_s": statistics.median(timed(["models"], warm, folder)[0] for _ in range(5)),
+        }
+    )
     plan_args = ["plan", *BIG, "--budget-s", "5", "--seed", "0", "--no-gnn", "--json"]
     plan_cold, text = timed(plan_args, next(cold), folder)
     (folder / "bert64.json").write_text(text)
-    timed(plan_args, warm, folder)          # fills the warm cache (graph and cuts)
+    timed(plan_args, warm, folder)  # fills the warm cache (graph and cuts)
     plan_warm, text = timed(plan_args, warm, folder)
     doc = json.loads(text)
-    rows.append({"command": "heterog plan ... --budget-s 5", "what": "plan bert-large (batch 64, seq 128) on mixed-64",
-                 "cold_s": plan_cold, "warm_s": plan_warm, "search_s": doc["search_time_s"],
-                 "other_s": doc["other_time_s"]})
-    for cmd, what in ((["report", "bert64.json", "--out", "r.html"], "report of that 64-device plan"),
-                      (["simulate", "bert64.json"], "simulate it")):
-        rows.append({"command": "heterog " + " ".join(cmd[:2]), "what": what,
-                     "cold_s": statistics.median(timed(cmd, next(cold), folder)[0] for _ in range(REPEATS)),
-                     "warm_s": statistics.median(timed(cmd, warm, folder)[0] for _ in range(REPEATS))})
-    return {"command": "python benchmarks/report_size.py", "repeats": REPEATS, "cpu_count": os.cpu_count(),
-            "load_average_before": list(os.getloadavg()), "rows": rows}
+    rows.append(
+        {
+            "command": "heterog plan ... --budget-s 5",
+            "what": "plan bert-large (batch 64, seq 128) on mixed-64",
+            "cold_s": plan_cold,
+            "warm_s": plan_warm,
+            "search_s": doc["search_time_s"],
+            "other_s": doc["other_time_s"],
+        }
+    )
+    for cmd, what in (
+        (["report", "bert64.json", "--out", "r.html"], "report of that 64-device plan"),
+        (["simulate", "bert64.json"], "simulate it"),
+    ):
+        rows.append(
+            {
+                "command": "heterog " + " ".join(cmd[:2]),
+                "what": what,
+                "cold_s": statistics.median(timed(cmd, next(cold), folder)[0] for _ in range(REPEATS)),
+                "warm_s": statistics.median(timed(cmd, warm, folder)[0] for _ in range(REPEATS)),
+            }
+        )
+    return {
+        "command": "python benchmarks/report_size.py",
+        "repeats": REPEATS,
+        "cpu_count": os.cpu_count(),
+        "load_average_before": list(os.getloadavg()),
+        "rows": rows,
+    }
 
 
 def main() -> None:

@@ -47,28 +47,44 @@ def _timed(**kw) -> tuple[dict | None, float]:
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="resume-bench-"))
     ckpt = root / "ckpt"
-    full, full_s = _timed(plan=three_device_plan(), steps=STEPS, out_dir=root / "full", dump_params=True,
-                          timeout_s=20)
-    cut, cut_s = _timed(plan=three_device_plan(), steps=STEPS, out_dir=root / "cut", timeout_s=10,
-                        fault={"rank": 1, "kind": "die", "step": 4, "phase": "mid"},
-                        checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict())
+    full, full_s = _timed(plan=three_device_plan(), steps=STEPS, out_dir=root / "full", dump_params=True, timeout_s=20)
+    cut, cut_s = _timed(
+        plan=three_device_plan(),
+        steps=STEPS,
+        out_dir=root / "cut",
+        timeout_s=10,
+        fault={"rank": 1, "kind": "die", "step": 4, "phase": "mid"},
+        checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict(),
+    )
     assert cut is None, "the fault should have stopped the run"
     want = _params(root / "full", 3)
     resumed = {}
     for name, plan, ranks in (("same_plan", three_device_plan(), 3), ("one_device_fewer", two_device_plan(), 2)):
-        out, secs = _timed(plan=plan, steps=STEPS, out_dir=root / name, dump_params=True, timeout_s=20,
-                           checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
-        resumed[name] = {"devices": out["devices"], "steps_run": len(out["losses"]), "wall_s": round(secs, 2),
-                         "max_relative_difference": _max_rel(_params(root / name, ranks), want),
-                         "max_rss_bytes": max(r["max_rss_bytes"] for r in out["per_rank"])}
+        out, secs = _timed(
+            plan=plan,
+            steps=STEPS,
+            out_dir=root / name,
+            dump_params=True,
+            timeout_s=20,
+            checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+        )
+        resumed[name] = {
+            "devices": out["devices"],
+            "steps_run": len(out["losses"]),
+            "wall_s": round(secs, 2),
+            "max_relative_difference": _max_rel(_params(root / name, ranks), want),
+            "max_rss_bytes": max(r["max_rss_bytes"] for r in out["per_rank"]),
+        }
     result = {
         "scenario": "tests' MLP, AdamW, batch 12, 10 steps on 3 gloo ranks, checkpoint every 2 steps, "
-                    "rank 1 killed mid step 5",
+        "rank 1 killed mid step 5",
         "checkpoints_left": sorted(p.name for p in ckpt.iterdir()),
         "checkpoint_bytes": sum(f.stat().st_size for f in (ckpt / "step-00000004").iterdir()),
-        "uninterrupted_wall_s": round(full_s, 2), "interrupted_wall_s": round(cut_s, 2),
+        "uninterrupted_wall_s": round(full_s, 2),
+        "interrupted_wall_s": round(cut_s, 2),
         "uninterrupted_max_rss_bytes": max(r["max_rss_bytes"] for r in full["per_rank"]),
-        "resumed": resumed, "torch": torch.__version__,
+        "resumed": resumed,
+        "torch": torch.__version__,
     }
     out_path = ROOT / "benchmarks" / "results" / "resume_after_fault.json"
     out_path.write_text(json.dumps(result, indent=1) + "\n")

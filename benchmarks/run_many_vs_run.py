@@ -41,11 +41,18 @@ def one_family(family: str) -> dict:
     t0 = time.perf_counter()
     outcomes = run_many(plans, steps=2, predict=False, timeout_s=60, warmup_steps=0)
     many_s = time.perf_counter() - t0
-    return {"family": family, "distinct_plans": len(plans), "planning_s": round(planned_s, 1),
-            "run_each_s": round(each_s, 1), "run_many_s": round(many_s, 1),
-            "speedup": round(each_s / many_s, 2), "run_each_failed": each_failed,
-            "run_many_failed": [o.strategy for o in outcomes if o.error is not None],
-            "load_average_1min_before": load_before, "load_average_1min_after": os.getloadavg()[0]}
+    return {
+        "family": family,
+        "distinct_plans": len(plans),
+        "planning_s": round(planned_s, 1),
+        "run_each_s": round(each_s, 1),
+        "run_many_s": round(many_s, 1),
+        "speedup": round(each_s / many_s, 2),
+        "run_each_failed": each_failed,
+        "run_many_failed": [o.strategy for o in outcomes if o.error is not None],
+        "load_average_1min_before": load_before,
+        "load_average_1min_after": os.getloadavg()[0],
+    }
 
 
 def main() -> None:

@@ -58,8 +58,13 @@ SPEEDUP_TARGET = 1.3
 
 def plan_key(plan) -> str:
     """Identical plans (the search often returns a baseline) are run once."""
-    return json.dumps([[g.nodes, [(r.device, round(r.share, 6)) for r in g.replicas], g.sync, g.ps_device,
-                        g.recompute] for g in plan.groups] + [plan.num_microbatches, plan.schedule])
+    return json.dumps(
+        [
+            [g.nodes, [(r.device, round(r.share, 6)) for r in g.replicas], g.sync, g.ps_device, g.recompute]
+            for g in plan.groups
+        ]
+        + [plan.num_microbatches, plan.schedule]
+    )
 
 
 def distinct_plans(result) -> tuple[dict[str, Any], dict[str, str], str]:
@@ -96,50 +101,96 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
 
     t0, load_before = time.perf_counter(), os.getloadavg()
     cluster = sc.cluster()
-    setup = D.prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
-                      seq_len=sc.seq_len, profile=not args.no_profile, say=print)
+    setup = D.prepare(
+        cluster=cluster,
+        model=sc.model,
+        model_args=sc.model_args,
+        batch_size=sc.batch_size,
+        seq_len=sc.seq_len,
+        profile=not args.no_profile,
+        say=print,
+    )
     result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=args.budget_s, model_spec=setup.spec)
     plans, same, top = distinct_plans(result)
-    out: dict[str, Any] = {"scenario": sc.name, "family": sc.family, "description": sc.description,
-                           "model": sc.model, "model_args": sc.model_args, "batch_size": sc.batch_size,
-                           "seq_len": sc.seq_len, "heterog_strategy": result.best.strategy, "heterog_label": top,
-                           "same_as": same, "profiled": setup.profiled, "links_measured": list(setup.links),
-                           "candidates": [c.to_dict() for c in result.candidates]}
+    out: dict[str, Any] = {
+        "scenario": sc.name,
+        "family": sc.family,
+        "description": sc.description,
+        "model": sc.model,
+        "model_args": sc.model_args,
+        "batch_size": sc.batch_size,
+        "seq_len": sc.seq_len,
+        "heterog_strategy": result.best.strategy,
+        "heterog_label": top,
+        "same_as": same,
+        "profiled": setup.profiled,
+        "links_measured": list(setup.links),
+        "candidates": [c.to_dict() for c in result.candidates],
+    }
     if args.plan_only:
         return out
     failed: dict[str, str] = {}
-    strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print,
-                               failed=failed)
+    strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print, failed=failed)
     for s in strategies.values():
         del s["per_rank"]
     baselines = [k for k in strategies if k in BASELINE_BUILDERS and k != top]
     best_base = min(baselines, key=lambda k: strategies[k]["measured_iteration_time_s"]) if baselines else None
     even = "even-dp-allreduce" if "even-dp-allreduce" in strategies else same.get("even-dp-allreduce")
-    out.update({
-        "plans": strategies, "failed_plans": failed, "best_baseline": best_base,
-        "speedup_vs_best_baseline": D.speedup(strategies, best_base, top) if best_base and top in strategies else None,
-        "speedup_vs_even_dp": D.speedup(strategies, even, top) if even in strategies and even != top
-        and top in strategies else None,
-        "even_dp_refused": refused(setup, result),
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "wall_time_s": time.perf_counter() - t0,
-        "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:])})
+    out.update(
+        {
+            "plans": strategies,
+            "failed_plans": failed,
+            "best_baseline": best_base,
+            "speedup_vs_best_baseline": D.speedup(strategies, best_base, top)
+            if best_base and top in strategies
+            else None,
+            "speedup_vs_even_dp": D.speedup(strategies, even, top)
+            if even in strategies and even != top and top in strategies
+            else None,
+            "even_dp_refused": refused(setup, result),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "wall_time_s": time.perf_counter() - t0,
+            "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:]),
+        }
+    )
     return out
 
 
 def print_scenario(r: dict[str, Any]) -> None:
     if "plans" not in r:
-        print_table(f"{r['scenario']}: {r['description']} (predicted only)", ["strategy", "predicted", "feasible"],
-                    [[c["strategy"] + (" *" if c["strategy"] == r["heterog_strategy"] else ""),
-                      human_time(c["iteration_time_s"]), "yes" if c["feasible"] else "no"] for c in r["candidates"]])
+        print_table(
+            f"{r['scenario']}: {r['description']} (predicted only)",
+            ["strategy", "predicted", "feasible"],
+            [
+                [
+                    c["strategy"] + (" *" if c["strategy"] == r["heterog_strategy"] else ""),
+                    human_time(c["iteration_time_s"]),
+                    "yes" if c["feasible"] else "no",
+                ]
+                for c in r["candidates"]
+            ],
+        )
         return
-    rows = [[k + (" * heterog" if k == r["heterog_label"] else "") + (" ◦ best baseline" if k == r["best_baseline"] else ""),
-             human_time(v["predicted_iteration_time_s"]), human_time(v["measured_iteration_time_s"]),
-             f"{v['spread']:.0%}", f"{v['relative_error']:+.1%}", f"{v.get('contention', 0.0):.0%}"]
-            for k, v in r["plans"].items()]
-    print_table(f"{r['scenario']}: {r['model']} on {r['description']} "
-                f"(load {r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f})",
-                ["plan", "predicted", "measured (median)", "spread", "error", "contention"], rows)
+    rows = [
+        [
+            k
+            + (" * heterog" if k == r["heterog_label"] else "")
+            + (" ◦ best baseline" if k == r["best_baseline"] else ""),
+            human_time(v["predicted_iteration_time_s"]),
+            human_time(v["measured_iteration_time_s"]),
+            f"{v['spread']:.0%}",
+            f"{v['relative_error']:+.1%}",
+            f"{v.get('contention', 0.0):.0%}",
+        ]
+        for k, v in r["plans"].items()
+    ]
+    print_table(
+        f"{r['scenario']}: {r['model']} on {r['description']} "
+        f"(load {r['load_average_before'][0]:.1f} → {r['load_average_after'][0]:.1f})",
+        ["plan", "predicted", "measured (median)", "spread", "error", "contention"],
+        rows,
+    )
     for label, why in r["failed_plans"].items():
         print(f"  {label} failed to run: {why}")
     for name, key in (("even DP", "speedup_vs_even_dp"), ("the best baseline", "speedup_vs_best_baseline")):
@@ -148,8 +199,10 @@ def print_scenario(r: dict[str, Any]) -> None:
             why = r["even_dp_refused"]["message"] if r.get("even_dp_refused") else "heterog's plan is that plan"
             print(f"  vs {name}: n/a ({why})")
         else:
-            print(f"  vs {name}: {sp['median']:.2f}× median, {sp['worst']:.2f}× at the worst repetition "
-                  f"(predicted {sp['predicted']:.2f}×)")
+            print(
+                f"  vs {name}: {sp['median']:.2f}× median, {sp['worst']:.2f}× at the worst repetition "
+                f"(predicted {sp['predicted']:.2f}×)"
+            )
 
 
 def kept_scenarios(path: Path, names: list[str]) -> list[dict[str, Any]]:
@@ -158,32 +211,42 @@ def kept_scenarios(path: Path, names: list[str]) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     doc = json.loads(path.read_text())
-    return [{**r, "command": r.get("command", doc.get("command"))} for r in doc.get("scenarios", [])
-            if r["scenario"] not in names and "plans" in r]
+    return [
+        {**r, "command": r.get("command", doc.get("command"))}
+        for r in doc.get("scenarios", [])
+        if r["scenario"] not in names and "plans" in r
+    ]
 
 
-CONTENTION_LIMIT = 0.05   # a plan whose devices ran > 5 % slower than declared (see demo.contention)
+CONTENTION_LIMIT = 0.05  # a plan whose devices ran > 5 % slower than declared (see demo.contention)
 
 
 def targets(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(v["relative_error"]) for r in scenarios for v in r.get("plans", {}).values()]
-    clean = [abs(v["relative_error"]) for r in scenarios for v in r.get("plans", {}).values()
-             if v.get("contention", 0.0) <= CONTENTION_LIMIT]
+    clean = [
+        abs(v["relative_error"])
+        for r in scenarios
+        for v in r.get("plans", {}).values()
+        if v.get("contention", 0.0) <= CONTENTION_LIMIT
+    ]
     by_family: dict[str, float] = {}
     for r in scenarios:
         sp = r.get("speedup_vs_best_baseline")
         if sp is not None:
             by_family[r["family"]] = max(by_family.get(r["family"], 0.0), sp["worst"])
     median_error = statistics.median(errors) if errors else None
-    return {"median_abs_relative_error": median_error,
-            # the same over the plans whose devices all ran at their declared speed: where the
-            # shared machine's load exceeded a device's pacing, the measurement is of a slower
-            # device than the one predicted for
-            "median_abs_relative_error_uncontended": statistics.median(clean) if clean else None,
-            "plans_uncontended": len(clean), "plans_measured": len(errors),
-            "error_target_met": median_error is not None and median_error <= ERROR_TARGET,
-            "worst_repetition_speedup_vs_best_baseline_by_family": by_family,
-            "speedup_target_met_by_family": {f: s >= SPEEDUP_TARGET for f, s in by_family.items()}}
+    return {
+        "median_abs_relative_error": median_error,
+        # the same over the plans whose devices all ran at their declared speed: where the
+        # shared machine's load exceeded a device's pacing, the measurement is of a slower
+        # device than the one predicted for
+        "median_abs_relative_error_uncontended": statistics.median(clean) if clean else None,
+        "plans_uncontended": len(clean),
+        "plans_measured": len(errors),
+        "error_target_met": median_error is not None and median_error <= ERROR_TARGET,
+        "worst_repetition_speedup_vs_best_baseline_by_family": by_family,
+        "speedup_target_met_by_family": {f: s >= SPEEDUP_TARGET for f, s in by_family.items()},
+    }
 
 
 def main() -> int:
@@ -196,8 +259,12 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true", help="analytic costs only")
     ap.add_argument("--plan-only", action="store_true", help="plan and print predictions; run nothing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "run_vs_sim.json"))
-    ap.add_argument("--keep-others", action="store_true", help="keep the scenarios of the existing --out "
-                    "file that this run does not measure (each keeps its own figures and load averages)")
+    ap.add_argument(
+        "--keep-others",
+        action="store_true",
+        help="keep the scenarios of the existing --out "
+        "file that this run does not measure (each keeps its own figures and load averages)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.steps, args.repetitions, args.budget_s = 4, 2, 2.0
@@ -208,28 +275,44 @@ def main() -> int:
 
     def document() -> dict[str, Any]:
         every = kept + results
-        return {"benchmark": "run_vs_sim", "steps": args.steps, "repetitions": args.repetitions,
-                "budget_s": args.budget_s, "complete": len(results) == len(names), "scenarios": every,
-                **targets(every), "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                "cpu_count": os.cpu_count(), "wall_time_s": time.perf_counter() - t0,
-                "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:])}
+        return {
+            "benchmark": "run_vs_sim",
+            "steps": args.steps,
+            "repetitions": args.repetitions,
+            "budget_s": args.budget_s,
+            "complete": len(results) == len(names),
+            "scenarios": every,
+            **targets(every),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "cpu_count": os.cpu_count(),
+            "wall_time_s": time.perf_counter() - t0,
+            "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:]),
+        }
+
     for name in names:
         results.append(run_scenario(D.SCENARIOS[name], args))
         print_scenario(results[-1])
-        if not args.plan_only:      # after each scenario: a long run stopped early keeps its figures
+        if not args.plan_only:  # after each scenario: a long run stopped early keeps its figures
             write_atomic(args.out, json.dumps(document(), indent=1) + "\n")
     summary = targets(kept + results)
     if summary["median_abs_relative_error"] is not None:
         met = "met" if summary["error_target_met"] else "MISSED"
-        print(f"median |predicted − measured| over all plans: {summary['median_abs_relative_error']:.1%} "
-              f"(target ≤ {ERROR_TARGET:.0%}: {met})")
+        print(
+            f"median |predicted − measured| over all plans: {summary['median_abs_relative_error']:.1%} "
+            f"(target ≤ {ERROR_TARGET:.0%}: {met})"
+        )
         if summary["median_abs_relative_error_uncontended"] is not None:
-            print(f"  over the {summary['plans_uncontended']} of {summary['plans_measured']} plans whose devices "
-                  f"ran at their declared speed: {summary['median_abs_relative_error_uncontended']:.1%}")
+            print(
+                f"  over the {summary['plans_uncontended']} of {summary['plans_measured']} plans whose devices "
+                f"ran at their declared speed: {summary['median_abs_relative_error_uncontended']:.1%}"
+            )
         for fam, s in summary["worst_repetition_speedup_vs_best_baseline_by_family"].items():
             met = "met" if s >= SPEEDUP_TARGET else "MISSED"
-            print(f"{fam}: best worst-repetition speedup over the best baseline {s:.2f}× "
-                  f"(target ≥ {SPEEDUP_TARGET}×: {met})")
+            print(
+                f"{fam}: best worst-repetition speedup over the best baseline {s:.2f}× "
+                f"(target ≥ {SPEEDUP_TARGET}×: {met})"
+            )
     return 0
 
 

@@ -14,7 +14,6 @@ heteroG. Branchy graphs (Inception) leave room for ordering; chains (ResNet) muc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
@@ -40,11 +39,21 @@ def random_plan(graph, devices, rng: random.Random, n_groups: int, batch: int) -
     for k in range(n_groups):
         devs = rng.sample(devices, rng.randint(1, 3))
         w = [rng.uniform(0.5, 1.5) for _ in devs]
-        groups.append(Group(name=f"g{k}", nodes=tuple(names[bounds[k]:bounds[k + 1]]),
-                            sync="ring" if len(devs) > 1 else "none",
-                            replicas=tuple(Replica(device=d, share=x / sum(w)) for d, x in zip(devs, w))))
-    return Plan(strategy="random", model=ModelSpec(name=graph.model, batch_size=batch), groups=tuple(groups),
-                num_microbatches=rng.choice([1, 4]), schedule="gpipe")
+        groups.append(
+            Group(
+                name=f"g{k}",
+                nodes=tuple(names[bounds[k] : bounds[k + 1]]),
+                sync="ring" if len(devs) > 1 else "none",
+                replicas=tuple(Replica(device=d, share=x / sum(w)) for d, x in zip(devs, w)),
+            )
+        )
+    return Plan(
+        strategy="random",
+        model=ModelSpec(name=graph.model, batch_size=batch),
+        groups=tuple(groups),
+        num_microbatches=rng.choice([1, 4]),
+        schedule="gpipe",
+    )
 
 
 def main() -> None:
@@ -69,19 +78,38 @@ def main() -> None:
                 ratios[method].append(t[method] / t["graph"])
             upward_wins += t["upward"] <= t["heteroG"] * (1 + 1e-9)
         geo = {m: math.exp(sum(math.log(x) for x in v) / len(v)) for m, v in ratios.items()}
-        row = {"model": model, "batch_size": batch, "nodes": len(graph.nodes), "plans": n_plans,
-               "heteroG_vs_graph_order": geo["heteroG"], "upward_vs_graph_order": geo["upward"],
-               "upward_no_slower_than_heteroG": upward_wins / n_plans,
-               "best_upward_gain_vs_heteroG": min(u / h for u, h in zip(ratios["upward"], ratios["heteroG"])),
-               "seconds": time.perf_counter() - t0}
+        row = {
+            "model": model,
+            "batch_size": batch,
+            "nodes": len(graph.nodes),
+            "plans": n_plans,
+            "heteroG_vs_graph_order": geo["heteroG"],
+            "upward_vs_graph_order": geo["upward"],
+            "upward_no_slower_than_heteroG": upward_wins / n_plans,
+            "best_upward_gain_vs_heteroG": min(u / h for u, h in zip(ratios["upward"], ratios["heteroG"])),
+            "seconds": time.perf_counter() - t0,
+        }
         rows.append(row)
-        print(f"{model:>13} ({len(graph.nodes)} nodes): time vs graph order — heteroG {geo['heteroG']:.3f}, "
-              f"upward {geo['upward']:.3f}; upward ≤ heteroG in {upward_wins}/{n_plans} plans, "
-              f"best gain {1 - row['best_upward_gain_vs_heteroG']:.1%}", flush=True)
+        print(
+            f"{model:>13} ({len(graph.nodes)} nodes): time vs graph order — heteroG {geo['heteroG']:.3f}, "
+            f"upward {geo['upward']:.3f}; upward ≤ heteroG in {upward_wins}/{n_plans} plans, "
+            f"best gain {1 - row['best_upward_gain_vs_heteroG']:.1%}",
+            flush=True,
+        )
     out = Path(__file__).parent / "results" / "simulator_priorities.json"
-    write_atomic(out, json.dumps({"benchmark": "simulator_priorities", "cluster": "paper-8gpu",
-                                  "command": "python benchmarks/simulator_priorities.py", "rows": rows},
-                                 indent=1) + "\n")
+    write_atomic(
+        out,
+        json.dumps(
+            {
+                "benchmark": "simulator_priorities",
+                "cluster": "paper-8gpu",
+                "command": "python benchmarks/simulator_priorities.py",
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n",
+    )
     print(f"wrote {out}")
 
 

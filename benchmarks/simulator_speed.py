@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-NO_NUMBA_ENV = "HETEROG_NO_NUMBA"     # heterog._jit reads it when heterog is first imported
+NO_NUMBA_ENV = "HETEROG_NO_NUMBA"  # heterog._jit reads it when heterog is first imported
 if "--no-numba" in sys.argv:
     os.environ[NO_NUMBA_ENV] = "1"
 
@@ -57,29 +57,43 @@ def synthetic_graph(batch_size: int) -> OpGraph:
     width = 1024
     for i in range(N_NODES):
         kind = ("matmul", "norm", "elementwise", "elementwise")[i % 4]
-        act = 4.0 * width * 16                       # bytes per sample of one activation
+        act = 4.0 * width * 16  # bytes per sample of one activation
         if kind == "matmul":
             flops = 2.0 * width * width * 16
             params = width * width
         else:
             flops, params = 10.0 * width * 16, (2 * width if kind == "norm" else 0)
-        nodes.append(OpNode(name=f"n{i}", module_path=f"blocks.{i // 4}.op{i % 4}", module_type="X", kind=kind,
-                            fwd_flops=Affine(0, flops), bwd_flops=Affine(0, 2 * flops),
-                            fwd_bytes=Affine(4 * params, 2 * act), bwd_bytes=Affine(8 * params, 4 * act),
-                            saved_bytes=Affine(0, act), output_bytes=Affine(0, act),
-                            workspace_bytes=Affine(0, act / 4), param_count=params, param_bytes=4 * params,
-                            param_names=(f"n{i}.w",) if params else (), fwd_kernels=1, bwd_kernels=2,
-                            tensor_core_flops_fraction=1.0 if kind == "matmul" else 0.0))
+        nodes.append(
+            OpNode(
+                name=f"n{i}",
+                module_path=f"blocks.{i // 4}.op{i % 4}",
+                module_type="X",
+                kind=kind,
+                fwd_flops=Affine(0, flops),
+                bwd_flops=Affine(0, 2 * flops),
+                fwd_bytes=Affine(4 * params, 2 * act),
+                bwd_bytes=Affine(8 * params, 4 * act),
+                saved_bytes=Affine(0, act),
+                output_bytes=Affine(0, act),
+                workspace_bytes=Affine(0, act / 4),
+                param_count=params,
+                param_bytes=4 * params,
+                param_names=(f"n{i}.w",) if params else (),
+                fwd_kernels=1,
+                bwd_kernels=2,
+                tensor_core_flops_fraction=1.0 if kind == "matmul" else 0.0,
+            )
+        )
         if i:
             edges.append(OpEdge(src=f"n{i - 1}", dst=f"n{i}", bytes=Affine(0, act)))
         if i % 4 == 3 and i >= 4:
-            edges.append(OpEdge(src=f"n{i - 4}", dst=f"n{i}", bytes=Affine(0, act)))   # residual
+            edges.append(OpEdge(src=f"n{i - 4}", dst=f"n{i}", bytes=Affine(0, act)))  # residual
     return OpGraph(model="synthetic-1000", batch_size=batch_size, nodes=tuple(nodes), edges=tuple(edges)).validate()
 
 
 def chunks(seq, k):
     n = len(seq)
-    return [seq[i * n // k:(i + 1) * n // k] for i in range(k)]
+    return [seq[i * n // k : (i + 1) * n // k] for i in range(k)]
 
 
 def speed_shares(cluster, devices):
@@ -96,17 +110,25 @@ def make_plans(graph, cluster, rng):
     spec = ModelSpec(name="synthetic", batch_size=graph.batch_size)
 
     def group(k, devs, shares, sync="ring", ps=None):
-        return Group(name=f"g{k}", nodes=node_sets[k], sync=sync if len(devs) > 1 else "none",
-                     ps_device=ps if len(devs) > 1 else None,
-                     replicas=tuple(Replica(device=d, share=s) for d, s in zip(devs, shares)))
+        return Group(
+            name=f"g{k}",
+            nodes=node_sets[k],
+            sync=sync if len(devs) > 1 else "none",
+            ps_device=ps if len(devs) > 1 else None,
+            replicas=tuple(Replica(device=d, share=s) for d, s in zip(devs, shares)),
+        )
 
     dp_shares = speed_shares(cluster, devices)
     dp = Plan(strategy="dp", model=spec, groups=tuple(group(k, devices, dp_shares) for k in range(N_GROUPS)))
     stages = chunks(devices, 8)
     stage_groups = chunks(list(range(N_GROUPS)), 8)
-    pipe = Plan(strategy="pipe-dp", model=spec, num_microbatches=4, schedule="1f1b",
-                groups=tuple(group(k, stages[s], speed_shares(cluster, stages[s]))
-                             for s in range(8) for k in stage_groups[s]))
+    pipe = Plan(
+        strategy="pipe-dp",
+        model=spec,
+        num_microbatches=4,
+        schedule="1f1b",
+        groups=tuple(group(k, stages[s], speed_shares(cluster, stages[s])) for s in range(8) for k in stage_groups[s]),
+    )
     hyb = []
     for k in range(N_GROUPS):
         devs = rng.sample(devices, rng.randint(1, min(8, len(devices))))
@@ -125,12 +147,12 @@ def mutate(plan, rng, cluster):
     factor = {t: rng.uniform(0.8, 1.25) for t in cluster.gpu_types}
     w = [r.share * factor[cluster.device(r.device).gpu_type] for r in g.replicas]
     g2 = dataclasses.replace(g, replicas=tuple(dataclasses.replace(r, share=x / sum(w)) for r, x in zip(g.replicas, w)))
-    return dataclasses.replace(plan, groups=plan.groups[:k] + (g2,) + plan.groups[k + 1:])
+    return dataclasses.replace(plan, groups=plan.groups[:k] + (g2,) + plan.groups[k + 1 :])
 
 
 def measure(graph, cluster, plan, min_time_s):
     """CPU time of this process (the machine is shared; wall time is reported beside it)."""
-    costs, cache = build_cost_model(graph, cluster), SimCache()   # the search keeps one SimCache
+    costs, cache = build_cost_model(graph, cluster), SimCache()  # the search keeps one SimCache
     t0 = time.process_time()
     r = simulate(graph, cluster, plan, costs, timeline=False, cache=cache)
     cold_s = time.process_time() - t0
@@ -138,24 +160,32 @@ def measure(graph, cluster, plan, min_time_s):
     neighbours = [mutate(plan, rng, cluster) for _ in range(20)]
     tasks = []
     n, t0, w0 = 0, time.process_time(), time.perf_counter()
-    while True:   # neighbours of the plan, as the annealing search scores them
-        tasks.append(simulate(graph, cluster, neighbours[n % len(neighbours)], costs, timeline=False,
-                              cache=cache).num_tasks)
+    while True:  # neighbours of the plan, as the annealing search scores them
+        tasks.append(
+            simulate(graph, cluster, neighbours[n % len(neighbours)], costs, timeline=False, cache=cache).num_tasks
+        )
         n += 1
         el = time.process_time() - t0
         if el >= min_time_s and n >= 3:
             break
     wall = time.perf_counter() - w0
     k, t1 = 0, time.process_time()
-    while k < 3 or time.process_time() - t1 < min_time_s / 4:   # the plan itself, warm
+    while k < 3 or time.process_time() - t1 < min_time_s / 4:  # the plan itself, warm
         simulate(graph, cluster, plan, costs, timeline=False, cache=cache)
         k += 1
     base_s = (time.process_time() - t1) / k
     check_warm_equals_cold(graph, cluster, [plan] + neighbours[:2], costs, cache)
-    return {"cold_s": cold_s, "warm_sims_per_s": n / el, "warm_ms": 1e3 * el / n, "warm_wall_ms": 1e3 * wall / n,
-            "plan_sims_per_s": 1 / base_s,
-            "tasks": r.num_tasks, "neighbour_tasks_mean": sum(tasks) / len(tasks),
-            "iteration_time_s": r.iteration_time_s, "feasible": r.feasible}
+    return {
+        "cold_s": cold_s,
+        "warm_sims_per_s": n / el,
+        "warm_ms": 1e3 * el / n,
+        "warm_wall_ms": 1e3 * wall / n,
+        "plan_sims_per_s": 1 / base_s,
+        "tasks": r.num_tasks,
+        "neighbour_tasks_mean": sum(tasks) / len(tasks),
+        "iteration_time_s": r.iteration_time_s,
+        "feasible": r.feasible,
+    }
 
 
 def check_warm_equals_cold(graph, cluster, plans, costs, cache) -> None:
@@ -164,8 +194,9 @@ def check_warm_equals_cold(graph, cluster, plans, costs, cache) -> None:
     for plan in plans:
         warm = simulate(graph, cluster, plan, costs, timeline=True, cache=cache)
         cold = simulate(graph, cluster, plan, build_cost_model(graph, cluster), timeline=True)
-        assert warm.to_dict() == cold.to_dict() and warm.memory_timeline == cold.memory_timeline, \
+        assert warm.to_dict() == cold.to_dict() and warm.memory_timeline == cold.memory_timeline, (
             f"plan {plan.strategy}: warm caches changed the simulated result"
+        )
 
 
 def measure_all(quick: bool, only: list[str]) -> list[dict]:
@@ -176,12 +207,23 @@ def measure_all(quick: bool, only: list[str]) -> list[dict]:
         graph = synthetic_graph(batch_size=max(64, 4 * len(cluster.devices)))
         for pname, plan in make_plans(graph, cluster, random.Random(0)).items():
             m = measure(graph, cluster, plan, 0.3 if quick else 2.0)
-            rows.append({"cluster": cname, "devices": len(cluster.devices), "plan": pname,
-                         "groups": len(plan.groups), "nodes": len(graph.nodes), **m})
-            print(f"{cname:>11} {len(cluster.devices):5d} dev  {pname:8s} tasks {m['tasks']:6d} "
-                  f"(neighbours {m['neighbour_tasks_mean']:7.0f})  cold {m['cold_s'] * 1e3:8.1f} ms  "
-                  f"neighbours {m['warm_ms']:7.2f} ms CPU = {m['warm_sims_per_s']:7.1f}/s  "
-                  f"plan itself {m['plan_sims_per_s']:7.1f}/s", flush=True)
+            rows.append(
+                {
+                    "cluster": cname,
+                    "devices": len(cluster.devices),
+                    "plan": pname,
+                    "groups": len(plan.groups),
+                    "nodes": len(graph.nodes),
+                    **m,
+                }
+            )
+            print(
+                f"{cname:>11} {len(cluster.devices):5d} dev  {pname:8s} tasks {m['tasks']:6d} "
+                f"(neighbours {m['neighbour_tasks_mean']:7.0f})  cold {m['cold_s'] * 1e3:8.1f} ms  "
+                f"neighbours {m['warm_ms']:7.2f} ms CPU = {m['warm_sims_per_s']:7.1f}/s  "
+                f"plan itself {m['plan_sims_per_s']:7.1f}/s",
+                flush=True,
+            )
     return rows
 
 
@@ -203,18 +245,28 @@ def slowdown_rows(compiled: list[dict], uncompiled: list[dict]) -> list[dict]:
     rows = []
     for c, u in zip(compiled, uncompiled, strict=True):
         assert (c["cluster"], c["plan"], c["tasks"]) == (u["cluster"], u["plan"], u["tasks"])
-        assert c["iteration_time_s"] == u["iteration_time_s"], \
+        assert c["iteration_time_s"] == u["iteration_time_s"], (
             f"{c['cluster']} {c['plan']}: the uncompiled simulator's iteration time differs"
-        rows.append({"cluster": c["cluster"], "devices": c["devices"], "plan": c["plan"], "tasks": c["tasks"],
-                     "neighbour_ms": {"compiled": c["warm_ms"], "uncompiled": u["warm_ms"]},
-                     "neighbour_slowdown": u["warm_ms"] / c["warm_ms"],
-                     "plan_slowdown": c["plan_sims_per_s"] / u["plan_sims_per_s"],
-                     "cold_slowdown": u["cold_s"] / c["cold_s"]})
+        )
+        rows.append(
+            {
+                "cluster": c["cluster"],
+                "devices": c["devices"],
+                "plan": c["plan"],
+                "tasks": c["tasks"],
+                "neighbour_ms": {"compiled": c["warm_ms"], "uncompiled": u["warm_ms"]},
+                "neighbour_slowdown": u["warm_ms"] / c["warm_ms"],
+                "plan_slowdown": c["plan_sims_per_s"] / u["plan_sims_per_s"],
+                "cold_slowdown": u["cold_s"] / c["cold_s"],
+            }
+        )
     for r in rows:
-        print(f"{r['cluster']:>11} {r['plan']:8s} tasks {r['tasks']:6d}  neighbour "
-              f"{r['neighbour_ms']['compiled']:8.2f} ms compiled, {r['neighbour_ms']['uncompiled']:8.2f} ms "
-              f"uncompiled: {r['neighbour_slowdown']:5.1f}× slower  (plan itself {r['plan_slowdown']:5.1f}×, "
-              f"cold {r['cold_slowdown']:5.1f}×)")
+        print(
+            f"{r['cluster']:>11} {r['plan']:8s} tasks {r['tasks']:6d}  neighbour "
+            f"{r['neighbour_ms']['compiled']:8.2f} ms compiled, {r['neighbour_ms']['uncompiled']:8.2f} ms "
+            f"uncompiled: {r['neighbour_slowdown']:5.1f}× slower  (plan itself {r['plan_slowdown']:5.1f}×, "
+            f"cold {r['cold_slowdown']:5.1f}×)"
+        )
     return rows
 
 
@@ -226,19 +278,29 @@ def main() -> None:
     name = "simulator_speed_no_numba" if no_numba else "simulator_speed"
     out = Path(outs[0]) if outs else Path(__file__).parent / "results" / f"{name}.json"
     command = " ".join(["python benchmarks/simulator_speed.py", *sys.argv[1:]])
-    doc = {"benchmark": name, "command": command, "python": sys.version.split()[0], "numba_compiled": jit.COMPILED,
-           "why_uncompiled": jit.WHY_UNCOMPILED}
+    doc = {
+        "benchmark": name,
+        "command": command,
+        "python": sys.version.split()[0],
+        "numba_compiled": jit.COMPILED,
+        "why_uncompiled": jit.WHY_UNCOMPILED,
+    }
     if no_numba:
         compiled = compiled_rows([a for a in sys.argv[1:] if a == "--quick" or a.startswith("--cluster=")])
         print("uncompiled (HETEROG_NO_NUMBA=1):", flush=True)
         uncompiled = measure_all(quick, only)
         rows = slowdown_rows(compiled, uncompiled)
         ratios = [r["neighbour_slowdown"] for r in rows]
-        print(f"without numba a neighbour's simulation takes {min(ratios):.1f}–{max(ratios):.1f}× the CPU time "
-              f"(median {statistics.median(ratios):.1f}×)")
-        doc.update(rows=rows, compiled_rows=compiled, uncompiled_rows=uncompiled,
-                   neighbour_slowdown={"min": min(ratios), "median": statistics.median(ratios),
-                                       "max": max(ratios)})
+        print(
+            f"without numba a neighbour's simulation takes {min(ratios):.1f}–{max(ratios):.1f}× the CPU time "
+            f"(median {statistics.median(ratios):.1f}×)"
+        )
+        doc.update(
+            rows=rows,
+            compiled_rows=compiled,
+            uncompiled_rows=uncompiled,
+            neighbour_slowdown={"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)},
+        )
     else:
         doc["rows"] = measure_all(quick, only)
     write_atomic(out, json.dumps(doc, indent=1) + "\n")

@@ -21,16 +21,28 @@ from heterog.execute.partition import split_model
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.jsonio import write_atomic
 
-MODELS = [("toy-cnn", None), ("resnet50", None), ("transformer", 128), ("gpt2", 1024),
-          ("bert-large", 512), ("llama", 512), ("xlnet-large", 512)]
+MODELS = [
+    ("toy-cnn", None),
+    ("resnet50", None),
+    ("transformer", 128),
+    ("gpt2", 1024),
+    ("bert-large", 512),
+    ("llama", 512),
+    ("xlnet-large", 512),
+]
 
 
 def measure(name: str, seq: int | None) -> dict:
     nodes = [n.name for n in capture_model(name, batch_size=2, seq_len=seq).nodes]
     k = len(nodes) // 2
-    plan = Plan(strategy="bench", model=ModelSpec(name=name, batch_size=2, seq_len=seq),
-                groups=(Group(name="a", nodes=tuple(nodes[:k]), replicas=(Replica(device="d0", share=1.0),)),
-                        Group(name="b", nodes=tuple(nodes[k:]), replicas=(Replica(device="d1", share=1.0),))))
+    plan = Plan(
+        strategy="bench",
+        model=ModelSpec(name=name, batch_size=2, seq_len=seq),
+        groups=(
+            Group(name="a", nodes=tuple(nodes[:k]), replicas=(Replica(device="d0", share=1.0),)),
+            Group(name="b", nodes=tuple(nodes[k:]), replicas=(Replica(device="d1", share=1.0),)),
+        ),
+    )
     torch.manual_seed(0)
     model = get_zoo_model(name).build()
     t0 = time.perf_counter()
@@ -38,9 +50,15 @@ def measure(name: str, seq: int | None) -> dict:
     split_s = time.perf_counter() - t0
     own = {id(p) for p in model.parameters()}
     held = {id(p) for s in flow.stages for p in s.module.parameters()}
-    return {"model": name, "nodes": len(nodes), "split_s": round(split_s, 2), "stages": len(flow.stages),
-            "tied": sorted(flow.tied), "stage_params_are_the_models": held <= own,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "model": name,
+        "nodes": len(nodes),
+        "split_s": round(split_s, 2),
+        "stages": len(flow.stages),
+        "tied": sorted(flow.tied),
+        "stage_params_are_the_models": held <= own,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main() -> None:

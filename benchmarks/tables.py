@@ -15,9 +15,10 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -25,6 +26,7 @@ BLOCK = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S
 
 
 # -- formatting ------------------------------------------------------------------------------
+
 
 def secs(t: float | None) -> str:
     if t is None:
@@ -71,23 +73,40 @@ def command_of(doc: dict[str, Any], script: str) -> str:
 
 # -- one renderer per benchmark: result document → markdown lines ----------------------------
 
+
 def demo(doc: dict[str, Any], short: bool) -> list[str]:
     rows = []
     for r in doc["runs"]:
         vb, ve = r["speedup_vs_best_baseline"], r.get("speedup_vs_even_dp")
-        rows.append([r["run"], f"{r['heterog_strategy']}: {secs(r['heterog_predicted_s'])} / "
-                               f"{secs(r['heterog_measured_s'])}",
-                     f"{r['best_baseline']}: {secs(r['best_baseline_measured_s'])}", secs(r.get("even_dp_measured_s")),
-                     f"{times(vb['median'])} ({times(vb['worst'])})",
-                     f"{times(ve['median'])} ({times(ve['worst'])})" if ve else "—"])
-    out = table(["run", "heterog's plan: predicted / measured", "best baseline", "even DP",
-                 "over best baseline: median (worst)", "over even DP: median (worst)"], rows)
+        rows.append(
+            [
+                r["run"],
+                f"{r['heterog_strategy']}: {secs(r['heterog_predicted_s'])} / {secs(r['heterog_measured_s'])}",
+                f"{r['best_baseline']}: {secs(r['best_baseline_measured_s'])}",
+                secs(r.get("even_dp_measured_s")),
+                f"{times(vb['median'])} ({times(vb['worst'])})",
+                f"{times(ve['median'])} ({times(ve['worst'])})" if ve else "—",
+            ]
+        )
+    out = table(
+        [
+            "run",
+            "heterog's plan: predicted / measured",
+            "best baseline",
+            "even DP",
+            "over best baseline: median (worst)",
+            "over even DP: median (worst)",
+        ],
+        rows,
+    )
     s = doc["summary"]
     for key, what in (("speedup_vs_best_baseline", "the best baseline"), ("speedup_vs_even_dp", "even DP")):
         if key in s:
             v = s[key]
-            out.append(f"Over {what}: mean {times(v['mean'])}, runs within {pct(v['low'], True)} / "
-                       f"{pct(v['high'], True)} of it, worst single repetition {times(v['worst_repetition_min'])}.")
+            out.append(
+                f"Over {what}: mean {times(v['mean'])}, runs within {pct(v['low'], True)} / "
+                f"{pct(v['high'], True)} of it, worst single repetition {times(v['worst_repetition_min'])}."
+            )
     return out
 
 
@@ -96,15 +115,30 @@ def run_vs_sim(doc: dict[str, Any], short: bool) -> list[str]:
     for s in doc["scenarios"]:
         errors = [abs(p["relative_error"]) for p in s["plans"].values() if p.get("relative_error") is not None]
         vb, ve = s["speedup_vs_best_baseline"], s.get("speedup_vs_even_dp")
-        rows.append([s["scenario"], s["heterog_strategy"],
-                     f"{times(vb['median'])} / {times(vb['worst'])} ({times(vb['predicted'])}) over {s['best_baseline']}",
-                     f"{times(ve['median'])} / {times(ve['worst'])} ({times(ve['predicted'])})" if ve else "—",
-                     f"{pct(statistics.median(errors))} ({len(errors)})" if errors else "—"])
-    out = table(["scenario", "heterog's plan", "vs best baseline: median / worst (predicted)",
-                 "vs even DP: median / worst (predicted)", "median \\|error\\| (plans)"], rows)
-    out.append(f"Median |predicted − measured| over all {doc['plans_measured']} plans: "
-               f"{pct(doc['median_abs_relative_error'])}; {doc['repetitions']} repetitions of {doc['steps']} "
-               f"steps each, interleaved. Even DP is \"—\" where it does not fit a device's memory.")
+        rows.append(
+            [
+                s["scenario"],
+                s["heterog_strategy"],
+                f"{times(vb['median'])} / {times(vb['worst'])} ({times(vb['predicted'])}) over {s['best_baseline']}",
+                f"{times(ve['median'])} / {times(ve['worst'])} ({times(ve['predicted'])})" if ve else "—",
+                f"{pct(statistics.median(errors))} ({len(errors)})" if errors else "—",
+            ]
+        )
+    out = table(
+        [
+            "scenario",
+            "heterog's plan",
+            "vs best baseline: median / worst (predicted)",
+            "vs even DP: median / worst (predicted)",
+            "median \\|error\\| (plans)",
+        ],
+        rows,
+    )
+    out.append(
+        f"Median |predicted − measured| over all {doc['plans_measured']} plans: "
+        f"{pct(doc['median_abs_relative_error'])}; {doc['repetitions']} repetitions of {doc['steps']} "
+        f'steps each, interleaved. Even DP is "—" where it does not fit a device\'s memory.'
+    )
     if not short:
         out += [""] + run_vs_sim_plans(doc)
     return out
@@ -113,8 +147,16 @@ def run_vs_sim(doc: dict[str, Any], short: bool) -> list[str]:
 def run_vs_sim_plans(doc: dict[str, Any]) -> list[str]:
     out = []
     for s in doc["scenarios"]:
-        rows = [[name, secs(p["predicted_iteration_time_s"]), secs(p["measured_iteration_time_s"]),
-                 pct(p["relative_error"], True), pct(p.get("spread"))] for name, p in s["plans"].items()]
+        rows = [
+            [
+                name,
+                secs(p["predicted_iteration_time_s"]),
+                secs(p["measured_iteration_time_s"]),
+                pct(p["relative_error"], True),
+                pct(p.get("spread")),
+            ]
+            for name, p in s["plans"].items()
+        ]
         out += [f"**{s['scenario']}** — every distinct feasible candidate:", ""]
         out += table(["plan", "predicted", "measured (median)", "error", "spread of repetitions"], rows)
     return out
@@ -126,20 +168,48 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
         by_cluster: dict[str, list[dict]] = {}
         for r in rows:
             by_cluster.setdefault(r["cluster"], []).append(r)
-        out = table(["cluster", "cases", "fits where even DP does not", "speedup over even DP: median (max)",
-                     "over the best baseline: median (max)"],
-                    [[c, len(rs), sum(1 for r in rs if r.get("speedup_vs_even_dp") is None and r["feasible"]),
-                      _med_max([r.get("speedup_vs_even_dp") for r in rs]),
-                      _med_max([r.get("speedup_vs_best_baseline") for r in rs])] for c, rs in by_cluster.items()])
+        out = table(
+            [
+                "cluster",
+                "cases",
+                "fits where even DP does not",
+                "speedup over even DP: median (max)",
+                "over the best baseline: median (max)",
+            ],
+            [
+                [
+                    c,
+                    len(rs),
+                    sum(1 for r in rs if r.get("speedup_vs_even_dp") is None and r["feasible"]),
+                    _med_max([r.get("speedup_vs_even_dp") for r in rs]),
+                    _med_max([r.get("speedup_vs_best_baseline") for r in rs]),
+                ]
+                for c, rs in by_cluster.items()
+            ],
+        )
     else:
-        out = table(["model", "batch", "cluster", "best", "best time", "over even DP", "over best baseline"],
-                    [[r["model"], r["batch_size"], r["cluster"], r["best"] or "—", secs(r.get("best_time_s")),
-                      times(r.get("speedup_vs_even_dp")), times(r.get("speedup_vs_best_baseline"))] for r in rows])
+        out = table(
+            ["model", "batch", "cluster", "best", "best time", "over even DP", "over best baseline"],
+            [
+                [
+                    r["model"],
+                    r["batch_size"],
+                    r["cluster"],
+                    r["best"] or "—",
+                    secs(r.get("best_time_s")),
+                    times(r.get("speedup_vs_even_dp")),
+                    times(r.get("speedup_vs_best_baseline")),
+                ]
+                for r in rows
+            ],
+        )
     s = doc["summary"]
-    out.append(f"{s['cases']} cases; the best plan is never worse than a baseline: "
-               f"{'yes' if s['best_never_worse_than_baselines'] else 'no'}; the GNN alone beats the best baseline "
-               f"in {s['gnn_alone_beats_best_baseline']}, GNN + search beats search alone in "
-               f"{s['gnn_plus_search_beats_search']}.")
+    out.append(
+        f"{s['cases']} cases; the best plan is never worse than a baseline: "
+        f"{'yes' if s['best_never_worse_than_baselines'] else 'no'}; the GNN alone beats the best baseline "
+        f"in {s['gnn_alone_beats_best_baseline']}, GNN + search beats search alone in "
+        f"{s['gnn_plus_search_beats_search']}."
+    )
     return out
 
 
@@ -160,82 +230,164 @@ def _overall(by_type: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
 
 def predict_gpu(doc: dict[str, Any], short: bool) -> list[str]:
     s = doc["summary"]
-    if short:       # one row per check: the held-out H200 steps, then each kind of per-type figure
+    if short:  # one row per check: the held-out H200 steps, then each kind of per-type figure
         rows = []
         if "h200" in s and "all" in s["h200"]:
             a = s["h200"]["all"]
-            rows.append(["H200 step time, each model held out", a["cases"], pct(a["median_time_error"]),
-                         pct(a["worst_time_error"])])
+            rows.append(
+                [
+                    "H200 step time, each model held out",
+                    a["cases"],
+                    pct(a["median_time_error"]),
+                    pct(a["worst_time_error"]),
+                ]
+            )
             rows.append(["H200 peak memory, each model held out", a["cases"], pct(a["median_memory_error"]), "—"])
-        for key, what in (("per_type", "per-layer time, layers held out within each GPU type"),
-                          ("leave_one_type_out", "per-layer time, each GPU type held out")):
+        for key, what in (
+            ("per_type", "per-layer time, layers held out within each GPU type"),
+            ("leave_one_type_out", "per-layer time, each GPU type held out"),
+        ):
             overall = _overall(s.get(key, {}))
             if overall:
                 types, a = overall
-                rows.append([f"{what} ({types} types)", a.get("layers", a.get("cases", "—")),
-                             pct(a.get("median_abs_error", a.get("median_error"))), pct(a.get("worst_error"))])
+                rows.append(
+                    [
+                        f"{what} ({types} types)",
+                        a.get("layers", a.get("cases", "—")),
+                        pct(a.get("median_abs_error", a.get("median_error"))),
+                        pct(a.get("worst_error")),
+                    ]
+                )
         return table(["prediction", "cases", "median error", "worst"], rows)
     out = []
     if "h200" in s:
         out += ["H200 training steps, each model predicted with figures fitted on the others:", ""]
-        out += table(["model", "steps", "median time error", "worst", "median memory error",
-                      "memory under-predicted > 10 %"],
-                     [[m.replace("_", "-"), v["cases"], pct(v["median_time_error"]), pct(v["worst_time_error"]),
-                       pct(v["median_memory_error"]), v["memory_under_10pct"]] for m, v in s["h200"].items()])
-    for key, what in (("per_type", "Per-layer times per GPU type, layers held out within each type:"),
-                      ("leave_one_type_out", "Each GPU type predicted with figures fitted on the other types:")):
+        out += table(
+            ["model", "steps", "median time error", "worst", "median memory error", "memory under-predicted > 10 %"],
+            [
+                [
+                    m.replace("_", "-"),
+                    v["cases"],
+                    pct(v["median_time_error"]),
+                    pct(v["worst_time_error"]),
+                    pct(v["median_memory_error"]),
+                    v["memory_under_10pct"],
+                ]
+                for m, v in s["h200"].items()
+            ],
+        )
+    for key, what in (
+        ("per_type", "Per-layer times per GPU type, layers held out within each type:"),
+        ("leave_one_type_out", "Each GPU type predicted with figures fitted on the other types:"),
+    ):
         if key in s:
             out += [what, ""]
-            out += table(["GPU type", "layers", "median error", "worst"],
-                         [[t.removesuffix("/all"), v.get("layers", v.get("cases", "—")),
-                           pct(v.get("median_abs_error", v.get("median_error"))), pct(v.get("worst_error"))]
-                          for t, v in s[key].items() if "/" not in t or t.endswith("/all")])
+            out += table(
+                ["GPU type", "layers", "median error", "worst"],
+                [
+                    [
+                        t.removesuffix("/all"),
+                        v.get("layers", v.get("cases", "—")),
+                        pct(v.get("median_abs_error", v.get("median_error"))),
+                        pct(v.get("worst_error")),
+                    ]
+                    for t, v in s[key].items()
+                    if "/" not in t or t.endswith("/all")
+                ],
+            )
     return out
 
 
 def predict_accuracy(doc: dict[str, Any], short: bool) -> list[str]:
     s = doc["summary"]
-    out = table(["configuration", "measured step", "predicted", "time error", "memory error"],
-                [[c["label"], secs(statistics.median(c["measured"]["step_times_s"])),
-                  secs(c["predicted"]["iteration_time_s"]), pct(c["time_error_pct"] / 100),
-                  pct(c["memory_error_pct"] / 100)] for c in doc["configs"]])
-    out.append(f"Median time error {pct(s['time_error_pct']['median'] / 100)} (worst "
-               f"{pct(s['time_error_pct']['worst'] / 100)}), memory {pct(s['memory_error_pct']['median'] / 100)} "
-               f"(worst {pct(s['memory_error_pct']['worst'] / 100)}); {s['device']}, {s['threads']} thread(s), "
-               f"{s['precision']}.")
+    out = table(
+        ["configuration", "measured step", "predicted", "time error", "memory error"],
+        [
+            [
+                c["label"],
+                secs(statistics.median(c["measured"]["step_times_s"])),
+                secs(c["predicted"]["iteration_time_s"]),
+                pct(c["time_error_pct"] / 100),
+                pct(c["memory_error_pct"] / 100),
+            ]
+            for c in doc["configs"]
+        ],
+    )
+    out.append(
+        f"Median time error {pct(s['time_error_pct']['median'] / 100)} (worst "
+        f"{pct(s['time_error_pct']['worst'] / 100)}), memory {pct(s['memory_error_pct']['median'] / 100)} "
+        f"(worst {pct(s['memory_error_pct']['worst'] / 100)}); {s['device']}, {s['threads']} thread(s), "
+        f"{s['precision']}."
+    )
     return out
 
 
 def simulator_speed(doc: dict[str, Any], short: bool) -> list[str]:
-    return table(["cluster", "devices", "plan", "tasks", "plans/s", "neighbours/s"],
-                 [[r["cluster"], r["devices"], r["plan"], r["tasks"], f"{r['plan_sims_per_s']:.0f}",
-                   f"{r['warm_sims_per_s']:.1f}" if r["warm_sims_per_s"] < 100 else f"{r['warm_sims_per_s']:.0f}"]
-                  for r in doc["rows"]])
+    return table(
+        ["cluster", "devices", "plan", "tasks", "plans/s", "neighbours/s"],
+        [
+            [
+                r["cluster"],
+                r["devices"],
+                r["plan"],
+                r["tasks"],
+                f"{r['plan_sims_per_s']:.0f}",
+                f"{r['warm_sims_per_s']:.1f}" if r["warm_sims_per_s"] < 100 else f"{r['warm_sims_per_s']:.0f}",
+            ]
+            for r in doc["rows"]
+        ],
+    )
 
 
 def capture(doc: dict[str, Any], short: bool) -> list[str]:
     rows = doc["results"]
     if short:
         rows = [r for r in rows if r["name"] in ("resnet50", "bert-large", "gpt2-xl", "llama-7b")]
-    return table(["model", "parameters", "nodes", "capture time", "peak RSS"],
-                 [[r["name"], f"{r['num_parameters']:,}", r["num_nodes"], secs(r["capture_time_s"]),
-                   mib(r["peak_rss_bytes"])] for r in rows])
+    return table(
+        ["model", "parameters", "nodes", "capture time", "peak RSS"],
+        [
+            [r["name"], f"{r['num_parameters']:,}", r["num_nodes"], secs(r["capture_time_s"]), mib(r["peak_rss_bytes"])]
+            for r in rows
+        ],
+    )
 
 
 def command_times(doc: dict[str, Any], short: bool) -> list[str]:
-    out = table(["command", "what", "cold", "warm"],
-                [[f"`{r['command']}`", r["what"], secs(r.get("cold_s")),
-                  secs(r["warm_s"]) + (f" (search {secs(r['search_s'])})" if "search_s" in r else "")]
-                 for r in doc["rows"]])
-    out.append(f"Wall-clock medians of {doc['repeats']} runs each on a {doc['cpu_count']}-core machine "
-               f"(load average {doc['load_average_before'][0]:.1f} at the start); cold: an empty cache folder.")
+    out = table(
+        ["command", "what", "cold", "warm"],
+        [
+            [
+                f"`{r['command']}`",
+                r["what"],
+                secs(r.get("cold_s")),
+                secs(r["warm_s"]) + (f" (search {secs(r['search_s'])})" if "search_s" in r else ""),
+            ]
+            for r in doc["rows"]
+        ],
+    )
+    out.append(
+        f"Wall-clock medians of {doc['repeats']} runs each on a {doc['cpu_count']}-core machine "
+        f"(load average {doc['load_average_before'][0]:.1f} at the start); cold: an empty cache folder."
+    )
     return out
 
 
 def report_size(doc: dict[str, Any], short: bool) -> list[str]:
-    return table(["model", "cluster", "devices", "page size", "load", "simulate", "render"],
-                 [[r["model"], r["cluster"], r["devices"], f"{r['bytes'] / 2**10:.0f} KiB", secs(r.get("load_s")),
-                   secs(r["simulate_s"]), secs(r["render_s"])] for r in doc["cases"]])
+    return table(
+        ["model", "cluster", "devices", "page size", "load", "simulate", "render"],
+        [
+            [
+                r["model"],
+                r["cluster"],
+                r["devices"],
+                f"{r['bytes'] / 2**10:.0f} KiB",
+                secs(r.get("load_s")),
+                secs(r["simulate_s"]),
+                secs(r["render_s"]),
+            ]
+            for r in doc["cases"]
+        ],
+    )
 
 
 def one_prediction(doc: dict[str, Any], short: bool) -> list[str]:
@@ -248,58 +400,111 @@ def one_prediction(doc: dict[str, Any], short: bool) -> list[str]:
     commands = list(dict.fromkeys(key(c) for case in cases for c in case["predicted_s"]))
     by_case = [{key(c): t for c, t in case["predicted_s"].items()} for case in cases]
     header = ["command", *(f"{c['model']} on {c['cluster']} ({c['strategy']})" for c in cases)]
-    out = table(header, [[f"`{cmd}`", *(f"{t[cmd] * 1e3:.6g} ms" if cmd in t else "—" for t in by_case)]
-                         for cmd in commands])
+    out = table(
+        header, [[f"`{cmd}`", *(f"{t[cmd] * 1e3:.6g} ms" if cmd in t else "—" for t in by_case)] for cmd in commands]
+    )
     same = all(c["all_equal"] for c in cases)
-    out.append(("Each plan got one predicted time from every command" if same else
-                "The commands did not all print the same predicted time") +
-               " (each in its own process; a GPU cluster's plan runs here with `--emulated`).")
+    out.append(
+        (
+            "Each plan got one predicted time from every command"
+            if same
+            else "The commands did not all print the same predicted time"
+        )
+        + " (each in its own process; a GPU cluster's plan runs here with `--emulated`)."
+    )
     return out
 
 
 def allreduce_under_compute(doc: dict[str, Any], short: bool) -> list[str]:
-    out = table(["ranks paced", "idle ranks (median)", "ranks computing (median)", "slower by"],
-                [[f"{k}×", secs(v["median_idle_s"]), secs(v["median_loaded_s"]), times(v["loaded_over_idle"])]
-                 for k, v in doc["by_slowdown"].items()])
+    out = table(
+        ["ranks paced", "idle ranks (median)", "ranks computing (median)", "slower by"],
+        [
+            [f"{k}×", secs(v["median_idle_s"]), secs(v["median_loaded_s"]), times(v["loaded_over_idle"])]
+            for k, v in doc["by_slowdown"].items()
+        ],
+    )
     out.append(f"{doc['bytes'] / 1e6:.1f} MB, {doc['rounds']} rounds per case.")
     return out
 
 
 def launch_order_ab(doc: dict[str, Any], short: bool) -> list[str]:
-    out = table(["order", "predicted", "measured (median)", "error"],
-                [[k, secs(v["predicted_iteration_time_s"]), secs(v["measured_iteration_time_s"]),
-                  pct(v["relative_error"], True)] for k, v in doc["runs"].items()])
-    out.append(f"Old order over new: {times(doc['old_over_new'])} ({doc['scenario']}, heterog's "
-               f"{doc['heterog_strategy']} plan).")
+    out = table(
+        ["order", "predicted", "measured (median)", "error"],
+        [
+            [
+                k,
+                secs(v["predicted_iteration_time_s"]),
+                secs(v["measured_iteration_time_s"]),
+                pct(v["relative_error"], True),
+            ]
+            for k, v in doc["runs"].items()
+        ],
+    )
+    out.append(
+        f"Old order over new: {times(doc['old_over_new'])} ({doc['scenario']}, heterog's "
+        f"{doc['heterog_strategy']} plan)."
+    )
     return out
 
 
 def simulator_priorities(doc: dict[str, Any], short: bool) -> list[str]:
-    return table(["model", "plans", "heteroG order vs graph order", "upward rank vs graph order",
-                  "upward no slower than heteroG"],
-                 [[r["model"], r["plans"], times(r["heteroG_vs_graph_order"]), times(r["upward_vs_graph_order"]),
-                   pct(r["upward_no_slower_than_heteroG"])] for r in doc["rows"]])
+    return table(
+        [
+            "model",
+            "plans",
+            "heteroG order vs graph order",
+            "upward rank vs graph order",
+            "upward no slower than heteroG",
+        ],
+        [
+            [
+                r["model"],
+                r["plans"],
+                times(r["heteroG_vs_graph_order"]),
+                times(r["upward_vs_graph_order"]),
+                pct(r["upward_no_slower_than_heteroG"]),
+            ]
+            for r in doc["rows"]
+        ],
+    )
 
 
 def split_export(doc: dict[str, Any], short: bool) -> list[str]:
-    return table(["model", "nodes", "stages", "split time", "tied parameters", "stage parameters are the model's"],
-                 [[r["model"], r["nodes"], r["stages"], secs(r["split_s"]), ", ".join(r["tied"]) or "—",
-                   "yes" if r["stage_params_are_the_models"] else "no"] for r in doc["rows"]])
+    return table(
+        ["model", "nodes", "stages", "split time", "tied parameters", "stage parameters are the model's"],
+        [
+            [
+                r["model"],
+                r["nodes"],
+                r["stages"],
+                secs(r["split_s"]),
+                ", ".join(r["tied"]) or "—",
+                "yes" if r["stage_params_are_the_models"] else "no",
+            ]
+            for r in doc["rows"]
+        ],
+    )
 
 
 def resume_after_fault(doc: dict[str, Any], short: bool) -> list[str]:
     rows = [["uninterrupted", "—", secs(doc["uninterrupted_wall_s"]), "—"]]
-    rows += [[k.replace("_", " "), ", ".join(v["devices"]), secs(v["wall_s"]), f"{v['max_relative_difference']:.2g}"]
-             for k, v in doc["resumed"].items()]
+    rows += [
+        [k.replace("_", " "), ", ".join(v["devices"]), secs(v["wall_s"]), f"{v['max_relative_difference']:.2g}"]
+        for k, v in doc["resumed"].items()
+    ]
     out = table(["run", "devices", "wall time", "largest relative parameter difference"], rows)
     out.append(f"{doc['scenario']}.")
     return out
 
 
 def run_many_vs_run(doc: dict[str, Any], short: bool) -> list[str]:
-    return table(["family", "plans", "one launch per plan", "one launch (run_many)", "speedup"],
-                 [[r["family"], r["distinct_plans"], secs(r["run_each_s"]), secs(r["run_many_s"]),
-                   times(r["speedup"])] for r in doc["rows"]])
+    return table(
+        ["family", "plans", "one launch per plan", "one launch (run_many)", "speedup"],
+        [
+            [r["family"], r["distinct_plans"], secs(r["run_each_s"]), secs(r["run_many_s"]), times(r["speedup"])]
+            for r in doc["rows"]
+        ],
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,66 +518,143 @@ class Section:
 
 
 SECTIONS = (
-    Section(key="demo", title="The demo, five times in a row", script="benchmarks/demo_repeat.py",
-            result="demo_five_runs.json", render=demo,
-            about="`heterog demo` (cnn-slow-link, docs/scenarios.md) run five times: heterog's plan, the best "
-                  "baseline and even data parallelism, interleaved in one launch of the ranks."),
-    Section(key="run-vs-sim", title="Predicted vs measured on emulated clusters", script="benchmarks/run_vs_sim.py",
-            result="run_vs_sim.json", render=run_vs_sim,
-            about="Every distinct feasible candidate of each scenario of docs/scenarios.md runs on real processes; "
-                  "the best baseline is the fastest measured one."),
-    Section(key="one-prediction", title="One prediction per plan", script="benchmarks/one_prediction.py",
-            result="one_prediction.json", render=one_prediction,
-            about="The predicted iteration time each command prints for one saved plan, each command in its own "
-                  "process."),
-    Section(key="plan-quality", title="Plan quality", script="benchmarks/plan_quality.py",
-            result="plan_quality.json", render=plan_quality,
-            about="The paper's models and more on the built-in GPU clusters; every candidate's simulated "
-                  "iteration time."),
-    Section(key="prediction-accuracy", title="GPU prediction accuracy", script="benchmarks/predict_gpu.py",
-            result="predict_gpu.json", render=predict_gpu,
-            about="Predicted against measured GPU training steps and per-layer times (docs/cost_model.md)."),
-    Section(key="cpu-accuracy", title="CPU prediction accuracy", script="benchmarks/predict_accuracy.py",
-            result="predict_accuracy.json", render=predict_accuracy,
-            about="One training step of small zoo models on this machine's CPU, predicted and measured."),
-    Section(key="command-times", title="How fast commands start", script="benchmarks/report_size.py",
-            result="command_times.json", render=command_times,
-            about="Whole commands as a user runs them, each in a fresh process."),
-    Section(key="report-size", title="Report size and time", script="benchmarks/report_size.py",
-            result="report_size.json", render=report_size,
-            about="`heterog report` of planned cases, timed inside one process: load (graph, cluster, costs), "
-                  "simulate, render."),
-    Section(key="simulator-speed", title="Simulator speed", script="benchmarks/simulator_speed.py",
-            result="simulator_speed.json", render=simulator_speed,
-            about="A 1000-node synthetic graph, 50-group plans, one core; a neighbour is the plan with one "
-                  "group's shares changed, as the search scores them."),
-    Section(key="capture", title="Capture", script="benchmarks/capture.py", result="capture.json",
-            render=capture,
-            about="Each model captured in a fresh process at its default batch; peak RSS includes the imported "
-                  "torch and transformers."),
-    Section(key="allreduce-under-compute", title="All-reduce while ranks compute",
-            script="benchmarks/allreduce_under_compute.py", result="allreduce_under_compute.json",
-            render=allreduce_under_compute,
-            about="The executor's ring all-reduce on loopback, on idle ranks and on ranks computing paced."),
-    Section(key="launch-order", title="Collective launch order", script="benchmarks/launch_order_ab.py",
-            result="launch_order_ab.json", render=launch_order_ab,
-            about="One plan run with its gradient syncs launched in two orders, interleaved, beside a "
-                  "single-device control."),
-    Section(key="priorities", title="Execution-order priorities", script="benchmarks/simulator_priorities.py",
-            result="simulator_priorities.json", render=simulator_priorities,
-            about="Simulated iteration time of random plans under two priority rules, relative to graph order "
-                  "(below 1: faster)."),
-    Section(key="split-export", title="Cutting models for the executor", script="benchmarks/split_export.py",
-            result="split_export.json", render=split_export,
-            about="Each model exported once and cut into stages, as the ranks do before training."),
-    Section(key="resume", title="Resume after a failed rank", script="benchmarks/resume_after_fault.py",
-            result="resume_after_fault.json", render=resume_after_fault,
-            about="A run whose rank is killed, resumed from its last checkpoint with the same plan and with one "
-                  "device fewer, against an uninterrupted run."),
-    Section(key="run-many", title="Many plans in one launch", script="benchmarks/run_many_vs_run.py",
-            result="run_many_vs_run.json", render=run_many_vs_run,
-            about="Every planner candidate of one model run for two steps, one launch per plan against one "
-                  "launch for all (heterog.run_many)."),
+    Section(
+        key="demo",
+        title="The demo, five times in a row",
+        script="benchmarks/demo_repeat.py",
+        result="demo_five_runs.json",
+        render=demo,
+        about="`heterog demo` (cnn-slow-link, docs/scenarios.md) run five times: heterog's plan, the best "
+        "baseline and even data parallelism, interleaved in one launch of the ranks.",
+    ),
+    Section(
+        key="run-vs-sim",
+        title="Predicted vs measured on emulated clusters",
+        script="benchmarks/run_vs_sim.py",
+        result="run_vs_sim.json",
+        render=run_vs_sim,
+        about="Every distinct feasible candidate of each scenario of docs/scenarios.md runs on real processes; "
+        "the best baseline is the fastest measured one.",
+    ),
+    Section(
+        key="one-prediction",
+        title="One prediction per plan",
+        script="benchmarks/one_prediction.py",
+        result="one_prediction.json",
+        render=one_prediction,
+        about="The predicted iteration time each command prints for one saved plan, each command in its own process.",
+    ),
+    Section(
+        key="plan-quality",
+        title="Plan quality",
+        script="benchmarks/plan_quality.py",
+        result="plan_quality.json",
+        render=plan_quality,
+        about="The paper's models and more on the built-in GPU clusters; every candidate's simulated iteration time.",
+    ),
+    Section(
+        key="prediction-accuracy",
+        title="GPU prediction accuracy",
+        script="benchmarks/predict_gpu.py",
+        result="predict_gpu.json",
+        render=predict_gpu,
+        about="Predicted against measured GPU training steps and per-layer times (docs/cost_model.md).",
+    ),
+    Section(
+        key="cpu-accuracy",
+        title="CPU prediction accuracy",
+        script="benchmarks/predict_accuracy.py",
+        result="predict_accuracy.json",
+        render=predict_accuracy,
+        about="One training step of small zoo models on this machine's CPU, predicted and measured.",
+    ),
+    Section(
+        key="command-times",
+        title="How fast commands start",
+        script="benchmarks/report_size.py",
+        result="command_times.json",
+        render=command_times,
+        about="Whole commands as a user runs them, each in a fresh process.",
+    ),
+    Section(
+        key="report-size",
+        title="Report size and time",
+        script="benchmarks/report_size.py",
+        result="report_size.json",
+        render=report_size,
+        about="`heterog report` of planned cases, timed inside one process: load (graph, cluster, costs), "
+        "simulate, render.",
+    ),
+    Section(
+        key="simulator-speed",
+        title="Simulator speed",
+        script="benchmarks/simulator_speed.py",
+        result="simulator_speed.json",
+        render=simulator_speed,
+        about="A 1000-node synthetic graph, 50-group plans, one core; a neighbour is the plan with one "
+        "group's shares changed, as the search scores them.",
+    ),
+    Section(
+        key="capture",
+        title="Capture",
+        script="benchmarks/capture.py",
+        result="capture.json",
+        render=capture,
+        about="Each model captured in a fresh process at its default batch; peak RSS includes the imported "
+        "torch and transformers.",
+    ),
+    Section(
+        key="allreduce-under-compute",
+        title="All-reduce while ranks compute",
+        script="benchmarks/allreduce_under_compute.py",
+        result="allreduce_under_compute.json",
+        render=allreduce_under_compute,
+        about="The executor's ring all-reduce on loopback, on idle ranks and on ranks computing paced.",
+    ),
+    Section(
+        key="launch-order",
+        title="Collective launch order",
+        script="benchmarks/launch_order_ab.py",
+        result="launch_order_ab.json",
+        render=launch_order_ab,
+        about="One plan run with its gradient syncs launched in two orders, interleaved, beside a "
+        "single-device control.",
+    ),
+    Section(
+        key="priorities",
+        title="Execution-order priorities",
+        script="benchmarks/simulator_priorities.py",
+        result="simulator_priorities.json",
+        render=simulator_priorities,
+        about="Simulated iteration time of random plans under two priority rules, relative to graph order "
+        "(below 1: faster).",
+    ),
+    Section(
+        key="split-export",
+        title="Cutting models for the executor",
+        script="benchmarks/split_export.py",
+        result="split_export.json",
+        render=split_export,
+        about="Each model exported once and cut into stages, as the ranks do before training.",
+    ),
+    Section(
+        key="resume",
+        title="Resume after a failed rank",
+        script="benchmarks/resume_after_fault.py",
+        result="resume_after_fault.json",
+        render=resume_after_fault,
+        about="A run whose rank is killed, resumed from its last checkpoint with the same plan and with one "
+        "device fewer, against an uninterrupted run.",
+    ),
+    Section(
+        key="run-many",
+        title="Many plans in one launch",
+        script="benchmarks/run_many_vs_run.py",
+        result="run_many_vs_run.json",
+        render=run_many_vs_run,
+        about="Every planner candidate of one model run for two steps, one launch per plan against one "
+        "launch for all (heterog.run_many).",
+    ),
 )
 
 
@@ -386,10 +668,14 @@ def section_lines(section: Section, doc: dict[str, Any], *, short: bool, level: 
 
 
 def benchmarks_page() -> str:
-    out = ["# Benchmarks", "",
-           "Generated by `python benchmarks/tables.py` from `benchmarks/results/*.json`; each section names "
-           "the command that wrote its file. Figures are from a shared 2-core CPU machine unless a section "
-           "says otherwise: compare figures within a table, not across runs.", ""]
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `python benchmarks/tables.py` from `benchmarks/results/*.json`; each section names "
+        "the command that wrote its file. Figures are from a shared 2-core CPU machine unless a section "
+        "says otherwise: compare figures within a table, not across runs.",
+        "",
+    ]
     for s in SECTIONS:
         doc = load(s)
         if doc is None:
@@ -402,18 +688,36 @@ def benchmarks_page() -> str:
 def scenarios_block() -> list[str]:
     """The scenarios as demo.py defines them, beside run_vs_sim's latest figures."""
     from heterog.demo import SCENARIOS
+
     runs = {s["scenario"]: s for s in (load(SECTIONS[1]) or {"scenarios": []})["scenarios"]}
     rows = []
     for sc in SCENARIOS.values():
         r = runs.get(sc.name)
         vb = r["speedup_vs_best_baseline"] if r else None
         args = ", ".join(f"{k} {v}" for k, v in sc.model_args.items())
-        rows.append([sc.name, f"{sc.model} ({args})", f"{sc.batch_size}" + (f" × {sc.seq_len}" if sc.seq_len else ""),
-                     " / ".join(f"{x:g}×" for x in sc.slowdowns), f"{sc.slow_link_gbps:g} Gb/s",
-                     f"{sc.memory_gib * 1024:g} MiB on {sc.capped_device}" if sc.memory_gib else "—",
-                     f"{r['heterog_strategy']}, {times(vb['median'])} over {r['best_baseline']}" if r else "not run"])
-    return table(["scenario", "model", "batch (× sequence)", "slowdowns a/cpu0, a/cpu1, b/cpu0", "node b's link",
-                  "memory cap", "latest run: heterog's plan, measured speedup"], rows)
+        rows.append(
+            [
+                sc.name,
+                f"{sc.model} ({args})",
+                f"{sc.batch_size}" + (f" × {sc.seq_len}" if sc.seq_len else ""),
+                " / ".join(f"{x:g}×" for x in sc.slowdowns),
+                f"{sc.slow_link_gbps:g} Gb/s",
+                f"{sc.memory_gib * 1024:g} MiB on {sc.capped_device}" if sc.memory_gib else "—",
+                f"{r['heterog_strategy']}, {times(vb['median'])} over {r['best_baseline']}" if r else "not run",
+            ]
+        )
+    return table(
+        [
+            "scenario",
+            "model",
+            "batch (× sequence)",
+            "slowdowns a/cpu0, a/cpu1, b/cpu0",
+            "node b's link",
+            "memory cap",
+            "latest run: heterog's plan, measured speedup",
+        ],
+        rows,
+    )
 
 
 def blocks() -> dict[str, list[str]]:
@@ -433,6 +737,7 @@ def fill(text: str, named: dict[str, list[str]], where: str) -> str:
             raise SystemExit(f"{where}: no table named {m.group(2)!r} (results file missing?)")
         body = "\n".join(named[m.group(2)]).rstrip() + "\n"
         return m.group(1) + body + m.group(4)
+
     return BLOCK.sub(sub, text)
 
 

@@ -13,4 +13,5 @@ import pytest
 def plan_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """The module's `@pytest.mark.batched` plans, run in one launch (tests/plan_batch.py)."""
     from plan_batch import module_batch
+
     return module_batch(request, tmp_path_factory.mktemp(request.path.stem))

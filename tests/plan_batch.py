@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,7 @@ Builder = Callable[..., "Plan | list[Plan]"]
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BatchedRun:
     """One plan's outcome in the batch and the folder its ranks wrote to."""
+
     plan: Plan
     out_dir: Path
     run: PlanRun
@@ -78,8 +80,10 @@ class PlanBatch:
     def _run_all(self) -> dict[str, BatchedRun]:
         plans = self._plans()
         runs = run_many(plans, out_dir=self._out_dir, **self._options)
-        return {_key(p): BatchedRun(plan=p, out_dir=self._out_dir / f"plan{i}", run=r)
-                for i, (p, r) in enumerate(zip(plans, runs))}
+        return {
+            _key(p): BatchedRun(plan=p, out_dir=self._out_dir / f"plan{i}", run=r)
+            for i, (p, r) in enumerate(zip(plans, runs))
+        }
 
     def get(self, builder: Builder, **params: Any) -> BatchedRun:
         """The outcome of `builder(**params)`'s plan (the batch runs on the first call)."""
@@ -91,12 +95,17 @@ class PlanBatch:
         if self._runs is None:
             self._runs = self._run_all()
         found = [self._runs.get(_key(plan)) for plan in _as_list(builder(**_builder_args(builder, params)))]
-        assert None not in found, (f"{builder.__name__}({params}) was not in the module's batch: mark the test "
-                                   f"@pytest.mark.batched(plan={builder.__name__})")
+        assert None not in found, (
+            f"{builder.__name__}({params}) was not in the module's batch: mark the test "
+            f"@pytest.mark.batched(plan={builder.__name__})"
+        )
         return found  # type: ignore[return-value]
 
 
 def module_batch(request: pytest.FixtureRequest, out_dir: Path) -> PlanBatch:
-    items = [it for it in request.session.items
-             if getattr(it, "module", None) is request.module and it.get_closest_marker("batched")]
+    items = [
+        it
+        for it in request.session.items
+        if getattr(it, "module", None) is request.module and it.get_closest_marker("batched")
+    ]
     return PlanBatch(items, out_dir, getattr(request.module, "BATCH_RUN", {}))

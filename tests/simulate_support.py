@@ -4,7 +4,7 @@ every answer is a closed form, so expected iteration times can be written by han
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import GpuType
@@ -15,16 +15,28 @@ from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 GIB = 2**30
 
 
-def gpu(name: str = "T", flops: float = 1e12, memory_bytes: int = 16 * GIB,
-        intra_bandwidth: float = 10e9) -> GpuType:
-    return GpuType(name=name, vendor="nvidia", peak_flops_per_s={"fp32": flops},
-                   memory_bandwidth_bytes_per_s=1e12, memory_bytes=memory_bytes,
-                   intra_node_link="pcie3", intra_node_bandwidth_bytes_per_s=intra_bandwidth)
+def gpu(name: str = "T", flops: float = 1e12, memory_bytes: int = 16 * GIB, intra_bandwidth: float = 10e9) -> GpuType:
+    return GpuType(
+        name=name,
+        vendor="nvidia",
+        peak_flops_per_s={"fp32": flops},
+        memory_bandwidth_bytes_per_s=1e12,
+        memory_bytes=memory_bytes,
+        intra_node_link="pcie3",
+        intra_node_bandwidth_bytes_per_s=intra_bandwidth,
+    )
 
 
-def cluster(nodes: Sequence[Sequence[float]], *, nic_bandwidth: float = 1e9, latency_s: float = 0.0,
-            memory_bytes: int = 16 * GIB, intra_bandwidth: float = 10e9, name: str = "test",
-            core_bandwidth: float | None = None) -> Cluster:
+def cluster(
+    nodes: Sequence[Sequence[float]],
+    *,
+    nic_bandwidth: float = 1e9,
+    latency_s: float = 0.0,
+    memory_bytes: int = 16 * GIB,
+    intra_bandwidth: float = 10e9,
+    name: str = "test",
+    core_bandwidth: float | None = None,
+) -> Cluster:
     """nodes[k] = FLOP/s of each device on node k; devices are named 'n{k}/d{i}';
     core_bandwidth: an oversubscribed switch core every inter-node transfer crosses."""
     types: dict[str, GpuType] = {}
@@ -37,10 +49,16 @@ def cluster(nodes: Sequence[Sequence[float]], *, nic_bandwidth: float = 1e9, lat
             types.setdefault(tname, gpu(tname, f, memory_bytes, intra_bandwidth))
             devs.append({"name": f"n{k}/d{i}", "gpu_type": tname})
             i += 1
-        specs.append({"name": f"n{k}", "devices": devs, "nic_bandwidth_bytes_per_s": nic_bandwidth,
-                      "nic_latency_s": latency_s, "intra_latency_s": latency_s})
-    return build_cluster(name=name, gpu_types=types, nodes=specs,
-                         switch_core_bandwidth_bytes_per_s=core_bandwidth)
+        specs.append(
+            {
+                "name": f"n{k}",
+                "devices": devs,
+                "nic_bandwidth_bytes_per_s": nic_bandwidth,
+                "nic_latency_s": latency_s,
+                "intra_latency_s": latency_s,
+            }
+        )
+    return build_cluster(name=name, gpu_types=types, nodes=specs, switch_core_bandwidth_bytes_per_s=core_bandwidth)
 
 
 def with_link_bandwidth(c: Cluster, link: str, bandwidth: float) -> Cluster:
@@ -49,33 +67,74 @@ def with_link_bandwidth(c: Cluster, link: str, bandwidth: float) -> Cluster:
     return dataclasses.replace(c, links=links)
 
 
-def node(name: str, fwd_flops_per_sample: float, *, param_bytes: int = 0, saved_per_sample: float = 0.0,
-         workspace_per_sample: float = 0.0, out_per_sample: float = 0.0) -> OpNode:
-    return OpNode(name=name, module_path=name, module_type="Linear", kind="matmul",
-                  fwd_flops=Affine(0, fwd_flops_per_sample), bwd_flops=Affine(0, 2 * fwd_flops_per_sample),
-                  saved_bytes=Affine(0, saved_per_sample), workspace_bytes=Affine(0, workspace_per_sample),
-                  output_bytes=Affine(0, out_per_sample), param_bytes=param_bytes,
-                  param_count=param_bytes // 4, param_names=(f"{name}.weight",) if param_bytes else ())
+def node(
+    name: str,
+    fwd_flops_per_sample: float,
+    *,
+    param_bytes: int = 0,
+    saved_per_sample: float = 0.0,
+    workspace_per_sample: float = 0.0,
+    out_per_sample: float = 0.0,
+) -> OpNode:
+    return OpNode(
+        name=name,
+        module_path=name,
+        module_type="Linear",
+        kind="matmul",
+        fwd_flops=Affine(0, fwd_flops_per_sample),
+        bwd_flops=Affine(0, 2 * fwd_flops_per_sample),
+        saved_bytes=Affine(0, saved_per_sample),
+        workspace_bytes=Affine(0, workspace_per_sample),
+        output_bytes=Affine(0, out_per_sample),
+        param_bytes=param_bytes,
+        param_count=param_bytes // 4,
+        param_names=(f"{name}.weight",) if param_bytes else (),
+    )
 
 
-def chain_graph(n: int, *, flops: float = 1e9, param_bytes: int = 4_000_000, saved: float = 1e6,
-                edge_bytes: float = 1e5, batch_size: int = 8) -> OpGraph:
-    nodes = tuple(node(f"l{i}", flops, param_bytes=param_bytes, saved_per_sample=saved,
-                       out_per_sample=edge_bytes) for i in range(n))
+def chain_graph(
+    n: int,
+    *,
+    flops: float = 1e9,
+    param_bytes: int = 4_000_000,
+    saved: float = 1e6,
+    edge_bytes: float = 1e5,
+    batch_size: int = 8,
+) -> OpGraph:
+    nodes = tuple(
+        node(f"l{i}", flops, param_bytes=param_bytes, saved_per_sample=saved, out_per_sample=edge_bytes)
+        for i in range(n)
+    )
     edges = tuple(OpEdge(src=f"l{i}", dst=f"l{i + 1}", bytes=Affine(0, edge_bytes)) for i in range(n - 1))
     return OpGraph(model="chain", batch_size=batch_size, nodes=nodes, edges=edges).validate()
 
 
 def graph(nodes: Sequence[OpNode], edges: Sequence[tuple[str, str, float]], batch_size: int = 8) -> OpGraph:
-    return OpGraph(model="custom", batch_size=batch_size, nodes=tuple(nodes),
-                   edges=tuple(OpEdge(src=a, dst=b, bytes=Affine(0, x)) for a, b, x in edges)).validate()
+    return OpGraph(
+        model="custom",
+        batch_size=batch_size,
+        nodes=tuple(nodes),
+        edges=tuple(OpEdge(src=a, dst=b, bytes=Affine(0, x)) for a, b, x in edges),
+    ).validate()
 
 
-def plan(groups: Sequence[tuple[str, Sequence[str], Sequence[tuple[str, float]]]], *, batch_size: int = 8,
-         sync: str = "ring", **kw) -> Plan:
+def plan(
+    groups: Sequence[tuple[str, Sequence[str], Sequence[tuple[str, float]]]],
+    *,
+    batch_size: int = 8,
+    sync: str = "ring",
+    **kw,
+) -> Plan:
     """groups: (name, nodes, [(device, share), ...]); replicated groups get `sync`."""
-    gs = tuple(Group(name=n, nodes=tuple(ns), replicas=tuple(Replica(device=d, share=s) for d, s in reps),
-                     sync=sync if len(reps) > 1 else "none") for n, ns, reps in groups)
+    gs = tuple(
+        Group(
+            name=n,
+            nodes=tuple(ns),
+            replicas=tuple(Replica(device=d, share=s) for d, s in reps),
+            sync=sync if len(reps) > 1 else "none",
+        )
+        for n, ns, reps in groups
+    )
     return Plan(strategy="test", model=ModelSpec(name="chain", batch_size=batch_size), groups=gs, **kw)
 
 
@@ -87,8 +146,14 @@ class TableCosts:
     precision = "fp32"
     optimizer = "sgd"
 
-    def __init__(self, graph: OpGraph, cluster: Cluster, *, optimizer_s_per_byte: float = 1e-9,
-                 accumulate_s_per_byte: float = 0.0):
+    def __init__(
+        self,
+        graph: OpGraph,
+        cluster: Cluster,
+        *,
+        optimizer_s_per_byte: float = 1e-9,
+        accumulate_s_per_byte: float = 0.0,
+    ):
         self.g = graph
         self.c = cluster
         self.opt = optimizer_s_per_byte
@@ -105,7 +170,7 @@ class TableCosts:
     def optimizer_time_s(self, nodes, device):
         return self.opt * sum(self.g.node(n).param_bytes for n in nodes)
 
-    def accumulate_time_s(self, nodes, device):     # 0 unless asked: most hand-worked schedules leave it out
+    def accumulate_time_s(self, nodes, device):  # 0 unless asked: most hand-worked schedules leave it out
         return self.acc * sum(self.g.node(n).param_bytes for n in nodes)
 
     def transfer_time_s(self, nbytes, src, dst):
@@ -133,7 +198,7 @@ class TableCosts:
         return 2.0 * sum(self.g.node(n).param_bytes for n in nodes)
 
     def optimizer_state_bytes(self, nodes, device):
-        return 0.0      # plain SGD: parameters and gradients only
+        return 0.0  # plain SGD: parameters and gradients only
 
     def activation_bytes(self, nodes, batch, recompute=False):
         if recompute:

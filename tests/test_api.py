@@ -20,9 +20,18 @@ def test_capture_and_simulate_stay_callable_after_their_packages_are_imported():
     cluster = heterog.load_cluster("paper-8gpu")
     from heterog.cost import build_cost_model
     from heterog.ir import Group, ModelSpec, Plan, Replica
-    plan = Plan(strategy="one", model=ModelSpec(name="seq", batch_size=4),
-                groups=(Group(name="all", nodes=tuple(n.name for n in graph.nodes),
-                              replicas=(Replica(device=cluster.devices[0].name, share=1.0),)),))
+
+    plan = Plan(
+        strategy="one",
+        model=ModelSpec(name="seq", batch_size=4),
+        groups=(
+            Group(
+                name="all",
+                nodes=tuple(n.name for n in graph.nodes),
+                replicas=(Replica(device=cluster.devices[0].name, share=1.0),),
+            ),
+        ),
+    )
     result = heterog.simulate(graph, cluster, plan, build_cost_model(graph, cluster))
     assert result.iteration_time_s > 0 and result.feasible
 
@@ -30,12 +39,14 @@ def test_capture_and_simulate_stay_callable_after_their_packages_are_imported():
 def test_api_names_resolve_in_a_fresh_interpreter():
     """Every API name is its function (or a callable package) even after every module of
     the package is imported: no submodule shadows a function of the same name."""
-    code = ("import heterog, importlib, pkgutil, types; "
-            "[importlib.import_module(m.name) for m in pkgutil.walk_packages(heterog.__path__, 'heterog.') "
-            " if not m.name.startswith(('heterog.cli', 'heterog.execute.worker'))]; "
-            "bad = [n for n in heterog.__all__ if not callable(getattr(heterog, n)) or "
-            "(isinstance(getattr(heterog, n), types.ModuleType) and n not in heterog._PACKAGES)]; "
-            "print('bad', bad)")
+    code = (
+        "import heterog, importlib, pkgutil, types; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(heterog.__path__, 'heterog.') "
+        " if not m.name.startswith(('heterog.cli', 'heterog.execute.worker'))]; "
+        "bad = [n for n in heterog.__all__ if not callable(getattr(heterog, n)) or "
+        "(isinstance(getattr(heterog, n), types.ModuleType) and n not in heterog._PACKAGES)]; "
+        "print('bad', bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.stdout.strip() == "bad []", out.stdout + out.stderr[-2000:]
 
@@ -66,14 +77,23 @@ print("ok")
 
 
 def test_something_else_is_refused_with_what_a_plan_may_be():
-    from heterog.errors import PlanError
     import pytest
+
+    from heterog.errors import PlanError
+
     with pytest.raises(PlanError, match="expected a plan"):
         heterog.simulate(42)
 
 
 def test_an_in_memory_modules_plan_simulates_in_the_interpreter_that_planned_it():
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-    result = heterog.plan(model, example_inputs=(torch.randn(16, 8),), cluster="paper-8gpu", budget_s=2,
-                          max_iters=10, policy=False, name="tiny")
+    result = heterog.plan(
+        model,
+        example_inputs=(torch.randn(16, 8),),
+        cluster="paper-8gpu",
+        budget_s=2,
+        max_iters=10,
+        policy=False,
+        name="tiny",
+    )
     assert heterog.simulate(result).iteration_time_s == result["best"]["predicted_iteration_time_s"]

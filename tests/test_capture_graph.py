@@ -61,8 +61,8 @@ def test_grouped_kv_attention_flops():
     attn = [n for n in graph.nodes if n.kind == "attention"]
     assert len(attn) == 1
     fwd = attn[0].fwd_flops.at(2)
-    assert fwd >= 4 * 2 * 8 * 32 * 32 * 16          # QK^T + PV over all 8 query heads
-    assert fwd < 4 * 2 * 8 * 32 * 32 * 16 * 1.1     # plus a few reshapes
+    assert fwd >= 4 * 2 * 8 * 32 * 32 * 16  # QK^T + PV over all 8 query heads
+    assert fwd < 4 * 2 * 8 * 32 * 32 * 16 * 1.1  # plus a few reshapes
     # backward: recomputed scores + 4 products = 2.5× the attention forward (FlashAttention)
     assert attn[0].bwd_flops.at(2) == pytest.approx(2.5 * 4 * 2 * 8 * 32 * 32 * 16, rel=0.05)
 
@@ -82,8 +82,11 @@ def test_affine_fit_predicts_other_batch_sizes():
         assert [n.name for n in g3.nodes] == [n.name for n in g5.nodes]
         for a, b in zip(g3.nodes, g5.nodes):
             for field in ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes", "output_bytes"):
-                assert getattr(a, field).at(5) == pytest.approx(getattr(b, field).at(5), rel=1e-6, abs=1e-3), \
-                    (name, a.name, field)
+                assert getattr(a, field).at(5) == pytest.approx(getattr(b, field).at(5), rel=1e-6, abs=1e-3), (
+                    name,
+                    a.name,
+                    field,
+                )
         e3 = {(e.src, e.dst): e.bytes.at(5) for e in g3.edges}
         e5 = {(e.src, e.dst): e.bytes.at(5) for e in g5.edges}
         assert e3 == pytest.approx(e5)
@@ -110,8 +113,13 @@ class _Shared(nn.Module):
 def test_naming_attribution_and_edges():
     model = _Shared()
     ids = torch.randint(0, 50, (4, 8))
-    graph = capture(model, (ids,), loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, 50), t.reshape(-1)),
-                    targets=torch.randint(0, 50, (4, 8)), name="shared")
+    graph = capture(
+        model,
+        (ids,),
+        loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, 50), t.reshape(-1)),
+        targets=torch.randint(0, 50, (4, 8)),
+        name="shared",
+    )
     names = [n.name for n in graph.nodes]
     assert names[:5] == ["emb", "fc", "act", "fc#1", "act#1"]
     assert "root::add@0" in names and "head" in names
@@ -131,7 +139,7 @@ def test_naming_attribution_and_edges():
     g = nx.DiGraph([(e.src, e.dst) for e in graph.edges])
     assert nx.is_directed_acyclic_graph(g)
     order = graph.index
-    assert all(order[e.src] < order[e.dst] for e in graph.edges)   # nodes in topological order
+    assert all(order[e.src] < order[e.dst] for e in graph.edges)  # nodes in topological order
 
 
 def test_real_model_is_left_untouched():
@@ -193,13 +201,15 @@ def test_user_model_file(tmp_path):
         "import torch\nfrom torch import nn\n"
         "def factory(width=8):\n    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3))\n"
         "def example_batch(batch_size, seq_len):\n"
-        "    return (torch.randn(batch_size, 4),), torch.randint(0, 3, (batch_size,))\n")
+        "    return (torch.randn(batch_size, 4),), torch.randint(0, 3, (batch_size,))\n"
+    )
     graph = capture_model(f"{file}:factory", {"width": 6}, batch_size=5)
     assert graph.num_parameters == 4 * 6 + 6 + 6 * 3 + 3
     assert [n.name for n in graph.nodes][:3] == ["0", "1", "2"]
     failing = tmp_path / "broken.py"
-    failing.write_text("def factory():\n    raise RuntimeError('no weights here')\n"
-                       "def example_batch(b, s):\n    return (), None\n")
+    failing.write_text(
+        "def factory():\n    raise RuntimeError('no weights here')\ndef example_batch(b, s):\n    return (), None\n"
+    )
     with pytest.raises(ModelError, match="no weights here"):
         capture_model(f"{failing}:factory", batch_size=2)
     with pytest.raises(ModelError, match="defines no callable 'nope'"):
@@ -219,14 +229,14 @@ def test_value_dependent_forward_is_explained():
         capture(Peeks(), (torch.randn(2, 4),))
 
 
-@pytest.mark.parametrize("name", ["mlp", "toy-cnn", "resnet50", "inception_v3", "nasnet", "vit_b_16",
-                                  "transformer"])
+@pytest.mark.parametrize("name", ["mlp", "toy-cnn", "resnet50", "inception_v3", "nasnet", "vit_b_16", "transformer"])
 def test_leaf_nodes_match_the_executors_fx_module_calls(name):
     # The executor splits models with torch.fx and maps call_module targets to node names.
     partition = pytest.importorskip("heterog.execute.partition")
     if not hasattr(partition, "fx_node_names"):
         pytest.skip("executor exposes no fx_node_names")
     from heterog.capture.zoo import get_zoo_model
+
     graph = capture_model(name, batch_size=1, seq_len=16 if name == "transformer" else None)
     leaves = [n.name for n in graph.nodes if "::" not in n.name]
     assert partition.fx_node_names(get_zoo_model(name).build()) == leaves
@@ -237,6 +247,7 @@ def test_matrix_flops_agree_with_torch_flop_counter_on_a_real_step():
     from torch.utils.flop_counter import FlopCounterMode
 
     from heterog.capture.zoo import get_zoo_model
+
     entry = get_zoo_model("toy-cnn")
     torch.manual_seed(0)
     model = entry.build()
@@ -258,8 +269,9 @@ def test_meta_device_model_and_inputs():
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
-@pytest.mark.parametrize("name,args,batch,seq", [("resnet50", {}, 2, None), ("gpt2", {"layers": 2}, 2, 64),
-                                                 ("llama", {"layers": 2}, 2, 64)])
+@pytest.mark.parametrize(
+    "name,args,batch,seq", [("resnet50", {}, 2, None), ("gpt2", {"layers": 2}, 2, 64), ("llama", {"layers": 2}, 2, 64)]
+)
 def test_saved_bytes_agree_with_torch_memtracker(name, args, batch, seq):
     # Independent check: torch's MemTracker follows storages through the dispatcher (not
     # saved-tensor hooks). After forward + loss, the live activations are what autograd
@@ -270,6 +282,7 @@ def test_saved_bytes_agree_with_torch_memtracker(name, args, batch, seq):
 
     from heterog.capture.capture import fake_parameters
     from heterog.capture.zoo import get_zoo_model
+
     entry = get_zoo_model(name)
     graph = capture_model(name, args, batch_size=batch, seq_len=seq)
     with torch.device("meta"):
@@ -282,7 +295,7 @@ def test_saved_bytes_agree_with_torch_memtracker(name, args, batch, seq):
         tracker.track_external(model, inputs, targets)
         with fake_mode, tracker:
             output = model(*inputs)
-            loss = entry.loss(output, targets)   # kept: its graph holds the saved tensors
+            loss = entry.loss(output, targets)  # kept: its graph holds the saved tensors
             snap = tracker.get_tracker_snapshot("current")
     assert loss.requires_grad
     live = sum(v.get("Activation", 0) for v in snap.values() if isinstance(v, dict))
@@ -307,7 +320,7 @@ class _AliasingLeaves(nn.Module):
 
     def forward(self, x):
         h = self.ident(self.drop(self.inp(x) * 2))
-        return self.out(h + self.mid(h).float())      # .float() of a float tensor: itself
+        return self.out(h + self.mid(h).float())  # .float() of a float tensor: itself
 
 
 def test_a_call_returning_its_input_produces_it_as_the_export_sees_it():
@@ -317,18 +330,23 @@ def test_a_call_returning_its_input_produces_it_as_the_export_sees_it():
     the export where the capture's edges say values cross (regression: GPT-2's and Llama's
     even-dp-ps plans failed with 'reaches block 3 from no piece of the program')."""
     from heterog.execute.split_export import export_model
+
     model = _AliasingLeaves()
     graph = capture(model, (torch.randn(2, 4),), name="aliasing")
     names = [n.name for n in graph.nodes]
     assert names[:-1] == ["inp", "root::mul@0", "drop", "ident", "mid", "root::add@1", "out"], names
     edges = {(e.src, e.dst) for e in graph.edges}
     assert ("root::mul@0", "drop") in edges
-    assert {("drop", "mid"), ("drop", "root::add@1")} <= edges       # through the dropout
-    assert not {e for e in edges if "ident" in e}                    # around the identity
+    assert {("drop", "mid"), ("drop", "root::add@1")} <= edges  # through the dropout
+    assert not {e for e in edges if "ident" in e}  # around the identity
     assert ("root::mul@0", "mid") not in edges and ("root::mul@0", "root::add@1") not in edges
-    assert ("mid", "root::add@1") in edges        # .float() ran in the add's loose run
+    assert ("mid", "root::add@1") in edges  # .float() ran in the add's loose run
     exported = export_model(model, (torch.randn(2, 4),))
-    reads = {(exported.leaf_name.get(a, "loose"), exported.leaf_name.get(n, "loose"))
-             for n in exported.module.graph.nodes if n in exported.data for a in n.all_input_nodes
-             if a in exported.leaf_name and a.op == "call_function"}
+    reads = {
+        (exported.leaf_name.get(a, "loose"), exported.leaf_name.get(n, "loose"))
+        for n in exported.module.graph.nodes
+        if n in exported.data
+        for a in n.all_input_nodes
+        if a in exported.leaf_name and a.op == "call_function"
+    }
     assert ("drop", "mid") in reads and not {r for r in reads if "ident" in r}

@@ -7,9 +7,26 @@ from heterog.capture import capture_model, count_parameters
 from heterog.capture.zoo import ZOO, get_zoo_model, list_models
 from heterog.errors import ModelError
 
-PAPER_AND_MORE = ["resnet50", "resnet152", "resnet200", "vgg19", "inception_v3", "mobilenet_v2", "nasnet",
-                  "vit_b_16", "transformer", "bert-large", "xlnet-large", "gpt2", "gpt2-medium", "gpt2-xl",
-                  "tinyllama-1.1b", "llama", "mlp", "toy-cnn"]
+PAPER_AND_MORE = [
+    "resnet50",
+    "resnet152",
+    "resnet200",
+    "vgg19",
+    "inception_v3",
+    "mobilenet_v2",
+    "nasnet",
+    "vit_b_16",
+    "transformer",
+    "bert-large",
+    "xlnet-large",
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-xl",
+    "tinyllama-1.1b",
+    "llama",
+    "mlp",
+    "toy-cnn",
+]
 
 
 def test_zoo_lists_every_required_model():
@@ -37,9 +54,18 @@ def test_configurable_models_count_analytically():
 
 # Small batches keep the suite fast; fake tensors make full-size models cheap to capture.
 FAST_CAPTURES = [
-    ("resnet50", {}, 2, None), ("resnet152", {}, 1, None), ("resnet200", {}, 1, None),
-    ("vgg19", {}, 1, None), ("inception_v3", {}, 1, None), ("mobilenet_v2", {}, 2, None),
-    ("nasnet", {}, 1, None), ("vit_b_16", {}, 2, None), ("gpt2", {}, 2, 64), ("llama", {}, 2, 64), ("mlp", {}, 4, None), ("toy-cnn", {}, 4, None),
+    ("resnet50", {}, 2, None),
+    ("resnet152", {}, 1, None),
+    ("resnet200", {}, 1, None),
+    ("vgg19", {}, 1, None),
+    ("inception_v3", {}, 1, None),
+    ("mobilenet_v2", {}, 2, None),
+    ("nasnet", {}, 1, None),
+    ("vit_b_16", {}, 2, None),
+    ("gpt2", {}, 2, 64),
+    ("llama", {}, 2, 64),
+    ("mlp", {}, 4, None),
+    ("toy-cnn", {}, 4, None),
 ]
 
 
@@ -59,8 +85,9 @@ def test_zoo_model_captures(name, args, batch, seq):
 
 def test_tinyllama_captures_with_grouped_kv_heads():
     # TinyLlama's shape (32 query heads over 4 KV heads) at reduced depth.
-    graph = capture_model("llama", dict(hidden=2048, layers=1, heads=32, kv_heads=4, ffn=5632),
-                          batch_size=1, seq_len=64)
+    graph = capture_model(
+        "llama", dict(hidden=2048, layers=1, heads=32, kv_heads=4, ffn=5632), batch_size=1, seq_len=64
+    )
     _check(graph, 1)
     attn = [n for n in graph.nodes if n.kind == "attention"]
     assert len(attn) == 1
@@ -69,8 +96,9 @@ def test_tinyllama_captures_with_grouped_kv_heads():
     assert attn[0].fwd_flops.at(1) == pytest.approx(4 * 32 * 64 * 64 * 64, rel=2e-2)
 
 
-@pytest.mark.parametrize("name", ["bert-large", "xlnet-large", "gpt2-medium", "gpt2-xl", "tinyllama-1.1b",
-                                  "transformer"])
+@pytest.mark.parametrize(
+    "name", ["bert-large", "xlnet-large", "gpt2-medium", "gpt2-xl", "tinyllama-1.1b", "transformer"]
+)
 def test_full_size_language_model_captures(name):
     graph = capture_model(name, batch_size=1, seq_len=128)
     _check(graph, 1)

@@ -25,9 +25,9 @@ from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.pipeline import check
 
 SEQ = 8
-FAMILIES = {   # model → (args, batch size)
-    "mobilenet_v2": (dict(num_classes=10), 6),                  # CNN with BatchNorm buffers
-    "transformer": (dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0), 6),   # seq2seq
+FAMILIES = {  # model → (args, batch size)
+    "mobilenet_v2": (dict(num_classes=10), 6),  # CNN with BatchNorm buffers
+    "transformer": (dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0), 6),  # seq2seq
     "bert-large": (dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32), 6),
     "xlnet-large": (dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96), 6),
     "gpt2": (dict(hidden=32, layers=2, heads=4, vocab=96, positions=32), 6),
@@ -50,20 +50,31 @@ def _plan(name: str, kind: str) -> Plan:
 
     def reps(*pairs):
         return tuple(Replica(device=d, share=s) for d, s in pairs)
+
     if kind == "even-dp":
         groups = [Group(name="all", nodes=a + b, replicas=reps(("a", 0.5), ("b", 0.5)), sync="ring")]
     elif kind == "pipeline-1f1b":
-        groups = [Group(name="s0", nodes=a, replicas=reps(("a", 1.0))),
-                  Group(name="s1", nodes=b, replicas=reps(("b", 1.0)))]
+        groups = [
+            Group(name="s0", nodes=a, replicas=reps(("a", 1.0))),
+            Group(name="s1", nodes=b, replicas=reps(("b", 1.0))),
+        ]
     elif kind == "uneven-hybrid":
-        groups = [Group(name="s0", nodes=a, replicas=reps(("a", 1.0))),
-                  Group(name="s1", nodes=b, replicas=reps(("b", 2 / 3), ("c", 1 / 3)), sync="ring")]
-    else:   # parameter server on a device without a replica
-        groups = [Group(name="s0", nodes=a, replicas=reps(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
-                  Group(name="s1", nodes=b, replicas=reps(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c")]
-    return Plan(strategy=kind, model=ModelSpec(name=name, args=args, batch_size=batch, seq_len=SEQ),
-                groups=tuple(groups), num_microbatches=2 if kind == "pipeline-1f1b" else 1,
-                schedule="1f1b" if kind == "pipeline-1f1b" else "gpipe").validate()
+        groups = [
+            Group(name="s0", nodes=a, replicas=reps(("a", 1.0))),
+            Group(name="s1", nodes=b, replicas=reps(("b", 2 / 3), ("c", 1 / 3)), sync="ring"),
+        ]
+    else:  # parameter server on a device without a replica
+        groups = [
+            Group(name="s0", nodes=a, replicas=reps(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
+            Group(name="s1", nodes=b, replicas=reps(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
+        ]
+    return Plan(
+        strategy=kind,
+        model=ModelSpec(name=name, args=args, batch_size=batch, seq_len=SEQ),
+        groups=tuple(groups),
+        num_microbatches=2 if kind == "pipeline-1f1b" else 1,
+        schedule="1f1b" if kind == "pipeline-1f1b" else "gpipe",
+    ).validate()
 
 
 KINDS = ("even-dp", "pipeline-1f1b", "uneven-hybrid", "parameter-server")
@@ -77,7 +88,7 @@ def test_every_rank_of_every_plan_kind_runs_on_meta(name):
         assert result.target == "meta"
         for r in result.ranks:
             assert r.computes_run == r.computes, (name, kind, r)
-            assert (r.stages > 0) == (r.computes > 0), (name, kind, r)     # a pure server computes nothing
+            assert (r.stages > 0) == (r.computes > 0), (name, kind, r)  # a pure server computes nothing
         assert sum(r.computes for r in result.ranks) > 0
         assert json.loads(json.dumps(result.to_dict()))["ok"] is True
 
@@ -100,12 +111,17 @@ def test_a_stale_buffer_is_named(monkeypatch):
 
     def leave_a_buffer_behind(modules, device):
         modules = list(modules)
-        before = [(owner, owner._buffers["position_ids"]) for module in modules for owner in module.modules()
-                  if "position_ids" in owner._buffers]
+        before = [
+            (owner, owner._buffers["position_ids"])
+            for module in modules
+            for owner in module.modules()
+            if "position_ids" in owner._buffers
+        ]
         replaced = real(modules, device)
         for owner, old in before:
             owner._buffers["position_ids"] = old
         return replaced
+
     monkeypatch.setattr(placement, "place_stages", leave_a_buffer_behind)
     result = check(_plan("bert-large", "even-dp"), device="meta", cache=CACHE)
     assert not result.ok
@@ -118,8 +134,14 @@ def test_check_command_prints_each_rank_and_refuses_an_unknown_device(tmp_path):
     _plan("gpt2", "uneven-hybrid").save(path)
 
     def heterog(*argv):
-        return subprocess.run([sys.executable, "-m", "heterog.cli.main", *argv], capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        return subprocess.run(
+            [sys.executable, "-m", "heterog.cli.main", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+
     ok = heterog("check", str(path), "--device", "meta", "--json")
     assert ok.returncode == 0, ok.stderr
     doc = json.loads(ok.stdout)

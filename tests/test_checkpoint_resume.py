@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from heterog.errors import CheckpointError, RankError
-from heterog.pipeline import run
 from heterog.execute.checkpoint import MARKER, CheckpointConfig, find_checkpoint, model_key
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.pipeline import run
 
 MODEL = "tests/test_execute_models.py:mlp"
 NODES = ("fc1", "act1", "fc2", "act2", "fc3")
@@ -26,17 +26,27 @@ def _replicas(*pairs) -> tuple[Replica, ...]:
 
 def three_device_plan() -> Plan:
     """Even data parallelism over a, b, c with AdamW (so optimizer state must be restored)."""
-    return Plan(strategy="test", model=ModelSpec(name=MODEL, batch_size=12), optimizer="adamw",
-                groups=(Group(name="all", nodes=NODES, sync="ring",
-                              replicas=_replicas(("a", 1 / 3), ("b", 1 / 3), ("c", 1 / 3))),)).validate()
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=MODEL, batch_size=12),
+        optimizer="adamw",
+        groups=(
+            Group(name="all", nodes=NODES, sync="ring", replicas=_replicas(("a", 1 / 3), ("b", 1 / 3), ("c", 1 / 3))),
+        ),
+    ).validate()
 
 
 def two_device_plan() -> Plan:
     """Device c lost: a different plan shape too — the front on a alone, the back split 0.6/0.4."""
-    return Plan(strategy="test", model=ModelSpec(name=MODEL, batch_size=12), optimizer="adamw",
-                groups=(Group(name="front", nodes=NODES[:2], replicas=_replicas(("a", 1.0))),
-                        Group(name="back", nodes=NODES[2:], sync="ring",
-                              replicas=_replicas(("a", 0.6), ("b", 0.4))))).validate()
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=MODEL, batch_size=12),
+        optimizer="adamw",
+        groups=(
+            Group(name="front", nodes=NODES[:2], replicas=_replicas(("a", 1.0))),
+            Group(name="back", nodes=NODES[2:], sync="ring", replicas=_replicas(("a", 0.6), ("b", 0.4))),
+        ),
+    ).validate()
 
 
 def _params(folder: Path, ranks: int) -> dict[str, torch.Tensor]:
@@ -58,13 +68,18 @@ def interrupted(tmp_path_factory):
     """The uninterrupted reference run, and a checkpoint folder left by a run whose rank 1
     died in the middle of step 5 (after backward, while the others wait in the sync)."""
     root = tmp_path_factory.mktemp("resume")
-    run(three_device_plan(), steps=STEPS, out_dir=root / "full", dump_params=True, predict=False,
-        timeout_s=20)
+    run(three_device_plan(), steps=STEPS, out_dir=root / "full", dump_params=True, predict=False, timeout_s=20)
     ckpt = root / "ckpt"
     with pytest.raises(RankError) as info:
-        run(three_device_plan(), steps=STEPS, out_dir=root / "cut", predict=False, timeout_s=10,
+        run(
+            three_device_plan(),
+            steps=STEPS,
+            out_dir=root / "cut",
+            predict=False,
+            timeout_s=10,
             fault={"rank": 1, "kind": "die", "step": 4, "phase": "mid"},
-            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict())
+            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict(),
+        )
     assert info.value.rank == 1
     return root, _params(root / "full", 3), ckpt
 
@@ -82,8 +97,15 @@ def test_killed_run_left_complete_checkpoints_up_to_step_4(interrupted):
 @pytest.mark.slow
 def test_resume_under_the_same_plan_equals_the_uninterrupted_run(interrupted):
     root, want, ckpt = interrupted
-    out = run(three_device_plan(), steps=STEPS, out_dir=root / "same", dump_params=True, predict=False,
-              timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    out = run(
+        three_device_plan(),
+        steps=STEPS,
+        out_dir=root / "same",
+        dump_params=True,
+        predict=False,
+        timeout_s=20,
+        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+    )
     assert len(out["losses"]) == STEPS - 4  # steps 5..10: none lost, none repeated
     _assert_close(_params(root / "same", 3), want, 1e-6)
 
@@ -91,8 +113,15 @@ def test_resume_under_the_same_plan_equals_the_uninterrupted_run(interrupted):
 @pytest.mark.slow
 def test_resume_on_one_device_fewer_loads_by_name(interrupted):
     root, want, ckpt = interrupted
-    out = run(two_device_plan(), steps=STEPS, out_dir=root / "fewer", dump_params=True, predict=False,
-              timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    out = run(
+        two_device_plan(),
+        steps=STEPS,
+        out_dir=root / "fewer",
+        dump_params=True,
+        predict=False,
+        timeout_s=20,
+        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+    )
     assert out["devices"] == ["a", "b"] and len(out["losses"]) == STEPS - 4
     _assert_close(_params(root / "fewer", 2), want, 1e-5)
 
@@ -108,8 +137,7 @@ def test_resume_beyond_the_requested_steps_is_refused_before_starting_ranks(tmp_
     folder.mkdir()
     (folder / MARKER).write_text('{"format": 1, "step": 10, "model": "%s", "parameter_names": []}' % model_key(MODEL))
     with pytest.raises(CheckpointError, match="already holds 10 completed steps"):
-        run(three_device_plan(), steps=10, predict=False,
-            checkpoint=CheckpointConfig(resume=str(tmp_path)).to_dict())
+        run(three_device_plan(), steps=10, predict=False, checkpoint=CheckpointConfig(resume=str(tmp_path)).to_dict())
 
 
 def test_checkpoint_options_are_checked():
@@ -123,18 +151,21 @@ def test_loader_data_resumes_at_the_same_batch(tmp_path):
     """A shuffling DataLoader read by step gives step k the same batch in a fresh process
     (a resumed run) as in the run that went through steps 0..k-1."""
     from heterog.execute.workload import global_batch, resolve_workload, with_data
+
     (tmp_path / "data.py").write_text(
         "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
         "def loader(batch_size):\n"
         "    x = torch.arange(40 * 16, dtype=torch.float32).reshape(40, 16)\n"
         "    return DataLoader(TensorDataset(x, torch.arange(40) % 4), batch_size=batch_size, shuffle=True,"
-        " drop_last=True)\n")
+        " drop_last=True)\n"
+    )
     spec = three_device_plan().model
 
     def batches(steps):
         work = with_data(resolve_workload(spec), f"{tmp_path}/data.py:loader")
         return {k: global_batch(work, 12, seed=0, step=k)[0][0] for k in steps}
-    straight = batches(range(8))   # 3 batches per epoch: steps 3..5 are epoch 1, 6..7 epoch 2
+
+    straight = batches(range(8))  # 3 batches per epoch: steps 3..5 are epoch 1, 6..7 epoch 2
     resumed = batches(range(4, 8))
     for k in range(4, 8):
         assert torch.equal(straight[k], resumed[k]), k
@@ -143,11 +174,15 @@ def test_loader_data_resumes_at_the_same_batch(tmp_path):
 
 def server_plan() -> Plan:
     """AdamW held by parameter servers: the front by c (no replica), the back by b (a replica)."""
-    return Plan(strategy="test", model=ModelSpec(name=MODEL, batch_size=12), optimizer="adamw",
-                groups=(Group(name="front", nodes=NODES[:2], sync="ps", ps_device="c",
-                              replicas=_replicas(("a", 0.5), ("b", 0.5))),
-                        Group(name="back", nodes=NODES[2:], sync="ps", ps_device="b",
-                              replicas=_replicas(("a", 0.5), ("b", 0.5))))).validate()
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=MODEL, batch_size=12),
+        optimizer="adamw",
+        groups=(
+            Group(name="front", nodes=NODES[:2], sync="ps", ps_device="c", replicas=_replicas(("a", 0.5), ("b", 0.5))),
+            Group(name="back", nodes=NODES[2:], sync="ps", ps_device="b", replicas=_replicas(("a", 0.5), ("b", 0.5))),
+        ),
+    ).validate()
 
 
 PS_STEPS = 6
@@ -162,13 +197,33 @@ def test_parameter_server_state_is_saved_and_resumes_under_any_sync(tmp_path):
     want = _params(tmp_path / "full", 3)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(RankError):
-        run(server_plan(), steps=PS_STEPS, out_dir=tmp_path / "cut", predict=False, timeout_s=10,
+        run(
+            server_plan(),
+            steps=PS_STEPS,
+            out_dir=tmp_path / "cut",
+            predict=False,
+            timeout_s=10,
             fault={"rank": 0, "kind": "die", "step": 3, "phase": "mid"},
-            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict())
+            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict(),
+        )
     assert find_checkpoint(ckpt).step == 2
-    run(server_plan(), steps=PS_STEPS, out_dir=tmp_path / "same", dump_params=True, predict=False,
-        timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    run(
+        server_plan(),
+        steps=PS_STEPS,
+        out_dir=tmp_path / "same",
+        dump_params=True,
+        predict=False,
+        timeout_s=20,
+        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+    )
     _assert_close(_params(tmp_path / "same", 3), want, 1e-6)
-    run(three_device_plan(), steps=PS_STEPS, out_dir=tmp_path / "ring", dump_params=True, predict=False,
-        timeout_s=20, checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict())
+    run(
+        three_device_plan(),
+        steps=PS_STEPS,
+        out_dir=tmp_path / "ring",
+        dump_params=True,
+        predict=False,
+        timeout_s=20,
+        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+    )
     _assert_close(_params(tmp_path / "ring", 3), want, 1e-5)

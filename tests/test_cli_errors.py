@@ -39,7 +39,9 @@ BAD_CLUSTERS = {
     "zero_memory": GOOD_CLUSTER.replace("{type: cpu, count: 2}", "{type: cpu, count: 2, memory_gib: 0}"),
     "unknown_gpu": "name: x\nnodes:\n  - name: n0\n    nic_bandwidth_gbps: 100\n    devices: [{type: h900}]\n",
     "no_nodes": "name: x\n",
-    "negative_latency": GOOD_CLUSTER.replace("nic_bandwidth_gbps: 10", "nic_bandwidth_gbps: 10\n    nic_latency_us: -5"),
+    "negative_latency": GOOD_CLUSTER.replace(
+        "nic_bandwidth_gbps: 10", "nic_bandwidth_gbps: 10\n    nic_latency_us: -5"
+    ),
     "duplicate_nodes": GOOD_CLUSTER + "  - name: n0\n    nic_bandwidth_gbps: 10\n    devices: [{type: cpu}]\n",
     "emulated_gpu": GOOD_CLUSTER.replace("type: cpu", "type: h100"),
     "absurd_slowdown": GOOD_CLUSTER.replace("{type: cpu, count: 2}", "{type: cpu, count: 2, slowdown: 1e6}"),
@@ -48,16 +50,20 @@ BAD_CLUSTERS = {
 USER_MODELS = {
     "syntax_error": "def net(:\n",
     "no_example_batch": "from torch import nn\ndef net():\n    return nn.Linear(4, 2)\n",
-    "factory_raises": ("import torch\ndef net():\n    raise ValueError('no weights here')\n"
-                       "def example_batch(b):\n    return (torch.zeros(b, 4),), torch.zeros(b, dtype=torch.long)\n"),
+    "factory_raises": (
+        "import torch\ndef net():\n    raise ValueError('no weights here')\n"
+        "def example_batch(b):\n    return (torch.zeros(b, 4),), torch.zeros(b, dtype=torch.long)\n"
+    ),
     "import_error": "import no_such_package_xyz\n",
 }
 
 DATA_FILES = {
     "not_iterable": "def loader(batch_size):\n    return 42\n",
     "not_pairs": "import torch\ndef loader(batch_size):\n    return [torch.zeros(batch_size, 16)] * 3\n",
-    "wrong_batch": ("import torch\ndef loader(batch_size):\n"
-                    "    return [((torch.zeros(5, 16),), torch.zeros(5, dtype=torch.long))]\n"),
+    "wrong_batch": (
+        "import torch\ndef loader(batch_size):\n"
+        "    return [((torch.zeros(5, 16),), torch.zeros(5, dtype=torch.long))]\n"
+    ),
     "empty": "def loader(batch_size):\n    return []\n",
     "raises": "def loader(batch_size):\n    raise OSError('dataset not mounted')\n",
 }
@@ -68,8 +74,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     """A good plan of the zoo mlp, and every bad file the corpus feeds to heterog."""
     d = tmp_path_factory.mktemp("corpus")
     out: dict[str, Path] = {"dir": d}
-    code = _invoke(["plan", *PLAN_ARGS, "--budget-s", "1", "--no-gnn", "--max-iters", "3",
-                    "--out", str(d / "plan.json")])
+    code = _invoke(
+        ["plan", *PLAN_ARGS, "--budget-s", "1", "--no-gnn", "--max-iters", "3", "--out", str(d / "plan.json")]
+    )
     assert code[0] == 0, code[1]
     out["plan"] = d / "plan.json"
     good = json.loads(out["plan"].read_text())
@@ -102,16 +109,34 @@ def files(tmp_path_factory) -> dict[str, Path]:
     for case in ("missing", "changed"):
         sub = d / case
         sub.mkdir()
-        (sub / "net.py").write_text(textwrap.dedent("""\
+        (sub / "net.py").write_text(
+            textwrap.dedent("""\
             import torch
             from torch import nn
             def net():
                 return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
             def example_batch(batch_size):
                 return (torch.randn(batch_size, 4),), torch.randint(0, 2, (batch_size,))
-            """))
-        code = _invoke(["plan", "--model", f"{sub}/net.py:net", "--batch-size", "4", "--cluster", "emulated-4",
-                        "--budget-s", "1", "--no-gnn", "--max-iters", "3", "--out", str(sub / "plan.json")])
+            """)
+        )
+        code = _invoke(
+            [
+                "plan",
+                "--model",
+                f"{sub}/net.py:net",
+                "--batch-size",
+                "4",
+                "--cluster",
+                "emulated-4",
+                "--budget-s",
+                "1",
+                "--no-gnn",
+                "--max-iters",
+                "3",
+                "--out",
+                str(sub / "plan.json"),
+            ]
+        )
         assert code[0] == 0, code[1]
     (d / "missing" / "net.py").unlink()
     (d / "changed" / "net.py").write_text((d / "changed" / "net.py").read_text().replace("8", "16"))
@@ -171,31 +196,85 @@ def _cases(f: dict[str, Path]) -> dict[str, list[str]]:
         "plan_model_file_changed": ["simulate", str(d / "changed" / "plan.json")],
         "plan_too_big_for_this_machine": ["run", str(d / "plan_too_big.json")],
         # profile files
-        "profile_not_json": ["predict", "--model", "mlp", "--batch-size", "8", "--device", "cpu",
-                             "--profile", str(d / "profile_not_json.json")],
-        "profile_wrong_kind": ["predict", "--model", "mlp", "--batch-size", "8", "--device", "cpu",
-                               "--profile", str(d / "profile_kind.json")],
-        "profile_missing": ["predict", "--model", "mlp", "--batch-size", "8", "--device", "cpu",
-                            "--profile", str(d / "no_profile.json")],
+        "profile_not_json": [
+            "predict",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--device",
+            "cpu",
+            "--profile",
+            str(d / "profile_not_json.json"),
+        ],
+        "profile_wrong_kind": [
+            "predict",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--device",
+            "cpu",
+            "--profile",
+            str(d / "profile_kind.json"),
+        ],
+        "profile_missing": [
+            "predict",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--device",
+            "cpu",
+            "--profile",
+            str(d / "no_profile.json"),
+        ],
         # data loaders
         "data_no_colon": ["run", plan, "--data", str(d / "data_empty.py")],
         "data_missing_file": ["run", plan, "--data", f"{d}/no_data.py:loader"],
         "data_no_function": ["run", plan, "--data", f"{d}/data_empty.py:load"],
     }
     for name in BAD_CLUSTERS:
-        cases[f"cluster_{name}"] = ["plan", "--model", "mlp", "--batch-size", "8", "--cluster",
-                                    str(d / f"cluster_{name}.yaml")]
+        cases[f"cluster_{name}"] = [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--cluster",
+            str(d / f"cluster_{name}.yaml"),
+        ]
     for name in USER_MODELS:
-        cases[f"model_{name}"] = ["plan", "--model", f"{d}/model_{name}.py:net", "--batch-size", "4",
-                                  "--cluster", "emulated-4"]
+        cases[f"model_{name}"] = [
+            "plan",
+            "--model",
+            f"{d}/model_{name}.py:net",
+            "--batch-size",
+            "4",
+            "--cluster",
+            "emulated-4",
+        ]
     for name in DATA_FILES:
         cases[f"data_{name}"] = ["run", plan, "--data", f"{d}/data_{name}.py:loader"]
     return cases
 
 
-USAGE = {"batch_size_zero", "batch_size_text", "missing_cluster", "precision_fp8", "optimizer_adam",
-         "budget_negative", "seq_len_zero", "unknown_option", "unknown_command", "predict_negative_batch",
-         "run_missing_plan_arg", "run_steps_zero", "run_timeout_zero", "run_every_negative"}
+USAGE = {
+    "batch_size_zero",
+    "batch_size_text",
+    "missing_cluster",
+    "precision_fp8",
+    "optimizer_adam",
+    "budget_negative",
+    "seq_len_zero",
+    "unknown_option",
+    "unknown_command",
+    "predict_negative_batch",
+    "run_missing_plan_arg",
+    "run_steps_zero",
+    "run_timeout_zero",
+    "run_every_negative",
+}
 
 
 def test_corpus_has_at_least_40_cases(files):
@@ -245,8 +324,23 @@ def test_messages_name_the_problem(files):
 def test_unusual_cluster_figure_warns_in_one_line(files):
     path = files["dir"] / "cluster_slow_nic.yaml"
     path.write_text(GOOD_CLUSTER.replace("nic_bandwidth_gbps: 10", "nic_bandwidth_gbps: 0.1"))
-    code, text = _invoke(["plan", "--model", "mlp", "--batch-size", "8", "--cluster", str(path),
-                          "--budget-s", "1", "--no-gnn", "--max-iters", "2", "--json"])
+    code, text = _invoke(
+        [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--cluster",
+            str(path),
+            "--budget-s",
+            "1",
+            "--no-gnn",
+            "--max-iters",
+            "2",
+            "--json",
+        ]
+    )
     assert code == 0, text
     warnings = [line for line in text.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "0.1 Gbit/s" in warnings[0] and "line 4" not in warnings[0], warnings
@@ -255,16 +349,19 @@ def test_unusual_cluster_figure_warns_in_one_line(files):
 def test_version():
     code, text = _invoke(["--version"])
     from heterog import __version__
+
     assert code == 0 and text.strip() == f"heterog {__version__}"
 
 
-@pytest.mark.parametrize("argv, code", [
-    (["plan", "--model", "mlp", "--batch-size", "0", "--cluster", "emulated-4"], 2),
-    (["plan", "--model", "mlp", "--batch-size", "8", "--cluster", "no-such-cluster"], 2),
-    (["--version"], 0),
-])
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["plan", "--model", "mlp", "--batch-size", "0", "--cluster", "emulated-4"], 2),
+        (["plan", "--model", "mlp", "--batch-size", "8", "--cluster", "no-such-cluster"], 2),
+        (["--version"], 0),
+    ],
+)
 def test_real_exit_codes(argv, code):
-    r = subprocess.run([sys.executable, "-m", "heterog.cli.main", *argv], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-m", "heterog.cli.main", *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == code, r.stderr
     assert "Traceback" not in r.stderr

@@ -46,9 +46,16 @@ def _check(args: list[str], devices: tuple[str, ...] = ()) -> str:
     return narrow
 
 
-@pytest.mark.parametrize("args", [["models"], ["gpus"], ["clusters"],
-                                  ["predict", "--model", "mlp", "--batch-size", "8", "--device", "V100-16GB"],
-                                  ["capture", "--model", "mlp", "--batch-size", "8"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["models"],
+        ["gpus"],
+        ["clusters"],
+        ["predict", "--model", "mlp", "--batch-size", "8", "--device", "V100-16GB"],
+        ["capture", "--model", "mlp", "--batch-size", "8"],
+    ],
+)
 def test_catalog_tables_fit_80_columns(args):
     _check(args)
 
@@ -57,18 +64,44 @@ def test_plan_and_simulate_tables_fit_80_columns(tmp_path):
     clu = load_cluster("mixed-16")
     names = tuple(d.name for d in clu.devices)
     plan = tmp_path / "plan.json"
-    _check(["plan", "--model", "mlp", "--batch-size", "64", "--cluster", "mixed-16", "--budget-s", "1",
-            "--max-iters", "20", "--no-gnn", "--out", str(plan)], names)
+    _check(
+        [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "64",
+            "--cluster",
+            "mixed-16",
+            "--budget-s",
+            "1",
+            "--max-iters",
+            "20",
+            "--no-gnn",
+            "--out",
+            str(plan),
+        ],
+        names,
+    )
     out = _check(["simulate", str(plan)], names)
     assert any(d in out for d in names)
-    assert "--wide" in out or "memory" in out          # a left-out column is named, with the way to see it
+    assert "--wide" in out or "memory" in out  # a left-out column is named, with the way to see it
 
 
 def test_print_table_never_cuts_and_names_what_it_leaves_out(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     devices = [f"node-{i:02d}/gpu{i % 8}" for i in range(6)]
-    rows = [[d, f"{123456.789 * (i + 1):,.2f} ms", f"{i * 1.5:.2f} GiB", f"{d}.up→n05/gpu{i}",
-             f"{i * 1e6:,.0f} B/s", f"{i * 7}% busy"] for i, d in enumerate(devices)]
+    rows = [
+        [
+            d,
+            f"{123456.789 * (i + 1):,.2f} ms",
+            f"{i * 1.5:.2f} GiB",
+            f"{d}.up→n05/gpu{i}",
+            f"{i * 1e6:,.0f} B/s",
+            f"{i * 7}% busy",
+        ]
+        for i, d in enumerate(devices)
+    ]
     cols = ["device", "step time", "peak memory", "link", "rank", "busy"]
     set_wide(False)
     print_table("t", cols, rows, optional=("busy", "rank"))
@@ -76,8 +109,8 @@ def test_print_table_never_cuts_and_names_what_it_leaves_out(capsys, monkeypatch
     assert all(cell_len(line) <= 80 for line in out.splitlines())
     for r in rows:
         for cell in (r[0], r[1], r[2], r[3]):
-            assert cell in out, cell                     # whole, on one line
-    assert "(not shown: busy, rank; --wide shows every column)" in out   # in the order given
+            assert cell in out, cell  # whole, on one line
+    assert "(not shown: busy, rank; --wide shows every column)" in out  # in the order given
     set_wide(True)
     try:
         print_table("t", cols, rows, optional=("busy", "rank"))
@@ -92,8 +125,25 @@ def test_run_tables_fit_80_columns(tmp_path):
     clu = load_cluster("emulated-4")
     names = tuple(d.name for d in clu.devices)
     plan = tmp_path / "plan.json"
-    _run(["plan", "--model", "mlp", "--batch-size", "32", "--cluster", "emulated-4", "--budget-s", "1",
-          "--max-iters", "10", "--no-gnn", "--out", str(plan)], 80)
+    _run(
+        [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "32",
+            "--cluster",
+            "emulated-4",
+            "--budget-s",
+            "1",
+            "--max-iters",
+            "10",
+            "--no-gnn",
+            "--out",
+            str(plan),
+        ],
+        80,
+    )
     narrow = _run(["run", str(plan), "--steps", "2", "--no-shaping"], 80)
     assert all(cell_len(line) <= 80 for line in narrow.splitlines()), narrow
     assert not [w for w in _tokens(narrow) if "…" in w], narrow

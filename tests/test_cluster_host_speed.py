@@ -8,8 +8,8 @@ import warnings
 
 import numpy as np
 import pytest
-
 from cost_support import transformer_graph
+
 from heterog.cost import build_cost_model
 from heterog.cost.predict import predict
 from heterog.errors import ClusterError, HeterogWarning
@@ -47,8 +47,9 @@ def test_host_speed_is_carried_on_the_node_and_round_trips():
     assert plain.fingerprint() != c.fingerprint()
 
 
-@pytest.mark.parametrize("value, expect", [("0", "> 0"), ("-2", "> 0"), ("fast", "finite number"),
-                                           ("1000", "implausible")])
+@pytest.mark.parametrize(
+    "value, expect", [("0", "> 0"), ("-2", "> 0"), ("fast", "finite number"), ("1000", "implausible")]
+)
 def test_bad_host_speed_names_line_and_field(value, expect):
     msg = _bad(YAML.replace("host_speed: 0.5", f"host_speed: {value}"))
     assert "bad.yaml:8" in msg and "nodes[1].host_speed" in msg and expect in msg
@@ -79,6 +80,7 @@ def test_a_2x_slower_host_slows_host_bound_steps_only():
     # nodes and the optimizer's streaming are the device's)
     from heterog.cost.host import host_times_s
     from heterog.hardware.catalog import get_gpu, host_costs
+
     for phase in ("fwd", "bwd"):
         host = host_times_s(graph, host_costs(get_gpu("H200")), phase, None)
         fast = m.node_times_s(names, "fast/gpu0", 1, phase)
@@ -87,8 +89,10 @@ def test_a_2x_slower_host_slows_host_bound_steps_only():
         assert bound.any()
         assert slow[bound] == pytest.approx(2 * fast[bound])
         assert (slow >= fast).all() and (slow <= 2 * fast + 1e-12).all()
-        n0 = names[int(np.argmax(bound))]    # and the per-node answer the simulator reads
-        assert m.compute_time_s(n0, "slow/gpu0", 1, phase) == pytest.approx(2 * m.compute_time_s(n0, "fast/gpu0", 1, phase))
+        n0 = names[int(np.argmax(bound))]  # and the per-node answer the simulator reads
+        assert m.compute_time_s(n0, "slow/gpu0", 1, phase) == pytest.approx(
+            2 * m.compute_time_s(n0, "fast/gpu0", 1, phase)
+        )
     assert 1.6 * step("fast/gpu0", 1) < step("slow/gpu0", 1) <= 2 * step("fast/gpu0", 1)
     big = 1 << 17
     assert step("slow/gpu0", big) == pytest.approx(step("fast/gpu0", big), rel=0.02)
@@ -101,8 +105,10 @@ def test_host_speed_does_not_scale_the_cudnn_calls():
     """A convolution's host time on a half-speed node: its framework work twice as long, its
     cuDNN plan look-up the same (cost/host.py says why)."""
     from cost_support import conv_graph
+
     from heterog.cost.host import host_times_s
     from heterog.hardware.catalog import get_gpu, host_costs
+
     g = conv_graph()
     c = parse_cluster_yaml(YAML, "hosts.yaml")
     m = build_cost_model(g, c, precision="fp32")
@@ -119,6 +125,7 @@ def test_the_simulator_times_a_device_by_its_own_nodes_host():
     device_class_key fixes it (then remove this marker)."""
     from heterog.simulate import simulate
     from tests.simulate_support import plan
+
     graph = transformer_graph(layers=2, hidden=256, seq=64, batch=4)
     c = parse_cluster_yaml(YAML, "hosts.yaml")
     m = build_cost_model(graph, c, precision="fp32", optimizer="adamw")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 4
-SIZES = (1001, 3, 64)   # uneven ring chunks; fewer elements than members (empty chunks)
+SIZES = (1001, 3, 64)  # uneven ring chunks; fewer elements than members (empty chunks)
 
 # (name, method, members in method order, nodes)
 ALLREDUCE_CASES = [
@@ -34,7 +34,7 @@ PS_CASES = [  # (name, server, replicas, optimizer)
     ("ps-server-is-replica-adamw", 1, [0, 1, 2, 3], "adamw"),
 ]
 PS_STEPS = 3
-SKIPPED_STEP = 1     # the deferred server skips this step's update (an fp16 overflow)
+SKIPPED_STEP = 1  # the deferred server skips this step's update (an fp16 overflow)
 
 
 def grad_of(rank: int, size: int, step: int = 0) -> torch.Tensor:
@@ -44,14 +44,17 @@ def grad_of(rank: int, size: int, step: int = 0) -> torch.Tensor:
 def optimizer(kind: str):
     def make(params):
         return torch.optim.SGD(params, lr=0.1) if kind == "sgd" else torch.optim.AdamW(params, lr=0.01)
+
     return make
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
     groups = ProcessGroupCache(timeout_s=60)
     groups.create_all([m for _, _, m, _ in ALLREDUCE_CASES] + [sorted(set(r) | {s}) for _, s, r, _ in PS_CASES])
     out = {}
@@ -64,8 +67,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     for name, server, replicas, kind in PS_CASES:
         if rank not in replicas and rank != server:
             continue
-        ps = ParameterServer(server=server, replicas=replicas, groups=groups, make_optimizer=optimizer(kind),
-                             numel=50)
+        ps = ParameterServer(server=server, replicas=replicas, groups=groups, make_optimizer=optimizer(kind), numel=50)
         params = torch.linspace(-1, 1, 50)
         for step in range(PS_STEPS):
             grad = grad_of(rank, 50, step) if rank in replicas else torch.zeros(50)
@@ -73,15 +75,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         out[(name, "params")] = params
         out[(name, "has_optimizer")] = ps.optimizer is not None
         # the fp16 form: push, every member agrees to skip step 1, pull only when applied
-        deferred = ParameterServer(server=server, replicas=replicas, groups=groups, make_optimizer=optimizer(kind),
-                                   numel=50)
+        deferred = ParameterServer(
+            server=server, replicas=replicas, groups=groups, make_optimizer=optimizer(kind), numel=50
+        )
         params = torch.linspace(-1, 1, 50)
         for step in range(PS_STEPS):
             deferred.push(grad_of(rank, 50, step) if rank in replicas else torch.zeros(50), params)
             if step != SKIPPED_STEP:
                 params = deferred.pull().clone()
         out[(name, "deferred")] = params
-    out["scratch_buffers"] = len(groups.scratch.held)   # every call received into one buffer
+    out["scratch_buffers"] = len(groups.scratch.held)  # every call received into one buffer
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -116,8 +119,7 @@ def test_allreduce_method_equals_the_plain_sum_on_every_member(results, name, me
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name,server,replicas,kind", PS_CASES, ids=[c[0] for c in PS_CASES])
-def test_parameter_server_equals_single_process_steps_on_the_summed_gradient(results, name, server,
-                                                                              replicas, kind):
+def test_parameter_server_equals_single_process_steps_on_the_summed_gradient(results, name, server, replicas, kind):
     ref = torch.nn.Parameter(torch.linspace(-1, 1, 50))
     opt = optimizer(kind)([ref])
     for step in range(PS_STEPS):
@@ -134,22 +136,28 @@ def test_parameter_server_equals_single_process_steps_on_the_summed_gradient(res
 # block 0: group 0 on ranks 0, 1 (ring); block 1: group 1 on ranks 1, 2, served by rank 0
 # (ps, no replica there); parameter "tied" is read by both groups, so ranks 0, 1, 2 hold it.
 
+
 def _program():
     from types import SimpleNamespace
 
     from heterog.lower.program import Collective
+
     devices = ("d0", "d1", "d2")
-    blocks = (SimpleNamespace(groups=(0,), devices=("d0", "d1"), label="block 0"),
-              SimpleNamespace(groups=(1,), devices=("d1", "d2"), label="block 1"))
+    blocks = (
+        SimpleNamespace(groups=(0,), devices=("d0", "d1"), label="block 0"),
+        SimpleNamespace(groups=(1,), devices=("d1", "d2"), label="block 1"),
+    )
     c0 = Collective(block=0, method="ring", members=("d0", "d1"), server=None, nodes=(), nbytes=0.0)
     c1 = Collective(block=1, method="ps", members=("d1", "d2"), server="d0", nodes=(), nbytes=0.0)
     instructions = {"d0": (c0, c1), "d1": (c0, c1), "d2": (c1,)}
-    return SimpleNamespace(devices=devices, blocks=blocks, instructions=instructions,
-                           rank_of=lambda: {d: r for r, d in enumerate(devices)})
+    return SimpleNamespace(
+        devices=devices, blocks=blocks, instructions=instructions, rank_of=lambda: {d: r for r, d in enumerate(devices)}
+    )
 
 
 def _flow(rank: int):
     from heterog.execute.partition import Dataflow
+
     names = {0: ("a", "tied"), 1: ("b", "tied")}
     held = {0: {0}, 1: {0, 1}, 2: {1}}[rank]
     params = {n: torch.nn.Parameter(torch.full((5,), 1.0 + i)) for i, n in enumerate(["a", "b", "tied"])}
@@ -158,17 +166,27 @@ def _flow(rank: int):
             p.data = torch.empty(0)
         else:
             p.grad = grad_of(rank, 5, "abtied".index(n[0]) + 1)
-    return Dataflow(inputs=(), stages=(), projections={}, owner={}, output="",
-                    params_of_group={g: [(n, params[n]) for n in names[g]] for g in held},
-                    param_names=names, param_numel={n: 5 for n in params}, param_by_name=params,
-                    tied={"tied": (0, 1)})
+    return Dataflow(
+        inputs=(),
+        stages=(),
+        projections={},
+        owner={},
+        output="",
+        params_of_group={g: [(n, params[n]) for n in names[g]] for g in held},
+        param_names=names,
+        param_numel={n: 5 for n in params},
+        param_by_name=params,
+        tied={"tied": (0, 1)},
+    )
 
 
 def _program_worker(rank: int, port: int, out_dir: str) -> None:
     from heterog.execute.sync import ProgramSync
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=timedelta(seconds=60)
+    )
     flow = _flow(rank)
     sync = ProgramSync(program=_program(), flow=flow, rank=rank, optimizer="sgd", timeout_s=60)
     tied_storage = flow.param_by_name["tied"].grad.data_ptr()
@@ -176,8 +194,7 @@ def _program_worker(rank: int, port: int, out_dir: str) -> None:
         sync.launch(ins)
     sync.finish()
     sync.sum_tied_gradients()
-    out = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
-           for n, p in flow.param_by_name.items()}
+    out = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone()) for n, p in flow.param_by_name.items()}
     # a one-parameter bucket is summed in its own gradient, not copied out and back
     out["tied_summed_in_place"] = flow.param_by_name["tied"].grad.data_ptr() == tied_storage
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -196,6 +213,7 @@ def test_program_sync_runs_each_blocks_method_and_sums_tied_gradients_over_all_h
     # ps served by rank 0 (SGD at workload.SGD_LR): replicas 1, 2 get the new
     # parameters and no gradient, so their local optimizer leaves them alone
     from heterog.execute.workload import SGD_LR
+
     want_b = torch.full((5,), 2.0) - SGD_LR * (g(1, "b") + g(2, "b"))
     for r in (1, 2):
         value, grad = got[r]["b"]

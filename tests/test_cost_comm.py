@@ -55,7 +55,7 @@ def test_ring_inside_a_node_uses_nvlink(cluster):
 def test_ring_across_two_nodes_is_limited_by_the_nic(cluster):
     n = 8
     t = comm.collective_time_s(cluster, "allreduce", N, devs(cluster))
-    assert t == pytest.approx(2 * (n - 1) / n * N / NIC)        # not N / NVLINK
+    assert t == pytest.approx(2 * (n - 1) / n * N / NIC)  # not N / NVLINK
     assert t > 20 * comm.collective_time_s(cluster, "allreduce", N, devs(cluster, "a"))
 
 
@@ -116,10 +116,11 @@ def test_single_member_costs_nothing(cluster):
 def test_cost_model_collectives_match_the_formulas_at_any_size():
     """AnalyticCostModel caches each collective as affine in the bytes; check it is exact."""
     import numpy as np
-
     from cost_support import transformer_graph
+
     from heterog.cost import build_cost_model
     from heterog.hardware.spec import load_cluster
+
     c = load_cluster("mixed-64")
     m = build_cost_model(transformer_graph(layers=1), c)
     members = [d.name for d in c.devices][::3]
@@ -127,8 +128,10 @@ def test_cost_model_collectives_match_the_formulas_at_any_size():
         for method in comm.METHODS:
             for op in ("allreduce", "all_gather", "broadcast"):
                 assert m.collective_time_s(op, nbytes, members, method) == pytest.approx(
-                    comm.collective_time_s(c, op, nbytes, members, method), rel=1e-9)
+                    comm.collective_time_s(c, op, nbytes, members, method), rel=1e-9
+                )
         assert m.ps_sync_time_s(nbytes, members, members[1]) == pytest.approx(
-            comm.ps_sync_time_s(c, nbytes, members, members[1]), rel=1e-9)
+            comm.ps_sync_time_s(c, nbytes, members, members[1]), rel=1e-9
+        )
     assert m.collective_time_s("allreduce", 0.0, members) == 0.0
     assert np.isfinite(m.collective_time_s("allreduce", 1e9, members, "hierarchical"))

@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from cost_support import conv_graph, transformer_graph
+
 from heterog.cost import build_cost_model
 from heterog.cost.host import autocast_casts, host_times_s
 from heterog.cost.predict import predict, single_device_cluster
@@ -43,8 +43,14 @@ def test_a_step_is_never_faster_than_its_host_time(graph, precision):
 
 def test_a_slower_host_slows_small_steps_but_not_large_ones(graph):
     gpu = get_gpu("H200")
-    slow = dataclasses.replace(gpu, host=dataclasses.replace(host_costs(gpu), forward_node_s=10 * host_costs(gpu).forward_node_s,
-                                                               backward_op_s=10 * host_costs(gpu).backward_op_s))
+    slow = dataclasses.replace(
+        gpu,
+        host=dataclasses.replace(
+            host_costs(gpu),
+            forward_node_s=10 * host_costs(gpu).forward_node_s,
+            backward_op_s=10 * host_costs(gpu).backward_op_s,
+        ),
+    )
     small = [predict(graph, batch_size=1, device=g)["iteration_time_s"] for g in (gpu, slow)]
     big = [predict(graph, batch_size=1 << 16, device=g)["iteration_time_s"] for g in (gpu, slow)]
     assert small[1] > 3 * small[0]
@@ -56,6 +62,7 @@ def test_autocast_adds_its_casts(graph):
     casts = autocast_casts(graph, "amp-bf16")
     kinds = [n.kind for n in graph.nodes]
     from heterog.cost.memory import forced_fp32
+
     for i, n in enumerate(graph.nodes):
         if n.kind not in ("matmul", "conv", "attention") and not forced_fp32(n):
             assert casts.count[i] == 0
@@ -85,6 +92,7 @@ def test_a_power_limited_card_sustains_less_than_its_peak():
         gpu = get_gpu(name)
         r = predict(big, batch_size=8, device=gpu, precision="fp16")
         return r["flops_per_iteration"] / r["iteration_time_s"] / gpu.peak_flops_per_s["fp16"]
+
     for card, full_power in (("T4", "Titan-RTX"), ("L4", "RTX-4090")):
         assert share(card) < 0.75 * share(full_power)
     assert all(share(n) <= 1.0 for n in ("T4", "RTX-2080Ti", "RTX-3090", "A100-80GB", "H100-SXM"))
@@ -92,6 +100,7 @@ def test_a_power_limited_card_sustains_less_than_its_peak():
 
 def test_every_catalog_type_names_the_source_of_its_efficiency():
     from heterog.hardware.catalog import list_gpus
+
     for g in list_gpus():
         e = g.efficiency
         assert e.source, f"{g.name}: efficiency without a source"
@@ -103,16 +112,17 @@ def test_a_cudnn_call_costs_the_host_more_than_an_ordinary_op(graph):
     """Convolutions (every NVIDIA GPU) and half-precision attention on Hopper go through
     cuDNN's frontend: the host pays cudnn_op_s more for each, forward and backward."""
     from heterog.cost.host import cudnn_calls
+
     conv = conv_graph()
     h200, a100, mi300 = get_gpu("H200"), get_gpu("A100-80GB"), get_gpu("MI300X")
     assert list(cudnn_calls(conv, "fp32", h200)) == [1.0, 0.0]
-    assert not cudnn_calls(conv, "fp32", mi300).any()          # MIOpen, not cuDNN
+    assert not cudnn_calls(conv, "fp32", mi300).any()  # MIOpen, not cuDNN
     attn = [n.kind == "attention" for n in graph.nodes]
     assert list(cudnn_calls(graph, "amp-bf16", h200) > 0) == attn
-    assert not cudnn_calls(graph, "fp32", h200).any()          # fp32 attention: not cuDNN
-    assert not cudnn_calls(graph, "amp-bf16", a100).any()      # Ampere: flash attention
+    assert not cudnn_calls(graph, "fp32", h200).any()  # fp32 attention: not cuDNN
+    assert not cudnn_calls(graph, "amp-bf16", a100).any()  # Ampere: flash attention
     h = host_costs(h200)
-    assert h.cudnn_op_s > 3 * h.forward_op_s                    # a cuDNN call is expensive
+    assert h.cudnn_op_s > 3 * h.forward_op_s  # a cuDNN call is expensive
     for phase in ("fwd", "bwd"):
         with_cudnn = host_times_s(conv, h, phase, None, cudnn_calls(conv, "fp32", h200))
         assert with_cudnn - host_times_s(conv, h, phase, None) == pytest.approx([h.cudnn_op_s, 0.0])
@@ -127,7 +137,9 @@ def test_the_cudnn_host_cost_is_one_figure_across_models():
     bert-large's fp32 profile has no cuDNN op."""
     import json
     from importlib import resources
+
     from heterog.cost.calibrate import cudnn_op_host_s
+
     doc = json.loads(resources.files("heterog.cost").joinpath("data", "h200_steps.json").read_text())
     prof = {p["name"]: p for p in doc["op_profiles"]}
     conv_s, attn_s = cudnn_op_host_s([prof["resnet50"]]), cudnn_op_host_s([prof["gpt2_medium"]])
@@ -141,13 +153,13 @@ def test_autocast_casts_the_half_inputs_of_its_fp32_list_ops(graph):
     (gpt2-medium's bf16 profile has 777 casts a step; the matmul-side casts alone are 628 of
     the model's): one cast each, 2 B read and 4 B written per element, forward and back."""
     casts = autocast_casts(graph, "amp-bf16")
-    first_ln = graph.index["blocks.0.ln1"]               # reads the fp32 graph input: no cast
+    first_ln = graph.index["blocks.0.ln1"]  # reads the fp32 graph input: no cast
     assert casts.count[first_ln] == 0
-    ln2 = graph.index["blocks.0.ln2"]                    # reads attn.proj's half output
+    ln2 = graph.index["blocks.0.ln2"]  # reads attn.proj's half output
     edge = next(e for e in graph.edges if e.dst == "blocks.0.ln2")
     assert casts.count[ln2] == 1
     assert casts.bytes_per_sample[ln2] == pytest.approx(1.5 * edge.bytes.per_sample)
-    assert casts.count[graph.index["root::cross_entropy@0"]] == 1   # the head's half logits
+    assert casts.count[graph.index["root::cross_entropy@0"]] == 1  # the head's half logits
     assert autocast_casts(graph, "fp32") is None
 
 
@@ -156,7 +168,9 @@ def test_the_cast_host_cost_is_measured_on_the_half_precision_profile():
     (children included); the fp32 profiles hold no autocast cast."""
     import json
     from importlib import resources
+
     from heterog.cost.calibrate import cast_op_host_s
+
     doc = json.loads(resources.files("heterog.cost").joinpath("data", "h200_steps.json").read_text())
     prof = {p["name"]: p for p in doc["op_profiles"]}
     assert cast_op_host_s([prof["gpt2_medium"]]) == pytest.approx(18.1e-6, rel=0.01)
@@ -170,17 +184,23 @@ def test_a_half_precision_nchw_convolution_pays_for_its_layout_transforms():
     and non-NVIDIA types do not."""
     from heterog.cost.analytic import NCHW_HALF_CONV_TRANSFORM_PASSES, _TypeTable
     from heterog.cost.efficiency import memory_efficiency
+
     conv = conv_graph()
     gpu = get_gpu("H200")
     for phase, obj in (("fwd", conv.nodes[0].fwd_bytes), ("bwd", conv.nodes[0].bwd_bytes)):
         half = _TypeTable(conv, gpu, "amp-bf16", phase)
-        extra_s = NCHW_HALF_CONV_TRANSFORM_PASSES * 0.5 * obj.per_sample * 256 / (
-            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu))
+        extra_s = (
+            NCHW_HALF_CONV_TRANSFORM_PASSES
+            * 0.5
+            * obj.per_sample
+            * 256
+            / (gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu))
+        )
         bare = _TypeTable(conv, gpu, "amp-bf16", phase)
         bare.transform_ps = np.zeros(2)
         idx = np.array([0, 1])
         assert half.times_s(idx, 256)[0] - bare.times_s(idx, 256)[0] == pytest.approx(extra_s)
-        assert half.times_s(idx, 256)[1] == bare.times_s(idx, 256)[1]      # the ReLU: none
+        assert half.times_s(idx, 256)[1] == bare.times_s(idx, 256)[1]  # the ReLU: none
         assert not _TypeTable(conv, gpu, "fp32", phase).transform_ps.any()
         assert not _TypeTable(conv, get_gpu("MI300X"), "amp-bf16", phase).transform_ps.any()
 
@@ -190,6 +210,7 @@ def test_the_half_precision_convolution_factor_scales_only_half_convolutions():
     convolutions at bf16/fp16 only: not matmuls, not fp32 (TF32) convolutions; it survives
     a saved cluster's round trip; and it only takes half precisions."""
     from heterog.hardware.gputype import Efficiency, gpu_extras_from_dict, gpu_extras_to_dict
+
     conv, tf = conv_graph(), transformer_graph(layers=1, hidden=256, seq=64, batch=4)
     catalog = get_gpu("H200")
     h200 = dataclasses.replace(catalog, efficiency=dataclasses.replace(catalog.efficiency, conv={}))
@@ -198,6 +219,7 @@ def test_the_half_precision_convolution_factor_scales_only_half_convolutions():
     def device_s(g, gpu, precision, node):
         m = build_cost_model(g, single_device_cluster(gpu), precision=precision)
         return m.compute_time_s(node, "local/gpu0", 4096, "fwd")
+
     assert device_s(conv, slow, "amp-bf16", "conv1") > 1.5 * device_s(conv, h200, "amp-bf16", "conv1")
     assert device_s(conv, slow, "fp32", "conv1") == device_s(conv, h200, "fp32", "conv1")
     assert device_s(tf, slow, "amp-bf16", "blocks.0.mlp.fc1") == device_s(tf, h200, "amp-bf16", "blocks.0.mlp.fc1")

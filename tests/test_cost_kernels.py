@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cost_support import conv_graph
 from torch import nn
 
-from cost_support import conv_graph
 from heterog.capture.capture import capture
 from heterog.cost.kernels import conv_kernels, norm_passes
 
@@ -29,14 +29,24 @@ class _Blocks(nn.Module):
 
 
 def _graph(channels_last: bool = False):
-    return capture(_Blocks(channels_last), (torch.randn(2, 3, 64, 64),), targets=torch.randn(2, 128),
-                   loss_fn=nn.functional.mse_loss)
+    return capture(
+        _Blocks(channels_last),
+        (torch.randn(2, 3, 64, 64),),
+        targets=torch.randn(2, 128),
+        loss_fn=nn.functional.mse_loss,
+    )
 
 
 def test_the_capture_records_each_convolutions_geometry():
     shapes = _graph().meta["conv"]
-    assert shapes["stem"] == {"kernel": [3, 3], "in_channels": 3, "out_channels": 64, "groups": 1, "stride": 2,
-                              "channels_last": False}
+    assert shapes["stem"] == {
+        "kernel": [3, 3],
+        "in_channels": 3,
+        "out_channels": 64,
+        "groups": 1,
+        "stride": 2,
+        "channels_last": False,
+    }
     assert shapes["dw"]["groups"] == 64 and shapes["pw"]["kernel"] == [1, 1]
     assert _graph(channels_last=True).meta["conv"]["dw"]["channels_last"]
 
@@ -64,14 +74,16 @@ def test_channels_last_half_precision_convolutions_skip_the_transposes():
     from heterog.cost.analytic import AnalyticCostModel
     from heterog.cost.predict import single_device_cluster
     from heterog.hardware.catalog import get_gpu
+
     for device in ("H200", "T4"):
         cluster = single_device_cluster(get_gpu(device))
         t = {}
         for g in (_graph(), _graph(channels_last=True)):
             m = AnalyticCostModel(g, cluster, precision="fp16")
             convs = [n.name for n in g.nodes if n.kind == "conv"]
-            t[g.meta["conv"]["stem"]["channels_last"]] = sum(m.group_time_s(convs, "local/gpu0", 4096, p)
-                                                             for p in ("fwd", "bwd"))
+            t[g.meta["conv"]["stem"]["channels_last"]] = sum(
+                m.group_time_s(convs, "local/gpu0", 4096, p) for p in ("fwd", "bwd")
+            )
         assert t[True] < 0.9 * t[False], device
 
 

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 
 import numpy as np
 import pytest
-
 from cost_support import linear, transformer_graph
+
 from heterog.cost import Profile, ProfileError, build_cost_model
 from heterog.cost.efficiency import gpu_curve, h200_curve
 from heterog.cost.memory import block_of
 from heterog.cost.predict import predict, single_device_cluster
-from heterog.hardware.gputype import Efficiency
 from heterog.hardware.catalog import get_gpu
+from heterog.hardware.gputype import Efficiency
 from heterog.hardware.spec import load_cluster
 from heterog.ir.affine import Affine
 from heterog.ir.opgraph import OpEdge, OpGraph
@@ -44,7 +43,7 @@ def test_time_grows_with_batch_and_has_a_floor(graph, mixed):
     # host overhead floor: at batch 1 time is far above the proportional share of batch 128
     assert ts[0] > 2 * ts[-1] / 128
     kernels = sum(n.fwd_kernels for n in graph.nodes)
-    assert ts[0] >= kernels * 8e-6 * 0.99      # per-op dispatch (catalog host_costs)
+    assert ts[0] >= kernels * 8e-6 * 0.99  # per-op dispatch (catalog host_costs)
     assert m.compute_time_s(graph.nodes[1].name, "a100/gpu0", 0, "fwd") == 0.0
 
 
@@ -63,8 +62,9 @@ def test_group_time_is_the_sum_of_node_times(graph, mixed):
     ns = names(graph)[2:9]
     total = sum(m.compute_time_s(n, "v100/gpu1", 12, "bwd") for n in ns)
     assert m.group_time_s(ns, "v100/gpu1", 12, "bwd") == pytest.approx(total)
-    assert np.allclose(m.node_times_s(ns, "v100/gpu1", 12, "bwd"),
-                       [m.compute_time_s(n, "v100/gpu1", 12, "bwd") for n in ns])
+    assert np.allclose(
+        m.node_times_s(ns, "v100/gpu1", 12, "bwd"), [m.compute_time_s(n, "v100/gpu1", 12, "bwd") for n in ns]
+    )
 
 
 def test_precision_paths(graph):
@@ -72,7 +72,7 @@ def test_precision_paths(graph):
     dev = cl.devices[0].name
     fp32 = build_cost_model(graph, cl, precision="fp32").group_time_s(names(graph), dev, 64, "fwd")
     bf16 = build_cost_model(graph, cl, precision="amp-bf16").group_time_s(names(graph), dev, 64, "fwd")
-    assert bf16 < fp32 / 3                     # 312 vs 19.5 TFLOP/s peaks
+    assert bf16 < fp32 / 3  # 312 vs 19.5 TFLOP/s peaks
     # T4 has no bf16: amp-bf16 falls back to fp32 rates, fp16 uses its tensor cores
     t4 = single_device_cluster(get_gpu("T4"))
     d4 = t4.devices[0].name
@@ -85,8 +85,13 @@ def test_large_h200_matmul_matches_the_measurement():
     """A lone 8192³ bf16 product predicted within 10% of data/h200_micro.json's 1.403 ms."""
     n = 8192
     node = linear("mm", "mm", n, n, 1)
-    node = type(node)(**{**{f: getattr(node, f) for f in node.__dataclass_fields__},
-                         "fwd_flops": Affine(0, 2.0 * n**3), "fwd_bytes": Affine(0, 3 * n * n * 2)})
+    node = type(node)(
+        **{
+            **{f: getattr(node, f) for f in node.__dataclass_fields__},
+            "fwd_flops": Affine(0, 2.0 * n**3),
+            "fwd_bytes": Affine(0, 3 * n * n * 2),
+        }
+    )
     g = OpGraph(model="mm", batch_size=1, nodes=(node,), edges=()).validate()
     cl = single_device_cluster(get_gpu("H200"))
     t = build_cost_model(g, cl, precision="amp-bf16").compute_time_s("mm", cl.devices[0].name, 1, "fwd")
@@ -111,8 +116,8 @@ def test_profile_overrides_and_validates(graph, mixed, tmp_path):
     m = build_cost_model(graph, mixed, profile=path)
     assert m.compute_time_s(node, "a100/gpu0", 8, "fwd") == pytest.approx(1.5e-3)
     assert m.compute_time_s(node, "a100/gpu0", 6, "fwd") == pytest.approx(1.25e-3)
-    assert m.compute_time_s(node, "a100/gpu0", 16, "fwd") == pytest.approx(2.5e-3)   # linear fit beyond
-    assert m.compute_time_s(node, "v100/gpu0", 8, "fwd") != pytest.approx(1.5e-3)    # not measured there
+    assert m.compute_time_s(node, "a100/gpu0", 16, "fwd") == pytest.approx(2.5e-3)  # linear fit beyond
+    assert m.compute_time_s(node, "v100/gpu0", 8, "fwd") != pytest.approx(1.5e-3)  # not measured there
     bad = json.loads(path.read_text())
     bad["times"][node]["A100-80GB"]["fwd"] = [[4, -1]]
     path.write_text(json.dumps(bad))
@@ -153,7 +158,7 @@ def test_recompute_saves_activations_and_costs_time(graph, mixed):
 def test_amp_halves_matmul_activations(graph, mixed):
     fp32 = build_cost_model(graph, mixed).activation_bytes(["blocks.0.attn.qkv"], 64)
     amp = build_cost_model(graph, mixed, precision="amp-bf16").activation_bytes(["blocks.0.attn.qkv"], 64)
-    cast = 2.0 * graph.node("blocks.0.attn.qkv").param_count    # the saved bf16 weight copy
+    cast = 2.0 * graph.node("blocks.0.attn.qkv").param_count  # the saved bf16 weight copy
     assert amp == pytest.approx(fp32 / 2 + cast)
 
 
@@ -169,8 +174,7 @@ def test_transfer_and_edges(graph, mixed):
 def test_predict_is_sane_and_monotone(graph):
     rs = [predict(graph, batch_size=b, device="V100-32GB") for b in (4, 8, 16)]
     for r in rs:
-        assert {"iteration_time_s", "peak_memory_bytes", "flops_per_iteration", "breakdown", "fits",
-                "device"} <= set(r)
+        assert {"iteration_time_s", "peak_memory_bytes", "flops_per_iteration", "breakdown", "fits", "device"} <= set(r)
         assert r["fits"] and math.isfinite(r["iteration_time_s"])
         # the step cannot beat the device's peak
         assert r["flops_per_iteration"] / r["iteration_time_s"] < get_gpu("V100-32GB").peak_flops_per_s["fp32"]
@@ -187,14 +191,20 @@ def test_h200_calibration_points(dtype, precision):
     """Every large square product of data/h200_micro.json is predicted within 15% (from 4096 on,
     where the ~15 µs launch-and-timing floor of the measurement is under 10%)."""
     from heterog.cost.efficiency import _h200_doc
+
     cl = single_device_cluster(get_gpu("H200"))
     for row in _h200_doc()["matmul"]:
         if row["dtype"] != dtype or row["m"] < 4096:
             continue
         n = row["m"]
         base = linear("mm", "mm", n, n, 1)
-        node = type(base)(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
-                             "fwd_flops": Affine(0, 2.0 * n**3), "fwd_bytes": Affine(0, 3.0 * n * n * 4)})
+        node = type(base)(
+            **{
+                **{f: getattr(base, f) for f in base.__dataclass_fields__},
+                "fwd_flops": Affine(0, 2.0 * n**3),
+                "fwd_bytes": Affine(0, 3.0 * n * n * 4),
+            }
+        )
         g = OpGraph(model="mm", batch_size=1, nodes=(node,), edges=()).validate()
         t = build_cost_model(g, cl, precision=precision).compute_time_s("mm", cl.devices[0].name, 1, "fwd")
         assert t == pytest.approx(row["median_ms"] * 1e-3, rel=0.15), (dtype, n)
@@ -205,12 +215,11 @@ def test_recompute_kept_bytes_add_up_over_groups_and_the_transient_is_one_block(
     rc = build_cost_model(graph, mixed, recompute=True)
     plain = build_cost_model(graph, mixed)
     ns = names(graph)
-    cut = ns.index("blocks.2.ln1")   # groups cut at block boundaries
+    cut = ns.index("blocks.2.ln1")  # groups cut at block boundaries
     halves = [ns[:cut], ns[cut:]]
     assert sum(rc.activation_bytes(h, 32) for h in halves) == pytest.approx(rc.activation_bytes(ns, 32))
     block = [n for n in ns if n.startswith("blocks.0.")]
-    largest = max(plain.activation_bytes([n for n in ns if n.startswith(f"blocks.{i}.")], 32)
-                  for i in range(3))
+    largest = max(plain.activation_bytes([n for n in ns if n.startswith(f"blocks.{i}.")], 32) for i in range(3))
     assert rc.recompute_transient_bytes(ns, 32) == pytest.approx(largest)
     assert rc.recompute_transient_bytes(block, 32) <= plain.activation_bytes(block, 32)
 
@@ -220,9 +229,10 @@ def test_simulated_peak_with_recompute_falls_when_groups_are_fine(graph, mixed):
     from heterog.simulate.simulator import simulate
 
     def plan(recompute):
-        groups = tuple(Group(name=f"g{i}", nodes=(n.name,), recompute=recompute,
-                             replicas=(Replica(device="t4/gpu0", share=1.0),))
-                       for i, n in enumerate(graph.nodes))
+        groups = tuple(
+            Group(name=f"g{i}", nodes=(n.name,), recompute=recompute, replicas=(Replica(device="t4/gpu0", share=1.0),))
+            for i, n in enumerate(graph.nodes)
+        )
         return Plan(strategy="t", model=ModelSpec(name="x", batch_size=32), groups=groups)
 
     costs = build_cost_model(graph, mixed)
@@ -239,19 +249,26 @@ def test_bf16_batch_norm_runs_natively_and_gains_nothing_from_half_bytes():
     NATIVE_BN_BF16_FACTOR): under amp-bf16 a memory-bound batch norm takes its fp32 time,
     while an element-wise op after a half matmul halves, and fp16 (cuDNN) halves too."""
     from cost_support import elementwise
+
     seq, width = 4096, 4096
     lin = linear("fc", "fc", width, width, seq)
     bn = dataclasses.replace(elementwise("bn", "bn", "norm", seq * width), module_type="BatchNorm2d")
     act = elementwise("act", "act", "elementwise", seq * width)
     times = {}
     for other in (bn, act):
-        g = OpGraph(model="t", nodes=(lin, other), edges=(OpEdge(src="fc", dst=other.name, bytes=lin.output_bytes),),
-                    input_bytes=Affine(0, seq * width * 4), batch_size=1)
+        g = OpGraph(
+            model="t",
+            nodes=(lin, other),
+            edges=(OpEdge(src="fc", dst=other.name, bytes=lin.output_bytes),),
+            input_bytes=Affine(0, seq * width * 4),
+            batch_size=1,
+        )
         for gpu, precisions in (("H200", ("fp32", "amp-bf16")), ("V100-16GB", ("fp32", "fp16"))):
             cl = single_device_cluster(get_gpu(gpu))
             for p in precisions:
                 times[other.name, gpu, p] = build_cost_model(g, cl, precision=p).group_time_s(
-                    [other.name], cl.devices[0].name, 8, "fwd")
+                    [other.name], cl.devices[0].name, 8, "fwd"
+                )
     assert times["bn", "H200", "amp-bf16"] == pytest.approx(times["bn", "H200", "fp32"], rel=0.05)
     assert times["act", "H200", "amp-bf16"] == pytest.approx(times["act", "H200", "fp32"] / 2, rel=0.05)
     assert times["bn", "V100-16GB", "fp16"] == pytest.approx(times["bn", "V100-16GB", "fp32"] / 2, rel=0.05)

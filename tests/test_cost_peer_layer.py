@@ -13,12 +13,13 @@ from heterog.capture import capture_model
 
 SPEC = str(Path(heterog.cost.__file__).parent / "peer_layer.py") + ":megatron_gpt_layer"
 HIDDEN, HEADS, SEQ = 256, 4, 128
-SCORES_BYTES = HEADS * SEQ * SEQ * 4          # one fp32 s×s score matrix per sample
+SCORES_BYTES = HEADS * SEQ * SEQ * 4  # one fp32 s×s score matrix per sample
 
 
 def _nodes(fused: bool) -> dict:
-    g = capture_model(SPEC, {"hidden": HIDDEN, "heads": HEADS, "positions": SEQ, "fused_softmax": fused},
-                      batch_size=1, seq_len=SEQ)
+    g = capture_model(
+        SPEC, {"hidden": HIDDEN, "heads": HEADS, "positions": SEQ, "fused_softmax": fused}, batch_size=1, seq_len=SEQ
+    )
     return {n.module_path.removeprefix("layers.0."): n for n in g.nodes if n.module_path.startswith("layers.0")}
 
 
@@ -33,8 +34,21 @@ def fallback():
 
 
 def test_every_profiled_op_is_its_own_node(fused):
-    for op in ("ln_1", "qkv", "score", "softmax", "attn_dropout", "context", "dense", "attn_residual", "ln_2",
-               "fc_1", "gelu", "fc_2", "mlp_residual"):
+    for op in (
+        "ln_1",
+        "qkv",
+        "score",
+        "softmax",
+        "attn_dropout",
+        "context",
+        "dense",
+        "attn_residual",
+        "ln_2",
+        "fc_1",
+        "gelu",
+        "fc_2",
+        "mlp_residual",
+    ):
         assert op in fused, f"{op} is not a node of its own: its roofline would be merged with another op's"
 
 

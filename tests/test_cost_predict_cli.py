@@ -20,20 +20,27 @@ def run_json(*args: str):
 
 
 def test_predict_json_keys_and_monotone():
-    base = ["predict", "--model", "mlp", "--model-arg", "hidden=2048", "--model-arg", "in_features=2048",
-            "--device", "A100-80GB"]
+    base = [
+        "predict",
+        "--model",
+        "mlp",
+        "--model-arg",
+        "hidden=2048",
+        "--model-arg",
+        "in_features=2048",
+        "--device",
+        "A100-80GB",
+    ]
     small = run_json(*base, "--batch-size", "8")
     large = run_json(*base, "--batch-size", "512")
     for r in (small, large):
-        assert {"iteration_time_s", "peak_memory_bytes", "flops_per_iteration", "breakdown", "fits",
-                "device"} <= set(r)
+        assert {"iteration_time_s", "peak_memory_bytes", "flops_per_iteration", "breakdown", "fits", "device"} <= set(r)
         assert r["device"] == "A100-80GB" and r["fits"]
     assert small["iteration_time_s"] < large["iteration_time_s"]
     assert small["peak_memory_bytes"] < large["peak_memory_bytes"]
     assert large["flops_per_iteration"] == pytest.approx(64 * small["flops_per_iteration"], rel=0.05)
     adamw = run_json(*base, "--batch-size", "8", "--optimizer", "adamw", "--precision", "amp-bf16")
-    assert adamw["breakdown"]["optimizer_state_bytes"] == pytest.approx(
-        2 * small["breakdown"]["optimizer_state_bytes"])
+    assert adamw["breakdown"]["optimizer_state_bytes"] == pytest.approx(2 * small["breakdown"]["optimizer_state_bytes"])
 
 
 def test_predict_human_table_and_errors():
@@ -53,7 +60,11 @@ def test_gpus_and_clusters_listings():
 
 def test_parse_model_args():
     assert parse_model_args(["layers=4", "p=0.1", "name=x", "flag=true"]) == {
-        "layers": 4, "p": 0.1, "name": "x", "flag": True}
+        "layers": 4,
+        "p": 0.1,
+        "name": "x",
+        "flag": True,
+    }
     with pytest.raises(Exception, match="key=value"):
         parse_model_args(["oops"])
 
@@ -64,11 +75,28 @@ def test_predict_accuracy_benchmark_runs(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
+
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "pa.json"
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "predict_accuracy.py"), "--only", "mlp-512x4",
-                           "--threads", "1", "--clock", "thread", "--steps", "3", "--out", str(out)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "predict_accuracy.py"),
+            "--only",
+            "mlp-512x4",
+            "--threads",
+            "1",
+            "--clock",
+            "thread",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     rec = doc["configs"][0]

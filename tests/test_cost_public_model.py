@@ -80,12 +80,14 @@ def test_a_precision_some_devices_do_not_run_fast_is_said_and_a_better_one_sugge
     assert all(t.runs_as == "fp32" for t in advice.types)
     assert "no fast path on" in advice.notes[0] and "Use --precision fp16" in advice.notes[1]
     assert precision_advice(load_cluster("paper-8gpu"), "fp32").notes == ()
-    assert precision_advice(load_cluster("mixed-64"), "amp-bf16").suggested is None   # a few V100s: not worth it
+    assert precision_advice(load_cluster("mixed-64"), "amp-bf16").suggested is None  # a few V100s: not worth it
 
 
 def test_the_cost_model_runs_an_unaccelerated_precision_at_the_fp32_rate():
-    from heterog.cost.predict import predict
     from cost_support import transformer_graph
+
+    from heterog.cost.predict import predict
+
     g = transformer_graph(layers=1, hidden=1024, seq=256, batch=8)
     v100 = {p: predict(g, batch_size=8, device="V100-16GB", precision=p) for p in ("fp32", "amp-bf16", "fp16")}
     assert v100["amp-bf16"]["precision_runs_as"] == "fp32" and v100["amp-bf16"]["notes"]
@@ -95,7 +97,9 @@ def test_the_cost_model_runs_an_unaccelerated_precision_at_the_fp32_rate():
 
 def test_every_precision_option_lists_every_value_and_which_types_run_it():
     from typer.testing import CliRunner
+
     from heterog.cli.main import app
+
     for command in ("plan", "predict", "profile"):
         out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400"}).output
         text = " ".join(out.split())

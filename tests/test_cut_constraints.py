@@ -22,9 +22,20 @@ from heterog.search.grouping import make_groups
 from heterog.search.planner import plan_graph
 
 FILE = "tests/test_cut_constraints.py"
-CLUSTER = cluster_from_dict({"name": "four", "kind": "emulated", "nodes": [
-    {"name": f"n{i}", "nic_bandwidth_gbps": 2, "devices": [
-        {"type": "cpu", "name": f"n{i}/cpu{j}", "slowdown": 1 + i + j} for j in range(2)]} for i in range(2)]})
+CLUSTER = cluster_from_dict(
+    {
+        "name": "four",
+        "kind": "emulated",
+        "nodes": [
+            {
+                "name": f"n{i}",
+                "nic_bandwidth_gbps": 2,
+                "devices": [{"type": "cpu", "name": f"n{i}/cpu{j}", "slowdown": 1 + i + j} for j in range(2)],
+            }
+            for i in range(2)
+        ],
+    }
+)
 
 
 class BatchScaled(nn.Module):
@@ -91,8 +102,9 @@ def _plan_all(name: str, cache: ConstraintCache, batch_size: int = 8):
     spec = ModelSpec(name=f"{FILE}:{name}", batch_size=batch_size)
     graph = capture_model(spec.name, batch_size=batch_size)
     costs = build_cost_model(graph, CLUSTER)
-    result = plan_graph(graph, CLUSTER, costs, budget_s=2.0, max_iters=60, policy=False, model_spec=spec,
-                        cut_cache=cache)
+    result = plan_graph(
+        graph, CLUSTER, costs, budget_s=2.0, max_iters=60, policy=False, model_spec=spec, cut_cache=cache
+    )
     return graph, costs, result
 
 
@@ -111,7 +123,7 @@ def test_planned_groupings_never_put_a_batch_statistic_across_placements():
     for c in result.candidates:
         group_of = {n: gi for gi, g in enumerate(c.plan.groups) for n in g.nodes}
         assert violations(cuts, group_of, [g.replicas for g in c.plan.groups]) == [], c.strategy
-        split_model(model, c.plan, example)   # the executor's partitioner accepts it (raises if not)
+        split_model(model, c.plan, example)  # the executor's partitioner accepts it (raises if not)
 
 
 def test_the_executor_refuses_what_the_constraints_forbid():
@@ -119,12 +131,18 @@ def test_the_executor_refuses_what_the_constraints_forbid():
     cache = ConstraintCache()
     graph, _, result = _plan_all("batch_scaled", cache)
     from dataclasses import replace
+
     plan = result.plan_of("model-parallel")
     names = [n.name for n in graph.nodes]
     cut = names.index("scale")
     first, second = plan.groups[0], plan.groups[-1]
-    apart = replace(plan, groups=(replace(first, name="a", nodes=tuple(names[:cut])),
-                                  replace(second, name="b", nodes=tuple(names[cut:]))))
+    apart = replace(
+        plan,
+        groups=(
+            replace(first, name="a", nodes=tuple(names[:cut])),
+            replace(second, name="b", nodes=tuple(names[cut:])),
+        ),
+    )
     assert apart.groups[0].replicas != apart.groups[1].replicas
     try:
         split_model(BatchScaled(), apart, (torch.randn(4, 16),))
@@ -139,7 +157,7 @@ def test_an_unsplittable_model_gets_only_unsplit_plans_and_the_export_is_cached(
     spec = ModelSpec(name=f"{FILE}:boxed", batch_size=8)
     cuts = cache.get(spec)
     assert not cuts.splittable and cuts.reason
-    assert cache.get(spec) is cuts and len(cache) == 1   # exported once
+    assert cache.get(spec) is cuts and len(cache) == 1  # exported once
     _, _, result = _plan_all("boxed", cache)
     assert len(cache) == 1
     for c in result.candidates:

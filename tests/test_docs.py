@@ -38,8 +38,16 @@ class Block:
 
 def blocks(page: Path) -> list[Block]:
     text = page.read_text()
-    return [Block(page=page.name, line=text.count("\n", 0, m.start("body")), lang=m.group("lang").strip(),
-                  mark=(m.group("mark") or "").strip(), body=m.group("body")) for m in FENCE.finditer(text)]
+    return [
+        Block(
+            page=page.name,
+            line=text.count("\n", 0, m.start("body")),
+            lang=m.group("lang").strip(),
+            mark=(m.group("mark") or "").strip(),
+            body=m.group("body"),
+        )
+        for m in FENCE.finditer(text)
+    ]
 
 
 def test_readme_is_a_short_guide_that_starts_with_the_two_commands():
@@ -54,22 +62,35 @@ def test_every_code_block_names_its_language_and_any_mark_is_known():
         for b in blocks(page):
             where = f"{b.page}:{b.line}"
             assert b.lang in LANGUAGES, f"{where}: a block in {b.lang or 'no language'}; use one of {LANGUAGES}"
-            assert not b.mark or re.fullmatch(r"(slow|not run) \(.+\)|file [\w./-]+", b.mark), \
+            assert not b.mark or re.fullmatch(r"(slow|not run) \(.+\)|file [\w./-]+", b.mark), (
                 f"{where}: unknown mark {b.mark!r}"
+            )
 
 
 def test_tables_are_made_from_the_result_files():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tables.py"), "--check"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tables.py"), "--check"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 # Built from pieces so that this file does not match itself.
-OUTSIDE = [r"\.\./shared", r"\bshared/data\b", "/" + "work/", *(rf"\b{n}\.md\b" for n in
-                                                                   ("DESIGN", "TOOLCHAIN", "REFERENCE", "STYLE"))]
-HISTORY = [r"\bround[ -]\d", r"_round\d", r"\b(this|last|previous|next|earlier) (round|session)s?\b",
-           r"\b(these|our|the project's) sessions\b", r"\bthe session's\b", r"\brounds ago\b",
-           r"\bissue \d+", r"\bthe issue.s\b"]
+OUTSIDE = [
+    r"\.\./shared",
+    r"\bshared/data\b",
+    "/" + "work/",
+    *(rf"\b{n}\.md\b" for n in ("DESIGN", "TOOLCHAIN", "REFERENCE", "STYLE")),
+]
+HISTORY = [
+    r"\bround[ -]\d",
+    r"_round\d",
+    r"\b(this|last|previous|next|earlier) (round|session)s?\b",
+    r"\b(these|our|the project's) sessions\b",
+    r"\bthe session's\b",
+    r"\brounds ago\b",
+    r"\bissue \d+",
+    r"\bthe issue.s\b",
+]
 DATED = [r"\b20\d\d-[01]\d-[0-3]\d\b", r"\b\d\d:\d\d(–\d\d:\d\d)? UTC\b"]
 
 
@@ -97,11 +118,13 @@ def _run_sh(line: str, folder: Path, where: str) -> None:
         return
     if args[0] == "heterog" and not set(args) & {">", "|", "&&", ";", "<"}:
         from heterog.cli.main import run_cli
+
         assert run_cli(args[1:]) == 0, f"{where}: {line}"
         return
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"      # this heterog first
-    out = subprocess.run(["bash", "-c", line], cwd=folder, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PATH": path})
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # this heterog first
+    out = subprocess.run(
+        ["bash", "-c", line], cwd=folder, capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": path}
+    )
     assert out.returncode == 0, f"{where}: {line}\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
 
 
@@ -111,12 +134,13 @@ def _run(block: Block, folder: Path) -> None:
         (folder / block.mark[5:]).write_text(block.body)
     if block.lang == "python":
         code = compile(block.body, where, "exec")
-        exec(code, {"__name__": "__main__"})     # noqa: S102 - the page's own example
+        exec(code, {"__name__": "__main__"})  # noqa: S102 - the page's own example
     elif block.lang == "sh":
         for line in block.body.replace("\\\n", " ").splitlines():
             _run_sh(line, folder, where)
     elif block.lang == "yaml" and "nodes:" in block.body:
         from heterog.hardware.spec import parse_cluster_yaml
+
         parse_cluster_yaml(block.body, where)
 
 

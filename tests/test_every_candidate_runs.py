@@ -33,10 +33,21 @@ FAMILIES = {
     "llama": ("llama", dict(hidden=16, layers=1, heads=2, kv_heads=1, ffn=32, vocab=64, positions=16), SEQ),
 }
 BATCH_RUN = dict(steps=2, predict=False, timeout_s=60, warmup_steps=0, dump_params=False)
-CLUSTER = {"name": "emulated-3", "kind": "emulated", "nodes": [
-    {"name": "n0", "nic_bandwidth_gbps": 2, "devices": [
-        {"type": "cpu", "name": "n0/cpu0", "slowdown": 1}, {"type": "cpu", "name": "n0/cpu1", "slowdown": 2}]},
-    {"name": "n1", "nic_bandwidth_gbps": 1, "devices": [{"type": "cpu", "name": "n1/cpu0", "slowdown": 1.5}]}]}
+CLUSTER = {
+    "name": "emulated-3",
+    "kind": "emulated",
+    "nodes": [
+        {
+            "name": "n0",
+            "nic_bandwidth_gbps": 2,
+            "devices": [
+                {"type": "cpu", "name": "n0/cpu0", "slowdown": 1},
+                {"type": "cpu", "name": "n0/cpu1", "slowdown": 2},
+            ],
+        },
+        {"name": "n1", "nic_bandwidth_gbps": 1, "devices": [{"type": "cpu", "name": "n1/cpu0", "slowdown": 1.5}]},
+    ],
+}
 
 
 def _identity(plan) -> str:
@@ -55,8 +66,15 @@ def distinct_candidates(family: str):
     cluster = cluster_from_dict(CLUSTER)
     graph = capture_model(name, args, batch_size=BATCH, seq_len=seq)
     costs = build_cost_model(graph, cluster)
-    result = plan_graph(graph, cluster, costs, budget_s=2.0, max_iters=100, max_groups=8,
-                        model_spec=ModelSpec(name=name, args=args, batch_size=BATCH, seq_len=seq))
+    result = plan_graph(
+        graph,
+        cluster,
+        costs,
+        budget_s=2.0,
+        max_iters=100,
+        max_groups=8,
+        model_spec=ModelSpec(name=name, args=args, batch_size=BATCH, seq_len=seq),
+    )
     by_plan: dict[str, list[str]] = {}
     for c in result.candidates:
         by_plan.setdefault(_identity(c.plan), []).append(c.strategy)
@@ -80,10 +98,13 @@ def candidate_plans(family: str) -> list:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_candidate_runs_two_steps(family, plan_batch):
     candidates = distinct_candidates(family)
-    assert len(candidates) >= 4, candidates   # baselines differ: single device, DP, pipeline, ...
+    assert len(candidates) >= 4, candidates  # baselines differ: single device, DP, pipeline, ...
     outcomes = [done.run for done in plan_batch.get_all(candidate_plans, family=family)]
-    failed = [f"{'/'.join(names)}: {type(o.error).__name__}: {str(o.error)[:300]}"
-              for (names, _), o in zip(candidates, outcomes) if o.error is not None]
+    failed = [
+        f"{'/'.join(names)}: {type(o.error).__name__}: {str(o.error)[:300]}"
+        for (names, _), o in zip(candidates, outcomes)
+        if o.error is not None
+    ]
     assert not failed, "\n".join(failed)
     for o in outcomes:
         assert o.result is not None and o.result["steps"] == 2 and o.result["measured_iteration_time_s"] > 0

@@ -12,7 +12,7 @@ from heterog.demo import DEMO_SCENARIO, SCENARIOS
 
 
 @pytest.mark.slow
-@pytest.mark.sweep   # ~110 s: in `make test-sweep` (`make demo` runs the same demo), out of CI for time
+@pytest.mark.sweep  # ~110 s: in `make test-sweep` (`make demo` runs the same demo), out of CI for time
 def test_demo_json_reports_both_strategies_and_a_real_speedup():
     res = CliRunner().invoke(app, ["demo", "--json", "--steps", "5", "--budget-s", "2", "--repetitions", "2"])
     assert res.exit_code == 0, res.output
@@ -25,7 +25,7 @@ def test_demo_json_reports_both_strategies_and_a_real_speedup():
         # links are shaped between nodes; a plan on one node (single-device) has none to shape
         assert s["link_shaping"]["enabled"] or "reason" in s["link_shaping"] or s["strategy"] == "single-device"
         devices = {d.name for d in SCENARIOS[DEMO_SCENARIO].cluster().devices}
-        assert {d for seg in s["placement"]["segments"] for d in seg["shares"]} <= devices   # what ran, kept
+        assert {d for seg in s["placement"]["segments"] for d in seg["shares"]} <= devices  # what ran, kept
     # devices differ 2× in speed and node b sits behind a slow link: a plan aware of both must
     # beat equal shares for real (noisy machine: the bench targets 1.3×, the test a clear win)
     assert out["measured_speedup"] > 1.1, out["measured_speedup"]

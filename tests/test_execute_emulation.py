@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from heterog.pipeline import run
 from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.netns import leftover_namespaces, tbf_args
 from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.pipeline import run
 
 
 def _busy(seconds: float) -> None:
@@ -28,9 +28,9 @@ def test_pacer_stretches_cpu_time_by_the_slowdown():
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     waited = pacer.pace(wall, cpu)
     total = time.perf_counter() - t0
-    if wall < 3 * cpu:     # contention below the slowdown: the pacer makes up the difference
-        assert waited >= 3 * cpu - wall and total == pytest.approx(3 * cpu, rel=0.1)   # as waited
-    else:                  # a machine busier than the slowdown already took longer: no wait
+    if wall < 3 * cpu:  # contention below the slowdown: the pacer makes up the difference
+        assert waited >= 3 * cpu - wall and total == pytest.approx(3 * cpu, rel=0.1)  # as waited
+    else:  # a machine busier than the slowdown already took longer: no wait
         assert waited == 0.0
     assert Pacer(1.0).pace(0.2, 0.1) == 0.0  # no wait when already slower than declared
     with pytest.raises(ValueError):
@@ -64,11 +64,15 @@ def test_links_between_emulated_nodes_are_shaped(tmp_path):
       - {name: n0, nic_bandwidth_gbps: 0.01, devices: [{type: cpu, name: n0/cpu0}]}
       - {name: n1, nic_bandwidth_gbps: 0.01, devices: [{type: cpu, name: n1/cpu0}]}
     """)
-    plan = Plan(strategy="t", model=ModelSpec(name="tests/test_execute_models.py:mlp", batch_size=2048),
-                cluster=cluster_to_dict(cluster),
-                groups=(Group(name="s0", nodes=("fc1", "act1"), replicas=(Replica(device="n0/cpu0", share=1.0),)),
-                        Group(name="s1", nodes=("fc2", "act2", "fc3"),
-                              replicas=(Replica(device="n1/cpu0", share=1.0),))))
+    plan = Plan(
+        strategy="t",
+        model=ModelSpec(name="tests/test_execute_models.py:mlp", batch_size=2048),
+        cluster=cluster_to_dict(cluster),
+        groups=(
+            Group(name="s0", nodes=("fc1", "act1"), replicas=(Replica(device="n0/cpu0", share=1.0),)),
+            Group(name="s1", nodes=("fc2", "act2", "fc3"), replicas=(Replica(device="n1/cpu0", share=1.0),)),
+        ),
+    )
     before = set(leftover_namespaces())
     out = run(plan, steps=3, predict=False, timeout_s=60, out_dir=tmp_path)
     assert out["link_shaping"]["enabled"], out["link_shaping"]
@@ -79,6 +83,7 @@ def test_links_between_emulated_nodes_are_shaped(tmp_path):
 
 def test_without_root_the_run_falls_back_to_unshaped_links_and_says_so(tmp_path, monkeypatch):
     import heterog.execute.netns as netns
+
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     cluster = parse_cluster_yaml("""
     name: two-nodes
@@ -87,11 +92,19 @@ def test_without_root_the_run_falls_back_to_unshaped_links_and_says_so(tmp_path,
       - {name: n0, nic_bandwidth_gbps: 1, devices: [{type: cpu, name: n0/cpu0}]}
       - {name: n1, nic_bandwidth_gbps: 1, devices: [{type: cpu, name: n1/cpu0, slowdown: 2}]}
     """)
-    plan = Plan(strategy="t", model=ModelSpec(name="tests/test_execute_models.py:mlp", batch_size=8),
-                cluster=cluster_to_dict(cluster),
-                groups=(Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"), sync="ring",
-                              replicas=(Replica(device="n0/cpu0", share=0.5),
-                                        Replica(device="n1/cpu0", share=0.5))),))
+    plan = Plan(
+        strategy="t",
+        model=ModelSpec(name="tests/test_execute_models.py:mlp", batch_size=8),
+        cluster=cluster_to_dict(cluster),
+        groups=(
+            Group(
+                name="all",
+                nodes=("fc1", "act1", "fc2", "act2", "fc3"),
+                sync="ring",
+                replicas=(Replica(device="n0/cpu0", share=0.5), Replica(device="n1/cpu0", share=0.5)),
+            ),
+        ),
+    )
     out = run(plan, steps=2, predict=False, timeout_s=60, out_dir=tmp_path)
     assert out["link_shaping"] == {"enabled": False, "reason": "not root: network namespaces and tc need root"}
     assert any("links not shaped" in n for n in out["notes"])
@@ -127,14 +140,20 @@ def test_ranks_and_the_profile_keep_freed_memory_like_a_caching_allocator(how):
     from pathlib import Path
 
     from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
+
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     if how == "env":
         env.update(KEEP_FREED_MEMORY_ENV)
-    out = subprocess.run([sys.executable, "-c", _FAULTS.format(src=src, call=how == "call")], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS.format(src=src, call=how == "call")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
-    faults = int(out.stdout.split()[-1])      # over the last six steps
+    faults = int(out.stdout.split()[-1])  # over the last six steps
     if how == "default":
         assert faults > 6 * 10_000, faults
     else:

@@ -12,23 +12,37 @@ import dataclasses
 
 import pytest
 import torch
+from plan_batch import BatchedRun
 
-from heterog.pipeline import run
 from heterog.execute.partition import fx_node_names
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from plan_batch import BatchedRun
+from heterog.pipeline import run
 
 MODELS = "tests/test_execute_models.py"
 STEPS = 3
 BATCH_RUN = dict(steps=STEPS, timeout_s=60)
 
 
-def make_plan(model: str, groups: list[Group], *, batch_size: int = 12, microbatches: int = 1,
-              optimizer: str = "sgd", schedule: str = "gpipe", precision: str = "fp32") -> Plan:
-    return Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:{model}", batch_size=batch_size),
-                groups=tuple(groups), num_microbatches=microbatches, optimizer=optimizer,
-                schedule=schedule, precision=precision).validate()
+def make_plan(
+    model: str,
+    groups: list[Group],
+    *,
+    batch_size: int = 12,
+    microbatches: int = 1,
+    optimizer: str = "sgd",
+    schedule: str = "gpipe",
+    precision: str = "fp32",
+) -> Plan:
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=f"{MODELS}:{model}", batch_size=batch_size),
+        groups=tuple(groups),
+        num_microbatches=microbatches,
+        optimizer=optimizer,
+        schedule=schedule,
+        precision=precision,
+    ).validate()
 
 
 def replicas(*pairs) -> tuple[Replica, ...]:
@@ -65,16 +79,36 @@ def check_params(plan: Plan, out: dict, out_dir, *, data: str | None = None, rel
 
 
 def test_even_data_parallel_allreduce(tmp_path):
-    plan = make_plan("mlp", [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
-                                   replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring")])
+    plan = make_plan(
+        "mlp",
+        [
+            Group(
+                name="all",
+                nodes=("fc1", "act1", "fc2", "act2", "fc3"),
+                replicas=replicas(("a", 0.5), ("b", 0.5)),
+                sync="ring",
+            )
+        ],
+    )
     check_equal(plan, tmp_path)
 
 
 def uneven_adamw() -> Plan:
     # batch 7 in 2 micro-batches (4 + 3); shares 0.6/0.3/0.1 give one replica 0 samples.
-    return make_plan("mlp", [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
-                                   replicas=replicas(("a", 0.6), ("b", 0.3), ("c", 0.1)), sync="ring")],
-                     batch_size=7, microbatches=2, optimizer="adamw")
+    return make_plan(
+        "mlp",
+        [
+            Group(
+                name="all",
+                nodes=("fc1", "act1", "fc2", "act2", "fc3"),
+                replicas=replicas(("a", 0.6), ("b", 0.3), ("c", 0.1)),
+                sync="ring",
+            )
+        ],
+        batch_size=7,
+        microbatches=2,
+        optimizer="adamw",
+    )
 
 
 @pytest.mark.batched(plan=uneven_adamw)
@@ -86,24 +120,49 @@ def test_uneven_shares_with_zero_sample_replica_and_adamw(plan_batch):
 
 def test_parameter_server_sync_on_a_device_without_replica_with_user_data(tmp_path):
     # 'back' is served by device c, which holds no replica: it sums zeros and broadcasts.
-    plan = make_plan("mlp", [
-        Group(name="front", nodes=("fc1", "act1"), replicas=replicas(("a", 0.25), ("b", 0.75)),
-              sync="ps", ps_device="a"),
-        Group(name="back", nodes=("fc2", "act2", "fc3"), replicas=replicas(("a", 0.5), ("b", 0.5)),
-              sync="ps", ps_device="c")])
+    plan = make_plan(
+        "mlp",
+        [
+            Group(
+                name="front",
+                nodes=("fc1", "act1"),
+                replicas=replicas(("a", 0.25), ("b", 0.75)),
+                sync="ps",
+                ps_device="a",
+            ),
+            Group(
+                name="back",
+                nodes=("fc2", "act2", "fc3"),
+                replicas=replicas(("a", 0.5), ("b", 0.5)),
+                sync="ps",
+                ps_device="c",
+            ),
+        ],
+    )
     out = check_equal(plan, tmp_path, data=f"{MODELS}:fixed_vectors")
     assert out["devices"] == ["a", "b", "c"]
 
 
 def hybrid_vgg() -> Plan:
     from test_execute_models import TinyVGG
+
     names = fx_node_names(TinyVGG())
     convs = tuple(n for n in names if n.startswith("features"))
     linears = tuple(n for n in names if n.startswith("classifier"))
-    return make_plan("tiny_vgg", [
-        Group(name="convs", nodes=convs, replicas=replicas(("a", 0.5), ("b", 0.3), ("c", 0.2)), sync="ring",
-              recompute=True),
-        Group(name="linears", nodes=linears, replicas=replicas(("c", 1.0)))], batch_size=10)
+    return make_plan(
+        "tiny_vgg",
+        [
+            Group(
+                name="convs",
+                nodes=convs,
+                replicas=replicas(("a", 0.5), ("b", 0.3), ("c", 0.2)),
+                sync="ring",
+                recompute=True,
+            ),
+            Group(name="linears", nodes=linears, replicas=replicas(("c", 1.0))),
+        ],
+        batch_size=10,
+    )
 
 
 @pytest.mark.batched(plan=hybrid_vgg)
@@ -114,10 +173,16 @@ def test_hybrid_vgg_convs_replicated_and_recomputed_linears_on_one_device(plan_b
 
 def two_stage_resmlp(schedule: str) -> Plan:
     # ResMLP has loose ops (a residual add, .relu()) that follow their producer's group.
-    return make_plan("resmlp", [
-        Group(name="stage0", nodes=("inp", "block.0", "block.1"), replicas=replicas(("a", 1.0))),
-        Group(name="stage1", nodes=("out",), replicas=replicas(("b", 1.0)))],
-        batch_size=12, microbatches=3, schedule=schedule)
+    return make_plan(
+        "resmlp",
+        [
+            Group(name="stage0", nodes=("inp", "block.0", "block.1"), replicas=replicas(("a", 1.0))),
+            Group(name="stage1", nodes=("out",), replicas=replicas(("b", 1.0))),
+        ],
+        batch_size=12,
+        microbatches=3,
+        schedule=schedule,
+    )
 
 
 @pytest.mark.batched(plan=two_stage_resmlp)
@@ -130,9 +195,14 @@ def test_a_model_the_capture_cannot_take_is_refused_before_any_rank_starts(tmp_p
     """branchy reads tensor values in forward: no OpGraph, so no Program to run; the error
     says why and how to fix the model (ranks never start)."""
     from heterog.errors import ModelError
-    plan = make_plan("branchy", [
-        Group(name="a", nodes=("fc1",), replicas=replicas(("a", 0.4), ("b", 0.6)), sync="ring"),
-        Group(name="b", nodes=("fc2",), replicas=replicas(("a", 0.4), ("b", 0.6)), sync="ps", ps_device="b")])
+
+    plan = make_plan(
+        "branchy",
+        [
+            Group(name="a", nodes=("fc1",), replicas=replicas(("a", 0.4), ("b", 0.6)), sync="ring"),
+            Group(name="b", nodes=("fc2",), replicas=replicas(("a", 0.4), ("b", 0.6)), sync="ps", ps_device="b"),
+        ],
+    )
     with pytest.raises(ModelError, match="reads tensor values"):
         run(plan, steps=1, out_dir=tmp_path, predict=False, timeout_s=60)
     assert not list(tmp_path.glob("log_rank*"))
@@ -142,29 +212,48 @@ def interleaved() -> Plan:
     # a → b → a, where a and b share device "a" with ranges that start together but end
     # apart ([0, 4) vs [0, 3) of 5), in 2 micro-batches.
     # (A group must be a contiguous piece of the graph, so the 'a' placement is two groups.)
-    return make_plan("mlp", [
-        Group(name="a1", nodes=("fc1", "act1"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
-        Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("a", 0.5), ("c", 0.5)), sync="ring"),
-        Group(name="a2", nodes=("fc3",), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree")],
-        batch_size=10, microbatches=2)
+    return make_plan(
+        "mlp",
+        [
+            Group(name="a1", nodes=("fc1", "act1"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
+            Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("a", 0.5), ("c", 0.5)), sync="ring"),
+            Group(name="a2", nodes=("fc3",), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
+        ],
+        batch_size=10,
+        microbatches=2,
+    )
 
 
 @pytest.mark.batched(plan=interleaved)
 def test_interleaved_groups_on_overlapping_replicas(plan_batch):
     check_batched(plan_batch.get(interleaved))
-    cyclic = make_plan("mlp", [
-        Group(name="a", nodes=("fc1", "act1", "fc3"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
-        Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("a", 0.5), ("c", 0.5)), sync="ring")])
+    cyclic = make_plan(
+        "mlp",
+        [
+            Group(name="a", nodes=("fc1", "act1", "fc3"), replicas=replicas(("a", 0.7), ("b", 0.3)), sync="tree"),
+            Group(name="b", nodes=("fc2", "act2"), replicas=replicas(("a", 0.5), ("c", 0.5)), sync="ring"),
+        ],
+    )
     from heterog.errors import PlanError
+
     with pytest.raises(PlanError, match="cycle among groups"):
         run(cyclic, steps=1, predict=False, timeout_s=60)
 
 
 def llama_data_parallel() -> Plan:
     args = {"hidden": 32, "layers": 2, "heads": 4, "ffn": 64, "vocab": 100, "positions": 64}
-    return Plan(strategy="test", model=ModelSpec(name="llama", args=args, batch_size=6, seq_len=16),
-                groups=(Group(name="all", nodes=("model.embed_tokens", "lm_head"), sync="ring",
-                              replicas=replicas(("a", 0.5), ("b", 0.5))),)).validate()
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name="llama", args=args, batch_size=6, seq_len=16),
+        groups=(
+            Group(
+                name="all",
+                nodes=("model.embed_tokens", "lm_head"),
+                sync="ring",
+                replicas=replicas(("a", 0.5), ("b", 0.5)),
+            ),
+        ),
+    ).validate()
 
 
 @pytest.mark.batched(plan=llama_data_parallel)
@@ -174,11 +263,19 @@ def test_hugging_face_llama_under_data_parallelism(plan_batch):
 
 def amp_bf16(layout: str) -> Plan:
     if layout == "data":
-        groups = [Group(name="all", nodes=("fc1", "act1", "fc2", "act2", "fc3"),
-                        replicas=replicas(("a", 0.3), ("b", 0.7)), sync="ring")]
+        groups = [
+            Group(
+                name="all",
+                nodes=("fc1", "act1", "fc2", "act2", "fc3"),
+                replicas=replicas(("a", 0.3), ("b", 0.7)),
+                sync="ring",
+            )
+        ]
         return make_plan("mlp", groups, precision="amp-bf16", optimizer="adamw")
-    groups = [Group(name="s0", nodes=("fc1", "act1"), replicas=replicas(("a", 1.0))),
-              Group(name="s1", nodes=("fc2", "act2", "fc3"), replicas=replicas(("b", 1.0)))]
+    groups = [
+        Group(name="s0", nodes=("fc1", "act1"), replicas=replicas(("a", 1.0))),
+        Group(name="s1", nodes=("fc2", "act2", "fc3"), replicas=replicas(("b", 1.0))),
+    ]
     return make_plan("mlp", groups, precision="amp-bf16", microbatches=3, schedule="1f1b", optimizer="adamw")
 
 

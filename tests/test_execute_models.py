@@ -63,8 +63,9 @@ class TinyVGG(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
-                                      nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)
+        )
         self.classifier = nn.Sequential(nn.Linear(8 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 5))
 
     def forward(self, x):

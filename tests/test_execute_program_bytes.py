@@ -25,26 +25,42 @@ from heterog.pipeline import lower
 
 SEQ = 8
 GPT2 = dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0)
-EXAMPLE_BATCH = 4     # partition.example_batch_for: the export's batch for a plan of batch ≥ 4
+EXAMPLE_BATCH = 4  # partition.example_batch_for: the export's batch for a plan of batch ≥ 4
 
 
 def _plan(groups: list[tuple[str, tuple[str, ...], tuple[tuple[str, float], ...]]]) -> Plan:
-    return Plan(strategy="test", model=ModelSpec(name="gpt2", args=GPT2, batch_size=8, seq_len=SEQ),
-                groups=tuple(Group(name=n, nodes=nodes, replicas=tuple(Replica(device=d, share=s) for d, s in reps),
-                                   sync="ring" if len(reps) > 1 else "none")
-                             for n, nodes, reps in groups), num_microbatches=2, schedule="gpipe",
-                optimizer="sgd", cluster={}).validate()
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name="gpt2", args=GPT2, batch_size=8, seq_len=SEQ),
+        groups=tuple(
+            Group(
+                name=n,
+                nodes=nodes,
+                replicas=tuple(Replica(device=d, share=s) for d, s in reps),
+                sync="ring" if len(reps) > 1 else "none",
+            )
+            for n, nodes, reps in groups
+        ),
+        num_microbatches=2,
+        schedule="gpipe",
+        optimizer="sgd",
+        cluster={},
+    ).validate()
 
 
 def _sent_bytes(plan: Plan) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """(Program, executor): forward bytes per (producer block, consumer block)."""
     program = lower(plan)
-    flow = build_dataflow(build_model(resolve_workload(plan.model), seed=0), plan, 1,
-                          group_order=program_group_order(program))
+    flow = build_dataflow(
+        build_model(resolve_workload(plan.model), seed=0), plan, 1, group_order=program_group_order(program)
+    )
     block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
     crossing = crossing_values(program, flow)
-    outputs = {s.value: next(n for n in s.module.graph.nodes if n.op == "output").args[0]
-               for s in flow.stages if hasattr(s.module, "graph")}
+    outputs = {
+        s.value: next(n for n in s.module.graph.nodes if n.op == "output").args[0]
+        for s in flow.stages
+        if hasattr(s.module, "graph")
+    }
 
     def per_sample_bytes(v: str) -> float:
         src, index = flow.projections.get(v, (v, None))
@@ -54,6 +70,7 @@ def _sent_bytes(plan: Plan) -> tuple[dict[tuple[int, int], float], dict[tuple[in
         for d in val.shape:
             numel *= d.node.hint if isinstance(d, torch.SymInt) else int(d)
         return numel * val.element_size() / EXAMPLE_BATCH
+
     ours: dict[tuple[int, int], float] = {}
     theirs: dict[tuple[int, int], float] = {}
     for instructions in program.instructions.values():
@@ -62,7 +79,8 @@ def _sent_bytes(plan: Plan) -> tuple[dict[tuple[int, int], float], dict[tuple[in
                 key = (ins.src_block, ins.dst_block)
                 ours[key] = ours.get(key, 0.0) + ins.nbytes
                 theirs[key] = theirs.get(key, 0.0) + (ins.hi - ins.lo) * sum(
-                    per_sample_bytes(v) for v in crossing.get(key, ()))
+                    per_sample_bytes(v) for v in crossing.get(key, ())
+                )
     return ours, theirs
 
 
@@ -83,5 +101,6 @@ def test_the_executor_sends_what_the_program_sends(where):
     program_bytes, executor_bytes = _sent_bytes(_plan(groups))
     assert program_bytes, "the plan crosses devices, so the Program sends"
     for key, nbytes in program_bytes.items():
-        assert executor_bytes[key] == pytest.approx(nbytes, rel=1e-6), \
+        assert executor_bytes[key] == pytest.approx(nbytes, rel=1e-6), (
             f"blocks {key}: the Program sends {nbytes:.0f} B forward, the executor {executor_bytes[key]:.0f} B"
+        )

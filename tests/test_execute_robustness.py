@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from heterog.errors import RankError
-from heterog.pipeline import run
 from heterog.execute.netns import leftover_namespaces
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.pipeline import run
 
 MODELS = "tests/test_execute_models.py"
 NODES = ("fc1", "act1", "fc2", "act2", "fc3")
@@ -24,9 +24,15 @@ NODES = ("fc1", "act1", "fc2", "act2", "fc3")
 
 def _plan(devices=("a", "b", "c")) -> Plan:
     share = 1.0 / len(devices)
-    return Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=12),
-                groups=(Group(name="all", nodes=NODES, sync="ring",
-                              replicas=tuple(Replica(device=d, share=share) for d in devices)),))
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=f"{MODELS}:mlp", batch_size=12),
+        groups=(
+            Group(
+                name="all", nodes=NODES, sync="ring", replicas=tuple(Replica(device=d, share=share) for d in devices)
+            ),
+        ),
+    )
 
 
 def _workers_of(tmp_path) -> list[psutil.Process]:
@@ -43,8 +49,14 @@ def test_failing_rank_is_named_and_nothing_is_left(tmp_path, kind):
     timeout_s = 6
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run(_plan(), steps=4, timeout_s=timeout_s, out_dir=tmp_path, predict=False,
-            fault={"rank": 1, "kind": kind, "step": 2})
+        run(
+            _plan(),
+            steps=4,
+            timeout_s=timeout_s,
+            out_dir=tmp_path,
+            predict=False,
+            fault={"rank": 1, "kind": kind, "step": 2},
+        )
     elapsed = time.monotonic() - start
     assert info.value.rank == 1, str(info.value)
     assert ("died" if kind == "die" else "hung") in str(info.value)
@@ -55,6 +67,7 @@ def test_failing_rank_is_named_and_nothing_is_left(tmp_path, kind):
 
 def test_rank_error_survives_pickling():
     import pickle
+
     e = pickle.loads(pickle.dumps(RankError(3, "hung at step 2")))
     assert e.rank == 3 and str(e) == "rank 3: hung at step 2"
 
@@ -83,8 +96,9 @@ def test_sigint_to_launcher_kills_ranks_and_removes_namespaces(tmp_path):
     """)
     before = set(leftover_namespaces())
     # as from a terminal: SIGINT handled even when this test runs in a background job (ignored there)
-    proc = subprocess.Popen([sys.executable, "-c", script],
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (tmp_path / "progress_rank1").exists():
@@ -94,7 +108,7 @@ def test_sigint_to_launcher_kills_ranks_and_removes_namespaces(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) != 0
     finally:
-        if proc.poll() is None:     # a failed check must not leave the run going
+        if proc.poll() is None:  # a failed check must not leave the run going
             proc.kill()
             proc.wait(timeout=30)
     assert _workers_of(tmp_path) == []

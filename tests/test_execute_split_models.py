@@ -19,15 +19,15 @@ import json
 
 import pytest
 import torch
+from plan_batch import BatchedRun
 
 from heterog.capture import capture_model
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from plan_batch import BatchedRun
 
 STEPS = 3
 SEQ = 8
-BATCH_RUN = dict(steps=STEPS, timeout_s=120)    # every plan of the module in one launch
+BATCH_RUN = dict(steps=STEPS, timeout_s=120)  # every plan of the module in one launch
 MODELS = {
     "gpt2": dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0),
     "bert-large": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32, dropout=0.0),
@@ -35,9 +35,18 @@ MODELS = {
     "transformer": dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0),
 }
 XLNET = dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, dropout=0.0)
-TWO_NODES = {"name": "two-nodes", "kind": "emulated", "nodes": [
-    {"name": f"n{i}", "nic_bandwidth_gbps": 2, "devices": [
-        {"type": "cpu", "name": f"n{i}/cpu{j}", "slowdown": 1} for j in range(2)]} for i in range(2)]}
+TWO_NODES = {
+    "name": "two-nodes",
+    "kind": "emulated",
+    "nodes": [
+        {
+            "name": f"n{i}",
+            "nic_bandwidth_gbps": 2,
+            "devices": [{"type": "cpu", "name": f"n{i}/cpu{j}", "slowdown": 1} for j in range(2)],
+        }
+        for i in range(2)
+    ],
+}
 
 
 @functools.cache
@@ -56,13 +65,26 @@ def replicas(*pairs) -> tuple[Replica, ...]:
     return tuple(Replica(device=d, share=s) for d, s in pairs)
 
 
-def make_plan(name: str, groups: list[Group], *, batch_size: int = 6, microbatches: int = 1,
-              schedule: str = "gpipe", optimizer: str = "sgd", args: dict | None = None,
-              cluster: dict | None = None) -> Plan:
-    return Plan(strategy="test", model=ModelSpec(name=name, args=args or MODELS[name], batch_size=batch_size,
-                                                 seq_len=SEQ),
-                groups=tuple(groups), num_microbatches=microbatches, schedule=schedule,
-                optimizer=optimizer, cluster=cluster or {}).validate()
+def make_plan(
+    name: str,
+    groups: list[Group],
+    *,
+    batch_size: int = 6,
+    microbatches: int = 1,
+    schedule: str = "gpipe",
+    optimizer: str = "sgd",
+    args: dict | None = None,
+    cluster: dict | None = None,
+) -> Plan:
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=name, args=args or MODELS[name], batch_size=batch_size, seq_len=SEQ),
+        groups=tuple(groups),
+        num_microbatches=microbatches,
+        schedule=schedule,
+        optimizer=optimizer,
+        cluster=cluster or {},
+    ).validate()
 
 
 def check_equal(done: BatchedRun) -> None:
@@ -78,15 +100,17 @@ def check_equal(done: BatchedRun) -> None:
             # Attention key biases get a gradient of exactly 0 in exact arithmetic (softmax
             # ignores a shift of all scores), so they stay at rounding noise around 0:
             # there, compare absolutely.
-            assert rel <= 1e-5 or worst <= 1e-7, \
+            assert rel <= 1e-5 or worst <= 1e-7, (
                 f"rank {rank} {name}: relative error {rel:.2e}, largest difference {worst:.2e}"
+            )
             seen.add(name)
     assert seen == set(ref), f"parameters held by no rank: {set(ref) - seen}"
 
 
 def even_data_parallel(name: str) -> Plan:
-    return make_plan(name, [Group(name="all", nodes=node_names(name), replicas=replicas(("a", 0.5), ("b", 0.5)),
-                                  sync="ring")])
+    return make_plan(
+        name, [Group(name="all", nodes=node_names(name), replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring")]
+    )
 
 
 @pytest.mark.slow
@@ -99,9 +123,15 @@ def test_even_data_parallel(plan_batch, name):
 
 def two_stage_pipeline(name: str, schedule: str) -> Plan:
     first, second = halves(name)
-    return make_plan(name, [Group(name="s0", nodes=first, replicas=replicas(("a", 1.0))),
-                            Group(name="s1", nodes=second, replicas=replicas(("b", 1.0)))],
-                     microbatches=2, schedule=schedule)
+    return make_plan(
+        name,
+        [
+            Group(name="s0", nodes=first, replicas=replicas(("a", 1.0))),
+            Group(name="s1", nodes=second, replicas=replicas(("b", 1.0))),
+        ],
+        microbatches=2,
+        schedule=schedule,
+    )
 
 
 @pytest.mark.slow
@@ -115,10 +145,14 @@ def test_two_stage_pipeline(plan_batch, name, schedule):
 
 def hybrid_uneven_shares(name: str) -> Plan:
     first, second = halves(name)
-    return make_plan(name, [
-        Group(name="front", nodes=first, replicas=replicas(("a", 0.6), ("b", 0.4)), sync="ring"),
-        Group(name="back", nodes=second, replicas=replicas(("c", 0.7), ("a", 0.3)), sync="tree")],
-        batch_size=7)  # sgd: AdamW turns the ~0 gradient of attention key biases into ±lr noise
+    return make_plan(
+        name,
+        [
+            Group(name="front", nodes=first, replicas=replicas(("a", 0.6), ("b", 0.4)), sync="ring"),
+            Group(name="back", nodes=second, replicas=replicas(("c", 0.7), ("a", 0.3)), sync="tree"),
+        ],
+        batch_size=7,
+    )  # sgd: AdamW turns the ~0 gradient of attention key biases into ±lr noise
 
 
 @pytest.mark.slow
@@ -132,10 +166,14 @@ def test_hybrid_uneven_shares_with_tied_weights_across_devices(plan_batch, name)
 def parameter_server(name: str) -> Plan:
     # The front is served by a device without a replica, the back by one of its replicas.
     first, second = halves(name)
-    return make_plan(name, [
-        Group(name="front", nodes=first, replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
-        Group(name="back", nodes=second, replicas=replicas(("a", 0.25), ("b", 0.75)), sync="ps", ps_device="b")],
-        batch_size=8)  # AdamW's server-side state is checked exactly in test_collectives.py
+    return make_plan(
+        name,
+        [
+            Group(name="front", nodes=first, replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
+            Group(name="back", nodes=second, replicas=replicas(("a", 0.25), ("b", 0.75)), sync="ps", ps_device="b"),
+        ],
+        batch_size=8,
+    )  # AdamW's server-side state is checked exactly in test_collectives.py
 
 
 @pytest.mark.slow
@@ -150,10 +188,15 @@ def hierarchical_two_nodes() -> Plan:
     first, second = halves("llama")
     devices = [d["name"] for node in TWO_NODES["nodes"] for d in node["devices"]]
     shares = (0.4, 0.1, 0.3, 0.2)
-    return make_plan("llama", [
-        Group(name="front", nodes=first, replicas=replicas(*zip(devices, shares)), sync="hierarchical"),
-        Group(name="back", nodes=second, replicas=replicas(*zip(reversed(devices), shares)),
-              sync="hierarchical")], batch_size=10, cluster=TWO_NODES)
+    return make_plan(
+        "llama",
+        [
+            Group(name="front", nodes=first, replicas=replicas(*zip(devices, shares)), sync="hierarchical"),
+            Group(name="back", nodes=second, replicas=replicas(*zip(reversed(devices), shares)), sync="hierarchical"),
+        ],
+        batch_size=10,
+        cluster=TWO_NODES,
+    )
 
 
 @pytest.mark.slow
@@ -166,10 +209,15 @@ def test_hierarchical_allreduce_across_two_emulated_nodes(plan_batch):
 def xlnet_pipeline() -> Plan:
     # XLNet keeps (seq, batch, hidden) inside: values cross the cut batch-first and back.
     first, second = halves("xlnet-large", XLNET)
-    return make_plan("xlnet-large", [
-        Group(name="s0", nodes=first, replicas=replicas(("a", 1.0))),
-        Group(name="s1", nodes=second, replicas=replicas(("b", 0.6), ("c", 0.4)), sync="ring")],
-        microbatches=2, args=XLNET)
+    return make_plan(
+        "xlnet-large",
+        [
+            Group(name="s0", nodes=first, replicas=replicas(("a", 1.0))),
+            Group(name="s1", nodes=second, replicas=replicas(("b", 0.6), ("c", 0.4)), sync="ring"),
+        ],
+        microbatches=2,
+        args=XLNET,
+    )
 
 
 @pytest.mark.slow
@@ -186,9 +234,11 @@ def _three_stages(name: str) -> list[Group]:
     nodes = node_names(name)
     wpe = nodes.index("transformer.wpe")
     second = nodes.index("transformer.h.1.ln_1")
-    return [Group(name="ids", nodes=tuple(nodes[:wpe]), replicas=replicas(("a", 1.0))),
-            Group(name="layer0", nodes=tuple(nodes[wpe:second]), replicas=replicas(("b", 1.0))),
-            Group(name="layer1", nodes=tuple(nodes[second:]), replicas=replicas(("a", 1.0)))]
+    return [
+        Group(name="ids", nodes=tuple(nodes[:wpe]), replicas=replicas(("a", 1.0))),
+        Group(name="layer0", nodes=tuple(nodes[wpe:second]), replicas=replicas(("b", 1.0))),
+        Group(name="layer1", nodes=tuple(nodes[second:]), replicas=replicas(("a", 1.0))),
+    ]
 
 
 def test_size_derived_values_never_cross_a_cut():
@@ -197,6 +247,7 @@ def test_size_derived_values_never_cross_a_cut():
     # that stage's values, which the Program never sends (the 2-layer GPT-2 even-dp-ps failure).
     from heterog.execute.partition import INPUT, split_model
     from heterog.execute.workload import build_model, resolve_workload
+
     plan = make_plan("gpt2", _three_stages("gpt2"))
     flow = split_model(build_model(resolve_workload(plan.model), seed=0), plan)
     outputs = {s.value: [n for n in s.module.graph.nodes if n.op == "output"][0].args[0] for s in flow.stages}
@@ -208,8 +259,9 @@ def test_size_derived_values_never_cross_a_cut():
             src, index = flow.projections.get(v, (v, None))
             node = outputs[src] if index is None else outputs[src][index]
             val = node.meta.get("val")
-            assert isinstance(val, torch.Tensor) and isinstance(val.shape[0], torch.SymInt), \
+            assert isinstance(val, torch.Tensor) and isinstance(val.shape[0], torch.SymInt), (
                 f"stage {s.value} receives {v} ({node.name}: {val!r}), which has no batch dimension"
+            )
 
 
 def three_stages() -> Plan:
@@ -230,9 +282,13 @@ def loss_apart() -> Plan:
     nodes = node_names("gpt2")
     loss = [n for n in nodes if n.startswith("loss::")]
     assert loss, nodes
-    return make_plan("gpt2", [
-        Group(name="model", nodes=tuple(n for n in nodes if n not in loss), replicas=replicas(("a", 1.0))),
-        Group(name="loss", nodes=tuple(loss), replicas=replicas(("b", 0.5), ("c", 0.5)), sync="ring")])
+    return make_plan(
+        "gpt2",
+        [
+            Group(name="model", nodes=tuple(n for n in nodes if n not in loss), replicas=replicas(("a", 1.0))),
+            Group(name="loss", nodes=tuple(loss), replicas=replicas(("b", 0.5), ("c", 0.5)), sync="ring"),
+        ],
+    )
 
 
 @pytest.mark.slow
@@ -241,7 +297,7 @@ def loss_apart() -> Plan:
 def test_loss_runs_where_the_plan_places_it(plan_batch):
     done = plan_batch.get(loss_apart)
     check_equal(done)
-    for rank in (1, 2):   # b and c each computed the loss on its 3 samples
+    for rank in (1, 2):  # b and c each computed the loss on its 3 samples
         assert json.loads((done.out_dir / f"samples_rank{rank}.json").read_text()) == [3]
 
 
@@ -252,10 +308,14 @@ def ids_cross_to_the_embedding() -> Plan:
     # failure, KeyError: (19, 'submod_0')).
     nodes = node_names("gpt2")
     wte = nodes.index("transformer.wte")
-    return make_plan("gpt2", [
-        Group(name="ids", nodes=tuple(nodes[:wte]), replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring"),
-        Group(name="wte", nodes=(nodes[wte],), replicas=replicas(("c", 1.0))),
-        Group(name="rest", nodes=tuple(nodes[wte + 1:]), replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring")])
+    return make_plan(
+        "gpt2",
+        [
+            Group(name="ids", nodes=tuple(nodes[:wte]), replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring"),
+            Group(name="wte", nodes=(nodes[wte],), replicas=replicas(("c", 1.0))),
+            Group(name="rest", nodes=tuple(nodes[wte + 1 :]), replicas=replicas(("a", 0.5), ("b", 0.5)), sync="ring"),
+        ],
+    )
 
 
 @pytest.mark.slow

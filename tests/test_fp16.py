@@ -32,14 +32,29 @@ def _plans() -> dict[str, Plan]:
         return tuple(Replica(device=d, share=s) for d, s in pairs)
 
     def plan(groups, optimizer):
-        return Plan(strategy="test", model=ModelSpec(name="gpt2", args=ARGS, batch_size=8, seq_len=SEQ),
-                    groups=tuple(groups), precision="fp16", optimizer=optimizer).validate()
-    ring = plan([Group(name="front", nodes=first, replicas=reps(("a", 1.0))),
-                 Group(name="back", nodes=second, replicas=reps(("b", 0.625), ("c", 0.375)), sync="ring")], "sgd")
-    ps = plan([Group(name="front", nodes=first, replicas=reps(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
-               Group(name="back", nodes=second, replicas=reps(("a", 0.25), ("b", 0.75)), sync="ps", ps_device="b")],
-              "sgd")    # AdamW turns the ~0 gradient of attention key biases into ±lr noise (test_collectives
-    return {"ring": ring, "ps": ps, "ps-overflow": ps}   # checks the server's AdamW exactly)
+        return Plan(
+            strategy="test",
+            model=ModelSpec(name="gpt2", args=ARGS, batch_size=8, seq_len=SEQ),
+            groups=tuple(groups),
+            precision="fp16",
+            optimizer=optimizer,
+        ).validate()
+
+    ring = plan(
+        [
+            Group(name="front", nodes=first, replicas=reps(("a", 1.0))),
+            Group(name="back", nodes=second, replicas=reps(("b", 0.625), ("c", 0.375)), sync="ring"),
+        ],
+        "sgd",
+    )
+    ps = plan(
+        [
+            Group(name="front", nodes=first, replicas=reps(("a", 0.5), ("b", 0.5)), sync="ps", ps_device="c"),
+            Group(name="back", nodes=second, replicas=reps(("a", 0.25), ("b", 0.75)), sync="ps", ps_device="b"),
+        ],
+        "sgd",
+    )  # AdamW turns the ~0 gradient of attention key biases into ±lr noise (test_collectives
+    return {"ring": ring, "ps": ps, "ps-overflow": ps}  # checks the server's AdamW exactly)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +63,9 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16")
     names = list(plans)
     faults = {names.index("ps-overflow"): {"rank": 0, "step": OVERFLOW_STEP, "kind": "overflow"}}
-    done = run_many(list(plans.values()), steps=STEPS, timeout_s=120, predict=False, out_dir=out,
-                    dump_params=True, faults=faults)
+    done = run_many(
+        list(plans.values()), steps=STEPS, timeout_s=120, predict=False, out_dir=out, dump_params=True, faults=faults
+    )
     return {name: (plans[name], r, out / f"plan{i}") for i, (name, r) in enumerate(zip(names, done))}
 
 
@@ -70,7 +86,7 @@ def _compare(plan: Plan, folder, ranks: int, skip: frozenset[int] = frozenset())
 def test_fp16_plan_equals_single_process_fp16_with_a_loss_scaler(runs, name):
     plan, r, folder = runs[name]
     result = r.result if r.error is None else pytest.fail(str(r.error))
-    assert result["loss_scales"] == [65536.0] * STEPS          # clean steps keep the initial scale
+    assert result["loss_scales"] == [65536.0] * STEPS  # clean steps keep the initial scale
     assert all(p["skipped_steps"] == 0 for p in result["per_rank"])
     _compare(plan, folder, len(result["devices"]))
 

@@ -20,23 +20,36 @@ NODES = ("fc1", "act1", "fc2", "act2", "fc3")
 
 
 def _gpu_cluster(n: int) -> dict:
-    from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
     from heterog.hardware.catalog import gpu_from_device_name
-    gpu = (gpu_from_device_name(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory).name
-           if torch.cuda.is_available() else "H100-80GB")
-    return cluster_to_dict(parse_cluster_yaml(
-        f"name: local-gpus\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
-        f"    devices: [{{type: {gpu}, count: {n}}}]\n"))
+    from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
+
+    gpu = (
+        gpu_from_device_name(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory).name
+        if torch.cuda.is_available()
+        else "H100-80GB"
+    )
+    return cluster_to_dict(
+        parse_cluster_yaml(
+            f"name: local-gpus\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
+            f"    devices: [{{type: {gpu}, count: {n}}}]\n"
+        )
+    )
 
 
 def _plan(n: int, precision: str = "fp32") -> Plan:
     from heterog.hardware.spec import cluster_from_dict
+
     c = _gpu_cluster(n)
     devs = [d.name for d in cluster_from_dict(c).devices]
-    return Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=16), precision=precision,
-                groups=(Group(name="all", nodes=NODES, sync="ring",
-                              replicas=tuple(Replica(device=d, share=1 / n) for d in devs)),),
-                cluster=c).validate()
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=f"{MODELS}:mlp", batch_size=16),
+        precision=precision,
+        groups=(
+            Group(name="all", nodes=NODES, sync="ring", replicas=tuple(Replica(device=d, share=1 / n) for d in devs)),
+        ),
+        cluster=c,
+    ).validate()
 
 
 def test_cpu_device_defaults():
@@ -62,6 +75,7 @@ def test_cpu_device_defaults():
 @needs_cuda
 def test_single_gpu_plan_runs_on_cuda(tmp_path):
     from heterog.pipeline import run
+
     out = run(_plan(1), steps=3, out_dir=tmp_path, predict=True, timeout_s=120)
     r = out["per_rank"][0]
     assert out["measured_iteration_time_s"] > 0 and out["predicted_iteration_time_s"] > 0
@@ -72,6 +86,7 @@ def test_single_gpu_plan_runs_on_cuda(tmp_path):
 @needs_cuda
 def test_amp_bf16_on_cuda(tmp_path):
     from heterog.pipeline import run
+
     out = run(_plan(1, "amp-bf16"), steps=3, out_dir=tmp_path, predict=False, timeout_s=120)
     assert len(out["losses"]) == 3 and all(x == x for x in out["losses"])
 
@@ -81,6 +96,7 @@ def test_amp_bf16_on_cuda(tmp_path):
 def test_two_rank_plan_on_two_gpus_equals_single_process(tmp_path):
     from heterog.execute.reference import reference_train
     from heterog.pipeline import run
+
     plan = _plan(2)
     run(plan, steps=3, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=120)
     ref = reference_train(plan, steps=3)
@@ -115,21 +131,36 @@ def _split_plan(model: str, kind: str, precision: str = "fp32") -> Plan:
     of this machine's GPU type."""
     from heterog.capture import capture_model
     from heterog.hardware.spec import cluster_from_dict
+
     args = LANGUAGE_MODELS[model]
     nodes = [n.name for n in capture_model(model, args, batch_size=2, seq_len=SEQ).nodes]
-    front, back = tuple(nodes[:len(nodes) // 2]), tuple(nodes[len(nodes) // 2:])
+    front, back = tuple(nodes[: len(nodes) // 2]), tuple(nodes[len(nodes) // 2 :])
     c = _gpu_cluster(2)
     a, b = [d.name for d in cluster_from_dict(c).devices]
     if kind == "pipeline":
-        groups = (Group(name="s0", nodes=front, replicas=(Replica(device=a, share=1.0),)),
-                  Group(name="s1", nodes=back, replicas=(Replica(device=b, share=1.0),)))
+        groups = (
+            Group(name="s0", nodes=front, replicas=(Replica(device=a, share=1.0),)),
+            Group(name="s1", nodes=back, replicas=(Replica(device=b, share=1.0),)),
+        )
     else:
-        groups = (Group(name="front", nodes=front, replicas=(Replica(device=a, share=1.0),)),
-                  Group(name="back", nodes=back, sync="ring",
-                        replicas=(Replica(device=a, share=2 / 3), Replica(device=b, share=1 / 3))))
-    return Plan(strategy=kind, model=ModelSpec(name=model, args=args, batch_size=6, seq_len=SEQ), groups=groups,
-                num_microbatches=2 if kind == "pipeline" else 1, schedule="1f1b" if kind == "pipeline" else "gpipe",
-                precision=precision, cluster=c).validate()
+        groups = (
+            Group(name="front", nodes=front, replicas=(Replica(device=a, share=1.0),)),
+            Group(
+                name="back",
+                nodes=back,
+                sync="ring",
+                replicas=(Replica(device=a, share=2 / 3), Replica(device=b, share=1 / 3)),
+            ),
+        )
+    return Plan(
+        strategy=kind,
+        model=ModelSpec(name=model, args=args, batch_size=6, seq_len=SEQ),
+        groups=groups,
+        num_microbatches=2 if kind == "pipeline" else 1,
+        schedule="1f1b" if kind == "pipeline" else "gpipe",
+        precision=precision,
+        cluster=c,
+    ).validate()
 
 
 @pytest.mark.gpu
@@ -138,6 +169,7 @@ def _split_plan(model: str, kind: str, precision: str = "fp32") -> Plan:
 @pytest.mark.parametrize("model", list(LANGUAGE_MODELS))
 def test_language_model_plans_check_on_cuda(model, kind):
     from heterog.pipeline import check
+
     result = check(_split_plan(model, kind), device="cuda")
     assert result.ok, [r.problem for r in result.ranks]
     assert all(r.computes_run == r.computes > 0 and r.peak_memory_bytes for r in result.ranks)
@@ -152,6 +184,7 @@ def test_language_model_plans_train_on_cuda_as_single_process(tmp_path, model, k
     steps equal single-process training on the CPU (within GPU-vs-CPU rounding)."""
     from heterog.execute.reference import reference_train
     from heterog.pipeline import run
+
     plan = _split_plan(model, kind)
     out = run(plan, steps=3, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=300, share_gpus=True)
     assert all(r["torch_device"].startswith("cuda") for r in out["per_rank"])
@@ -166,6 +199,7 @@ def test_language_model_plans_train_on_cuda_as_single_process(tmp_path, model, k
 @needs_cuda
 def test_fp16_trains_on_cuda_with_a_loss_scale(tmp_path):
     from heterog.pipeline import run
+
     out = run(_plan(1, "fp16"), steps=3, out_dir=tmp_path, predict=False, timeout_s=120)
     assert out["loss_scales"] == [65536.0] * 3 and all(x == x for x in out["losses"])
 
@@ -178,13 +212,21 @@ def test_a_rank_refuses_a_gpu_of_another_type(tmp_path):
     from heterog.errors import RankError
     from heterog.hardware.spec import cluster_from_dict, cluster_to_dict, parse_cluster_yaml
     from heterog.pipeline import run
+
     local = _gpu_cluster(1)["nodes"][0]["devices"][0]["type"]
     other = "T4" if local != "T4" else "A100-80GB"
-    c = cluster_to_dict(parse_cluster_yaml(f"name: wrong\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
-                                           f"    devices: [{{type: {other}, count: 1}}]\n"))
+    c = cluster_to_dict(
+        parse_cluster_yaml(
+            f"name: wrong\nnodes:\n  - name: box\n    nic_bandwidth_gbps: 100\n"
+            f"    devices: [{{type: {other}, count: 1}}]\n"
+        )
+    )
     dev = cluster_from_dict(c).devices[0].name
-    plan = Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=16),
-                groups=(Group(name="all", nodes=NODES, replicas=(Replica(device=dev, share=1.0),)),),
-                cluster=c).validate()
+    plan = Plan(
+        strategy="test",
+        model=ModelSpec(name=f"{MODELS}:mlp", batch_size=16),
+        groups=(Group(name="all", nodes=NODES, replicas=(Replica(device=dev, share=1.0),)),),
+        cluster=c,
+    ).validate()
     with pytest.raises(RankError, match=f"a {other}, but its GPU cuda:0"):
         run(plan, steps=1, predict=False, timeout_s=60)

@@ -8,12 +8,34 @@ import pytest
 
 from heterog.errors import ClusterError
 from heterog.hardware import catalog
-from heterog.hardware.spec import (builtin_clusters, cluster_from_dict, cluster_to_dict, load_cluster,
-                                   parse_cluster_yaml)
+from heterog.hardware.spec import builtin_clusters, cluster_from_dict, cluster_to_dict, load_cluster, parse_cluster_yaml
 
-REQUIRED = ["P100", "V100-16GB", "V100-32GB", "T4", "GTX-1080Ti", "RTX-2080Ti", "Titan-RTX", "RTX-3090",
-            "RTX-4090", "RTX-A6000", "A40", "A10", "A10G", "A100-40GB", "A100-80GB", "L4", "L40S", "H100-SXM",
-            "H100-PCIe", "H200", "GH200", "B200", "MI250X", "MI300X"]
+REQUIRED = [
+    "P100",
+    "V100-16GB",
+    "V100-32GB",
+    "T4",
+    "GTX-1080Ti",
+    "RTX-2080Ti",
+    "Titan-RTX",
+    "RTX-3090",
+    "RTX-4090",
+    "RTX-A6000",
+    "A40",
+    "A10",
+    "A10G",
+    "A100-40GB",
+    "A100-80GB",
+    "L4",
+    "L40S",
+    "H100-SXM",
+    "H100-PCIe",
+    "H200",
+    "GH200",
+    "B200",
+    "MI250X",
+    "MI300X",
+]
 
 
 def test_catalog_has_every_required_type_with_sources():
@@ -24,21 +46,38 @@ def test_catalog_has_every_required_type_with_sources():
         assert {"peak_tflops", "memory", "intra_node_link"} <= set(g.sources), g.name
     h100 = catalog.get_gpu("h100-sxm")
     assert h100.peak_flops_per_s["bf16"] == pytest.approx(989.4e12)
-    assert catalog.get_gpu("v100_32gb").name == "V100-32GB"     # case, '_' and '-' ignored
+    assert catalog.get_gpu("v100_32gb").name == "V100-32GB"  # case, '_' and '-' ignored
 
 
-@pytest.mark.parametrize("family,choices", [("A100", "A100-40GB, A100-80GB"), ("V100", "V100-16GB, V100-32GB"),
-                                            ("H100", "H100-PCIe, H100-SXM"), ("rtx", "RTX-2080Ti, RTX-3090")])
+@pytest.mark.parametrize(
+    "family,choices",
+    [
+        ("A100", "A100-40GB, A100-80GB"),
+        ("V100", "V100-16GB, V100-32GB"),
+        ("H100", "H100-PCIe, H100-SXM"),
+        ("rtx", "RTX-2080Ti, RTX-3090"),
+    ],
+)
 def test_a_family_name_is_refused_with_its_choices(family, choices):
     """`A100` used to become A100-40GB silently: it names two types of unlike memory."""
     with pytest.raises(ClusterError, match=f"ambiguous: it could be {choices}"):
         catalog.get_gpu(family)
 
 
-@pytest.mark.parametrize("spelling,name", [("a100-80g", "A100-80GB"), ("A100 80GB", "A100-80GB"),
-                                           ("a100 sxm4 80gb", "A100-80GB"), ("A100_SXM4_40GB", "A100-40GB"),
-                                           ("h100 sxm", "H100-SXM"), ("Titan", "Titan-RTX"), ("A10", "A10"),
-                                           ("a6000", "RTX-A6000"), ("gh-96", "GH200")])
+@pytest.mark.parametrize(
+    "spelling,name",
+    [
+        ("a100-80g", "A100-80GB"),
+        ("A100 80GB", "A100-80GB"),
+        ("a100 sxm4 80gb", "A100-80GB"),
+        ("A100_SXM4_40GB", "A100-40GB"),
+        ("h100 sxm", "H100-SXM"),
+        ("Titan", "Titan-RTX"),
+        ("A10", "A10"),
+        ("a6000", "RTX-A6000"),
+        ("gh-96", "GH200"),
+    ],
+)
 def test_unambiguous_spellings_are_accepted(spelling, name):
     assert catalog.get_gpu(spelling).name == name
 
@@ -93,6 +132,7 @@ def test_cluster_dict_round_trip(name):
     back = cluster_from_dict(cluster_to_dict(c))
     assert back == c and back.fingerprint() == c.fingerprint()
     import json
+
     assert cluster_from_dict(json.loads(json.dumps(cluster_to_dict(c)))) == c  # survives JSON
 
 
@@ -186,14 +226,27 @@ def test_load_cluster_unknown_name():
         load_cluster("no-such-cluster")
 
 
-@pytest.mark.parametrize("device_name,memory,expected", [
-    ("NVIDIA H200", None, "H200"), ("NVIDIA A100-SXM4-80GB", None, "A100-80GB"),
-    ("NVIDIA A100-SXM4-40GB", None, "A100-40GB"), ("NVIDIA A10", None, "A10"),
-    ("Tesla V100-SXM2-32GB", None, "V100-32GB"), ("NVIDIA H100 80GB HBM3", None, "H100-SXM"),
-    ("NVIDIA H100 PCIe", None, "H100-PCIe"), ("NVIDIA L4", None, "L4"), ("NVIDIA L40S", None, "L40S"),
-    ("NVIDIA GeForce RTX 4090", None, "RTX-4090"), ("NVIDIA A100 80GB PCIe", 85 * 10**9, "A100-80GB"),
-    ("NVIDIA A10G", None, "A10G"), ("NVIDIA RTX A6000", None, "RTX-A6000"), ("NVIDIA B200", None, "B200"),
-    ("NVIDIA GH200 480GB", None, "GH200"), ("NVIDIA A40", None, "A40")])
+@pytest.mark.parametrize(
+    "device_name,memory,expected",
+    [
+        ("NVIDIA H200", None, "H200"),
+        ("NVIDIA A100-SXM4-80GB", None, "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", None, "A100-40GB"),
+        ("NVIDIA A10", None, "A10"),
+        ("Tesla V100-SXM2-32GB", None, "V100-32GB"),
+        ("NVIDIA H100 80GB HBM3", None, "H100-SXM"),
+        ("NVIDIA H100 PCIe", None, "H100-PCIe"),
+        ("NVIDIA L4", None, "L4"),
+        ("NVIDIA L40S", None, "L40S"),
+        ("NVIDIA GeForce RTX 4090", None, "RTX-4090"),
+        ("NVIDIA A100 80GB PCIe", 85 * 10**9, "A100-80GB"),
+        ("NVIDIA A10G", None, "A10G"),
+        ("NVIDIA RTX A6000", None, "RTX-A6000"),
+        ("NVIDIA B200", None, "B200"),
+        ("NVIDIA GH200 480GB", None, "GH200"),
+        ("NVIDIA A40", None, "A40"),
+    ],
+)
 def test_gpu_from_device_name(device_name, memory, expected):
     assert catalog.gpu_from_device_name(device_name, memory).name == expected
 

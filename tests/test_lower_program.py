@@ -43,7 +43,8 @@ def _expected_signatures(sched) -> dict[str, list[tuple]]:
         k = tasks.kind[t]
         if k in (FWD, BWD):
             out.setdefault(names[tasks.dev[t]], []).append(
-                ("compute", tasks.block_of(t), "forward" if k == FWD else "backward", tasks.mb[t]))
+                ("compute", tasks.block_of(t), "forward" if k == FWD else "backward", tasks.mb[t])
+            )
         elif k == XFER:
             (src, dst), nbytes, _ = tasks.comm[t]
             out.setdefault(names[src], []).append(("send", t, names[dst], nbytes))
@@ -76,7 +77,8 @@ def _own_inputs(sched, d: str) -> dict[int, list[tuple]]:
     for a, b in zip(src.tolist(), dst.tolist()):
         if tasks.kind[b] == SYNC and tasks.kind[a] in (FWD, BWD) and names[tasks.dev[a]] == d:
             out.setdefault(tasks.comm[b][2], []).append(
-                ("compute", tasks.block_of(a), "forward" if tasks.kind[a] == FWD else "backward", tasks.mb[a]))
+                ("compute", tasks.block_of(a), "forward" if tasks.kind[a] == FWD else "backward", tasks.mb[a])
+            )
     return out
 
 
@@ -95,7 +97,7 @@ def test_the_simulators_tasks_are_exactly_the_programs_instructions():
         for d in prog.devices:
             got = [_signature(i) for i in prog.instructions[d]]
             projection = want.get(d, [])
-            assert sorted(got) == sorted(projection), d                  # the same instructions
+            assert sorted(got) == sorted(projection), d  # the same instructions
             assert [x for x in got if x[0] != "collective"] == [x for x in projection if x[0] != "collective"], d
             assert [x for x in got if x[0] == "collective"] == [x for x in projection if x[0] == "collective"], d
             inputs = _own_inputs(sched, d)
@@ -103,12 +105,18 @@ def test_the_simulators_tasks_are_exactly_the_programs_instructions():
                 if x[0] != "collective" or not inputs.get(x[1]):
                     continue
                 before = got[:k]
-                assert set(inputs[x[1]]) <= set(before), (d, x)           # after its own inputs
+                assert set(inputs[x[1]]) <= set(before), (d, x)  # after its own inputs
                 assert before[-1] in inputs[x[1]] or before[-1][0] == "collective", (d, x, before[-1])
             moved += got != projection
-        kinds.add((p.schedule, p.num_microbatches > 1, any(gr.sync == "ps" for gr in p.groups),
-                   len({gr.replicas for gr in p.groups}) > 1))
-    assert len(kinds) >= 6, kinds    # pipelines, micro-batches, servers and hybrids all drawn
+        kinds.add(
+            (
+                p.schedule,
+                p.num_microbatches > 1,
+                any(gr.sync == "ps" for gr in p.groups),
+                len({gr.replicas for gr in p.groups}) > 1,
+            )
+        )
+    assert len(kinds) >= 6, kinds  # pipelines, micro-batches, servers and hybrids all drawn
     assert moved, "no random plan launched a collective before its place in the global order"
 
 
@@ -118,9 +126,15 @@ def test_a_replica_launches_its_sync_before_its_next_backward():
     (the simulator overlaps the sync with that backward)."""
     g, c, devices = _setup()
     half = [f"l{i}" for i in range(4)], [f"l{i}" for i in range(4, 8)]
-    p = plan([("a", half[0], [(devices[0], 0.5), (devices[2], 0.5)]),
-              ("b", half[1], [(devices[0], 0.5), (devices[2], 0.5)])], batch_size=8, sync="ring")
-    p = dataclasses.replace(p, bucket_bytes=8_000_000)     # a bucket per group: two syncs
+    p = plan(
+        [
+            ("a", half[0], [(devices[0], 0.5), (devices[2], 0.5)]),
+            ("b", half[1], [(devices[0], 0.5), (devices[2], 0.5)]),
+        ],
+        batch_size=8,
+        sync="ring",
+    )
+    p = dataclasses.replace(p, bucket_bytes=8_000_000)  # a bucket per group: two syncs
     prog = lower(g, c, p, TableCosts(g, c))
     for d in (devices[0], devices[2]):
         got = [_signature(i) for i in prog.instructions[d]]
@@ -137,7 +151,7 @@ def test_every_random_program_validates_and_round_trips_through_json():
         text = json.dumps({"kind": "heterog.Program", "version": 1, **prog.to_dict()})
         again = Program.from_json(text)
         assert again.to_dict() == prog.to_dict()
-        for d, lst in prog.instructions.items():      # sample ranges stay inside micro-batches
+        for d, lst in prog.instructions.items():  # sample ranges stay inside micro-batches
             for i in lst:
                 if isinstance(i, (Compute, Send, Recv)):
                     assert 0 <= i.lo <= i.hi <= prog.microbatch_sizes[i.microbatch]
@@ -146,8 +160,13 @@ def test_every_random_program_validates_and_round_trips_through_json():
 def _two_stage(schedule="gpipe", microbatches=2):
     g, c, devices = _setup()
     half = [f"l{i}" for i in range(4)], [f"l{i}" for i in range(4, 8)]
-    p = plan([("a", half[0], [(devices[0], 0.5), (devices[1], 0.5)]), ("b", half[1], [(devices[2], 1.0)])],
-             batch_size=8, num_microbatches=microbatches, schedule=schedule, sync="ring")
+    p = plan(
+        [("a", half[0], [(devices[0], 0.5), (devices[1], 0.5)]), ("b", half[1], [(devices[2], 1.0)])],
+        batch_size=8,
+        num_microbatches=microbatches,
+        schedule=schedule,
+        sync="ring",
+    )
     return lower(g, c, p, TableCosts(g, c))
 
 
@@ -175,9 +194,10 @@ def test_validation_finds_a_deadlock():
 
     def early_recv(lst):
         lst = list(lst)
-        k = max(k for k, i in enumerate(lst) if i["kind"] == "recv")   # a backward gradient
+        k = max(k for k, i in enumerate(lst) if i["kind"] == "recv")  # a backward gradient
         lst.insert(0, lst.pop(k))
         return lst
+
     with pytest.raises(PlanError, match="deadlocks"):
         Program.from_json(json.dumps(_tamper(prog, src, early_recv)))
 
@@ -198,7 +218,7 @@ def test_one_f_one_b_keeps_at_most_p_minus_s_micro_batches_in_flight():
         assert peak == min(4 - s, 8), (d, peak)
     gpipe = lower(g, c, dataclasses.replace(p, schedule="gpipe"), TableCosts(g, c))
     first = [i for i in gpipe.instructions[devs[0]] if isinstance(i, Compute)]
-    assert [i.phase for i in first[:8]] == [Phase.FORWARD] * 8     # GPipe: all forwards first
+    assert [i.phase for i in first[:8]] == [Phase.FORWARD] * 8  # GPipe: all forwards first
 
 
 def test_summary_counts_instructions_bytes_and_the_programs_peak():
@@ -217,11 +237,12 @@ def test_summary_counts_instructions_bytes_and_the_programs_peak():
 MODELS = "tests/test_execute_models.py"
 
 
-BATCH_RUN = dict(steps=1, timeout_s=60)    # the random plans below run in one launch
+BATCH_RUN = dict(steps=1, timeout_s=60)  # the random plans below run in one launch
 
 
 def _executed_matches_program(done):
     from heterog.ir.plan import Plan
+
     p, out, tmp_path = done.plan, done.result(), done.out_dir
     prog = Program.load(tmp_path / "program.json")
     assert Plan.from_dict(prog.plan).groups[0].name == p.groups[0].name
@@ -241,33 +262,47 @@ def _executed_matches_program(done):
         assert ran == [tuple(w) for w in want], d
         # samples really computed: recorded from the tensors, not the instruction
         samples = json.loads((tmp_path / f"samples_rank{rank}.json").read_text())
-        assert samples == [i.hi - i.lo for i in prog.instructions[d]
-                           if isinstance(i, Compute) and i.phase == Phase.FORWARD and i.hi > i.lo]
+        assert samples == [
+            i.hi - i.lo
+            for i in prog.instructions[d]
+            if isinstance(i, Compute) and i.phase == Phase.FORWARD and i.hi > i.lo
+        ]
 
 
 def random_plan_of_kind(kind: str):
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     rng = random.Random(kind)
     nodes = ("fc1", "act1", "fc2", "act2", "fc3")
     cut = rng.randint(1, 4)
 
     def reps(*pairs):
         return tuple(Replica(device=d, share=s) for d, s in pairs)
+
     uneven = rng.uniform(0.2, 0.45)
     if kind == "data":
         groups = [Group(name="all", nodes=nodes, replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="ring")]
     elif kind == "hybrid":
-        groups = [Group(name="front", nodes=nodes[:cut], replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="tree"),
-                  Group(name="back", nodes=nodes[cut:], replicas=reps(("b", 0.5), ("c", 0.5)), sync="hierarchical")]
+        groups = [
+            Group(name="front", nodes=nodes[:cut], replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="tree"),
+            Group(name="back", nodes=nodes[cut:], replicas=reps(("b", 0.5), ("c", 0.5)), sync="hierarchical"),
+        ]
     elif kind in ("gpipe", "1f1b"):
-        groups = [Group(name="s0", nodes=nodes[:cut], replicas=reps(("a", 1.0))),
-                  Group(name="s1", nodes=nodes[cut:], replicas=reps(("b", uneven), ("c", 1 - uneven)), sync="ring")]
+        groups = [
+            Group(name="s0", nodes=nodes[:cut], replicas=reps(("a", 1.0))),
+            Group(name="s1", nodes=nodes[cut:], replicas=reps(("b", uneven), ("c", 1 - uneven)), sync="ring"),
+        ]
     else:
-        groups = [Group(name="all", nodes=nodes, replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="ps",
-                        ps_device="c")]
-    return Plan(strategy="test", model=ModelSpec(name=f"{MODELS}:mlp", batch_size=12), groups=tuple(groups),
-                num_microbatches=3 if kind in ("gpipe", "1f1b") else 1,
-                schedule="1f1b" if kind == "1f1b" else "gpipe").validate()
+        groups = [
+            Group(name="all", nodes=nodes, replicas=reps(("a", uneven), ("b", 1 - uneven)), sync="ps", ps_device="c")
+        ]
+    return Plan(
+        strategy="test",
+        model=ModelSpec(name=f"{MODELS}:mlp", batch_size=12),
+        groups=tuple(groups),
+        num_microbatches=3 if kind in ("gpipe", "1f1b") else 1,
+        schedule="1f1b" if kind == "1f1b" else "gpipe",
+    ).validate()
 
 
 @pytest.mark.slow
@@ -283,12 +318,22 @@ def test_cli_lower_prints_per_device_counts_and_writes_a_program_simulate_accept
     from heterog.cli.main import app
     from heterog.hardware.spec import cluster_to_dict, load_cluster
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     c = load_cluster("emulated-4")
     devs = [d.name for d in c.devices]
-    p = Plan(strategy="test", model=ModelSpec(name="mlp", batch_size=16),
-             groups=(Group(name="all", nodes=("0", "1", "2", "3", "4", "loss::_log_softmax@0"), sync="ring",
-                           replicas=tuple(Replica(device=d, share=0.25) for d in devs)),),
-             cluster=cluster_to_dict(c)).validate()
+    p = Plan(
+        strategy="test",
+        model=ModelSpec(name="mlp", batch_size=16),
+        groups=(
+            Group(
+                name="all",
+                nodes=("0", "1", "2", "3", "4", "loss::_log_softmax@0"),
+                sync="ring",
+                replicas=tuple(Replica(device=d, share=0.25) for d in devs),
+            ),
+        ),
+        cluster=cluster_to_dict(c),
+    ).validate()
     p.save(tmp_path / "plan.json")
     runner = CliRunner()
     r = runner.invoke(app, ["lower", str(tmp_path / "plan.json"), "--json", "--out", str(tmp_path / "prog.json")])
@@ -310,21 +355,34 @@ def test_simulate_and_run_predict_the_same_time_for_one_emulated_plan(tmp_path):
     come from the same inputs (pipeline.plan_inputs) and the same schedule."""
     import subprocess
     import sys
+
     from heterog.hardware.spec import cluster_to_dict, load_cluster
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     c = load_cluster("emulated-4")
     devs = [d.name for d in c.devices]
-    p = Plan(strategy="test", model=ModelSpec(name="toy-cnn", batch_size=24),
-             groups=(Group(name="all", nodes=_toy_nodes(), sync="ring",
-                           replicas=tuple(Replica(device=d, share=s) for d, s in zip(devs, (.3, .3, .2, .2)))),),
-             cluster=cluster_to_dict(c)).validate()
+    p = Plan(
+        strategy="test",
+        model=ModelSpec(name="toy-cnn", batch_size=24),
+        groups=(
+            Group(
+                name="all",
+                nodes=_toy_nodes(),
+                sync="ring",
+                replicas=tuple(Replica(device=d, share=s) for d, s in zip(devs, (0.3, 0.3, 0.2, 0.2))),
+            ),
+        ),
+        cluster=cluster_to_dict(c),
+    ).validate()
     p.save(tmp_path / "plan.json")
 
     def cli(*args):
-        r = subprocess.run([sys.executable, "-m", "heterog.cli.main", *args, "--json"], capture_output=True,
-                           text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "heterog.cli.main", *args, "--json"], capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
+
     sim = cli("simulate", str(tmp_path / "plan.json"))
     ran = cli("run", str(tmp_path / "plan.json"), "--steps", "2", "--no-shaping")
     assert ran["predicted_iteration_time_s"] == pytest.approx(sim["iteration_time_s"], rel=1e-9)
@@ -332,6 +390,7 @@ def test_simulate_and_run_predict_the_same_time_for_one_emulated_plan(tmp_path):
 
 def _toy_nodes() -> tuple[str, ...]:
     from heterog.capture import capture_model
+
     return tuple(n.name for n in capture_model("toy-cnn", batch_size=4).nodes)
 
 
@@ -343,6 +402,7 @@ def test_a_tied_weight_split_across_devices_costs_each_holder_a_copy():
     from heterog.hardware.spec import load_cluster
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
     from heterog.simulate import simulate
+
     args = dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0)
     g = capture_model("transformer", args, batch_size=4, seq_len=8)
     assert g.ties, "the zoo transformer ties its embedding and output projection"
@@ -350,15 +410,23 @@ def test_a_tied_weight_split_across_devices_costs_each_holder_a_copy():
     a, b = (d.name for d in c.devices[:2])
     names = [n.name for n in g.nodes]
     k = len(names) // 2
-    p = Plan(strategy="t", model=ModelSpec(name="transformer", args=args, batch_size=4, seq_len=8), optimizer="adamw",
-             groups=(Group(name="front", nodes=tuple(names[:k]), replicas=(Replica(device=a, share=1.0),)),
-                     Group(name="back", nodes=tuple(names[k:]), replicas=(Replica(device=b, share=1.0),)))).validate()
+    p = Plan(
+        strategy="t",
+        model=ModelSpec(name="transformer", args=args, batch_size=4, seq_len=8),
+        optimizer="adamw",
+        groups=(
+            Group(name="front", nodes=tuple(names[:k]), replicas=(Replica(device=a, share=1.0),)),
+            Group(name="back", nodes=tuple(names[k:]), replicas=(Replica(device=b, share=1.0),)),
+        ),
+    ).validate()
     costs = build_cost_model(g, c, optimizer="adamw")
     tied = simulate(g, c, p, costs)
-    untied = simulate(dataclasses.replace(g, ties=()), c, p, build_cost_model(dataclasses.replace(g, ties=()), c,
-                                                                                optimizer="adamw"))
-    extra = sum(costs.tied_copy_bytes(t.param_bytes, b) for t in g.ties
-                if {n in names[k:] for n in t.nodes} == {True, False})
+    untied = simulate(
+        dataclasses.replace(g, ties=()), c, p, build_cost_model(dataclasses.replace(g, ties=()), c, optimizer="adamw")
+    )
+    extra = sum(
+        costs.tied_copy_bytes(t.param_bytes, b) for t in g.ties if {n in names[k:] for n in t.nodes} == {True, False}
+    )
     assert extra > 0
     assert tied.persistent_memory_bytes[b] - untied.persistent_memory_bytes[b] == pytest.approx(extra, abs=1)
     assert tied.persistent_memory_bytes[a] == untied.persistent_memory_bytes[a]
@@ -372,16 +440,26 @@ def test_a_split_tied_weight_gets_its_own_gradient_all_reduce_over_the_holders()
     from heterog.cost import build_cost_model
     from heterog.hardware.spec import load_cluster
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     args = dict(vocab=96, d_model=32, heads=4, layers=1, ffn=64, dropout=0.0)
     g = capture_model("transformer", args, batch_size=4, seq_len=8)
     c = load_cluster("paper-8gpu")
     a, b, e = (d.name for d in c.devices[:3])
     names = [n.name for n in g.nodes]
     k = len(names) // 2
-    p = Plan(strategy="t", model=ModelSpec(name="transformer", args=args, batch_size=4, seq_len=8),
-             groups=(Group(name="front", nodes=tuple(names[:k]), sync="ring",
-                           replicas=(Replica(device=a, share=0.5), Replica(device=e, share=0.5))),
-                     Group(name="back", nodes=tuple(names[k:]), replicas=(Replica(device=b, share=1.0),)))).validate()
+    p = Plan(
+        strategy="t",
+        model=ModelSpec(name="transformer", args=args, batch_size=4, seq_len=8),
+        groups=(
+            Group(
+                name="front",
+                nodes=tuple(names[:k]),
+                sync="ring",
+                replicas=(Replica(device=a, share=0.5), Replica(device=e, share=0.5)),
+            ),
+            Group(name="back", nodes=tuple(names[k:]), replicas=(Replica(device=b, share=1.0),)),
+        ),
+    ).validate()
     costs = build_cost_model(g, c)
     sched = build_schedule(g, c, p, costs)
     tasks, info = sched.tasks, sched.info
@@ -411,6 +489,7 @@ def test_a_parameter_server_holds_the_optimizer_state_and_its_replicas_do_not():
     from heterog.hardware.spec import load_cluster
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
     from heterog.simulate import simulate
+
     g = capture_model("mlp", batch_size=8)
     c = load_cluster("paper-8gpu")
     a, b, s = (d.name for d in c.devices[:3])
@@ -418,9 +497,21 @@ def test_a_parameter_server_holds_the_optimizer_state_and_its_replicas_do_not():
     costs = build_cost_model(g, c, optimizer="adamw")
 
     def ps_plan(server):
-        return Plan(strategy="t", model=ModelSpec(name="mlp", batch_size=8), optimizer="adamw",
-                    groups=(Group(name="all", nodes=nodes, sync="ps", ps_device=server,
-                                  replicas=(Replica(device=a, share=0.5), Replica(device=b, share=0.5))),)).validate()
+        return Plan(
+            strategy="t",
+            model=ModelSpec(name="mlp", batch_size=8),
+            optimizer="adamw",
+            groups=(
+                Group(
+                    name="all",
+                    nodes=nodes,
+                    sync="ps",
+                    ps_device=server,
+                    replicas=(Replica(device=a, share=0.5), Replica(device=b, share=0.5)),
+                ),
+            ),
+        ).validate()
+
     state = costs.optimizer_state_bytes(nodes, a)
     full = costs.persistent_bytes(nodes, a)
     assert state > 0
@@ -428,6 +519,6 @@ def test_a_parameter_server_holds_the_optimizer_state_and_its_replicas_do_not():
     r = simulate(g, c, ps_plan(s), costs)
     assert r.persistent_memory_bytes[a] == pytest.approx(full - state + grad)
     assert r.persistent_memory_bytes[s] == pytest.approx(full)
-    r = simulate(g, c, ps_plan(a), costs)       # the server is also a replica
+    r = simulate(g, c, ps_plan(a), costs)  # the server is also a replica
     assert r.persistent_memory_bytes[b] == pytest.approx(full - state + grad)
     assert r.persistent_memory_bytes[a] == pytest.approx(2 * full - state)

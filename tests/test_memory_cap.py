@@ -35,23 +35,26 @@ BATCH = 64
 
 def _cluster():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")      # 64 MiB is deliberately implausible for a device
+        warnings.simplefilter("ignore")  # 64 MiB is deliberately implausible for a device
         return parse_cluster_yaml(CAPPED_YAML, "<test>")
 
 
 def test_storages_are_counted_once():
     x = torch.zeros(1000)
     count = StorageCounter()
-    assert count.add([x, x[10:], x.view(10, 100)]) == 4000     # views share the storage
+    assert count.add([x, x[10:], x.view(10, 100)]) == 4000  # views share the storage
     assert count.add(tensors_in({"a": (x, [torch.ones(10)]), "b": 3})) == 40
 
 
 def test_cap_names_device_cap_and_instruction():
     cap = MemoryCap(device="n/small", cap_bytes=64 * MIB)
-    cap.check(LiveBytes(parameters_bytes=64 * MIB), index=0, what="compute")      # at the cap: fine
+    cap.check(LiveBytes(parameters_bytes=64 * MIB), index=0, what="compute")  # at the cap: fine
     with pytest.raises(MemoryCapExceeded) as e:
-        cap.check(LiveBytes(parameters_bytes=60 * MIB, activations_bytes=8 * MIB), index=7,
-                  what="compute forward of block 1, micro-batch 0")
+        cap.check(
+            LiveBytes(parameters_bytes=60 * MIB, activations_bytes=8 * MIB),
+            index=7,
+            what="compute forward of block 1, micro-batch 0",
+        )
     msg = str(e.value)
     assert "device n/small exceeded its emulated memory cap of 64 MiB at instruction 7" in msg
     assert "activations 8.0, sync buffers 0.0 MiB" in msg and "memory_gib" in msg
@@ -76,17 +79,18 @@ def test_plan_that_fits_runs_and_even_dp_fails_with_the_cap(tmp_path):
     cluster = _cluster()
     spec = ModelSpec(name="mlp", args=MODEL_ARGS, batch_size=BATCH)
     graph = capture_model("mlp", MODEL_ARGS, batch_size=BATCH)
-    result = plan_graph(graph, cluster, build_cost_model(graph, cluster), budget_s=1.0, model_spec=spec,
-                        policy=False, max_iters=50)
+    result = plan_graph(
+        graph, cluster, build_cost_model(graph, cluster), budget_s=1.0, model_spec=spec, policy=False, max_iters=50
+    )
     by_name = {c.strategy: c for c in result.candidates}
-    assert not by_name["even-dp-allreduce"].feasible        # the planner's memory model agrees
+    assert not by_name["even-dp-allreduce"].feasible  # the planner's memory model agrees
     doc = cluster_to_dict(cluster)
 
     def runnable(plan):
         return dataclasses.replace(plan, model=spec, cluster=doc, cluster_fingerprint=cluster.fingerprint())
 
     best = result.best
-    assert "n/small" in best.devices()                     # it does use the small device
+    assert "n/small" in best.devices()  # it does use the small device
     fits = run(runnable(best), steps=2, predict=False, timeout_s=60, out_dir=tmp_path / "fits")
     assert fits["measured_iteration_time_s"] > 0
     small = next(r for r in range(len(fits["devices"])) if fits["devices"][r] == "n/small")
@@ -95,8 +99,9 @@ def test_plan_that_fits_runs_and_even_dp_fails_with_the_cap(tmp_path):
     assert 0 < rank["peak_live_bytes"] <= 64 * MIB
 
     with pytest.raises(RankError) as e:
-        run(runnable(by_name["even-dp-allreduce"].plan), steps=2, predict=False, timeout_s=30,
-            out_dir=tmp_path / "even")
+        run(
+            runnable(by_name["even-dp-allreduce"].plan), steps=2, predict=False, timeout_s=30, out_dir=tmp_path / "even"
+        )
     assert "device n/small exceeded its emulated memory cap of 64 MiB at instruction" in str(e.value)
     assert "MemoryCapExceeded" in str(e.value)
 
@@ -124,18 +129,33 @@ def test_a_pipeline_holds_what_the_memory_model_predicts(tmp_path):
     the run failed on its cap)."""
     from heterog.capture import capture_model
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     args = {"hidden": 32, "layers": 1, "heads": 4, "vocab": 4096, "positions": 32, "dropout": 0.0}
     nodes = [n.name for n in capture_model("gpt2", args, batch_size=2, seq_len=16).nodes]
     loss = tuple(n for n in nodes if n.startswith("loss::"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cluster = parse_cluster_yaml(PIPELINE_YAML, "<test>")
-    plan = Plan(strategy="test", model=ModelSpec(name="gpt2", args=args, batch_size=8, seq_len=16),
-                groups=(Group(name="model", nodes=tuple(n for n in nodes if n not in loss),
-                              replicas=(Replica(device="n/a", share=1.0),)),
-                        Group(name="loss", nodes=loss, sync="ring",
-                              replicas=(Replica(device="n/b", share=0.5), Replica(device="n/c", share=0.5)))),
-                num_microbatches=4, schedule="gpipe", cluster=cluster_to_dict(cluster)).validate()
+    plan = Plan(
+        strategy="test",
+        model=ModelSpec(name="gpt2", args=args, batch_size=8, seq_len=16),
+        groups=(
+            Group(
+                name="model",
+                nodes=tuple(n for n in nodes if n not in loss),
+                replicas=(Replica(device="n/a", share=1.0),),
+            ),
+            Group(
+                name="loss",
+                nodes=loss,
+                sync="ring",
+                replicas=(Replica(device="n/b", share=0.5), Replica(device="n/c", share=0.5)),
+            ),
+        ),
+        num_microbatches=4,
+        schedule="gpipe",
+        cluster=cluster_to_dict(cluster),
+    ).validate()
     out = run(plan, steps=1, out_dir=tmp_path, timeout_s=120, shape_links=False)
     for r in out["per_rank"]:
         live, predicted = r["peak_live_bytes"], r["predicted_peak_memory_bytes"]
@@ -151,15 +171,27 @@ def test_a_parameter_server_holds_what_the_memory_model_predicts(tmp_path, serve
     the memory model counts them (sync_tasks._server_state), after every instruction of 3 steps."""
     from heterog.capture import capture_model
     from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
     args = {"hidden": 32, "layers": 1, "heads": 4, "vocab": 4096, "positions": 32, "dropout": 0.0}
     nodes = tuple(n.name for n in capture_model("gpt2", args, batch_size=2, seq_len=16).nodes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cluster = parse_cluster_yaml(PIPELINE_YAML, "<test>")
-    plan = Plan(strategy="test", model=ModelSpec(name="gpt2", args=args, batch_size=8, seq_len=16), optimizer="adamw",
-                groups=(Group(name="all", nodes=nodes, sync="ps", ps_device=server,
-                              replicas=(Replica(device="n/a", share=0.5), Replica(device="n/b", share=0.5))),),
-                cluster=cluster_to_dict(cluster)).validate()
+    plan = Plan(
+        strategy="test",
+        model=ModelSpec(name="gpt2", args=args, batch_size=8, seq_len=16),
+        optimizer="adamw",
+        groups=(
+            Group(
+                name="all",
+                nodes=nodes,
+                sync="ps",
+                ps_device=server,
+                replicas=(Replica(device="n/a", share=0.5), Replica(device="n/b", share=0.5)),
+            ),
+        ),
+        cluster=cluster_to_dict(cluster),
+    ).validate()
     out = run(plan, steps=3, out_dir=tmp_path, timeout_s=120, shape_links=False)
     for r in out["per_rank"]:
         live, predicted = r["peak_live_bytes"], r["predicted_peak_memory_bytes"]

@@ -39,8 +39,9 @@ sys.meta_path.insert(0, _Absent())
 '''
 
 
-def _python_without(tmp_path: Path, code: str, *args: str, env: dict[str, str] | None = None,
-                    timeout_s: float = 120) -> subprocess.CompletedProcess:
+def _python_without(
+    tmp_path: Path, code: str, *args: str, env: dict[str, str] | None = None, timeout_s: float = 120
+) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (and its children) where numba and torch_geometric
     cannot be imported."""
     site = tmp_path / "absent_site"
@@ -48,23 +49,26 @@ def _python_without(tmp_path: Path, code: str, *args: str, env: dict[str, str] |
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
-    return subprocess.run([sys.executable, "-c", code, *args], env=full_env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], env=full_env, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def test_the_command_line_loads_without_numba_and_torch_geometric(tmp_path):
-    code = ("import sys\n"
-            f"for name in {ABSENT!r}:\n"
-            "    try:\n"
-            "        __import__(name)\n"
-            "    except ImportError:\n"
-            "        pass\n"
-            "    else:\n"
-            "        sys.exit(f'{name} is importable: the hook does not work')\n"
-            "import heterog.cli.main\n"
-            "from heterog.cli.main import run_cli\n"
-            "assert run_cli(['check', '--help']) == 0\n"
-            "sys.exit(run_cli(['run', '--help']))\n")
+    code = (
+        "import sys\n"
+        f"for name in {ABSENT!r}:\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "    except ImportError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        sys.exit(f'{name} is importable: the hook does not work')\n"
+        "import heterog.cli.main\n"
+        "from heterog.cli.main import run_cli\n"
+        "assert run_cli(['check', '--help']) == 0\n"
+        "sys.exit(run_cli(['run', '--help']))\n"
+    )
     out = _python_without(tmp_path, code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Usage: heterog run" in out.stdout and "--steps" in out.stdout, out.stdout
@@ -75,12 +79,14 @@ def test_the_executor_side_does_not_load_numba_or_torch_geometric():
     """Where both are installed: the command line and a rank process import neither, nor scipy
     (a rank interprets its Program, it never schedules or simulates), so a GPU machine's ranks
     need none of their wheels."""
-    code = ("import sys, contextlib, io\n"
-            "from heterog.cli.main import run_cli\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    assert run_cli(['run', '--help']) == 0\n"
-            "import heterog.execute.worker\n"
-            f"print(sorted(m for m in {ABSENT + ('scipy', 'heterog._jit')!r} if m in sys.modules))\n")
+    code = (
+        "import sys, contextlib, io\n"
+        "from heterog.cli.main import run_cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert run_cli(['run', '--help']) == 0\n"
+        "import heterog.execute.worker\n"
+        f"print(sorted(m for m in {ABSENT + ('scipy', 'heterog._jit')!r} if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]", out.stdout
@@ -110,8 +116,12 @@ def simulated(cases: list[tuple[str, str]]) -> dict:
             sched = build_schedule(graph, cluster, plans[pname], costs)
             timed = engine.run(sched.tasks, sched.order, sched.info, True)
             r = simulate(graph, cluster, plans[pname], costs, timeline=True)
-            out[cname, pname] = {"order": sched.order.tolist(), "timed": timed, "result": r.to_dict(),
-                                 "memory_timeline": r.memory_timeline}
+            out[cname, pname] = {
+                "order": sched.order.tolist(),
+                "timed": timed,
+                "result": r.to_dict(),
+                "memory_timeline": r.memory_timeline,
+            }
     return out
 
 
@@ -122,11 +132,13 @@ CASES = [("paper-8gpu", "dp"), ("paper-8gpu", "pipe-dp"), ("paper-8gpu", "hybrid
 def test_uncompiled_simulator_equals_compiled_on_the_benchmark_plans(tmp_path):
     assert _jit.COMPILED, f"this test compares with numba's results, but {_jit.WHY_UNCOMPILED}"
     dump = tmp_path / "uncompiled.pkl"
-    code = (f"import pickle, sys; sys.path.insert(0, {str(TESTS)!r})\n"
-            "from heterog import _jit\n"
-            "assert not _jit.COMPILED and 'numba cannot be imported' in _jit.WHY_UNCOMPILED, _jit.WHY_UNCOMPILED\n"
-            "from test_no_numba import CASES, simulated\n"
-            "pickle.dump(simulated(CASES), open(sys.argv[1], 'wb'))\n")
+    code = (
+        f"import pickle, sys; sys.path.insert(0, {str(TESTS)!r})\n"
+        "from heterog import _jit\n"
+        "assert not _jit.COMPILED and 'numba cannot be imported' in _jit.WHY_UNCOMPILED, _jit.WHY_UNCOMPILED\n"
+        "from test_no_numba import CASES, simulated\n"
+        "pickle.dump(simulated(CASES), open(sys.argv[1], 'wb'))\n"
+    )
     out = _python_without(tmp_path, code, str(dump))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count(NOTICE) == 1, out.stderr
@@ -159,29 +171,54 @@ def test_plan_lower_simulate_run_without_numba_and_torch_geometric(tmp_path):
     the measured `cpu` device type is the same (lowering for a run sets one thread)."""
     (tmp_path / "cluster.yaml").write_text(TWO_CPUS)
     plan = tmp_path / "plan.json"
-    chain = [["plan", "--model", "mlp", "--batch-size", "8", "--cluster", str(tmp_path / "cluster.yaml"),
-              "--no-gnn", "--budget-s", "5", "--max-iters", "20", "--strategy", "even-dp-allreduce",
-              "--json", "--out", str(plan)],
-             ["lower", str(plan), "--json", "--out", str(tmp_path / "program.json")],
-             ["simulate", str(plan), "--json"],
-             ["run", str(plan), "--steps", "2", "--json", "--out", str(tmp_path / "run.json")]]
-    code = ("import contextlib, sys\n"
-            "from heterog.cli.main import run_cli\n"
-            f"for argv in {chain!r}:\n"
-            f"    with open({str(tmp_path)!r} + '/' + argv[0] + '.out', 'w') as f, contextlib.redirect_stdout(f):\n"
-            "        code = run_cli(argv)\n"
-            "    if code:\n"
-            "        sys.exit(f'heterog {argv[0]} exited with {code}')\n")
+    chain = [
+        [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--cluster",
+            str(tmp_path / "cluster.yaml"),
+            "--no-gnn",
+            "--budget-s",
+            "5",
+            "--max-iters",
+            "20",
+            "--strategy",
+            "even-dp-allreduce",
+            "--json",
+            "--out",
+            str(plan),
+        ],
+        ["lower", str(plan), "--json", "--out", str(tmp_path / "program.json")],
+        ["simulate", str(plan), "--json"],
+        ["run", str(plan), "--steps", "2", "--json", "--out", str(tmp_path / "run.json")],
+    ]
+    code = (
+        "import contextlib, sys\n"
+        "from heterog.cli.main import run_cli\n"
+        f"for argv in {chain!r}:\n"
+        f"    with open({str(tmp_path)!r} + '/' + argv[0] + '.out', 'w') as f, contextlib.redirect_stdout(f):\n"
+        "        code = run_cli(argv)\n"
+        "    if code:\n"
+        "        sys.exit(f'heterog {argv[0]} exited with {code}')\n"
+    )
     one_thread = {"OMP_NUM_THREADS": "1"}
     out = _python_without(tmp_path, code, env={"HETEROG_NO_NUMBA": "1", **one_thread}, timeout_s=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count(NOTICE) == 1 and "HETEROG_NO_NUMBA is set" in out.stderr, out.stderr
     result = json.loads((tmp_path / "run.json").read_text())
     assert [r["device"] for r in result["per_rank"]] == ["n0/cpu0", "n0/cpu1"]
-    assert result["measured_steps"] == 1 and result["losses"][0] > 0     # 2 steps, the first a warm-up
+    assert result["measured_steps"] == 1 and result["losses"][0] > 0  # 2 steps, the first a warm-up
     assert result["prediction_source"] == "simulator" and result["predicted_iteration_time_s"] > 0
 
-    compiled = subprocess.run([sys.executable, "-m", "heterog.cli.main", "simulate", str(plan), "--json"],
-                              env={**os.environ, **one_thread}, capture_output=True, text=True, timeout=120)
+    compiled = subprocess.run(
+        [sys.executable, "-m", "heterog.cli.main", "simulate", str(plan), "--json"],
+        env={**os.environ, **one_thread},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert compiled.returncode == 0 and NOTICE not in compiled.stderr, compiled.stderr[-3000:]
     assert json.loads((tmp_path / "simulate.out").read_text()) == json.loads(compiled.stdout)

@@ -37,23 +37,43 @@ def _json(capsys: pytest.CaptureFixture, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize(("yaml", "model", "batch", "emulated"),
-                         [(TWO_CPUS, "toy-cnn", 32, []), (TWO_GPUS, "toy-cnn", 256, ["--emulated"])],
-                         ids=["emulated-cluster", "gpu-cluster"])
-def test_plan_simulate_report_and_run_print_the_same_predicted_time(yaml, model, batch, emulated, tmp_path, capsys,
-                                                                     monkeypatch):
+@pytest.mark.parametrize(
+    ("yaml", "model", "batch", "emulated"),
+    [(TWO_CPUS, "toy-cnn", 32, []), (TWO_GPUS, "toy-cnn", 256, ["--emulated"])],
+    ids=["emulated-cluster", "gpu-cluster"],
+)
+def test_plan_simulate_report_and_run_print_the_same_predicted_time(
+    yaml, model, batch, emulated, tmp_path, capsys, monkeypatch
+):
     import torch
+
     monkeypatch.chdir(tmp_path)
-    torch.set_num_threads(2)        # as a fresh `heterog plan` process starts; the cpu type must not follow it
+    torch.set_num_threads(2)  # as a fresh `heterog plan` process starts; the cpu type must not follow it
     (tmp_path / "cluster.yaml").write_text(yaml)
-    planned = _json(capsys, "plan", "--model", model, "--batch-size", str(batch), "--cluster", "cluster.yaml",
-                    "--budget-s", "2", "--max-iters", "20", "--no-gnn", "--out", "plan.json")
+    planned = _json(
+        capsys,
+        "plan",
+        "--model",
+        model,
+        "--batch-size",
+        str(batch),
+        "--cluster",
+        "cluster.yaml",
+        "--budget-s",
+        "2",
+        "--max-iters",
+        "20",
+        "--no-gnn",
+        "--out",
+        "plan.json",
+    )
     predicted = planned["best"]["predicted_iteration_time_s"]
-    assert len({r[0] for g in planned["best"]["groups"] for r in g["replicas"]}) == 2   # both devices: a real split
+    assert len({r[0] for g in planned["best"]["groups"] for r in g["replicas"]}) == 2  # both devices: a real split
     torch.set_num_threads(2)
     assert _json(capsys, "simulate", "plan.json")["iteration_time_s"] == pytest.approx(predicted, rel=1e-12)
     torch.set_num_threads(2)
     assert _json(capsys, "report", "plan.json", "--out", "r.html")["iteration_time_s"] == pytest.approx(
-        predicted, rel=1e-12)
+        predicted, rel=1e-12
+    )
     ran = _json(capsys, "run", "plan.json", "--steps", "2", *emulated)
     assert ran["predicted_iteration_time_s"] == pytest.approx(predicted, rel=1e-12)

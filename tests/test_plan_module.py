@@ -16,8 +16,17 @@ def test_plan_an_in_memory_module():
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     x, y = torch.randn(12, 16), torch.randint(0, 4, (12,))
-    result = heterog.plan(module, example_inputs=(x,), targets=y, loss_fn=nn.functional.cross_entropy,
-                          cluster="emulated-4", budget_s=2, policy=False, max_iters=5, name="mlp16")
+    result = heterog.plan(
+        module,
+        example_inputs=(x,),
+        targets=y,
+        loss_fn=nn.functional.cross_entropy,
+        cluster="emulated-4",
+        budget_s=2,
+        policy=False,
+        max_iters=5,
+        name="mlp16",
+    )
     best = Plan.from_dict(result["best"])
     assert best.model.name == "in-memory:mlp16" and best.batch_size == 12
     assert best.predicted_iteration_time_s > 0 and result["candidates"]
@@ -34,11 +43,13 @@ def test_plan_by_name_still_works_and_modules_need_inputs():
 
 def test_example_batch_receives_the_model_arguments(tmp_path):
     from heterog.capture import capture_model
+
     (tmp_path / "net.py").write_text(
         "import torch\nfrom torch import nn\n"
         "def net(in_features=16, classes=4):\n"
         "    return nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, classes))\n"
         "def example_batch(batch_size, seq_len=None, in_features=16):\n"
-        "    return (torch.randn(batch_size, in_features),), torch.randint(0, 4, (batch_size,))\n")
+        "    return (torch.randn(batch_size, in_features),), torch.randint(0, 4, (batch_size,))\n"
+    )
     graph = capture_model(f"{tmp_path}/net.py:net", {"in_features": 7}, batch_size=4)
     assert graph.num_parameters == 7 * 32 + 32 + 32 * 4 + 4

@@ -38,8 +38,12 @@ def test_calibrating_the_h200_sweep_reproduces_its_large_products(tmp_path, monk
             continue
         achieved = 2 * g["n"] ** 3 / g["time_s"]
         from heterog.cost.efficiency import gpu_curve
-        model = gpu.peak_flops_per_s[g["dtype"]] * float(gpu_curve(gpu, g["dtype"]).at(g["n"])) * \
-            gpu.efficiency.compute[g["dtype"]]
+
+        model = (
+            gpu.peak_flops_per_s[g["dtype"]]
+            * float(gpu_curve(gpu, g["dtype"]).at(g["n"]))
+            * gpu.efficiency.compute[g["dtype"]]
+        )
         assert model == pytest.approx(achieved, rel=0.15), g
     assert 0.5 < gpu.efficiency.memory <= 1.0
 
@@ -47,13 +51,21 @@ def test_calibrating_the_h200_sweep_reproduces_its_large_products(tmp_path, monk
 def test_the_host_scale_fit_recovers_a_known_host(monkeypatch):
     """Steps made by a host twice as slow as the default are fitted back to a scale of ~2."""
     from cost_support import transformer_graph
+
     import heterog.cost.predict as pred
+
     graph = transformer_graph(layers=2, hidden=128, seq=32, batch=2)
     monkeypatch.setitem(pred._CAPTURES, ("toy-transformer", (), 1, None), graph)
     gpu = get_gpu("H200")
     slow = dataclasses.replace(gpu, host=scale_host(host_costs(gpu), 2.0))
-    steps = [{"model": "toy-transformer", "batch_size": b, "time_s": predict(graph, batch_size=b, device=slow)["iteration_time_s"]}
-             for b in (1, 2, 4)]
+    steps = [
+        {
+            "model": "toy-transformer",
+            "batch_size": b,
+            "time_s": predict(graph, batch_size=b, device=slow)["iteration_time_s"],
+        }
+        for b in (1, 2, 4)
+    ]
     prof = DeviceProfile.from_dict({"device": {"type": "H200"}, "steps": steps})
     assert fit_host_scale(prof, gpu) == pytest.approx(2.0, rel=0.05)
 
@@ -66,6 +78,7 @@ def test_a_malformed_profile_says_what_is_wrong(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("gpus: 3\n")
     import os
+
     os.environ[catalog.CATALOG_ENV] = str(bad)
     try:
         with pytest.raises(Exception, match="gpus"):
@@ -85,12 +98,31 @@ def test_profile_on_this_cpu_then_predict_with_it(tmp_path):
     assert prof.device_type == "cpu" and prof.gemm and prof.copy and prof.host
     assert prof.comm["backend"] == "gloo" and all(row["allreduce_s"] > 0 for row in prof.comm["rows"])
     assert [s["batch_size"] for s in prof.steps] == [2, 8] and prof.nodes is not None
-    r = runner.invoke(app, ["predict", "--model", "mlp", "--batch-size", "4", "--device", "cpu",
-                            "--profile", str(out), "--json"])
+    r = runner.invoke(
+        app, ["predict", "--model", "mlp", "--batch-size", "4", "--device", "cpu", "--profile", str(out), "--json"]
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["iteration_time_s"] > 0
-    r = runner.invoke(app, ["plan", "--model", "mlp", "--batch-size", "8", "--cluster", "emulated-4",
-                            "--budget-s", "1", "--no-gnn", "--max-iters", "10", "--profile", str(out), "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--cluster",
+            "emulated-4",
+            "--budget-s",
+            "1",
+            "--no-gnn",
+            "--max-iters",
+            "10",
+            "--profile",
+            str(out),
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["best"]["predicted_iteration_time_s"] > 0
 
@@ -99,8 +131,7 @@ def test_profile_on_this_cpu_then_predict_with_it(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_profile_and_calibrate_on_a_gpu(tmp_path):  # pragma: no cover - GPU only
     out, cat = tmp_path / "p.json", tmp_path / "c.yaml"
-    r = runner.invoke(app, ["profile", "--out", str(out), "--model", "resnet50", "--batch-sizes", "1,32",
-                            "--no-comm"])
+    r = runner.invoke(app, ["profile", "--out", str(out), "--model", "resnet50", "--batch-sizes", "1,32", "--no-comm"])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["calibrate", str(out), "--name", "this-gpu", "--out", str(cat)])
     assert r.exit_code == 0, r.output
@@ -111,13 +142,20 @@ def test_the_host_speed_fit_recovers_a_known_node(monkeypatch):
     """Steps measured on a node whose host runs at half the reference speed are fitted back
     to host_speed ≈ 0.5, the figure a cluster YAML's node takes; the profile keeps it."""
     from cost_support import transformer_graph
+
     import heterog.cost.predict as pred
     from heterog.cost.calibrate import fit_host_speed
+
     graph = transformer_graph(layers=2, hidden=128, seq=32, batch=2)
     monkeypatch.setitem(pred._CAPTURES, ("toy-transformer", (), 1, None), graph)
-    steps = [{"model": "toy-transformer", "batch_size": b,
-              "time_s": predict(graph, batch_size=b, device="H200", host_speed=0.5)["iteration_time_s"]}
-             for b in (1, 2, 4)]
+    steps = [
+        {
+            "model": "toy-transformer",
+            "batch_size": b,
+            "time_s": predict(graph, batch_size=b, device="H200", host_speed=0.5)["iteration_time_s"],
+        }
+        for b in (1, 2, 4)
+    ]
     prof = DeviceProfile.from_dict({"device": {"type": "H200"}, "steps": steps})
     speed = fit_host_speed(prof, get_gpu("H200"))
     assert speed == pytest.approx(0.5, rel=0.05)
@@ -138,8 +176,9 @@ def test_profile_calibrate_plan_round_trip_on_this_cpu(tmp_path):
     from heterog.hardware.spec import load_cluster
 
     prof, cat = tmp_path / "p.json", tmp_path / "lab-catalog.yaml"
-    r = runner.invoke(app, ["profile", "--out", str(prof), "--quick", "--no-comm", "--model", "mlp",
-                            "--batch-sizes", "2,8"])
+    r = runner.invoke(
+        app, ["profile", "--out", str(prof), "--quick", "--no-comm", "--model", "mlp", "--batch-sizes", "2,8"]
+    )
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["calibrate", str(prof), "--name", "lab-cpu", "--out", str(cat)])
     assert r.exit_code == 0, r.output
@@ -148,10 +187,30 @@ def test_profile_calibrate_plan_round_trip_on_this_cpu(tmp_path):
     best_fp32 = max(2 * g["n"] ** 3 / g["time_s"] for g in measured.gemm if g["dtype"] == "fp32")
     assert entry["vendor"] == "cpu" and entry["peak_tflops"]["fp32"] == pytest.approx(best_fp32 / 1e12)
     spec = tmp_path / "lab.yaml"
-    spec.write_text("name: lab\nkind: emulated\ncatalog: lab-catalog.yaml\nnodes:\n  - name: a\n"
-                    "    nic_bandwidth_gbps: 1\n    devices: [{type: lab-cpu, count: 2}]\n")
-    r = runner.invoke(app, ["plan", "--model", "mlp", "--batch-size", "8", "--cluster", str(spec), "--budget-s", "1",
-                            "--no-gnn", "--max-iters", "10", "--profile", f"{prof}:lab-cpu", "--json"])
+    spec.write_text(
+        "name: lab\nkind: emulated\ncatalog: lab-catalog.yaml\nnodes:\n  - name: a\n"
+        "    nic_bandwidth_gbps: 1\n    devices: [{type: lab-cpu, count: 2}]\n"
+    )
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "8",
+            "--cluster",
+            str(spec),
+            "--budget-s",
+            "1",
+            "--no-gnn",
+            "--max-iters",
+            "10",
+            "--profile",
+            f"{prof}:lab-cpu",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     best = json.loads(r.output)["best"]
     assert set(best["cluster"]["gpu_types"]) == {"lab-cpu"} and best["predicted_iteration_time_s"] > 0
@@ -169,8 +228,11 @@ def test_a_gpu_profile_calibrates_its_type_in_the_plan_cluster():
     from heterog.cost.calibrated import apply_profiles
     from heterog.cost.profile import ProfileError
     from heterog.hardware.spec import cluster_from_dict
-    doc = {"name": "h", "nodes": [{"name": "n", "nic_bandwidth_gbps": 100, "devices": [{"type": "H200", "count": 2},
-                                                                                       {"type": "T4"}]}]}
+
+    doc = {
+        "name": "h",
+        "nodes": [{"name": "n", "nic_bandwidth_gbps": 100, "devices": [{"type": "H200", "count": 2}, {"type": "T4"}]}],
+    }
     prof = DeviceProfile.from_shared_files([H200_MICRO], "H200")
     cluster, times = apply_profiles(cluster_from_dict(doc), [prof])
     assert times is None and cluster.gpu_types["H200"].efficiency.source.startswith("heterog calibrate")
@@ -183,8 +245,10 @@ def test_a_gpu_profile_calibrates_its_type_in_the_plan_cluster():
 def test_a_cluster_file_names_a_missing_catalog(tmp_path):
     from heterog.errors import ClusterError
     from heterog.hardware.spec import load_cluster
+
     spec = tmp_path / "c.yaml"
-    spec.write_text("name: c\ncatalog: nowhere.yaml\nnodes:\n  - name: a\n    nic_bandwidth_gbps: 1\n"
-                    "    devices: [{type: T4}]\n")
+    spec.write_text(
+        "name: c\ncatalog: nowhere.yaml\nnodes:\n  - name: a\n    nic_bandwidth_gbps: 1\n    devices: [{type: T4}]\n"
+    )
     with pytest.raises(ClusterError, match=r"c.yaml:2: field catalog: .*nowhere.yaml.*cannot be read"):
         load_cluster(spec)

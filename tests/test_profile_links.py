@@ -29,12 +29,16 @@ def test_unhooked_time_goes_to_the_loss_and_the_loose_nodes_by_their_bytes(gpt2_
     hooked = {n.name: {"fwd": 0.001, "bwd": 0.002} for n in g.nodes if "::" not in n.name}
     unseen = [n for n in g.nodes if n.name not in hooked]
     losses = [n for n in unseen if str(n.kind) == "loss"]
-    assert losses and len(unseen) > len(losses)       # gpt2 has loose adds and a loss
-    whole = WholeStep(fwd_s=sum(v["fwd"] for v in hooked.values()) + 0.010,
-                      bwd_s=sum(v["bwd"] for v in hooked.values()) + 0.030, loss_fwd_s=0.004, loss_bwd_s=0.006)
+    assert losses and len(unseen) > len(losses)  # gpt2 has loose adds and a loss
+    whole = WholeStep(
+        fwd_s=sum(v["fwd"] for v in hooked.values()) + 0.010,
+        bwd_s=sum(v["bwd"] for v in hooked.values()) + 0.030,
+        loss_fwd_s=0.004,
+        loss_bwd_s=0.006,
+    )
     out = attribute_unhooked(hooked, whole, g, 4)
     assert set(out) == {n.name for n in g.nodes}
-    assert all(out[n] == v for n, v in hooked.items())         # the step had room: hooked kept
+    assert all(out[n] == v for n, v in hooked.items())  # the step had room: hooked kept
     assert sum(out[n.name]["fwd"] for n in losses) == pytest.approx(0.004)
     assert sum(out[n.name]["bwd"] for n in losses) == pytest.approx(0.006)
     # hooked + attributed = the whole step, in each phase
@@ -48,12 +52,11 @@ def test_unhooked_time_goes_to_the_loss_and_the_loose_nodes_by_their_bytes(gpt2_
 
 def test_hooks_seeing_more_than_the_whole_step_are_scaled_down_to_it(gpt2_graph):
     hooked = {n.name: {"fwd": 1.0, "bwd": 2.0} for n in gpt2_graph.nodes if "::" not in n.name}
-    out = attribute_unhooked(hooked, WholeStep(fwd_s=0.5, bwd_s=0.5, loss_fwd_s=0.1, loss_bwd_s=0.2),
-                             gpt2_graph, 4)
+    out = attribute_unhooked(hooked, WholeStep(fwd_s=0.5, bwd_s=0.5, loss_fwd_s=0.1, loss_bwd_s=0.2), gpt2_graph, 4)
     assert all(t >= 0 for v in out.values() for t in v.values())
-    for phase in ("fwd", "bwd"):     # the step as measured without hooks, loss included
+    for phase in ("fwd", "bwd"):  # the step as measured without hooks, loss included
         assert sum(v[phase] for v in out.values()) == pytest.approx(0.5)
-    some = next(iter(hooked))      # all that the loss leaves, shared as the hooks saw it
+    some = next(iter(hooked))  # all that the loss leaves, shared as the hooks saw it
     assert out[some]["fwd"] == pytest.approx(0.4 / len(hooked))
     assert out[some]["bwd"] == pytest.approx(0.3 / len(hooked))
 
@@ -68,7 +71,7 @@ def test_a_profile_with_the_graph_times_every_node_and_sums_to_the_step(gpt2_gra
     torch.manual_seed(0)
     work = resolve_workload(ModelSpec(name="gpt2", args=GPT2, seq_len=8))
     prof = measure_profile(work, batch_sizes=(4,), repeats=3, graph=gpt2_graph)
-    assert set(prof.times) == {n.name for n in gpt2_graph.nodes}      # none left to the estimate
+    assert set(prof.times) == {n.name for n in gpt2_graph.nodes}  # none left to the estimate
     costs = build_cost_model(gpt2_graph, SCENARIOS["lm-slow-link"].cluster(), profile=prof)
     names = [n.name for n in gpt2_graph.nodes]
     assert costs.group_time_s(names, "a/cpu0", 4, "bwd") > 0
@@ -88,50 +91,60 @@ def test_calibrated_links_slow_only_what_crosses_the_measured_nic():
     big = 64 * 2**20
     # across node b's NIC: half the bandwidth one way, a quarter when two members exchange both ways
     assert costs.transfer_time_s(big, "a/cpu0", "b/cpu0") == pytest.approx(
-        2 * base.transfer_time_s(big, "a/cpu0", "b/cpu0"), rel=0.01)
+        2 * base.transfer_time_s(big, "a/cpu0", "b/cpu0"), rel=0.01
+    )
     assert costs.collective_time_s("allreduce", big, ["a/cpu0", "b/cpu0"]) == pytest.approx(
-        4 * base.collective_time_s("allreduce", big, ["a/cpu0", "b/cpu0"]), rel=0.01)
+        4 * base.collective_time_s("allreduce", big, ["a/cpu0", "b/cpu0"]), rel=0.01
+    )
     # three members: two connections per member, each one way (the one-way rate)
     three = ["a/cpu0", "a/cpu1", "b/cpu0"]
     assert costs.collective_time_s("allreduce", big, three) == pytest.approx(
-        2 * base.collective_time_s("allreduce", big, three), rel=0.01)
+        2 * base.collective_time_s("allreduce", big, three), rel=0.01
+    )
     assert costs.ps_sync_time_s(big, ["a/cpu0", "b/cpu0"], "b/cpu0") == pytest.approx(
-        2 * base.ps_sync_time_s(big, ["a/cpu0", "b/cpu0"], "b/cpu0"), rel=0.01)
+        2 * base.ps_sync_time_s(big, ["a/cpu0", "b/cpu0"], "b/cpu0"), rel=0.01
+    )
     # inside node a nothing changes, and neither does compute
     assert costs.transfer_time_s(big, "a/cpu0", "a/cpu1") == base.transfer_time_s(big, "a/cpu0", "a/cpu1")
     assert costs.collective_time_s("allreduce", big, ["a/cpu0", "a/cpu1"]) == pytest.approx(
-        base.collective_time_s("allreduce", big, ["a/cpu0", "a/cpu1"]))
+        base.collective_time_s("allreduce", big, ["a/cpu0", "a/cpu1"])
+    )
     n = next(iter(base.graph.index))
     assert costs.compute_time_s(n, "a/cpu0", 4, "fwd") == base.compute_time_s(n, "a/cpu0", 4, "fwd")
     # the p2p time is the closed form on the measured rate
     bw = cluster.bottleneck_bandwidth_bytes_per_s("a/cpu0", "b/cpu0") * 0.5
     assert costs.transfer_time_s(big, "a/cpu0", "b/cpu0") == pytest.approx(
-        cluster.latency_s("a/cpu0", "b/cpu0") + big / bw, rel=1e-6)
+        cluster.latency_s("a/cpu0", "b/cpu0") + big / bw, rel=1e-6
+    )
 
 
 def test_an_intra_node_calibration_slows_only_the_node_s_own_ports():
     sc = SCENARIOS["lm-slow-link"]
     cluster = sc.cluster()
     base = build_cost_model(capture_model("gpt2", GPT2, batch_size=4, seq_len=8), cluster)
-    cal = LinkCalibration(node="a", one_way_efficiency=0.5, duplex_efficiency=0.25, latency_s=0.0,
-                          scope=LinkScope.INTRA)
+    cal = LinkCalibration(
+        node="a", one_way_efficiency=0.5, duplex_efficiency=0.25, latency_s=0.0, scope=LinkScope.INTRA
+    )
     costs = LinkCalibratedCosts(base, cluster, (cal,))
     big = 64 * 2**20
     pair = ["a/cpu0", "a/cpu1"]
     assert costs.transfer_time_s(big, *pair) == pytest.approx(2 * base.transfer_time_s(big, *pair), rel=0.01)
     assert costs.collective_time_s("allreduce", big, pair) == pytest.approx(
-        4 * base.collective_time_s("allreduce", big, pair), rel=0.01)
+        4 * base.collective_time_s("allreduce", big, pair), rel=0.01
+    )
     # across b's NIC (25 MB/s) the loopback ports are nowhere near the bottleneck
     assert costs.transfer_time_s(big, "a/cpu0", "b/cpu0") == pytest.approx(
-        base.transfer_time_s(big, "a/cpu0", "b/cpu0"), rel=0.01)
+        base.transfer_time_s(big, "a/cpu0", "b/cpu0"), rel=0.01
+    )
 
 
 def test_loopback_between_two_ranks_is_measured_without_root():
     from heterog.profile.links import LinkMeasurementError, calibrate_links, measure_intra_link
+
     cluster = SCENARIOS["lm-slow-link"].cluster()
-    (cal, m), = calibrate_links(cluster, nics=False)
+    ((cal, m),) = calibrate_links(cluster, nics=False)
     assert (cal.node, cal.scope) == ("a", LinkScope.INTRA)
-    assert m.nominal_bandwidth_bytes_per_s == pytest.approx(2e9)      # the cpu type's declared rate
+    assert m.nominal_bandwidth_bytes_per_s == pytest.approx(2e9)  # the cpu type's declared rate
     assert m.one_way_bandwidth_bytes_per_s > 1e7 and m.ring_bandwidth_bytes_per_s > 1e7
     with pytest.raises(LinkMeasurementError, match="not two devices of one node"):
         measure_intra_link(cluster, "a/cpu0", "b/cpu0")
@@ -140,13 +153,15 @@ def test_loopback_between_two_ranks_is_measured_without_root():
 def test_the_simulator_and_planner_take_calibrated_costs():
     from heterog.search.planner import plan_graph
     from heterog.simulate.simulator import simulate
+
     cluster, graph, base, costs = _calibrated()
-    result = plan_graph(graph, cluster, costs, budget_s=1.0, model_spec=ModelSpec(name="gpt2", args=GPT2,
-                                                                                  batch_size=4, seq_len=8))
+    result = plan_graph(
+        graph, cluster, costs, budget_s=1.0, model_spec=ModelSpec(name="gpt2", args=GPT2, batch_size=4, seq_len=8)
+    )
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
     slow = simulate(graph, cluster, even.plan, costs, timeline=False).iteration_time_s
     fast = simulate(graph, cluster, even.plan, base, timeline=False).iteration_time_s
-    assert slow > fast       # its gradients cross b's NIC, measured slower than declared
+    assert slow > fast  # its gradients cross b's NIC, measured slower than declared
 
 
 def test_a_calibration_says_what_is_wrong():
@@ -154,8 +169,9 @@ def test_a_calibration_says_what_is_wrong():
         LinkCalibration(node="b", one_way_efficiency=0.0, duplex_efficiency=0.5, latency_s=0.0)
     cluster, _, base, _ = _calibrated()
     with pytest.raises(ProfileError, match="does not have"):
-        LinkCalibratedCosts(base, cluster, (LinkCalibration(node="zz", one_way_efficiency=0.9,
-                                                            duplex_efficiency=0.8, latency_s=0.0),))
+        LinkCalibratedCosts(
+            base, cluster, (LinkCalibration(node="zz", one_way_efficiency=0.9, duplex_efficiency=0.8, latency_s=0.0),)
+        )
 
 
 @pytest.mark.slow
@@ -164,7 +180,8 @@ def test_a_calibration_says_what_is_wrong():
 def test_a_shaped_link_carries_about_its_rate_and_less_both_ways():
     from heterog.execute.netns import leftover_namespaces
     from heterog.profile.links import measure_shaped_link
-    cluster = SCENARIOS["lm-slow-link"].cluster()          # node b: 0.2 Gb/s = 25 MB/s
+
+    cluster = SCENARIOS["lm-slow-link"].cluster()  # node b: 0.2 Gb/s = 25 MB/s
     m = measure_shaped_link(cluster, "a/cpu0", "b/cpu0")
     assert m.nominal_bandwidth_bytes_per_s == pytest.approx(25e6)
     # TBF holds the rate: a one-way stream gets no more than ~the rate, and not far less

@@ -12,6 +12,7 @@ import time
 from html.parser import HTMLParser
 
 import pytest
+from simulate_support import TableCosts, chain_graph, cluster
 
 import heterog.simulate as sim_pkg
 from heterog.execute.steplog import STEPS_FILE, StepLog, StepRecord, merge, read_records, read_run
@@ -22,8 +23,6 @@ from heterog.report import ReportInputs, build_report
 from heterog.report.inputs import Candidate, load_plan_file, load_run
 from heterog.report.svg import Bar, merge_intervals
 from heterog.report.tables import segments
-
-from simulate_support import TableCosts, chain_graph, cluster
 
 
 class _Rows(HTMLParser):
@@ -55,10 +54,15 @@ def _plan_on(devices: list[str], n_nodes: int, *, split: int = 2) -> Plan:
     shares = [x / sum(w) for x in w]
     shares[-1] = 1.0 - sum(shares[:-1])
     half = n_nodes // split
-    dp = Group(name="g0", nodes=tuple(f"l{i}" for i in range(half)), sync="ring",
-               replicas=tuple(Replica(device=d, share=s) for d, s in zip(devices, shares)))
-    mp = Group(name="g1", nodes=tuple(f"l{i}" for i in range(half, n_nodes)),
-               replicas=(Replica(device=devices[0], share=1.0),))
+    dp = Group(
+        name="g0",
+        nodes=tuple(f"l{i}" for i in range(half)),
+        sync="ring",
+        replicas=tuple(Replica(device=d, share=s) for d, s in zip(devices, shares)),
+    )
+    mp = Group(
+        name="g1", nodes=tuple(f"l{i}" for i in range(half, n_nodes)), replicas=(Replica(device=devices[0], share=1.0),)
+    )
     return Plan(strategy="test", model=ModelSpec(name="chain", batch_size=64), groups=(dp, mp), num_microbatches=2)
 
 
@@ -77,11 +81,12 @@ def test_report_has_a_timeline_and_memory_row_per_device_and_no_external_referen
     names = [d.name for d in clu.devices]
     assert p.rows["timeline-sim"] == names
     assert p.rows["memory"] == names
-    assert p.refs == []                                   # nothing to fetch: no src, href, link, script
-    assert "default-src 'none'" in html                   # and the page forbids fetching anything
+    assert p.refs == []  # nothing to fetch: no src, href, link, script
+    assert "default-src 'none'" in html  # and the page forbids fetching anything
     assert "prefers-color-scheme:dark" in html
     # the headline is the simulator's time, as `heterog simulate` prints it
     from heterog.cli.output import human_time
+
     assert human_time(result.iteration_time_s) in html
 
 
@@ -91,10 +96,10 @@ def test_timeline_bars_cover_the_simulated_compute_time():
     clu = cluster([[1e12, 1e12], [2e12]])
     html, result, _ = _report(clu)
     T = result.iteration_time_s
-    svg_part = html[html.index('id="timeline-sim"'):html.index("</svg>", html.index('id="timeline-sim"'))]
+    svg_part = html[html.index('id="timeline-sim"') : html.index("</svg>", html.index('id="timeline-sim"'))]
     for d in result.compute_time_s:
-        row = svg_part[svg_part.index(f'data-device="{d}"'):]
-        row = row[:row.index("</g>")]
+        row = svg_part[svg_part.index(f'data-device="{d}"') :]
+        row = row[: row.index("</g>")]
         plot_px = 1140 - 150 - 28
         widths = [float(w) for w in re.findall(r'class="k-(?:forward|backward|optimizer)"[^>]*width="([\d.]+)"', row)]
         drawn_s = sum(widths) * T / plot_px
@@ -102,18 +107,23 @@ def test_timeline_bars_cover_the_simulated_compute_time():
 
 
 def test_merge_intervals_joins_only_same_kind_within_tolerance():
-    bars = [Bar(kind="forward", start_s=0, end_s=1), Bar(kind="forward", start_s=1.05, end_s=2),
-            Bar(kind="backward", start_s=2, end_s=3), Bar(kind="forward", start_s=3, end_s=4)]
+    bars = [
+        Bar(kind="forward", start_s=0, end_s=1),
+        Bar(kind="forward", start_s=1.05, end_s=2),
+        Bar(kind="backward", start_s=2, end_s=3),
+        Bar(kind="forward", start_s=3, end_s=4),
+    ]
     out = sorted(merge_intervals(bars, 0.1), key=lambda b: b.start_s)
-    assert [(b.kind, b.start_s, b.end_s) for b in out] == [("forward", 0, 2), ("backward", 2, 3),
-                                                          ("forward", 3, 4)]
+    assert [(b.kind, b.start_s, b.end_s) for b in out] == [("forward", 0, 2), ("backward", 2, 3), ("forward", 3, 4)]
 
 
 def test_placement_segments_merge_consecutive_equal_groups():
     reps = (Replica(device="a", share=0.5), Replica(device="b", share=0.5))
-    gs = (Group(name="g0", nodes=("x",), replicas=reps, sync="ring"),
-          Group(name="g1", nodes=("y", "z"), replicas=reps, sync="ring"),
-          Group(name="g2", nodes=("w",), replicas=(Replica(device="a", share=1.0),)))
+    gs = (
+        Group(name="g0", nodes=("x",), replicas=reps, sync="ring"),
+        Group(name="g1", nodes=("y", "z"), replicas=reps, sync="ring"),
+        Group(name="g2", nodes=("w",), replicas=(Replica(device="a", share=1.0),)),
+    )
     plan = Plan(strategy="t", model=ModelSpec(name="m", batch_size=4), groups=gs)
     s = segments(plan)
     assert [(x.first, x.last, x.nodes, x.sync) for x in s] == [(0, 1, 3, "ring"), (2, 2, 1, "none")]
@@ -121,15 +131,35 @@ def test_placement_segments_merge_consecutive_equal_groups():
 
 def test_candidates_table_speedup_is_relative_to_even_dp():
     clu = cluster([[1e12, 1e12]])
-    cands = (Candidate(strategy="even-dp-allreduce", iteration_time_s=0.4, feasible=True,
-                       peak_memory_bytes={"n0/d0": 2**30}, devices_used=2, num_microbatches=1),
-             Candidate(strategy="test", iteration_time_s=0.1, feasible=True, peak_memory_bytes={},
-                       devices_used=2, num_microbatches=2),
-             Candidate(strategy="single-device", iteration_time_s=None, feasible=False,
-                       peak_memory_bytes={"n0/d0": 2**34}, devices_used=1, num_microbatches=1))
+    cands = (
+        Candidate(
+            strategy="even-dp-allreduce",
+            iteration_time_s=0.4,
+            feasible=True,
+            peak_memory_bytes={"n0/d0": 2**30},
+            devices_used=2,
+            num_microbatches=1,
+        ),
+        Candidate(
+            strategy="test",
+            iteration_time_s=0.1,
+            feasible=True,
+            peak_memory_bytes={},
+            devices_used=2,
+            num_microbatches=2,
+        ),
+        Candidate(
+            strategy="single-device",
+            iteration_time_s=None,
+            feasible=False,
+            peak_memory_bytes={"n0/d0": 2**34},
+            devices_used=1,
+            num_microbatches=1,
+        ),
+    )
     html, _, _ = _report(clu, candidates=cands)
-    table = html[html.index('<table class="candidates"'):]
-    table = table[:table.index("</table>")]
+    table = html[html.index('<table class="candidates"') :]
+    table = table[: table.index("</table>")]
     assert "4.00×" in table and "1.00×" in table and "no (memory)" in table
     assert '<tr class="chosen"><th>test</th>' in table
 
@@ -139,8 +169,9 @@ def test_report_for_64_devices_is_small_and_fast():
     clu = load_cluster("mixed-64")
     g = chain_graph(400, batch_size=256)
     plan = _plan_on([d.name for d in clu.devices], 400, split=1)
-    plan = Plan(strategy="test", model=ModelSpec(name="chain", batch_size=256), groups=plan.groups[:1],
-                num_microbatches=4)
+    plan = Plan(
+        strategy="test", model=ModelSpec(name="chain", batch_size=256), groups=plan.groups[:1], num_microbatches=4
+    )
     result = sim_pkg.simulate(g, clu, plan, TableCosts(g, clu))
     t0 = time.perf_counter()
     html = build_report(ReportInputs(plan=plan, sim=result, cluster=clu))
@@ -155,7 +186,9 @@ def test_report_for_64_devices_is_small_and_fast():
 def test_report_aggregates_placement_by_node_above_64_devices():
     clu = cluster([[1e12] * 8 for _ in range(12)])  # 96 devices on 12 nodes
     html, _, _ = _report(clu)
-    table = html[html.index('<table class="placement"'):html.index("</table>", html.index('<table class="placement"'))]
+    table = html[
+        html.index('<table class="placement"') : html.index("</table>", html.index('<table class="placement"'))
+    ]
     assert "12 nodes" in table
     assert table.count('<th class="dev') == 12
 
@@ -165,14 +198,26 @@ def test_load_plan_file_reads_plan_and_planner_json(tmp_path):
     plan = _plan_on([d.name for d in clu.devices], 4)
     plan.save(tmp_path / "p.json")
     assert load_plan_file(tmp_path / "p.json").plan == plan
-    doc = {"best": plan.to_dict(), "search_time_s": 1.0,
-           "candidates": [{"strategy": "test", "iteration_time_s": 0.1, "feasible": True,
-                           "peak_memory_bytes": {"n0/d0": 5}, "devices_used": 2, "num_microbatches": 2}]}
+    doc = {
+        "best": plan.to_dict(),
+        "search_time_s": 1.0,
+        "candidates": [
+            {
+                "strategy": "test",
+                "iteration_time_s": 0.1,
+                "feasible": True,
+                "peak_memory_bytes": {"n0/d0": 5},
+                "devices_used": 2,
+                "num_microbatches": 2,
+            }
+        ],
+    }
     (tmp_path / "r.json").write_text(json.dumps(doc))
     pf = load_plan_file(tmp_path / "r.json")
     assert pf.plan == plan and pf.candidates[0].max_peak_memory_bytes == 5
     (tmp_path / "x.json").write_text("{}")
     from heterog.errors import ArtifactError
+
     with pytest.raises(ArtifactError, match="heterog plan"):
         load_plan_file(tmp_path / "x.json")
     with pytest.raises(ArtifactError, match="heterog run"):
@@ -185,15 +230,44 @@ def test_measured_run_is_drawn_beside_the_simulated_one(tmp_path):
     spans = []
     for step, base in ((0, 100.0), (1, 100.5), (2, 101.0)):
         for rank, d in enumerate(names):
-            spans += [{"name": f"step {step}", "category": "step", "rank": rank, "step": step, "device": d,
-                       "start_s": base, "end_s": base + 0.3},
-                      {"name": "forward+backward", "category": "compute", "rank": rank, "step": step,
-                       "device": d, "start_s": base, "end_s": base + 0.2},
-                      {"name": "sync", "category": "sync", "rank": rank, "step": step, "device": d,
-                       "start_s": base + 0.2, "end_s": base + 0.3}]
-    doc = {"measured_iteration_time_s": 0.3, "predicted_iteration_time_s": 0.25, "prediction_source": "simulator",
-           "steps": 3, "spans": spans, "notes": [],
-           "step_lines": [{"step": 0, "loss": 2.3, "step_time_s": 0.3, "slowest_rank": 1, "slowest_device": names[1]}]}
+            spans += [
+                {
+                    "name": f"step {step}",
+                    "category": "step",
+                    "rank": rank,
+                    "step": step,
+                    "device": d,
+                    "start_s": base,
+                    "end_s": base + 0.3,
+                },
+                {
+                    "name": "forward+backward",
+                    "category": "compute",
+                    "rank": rank,
+                    "step": step,
+                    "device": d,
+                    "start_s": base,
+                    "end_s": base + 0.2,
+                },
+                {
+                    "name": "sync",
+                    "category": "sync",
+                    "rank": rank,
+                    "step": step,
+                    "device": d,
+                    "start_s": base + 0.2,
+                    "end_s": base + 0.3,
+                },
+            ]
+    doc = {
+        "measured_iteration_time_s": 0.3,
+        "predicted_iteration_time_s": 0.25,
+        "prediction_source": "simulator",
+        "steps": 3,
+        "spans": spans,
+        "notes": [],
+        "step_lines": [{"step": 0, "loss": 2.3, "step_time_s": 0.3, "slowest_rank": 1, "slowest_device": names[1]}],
+    }
     (tmp_path / "run.json").write_text(json.dumps(doc))
     html, _, _ = _report(clu, run=load_run(tmp_path / "run.json"))
     p = _Rows()
@@ -204,17 +278,20 @@ def test_measured_run_is_drawn_beside_the_simulated_one(tmp_path):
 
 # -- per-step log and measured trace ------------------------------------------------------------
 
+
 def test_step_log_merges_ranks_and_skips_a_half_written_line(tmp_path):
     for rank, times in ((0, (0.10, 0.20)), (1, (0.30, 0.05))):
         log = StepLog(tmp_path / STEPS_FILE.format(rank=rank))
         for step, t in enumerate(times):
             log.append(StepRecord(step=step, rank=rank, device=f"d{rank}", loss=1.0 + rank, step_time_s=t))
     with open(tmp_path / STEPS_FILE.format(rank=1), "a") as f:
-        f.write('{"step": 2, "ra')                       # rank 1 is writing step 2
+        f.write('{"step": 2, "ra')  # rank 1 is writing step 2
     assert len(read_records(tmp_path / STEPS_FILE.format(rank=1))) == 2
     lines = read_run(tmp_path, 2)
     assert [(x.step, x.loss, x.step_time_s, x.slowest_rank, x.slowest_device) for x in lines] == [
-        (0, 3.0, 0.30, 1, "d1"), (1, 3.0, 0.20, 0, "d0")]
+        (0, 3.0, 0.30, 1, "d1"),
+        (1, 3.0, 0.20, 0, "d0"),
+    ]
     # a step only one rank has finished is not a line yet
     only0 = [StepRecord(step=5, rank=0, device="d0", loss=0.0, step_time_s=1.0)]
     assert merge(only0, 2) == []
@@ -232,7 +309,7 @@ def test_step_recorder_spans_and_chrome_trace():
     assert [s.name for s in rec.spans] == ["fwd", "sync", "step 3"]
     fwd, sync, step = rec.spans
     assert fwd.end_s - fwd.start_s >= 0.01 and step.start_s <= fwd.start_s and step.end_s >= sync.end_s
-    assert abs(step.start_s - time.time()) < 60                      # epoch time: ranks share an axis
+    assert abs(step.start_s - time.time()) < 60  # epoch time: ranks share an axis
     back = RankSpans.from_dict(json.loads(json.dumps(rec.to_dict())))
     other = RankSpans(rank=0, device="gpu0", spans=())
     trace = chrome_trace([back, other])
@@ -257,17 +334,22 @@ def test_report_command_writes_the_page_with_the_simulate_command_time(tmp_path)
     g = chain_graph(6, flops=5e9, param_bytes=8_000_000, edge_bytes=4e5, batch_size=32)
     clu = load_cluster("paper-8gpu")
     plan = _plan_on(["v100/gpu0", "v100/gpu1", "gtx0/gpu0", "p100/gpu1"], 6)
-    plan = dataclasses.replace(plan, model=ModelSpec(name="chain", batch_size=32), cluster=cluster_to_dict(clu),
-                               cluster_fingerprint=clu.fingerprint(), graph_fingerprint=g.fingerprint())
+    plan = dataclasses.replace(
+        plan,
+        model=ModelSpec(name="chain", batch_size=32),
+        cluster=cluster_to_dict(clu),
+        cluster_fingerprint=clu.fingerprint(),
+        graph_fingerprint=g.fingerprint(),
+    )
     g.save(tmp_path / "g.json")
     plan.save(tmp_path / "p.json")
     out = tmp_path / "r.html"
-    res = CliRunner().invoke(app, ["report", str(tmp_path / "p.json"), "--graph", str(tmp_path / "g.json"),
-                                   "--out", str(out), "--json"])
+    res = CliRunner().invoke(
+        app, ["report", str(tmp_path / "p.json"), "--graph", str(tmp_path / "g.json"), "--out", str(out), "--json"]
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
-    sim = CliRunner().invoke(app, ["simulate", str(tmp_path / "p.json"), "--graph", str(tmp_path / "g.json"),
-                                   "--json"])
+    sim = CliRunner().invoke(app, ["simulate", str(tmp_path / "p.json"), "--graph", str(tmp_path / "g.json"), "--json"])
     assert summary["iteration_time_s"] == json.loads(sim.stdout)["iteration_time_s"]
     assert summary["bytes"] == len(out.read_bytes()) and summary["devices"] == 8
     p = _Rows()
@@ -279,6 +361,7 @@ def test_report_command_writes_the_page_with_the_simulate_command_time(tmp_path)
 
 def test_report_says_when_the_plan_recorded_another_prediction():
     import dataclasses
+
     clu = cluster([[1e12, 1e12]])
     g = chain_graph(6, batch_size=64)
     plan = _plan_on([d.name for d in clu.devices], 6)
@@ -297,7 +380,7 @@ def test_above_128_devices_the_timeline_has_a_row_per_node():
     p.feed(html)
     rows = p.rows["timeline-sim"]
     assert len(rows) == 20 and len({clu.node_of[d] for d in rows}) == 20
-    for d in rows:                                   # each the least idle of its node
+    for d in rows:  # each the least idle of its node
         node = [x.name for x in clu.devices if clu.node_of[x.name] == clu.node_of[d]]
         assert result.idle_time_s[d] == min(result.idle_time_s[x] for x in node)
     assert "one row per node (20 nodes, 160 devices)" in html

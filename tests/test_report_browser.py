@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SCREENSHOT_DIR_ENV = "HETEROG_SCREENSHOT_DIR"   # copy the screenshot there too (docs/img)
+SCREENSHOT_DIR_ENV = "HETEROG_SCREENSHOT_DIR"  # copy the screenshot there too (docs/img)
 
 
 def _chromium() -> str:
@@ -35,8 +35,10 @@ def _chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    msg = ("no chromium or chromium-browser on PATH; install Debian's package: "
-           "apt-get update && apt-get install -y chromium")
+    msg = (
+        "no chromium or chromium-browser on PATH; install Debian's package: "
+        "apt-get update && apt-get install -y chromium"
+    )
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(msg)
     pytest.skip(msg)
@@ -50,9 +52,12 @@ class _WebSocket:
         u = urlparse(url)
         self.sock = socket.create_connection((u.hostname, u.port), timeout=timeout_s)
         key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall((f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n")
-                          .encode())
+        self.sock.sendall(
+            (
+                f"GET {u.path} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             chunk = self.sock.recv(1)
@@ -71,8 +76,13 @@ class _WebSocket:
     def send(self, text: str) -> None:
         data = text.encode()
         n = len(data)
-        head = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack(">H", n)
-                                if n < 65536 else bytes([0x80 | 127]) + struct.pack(">Q", n))
+        head = bytes([0x81]) + (
+            bytes([0x80 | n])
+            if n < 126
+            else bytes([0x80 | 126]) + struct.pack(">H", n)
+            if n < 65536
+            else bytes([0x80 | 127]) + struct.pack(">Q", n)
+        )
         mask = os.urandom(4)
         self.sock.sendall(head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data)))
 
@@ -100,10 +110,21 @@ class _Browser:
     """One headless Chromium with one page, its console and network events recorded."""
 
     def __init__(self, exe: str, profile: Path):
-        self.proc = subprocess.Popen([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                                      "--remote-debugging-port=0", f"--user-data-dir={profile}",
-                                      "--window-size=1400,1000", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                exe,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={profile}",
+                "--window-size=1400,1000",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -138,8 +159,9 @@ class _Browser:
         while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
             assert time.monotonic() < deadline, "the page did not finish loading in 30 s"
             self.events.append(json.loads(self.ws.recv()))
-        self.call("Runtime.evaluate", expression=f"new Promise(r => setTimeout(r, {settle_s * 1000}))",
-                  awaitPromise=True)
+        self.call(
+            "Runtime.evaluate", expression=f"new Promise(r => setTimeout(r, {settle_s * 1000}))", awaitPromise=True
+        )
 
     def problems(self, own_url: str) -> tuple[list[str], list[str]]:
         """(console errors and exceptions, requests for anything but the page itself)."""
@@ -178,8 +200,10 @@ def browser(tmp_path_factory):
 
 def test_harness_sees_console_errors_and_requests(browser, tmp_path):
     page = tmp_path / "bad.html"
-    page.write_text('<!DOCTYPE html><html><body><img src="http://198.51.100.1/x.png">'
-                    '<script>console.error("boom")</script></body></html>')
+    page.write_text(
+        '<!DOCTYPE html><html><body><img src="http://198.51.100.1/x.png">'
+        '<script>console.error("boom")</script></body></html>'
+    )
     url = page.as_uri()
     browser.load(url, settle_s=0.2)
     errors, requests = browser.problems(url)
@@ -188,20 +212,28 @@ def test_harness_sees_console_errors_and_requests(browser, tmp_path):
 
 
 def test_report_loads_clean_with_a_row_per_device(browser, tmp_path):
-    from heterog.report import ReportInputs, build_report
-    from heterog.search.planner import plan_graph
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.hardware.spec import load_cluster
     from heterog.ir.plan import ModelSpec
+    from heterog.report import ReportInputs, build_report
     from heterog.report.inputs import candidate_from_dict
+    from heterog.search.planner import plan_graph
     from heterog.simulate import simulate
 
     clu = load_cluster("paper-8gpu")
     graph = capture_model("toy-cnn", batch_size=64)
     costs = build_cost_model(graph, clu)
-    result = plan_graph(graph, clu, costs, budget_s=2.0, seed=0, policy=False, max_iters=50,
-                        model_spec=ModelSpec(name="toy-cnn", batch_size=64))
+    result = plan_graph(
+        graph,
+        clu,
+        costs,
+        budget_s=2.0,
+        seed=0,
+        policy=False,
+        max_iters=50,
+        model_spec=ModelSpec(name="toy-cnn", batch_size=64),
+    )
     doc = result.to_dict()
     plan = result.best
     sim = simulate(graph, clu, plan, costs)
@@ -213,10 +245,12 @@ def test_report_loads_clean_with_a_row_per_device(browser, tmp_path):
     errors, requests = browser.problems(url)
     assert errors == []
     assert requests == []
-    rows = browser.evaluate("[...document.querySelectorAll('#timeline-sim g.device-row')]"
-                            ".map(g => [g.dataset.device, g.getBoundingClientRect().height])")
+    rows = browser.evaluate(
+        "[...document.querySelectorAll('#timeline-sim g.device-row')]"
+        ".map(g => [g.dataset.device, g.getBoundingClientRect().height])"
+    )
     assert [r[0] for r in rows] == [d.name for d in clu.devices]
-    assert all(h > 10 for _, h in rows)                  # drawn, not collapsed
+    assert all(h > 10 for _, h in rows)  # drawn, not collapsed
     shot = tmp_path / "report.png"
     browser.screenshot(shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

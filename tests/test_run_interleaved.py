@@ -18,7 +18,7 @@ from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.pipeline import run_interleaved
 
-MODEL = '''
+MODEL = """
 import torch
 from torch import nn
 
@@ -33,7 +33,7 @@ def example_batch(batch_size, seq_len):
 
 def loss(output, targets):
     return nn.functional.cross_entropy(output, targets)
-'''
+"""
 CLUSTER = """
 name: two-nodes
 kind: emulated
@@ -57,12 +57,19 @@ def plans(tmp_path):
     cluster = parse_cluster_yaml(CLUSTER, "<test>")
 
     def plan(name: str, groups: list[tuple[list[str], str]]) -> Plan:
-        return Plan(strategy=name, model=ModelSpec(name=model, args={"width": 8}, batch_size=BATCH),
-                    groups=tuple(Group(name=f"g{i}", nodes=tuple(nodes), replicas=(Replica(device=d, share=1.0),))
-                                 for i, (nodes, d) in enumerate(groups)),
-                    cluster=cluster_to_dict(cluster), cluster_fingerprint=cluster.fingerprint()).validate()
-    single = plan("single", [(names, "a/c1")])                            # process 1 only
-    split = plan("split", [(names[:2], "a/c0"), (names[2:], "b/c0")])     # processes 0 and 2, across b's link
+        return Plan(
+            strategy=name,
+            model=ModelSpec(name=model, args={"width": 8}, batch_size=BATCH),
+            groups=tuple(
+                Group(name=f"g{i}", nodes=tuple(nodes), replicas=(Replica(device=d, share=1.0),))
+                for i, (nodes, d) in enumerate(groups)
+            ),
+            cluster=cluster_to_dict(cluster),
+            cluster_fingerprint=cluster.fingerprint(),
+        ).validate()
+
+    single = plan("single", [(names, "a/c1")])  # process 1 only
+    split = plan("split", [(names[:2], "a/c0"), (names[2:], "b/c0")])  # processes 0 and 2, across b's link
     fails = plan("fails", [(names[:2], "a/c0"), (names[2:], "b/c0")])
     return single, split, fails
 
@@ -76,8 +83,16 @@ def _first_span_s(folder) -> float:
 def test_plans_measured_side_by_side_in_one_launch(plans, tmp_path):
     single, split, fails = plans
     out = tmp_path / "inter"
-    got = run_interleaved([single, split, fails], steps=2, repetitions=2, warmup_steps=0, predict=False,
-                          timeout_s=60, out_dir=out, faults={2: {"rank": 1, "kind": "die", "step": 1}})
+    got = run_interleaved(
+        [single, split, fails],
+        steps=2,
+        repetitions=2,
+        warmup_steps=0,
+        predict=False,
+        timeout_s=60,
+        out_dir=out,
+        faults={2: {"rank": 1, "kind": "die", "step": 1}},
+    )
     assert [g.strategy for g in got] == ["single", "split", "fails"]
     assert got[0].error is None and got[1].error is None
     assert len(got[0].repetitions) == 2 and len(got[1].repetitions) == 2
@@ -98,7 +113,8 @@ def test_plans_measured_side_by_side_in_one_launch(plans, tmp_path):
     assert _first_span_s(out / "rep1" / "plan1") < _first_span_s(out / "rep1" / "plan0")
     shaping = got[1].repetitions[0]["link_shaping"]
     import os
-    if os.geteuid() == 0:        # as root the two nodes' link is shaped for the whole launch
+
+    if os.geteuid() == 0:  # as root the two nodes' link is shaped for the whole launch
         assert shaping["enabled"], shaping
     else:
         assert not shaping["enabled"] and shaping["reason"]

@@ -54,10 +54,15 @@ BATCH = 6
 
 
 def _plan(name: str, groups: list[tuple[list[str], str]]) -> Plan:
-    return Plan(strategy=name, model=ModelSpec(name=MODEL_NAME, args={"width": 8}, batch_size=BATCH),
-                groups=tuple(Group(name=f"g{i}", nodes=tuple(nodes), replicas=(Replica(device=d, share=1.0),))
-                             for i, (nodes, d) in enumerate(groups)),
-                cluster={}).validate()
+    return Plan(
+        strategy=name,
+        model=ModelSpec(name=MODEL_NAME, args={"width": 8}, batch_size=BATCH),
+        groups=tuple(
+            Group(name=f"g{i}", nodes=tuple(nodes), replicas=(Replica(device=d, share=1.0),))
+            for i, (nodes, d) in enumerate(groups)
+        ),
+        cluster={},
+    ).validate()
 
 
 MODEL_NAME = ""
@@ -73,7 +78,7 @@ def plans(tmp_path):
     assert names[:7] == ["inp", "root::mul@0", "drop", "ident", "mid", "root::add@1", "out"], names
     # the dropout alone on b, what comes before and after it on a: one block per group
     cut = _plan("cut-at-dropout", [(names[:2], "a"), (names[2:3], "b"), (names[3:], "a")])
-    fails = _plan("fails-on-b", [(names[:3], "a"), (names[3:], "b")])   # rank 1 dies at step 1
+    fails = _plan("fails-on-b", [(names[:3], "a"), (names[3:], "b")])  # rank 1 dies at step 1
     single = _plan("single", [(names, "a")])
     return cut, fails, single
 
@@ -85,9 +90,15 @@ def test_plans_run_in_one_launch_as_alone(plans, tmp_path):
     (the model and its export reused), and after a failing plan in fresh processes: the same
     bits each time; the cut plan matches it within rounding."""
     cut, fails, single = plans
-    outcomes = run_many([single, cut, single, fails, single], steps=2, predict=False, timeout_s=60,
-                        warmup_steps=0, out_dir=tmp_path / "many",
-                        faults={3: {"rank": 1, "kind": "die", "step": 1}})
+    outcomes = run_many(
+        [single, cut, single, fails, single],
+        steps=2,
+        predict=False,
+        timeout_s=60,
+        warmup_steps=0,
+        out_dir=tmp_path / "many",
+        faults={3: {"rank": 1, "kind": "die", "step": 1}},
+    )
     assert [o.strategy for o in outcomes] == ["single", "cut-at-dropout", "single", "fails-on-b", "single"]
     for i in (0, 1, 2, 4):
         assert outcomes[i].error is None, (i, outcomes[i].error)

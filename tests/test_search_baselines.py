@@ -2,7 +2,7 @@
 
 import pytest
 
-from heterog.search.baselines import BASELINE_BUILDERS, partition_stages, device_blocks
+from heterog.search.baselines import BASELINE_BUILDERS, device_blocks, partition_stages
 from heterog.search.estimate import estimate
 from heterog.search.grouping import make_groups
 from heterog.search.local_search import Annealer, segments

@@ -32,8 +32,11 @@ def test_forward_on_two_cluster_sizes_with_one_set_of_weights():
 
 
 def test_reinforce_improves_reward_on_a_tiny_problem():
-    prob = make_problem(layered_graph([(1.0, 20, 1.0)] * 6 + [(0.1, 300, 0.01)], batch_size=32),
-                        toy_cluster([40.0, 10.0, 10.0], devices_per_node=1), max_groups=8)
+    prob = make_problem(
+        layered_graph([(1.0, 20, 1.0)] * 6 + [(0.1, 300, 0.01)], batch_size=32),
+        toy_cluster([40.0, 10.0, 10.0], devices_per_node=1),
+        max_groups=8,
+    )
     pol = new_policy(seed=0)
     before = mean_reward(pol, prob, samples=32, seed=5)
     train(pol, [prob], TrainConfig(steps=40, samples_per_step=8, seed=0))
@@ -61,6 +64,7 @@ def test_shipped_policy_is_small_and_loads():
 
 def test_planner_uses_and_fine_tunes_a_policy_without_touching_it():
     from heterog.search.planner import plan_graph
+
     prob = synthetic_problems(1, seed=4, max_devices=4)[0]
     pol = new_policy(seed=1)
     before = {k: v.clone() for k, v in pol.net.state_dict().items()}

@@ -26,12 +26,12 @@ def test_one_speed_proportional_start_per_node_with_several_devices():
     for s in starts:
         p = s.placements[0]
         assert all(q == p for q in s.placements) and p.sync == "ring"
-        assert p.shares[0] == pytest.approx(2 * p.shares[1], rel=0.05)   # 30 vs 15 TFLOP/s
+        assert p.shares[0] == pytest.approx(2 * p.shares[1], rel=0.05)  # 30 vs 15 TFLOP/s
         prob.to_plan(s, "node-dp").validate(prob.graph, prob.cluster)
 
 
 def test_with_a_slow_link_the_search_keeps_to_one_node():
-    prob = _prob(0.01)      # 10 MB/s between the nodes: 320 MB of gradients take 30 s or more
+    prob = _prob(0.01)  # 10 MB/s between the nodes: 320 MB of gradients take 30 s or more
     start = node_dp_starts(prob)[0]
     result = Annealer(prob, 0).run([start], budget_s=5.0, max_iters=50)
     assert estimate(prob, result.best).score <= estimate(prob, start).score
@@ -41,9 +41,9 @@ def test_with_a_slow_link_the_search_keeps_to_one_node():
 
 def test_the_planner_finds_data_parallelism_inside_the_fast_node():
     from heterog.search.planner import plan_graph
+
     prob = _prob(0.01)
-    result = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=10.0, max_iters=20, policy=False,
-                        cuts=None)
+    result = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=10.0, max_iters=20, policy=False, cuts=None)
     search = next(c for c in result.candidates if c.strategy == "search")
     base = min(c.iteration_time_s for c in result.candidates if c.strategy not in ("search", "gnn", "gnn+search"))
     assert {d for g in search.plan.groups for d in g.devices} <= {"n0/d0", "n0/d1"}

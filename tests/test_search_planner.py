@@ -86,9 +86,26 @@ def test_plan_cli_json_on_a_zoo_model(tmp_path):
     from typer.testing import CliRunner
 
     from heterog.cli.main import app
+
     out = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["plan", "--model", "mlp", "--batch-size", "32", "--cluster", "paper-8gpu",
-                                   "--budget-s", "2", "--json", "--out", str(out), "--no-gnn"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "mlp",
+            "--batch-size",
+            "32",
+            "--cluster",
+            "paper-8gpu",
+            "--budget-s",
+            "2",
+            "--json",
+            "--out",
+            str(out),
+            "--no-gnn",
+        ],
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert set(doc) >= {"best", "candidates", "search_time_s", "other_time_s"}
@@ -97,6 +114,7 @@ def test_plan_cli_json_on_a_zoo_model(tmp_path):
 
 def test_estimate_agrees_with_the_simulator_on_baselines():
     from heterog.simulate.simulator import simulate
+
     g, c, costs = _inputs()
     prob = Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 8), batch_size=64)
     for name in ("even-dp-allreduce", "proportional-dp", "single-device"):
@@ -134,8 +152,21 @@ def test_plan_strategy_writes_the_named_candidates_plan(tmp_path, capsys):
 
     from heterog.cli.main import app
     from heterog.ir.plan import Plan
-    args = ["plan", "--model", "toy-cnn", "--batch-size", "32", "--cluster", "emulated-4", "--budget-s", "1",
-            "--no-gnn", "--max-iters", "20"]
+
+    args = [
+        "plan",
+        "--model",
+        "toy-cnn",
+        "--batch-size",
+        "32",
+        "--cluster",
+        "emulated-4",
+        "--budget-s",
+        "1",
+        "--no-gnn",
+        "--max-iters",
+        "20",
+    ]
     r = CliRunner().invoke(app, [*args, "--strategy", "even-dp-allreduce", "--out", str(tmp_path / "p.json")])
     assert r.exit_code == 0, r.output
     p = Plan.load(tmp_path / "p.json")
@@ -144,8 +175,9 @@ def test_plan_strategy_writes_the_named_candidates_plan(tmp_path, capsys):
     bad = CliRunner().invoke(app, [*args, "--strategy", "even-dp-allreduc", "--out", str(tmp_path / "q.json")])
     assert bad.exit_code == 2 and not (tmp_path / "q.json").exists()
     from heterog.cli.main import run_cli
+
     capsys.readouterr()
-    assert run_cli([*args, "--strategy", "even-dp-allreduc"]) == 2     # refused before any search
+    assert run_cli([*args, "--strategy", "even-dp-allreduc"]) == 2  # refused before any search
     assert "Did you mean 'even-dp-allreduce'" in capsys.readouterr().err
 
 
@@ -156,13 +188,24 @@ def test_the_explanations_claims_are_the_simulations():
     from heterog.search.planner import Candidate
     from heterog.search.problem import Problem
     from heterog.simulate.simulator import simulate
+
     g, c, costs = _inputs()
     r = plan_graph(g, c, costs, budget_s=3, policy=False, max_iters=200)
     pipe = next(x for x in r.candidates if x.strategy == "pipeline")
     sim = simulate(g, c, pipe.plan, costs, timeline=False)
     prob = Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 8), batch_size=64)
-    notes = explain.notes(prob, Candidate(strategy="pipeline", plan=pipe.plan, iteration_time_s=sim.iteration_time_s,
-                                          feasible=True, peak_memory_bytes={}, scored_by="simulator"), r.candidates)
+    notes = explain.notes(
+        prob,
+        Candidate(
+            strategy="pipeline",
+            plan=pipe.plan,
+            iteration_time_s=sim.iteration_time_s,
+            feasible=True,
+            peak_memory_bytes={},
+            scored_by="simulator",
+        ),
+        r.candidates,
+    )
     busy = {d: sim.compute_time_s[d] / sim.iteration_time_s for d in pipe.plan.devices()}
     top = max(busy, key=busy.get)
     assert any(f"busiest: {top} at {busy[top] * 100:.0f} %" in n for n in notes), notes

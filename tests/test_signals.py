@@ -55,8 +55,13 @@ def _no_orphans():
 
 def _heterog(args: list[str], tmp: Path) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "heterog.cli.main", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "heterog.cli.main", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     _STARTED.append(proc)
     return proc
 
@@ -64,9 +69,19 @@ def _heterog(args: list[str], tmp: Path) -> subprocess.Popen:
 def _plan_file(folder: Path) -> Path:
     """Data parallelism of a small MLP over two emulated nodes (links shaped when root)."""
     cluster = parse_cluster_yaml(TWO_NODES)
-    plan = Plan(strategy="test", model=ModelSpec(name=MODEL, batch_size=12), cluster=cluster_to_dict(cluster),
-                groups=(Group(name="all", nodes=NODES, sync="ring",
-                              replicas=(Replica(device="n0/cpu0", share=0.5), Replica(device="n1/cpu0", share=0.5))),))
+    plan = Plan(
+        strategy="test",
+        model=ModelSpec(name=MODEL, batch_size=12),
+        cluster=cluster_to_dict(cluster),
+        groups=(
+            Group(
+                name="all",
+                nodes=NODES,
+                sync="ring",
+                replicas=(Replica(device="n0/cpu0", share=0.5), Replica(device="n1/cpu0", share=0.5)),
+            ),
+        ),
+    )
     path = folder / "plan.json"
     plan.save(path)
     return path
@@ -105,7 +120,7 @@ def _namespaces_of(pid: int) -> set[str]:
                 tokens.add(f.stem)
         except (OSError, ValueError, KeyError):
             pass
-    return {ns for ns in leftover_namespaces() if ns[len(PREFIX):len(PREFIX) + 6] in tokens}
+    return {ns for ns in leftover_namespaces() if ns[len(PREFIX) : len(PREFIX) + 6] in tokens}
 
 
 def _assert_nothing_left(tmp: Path, namespaces: set[str]) -> None:
@@ -136,8 +151,22 @@ def _wait_until_caught(proc: subprocess.Popen, sig: int, timeout_s: float = 60) 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_during_plan(tmp_path, sig, code):
     out = tmp_path / "plan.json"
-    proc = _heterog(["plan", "--model", "resnet50", "--batch-size", "64", "--cluster", "mixed-16",
-                     "--budget-s", "120", "--out", str(out)], tmp_path)
+    proc = _heterog(
+        [
+            "plan",
+            "--model",
+            "resnet50",
+            "--batch-size",
+            "64",
+            "--cluster",
+            "mixed-16",
+            "--budget-s",
+            "120",
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+    )
     time.sleep(8)  # imports and capture; the search runs for up to two minutes
     _wait_until_caught(proc, sig)
     assert proc.poll() is None, proc.communicate()
@@ -160,8 +189,9 @@ def test_signal_during_run(tmp_path, sig, code):
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == code, stderr
-    assert stderr.strip().splitlines()[-1] == (f"heterog run and its ranks stopped by {sig.name}; "
-                                               f"nothing partial was written."), stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"heterog run and its ranks stopped by {sig.name}; nothing partial was written."
+    ), stderr
     assert "Traceback" not in stderr
     assert not (tmp_path / "result.json").exists()
     _assert_nothing_left(tmp_path, namespaces)
@@ -195,13 +225,15 @@ def test_a_stop_dropped_inside_a_weakref_callback_still_stops_the_search():
 
     from heterog.cli import main as cli_main
     from heterog.cli.plan_cmd import _progress_bar
+
     cli_main.STOP_REQUESTED.clear()
 
     class Held:
         pass
+
     held = Held()
     ref = weakref.ref(held, lambda _: cli_main._interrupt(signal.SIGINT, None))
-    del held                  # the callback runs; its KeyboardInterrupt is reported, not raised
+    del held  # the callback runs; its KeyboardInterrupt is reported, not raised
     assert ref() is None and cli_main.STOP_REQUESTED == [signal.SIGINT]
     _, update = _progress_bar(False)
     try:
@@ -219,7 +251,8 @@ def test_a_stop_reaches_the_search_when_the_cli_runs_as_python_m():
     import runpy
 
     from heterog.cli.plan_cmd import _progress_bar
-    as_main = runpy.run_module("heterog.cli.main", run_name="__not_main__")   # a fresh copy, not run
+
+    as_main = runpy.run_module("heterog.cli.main", run_name="__not_main__")  # a fresh copy, not run
     _, update = _progress_bar(False)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -238,11 +271,13 @@ def test_a_stop_dropped_inside_a_weakref_callback_prints_no_traceback(monkeypatc
     import weakref
 
     from heterog.cli import main as cli_main
+
     reported: list[type] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(type(u.exc_value)))
 
     class Held:
         pass
+
     with cli_main._signals_recorded():
         held = Held()
         ref = weakref.ref(held, lambda _: cli_main._interrupt(signal.SIGINT, None))

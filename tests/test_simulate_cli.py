@@ -14,11 +14,19 @@ def _files(tmp_path):
     c = load_cluster("paper-8gpu")
     devs = ["v100/gpu0", "v100/gpu1", "gtx0/gpu0", "p100/gpu1"]
     import dataclasses
-    p = plan([("front", ["l0", "l1", "l2"], [(d, 0.25) for d in devs]),
-              ("back", ["l3", "l4", "l5"], [("v100/gpu0", 0.5), ("v100/gpu1", 0.5)])],
-             batch_size=32, num_microbatches=2, schedule="1f1b")
-    p = dataclasses.replace(p, cluster=cluster_to_dict(c), cluster_fingerprint=c.fingerprint(),
-                            graph_fingerprint=g.fingerprint())
+
+    p = plan(
+        [
+            ("front", ["l0", "l1", "l2"], [(d, 0.25) for d in devs]),
+            ("back", ["l3", "l4", "l5"], [("v100/gpu0", 0.5), ("v100/gpu1", 0.5)]),
+        ],
+        batch_size=32,
+        num_microbatches=2,
+        schedule="1f1b",
+    )
+    p = dataclasses.replace(
+        p, cluster=cluster_to_dict(c), cluster_fingerprint=c.fingerprint(), graph_fingerprint=g.fingerprint()
+    )
     g.save(tmp_path / "g.json")
     p.save(tmp_path / "p.json")
     return tmp_path / "p.json", tmp_path / "g.json"
@@ -27,8 +35,9 @@ def _files(tmp_path):
 def test_simulate_command_json_and_trace(tmp_path):
     plan_path, graph_path = _files(tmp_path)
     trace = tmp_path / "trace.json"
-    res = CliRunner().invoke(app, ["simulate", str(plan_path), "--graph", str(graph_path), "--json",
-                                   "--trace", str(trace)])
+    res = CliRunner().invoke(
+        app, ["simulate", str(plan_path), "--graph", str(graph_path), "--json", "--trace", str(trace)]
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["iteration_time_s"] > 0 and out["feasible"] is True

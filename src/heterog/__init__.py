@@ -20,7 +20,8 @@ the command line starts fast and stages load only what they use.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __version__ = "0.1.0"
 

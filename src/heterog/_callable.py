@@ -21,9 +21,10 @@ class CallablePackage(types.ModuleType):
 
     def __call__(self, *args, **kwargs):
         from heterog import api_function
+
         return api_function(self.__name__.rpartition(".")[2])(*args, **kwargs)
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, types.ModuleType) and name in self.__dict__.get("_FUNCTIONS", ()):
-            return      # the import system binding a submodule over one of the package's functions
+            return  # the import system binding a submodule over one of the package's functions
         super().__setattr__(name, value)

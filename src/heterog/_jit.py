@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 NO_NUMBA_ENV = "HETEROG_NO_NUMBA"
 
@@ -36,7 +37,7 @@ def _load_numba() -> tuple[Any, str, str]:
         return None, f"{NO_NUMBA_ENV} is set", f"unset {NO_NUMBA_ENV}"
     try:
         import numba
-    except ImportError as e:   # not installed, or built for another Python or numpy
+    except ImportError as e:  # not installed, or built for another Python or numpy
         return None, f"numba cannot be imported ({e})", "install numba (pip install numba)"
     return numba, "", ""
 
@@ -53,16 +54,20 @@ def say_uncompiled_once() -> None:
         return
     _said = True
     low, high = SLOWDOWN_RANGE
-    print(f"warning: {WHY_UNCOMPILED}: heterog's simulator runs as plain Python, with the same results, "
-          f"about {SLOWDOWN_MEDIAN}× slower per simulated plan ({low}–{high}× on its benchmark's plans); a plan "
-          f"search, which scores thousands, feels it most. To run it compiled, {_REMEDY}.",
-          file=sys.stderr, flush=True)
+    print(
+        f"warning: {WHY_UNCOMPILED}: heterog's simulator runs as plain Python, with the same results, "
+        f"about {SLOWDOWN_MEDIAN}× slower per simulated plan ({low}–{high}× on its benchmark's plans); a plan "
+        f"search, which scores thousands, feels it most. To run it compiled, {_REMEDY}.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def njit(**options: Any) -> Callable[[Callable], Callable]:
     """numba.njit(**options) when numba is used. Otherwise the function itself: an entry point
     (one the Python side calls) first says that it runs uncompiled; a helper that compiled code
     inlines (inline="always") is returned as it is, since it is called per task."""
+
     def wrap(fn: Callable) -> Callable:
         if COMPILED:
             return _numba.njit(**options)(fn)
@@ -73,5 +78,7 @@ def njit(**options: Any) -> Callable[[Callable], Callable]:
         def uncompiled(*args: Any, **kwargs: Any) -> Any:
             say_uncompiled_once()
             return fn(*args, **kwargs)
+
         return uncompiled
+
     return wrap

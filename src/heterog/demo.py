@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from heterog.pipeline import run
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import ModelSpec, Plan
+from heterog.pipeline import run
 
 # One emulated cluster shape, varied in speed, links and memory: node a has two devices,
 # node b one behind its own (slow) NIC. Pacing every device at least 3× keeps three ranks at
@@ -49,23 +50,26 @@ nodes:
 class Scenario:
     """A model on an emulated cluster where placement matters, not only speed: one node
     behind a slow link, and optionally a device with little memory (enforced at run time)."""
+
     name: str
-    family: str                      # 'cnn' or 'transformer-lm'
+    family: str  # 'cnn' or 'transformer-lm'
     model: str
     model_args: dict[str, Any]
     batch_size: int
     seq_len: int | None = None
-    slow_link_gbps: float = 0.2      # node b's NIC
+    slow_link_gbps: float = 0.2  # node b's NIC
     memory_gib: float | None = None  # the capped device's emulated memory (None: the machine's)
     capped_device: str = "b/cpu0"
-    slowdowns: tuple[float, float, float] = (3.0, 6.0, 3.0)   # a/cpu0, a/cpu1, b/cpu0
+    slowdowns: tuple[float, float, float] = (3.0, 6.0, 3.0)  # a/cpu0, a/cpu1, b/cpu0
 
     @property
     def description(self) -> str:
         cap = f"; {self.capped_device} holds {self.memory_gib:g} GiB" if self.memory_gib else ""
         s0, s1, s2 = self.slowdowns
-        return (f"3 local CPU processes on 2 emulated nodes; slowdowns {s0:g}/{s1:g} and {s2:g}; node b "
-                f"behind a {self.slow_link_gbps:g} Gb/s link{cap}")
+        return (
+            f"3 local CPU processes on 2 emulated nodes; slowdowns {s0:g}/{s1:g} and {s2:g}; node b "
+            f"behind a {self.slow_link_gbps:g} Gb/s link{cap}"
+        )
 
     def cluster(self) -> Cluster:
         """The scenario's cluster (its slow link and small memory are deliberate: the
@@ -73,12 +77,19 @@ class Scenario:
         import warnings
 
         from heterog.hardware.spec import parse_cluster_yaml
-        yaml = _CLUSTER.format(name=f"{self.name}-3", description=self.description,
-                               slow_gbps=self.slow_link_gbps, s0=self.slowdowns[0],
-                               s1=self.slowdowns[1], s2=self.slowdowns[2],
-                               **{f"cap{i}": f", memory_gib: {self.memory_gib}" if self.memory_gib
-                                  and self.capped_device == name else ""
-                                  for i, name in enumerate(("a/cpu0", "a/cpu1", "b/cpu0"))})
+
+        yaml = _CLUSTER.format(
+            name=f"{self.name}-3",
+            description=self.description,
+            slow_gbps=self.slow_link_gbps,
+            s0=self.slowdowns[0],
+            s1=self.slowdowns[1],
+            s2=self.slowdowns[2],
+            **{
+                f"cap{i}": f", memory_gib: {self.memory_gib}" if self.memory_gib and self.capped_device == name else ""
+                for i, name in enumerate(("a/cpu0", "a/cpu1", "b/cpu0"))
+            },
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return parse_cluster_yaml(yaml, f"<scenario {self.name}>")
@@ -89,44 +100,95 @@ class Scenario:
 # of the classifier or embedding through node b's slow link are what even and
 # speed-proportional data parallelism pay for; placing them is what heterog can change.
 _GPT2_SMALL = {"hidden": 128, "layers": 2, "heads": 4, "vocab": 32768, "positions": 64, "dropout": 0.0}
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario(name="cnn-slow-link", family="cnn", model="toy-cnn",
-             model_args={"width": 32, "num_classes": 1000}, batch_size=96, slowdowns=(3.0, 3.0, 6.0)),
-    Scenario(name="cnn-small-memory", family="cnn", model="toy-cnn",
-             model_args={"width": 32, "num_classes": 2000}, batch_size=96, slowdowns=(3.0, 3.0, 6.0),
-             memory_gib=0.0625),
-    Scenario(name="lm-slow-link", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
-             batch_size=16, seq_len=32),
-    Scenario(name="lm-small-memory", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
-             batch_size=16, seq_len=32, memory_gib=0.0625),
-    # The fastest device sits behind the slow link: every single-device baseline picks it,
-    # every data-parallel one pays the tied embedding's gradients through its link.
-    # Paced 6× and more, so the pacing absorbs a shared machine's contention (emulation.py).
-    Scenario(name="lm-fast-far", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
-             batch_size=16, seq_len=32, slowdowns=(8.0, 8.0, 6.0)),
-    # cnn-slow-link's cluster for the LM: two like devices on node a, the slowest behind the
-    # slow link. lm-slow-link's a/cpu1 (6×) caps data parallelism over node a at 1.5× one
-    # device; here it may reach 2×.
-    Scenario(name="lm-slow-far", family="transformer-lm", model="gpt2", model_args=_GPT2_SMALL,
-             batch_size=16, seq_len=32, slowdowns=(3.0, 3.0, 6.0)),
-)}
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="cnn-slow-link",
+            family="cnn",
+            model="toy-cnn",
+            model_args={"width": 32, "num_classes": 1000},
+            batch_size=96,
+            slowdowns=(3.0, 3.0, 6.0),
+        ),
+        Scenario(
+            name="cnn-small-memory",
+            family="cnn",
+            model="toy-cnn",
+            model_args={"width": 32, "num_classes": 2000},
+            batch_size=96,
+            slowdowns=(3.0, 3.0, 6.0),
+            memory_gib=0.0625,
+        ),
+        Scenario(
+            name="lm-slow-link",
+            family="transformer-lm",
+            model="gpt2",
+            model_args=_GPT2_SMALL,
+            batch_size=16,
+            seq_len=32,
+        ),
+        Scenario(
+            name="lm-small-memory",
+            family="transformer-lm",
+            model="gpt2",
+            model_args=_GPT2_SMALL,
+            batch_size=16,
+            seq_len=32,
+            memory_gib=0.0625,
+        ),
+        # The fastest device sits behind the slow link: every single-device baseline picks it,
+        # every data-parallel one pays the tied embedding's gradients through its link.
+        # Paced 6× and more, so the pacing absorbs a shared machine's contention (emulation.py).
+        Scenario(
+            name="lm-fast-far",
+            family="transformer-lm",
+            model="gpt2",
+            model_args=_GPT2_SMALL,
+            batch_size=16,
+            seq_len=32,
+            slowdowns=(8.0, 8.0, 6.0),
+        ),
+        # cnn-slow-link's cluster for the LM: two like devices on node a, the slowest behind the
+        # slow link. lm-slow-link's a/cpu1 (6×) caps data parallelism over node a at 1.5× one
+        # device; here it may reach 2×.
+        Scenario(
+            name="lm-slow-far",
+            family="transformer-lm",
+            model="gpt2",
+            model_args=_GPT2_SMALL,
+            batch_size=16,
+            seq_len=32,
+            slowdowns=(3.0, 3.0, 6.0),
+        ),
+    )
+}
 DEMO_SCENARIO = "cnn-slow-link"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Setup:
     """Graph, cluster and cost model for planning and predicting on this machine."""
+
     graph: Any
     cluster: Cluster
     costs: Any
     spec: ModelSpec
     profiled: bool
-    links: tuple[dict[str, Any], ...] = ()      # the shaped links as measured (profile/links.py)
+    links: tuple[dict[str, Any], ...] = ()  # the shaped links as measured (profile/links.py)
 
 
-def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_size: int,
-            seq_len: int | None = None, profile: bool = True, links: bool = True,
-            say: Callable[[str], None] = lambda s: None) -> Setup:
+def prepare(
+    *,
+    cluster: Cluster,
+    model: str,
+    model_args: dict[str, Any],
+    batch_size: int,
+    seq_len: int | None = None,
+    profile: bool = True,
+    links: bool = True,
+    say: Callable[[str], None] = lambda s: None,
+) -> Setup:
     """Capture the model and build costs as one rank sees this CPU (one thread). With
     `profile`, per-node times are measured here; with `links` too (as root, on an emulated
     cluster of several nodes), each shaped link is measured once and the cost model's
@@ -136,7 +198,7 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
     from heterog.inputs import device_view, model_inputs
     from heterog.profile.measure import measure_profile, profile_batch_sizes
 
-    device_view(cluster)    # one torch thread: every rank runs one, and the profile measures at one
+    device_view(cluster)  # one torch thread: every rank runs one, and the profile measures at one
     spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)
     graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
     prof = None
@@ -144,15 +206,15 @@ def prepare(*, cluster: Cluster, model: str, model_args: dict[str, Any], batch_s
         say("measuring per-node times on this CPU (one thread)")
         # batch 1 catches the per-call overhead that dominates the small per-replica
         # micro-batches of pipelines; the cost model interpolates between the points.
-        prof = measure_profile(resolve_workload(spec), batch_sizes=profile_batch_sizes(batch_size), graph=graph,
-                               repeats=9)
+        prof = measure_profile(
+            resolve_workload(spec), batch_sizes=profile_batch_sizes(batch_size), graph=graph, repeats=9
+        )
     # the inputs heterog plan / simulate / run build (heterog/inputs.py), with this profile
     graph, cluster, costs = model_inputs(spec, cluster, profile=prof, graph=graph)
     measured: tuple[dict[str, Any], ...] = ()
     if profile and links:
         costs, measured = _calibrated_links(costs, cluster, say)
-    return Setup(graph=graph, cluster=cluster, costs=costs, spec=spec, profiled=prof is not None,
-                 links=measured)
+    return Setup(graph=graph, cluster=cluster, costs=costs, spec=spec, profiled=prof is not None, links=measured)
 
 
 def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) -> tuple[Any, tuple]:
@@ -163,6 +225,7 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
 
     from heterog.cost.profile import LinkCalibratedCosts
     from heterog.profile.links import LinkMeasurementError, calibrate_links
+
     if cluster.kind != "emulated":
         return costs, ()
     try:
@@ -172,20 +235,25 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
         return costs, ()
     if not pairs:
         return costs, ()
-    return (LinkCalibratedCosts(costs, cluster, tuple(c for c, _ in pairs)),
-            tuple({**m.to_dict(), "node": c.node, "scope": str(c.scope)} for c, m in pairs))
+    return (
+        LinkCalibratedCosts(costs, cluster, tuple(c for c, _ in pairs)),
+        tuple({**m.to_dict(), "node": c.node, "scope": str(c.scope)} for c, m in pairs),
+    )
 
 
 def predict(setup: Setup, plan: Plan) -> float:
     from heterog.simulate.simulator import simulate
+
     return float(simulate(setup.graph, setup.cluster, plan, setup.costs, timeline=False).iteration_time_s)
 
 
 def runnable(setup: Setup, plan: Plan) -> Plan:
     """A candidate plan made self-contained: the cluster spec and the model it was made for."""
     from heterog.hardware.spec import cluster_to_dict
-    return dataclasses.replace(plan, model=setup.spec, cluster=cluster_to_dict(setup.cluster),
-                               cluster_fingerprint=setup.cluster.fingerprint())
+
+    return dataclasses.replace(
+        plan, model=setup.spec, cluster=cluster_to_dict(setup.cluster), cluster_fingerprint=setup.cluster.fingerprint()
+    )
 
 
 def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> dict[str, Any]:
@@ -193,22 +261,33 @@ def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -
     import warnings
 
     from heterog.errors import HeterogWarning
-    with warnings.catch_warnings():    # the scenario's deliberate slow link / small memory, again
+
+    with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
         out = run(runnable(setup, plan), steps=steps, predict=False, timeout_s=timeout_s)
     predicted = predict(setup, plan)
     measured = out["measured_iteration_time_s"]
-    return {"predicted_iteration_time_s": predicted, "measured_iteration_time_s": measured,
-            "relative_error": (measured - predicted) / predicted, "link_shaping": out["link_shaping"],
-            "contention": contention(out["per_rank"]), "per_rank": out["per_rank"], "notes": out["notes"]}
+    return {
+        "predicted_iteration_time_s": predicted,
+        "measured_iteration_time_s": measured,
+        "relative_error": (measured - predicted) / predicted,
+        "link_shaping": out["link_shaping"],
+        "contention": contention(out["per_rank"]),
+        "per_rank": out["per_rank"],
+        "notes": out["notes"],
+    }
 
 
 def placement(plan: Plan) -> dict[str, Any]:
     """What a plan is, in a few lines of JSON: its runs of groups with one placement (the
     report's placement table: shares, sync, parameter server), micro-batches and schedule."""
     from heterog.report.tables import segments
-    return {"num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
-            "segments": [dataclasses.asdict(s) for s in segments(plan)]}
+
+    return {
+        "num_microbatches": plan.num_microbatches,
+        "schedule": plan.schedule,
+        "segments": [dataclasses.asdict(s) for s in segments(plan)],
+    }
 
 
 def contention(per_rank: list[dict[str, Any]]) -> float:
@@ -227,12 +306,20 @@ def contention(per_rank: list[dict[str, Any]]) -> float:
 def best_baseline(result) -> Any:
     """The baseline the simulator ranks fastest among the feasible ones."""
     from heterog.search.baselines import BASELINE_BUILDERS
+
     feasible = [c for c in result.candidates if c.strategy in BASELINE_BUILDERS and c.feasible]
     return min(feasible, key=lambda c: c.iteration_time_s)
 
 
-def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions: int,
-                say: Callable[[str], None], failed: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+def interleaved(
+    setup: Setup,
+    plans: dict[str, Plan],
+    *,
+    steps: int,
+    repetitions: int,
+    say: Callable[[str], None],
+    failed: dict[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
     """Measure every strategy `repetitions` times, interleaved (A B C, C B A, …) in one launch
     (pipeline.run_interleaved), so a slow spell of a shared machine hits all of them alike and
     consecutive strategies run seconds apart; per strategy the median, the spread and the
@@ -242,13 +329,22 @@ def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions
 
     from heterog.errors import HeterogWarning
     from heterog.pipeline import run_interleaved
+
     labels = list(plans)
-    say(f"{repetitions} repetitions of {', '.join(f'{k} ({plans[k].strategy})' for k in labels)}, "
-        f"{steps} steps each, interleaved in one launch")
-    with warnings.catch_warnings():    # the scenario's deliberate slow link / small memory, again
+    say(
+        f"{repetitions} repetitions of {', '.join(f'{k} ({plans[k].strategy})' for k in labels)}, "
+        f"{steps} steps each, interleaved in one launch"
+    )
+    with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
-        got = run_interleaved([runnable(setup, plans[k]) for k in labels], steps=steps, repetitions=repetitions,
-                              predict=False, timeout_s=120.0, inputs=(setup.graph, setup.cluster, setup.costs))
+        got = run_interleaved(
+            [runnable(setup, plans[k]) for k in labels],
+            steps=steps,
+            repetitions=repetitions,
+            predict=False,
+            timeout_s=120.0,
+            inputs=(setup.graph, setup.cluster, setup.costs),
+        )
     out = {}
     for label, runs in zip(labels, got):
         if runs.error is not None:
@@ -260,13 +356,19 @@ def interleaved(setup: Setup, plans: dict[str, Plan], *, steps: int, repetitions
         times = [r["measured_iteration_time_s"] for r in rs]
         median = statistics.median(times)
         predicted = predict(setup, plans[label])
-        out[label] = {"strategy": plans[label].strategy, "predicted_iteration_time_s": predicted,
-                      "measured_iteration_time_s": median, "repetitions_s": times,
-                      "contention": statistics.median(contention(r["per_rank"]) for r in rs),
-                      "spread": max(times) / min(times) - 1.0,
-                      "relative_error": (median - predicted) / predicted,
-                      "link_shaping": rs[0]["link_shaping"], "per_rank": rs[-1]["per_rank"], "notes": rs[0]["notes"],
-                      "placement": placement(plans[label])}
+        out[label] = {
+            "strategy": plans[label].strategy,
+            "predicted_iteration_time_s": predicted,
+            "measured_iteration_time_s": median,
+            "repetitions_s": times,
+            "contention": statistics.median(contention(r["per_rank"]) for r in rs),
+            "spread": max(times) / min(times) - 1.0,
+            "relative_error": (median - predicted) / predicted,
+            "link_shaping": rs[0]["link_shaping"],
+            "per_rank": rs[-1]["per_rank"],
+            "notes": rs[0]["notes"],
+            "placement": placement(plans[label]),
+        }
     return out
 
 
@@ -275,14 +377,24 @@ def speedup(strategies: dict[str, dict[str, Any]], base: str, top: str = "hetero
     ratios (repetitions ran interleaved, so each ratio compares runs made side by side), and
     the worst repetition's; it is claimed only if it holds there (`holds`)."""
     ratios = [b / h for b, h in zip(strategies[base]["repetitions_s"], strategies[top]["repetitions_s"])]
-    return {"median": statistics.median(ratios), "worst": min(ratios), "best": max(ratios),
-            "holds": min(ratios) > 1.0,
-            "predicted": strategies[base]["predicted_iteration_time_s"]
-            / strategies[top]["predicted_iteration_time_s"]}
+    return {
+        "median": statistics.median(ratios),
+        "worst": min(ratios),
+        "best": max(ratios),
+        "holds": min(ratios) > 1.0,
+        "predicted": strategies[base]["predicted_iteration_time_s"] / strategies[top]["predicted_iteration_time_s"],
+    }
 
 
-def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetitions: int = 5,
-         scenario: str = DEMO_SCENARIO, say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def demo(
+    *,
+    steps: int = 8,
+    budget_s: float = 5.0,
+    profile: bool = True,
+    repetitions: int = 5,
+    scenario: str = DEMO_SCENARIO,
+    say: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     """Plan the scenario's model, then run heterog's plan, the best baseline and even data
     parallelism `repetitions` times each, interleaved. Even data parallelism that the
     planner finds does not fit a device's memory is left out (its speedup is None)."""
@@ -292,8 +404,15 @@ def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetit
     sc = SCENARIOS[scenario]
     cluster = sc.cluster()
     say(f"capturing {sc.model} {sc.model_args} at batch {sc.batch_size}")
-    setup = prepare(cluster=cluster, model=sc.model, model_args=sc.model_args, batch_size=sc.batch_size,
-                    seq_len=sc.seq_len, profile=profile, say=say)
+    setup = prepare(
+        cluster=cluster,
+        model=sc.model,
+        model_args=sc.model_args,
+        batch_size=sc.batch_size,
+        seq_len=sc.seq_len,
+        profile=profile,
+        say=say,
+    )
     say(f"planning for {cluster.name}: {sc.description} (budget {budget_s:g} s)")
     result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=budget_s, model_spec=setup.spec)
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
@@ -303,13 +422,24 @@ def demo(*, steps: int = 8, budget_s: float = 5.0, profile: bool = True, repetit
     strategies = interleaved(setup, plans, steps=steps, repetitions=repetitions, say=say)
     vs_even = speedup(strategies, "even-dp") if even.feasible else None
     vs_best = speedup(strategies, "best-baseline")
-    return {"scenario": sc.name, "description": sc.description, "cluster": cluster.name, "model": sc.model,
-            "model_args": sc.model_args, "batch_size": sc.batch_size, "seq_len": sc.seq_len,
-            "profiled": setup.profiled, "links_measured": list(setup.links), "repetitions": repetitions,
-            "candidates": [c.to_dict() for c in result.candidates],
-            "strategies": strategies,
-            "measured_speedup": vs_even["median"] if vs_even else None,
-            "predicted_speedup": vs_even["predicted"] if vs_even else None,
-            "speedup_vs_even_dp": vs_even,
-            "measured_speedup_vs_best_baseline": vs_best["median"], "speedup_vs_best_baseline": vs_best,
-            "best_plan_notes": list(result.best.notes), "demo_time_s": time.perf_counter() - t0}
+    return {
+        "scenario": sc.name,
+        "description": sc.description,
+        "cluster": cluster.name,
+        "model": sc.model,
+        "model_args": sc.model_args,
+        "batch_size": sc.batch_size,
+        "seq_len": sc.seq_len,
+        "profiled": setup.profiled,
+        "links_measured": list(setup.links),
+        "repetitions": repetitions,
+        "candidates": [c.to_dict() for c in result.candidates],
+        "strategies": strategies,
+        "measured_speedup": vs_even["median"] if vs_even else None,
+        "predicted_speedup": vs_even["predicted"] if vs_even else None,
+        "speedup_vs_even_dp": vs_even,
+        "measured_speedup_vs_best_baseline": vs_best["median"],
+        "speedup_vs_best_baseline": vs_best,
+        "best_plan_notes": list(result.best.notes),
+        "demo_time_s": time.perf_counter() - t0,
+    }

@@ -66,6 +66,7 @@ def did_you_mean(name: str, known) -> str:
     """' Did you mean X?' when `name` is close to one of `known` (a typo; case ignored), else
     '' — the sentence an unknown model, cluster or strategy name adds to its error."""
     import difflib
+
     lowered = {str(k).lower(): str(k) for k in known}
     close = difflib.get_close_matches(str(name).lower(), list(lowered), n=2, cutoff=0.6)
     if not close:

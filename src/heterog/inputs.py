@@ -29,9 +29,10 @@ from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
 
 class PlanInputs(NamedTuple):
     """What a prediction of a plan is made from."""
+
     graph: OpGraph
-    cluster: Cluster          # as the plan's ranks see it (device_view)
-    costs: Any                # a CostModel
+    cluster: Cluster  # as the plan's ranks see it (device_view)
+    costs: Any  # a CostModel
 
 
 def device_view(cluster: Cluster) -> Cluster:
@@ -43,6 +44,7 @@ def device_view(cluster: Cluster) -> Cluster:
     import torch
 
     from heterog.hardware.catalog import get_gpu
+
     torch.set_num_threads(1)
     return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
 
@@ -51,50 +53,69 @@ def load_cluster_like(cluster: Cluster | str | os.PathLike) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
     from heterog.hardware.spec import load_cluster
+
     return load_cluster(cluster)
 
 
-def model_inputs(model: ModelSpec, cluster: Cluster | str | os.PathLike, *, precision: str = "fp32",
-                 optimizer: str = "sgd", profile: Any = None, graph: OpGraph | None = None) -> PlanInputs:
+def model_inputs(
+    model: ModelSpec,
+    cluster: Cluster | str | os.PathLike,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    profile: Any = None,
+    graph: OpGraph | None = None,
+) -> PlanInputs:
     """The graph, cluster and costs of `model` on `cluster`. graph: the model's capture when the
     caller has it (an in-memory module, `--graph FILE`); profile: measured per-node times (a
     Profile, a DeviceProfile, a file of either, 'FILE:TYPE' or a list; cost/calibrated.py) that
     replace the analytic estimate, a GPU's device profile calibrating its type."""
     from heterog.cost import build_cost_model
     from heterog.cost.calibrated import apply_profiles
-    if graph is None:       # a model the capture refuses is a ModelError saying why
+
+    if graph is None:  # a model the capture refuses is a ModelError saying why
         from heterog.capture.cache import capture_cached
+
         graph = capture_cached(model.name, model.args or None, batch_size=model.batch_size, seq_len=model.seq_len)
     seen, node_times = apply_profiles(device_view(load_cluster_like(cluster)), profile)
-    return PlanInputs(graph, seen, build_cost_model(graph, seen, precision=precision, optimizer=optimizer,
-                                                    profile=node_times))
+    return PlanInputs(
+        graph, seen, build_cost_model(graph, seen, precision=precision, optimizer=optimizer, profile=node_times)
+    )
 
 
-def plan_inputs(plan: Any, *, cluster: Cluster | str | os.PathLike | None = None, graph: OpGraph | None = None,
-                profile: Any = None) -> PlanInputs:
+def plan_inputs(
+    plan: Any, *, cluster: Cluster | str | os.PathLike | None = None, graph: OpGraph | None = None, profile: Any = None
+) -> PlanInputs:
     """model_inputs for a plan (anything as_plan takes), on the cluster it records unless
     `cluster` is given."""
     plan = as_plan(plan)
     if cluster is None:
         if not plan.cluster:
-            raise PlanError("the plan records no cluster (field 'cluster' is empty), so it does not say which "
-                            "cluster it is for; give one (--cluster NAME_OR_FILE).")
+            raise PlanError(
+                "the plan records no cluster (field 'cluster' is empty), so it does not say which "
+                "cluster it is for; give one (--cluster NAME_OR_FILE)."
+            )
         from heterog.hardware.spec import cluster_from_dict
+
         cluster = cluster_from_dict(plan.cluster)
     if graph is None and plan.model.name.startswith(IN_MEMORY_PREFIX):
         graph = _in_memory_graph(plan)
-    return model_inputs(plan.model, cluster, precision=plan.precision, optimizer=plan.optimizer,
-                        profile=profile, graph=graph)
+    return model_inputs(
+        plan.model, cluster, precision=plan.precision, optimizer=plan.optimizer, profile=profile, graph=graph
+    )
 
 
 def _in_memory_graph(plan: Plan) -> OpGraph:
     from heterog.capture.cache import in_memory_graph
+
     graph = in_memory_graph(plan.graph_fingerprint)
     if graph is None:
-        raise PlanError(f"the plan was made for an in-memory nn.Module ({plan.model.name!r}) in another "
-                        f"interpreter, so its graph is not here; plan the module again here, or pass its graph "
-                        f"(heterog.capture(module, example_inputs)), or put the module in a file "
-                        f"(docs/robustness.md).")
+        raise PlanError(
+            f"the plan was made for an in-memory nn.Module ({plan.model.name!r}) in another "
+            f"interpreter, so its graph is not here; plan the module again here, or pass its graph "
+            f"(heterog.capture(module, example_inputs)), or put the module in a file "
+            f"(docs/robustness.md)."
+        )
     return graph
 
 
@@ -104,24 +125,26 @@ def as_plan(plan: Any, source: str = "<plan>") -> Plan:
     from); or the path of a plan file, a program file or `heterog plan --json` output."""
     if isinstance(plan, Plan):
         return plan
-    best = getattr(plan, "best", None)      # a search.planner.PlanResult
+    best = getattr(plan, "best", None)  # a search.planner.PlanResult
     if isinstance(best, Plan):
         return best
     if isinstance(plan, (str, os.PathLike)):
         return _read_plan(Path(plan))
     if isinstance(plan, dict):
         return _plan_of_doc(plan, source)
-    program_plan = getattr(plan, "plan", None)      # a lower.program.Program
+    program_plan = getattr(plan, "plan", None)  # a lower.program.Program
     if isinstance(program_plan, dict):
         return Plan.from_dict(program_plan, source)
-    raise PlanError(f"expected a plan — a Plan, a plan dict (a plan result's 'best'), a plan result, a "
-                    f"Program, or the path of a plan file — found {type(plan).__name__}.")
+    raise PlanError(
+        f"expected a plan — a Plan, a plan dict (a plan result's 'best'), a plan result, a "
+        f"Program, or the path of a plan file — found {type(plan).__name__}."
+    )
 
 
 def _plan_of_doc(doc: dict[str, Any], source: str) -> Plan:
     if doc.get("kind") == "heterog.Program" and isinstance(doc.get("plan"), dict):
         return Plan.from_dict(doc["plan"], f"{source}: plan")
-    if "best" in doc and "groups" not in doc:       # heterog.plan()'s result, `heterog plan --json`
+    if "best" in doc and "groups" not in doc:  # heterog.plan()'s result, `heterog plan --json`
         return Plan.from_dict(doc["best"], f"{source}: best")
     return Plan.from_dict(doc, source)
 
@@ -131,9 +154,10 @@ def _read_plan(path: Path) -> Plan:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
-        doc = None          # Plan.load says what is wrong with the file
+        doc = None  # Plan.load says what is wrong with the file
     if isinstance(doc, dict) and doc.get("kind") == "heterog.Program":
         from heterog.lower.program import Program
+
         return Plan.from_dict(Program.load(path).plan, str(path))
     if isinstance(doc, dict) and "best" in doc and "kind" not in doc:
         return Plan.from_dict(doc["best"], f"{path}: best")

@@ -74,16 +74,17 @@ def parse_artifact(text: str, kind: str, version: int, *, source: str = "<string
     except json.JSONDecodeError as e:
         raise ArtifactError(
             f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}). "
-            f"Was it written by heterog, and completely?") from None
+            f"Was it written by heterog, and completely?"
+        ) from None
     if not isinstance(doc, dict):
         raise ArtifactError(f"{source}: expected a JSON object holding a {kind}, found {type(doc).__name__}.")
     if doc.get("kind") != kind:
-        raise ArtifactError(
-            f"{source}: this file holds a {doc.get('kind')!r} artifact, but a {kind!r} was expected.")
+        raise ArtifactError(f"{source}: this file holds a {doc.get('kind')!r} artifact, but a {kind!r} was expected.")
     if doc.get("version") != version:
         raise ArtifactError(
             f"{source}: {kind} schema version {doc.get('version')!r} is not supported "
-            f"(this heterog reads version {version}); re-create the file with this version.")
+            f"(this heterog reads version {version}); re-create the file with this version."
+        )
     return doc
 
 

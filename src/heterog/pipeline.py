@@ -51,6 +51,7 @@ def plan_cluster(plan: Plan) -> Cluster | None:
     if not plan.cluster:
         return None
     from heterog.hardware.spec import cluster_from_dict
+
     return cluster_from_dict(plan.cluster)
 
 
@@ -58,10 +59,17 @@ def local_cpu_cluster(plan: Plan) -> Cluster:
     """For a plan that records no cluster (written by hand): its devices as equal CPU ranks on
     one emulated node, which is what the local launcher runs them as."""
     from heterog.hardware.spec import cluster_from_dict
+
     names = rank_devices(plan, None)
-    return cluster_from_dict({"name": "local-cpu", "kind": "emulated", "nodes": [
-        {"name": "local", "nic_bandwidth_gbps": 10,
-         "devices": [{"type": "cpu", "name": d} for d in names]}]})
+    return cluster_from_dict(
+        {
+            "name": "local-cpu",
+            "kind": "emulated",
+            "nodes": [
+                {"name": "local", "nic_bandwidth_gbps": 10, "devices": [{"type": "cpu", "name": d} for d in names]}
+            ],
+        }
+    )
 
 
 def rank_devices(plan: Plan, cluster: Cluster | None) -> tuple[str, ...]:
@@ -86,12 +94,15 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
         from heterog.capture.cache import capture_cached
         from heterog.execute.workload import resolve_workload
         from heterog.profile.measure import measure_profile, profile_batch_sizes
-        device_view(cluster)        # one thread, as the ranks measure
+
+        device_view(cluster)  # one thread, as the ranks measure
         if graph is None:
-            graph = capture_cached(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
-                                   seq_len=plan.model.seq_len)
-        prof = measure_profile(resolve_workload(plan.model), graph=graph,
-                               batch_sizes=profile_batch_sizes(plan.batch_size))
+            graph = capture_cached(
+                plan.model.name, plan.model.args or None, batch_size=plan.batch_size, seq_len=plan.model.seq_len
+            )
+        prof = measure_profile(
+            resolve_workload(plan.model), graph=graph, batch_sizes=profile_batch_sizes(plan.batch_size)
+        )
     return _inputs_of_plan(plan, cluster=cluster, graph=graph, profile=prof)
 
 
@@ -113,6 +124,7 @@ def simulate(plan: Any, *simulator_args: Any, **options: Any):
     simulate(graph, cluster, plan, costs, timeline=…, cache=…), with the inputs given, is the
     simulator itself (heterog.simulate.simulator.simulate)."""
     from heterog.simulate.simulator import simulate as simulate_schedule
+
     if simulator_args or "costs" in options:
         return simulate_schedule(plan, *simulator_args, **options)
     plan = as_plan(plan)
@@ -124,13 +136,15 @@ def check(plan: Plan | str | os.PathLike, *, device: str = "meta", cache=None):
     """heterog check: lower the plan, then build every rank's stages for `device` and run
     their compute without communication (execute/check.py); a CheckResult."""
     from heterog.execute.check import check_program
+
     if not isinstance(plan, Plan):
         plan = read_plan(plan)
     return check_program(plan, lower(plan), device=device, cache=cache)
 
 
-def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, ...],
-                       emulated: bool) -> dict[str, float]:
+def emulated_slowdowns(
+    plan: Plan, cluster: Cluster | None, devices: tuple[str, ...], emulated: bool
+) -> dict[str, float]:
     """Each rank's compute slowdown: declared on emulated clusters; from peak FLOP/s when a
     real cluster is emulated (the fastest device runs at this CPU's speed)."""
     if cluster is None:
@@ -139,16 +153,16 @@ def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, 
         return {d: cluster.device(d).slowdown for d in devices}
     if not emulated:
         if local_gpus() >= len(devices):
-            return {}          # real GPUs: one rank per visible GPU, no pacing
+            return {}  # real GPUs: one rank per visible GPU, no pacing
         raise PlanError(
             f"the plan's cluster {cluster.name!r} is a real GPU cluster of {len(devices)} device(s) "
             f"({', '.join(sorted({cluster.device(d).gpu_type for d in devices}))}) and this machine has "
             f"{local_gpus()} visible GPU(s). Run it where its GPUs are (--torchrun prints the per-node "
             f"commands), or use --emulated to emulate it here with CPU processes (each device paced "
-            f"by its speed relative to the fastest).")
+            f"by its speed relative to the fastest)."
+        )
     key = "fp32" if plan.precision == "fp32" else "bf16"
-    peak = {d: cluster.gpu(d).peak_flops_per_s.get(key) or cluster.gpu(d).peak_flops_per_s["fp32"]
-            for d in devices}
+    peak = {d: cluster.gpu(d).peak_flops_per_s.get(key) or cluster.gpu(d).peak_flops_per_s["fp32"] for d in devices}
     top = max(peak.values())
     return {d: top / peak[d] for d in devices}
 
@@ -156,6 +170,7 @@ def emulated_slowdowns(plan: Plan, cluster: Cluster | None, devices: tuple[str, 
 def local_gpus() -> int:
     """CUDA devices visible to this process (0 without a CUDA build of torch)."""
     import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -165,13 +180,15 @@ def on_gpus(cluster: Cluster, devices: tuple[str, ...], emulated: bool) -> bool:
     return cluster.kind != "emulated" and not emulated and local_gpus() >= len(devices) > 0
 
 
-def gpu_layout(cluster: Cluster, devices: tuple[str, ...], *, share: bool = False
-               ) -> tuple[tuple[int, ...], bool, str | None]:
+def gpu_layout(
+    cluster: Cluster, devices: tuple[str, ...], *, share: bool = False
+) -> tuple[tuple[int, ...], bool, str | None]:
     """(each rank's GPU index on this machine, whether ranks share GPUs through host copies,
     a note). Devices of one node run on the GPUs they name (their positions in the node,
     launcher.local_gpu_indices); devices of several nodes run one per GPU in rank order;
     with `share`, more ranks than GPUs take the GPUs in turn (gloo, host staging)."""
     from heterog.execute.launcher import local_gpu_indices
+
     visible = local_gpus()
     nodes = {cluster.node_of[d] for d in devices}
     if len(nodes) == 1:
@@ -180,20 +197,28 @@ def gpu_layout(cluster: Cluster, devices: tuple[str, ...], *, share: bool = Fals
         if max(indices) < visible:
             return tuple(indices), False, None
     if len(devices) <= visible:
-        return tuple(range(len(devices))), False, ("the plan's devices span several nodes: rank r runs on "
-                                                   "this machine's cuda:r" if len(nodes) > 1 else None)
+        return (
+            tuple(range(len(devices))),
+            False,
+            ("the plan's devices span several nodes: rank r runs on this machine's cuda:r" if len(nodes) > 1 else None),
+        )
     if not share:
         raise PlanError(f"the plan has {len(devices)} ranks and this machine {visible} GPU(s).")
-    return (tuple(r % visible for r in range(len(devices))), True,
-            f"{len(devices)} ranks share {visible} GPU(s): NCCL refuses two ranks on one GPU, so they talk "
-            f"through gloo with host copies (correct, not fast)")
+    return (
+        tuple(r % visible for r in range(len(devices))),
+        True,
+        f"{len(devices)} ranks share {visible} GPU(s): NCCL refuses two ranks on one GPU, so they talk "
+        f"through gloo with host copies (correct, not fast)",
+    )
 
 
-def predict_iteration_time(plan: Plan, cluster: Cluster, graph, costs,
-                           per_device: dict[str, dict] | None = None) -> tuple[float, str]:
+def predict_iteration_time(
+    plan: Plan, cluster: Cluster, graph, costs, per_device: dict[str, dict] | None = None
+) -> tuple[float, str]:
     """The simulator's iteration time for the schedule the run carries out; per_device, when
     given, receives the simulator's per-device breakdown."""
     from heterog.simulate.simulator import simulate
+
     sim = simulate(graph, cluster, plan, costs, timeline=False)
     if per_device is not None:
         per_device.update(sim.to_dict().get("devices", {}))
@@ -216,8 +241,10 @@ def _local_ranks(plan: Plan) -> tuple[Cluster, tuple[str, ...]]:
     cluster = _cluster_of(plan)
     devices = rank_devices(plan, cluster)
     if len(devices) > MAX_LOCAL_RANKS:
-        raise PlanError(f"the plan uses {len(devices)} devices; the local launcher runs at most "
-                        f"{MAX_LOCAL_RANKS} processes on one machine. Use --torchrun on a real cluster.")
+        raise PlanError(
+            f"the plan uses {len(devices)} devices; the local launcher runs at most "
+            f"{MAX_LOCAL_RANKS} processes on one machine. Use --torchrun on a real cluster."
+        )
     return cluster, devices
 
 
@@ -245,35 +272,66 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
 
         def med(key: str) -> float:
             return statistics.median(s[key] for s in measured)
-        per_rank.append({"rank": r["rank"], "device": r["device"], "slowdown": r["slowdown"], "cores": r["cores"],
-                         "groups": r["groups"], "step_time_s": med("step_time_s"),
-                         "compute_s": med("compute_s"), "cpu_s": med("cpu_s"), "paced_s": med("paced_s"),
-                         "recv_wait_s": med("recv_wait_s"), "sync_s": med("sync_s"),
-                         "other_s": med("other_s"),
-                         "sent_bytes_total": r["sent_bytes"], "max_rss_bytes": r["max_rss_bytes"],
-                         "torch_device": r.get("torch_device", "cpu"),
-                         "peak_allocated_bytes": r.get("memory", {}).get("peak_allocated_bytes"),
-                         "peak_reserved_bytes": r.get("memory", {}).get("peak_reserved_bytes"),
-                         # an emulated device with a memory cap: its live tensors' peak
-                         "peak_live_bytes": r.get("peak_live_bytes"),
-                         "memory_cap_bytes": r.get("memory_cap_bytes"),
-                         "backend": r.get("backend", "gloo"),
-                         "skipped_steps": r["steps"][-1].get("skipped", 0)})
+
+        per_rank.append(
+            {
+                "rank": r["rank"],
+                "device": r["device"],
+                "slowdown": r["slowdown"],
+                "cores": r["cores"],
+                "groups": r["groups"],
+                "step_time_s": med("step_time_s"),
+                "compute_s": med("compute_s"),
+                "cpu_s": med("cpu_s"),
+                "paced_s": med("paced_s"),
+                "recv_wait_s": med("recv_wait_s"),
+                "sync_s": med("sync_s"),
+                "other_s": med("other_s"),
+                "sent_bytes_total": r["sent_bytes"],
+                "max_rss_bytes": r["max_rss_bytes"],
+                "torch_device": r.get("torch_device", "cpu"),
+                "peak_allocated_bytes": r.get("memory", {}).get("peak_allocated_bytes"),
+                "peak_reserved_bytes": r.get("memory", {}).get("peak_reserved_bytes"),
+                # an emulated device with a memory cap: its live tensors' peak
+                "peak_live_bytes": r.get("peak_live_bytes"),
+                "memory_cap_bytes": r.get("memory_cap_bytes"),
+                "backend": r.get("backend", "gloo"),
+                "skipped_steps": r["steps"][-1].get("skipped", 0),
+            }
+        )
     losses = [sum(r["steps"][k]["loss"] for r in results) for k in range(steps)]
-    out = {"measured_iteration_time_s": statistics.median(per_step), "measured_steps": len(per_step),
-           "per_rank": per_rank, "losses": losses}
-    if results[0]["steps"][0].get("loss_scale") is not None:     # fp16: the scale after each step
+    out = {
+        "measured_iteration_time_s": statistics.median(per_step),
+        "measured_steps": len(per_step),
+        "per_rank": per_rank,
+        "losses": losses,
+    }
+    if results[0]["steps"][0].get("loss_scale") is not None:  # fp16: the scale after each step
         out["loss_scales"] = [s["loss_scale"] for s in results[0]["steps"]]
     return out
 
 
-def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = False,
-        timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, shape_links: bool | None = None,
-        pin_cores: bool = False, predict: bool = True, out_dir: str | os.PathLike | None = None,
-        dump_params: bool = False, fault: dict[str, Any] | None = None,
-        data: str | None = None, profile: bool = False, checkpoint: dict[str, Any] | None = None,
-        force: bool = False, nccl_override: dict[str, str] | None = None,
-        share_gpus: bool = False) -> dict[str, Any]:
+def run(
+    plan: Plan | str | os.PathLike,
+    *,
+    steps: int = 5,
+    emulated: bool = False,
+    timeout_s: float = 60.0,
+    seed: int = 0,
+    warmup_steps: int = 1,
+    shape_links: bool | None = None,
+    pin_cores: bool = False,
+    predict: bool = True,
+    out_dir: str | os.PathLike | None = None,
+    dump_params: bool = False,
+    fault: dict[str, Any] | None = None,
+    data: str | None = None,
+    profile: bool = False,
+    checkpoint: dict[str, Any] | None = None,
+    force: bool = False,
+    nccl_override: dict[str, str] | None = None,
+    share_gpus: bool = False,
+) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
     A real GPU cluster's plan runs one rank per visible GPU, each on the GPU its device names
     (gpu_layout; NCCL; one NCCL algorithm and protocol on every rank when the GPU types
@@ -302,8 +360,10 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
     slowdowns = {} if shared else emulated_slowdowns(plan, cluster, devices, emulated)
     notes: list[str] = []
     if emulated and cluster is not None and cluster.kind != "emulated":
-        notes.append(f"{cluster.name} emulated with CPU processes paced by relative peak FLOP/s; the "
-                     f"prediction is for the real devices, so compare speed ratios, not times")
+        notes.append(
+            f"{cluster.name} emulated with CPU processes paced by relative peak FLOP/s; the "
+            f"prediction is for the real devices, so compare speed ratios, not times"
+        )
     shaping: dict[str, Any] = {"enabled": False}
     program, graph, costs, local, covered = _lower_for_run(plan, cluster, profile)
     if out_dir is not None:
@@ -318,8 +378,7 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
             try:
                 links = stack.enter_context(LinkShaping(cluster=cluster, devices=devices))
                 cfg_net = {"wrap": links.wrap, "env": links.env, "master_addr": links.master_addr}
-                shaping = {"enabled": True, "method": "netns+veth+tc-tbf",
-                           "nic_bandwidth_bytes_per_s": links.links}
+                shaping = {"enabled": True, "method": "netns+veth+tc-tbf", "nic_bandwidth_bytes_per_s": links.links}
             except ShapingUnavailable as e:
                 shaping = {"enabled": False, "reason": str(e)}
                 notes.append(f"links not shaped: {e}")
@@ -328,33 +387,80 @@ def run(plan: Plan | str | os.PathLike, *, steps: int = 5, emulated: bool = Fals
             env, note = nccl_env({cluster.device(d).gpu_type for d in devices}, nccl_override)
             cfg_net["env"] = {r: env for r in range(len(devices))}
             indices, staging, layout_note = gpu_layout(cluster, devices, share=shared)
-            cfg_net.update(cuda_indices=indices, host_staging=staging,
-                           gpu_types={d: cluster.device(d).gpu_type for d in devices})
+            cfg_net.update(
+                cuda_indices=indices, host_staging=staging, gpu_types={d: cluster.device(d).gpu_type for d in devices}
+            )
             notes += [n for n in (note, layout_note) if n]
-        cfg = LaunchConfig(devices=devices, steps=steps, timeout_s=timeout_s, seed=seed,
-                           slowdowns=slowdowns, pin_cores=pin_cores, dump_params=dump_params,
-                           fault=fault, data=data, checkpoint=checkpoint, force=force, cuda=cuda, **cfg_net)
-        results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None,
-                               program_doc=program.to_dict())
-    return _outcome(plan, covered, cluster, local, graph, costs, devices, results,
-                    steps=steps, warmup_steps=warmup_steps, predict=predict, notes=notes, shaping=shaping)
+        cfg = LaunchConfig(
+            devices=devices,
+            steps=steps,
+            timeout_s=timeout_s,
+            seed=seed,
+            slowdowns=slowdowns,
+            pin_cores=pin_cores,
+            dump_params=dump_params,
+            fault=fault,
+            data=data,
+            checkpoint=checkpoint,
+            force=force,
+            cuda=cuda,
+            **cfg_net,
+        )
+        results = launch_local(plan.to_dict(), cfg, Path(out_dir) if out_dir else None, program_doc=program.to_dict())
+    return _outcome(
+        plan,
+        covered,
+        cluster,
+        local,
+        graph,
+        costs,
+        devices,
+        results,
+        steps=steps,
+        warmup_steps=warmup_steps,
+        predict=predict,
+        notes=notes,
+        shaping=shaping,
+    )
 
 
-def _outcome(plan: Plan, covered: Plan, cluster: Cluster | None, local: Cluster, graph, costs,
-             devices: tuple[str, ...], results: list[dict], *, steps: int, warmup_steps: int,
-             predict: bool, notes: list[str], shaping: dict[str, Any]) -> dict[str, Any]:
+def _outcome(
+    plan: Plan,
+    covered: Plan,
+    cluster: Cluster | None,
+    local: Cluster,
+    graph,
+    costs,
+    devices: tuple[str, ...],
+    results: list[dict],
+    *,
+    steps: int,
+    warmup_steps: int,
+    predict: bool,
+    notes: list[str],
+    shaping: dict[str, Any],
+) -> dict[str, Any]:
     """run's result: the ranks' measurements summarised, beside the simulator's prediction
     of the schedule that ran (covered: the plan as lowered)."""
     for r in results:
         for w in r["warnings"]:
             if w not in notes:
                 notes.append(w)
-    out: dict[str, Any] = {"strategy": plan.strategy, "model": plan.model.name,
-                           "cluster": cluster.name if cluster else None, "devices": list(devices),
-                           "steps": steps, "warmup_steps": warmup_steps, **summarize(results, warmup_steps)}
+    out: dict[str, Any] = {
+        "strategy": plan.strategy,
+        "model": plan.model.name,
+        "cluster": cluster.name if cluster else None,
+        "devices": list(devices),
+        "steps": steps,
+        "warmup_steps": warmup_steps,
+        **summarize(results, warmup_steps),
+    }
     sim_devices: dict[str, dict] = {}
-    predicted, source = (predict_iteration_time(covered, local, graph, costs, per_device=sim_devices)
-                         if predict else (None, "not requested"))
+    predicted, source = (
+        predict_iteration_time(covered, local, graph, costs, per_device=sim_devices)
+        if predict
+        else (None, "not requested")
+    )
     for r in out["per_rank"]:  # the simulator's view of each device, next to the measurement
         d = sim_devices.get(r["device"], {})
         r["predicted_compute_s"] = d.get("compute_time_s")
@@ -373,6 +479,7 @@ def _outcome(plan: Plan, covered: Plan, cluster: Cluster | None, local: Cluster,
 class PlanRun:
     """One plan's outcome in run_many: `result` is what `run` returns for it, or `error` is
     what stopped it (lowering, a rank's failure, a refusal)."""
+
     index: int
     strategy: str
     result: dict[str, Any] | None = None
@@ -391,35 +498,67 @@ class _Prepared:
     launch: PlanLaunch
 
 
-def _prepare(plan: Plan, index: int, graphs: dict[str, Any], fault: dict[str, Any] | None, dump_params: bool,
-             out_dir: Path | None, inputs: tuple | None = None) -> _Prepared:
+def _prepare(
+    plan: Plan,
+    index: int,
+    graphs: dict[str, Any],
+    fault: dict[str, Any] | None,
+    dump_params: bool,
+    out_dir: Path | None,
+    inputs: tuple | None = None,
+) -> _Prepared:
     """Lower plan `index` of run_many (the model captured once per model spec: `graphs`;
     with `inputs`, the caller's graph, cluster and costs); its Program saved in its folder, as
     `run` saves it."""
     from heterog.execute.launcher import PlanLaunch
+
     cluster, devices = _local_ranks(plan)
     if cluster.kind != "emulated":
-        raise PlanError(f"run_many runs emulated clusters' plans on CPU processes; the plan's cluster "
-                        f"{cluster.name!r} is a real one: run it with heterog.run.")
+        raise PlanError(
+            f"run_many runs emulated clusters' plans on CPU processes; the plan's cluster "
+            f"{cluster.name!r} is a real one: run it with heterog.run."
+        )
     key = json.dumps(plan.to_dict()["model"], sort_keys=True, default=str)
-    program, graph, costs, local, covered = _lower_for_run(plan, cluster, False, graph=graphs.get(key),
-                                                           inputs=inputs)
+    program, graph, costs, local, covered = _lower_for_run(plan, cluster, False, graph=graphs.get(key), inputs=inputs)
     graphs[key] = graph
     folder = f"plan{index}"
     if out_dir is not None:
         (out_dir / folder).mkdir(parents=True, exist_ok=True)
         program.save(out_dir / folder / "program.json")
-    launch = PlanLaunch(plan_doc=plan.to_dict(), program_doc=program.to_dict(), devices=devices,
-                        slowdowns=emulated_slowdowns(plan, cluster, devices, False), fault=fault,
-                        dump_params=dump_params, folder=folder)
-    return _Prepared(plan=plan, covered=covered, cluster=cluster, local=local, graph=graph, costs=costs,
-                     devices=devices, launch=launch)
+    launch = PlanLaunch(
+        plan_doc=plan.to_dict(),
+        program_doc=program.to_dict(),
+        devices=devices,
+        slowdowns=emulated_slowdowns(plan, cluster, devices, False),
+        fault=fault,
+        dump_params=dump_params,
+        folder=folder,
+    )
+    return _Prepared(
+        plan=plan,
+        covered=covered,
+        cluster=cluster,
+        local=local,
+        graph=graph,
+        costs=costs,
+        devices=devices,
+        launch=launch,
+    )
 
 
-def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s: float = 60.0, seed: int = 0,
-             warmup_steps: int = 1, predict: bool = True, out_dir: str | os.PathLike | None = None,
-             force: bool = False, faults: dict[int, dict[str, Any]] | None = None,
-             dump_params: bool = False) -> list[PlanRun]:
+def run_many(
+    plans: list[Plan | str | os.PathLike],
+    *,
+    steps: int = 5,
+    timeout_s: float = 60.0,
+    seed: int = 0,
+    warmup_steps: int = 1,
+    predict: bool = True,
+    out_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    faults: dict[int, dict[str, Any]] | None = None,
+    dump_params: bool = False,
+) -> list[PlanRun]:
     """Train `steps` steps of each plan, one after the other, in one launch of local rank
     processes (launcher.launch_local_many): the processes start, import torch and export each
     model once for all the plans, instead of once per plan as `run` does. For sweeps of many
@@ -438,15 +577,25 @@ def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s
     prepared: list[_Prepared | Exception] = []
     for i, plan in enumerate(loaded):
         try:
-            prepared.append(_prepare(plan, i, graphs, (faults or {}).get(i), dump_params,
-                                     Path(out_dir) if out_dir else None))
+            prepared.append(
+                _prepare(plan, i, graphs, (faults or {}).get(i), dump_params, Path(out_dir) if out_dir else None)
+            )
         except Exception as e:  # noqa: BLE001 - reported in that plan's PlanRun; the others run
             prepared.append(e)
     ready = [p for p in prepared if isinstance(p, _Prepared)]
     with _sigterm_as_interrupt():
-        launched = iter(launch_local_many([p.launch for p in ready], steps=steps, timeout_s=timeout_s, seed=seed,
-                                          out_dir=Path(out_dir) if out_dir else None, force=force)
-                        if ready else [])
+        launched = iter(
+            launch_local_many(
+                [p.launch for p in ready],
+                steps=steps,
+                timeout_s=timeout_s,
+                seed=seed,
+                out_dir=Path(out_dir) if out_dir else None,
+                force=force,
+            )
+            if ready
+            else []
+        )
     out = []
     for i, (plan, prep) in enumerate(zip(loaded, prepared)):
         got = next(launched) if isinstance(prep, _Prepared) else prep
@@ -455,9 +604,27 @@ def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s
             continue
         assert isinstance(prep, _Prepared)
         shaping = {"enabled": False, "reason": "run_many does not shape links"}
-        out.append(PlanRun(index=i, strategy=plan.strategy, result=_outcome(
-            plan, prep.covered, prep.cluster, prep.local, prep.graph, prep.costs, prep.devices, got,
-            steps=steps, warmup_steps=warmup_steps, predict=predict, notes=[], shaping=shaping)))
+        out.append(
+            PlanRun(
+                index=i,
+                strategy=plan.strategy,
+                result=_outcome(
+                    plan,
+                    prep.covered,
+                    prep.cluster,
+                    prep.local,
+                    prep.graph,
+                    prep.costs,
+                    prep.devices,
+                    got,
+                    steps=steps,
+                    warmup_steps=warmup_steps,
+                    predict=predict,
+                    notes=[],
+                    shaping=shaping,
+                ),
+            )
+        )
     return out
 
 
@@ -465,38 +632,55 @@ def run_many(plans: list[Plan | str | os.PathLike], *, steps: int = 5, timeout_s
 class PlanRepetitions:
     """One plan's outcome in run_interleaved: per repetition the dict `run` returns for it (in
     the order measured), or `error`, what stopped the plan (its later repetitions not run)."""
+
     index: int
     strategy: str
     repetitions: tuple[dict[str, Any], ...] = ()
     error: Exception | None = None
 
 
-def _shaped_layout(stack: contextlib.ExitStack, cluster: Cluster, devices: tuple[str, ...],
-                   shape_links: bool | None, notes: list[str]) -> tuple[ProcessLayout, dict[str, Any]]:
+def _shaped_layout(
+    stack: contextlib.ExitStack, cluster: Cluster, devices: tuple[str, ...], shape_links: bool | None, notes: list[str]
+) -> tuple[ProcessLayout, dict[str, Any]]:
     """One process per device, in network namespaces with the cluster's NIC bandwidths when
     wanted and possible (as `run` shapes them); (the layout, the shaping record)."""
     from heterog.execute.launcher import ProcessLayout
     from heterog.execute.netns import LinkShaping, ShapingUnavailable
+
     want = shape_links if shape_links is not None else cluster.kind == "emulated"
     if not want:
         return ProcessLayout(devices=devices), {"enabled": False, "reason": "not requested"}
     if len({cluster.node_of[d] for d in devices}) == 1:
-        return (ProcessLayout(devices=devices),
-                {"enabled": False, "reason": "the plans' devices share one node: no link to shape"})
+        return (
+            ProcessLayout(devices=devices),
+            {"enabled": False, "reason": "the plans' devices share one node: no link to shape"},
+        )
     try:
         links = stack.enter_context(LinkShaping(cluster=cluster, devices=devices))
     except ShapingUnavailable as e:
         notes.append(f"links not shaped: {e}")
         return ProcessLayout(devices=devices), {"enabled": False, "reason": str(e)}
-    return (ProcessLayout(devices=devices, wrap=links.wrap, env=links.env, master_addr=links.master_addr),
-            {"enabled": True, "method": "netns+veth+tc-tbf", "nic_bandwidth_bytes_per_s": links.links})
+    return (
+        ProcessLayout(devices=devices, wrap=links.wrap, env=links.env, master_addr=links.master_addr),
+        {"enabled": True, "method": "netns+veth+tc-tbf", "nic_bandwidth_bytes_per_s": links.links},
+    )
 
 
-def run_interleaved(plans: list[Plan | str | os.PathLike], *, steps: int = 5, repetitions: int = 3,
-                    timeout_s: float = 60.0, seed: int = 0, warmup_steps: int = 1, predict: bool = True,
-                    shape_links: bool | None = None, out_dir: str | os.PathLike | None = None,
-                    force: bool = False, faults: dict[int, dict[str, Any]] | None = None,
-                    inputs: tuple | None = None) -> list[PlanRepetitions]:
+def run_interleaved(
+    plans: list[Plan | str | os.PathLike],
+    *,
+    steps: int = 5,
+    repetitions: int = 3,
+    timeout_s: float = 60.0,
+    seed: int = 0,
+    warmup_steps: int = 1,
+    predict: bool = True,
+    shape_links: bool | None = None,
+    out_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    faults: dict[int, dict[str, Any]] | None = None,
+    inputs: tuple | None = None,
+) -> list[PlanRepetitions]:
     """Measure plans of one emulated cluster side by side: `repetitions` rounds, each training
     every plan `steps` steps in turn (A B C, then C B A, …), all in one launch of one process per
     device. On a shared machine whose speed drifts, consecutive plans then run seconds apart
@@ -516,35 +700,60 @@ def run_interleaved(plans: list[Plan | str | os.PathLike], *, steps: int = 5, re
         return []
     prints = {p.cluster_fingerprint for p in loaded}
     if len(prints) > 1:
-        raise PlanError("run_interleaved measures plans of one cluster side by side; the plans were made "
-                        "for different clusters (their cluster fingerprints differ): run each group apart.")
+        raise PlanError(
+            "run_interleaved measures plans of one cluster side by side; the plans were made "
+            "for different clusters (their cluster fingerprints differ): run each group apart."
+        )
     graphs: dict[str, Any] = {}
-    prepared = [_prepare(plan, i, graphs, (faults or {}).get(i), False, None, inputs)
-                for i, plan in enumerate(loaded)]
+    prepared = [_prepare(plan, i, graphs, (faults or {}).get(i), False, None, inputs) for i, plan in enumerate(loaded)]
     cluster = prepared[0].cluster
     used = {d for p in prepared for d in p.devices}
     devices = tuple(d.name for d in cluster.devices if d.name in used)
     # odd rounds run the plans in reverse order (A B C C B A A B C …), so a drift of the machine's
     # speed within a round does not always fall on the same plans
-    order = [(r, i) for r in range(repetitions)
-             for i in (range(len(prepared)) if r % 2 == 0 else reversed(range(len(prepared))))]
+    order = [
+        (r, i)
+        for r in range(repetitions)
+        for i in (range(len(prepared)) if r % 2 == 0 else reversed(range(len(prepared))))
+    ]
     entries = [dataclasses.replace(prepared[i].launch, folder=f"rep{r}/plan{i}", key=f"plan{i}") for r, i in order]
     notes: list[str] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sigterm_as_interrupt())
         layout, shaping = _shaped_layout(stack, cluster, devices, shape_links, notes)
-        launched = launch_local_many(entries, steps=steps, timeout_s=timeout_s, seed=seed,
-                                     out_dir=Path(out_dir) if out_dir else None, force=force, layout=layout)
+        launched = launch_local_many(
+            entries,
+            steps=steps,
+            timeout_s=timeout_s,
+            seed=seed,
+            out_dir=Path(out_dir) if out_dir else None,
+            force=force,
+            layout=layout,
+        )
     out = []
     for i, (plan, prep) in enumerate(zip(loaded, prepared)):
-        got = [launched[k] for k, (_, j) in enumerate(order) if j == i]     # plan i's rounds, in order
+        got = [launched[k] for k, (_, j) in enumerate(order) if j == i]  # plan i's rounds, in order
         error = next((g for g in got if isinstance(g, Exception)), None)
         reps: list[dict[str, Any]] = []
         for k, results in enumerate(got if error is None else ()):
-            reps.append(_outcome(plan, prep.covered, prep.cluster, prep.local, prep.graph, prep.costs, prep.devices,
-                                 results, steps=steps, warmup_steps=warmup_steps, predict=predict and k == 0,
-                                 notes=list(notes), shaping=shaping))
-            if k:       # one prediction per plan: every round ran the same schedule
+            reps.append(
+                _outcome(
+                    plan,
+                    prep.covered,
+                    prep.cluster,
+                    prep.local,
+                    prep.graph,
+                    prep.costs,
+                    prep.devices,
+                    results,
+                    steps=steps,
+                    warmup_steps=warmup_steps,
+                    predict=predict and k == 0,
+                    notes=list(notes),
+                    shaping=shaping,
+                )
+            )
+            if k:  # one prediction per plan: every round ran the same schedule
                 for key in ("predicted_iteration_time_s", "prediction_source"):
                     reps[-1][key] = reps[0][key]
                 m = reps[-1]["measured_iteration_time_s"]

@@ -17,7 +17,8 @@ in a file (docs/robustness.md: the user-model convention); the executor says so.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -25,12 +26,26 @@ from heterog.errors import ModelError
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
 
 
-def plan(model: str | nn.Module, *, cluster: Any, example_inputs: Any = None, targets: Any = None,
-         loss_fn: Callable | None = None, name: str = "module", batch_size: int | None = None,
-         model_args: dict[str, Any] | None = None, seq_len: int | None = None, precision: str = "fp32",
-         optimizer: str = "sgd", budget_s: float | None = None, seed: int = 0, policy: Any = None,
-         finetune_s: float = 0.0, max_iters: int | None = None,
-         progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+def plan(
+    model: str | nn.Module,
+    *,
+    cluster: Any,
+    example_inputs: Any = None,
+    targets: Any = None,
+    loss_fn: Callable | None = None,
+    name: str = "module",
+    batch_size: int | None = None,
+    model_args: dict[str, Any] | None = None,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    budget_s: float | None = None,
+    seed: int = 0,
+    policy: Any = None,
+    finetune_s: float = 0.0,
+    max_iters: int | None = None,
+    progress: Callable[[str, float], None] | None = None,
+) -> dict[str, Any]:
     """The best deployment of `model` on `cluster` and the candidates it beat (the CLI's JSON).
 
     model: a zoo name or 'path/file.py:factory' (then batch_size is required), or an
@@ -43,32 +58,71 @@ def plan(model: str | nn.Module, *, cluster: Any, example_inputs: Any = None, ta
     if isinstance(model, str):
         if batch_size is None:
             raise ModelError(f"plan({model!r}): give batch_size, the global batch of one iteration.")
-        return planner.plan(model, model_args=model_args, batch_size=batch_size, seq_len=seq_len, cluster=cluster,
-                            precision=precision, optimizer=optimizer, seed=seed, policy=policy,
-                            finetune_s=finetune_s, max_iters=max_iters, progress=progress, **extra)
+        return planner.plan(
+            model,
+            model_args=model_args,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            cluster=cluster,
+            precision=precision,
+            optimizer=optimizer,
+            seed=seed,
+            policy=policy,
+            finetune_s=finetune_s,
+            max_iters=max_iters,
+            progress=progress,
+            **extra,
+        )
     if not isinstance(model, nn.Module):
         raise ModelError(f"plan() takes a model name or an nn.Module, found {type(model).__name__}.")
     if example_inputs is None:
-        raise ModelError("plan(module): give example_inputs=(tensor, ...), forward's positional arguments "
-                         "with the global batch along dim 0 (only their shapes are used).")
+        raise ModelError(
+            "plan(module): give example_inputs=(tensor, ...), forward's positional arguments "
+            "with the global batch along dim 0 (only their shapes are used)."
+        )
     if model_args:
         raise ModelError("plan(module): model_args apply to named models; build the module with them instead.")
-    return _plan_module(model, example_inputs, targets=targets, loss_fn=loss_fn, name=name, cluster=cluster,
-                        seq_len=seq_len, precision=precision, optimizer=optimizer, seed=seed, policy=policy,
-                        finetune_s=finetune_s, max_iters=max_iters, progress=progress, **extra)
+    return _plan_module(
+        model,
+        example_inputs,
+        targets=targets,
+        loss_fn=loss_fn,
+        name=name,
+        cluster=cluster,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer=optimizer,
+        seed=seed,
+        policy=policy,
+        finetune_s=finetune_s,
+        max_iters=max_iters,
+        progress=progress,
+        **extra,
+    )
 
 
-def _plan_module(module: nn.Module, example_inputs: Any, *, targets: Any, loss_fn: Callable | None, name: str,
-                 cluster: Any, seq_len: int | None, precision: str, optimizer: str, **search: Any) -> dict[str, Any]:
+def _plan_module(
+    module: nn.Module,
+    example_inputs: Any,
+    *,
+    targets: Any,
+    loss_fn: Callable | None,
+    name: str,
+    cluster: Any,
+    seq_len: int | None,
+    precision: str,
+    optimizer: str,
+    **search: Any,
+) -> dict[str, Any]:
     from heterog.capture import capture
     from heterog.capture.cache import remember_in_memory
     from heterog.inputs import model_inputs
     from heterog.search.planner import plan_graph
 
-    graph = capture(module, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}",
-                    seq_len=seq_len)
-    remember_in_memory(graph)       # so heterog.simulate / lower / report of its plan work in this interpreter
+    graph = capture(
+        module, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}", seq_len=seq_len
+    )
+    remember_in_memory(graph)  # so heterog.simulate / lower / report of its plan work in this interpreter
     spec = ModelSpec(name=graph.model, batch_size=graph.batch_size, seq_len=seq_len)
     graph, clu, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
-    return plan_graph(graph, clu, costs, model_spec=spec, precision=precision, optimizer=optimizer,
-                      **search).to_dict()
+    return plan_graph(graph, clu, costs, model_spec=spec, precision=precision, optimizer=optimizer, **search).to_dict()

@@ -16,7 +16,6 @@ from types import ModuleType
 
 from heterog.errors import ModelError
 
-
 _LOCATIONS: dict[str, Path] = {}  # path as a plan names it → the file found for that plan
 
 

@@ -14,11 +14,15 @@ import sys as _sys
 
 from heterog._callable import CallablePackage as _CallablePackage
 
-_WHERE = {"capture": "heterog.capture.capture", "capture_model": "heterog.capture.capture",
-          "count_parameters": "heterog.capture.capture", "capture_cached": "heterog.capture.cache",
-          "is_leaf_module": "heterog.capture.recorder"}
+_WHERE = {
+    "capture": "heterog.capture.capture",
+    "capture_model": "heterog.capture.capture",
+    "count_parameters": "heterog.capture.capture",
+    "capture_cached": "heterog.capture.cache",
+    "is_leaf_module": "heterog.capture.recorder",
+}
 __all__ = sorted(_WHERE)
-_FUNCTIONS = frozenset(_WHERE)    # never shadowed by the submodule capture/capture.py
+_FUNCTIONS = frozenset(_WHERE)  # never shadowed by the submodule capture/capture.py
 
 
 def __getattr__(name: str):

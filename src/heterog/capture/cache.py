@@ -45,7 +45,7 @@ LIMIT_ENV = "HETEROG_GRAPH_CACHE_MIB"
 SWITCH_ENV = "HETEROG_GRAPH_CACHE"
 DEFAULT_LIMIT_MIB = 512
 KEY_VERSION = 1
-GRAPH_CODE = ("capture", "ir")     # the code a captured graph depends on
+GRAPH_CODE = ("capture", "ir")  # the code a captured graph depends on
 
 
 def store_dir() -> Path:
@@ -84,22 +84,35 @@ def _user_files(name: str) -> dict[str, str]:
     if not path.endswith(".py"):
         return {}
     from heterog.userfile import locate
+
     file = locate(path)
     if not file.is_file():
-        return {}       # capture_model says what is wrong
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(file.resolve().parent.glob("*.py")) if f.is_file()}
+        return {}  # capture_model says what is wrong
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(file.resolve().parent.glob("*.py"))
+        if f.is_file()
+    }
 
 
-def model_key(kind: str, name: str, model_args: dict[str, Any] | None, *, code: tuple[str, ...],
-              **more: Any) -> str:
+def model_key(kind: str, name: str, model_args: dict[str, Any] | None, *, code: tuple[str, ...], **more: Any) -> str:
     """The key of one cached result of `kind` about a model (a hex digest): the model spec,
     a user file's bytes and its neighbours', the package versions and `code`'s sources."""
     from heterog import __version__
-    doc = {"key_version": KEY_VERSION, "kind": kind, "model": name, "args": model_args or {}, **more,
-           "files": _user_files(name), "heterog": __version__, "code": code_fingerprint(*code),
-           "python": platform.python_version(), "torch": _version("torch"),
-           "transformers": _version("transformers")}
+
+    doc = {
+        "key_version": KEY_VERSION,
+        "kind": kind,
+        "model": name,
+        "args": model_args or {},
+        **more,
+        "files": _user_files(name),
+        "heterog": __version__,
+        "code": code_fingerprint(*code),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+    }
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -137,18 +150,19 @@ def store_json(kind: str, key: str, doc: Any) -> None:
     if not enabled():
         return
     from heterog.jsonio import write_atomic
+
     try:
         write_atomic(entry_path(kind, key), json.dumps(doc))
         _evict(store_dir(), _limit_bytes())
     except OSError:
-        pass            # a read-only or full disk: the result still serves this run
+        pass  # a read-only or full disk: the result still serves this run
 
 
 def _read(path: Path) -> OpGraph | None:
     try:
         graph = OpGraph.load(path)
     except (ArtifactError, OSError, ValueError, KeyError, TypeError):
-        return None     # missing, half-evicted or damaged: capture again
+        return None  # missing, half-evicted or damaged: capture again
     _touch(path)
     return graph
 
@@ -160,7 +174,7 @@ def _evict(folder: Path, limit_bytes: int) -> None:
         try:
             st = f.stat()
         except FileNotFoundError:
-            continue    # another process evicted it
+            continue  # another process evicted it
         entries.append((st.st_mtime, st.st_size, f))
     total = sum(size for _, size, _ in entries)
     for _, size, f in sorted(entries):
@@ -181,18 +195,21 @@ def _limit_bytes() -> int:
 
 
 def _capture(name: str, model_args: dict[str, Any] | None, batch_size: int, seq_len: int | None) -> OpGraph:
-    from heterog.capture.capture import capture_model     # imports torch: only when capturing
+    from heterog.capture.capture import capture_model  # imports torch: only when capturing
+
     return capture_model(name, model_args, batch_size=batch_size, seq_len=seq_len)
 
 
-def capture_cached(name: str, model_args: dict[str, Any] | None = None, *, batch_size: int,
-                   seq_len: int | None = None) -> OpGraph:
+def capture_cached(
+    name: str, model_args: dict[str, Any] | None = None, *, batch_size: int, seq_len: int | None = None
+) -> OpGraph:
     """capture_model(name, model_args, batch_size=…, seq_len=…), read from the cache when this
     exact capture was made before; `meta["graph_cache"]` says "hit" or "miss"."""
     from heterog.capture.models import MODEL_INFO, is_user_model, unknown_model_error
     from heterog.ir.plan import in_memory_model_error
+
     if name not in MODEL_INFO and not is_user_model(name) and in_memory_model_error(name) is None:
-        raise unknown_model_error(name)     # before importing torch: a typo is answered at once
+        raise unknown_model_error(name)  # before importing torch: a typo is answered at once
     if not enabled():
         return _capture(name, model_args, batch_size, seq_len)
     path = entry_path("graph", graph_key(name, model_args, batch_size, seq_len))
@@ -207,7 +224,7 @@ def capture_cached(name: str, model_args: dict[str, Any] | None = None, *, batch
         graph.save(path)
         _evict(store_dir(), _limit_bytes())
     except OSError:
-        pass            # a read-only or full disk: the capture still serves this run
+        pass  # a read-only or full disk: the capture still serves this run
     graph.meta["graph_cache"] = "miss"
     return graph
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,26 +59,33 @@ def _to_fake(fake_mode: FakeTensorMode, value: Any) -> Any:
         with fake_mode:
             f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
         return f.requires_grad_(t.requires_grad)
+
     return tree_map(conv, value)
 
 
 def _double_batch(value: Any, batch: int, fake_mode: FakeTensorMode) -> Any:
     """The same example with the batch dimension (dim 0 of size `batch`) twice as long."""
+
     def double(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
             with fake_mode:
                 return torch.cat([t, t], dim=0).detach().requires_grad_(t.requires_grad)
         return t
+
     return tree_map(double, value)
 
 
 def _default_loss(output: Any) -> torch.Tensor:
     logits = getattr(output, "logits", None)
-    tensors = [logits] if isinstance(logits, torch.Tensor) else [
-        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    tensors = (
+        [logits]
+        if isinstance(logits, torch.Tensor)
+        else [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    )
     if not tensors:
-        raise ModelError("the model returned no floating-point tensor to build a loss from; "
-                         "pass loss_fn=... to capture().")
+        raise ModelError(
+            "the model returned no floating-point tensor to build a loss from; pass loss_fn=... to capture()."
+        )
     return sum(t.float().sum() for t in tensors)
 
 
@@ -98,8 +106,9 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _record(model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | None,
-            fake_mode: FakeTensorMode, name: str) -> Recorder:
+def _record(
+    model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | None, fake_mode: FakeTensorMode, name: str
+) -> Recorder:
     flat_inputs = [t for t in tree_flatten((inputs, targets))[0] if isinstance(t, torch.Tensor)]
     rec = Recorder(model, input_tensors=flat_inputs)
     with _quiet_fake_tensor_log(), fake_mode, rec:
@@ -112,12 +121,14 @@ def _record(model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | N
                 raise ModelError(
                     f"model {name!r} reads tensor values in its forward ({e}); capture runs on "
                     f"fake tensors, which have shapes but no values. Move value-dependent logic "
-                    f"(.item(), data-dependent branches) out of forward or give it constants.") from e
+                    f"(.item(), data-dependent branches) out of forward or give it constants."
+                ) from e
             shapes = ", ".join(str(tuple(t.shape)) for t in flat_inputs)
             raise ModelError(
                 f"model {name!r} failed on example inputs of shape(s) {shapes}: "
                 f"{type(e).__name__}: {str(e).rstrip('.')}. Check that the example batch matches what the "
-                f"model's forward expects (shape, dtype, number of arguments).") from e
+                f"model's forward expects (shape, dtype, number of arguments)."
+            ) from e
         rec.start_loss()
         try:
             if loss_fn is None:
@@ -129,11 +140,12 @@ def _record(model: nn.Module, inputs: tuple, targets: Any, loss_fn: Callable | N
         except ModelError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise ModelError(f"the loss of model {name!r} failed: {type(e).__name__}: {str(e).rstrip('.')}. "
-                             f"Check loss_fn and the targets' shape.") from e
+            raise ModelError(
+                f"the loss of model {name!r} failed: {type(e).__name__}: {str(e).rstrip('.')}. "
+                f"Check loss_fn and the targets' shape."
+            ) from e
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ModelError(f"the loss of model {name!r} must be a scalar tensor, "
-                             f"found {type(loss).__name__}.")
+            raise ModelError(f"the loss of model {name!r} must be a scalar tensor, found {type(loss).__name__}.")
         rec.start_backward()
         params = [p for p in model.parameters() if p.requires_grad]
         if loss.requires_grad and params:
@@ -157,9 +169,19 @@ def _assign_unused(rec: Recorder) -> None:
         best.param_bytes += p.numel() * p.element_size()
 
 
-def _fit_graph(a: Recorder, b: Recorder, batch_a: int, batch_b: int, *, name: str,
-               seq_len: int | None, input_bytes: Affine, num_parameters: int, dtype: str,
-               meta: dict) -> OpGraph:
+def _fit_graph(
+    a: Recorder,
+    b: Recorder,
+    batch_a: int,
+    batch_b: int,
+    *,
+    name: str,
+    seq_len: int | None,
+    input_bytes: Affine,
+    num_parameters: int,
+    dtype: str,
+    meta: dict,
+) -> OpGraph:
     names_a = [n.name for n in a.nodes]
     names_b = [n.name for n in b.nodes]
     if names_a != names_b:
@@ -167,7 +189,8 @@ def _fit_graph(a: Recorder, b: Recorder, batch_a: int, batch_b: int, *, name: st
         raise ModelError(
             f"model {name!r} runs different ops at batch {batch_a} and {batch_b} (first "
             f"difference: {diff[0]!r} vs {diff[1]!r}), so its costs cannot be fitted as a "
-            f"function of the batch. Capture at the batch size you will train with.")
+            f"function of the batch. Capture at the batch size you will train with."
+        )
 
     def fit(x: float, y: float) -> Affine:
         f = Affine.fit(batch_a, x, batch_b, y)
@@ -182,30 +205,55 @@ def _fit_graph(a: Recorder, b: Recorder, batch_a: int, batch_b: int, *, name: st
         out_b = float(sum(nb.consumed.values()))
         output_bytes = fit(out_a, out_b)
         fwd_bytes = fit(na.fwd_bytes, nb.fwd_bytes)
-        nodes.append(OpNode(
-            name=na.name or f"{na.module_path or 'root'}::op@{len(nodes)}",
-            module_path=na.module_path, module_type=na.module_type, kind=a.node_kind(na),
-            fwd_flops=fwd_flops, bwd_flops=fit(na.bwd_flops, nb.bwd_flops),
-            fwd_bytes=fwd_bytes, bwd_bytes=fit(na.bwd_bytes, nb.bwd_bytes),
-            saved_bytes=fit(na.saved_bytes, nb.saved_bytes), output_bytes=output_bytes,
-            workspace_bytes=fit(a.workspace_bytes(na), b.workspace_bytes(nb)),
-            param_names=tuple(na.param_names), param_count=na.param_count,
-            param_bytes=na.param_bytes,
-            batch_splittable=(fwd_flops.per_sample > 0 or output_bytes.per_sample > 0
-                              or fwd_bytes.per_sample > 0),
-            fwd_kernels=na.fwd_kernels, bwd_kernels=na.bwd_kernels,
-            tensor_core_flops_fraction=Recorder.tensor_core_fraction(na)))
+        nodes.append(
+            OpNode(
+                name=na.name or f"{na.module_path or 'root'}::op@{len(nodes)}",
+                module_path=na.module_path,
+                module_type=na.module_type,
+                kind=a.node_kind(na),
+                fwd_flops=fwd_flops,
+                bwd_flops=fit(na.bwd_flops, nb.bwd_flops),
+                fwd_bytes=fwd_bytes,
+                bwd_bytes=fit(na.bwd_bytes, nb.bwd_bytes),
+                saved_bytes=fit(na.saved_bytes, nb.saved_bytes),
+                output_bytes=output_bytes,
+                workspace_bytes=fit(a.workspace_bytes(na), b.workspace_bytes(nb)),
+                param_names=tuple(na.param_names),
+                param_count=na.param_count,
+                param_bytes=na.param_bytes,
+                batch_splittable=(fwd_flops.per_sample > 0 or output_bytes.per_sample > 0 or fwd_bytes.per_sample > 0),
+                fwd_kernels=na.fwd_kernels,
+                bwd_kernels=na.bwd_kernels,
+                tensor_core_flops_fraction=Recorder.tensor_core_fraction(na),
+            )
+        )
     edges = []
     for (src, dst), storages in a.edges.items():
         other = b.edges.get((src, dst), {})
-        edges.append(OpEdge(src=nodes[src].name, dst=nodes[dst].name,
-                            bytes=fit(float(sum(storages.values())), float(sum(other.values())))))
-    ties = tuple(Tie(param=pname, nodes=tuple(nodes[i].name for i in users), param_bytes=nbytes)
-                 for pname, users, nbytes in a.ties())
+        edges.append(
+            OpEdge(
+                src=nodes[src].name,
+                dst=nodes[dst].name,
+                bytes=fit(float(sum(storages.values())), float(sum(other.values()))),
+            )
+        )
+    ties = tuple(
+        Tie(param=pname, nodes=tuple(nodes[i].name for i in users), param_bytes=nbytes)
+        for pname, users, nbytes in a.ties()
+    )
     conv = {nodes[i].name: na.conv for i, na in enumerate(a.nodes) if na.conv is not None}
-    graph = OpGraph(model=name, batch_size=batch_a, seq_len=seq_len, dtype=dtype,
-                    nodes=tuple(nodes), edges=tuple(edges), input_bytes=input_bytes,
-                    num_parameters=num_parameters, meta={**meta, "conv": conv} if conv else meta, ties=ties)
+    graph = OpGraph(
+        model=name,
+        batch_size=batch_a,
+        seq_len=seq_len,
+        dtype=dtype,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        input_bytes=input_bytes,
+        num_parameters=num_parameters,
+        meta={**meta, "conv": conv} if conv else meta,
+        ties=ties,
+    )
     return graph.validate()
 
 
@@ -213,8 +261,10 @@ def _batch_of(inputs: tuple) -> int:
     for t in tree_flatten(inputs)[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return int(t.shape[0])
-    raise ModelError("the example inputs hold no tensor with a batch dimension; pass at least "
-                     "one tensor whose first dimension is the batch.")
+    raise ModelError(
+        "the example inputs hold no tensor with a batch dimension; pass at least "
+        "one tensor whose first dimension is the batch."
+    )
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -222,9 +272,15 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def capture(model: nn.Module, example_inputs: tuple | torch.Tensor, *,
-            loss_fn: Callable | None = None, name: str = "model", targets: Any = None,
-            seq_len: int | None = None) -> OpGraph:
+def capture(
+    model: nn.Module,
+    example_inputs: tuple | torch.Tensor,
+    *,
+    loss_fn: Callable | None = None,
+    name: str = "model",
+    targets: Any = None,
+    seq_len: int | None = None,
+) -> OpGraph:
     """Record one training iteration of `model` on fake tensors and return its OpGraph.
 
     `example_inputs` is the positional-argument tuple of forward (dim 0 = batch); they may be
@@ -236,12 +292,20 @@ def capture(model: nn.Module, example_inputs: tuple | torch.Tensor, *,
         raise ModelError(f"capture() needs an nn.Module, found {type(model).__name__}.")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    return _capture(model, tuple(example_inputs), targets, loss_fn, name, seq_len,
-                    FakeTensorMode(allow_non_fake_inputs=True))
+    return _capture(
+        model, tuple(example_inputs), targets, loss_fn, name, seq_len, FakeTensorMode(allow_non_fake_inputs=True)
+    )
 
 
-def _capture(model: nn.Module, example_inputs: tuple, targets: Any, loss_fn: Callable | None,
-             name: str, seq_len: int | None, fake_mode: FakeTensorMode) -> OpGraph:
+def _capture(
+    model: nn.Module,
+    example_inputs: tuple,
+    targets: Any,
+    loss_fn: Callable | None,
+    name: str,
+    seq_len: int | None,
+    fake_mode: FakeTensorMode,
+) -> OpGraph:
     started = time.perf_counter()
     was_training = model.training
     model.train()
@@ -259,11 +323,24 @@ def _capture(model: nn.Module, example_inputs: tuple, targets: Any, loss_fn: Cal
             input_bytes = Affine.fit(batch, _nbytes((inputs, tgt)), 2 * batch, _nbytes((inputs2, tgt2)))
             dtypes = {p.dtype for p in model.parameters()}
             dtype = str(next(iter(dtypes))).replace("torch.", "") if len(dtypes) == 1 else "mixed"
-            meta = {"torch_version": torch.__version__, "capture_time_s": 0.0,
-                    "batch_sizes_fitted": [batch, 2 * batch], "model_class": type(model).__name__}
-            graph = _fit_graph(rec_a, rec_b, batch, 2 * batch, name=name, seq_len=seq_len,
-                               input_bytes=input_bytes, num_parameters=count_parameters(model),
-                               dtype=dtype, meta=meta)
+            meta = {
+                "torch_version": torch.__version__,
+                "capture_time_s": 0.0,
+                "batch_sizes_fitted": [batch, 2 * batch],
+                "model_class": type(model).__name__,
+            }
+            graph = _fit_graph(
+                rec_a,
+                rec_b,
+                batch,
+                2 * batch,
+                name=name,
+                seq_len=seq_len,
+                input_bytes=input_bytes,
+                num_parameters=count_parameters(model),
+                dtype=dtype,
+                meta=meta,
+            )
             rec_a.finish()
             rec_b.finish()
     finally:
@@ -272,8 +349,9 @@ def _capture(model: nn.Module, example_inputs: tuple, targets: Any, loss_fn: Cal
     return graph
 
 
-def capture_model(name: str, model_args: dict[str, Any] | None = None, *, batch_size: int,
-                  seq_len: int | None = None) -> OpGraph:
+def capture_model(
+    name: str, model_args: dict[str, Any] | None = None, *, batch_size: int, seq_len: int | None = None
+) -> OpGraph:
     """Capture a zoo model (or 'path/file.py:factory') at `batch_size`, built on the meta
     device so that no parameter memory is allocated at any model size."""
     from heterog.capture.zoo import get_zoo_model
@@ -295,8 +373,9 @@ def capture_model(name: str, model_args: dict[str, Any] | None = None, *, batch_
         except ModelError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise ModelError(f"model {name!r}: example_batch({batch_size}, {seq}) failed: "
-                             f"{type(e).__name__}: {e}.") from e
+            raise ModelError(
+                f"model {name!r}: example_batch({batch_size}, {seq}) failed: {type(e).__name__}: {e}."
+            ) from e
     graph = _capture(model, tuple(inputs), targets, entry.loss, name, seq, fake_mode)
     graph.meta["model_args"] = args
     return graph

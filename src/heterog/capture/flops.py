@@ -22,12 +22,12 @@ not halved). We add what it lacks:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import (conv_flop_count, flop_registry, sdpa_backward_flop_count,
-                                      sdpa_flop_count)
+from torch.utils.flop_counter import conv_flop_count, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 
@@ -44,8 +44,22 @@ def _cpu_flash_bwd(grad_out, query, key, value, *args, out_val=None, **kwargs) -
     return sdpa_backward_flop_count(_shape(grad_out), _shape(query), _shape(key), _shape(value))
 
 
-def _conv_bwd(grad_out, x, w, _bias, _stride, _padding, _dilation, transposed, _out_pad, _groups,
-              output_mask, *args, out_val=None, **kwargs) -> int:
+def _conv_bwd(
+    grad_out,
+    x,
+    w,
+    _bias,
+    _stride,
+    _padding,
+    _dilation,
+    transposed,
+    _out_pad,
+    _groups,
+    output_mask,
+    *args,
+    out_val=None,
+    **kwargs,
+) -> int:
     forward = conv_flop_count(_shape(x), _shape(w), _shape(grad_out), transposed=transposed)
     return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
@@ -59,31 +73,146 @@ FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
 }
 
 _ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention")
-_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "dot", "matmul", "linear",
-           "addbmm", "vdot", "_int_mm"}
-_EMBEDDING = {"embedding", "embedding_dense_backward", "embedding_backward", "_embedding_bag",
-              "_embedding_bag_backward", "embedding_renorm_"}
-_LOSS = {"nll_loss", "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward",
-         "nll_loss2d_backward", "mse_loss", "mse_loss_backward", "binary_cross_entropy",
-         "binary_cross_entropy_backward", "binary_cross_entropy_with_logits", "smooth_l1_loss",
-         "smooth_l1_loss_backward", "huber_loss", "huber_loss_backward", "l1_loss", "kl_div",
-         "cross_entropy_loss"}
-_REDUCTION = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean",
-              "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
-              "logsumexp", "cumsum", "prod", "argmax", "argmin", "norm", "linalg_vector_norm",
-              "any", "all", "topk", "sort"}
+_MATMUL = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "addmv",
+    "mv",
+    "dot",
+    "matmul",
+    "linear",
+    "addbmm",
+    "vdot",
+    "_int_mm",
+}
+_EMBEDDING = {
+    "embedding",
+    "embedding_dense_backward",
+    "embedding_backward",
+    "_embedding_bag",
+    "_embedding_bag_backward",
+    "embedding_renorm_",
+}
+_LOSS = {
+    "nll_loss",
+    "nll_loss_forward",
+    "nll_loss_backward",
+    "nll_loss2d_forward",
+    "nll_loss2d_backward",
+    "mse_loss",
+    "mse_loss_backward",
+    "binary_cross_entropy",
+    "binary_cross_entropy_backward",
+    "binary_cross_entropy_with_logits",
+    "smooth_l1_loss",
+    "smooth_l1_loss_backward",
+    "huber_loss",
+    "huber_loss_backward",
+    "l1_loss",
+    "kl_div",
+    "cross_entropy_loss",
+}
+_REDUCTION = {
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "var",
+    "std",
+    "var_mean",
+    "std_mean",
+    "_softmax",
+    "_log_softmax",
+    "_softmax_backward_data",
+    "_log_softmax_backward_data",
+    "logsumexp",
+    "cumsum",
+    "prod",
+    "argmax",
+    "argmin",
+    "norm",
+    "linalg_vector_norm",
+    "any",
+    "all",
+    "topk",
+    "sort",
+}
 # Ops that move or create data without arithmetic.
-_MEMORY = {"copy_", "_to_copy", "clone", "cat", "stack", "index_select", "gather", "scatter",
-           "scatter_add", "scatter_add_", "index", "index_put", "index_put_", "_unsafe_index",
-           "_unsafe_index_put", "index_add", "slice_scatter", "select_scatter", "as_strided_scatter",
-           "constant_pad_nd", "repeat", "new_zeros", "new_empty", "new_empty_strided", "new_ones",
-           "new_full", "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like",
-           "empty_strided", "full", "full_like", "fill_", "zero_", "arange", "tril", "triu",
-           "masked_fill", "masked_fill_", "where", "flip", "roll", "contiguous", "_unsafe_view",
-           "lift_fresh", "lift_fresh_copy", "detach", "alias", "repeat_interleave", "expand_copy",
-           "bernoulli_", "bernoulli", "native_dropout", "native_dropout_backward", "rand",
-           "rand_like", "randn", "randint", "uniform_", "normal_", "split_with_sizes_copy",
-           "embedding_dense_backward_copy", "unfold_backward", "im2col", "col2im"}
+_MEMORY = {
+    "copy_",
+    "_to_copy",
+    "clone",
+    "cat",
+    "stack",
+    "index_select",
+    "gather",
+    "scatter",
+    "scatter_add",
+    "scatter_add_",
+    "index",
+    "index_put",
+    "index_put_",
+    "_unsafe_index",
+    "_unsafe_index_put",
+    "index_add",
+    "slice_scatter",
+    "select_scatter",
+    "as_strided_scatter",
+    "constant_pad_nd",
+    "repeat",
+    "new_zeros",
+    "new_empty",
+    "new_empty_strided",
+    "new_ones",
+    "new_full",
+    "zeros",
+    "zeros_like",
+    "ones",
+    "ones_like",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "full",
+    "full_like",
+    "fill_",
+    "zero_",
+    "arange",
+    "tril",
+    "triu",
+    "masked_fill",
+    "masked_fill_",
+    "where",
+    "flip",
+    "roll",
+    "contiguous",
+    "_unsafe_view",
+    "lift_fresh",
+    "lift_fresh_copy",
+    "detach",
+    "alias",
+    "repeat_interleave",
+    "expand_copy",
+    "bernoulli_",
+    "bernoulli",
+    "native_dropout",
+    "native_dropout_backward",
+    "rand",
+    "rand_like",
+    "randn",
+    "randint",
+    "uniform_",
+    "normal_",
+    "split_with_sizes_copy",
+    "embedding_dense_backward_copy",
+    "unfold_backward",
+    "im2col",
+    "col2im",
+}
 
 
 def op_name(func: Any) -> str:
@@ -95,9 +224,22 @@ def op_name(func: Any) -> str:
 def is_view_op(func: Any) -> bool:
     """Views and pure metadata ops launch no kernel and move no bytes."""
     return bool(getattr(func, "is_view", False)) or op_name(func) in {
-        "_unsafe_view", "alias", "detach", "lift_fresh", "_reshape_alias", "set_", "resize_",
-        "sym_size", "sym_stride", "sym_numel", "_local_scalar_dense", "_fused_sdp_choice",
-        "_has_compatible_shallow_copy_type", "is_same_size", "_version"}
+        "_unsafe_view",
+        "alias",
+        "detach",
+        "lift_fresh",
+        "_reshape_alias",
+        "set_",
+        "resize_",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "_local_scalar_dense",
+        "_fused_sdp_choice",
+        "_has_compatible_shallow_copy_type",
+        "is_same_size",
+        "_version",
+    }
 
 
 def op_kind(func: Any) -> str:

@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from heterog.capture.flops import is_view_op, op_cost, op_kind, op_name, tensor_nbytes
 
@@ -54,7 +55,7 @@ def _signals_deferred() -> Iterator[None]:
     held: list[int] = []
     try:
         old = {s: signal.signal(s, lambda num, _frame: held.append(num)) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:      # not the main thread: signals are not ours to handle
+    except ValueError:  # not the main thread: signals are not ours to handle
         yield
         return
     try:
@@ -71,10 +72,17 @@ def conv_geometry(args: tuple) -> dict[str, Any]:
     padding, dilation, transposed, output_padding, groups) to pick cuDNN's algorithm: kernel
     size, channels, groups, stride, and whether the input is channels-last (NHWC)."""
     x, w = args[0], args[1]
-    return {"kernel": [int(k) for k in w.shape[2:]], "in_channels": int(x.shape[1]), "out_channels": int(w.shape[0]),
-            "groups": int(args[8]), "stride": max(int(v) for v in args[3]),
-            "channels_last": x.dim() == 4 and x.shape[1] > 1 and not x.is_contiguous()
-            and x.is_contiguous(memory_format=torch.channels_last)}
+    return {
+        "kernel": [int(k) for k in w.shape[2:]],
+        "in_channels": int(x.shape[1]),
+        "out_channels": int(w.shape[0]),
+        "groups": int(args[8]),
+        "stride": max(int(v) for v in args[3]),
+        "channels_last": x.dim() == 4
+        and x.shape[1] > 1
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last),
+    }
 
 
 def is_leaf_module(module: nn.Module) -> bool:
@@ -83,7 +91,7 @@ def is_leaf_module(module: nn.Module) -> bool:
     return next(iter(module.children()), None) is None
 
 
-_LOSS_CONTEXT = object()   # ops run after the model returned: the loss
+_LOSS_CONTEXT = object()  # ops run after the model returned: the loss
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -100,7 +108,7 @@ class NodeStats:
     is_leaf: bool
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
-    tc_flops: float = 0.0          # matrix-class FLOPs, forward + backward
+    tc_flops: float = 0.0  # matrix-class FLOPs, forward + backward
     fwd_bytes: float = 0.0
     bwd_bytes: float = 0.0
     saved_bytes: float = 0.0
@@ -111,8 +119,8 @@ class NodeStats:
     param_names: list[str] = field(default_factory=list)
     param_count: int = 0
     param_bytes: int = 0
-    fwd_outputs: dict[int, int] = field(default_factory=dict)   # storage → largest nbytes written
-    consumed: dict[int, int] = field(default_factory=dict)      # storage → nbytes read by others
+    fwd_outputs: dict[int, int] = field(default_factory=dict)  # storage → largest nbytes written
+    consumed: dict[int, int] = field(default_factory=dict)  # storage → nbytes read by others
     conv: dict[str, Any] | None = None  # its convolution's geometry (conv_geometry), if it runs one
 
 
@@ -126,7 +134,7 @@ class _Frame:
 class _AliasWatch(TorchFunctionMode):
     """Tells the recorder of every torch call that returns one of its input tensors as is."""
 
-    def __init__(self, recorder: "Recorder"):
+    def __init__(self, recorder: Recorder):
         super().__init__()
         self.recorder = recorder
 
@@ -146,7 +154,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, model: nn.Module, *, input_tensors: list[torch.Tensor]):
         super().__init__()
         self.names: dict[int, str] = {}
-        self.params: dict[int, tuple[str, nn.Parameter]] = {}     # storage → (name, param)
+        self.params: dict[int, tuple[str, nn.Parameter]] = {}  # storage → (name, param)
         self.buffer_storages: set[int] = set()
         for mod_name, mod in model.named_modules(remove_duplicate=False):
             self.names.setdefault(id(mod), mod_name)
@@ -155,27 +163,27 @@ class Recorder(TorchDispatchMode):
         for _, b in model.named_buffers(remove_duplicate=True):
             self.buffer_storages.add(_storage_key(b))
         self.nodes: list[NodeStats] = []
-        self.edges: dict[tuple[int, int], dict[int, int]] = {}     # (src, dst) → storage → bytes
-        self.phase = "fwd"                                         # fwd | loss | bwd
+        self.edges: dict[tuple[int, int], dict[int, int]] = {}  # (src, dst) → storage → bytes
+        self.phase = "fwd"  # fwd | loss | bwd
         self._stack: list[_Frame] = []
         self._context: object | None = None
         self._current: int = -1
         self._leaf_calls: dict[str, int] = {}
         self._loose_runs: dict[str, int] = {}
-        self._producer: dict[int, int] = {}       # storage → node of its last (non-view) writer
-        self._producer_of: dict[int, int] = {}    # id(tensor) → node whose op returned it
+        self._producer: dict[int, int] = {}  # storage → node of its last (non-view) writer
+        self._producer_of: dict[int, int] = {}  # id(tensor) → node whose op returned it
         self._saved: set[int] = set()
         self._seq_to_node: dict[int, int] = {}
         self._pending: list[tuple[list[torch.Tensor], int]] = []
         self._keepalive: list[Any] = []
         self._last_bwd: int = -1
         self._owned_params: set[int] = set()
-        self._param_users: dict[int, list[int]] = {}              # storage → nodes reading it
+        self._param_users: dict[int, list[int]] = {}  # storage → nodes reading it
         self._hooks: list[Any] = []
         self._saved_hooks: Any = None
         self._alias_watch = _AliasWatch(self)
         self._signals: Any = None
-        self._alias_opened: dict[int, Any] = {}    # unnamed loose node → the call that opened it
+        self._alias_opened: dict[int, Any] = {}  # unnamed loose node → the call that opened it
         self._input_storages = {_storage_key(t) for t in input_tensors}
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -200,7 +208,7 @@ class Recorder(TorchDispatchMode):
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-            self._signals.__exit__(None, None, None)   # held signals are delivered here
+            self._signals.__exit__(None, None, None)  # held signals are delivered here
 
     def start_loss(self) -> None:
         self._resolve_pending()
@@ -220,8 +228,12 @@ class Recorder(TorchDispatchMode):
             path = f"<{type(module).__name__}>"
         frame = _Frame(module, path, is_leaf_module(module))
         self._stack.append(frame)
-        if (self.phase == "fwd" and frame.is_leaf and not path.startswith("<")
-                and not any(f.is_leaf for f in self._stack[:-1])):
+        if (
+            self.phase == "fwd"
+            and frame.is_leaf
+            and not path.startswith("<")
+            and not any(f.is_leaf for f in self._stack[:-1])
+        ):
             # A node per leaf call even if it runs no op (nn.Identity), so that the nodes
             # match the executor's fx call_module targets one for one.
             self._forward_owner()
@@ -359,8 +371,8 @@ class Recorder(TorchDispatchMode):
             return
         self._resolve_pending()
         idx = self._forward_owner()
-        if self.nodes[idx].name is None:       # a loose run is named by its first aten op,
-            self._alias_opened[idx] = func     # or by this call when no aten op follows
+        if self.nodes[idx].name is None:  # a loose run is named by its first aten op,
+            self._alias_opened[idx] = func  # or by this call when no aten op follows
         if self._producer_of.get(id(t), self._producer.get(key)) != idx:
             self._track_inputs(idx, [t])
             self._producer_of[id(t)] = idx
@@ -410,8 +422,7 @@ class Recorder(TorchDispatchMode):
 
     def workspace_bytes(self, node: NodeStats) -> float:
         """Largest transient: an op output that neither leaves the node nor is saved."""
-        fwd = [nb for key, nb in node.fwd_outputs.items()
-               if key not in node.consumed and key not in self._saved]
+        fwd = [nb for key, nb in node.fwd_outputs.items() if key not in node.consumed and key not in self._saved]
         return float(max(fwd + [node.bwd_workspace_bytes]))
 
     def node_kind(self, node: NodeStats) -> str:
@@ -421,8 +432,19 @@ class Recorder(TorchDispatchMode):
             return "norm"
         if "matmul" in node.kinds and "softmax" in node.kinds and node.param_count == 0:
             return "attention"  # unfused attention: QK^T, softmax, PV between projections
-        for kind in ("attention", "conv", "matmul", "embedding", "loss", "norm", "pool",
-                     "reduction", "elementwise", "memory", "other"):
+        for kind in (
+            "attention",
+            "conv",
+            "matmul",
+            "embedding",
+            "loss",
+            "norm",
+            "pool",
+            "reduction",
+            "elementwise",
+            "memory",
+            "other",
+        ):
             if kind in node.kinds:
                 return kind
         return "other"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -39,31 +39,58 @@ def _show(graph: Any, top: int) -> None:
         row[3] += n.saved_bytes.at(b)
         row[4] += n.param_count
     total = graph.forward_flops() + graph.backward_flops() or 1.0
-    rows = [[k, int(v[0]), human_flops(v[1]), human_flops(v[2]), f"{100 * (v[1] + v[2]) / total:.1f}%",
-             human_bytes(v[3]), f"{int(v[4]):,}"]
-            for k, v in sorted(by_kind.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))]
-    print_table(f"{graph.model}: batch {b}" + (f", seq_len {graph.seq_len}" if graph.seq_len else ""),
-                ["kind", "nodes", "fwd", "bwd", "share", "saved", "params"], rows, optional=("share", "saved"))
+    rows = [
+        [
+            k,
+            int(v[0]),
+            human_flops(v[1]),
+            human_flops(v[2]),
+            f"{100 * (v[1] + v[2]) / total:.1f}%",
+            human_bytes(v[3]),
+            f"{int(v[4]):,}",
+        ]
+        for k, v in sorted(by_kind.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))
+    ]
+    print_table(
+        f"{graph.model}: batch {b}" + (f", seq_len {graph.seq_len}" if graph.seq_len else ""),
+        ["kind", "nodes", "fwd", "bwd", "share", "saved", "params"],
+        rows,
+        optional=("share", "saved"),
+    )
     heavy = sorted(graph.nodes, key=lambda n: -(n.fwd_flops.at(b) + n.bwd_flops.at(b)))[:top]
-    print_table(f"top {len(heavy)} nodes by FLOPs", ["node", "kind", "fwd", "bwd", "saved", "output"],
-                [[n.name, n.kind, human_flops(n.fwd_flops.at(b)), human_flops(n.bwd_flops.at(b)),
-                  human_bytes(n.saved_bytes.at(b)), human_bytes(n.output_bytes.at(b))] for n in heavy],
-                optional=("kind", "saved", "output"))
+    print_table(
+        f"top {len(heavy)} nodes by FLOPs",
+        ["node", "kind", "fwd", "bwd", "saved", "output"],
+        [
+            [
+                n.name,
+                n.kind,
+                human_flops(n.fwd_flops.at(b)),
+                human_flops(n.bwd_flops.at(b)),
+                human_bytes(n.saved_bytes.at(b)),
+                human_bytes(n.output_bytes.at(b)),
+            ]
+            for n in heavy
+        ],
+        optional=("kind", "saved", "output"),
+    )
     s = capture_summary(graph)
-    console.print(f"{s['num_nodes']} nodes, {s['num_edges']} edges, {s['num_parameters']:,} parameters "
-                  f"({human_bytes(s['parameter_bytes'])}); forward {human_flops(s['forward_flops'])}, "
-                  f"backward {human_flops(s['backward_flops'])}, saved activations "
-                  f"{human_bytes(s['saved_activation_bytes'])}; captured in {s['capture_time_s']:.1f} s")
+    console.print(
+        f"{s['num_nodes']} nodes, {s['num_edges']} edges, {s['num_parameters']:,} parameters "
+        f"({human_bytes(s['parameter_bytes'])}); forward {human_flops(s['forward_flops'])}, "
+        f"backward {human_flops(s['backward_flops'])}, saved activations "
+        f"{human_bytes(s['saved_activation_bytes'])}; captured in {s['capture_time_s']:.1f} s"
+    )
 
 
 def capture_command(
     model: str = typer.Option(..., "--model", help="Zoo model name (heterog models) or path/file.py:factory."),
-    model_arg: Optional[list[str]] = typer.Option(None, "--model-arg", help="Model argument key=value (repeatable)."),
+    model_arg: list[str] | None = typer.Option(None, "--model-arg", help="Model argument key=value (repeatable)."),
     batch_size: int = typer.Option(..., "--batch-size", min=1, help="Batch size of the captured iteration."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length (language models)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Sequence length (language models)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary document."),
     wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the full OpGraph (JSON) here."),
+    out: Path | None = typer.Option(None, "--out", help="Write the full OpGraph (JSON) here."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the heaviest nodes to list."),
 ) -> None:
     """Capture one training iteration of MODEL on fake tensors (no memory for weights) as an OpGraph."""
@@ -91,16 +118,28 @@ def models_command(
     """List the built-in models with their parameter counts at default arguments."""
     from heterog.capture.models import MODELS
 
-    rows = [{"name": m.name, "family": m.family, "description": m.description,
-             "num_parameters": m.num_parameters, "reference_parameters": m.reference_params,
-             "reference_source": m.reference_source, "default_batch_size": m.default_batch_size,
-             "default_seq_len": m.default_seq_len, "image_size": m.image_size} for m in MODELS]
+    rows = [
+        {
+            "name": m.name,
+            "family": m.family,
+            "description": m.description,
+            "num_parameters": m.num_parameters,
+            "reference_parameters": m.reference_params,
+            "reference_source": m.reference_source,
+            "default_batch_size": m.default_batch_size,
+            "default_seq_len": m.default_seq_len,
+            "image_size": m.image_size,
+        }
+        for m in MODELS
+    ]
     if as_json:
         print_json(rows)
         return
-    print_table("model zoo (user models: --model path/file.py:factory)",
-                ["name", "parameters", "family", "description"],
-                [[r["name"], f"{r['num_parameters']:,}", r["family"], r["description"]] for r in rows])
+    print_table(
+        "model zoo (user models: --model path/file.py:factory)",
+        ["name", "parameters", "family", "description"],
+        [[r["name"], f"{r['num_parameters']:,}", r["family"], r["description"]] for r in rows],
+    )
 
 
 def register(app: typer.Typer) -> None:

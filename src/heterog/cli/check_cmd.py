@@ -19,9 +19,13 @@ def register(app: typer.Typer) -> None:
     @app.command("check")
     def check_cmd(
         plan: Path = typer.Argument(..., help="A plan file from `heterog plan --out`."),
-        device: str = typer.Option("meta", "--device", help="Where to build and run the ranks' stages: meta "
-                                   "(shapes only: no GPU, no memory), cpu, or cuda[:i] (one GPU, each rank "
-                                   "in turn)."),
+        device: str = typer.Option(
+            "meta",
+            "--device",
+            help="Where to build and run the ranks' stages: meta "
+            "(shapes only: no GPU, no memory), cpu, or cuda[:i] (one GPU, each rank "
+            "in turn).",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
         wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     ) -> None:
@@ -37,12 +41,23 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(result.to_dict())
         else:
-            print_table(f"{p.strategy} plan on {result.target}: {'every rank runs' if result.ok else 'PROBLEMS'}",
-                        ["rank", "device", "stages", "computes run", "peak mem", "time", "problem"],
-                        [[str(r.rank), r.device, str(r.stages), f"{r.computes_run}/{r.computes}",
-                          human_bytes(r.peak_memory_bytes) if r.peak_memory_bytes is not None else "-",
-                          human_time(r.time_s), r.problem or "ok"] for r in result.ranks],
-                        optional=("peak mem", "time"))
+            print_table(
+                f"{p.strategy} plan on {result.target}: {'every rank runs' if result.ok else 'PROBLEMS'}",
+                ["rank", "device", "stages", "computes run", "peak mem", "time", "problem"],
+                [
+                    [
+                        str(r.rank),
+                        r.device,
+                        str(r.stages),
+                        f"{r.computes_run}/{r.computes}",
+                        human_bytes(r.peak_memory_bytes) if r.peak_memory_bytes is not None else "-",
+                        human_time(r.time_s),
+                        r.problem or "ok",
+                    ]
+                    for r in result.ranks
+                ],
+                optional=("peak mem", "time"),
+            )
             for n in result.notes:
                 console.print(f"note: {n}")
         if not result.ok:

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -47,8 +47,12 @@ COMMAND_MODULES: tuple[str, ...] = (
 EXIT_USAGE = 2
 EXIT_BUG = 1
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Plan and run fast training on clusters of unlike GPUs.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Plan and run fast training on clusters of unlike GPUs.",
+)
 _state = {"debug": False}
 
 
@@ -59,9 +63,12 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
-          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print heterog's version and exit.")) -> None:
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print heterog's version and exit."
+    ),
+) -> None:
     _state["debug"] = debug
 
 
@@ -121,8 +128,7 @@ def _stopped(argv: list[str], seen: list[int]) -> int:
     signum = signal.SIGTERM if signal.SIGTERM in seen else signal.SIGINT
     what = _command_name(argv)
     extra = " and its ranks" if what == "heterog run" else ""
-    typer.echo(f"{what}{extra} stopped by {signal.Signals(signum).name}; nothing partial was written.",
-               err=True)
+    typer.echo(f"{what}{extra} stopped by {signal.Signals(signum).name}; nothing partial was written.", err=True)
     return 128 + signum
 
 
@@ -168,8 +174,11 @@ def run_cli(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - a bug in heterog: say so in one paragraph, not a traceback
             if debug:
                 raise
-            typer.echo(f"internal error: {type(e).__name__}: {_paragraph(str(e))[:600]} — this is a bug in "
-                       f"heterog {__version__}; rerun with --debug for the traceback and report it.", err=True)
+            typer.echo(
+                f"internal error: {type(e).__name__}: {_paragraph(str(e))[:600]} — this is a bug in "
+                f"heterog {__version__}; rerun with --debug for the traceback and report it.",
+                err=True,
+            )
             return EXIT_BUG
     if code == 130:  # typer turns a KeyboardInterrupt inside the command into Exit(130)
         return _stopped(argv, seen)

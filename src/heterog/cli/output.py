@@ -7,8 +7,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -40,8 +41,8 @@ def write_json(path: str, data: Any) -> None:
 
 _options = {"wide": False}
 WIDE_HELP = "Print every table column, however wide (tables otherwise fit the terminal)."
-NO_WRAP_CHARS = 24      # a cell up to this long is one unit (a number with its unit, a device name)
-BORDER_CHARS = 3        # what each column adds in rich's boxed table: "│ " … " "
+NO_WRAP_CHARS = 24  # a cell up to this long is one unit (a number with its unit, a device name)
+BORDER_CHARS = 3  # what each column adds in rich's boxed table: "│ " … " "
 NUMERIC = re.compile(r"^[-+−]?(\d[\d,.]*|—|-)(\s?\S{0,14})?$")
 
 
@@ -53,8 +54,8 @@ def set_wide(wide: bool) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Column:
     header: str
-    min_width: int       # never narrower: no cell is cut, only text wrapped at spaces
-    width: int           # what it takes on one line
+    min_width: int  # never narrower: no cell is cut, only text wrapped at spaces
+    width: int  # what it takes on one line
     numeric: bool
 
 
@@ -66,8 +67,14 @@ def _columns(columns: Sequence[str], cells: list[list[str]]) -> list[_Column]:
         numeric = bool(col) and all(NUMERIC.match(c) for c in col if c)
         # a number keeps its unit on its line; text wraps at spaces, never inside a word
         unit = max((len(c) for c in col if len(c) <= NO_WRAP_CHARS), default=0) if numeric else 0
-        out.append(_Column(header=h, min_width=max(unit, *(len(w) for w in words)),
-                           width=max(len(h), *(len(c) for c in col)) if col else len(h), numeric=numeric))
+        out.append(
+            _Column(
+                header=h,
+                min_width=max(unit, *(len(w) for w in words)),
+                width=max(len(h), *(len(c) for c in col)) if col else len(h),
+                numeric=numeric,
+            )
+        )
     return out
 
 
@@ -91,8 +98,9 @@ def table_width() -> int:
     return int(env) if env.isdigit() else console.width
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
-                optional: Sequence[str] = ()) -> None:
+def print_table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], optional: Sequence[str] = ()
+) -> None:
     """A table that fits the terminal without cutting a cell: long text wraps at spaces; if that
     is not enough, the `optional` columns are left out (named below the table; --wide shows
     them). A table that still cannot fit is printed wider rather than cut."""
@@ -102,7 +110,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     cols = _columns(columns, cells)
     widths = _fit(cols, available)
     dropped: list[str] = []
-    for name in optional:                      # left out in the order given
+    for name in optional:  # left out in the order given
         if widths is not None or name not in columns:
             continue
         keep.remove(columns.index(name))
@@ -113,8 +121,13 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
         widths = [c.min_width for c in cols]
     table = Table(title=title, title_justify="left")
     for c, w in zip(cols, widths):
-        table.add_column(c.header, justify="right" if c.numeric and c is not cols[0] else "left",
-                         width=w, no_wrap=w >= c.width, overflow="fold")
+        table.add_column(
+            c.header,
+            justify="right" if c.numeric and c is not cols[0] else "left",
+            width=w,
+            no_wrap=w >= c.width,
+            overflow="fold",
+        )
     for r in cells:
         table.add_row(*[r[i] for i in keep])
     need = sum(widths) + BORDER_CHARS * len(widths) + 1

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
-from heterog.cli.output import console, human_bytes, human_time, print_json, print_table, parse_model_args
+from heterog.cli.output import console, human_bytes, human_time, parse_model_args, print_json, print_table
 from heterog.hardware.catalog import precision_help
 
 
@@ -17,21 +17,24 @@ def _progress_bar(enabled: bool):
     """A rich progress bar on a terminal (never in --json); either way a callback that stops
     the search when a stop signal arrived (cli/stop.py raise_if_stopped)."""
     from heterog.cli.stop import raise_if_stopped
+
     if not enabled:
         return None, lambda stage, frac: raise_if_stopped()
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    bar = Progress(TextColumn("{task.description:<12}"), BarColumn(), TimeElapsedColumn(),
-                   console=console, transient=True)
+
+    bar = Progress(
+        TextColumn("{task.description:<12}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
+    )
     task = bar.add_task("planning", total=1.0)
 
     def update(stage: str, frac: float) -> None:
         raise_if_stopped()
         bar.update(task, completed=frac, description=stage)
+
     return bar, update
 
 
-_TIME_WORDS = {"graph": "graph", "cluster_and_costs": "cluster and costs",
-               "cut_analysis": "what the executor can cut"}
+_TIME_WORDS = {"graph": "graph", "cluster_and_costs": "cluster and costs", "cut_analysis": "what the executor can cut"}
 
 
 def process_age_s() -> float:
@@ -39,6 +42,7 @@ def process_age_s() -> float:
     import time
 
     import psutil
+
     return time.time() - psutil.Process().create_time()
 
 
@@ -65,13 +69,21 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
     rows = []
     for c in result["candidates"]:
         peak = max(c["peak_memory_bytes"].values(), default=0)
-        rows.append([c["strategy"], human_time(c["iteration_time_s"]) if c["feasible"] else "—",
-                     "yes" if c["feasible"] else "no (memory)", c["devices_used"], c["num_microbatches"],
-                     human_bytes(peak)])
+        rows.append(
+            [
+                c["strategy"],
+                human_time(c["iteration_time_s"]) if c["feasible"] else "—",
+                "yes" if c["feasible"] else "no (memory)",
+                c["devices_used"],
+                c["num_microbatches"],
+                human_bytes(peak),
+            ]
+        )
     print_table("candidates", ["strategy", "iteration", "fits", "devices", "micro-batches", "max peak memory"], rows)
     best = result["best"]
-    console.print(f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} "
-                  f"per iteration")
+    console.print(
+        f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} per iteration"
+    )
     console.print(_time_line(result, budget_s))
     for line in best["notes"]:
         console.print(f"  • {line}")
@@ -79,57 +91,88 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
 
 def plan_command(
     model: str = typer.Option(..., "--model", help="Zoo model name or path/file.py:factory."),
-    model_arg: Optional[list[str]] = typer.Option(None, "--model-arg", help="Model argument key=value (repeatable)."),
+    model_arg: list[str] | None = typer.Option(None, "--model-arg", help="Model argument key=value (repeatable)."),
     batch_size: int = typer.Option(..., "--batch-size", min=1, help="Global batch size of one iteration."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", min=1, help="Sequence length (language models)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Sequence length (language models)."),
     cluster: str = typer.Option(..., "--cluster", help="Cluster YAML file or built-in name (e.g. paper-8gpu)."),
     precision: str = typer.Option("fp32", "--precision", help=precision_help()),
     optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw."),
     budget_s: float = typer.Option(10.0, "--budget-s", min=0.1, help="Search time budget in seconds."),
     seed: int = typer.Option(0, "--seed", help="Random seed of the search."),
-    max_iters: Optional[int] = typer.Option(None, "--max-iters", min=1,
-                                            help="Cap each search at this many moves: with --seed, the "
-                                                 "same plan on any machine (the budget is then a safety stop)."),
-    policy: Optional[Path] = typer.Option(None, "--policy", help="GNN policy file (default: the shipped one)."),
+    max_iters: int | None = typer.Option(
+        None,
+        "--max-iters",
+        min=1,
+        help="Cap each search at this many moves: with --seed, the "
+        "same plan on any machine (the budget is then a safety stop).",
+    ),
+    policy: Path | None = typer.Option(None, "--policy", help="GNN policy file (default: the shipped one)."),
     no_gnn: bool = typer.Option(False, "--no-gnn", help="Skip the GNN policy candidates."),
-    finetune_s: float = typer.Option(0.0, "--finetune-s", min=0.0,
-                                     help="Fine-tune the GNN on this problem for this many seconds first."),
+    finetune_s: float = typer.Option(
+        0.0, "--finetune-s", min=0.0, help="Fine-tune the GNN on this problem for this many seconds first."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
-    profile: Optional[list[str]] = typer.Option(None, "--profile", help="A `heterog profile` file for one device "
-                                                "type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
-                                                "times replace the estimate where they measured, and a GPU's "
-                                                "profile calibrates its type; TYPE: the cluster type it stands for "
-                                                "(default: the type it was measured on)."),
-    strategy: Optional[str] = typer.Option(None, "--strategy", help="Write this candidate's plan to --out instead of "
-                                           "the best (a name from the candidates table, e.g. even-dp-allreduce)."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Also write an HTML report of the plan and "
-                                          "every candidate here (see `heterog report`)."),
+    out: Path | None = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
+    profile: list[str] | None = typer.Option(
+        None,
+        "--profile",
+        help="A `heterog profile` file for one device "
+        "type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
+        "times replace the estimate where they measured, and a GPU's "
+        "profile calibrates its type; TYPE: the cluster type it stands for "
+        "(default: the type it was measured on).",
+    ),
+    strategy: str | None = typer.Option(
+        None,
+        "--strategy",
+        help="Write this candidate's plan to --out instead of "
+        "the best (a name from the candidates table, e.g. even-dp-allreduce).",
+    ),
+    report: Path | None = typer.Option(
+        None, "--report", help="Also write an HTML report of the plan and every candidate here (see `heterog report`)."
+    ),
 ) -> None:
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
-    from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
     from heterog.errors import did_you_mean
+    from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
     from heterog.search.planner import CANDIDATES, plan
 
     if precision not in PRECISIONS:
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
     if optimizer not in OPTIMIZERS:
         raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
-    if strategy is not None and strategy not in CANDIDATES:     # before the search, not after it
-        raise typer.BadParameter(f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
-                                 f"candidates are {', '.join(CANDIDATES)}.", param_hint="--strategy")
+    if strategy is not None and strategy not in CANDIDATES:  # before the search, not after it
+        raise typer.BadParameter(
+            f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
+            f"candidates are {', '.join(CANDIDATES)}.",
+            param_hint="--strategy",
+        )
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())
     pol: Any = False if no_gnn else policy
     with bar if bar is not None else contextlib.nullcontext():
-        result = plan(model, model_args=parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len,
-                      cluster=cluster, precision=precision, optimizer=optimizer, budget_s=budget_s,
-                      seed=seed, policy=pol, finetune_s=finetune_s, max_iters=max_iters, progress=update,
-                      strategy=strategy, profile=profile)
-    result["wall_time_s"] = process_age_s()     # start to plan, for the time line (not the report)
+        result = plan(
+            model,
+            model_args=parse_model_args(model_arg),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            cluster=cluster,
+            precision=precision,
+            optimizer=optimizer,
+            budget_s=budget_s,
+            seed=seed,
+            policy=pol,
+            finetune_s=finetune_s,
+            max_iters=max_iters,
+            progress=update,
+            strategy=strategy,
+            profile=profile,
+        )
+    result["wall_time_s"] = process_age_s()  # start to plan, for the time line (not the report)
     if out is not None:
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:
         from heterog.cli.report_cmd import report_from_plan_result
+
         report_from_plan_result(result, report, profile)
     if as_json:
         print_json(result)
@@ -146,11 +189,15 @@ def train_policy_command(
     problems: int = typer.Option(24, "--problems", min=1, help="Synthetic training problems."),
     max_devices: int = typer.Option(8, "--max-devices", min=2, help="Largest synthetic cluster."),
     seed: int = typer.Option(0, "--seed"),
-    budget_s: Optional[float] = typer.Option(None, "--budget-s", help="Stop after this many seconds."),
-    zoo: Optional[str] = typer.Option(None, "--zoo", help="Also train on these zoo models, comma-separated "
-                                      "name:batch[:seq_len] ('default' = resnet50, vit_b_16, gpt2, toy-cnn, mlp)."),
+    budget_s: float | None = typer.Option(None, "--budget-s", help="Stop after this many seconds."),
+    zoo: str | None = typer.Option(
+        None,
+        "--zoo",
+        help="Also train on these zoo models, comma-separated "
+        "name:batch[:seq_len] ('default' = resnet50, vit_b_16, gpt2, toy-cnn, mlp).",
+    ),
     clusters: str = typer.Option("paper-8gpu,mixed-16", "--clusters", help="Clusters for the --zoo problems."),
-    init: Optional[Path] = typer.Option(None, "--init", help="Fine-tune this policy file instead of starting fresh."),
+    init: Path | None = typer.Option(None, "--init", help="Fine-tune this policy file instead of starting fresh."),
     out: Path = typer.Option(Path("policy.pt"), "--out", help="Where to save the trained policy."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
@@ -170,17 +217,26 @@ def train_policy_command(
     def log(rec: dict) -> None:
         if not as_json and rec["step"] % 25 == 0:
             console.print(f"step {rec['step']:4d}  problem {rec['problem']:3d}  mean reward {rec['mean_reward']:.3f}")
+
     history = train(pol, probs, TrainConfig(steps=steps, seed=seed), budget_s=budget_s, log=log)
     after = sum(mean_reward(pol, p) for p in held_out) / len(held_out)
     pol.meta.update({"held_out_reward_before": before, "held_out_reward_after": after})
     pol.save(out)
-    summary = {"out": str(out), "steps": len(history), "problems": len(probs), "held_out_mean_reward_before": before,
-               "held_out_mean_reward_after": after, "train_time_s": pol.meta.get("train_time_s")}
+    summary = {
+        "out": str(out),
+        "steps": len(history),
+        "problems": len(probs),
+        "held_out_mean_reward_before": before,
+        "held_out_mean_reward_after": after,
+        "train_time_s": pol.meta.get("train_time_s"),
+    }
     if as_json:
         print_json(summary)
     else:
-        console.print(f"saved {out}: {len(history)} steps; held-out mean reward {before:.3f} → {after:.3f} "
-                      f"(−sqrt(time / best baseline); −1 matches the best baseline)")
+        console.print(
+            f"saved {out}: {len(history)} steps; held-out mean reward {before:.3f} → {after:.3f} "
+            f"(−sqrt(time / best baseline); −1 matches the best baseline)"
+        )
 
 
 def register(app: typer.Typer) -> None:

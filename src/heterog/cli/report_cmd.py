@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from heterog.cli.output import console, human_time, print_json
 
 
-def write_report(plan_path: Path, out: Path, *, run_path: Path | None = None, graph: Path | None = None,
-                 cluster: str | None = None, profile: Path | None = None) -> dict:
+def write_report(
+    plan_path: Path,
+    out: Path,
+    *,
+    run_path: Path | None = None,
+    graph: Path | None = None,
+    cluster: str | None = None,
+    profile: Path | None = None,
+) -> dict:
     """Read a plan file (or `plan --json` output) and a run, then write the report."""
     from heterog.report import load_plan_file, load_run
 
@@ -22,8 +28,16 @@ def write_report(plan_path: Path, out: Path, *, run_path: Path | None = None, gr
     return write_report_for(pf, out, run=run, graph=graph, cluster=cluster, profile=profile, t0=t0)
 
 
-def write_report_for(pf, out: Path, *, run=None, graph: Path | None = None, cluster: str | None = None,
-                     profile: Path | None = None, t0: float | None = None) -> dict:
+def write_report_for(
+    pf,
+    out: Path,
+    *,
+    run=None,
+    graph: Path | None = None,
+    cluster: str | None = None,
+    profile: Path | None = None,
+    t0: float | None = None,
+) -> dict:
     """Simulate the plan as `heterog simulate` does (same graph, cluster and costs, so the same
     predicted time), build the page and write it atomically. Returns a summary with timings."""
     from heterog.cli.simulate_cmd import inputs_for_plan
@@ -39,9 +53,16 @@ def write_report_for(pf, out: Path, *, run=None, graph: Path | None = None, clus
     html = build_report(ReportInputs(plan=plan, sim=sim, cluster=c, candidates=pf.candidates, run=run))
     write_atomic(out, html)
     t3 = time.perf_counter()
-    return {"out": str(out), "bytes": len(html.encode()), "devices": len(c.devices),
-            "iteration_time_s": sim.iteration_time_s, "load_s": t1 - t0, "simulate_s": t2 - t1,
-            "render_s": t3 - t2, "total_s": t3 - t0}
+    return {
+        "out": str(out),
+        "bytes": len(html.encode()),
+        "devices": len(c.devices),
+        "iteration_time_s": sim.iteration_time_s,
+        "load_s": t1 - t0,
+        "simulate_s": t2 - t1,
+        "render_s": t3 - t2,
+        "total_s": t3 - t0,
+    }
 
 
 def report_from_plan_result(result: dict, out: Path, profile: Path | None = None) -> dict:
@@ -49,22 +70,30 @@ def report_from_plan_result(result: dict, out: Path, profile: Path | None = None
     from heterog.ir.plan import Plan
     from heterog.report.inputs import PlanFile, candidate_from_dict
 
-    pf = PlanFile(plan=Plan.from_dict(result["best"]), search_time_s=result.get("search_time_s"),
-                  candidates=tuple(candidate_from_dict(c, f"candidates[{i}]")
-                                   for i, c in enumerate(result["candidates"])))
+    pf = PlanFile(
+        plan=Plan.from_dict(result["best"]),
+        search_time_s=result.get("search_time_s"),
+        candidates=tuple(candidate_from_dict(c, f"candidates[{i}]") for i, c in enumerate(result["candidates"])),
+    )
     return write_report_for(pf, out, profile=profile)
 
 
 def report_command(
-    plan_path: Path = typer.Argument(..., help="A plan file (`heterog plan --out`) or `heterog plan --json` "
-                                     "output (which adds the candidates table)."),
+    plan_path: Path = typer.Argument(
+        ...,
+        help="A plan file (`heterog plan --out`) or `heterog plan --json` output (which adds the candidates table).",
+    ),
     out: Path = typer.Option(Path("report.html"), "--out", help="Where to write the HTML page."),
-    run: Optional[Path] = typer.Option(None, "--run", help="A run's JSON (`heterog run PLAN --out RUN.json`): "
-                                       "draw its measured step beside the simulated one."),
-    graph: Optional[Path] = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Report on this cluster instead of the plan's."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-node times, as given to "
-                                           "`heterog plan --profile`."),
+    run: Path | None = typer.Option(
+        None,
+        "--run",
+        help="A run's JSON (`heterog run PLAN --out RUN.json`): draw its measured step beside the simulated one.",
+    ),
+    graph: Path | None = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
+    cluster: str | None = typer.Option(None, "--cluster", help="Report on this cluster instead of the plan's."),
+    profile: Path | None = typer.Option(
+        None, "--profile", help="Measured per-node times, as given to `heterog plan --profile`."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Write one self-contained HTML page: per-device timelines, memory, placement, candidates, bottleneck."""
@@ -72,8 +101,10 @@ def report_command(
     if as_json:
         print_json(summary)
     else:
-        console.print(f"report written to {out} ({summary['bytes'] / 2**10:.0f} KiB, {summary['devices']} devices, "
-                      f"iteration {human_time(summary['iteration_time_s'])}); open it in a browser")
+        console.print(
+            f"report written to {out} ({summary['bytes'] / 2**10:.0f} KiB, {summary['devices']} devices, "
+            f"iteration {human_time(summary['iteration_time_s'])}); open it in a browser"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -6,20 +6,29 @@ import json
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, console, human_bytes, human_time, print_json, print_table, set_wide, write_json
+from heterog.cli.output import (
+    WIDE_HELP,
+    console,
+    human_bytes,
+    human_time,
+    print_json,
+    print_table,
+    set_wide,
+    write_json,
+)
 
 
 class _StepFollower:
     """Prints one line per step while the ranks run (they append to steps_rank<R>.jsonl), with
     a progress bar on a terminal. A thread, because api.run blocks until the ranks finish."""
 
-    def __init__(self, folder: Path, world_size: int, steps: int, say: Callable[[str], None] | None,
-                 bar: bool):
+    def __init__(self, folder: Path, world_size: int, steps: int, say: Callable[[str], None] | None, bar: bool):
         self.folder, self.world_size, self.steps, self.say = folder, world_size, steps, say
         self.shown = 0
         self._stop = threading.Event()
@@ -27,11 +36,18 @@ class _StepFollower:
         self._bar = self._task = None
         if bar and say is not None:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self._bar = Progress(TextColumn("steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 console=console, transient=True)
+
+            self._bar = Progress(
+                TextColumn("steps"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
             self._task = self._bar.add_task("steps", total=steps)
 
-    def __enter__(self) -> "_StepFollower":
+    def __enter__(self) -> _StepFollower:
         if self._bar is not None:
             self._bar.start()
         self._thread.start()
@@ -50,12 +66,15 @@ class _StepFollower:
 
     def _poll(self) -> None:
         from heterog.execute.steplog import read_run
+
         lines = read_run(self.folder, self.world_size)
-        for line in lines[self.shown:]:
+        for line in lines[self.shown :]:
             if self.say is not None:
-                text = (f"step {line.step + 1:>{len(str(self.steps))}}/{self.steps}  loss {line.loss:.4f}  "
-                        f"step {human_time(line.step_time_s)}  slowest rank {line.slowest_rank} "
-                        f"({line.slowest_device})")
+                text = (
+                    f"step {line.step + 1:>{len(str(self.steps))}}/{self.steps}  loss {line.loss:.4f}  "
+                    f"step {human_time(line.step_time_s)}  slowest rank {line.slowest_rank} "
+                    f"({line.slowest_device})"
+                )
                 (self._bar.console.print if self._bar is not None else self.say)(text)
             if self._bar is not None:
                 self._bar.update(self._task, completed=line.step + 1)
@@ -70,8 +89,7 @@ def _forget_old_steps(folder: Path) -> None:
             old.unlink()
 
 
-def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Path | None,
-                      trace: Path | None) -> None:
+def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Path | None, trace: Path | None) -> None:
     """Add the per-step lines and the measured spans to `result` (so a report can draw the
     measured timeline) and write the JSON-lines file and the Chrome trace when asked."""
     from heterog.execute.steplog import TRACE_FILE, read_run, write_jsonl
@@ -94,16 +112,30 @@ def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Pa
 def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
     def mem(n):
         return human_bytes(n) if n is not None else "-"
-    return [[str(r["rank"]), r["device"], f"{r['slowdown']:g}×", human_time(r["step_time_s"]),
-             human_time(r["compute_s"]), human_time(r["paced_s"]), human_time(r["recv_wait_s"]),
-             human_time(r["sync_s"]), human_time(r.get("other_s")), mem(r.get("peak_allocated_bytes")),
-             mem(r.get("predicted_peak_memory_bytes"))] for r in per_rank]
+
+    return [
+        [
+            str(r["rank"]),
+            r["device"],
+            f"{r['slowdown']:g}×",
+            human_time(r["step_time_s"]),
+            human_time(r["compute_s"]),
+            human_time(r["paced_s"]),
+            human_time(r["recv_wait_s"]),
+            human_time(r["sync_s"]),
+            human_time(r.get("other_s")),
+            mem(r.get("peak_allocated_bytes")),
+            mem(r.get("predicted_peak_memory_bytes")),
+        ]
+        for r in per_rank
+    ]
 
 
 def _with_repetitions(result: dict, times: list[float], predicted: float | None) -> None:
     """The result of several runs of one plan: the median iteration time, each run's, and the
     spread (slowest / fastest − 1); the prediction of the first run (profiled once)."""
     import statistics
+
     result["repetitions_s"] = times
     result["measured_iteration_time_s"] = statistics.median(times)
     result["spread"] = max(times) / min(times) - 1.0
@@ -115,11 +147,18 @@ def register(app: typer.Typer) -> None:
     @app.command("run")
     def run_cmd(
         plan: Path = typer.Argument(..., help="A plan file from `heterog plan --out`."),
-        steps: int = typer.Option(5, "--steps", min=1, help="Training steps (the first is warm-up); with "
-                                  "--resume, the total to reach, counting the checkpoint's."),
-        emulated: bool = typer.Option(False, "--emulated", help="Emulate a real GPU cluster's devices "
-                                      "with local CPU processes paced by their relative speed."),
-        out: Optional[Path] = typer.Option(None, "--out", help="Write the result JSON here."),
+        steps: int = typer.Option(
+            5,
+            "--steps",
+            min=1,
+            help="Training steps (the first is warm-up); with --resume, the total to reach, counting the checkpoint's.",
+        ),
+        emulated: bool = typer.Option(
+            False,
+            "--emulated",
+            help="Emulate a real GPU cluster's devices with local CPU processes paced by their relative speed.",
+        ),
+        out: Path | None = typer.Option(None, "--out", help="Write the result JSON here."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
         wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
         timeout_s: float = typer.Option(60.0, "--timeout-s", min=0.5, help="Timeout of every collective / transfer."),
@@ -127,26 +166,47 @@ def register(app: typer.Typer) -> None:
         pin_cores: bool = typer.Option(False, "--pin-cores", help="Pin each rank to one core."),
         torchrun: bool = typer.Option(False, "--torchrun", help="Print the torchrun command per node."),
         master_addr: str = typer.Option("NODE0_ADDRESS", "--master-addr", help="For --torchrun."),
-        logs: Optional[Path] = typer.Option(None, "--logs", help="Keep the ranks' logs in this folder."),
-        profile: bool = typer.Option(False, "--profile", help="Predict from per-node times measured on "
-                                     "this CPU (emulated clusters; a few seconds more)."),
-        steps_log: Optional[Path] = typer.Option(None, "--steps-log", help="Write one JSON line per step "
-                                                 "(step, loss, step time, slowest rank) here."),
-        trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace of the measured "
-                                             "steps per rank (opens in Perfetto beside `simulate --trace`)."),
-        data: Optional[str] = typer.Option(None, "--data", help="Train on your data: 'path/file.py:loader', "
-                                           "loader(batch_size) returning an iterable of global (inputs, "
-                                           "targets) batches, e.g. a DataLoader (docs/robustness.md)."),
-        checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Save model and "
-                                                      "optimizer state here (with --checkpoint-every)."),
+        logs: Path | None = typer.Option(None, "--logs", help="Keep the ranks' logs in this folder."),
+        profile: bool = typer.Option(
+            False,
+            "--profile",
+            help="Predict from per-node times measured on this CPU (emulated clusters; a few seconds more).",
+        ),
+        steps_log: Path | None = typer.Option(
+            None, "--steps-log", help="Write one JSON line per step (step, loss, step time, slowest rank) here."
+        ),
+        trace: Path | None = typer.Option(
+            None,
+            "--trace",
+            help="Write a Chrome trace of the measured steps per rank (opens in Perfetto beside `simulate --trace`).",
+        ),
+        data: str | None = typer.Option(
+            None,
+            "--data",
+            help="Train on your data: 'path/file.py:loader', "
+            "loader(batch_size) returning an iterable of global (inputs, "
+            "targets) batches, e.g. a DataLoader (docs/robustness.md).",
+        ),
+        checkpoint_dir: Path | None = typer.Option(
+            None, "--checkpoint-dir", help="Save model and optimizer state here (with --checkpoint-every)."
+        ),
         checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="Save every N steps."),
-        resume: Optional[Path] = typer.Option(None, "--resume", help="Continue from the last complete "
-                                              "checkpoint in this folder, under this plan (any plan of "
-                                              "the same model: parameters load by name)."),
-        force: bool = typer.Option(False, "--force", help="Start even when the plan's memory per rank "
-                                   "exceeds this machine's free memory."),
-        repetitions: int = typer.Option(1, "--repetitions", min=1, help="Run the plan this many times and "
-                                        "report the median iteration time and the spread (a noisy machine)."),
+        resume: Path | None = typer.Option(
+            None,
+            "--resume",
+            help="Continue from the last complete "
+            "checkpoint in this folder, under this plan (any plan of "
+            "the same model: parameters load by name).",
+        ),
+        force: bool = typer.Option(
+            False, "--force", help="Start even when the plan's memory per rank exceeds this machine's free memory."
+        ),
+        repetitions: int = typer.Option(
+            1,
+            "--repetitions",
+            min=1,
+            help="Run the plan this many times and report the median iteration time and the spread (a noisy machine).",
+        ),
     ) -> None:
         """Train a plan for N steps on synthetic data or --data; measured vs predicted step time.
 
@@ -154,14 +214,16 @@ def register(app: typer.Typer) -> None:
         memory; --checkpoint-dir/--checkpoint-every save, --resume continues (docs/robustness.md)."""
         set_wide(wide)
         from heterog import pipeline as api
-        from heterog.ir.plan import Plan
-
         from heterog.execute.checkpoint import CheckpointConfig
         from heterog.execute.preflight import check_data, check_plan_fits_model
+        from heterog.ir.plan import Plan
 
         p = Plan.load(plan)
-        ckpt = CheckpointConfig(dir=str(checkpoint_dir) if checkpoint_dir else None, every_steps=checkpoint_every,
-                                resume=str(resume) if resume else None)
+        ckpt = CheckpointConfig(
+            dir=str(checkpoint_dir) if checkpoint_dir else None,
+            every_steps=checkpoint_every,
+            resume=str(resume) if resume else None,
+        )
         check_plan_fits_model(p)
         check_data(p, data)
         if torchrun:
@@ -179,10 +241,19 @@ def register(app: typer.Typer) -> None:
                     say(f"repetition {rep + 1}/{repetitions}")
                 _forget_old_steps(folder)
                 with _StepFollower(folder, world_size, steps, say, bar=sys.stdout.isatty()):
-                    result = api.run(p, steps=steps, emulated=emulated, timeout_s=timeout_s,
-                                     shape_links=False if no_shaping else None, pin_cores=pin_cores,
-                                     out_dir=folder, profile=profile and rep == 0, data=data,
-                                     checkpoint=ckpt.to_dict(), force=force)
+                    result = api.run(
+                        p,
+                        steps=steps,
+                        emulated=emulated,
+                        timeout_s=timeout_s,
+                        shape_links=False if no_shaping else None,
+                        pin_cores=pin_cores,
+                        out_dir=folder,
+                        profile=profile and rep == 0,
+                        data=data,
+                        checkpoint=ckpt.to_dict(),
+                        force=force,
+                    )
                 times.append(result["measured_iteration_time_s"])
                 if rep == 0:
                     predicted = result["predicted_iteration_time_s"]
@@ -193,20 +264,48 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(result)
             return
-        print_table(f"{p.strategy} on {result['cluster']}: median step of {result['measured_steps']}",
-                    ["rank", "device", "slow", "step", "compute", "paced", "wait", "sync", "other", "peak mem",
-                     "predicted mem"],
-                    _rank_rows(result["per_rank"]), optional=("paced", "wait", "other", "predicted mem"))
+        print_table(
+            f"{p.strategy} on {result['cluster']}: median step of {result['measured_steps']}",
+            [
+                "rank",
+                "device",
+                "slow",
+                "step",
+                "compute",
+                "paced",
+                "wait",
+                "sync",
+                "other",
+                "peak mem",
+                "predicted mem",
+            ],
+            _rank_rows(result["per_rank"]),
+            optional=("paced", "wait", "other", "predicted mem"),
+        )
         pred = result["predicted_iteration_time_s"]
         err = result["relative_error"]
-        console.print(f"measured iteration time  {human_time(result['measured_iteration_time_s'])}"
-                      + (f" (median of {repetitions} runs, spread {result['spread']:.0%}: "
-                         f"{', '.join(human_time(t) for t in times)})" if repetitions > 1 else ""))
-        console.print(f"predicted iteration time {human_time(pred)}  ({result['prediction_source']})"
-                      + (f", error {err:+.1%}" if err is not None else ""))
+        console.print(
+            f"measured iteration time  {human_time(result['measured_iteration_time_s'])}"
+            + (
+                f" (median of {repetitions} runs, spread {result['spread']:.0%}: "
+                f"{', '.join(human_time(t) for t in times)})"
+                if repetitions > 1
+                else ""
+            )
+        )
+        console.print(
+            f"predicted iteration time {human_time(pred)}  ({result['prediction_source']})"
+            + (f", error {err:+.1%}" if err is not None else "")
+        )
         shaping = result["link_shaping"]
-        console.print("links: " + ("shaped with netns + tc TBF" if shaping.get("enabled")
-                                   else f"not shaped ({shaping.get('reason', 'single node or disabled')})"))
+        console.print(
+            "links: "
+            + (
+                "shaped with netns + tc TBF"
+                if shaping.get("enabled")
+                else f"not shaped ({shaping.get('reason', 'single node or disabled')})"
+            )
+        )
         for n in result["notes"]:
             console.print(f"note: {n}")
 
@@ -216,12 +315,18 @@ def register(app: typer.Typer) -> None:
         wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
         steps: int = typer.Option(8, "--steps", help="Training steps per strategy (first is warm-up)."),
         budget_s: float = typer.Option(5.0, "--budget-s", help="Planner time budget."),
-        no_profile: bool = typer.Option(False, "--no-profile",
-                                        help="Predict with the analytic model only (no measured profile)."),
-        repetitions: int = typer.Option(5, "--repetitions", min=1,
-                                        help="Measure each strategy this many times, interleaved."),
-        scenario: str = typer.Option("", "--scenario", help="One of heterog.demo.SCENARIOS (default: the "
-                                     "one that shows heterog best; benchmarks/run_vs_sim.py runs them all)."),
+        no_profile: bool = typer.Option(
+            False, "--no-profile", help="Predict with the analytic model only (no measured profile)."
+        ),
+        repetitions: int = typer.Option(
+            5, "--repetitions", min=1, help="Measure each strategy this many times, interleaved."
+        ),
+        scenario: str = typer.Option(
+            "",
+            "--scenario",
+            help="One of heterog.demo.SCENARIOS (default: the "
+            "one that shows heterog best; benchmarks/run_vs_sim.py runs them all).",
+        ),
     ) -> None:
         """Plan a zoo model on an emulated 3-device cluster whose devices differ in speed, links and
         memory; run heterog's plan, the best baseline and even DP (interleaved repetitions);
@@ -230,42 +335,83 @@ def register(app: typer.Typer) -> None:
         from heterog.demo import DEMO_SCENARIO, SCENARIOS, demo
 
         if scenario and scenario not in SCENARIOS:
-            raise typer.BadParameter(f"unknown scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}.",
-                                     param_hint="--scenario")
+            raise typer.BadParameter(
+                f"unknown scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}.", param_hint="--scenario"
+            )
         say = (lambda s: None) if as_json else (lambda s: console.print(f"[dim]{s}[/dim]"))
-        result = demo(steps=steps, budget_s=budget_s, profile=not no_profile, repetitions=repetitions,
-                      scenario=scenario or DEMO_SCENARIO, say=say)
+        result = demo(
+            steps=steps,
+            budget_s=budget_s,
+            profile=not no_profile,
+            repetitions=repetitions,
+            scenario=scenario or DEMO_SCENARIO,
+            say=say,
+        )
         if as_json:
             print_json(result)
             return
-        print_table(f"candidates for {result['model']} {result['model_args']} batch {result['batch_size']} "
-                    f"on {result['cluster']}", ["strategy", "predicted iteration", "feasible", "devices",
-                                                "micro-batches"],
-                    [[c["strategy"], human_time(c["iteration_time_s"]), "yes" if c["feasible"] else "no",
-                      c["devices_used"], c["num_microbatches"]] for c in result["candidates"]])
-        print_table(f"predicted vs measured (median of {result['repetitions']} interleaved repetitions)",
-                    ["strategy", "plan", "predicted", "measured", "spread", "error"],
-                    [[k, v["strategy"], human_time(v["predicted_iteration_time_s"]),
-                      human_time(v["measured_iteration_time_s"]), f"{v['spread']:.0%}", f"{v['relative_error']:+.1%}"]
-                     for k, v in result["strategies"].items()])
-        for base, key in (("even data parallelism", "speedup_vs_even_dp"), ("the best baseline", "speedup_vs_best_baseline")):
+        print_table(
+            f"candidates for {result['model']} {result['model_args']} batch {result['batch_size']} "
+            f"on {result['cluster']}",
+            ["strategy", "predicted iteration", "feasible", "devices", "micro-batches"],
+            [
+                [
+                    c["strategy"],
+                    human_time(c["iteration_time_s"]),
+                    "yes" if c["feasible"] else "no",
+                    c["devices_used"],
+                    c["num_microbatches"],
+                ]
+                for c in result["candidates"]
+            ],
+        )
+        print_table(
+            f"predicted vs measured (median of {result['repetitions']} interleaved repetitions)",
+            ["strategy", "plan", "predicted", "measured", "spread", "error"],
+            [
+                [
+                    k,
+                    v["strategy"],
+                    human_time(v["predicted_iteration_time_s"]),
+                    human_time(v["measured_iteration_time_s"]),
+                    f"{v['spread']:.0%}",
+                    f"{v['relative_error']:+.1%}",
+                ]
+                for k, v in result["strategies"].items()
+            ],
+        )
+        for base, key in (
+            ("even data parallelism", "speedup_vs_even_dp"),
+            ("the best baseline", "speedup_vs_best_baseline"),
+        ):
             sp = result[key]
             if sp is None:
                 console.print(f"speedup of heterog over {base}: n/a (it does not fit the cluster's memory)")
                 continue
             verdict = "holds at the worst repetition" if sp["holds"] else "not claimed: not at every repetition"
-            console.print(f"speedup of heterog over {base}: {sp['median']:.2f}× (worst {sp['worst']:.2f}×, "
-                          f"predicted {sp['predicted']:.2f}×) — {verdict}")
+            console.print(
+                f"speedup of heterog over {base}: {sp['median']:.2f}× (worst {sp['worst']:.2f}×, "
+                f"predicted {sp['predicted']:.2f}×) — {verdict}"
+            )
         for n in result["best_plan_notes"]:
             console.print(f"· {n}")
 
 
-def _print_torchrun(plan, plan_path: Path, steps: int, timeout_s: float, master_addr: str,
-                    as_json: bool, *, data: str | None = None, checkpoint: dict | None = None) -> None:
+def _print_torchrun(
+    plan,
+    plan_path: Path,
+    steps: int,
+    timeout_s: float,
+    master_addr: str,
+    as_json: bool,
+    *,
+    data: str | None = None,
+    checkpoint: dict | None = None,
+) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
-    from heterog.pipeline import plan_cluster, rank_devices
     from heterog.execute.launcher import local_gpu_indices, torchrun_commands
     from heterog.jsonio import write_atomic
+    from heterog.pipeline import plan_cluster, rank_devices
 
     cluster = plan_cluster(plan)
     devices = rank_devices(plan, cluster)
@@ -278,25 +424,50 @@ def _print_torchrun(plan, plan_path: Path, steps: int, timeout_s: float, master_
         visible = [local_gpu_indices(n.devices, used) for n, used in zip(used_nodes, node_devices)]
     from heterog.execute.device import nccl_env
     from heterog.pipeline import lower
-    gpus = cluster is not None and cluster.kind != "emulated"     # ranks on cuda:<local rank>, NCCL
+
+    gpus = cluster is not None and cluster.kind != "emulated"  # ranks on cuda:<local rank>, NCCL
     env, note = nccl_env({cluster.device(d).gpu_type for d in devices}) if gpus else ({}, None)
     spec_path = plan_path.with_suffix(".torchrun.json")
     gpu_types = {d: cluster.device(d).gpu_type for d in devices} if gpus else {}
-    write_atomic(spec_path, json.dumps({"torchrun": True, "program": lower(plan).to_dict(),
-                                        "node_devices": node_devices, "cuda": gpus, "gpu_types": gpu_types,
-                                        "steps": steps, "timeout_s": timeout_s, "out_dir": "heterog-run",
-                                        "data": data, "checkpoint": checkpoint}))
-    cmds = torchrun_commands(spec_path=str(spec_path), node_devices=node_devices, master_addr=master_addr,
-                             env=env, visible=visible if gpus else None)
+    write_atomic(
+        spec_path,
+        json.dumps(
+            {
+                "torchrun": True,
+                "program": lower(plan).to_dict(),
+                "node_devices": node_devices,
+                "cuda": gpus,
+                "gpu_types": gpu_types,
+                "steps": steps,
+                "timeout_s": timeout_s,
+                "out_dir": "heterog-run",
+                "data": data,
+                "checkpoint": checkpoint,
+            }
+        ),
+    )
+    cmds = torchrun_commands(
+        spec_path=str(spec_path),
+        node_devices=node_devices,
+        master_addr=master_addr,
+        env=env,
+        visible=visible if gpus else None,
+    )
     if note and not as_json:
         console.print(note)
     files = _files_every_node_needs(plan, spec_path, data)
     if as_json:
         print_json({"spec": str(spec_path), "commands": cmds, "files_every_node_needs": files})
         return
-    console.print(f"ranks' spec written to {spec_path}; every node needs, at these paths: {', '.join(files)}"
-                  + (" (and --checkpoint-dir/--resume on a shared file system)" if checkpoint and
-                     (checkpoint.get("dir") or checkpoint.get("resume")) else "") + ". Then run:")
+    console.print(
+        f"ranks' spec written to {spec_path}; every node needs, at these paths: {', '.join(files)}"
+        + (
+            " (and --checkpoint-dir/--resume on a shared file system)"
+            if checkpoint and (checkpoint.get("dir") or checkpoint.get("resume"))
+            else ""
+        )
+        + ". Then run:"
+    )
     for i, c in enumerate(cmds):
         console.print(f"# node {i} ({', '.join(node_devices[i])})\n{c}")
 
@@ -304,6 +475,7 @@ def _print_torchrun(plan, plan_path: Path, steps: int, timeout_s: float, master_
 def _files_every_node_needs(plan, spec_path: Path, data: str | None) -> list[str]:
     """The spec, and the user's model and data files the ranks import (absolute paths)."""
     from heterog.ir.plan import user_model_file
+
     files = [str(spec_path.resolve())]
     if plan.model.file:
         files.append(plan.model.file)

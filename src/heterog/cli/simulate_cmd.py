@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
-from heterog.cli.output import (WIDE_HELP, console, human_bytes, human_time, print_json, print_table, set_wide,
-                                write_json)
+from heterog.cli.output import (
+    WIDE_HELP,
+    console,
+    human_bytes,
+    human_time,
+    print_json,
+    print_table,
+    set_wide,
+    write_json,
+)
 
 
-def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None,
-                profile: Path | None = None):
+def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None, profile: Path | None = None):
     """The plan, and the graph, cluster and cost model it was made with (heterog/inputs.py,
     as `heterog plan` builds them): the graph from the capture cache (or --graph), the cluster
     the plan records (or --cluster), costs at the plan's precision and optimizer."""
@@ -39,21 +46,39 @@ def _show(result, plan) -> None:
         cap = result.memory_capacity_bytes[d]
         busy = result.compute_time_s[d]
         util = busy / result.iteration_time_s if result.iteration_time_s > 0 else 0.0
-        rows.append([d, human_time(busy), human_time(result.communication_time_s[d]),
-                     human_time(result.idle_time_s[d]), f"{100 * util:.0f}%",
-                     human_bytes(peak), human_bytes(cap), "yes" if peak <= cap else "NO"])
-    print_table(f"plan {plan.strategy!r}: {len(plan.groups)} groups, {plan.num_microbatches} micro-batch(es), "
-                f"{plan.schedule}", ["device", "compute", "comm", "idle", "busy", "peak memory",
-                                     "memory", "fits"], rows, optional=("busy", "memory"))
+        rows.append(
+            [
+                d,
+                human_time(busy),
+                human_time(result.communication_time_s[d]),
+                human_time(result.idle_time_s[d]),
+                f"{100 * util:.0f}%",
+                human_bytes(peak),
+                human_bytes(cap),
+                "yes" if peak <= cap else "NO",
+            ]
+        )
+    print_table(
+        f"plan {plan.strategy!r}: {len(plan.groups)} groups, {plan.num_microbatches} micro-batch(es), {plan.schedule}",
+        ["device", "compute", "comm", "idle", "busy", "peak memory", "memory", "fits"],
+        rows,
+        optional=("busy", "memory"),
+    )
     links = sorted(result.link_bytes.items(), key=lambda kv: -result.link_busy_time_s.get(kv[0], 0.0))[:8]
     if links:
-        print_table("busiest links", ["link", "bytes", "busy"],
-                    [[l, human_bytes(b), human_time(result.link_busy_time_s.get(l, 0.0))] for l, b in links])
-    line = (f"[bold]iteration {human_time(result.iteration_time_s)}[/bold], "
-            f"{result.throughput_samples_per_s:.1f} samples/s")
+        print_table(
+            "busiest links",
+            ["link", "bytes", "busy"],
+            [[l, human_bytes(b), human_time(result.link_busy_time_s.get(l, 0.0))] for l, b in links],
+        )
+    line = (
+        f"[bold]iteration {human_time(result.iteration_time_s)}[/bold], {result.throughput_samples_per_s:.1f} samples/s"
+    )
     if not result.feasible:
-        line += (f"; [red]does not fit: {result.overflow_device} needs "
-                 f"{human_bytes(result.overflow_bytes)} more than it has[/red]")
+        line += (
+            f"; [red]does not fit: {result.overflow_device} needs "
+            f"{human_bytes(result.overflow_bytes)} more than it has[/red]"
+        )
     console.print(line)
 
 
@@ -61,13 +86,17 @@ def simulate_command(
     plan_path: Path = typer.Argument(..., help="A plan file written by `heterog plan --out`."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (open in Perfetto)."),
-    graph: Optional[Path] = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="Simulate on this cluster instead of the plan's."),
-    priorities: Optional[str] = typer.Option(None, "--priorities",
-                                             help="Recompute execution priorities: upward or heteroG."),
-    profile: Optional[Path] = typer.Option(None, "--profile", help="Measured per-node times, as given to "
-                                           "`heterog plan --profile` (the same prediction needs the same file)."),
+    trace: Path | None = typer.Option(None, "--trace", help="Write a Chrome trace (open in Perfetto)."),
+    graph: Path | None = typer.Option(None, "--graph", help="Use this OpGraph file instead of re-capturing."),
+    cluster: str | None = typer.Option(None, "--cluster", help="Simulate on this cluster instead of the plan's."),
+    priorities: str | None = typer.Option(
+        None, "--priorities", help="Recompute execution priorities: upward or heteroG."
+    ),
+    profile: Path | None = typer.Option(
+        None,
+        "--profile",
+        help="Measured per-node times, as given to `heterog plan --profile` (the same prediction needs the same file).",
+    ),
 ) -> None:
     """Simulate one training iteration of PLAN: time, per-device busy/idle time, memory, links."""
     set_wide(wide)

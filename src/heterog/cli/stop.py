@@ -8,9 +8,10 @@ import this module, so there is one record.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-STOP_REQUESTED: list[int] = []   # signals that asked this command to stop
+STOP_REQUESTED: list[int] = []  # signals that asked this command to stop
 
 
 def interrupt(signum, frame) -> None:
@@ -32,8 +33,10 @@ def quiet_unraisable(previous: Callable[[Any], None]) -> Callable[[Any], None]:
     one `interrupt` raised inside a weakref callback: Python would print it as "Exception
     ignored in …" with a traceback, although the command stops cleanly at its next
     `raise_if_stopped`) and passes everything else to `previous`."""
+
     def hook(unraisable: Any) -> None:
         if isinstance(unraisable.exc_value, KeyboardInterrupt) and STOP_REQUESTED:
             return
         previous(unraisable)
+
     return hook

@@ -18,11 +18,19 @@ from heterog.ir.opgraph import OpGraph
 __all__ = ["AnalyticCostModel", "CostModel", "Profile", "ProfileError", "build_cost_model"]
 
 
-def build_cost_model(graph: OpGraph, cluster: Cluster, *, precision: str = "fp32", optimizer: str = "sgd",
-                     profile: Profile | str | Path | None = None, recompute: bool = False) -> AnalyticCostModel:
+def build_cost_model(
+    graph: OpGraph,
+    cluster: Cluster,
+    *,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    profile: Profile | str | Path | None = None,
+    recompute: bool = False,
+) -> AnalyticCostModel:
     """The cost model for `graph` on `cluster`; `profile` (a Profile or its file) overrides
     the analytic time of every node it measured."""
     if profile is not None and not isinstance(profile, Profile):
         profile = Profile.load(profile)
-    return AnalyticCostModel(graph, cluster, precision=precision, optimizer=optimizer,
-                             profile=profile, recompute=recompute)
+    return AnalyticCostModel(
+        graph, cluster, precision=precision, optimizer=optimizer, profile=profile, recompute=recompute
+    )

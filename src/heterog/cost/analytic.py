@@ -27,25 +27,25 @@ A measured profile (cost/profile.py), when given, replaces the estimate per node
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from heterog.ir.kinds import Precision
-from heterog.errors import ClusterError, PlanError
-from heterog.hardware.catalog import host_costs, host_overheads
-from heterog.hardware.cluster import Cluster
-from heterog.hardware.gputype import GpuType
-from heterog.ir.opgraph import OpGraph
 from heterog.cost import comm
 from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.cost.host import autocast_casts, cudnn_calls, host_times_s
 from heterog.cost.kernels import bandwidth_kind, conv_kernels, traffic_factors
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
+from heterog.errors import ClusterError, PlanError
+from heterog.hardware.catalog import host_costs, host_overheads
+from heterog.hardware.cluster import Cluster
+from heterog.hardware.gputype import GpuType
+from heterog.ir.kinds import Precision
+from heterog.ir.opgraph import OpGraph
 
 PRECISIONS = tuple(Precision)
-E_VECTOR = 0.5                      # non-tensor-core FLOPs: element-wise math rarely beats half of peak
+E_VECTOR = 0.5  # non-tensor-core FLOPs: element-wise math rarely beats half of peak
 # Kernel efficiency relative to a square GEMM of the same work. Attention kernels pay for the
 # softmax between their two products. cuDNN convolutions on tensor cores (TF32/BF16/FP16) reach
 # far less of the tensor-core peak than GEMMs do; on CUDA cores (FP32) about as much. The
@@ -103,8 +103,12 @@ class _TypeTable:
         fw = phase == "fwd"
         flops_fixed = np.array([(n.fwd_flops if fw else n.bwd_flops).fixed for n in nodes])
         flops_ps = np.array([(n.fwd_flops if fw else n.bwd_flops).per_sample for n in nodes])
-        tc = np.array([n.tensor_core_flops_fraction if n.kind in TENSOR_CORE_KINDS or
-                       n.tensor_core_flops_fraction > 0 else 0.0 for n in nodes])
+        tc = np.array(
+            [
+                n.tensor_core_flops_fraction if n.kind in TENSOR_CORE_KINDS or n.tensor_core_flops_fraction > 0 else 0.0
+                for n in nodes
+            ]
+        )
         # traffic in the dtype of what the node writes (reads are mostly of the same size);
         # CPU kernels on half tensors convert to fp32 and back, so they gain no speed there
         factor = dtype_factors(graph, precision).out if gpu.vendor != "cpu" else np.ones(len(nodes))
@@ -154,15 +158,18 @@ class _TypeTable:
                 self.curve_of.append(gpu_curve(gpu, p))
             curve_index[i] = curves[p]
             self.peak_tc[i] = gpu.peak_flops_per_s[p]
-            self.kind_factor[i] = _kind_factor(n.kind, gpu, p) * (
-                gpu.efficiency.compute_factor(p) if gpu.vendor != "cpu" else 1.0) * (
-                gpu.efficiency.conv_factor(p) if n.kind == "conv" and gpu.vendor != "cpu" else 1.0)
+            self.kind_factor[i] = (
+                _kind_factor(n.kind, gpu, p)
+                * (gpu.efficiency.compute_factor(p) if gpu.vendor != "cpu" else 1.0)
+                * (gpu.efficiency.conv_factor(p) if n.kind == "conv" and gpu.vendor != "cpu" else 1.0)
+            )
         self.curve_index = curve_index
         self.peak_vector = gpu.peak_flops_per_s["fp32"] * E_VECTOR
         # GPUs: a batch norm pass streams like an element-wise kernel (cost/kernels.py)
-        kind_of = [n.kind if convs is None else "elementwise" if c and not on_tc else bandwidth_kind(n)
-                   for n, c, on_tc in zip(nodes, conv, np.ones(len(nodes), bool) if convs is None
-                                          else convs.on_tensor_cores)]
+        kind_of = [
+            n.kind if convs is None else "elementwise" if c and not on_tc else bandwidth_kind(n)
+            for n, c, on_tc in zip(nodes, conv, np.ones(len(nodes), bool) if convs is None else convs.on_tensor_cores)
+        ]
         kind_eff = {k: memory_efficiency(gpu, k, phase) for k in set(kind_of)}
         self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[k] for k in kind_of])
         if precision == "amp-bf16" and gpu.vendor != "cpu":
@@ -182,12 +189,16 @@ class _TypeTable:
         # on fresh pages every step; workspace_bytes is the largest such tensor a node makes
         big = oh.fresh_threshold_bytes
         out = np.array([n.output_bytes.fixed for n in nodes]), np.array([n.output_bytes.per_sample for n in nodes])
-        work = np.array([n.workspace_bytes.fixed for n in nodes]), np.array([n.workspace_bytes.per_sample for n in nodes])
+        work = (
+            np.array([n.workspace_bytes.fixed for n in nodes]),
+            np.array([n.workspace_bytes.per_sample for n in nodes]),
+        )
         self._fresh = (oh.fresh_page_s_per_byte, big, out if fw else (np.zeros(len(nodes)), np.zeros(len(nodes))), work)
         # CPU: a floor per output element for dropout (random numbers) and GELU (erf), measured
         self._element_s = np.zeros(len(nodes))
         if self.synchronous and fw:
             from heterog.hardware.catalog import measure_cpu
+
             per_element = measure_cpu().element_s
             for i, n in enumerate(nodes):
                 for key, t in per_element.items():
@@ -220,7 +231,9 @@ class _TypeTable:
                 eff[sel] = curve.at(size[sel])
         # a kernel never beats the data-sheet peak, whatever the type's fitted factors say
         t_math = tc / (self.peak_tc[idx] * np.minimum(eff * self.kind_factor[idx], 1.0)) + other / self.peak_vector
-        roof = np.maximum(t_math, nbytes / self.bandwidth[idx]) + self.transform_ps[idx] * batch / self.transform_bandwidth
+        roof = (
+            np.maximum(t_math, nbytes / self.bandwidth[idx]) + self.transform_ps[idx] * batch / self.transform_bandwidth
+        )
         if self.synchronous:
             per_byte, big, (of, op), (wf, wp) = self._fresh
             if per_byte > 0:
@@ -246,6 +259,7 @@ def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
         return KIND_FACTOR_GPU.get(kind, 1.0)
     if kind == "conv":
         from heterog.hardware.catalog import measure_cpu
+
         p = measure_cpu()
         # oneDNN convolutions vs the same work as GEMM, measured on this machine
         return float(np.clip(p.conv_flops_per_s / p.peak_flops_per_s, 0.25, 2.0))
@@ -255,8 +269,16 @@ def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
 class AnalyticCostModel:
     """Implements heterog.cost.model.CostModel for one graph, cluster, precision, optimizer."""
 
-    def __init__(self, graph: OpGraph, cluster: Cluster, *, precision: str = "fp32",
-                 optimizer: str = "sgd", profile: Profile | None = None, recompute: bool = False):
+    def __init__(
+        self,
+        graph: OpGraph,
+        cluster: Cluster,
+        *,
+        precision: str = "fp32",
+        optimizer: str = "sgd",
+        profile: Profile | None = None,
+        recompute: bool = False,
+    ):
         if precision not in PRECISIONS:
             raise PlanError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}.")
         self.graph = graph
@@ -273,8 +295,7 @@ class AnalyticCostModel:
         self._in_block = self.memory.in_block()
         self._edges = {(e.src, e.dst): e.bytes for e in graph.edges}
         self._comm_cache: dict[tuple, tuple[float, float]] = {}
-        self._n_tensors = np.array([float(len(n.param_names) or (1 if n.param_count else 0))
-                                    for n in graph.nodes])
+        self._n_tensors = np.array([float(len(n.param_names) or (1 if n.param_count else 0)) for n in graph.nodes])
         if profile is not None:
             profile.check_against(graph)
 
@@ -283,8 +304,7 @@ class AnalyticCostModel:
         key = (gpu_type, phase)
         t = self._tables.get(key)
         if t is None:
-            t = self._tables[key] = _TypeTable(self.graph, self.cluster.gpu_types[gpu_type],
-                                               self.precision, phase)
+            t = self._tables[key] = _TypeTable(self.graph, self.cluster.gpu_types[gpu_type], self.precision, phase)
         return t
 
     def _idx(self, nodes: Sequence[str]) -> np.ndarray:
@@ -309,8 +329,9 @@ class AnalyticCostModel:
         """How much longer than the reference host this device's host takes per op."""
         return 1.0 / self.cluster.host_speed(device)
 
-    def _phase_times_s(self, idx: np.ndarray, gpu_type: str, batch: float, phase: str,
-                       host_scale: float = 1.0) -> np.ndarray:
+    def _phase_times_s(
+        self, idx: np.ndarray, gpu_type: str, batch: float, phase: str, host_scale: float = 1.0
+    ) -> np.ndarray:
         if phase not in ("fwd", "bwd"):
             raise PlanError(f"unknown phase {phase!r}; use 'fwd' or 'bwd'.")
         times = self._table(gpu_type, phase).times_s(idx, batch, host_scale)
@@ -344,8 +365,10 @@ class AnalyticCostModel:
         if batch <= 0 or not nodes:
             return 0.0
         d = self._device(device)
-        return float(self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase,
-                                         self._host_scale(device)).sum()) * d.slowdown
+        return (
+            float(self._phase_times_s(self._idx(nodes), d.gpu_type, batch, phase, self._host_scale(device)).sum())
+            * d.slowdown
+        )
 
     def node_times_s(self, nodes: Sequence[str], device: str, batch: float, phase: str) -> np.ndarray:
         """compute_time_s of every node in `nodes`, as an array."""
@@ -374,8 +397,12 @@ class AnalyticCostModel:
             return None
         d = self._device(device)
         gpu = self.cluster.gpu_types[d.gpu_type]
-        return idx, d, gpu, bytes_per_param_byte * pbytes / (
-            gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu, "optimizer"))
+        return (
+            idx,
+            d,
+            gpu,
+            bytes_per_param_byte * pbytes / (gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu, "optimizer")),
+        )
 
     def optimizer_time_s(self, nodes: Sequence[str], device: str) -> float:
         p = self._parameter_pass(nodes, device, OPTIMIZER_BYTES_PER_PARAM_BYTE[self.optimizer])
@@ -394,8 +421,11 @@ class AnalyticCostModel:
             # block freed, at most 32 MiB) sends them, and those near their size, to fresh pages.
             per_node = self.memory.param_bytes[idx]
             big = min(oh.fresh_threshold_bytes, FRESH_PAGE_SHARE * float(self.memory.param_bytes.max(initial=0.0)))
-            fresh_s = (OPTIMIZER_TEMPORARIES[self.optimizer] * oh.fresh_page_s_per_byte *
-                       float(per_node[per_node >= big].sum()))
+            fresh_s = (
+                OPTIMIZER_TEMPORARIES[self.optimizer]
+                * oh.fresh_page_s_per_byte
+                * float(per_node[per_node >= big].sum())
+            )
             return (traffic_s + host_s + fresh_s) * d.slowdown
         # GPU: foreach kernels; host cost per tensor overlaps the device's streaming
         return max(traffic_s, tensors * oh.optimizer_per_tensor_s * self._host_scale(device)) * d.slowdown

@@ -37,6 +37,7 @@ HOST_SCALE_BOUNDS = (0.2, 5.0)
 
 def compute_factors(profile: DeviceProfile, base: GpuType) -> dict[str, float]:
     from heterog.cost.efficiency import gpu_curve
+
     plain = dataclasses.replace(base, efficiency=Efficiency())
     out = {}
     for dtype in sorted({g["dtype"] for g in profile.gemm}):
@@ -44,7 +45,7 @@ def compute_factors(profile: DeviceProfile, base: GpuType) -> dict[str, float]:
         rows = sorted((g["n"], g["time_s"]) for g in profile.gemm if g["dtype"] == dtype)
         if peak <= 0 or not rows:
             continue
-        big = rows[len(rows) // 2:]
+        big = rows[len(rows) // 2 :]
         curve = gpu_curve(plain, dtype)
         ratios = [(2 * n**3 / t / peak) / float(curve.at(n)) for n, t in big]
         out[dtype] = float(np.clip(statistics.median(ratios), 0.05, 4.0))
@@ -58,23 +59,45 @@ def measured_host(profile: DeviceProfile, base: GpuType) -> HostCosts:
         return default
     fwd = h.get("forward_op_s", default.forward_op_s)
     return dataclasses.replace(
-        default, forward_node_s=h.get("module_call_s", 0.0) + fwd, forward_op_s=fwd,
+        default,
+        forward_node_s=h.get("module_call_s", 0.0) + fwd,
+        forward_op_s=fwd,
         backward_op_s=h.get("backward_op_s", default.backward_op_s),
-        autocast_cast_s=h.get("autocast_cast_s", default.autocast_cast_s))
+        autocast_cast_s=h.get("autocast_cast_s", default.autocast_cast_s),
+    )
 
 
 def scale_host(host: HostCosts, k: float) -> HostCosts:
-    return dataclasses.replace(host, **{f: getattr(host, f) * k for f in (
-        "forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s", "optimizer_tensor_s", "cudnn_op_s")})
+    return dataclasses.replace(
+        host,
+        **{
+            f: getattr(host, f) * k
+            for f in (
+                "forward_node_s",
+                "forward_op_s",
+                "backward_op_s",
+                "autocast_cast_s",
+                "optimizer_tensor_s",
+                "cudnn_op_s",
+            )
+        },
+    )
 
 
 def _step_errors(profile: DeviceProfile, gpu: GpuType) -> list[float]:
     from heterog.cost.predict import _captured, predict
+
     errs = []
     for s in profile.steps:
         graph = _captured(s["model"], s.get("model_args"), 1, s.get("seq_len"))
-        r = predict(graph, batch_size=s["batch_size"], device=gpu, precision=s.get("precision", "fp32"),
-                    optimizer=s.get("optimizer", "sgd"), recompute=bool(s.get("recompute")))
+        r = predict(
+            graph,
+            batch_size=s["batch_size"],
+            device=gpu,
+            precision=s.get("precision", "fp32"),
+            optimizer=s.get("optimizer", "sgd"),
+            recompute=bool(s.get("recompute")),
+        )
         errs.append(float(np.log(r["iteration_time_s"] / s["time_s"])))
     return errs
 
@@ -82,6 +105,7 @@ def _step_errors(profile: DeviceProfile, gpu: GpuType) -> list[float]:
 def fit_host_scale(profile: DeviceProfile, gpu: GpuType) -> float:
     """The common host-cost scale that makes the median step error smallest."""
     from scipy.optimize import minimize_scalar
+
     host = gpu.host or host_costs(gpu)
     lo, hi = np.log(HOST_SCALE_BOUNDS)
 
@@ -93,8 +117,14 @@ def fit_host_scale(profile: DeviceProfile, gpu: GpuType) -> float:
     return float(np.exp(res.x))
 
 
-CUDNN_PROFILE_OPS = frozenset({"aten::cudnn_convolution", "aten::convolution_backward",
-                               "aten::_cudnn_attention_forward", "aten::_cudnn_attention_backward"})
+CUDNN_PROFILE_OPS = frozenset(
+    {
+        "aten::cudnn_convolution",
+        "aten::convolution_backward",
+        "aten::_cudnn_attention_forward",
+        "aten::_cudnn_attention_backward",
+    }
+)
 
 
 def cudnn_op_host_s(op_profiles: list[dict[str, Any]]) -> float | None:
@@ -104,8 +134,12 @@ def cudnn_op_host_s(op_profiles: list[dict[str, Any]]) -> float | None:
     mean over every cuDNN call. None if the profiles hold no cuDNN op."""
     extra_us, calls = 0.0, 0
     for p in op_profiles:
-        ordinary = sorted(o["cpu_us"] / o["count"] for o in p["ops"] for _ in range(int(o["count"]))
-                          if o["op"] not in CUDNN_PROFILE_OPS and o["self_device_us"] > 0)
+        ordinary = sorted(
+            o["cpu_us"] / o["count"]
+            for o in p["ops"]
+            for _ in range(int(o["count"]))
+            if o["op"] not in CUDNN_PROFILE_OPS and o["self_device_us"] > 0
+        )
         base_us = ordinary[len(ordinary) // 2] if ordinary else 0.0
         for o in p["ops"]:
             if o["op"] in CUDNN_PROFILE_OPS:
@@ -150,16 +184,21 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
     try:
         base_type = get_gpu(base_name)
     except ClusterError as e:
-        raise ClusterError(f"calibrate needs a base GPU type for the data-sheet peaks: {e} Pass --base "
-                           f"with the catalog type of the profiled device.") from None
+        raise ClusterError(
+            f"calibrate needs a base GPU type for the data-sheet peaks: {e} Pass --base "
+            f"with the catalog type of the profiled device."
+        ) from None
     if base_type.vendor == "cpu":
         return cpu_entry(profile, name)
     mem = profile.copy_bandwidth_bytes_per_s()
-    eff = Efficiency(compute=compute_factors(profile, base_type) or dict(base_type.efficiency.compute),
-                     conv=dict(base_type.efficiency.conv),
-                     memory=None if mem is None else float(min(mem / base_type.memory_bandwidth_bytes_per_s, 1.0)),
-                     memory_by_kind=dict(base_type.efficiency.memory_by_kind), inherits=base_type.name,
-                     source=f"heterog calibrate on a profile of {profile.device.get('name') or base_type.name}")
+    eff = Efficiency(
+        compute=compute_factors(profile, base_type) or dict(base_type.efficiency.compute),
+        conv=dict(base_type.efficiency.conv),
+        memory=None if mem is None else float(min(mem / base_type.memory_bandwidth_bytes_per_s, 1.0)),
+        memory_by_kind=dict(base_type.efficiency.memory_by_kind),
+        inherits=base_type.name,
+        source=f"heterog calibrate on a profile of {profile.device.get('name') or base_type.name}",
+    )
     host = measured_host(profile, base_type)
     gpu = dataclasses.replace(base_type, name=name or base_type.name, efficiency=eff, host=host)
     scale = 1.0
@@ -168,19 +207,38 @@ def calibrate(profile: DeviceProfile, *, name: str | None = None, base: str | No
         host = scale_host(host, scale)
     when = datetime.date.today().isoformat()
     return {
-        "name": name or base_type.name, "vendor": base_type.vendor,
+        "name": name or base_type.name,
+        "vendor": base_type.vendor,
         "peak_tflops": {p: v / 1e12 for p, v in base_type.peak_flops_per_s.items()},
         "memory_bandwidth_gbytes_per_s": base_type.memory_bandwidth_bytes_per_s / 1e9,
-        "memory_gib": base_type.memory_bytes / 2**30, "intra_node_link": base_type.intra_node_link,
+        "memory_gib": base_type.memory_bytes / 2**30,
+        "intra_node_link": base_type.intra_node_link,
         "intra_node_bandwidth_gbytes_per_s": base_type.intra_node_bandwidth_bytes_per_s / 1e9,
         "sources": {**base_type.sources, "calibration": f"heterog calibrate ({when}); base type {base_type.name}"},
         **({"public": base_type.public.to_dict()} if base_type.public is not None else {}),
-        "efficiency": {"compute": eff.compute, **({"conv": eff.conv} if eff.conv else {}), "memory": eff.memory,
-                       "memory_by_kind": eff.memory_by_kind, "inherits": eff.inherits, "source": eff.source},
-        "host": {**{f: getattr(host, f) for f in ("forward_node_s", "forward_op_s", "backward_op_s",
-                                                   "autocast_cast_s", "optimizer_tensor_s", "kernel_gap_s",
-                                                   "cudnn_op_s")},
-                 "source": _host_source(profile, base_type, scale)},
+        "efficiency": {
+            "compute": eff.compute,
+            **({"conv": eff.conv} if eff.conv else {}),
+            "memory": eff.memory,
+            "memory_by_kind": eff.memory_by_kind,
+            "inherits": eff.inherits,
+            "source": eff.source,
+        },
+        "host": {
+            **{
+                f: getattr(host, f)
+                for f in (
+                    "forward_node_s",
+                    "forward_op_s",
+                    "backward_op_s",
+                    "autocast_cast_s",
+                    "optimizer_tensor_s",
+                    "kernel_gap_s",
+                    "cudnn_op_s",
+                )
+            },
+            "source": _host_source(profile, base_type, scale),
+        },
     }
 
 
@@ -190,38 +248,65 @@ def cpu_entry(profile: DeviceProfile, name: str | None) -> dict[str, Any]:
     path takes the rest (per-kind bandwidths, page faults) from this machine's own probe
     (hardware.catalog.measure_cpu), as it does for the `cpu` type."""
     if not name or name.strip().lower() == "cpu":
-        raise ClusterError("a calibrated CPU needs a name of its own (--name, e.g. 'lab-cpu'): 'cpu' is the "
-                           "type every machine measures for itself.")
-    peak = {p: max((2 * g["n"] ** 3 / g["time_s"] for g in profile.gemm if g["dtype"] == p), default=0.0) / 1e12
-            for p in ("fp32", "tf32", "fp16", "bf16")}
+        raise ClusterError(
+            "a calibrated CPU needs a name of its own (--name, e.g. 'lab-cpu'): 'cpu' is the "
+            "type every machine measures for itself."
+        )
+    peak = {
+        p: max((2 * g["n"] ** 3 / g["time_s"] for g in profile.gemm if g["dtype"] == p), default=0.0) / 1e12
+        for p in ("fp32", "tf32", "fp16", "bf16")
+    }
     copy = profile.copy_bandwidth_bytes_per_s()
     if peak["fp32"] <= 0 or copy is None:
-        raise ClusterError("the CPU profile has no fp32 GEMM or no copy measurement; run `heterog profile` "
-                           "again without editing its file.")
+        raise ClusterError(
+            "the CPU profile has no fp32 GEMM or no copy measurement; run `heterog profile` "
+            "again without editing its file."
+        )
     rows = (profile.comm or {}).get("rows", [])
     p2p = max((r["bytes"] / r["p2p_s"] for r in rows), default=2e9)
     import psutil
+
     where = profile.device.get("name") or "this machine"
     host = profile.host or {}
     op_s, bwd_s = host.get("forward_op_s", 0.0), host.get("backward_op_s", 0.0)
     return {
-        "name": name, "vendor": "cpu", "peak_tflops": peak, "memory_bandwidth_gbytes_per_s": copy / 1e9,
-        "memory_gib": psutil.virtual_memory().total / 2**30, "intra_node_link": "loopback",
+        "name": name,
+        "vendor": "cpu",
+        "peak_tflops": peak,
+        "memory_bandwidth_gbytes_per_s": copy / 1e9,
+        "memory_gib": psutil.virtual_memory().total / 2**30,
+        "intra_node_link": "loopback",
         "intra_node_bandwidth_gbytes_per_s": p2p / 1e9,
-        "sources": {"peak_tflops": f"measured by heterog profile on {where}: the fastest square GEMM per precision",
-                    "memory": f"measured by heterog profile on {where}: a copy's bytes read + written per second",
-                    "intra_node_link": "measured by heterog profile: gloo point-to-point between two local ranks"
-                                       if rows else "gloo between local processes, ~2 GB/s (not measured)",
-                    "calibration": f"heterog calibrate ({datetime.date.today().isoformat()}) of a CPU profile"},
-        **({"host": {"forward_node_s": host.get("module_call_s", 0.0) + op_s, "forward_op_s": op_s,
-                     "backward_op_s": bwd_s, "autocast_cast_s": host.get("autocast_cast_s", 0.0),
-                     "optimizer_tensor_s": op_s, "kernel_gap_s": 0.0,
-                     "source": f"measured per-op host times on {where}"}} if op_s > 0 else {}),
+        "sources": {
+            "peak_tflops": f"measured by heterog profile on {where}: the fastest square GEMM per precision",
+            "memory": f"measured by heterog profile on {where}: a copy's bytes read + written per second",
+            "intra_node_link": "measured by heterog profile: gloo point-to-point between two local ranks"
+            if rows
+            else "gloo between local processes, ~2 GB/s (not measured)",
+            "calibration": f"heterog calibrate ({datetime.date.today().isoformat()}) of a CPU profile",
+        },
+        **(
+            {
+                "host": {
+                    "forward_node_s": host.get("module_call_s", 0.0) + op_s,
+                    "forward_op_s": op_s,
+                    "backward_op_s": bwd_s,
+                    "autocast_cast_s": host.get("autocast_cast_s", 0.0),
+                    "optimizer_tensor_s": op_s,
+                    "kernel_gap_s": 0.0,
+                    "source": f"measured per-op host times on {where}",
+                }
+            }
+            if op_s > 0
+            else {}
+        ),
     }
 
 
 def _host_source(profile: DeviceProfile, base: GpuType, scale: float) -> str:
-    what = "measured per-op host times" if profile.host else f"the catalog's host costs for {base.vendor} (not measured)"
+    what = (
+        "measured per-op host times" if profile.host else f"the catalog's host costs for {base.vendor} (not measured)"
+    )
     if profile.steps:
         return f"{what} × {scale:.3g} (one scale fitted on {len(profile.steps)} measured steps)"
     return what

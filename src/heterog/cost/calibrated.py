@@ -24,10 +24,10 @@ from heterog.hardware.cluster import Cluster
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileSpec:
     path: Path
-    gpu_type: str | None = None        # the cluster type it stands for; None: the measured type
+    gpu_type: str | None = None  # the cluster type it stands for; None: the measured type
 
     @staticmethod
-    def parse(text: str | Path) -> "ProfileSpec":
+    def parse(text: str | Path) -> ProfileSpec:
         """'FILE' or 'FILE:TYPE' (a FILE that exists is taken whole, colons and all)."""
         raw = str(text)
         if Path(raw).exists() or ":" not in raw:
@@ -38,6 +38,7 @@ class ProfileSpec:
 
 def _load(path: Path):
     from heterog.profile.artifact import DeviceProfile
+
     try:
         kind = json.loads(path.read_text()).get("kind")
     except OSError as e:
@@ -50,8 +51,10 @@ def _load(path: Path):
 def _retyped(times: dict, target: str, where: str) -> dict:
     measured = {t for by_type in times.values() for t in by_type}
     if len(measured) > 1:
-        raise ProfileError(f"{where} holds times of several device types ({', '.join(sorted(measured))}); "
-                           f"it cannot stand for one type {target!r}.")
+        raise ProfileError(
+            f"{where} holds times of several device types ({', '.join(sorted(measured))}); "
+            f"it cannot stand for one type {target!r}."
+        )
     return {node: {target: phases for phases in by_type.values()} for node, by_type in times.items()}
 
 
@@ -78,23 +81,33 @@ def apply_profiles(cluster: Cluster, specs: list[ProfileSpec | str | Path] | Any
         if isinstance(prof, DeviceProfile):
             measured = target or prof.device_type
             if measured not in cluster.gpu_types:
-                raise ProfileError(f"{where} was measured on a {prof.device_type!r} device, and cluster "
-                                   f"{cluster.name!r} has no device of type {measured!r}; name the type it "
-                                   f"stands for: --profile {where.split()[-1]}:TYPE (types: "
-                                   f"{', '.join(cluster.gpu_types)}).")
+                raise ProfileError(
+                    f"{where} was measured on a {prof.device_type!r} device, and cluster "
+                    f"{cluster.name!r} has no device of type {measured!r}; name the type it "
+                    f"stands for: --profile {where.split()[-1]}:TYPE (types: "
+                    f"{', '.join(cluster.gpu_types)})."
+                )
             if cluster.gpu_types[measured].vendor != "cpu" and (prof.gemm or prof.copy or prof.host):
-                cluster = with_gpu_type(cluster, gpu_from_entry(calibrate(prof, name=measured, base=prof.device_type
-                                                                          if prof.device_type != "cpu" else measured),
-                                                                f"{where} (calibrated)"))
+                cluster = with_gpu_type(
+                    cluster,
+                    gpu_from_entry(
+                        calibrate(
+                            prof, name=measured, base=prof.device_type if prof.device_type != "cpu" else measured
+                        ),
+                        f"{where} (calibrated)",
+                    ),
+                )
             prof = prof.nodes
             if prof is None:
                 continue
         node_times = _retyped(prof.times, target, where) if target else prof.times
         unknown = {t for by_type in node_times.values() for t in by_type} - set(cluster.gpu_types)
         if unknown:
-            raise ProfileError(f"{where} holds times of device type(s) {', '.join(sorted(unknown))}, which cluster "
-                               f"{cluster.name!r} does not have ({', '.join(cluster.gpu_types)}); name the type "
-                               f"it stands for: --profile FILE:TYPE.")
+            raise ProfileError(
+                f"{where} holds times of device type(s) {', '.join(sorted(unknown))}, which cluster "
+                f"{cluster.name!r} does not have ({', '.join(cluster.gpu_types)}); name the type "
+                f"it stands for: --profile FILE:TYPE."
+            )
         for node, by_type in node_times.items():
             times.setdefault(node, {}).update(by_type)
         model = model or prof.model

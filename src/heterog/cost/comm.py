@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
@@ -75,8 +75,7 @@ def step_time_s(cluster: Cluster, transfers: Iterable[tuple[str, str, float]]) -
 def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:
     """Members ordered node by node, so the ring leaves each node once (what NCCL does)."""
     node_rank = {n.name: i for i, n in enumerate(cluster.nodes)}
-    return sorted(dict.fromkeys(devices), key=lambda d: (node_rank[cluster.node_of[d]],
-                                                         cluster.device_index[d]))
+    return sorted(dict.fromkeys(devices), key=lambda d: (node_rank[cluster.node_of[d]], cluster.device_index[d]))
 
 
 def _ring_step_s(cluster: Cluster, ring: list[str], chunk_bytes: float) -> float:
@@ -140,8 +139,7 @@ def tree_collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Se
     return bw_up + depth * max_lat  # reduce
 
 
-def hierarchical_collective_time_s(cluster: Cluster, op: str, nbytes: float,
-                                   devices: Sequence[str]) -> float:
+def hierarchical_collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequence[str]) -> float:
     """Intra-node reduce-scatter → inter-node ring all-reduce of each shard → intra all-gather.
     Nodes proceed in parallel; each phase lasts as long as its slowest node."""
     by_node: dict[str, list[str]] = defaultdict(list)
@@ -167,8 +165,7 @@ def hierarchical_collective_time_s(cluster: Cluster, op: str, nbytes: float,
     return intra + (m - 1) * inter_step
 
 
-def collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequence[str],
-                      method: str = "ring") -> float:
+def collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
     if op not in COLLECTIVES:
         raise PlanError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVES)}.")
     if method == "ring":
@@ -177,8 +174,9 @@ def collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequenc
         return tree_collective_time_s(cluster, op, nbytes, devices)
     if method == "hierarchical":
         return hierarchical_collective_time_s(cluster, op, nbytes, devices)
-    raise PlanError(f"unknown collective method {method!r}; use one of {', '.join(METHODS)} "
-                    f"(or sync 'ps' with ps_sync_time_s).")
+    raise PlanError(
+        f"unknown collective method {method!r}; use one of {', '.join(METHODS)} (or sync 'ps' with ps_sync_time_s)."
+    )
 
 
 def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], server: str) -> float:
@@ -197,21 +195,24 @@ def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], serv
 # after. The caller owns `cache`; its keys name the members, not the cluster, so one cache
 # serves one cluster per set of members.
 
-def cached_collective_time_s(cache: dict, cluster: Cluster, op: str, nbytes: float,
-                             devices: Sequence[str], method: str = "ring") -> float:
+
+def cached_collective_time_s(
+    cache: dict, cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], method: str = "ring"
+) -> float:
     if nbytes <= 0 or len(set(devices)) <= 1:
         return 0.0
     members = tuple(devices)
-    fixed, per_byte = affine_in_bytes(cache, ("c", op, method, members),
-                                      lambda b: collective_time_s(cluster, op, b, members, method))
+    fixed, per_byte = affine_in_bytes(
+        cache, ("c", op, method, members), lambda b: collective_time_s(cluster, op, b, members, method)
+    )
     return fixed + per_byte * nbytes
 
 
-def cached_ps_sync_time_s(cache: dict, cluster: Cluster, nbytes: float, devices: Sequence[str],
-                          server: str) -> float:
+def cached_ps_sync_time_s(cache: dict, cluster: Cluster, nbytes: float, devices: Sequence[str], server: str) -> float:
     if nbytes <= 0:
         return 0.0
     members = tuple(devices)
-    fixed, per_byte = affine_in_bytes(cache, ("ps", server, members),
-                                      lambda b: ps_sync_time_s(cluster, b, members, server))
+    fixed, per_byte = affine_in_bytes(
+        cache, ("ps", server, members), lambda b: ps_sync_time_s(cluster, b, members, server)
+    )
     return fixed + per_byte * nbytes

@@ -43,6 +43,7 @@ class Curve:
     falling as (n/n_min)^falloff below the smallest: a GPU kernel too small to fill the SMs
     takes about as long as the smallest measured one (falloff 3); a CPU core loses reuse,
     not parallelism (falloff 1)."""
+
     log_sizes: np.ndarray
     efficiency: np.ndarray
     falloff: float = 3.0
@@ -58,7 +59,7 @@ class Curve:
             eff = np.where(small, self.efficiency[0] * np.exp(self.falloff * (logn - self.log_sizes[0])), eff)
         return np.maximum(eff, MIN_EFFICIENCY)
 
-    def scaled(self, size_factor: float) -> "Curve":
+    def scaled(self, size_factor: float) -> Curve:
         """eff'(n) = eff(n · size_factor)."""
         return Curve(self.log_sizes - math.log(size_factor), self.efficiency, self.falloff)
 
@@ -116,13 +117,17 @@ def gpu_curve(gpu: GpuType, precision: str) -> Curve:
     # A type that saturates later (scale > 1) keeps the smallest kernel's time of the rule by
     # peak: efficiency stays at its smallest measured value from that size up to the shifted
     # one, so tiny kernels are not charged like the shifted curve's smallest product.
-    return Curve(np.concatenate([ruled.log_sizes[:1], shifted.log_sizes]),
-                 np.concatenate([shifted.efficiency[:1], shifted.efficiency]), shifted.falloff)
+    return Curve(
+        np.concatenate([ruled.log_sizes[:1], shifted.log_sizes]),
+        np.concatenate([shifted.efficiency[:1], shifted.efficiency]),
+        shifted.falloff,
+    )
 
 
 @lru_cache(maxsize=1)
 def cpu_curve() -> Curve:
     from heterog.hardware.catalog import measure_cpu
+
     p = measure_cpu()
     peak = p.peak_flops_per_s
     sizes = sorted(p.matmul_flops_per_s)
@@ -152,10 +157,12 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd")
         if kind is None:
             return base
         from heterog.hardware.catalog import memory_by_kind_default
+
         return base * kind_factor(e.memory_by_kind, memory_by_kind_default(), kind)
     if kind is None:
         return 1.0
     from heterog.hardware.catalog import measure_cpu
+
     p = measure_cpu()
     rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == "fwd" else f"{kind}.bwd")
     return 1.0 if rate is None else float(np.clip(rate / p.copy_bandwidth_bytes_per_s, 0.02, 4.0))

@@ -52,17 +52,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from heterog.cost.kernels import conv_kernels
-from heterog.cost.memory import TENSOR_CORE_KINDS, forced_fp32, dtype_factors
+from heterog.cost.memory import TENSOR_CORE_KINDS, dtype_factors, forced_fp32
 from heterog.hardware.gputype import GpuType, HostCosts, TensorCores
 from heterog.ir.opgraph import OpGraph
 
-CAST_BYTES_PER_FP32_BYTE = 1.5   # a 4-byte element read and a 2-byte one written, per 4 bytes
+CAST_BYTES_PER_FP32_BYTE = 1.5  # a 4-byte element read and a 2-byte one written, per 4 bytes
 
 
 @dataclass(frozen=True, slots=True)
 class Casts:
     """Per node: the casts autocast adds to its forward (and, mirrored, to its backward) and
     the bytes they move (an affine function of the batch)."""
+
     count: np.ndarray
     bytes_fixed: np.ndarray
     bytes_per_sample: np.ndarray
@@ -102,7 +103,7 @@ def autocast_casts(graph: OpGraph, precision: str) -> Casts | None:
             continue
         weight_bytes = max(float(node.param_bytes), float(node.fwd_bytes.fixed))
         weights = len(node.param_names) or (1 if weight_bytes > 0 else 0)
-        if not preds[node.name]:          # reads the graph input, an fp32 batch
+        if not preds[node.name]:  # reads the graph input, an fp32 batch
             fp32_inputs[i] = 1
             fp32_in_ps[i] = float(graph.input_bytes.per_sample)
         count[i] = weights + fp32_inputs[i]
@@ -125,12 +126,14 @@ def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
     hopper = gpu.public is not None and gpu.public.tensor_cores in CUDNN_ATTENTION_GENERATIONS
     # every convolution but a depthwise one that PyTorch runs with its own kernels
     conv = conv_kernels(graph, gpu.catalog_precision("tf32" if precision == "fp32" else precision)).cudnn
-    return np.array([1.0 if c or (n.kind == "attention" and half and hopper) else 0.0
-                     for n, c in zip(graph.nodes, conv)])
+    return np.array(
+        [1.0 if c or (n.kind == "attention" and half and hopper) else 0.0 for n, c in zip(graph.nodes, conv)]
+    )
 
 
-def host_times_s(graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None,
-                 cudnn: np.ndarray | None = None) -> np.ndarray:
+def host_times_s(
+    graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None, cudnn: np.ndarray | None = None
+) -> np.ndarray:
     """Host time of every node's forward or backward (seconds), batch-independent."""
     nodes = graph.nodes
     if phase == "fwd":

@@ -89,18 +89,22 @@ def depthwise(geometry: dict) -> bool:
 
 def native_depthwise(geometry: dict, precision: str) -> bool:
     """A depthwise convolution that runs PyTorch's own CUDA kernels rather than cuDNN."""
-    return (depthwise(geometry) and not geometry["channels_last"]
-            and not (precision == "fp16" and geometry["in_channels"] >= DEPTHWISE_CUDNN_MIN_CHANNELS))
+    return (
+        depthwise(geometry)
+        and not geometry["channels_last"]
+        and not (precision == "fp16" and geometry["in_channels"] >= DEPTHWISE_CUDNN_MIN_CHANNELS)
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ConvKernels:
     """Per node (arrays over the graph; non-convolutions hold the neutral value)."""
-    on_tensor_cores: np.ndarray     # False: a direct kernel on CUDA cores (depthwise)
-    flop_padding: np.ndarray        # ≥ 1: channels padded to the tensor cores' alignment
-    nhwc: np.ndarray                # its tensor-core kernels read the input as it is (no transposes)
-    cudnn: np.ndarray               # runs through cuDNN (its host pays a cuDNN call)
-    bwd_passes: np.ndarray          # backward traffic over the capture's count
+
+    on_tensor_cores: np.ndarray  # False: a direct kernel on CUDA cores (depthwise)
+    flop_padding: np.ndarray  # ≥ 1: channels padded to the tensor cores' alignment
+    nhwc: np.ndarray  # its tensor-core kernels read the input as it is (no transposes)
+    cudnn: np.ndarray  # runs through cuDNN (its host pays a cuDNN call)
+    bwd_passes: np.ndarray  # backward traffic over the capture's count
 
 
 def conv_kernels(graph: OpGraph, mm_precision: str) -> ConvKernels:
@@ -116,7 +120,7 @@ def conv_kernels(graph: OpGraph, mm_precision: str) -> ConvKernels:
             continue
         g = shapes.get(node.name)
         tc[i], cudnn[i] = True, True
-        if g is None:                   # a graph captured without geometry: a dense NCHW conv
+        if g is None:  # a graph captured without geometry: a dense NCHW conv
             continue
         nhwc[i] = bool(g["channels_last"])
         if depthwise(g):

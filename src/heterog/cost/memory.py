@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ CUDA_SEGMENT_BYTES = 2 * 2**20
 # reserved / allocated − 1 at the peak: 5–10% is typical for training; the larger value keeps
 # `fits` conservative (a configuration predicted to fit must not run out of memory)
 FRAGMENTATION = {"cuda": 0.10, "cpu": 0.0}
-CUDA_CONTEXT_BYTES = 500 * 2**20            # CUDA context + cuBLAS/cuDNN handles (not in the allocator)
+CUDA_CONTEXT_BYTES = 500 * 2**20  # CUDA context + cuBLAS/cuDNN handles (not in the allocator)
 # What the CUDA process holds in the caching allocator besides the step's tensors, whatever
 # the model — a property of the process, taken as a constant: measured on the H200 steps as
 # the smallest step's peak minus the tensors this model counts (benchmarks/predict_gpu.py
@@ -54,7 +54,7 @@ CUDA_CONTEXT_BYTES = 500 * 2**20            # CUDA context + cuBLAS/cuDNN handle
 # it is presumably two 32 MiB cuBLAS workspaces (PyTorch allocates one per handle and stream
 # through the allocator, 32 MiB on Hopper: ATen/cuda/CublasHandlePool.cpp; forward and the
 # autograd engine's thread each hold a handle) and cuDNN convolution workspace.
-CUDA_FIXED_BYTES = 78_253_720.0   # 74.6 MiB
+CUDA_FIXED_BYTES = 78_253_720.0  # 74.6 MiB
 
 _INDEX = re.compile(r"^\d+$")
 
@@ -80,6 +80,7 @@ def activation_factor(kind: str, precision: str) -> float:
 class DtypeFactors:
     """Per node, the size of its tensors relative to fp32 under the precision: outputs, saved
     tensors, and the gradient of its inputs (as its backward first produces it)."""
+
     out: np.ndarray
     saved: np.ndarray
     grad_in: np.ndarray
@@ -146,14 +147,15 @@ def round_allocation(nbytes: float, allocator: str) -> float:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMemory:
     """The peak of one training step on one device, and what it is made of (bytes)."""
+
     peak_bytes: float
     params_bytes: float
     grads_bytes: float
     optimizer_state_bytes: float
-    activations_bytes: float      # saved for backward at the peak's batch (after recompute)
-    transient_bytes: float        # workspace + in-flight gradients at the peak
-    peak_phase: str               # 'forward', 'backward', 'optimizer'
-    reserved_bytes: float         # with allocator fragmentation; `fits` compares this
+    activations_bytes: float  # saved for backward at the peak's batch (after recompute)
+    transient_bytes: float  # workspace + in-flight gradients at the peak
+    peak_phase: str  # 'forward', 'backward', 'optimizer'
+    reserved_bytes: float  # with allocator fragmentation; `fits` compares this
 
     def to_dict(self) -> dict[str, float | str]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -162,8 +164,15 @@ class StepMemory:
 class MemoryModel:
     """Per-node memory terms as arrays over the graph, summed for any subset of nodes."""
 
-    def __init__(self, graph: OpGraph, *, precision: str = "fp32", optimizer: str = "sgd",
-                 allocator: str = "cuda", fixed_bytes: float | None = None):
+    def __init__(
+        self,
+        graph: OpGraph,
+        *,
+        precision: str = "fp32",
+        optimizer: str = "sgd",
+        allocator: str = "cuda",
+        fixed_bytes: float | None = None,
+    ):
         if optimizer not in OPTIMIZER_STATE_COPIES:
             raise PlanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_COPIES)}.")
         self.graph = graph
@@ -179,8 +188,12 @@ class MemoryModel:
         # autocast's half copy of each tensor-core weight, saved for backward (batch-independent).
         # A tied weight (a language-model head sharing the embedding) is owned by its first
         # user, so the weight a node reads is taken from its batch-independent traffic too.
-        cast = np.array([max(2.0 * n.param_count, 0.5 * n.fwd_bytes.fixed)
-                         if half and n.kind in TENSOR_CORE_KINDS else 0.0 for n in nodes])
+        cast = np.array(
+            [
+                max(2.0 * n.param_count, 0.5 * n.fwd_bytes.fixed) if half and n.kind in TENSOR_CORE_KINDS else 0.0
+                for n in nodes
+            ]
+        )
         self.saved_fixed = np.array([n.saved_bytes.fixed for n in nodes]) * saved_f + cast
         self.saved_per_sample = np.array([n.saved_bytes.per_sample for n in nodes]) * saved_f
         # the largest transient of an fp32-list op is fp32 (its upcast input, its gradients)
@@ -190,8 +203,7 @@ class MemoryModel:
         self.out_fixed = np.array([n.output_bytes.fixed for n in nodes]) * out_f
         self.out_per_sample = np.array([n.output_bytes.per_sample for n in nodes]) * out_f
         self.in_fixed, self.in_per_sample = self._input_arrays()
-        self._chained_backward = np.array([n.bwd_kernels >= 2 and n.kind not in ("matmul", "conv")
-                                           for n in nodes])
+        self._chained_backward = np.array([n.bwd_kernels >= 2 and n.kind not in ("matmul", "conv") for n in nodes])
         self._blocks = self._find_blocks()
         self._block_inputs: dict[str, Affine] = {}
         self._in_block_mask: np.ndarray | None = None
@@ -278,7 +290,7 @@ class MemoryModel:
         return float(self.param_bytes[idx].sum())
 
     def grads_bytes(self, idx: np.ndarray) -> float:
-        return self.params_bytes(idx)   # gradients in the master (parameter) dtype
+        return self.params_bytes(idx)  # gradients in the master (parameter) dtype
 
     def optimizer_state_bytes(self, idx: np.ndarray) -> float:
         return OPTIMIZER_STATE_COPIES[self.optimizer] * self.params_bytes(idx)
@@ -375,8 +387,9 @@ class MemoryModel:
         bwd_peak = float(bwd_live[bwd_peak_i]) if n else base
         opt_transient = OPTIMIZER_TRANSIENT_COPIES[self.optimizer] * params
         opt_peak = params + opt + params + opt_transient + self.fixed_bytes
-        phase, peak = max((("forward", fwd_peak), ("backward", bwd_peak), ("optimizer", opt_peak)),
-                          key=lambda kv: kv[1])
+        phase, peak = max(
+            (("forward", fwd_peak), ("backward", bwd_peak), ("optimizer", opt_peak)), key=lambda kv: kv[1]
+        )
         if phase == "forward":
             acts, grads = float(cum_saved[fwd_peak_i]), 0.0
         elif phase == "backward":
@@ -387,10 +400,16 @@ class MemoryModel:
         reserved = peak * (1 + FRAGMENTATION.get(self.allocator, 0.0))
         if self.allocator == "cuda":
             reserved = math.ceil(reserved / CUDA_SEGMENT_BYTES) * CUDA_SEGMENT_BYTES
-        return StepMemory(peak_bytes=peak, params_bytes=params, grads_bytes=grads,
-                          optimizer_state_bytes=opt, activations_bytes=acts,
-                          transient_bytes=max(transient, 0.0), peak_phase=phase,
-                          reserved_bytes=reserved)
+        return StepMemory(
+            peak_bytes=peak,
+            params_bytes=params,
+            grads_bytes=grads,
+            optimizer_state_bytes=opt,
+            activations_bytes=acts,
+            transient_bytes=max(transient, 0.0),
+            peak_phase=phase,
+            reserved_bytes=reserved,
+        )
 
     def total_saved_bytes(self, batch: float, recompute: bool = False) -> float:
         return self.saved_bytes(np.arange(len(self.graph.nodes)), batch, recompute)

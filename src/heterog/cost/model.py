@@ -7,15 +7,16 @@ adds contention by occupying the links named by `Cluster.path`.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Literal, Protocol
 
 Phase = Literal["fwd", "bwd"]
 Collective = Literal["allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
 
 
 class CostModel(Protocol):
-    precision: str          # 'fp32' | 'amp-bf16' | 'fp16'
-    optimizer: str          # 'sgd' | 'adamw'
+    precision: str  # 'fp32' | 'amp-bf16' | 'fp16'
+    optimizer: str  # 'sgd' | 'adamw'
 
     def compute_time_s(self, node: str, device: str, batch: float, phase: Phase) -> float:
         """Time of one node's forward or backward on `device` for `batch` samples (0 → 0)."""
@@ -34,8 +35,7 @@ class CostModel(Protocol):
         """Point-to-point time over the real path: latency + bytes / bottleneck bandwidth."""
         ...
 
-    def collective_time_s(self, op: Collective, nbytes: float, devices: Sequence[str],
-                          method: str = "ring") -> float:
+    def collective_time_s(self, op: Collective, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
         """A collective over `devices` ('ring', 'tree', 'hierarchical'), limited by the
         slowest link it crosses. nbytes is the full buffer size on each member."""
         ...

@@ -50,8 +50,7 @@ class _Softmax(nn.Module):
         super().__init__()
         self.fused = fused
         if not fused:
-            self.register_buffer("mask", torch.ones(positions, positions, dtype=torch.bool).triu(1),
-                                 persistent=False)
+            self.register_buffer("mask", torch.ones(positions, positions, dtype=torch.bool).triu(1), persistent=False)
 
     def forward(self, scores: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -134,14 +133,27 @@ class _Stack(nn.Module):
         return x
 
 
-def megatron_gpt_layer(hidden: int = 1024, heads: int = 16, ffn: int | None = None, layers: int = 1,
-                       dropout: float = 0.1, fused_softmax: bool = True,
-                       positions: int = DEFAULT_SEQ_LEN) -> nn.Module:
+def megatron_gpt_layer(
+    hidden: int = 1024,
+    heads: int = 16,
+    ffn: int | None = None,
+    layers: int = 1,
+    dropout: float = 0.1,
+    fused_softmax: bool = True,
+    positions: int = DEFAULT_SEQ_LEN,
+) -> nn.Module:
     """`layers` Megatron-LM GPT layers (module paths `layers.0`, …) on hidden states.
     fused_softmax: the layer runs in fp16/bf16 (Megatron's fused softmax kernel); False for
     fp32 weights (its torch fallback)."""
-    return _Stack(layers, hidden=hidden, heads=heads, ffn=ffn or 4 * hidden, dropout=dropout,
-                  fused_softmax=fused_softmax, positions=positions)
+    return _Stack(
+        layers,
+        hidden=hidden,
+        heads=heads,
+        ffn=ffn or 4 * hidden,
+        dropout=dropout,
+        fused_softmax=fused_softmax,
+        positions=positions,
+    )
 
 
 def example_batch(batch_size: int, seq_len: int | None = None, hidden: int = 1024):

@@ -15,7 +15,6 @@ from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import GpuType
 from heterog.ir.opgraph import OpGraph
 
-
 TOP_NODES = 5  # the slowest nodes (forward + backward) listed in the breakdown
 
 
@@ -23,10 +22,20 @@ def single_device_cluster(gpu: GpuType, host_speed: float = 1.0) -> Cluster:
     """A one-device cluster of type `gpu` (device 'local/gpu0', or 'local/cpu0') on a node
     whose host runs at `host_speed` × the reference host."""
     dev = f"local/{'cpu' if gpu.vendor == 'cpu' else 'gpu'}0"
-    return build_cluster(name=f"single-{gpu.name}", gpu_types={gpu.name: gpu},
-                         nodes=[{"name": "local", "devices": [{"name": dev, "gpu_type": gpu.name}],
-                                 "nic_bandwidth_bytes_per_s": 1e10, "nic_latency_s": 0.0,
-                                 "intra_latency_s": 0.0, "host_speed": host_speed}])
+    return build_cluster(
+        name=f"single-{gpu.name}",
+        gpu_types={gpu.name: gpu},
+        nodes=[
+            {
+                "name": "local",
+                "devices": [{"name": dev, "gpu_type": gpu.name}],
+                "nic_bandwidth_bytes_per_s": 1e10,
+                "nic_latency_s": 0.0,
+                "intra_latency_s": 0.0,
+                "host_speed": host_speed,
+            }
+        ],
+    )
 
 
 def _freeze(args: dict[str, Any] | None) -> tuple:
@@ -42,6 +51,7 @@ def _captured(model: str, model_args: dict[str, Any] | None, batch_size: int, se
     graph = _CAPTURES.get(key)
     if graph is None:
         from heterog.capture import capture_model
+
         graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
         if len(_CAPTURES) >= _MAX_CAPTURES:
             _CAPTURES.pop(next(iter(_CAPTURES)))
@@ -49,13 +59,13 @@ def _captured(model: str, model_args: dict[str, Any] | None, batch_size: int, se
     return graph
 
 
-def _graph(model: str | OpGraph, model_args: dict[str, Any] | None, batch_size: int,
-           seq_len: int | None) -> OpGraph:
+def _graph(model: str | OpGraph, model_args: dict[str, Any] | None, batch_size: int, seq_len: int | None) -> OpGraph:
     if isinstance(model, OpGraph):
         return model
     if not isinstance(model, str):
-        raise ModelError(f"model must be a zoo name, 'path/file.py:factory' or an OpGraph, "
-                         f"found {type(model).__name__}.")
+        raise ModelError(
+            f"model must be a zoo name, 'path/file.py:factory' or an OpGraph, found {type(model).__name__}."
+        )
     return _captured(model, model_args, batch_size, seq_len)
 
 
@@ -68,8 +78,10 @@ def node_profile(profile: Any):
 
     from heterog.cost.profile import Profile, ProfileError
     from heterog.profile.artifact import DeviceProfile
+
     if isinstance(profile, (str, Path)):
         import json
+
         try:
             kind = json.loads(Path(profile).read_text()).get("kind")
         except (OSError, ValueError, AttributeError):
@@ -77,16 +89,27 @@ def node_profile(profile: Any):
         profile = DeviceProfile.load(profile) if kind == "heterog.DeviceProfile" else Profile.load(profile)
     if isinstance(profile, DeviceProfile):
         if profile.nodes is None:
-            raise ProfileError(f"the device profile of {profile.device.get('name') or profile.device_type} holds no "
-                               f"per-node times; run `heterog profile --model NAME` to measure them.")
+            raise ProfileError(
+                f"the device profile of {profile.device.get('name') or profile.device_type} holds no "
+                f"per-node times; run `heterog profile --model NAME` to measure them."
+            )
         return profile.nodes
     return profile
 
 
-def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, batch_size: int,
-            seq_len: int | None = None, device: str | GpuType, precision: str = "fp32",
-            optimizer: str = "sgd", recompute: bool = False, profile: Any = None,
-            host_speed: float = 1.0) -> dict[str, Any]:
+def predict(
+    model: str | OpGraph,
+    *,
+    model_args: dict[str, Any] | None = None,
+    batch_size: int,
+    seq_len: int | None = None,
+    device: str | GpuType,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    recompute: bool = False,
+    profile: Any = None,
+    host_speed: float = 1.0,
+) -> dict[str, Any]:
     """One training step of `model` at `batch_size` on one `device` type (a catalog name,
     'cpu', or a GpuType such as a calibration's). Returns iteration_time_s,
     peak_memory_bytes, flops_per_iteration, fits, device, and a breakdown (times in s, sizes
@@ -102,8 +125,9 @@ def predict(model: str | OpGraph, *, model_args: dict[str, Any] | None = None, b
         raise ModelError(f"host_speed must be > 0 (1.0 = the reference host), found {host_speed!r}.")
     cluster = single_device_cluster(gpu, host_speed)
     dev = cluster.devices[0].name
-    costs = build_cost_model(graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute,
-                             profile=node_profile(profile))
+    costs = build_cost_model(
+        graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute, profile=node_profile(profile)
+    )
     names = [n.name for n in graph.nodes]
     fwd_s = costs.group_time_s(names, dev, batch_size, "fwd")
     bwd_s = costs.group_time_s(names, dev, batch_size, "bwd")

@@ -63,22 +63,32 @@ class Profile(Artifact, kind=KIND, version=SCHEMA_VERSION):
 
     def check_against(self, graph) -> None:
         if self.graph_fingerprint and self.graph_fingerprint != graph.fingerprint():
-            raise ProfileError(f"the profile was measured for another graph (fingerprint "
-                               f"{self.graph_fingerprint}, this one {graph.fingerprint()}); "
-                               f"profile this model again.")
+            raise ProfileError(
+                f"the profile was measured for another graph (fingerprint "
+                f"{self.graph_fingerprint}, this one {graph.fingerprint()}); "
+                f"profile this model again."
+            )
         unknown = [n for n in self.times if n not in graph.index]
         if unknown:
-            raise ProfileError(f"the profile names {len(unknown)} node(s) not in the graph of "
-                               f"{graph.model}, e.g. {unknown[:3]}; was it measured for another model?")
+            raise ProfileError(
+                f"the profile names {len(unknown)} node(s) not in the graph of "
+                f"{graph.model}, e.g. {unknown[:3]}; was it measured for another model?"
+            )
 
     # -- serialisation --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "precision": self.precision, "graph_fingerprint": self.graph_fingerprint,
-                "times": {n: {g: {p: [list(x) for x in pts] for p, pts in ph.items()} for g, ph in by.items()}
-                          for n, by in self.times.items()}}
+        return {
+            "model": self.model,
+            "precision": self.precision,
+            "graph_fingerprint": self.graph_fingerprint,
+            "times": {
+                n: {g: {p: [list(x) for x in pts] for p, pts in ph.items()} for g, ph in by.items()}
+                for n, by in self.times.items()
+            },
+        }
 
     @staticmethod
-    def from_dict(doc: dict[str, Any], source: str = "<profile>") -> "Profile":
+    def from_dict(doc: dict[str, Any], source: str = "<profile>") -> Profile:
         raw = doc.get("times")
         if not isinstance(raw, dict):
             raise ProfileError(f"{source}: 'times' must map node → device type → phase → [[batch, time_s], …].")
@@ -99,26 +109,38 @@ class Profile(Artifact, kind=KIND, version=SCHEMA_VERSION):
                         raise ProfileError(f"{where}: expected a non-empty list of [batch, time_s].")
                     clean = []
                     for k, p in enumerate(pts):
-                        ok = (isinstance(p, (list, tuple)) and len(p) == 2 and
-                              all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                                  for v in p))
+                        ok = (
+                            isinstance(p, (list, tuple))
+                            and len(p) == 2
+                            and all(
+                                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in p
+                            )
+                        )
                         if not ok or p[0] <= 0 or p[1] < 0:
                             raise ProfileError(f"{where}[{k}]: expected [batch > 0, time_s ≥ 0], found {p!r}.")
                         clean.append((float(p[0]), float(p[1])))
                     clean.sort()
                     if len({b for b, _ in clean}) != len(clean):
-                        raise ProfileError(f"{where}: a batch size appears twice; keep one measurement "
-                                           f"per batch (e.g. the minimum of repeated runs).")
+                        raise ProfileError(
+                            f"{where}: a batch size appears twice; keep one measurement "
+                            f"per batch (e.g. the minimum of repeated runs)."
+                        )
                     times[node][gtype][phase] = tuple(clean)
-        return Profile(model=str(doc.get("model", "")), precision=str(doc.get("precision", "fp32")),
-                       graph_fingerprint=str(doc.get("graph_fingerprint", "") or ""), times=times)
+        return Profile(
+            model=str(doc.get("model", "")),
+            precision=str(doc.get("precision", "fp32")),
+            graph_fingerprint=str(doc.get("graph_fingerprint", "") or ""),
+            times=times,
+        )
 
 
 # -- links as measured -----------------------------------------------------------------------------
 
+
 class LinkScope(StrEnum):
     """Which link of a node a calibration measured: its NIC (to other nodes) or the ports
     between its own devices (intra-node)."""
+
     NIC = "nic"
     INTRA = "intra"
 
@@ -131,18 +153,21 @@ class LinkCalibration:
     tc-shaped NIC carries less than its nominal rate (frame headers and the other direction's
     ACKs take tokens), and less again when a ring step sends and receives at once; two gloo
     ranks on one host move bytes through the kernel's loopback at what their CPUs can copy."""
+
     node: str
-    one_way_efficiency: float        # measured one-way payload bandwidth ÷ nominal
-    duplex_efficiency: float         # measured per-direction bandwidth in a 2-member ring ÷ nominal
-    latency_s: float                 # one message's fixed time across the link (gloo included)
+    one_way_efficiency: float  # measured one-way payload bandwidth ÷ nominal
+    duplex_efficiency: float  # measured per-direction bandwidth in a 2-member ring ÷ nominal
+    latency_s: float  # one message's fixed time across the link (gloo included)
     scope: LinkScope = LinkScope.NIC
 
     def __post_init__(self) -> None:
         for name in ("one_way_efficiency", "duplex_efficiency"):
             v = getattr(self, name)
             if not (math.isfinite(v) and 0.0 < v <= 2.0):
-                raise ProfileError(f"link calibration of node {self.node!r}: {name} {v!r} is not a "
-                                   f"plausible fraction of the nominal rate (0 < x ≤ 2); measure the link again.")
+                raise ProfileError(
+                    f"link calibration of node {self.node!r}: {name} {v!r} is not a "
+                    f"plausible fraction of the nominal rate (0 < x ≤ 2); measure the link again."
+                )
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ProfileError(f"link calibration of node {self.node!r}: latency_s must be ≥ 0 seconds.")
 
@@ -151,6 +176,7 @@ def _effective_cluster(cluster, calibrations: tuple[LinkCalibration, ...], duple
     """The cluster with each calibrated node's NIC, and each calibrated node's device ports,
     at their measured bandwidth and latency."""
     from heterog.hardware.spec import cluster_from_dict, cluster_to_dict
+
     doc = cluster_to_dict(cluster)
     for c in calibrations:
         node = next(n for n in doc["nodes"] if n["name"] == c.node)
@@ -160,10 +186,9 @@ def _effective_cluster(cluster, calibrations: tuple[LinkCalibration, ...], duple
             node["nic_latency_s"] = max(node["nic_latency_s"], c.latency_s)
             continue
         for d in node["devices"]:
-            d["intra_bandwidth_bytes_per_s"] = eff * cluster.links[
-                Cluster.port(d["name"], "up")].bandwidth_bytes_per_s
+            d["intra_bandwidth_bytes_per_s"] = eff * cluster.links[Cluster.port(d["name"], "up")].bandwidth_bytes_per_s
         node["intra_latency_s"] = max(node["intra_latency_s"], c.latency_s)
-    with warnings.catch_warnings():    # a slow link made slower is still the cluster meant
+    with warnings.catch_warnings():  # a slow link made slower is still the cluster meant
         warnings.simplefilter("ignore")
         return cluster_from_dict(doc)
 
@@ -182,16 +207,18 @@ class LinkCalibratedCosts:
     def __init__(self, base, cluster, calibrations: tuple[LinkCalibration, ...]):
         unknown = [c.node for c in calibrations if c.node not in cluster.node_index]
         if unknown:
-            raise ProfileError(f"link calibration names node(s) {unknown} that cluster {cluster.name!r} "
-                               f"does not have; calibrate this cluster's links.")
+            raise ProfileError(
+                f"link calibration names node(s) {unknown} that cluster {cluster.name!r} "
+                f"does not have; calibrate this cluster's links."
+            )
         self.base = base
         self.calibrations = tuple(calibrations)
         self._one_way = _effective_cluster(cluster, self.calibrations, duplex=False)
         self._duplex = _effective_cluster(cluster, self.calibrations, duplex=True)
         self._cache: dict[tuple, tuple[float, float]] = {}
 
-    def __getattr__(self, name: str):      # the rest of the protocol (and its extensions)
-        if name == "base":                  # not set yet (copy, unpickling): no recursion
+    def __getattr__(self, name: str):  # the rest of the protocol (and its extensions)
+        if name == "base":  # not set yet (copy, unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.base, name)
 

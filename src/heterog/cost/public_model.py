@@ -54,18 +54,24 @@ from heterog.hardware.gputype import Efficiency, GpuType, PublicFigures, TensorC
 # eight full-rate tensor cores, 64 FMA each (NVIDIA Volta whitepaper)
 REFERENCE_RATE_FLOP_PER_CYCLE = 1024.0
 OPERAND_BYTES = {"tf32": 4, "fp16": 2, "bf16": 2}
-MODEL_FIELDS = ("tensor_efficiency", "tensor_rate_exponent", "simt_efficiency", "memory_efficiency",
-                "default_base_fraction")
+MODEL_FIELDS = (
+    "tensor_efficiency",
+    "tensor_rate_exponent",
+    "simt_efficiency",
+    "memory_efficiency",
+    "default_base_fraction",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PublicModel:
     """The constants every type without measurements shares (catalog.yaml `public_model`)."""
-    tensor_efficiency: float        # tensor-core GEMM plateau at R = 1024, at the base clock
-    tensor_rate_exponent: float     # how much harder a unit of R FLOP/cycle is to feed
-    simt_efficiency: float          # CUDA-core GEMM plateau at the base clock
-    memory_efficiency: float        # memory-bound kernels: fraction of data-sheet bandwidth
-    default_base_fraction: float    # base / boost where no base clock is published
+
+    tensor_efficiency: float  # tensor-core GEMM plateau at R = 1024, at the base clock
+    tensor_rate_exponent: float  # how much harder a unit of R FLOP/cycle is to feed
+    simt_efficiency: float  # CUDA-core GEMM plateau at the base clock
+    memory_efficiency: float  # memory-bound kernels: fraction of data-sheet bandwidth
+    default_base_fraction: float  # base / boost where no base clock is published
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -77,7 +83,7 @@ class PublicModel:
             raise ValueError("public_model.memory_efficiency and default_base_fraction are fractions in (0, 1].")
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "PublicModel":
+    def from_dict(d: dict[str, Any]) -> PublicModel:
         return PublicModel(**{f: float(d[f]) for f in MODEL_FIELDS}, source=str(d.get("source", "")))
 
     def clock_fraction(self, pub: PublicFigures) -> float:
@@ -96,27 +102,40 @@ class PublicModel:
         # what the unit must be fed: its FLOP per cycle, in half-precision operands (a TF32
         # operand is a 4-byte fp32 word in registers and shared memory: twice the bytes per FLOP)
         rate = peak / (pub.compute_units * pub.boost_clock_mhz * 1e6) * OPERAND_BYTES.get(precision, 2) / 2
-        return min(1.0, self.tensor_efficiency * (rate / REFERENCE_RATE_FLOP_PER_CYCLE)
-                   ** -self.tensor_rate_exponent * clock)
+        return min(
+            1.0, self.tensor_efficiency * (rate / REFERENCE_RATE_FLOP_PER_CYCLE) ** -self.tensor_rate_exponent * clock
+        )
 
     def efficiency(self, gpu: GpuType) -> Efficiency:
         """The type's Efficiency, derived (compute factors relative to the H200 sweep)."""
         from heterog.cost.efficiency import h200_plateau
+
         pub = _public(gpu)
-        compute = {p: self.plateau(gpu, p) / h200_plateau(p) for p in ("fp32", "tf32", "fp16", "bf16")
-                   if gpu.peak_flops_per_s.get(p, 0.0) > 0}
-        base = (f"{pub.base_clock_mhz:g} MHz base" if pub.base_clock_mhz is not None
-                else f"no published base clock: {self.default_base_fraction:g} x")
-        return Efficiency(compute=compute, memory=self.memory_efficiency,
-                          source=f"derived from public figures (cost/public_model.py): {base} of "
-                                 f"{pub.boost_clock_mhz:g} MHz boost, {pub.compute_units} compute units, "
-                                 f"{pub.tensor_cores} tensor cores; the catalog's public_model constants")
+        compute = {
+            p: self.plateau(gpu, p) / h200_plateau(p)
+            for p in ("fp32", "tf32", "fp16", "bf16")
+            if gpu.peak_flops_per_s.get(p, 0.0) > 0
+        }
+        base = (
+            f"{pub.base_clock_mhz:g} MHz base"
+            if pub.base_clock_mhz is not None
+            else f"no published base clock: {self.default_base_fraction:g} x"
+        )
+        return Efficiency(
+            compute=compute,
+            memory=self.memory_efficiency,
+            source=f"derived from public figures (cost/public_model.py): {base} of "
+            f"{pub.boost_clock_mhz:g} MHz boost, {pub.compute_units} compute units, "
+            f"{pub.tensor_cores} tensor cores; the catalog's public_model constants",
+        )
 
 
 def _public(gpu: GpuType) -> PublicFigures:
     if gpu.public is None:
-        raise ValueError(f"GPU type {gpu.name} has no public figures to derive its efficiency from; "
-                         f"give it `public:` in the catalog or an `efficiency:` of its own.")
+        raise ValueError(
+            f"GPU type {gpu.name} has no public figures to derive its efficiency from; "
+            f"give it `public:` in the catalog or an `efficiency:` of its own."
+        )
     return gpu.public
 
 
@@ -124,6 +143,7 @@ def _public(gpu: GpuType) -> PublicFigures:
 def packaged_public_model() -> PublicModel:
     """The constants shipped in catalog.yaml."""
     from heterog.hardware.catalog import catalog_document
+
     return PublicModel.from_dict(catalog_document()["public_model"])
 
 

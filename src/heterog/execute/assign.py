@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import heapq
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from torch import fx
 
@@ -45,6 +45,7 @@ class GroupOrder:
     """Where the groups run: `pos[g]`, group g's position in the order; `block[g]`, the
     Program block that runs it (a stage then never spans two blocks), or None when no
     Program is given (a stage is then a run of one placement)."""
+
     pos: tuple[int, ...]
     block: tuple[int, ...] | None = None
 
@@ -62,8 +63,10 @@ def group_order_of(plan: Plan, order: Sequence[int] | Sequence[Sequence[int]] | 
     else:
         flat = [int(g) for g in order]
     if sorted(flat) != list(range(n)):
-        raise PlanError(f"the group order {list(order or [])} is not an order of the plan's {n} groups; "
-                        f"lower the plan again so that the Program and the plan agree.")
+        raise PlanError(
+            f"the group order {list(order or [])} is not an order of the plan's {n} groups; "
+            f"lower the plan again so that the Program and the plan agree."
+        )
     pos = [0] * n
     for i, g in enumerate(flat):
         pos[g] = i
@@ -77,8 +80,9 @@ def group_order_of(plan: Plan, order: Sequence[int] | Sequence[Sequence[int]] | 
     return GroupOrder(pos=tuple(pos), block=block)
 
 
-def assign_groups(exported: ExportedModel, plan: Plan,
-                  pos: Sequence[int] | None = None) -> tuple[dict[fx.Node, int], list[str]]:
+def assign_groups(
+    exported: ExportedModel, plan: Plan, pos: Sequence[int] | None = None
+) -> tuple[dict[fx.Node, int], list[str]]:
     """Every data node → group index, by the rule in the module docstring (`pos`: each
     group's position in the group order). Nodes that do not depend on input data are left
     out: they are recomputed where needed (cut_rewrite.py)."""
@@ -88,15 +92,17 @@ def assign_groups(exported: ExportedModel, plan: Plan,
     unmatched = [name for name in calls if name not in by_name]
     warnings: list[str] = []
     if calls and len(unmatched) == len(calls):
-        raise PlanError(f"none of the model's {len(calls)} module calls (e.g. {calls[0]!r}) is "
-                        f"named in the plan's groups (e.g. {plan.groups[0].nodes[:2]}); the plan "
-                        f"was made for a different model. Re-plan for {plan.model.name!r}.")
+        raise PlanError(
+            f"none of the model's {len(calls)} module calls (e.g. {calls[0]!r}) is "
+            f"named in the plan's groups (e.g. {plan.groups[0].nodes[:2]}); the plan "
+            f"was made for a different model. Re-plan for {plan.model.name!r}."
+        )
     if unmatched:
-        warnings.append(f"{len(unmatched)} module call(s) not named in the plan follow their "
-                        f"producer's group, e.g. {unmatched[:3]}")
+        warnings.append(
+            f"{len(unmatched)} module call(s) not named in the plan follow their producer's group, e.g. {unmatched[:3]}"
+        )
     compute = [n for n in _compute_nodes(exported.module) if n in exported.data]
-    assign = {n: by_name[exported.leaf_name[n]] for n in compute
-              if exported.leaf_name.get(n) in by_name}
+    assign = {n: by_name[exported.leaf_name[n]] for n in compute if exported.leaf_name.get(n) in by_name}
     named = set(assign)
     by_run = _group_of_loose_runs(plan)
     for n in compute:  # rule 0: a loose run the plan names
@@ -145,8 +151,9 @@ def group_major_order(compute: list[fx.Node], assign: dict[fx.Node, int], pos: S
     return out
 
 
-def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan,
-             go: GroupOrder | None = None) -> dict[fx.Node, int]:
+def segments(
+    order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan, go: GroupOrder | None = None
+) -> dict[fx.Node, int]:
     """Data node → stage index. With the Program's blocks, a new stage starts wherever the
     block changes; without, wherever the placement changes, or where the order skips over a
     group (one with no node of its own here) of another placement. A getitem stays with the
@@ -166,7 +173,7 @@ def segments(order: list[fx.Node], assign: dict[fx.Node, int], plan: Plan,
             last = go.block[g]
         else:
             placement = plan.groups[g].replicas
-            skipped = () if last_pos is None or pos[g] <= last_pos else by_pos[last_pos + 1:pos[g]]
+            skipped = () if last_pos is None or pos[g] <= last_pos else by_pos[last_pos + 1 : pos[g]]
             new = placement != last or any(plan.groups[k].replicas != placement for k in skipped)
             last = placement
         current += new

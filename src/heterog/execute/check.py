@@ -31,7 +31,7 @@ from torch import fx, nn
 from heterog.errors import HeterogError, PlanError
 from heterog.execute.device import RankDevice
 from heterog.execute.emulation import Pacer
-from heterog.execute.partition import (Dataflow, build_dataflow, export_plan_model, program_group_order)
+from heterog.execute.partition import Dataflow, build_dataflow, export_plan_model, program_group_order
 from heterog.execute.placement import misplaced, place_rank, place_stages, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
 from heterog.execute.split_export import ExportedModel, copy_exported
@@ -47,12 +47,12 @@ DEVICES = ("meta", "cpu", "cuda")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankCheck:
     rank: int
-    device: str                   # the plan device the rank runs
-    stages: int                   # stages built and placed
-    computes: int                 # compute instructions in its program
-    computes_run: int             # of them, run without error
-    problem: str | None = None    # the first problem, naming the node where one failed
-    peak_memory_bytes: int | None = None   # on cuda: the rank's peak allocated memory
+    device: str  # the plan device the rank runs
+    stages: int  # stages built and placed
+    computes: int  # compute instructions in its program
+    computes_run: int  # of them, run without error
+    problem: str | None = None  # the first problem, naming the node where one failed
+    peak_memory_bytes: int | None = None  # on cuda: the rank's peak allocated memory
     time_s: float = 0.0
 
     @property
@@ -60,16 +60,24 @@ class RankCheck:
         return self.problem is None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "device": self.device, "stages": self.stages, "computes": self.computes,
-                "computes_run": self.computes_run, "ok": self.ok, "problem": self.problem,
-                "peak_memory_bytes": self.peak_memory_bytes, "time_s": self.time_s}
+        return {
+            "rank": self.rank,
+            "device": self.device,
+            "stages": self.stages,
+            "computes": self.computes,
+            "computes_run": self.computes_run,
+            "ok": self.ok,
+            "problem": self.problem,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "time_s": self.time_s,
+        }
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckResult:
     strategy: str
     model: str
-    target: str                   # meta | cpu | cuda[:i]
+    target: str  # meta | cpu | cuda[:i]
     ranks: tuple[RankCheck, ...]
     notes: tuple[str, ...] = ()
     time_s: float = 0.0
@@ -79,9 +87,16 @@ class CheckResult:
         return all(r.ok for r in self.ranks)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": KIND, "strategy": self.strategy, "model": self.model, "device": self.target,
-                "ok": self.ok, "ranks": [r.to_dict() for r in self.ranks], "notes": list(self.notes),
-                "time_s": self.time_s}
+        return {
+            "kind": KIND,
+            "strategy": self.strategy,
+            "model": self.model,
+            "device": self.target,
+            "ok": self.ok,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "notes": list(self.notes),
+            "time_s": self.time_s,
+        }
 
 
 class NodeError(RuntimeError):
@@ -118,6 +133,7 @@ def _call_by_node(module: nn.Module, *args: Any) -> Any:
 @dataclass(kw_only=True)
 class _LocalTransport:
     """Receives yield zeros shaped by the wire table; sends go nowhere."""
+
     crossing: dict[tuple[int, int], list[str]]
     no_grad: frozenset[str]
     wire: dict[str, WireSpec]
@@ -126,6 +142,7 @@ class _LocalTransport:
 
     def messages(self, ins: Send | Recv) -> list[tuple[int, str]]:
         from heterog.ir.kinds import Phase
+
         values = self.crossing.get((ins.src_block, ins.dst_block), ())
         return [(k, v) for k, v in enumerate(values) if not (ins.phase == Phase.BACKWARD and v in self.no_grad)]
 
@@ -133,13 +150,17 @@ class _LocalTransport:
         for (_, v), t in zip(self.messages(ins), tensors, strict=True):
             spec = self.wire[v]
             if tuple(t.shape) != spec.shape(ins.hi - ins.lo) or t.dtype != spec.dtype:
-                raise PlanError(f"the transfer of {v!r} (tag {ins.tag}) would carry a {t.dtype} tensor of shape "
-                                f"{tuple(t.shape)}, but its receiver expects {spec.dtype} "
-                                f"{spec.shape(ins.hi - ins.lo)}.")
+                raise PlanError(
+                    f"the transfer of {v!r} (tag {ins.tag}) would carry a {t.dtype} tensor of shape "
+                    f"{tuple(t.shape)}, but its receiver expects {spec.dtype} "
+                    f"{spec.shape(ins.hi - ins.lo)}."
+                )
 
     def recv(self, ins: Recv) -> list[torch.Tensor]:
-        return [torch.zeros(self.wire[v].shape(ins.hi - ins.lo), dtype=self.wire[v].dtype, device=self.device)
-                for _, v in self.messages(ins)]
+        return [
+            torch.zeros(self.wire[v].shape(ins.hi - ins.lo), dtype=self.wire[v].dtype, device=self.device)
+            for _, v in self.messages(ins)
+        ]
 
     def release(self, key: Any) -> None:
         pass
@@ -172,6 +193,7 @@ class _NoRunner:
 @dataclass(kw_only=True)
 class _NoSync:
     """Collectives that move nothing (each rank is checked alone)."""
+
     runner: _NoRunner = field(default_factory=_NoRunner)
 
     def launch(self, ins: Any) -> None:
@@ -185,17 +207,20 @@ class _NoSync:
 
 
 # -- building ------------------------------------------------------------------------------------------
-META_BUILD_BYTES = 1 << 30    # on meta, larger models are built without weights
+META_BUILD_BYTES = 1 << 30  # on meta, larger models are built without weights
 
 
 @dataclass(kw_only=True)
 class BuildCache:
     """Models and their exports by model spec, for several checks in one process (export
     takes seconds; each check cuts its own copy)."""
+
     built: dict[str, tuple[nn.Module, ExportedModel, str | None]] = field(default_factory=dict)
 
 
-def _build(work: Workload, plan: Plan, target: torch.device, cache: BuildCache | None) -> tuple[nn.Module, ExportedModel, str | None]:
+def _build(
+    work: Workload, plan: Plan, target: torch.device, cache: BuildCache | None
+) -> tuple[nn.Module, ExportedModel, str | None]:
     """The model, its export and a note: built and exported on the CPU, exactly as a rank
     does (so the check proves the rank's own placement); when checking on meta a model of
     more than META_BUILD_BYTES of parameters is built and exported on meta instead, which
@@ -227,15 +252,16 @@ def _build(work: Workload, plan: Plan, target: torch.device, cache: BuildCache |
     return built[0], built[1], note
 
 
-def check_program(plan: Plan, program: Program, *, device: str = "meta", cache: BuildCache | None = None) -> CheckResult:
+def check_program(
+    plan: Plan, program: Program, *, device: str = "meta", cache: BuildCache | None = None
+) -> CheckResult:
     """Check every rank of `program` on `device` (module docstring). `cache`: reuse models
     and exports across checks of one process."""
     if device.split(":")[0] not in DEVICES:
         raise PlanError(f"--device {device!r}: choose one of {', '.join(DEVICES)} (e.g. cuda:0).")
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
-        raise PlanError("--device cuda: this machine has no CUDA device; check on meta (no GPU needed) "
-                        "or on cpu.")
+        raise PlanError("--device cuda: this machine has no CUDA device; check on meta (no GPU needed) or on cpu.")
     t0 = time.perf_counter()
     work = resolve_workload(plan.model)
     model, exported, note = _build(work, plan, target, cache)
@@ -248,22 +274,41 @@ def check_program(plan: Plan, program: Program, *, device: str = "meta", cache: 
     # a node the rewrite could not move is the rank's problem before anything runs
     problems = {r: _pinned_nodes(plan, program, flow, r, target) for r in range(len(program.devices))}
     try:
-        wire = wire_table(flow, inputs, {v for vs in crossing.values() for v in vs}, device=target,
-                          autocast=rdev.autocast(plan.precision))
+        wire = wire_table(
+            flow,
+            inputs,
+            {v for vs in crossing.values() for v in vs},
+            device=target,
+            autocast=rdev.autocast(plan.precision),
+        )
     except Exception as e:  # noqa: BLE001 - shapes cannot be derived: every rank that moves tensors says so
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         wire = None
         for r in problems:
-            problems[r] = problems[r] or f"the shapes of the tensors that cross between blocks could not be " \
-                                         f"derived on {target}: {type(e).__name__}: {first[:300]}"
-    ranks = tuple(_check_rank(plan, program, flow, work, rank, rdev, wire, crossing, inputs, targets)
-                  if problems[rank] is None else _refused(plan, program, flow, rank, problems[rank])
-                  for rank in range(len(program.devices)))
-    return CheckResult(strategy=plan.strategy, model=plan.model.name, target=str(target), ranks=ranks,
-                       notes=tuple(([note] if note else []) + flow.warnings), time_s=time.perf_counter() - t0)
+            problems[r] = (
+                problems[r]
+                or f"the shapes of the tensors that cross between blocks could not be "
+                f"derived on {target}: {type(e).__name__}: {first[:300]}"
+            )
+    ranks = tuple(
+        _check_rank(plan, program, flow, work, rank, rdev, wire, crossing, inputs, targets)
+        if problems[rank] is None
+        else _refused(plan, program, flow, rank, problems[rank])
+        for rank in range(len(program.devices))
+    )
+    return CheckResult(
+        strategy=plan.strategy,
+        model=plan.model.name,
+        target=str(target),
+        ranks=ranks,
+        notes=tuple(([note] if note else []) + flow.warnings),
+        time_s=time.perf_counter() - t0,
+    )
 
 
-def _rank_stages(plan: Plan, program: Program, flow: Dataflow, rank: int) -> tuple[set[int], list[tuple[str, nn.Module]]]:
+def _rank_stages(
+    plan: Plan, program: Program, flow: Dataflow, rank: int
+) -> tuple[set[int], list[tuple[str, nn.Module]]]:
     device = program.devices[rank]
     held = {gi for gi, g in enumerate(plan.groups) if device in g.devices}
     return held, [(s.value, s.module) for s in flow.stages if set(s.groups or (s.group,)) & held]
@@ -282,13 +327,21 @@ def _refused(plan: Plan, program: Program, flow: Dataflow, rank: int, problem: s
     device = program.devices[rank]
     _, stages = _rank_stages(plan, program, flow, rank)
     computes = sum(1 for ins in program.instructions[device] if isinstance(ins, Compute))
-    return RankCheck(rank=rank, device=device, stages=len(stages), computes=computes, computes_run=0,
-                     problem=problem)
+    return RankCheck(rank=rank, device=device, stages=len(stages), computes=computes, computes_run=0, problem=problem)
 
 
-def _check_rank(plan: Plan, program: Program, flow: Dataflow, work: Workload, rank: int, rdev: RankDevice,
-                wire: dict[str, WireSpec] | None, crossing: dict[tuple[int, int], list[str]], inputs: Any,
-                targets: Any) -> RankCheck:
+def _check_rank(
+    plan: Plan,
+    program: Program,
+    flow: Dataflow,
+    work: Workload,
+    rank: int,
+    rdev: RankDevice,
+    wire: dict[str, WireSpec] | None,
+    crossing: dict[tuple[int, int], list[str]],
+    inputs: Any,
+    targets: Any,
+) -> RankCheck:
     t0 = time.perf_counter()
     device = program.devices[rank]
     held, stages = _rank_stages(plan, program, flow, rank)
@@ -301,11 +354,25 @@ def _check_rank(plan: Plan, program: Program, flow: Dataflow, work: Workload, ra
         place_rank(flow, held, target, rank=rank)
     except PlanError as e:
         return RankCheck(**base, stages=len(stages), computes_run=0, problem=str(e), time_s=time.perf_counter() - t0)
-    ex = Interpreter(program=program, device=device, flow=flow, work=work,
-                     transport=_LocalTransport(crossing=crossing, no_grad=flow.no_grad, wire=wire or {},  # type: ignore[arg-type]
-                                               device=target),
-                     pacer=Pacer(1.0), sync=_NoSync(), batch_size=plan.batch_size, rank_of=program.rank_of(),
-                     rank_device=rdev, precision=plan.precision, crossing=crossing)
+    ex = Interpreter(
+        program=program,
+        device=device,
+        flow=flow,
+        work=work,
+        transport=_LocalTransport(
+            crossing=crossing,
+            no_grad=flow.no_grad,
+            wire=wire or {},  # type: ignore[arg-type]
+            device=target,
+        ),
+        pacer=Pacer(1.0),
+        sync=_NoSync(),
+        batch_size=plan.batch_size,
+        rank_of=program.rank_of(),
+        rank_device=rdev,
+        precision=plan.precision,
+        crossing=crossing,
+    )
     ex.call_stage = _call_by_node
     problem = None
     try:
@@ -314,12 +381,15 @@ def _check_rank(plan: Plan, program: Program, flow: Dataflow, work: Workload, ra
         problem = f"{_where(ex, program, device)}: {e}"
     except Exception as e:  # noqa: BLE001 - report any failure of the rank's compute, with its place
         last = traceback.extract_tb(e.__traceback__)[-1]
-        problem = (f"{_where(ex, program, device)}: {type(e).__name__}: {str(e).strip()[:300]} "
-                   f"(at {last.filename}:{last.lineno})")
-    run = sum(1 for t in ex.trace if t[0] == "compute") - (1 if problem and ex.trace and ex.trace[-1][0] == "compute"
-                                                          else 0)
+        problem = (
+            f"{_where(ex, program, device)}: {type(e).__name__}: {str(e).strip()[:300]} "
+            f"(at {last.filename}:{last.lineno})"
+        )
+    run = sum(1 for t in ex.trace if t[0] == "compute") - (
+        1 if problem and ex.trace and ex.trace[-1][0] == "compute" else 0
+    )
     peak = int(torch.cuda.max_memory_allocated(target)) if target.type == "cuda" else None
-    if target.type == "cuda":          # back to the host, so that the next rank has the GPU
+    if target.type == "cuda":  # back to the host, so that the next rank has the GPU
         place_stages([m for _, m in stages], torch.device("cpu"))
         for g in held:
             for _, p in flow.params_of_group.get(g, []):
@@ -329,8 +399,14 @@ def _check_rank(plan: Plan, program: Program, flow: Dataflow, work: Workload, ra
     leftovers = misplaced(stages, target) if problem is None and target.type != "cuda" else []
     if leftovers:
         problem = "; ".join(m.describe() for m in leftovers[:3])
-    return RankCheck(**base, stages=len(stages), computes_run=run, problem=problem, peak_memory_bytes=peak,
-                     time_s=time.perf_counter() - t0)
+    return RankCheck(
+        **base,
+        stages=len(stages),
+        computes_run=run,
+        problem=problem,
+        peak_memory_bytes=peak,
+        time_s=time.perf_counter() - t0,
+    )
 
 
 def _where(ex: Interpreter, program: Program, device: str) -> str:

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,7 @@ class CheckpointConfig:
     complete checkpoint is used) or one checkpoint folder."""
 
     dir: str | None = None
-    every_steps: int = 0            # save after every N-th completed step; 0: never
+    every_steps: int = 0  # save after every N-th completed step; 0: never
     resume: str | None = None
 
     def __post_init__(self) -> None:
@@ -67,7 +68,7 @@ class CheckpointConfig:
         return {"dir": self.dir, "every_steps": self.every_steps, "resume": self.resume}
 
     @staticmethod
-    def from_dict(doc: dict[str, Any] | None) -> "CheckpointConfig":
+    def from_dict(doc: dict[str, Any] | None) -> CheckpointConfig:
         return CheckpointConfig(**doc) if doc else CheckpointConfig()
 
     def saves_after(self, completed_steps: int) -> bool:
@@ -79,7 +80,7 @@ class CheckpointInfo:
     """A complete checkpoint: its folder and what its marker says."""
 
     path: Path
-    step: int                       # completed steps when it was written
+    step: int  # completed steps when it was written
     model: str
     parameter_names: tuple[str, ...]
 
@@ -102,13 +103,18 @@ def read_marker(folder: Path) -> CheckpointInfo | None:
     except FileNotFoundError:
         return None
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{folder / MARKER}: unreadable checkpoint marker ({e}); delete the "
-                              f"folder {folder} to fall back to an earlier checkpoint.") from None
+        raise CheckpointError(
+            f"{folder / MARKER}: unreadable checkpoint marker ({e}); delete the "
+            f"folder {folder} to fall back to an earlier checkpoint."
+        ) from None
     if doc.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{folder}: checkpoint format {doc.get('format')!r} is not supported "
-                              f"(this heterog reads format {CHECKPOINT_FORMAT}).")
-    return CheckpointInfo(path=folder, step=int(doc["step"]), model=str(doc["model"]),
-                          parameter_names=tuple(doc["parameter_names"]))
+        raise CheckpointError(
+            f"{folder}: checkpoint format {doc.get('format')!r} is not supported "
+            f"(this heterog reads format {CHECKPOINT_FORMAT})."
+        )
+    return CheckpointInfo(
+        path=folder, step=int(doc["step"]), model=str(doc["model"]), parameter_names=tuple(doc["parameter_names"])
+    )
 
 
 def find_checkpoint(path: str | Path) -> CheckpointInfo:
@@ -123,30 +129,44 @@ def find_checkpoint(path: str | Path) -> CheckpointInfo:
     found = [info for d in sorted(root.glob(f"{STEP_PREFIX}*")) if (info := read_marker(d)) is not None]
     if not found:
         partial = sorted(d.name for d in root.glob(f"{STEP_PREFIX}*"))
-        raise CheckpointError(f"--resume {path}: holds no complete checkpoint"
-                              + (f" ({', '.join(partial)} lack their {MARKER} marker: the run was "
-                                 f"stopped while saving)" if partial else "")
-                              + "; start without --resume or point it at another folder.")
+        raise CheckpointError(
+            f"--resume {path}: holds no complete checkpoint"
+            + (
+                f" ({', '.join(partial)} lack their {MARKER} marker: the run was stopped while saving)"
+                if partial
+                else ""
+            )
+            + "; start without --resume or point it at another folder."
+        )
     return max(found, key=lambda info: info.step)
 
 
-def _state(named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None,
-           servers: Sequence[Any] = ()) -> dict[str, Any]:
+def _state(
+    named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None, servers: Sequence[Any] = ()
+) -> dict[str, Any]:
     state: dict[str, Any] = {f"model/{name}": p.detach() for name, p in named_params}
     if opt is not None:
         for name, p in named_params:
             for key, value in opt.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):  # SGD without momentum keeps none
                     state[f"optim/{name}/{key}"] = value
-    for served in servers:      # a parameter server's state, per parameter (module docstring)
+    for served in servers:  # a parameter server's state, per parameter (module docstring)
         for name, pieces in served.server.state_by_name(served.names, served.shapes).items():
             for key, value in pieces.items():
                 state[f"optim/{name}/{key}"] = value
     return state
 
 
-def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, nn.Parameter]],
-                    opt: torch.optim.Optimizer | None, *, rank: int, model: str, servers: Sequence[Any] = ()) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    named_params: list[tuple[str, nn.Parameter]],
+    opt: torch.optim.Optimizer | None,
+    *,
+    rank: int,
+    model: str,
+    servers: Sequence[Any] = (),
+) -> Path:
     """Every rank calls this after `step` completed steps; returns the checkpoint folder."""
     target = step_dir(root, step)
     if rank == 0:
@@ -158,9 +178,17 @@ def save_checkpoint(root: str | Path, step: int, named_params: list[tuple[str, n
     names: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(names, [n for n, _ in named_params])  # also: every rank finished writing
     if rank == 0:
-        write_atomic(target / MARKER, json.dumps({
-            "format": CHECKPOINT_FORMAT, "step": step, "model": model_key(model),
-            "parameter_names": sorted({n for per_rank in names for n in per_rank})}))
+        write_atomic(
+            target / MARKER,
+            json.dumps(
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "step": step,
+                    "model": model_key(model),
+                    "parameter_names": sorted({n for per_rank in names for n in per_rank}),
+                }
+            ),
+        )
     dist.barrier()
     return target
 
@@ -174,31 +202,49 @@ def _state_device(opt: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torc
     return p.device
 
 
-def load_checkpoint(info: CheckpointInfo, named_params: list[tuple[str, nn.Parameter]],
-                    opt: torch.optim.Optimizer | None, *, model: str, servers: Sequence[Any] = ()) -> None:
+def load_checkpoint(
+    info: CheckpointInfo,
+    named_params: list[tuple[str, nn.Parameter]],
+    opt: torch.optim.Optimizer | None,
+    *,
+    model: str,
+    servers: Sequence[Any] = (),
+) -> None:
     """Load the parameters (in place) and optimizer state this rank holds, by name, and the
     state of the parameter servers it runs."""
     if info.model != model_key(model):
-        raise CheckpointError(f"{info.path}: the checkpoint is of model {info.model!r}, not {model!r}; "
-                              f"resume with the same model.")
+        raise CheckpointError(
+            f"{info.path}: the checkpoint is of model {info.model!r}, not {model!r}; resume with the same model."
+        )
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {}
     for name, p in named_params:
         key = f"model/{name}"
         if key not in meta:
-            raise CheckpointError(f"{info.path}: holds no parameter {name!r}; it was written for a "
-                                  f"different model version (it holds {len(info.parameter_names)} parameters).")
+            raise CheckpointError(
+                f"{info.path}: holds no parameter {name!r}; it was written for a "
+                f"different model version (it holds {len(info.parameter_names)} parameters)."
+            )
         if tuple(meta[key].size) != tuple(p.shape):
-            raise CheckpointError(f"{info.path}: parameter {name!r} has shape {tuple(meta[key].size)} in the "
-                                  f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values.")
+            raise CheckpointError(
+                f"{info.path}: parameter {name!r} has shape {tuple(meta[key].size)} in the "
+                f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values."
+            )
         state[key] = p.detach()
-    wanted: list[tuple[str, str, torch.device]] = []      # (name, state key, device)
+    wanted: list[tuple[str, str, torch.device]] = []  # (name, state key, device)
     if opt is not None:
         wanted += [(name, key, _state_device(opt, key, p)) for name, p in named_params for key in _keys(meta, name)]
     for served in servers:
         server = served.server
-        wanted += [(name, key, _state_device(server.optimizer, key, server.master))
-                   for name in served.names for key in _keys(meta, name)] if server.optimizer is not None else []
+        wanted += (
+            [
+                (name, key, _state_device(server.optimizer, key, server.master))
+                for name in served.names
+                for key in _keys(meta, name)
+            ]
+            if server.optimizer is not None
+            else []
+        )
     for name, key, device in wanted:
         m = meta[f"optim/{name}/{key}"]
         state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
@@ -208,20 +254,29 @@ def load_checkpoint(info: CheckpointInfo, named_params: list[tuple[str, nn.Param
             for key in _keys(meta, name):
                 opt.state[p][key] = state[f"optim/{name}/{key}"]
     for served in servers:
-        served.server.load_state({name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)}
-                                  for name in served.names}, served.names)
+        served.server.load_state(
+            {name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)} for name in served.names},
+            served.names,
+        )
 
 
 def _keys(meta: dict[str, Any], name: str) -> list[str]:
     """The optimizer state keys the checkpoint holds for parameter `name`."""
     prefix = f"optim/{name}/"
-    return [k[len(prefix):] for k in meta if k.startswith(prefix)]
+    return [k[len(prefix) :] for k in meta if k.startswith(prefix)]
 
 
 # -- the two calls the worker's training loop makes --------------------------------------------
 
-def resume(cfg: CheckpointConfig, named_params: list[tuple[str, nn.Parameter]],
-           opt: torch.optim.Optimizer | None, *, model: str, servers: Sequence[Any] = ()) -> int:
+
+def resume(
+    cfg: CheckpointConfig,
+    named_params: list[tuple[str, nn.Parameter]],
+    opt: torch.optim.Optimizer | None,
+    *,
+    model: str,
+    servers: Sequence[Any] = (),
+) -> int:
     """Load cfg.resume's checkpoint when given; return the first step to run (0 without)."""
     if not cfg.resume:
         return 0
@@ -230,8 +285,16 @@ def resume(cfg: CheckpointConfig, named_params: list[tuple[str, nn.Parameter]],
     return info.step
 
 
-def save_if_due(cfg: CheckpointConfig, completed_steps: int, named_params: list[tuple[str, nn.Parameter]],
-                opt: torch.optim.Optimizer | None, *, rank: int, model: str, servers: Sequence[Any] = ()) -> None:
+def save_if_due(
+    cfg: CheckpointConfig,
+    completed_steps: int,
+    named_params: list[tuple[str, nn.Parameter]],
+    opt: torch.optim.Optimizer | None,
+    *,
+    rank: int,
+    model: str,
+    servers: Sequence[Any] = (),
+) -> None:
     """Save after every cfg.every_steps-th completed step (all ranks call it, same step)."""
     if cfg.dir and cfg.saves_after(completed_steps):
         save_checkpoint(cfg.dir, completed_steps, named_params, opt, rank=rank, model=model, servers=servers)

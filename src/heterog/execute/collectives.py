@@ -27,9 +27,9 @@ the same order (`ProcessGroupCache.create_all`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ class ScratchBuffers:
     on this CPU, into a reused buffer 2.4 ms; a ring step of a tied embedding's gradient
     receives 8.4 MB every iteration. Calls of one rank run one after another (one sync
     thread), so one buffer serves them all."""
+
     held: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
     def like(self, t: torch.Tensor) -> torch.Tensor:
@@ -55,15 +56,16 @@ class ScratchBuffers:
         buf = self.held.get(key)
         if buf is None or buf.numel() < t.numel():
             buf = self.held[key] = torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-        return buf[:t.numel()].view(t.shape)
+        return buf[: t.numel()].view(t.shape)
 
 
 @dataclass(kw_only=True)
 class ProcessGroupCache:
     """Sub-groups by their sorted member ranks, how many calls each has carried, and the
     receive buffers the calls reuse."""
+
     timeout_s: float
-    host_staging: bool = False          # CUDA tensors cross through host copies (gloo)
+    host_staging: bool = False  # CUDA tensors cross through host copies (gloo)
     groups: dict[tuple[int, ...], object] = field(default_factory=dict)
     calls: dict[tuple[int, ...], int] = field(default_factory=dict)
     scratch: ScratchBuffers = field(default_factory=ScratchBuffers)
@@ -85,11 +87,17 @@ class ProcessGroupCache:
         self.calls[key] = index + 1
         return self.groups[key], (index % (1 << 16)) * TAGS_PER_CALL
 
-    def link(self, members: Sequence[int]) -> "_Link":
+    def link(self, members: Sequence[int]) -> _Link:
         """The messages of the next call on the sub-group of `members` (this rank's side)."""
         pg, tag = self.get(members)
-        return _Link(rank=dist.get_rank(), pg=pg, tag=tag, timeout=timedelta(seconds=self.timeout_s),
-                     scratch=self.scratch, host_staging=self.host_staging)
+        return _Link(
+            rank=dist.get_rank(),
+            pg=pg,
+            tag=tag,
+            timeout=timedelta(seconds=self.timeout_s),
+            scratch=self.scratch,
+            host_staging=self.host_staging,
+        )
 
 
 @dataclass(kw_only=True)
@@ -99,6 +107,7 @@ class _Link:
     two-member ring's send to and receive from the same peer progress together on NCCL.
     `host_staging`: CUDA tensors cross through host copies (gloo between ranks that share
     a GPU, transport.py)."""
+
     rank: int
     pg: object
     tag: int
@@ -106,10 +115,11 @@ class _Link:
     scratch: ScratchBuffers = field(default_factory=ScratchBuffers)
     host_staging: bool = False
 
-    def exchange(self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None,
-                 src: int | None, step: int) -> None:
-        send = send if send is not None and send.numel() else None   # a ring chunk may be empty
-        recv = recv if recv is not None and recv.numel() else None   # (the same one on both ends)
+    def exchange(
+        self, send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None, step: int
+    ) -> None:
+        send = send if send is not None and send.numel() else None  # a ring chunk may be empty
+        recv = recv if recv is not None and recv.numel() else None  # (the same one on both ends)
         staged = recv
         ops, peers = [], []
         if send is not None:
@@ -131,8 +141,13 @@ class _Link:
             recv.copy_(staged)
 
 
-def allreduce_sum(flat: torch.Tensor, members: Sequence[int], method: SyncMethod | str,
-                  nodes: Sequence[Sequence[int]] | None, groups: ProcessGroupCache) -> None:
+def allreduce_sum(
+    flat: torch.Tensor,
+    members: Sequence[int],
+    method: SyncMethod | str,
+    nodes: Sequence[Sequence[int]] | None,
+    groups: ProcessGroupCache,
+) -> None:
     """Sum `flat` (1-D, contiguous) over `members` in place with the plan's method.
 
     `members` are global ranks in the method's order (the ring order; the tree's first
@@ -152,8 +167,9 @@ def allreduce_sum(flat: torch.Tensor, members: Sequence[int], method: SyncMethod
     elif method is SyncMethod.HIERARCHICAL:
         hierarchical_allreduce(flat, members, nodes or [members], link)
     else:
-        raise ValueError(f"allreduce_sum cannot run sync method {method!r}; the parameter server "
-                         f"is ParameterServer.step.")
+        raise ValueError(
+            f"allreduce_sum cannot run sync method {method!r}; the parameter server is ParameterServer.step."
+        )
 
 
 def ring_allreduce(flat: torch.Tensor, order: Sequence[int], link: _Link, step0: int = 0) -> int:
@@ -163,13 +179,13 @@ def ring_allreduce(flat: torch.Tensor, order: Sequence[int], link: _Link, step0:
     nxt, prv = order[(i + 1) % n], order[(i - 1) % n]
     chunks = torch.tensor_split(flat, n)
     step = step0
-    for k in range(n - 1):   # reduce-scatter: after it, member i owns the sum of chunk i+1
+    for k in range(n - 1):  # reduce-scatter: after it, member i owns the sum of chunk i+1
         send, recv = chunks[(i - k) % n], chunks[(i - k - 1) % n]
         buf = link.scratch.like(recv)
         link.exchange(send, nxt, buf, prv, step)
         recv.add_(buf)
         step += 1
-    for k in range(n - 1):   # all-gather: pass the finished chunks on
+    for k in range(n - 1):  # all-gather: pass the finished chunks on
         send, recv = chunks[(i + 1 - k) % n], chunks[(i - k) % n]
         link.exchange(send, nxt, recv, prv, step)
         step += 1
@@ -183,7 +199,7 @@ def tree_allreduce(flat: torch.Tensor, order: Sequence[int], link: _Link, step0:
     children = [c for c in (2 * i + 1, 2 * i + 2) if c < n]
     parent = (i - 1) // 2 if i > 0 else None
     buf = link.scratch.like(flat)
-    for c in children:       # one tag per tree edge: step0 + child position
+    for c in children:  # one tag per tree edge: step0 + child position
         link.exchange(None, None, buf, order[c], step0 + c)
         flat.add_(buf)
     if parent is not None:
@@ -194,16 +210,19 @@ def tree_allreduce(flat: torch.Tensor, order: Sequence[int], link: _Link, step0:
     return step0 + 2 * n
 
 
-def hierarchical_allreduce(flat: torch.Tensor, members: Sequence[int], nodes: Sequence[Sequence[int]],
-                           link: _Link) -> None:
+def hierarchical_allreduce(
+    flat: torch.Tensor, members: Sequence[int], nodes: Sequence[Sequence[int]], link: _Link
+) -> None:
     """Reduce to each node's leader, ring all-reduce among leaders, broadcast in each node."""
     member_set = set(members)
     local = [[r for r in node if r in member_set] for node in nodes]
     local = [node for node in local if node]
     covered = sorted(r for node in local for r in node)
     if covered != sorted(members) or len(covered) != len(set(covered)):
-        raise ValueError(f"hierarchical sync: nodes {list(map(list, nodes))} must partition the "
-                         f"members {list(members)} (each member in exactly one node).")
+        raise ValueError(
+            f"hierarchical sync: nodes {list(map(list, nodes))} must partition the "
+            f"members {list(members)} (each member in exactly one node)."
+        )
     mine = next(node for node in local if link.rank in node)
     leader = mine[0]
     leaders = [node[0] for node in local]
@@ -242,9 +261,16 @@ class ParameterServer:
     every step (page faults on this CPU; the classifier's PS sync in cnn-small-memory took
     0.5 s at the first steps, 0.05 s later)."""
 
-    def __init__(self, *, server: int, replicas: Sequence[int], groups: ProcessGroupCache,
-                 make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer | None],
-                 numel: int, device: torch.device | None = None):
+    def __init__(
+        self,
+        *,
+        server: int,
+        replicas: Sequence[int],
+        groups: ProcessGroupCache,
+        make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer | None],
+        numel: int,
+        device: torch.device | None = None,
+    ):
         self.server, self.replicas = server, list(replicas)
         self.members = sorted(set(self.replicas) | {server})
         self.groups = groups
@@ -254,8 +280,8 @@ class ParameterServer:
             self.master = torch.nn.Parameter(torch.zeros(numel, device=device))
             self.optimizer = make_optimizer([self.master])
         self.steps = 0
-        self.buffer: torch.Tensor | None = None     # the server's gradient sum, a replica's parameters in
-        self._link: _Link | None = None             # the call of the step under way
+        self.buffer: torch.Tensor | None = None  # the server's gradient sum, a replica's parameters in
+        self._link: _Link | None = None  # the call of the step under way
 
     def _kept(self, like: torch.Tensor) -> torch.Tensor:
         if self.buffer is None or self.buffer.shape != like.shape or self.buffer.dtype != like.dtype:
@@ -285,10 +311,11 @@ class ParameterServer:
             assert flat_params is not None, "the first replica sends the initial parameters"
             link.exchange(flat_params.detach(), self.server, None, None, 3 * n)
         link.exchange(flat_grad, self.server, None, None, self.members.index(rank))
-        self._kept(flat_grad)           # the parameters come back into it (pull)
+        self._kept(flat_grad)  # the parameters come back into it (pull)
 
-    def _gather(self, flat_grad: torch.Tensor, flat_params: torch.Tensor | None, link: _Link,
-                first: bool, n: int) -> None:
+    def _gather(
+        self, flat_grad: torch.Tensor, flat_params: torch.Tensor | None, link: _Link, first: bool, n: int
+    ) -> None:
         assert self.master is not None
         if first:
             with torch.no_grad():
@@ -345,8 +372,11 @@ class ParameterServer:
         offset = 0
         for name, shape in zip(names, shapes):
             k = math.prod(shape)
-            out[name] = {key: (v.detach().clone() if v.dim() == 0 else v.detach()[offset:offset + k].reshape(shape).clone())
-                         for key, v in state.items() if isinstance(v, torch.Tensor)}
+            out[name] = {
+                key: (v.detach().clone() if v.dim() == 0 else v.detach()[offset : offset + k].reshape(shape).clone())
+                for key, v in state.items()
+                if isinstance(v, torch.Tensor)
+            }
             offset += k
         return out
 

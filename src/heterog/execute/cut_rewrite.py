@@ -27,13 +27,14 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def replicate_per_stage(gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
-               data: frozenset[fx.Node]) -> None:
+def replicate_per_stage(
+    gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int], data: frozenset[fx.Node]
+) -> None:
     """Give every replicable (non-data) node a copy in each stage that uses it; `seg` and
     `assign` are extended in place (a copy takes its first consumer's group)."""
     compute = _compute_nodes(gm)
     replicable = [n for n in compute if n not in data]
-    need: dict[fx.Node, dict[int, int]] = {}   # node → stage → group of a consumer there
+    need: dict[fx.Node, dict[int, int]] = {}  # node → stage → group of a consumer there
     for n in reversed(replicable):
         stages: dict[int, int] = {}
         for u in n.users:
@@ -52,7 +53,7 @@ def replicate_per_stage(gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dic
         # the copies first, from the original's own inputs: once the original is rewired to
         # its stage's copies, a copy made from it would read the first stage's values
         for s, g in sorted(need[n].items(), reverse=True):
-            if s == first:   # the original stays, reading the replicable inputs of its stage
+            if s == first:  # the original stays, reading the replicable inputs of its stage
                 copy = n
                 n.args = fx.node.map_arg(n.args, lambda a, s=s: copies.get((a, s), a))
                 n.kwargs = fx.node.map_arg(n.kwargs, lambda a, s=s: copies.get((a, s), a))
@@ -67,13 +68,19 @@ def replicate_per_stage(gm: fx.GraphModule, seg: dict[fx.Node, int], assign: dic
             s = seg[u]
             u.args = fx.node.map_arg(u.args, lambda a: copies.get((a, s), a))
             u.kwargs = fx.node.map_arg(u.kwargs, lambda a: copies.get((a, s), a))
-    crossing = [(a.name, u.name) for u in gm.graph.nodes if u in seg
-                for a in u.all_input_nodes if a in seg and a not in data and seg[a] != seg[u]]
+    crossing = [
+        (a.name, u.name)
+        for u in gm.graph.nodes
+        if u in seg
+        for a in u.all_input_nodes
+        if a in seg and a not in data and seg[a] != seg[u]
+    ]
     assert not crossing, f"replicable values still cross a cut after replication: {crossing[:3]}"
 
 
-def batch_first_across_cuts(exported: ExportedModel, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
-                   plan: Plan) -> None:
+def batch_first_across_cuts(
+    exported: ExportedModel, seg: dict[fx.Node, int], assign: dict[fx.Node, int], plan: Plan
+) -> None:
     """Make every data tensor that crosses a cut batch-first for the transfer."""
     gm = exported.module
     for p in [n for n in _compute_nodes(gm) if n in exported.data]:
@@ -85,8 +92,7 @@ def batch_first_across_cuts(exported: ExportedModel, seg: dict[fx.Node, int], as
             continue
         if lay.kind in (LayoutKind.NONE, LayoutKind.OTHER):
             val = p.meta.get("val")
-            same = all(plan.groups[assign[u]].replicas == plan.groups[assign[p]].replicas
-                       for u in outside)
+            same = all(plan.groups[assign[u]].replicas == plan.groups[assign[p]].replicas for u in outside)
             if same and not (isinstance(val, torch.Tensor) and val.is_floating_point()):
                 continue  # the consumer's copy is the producer's own: passed whole
             raise PlanError(_cut_error(exported, p, outside[0]))
@@ -111,10 +117,12 @@ def batch_first_across_cuts(exported: ExportedModel, seg: dict[fx.Node, int], as
 
 def _cut_error(exported: ExportedModel, p: fx.Node, u: fx.Node) -> str:
     src, dst = nearest_name(p, exported.leaf_name), nearest_name(u, exported.leaf_name)
-    return (f"the value {p.name!r} computed in {src!r} and used in {dst!r} has no sample "
-            f"dimension (it mixes samples, e.g. a batch statistic), so it cannot cross between "
-            f"groups with different placements. Put {src!r} and {dst!r} in groups with the same "
-            f"replicas and shares.")
+    return (
+        f"the value {p.name!r} computed in {src!r} and used in {dst!r} has no sample "
+        f"dimension (it mixes samples, e.g. a batch statistic), so it cannot cross between "
+        f"groups with different placements. Put {src!r} and {dst!r} in groups with the same "
+        f"replicas and shares."
+    )
 
 
 def single_output(gm: fx.GraphModule) -> None:

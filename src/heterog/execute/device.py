@@ -36,9 +36,9 @@ MIXED_NCCL_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankDevice:
-    kind: str            # 'cpu' | 'cuda' | 'meta'
-    index: int = 0       # the CUDA device index
-    host_staging: bool = False   # a CUDA rank that shares its GPU: gloo, tensors cross via the host
+    kind: str  # 'cpu' | 'cuda' | 'meta'
+    index: int = 0  # the CUDA device index
+    host_staging: bool = False  # a CUDA rank that shares its GPU: gloo, tensors cross via the host
 
     @property
     def torch_device(self) -> torch.device:
@@ -48,7 +48,7 @@ class RankDevice:
     def backend(self) -> str:
         return "nccl" if self.kind == "cuda" and not self.host_staging else "gloo"
 
-    def clock(self) -> "Clock":
+    def clock(self) -> Clock:
         return Clock(self.kind)
 
     def activate(self) -> None:
@@ -58,7 +58,7 @@ class RankDevice:
 
     def autocast(self, precision: str):
         """The plan's precision: autocast to bf16/fp16 (fp32 master weights), or nothing."""
-        if self.kind == "meta":          # no autocast on meta: shapes only
+        if self.kind == "meta":  # no autocast on meta: shapes only
             return contextlib.nullcontext()
         if precision == Precision.AMP_BF16:
             return torch.autocast(self.kind, dtype=torch.bfloat16)
@@ -74,15 +74,17 @@ class RankDevice:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-    def timer(self) -> "StepTimer":
+    def timer(self) -> StepTimer:
         return StepTimer(self)
 
     def memory(self) -> dict[str, int]:
         """Peak memory of this rank: allocated and reserved on a GPU; resident set on a CPU."""
         if self.kind == "cuda":
-            return {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(self.index)),
-                    "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.index))}
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+            return {
+                "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(self.index)),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.index)),
+            }
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         return {"peak_allocated_bytes": int(rss), "peak_reserved_bytes": int(rss)}
 
     def synchronize(self) -> None:
@@ -145,8 +147,14 @@ class LossScaler:
     GradScaler's own kernel (`torch._amp_foreach_non_finite_check_and_unscale_`), which
     needs no host synchronisation per gradient."""
 
-    def __init__(self, device: RankDevice, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 backoff: float = 0.5, growth: float = 2.0):
+    def __init__(
+        self,
+        device: RankDevice,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        backoff: float = 0.5,
+        growth: float = 2.0,
+    ):
         self.device, self.scale, self.growth_interval = device, init_scale, growth_interval
         self.backoff, self.growth = backoff, growth
         self._clean = 0
@@ -170,7 +178,7 @@ class LossScaler:
         if also is not None:
             also(found, inv)
         if dist.is_initialized():
-            if self.device.host_staging:       # gloo between ranks sharing a GPU: reduce on the host
+            if self.device.host_staging:  # gloo between ranks sharing a GPU: reduce on the host
                 found = found.to("cpu")
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         ok = found.item() == 0.0
@@ -191,8 +199,11 @@ def rank_device(*, use_cuda: bool, index: int = 0, rank: int = 0, host_staging: 
     if use_cuda:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if index >= visible:
-            raise RankError(rank, f"the run is on GPUs but this process sees {visible} CUDA device(s); "
-                                  f"the rank's GPU is index {index}. Check CUDA_VISIBLE_DEVICES on this node.")
+            raise RankError(
+                rank,
+                f"the run is on GPUs but this process sees {visible} CUDA device(s); "
+                f"the rank's GPU is index {index}. Check CUDA_VISIBLE_DEVICES on this node.",
+            )
         return RankDevice(kind="cuda", index=index, host_staging=host_staging)
     return RankDevice(kind="cpu")
 
@@ -214,10 +225,13 @@ def check_gpu_type(rdev: RankDevice, expected: str, *, device: str, rank: int) -
         found = None
     if found == expected:
         return
-    raise RankError(rank, f"rank {rank} runs plan device {device!r}, a {expected}, but its GPU cuda:{rdev.index} "
-                          f"is {name!r} ({f'catalog type {found}' if found else 'not in the catalog'}). Start the "
-                          f"ranks with the GPUs the plan names (heterog run --torchrun prints CUDA_VISIBLE_DEVICES "
-                          f"per node), re-plan for this cluster, or set {ALLOW_GPU_MISMATCH_ENV}=1 to run anyway.")
+    raise RankError(
+        rank,
+        f"rank {rank} runs plan device {device!r}, a {expected}, but its GPU cuda:{rdev.index} "
+        f"is {name!r} ({f'catalog type {found}' if found else 'not in the catalog'}). Start the "
+        f"ranks with the GPUs the plan names (heterog run --torchrun prints CUDA_VISIBLE_DEVICES "
+        f"per node), re-plan for this cluster, or set {ALLOW_GPU_MISMATCH_ENV}=1 to run anyway.",
+    )
 
 
 def nccl_env(gpu_types: set[str], override: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
@@ -226,6 +240,8 @@ def nccl_env(gpu_types: set[str], override: dict[str, str] | None = None) -> tup
     if len(gpu_types) <= 1:
         return dict(override or {}), None
     env = {**MIXED_NCCL_ENV, **(override or {})}
-    note = (f"unlike GPU types ({', '.join(sorted(gpu_types))}): every rank uses NCCL_ALGO={env['NCCL_ALGO']} "
-            f"NCCL_PROTO={env['NCCL_PROTO']} so that their collectives agree")
+    note = (
+        f"unlike GPU types ({', '.join(sorted(gpu_types))}): every rank uses NCCL_ALGO={env['NCCL_ALGO']} "
+        f"NCCL_PROTO={env['NCCL_PROTO']} so that their collectives agree"
+    )
     return env, note

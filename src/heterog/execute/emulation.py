@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -46,8 +47,12 @@ from heterog.errors import ResourceError
 MIB = 2**20
 
 # glibc reads these at process start (mallopt(3)): large blocks from the heap, never trimmed
-KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62), "MALLOC_TOP_PAD_": str(64 * MIB)}
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4     # mallopt's parameter numbers (malloc.h)
+KEEP_FREED_MEMORY_ENV = {
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**62),
+    "MALLOC_TOP_PAD_": str(64 * MIB),
+}
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # mallopt's parameter numbers (malloc.h)
 
 
 def keep_freed_memory() -> bool:
@@ -56,14 +61,17 @@ def keep_freed_memory() -> bool:
     took the settings, False elsewhere (nothing changes)."""
     import ctypes
     import ctypes.util
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 * MIB)))
+    return all(
+        mallopt(param, value) == 1
+        for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 64 * MIB))
+    )
 
 
 class Pacer:
@@ -71,8 +79,9 @@ class Pacer:
 
     def __init__(self, slowdown: float = 1.0):
         if not slowdown >= 1.0:
-            raise ValueError(f"slowdown must be ≥ 1 (a device cannot run faster than this CPU "
-                             f"when emulated), found {slowdown}.")
+            raise ValueError(
+                f"slowdown must be ≥ 1 (a device cannot run faster than this CPU when emulated), found {slowdown}."
+            )
         self.slowdown = slowdown
 
     def pace(self, wall_s: float, cpu_s: float) -> float:
@@ -86,7 +95,7 @@ class Pacer:
         time.sleep(extra)
         while time.perf_counter() < deadline:  # sleep may return early
             time.sleep(deadline - time.perf_counter())
-        return time.perf_counter() - start      # as waited: a sleep also overshoots
+        return time.perf_counter() - start  # as waited: a sleep also overshoots
 
 
 def pin_to_cores(rank: int, cores: list[int] | None = None) -> list[int]:
@@ -104,16 +113,22 @@ class MemoryCapExceeded(ResourceError):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LiveBytes:
     """Bytes a rank's live tensors hold at one moment, by kind (each storage counted once)."""
+
     parameters_bytes: int = 0
     gradients_bytes: int = 0
     optimizer_state_bytes: int = 0
     activations_bytes: int = 0
-    buffers_bytes: int = 0       # the gradient sync's kept buffers (receive buffers, a server's sum)
+    buffers_bytes: int = 0  # the gradient sync's kept buffers (receive buffers, a server's sum)
 
     @property
     def total_bytes(self) -> int:
-        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes + self.activations_bytes
-                + self.buffers_bytes)
+        return (
+            self.parameters_bytes
+            + self.gradients_bytes
+            + self.optimizer_state_bytes
+            + self.activations_bytes
+            + self.buffers_bytes
+        )
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -150,6 +165,7 @@ class StorageCounter:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryCap:
     """The capacity an emulated device declares; `check` raises when live tensors exceed it."""
+
     device: str
     cap_bytes: int
 
@@ -164,7 +180,8 @@ class MemoryCap:
             f"{live.buffers_bytes / MIB:.1f} MiB). "
             f"The plan puts more on {self.device} than it holds: use a plan from `heterog plan` for this "
             f"cluster (it keeps every device within its memory) or raise memory_gib of {self.device} in "
-            f"the cluster YAML.")
+            f"the cluster YAML."
+        )
 
 
 def memory_cap(cluster_doc: dict[str, Any] | None, device: str) -> MemoryCap | None:
@@ -173,5 +190,6 @@ def memory_cap(cluster_doc: dict[str, Any] | None, device: str) -> MemoryCap | N
     if not cluster_doc or cluster_doc.get("kind") != "emulated":
         return None
     from heterog.hardware.spec import cluster_from_dict
+
     dev = cluster_from_dict(cluster_doc).device(device)
     return MemoryCap(device=device, cap_bytes=int(dev.memory_bytes)) if dev.memory_bytes is not None else None

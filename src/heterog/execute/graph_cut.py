@@ -22,6 +22,7 @@ from heterog.lower.program import Compute, Recv, Send
 @dataclass(kw_only=True, slots=True)
 class GradientSlot:
     """Where a stage input's gradient lands in backward, and its shape for when none does."""
+
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
@@ -72,9 +73,13 @@ def transfer_key(ins: Send | Recv) -> tuple:
     return (ins.src_block, ins.dst_block, ins.microbatch, ins.lo, ins.hi, ins.peer)
 
 
-def last_reads(instructions, flow: Dataflow, stages_of: dict[int, list[int]],
-                first_compute: dict[tuple[int, Phase, int], int],
-                crossing: dict[tuple[int, int], list[str]]) -> dict[int, list[tuple[str, int]]]:
+def last_reads(
+    instructions,
+    flow: Dataflow,
+    stages_of: dict[int, list[int]],
+    first_compute: dict[tuple[int, Phase, int], int],
+    crossing: dict[tuple[int, int], list[str]],
+) -> dict[int, list[tuple[str, int]]]:
     """Instruction index → the values (stage output, micro-batch) it is the last to read: a
     stage's outputs are read by the forward that makes them (the loss, the sample count), by
     the forwards of stages that take them here and by the forward sends that carry them."""
@@ -82,6 +87,7 @@ def last_reads(instructions, flow: Dataflow, stages_of: dict[int, list[int]],
 
     def source(v: str) -> str:
         return flow.projections.get(v, (v, 0))[0]
+
     for index, ins in enumerate(instructions):
         if not isinstance(ins, (Compute, Send)) or ins.phase != Phase.FORWARD:
             continue

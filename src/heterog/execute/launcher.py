@@ -32,37 +32,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from heterog.errors import CheckpointError, PlanError, RankError
-from heterog.ir.plan import in_memory_model_error
 from heterog.execute import stale
 from heterog.execute.checkpoint import find_checkpoint, model_key
 from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
+from heterog.ir.plan import in_memory_model_error
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    devices: tuple[str, ...]                  # rank → device
+    devices: tuple[str, ...]  # rank → device
     steps: int
-    timeout_s: float = 60.0                   # every collective / p2p op and the start-up
+    timeout_s: float = 60.0  # every collective / p2p op and the start-up
     seed: int = 0
     slowdowns: dict[str, float] = field(default_factory=dict)
     pin_cores: bool = False
     dump_params: bool = False
-    fault: dict[str, Any] | None = None       # test hook: {"rank", "kind": die|hang|overflow, "step"}
-    data: str | None = None                   # user data 'path/file.py:fn' (workload.with_data)
+    fault: dict[str, Any] | None = None  # test hook: {"rank", "kind": die|hang|overflow, "step"}
+    data: str | None = None  # user data 'path/file.py:fn' (workload.with_data)
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
-    cuda: bool = False                        # ranks compute on GPUs (NCCL), else the CPU (gloo)
-    cuda_indices: tuple[int, ...] = ()        # rank → its GPU's index here (default: rank r on cuda:r)
-    host_staging: bool = False                # ranks share GPUs: gloo, tensors cross through the host
-    gpu_types: dict[str, str] = field(default_factory=dict)   # device → the GPU type its rank must find
+    cuda: bool = False  # ranks compute on GPUs (NCCL), else the CPU (gloo)
+    cuda_indices: tuple[int, ...] = ()  # rank → its GPU's index here (default: rank r on cuda:r)
+    host_staging: bool = False  # ranks share GPUs: gloo, tensors cross through the host
+    gpu_types: dict[str, str] = field(default_factory=dict)  # device → the GPU type its rank must find
     master_addr: str = "127.0.0.1"
     checkpoint: dict[str, Any] | None = None  # checkpoint.CheckpointConfig.to_dict()
-    force: bool = False                       # start even when memory looks too small
+    force: bool = False  # start even when memory looks too small
 
 
 def free_port() -> int:
@@ -78,8 +79,9 @@ def _tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
-def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None, *,
-                 program_doc: dict[str, Any]) -> list[dict]:
+def launch_local(
+    plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None, *, program_doc: dict[str, Any]
+) -> list[dict]:
     """Run every rank of the plan's Program on this machine; return the per-rank results (rank order)."""
     if (why := in_memory_model_error(plan_doc["model"]["name"])) is not None:
         raise PlanError(why)
@@ -92,15 +94,30 @@ def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | No
     with _run_dir(out_dir) as work:
         try:
             for rank in range(len(cfg.devices)):
-                spec = {"rank": rank, "devices": list(cfg.devices), "program": program_doc, "steps": cfg.steps,
-                        "timeout_s": cfg.timeout_s, "seed": cfg.seed, "slowdowns": cfg.slowdowns,
-                        "pin_cores": cfg.pin_cores, "dump_params": cfg.dump_params, "fault": cfg.fault,
-                        "data": cfg.data, "checkpoint": ckpt, "cuda": cfg.cuda, "out_dir": str(work),
-                        "cuda_indices": list(cfg.cuda_indices), "host_staging": cfg.host_staging,
-                        "gpu_types": cfg.gpu_types,
-                        "master_addr": cfg.master_addr, "master_port": port}
-                _start_rank(work, spec, f"rank{rank}", procs, logs, wrap=cfg.wrap.get(rank, []),
-                            env=cfg.env.get(rank, {}))
+                spec = {
+                    "rank": rank,
+                    "devices": list(cfg.devices),
+                    "program": program_doc,
+                    "steps": cfg.steps,
+                    "timeout_s": cfg.timeout_s,
+                    "seed": cfg.seed,
+                    "slowdowns": cfg.slowdowns,
+                    "pin_cores": cfg.pin_cores,
+                    "dump_params": cfg.dump_params,
+                    "fault": cfg.fault,
+                    "data": cfg.data,
+                    "checkpoint": ckpt,
+                    "cuda": cfg.cuda,
+                    "out_dir": str(work),
+                    "cuda_indices": list(cfg.cuda_indices),
+                    "host_staging": cfg.host_staging,
+                    "gpu_types": cfg.gpu_types,
+                    "master_addr": cfg.master_addr,
+                    "master_port": port,
+                }
+                _start_rank(
+                    work, spec, f"rank{rank}", procs, logs, wrap=cfg.wrap.get(rank, []), env=cfg.env.get(rank, {})
+                )
             _watch(procs, logs, work, cfg)
             return [json.loads((work / f"result_rank{r}.json").read_text()) for r in range(len(procs))]
         finally:
@@ -123,19 +140,41 @@ def _run_dir(out_dir: Path | None) -> Iterator[Path]:
         stale.release(work)
 
 
-def _start_rank(work: Path, spec: dict[str, Any], name: str, procs: list[subprocess.Popen], logs: list[Path], *,
-                wrap: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+def _start_rank(
+    work: Path,
+    spec: dict[str, Any],
+    name: str,
+    procs: list[subprocess.Popen],
+    logs: list[Path],
+    *,
+    wrap: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> None:
     """Start one worker process on `spec` (written to work/spec_<name>.json, its output to
     work/log_<name>.txt) in a session of its own, and record its pid for stale.py."""
     spec_path = work / f"spec_{name}.json"
     spec_path.write_text(json.dumps(spec))
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **KEEP_FREED_MEMORY_ENV, **(env or {})}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **KEEP_FREED_MEMORY_ENV,
+        **(env or {}),
+    }
     log = work / f"log_{name}.txt"
     logs.append(log)
     with open(log, "w") as fh:
-        procs.append(subprocess.Popen([*wrap, sys.executable, "-m", "heterog.execute.worker", str(spec_path)],
-                                      stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [*wrap, sys.executable, "-m", "heterog.execute.worker", str(spec_path)],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
+            )
+        )
     stale.record_ranks(work, [p.pid for p in procs])
 
 
@@ -143,13 +182,14 @@ def _start_rank(work: Path, spec: dict[str, Any], name: str, procs: list[subproc
 class PlanLaunch:
     """One plan of a multi-plan launch: its plan and Program documents, its ranks' devices
     (rank r runs in process r) and their compute slowdowns."""
+
     plan_doc: dict[str, Any]
     program_doc: dict[str, Any]
     devices: tuple[str, ...]
     slowdowns: dict[str, float] = field(default_factory=dict)
-    fault: dict[str, Any] | None = None     # test hook, as LaunchConfig.fault
-    dump_params: bool = False               # as LaunchConfig.dump_params, into the plan's folder
-    folder: str = ""                        # the plan's folder in the run's; plan<i> if empty
+    fault: dict[str, Any] | None = None  # test hook, as LaunchConfig.fault
+    dump_params: bool = False  # as LaunchConfig.dump_params, into the plan's folder
+    folder: str = ""  # the plan's folder in the run's; plan<i> if empty
     # entries of one plan (its repetitions) share a key: when one fails, the later ones are
     # not started but get the same error
     key: str = ""
@@ -160,6 +200,7 @@ class ProcessLayout:
     """The processes of a multi-plan launch, one per device (a plan's rank runs in the process
     of its device), each with its command prefix and environment (netns.LinkShaping's), and
     the address of process 0, which holds the launch's store."""
+
     devices: tuple[str, ...]
     wrap: dict[int, list[str]] = field(default_factory=dict)
     env: dict[int, dict[str, str]] = field(default_factory=dict)
@@ -168,14 +209,22 @@ class ProcessLayout:
     def processes_of(self, plan: PlanLaunch) -> list[int]:
         missing = [d for d in plan.devices if d not in self.devices]
         if missing:
-            raise PlanError(f"the plan's device(s) {missing} have no process in this launch "
-                            f"(processes run {list(self.devices)}).")
+            raise PlanError(
+                f"the plan's device(s) {missing} have no process in this launch (processes run {list(self.devices)})."
+            )
         return [self.devices.index(d) for d in plan.devices]
 
 
-def launch_local_many(plans: list[PlanLaunch], *, steps: int, timeout_s: float = 60.0, seed: int = 0,
-                      out_dir: Path | None = None, force: bool = False,
-                      layout: ProcessLayout | None = None) -> list[list[dict] | Exception]:
+def launch_local_many(
+    plans: list[PlanLaunch],
+    *,
+    steps: int,
+    timeout_s: float = 60.0,
+    seed: int = 0,
+    out_dir: Path | None = None,
+    force: bool = False,
+    layout: ProcessLayout | None = None,
+) -> list[list[dict] | Exception]:
     """Run several plans' Programs one after the other in one set of rank processes
     (worker.run_plans), so the start-up — processes, imports, the model's export — is paid
     once, not per plan. Without `layout`, process r is rank r of every plan that has more than
@@ -199,8 +248,7 @@ def launch_local_many(plans: list[PlanLaunch], *, steps: int, timeout_s: float =
     with _run_dir(out_dir) as work:
         launch = 0
         while todo := [i for i in range(len(plans)) if out[i] is None]:
-            _launch_many(plans, todo, out, work, launch, steps=steps, timeout_s=timeout_s, seed=seed,
-                         layout=layout)
+            _launch_many(plans, todo, out, work, launch, steps=steps, timeout_s=timeout_s, seed=seed, layout=layout)
             failed = {plans[i].key: out[i] for i in range(len(plans)) if isinstance(out[i], Exception)}
             for i in range(len(plans)):
                 if out[i] is None and plans[i].key and plans[i].key in failed:
@@ -209,29 +257,65 @@ def launch_local_many(plans: list[PlanLaunch], *, steps: int, timeout_s: float =
         return out  # type: ignore[return-value]
 
 
-def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path, launch: int, *,
-                 steps: int, timeout_s: float, seed: int, layout: ProcessLayout | None) -> None:
+def _launch_many(
+    plans: list[PlanLaunch],
+    todo: list[int],
+    out: list,
+    work: Path,
+    launch: int,
+    *,
+    steps: int,
+    timeout_s: float,
+    seed: int,
+    layout: ProcessLayout | None,
+) -> None:
     """One set of processes for the plans `todo` (in order); fills `out` for every plan that
     finished and for the first that failed."""
-    procs_of = {i: layout.processes_of(plans[i]) if layout is not None else list(range(len(plans[i].devices)))
-                for i in todo}
+    procs_of = {
+        i: layout.processes_of(plans[i]) if layout is not None else list(range(len(plans[i].devices))) for i in todo
+    }
     world = len(layout.devices) if layout is not None else max(len(plans[i].devices) for i in todo)
-    wait_s = timeout_s * (steps + 3) + 60          # as launch_local's deadline, per plan
+    wait_s = timeout_s * (steps + 3) + 60  # as launch_local's deadline, per plan
     plan_dir = {i: work / (plans[i].folder or f"plan{i}") for i in todo}
-    entries = [{"index": i, "devices": list(plans[i].devices), "processes": procs_of[i],
-                "program": plans[i].program_doc, "slowdowns": plans[i].slowdowns, "fault": plans[i].fault,
-                "dump_params": plans[i].dump_params, "out_dir": str(plan_dir[i]),
-                "wait_s": wait_s} for i in todo]
+    entries = [
+        {
+            "index": i,
+            "devices": list(plans[i].devices),
+            "processes": procs_of[i],
+            "program": plans[i].program_doc,
+            "slowdowns": plans[i].slowdowns,
+            "fault": plans[i].fault,
+            "dump_params": plans[i].dump_params,
+            "out_dir": str(plan_dir[i]),
+            "wait_s": wait_s,
+        }
+        for i in todo
+    ]
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     lay = layout or ProcessLayout(devices=())
     try:
         for rank in range(world):
-            spec = {"rank": rank, "world": world, "steps": steps, "timeout_s": timeout_s, "seed": seed,
-                    "master_addr": lay.master_addr, "master_port": port, "plans": entries}
-            _start_rank(work, spec, f"launch{launch}_rank{rank}", procs, logs, wrap=lay.wrap.get(rank, []),
-                        env=lay.env.get(rank, {}))
+            spec = {
+                "rank": rank,
+                "world": world,
+                "steps": steps,
+                "timeout_s": timeout_s,
+                "seed": seed,
+                "master_addr": lay.master_addr,
+                "master_port": port,
+                "plans": entries,
+            }
+            _start_rank(
+                work,
+                spec,
+                f"launch{launch}_rank{rank}",
+                procs,
+                logs,
+                wrap=lay.wrap.get(rank, []),
+                env=lay.env.get(rank, {}),
+            )
         overdue = RankError(0, "the multi-plan launch exceeded its overall deadline")
         try:
             finished = _wait_all(procs, time.monotonic() + wait_s * len(todo) + 60, lambda stuck: overdue)
@@ -248,13 +332,19 @@ def _launch_many(plans: list[PlanLaunch], todo: list[int], out: list, work: Path
             # a process this plan does not use is to blame only when none of the plan's failed
             # (the store lives in process 0: when that one fails, the idle ones fail after it)
             plan_failed = any(p.poll() not in (None, 0) for p in used)
-            idle_dead = [] if plan_failed else [r for r in range(world) if r not in mine
-                                                and procs[r].poll() not in (None, 0)]
-            out[i] = (RankError(idle_dead[0], f"process {idle_dead[0]} of the launch, which this plan does not "
-                                              f"use, died (exit code {procs[idle_dead[0]].poll()}); the plan was "
-                                              f"stopped. Log tail: {_tail(logs[idle_dead[0]], 600)}")
-                      if idle_dead else _culprit(used, [logs[p] for p in mine], plan_dir[i], plans[i].devices,
-                                                 timeout_s))
+            idle_dead = (
+                [] if plan_failed else [r for r in range(world) if r not in mine and procs[r].poll() not in (None, 0)]
+            )
+            out[i] = (
+                RankError(
+                    idle_dead[0],
+                    f"process {idle_dead[0]} of the launch, which this plan does not "
+                    f"use, died (exit code {procs[idle_dead[0]].poll()}); the plan was "
+                    f"stopped. Log tail: {_tail(logs[idle_dead[0]], 600)}",
+                )
+                if idle_dead
+                else _culprit(used, [logs[p] for p in mine], plan_dir[i], plans[i].devices, timeout_s)
+            )
             return
     finally:
         _kill_all(procs)
@@ -268,12 +358,16 @@ def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> dict[str, An
     info = find_checkpoint(cfg.checkpoint["resume"])
     model = plan_doc["model"]["name"]
     if info.model != model_key(model):
-        raise CheckpointError(f"--resume {cfg.checkpoint['resume']}: the checkpoint is of model {info.model!r}, "
-                              f"but the plan trains {model!r}; resume with a plan of the same model.")
+        raise CheckpointError(
+            f"--resume {cfg.checkpoint['resume']}: the checkpoint is of model {info.model!r}, "
+            f"but the plan trains {model!r}; resume with a plan of the same model."
+        )
     if info.step >= cfg.steps:
-        raise CheckpointError(f"--resume {cfg.checkpoint['resume']}: the checkpoint already holds {info.step} "
-                              f"completed steps and --steps {cfg.steps} is the total to reach; give "
-                              f"--steps above {info.step}.")
+        raise CheckpointError(
+            f"--resume {cfg.checkpoint['resume']}: the checkpoint already holds {info.step} "
+            f"completed steps and --steps {cfg.steps} is the total to reach; give "
+            f"--steps above {info.step}."
+        )
     return {**cfg.checkpoint, "resume": str(info.path)}
 
 
@@ -303,9 +397,15 @@ def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: Lau
     # Start-up (imports, process group) plus every step may each wait up to the timeout;
     # a run that exceeds this overall bound has a rank stuck outside any timed operation.
     deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 3) + 60
-    if _wait_all(procs, deadline, lambda stuck: RankError(
-            stuck[0], f"the run exceeded its overall deadline; rank(s) {stuck} still running at "
-                      f"step(s) {[_progress(work, r) for r in stuck]}; killed.")):
+    if _wait_all(
+        procs,
+        deadline,
+        lambda stuck: RankError(
+            stuck[0],
+            f"the run exceeded its overall deadline; rank(s) {stuck} still running at "
+            f"step(s) {[_progress(work, r) for r in stuck]}; killed.",
+        ),
+    ):
         return
     _grace(procs, cfg.timeout_s)
     raise _culprit(procs, logs, work, cfg.devices, cfg.timeout_s)
@@ -332,8 +432,9 @@ def _grace(procs: list[subprocess.Popen], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def _culprit(procs: list[subprocess.Popen], logs: list[Path], work: Path, devices: tuple[str, ...],
-             timeout_s: float) -> RankError:
+def _culprit(
+    procs: list[subprocess.Popen], logs: list[Path], work: Path, devices: tuple[str, ...], timeout_s: float
+) -> RankError:
     """The RankError that names the rank to blame (module docstring), from the exit codes and
     the error reports in `work`."""
     codes = [p.poll() for p in procs]
@@ -342,19 +443,23 @@ def _culprit(procs: list[subprocess.Popen], logs: list[Path], work: Path, device
         f = work / f"error_rank{r}.json"
         if f.exists():
             errors[r] = json.loads(f.read_text())
-    died = [r for r, c in enumerate(codes) if c not in (None, 0) and (r not in errors or
-                                                                      errors[r]["kind"] == "error")]
+    died = [r for r, c in enumerate(codes) if c not in (None, 0) and (r not in errors or errors[r]["kind"] == "error")]
     alive = [r for r, c in enumerate(codes) if c is None]
     if died:
         r = died[0]
-        why = (f"failed: {errors[r]['type']}: {errors[r]['message']}" if r in errors else
-               f"died (exit code {codes[r]}) at step {_progress(work, r)}")
-        return RankError(r, f"{why} (device {devices[r]}); the run was stopped. "
-                            f"Log tail: {_tail(logs[r], 600)}")
+        why = (
+            f"failed: {errors[r]['type']}: {errors[r]['message']}"
+            if r in errors
+            else f"died (exit code {codes[r]}) at step {_progress(work, r)}"
+        )
+        return RankError(r, f"{why} (device {devices[r]}); the run was stopped. Log tail: {_tail(logs[r], 600)}")
     if alive:
         r = alive[0]
-        return RankError(r, f"hung at step {_progress(work, r)} (device {devices[r]}): the other "
-                            f"ranks timed out after {timeout_s:.0f} s waiting for it; killed.")
+        return RankError(
+            r,
+            f"hung at step {_progress(work, r)} (device {devices[r]}): the other "
+            f"ranks timed out after {timeout_s:.0f} s waiting for it; killed.",
+        )
     r = min(errors) if errors else 0
     msg = errors.get(r, {}).get("message", _tail(logs[r]))
     return RankError(r, f"failed on device {devices[r]}: {msg}")
@@ -366,9 +471,15 @@ def local_gpu_indices(node_devices: Sequence[str], used: Sequence[str]) -> list[
     return [list(node_devices).index(d) for d in used]
 
 
-def torchrun_commands(*, spec_path: str, node_devices: list[list[str]], master_addr: str,
-                      master_port: int = 29500, env: dict[str, str] | None = None,
-                      visible: list[list[int]] | None = None) -> list[str]:
+def torchrun_commands(
+    *,
+    spec_path: str,
+    node_devices: list[list[str]],
+    master_addr: str,
+    master_port: int = 29500,
+    env: dict[str, str] | None = None,
+    visible: list[list[int]] | None = None,
+) -> list[str]:
     """One torchrun command per node; rank order follows node order, then device order. `env`
     (e.g. one NCCL algorithm for unlike GPUs) prefixes every command; `visible[i]`, node i's
     GPUs the plan uses, becomes its CUDA_VISIBLE_DEVICES, so local rank k runs on the k-th of
@@ -377,8 +488,21 @@ def torchrun_commands(*, spec_path: str, node_devices: list[list[str]], master_a
     out = []
     for i, devs in enumerate(node_devices):
         gpus = [f"CUDA_VISIBLE_DEVICES={','.join(map(str, visible[i]))}"] if visible else []
-        out.append(" ".join([
-            *prefix, *gpus, "torchrun", f"--nnodes={len(node_devices)}", f"--node-rank={i}",
-            f"--nproc-per-node={len(devs)}", f"--master-addr={shlex.quote(master_addr)}",
-            f"--master-port={master_port}", "-m", "heterog.execute.worker", shlex.quote(spec_path)]))
+        out.append(
+            " ".join(
+                [
+                    *prefix,
+                    *gpus,
+                    "torchrun",
+                    f"--nnodes={len(node_devices)}",
+                    f"--node-rank={i}",
+                    f"--nproc-per-node={len(devs)}",
+                    f"--master-addr={shlex.quote(master_addr)}",
+                    f"--master-port={master_port}",
+                    "-m",
+                    "heterog.execute.worker",
+                    shlex.quote(spec_path),
+                ]
+            )
+        )
     return out

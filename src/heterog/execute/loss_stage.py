@@ -11,14 +11,15 @@ transfer; so the executor computes the loss there too, in a stage of its own
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
 from heterog.ir.plan import Plan
 
-LOSS_PREFIX = "loss::"        # capture names of the ops run after the model returns
-LOSS_VALUE = "loss_input"     # the loss stage's value: the model's output, where the loss runs
+LOSS_PREFIX = "loss::"  # capture names of the ops run after the model returns
+LOSS_VALUE = "loss_input"  # the loss stage's value: the model's output, where the loss runs
 
 
 class LossInput(nn.Module):
@@ -48,6 +49,9 @@ def loss_group_apart(plan: Plan, go: Any, output_groups: Sequence[int], output_g
     g = loss_group(plan)
     if g is None or g in output_groups:
         return None
-    apart = (go.block[g] != go.block[output_group] if go.block is not None
-             else plan.groups[g].replicas != plan.groups[output_group].replicas)
+    apart = (
+        go.block[g] != go.block[output_group]
+        if go.block is not None
+        else plan.groups[g].replicas != plan.groups[output_group].replicas
+    )
     return g if apart else None

@@ -22,8 +22,8 @@ import json
 import os
 import secrets
 import subprocess
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from heterog.hardware.cluster import Cluster
 from heterog.jsonio import write_atomic
@@ -63,8 +63,9 @@ def tbf_args(rate_bytes_per_s: float) -> list[str]:
 @dataclass
 class LinkShaping:
     """Namespaces of one run; use as a context manager (removes them on exit)."""
+
     cluster: Cluster
-    devices: tuple[str, ...]                          # rank → device
+    devices: tuple[str, ...]  # rank → device
     token: str = field(default_factory=lambda: secrets.token_hex(3))
     namespaces: list[str] = field(default_factory=list)
     wrap: dict[int, list[str]] = field(default_factory=dict)
@@ -72,10 +73,11 @@ class LinkShaping:
     master_addr: str = "127.0.0.1"
     links: dict[str, float] = field(default_factory=dict)  # node → shaped bandwidth (bytes/s)
 
-    def __enter__(self) -> "LinkShaping":
+    def __enter__(self) -> LinkShaping:
         if os.geteuid() != 0:
             raise ShapingUnavailable("not root: network namespaces and tc need root")
         from heterog.execute.stale import remove_stale_runs
+
         remove_stale_runs()  # a killed run's ranks and namespaces, before we add ours
         try:
             self._create()
@@ -92,8 +94,10 @@ class LinkShaping:
 
     def _create(self) -> None:
         import psutil
-        write_atomic(self._owner_file(), json.dumps({"pid": os.getpid(),
-                                                     "create_time": psutil.Process().create_time()}))
+
+        write_atomic(
+            self._owner_file(), json.dumps({"pid": os.getpid(), "create_time": psutil.Process().create_time()})
+        )
         nodes: list[str] = []
         for d in self.devices:
             n = self.cluster.node_of[d]
@@ -146,6 +150,7 @@ def leftover_namespaces() -> list[str]:
 
 def _owner_alive(token: str) -> bool:
     import psutil
+
     f = OWNERS_DIR / f"{token}.json"
     try:
         doc = json.loads(f.read_text())
@@ -156,6 +161,7 @@ def _owner_alive(token: str) -> bool:
 
 def _young(ns: str) -> bool:
     import time
+
     try:
         return time.time() - (Path("/run/netns") / ns).stat().st_mtime < YOUNG_NAMESPACE_S
     except OSError:
@@ -172,7 +178,7 @@ def remove_stale_namespaces() -> list[str]:
         return []
     removed = []
     for ns in names:
-        token = ns[len(PREFIX):len(PREFIX) + 6]
+        token = ns[len(PREFIX) : len(PREFIX) + 6]
         # a launcher records itself before it makes its namespaces: with its record there, its
         # death decides (a launcher killed seconds after starting left namespaces that young);
         # without one, only a namespace old enough is surely nobody's setup in progress

@@ -53,18 +53,24 @@ that needs no split (`whole_model`): every group on the same replicas with the s
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from heterog.errors import PlanError
-from heterog.execute.assign import (GroupOrder, assign_groups, group_major_order, group_of_names, group_order_of,
-                                    segments)
-from heterog.execute.cut_rewrite import (attributes_inside, batch_first_across_cuts, replicate_per_stage,
-                                         single_output)
+from heterog.execute.assign import (
+    GroupOrder,
+    assign_groups,
+    group_major_order,
+    group_of_names,
+    group_order_of,
+    segments,
+)
+from heterog.execute.cut_rewrite import attributes_inside, batch_first_across_cuts, replicate_per_stage, single_output
 from heterog.execute.loss_stage import LOSS_VALUE, LossInput, loss_group_apart
 from heterog.execute.split_export import ExportedModel, export_model
 from heterog.ir.plan import Plan
@@ -76,10 +82,11 @@ GROUP_META = "heterog_group"  # fx node meta key: the group a data node runs in
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stage:
     """One call of a stage's submodule in the top-level dataflow."""
-    value: str                  # name of the value it produces
-    group: int                  # a group of the stage (all its groups share this placement)
+
+    value: str  # name of the value it produces
+    group: int  # a group of the stage (all its groups share this placement)
     module: nn.Module
-    args: tuple[str, ...]       # names of the values it consumes, in call order
+    args: tuple[str, ...]  # names of the values it consumes, in call order
     groups: tuple[int, ...] = ()  # every group whose nodes it runs
 
 
@@ -90,22 +97,23 @@ class Dataflow:
     `params_of_group` is this rank's view (detach_unheld lists a tied parameter under one
     held group only, so an optimizer never sees it twice); `param_names` keeps every group's
     full list, the same on every rank, for gradient sync."""
-    inputs: tuple[str, ...]                      # model inputs, in call order
+
+    inputs: tuple[str, ...]  # model inputs, in call order
     stages: tuple[Stage, ...]
-    projections: dict[str, tuple[str, int]]      # value → (stage value, tuple index)
-    owner: dict[str, int]                        # value → group index (INPUT for inputs)
-    output: str                                  # the value the loss is computed on
+    projections: dict[str, tuple[str, int]]  # value → (stage value, tuple index)
+    owner: dict[str, int]  # value → group index (INPUT for inputs)
+    output: str  # the value the loss is computed on
     params_of_group: dict[int, list[tuple[str, nn.Parameter]]] = field(default_factory=dict)
     param_numels: dict[int, list[int]] = field(default_factory=dict)  # kept after detach_unheld
     param_names: dict[int, tuple[str, ...]] = field(default_factory=dict)
     param_numel: dict[str, int] = field(default_factory=dict)
-    param_shape: dict[str, torch.Size] = field(default_factory=dict)   # as built (kept after detach_unheld)
+    param_shape: dict[str, torch.Size] = field(default_factory=dict)  # as built (kept after detach_unheld)
     param_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
-    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)   # name → groups holding a copy
-    unused: frozenset[str] = frozenset()         # parameters forward never reads (no gradient)
-    no_grad: frozenset[str] = frozenset()        # values that cross with no gradient back (integer ids)
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name → groups holding a copy
+    unused: frozenset[str] = frozenset()  # parameters forward never reads (no gradient)
+    no_grad: frozenset[str] = frozenset()  # values that cross with no gradient back (integer ids)
     warnings: list[str] = field(default_factory=list)
-    split: bool = True                           # False: the whole model is one stage
+    split: bool = True  # False: the whole model is one stage
 
     def consumers(self, value: str) -> list[Stage]:
         return [s for s in self.stages if value in s.args]
@@ -134,9 +142,13 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | None = None,
-                group_order: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                exported: ExportedModel | None = None) -> Dataflow:
+def split_model(
+    model: nn.Module,
+    plan: Plan,
+    example_inputs: tuple[Any, ...] | None = None,
+    group_order: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    exported: ExportedModel | None = None,
+) -> Dataflow:
     """Export `model` and cut it into one submodule per stage (see the module docstring).
     Without `example_inputs`, a small batch of the plan's model is made to export with.
     `group_order`: the Program's blocks, each its groups, in the order it runs them
@@ -146,9 +158,11 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
     if exported is None:
         exported = export_plan_model(model, plan, example_inputs)
     if exported.num_outputs != 1:
-        raise PlanError(f"model {plan.model.name!r} returns {exported.num_outputs} tensors; a split "
-                        f"plan needs a single output tensor (the loss input). Plans that need no split "
-                        f"(data parallelism) run it.")
+        raise PlanError(
+            f"model {plan.model.name!r} returns {exported.num_outputs} tensors; a split "
+            f"plan needs a single output tensor (the loss input). Plans that need no split "
+            f"(data parallelism) run it."
+        )
     go = group_order_of(plan, group_order)
     assign, warnings = assign_groups(exported, plan, go.pos)
     gm = exported.module
@@ -159,9 +173,9 @@ def split_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, ...] | 
     single_output(gm)
     gm.graph.lint()
     gm.recompile()
-    for n, g in assign.items():   # split_module copies meta: each stage output's group
-        n.meta[GROUP_META] = g        # (per-stage copies of a replicable node share one meta;
-                                      # such values never leave their stage)
+    for n, g in assign.items():  # split_module copies meta: each stage output's group
+        n.meta[GROUP_META] = g  # (per-stage copies of a replicable node share one meta;
+        # such values never leave their stage)
     split = split_module(gm, model, lambda n: seg[n])
     flow = _dataflow(split, seg, assign, plan, warnings, go)
     _collect_params(flow, gm, seg, assign, model, plan)
@@ -183,11 +197,18 @@ def export_plan_model(model: nn.Module, plan: Plan, example_inputs: tuple[Any, .
         raise PlanError(
             f"model {plan.model.name!r} cannot be exported by torch.export ({type(e).__name__}: "
             f"{first[:300]}), so it cannot be split into groups. Plans that need no split run it: "
-            f"every group on the same devices with the same shares (data parallelism).") from None
+            f"every group on the same devices with the same shares (data parallelism)."
+        ) from None
 
 
-def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.Node, int],
-              plan: Plan, warnings: list[str], go: GroupOrder) -> Dataflow:
+def _dataflow(
+    split: fx.GraphModule,
+    seg: dict[fx.Node, int],
+    assign: dict[fx.Node, int],
+    plan: Plan,
+    warnings: list[str],
+    go: GroupOrder,
+) -> Dataflow:
     """The top-level graph of split_module as stages, projections and owners. A stage runs
     every group from its first to its last in group order (a group with no node of its own
     in between, of the same placement, is part of it: the Program runs it there); a value's
@@ -200,8 +221,8 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
         groups_of_segment.setdefault(k, set()).add(assign[n])
     for k, gs in groups_of_segment.items():
         lo, hi = min(pos[g] for g in gs), max(pos[g] for g in gs)
-        span = by_pos[lo:hi + 1]
-        if go.block is not None:     # the whole block, its groups without nodes here included
+        span = by_pos[lo : hi + 1]
+        if go.block is not None:  # the whole block, its groups without nodes here included
             span = [g for g in range(len(plan.groups)) if go.block[g] in {go.block[x] for x in gs}]
         if all(plan.groups[g].replicas == plan.groups[span[0]].replicas for g in span):
             gs.update(span)
@@ -212,7 +233,7 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
     owner: dict[str, int] = {}
     output: str | None = None
     segment_of: dict[str, int] = {}
-    made_by: dict[str, int | tuple[int, ...]] = {}   # stage → group producing its output(s)
+    made_by: dict[str, int | tuple[int, ...]] = {}  # stage → group producing its output(s)
     no_grad: set[str] = set()
     for n in split.graph.nodes:
         if n.op == "placeholder":
@@ -223,13 +244,21 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
             segment_of[n.name] = k
             for a in n.args:
                 if not isinstance(a, fx.Node):
-                    raise PlanError(f"group {plan.groups[first_group[k]].name!r} receives a constant "
-                                    f"argument {a!r} across a split; merge it with its producer.")
+                    raise PlanError(
+                        f"group {plan.groups[first_group[k]].name!r} receives a constant "
+                        f"argument {a!r} across a split; merge it with its producer."
+                    )
             module = getattr(split, str(n.target))
             args = attributes_inside(module, split, n.args)
-            stages.append(Stage(value=n.name, group=first_group[k], module=module,
-                                args=tuple(a.name for a in args),
-                                groups=tuple(sorted(groups_of_segment[k]))))
+            stages.append(
+                Stage(
+                    value=n.name,
+                    group=first_group[k],
+                    module=module,
+                    args=tuple(a.name for a in args),
+                    groups=tuple(sorted(groups_of_segment[k])),
+                )
+            )
             made_by[n.name] = _producer_groups(module, first_group[k])
             integer = _integer_outputs(module)
             if integer is True:
@@ -252,8 +281,15 @@ def _dataflow(split: fx.GraphModule, seg: dict[fx.Node, int], assign: dict[fx.No
             raise AssertionError(f"unexpected top-level fx node {n.op} {n.target}")
     assert output is not None
     ordered = order_stages(stages, projections, plan, {s.value: set(s.groups) for s in stages}, segment_of)
-    return Dataflow(inputs=tuple(inputs), stages=tuple(ordered), projections=projections,
-                    owner=owner, output=output, warnings=warnings, no_grad=frozenset(no_grad))
+    return Dataflow(
+        inputs=tuple(inputs),
+        stages=tuple(ordered),
+        projections=projections,
+        owner=owner,
+        output=output,
+        warnings=warnings,
+        no_grad=frozenset(no_grad),
+    )
 
 
 def _loss_stage(flow: Dataflow, plan: Plan, go: GroupOrder) -> None:
@@ -265,8 +301,7 @@ def _loss_stage(flow: Dataflow, plan: Plan, go: GroupOrder) -> None:
     if g is None:
         return
     assert LOSS_VALUE not in flow.owner, f"the split already names a value {LOSS_VALUE!r}"
-    flow.stages = (*flow.stages, Stage(value=LOSS_VALUE, group=g, module=LossInput(), args=(flow.output,),
-                                       groups=(g,)))
+    flow.stages = (*flow.stages, Stage(value=LOSS_VALUE, group=g, module=LossInput(), args=(flow.output,), groups=(g,)))
     flow.owner[LOSS_VALUE] = g
     flow.output = LOSS_VALUE
 
@@ -274,8 +309,10 @@ def _loss_stage(flow: Dataflow, plan: Plan, go: GroupOrder) -> None:
 def _producer_groups(module: fx.GraphModule, default: int) -> int | tuple[int, ...]:
     """The group that computes each output of a stage: a stage spanning several groups sends
     each value from its producer's group, where the Program sends it from."""
+
     def group(a: Any) -> int:
         return a.meta.get(GROUP_META, default) if isinstance(a, fx.Node) else default
+
     out = next(n for n in module.graph.nodes if n.op == "output").args[0]
     return tuple(group(a) for a in out) if isinstance(out, (tuple, list)) else group(out)
 
@@ -284,21 +321,32 @@ def _integer_outputs(module: fx.GraphModule) -> bool | tuple[bool, ...]:
     """Whether each output of a stage is known to be a tensor that cannot carry a gradient
     (integer or bool: token ids after a view); a node without a recorded value (one a cut
     rewrite inserted) counts as differentiable."""
+
     def integer(a: Any) -> bool:
         val = a.meta.get("val") if isinstance(a, fx.Node) else None
         return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
+
     out = next(n for n in module.graph.nodes if n.op == "output").args[0]
     return tuple(integer(a) for a in out) if isinstance(out, (tuple, list)) else integer(out)
 
 
-def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], plan: Plan,
-                 groups_of: dict[str, set[int]], segment_of: dict[str, int]) -> list[Stage]:
+def order_stages(
+    stages: list[Stage],
+    projections: dict[str, tuple[str, int]],
+    plan: Plan,
+    groups_of: dict[str, set[int]],
+    segment_of: dict[str, int],
+) -> list[Stage]:
     """A topological order of the stages that runs, among the ready ones, the stage with the
     highest plan priority first (a stage's priority: the highest of its groups' nodes'; ties
     keep the traced order). Every rank computes the same order from the plan, which keeps the
     transfers deadlock-free (transport.py); without priorities it is the traced order."""
-    prio = {s.value: max((plan.priorities.get(n, 0.0) for g in groups_of[s.value]
-                          for n in plan.groups[g].nodes), default=0.0) for s in stages}
+    prio = {
+        s.value: max(
+            (plan.priorities.get(n, 0.0) for g in groups_of[s.value] for n in plan.groups[g].nodes), default=0.0
+        )
+        for s in stages
+    }
     index = {s.value: segment_of[s.value] for s in stages}
     deps = {s.value: {projections.get(a, (a, 0))[0] for a in s.args} & set(index) for s in stages}
     done: set[str] = set()
@@ -311,8 +359,14 @@ def order_stages(stages: list[Stage], projections: dict[str, tuple[str, int]], p
     return out
 
 
-def _collect_params(flow: Dataflow, gm: fx.GraphModule, seg: dict[fx.Node, int],
-                    assign: dict[fx.Node, int], model: nn.Module, plan: Plan) -> None:
+def _collect_params(
+    flow: Dataflow,
+    gm: fx.GraphModule,
+    seg: dict[fx.Node, int],
+    assign: dict[fx.Node, int],
+    model: nn.Module,
+    plan: Plan,
+) -> None:
     """Map each group to the parameters its nodes read; a parameter read by several groups
     is tied (every one of them holds a copy)."""
     name_of = {id(p): name for name, p in model.named_parameters()}
@@ -349,8 +403,10 @@ def _collect_params(flow: Dataflow, gm: fx.GraphModule, seg: dict[fx.Node, int],
         flow.param_by_name[name] = p
     flow.unused = frozenset(n for n, _ in unused)
     if unused:
-        flow.warnings.append(f"{len(unused)} parameter(s) unused in forward, held by the group of "
-                             f"their module, e.g. {[n for n, _ in unused[:3]]}")
+        flow.warnings.append(
+            f"{len(unused)} parameter(s) unused in forward, held by the group of "
+            f"their module, e.g. {[n for n, _ in unused[:3]]}"
+        )
 
 
 def _group_of_module(param: str, group_of_node: dict[str, int]) -> int:
@@ -376,6 +432,7 @@ def example_batch_for(plan: Plan) -> tuple[Any, ...]:
     """A small synthetic batch of the plan's model (2–4 samples) to export it with; the RNG
     state is left untouched, so the run's seeded batches and parameters do not move."""
     from heterog.execute.workload import resolve_workload
+
     work = resolve_workload(plan.model)
     with torch.random.fork_rng(devices=[]):
         inputs, _ = work.example_batch(max(2, min(plan.batch_size, 4)), work.seq_len)
@@ -395,27 +452,39 @@ def whole_model(model: nn.Module, plan: Plan, num_inputs: int) -> Dataflow:
     module path), or with the first group when no group names its module.
     """
     if not needs_no_split(plan):
-        raise PlanError("this plan places groups on different devices, which needs the model split "
-                        "into groups, but the model cannot be exported by torch.export.")
+        raise PlanError(
+            "this plan places groups on different devices, which needs the model split "
+            "into groups, but the model cannot be exported by torch.export."
+        )
     by_name = group_of_names(plan)
     params: dict[int, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
         params.setdefault(_group_of_module(name, by_name), []).append((name, p))
     inputs = tuple(f"input_{i}" for i in range(num_inputs))
     stage = Stage(value="output", group=0, module=model, args=inputs, groups=tuple(range(len(plan.groups))))
-    return Dataflow(inputs=inputs, stages=(stage,), projections={},
-                    owner={**{i: INPUT for i in inputs}, "output": 0}, output="output",
-                    params_of_group=params, split=False,
-                    param_names={g: tuple(n for n, _ in ps) for g, ps in params.items()},
-                    param_numel={n: p.numel() for n, p in model.named_parameters()},
-                    param_shape={n: p.shape for n, p in model.named_parameters()},
-                    param_by_name=dict(model.named_parameters()))
+    return Dataflow(
+        inputs=inputs,
+        stages=(stage,),
+        projections={},
+        owner={**{i: INPUT for i in inputs}, "output": 0},
+        output="output",
+        params_of_group=params,
+        split=False,
+        param_names={g: tuple(n for n, _ in ps) for g, ps in params.items()},
+        param_numel={n: p.numel() for n, p in model.named_parameters()},
+        param_shape={n: p.shape for n, p in model.named_parameters()},
+        param_by_name=dict(model.named_parameters()),
+    )
 
 
-def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
-                   example_inputs: tuple[Any, ...] | None = None,
-                   group_order: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                   exported: ExportedModel | None = None) -> Dataflow:
+def build_dataflow(
+    model: nn.Module,
+    plan: Plan,
+    num_inputs: int,
+    example_inputs: tuple[Any, ...] | None = None,
+    group_order: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    exported: ExportedModel | None = None,
+) -> Dataflow:
     """Split when the model exports; otherwise run it whole when the plan allows.
     `exported`: as in split_model."""
     try:
@@ -423,8 +492,9 @@ def build_dataflow(model: nn.Module, plan: Plan, num_inputs: int,
     except PlanError as e:
         if needs_no_split(plan) and "cannot be exported" in str(e):
             flow = whole_model(model, plan, num_inputs)
-            flow.warnings.append("model not exportable (torch.export; not fx-traceable either): "
-                                 "ran as one stage (data parallelism)")
+            flow.warnings.append(
+                "model not exportable (torch.export; not fx-traceable either): ran as one stage (data parallelism)"
+            )
             return flow
         raise
 
@@ -443,9 +513,11 @@ def program_group_order(program: Any) -> list[tuple[int, ...]]:
     runs: list[list[int]] = []
     for b, block in enumerate(program.blocks):
         prev = runs[-1] if runs else None
-        if (prev is not None and (block.devices, block.shares) == (program.blocks[prev[0]].devices,
-                                                                  program.blocks[prev[0]].shares)
-                and not sources.get(b, set()) & set(prev)):
+        if (
+            prev is not None
+            and (block.devices, block.shares) == (program.blocks[prev[0]].devices, program.blocks[prev[0]].shares)
+            and not sources.get(b, set()) & set(prev)
+        ):
             prev.append(b)
         else:
             runs.append([b])

@@ -26,8 +26,9 @@ and the model module it came from, before step 1 (worker.py) and in `heterog che
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -38,11 +39,12 @@ from heterog.errors import PlanError
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Misplaced:
     """One thing of a stage that is not on the rank's device."""
-    stage: str                 # the stage's value name
-    what: str                  # 'node' | 'parameter' | 'buffer' | 'constant'
-    name: str                  # the fx node or attribute
-    module: str                # the model module it belongs to ('' when unknown)
-    device: str                # where it is
+
+    stage: str  # the stage's value name
+    what: str  # 'node' | 'parameter' | 'buffer' | 'constant'
+    name: str  # the fx node or attribute
+    module: str  # the model module it belongs to ('' when unknown)
+    device: str  # where it is
 
     def describe(self) -> str:
         where = f" (model module {self.module!r})" if self.module else ""
@@ -81,6 +83,7 @@ def rewrite_node_devices(module: nn.Module, device: torch.device) -> int:
                     hit = True
                     return device
                 return a
+
             args = fx.node.map_aggregate(node.args, swap)
             kwargs = fx.node.map_aggregate(node.kwargs, swap)
             if isinstance(kwargs.get("device"), str) and not _same_device(torch.device(kwargs["device"]), device):
@@ -119,8 +122,7 @@ def _tensor_attributes(module: nn.Module) -> Iterable[tuple[nn.Module, str, torc
             if buf is not None:
                 yield owner, name, buf, "buffer"
         for name, value in list(vars(owner).items()):
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
-                    and name not in owner._buffers:
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and name not in owner._buffers:
                 yield owner, name, value, "constant"
 
 
@@ -180,25 +182,37 @@ def misplaced(stages: Iterable[tuple[str, nn.Module]], device: torch.device) -> 
         for gm in _graph_modules(module):
             for node in gm.graph.nodes:
                 devices: list[torch.device] = []
-                fx.node.map_aggregate((node.args, node.kwargs),
-                                      lambda a: devices.append(a) if isinstance(a, torch.device) else a)
+                fx.node.map_aggregate(
+                    (node.args, node.kwargs), lambda a: devices.append(a) if isinstance(a, torch.device) else a
+                )
                 if isinstance(node.kwargs.get("device"), str):
                     devices.append(torch.device(node.kwargs["device"]))
                 bad = next((d for d in devices if not _same_device(d, device)), None)
                 if bad is not None:
-                    found.append(Misplaced(stage=stage, what="node", name=f"{node.name} ({node.target})",
-                                           module=_module_path(node), device=str(bad)))
+                    found.append(
+                        Misplaced(
+                            stage=stage,
+                            what="node",
+                            name=f"{node.name} ({node.target})",
+                            module=_module_path(node),
+                            device=str(bad),
+                        )
+                    )
         users = _attribute_users(module)
         for name, p in module.named_parameters():
             if not _same_device(p.device, device) and p.numel():
-                found.append(Misplaced(stage=stage, what="parameter", name=name, module=users.get(name, ""),
-                                       device=str(p.device)))
+                found.append(
+                    Misplaced(
+                        stage=stage, what="parameter", name=name, module=users.get(name, ""), device=str(p.device)
+                    )
+                )
         for owner, attr, t, kind in _tensor_attributes(module):
             if not _same_device(t.device, device):
                 path = next((n for n, m in module.named_modules() if m is owner), "")
                 full = f"{path}.{attr}" if path else attr
-                found.append(Misplaced(stage=stage, what=kind, name=full, module=users.get(full, ""),
-                                       device=str(t.device)))
+                found.append(
+                    Misplaced(stage=stage, what=kind, name=full, module=users.get(full, ""), device=str(t.device))
+                )
     return found
 
 
@@ -209,13 +223,18 @@ def require_placed(stages: Iterable[tuple[str, nn.Module]], device: torch.device
         return
     who = f"rank {rank}: " if rank is not None else ""
     more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
-    raise PlanError(f"{who}the model's stages are not all on {device}: "
-                    + "; ".join(m.describe() for m in bad[:3]) + more
-                    + ". A tensor the model makes on a fixed device cannot run on this rank's device: "
-                      "create it on the device of the module's inputs (e.g. device=x.device).")
+    raise PlanError(
+        f"{who}the model's stages are not all on {device}: "
+        + "; ".join(m.describe() for m in bad[:3])
+        + more
+        + ". A tensor the model makes on a fixed device cannot run on this rank's device: "
+        "create it on the device of the module's inputs (e.g. device=x.device)."
+    )
 
 
-def place_rank(flow: Any, held: set[int], device: torch.device, *, rank: int | None = None) -> list[tuple[str, nn.Module]]:
+def place_rank(
+    flow: Any, held: set[int], device: torch.device, *, rank: int | None = None
+) -> list[tuple[str, nn.Module]]:
     """Place the stages a rank runs (those of its held groups) and its held parameters on
     `device`, point the split's tables at any parameter that had to be replaced, and check
     the result (require_placed); returns the (name, module) of the placed stages."""

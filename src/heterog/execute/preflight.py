@@ -24,20 +24,25 @@ def check_plan_fits_model(plan: Plan) -> None:
         plan.validate(cluster=cluster_from_dict(plan.cluster))
     problem = _model_mismatch(plan, graph)
     if problem:
-        raise PlanError(f"this plan does not fit model {plan.model.name!r} {plan.model.args or ''} as it "
-                        f"is now: {problem} Re-plan with `heterog plan` for this model, or run the plan "
-                        f"made for it.")
+        raise PlanError(
+            f"this plan does not fit model {plan.model.name!r} {plan.model.args or ''} as it "
+            f"is now: {problem} Re-plan with `heterog plan` for this model, or run the plan "
+            f"made for it."
+        )
 
 
 def _capture_for_plan(plan: Plan):
     """The plan's model captured at the plan's batch, or a PlanError saying it cannot be built."""
-    from heterog.capture.cache import capture_cached      # the graph the plan's inputs read too
+    from heterog.capture.cache import capture_cached  # the graph the plan's inputs read too
+
     try:
-        return capture_cached(plan.model.name, plan.model.args or None, batch_size=plan.batch_size,
-                              seq_len=plan.model.seq_len)
+        return capture_cached(
+            plan.model.name, plan.model.args or None, batch_size=plan.batch_size, seq_len=plan.model.seq_len
+        )
     except HeterogError as e:
-        raise PlanError(f"the plan's model {plan.model.name!r} cannot be built to check the plan "
-                        f"against it: {e}") from None
+        raise PlanError(
+            f"the plan's model {plan.model.name!r} cannot be built to check the plan against it: {e}"
+        ) from None
 
 
 def _model_mismatch(plan: Plan, graph) -> str | None:
@@ -51,10 +56,15 @@ def _model_mismatch(plan: Plan, graph) -> str | None:
     uncovered = [n.name for n in graph.nodes if "::" not in n.name and n.name not in planned]
     if uncovered:
         return f"model node(s) {uncovered[:3]}{' …' if len(uncovered) > 3 else ''} belong to no group of the plan."
-    if plan.graph_fingerprint and not user_model_file(plan.model.name) \
-            and plan.graph_fingerprint != graph.fingerprint():
-        return (f"its graph fingerprint is {graph.fingerprint()}, the plan's {plan.graph_fingerprint} (the "
-                f"model's structure or costs changed since planning).")
+    if (
+        plan.graph_fingerprint
+        and not user_model_file(plan.model.name)
+        and plan.graph_fingerprint != graph.fingerprint()
+    ):
+        return (
+            f"its graph fingerprint is {graph.fingerprint()}, the plan's {plan.graph_fingerprint} (the "
+            f"model's structure or costs changed since planning)."
+        )
     return None
 
 
@@ -63,4 +73,5 @@ def check_data(plan: Plan, data: str | None) -> None:
     if not data:
         return
     from heterog.execute.workload import check_batch, resolve_workload, with_data
+
     check_batch(with_data(resolve_workload(plan.model), data), plan.batch_size, source=f"--data {data!r}")

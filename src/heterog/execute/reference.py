@@ -10,8 +10,9 @@ from heterog.ir.kinds import Precision
 from heterog.ir.plan import Plan
 
 
-def reference_train(plan: Plan, *, steps: int, seed: int = 0, data: str | None = None,
-                    skip_steps: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
+def reference_train(
+    plan: Plan, *, steps: int, seed: int = 0, data: str | None = None, skip_steps: frozenset[int] = frozenset()
+) -> dict[str, torch.Tensor]:
     """Parameters after `steps` optimizer steps of the whole model on the whole batch, under
     the plan's precision (autocast on the CPU for amp-bf16 and fp16; fp16 with torch's own
     GradScaler at the executor's initial scale). `skip_steps`: fp16 steps to skip as an
@@ -25,7 +26,7 @@ def reference_train(plan: Plan, *, steps: int, seed: int = 0, data: str | None =
     for step in range(steps):
         inputs, targets = global_batch(work, plan.batch_size, seed=seed, step=step)
         opt.zero_grad(set_to_none=True)
-        with RankDevice(kind="cpu").autocast(plan.precision):   # as the ranks run it
+        with RankDevice(kind="cpu").autocast(plan.precision):  # as the ranks run it
             loss = work.loss(model(*inputs), targets)
         if scaler is None:
             loss.float().backward()

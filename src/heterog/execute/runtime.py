@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -55,20 +56,21 @@ from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Pr
 
 @dataclass(kw_only=True)
 class StepStats:
-    compute_s: float = 0.0       # measured forward/backward/optimizer time (before pacing)
-    cpu_s: float = 0.0           # CPU time of that compute (this thread)
-    paced_s: float = 0.0         # waiting added to emulate a slower device
-    recv_wait_s: float = 0.0     # receives: how long this rank waited for its peers' tensors
-    sync_s: float = 0.0          # collective launches and the wait for their results
+    compute_s: float = 0.0  # measured forward/backward/optimizer time (before pacing)
+    cpu_s: float = 0.0  # CPU time of that compute (this thread)
+    paced_s: float = 0.0  # waiting added to emulate a slower device
+    recv_wait_s: float = 0.0  # receives: how long this rank waited for its peers' tensors
+    sync_s: float = 0.0  # collective launches and the wait for their results
     samples: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Mark:
     """One timed piece of a step: an instruction (index) or a collective's run on the lane."""
+
     name: str
     category: SpanCategory
-    start: Any                   # Clock marks
+    start: Any  # Clock marks
     end: Any
     index: int | None = None
 
@@ -76,23 +78,38 @@ class _Mark:
 @dataclass(kw_only=True)
 class _Call:
     """A forward that ran here: what its backward needs."""
+
     stage: Stage
     lo: int
     sinks: dict[str, tuple[GradientSlot, torch.Tensor]] = field(default_factory=dict)  # value → its backward
     leaves: list[tuple[str, GradientSlot, tuple[InputPiece, ...]]] = field(default_factory=list)
     loss: torch.Tensor | None = None
-    saved: list[torch.Tensor] = field(default_factory=list)   # what autograd saved (memory cap only)
+    saved: list[torch.Tensor] = field(default_factory=list)  # what autograd saved (memory cap only)
 
 
 class Interpreter:
     """Runs this rank's instructions of a Program, one training step per `step()` call."""
 
-    def __init__(self, *, program: Program, device: str, flow: Dataflow, work: Workload, transport: Transport,
-                 pacer: Pacer, sync, batch_size: int, rank_of: dict[str, int], optimizer=None,
-                 rank_device: RankDevice | None = None, precision: str = "fp32",
-                 memory_cap: MemoryCap | None = None, crossing: dict[tuple[int, int], list[str]] | None = None):
+    def __init__(
+        self,
+        *,
+        program: Program,
+        device: str,
+        flow: Dataflow,
+        work: Workload,
+        transport: Transport,
+        pacer: Pacer,
+        sync,
+        batch_size: int,
+        rank_of: dict[str, int],
+        optimizer=None,
+        rank_device: RankDevice | None = None,
+        precision: str = "fp32",
+        memory_cap: MemoryCap | None = None,
+        crossing: dict[tuple[int, int], list[str]] | None = None,
+    ):
         self.program, self.flow, self.work = program, flow, work
-        self.memory_cap = memory_cap     # an emulated device's capacity, checked after every instruction
+        self.memory_cap = memory_cap  # an emulated device's capacity, checked after every instruction
         self.peak_live_bytes = 0
         self.instructions = program.instructions[device]
         self.transport, self.pacer, self.sync = transport, pacer, sync
@@ -101,23 +118,24 @@ class Interpreter:
         self.rank_device = rank_device or RankDevice(kind="cpu")
         self.precision = precision
         # fp16: one loss scale on every rank; the check after the sync is a collective
-        self.scaler = (LossScaler(self.rank_device) if precision == Precision.FP16 and self.rank_device.kind != "meta"
-                       else None)
+        self.scaler = (
+            LossScaler(self.rank_device) if precision == Precision.FP16 and self.rank_device.kind != "meta" else None
+        )
         # how a stage module is called (heterog check runs it node by node to name a failing node)
         self.call_stage: Callable[..., Any] = _call
         self.stats = StepStats()
-        self.skipped_steps = 0           # fp16: steps skipped on an overflow
-        self.overflow_hook: Callable[[], None] | None = None   # test hook: an inf into a gradient
+        self.skipped_steps = 0  # fp16: steps skipped on an overflow
+        self.overflow_hook: Callable[[], None] | None = None  # test hook: an inf into a gradient
         self.clock = self.rank_device.clock()
         self._marks: list[_Mark] = []
         self.trace: list[tuple] = []
-        self.samples: list[int] = []   # per forward compute: samples in the tensors it produced
-        self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)   # Boundary's
+        self.samples: list[int] = []  # per forward compute: samples in the tensors it produced
+        self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)  # Boundary's
         self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
         self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
         self.crossing = crossing if crossing is not None else crossing_values(program, flow)
         self.range_of: dict[tuple[int, int], tuple[int, int]] = {}
-        self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}   # (run, micro-batch) → pieces
+        self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}  # (run, micro-batch) → pieces
         for ins in self.instructions:
             if isinstance(ins, Compute) and ins.phase == Phase.FORWARD:
                 self.range_of[(ins.block, ins.microbatch)] = (ins.lo, ins.hi)
@@ -149,11 +167,16 @@ class Interpreter:
 
     def _slice(self, local: Any, v: str, start: int, stop: int, held: int) -> torch.Tensor:
         if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.shape[0] != held:
-            what = (f"a {type(local).__name__}" if not isinstance(local, torch.Tensor)
-                    else f"a tensor of shape {tuple(local.shape)}")
-            raise PlanError(f"value {v!r} is {what}, not batch-first with {held} samples, yet it "
-                            f"crosses blocks with different sample ranges; merge its producer and "
-                            f"consumer groups.")
+            what = (
+                f"a {type(local).__name__}"
+                if not isinstance(local, torch.Tensor)
+                else f"a tensor of shape {tuple(local.shape)}"
+            )
+            raise PlanError(
+                f"value {v!r} is {what}, not batch-first with {held} samples, yet it "
+                f"crosses blocks with different sample ranges; merge its producer and "
+                f"consumer groups."
+            )
         return local[start:stop]
 
     # -- one step ---------------------------------------------------------------------------
@@ -173,7 +196,7 @@ class Interpreter:
         self._marks = []
         self.sync.runner.runs.clear()
         self.stats = StepStats()
-        self.trace, self.samples = [], []     # what this step ran
+        self.trace, self.samples = [], []  # what this step ran
         self.transport.new_step()
         for index, ins in enumerate(self.instructions):
             if isinstance(ins, Optimizer):
@@ -187,15 +210,22 @@ class Interpreter:
             if self.memory_cap is not None:
                 live = self.live_bytes()
                 self.peak_live_bytes = max(self.peak_live_bytes, live.total_bytes)
-                self.memory_cap.check(live, index=index, what=type(ins).__name__.lower()
-                                      + (f" {ins.phase} of block {ins.block}, micro-batch {ins.microbatch}"
-                                         if isinstance(ins, Compute) else ""))
+                self.memory_cap.check(
+                    live,
+                    index=index,
+                    what=type(ins).__name__.lower()
+                    + (
+                        f" {ins.phase} of block {ins.block}, micro-batch {ins.microbatch}"
+                        if isinstance(ins, Compute)
+                        else ""
+                    ),
+                )
         self.transport.wait_all()
         with self._timing("gradient sync (end of step)", SpanCategory.SYNC):
-            self.sync.finish()      # a server without a replica has collectives but no optimizer step
-        if self.scaler is not None:      # every rank, so that all skip an overflowing step alike
+            self.sync.finish()  # a server without a replica has collectives but no optimizer step
+        if self.scaler is not None:  # every rank, so that all skip an overflowing step alike
             self._scaled_step()
-        if self.rank_device.kind == "meta":      # shapes only (heterog check)
+        if self.rank_device.kind == "meta":  # shapes only (heterog check)
             return float("nan")
         return float(self._loss_total)
 
@@ -216,21 +246,24 @@ class Interpreter:
 
     def _timing(self, name: str, category: SpanCategory, index: int | None = None):
         """Mark the start and end of a piece of the step with the rank's clock."""
+
         @contextlib.contextmanager
         def timed():
             start = self.clock.mark()
             try:
                 yield
             finally:
-                self._marks.append(_Mark(name=name, category=category, start=start, end=self.clock.mark(),
-                                         index=index))
+                self._marks.append(_Mark(name=name, category=category, start=start, end=self.clock.mark(), index=index))
+
         return timed()
 
     def _describe(self, ins) -> tuple[str, SpanCategory]:
         if isinstance(ins, Compute):
             forward = ins.phase == Phase.FORWARD
-            return (f"{self.program.blocks[ins.block].label} {'F' if forward else 'B'} mb{ins.microbatch}",
-                    SpanCategory.FORWARD if forward else SpanCategory.BACKWARD)
+            return (
+                f"{self.program.blocks[ins.block].label} {'F' if forward else 'B'} mb{ins.microbatch}",
+                SpanCategory.FORWARD if forward else SpanCategory.BACKWARD,
+            )
         if isinstance(ins, (Send, Recv)):
             return f"{ins.kind} {ins.peer} mb{ins.microbatch}", SpanCategory.TRANSFER
         if isinstance(ins, Collective):
@@ -241,16 +274,29 @@ class Interpreter:
         """After the step (the device synchronised): this step's spans, times as `origin_s`
         plus the clock's seconds since `origin` (a mark taken at the step's start), and the
         step's stats derived from them (`stats`)."""
-        runs = [_Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b)
-                for label, a, b in self.sync.runner.runs]
-        spans = [Span(name=m.name, category=m.category, rank=rank, step=step, index=m.index,
-                      start_s=origin_s + self.clock.seconds(origin, m.start),
-                      end_s=origin_s + self.clock.seconds(origin, m.end)) for m in [*self._marks, *runs]]
+        runs = [
+            _Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b) for label, a, b in self.sync.runner.runs
+        ]
+        spans = [
+            Span(
+                name=m.name,
+                category=m.category,
+                rank=rank,
+                step=step,
+                index=m.index,
+                start_s=origin_s + self.clock.seconds(origin, m.start),
+                end_s=origin_s + self.clock.seconds(origin, m.end),
+            )
+            for m in [*self._marks, *runs]
+        ]
         total = {c: 0.0 for c in SpanCategory}
         for sp, m in zip(spans, [*self._marks, *runs]):
-            if m.category is SpanCategory.TRANSFER and m.index is not None \
-                    and not isinstance(self.instructions[m.index], Recv):
-                continue                   # a send's posting is the executor's own time
+            if (
+                m.category is SpanCategory.TRANSFER
+                and m.index is not None
+                and not isinstance(self.instructions[m.index], Recv)
+            ):
+                continue  # a send's posting is the executor's own time
             total[sp.category] += sp.end_s - sp.start_s
         compute = total[SpanCategory.FORWARD] + total[SpanCategory.BACKWARD] + total[SpanCategory.OPTIMIZER]
         self.stats.compute_s = max(compute - self.stats.paced_s, 0.0)
@@ -275,7 +321,7 @@ class Interpreter:
         with self._timing("gradient sync wait", SpanCategory.SYNC, index):
             self.transport.wait_all()
             self.sync.finish()
-            self.sync.sum_tied_gradients()    # copies of a tied parameter: one gradient for all
+            self.sync.sum_tied_gradients()  # copies of a tied parameter: one gradient for all
         self.trace.append(("optimizer",))
         if self.optimizer is not None and self.scaler is None:
             with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
@@ -288,16 +334,24 @@ class Interpreter:
         count = StorageCounter()
         params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
         state = list(self.optimizer.state.values()) if self.optimizer else []
-        servers = self.sync.runner.servers.values()       # a parameter server's copy and optimizer
+        servers = self.sync.runner.servers.values()  # a parameter server's copy and optimizer
         params += [s.master for s in servers if s.master is not None]
         state += [v for s in servers if s.optimizer is not None for v in s.optimizer.state.values()]
-        held = (self._env, self._inbox, self._outbox, [s.grad for s in self._slots.values()], self.transport.in_flight(),
-                [(c.saved, c.loss) for c in self._calls.values()])
-        return LiveBytes(parameters_bytes=count.add(params),
-                         gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
-                         optimizer_state_bytes=count.add(tensors_in(state)),
-                         activations_bytes=count.add(tensors_in(held)),
-                         buffers_bytes=count.add(self.sync.runner.kept_buffers()))
+        held = (
+            self._env,
+            self._inbox,
+            self._outbox,
+            [s.grad for s in self._slots.values()],
+            self.transport.in_flight(),
+            [(c.saved, c.loss) for c in self._calls.values()],
+        )
+        return LiveBytes(
+            parameters_bytes=count.add(params),
+            gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
+            optimizer_state_bytes=count.add(tensors_in(state)),
+            activations_bytes=count.add(tensors_in(held)),
+            buffers_bytes=count.add(self.sync.runner.kept_buffers()),
+        )
 
     def _saving(self, saved: list[torch.Tensor]):
         """With a memory cap: record what autograd saves for backward, so it is counted."""
@@ -311,9 +365,9 @@ class Interpreter:
             return
         stages = self.stages_of.get(ins.block, ())
         counted = -1
-        for si in (stages if ins.phase == Phase.FORWARD else reversed(stages)):
+        for si in stages if ins.phase == Phase.FORWARD else reversed(stages):
             if self.first_compute[(si, ins.phase, ins.microbatch)] != index:
-                continue      # this stage ran at an earlier block of its fused run
+                continue  # this stage ran at an earlier block of its fused run
             if ins.phase == Phase.FORWARD:
                 self._forward(si, ins)
                 out = self._env[(self.flow.stages[si].value, ins.microbatch)]
@@ -342,7 +396,7 @@ class Interpreter:
             lo = self.mb_offsets[m]
             return slice_batch(self._inputs[v], lo + ins.lo, lo + ins.hi), None
         a = self.block_of_group[owner]
-        if self.run_of[a] == self.run_of[ins.block]:      # same fused run: held here whole
+        if self.run_of[a] == self.run_of[ins.block]:  # same fused run: held here whole
             local = self._value(v, m)
             pieces = (InputPiece(block=a, lo=ins.lo, hi=ins.hi, src_lo=ins.lo),)
             parts = [local]
@@ -360,8 +414,10 @@ class Interpreter:
                 else:
                     parts.append(self._inbox.pop((p.tag, v)))
         if not parts:
-            raise PlanError(f"value {v!r} reaches block {ins.block} from no piece of the program; "
-                            f"merge its producer and consumer groups.")
+            raise PlanError(
+                f"value {v!r} reaches block {ins.block} from no piece of the program; "
+                f"merge its producer and consumer groups."
+            )
         if len(parts) == 1 and not isinstance(parts[0], torch.Tensor):
             return parts[0], None
         x = (parts[0] if len(parts) == 1 else torch.cat([t.detach() for t in parts])).detach()
@@ -379,11 +435,12 @@ class Interpreter:
             if grad_in is not None:
                 leaves.append((v, *grad_in))
         saved: list[torch.Tensor] = []
-        with self.rank_device.autocast(self.precision), self._saving(saved):   # fp32 master weights
+        with self.rank_device.autocast(self.precision), self._saving(saved):  # fp32 master weights
             if self.program.blocks[ins.block].recompute:
                 # activation recomputation: keep only the stage's inputs; re-run forward in backward
-                out = self._timed(torch.utils.checkpoint.checkpoint, self.call_stage, s.module, *args,
-                                  use_reentrant=False)
+                out = self._timed(
+                    torch.utils.checkpoint.checkpoint, self.call_stage, s.module, *args, use_reentrant=False
+                )
             else:
                 out = self._timed(self.call_stage, s.module, *args)
         self._env[(s.value, m)] = out
@@ -402,7 +459,7 @@ class Interpreter:
             with self.rank_device.autocast(self.precision), self._saving(saved):
                 loss = self._timed(self.work.loss, y, target)
             call.loss = loss.float() * ((ins.hi - ins.lo) / self.batch_size)
-            self._loss_total = self._loss_total + call.loss.detach()   # read once, after the step
+            self._loss_total = self._loss_total + call.loss.detach()  # read once, after the step
             if self.scaler is not None:
                 call.loss = self.scaler.scale_loss(call.loss)
         self._calls[(si, m)] = call
@@ -420,12 +477,12 @@ class Interpreter:
                 root_grads.append(None)
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
-        for v in self._values_of(s):              # the outputs' gradients are spent
+        for v in self._values_of(s):  # the outputs' gradients are spent
             self._slots.pop((v, m), None)
-        for v, slot, pieces in call.leaves:       # input gradients back to their producers
+        for v, slot, pieces in call.leaves:  # input gradients back to their producers
             g = slot.gradient()
             for p in pieces:
-                part = g[p.lo - call.lo:p.hi - call.lo]
+                part = g[p.lo - call.lo : p.hi - call.lo]
                 if p.tag is None:
                     plo = self.range_of[(p.block, m)][0]
                     self._add_grad(v, m, p.lo - plo, p.hi - plo, part)
@@ -463,7 +520,7 @@ class Interpreter:
             else:
                 lo = self.range_of[(ins.src_block, ins.microbatch)][0]
                 self._add_grad(v, ins.microbatch, ins.lo - lo, ins.hi - lo, x)
-        if ins.phase == Phase.BACKWARD:     # the peer has used what this rank sent it forward
+        if ins.phase == Phase.BACKWARD:  # the peer has used what this rank sent it forward
             self.transport.release(transfer_key(ins))
 
 
@@ -483,8 +540,10 @@ def _stages_of_blocks(program: Program, flow: Dataflow, instructions):
         blocks = sorted({block_of[g] for g in (s.groups or (s.group,))})
         placements = {(program.blocks[b].devices, program.blocks[b].shares) for b in blocks}
         if len(placements) > 1 or blocks != list(range(blocks[0], blocks[-1] + 1)):
-            raise PlanError(f"stage {s.value!r} of the split model runs groups of blocks {blocks}, which "
-                            f"are not one run of a single placement; the model cannot be cut as planned.")
+            raise PlanError(
+                f"stage {s.value!r} of the split model runs groups of blocks {blocks}, which "
+                f"are not one run of a single placement; the model cannot be cut as planned."
+            )
         for b in blocks:
             stages_of.setdefault(b, []).append(si)
             run_of[b] = run_of[blocks[0]]
@@ -514,7 +573,9 @@ def crossing_values(program: Program, flow: Dataflow) -> dict[tuple[int, int], l
                 lst = out.setdefault((a, b), [])
                 if v not in lst:
                     if len(lst) >= MAX_VALUES:
-                        raise PlanError(f"more than {MAX_VALUES} values cross from block {a} to block "
-                                        f"{b}; group the model more coarsely.")
+                        raise PlanError(
+                            f"more than {MAX_VALUES} values cross from block {a} to block "
+                            f"{b}; group the model more coarsely."
+                        )
                     lst.append(v)
     return out

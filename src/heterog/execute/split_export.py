@@ -42,11 +42,11 @@ from heterog.errors import PlanError
 
 
 class LayoutKind(StrEnum):
-    FIRST = "first"        # samples along dim 0: crosses as it is
-    MOVED = "moved"        # samples along dim `dim` > 0: moved to the front for the transfer
-    FLAT = "flat"          # dim 0 is samples × `factor` (batch-major): unflattened for the transfer
-    NONE = "none"          # no sample dimension (e.g. a reduction over the batch): cannot cross
-    OTHER = "other"        # not a tensor
+    FIRST = "first"  # samples along dim 0: crosses as it is
+    MOVED = "moved"  # samples along dim `dim` > 0: moved to the front for the transfer
+    FLAT = "flat"  # dim 0 is samples × `factor` (batch-major): unflattened for the transfer
+    NONE = "none"  # no sample dimension (e.g. a reduction over the batch): cannot cross
+    OTHER = "other"  # not a tensor
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,6 +59,7 @@ class BatchLayout:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExportedModel:
     """The exported graph and what each node means for a split (see the module docstring)."""
+
     module: fx.GraphModule
     leaf_name: dict[fx.Node, str]
     data: frozenset[fx.Node]
@@ -76,24 +77,32 @@ def export_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> ExportedM
     """Export `model` (train mode kept: dropout stays random, batch norm updates its
     statistics) with a symbolic batch dimension on every tensor input."""
     from torch.export import Dim, export
-    dynamic = tuple({0: Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None
-                    for x in example_inputs)
+
+    dynamic = tuple({0: Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in example_inputs)
     with torch.random.fork_rng(devices=[]):
         ep = export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=False)
     gm = ep.module()
     _drop_guards(gm)
     symbols = _batch_symbols(gm)
     if not symbols:
-        raise PlanError("the exported model fixed its batch size (no input kept a symbolic "
-                        "dimension 0), so it cannot run on a replica's share of the batch. Make "
-                        "the model's forward independent of the batch size.")
+        raise PlanError(
+            "the exported model fixed its batch size (no input kept a symbolic "
+            "dimension 0), so it cannot run on a replica's share of the batch. Make "
+            "the model's forward independent of the batch size."
+        )
     data = _data_nodes(gm)
     layout = {n: _layout(n.meta.get("val"), symbols) for n in gm.graph.nodes}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     num_outputs = len([a for a in tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)])
     leaf_name = _leaf_names(gm, model)
-    return ExportedModel(module=gm, leaf_name=leaf_name, data=frozenset(data),
-                         layout=layout, num_outputs=num_outputs, loose_run=_loose_runs(gm, leaf_name))
+    return ExportedModel(
+        module=gm,
+        leaf_name=leaf_name,
+        data=frozenset(data),
+        layout=layout,
+        num_outputs=num_outputs,
+        loose_run=_loose_runs(gm, leaf_name),
+    )
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:
@@ -191,8 +200,11 @@ def _loose_runs(gm: fx.GraphModule, leaf_name: dict[fx.Node, str]) -> dict[fx.No
         if n in leaf_name:
             context = ("leaf", leaf_name[n])
             continue
-        paths = [v[0] for v in (n.meta.get("nn_module_stack") or {}).values()
-                 if isinstance(v, tuple) and isinstance(v[0], str) and v[0]]
+        paths = [
+            v[0]
+            for v in (n.meta.get("nn_module_stack") or {}).values()
+            if isinstance(v, tuple) and isinstance(v[0], str) and v[0]
+        ]
         parent = paths[-1] if paths else "root"
         if context != ("loose", parent):
             context = ("loose", parent)
@@ -215,6 +227,7 @@ class CutConstraints:
     replicas or shares there is refused (for a loose consumer: with any group it may run
     in). The search reads both (search/constraints.py); in the zoo, `same_placement` is
     empty and `follow_consumers` holds e.g. GPT-2's position embedding."""
+
     follow_consumers: frozenset[str]
     same_placement: frozenset[tuple[str, str]]
 
@@ -224,12 +237,16 @@ def cut_constraints(model: nn.Module, example_inputs: tuple[Any, ...]) -> CutCon
     exported = export_model(model, example_inputs)
     named = exported.leaf_name
     follow = {named[n] for n in named if n not in exported.data}
-    follow -= {named[n] for n in named if n in exported.data}   # a leaf with data work stays put
+    follow -= {named[n] for n in named if n in exported.data}  # a leaf with data work stays put
     pairs = set()
     for p in exported.module.graph.nodes:
         val = p.meta.get("val")
-        if (p in exported.data and exported.layout[p].kind is LayoutKind.NONE
-                and isinstance(val, torch.Tensor) and val.is_floating_point()):
+        if (
+            p in exported.data
+            and exported.layout[p].kind is LayoutKind.NONE
+            and isinstance(val, torch.Tensor)
+            and val.is_floating_point()
+        ):
             a = nearest_name(p, named)
             for u in p.users:
                 if u in exported.data:
@@ -274,8 +291,7 @@ def nearest_name(n: fx.Node, named: dict[fx.Node, str]) -> str:
 def leaf_call_names(model: nn.Module, example_inputs: tuple[Any, ...]) -> list[str]:
     """The capture node names of the model's leaf-module calls that run ops, in order."""
     exported = export_model(model, example_inputs)
-    return list(dict.fromkeys(exported.leaf_name[n] for n in exported.module.graph.nodes
-                              if n in exported.leaf_name))
+    return list(dict.fromkeys(exported.leaf_name[n] for n in exported.module.graph.nodes if n in exported.leaf_name))
 
 
 def copy_exported(exported: ExportedModel) -> ExportedModel:
@@ -283,14 +299,18 @@ def copy_exported(exported: ExportedModel) -> ExportedModel:
     graph in place), sharing its parameters and buffers: one export serves every plan of a
     model in a multi-plan launch (pipeline.run_many). The node tables follow the copied nodes."""
     import copy
-    graph = copy.deepcopy(exported.module.graph)     # node by node, in order; meta shared
+
+    graph = copy.deepcopy(exported.module.graph)  # node by node, in order; meta shared
     module = fx.GraphModule(exported.module, graph)
     module.meta.update(exported.module.meta)
     old_nodes, new_nodes = list(exported.module.graph.nodes), list(graph.nodes)
     assert len(old_nodes) == len(new_nodes), "an fx graph copy changed the number of nodes"
     nodes = dict(zip(old_nodes, new_nodes))
-    return ExportedModel(module=module, leaf_name={nodes[n]: v for n, v in exported.leaf_name.items()},
-                         data=frozenset(nodes[n] for n in exported.data),
-                         layout={nodes[n]: v for n, v in exported.layout.items()},
-                         num_outputs=exported.num_outputs,
-                         loose_run={nodes[n]: v for n, v in exported.loose_run.items()})
+    return ExportedModel(
+        module=module,
+        leaf_name={nodes[n]: v for n, v in exported.leaf_name.items()},
+        data=frozenset(nodes[n] for n in exported.data),
+        layout={nodes[n]: v for n, v in exported.layout.items()},
+        num_outputs=exported.num_outputs,
+        loose_run={nodes[n]: v for n, v in exported.loose_run.items()},
+    )

@@ -61,8 +61,9 @@ def _entry(work: Path) -> Path:
 def claim(work: Path) -> None:
     """Register this process as the owner of run folder `work`."""
     own = work.name.startswith(RUN_PREFIX) and work.parent == Path(tempfile.gettempdir())
-    write_atomic(_entry(work), json.dumps({"owner": _identity(os.getpid()), "work": str(work),
-                                           "own_dir": own, "ranks": []}))
+    write_atomic(
+        _entry(work), json.dumps({"owner": _identity(os.getpid()), "work": str(work), "own_dir": own, "ranks": []})
+    )
 
 
 def record_ranks(work: Path, pids: list[int]) -> None:
@@ -118,6 +119,7 @@ def remove_stale_runs() -> list[str]:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(f"unclaimed run folder {d}")
     from heterog.execute.netns import remove_stale_namespaces
+
     removed += [f"network namespace {ns}" for ns in remove_stale_namespaces()]
     return removed
 
@@ -128,6 +130,7 @@ def full_model_bytes(plan_doc: dict[str, Any]) -> int:
 
     from heterog.execute.workload import resolve_workload
     from heterog.ir.plan import Plan
+
     work = resolve_workload(Plan.from_dict(plan_doc).model)
     with torch.device("meta"):
         model = work.build()
@@ -156,4 +159,5 @@ def check_memory(plan_doc: dict[str, Any], devices: tuple[str, ...], *, force: b
         f"building the whole model ({whole / gib:.1f} GiB of parameters) or reaching the plan's predicted "
         f"peak (up to {int(peaks.get(largest, 0)) / gib:.1f} GiB on {largest}), plus "
         f"{RANK_BASELINE_BYTES / gib:.1f} GiB per process; only {free / gib:.1f} GiB is available. Plan a "
-        f"smaller model or batch, run on the real cluster (--torchrun), or pass --force to start anyway.")
+        f"smaller model or batch, run on the real cluster (--torchrun), or pass --force to start anyway."
+    )

@@ -9,9 +9,10 @@ last line without its newline (being written).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 STEPS_FILE = "steps_rank{rank}.jsonl"
 TRACE_FILE = "trace_rank{rank}.json"
@@ -20,40 +21,60 @@ TRACE_FILE = "trace_rank{rank}.json"
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepRecord:
     """What one rank measured in one step (the worker's step dict, with who measured it)."""
+
     step: int
     rank: int
     device: str
-    loss: float                    # this rank's part of the global-batch mean loss (0 if none)
+    loss: float  # this rank's part of the global-batch mean loss (0 if none)
     step_time_s: float
     compute_s: float = 0.0
     sync_s: float = 0.0
     recv_wait_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "rank": self.rank, "device": self.device, "loss": self.loss,
-                "step_time_s": self.step_time_s, "compute_s": self.compute_s, "sync_s": self.sync_s,
-                "recv_wait_s": self.recv_wait_s}
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "device": self.device,
+            "loss": self.loss,
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "sync_s": self.sync_s,
+            "recv_wait_s": self.recv_wait_s,
+        }
 
     @staticmethod
-    def from_dict(doc: dict[str, Any]) -> "StepRecord":
-        return StepRecord(step=int(doc["step"]), rank=int(doc["rank"]), device=str(doc["device"]),
-                          loss=float(doc["loss"]), step_time_s=float(doc["step_time_s"]),
-                          compute_s=float(doc.get("compute_s", 0.0)), sync_s=float(doc.get("sync_s", 0.0)),
-                          recv_wait_s=float(doc.get("recv_wait_s", 0.0)))
+    def from_dict(doc: dict[str, Any]) -> StepRecord:
+        return StepRecord(
+            step=int(doc["step"]),
+            rank=int(doc["rank"]),
+            device=str(doc["device"]),
+            loss=float(doc["loss"]),
+            step_time_s=float(doc["step_time_s"]),
+            compute_s=float(doc.get("compute_s", 0.0)),
+            sync_s=float(doc.get("sync_s", 0.0)),
+            recv_wait_s=float(doc.get("recv_wait_s", 0.0)),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepLine:
     """One step of the whole run: the ranks' records merged."""
+
     step: int
-    loss: float                    # global-batch mean loss (the ranks' parts summed)
-    step_time_s: float             # the slowest rank's step time: the iteration time
+    loss: float  # global-batch mean loss (the ranks' parts summed)
+    step_time_s: float  # the slowest rank's step time: the iteration time
     slowest_rank: int
     slowest_device: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
-                "slowest_rank": self.slowest_rank, "slowest_device": self.slowest_device}
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "step_time_s": self.step_time_s,
+            "slowest_rank": self.slowest_rank,
+            "slowest_device": self.slowest_device,
+        }
 
 
 class StepLog:
@@ -90,19 +111,26 @@ def merge(records: Iterable[StepRecord], world_size: int) -> list[StepLine]:
         if len({r.rank for r in recs}) < world_size:
             continue
         slow = max(recs, key=lambda r: (r.step_time_s, -r.rank))
-        out.append(StepLine(step=step, loss=sum(r.loss for r in recs), step_time_s=slow.step_time_s,
-                            slowest_rank=slow.rank, slowest_device=slow.device))
+        out.append(
+            StepLine(
+                step=step,
+                loss=sum(r.loss for r in recs),
+                step_time_s=slow.step_time_s,
+                slowest_rank=slow.rank,
+                slowest_device=slow.device,
+            )
+        )
     return out
 
 
 def read_run(folder: Path, world_size: int) -> list[StepLine]:
     """The merged step lines of a run folder, as far as every rank has got."""
-    records = [r for rank in range(world_size)
-               for r in read_records(Path(folder) / STEPS_FILE.format(rank=rank))]
+    records = [r for rank in range(world_size) for r in read_records(Path(folder) / STEPS_FILE.format(rank=rank))]
     return merge(records, world_size)
 
 
 def write_jsonl(path: Path, lines: Iterable[StepLine]) -> None:
     """The merged lines as JSON lines, written atomically."""
     from heterog.jsonio import write_atomic
+
     write_atomic(path, "".join(json.dumps(line.to_dict()) + "\n" for line in lines))

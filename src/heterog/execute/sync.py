@@ -39,11 +39,11 @@ interpreter reaches the instruction.
 from __future__ import annotations
 
 import dataclasses
-
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -57,19 +57,21 @@ from heterog.ir.kinds import SyncMethod
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Bucket:
     """Parameters synchronised together by one collective."""
-    label: str                                   # for errors: the groups or the tied parameter
+
+    label: str  # for errors: the groups or the tied parameter
     names: tuple[str, ...]
     numel: int
-    members: tuple[int, ...]                     # ranks, in the method's order (ring order)
+    members: tuple[int, ...]  # ranks, in the method's order (ring order)
     method: SyncMethod
     server: int | None = None
-    replicas: tuple[int, ...] = ()               # ps: the ranks that compute gradients
+    replicas: tuple[int, ...] = ()  # ps: the ranks that compute gradients
     nodes: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Served:
     """A parameter server this rank runs: its parameters' names and sizes (in bucket order)."""
+
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     server: ParameterServer
@@ -81,14 +83,22 @@ def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> lis
     for name in sorted(flow.tied):
         members = sorted({r for g in flow.tied[name] for r in ranks_of_group[g]})
         if len(members) > 1:
-            out.append(Bucket(label=f"tied {name}", names=(name,), numel=flow.param_numel[name],
-                              members=tuple(members), method=SyncMethod.RING))
+            out.append(
+                Bucket(
+                    label=f"tied {name}",
+                    names=(name,),
+                    numel=flow.param_numel[name],
+                    members=tuple(members),
+                    method=SyncMethod.RING,
+                )
+            )
     return out
 
 
 @dataclass(kw_only=True)
 class _Done:
     """A StreamLane call's outcome (its operations enqueued; the value usable after a wait)."""
+
     value: Any = None
     error: BaseException | None = None
 
@@ -148,9 +158,18 @@ def make_lane(device: torch.device, host_staging: bool) -> ThreadLane | StreamLa
 class BucketRunner:
     """Runs buckets on this rank: gathers gradients, syncs them on the lane, installs."""
 
-    def __init__(self, *, flow: Dataflow, rank: int, optimizer: str, timeout_s: float,
-                 device: torch.device | None = None, host_staging: bool = False, deferred: bool = False,
-                 clock: Any = None):
+    def __init__(
+        self,
+        *,
+        flow: Dataflow,
+        rank: int,
+        optimizer: str,
+        timeout_s: float,
+        device: torch.device | None = None,
+        host_staging: bool = False,
+        deferred: bool = False,
+        clock: Any = None,
+    ):
         self.flow, self.rank, self.optimizer = flow, rank, optimizer
         self.device = device or torch.device("cpu")
         self.groups = ProcessGroupCache(timeout_s=timeout_s, host_staging=host_staging)
@@ -159,7 +178,7 @@ class BucketRunner:
         self.deferred = deferred
         self.clock = clock
         self._pending: list[tuple[Bucket, Any, bool]] = []
-        self._gathered: list[Bucket] = []          # deferred: servers that hold a sum to apply
+        self._gathered: list[Bucket] = []  # deferred: servers that hold a sum to apply
         self.runs: list[tuple[str, Any, Any]] = []  # (label, start mark, end mark) of each collective run
         self.sync_s = 0.0
 
@@ -179,8 +198,13 @@ class BucketRunner:
             if b.method is SyncMethod.PS and self.rank in b.members and b.names not in self.servers:
                 assert b.server is not None
                 self.servers[b.names] = ParameterServer(
-                    server=b.server, replicas=b.replicas, groups=self.groups, numel=b.numel, device=self.device,
-                    make_optimizer=lambda ps: make_optimizer(ps, self.optimizer))
+                    server=b.server,
+                    replicas=b.replicas,
+                    groups=self.groups,
+                    numel=b.numel,
+                    device=self.device,
+                    make_optimizer=lambda ps: make_optimizer(ps, self.optimizer),
+                )
 
     def _params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
         return [self.flow.param_by_name[n] for n in bucket.names]
@@ -194,13 +218,16 @@ class BucketRunner:
         t0 = time.perf_counter()
         params = self._params(bucket) if self._holds(bucket) else None
         in_place = False
-        if params is None:   # a server without a replica: zeros in, the same sizes
+        if params is None:  # a server without a replica: zeros in, the same sizes
             grad, values = torch.zeros(bucket.numel, device=self.device), None
         else:
             grad, in_place = _flat_gradients(params, bucket.method)
             server = self.servers.get(bucket.names)
-            values = (torch.cat([p.detach().reshape(-1) for p in params])   # the server's first copy
-                      if bucket.method is SyncMethod.PS and (server is None or server.needs_parameters) else None)
+            values = (
+                torch.cat([p.detach().reshape(-1) for p in params])  # the server's first copy
+                if bucket.method is SyncMethod.PS and (server is None or server.needs_parameters)
+                else None
+            )
         self._pending.append((bucket, self.lane.submit(self._run, bucket, grad, values), in_place))
         self.sync_s += time.perf_counter() - t0
 
@@ -224,9 +251,12 @@ class BucketRunner:
         try:
             return self.lane.result(handle)
         except RuntimeError as e:
-            raise RankError(self.rank, f"gradient sync of {bucket.label} ({bucket.method}) with ranks "
-                                       f"{list(bucket.members)} failed or timed out "
-                                       f"({str(e).splitlines()[0]}).") from None
+            raise RankError(
+                self.rank,
+                f"gradient sync of {bucket.label} ({bucket.method}) with ranks "
+                f"{list(bucket.members)} failed or timed out "
+                f"({str(e).splitlines()[0]}).",
+            ) from None
 
     def finish(self) -> None:
         """Wait for every launched bucket (in launch order) and install its result."""
@@ -234,9 +264,9 @@ class BucketRunner:
         pending, self._pending = self._pending, []
         for bucket, handle, in_place in pending:
             flat = self._result(bucket, handle)
-            if flat is None:                       # deferred: the server's update comes later
+            if flat is None:  # deferred: the server's update comes later
                 self._gathered.append(bucket)
-            elif self._holds(bucket) and not in_place:     # in place: the gradient holds the sum
+            elif self._holds(bucket) and not in_place:  # in place: the gradient holds the sum
                 self._install(bucket, flat)
         self.sync_s += time.perf_counter() - t0
 
@@ -262,13 +292,13 @@ class BucketRunner:
         offset = 0
         for p in self._params(bucket):
             n = p.numel()
-            piece = flat[offset:offset + n].view_as(p)
-            if bucket.method is SyncMethod.PS:   # the server's new parameters; nothing to step
+            piece = flat[offset : offset + n].view_as(p)
+            if bucket.method is SyncMethod.PS:  # the server's new parameters; nothing to step
                 with torch.no_grad():
                     p.copy_(piece)
                 p.grad = None
-            else:   # a view: `flat` is this bucket's own buffer, made at launch (DDP's
-                p.grad = piece          # gradient_as_bucket_view); a copy cost ~15 ms per 16.8 MB here
+            else:  # a view: `flat` is this bucket's own buffer, made at launch (DDP's
+                p.grad = piece  # gradient_as_bucket_view); a copy cost ~15 ms per 16.8 MB here
             offset += n
 
     def close(self) -> None:
@@ -284,8 +314,9 @@ def _flat_gradients(params: Sequence[torch.nn.Parameter], method: SyncMethod) ->
     g = params[0].grad if len(params) == 1 else None
     if g is not None and method is not SyncMethod.PS and g.is_contiguous():
         return g.detach().view(-1), True
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                      for p in params]), False
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params]
+    ), False
 
 
 class ProgramSync:
@@ -295,33 +326,53 @@ class ProgramSync:
     per step on every rank before the optimizer step, for the ties the Program has no
     Collective for (tables the capture does not list as ties)."""
 
-    def __init__(self, *, program: Any, flow: Dataflow, rank: int, optimizer: str, timeout_s: float,
-                 device: torch.device | None = None, host_staging: bool = False, deferred: bool = False,
-                 clock: Any = None):
+    def __init__(
+        self,
+        *,
+        program: Any,
+        flow: Dataflow,
+        rank: int,
+        optimizer: str,
+        timeout_s: float,
+        device: torch.device | None = None,
+        host_staging: bool = False,
+        deferred: bool = False,
+        clock: Any = None,
+    ):
         self.program, self.flow, self.rank = program, flow, rank
         self.rank_of = program.rank_of()
-        self.runner = BucketRunner(flow=flow, rank=rank, optimizer=optimizer, timeout_s=timeout_s, device=device,
-                                   host_staging=host_staging, deferred=deferred, clock=clock)
+        self.runner = BucketRunner(
+            flow=flow,
+            rank=rank,
+            optimizer=optimizer,
+            timeout_s=timeout_s,
+            device=device,
+            host_staging=host_staging,
+            deferred=deferred,
+            clock=clock,
+        )
         ranks_of_group: dict[int, list[int]] = {}
         for block in program.blocks:
             for g in block.groups:
                 ranks_of_group[g] = [self.rank_of[d] for d in block.devices]
         self.ties = tie_buckets(flow, ranks_of_group)
-        self._ties_done: set[str] = set()         # tied parameters synced by the Program this step
+        self._ties_done: set[str] = set()  # tied parameters synced by the Program this step
         sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties]
-        self.runner.create_groups([Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING)
-                                   for m in sets])
+        self.runner.create_groups(
+            [Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING) for m in sets]
+        )
         self.runner.create_servers([b for c in self._collectives() if (b := self._bucket(c)).names])
 
-    def served(self) -> list["Served"]:
+    def served(self) -> list[Served]:
         """The ps buckets this rank serves, with their servers (for checkpoints)."""
         out = []
         for c in self._collectives():
             b = self._bucket(c)
             server = self.runner.servers.get(b.names)
             if server is not None and server.server == self.rank and b.names:
-                out.append(Served(names=b.names, server=server,
-                                  shapes=tuple(self.flow.param_shape[n] for n in b.names)))
+                out.append(
+                    Served(names=b.names, server=server, shapes=tuple(self.flow.param_shape[n] for n in b.names))
+                )
         return out
 
     @property
@@ -331,6 +382,7 @@ class ProgramSync:
     def _collectives(self) -> list[Any]:
         """Every Collective of the program, in one order all ranks share (device order)."""
         from heterog.lower.program import Collective
+
         seen: dict[int, Any] = {}
         for device in self.program.devices:
             for ins in self.program.instructions.get(device, ()):
@@ -340,19 +392,30 @@ class ProgramSync:
 
     def _bucket(self, ins: Any) -> Bucket:
         block = self.program.blocks[ins.block]
-        names = tuple(n for g in block.groups for n in self.flow.param_names.get(g, ())
-                      if n not in self.flow.tied and n not in self.flow.unused)
+        names = tuple(
+            n
+            for g in block.groups
+            for n in self.flow.param_names.get(g, ())
+            if n not in self.flow.tied and n not in self.flow.unused
+        )
         replicas = tuple(self.rank_of[d] for d in block.devices)
         members = tuple(self.rank_of[d] for d in ins.members)
         server = self.rank_of[ins.server] if ins.server else None
         if server is not None and server not in members:
             members += (server,)
-        return Bucket(label=block.label, names=names, numel=sum(self.flow.param_numel[n] for n in names),
-                      members=members, method=SyncMethod(ins.method), server=server, replicas=replicas,
-                      nodes=tuple(tuple(self.rank_of[d] for d in node) for node in ins.nodes) or None)
+        return Bucket(
+            label=block.label,
+            names=names,
+            numel=sum(self.flow.param_numel[n] for n in names),
+            members=members,
+            method=SyncMethod(ins.method),
+            server=server,
+            replicas=replicas,
+            nodes=tuple(tuple(self.rank_of[d] for d in node) for node in ins.nodes) or None,
+        )
 
     def launch(self, ins: Any) -> None:
-        if ins.tie:                     # a tied parameter's copies, where the Program puts it
+        if ins.tie:  # a tied parameter's copies, where the Program puts it
             bucket = self._tie(ins.tie, tuple(self.rank_of[d] for d in ins.members))
             self._ties_done.add(ins.tie)
         else:
@@ -365,10 +428,12 @@ class ProgramSync:
         for b in self.ties:
             if b.names == (name,) and sorted(b.members) == sorted(members):
                 return dataclasses.replace(b, members=members)
-        raise RuntimeError(f"the program syncs tied parameter {name!r} over ranks {sorted(members)}, "
-                           f"but this rank's partition holds its copies on "
-                           f"{[sorted(b.members) for b in self.ties if b.names == (name,)] or 'no other rank'}; "
-                           f"re-lower the plan for this model (`heterog lower`).")
+        raise RuntimeError(
+            f"the program syncs tied parameter {name!r} over ranks {sorted(members)}, "
+            f"but this rank's partition holds its copies on "
+            f"{[sorted(b.members) for b in self.ties if b.names == (name,)] or 'no other rank'}; "
+            f"re-lower the plan for this model (`heterog lower`)."
+        )
 
     def finish(self) -> None:
         self.runner.finish()

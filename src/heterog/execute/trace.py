@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 SCHEMA_VERSION = 1
 KIND = "heterog.MeasuredTrace"
@@ -30,18 +31,20 @@ KIND = "heterog.MeasuredTrace"
 
 class SpanCategory(StrEnum):
     """What a measured span is; the first four are the simulator's compute kinds."""
+
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
-    COMPUTE = "compute"        # forward and backward of a whole step, not split further
-    SYNC = "sync"              # launching gradient syncs and waiting for them to finish
+    COMPUTE = "compute"  # forward and backward of a whole step, not split further
+    SYNC = "sync"  # launching gradient syncs and waiting for them to finish
     COLLECTIVE = "collective"  # a gradient sync running on the rank's communication lane
-    TRANSFER = "transfer"      # waiting for point-to-point sends / receives
-    STEP = "step"              # a whole training step (the outer span)
+    TRANSFER = "transfer"  # waiting for point-to-point sends / receives
+    STEP = "step"  # a whole training step (the outer span)
 
 
-COMPUTE_CATEGORIES = frozenset({SpanCategory.FORWARD, SpanCategory.BACKWARD, SpanCategory.OPTIMIZER,
-                                SpanCategory.COMPUTE})
+COMPUTE_CATEGORIES = frozenset(
+    {SpanCategory.FORWARD, SpanCategory.BACKWARD, SpanCategory.OPTIMIZER, SpanCategory.COMPUTE}
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,25 +53,39 @@ class Span:
     category: SpanCategory
     rank: int
     step: int
-    start_s: float             # wall-clock seconds since the epoch
+    start_s: float  # wall-clock seconds since the epoch
     end_s: float
-    index: int | None = None   # the Program instruction of the rank it times, if one
+    index: int | None = None  # the Program instruction of the rank it times, if one
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "category": str(self.category), "rank": self.rank, "step": self.step,
-                "start_s": self.start_s, "end_s": self.end_s, "index": self.index}
+        return {
+            "name": self.name,
+            "category": str(self.category),
+            "rank": self.rank,
+            "step": self.step,
+            "start_s": self.start_s,
+            "end_s": self.end_s,
+            "index": self.index,
+        }
 
     @staticmethod
-    def from_dict(doc: dict[str, Any]) -> "Span":
+    def from_dict(doc: dict[str, Any]) -> Span:
         index = doc.get("index")
-        return Span(name=doc["name"], category=SpanCategory(doc["category"]), rank=int(doc["rank"]),
-                    step=int(doc["step"]), start_s=float(doc["start_s"]), end_s=float(doc["end_s"]),
-                    index=None if index is None else int(index))
+        return Span(
+            name=doc["name"],
+            category=SpanCategory(doc["category"]),
+            rank=int(doc["rank"]),
+            step=int(doc["step"]),
+            start_s=float(doc["start_s"]),
+            end_s=float(doc["end_s"]),
+            index=None if index is None else int(index),
+        )
 
 
 @dataclass(kw_only=True)
 class StepRecorder:
     """One rank's spans. `step` is the step that new spans belong to (set by the step loop)."""
+
     rank: int
     device: str
     step: int = 0
@@ -87,16 +104,29 @@ class StepRecorder:
         try:
             yield
         finally:
-            self.spans.append(Span(name=name, category=cat, rank=self.rank if rank is None else rank,
-                                   step=self.step, start_s=start, end_s=self.now_s()))
+            self.spans.append(
+                Span(
+                    name=name,
+                    category=cat,
+                    rank=self.rank if rank is None else rank,
+                    step=self.step,
+                    start_s=start,
+                    end_s=self.now_s(),
+                )
+            )
 
     def add(self, spans: Iterable[Span]) -> None:
         """Spans timed elsewhere (the interpreter's, read after the step)."""
         self.spans.extend(spans)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": KIND, "version": SCHEMA_VERSION, "rank": self.rank, "device": self.device,
-                "spans": [s.to_dict() for s in self.spans]}
+        return {
+            "kind": KIND,
+            "version": SCHEMA_VERSION,
+            "rank": self.rank,
+            "device": self.device,
+            "spans": [s.to_dict() for s in self.spans],
+        }
 
     def to_chrome_trace(self) -> dict[str, Any]:
         return chrome_trace([RankSpans(rank=self.rank, device=self.device, spans=tuple(self.spans))])
@@ -105,14 +135,16 @@ class StepRecorder:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankSpans:
     """What one rank recorded (StepRecorder.to_dict, read back)."""
+
     rank: int
     device: str
     spans: tuple[Span, ...]
 
     @staticmethod
-    def from_dict(doc: dict[str, Any]) -> "RankSpans":
-        return RankSpans(rank=int(doc["rank"]), device=doc["device"],
-                         spans=tuple(Span.from_dict(s) for s in doc["spans"]))
+    def from_dict(doc: dict[str, Any]) -> RankSpans:
+        return RankSpans(
+            rank=int(doc["rank"]), device=doc["device"], spans=tuple(Span.from_dict(s) for s in doc["spans"])
+        )
 
 
 def chrome_trace(recordings: Iterable[RankSpans]) -> dict[str, Any]:
@@ -124,14 +156,24 @@ def chrome_trace(recordings: Iterable[RankSpans]) -> dict[str, Any]:
     trace: list[dict[str, Any]] = []
     for r in recs:
         pid = r.rank + 1
-        trace.append({"ph": "M", "name": "process_name", "pid": pid,
-                      "args": {"name": f"{r.device} (rank {r.rank}, measured)"}})
+        trace.append(
+            {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{r.device} (rank {r.rank}, measured)"}}
+        )
         trace.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": r.rank}})
         for tid, label in ((1, "compute"), (2, "communication"), (3, "steps")):
             trace.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
         for s in r.spans:
             tid = 3 if s.category is SpanCategory.STEP else 1 if s.category in COMPUTE_CATEGORIES else 2
-            trace.append({"name": s.name, "cat": str(s.category), "ph": "X", "pid": pid, "tid": tid,
-                          "ts": (s.start_s - t0) * 1e6, "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
-                          "args": {"step": s.step}})
+            trace.append(
+                {
+                    "name": s.name,
+                    "cat": str(s.category),
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": (s.start_s - t0) * 1e6,
+                    "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
+                    "args": {"step": s.step},
+                }
+            )
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"source": "heterog run (measured)"}}

@@ -26,9 +26,10 @@ the host before sending and to the GPU after receiving — slower, and said so b
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from heterog.execute.wire import WireSpec
 from heterog.ir.kinds import Phase
 from heterog.lower.program import Program, Recv, Send
 
-MAX_VALUES = 64      # values one transfer may carry (tags: (program tag · MAX_VALUES + k) · 2)
+MAX_VALUES = 64  # values one transfer may carry (tags: (program tag · MAX_VALUES + k) · 2)
 
 
 def wait_for(work: Any, *, rank: int, peer: int, timeout: timedelta, what: str) -> None:
@@ -47,15 +48,22 @@ def wait_for(work: Any, *, rank: int, peer: int, timeout: timedelta, what: str) 
     try:
         work.wait(timeout)
     except RuntimeError as e:
-        raise RankError(rank, f"{what} with rank {peer} did not complete within "
-                              f"{timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}); "
-                              f"rank {peer} may have died or hung.") from None
+        raise RankError(
+            rank,
+            f"{what} with rank {peer} did not complete within "
+            f"{timeout.total_seconds():.0f} s ({str(e).splitlines()[0]}); "
+            f"rank {peer} may have died or hung.",
+        ) from None
 
 
 def transfer_pairs(program: Program, rank_of: dict[str, int]) -> list[tuple[int, int]]:
     """The (sender, receiver) rank pairs the Program moves tensors between, sorted."""
-    pairs = {(rank_of[d], rank_of[ins.peer]) for d, instructions in program.instructions.items()
-             for ins in instructions if isinstance(ins, Send)}
+    pairs = {
+        (rank_of[d], rank_of[ins.peer])
+        for d, instructions in program.instructions.items()
+        for ins in instructions
+        if isinstance(ins, Send)
+    }
     return sorted(pairs)
 
 
@@ -75,16 +83,27 @@ class Channels:
 @dataclass(kw_only=True)
 class _Posted:
     works: list[Any]
-    buffers: list[torch.Tensor | None]          # None: an empty message, nothing moved
+    buffers: list[torch.Tensor | None]  # None: an empty message, nothing moved
     started_s: float = field(default_factory=time.perf_counter)
 
 
 class Transport:
     """This rank's side of the step's transfers (module docstring); counts bytes sent."""
 
-    def __init__(self, *, rank: int, device: torch.device, program: Program, rank_of: dict[str, int],
-                 crossing: dict[tuple[int, int], list[str]], no_grad: frozenset[str],
-                 wire: dict[str, WireSpec], channels: Channels, timeout_s: float, host_staging: bool = False):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        device: torch.device,
+        program: Program,
+        rank_of: dict[str, int],
+        crossing: dict[tuple[int, int], list[str]],
+        no_grad: frozenset[str],
+        wire: dict[str, WireSpec],
+        channels: Channels,
+        timeout_s: float,
+        host_staging: bool = False,
+    ):
         self.rank, self.device = rank, device
         self.rank_of, self.crossing, self.no_grad, self.wire = rank_of, crossing, no_grad, wire
         self.channels = channels
@@ -98,10 +117,11 @@ class Transport:
             if tags:
                 self._incoming[rank_of[d]] = tags
         self._cursor: dict[int, int] = {}
-        self._recv_of: dict[int, Recv] = {ins.tag: ins for ins in program.instructions.get(me, ())
-                                          if isinstance(ins, Recv)}
+        self._recv_of: dict[int, Recv] = {
+            ins.tag: ins for ins in program.instructions.get(me, ()) if isinstance(ins, Recv)
+        }
         self._posted: dict[int, _Posted] = {}
-        self._pending: dict[Any, list[tuple[Any, torch.Tensor, int]]] = {}   # sends by key
+        self._pending: dict[Any, list[tuple[Any, torch.Tensor, int]]] = {}  # sends by key
         self.sent_bytes = 0
 
     # -- what a transfer carries -------------------------------------------------------------
@@ -109,8 +129,7 @@ class Transport:
         """(index k, value) of the tensors an instruction moves: the values crossing from its
         producer block to its consumer block; backward skips integer values (no gradient)."""
         values = self.crossing.get((ins.src_block, ins.dst_block), ())
-        return [(k, v) for k, v in enumerate(values)
-                if not (ins.phase == Phase.BACKWARD and v in self.no_grad)]
+        return [(k, v) for k, v in enumerate(values) if not (ins.phase == Phase.BACKWARD and v in self.no_grad)]
 
     @staticmethod
     def tag(ins: Send | Recv, k: int) -> int:
@@ -126,9 +145,12 @@ class Transport:
             spec = self.wire[v]
             want = spec.shape(ins.hi - ins.lo)
             if tuple(t.shape) != want or t.dtype != spec.dtype:
-                raise RankError(self.rank, f"the transfer of {v!r} (tag {ins.tag}) to rank {peer} is a "
-                                           f"{t.dtype} tensor of shape {tuple(t.shape)}, but the wire table "
-                                           f"says {spec.dtype} {want}; the receiver would read it wrongly.")
+                raise RankError(
+                    self.rank,
+                    f"the transfer of {v!r} (tag {ins.tag}) to rank {peer} is a "
+                    f"{t.dtype} tensor of shape {tuple(t.shape)}, but the wire table "
+                    f"says {spec.dtype} {want}; the receiver would read it wrongly.",
+                )
             if t.numel() == 0:
                 continue
             t = t.detach().contiguous()
@@ -188,10 +210,13 @@ class Transport:
             try:
                 stop = order.index(ins.tag, at)
             except ValueError:
-                raise RankError(self.rank, f"receive (tag {ins.tag}) from rank {peer}: the peer's program "
-                                           f"sends no such transfer after the ones already received; the "
-                                           f"Program is inconsistent — re-lower the plan.") from None
-            for tag in order[at:stop + 1]:
+                raise RankError(
+                    self.rank,
+                    f"receive (tag {ins.tag}) from rank {peer}: the peer's program "
+                    f"sends no such transfer after the ones already received; the "
+                    f"Program is inconsistent — re-lower the plan.",
+                ) from None
+            for tag in order[at : stop + 1]:
                 self._post(self._recv_of[tag])
             self._cursor[peer] = stop + 1
         posted = self._posted.pop(ins.tag)

@@ -28,7 +28,7 @@ from heterog.errors import PlanError
 from heterog.execute.partition import Dataflow
 from heterog.execute.workload import slice_batch
 
-PROBE_SAMPLES = 3     # a prime, so that no other dimension is mistaken for the batch
+PROBE_SAMPLES = 3  # a prime, so that no other dimension is mistaken for the batch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,8 +71,9 @@ def _value(values: dict[str, Any], flow: Dataflow, v: str) -> Any:
     return values[v]
 
 
-def wire_table(flow: Dataflow, inputs: tuple[Any, ...], crossing: set[str], *, device: torch.device,
-               autocast: Any) -> dict[str, WireSpec]:
+def wire_table(
+    flow: Dataflow, inputs: tuple[Any, ...], crossing: set[str], *, device: torch.device, autocast: Any
+) -> dict[str, WireSpec]:
     """Per crossing value, its per-sample shape and dtype on `device` under `autocast` (a
     context manager: the rank's autocast for the plan's precision). `inputs`: a global batch
     (at least PROBE_SAMPLES samples); `crossing`: the value names that move between blocks."""
@@ -86,14 +87,17 @@ def wire_table(flow: Dataflow, inputs: tuple[Any, ...], crossing: set[str], *, d
             # the stage's own tensors as fakes on `device` (a stage this rank does not run stays
             # where it is, and its parameters may already be freed: their shapes come from the flow)
             state = {name: _fake_like(mode, t, device) for name, t in _named_tensors(stage.module)}
-            values[stage.value] = torch.func.functional_call(stage.module, state,
-                                                             tuple(_value(values, flow, v) for v in stage.args))
+            values[stage.value] = torch.func.functional_call(
+                stage.module, state, tuple(_value(values, flow, v) for v in stage.args)
+            )
     table: dict[str, WireSpec] = {}
     for v in sorted(crossing):
         t = _value(values, flow, v)
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != PROBE_SAMPLES:
             what = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise PlanError(f"value {v!r} crosses between blocks but is not batch-first ({what} for a "
-                            f"batch of {PROBE_SAMPLES}); merge its producer and consumer groups.")
+            raise PlanError(
+                f"value {v!r} crosses between blocks but is not batch-first ({what} for a "
+                f"batch of {PROBE_SAMPLES}); merge its producer and consumer groups."
+            )
         table[v] = WireSpec(per_sample_shape=tuple(int(d) for d in t.shape[1:]), dtype=t.dtype)
     return table

@@ -23,10 +23,11 @@ import resource
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,7 @@ from heterog.errors import PlanError, RankError
 from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
-from heterog.execute.partition import (Dataflow, build_dataflow, detach_unheld, export_plan_model,
-                                       program_group_order)
+from heterog.execute.partition import Dataflow, build_dataflow, detach_unheld, export_plan_model, program_group_order
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
 from heterog.execute.split_export import ExportedModel, copy_exported
@@ -46,8 +46,15 @@ from heterog.execute.sync import ProgramSync
 from heterog.execute.trace import Span, SpanCategory, StepRecorder
 from heterog.execute.transport import Channels, Transport, transfer_pairs
 from heterog.execute.wire import wire_table
-from heterog.execute.workload import (Workload, build_model, global_batch, make_optimizer, resolve_workload,
-                                      to_device, with_data)
+from heterog.execute.workload import (
+    Workload,
+    build_model,
+    global_batch,
+    make_optimizer,
+    resolve_workload,
+    to_device,
+    with_data,
+)
 from heterog.ir.kinds import Precision
 from heterog.ir.plan import Plan
 from heterog.jsonio import write_atomic
@@ -73,14 +80,20 @@ def _init(spec: dict[str, Any], store: Any = None) -> tuple[int, int, str, RankD
     world = len(spec["devices"])
     device = spec["devices"][rank]
     indices = spec.get("cuda_indices") or list(range(world))
-    rdev = rank_device(use_cuda=spec.get("cuda", False), index=indices[rank], rank=rank,
-                       host_staging=bool(spec.get("host_staging")))
+    rdev = rank_device(
+        use_cuda=spec.get("cuda", False), index=indices[rank], rank=rank, host_staging=bool(spec.get("host_staging"))
+    )
     _activate(rdev, spec, device, rank)
     if store is not None:
         dist.init_process_group(rdev.backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
-        dist.init_process_group(rdev.backend, init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
-                                rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(
+            rdev.backend,
+            init_method=f"tcp://{spec['master_addr']}:{spec['master_port']}",
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
     return rank, world, device, rdev
 
 
@@ -117,9 +130,9 @@ def _overflow(spec: dict[str, Any], rank: int, step: int, params: list[nn.Parame
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Built:
     model: nn.Module
-    initial: dict[str, torch.Tensor]        # parameters and buffers as built
-    rng_state: torch.Tensor                 # the CPU generator right after the build
-    exported: ExportedModel | None          # None: torch.export refused the model
+    initial: dict[str, torch.Tensor]  # parameters and buffers as built
+    rng_state: torch.Tensor  # the CPU generator right after the build
+    exported: ExportedModel | None  # None: torch.export refused the model
 
 
 @dataclass(kw_only=True)
@@ -128,6 +141,7 @@ class ModelCache:
     launch: exporting takes seconds, more than a 2-step run. Before each plan the parameters,
     the buffers and the random generator are put back as a fresh build leaves them, and the
     plan cuts its own copy of the export (the split rewrites the graph it is given)."""
+
     built: dict[str, _Built] = field(default_factory=dict)
 
     def get(self, work: Workload, plan: Plan, seed: int) -> tuple[nn.Module, ExportedModel | None]:
@@ -139,7 +153,7 @@ class ModelCache:
             try:
                 exported = export_plan_model(model, plan)
             except PlanError:
-                exported = None      # build_dataflow says why, or runs the model whole
+                exported = None  # build_dataflow says why, or runs the model whole
             initial = {k: t.detach().clone() for k, t in [*model.named_parameters(), *model.named_buffers()]}
             entry = self.built[key] = _Built(model=model, initial=initial, rng_state=rng_state, exported=exported)
         for name, t in [*entry.model.named_parameters(), *entry.model.named_buffers()]:
@@ -153,6 +167,7 @@ class ModelCache:
 class RankSetup:
     """Everything a rank builds before step 1 (`build_rank`): the split placed on its device,
     its transfers, syncs, optimizer and interpreter."""
+
     rank: int
     device: str
     plan: Plan
@@ -169,8 +184,15 @@ class RankSetup:
     cap: Any
 
 
-def build_rank(spec: dict[str, Any], rank: int, device: str, rdev: RankDevice, rank_of: dict[str, int], *,
-               models: ModelCache | None = None) -> RankSetup:
+def build_rank(
+    spec: dict[str, Any],
+    rank: int,
+    device: str,
+    rdev: RankDevice,
+    rank_of: dict[str, int],
+    *,
+    models: ModelCache | None = None,
+) -> RankSetup:
     """Split the model for the Program, place this rank's stages on its device and check
     them (placement.py), derive the wire table (wire.py), and make the transport, the syncs,
     the optimizer and the interpreter."""
@@ -186,31 +208,81 @@ def build_rank(spec: dict[str, Any], rank: int, device: str, rdev: RankDevice, r
     rewrite_stage_devices(flow.stages, rdev.torch_device)
     place_rank(flow, held, rdev.torch_device, rank=rank)
     crossing = crossing_values(program, flow)
-    wire = wire_table(flow, to_device(inputs0, rdev.torch_device), {v for vs in crossing.values() for v in vs},
-                      device=rdev.torch_device, autocast=rdev.autocast(plan.precision))
+    wire = wire_table(
+        flow,
+        to_device(inputs0, rdev.torch_device),
+        {v for vs in crossing.values() for v in vs},
+        device=rdev.torch_device,
+        autocast=rdev.autocast(plan.precision),
+    )
     detach_unheld(flow, held)
     timeout_s = spec["timeout_s"]
     channels = Channels(transfer_pairs(program, rank_of), timeout_s)
-    transport = Transport(rank=rank, device=rdev.torch_device, program=program, rank_of=rank_of, crossing=crossing,
-                          no_grad=flow.no_grad, wire=wire, channels=channels, timeout_s=timeout_s,
-                          host_staging=rdev.host_staging)
-    sync = ProgramSync(program=program, flow=flow, rank=rank, optimizer=plan.optimizer, timeout_s=timeout_s,
-                       device=rdev.torch_device, host_staging=rdev.host_staging,
-                       deferred=plan.precision == Precision.FP16, clock=rdev.clock())
+    transport = Transport(
+        rank=rank,
+        device=rdev.torch_device,
+        program=program,
+        rank_of=rank_of,
+        crossing=crossing,
+        no_grad=flow.no_grad,
+        wire=wire,
+        channels=channels,
+        timeout_s=timeout_s,
+        host_staging=rdev.host_staging,
+    )
+    sync = ProgramSync(
+        program=program,
+        flow=flow,
+        rank=rank,
+        optimizer=plan.optimizer,
+        timeout_s=timeout_s,
+        device=rdev.torch_device,
+        host_staging=rdev.host_staging,
+        deferred=plan.precision == Precision.FP16,
+        clock=rdev.clock(),
+    )
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     params = [p for _, p in named]
     opt = make_optimizer(params, plan.optimizer)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
-    cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)   # emulated devices only
-    ex = Interpreter(program=program, device=device, flow=flow, work=work, transport=transport, pacer=pacer,
-                     sync=sync, batch_size=plan.batch_size, rank_of=rank_of, optimizer=opt, rank_device=rdev,
-                     precision=plan.precision, memory_cap=cap, crossing=crossing)
-    return RankSetup(rank=rank, device=device, plan=plan, work=work, flow=flow, held=held, params=params,
-                     named=named, optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap)
+    cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)  # emulated devices only
+    ex = Interpreter(
+        program=program,
+        device=device,
+        flow=flow,
+        work=work,
+        transport=transport,
+        pacer=pacer,
+        sync=sync,
+        batch_size=plan.batch_size,
+        rank_of=rank_of,
+        optimizer=opt,
+        rank_device=rdev,
+        precision=plan.precision,
+        memory_cap=cap,
+        crossing=crossing,
+    )
+    return RankSetup(
+        rank=rank,
+        device=device,
+        plan=plan,
+        work=work,
+        flow=flow,
+        held=held,
+        params=params,
+        named=named,
+        optimizer=opt,
+        transport=transport,
+        sync=sync,
+        interpreter=ex,
+        pacer=pacer,
+        cap=cap,
+    )
 
 
-def train(spec: dict[str, Any], out_dir: Path, *, store: Any = None,
-          models: ModelCache | None = None) -> dict[str, Any]:
+def train(
+    spec: dict[str, Any], out_dir: Path, *, store: Any = None, models: ModelCache | None = None
+) -> dict[str, Any]:
     torch.set_num_threads(spec.get("threads", 1))
     rank, world, device, rdev = _init(spec, store)
     progress = out_dir / f"progress_rank{rank}"
@@ -220,45 +292,66 @@ def train(spec: dict[str, Any], out_dir: Path, *, store: Any = None,
     rank_of = {d: r for r, d in enumerate(devices_by_rank)}
     missing = [d for d in spec["program"]["devices"] if d not in rank_of]
     if missing:
-        raise RankError(rank, f"the program uses device(s) {missing} that no rank was started for; "
-                              f"ranks run {devices_by_rank}.")
+        raise RankError(
+            rank, f"the program uses device(s) {missing} that no rank was started for; ranks run {devices_by_rank}."
+        )
     setup = build_rank(spec, rank, device, rdev, rank_of, models=models)
     ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
-    first_step = checkpoint.resume(ckpt, setup.named, setup.optimizer, model=setup.plan.model.name,
-                                   servers=setup.sync.served())
+    first_step = checkpoint.resume(
+        ckpt, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.served()
+    )
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
     steps = [_train_step(spec, setup, rdev, rec, step_log, step, progress) for step in range(first_step, spec["steps"])]
     progress.write_text("done")
     write_atomic(out_dir / TRACE_FILE.format(rank=rank), json.dumps(rec.to_dict()))
     ex, flow = setup.interpreter, setup.flow
-    if spec.get("dump_params"):   # with the parameters: what ran, for tests against the Program
+    if spec.get("dump_params"):  # with the parameters: what ran, for tests against the Program
         write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
         write_atomic(out_dir / f"samples_rank{rank}.json", json.dumps(ex.samples))
         torch.save({name: p.detach().to("cpu").clone() for name, p in setup.named}, out_dir / f"params_rank{rank}.pt")
     dist.barrier()
-    setup.sync.runner.close()        # its sync thread (a multi-plan launch would keep one per plan)
+    setup.sync.runner.close()  # its sync thread (a multi-plan launch would keep one per plan)
     dist.destroy_process_group()
-    max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+    max_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     cap = setup.cap
-    return {"rank": rank, "device": device, "slowdown": setup.pacer.slowdown, "cores": cores,
-            "max_rss_bytes": max_rss_bytes, "torch_device": str(rdev.torch_device), "memory": rdev.memory(),
-            "backend": rdev.backend, "host_staging": rdev.host_staging,
-            "memory_cap_bytes": cap.cap_bytes if cap else None,
-            "peak_live_bytes": ex.peak_live_bytes if cap else None,
-            "groups": [setup.plan.groups[g].name for g in sorted(setup.held)], "steps": steps,
-            "sent_bytes": setup.transport.sent_bytes, "split": flow.split, "warnings": flow.warnings}
+    return {
+        "rank": rank,
+        "device": device,
+        "slowdown": setup.pacer.slowdown,
+        "cores": cores,
+        "max_rss_bytes": max_rss_bytes,
+        "torch_device": str(rdev.torch_device),
+        "memory": rdev.memory(),
+        "backend": rdev.backend,
+        "host_staging": rdev.host_staging,
+        "memory_cap_bytes": cap.cap_bytes if cap else None,
+        "peak_live_bytes": ex.peak_live_bytes if cap else None,
+        "groups": [setup.plan.groups[g].name for g in sorted(setup.held)],
+        "steps": steps,
+        "sent_bytes": setup.transport.sent_bytes,
+        "split": flow.split,
+        "warnings": flow.warnings,
+    }
 
 
-def _train_step(spec: dict[str, Any], setup: RankSetup, rdev: RankDevice, rec: StepRecorder, step_log: StepLog,
-                step: int, progress: Path) -> dict[str, float]:
+def _train_step(
+    spec: dict[str, Any],
+    setup: RankSetup,
+    rdev: RankDevice,
+    rec: StepRecorder,
+    step_log: StepLog,
+    step: int,
+    progress: Path,
+) -> dict[str, float]:
     """One training step of this rank, timed with the rank's clock (CUDA events on a GPU,
     read once the step has finished); its record."""
     rank, ex = setup.rank, setup.interpreter
     progress.write_text(str(step))
     _fault(spec, rank, step)
-    inputs, targets = to_device(global_batch(setup.work, setup.plan.batch_size, seed=spec.get("seed", 0), step=step),
-                                rdev.torch_device)
+    inputs, targets = to_device(
+        global_batch(setup.work, setup.plan.batch_size, seed=spec.get("seed", 0), step=step), rdev.torch_device
+    )
     dist.barrier()
     for p in setup.params:
         p.grad = None
@@ -271,19 +364,54 @@ def _train_step(spec: dict[str, Any], setup: RankSetup, rdev: RankDevice, rec: S
     rdev.synchronize()
     step_time_s = ex.clock.seconds(origin, end)
     spans = ex.read_timings(rank=rank, step=step, origin=origin, origin_s=origin_s)
-    rec.add([Span(name=f"step {step}", category=SpanCategory.STEP, rank=rank, step=step, start_s=origin_s,
-                  end_s=origin_s + step_time_s), *spans])
+    rec.add(
+        [
+            Span(
+                name=f"step {step}",
+                category=SpanCategory.STEP,
+                rank=rank,
+                step=step,
+                start_s=origin_s,
+                end_s=origin_s + step_time_s,
+            ),
+            *spans,
+        ]
+    )
     st = ex.stats
-    record = {"step_time_s": step_time_s, "loss": loss, "compute_s": st.compute_s, "cpu_s": st.cpu_s,
-              "paced_s": st.paced_s, "recv_wait_s": st.recv_wait_s, "sync_s": st.sync_s,
-              "loss_scale": ex.scaler.scale if ex.scaler is not None else None,
-              "skipped": ex.skipped_steps}
+    record = {
+        "step_time_s": step_time_s,
+        "loss": loss,
+        "compute_s": st.compute_s,
+        "cpu_s": st.cpu_s,
+        "paced_s": st.paced_s,
+        "recv_wait_s": st.recv_wait_s,
+        "sync_s": st.sync_s,
+        "loss_scale": ex.scaler.scale if ex.scaler is not None else None,
+        "skipped": ex.skipped_steps,
+    }
     # the executor's own time: the step less its timed parts (gradient slots, slicing, sends)
     record["other_s"] = step_time_s - sum(record[k] for k in ("compute_s", "paced_s", "recv_wait_s", "sync_s"))
-    step_log.append(StepRecord(step=step, rank=rank, device=setup.device, loss=float(loss), step_time_s=step_time_s,
-                               compute_s=st.compute_s, sync_s=st.sync_s, recv_wait_s=st.recv_wait_s))
-    checkpoint.save_if_due(checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint")), step + 1, setup.named,
-                           setup.optimizer, rank=rank, model=setup.plan.model.name, servers=setup.sync.served())
+    step_log.append(
+        StepRecord(
+            step=step,
+            rank=rank,
+            device=setup.device,
+            loss=float(loss),
+            step_time_s=step_time_s,
+            compute_s=st.compute_s,
+            sync_s=st.sync_s,
+            recv_wait_s=st.recv_wait_s,
+        )
+    )
+    checkpoint.save_if_due(
+        checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint")),
+        step + 1,
+        setup.named,
+        setup.optimizer,
+        rank=rank,
+        model=setup.plan.model.name,
+        servers=setup.sync.served(),
+    )
     return record
 
 
@@ -294,11 +422,25 @@ def _report(out_dir: Path, rank: int, work: Callable[[], dict[str, Any]]) -> int
         result = work()
     except BaseException as e:  # report any failure to the launcher, then exit non-zero
         text = str(e).lower()
-        kind = "timeout" if isinstance(e, RankError) or "timed out" in text or "timeout" in text \
-            else "peer" if ("connection" in text or "peer" in text or "broken pipe" in text) else "error"
-        write_atomic(out_dir / f"error_rank{rank}.json", json.dumps({
-            "rank": rank, "kind": kind, "type": type(e).__name__, "message": str(e),
-            "traceback": traceback.format_exc()}))
+        kind = (
+            "timeout"
+            if isinstance(e, RankError) or "timed out" in text or "timeout" in text
+            else "peer"
+            if ("connection" in text or "peer" in text or "broken pipe" in text)
+            else "error"
+        )
+        write_atomic(
+            out_dir / f"error_rank{rank}.json",
+            json.dumps(
+                {
+                    "rank": rank,
+                    "kind": kind,
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "traceback": traceback.format_exc(),
+                }
+            ),
+        )
         return 1
     write_atomic(out_dir / f"result_rank{rank}.json", json.dumps(result))
     return 0
@@ -315,21 +457,21 @@ def run_plans(spec: dict[str, Any]) -> int:
     """A multi-plan spec (module docstring): each plan in turn, as its rank when the plan's
     `processes` name this process (`spec['rank']`); idle at the barrier after each plan otherwise."""
     me, world = spec["rank"], spec["world"]
-    store = dist.TCPStore(spec["master_addr"], spec["master_port"], world, is_master=me == 0,
-                          timeout=timedelta(seconds=spec["timeout_s"]))
+    store = dist.TCPStore(
+        spec["master_addr"], spec["master_port"], world, is_master=me == 0, timeout=timedelta(seconds=spec["timeout_s"])
+    )
     models = ModelCache()
     common = {k: v for k, v in spec.items() if k != "plans"}
     for entry in spec["plans"]:
         processes = entry.get("processes") or list(range(len(entry["devices"])))
         out_dir = Path(entry["out_dir"])
-        if me in processes:       # rank of the plan: the place of this process in its list
+        if me in processes:  # rank of the plan: the place of this process in its list
             plan_spec = {**common, **entry, "rank": processes.index(me)}
             prefixed = dist.PrefixStore(f"plan{entry['index']}/", store)
-            if _report(out_dir, plan_spec["rank"],
-                       lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
+            if _report(out_dir, plan_spec["rank"], lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
                 return 1
         _store_barrier(store, f"after{entry['index']}", world, entry["wait_s"])
-    if me == 0:     # the store lives in this process: leave last
+    if me == 0:  # the store lives in this process: leave last
         store.wait([f"left{r}" for r in range(1, world)], timedelta(seconds=spec["timeout_s"]))
     else:
         store.set(f"left{me}", "1")

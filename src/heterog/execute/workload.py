@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from heterog.errors import DataError, ModelError
-from heterog.userfile import load_user_module
 from heterog.ir.plan import ModelSpec
+from heterog.userfile import load_user_module
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,17 +37,24 @@ class Workload:
 def _from_zoo_like(name: str, entry: Any, args: dict[str, Any], seq_len: int | None) -> Workload:
     for attr in ("build", "example_batch", "loss"):
         if not callable(getattr(entry, attr, None)):
-            raise ModelError(f"model {name!r}: the factory returned {type(entry).__name__}, which "
-                             f"lacks .{attr}(); return a zoo-style entry with build(**args), "
-                             f"example_batch(batch_size, seq_len) and loss(output, targets).")
-    return Workload(name=name, build=lambda: entry.build(**args),
-                    example_batch=lambda b, s: entry.example_batch(b, s, "cpu", **args),
-                    loss=entry.loss, seq_len=seq_len)
+            raise ModelError(
+                f"model {name!r}: the factory returned {type(entry).__name__}, which "
+                f"lacks .{attr}(); return a zoo-style entry with build(**args), "
+                f"example_batch(batch_size, seq_len) and loss(output, targets)."
+            )
+    return Workload(
+        name=name,
+        build=lambda: entry.build(**args),
+        example_batch=lambda b, s: entry.example_batch(b, s, "cpu", **args),
+        loss=entry.loss,
+        seq_len=seq_len,
+    )
 
 
 def resolve_workload(model: ModelSpec) -> Workload:
     """The Workload a plan's ModelSpec names (zoo name or 'path/file.py:factory')."""
     from heterog.capture.zoo import get_zoo_model
+
     entry = get_zoo_model(model.name)
     seq_len = model.seq_len or getattr(entry, "default_seq_len", None)
     return _from_zoo_like(model.name, entry, dict(model.args), seq_len)
@@ -117,8 +125,9 @@ def with_data(work: Workload, data: str | None) -> Workload:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise DataError(f"--data {data!r}: {path} defines no function {attr!r}.")
-    positional = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [
+        p for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     if len(positional) >= 2:
         return replace(work, data_fn=fn)
     state: dict[str, Any] = {}
@@ -127,10 +136,13 @@ def with_data(work: Workload, data: str | None) -> Workload:
         if "steps" not in state:
             made = fn(batch_size) if positional else fn()
             if not hasattr(made, "__iter__"):
-                raise DataError(f"--data {data!r}: {attr}() returned {type(made).__name__}, not an iterable "
-                                f"of (inputs, targets) batches such as a torch DataLoader.")
+                raise DataError(
+                    f"--data {data!r}: {attr}() returned {type(made).__name__}, not an iterable "
+                    f"of (inputs, targets) batches such as a torch DataLoader."
+                )
             state["steps"] = LoaderSteps(made, data)
         return state["steps"](batch_size, step)
+
     return replace(work, data_fn=by_step)
 
 
@@ -149,9 +161,11 @@ def check_batch(work: Workload, batch_size: int, *, source: str) -> None:
     if first is None:
         raise DataError(f"{source}: the batch's inputs hold no tensor; yield (inputs, targets) with tensors.")
     if first.shape[0] != batch_size:
-        raise DataError(f"{source}: a batch holds {first.shape[0]} samples but the plan's global batch is "
-                        f"{batch_size}; yield global batches of {batch_size} (e.g. DataLoader(batch_size="
-                        f"{batch_size}, drop_last=True)) or re-plan with --batch-size {first.shape[0]}.")
+        raise DataError(
+            f"{source}: a batch holds {first.shape[0]} samples but the plan's global batch is "
+            f"{batch_size}; yield global batches of {batch_size} (e.g. DataLoader(batch_size="
+            f"{batch_size}, drop_last=True)) or re-plan with --batch-size {first.shape[0]}."
+        )
 
 
 def global_batch(work: Workload, batch_size: int, *, seed: int, step: int) -> tuple[tuple[Any, ...], Any]:
@@ -163,8 +177,10 @@ def global_batch(work: Workload, batch_size: int, *, seed: int, step: int) -> tu
         if work.data_fn is not None:
             item = work.data_fn(batch_size, step)
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise DataError(f"user data at step {step}: expected a pair (inputs, targets), found "
-                                f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}.")
+                raise DataError(
+                    f"user data at step {step}: expected a pair (inputs, targets), found "
+                    f"{type(item).__name__}{'' if not isinstance(item, (tuple, list)) else f' of {len(item)}'}."
+                )
             inputs, targets = item
         else:
             inputs, targets = work.example_batch(batch_size, work.seq_len)
@@ -180,6 +196,7 @@ def to_device(value: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return value
     from torch.utils._pytree import tree_map
+
     return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value)
 
 

@@ -46,8 +46,15 @@ def _norm(name: str) -> str:
 
 
 CATALOG_ENV = "HETEROG_CATALOG"
-HOST_FIELDS = ("forward_node_s", "forward_op_s", "backward_op_s", "autocast_cast_s",
-               "optimizer_tensor_s", "kernel_gap_s", "cudnn_op_s")
+HOST_FIELDS = (
+    "forward_node_s",
+    "forward_op_s",
+    "backward_op_s",
+    "autocast_cast_s",
+    "optimizer_tensor_s",
+    "kernel_gap_s",
+    "cudnn_op_s",
+)
 
 
 @lru_cache(maxsize=1)
@@ -75,12 +82,15 @@ def _efficiency_from_entry(e: dict[str, Any] | None, where: str) -> Efficiency:
     if not e:
         return Efficiency()
     try:
-        return Efficiency(compute={str(k): float(v) for k, v in (e.get("compute") or {}).items()},
-                          conv={str(k): float(v) for k, v in (e.get("conv") or {}).items()},
-                          memory=None if e.get("memory") is None else float(e["memory"]),
-                          memory_by_kind={str(k): float(v) for k, v in (e.get("memory_by_kind") or {}).items()},
-                          size_scale=float(e.get("size_scale", 1.0)),
-                          inherits=str(e.get("inherits", "")), source=str(e.get("source", "")))
+        return Efficiency(
+            compute={str(k): float(v) for k, v in (e.get("compute") or {}).items()},
+            conv={str(k): float(v) for k, v in (e.get("conv") or {}).items()},
+            memory=None if e.get("memory") is None else float(e["memory"]),
+            memory_by_kind={str(k): float(v) for k, v in (e.get("memory_by_kind") or {}).items()},
+            size_scale=float(e.get("size_scale", 1.0)),
+            inherits=str(e.get("inherits", "")),
+            source=str(e.get("source", "")),
+        )
     except (TypeError, ValueError, AttributeError) as err:
         raise ClusterError(f"{where}: efficiency is malformed ({err}).") from None
 
@@ -91,8 +101,10 @@ def _public_from_entry(e: dict[str, Any] | None, sources: dict[str, Any], where:
     try:
         return PublicFigures.from_dict({**e, "source": e.get("source") or sources.get("public", "")})
     except KeyError as err:
-        raise ClusterError(f"{where}: public figures lack {err.args[0]!r} (compute_units, boost_clock_mhz, "
-                           f"base_clock_mhz, board_power_w, tensor_cores, memory_type).") from None
+        raise ClusterError(
+            f"{where}: public figures lack {err.args[0]!r} (compute_units, boost_clock_mhz, "
+            f"base_clock_mhz, board_power_w, tensor_cores, memory_type)."
+        ) from None
     except (TypeError, ValueError, AttributeError) as err:
         raise ClusterError(f"{where}: public figures are malformed ({err}).") from None
 
@@ -105,6 +117,7 @@ def gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
     if e.get("efficiency") or gpu.public is None:
         return gpu
     from heterog.cost.public_model import derive
+
     try:
         return derive(gpu)
     except ValueError as err:
@@ -114,7 +127,8 @@ def gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
 def _gpu_type_of(e: dict[str, Any], where: str) -> GpuType:
     try:
         return GpuType(
-            name=e["name"], vendor=e["vendor"],
+            name=e["name"],
+            vendor=e["vendor"],
             peak_flops_per_s={p: float(e["peak_tflops"].get(p, 0) or 0) * 1e12 for p in PRECISIONS},
             memory_bandwidth_bytes_per_s=float(e["memory_bandwidth_gbytes_per_s"]) * 1e9,
             memory_bytes=int(float(e["memory_gib"]) * 2**30),
@@ -123,7 +137,8 @@ def _gpu_type_of(e: dict[str, Any], where: str) -> GpuType:
             sources=dict(e.get("sources", {})),
             efficiency=_efficiency_from_entry(e.get("efficiency"), where),
             host=_host_from_entry(e["host"], where) if e.get("host") else None,
-            public=_public_from_entry(e.get("public"), dict(e.get("sources") or {}), where))
+            public=_public_from_entry(e.get("public"), dict(e.get("sources") or {}), where),
+        )
     except KeyError as err:
         raise ClusterError(f"{where} lacks {err.args[0]!r} (see hardware/catalog.yaml for the fields).") from None
     except (TypeError, ValueError, AttributeError) as err:
@@ -141,14 +156,17 @@ def catalog_entries(path: Path, named_by: str = "the cluster file") -> list[dict
     try:
         doc = yaml.safe_load(path.read_text())
     except OSError as err:
-        raise ClusterError(f"{named_by} names the catalog {path}, which cannot be read ({err.strerror}); "
-                           f"fix the path.") from None
+        raise ClusterError(
+            f"{named_by} names the catalog {path}, which cannot be read ({err.strerror}); fix the path."
+        ) from None
     except yaml.YAMLError as err:
         raise ClusterError(f"{path}: not valid YAML ({err}).") from None
     gpus = doc.get("gpus") if isinstance(doc, dict) else None
     if not isinstance(gpus, list) or not all(isinstance(e, dict) for e in gpus):
-        raise ClusterError(f"{path}: a user catalog needs a `gpus:` list of entries in the format of "
-                           f"hardware/catalog.yaml (`heterog calibrate` writes one).")
+        raise ClusterError(
+            f"{path}: a user catalog needs a `gpus:` list of entries in the format of "
+            f"hardware/catalog.yaml (`heterog calibrate` writes one)."
+        )
     return gpus
 
 
@@ -156,9 +174,10 @@ def catalog_entries(path: Path, named_by: str = "the cluster file") -> list[dict
 class _Table:
     """The known types: by canonical name, and every spelling (name or alias) of each as its
     words (`_tokens`) → canonical name."""
+
     types: dict[str, GpuType]
     spellings: dict[tuple[str, ...], str]
-    lookup: dict[str, str]                  # the words joined → canonical name
+    lookup: dict[str, str]  # the words joined → canonical name
 
 
 def _gpu_table() -> _Table:
@@ -179,8 +198,9 @@ def _gpu_table_for(user_catalogs: str) -> _Table:
         types[g.name] = g
         for alias in [g.name, *e.get("aka", [])]:
             spellings[_tokens(alias)] = g.name
-    return _Table(types=types, spellings=spellings,
-                  lookup={"".join(words): canon for words, canon in spellings.items()})
+    return _Table(
+        types=types, spellings=spellings, lookup={"".join(words): canon for words, canon in spellings.items()}
+    )
 
 
 def _resolve(name: str) -> str:
@@ -195,13 +215,20 @@ def _resolve(name: str) -> str:
     same = {canon for toks, canon in table.spellings.items() if sorted(toks) == sorted(words)}
     if len(same) == 1:
         return same.pop()
-    family = sorted({canon for toks, canon in table.spellings.items()
-                     if words and len(toks) > len(words) and toks[:len(words)] == words})
+    family = sorted(
+        {
+            canon
+            for toks, canon in table.spellings.items()
+            if words and len(toks) > len(words) and toks[: len(words)] == words
+        }
+    )
     if len(family) == 1:
         return family[0]
     if family:
-        raise ClusterError(f"GPU type {name!r} is ambiguous: it could be {', '.join(family)} (they differ in "
-                           f"memory, bandwidth or power); name one of them.")
+        raise ClusterError(
+            f"GPU type {name!r} is ambiguous: it could be {', '.join(family)} (they differ in "
+            f"memory, bandwidth or power); name one of them."
+        )
     raise ClusterError(unknown_gpu_message(name))
 
 
@@ -230,17 +257,20 @@ def unknown_gpu_message(name: str) -> str:
     close = difflib.get_close_matches(_norm(name), list(lookup), n=3, cutoff=0.5)
     names = sorted({lookup[c] for c in close})
     hint = f" Did you mean {', '.join(names)}?" if names else ""
-    return (f"unknown GPU type {name!r}.{hint} Known types: {', '.join(gpu_names())} "
-            f"(`heterog gpus` lists them with their rates).")
+    return (
+        f"unknown GPU type {name!r}.{hint} Known types: {', '.join(gpu_names())} "
+        f"(`heterog gpus` lists them with their rates)."
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HostOverheads:
     """Per-kernel host costs of eager PyTorch on one device type (seconds)."""
-    dispatch_s: float               # Python + dispatcher per op; GPU: overlapped with device work
-    kernel_gap_s: float             # device-side minimum per kernel
-    optimizer_per_tensor_s: float   # optimizer loop cost per parameter tensor
-    synchronous: bool = False       # CPU: host cost adds to compute instead of overlapping
+
+    dispatch_s: float  # Python + dispatcher per op; GPU: overlapped with device work
+    kernel_gap_s: float  # device-side minimum per kernel
+    optimizer_per_tensor_s: float  # optimizer loop cost per parameter tensor
+    synchronous: bool = False  # CPU: host cost adds to compute instead of overlapping
     backward_dispatch_s: float | None = None  # autograd engine per backward op (CPU measured)
     fresh_page_s_per_byte: float = 0.0  # CPU: cost of tensors too large for the heap (page faults)
     fresh_threshold_bytes: float = float("inf")
@@ -252,15 +282,22 @@ def host_overheads(gpu: GpuType) -> HostOverheads:
         p = measure_cpu()
         # a calibrated CPU type (heterog calibrate) carries the profiled machine's op costs
         dispatch_s = gpu.host.forward_op_s if gpu.host is not None else p.dispatch_s
-        return HostOverheads(dispatch_s=dispatch_s, kernel_gap_s=0.0,
-                             optimizer_per_tensor_s=dispatch_s, synchronous=True,
-                             backward_dispatch_s=gpu.host.backward_op_s if gpu.host is not None else p.backward_dispatch_s,
-                             fresh_page_s_per_byte=p.fresh_page_s_per_byte,
-                             fresh_threshold_bytes=GLIBC_MMAP_THRESHOLD_MAX_BYTES)
+        return HostOverheads(
+            dispatch_s=dispatch_s,
+            kernel_gap_s=0.0,
+            optimizer_per_tensor_s=dispatch_s,
+            synchronous=True,
+            backward_dispatch_s=gpu.host.backward_op_s if gpu.host is not None else p.backward_dispatch_s,
+            fresh_page_s_per_byte=p.fresh_page_s_per_byte,
+            fresh_threshold_bytes=GLIBC_MMAP_THRESHOLD_MAX_BYTES,
+        )
     h = host_costs(gpu)
-    return HostOverheads(dispatch_s=h.forward_node_s, kernel_gap_s=h.kernel_gap_s,
-                         optimizer_per_tensor_s=h.optimizer_tensor_s,
-                         backward_dispatch_s=h.backward_op_s)
+    return HostOverheads(
+        dispatch_s=h.forward_node_s,
+        kernel_gap_s=h.kernel_gap_s,
+        optimizer_per_tensor_s=h.optimizer_tensor_s,
+        backward_dispatch_s=h.backward_op_s,
+    )
 
 
 def memory_by_kind_default() -> dict[str, float]:
@@ -281,23 +318,25 @@ def host_costs(gpu: GpuType) -> HostCosts:
 
 # -- the `cpu` device type, measured -------------------------------------------------------------
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CpuProbe:
     """Rates of this machine's CPU under the current torch thread count."""
-    key: str                                    # cpu model | threads | torch version
-    matmul_flops_per_s: dict[int, float]        # square fp32 size n → achieved FLOP/s
+
+    key: str  # cpu model | threads | torch version
+    matmul_flops_per_s: dict[int, float]  # square fp32 size n → achieved FLOP/s
     bf16_matmul_flops_per_s: float
-    conv_flops_per_s: float                     # 3×3 and 1×1 convolutions, forward (geometric mean)
-    copy_bandwidth_bytes_per_s: float           # bytes read + written per second
+    conv_flops_per_s: float  # 3×3 and 1×1 convolutions, forward (geometric mean)
+    copy_bandwidth_bytes_per_s: float  # bytes read + written per second
     # achieved bytes (inputs + outputs) per second of memory-bound kinds, by OpGraph kind:
     # CPU batch norm, pooling and softmax run far below copy bandwidth
     kind_bandwidth_bytes_per_s: dict[str, float]
-    fresh_page_s_per_byte: float                # first touch of newly mapped memory (page faults)
+    fresh_page_s_per_byte: float  # first touch of newly mapped memory (page faults)
     # forward time per output element of ops whose cost is neither FLOPs nor bytes on a CPU:
     # dropout's random numbers, GELU's erf (by module type, see cost.analytic)
     element_s: dict[str, float]
-    dispatch_s: float                           # one small op with autograd recording
-    backward_dispatch_s: float                  # one small op's backward in the autograd engine
+    dispatch_s: float  # one small op with autograd recording
+    backward_dispatch_s: float  # one small op's backward in the autograd engine
     memory_bytes: int
 
     @property
@@ -317,6 +356,7 @@ def _cpu_model_name() -> str:
 
 def _probe_key() -> str:
     import torch
+
     return f"{_cpu_model_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|v{_PROBE_VERSION}"
 
 
@@ -328,6 +368,7 @@ def _best_time_s(fn, *, repeats: int, min_time_s: float = 0.0) -> float:
     """The fastest of `repeats` runs: on a shared machine the least-disturbed run is the
     closest to the device's own speed (HeteroG profiled the same way: min of 5 runs)."""
     import torch
+
     # One torch thread: its own CPU time, which other processes on a shared machine do not
     # inflate. Several threads: wall time (the fastest run is the least disturbed).
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
@@ -374,15 +415,13 @@ def _run_probe() -> CpuProbe:
         rm, rv = torch.zeros(64), torch.ones(64)
         kinds = {
             "norm": 2 * nb / _best_time_s(lambda: F.batch_norm(act, rm, rv, training=True), repeats=3),
-            "pool": (nb + nb / 4 * 3) / _best_time_s(
-                lambda: F.max_pool2d_with_indices(act, 3, 2, 1), repeats=3),
+            "pool": (nb + nb / 4 * 3) / _best_time_s(lambda: F.max_pool2d_with_indices(act, 3, 2, 1), repeats=3),
             "elementwise": 2 * nb / _best_time_s(lambda: F.relu(act), repeats=3),
             "attention": 2 * nb / _best_time_s(lambda: torch.softmax(act, dim=-1), repeats=3),
         }
         # the optimizer's element-wise updates stream parameter-sized tensors from memory
         c = torch.randn_like(src)
-        kinds["optimizer"] = 4 * src.numel() * 4 / _best_time_s(lambda: dst.addcmul_(src, c, value=0.1),
-                                                                 repeats=3)
+        kinds["optimizer"] = 4 * src.numel() * 4 / _best_time_s(lambda: dst.addcmul_(src, c, value=0.1), repeats=3)
         elements = {
             "dropout": _best_time_s(lambda: F.dropout(act, 0.1, training=True), repeats=3) / act.numel(),
             "gelu": _best_time_s(lambda: F.gelu(act), repeats=3) / act.numel(),
@@ -395,14 +434,14 @@ def _run_probe() -> CpuProbe:
     # backward of the same kinds: input gradient from output gradient (+ saved tensors)
     x = act.clone().requires_grad_()
     for kind, fn, nbytes in (
-            ("norm", lambda t: F.batch_norm(t, rm, rv, training=True), 3 * nb),
-            ("pool", lambda t: F.max_pool2d(t, 3, 2, 1), nb * 1.75),
-            ("elementwise", F.relu, 3 * nb),
-            ("attention", lambda t: torch.softmax(t, dim=-1), 3 * nb)):
+        ("norm", lambda t: F.batch_norm(t, rm, rv, training=True), 3 * nb),
+        ("pool", lambda t: F.max_pool2d(t, 3, 2, 1), nb * 1.75),
+        ("elementwise", F.relu, 3 * nb),
+        ("attention", lambda t: torch.softmax(t, dim=-1), 3 * nb),
+    ):
         y = fn(x)
         g = torch.ones_like(y)
-        kinds[f"{kind}.bwd"] = nbytes / _best_time_s(
-            lambda: torch.autograd.grad(y, x, g, retain_graph=True), repeats=3)
+        kinds[f"{kind}.bwd"] = nbytes / _best_time_s(lambda: torch.autograd.grad(y, x, g, retain_graph=True), repeats=3)
     p = torch.ones(4, requires_grad=True)
     q = torch.ones(4)
     chain = 200
@@ -415,11 +454,19 @@ def _run_probe() -> CpuProbe:
 
     fwd_s = _best_time_s(forward_chain, repeats=5) / chain
     total_s = _best_time_s(lambda: forward_chain().sum().backward(), repeats=5) / chain
-    return CpuProbe(key=_probe_key(), matmul_flops_per_s=mm, bf16_matmul_flops_per_s=bf16,
-                    conv_flops_per_s=conv, copy_bandwidth_bytes_per_s=copy, kind_bandwidth_bytes_per_s=kinds,
-                    fresh_page_s_per_byte=fresh_page, element_s=elements, dispatch_s=fwd_s,
-                    backward_dispatch_s=max(total_s - fwd_s, 0.2 * fwd_s),
-                    memory_bytes=int(psutil.virtual_memory().total))
+    return CpuProbe(
+        key=_probe_key(),
+        matmul_flops_per_s=mm,
+        bf16_matmul_flops_per_s=bf16,
+        conv_flops_per_s=conv,
+        copy_bandwidth_bytes_per_s=copy,
+        kind_bandwidth_bytes_per_s=kinds,
+        fresh_page_s_per_byte=fresh_page,
+        element_s=elements,
+        dispatch_s=fwd_s,
+        backward_dispatch_s=max(total_s - fwd_s, 0.2 * fwd_s),
+        memory_bytes=int(psutil.virtual_memory().total),
+    )
 
 
 @lru_cache(maxsize=4)
@@ -459,16 +506,21 @@ def cpu_gpu_type() -> GpuType:
     p = measure_cpu()
     fp32 = p.peak_flops_per_s
     return GpuType(
-        name=CPU_TYPE, vendor="cpu",
+        name=CPU_TYPE,
+        vendor="cpu",
         peak_flops_per_s={"fp32": fp32, "tf32": 0.0, "fp16": 0.0, "bf16": p.bf16_matmul_flops_per_s},
-        memory_bandwidth_bytes_per_s=p.copy_bandwidth_bytes_per_s, memory_bytes=p.memory_bytes,
+        memory_bandwidth_bytes_per_s=p.copy_bandwidth_bytes_per_s,
+        memory_bytes=p.memory_bytes,
         intra_node_link="loopback",
         # gloo between local processes: shared-memory copies through the loopback interface
         intra_node_bandwidth_bytes_per_s=2e9,
-        sources={"peak_flops_per_s": f"measured on this machine ({p.key})",
-                 "memory_bandwidth_bytes_per_s": "measured: 64 MiB copy, bytes read + written",
-                 "intra_node_link": "gloo point-to-point between processes of one machine, ~2 GB/s "
-                                    "(profile/links.py measures a machine's own)"})
+        sources={
+            "peak_flops_per_s": f"measured on this machine ({p.key})",
+            "memory_bandwidth_bytes_per_s": "measured: 64 MiB copy, bytes read + written",
+            "intra_node_link": "gloo point-to-point between processes of one machine, ~2 GB/s "
+            "(profile/links.py measures a machine's own)",
+        },
+    )
 
 
 def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> GpuType:
@@ -476,6 +528,7 @@ def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> G
     A100-SXM4-80GB', 'Tesla V100-SXM2-16GB', 'NVIDIA H100 80GB HBM3'); its total memory, when
     given, picks between variants of one family (A100 40/80 GB)."""
     import re
+
     name = re.sub(r"[^A-Z0-9]", "", device_name.upper())
     candidates: list[tuple[int, GpuType]] = []
     for g in list_gpus():
@@ -484,8 +537,10 @@ def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> G
         if family in name:  # 'A10' also matches 'A100…': the longest family wins below
             candidates.append((len(family), g))
     if not candidates:
-        raise ClusterError(f"GPU {device_name!r} is not in the catalog; add it to "
-                           f"hardware/catalog.yaml with its data-sheet figures and sources.")
+        raise ClusterError(
+            f"GPU {device_name!r} is not in the catalog; add it to "
+            f"hardware/catalog.yaml with its data-sheet figures and sources."
+        )
     longest = max(n for n, _ in candidates)
     family = [g for n, g in candidates if n == longest]
     if len(family) > 1:
@@ -512,8 +567,9 @@ def precision_help() -> str:
     entries = _catalog_doc()["gpus"]
     parts = []
     for plan_p, p in list(PLAN_PRECISIONS.items())[1:]:
-        slow = [e["name"] for e in entries
-                if not float(e["peak_tflops"].get(p) or 0) > float(e["peak_tflops"]["fp32"])]
+        slow = [e["name"] for e in entries if not float(e["peak_tflops"].get(p) or 0) > float(e["peak_tflops"]["fp32"])]
         parts.append(f"{plan_p} on all but {', '.join(slow)}" if slow else f"{plan_p} on all")
-    return (f"{' | '.join(PLAN_PRECISIONS)}. Faster than fp32: {'; '.join(parts)}. Elsewhere a precision "
-            f"runs at the card's fp32 rate (the plan says so); `heterog gpus` lists the rates.")
+    return (
+        f"{' | '.join(PLAN_PRECISIONS)}. Faster than fp32: {'; '.join(parts)}. Elsewhere a precision "
+        f"runs at the card's fp32 rate (the plan says so); `heterog gpus` lists the rates."
+    )

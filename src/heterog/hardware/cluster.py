@@ -21,18 +21,18 @@ from heterog.hardware.gputype import GpuType
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Link:
-    name: str                       # e.g. 'node0/gpu1.up', 'node0.nic.down', 'switch.core'
-    kind: str                       # 'nvlink', 'pcie', 'nic', 'switch', 'loopback'
+    name: str  # e.g. 'node0/gpu1.up', 'node0.nic.down', 'switch.core'
+    kind: str  # 'nvlink', 'pcie', 'nic', 'switch', 'loopback'
     bandwidth_bytes_per_s: float
     latency_s: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Device:
-    name: str                       # unique, e.g. 'node0/gpu1'
-    gpu_type: str                   # key into Cluster.gpu_types
+    name: str  # unique, e.g. 'node0/gpu1'
+    gpu_type: str  # key into Cluster.gpu_types
     node: str
-    slowdown: float = 1.0           # emulated clusters: compute runs this many times slower
+    slowdown: float = 1.0  # emulated clusters: compute runs this many times slower
     memory_bytes: int | None = None  # override of the type's memory (emulated / partial GPUs)
 
 
@@ -50,14 +50,16 @@ class Node:
 
     def __post_init__(self) -> None:
         if not (self.host_speed > 0.0 and math.isfinite(self.host_speed)):
-            raise ClusterError(f"node {self.name!r}: host_speed must be a finite factor > 0 "
-                               f"(1.0 = the reference host), found {self.host_speed!r}.")
+            raise ClusterError(
+                f"node {self.name!r}: host_speed must be a finite factor > 0 "
+                f"(1.0 = the reference host), found {self.host_speed!r}."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     name: str
-    kind: str = "real"              # 'real' or 'emulated' (local processes)
+    kind: str = "real"  # 'real' or 'emulated' (local processes)
     gpu_types: dict[str, GpuType]
     nodes: tuple[Node, ...]
     devices: tuple[Device, ...]
@@ -75,8 +77,10 @@ class Cluster:
             return self.devices[self.device_index[name]]
         except KeyError:
             known = ", ".join(d.name for d in self.devices[:12])
-            raise ClusterError(f"no device {name!r} in cluster {self.name!r}; devices: {known}"
-                               f"{' …' if len(self.devices) > 12 else ''}.") from None
+            raise ClusterError(
+                f"no device {name!r} in cluster {self.name!r}; devices: {known}"
+                f"{' …' if len(self.devices) > 12 else ''}."
+            ) from None
 
     def gpu(self, device: str) -> GpuType:
         return self.gpu_types[self.device(device).gpu_type]
@@ -133,9 +137,16 @@ class Cluster:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_cluster(*, name: str, gpu_types: dict[str, GpuType], nodes: list[dict[str, Any]],
-                  kind: str = "real", switch_core_bandwidth_bytes_per_s: float | None = None,
-                  switch_latency_s: float = 0.0, meta: dict[str, Any] | None = None) -> Cluster:
+def build_cluster(
+    *,
+    name: str,
+    gpu_types: dict[str, GpuType],
+    nodes: list[dict[str, Any]],
+    kind: str = "real",
+    switch_core_bandwidth_bytes_per_s: float | None = None,
+    switch_latency_s: float = 0.0,
+    meta: dict[str, Any] | None = None,
+) -> Cluster:
     """Make a Cluster and its links from plain node descriptions.
 
     Each node dict: name, devices (list of dicts: name, gpu_type, slowdown?, memory_bytes?,
@@ -150,29 +161,56 @@ def build_cluster(*, name: str, gpu_types: dict[str, GpuType], nodes: list[dict[
         names = []
         for d in n["devices"]:
             gt = gpu_types[d["gpu_type"]]
-            dev = Device(name=d["name"], gpu_type=d["gpu_type"], node=n["name"],
-                         slowdown=d.get("slowdown", 1.0), memory_bytes=d.get("memory_bytes"))
+            dev = Device(
+                name=d["name"],
+                gpu_type=d["gpu_type"],
+                node=n["name"],
+                slowdown=d.get("slowdown", 1.0),
+                memory_bytes=d.get("memory_bytes"),
+            )
             devices.append(dev)
             names.append(dev.name)
             bw = d.get("intra_bandwidth_bytes_per_s") or gt.intra_node_bandwidth_bytes_per_s
-            link_kind = "nvlink" if gt.intra_node_link.startswith("nvlink") else (
-                "loopback" if gt.vendor == "cpu" else "pcie")
+            link_kind = (
+                "nvlink" if gt.intra_node_link.startswith("nvlink") else ("loopback" if gt.vendor == "cpu" else "pcie")
+            )
             for direction in ("up", "down"):
                 ln = Cluster.port(dev.name, direction)
-                links[ln] = Link(name=ln, kind=link_kind, bandwidth_bytes_per_s=bw,
-                                 latency_s=n["intra_latency_s"] / 2)
+                links[ln] = Link(name=ln, kind=link_kind, bandwidth_bytes_per_s=bw, latency_s=n["intra_latency_s"] / 2)
         for direction in ("up", "down"):
             ln = Cluster.nic(n["name"], direction)
-            links[ln] = Link(name=ln, kind="nic", bandwidth_bytes_per_s=n["nic_bandwidth_bytes_per_s"],
-                             latency_s=n["nic_latency_s"] / 2)
-        node_objs.append(Node(name=n["name"], devices=tuple(names),
-                              nic_bandwidth_bytes_per_s=n["nic_bandwidth_bytes_per_s"],
-                              nic_latency_s=n["nic_latency_s"], intra_latency_s=n["intra_latency_s"],
-                              host_speed=float(n.get("host_speed", 1.0))))
+            links[ln] = Link(
+                name=ln,
+                kind="nic",
+                bandwidth_bytes_per_s=n["nic_bandwidth_bytes_per_s"],
+                latency_s=n["nic_latency_s"] / 2,
+            )
+        node_objs.append(
+            Node(
+                name=n["name"],
+                devices=tuple(names),
+                nic_bandwidth_bytes_per_s=n["nic_bandwidth_bytes_per_s"],
+                nic_latency_s=n["nic_latency_s"],
+                intra_latency_s=n["intra_latency_s"],
+                host_speed=float(n.get("host_speed", 1.0)),
+            )
+        )
     core = None
     if switch_core_bandwidth_bytes_per_s is not None:
         core = "switch.core"
-        links[core] = Link(name=core, kind="switch", bandwidth_bytes_per_s=switch_core_bandwidth_bytes_per_s,
-                           latency_s=switch_latency_s)
-    return Cluster(name=name, kind=kind, gpu_types=dict(gpu_types), nodes=tuple(node_objs),
-                   devices=tuple(devices), links=links, switch_core=core, meta=meta or {})
+        links[core] = Link(
+            name=core,
+            kind="switch",
+            bandwidth_bytes_per_s=switch_core_bandwidth_bytes_per_s,
+            latency_s=switch_latency_s,
+        )
+    return Cluster(
+        name=name,
+        kind=kind,
+        gpu_types=dict(gpu_types),
+        nodes=tuple(node_objs),
+        devices=tuple(devices),
+        links=links,
+        switch_core=core,
+        meta=meta or {},
+    )

@@ -44,29 +44,55 @@ from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import PRECISIONS, GpuType, gpu_extras_from_dict, gpu_extras_to_dict
 
 SPEC_VERSION = 1
-DEFAULT_NIC_LATENCY_S = 10e-6    # RDMA/TCP one-way latency order; HeteroG used 12 µs per transfer
-DEFAULT_INTRA_LATENCY_S = 3e-6   # NVLink/PCIe peer copy including the launch
+DEFAULT_NIC_LATENCY_S = 10e-6  # RDMA/TCP one-way latency order; HeteroG used 12 µs per transfer
+DEFAULT_INTRA_LATENCY_S = 3e-6  # NVLink/PCIe peer copy including the launch
 KINDS = ("real", "emulated")
 
 _TOP = {"name", "kind", "description", "switch", "nodes", "gpu_types", "meta", "version", "catalog"}
-_NODE = {"name", "count", "devices", "nic_bandwidth_gbps", "nic_bandwidth_gbytes_per_s",
-         "nic_bandwidth_bytes_per_s", "nic_latency_us", "nic_latency_s", "intra_latency_us",
-         "intra_latency_s", "host_speed"}
-_DEVICE = {"type", "count", "name", "slowdown", "memory_gib", "memory_bytes", "intra_bandwidth_gbps",
-           "intra_bandwidth_gbytes_per_s", "intra_bandwidth_bytes_per_s"}
-_SWITCH = {"core_bandwidth_gbps", "core_bandwidth_gbytes_per_s", "core_bandwidth_bytes_per_s",
-           "latency_us", "latency_s"}
+_NODE = {
+    "name",
+    "count",
+    "devices",
+    "nic_bandwidth_gbps",
+    "nic_bandwidth_gbytes_per_s",
+    "nic_bandwidth_bytes_per_s",
+    "nic_latency_us",
+    "nic_latency_s",
+    "intra_latency_us",
+    "intra_latency_s",
+    "host_speed",
+}
+_DEVICE = {
+    "type",
+    "count",
+    "name",
+    "slowdown",
+    "memory_gib",
+    "memory_bytes",
+    "intra_bandwidth_gbps",
+    "intra_bandwidth_gbytes_per_s",
+    "intra_bandwidth_bytes_per_s",
+}
+_SWITCH = {
+    "core_bandwidth_gbps",
+    "core_bandwidth_gbytes_per_s",
+    "core_bandwidth_bytes_per_s",
+    "latency_us",
+    "latency_s",
+}
 
 
 # -- plausible ranges -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plausible:
     """Outside [error_low, error_high] a figure is surely a unit slip (an error); outside
     [warn_low, warn_high] it is unusual for real hardware (a warning). SI units."""
+
     what: str
     unit: str
-    scale: float            # SI value / scale = the figure in `unit`, for messages
+    scale: float  # SI value / scale = the figure in `unit`, for messages
     error_low: float
     warn_low: float
     warn_high: float
@@ -75,38 +101,50 @@ class Plausible:
 
 # Anchors: 1 Gbit/s Ethernet to NVLink 5 (1.8 TB/s per GPU, nvidia.com/nvlink); GPU memory
 # from 1 GiB to the 288 GB of a B300 (nvidia.com); NIC latencies of µs (RDMA) to ms (WAN).
-BANDWIDTH = Plausible(what="bandwidth", unit="Gbit/s", scale=1e9 / 8, error_low=1e5, warn_low=1.25e8,
-                      warn_high=2e12, error_high=1e13)
-MEMORY = Plausible(what="memory", unit="GiB", scale=2**30, error_low=2**26, warn_low=2**30,
-                   warn_high=2**39, error_high=2**42)
-LATENCY = Plausible(what="latency", unit="µs", scale=1e-6, error_low=0.0, warn_low=0.0,
-                    warn_high=10e-3, error_high=1.0)
+BANDWIDTH = Plausible(
+    what="bandwidth", unit="Gbit/s", scale=1e9 / 8, error_low=1e5, warn_low=1.25e8, warn_high=2e12, error_high=1e13
+)
+MEMORY = Plausible(
+    what="memory", unit="GiB", scale=2**30, error_low=2**26, warn_low=2**30, warn_high=2**39, error_high=2**42
+)
+LATENCY = Plausible(what="latency", unit="µs", scale=1e-6, error_low=0.0, warn_low=0.0, warn_high=10e-3, error_high=1.0)
 # Host speed relative to the machine the catalog's host costs were fitted on: hosts of
 # training GPUs differ by a few × (CPU generation, clock, Python build, load), not by 100×.
-HOST_SPEED = Plausible(what="host speed", unit="×", scale=1.0, error_low=0.01, warn_low=0.2,
-                       warn_high=5.0, error_high=100.0)
-SLOWDOWN = Plausible(what="slowdown", unit="×", scale=1.0, error_low=1e-3, warn_low=0.05,
-                     warn_high=100.0, error_high=1000.0)
+HOST_SPEED = Plausible(
+    what="host speed", unit="×", scale=1.0, error_low=0.01, warn_low=0.2, warn_high=5.0, error_high=100.0
+)
+SLOWDOWN = Plausible(
+    what="slowdown", unit="×", scale=1.0, error_low=1e-3, warn_low=0.05, warn_high=100.0, error_high=1000.0
+)
 
 
-def _plausible(ctx: "_Ctx", where: str, m: Any, key: str, value: float, rng: Plausible) -> float:
+def _plausible(ctx: _Ctx, where: str, m: Any, key: str, value: float, rng: Plausible) -> float:
     """Return value; raise ClusterError outside the error range, warn outside the usual one."""
     shown = f"{value / rng.scale:.4g} {rng.unit}"
     span = f"{rng.warn_low / rng.scale:.4g}–{rng.warn_high / rng.scale:.4g} {rng.unit}"
     if not rng.error_low <= value <= rng.error_high:
-        raise ctx.fail(where, m, key, f"{rng.what} {shown} is implausible (real hardware lies within "
-                                      f"{span}); check the unit in the field name.")
+        raise ctx.fail(
+            where,
+            m,
+            key,
+            f"{rng.what} {shown} is implausible (real hardware lies within {span}); check the unit in the field name.",
+        )
     if not rng.warn_low <= value <= rng.warn_high:
-        warnings.warn(HeterogWarning(ctx.fail(where, m, key, f"{rng.what} {shown} is outside the usual "
-                                                             f"{span}; is the unit right?").args[0]),
-                      stacklevel=2)
+        warnings.warn(
+            HeterogWarning(
+                ctx.fail(where, m, key, f"{rng.what} {shown} is outside the usual {span}; is the unit right?").args[0]
+            ),
+            stacklevel=2,
+        )
     return value
 
 
 # -- YAML with line numbers -------------------------------------------------------------------
 
+
 class _Map(dict):
     """A mapping that remembers the line of each key (1-based) and of itself."""
+
     line: int | None = None
     key_lines: dict[str, int]
 
@@ -122,8 +160,9 @@ def _construct_map(loader: _LineLoader, node: yaml.MappingNode) -> _Map:
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         if key in out:
-            raise ClusterError(f"line {key_node.start_mark.line + 1}: field {key!r} appears twice "
-                               f"in one mapping; keep one.")
+            raise ClusterError(
+                f"line {key_node.start_mark.line + 1}: field {key!r} appears twice in one mapping; keep one."
+            )
         out[key] = loader.construct_object(value_node, deep=True)
         out.key_lines[key] = key_node.start_mark.line + 1
     return out
@@ -167,8 +206,7 @@ def _number(ctx: _Ctx, where: str, m: dict, key: str, *, positive: bool = True) 
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ctx.fail(where, m, key, f"expected a finite number, found {v!r}.")
     if positive and v <= 0:
-        raise ctx.fail(where, m, key, f"must be > 0, found {v!r}; a link or size cannot be zero "
-                                      f"or negative.")
+        raise ctx.fail(where, m, key, f"must be > 0, found {v!r}; a link or size cannot be zero or negative.")
     if not positive and v < 0:
         raise ctx.fail(where, m, key, f"must be ≥ 0, found {v!r}.")
     return float(v)
@@ -191,8 +229,9 @@ def _latency(ctx: _Ctx, where: str, m: dict, stem: str, default: float) -> float
     if f"{stem}_us" in m and f"{stem}_s" in m:
         raise ctx.fail(where, m, f"{stem}_s", "give the latency once, in _us or in _s.")
     if f"{stem}_us" in m:
-        return _plausible(ctx, where, m, f"{stem}_us", _number(ctx, where, m, f"{stem}_us", positive=False) * 1e-6,
-                          LATENCY)
+        return _plausible(
+            ctx, where, m, f"{stem}_us", _number(ctx, where, m, f"{stem}_us", positive=False) * 1e-6, LATENCY
+        )
     if f"{stem}_s" in m:
         return _plausible(ctx, where, m, f"{stem}_s", _number(ctx, where, m, f"{stem}_s", positive=False), LATENCY)
     return default
@@ -200,26 +239,32 @@ def _latency(ctx: _Ctx, where: str, m: dict, stem: str, default: float) -> float
 
 def _gpu_type_from_dict(ctx: _Ctx, where: str, d: Any, name: str) -> GpuType:
     try:
-        return GpuType(name=name, vendor=d["vendor"],
-                       peak_flops_per_s={p: float(d["peak_flops_per_s"].get(p, 0.0)) for p in PRECISIONS},
-                       memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]),
-                       memory_bytes=int(d["memory_bytes"]), intra_node_link=d["intra_node_link"],
-                       intra_node_bandwidth_bytes_per_s=float(d["intra_node_bandwidth_bytes_per_s"]),
-                       sources=dict(d.get("sources", {})), **gpu_extras_from_dict(d))
+        return GpuType(
+            name=name,
+            vendor=d["vendor"],
+            peak_flops_per_s={p: float(d["peak_flops_per_s"].get(p, 0.0)) for p in PRECISIONS},
+            memory_bandwidth_bytes_per_s=float(d["memory_bandwidth_bytes_per_s"]),
+            memory_bytes=int(d["memory_bytes"]),
+            intra_node_link=d["intra_node_link"],
+            intra_node_bandwidth_bytes_per_s=float(d["intra_node_bandwidth_bytes_per_s"]),
+            sources=dict(d.get("sources", {})),
+            **gpu_extras_from_dict(d),
+        )
     except KeyError as e:
         raise ctx.fail(where, d, None, f"GPU type {name!r} lacks {e.args[0]!r}.") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise ctx.fail(where, d, None, f"GPU type {name!r} is malformed ({e}).") from None
 
 
-def _catalog_types(ctx: "_Ctx", doc: dict, base_dir: Path | None) -> dict[str, GpuType]:
+def _catalog_types(ctx: _Ctx, doc: dict, base_dir: Path | None) -> dict[str, GpuType]:
     """The types of the catalog files named by the spec's `catalog:` (a path or a list),
     each path relative to the spec's own file: by name and by every alias."""
     paths = doc["catalog"]
     paths = [paths] if isinstance(paths, str) else paths
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise ctx.fail("", doc, "catalog", "expected a catalog file (or a list of them) written by "
-                                           "`heterog calibrate`.")
+        raise ctx.fail(
+            "", doc, "catalog", "expected a catalog file (or a list of them) written by `heterog calibrate`."
+        )
     out: dict[str, GpuType] = {}
     for raw in paths:
         path = Path(raw) if Path(raw).is_absolute() or base_dir is None else base_dir / raw
@@ -270,8 +315,13 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
         _check_keys(ctx, "switch", sw, _SWITCH)
         switch_bw = _bandwidth(ctx, "switch", sw, "core_bandwidth", None)
         if switch_bw is None:
-            raise ctx.fail("switch", sw, None, "a switch needs core_bandwidth_gbps (the oversubscribed "
-                                               "core); omit `switch` for a non-blocking switch.")
+            raise ctx.fail(
+                "switch",
+                sw,
+                None,
+                "a switch needs core_bandwidth_gbps (the oversubscribed "
+                "core); omit `switch` for a non-blocking switch.",
+            )
         switch_latency_s = _latency(ctx, "switch", sw, "latency", 0.0)
 
     raw_nodes = doc["nodes"]
@@ -293,22 +343,33 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise ctx.fail(where, n, "count", f"must be a positive integer, found {count!r}.")
             if count > 1 and "{i}" not in str(n["name"]):
-                raise ctx.fail(where, n, "name", f"a node with count {count} needs '{{i}}' in its "
-                                                 f"name (e.g. 'node{{i}}') so each copy is unique.")
+                raise ctx.fail(
+                    where,
+                    n,
+                    "name",
+                    f"a node with count {count} needs '{{i}}' in its name (e.g. 'node{{i}}') so each copy is unique.",
+                )
         nic_bw = _bandwidth(ctx, where, n, "nic_bandwidth", None)
         if nic_bw is None:
             raise ctx.fail(where, n, None, "missing nic_bandwidth_gbps (the node's network card).")
         nic_lat = _latency(ctx, where, n, "nic_latency", DEFAULT_NIC_LATENCY_S)
         intra_lat = _latency(ctx, where, n, "intra_latency", DEFAULT_INTRA_LATENCY_S)
-        host_speed = (_plausible(ctx, where, n, "host_speed", _number(ctx, where, n, "host_speed"), HOST_SPEED)
-                      if "host_speed" in n else 1.0)
+        host_speed = (
+            _plausible(ctx, where, n, "host_speed", _number(ctx, where, n, "host_speed"), HOST_SPEED)
+            if "host_speed" in n
+            else 1.0
+        )
         if not isinstance(n["devices"], list) or not n["devices"]:
             raise ctx.fail(where, n, "devices", "expected a non-empty list of devices.")
         for copy in range(count):
             node_name = str(n["name"]).replace("{i}", str(copy))
             if node_name in node_where:
-                raise ctx.fail(where, n, "name", f"duplicate node name {node_name!r} (also "
-                                                 f"{node_where[node_name]}); node names must be unique.")
+                raise ctx.fail(
+                    where,
+                    n,
+                    "name",
+                    f"duplicate node name {node_name!r} (also {node_where[node_name]}); node names must be unique.",
+                )
             node_where[node_name] = where
             devices: list[dict[str, Any]] = []
             k_by_prefix: dict[str, int] = {}
@@ -316,8 +377,7 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
                 dwhere = f"{where}.devices[{j}]"
                 _check_keys(ctx, dwhere, d, _DEVICE)
                 if "type" not in d:
-                    raise ctx.fail(dwhere, d, None, "missing required field 'type' (a GPU type, "
-                                                    "see `heterog gpus`).")
+                    raise ctx.fail(dwhere, d, None, "missing required field 'type' (a GPU type, see `heterog gpus`).")
                 gt = resolve(dwhere, d, "type")
                 gpu_types[gt.name] = gt
                 dcount = d.get("count", 1)
@@ -325,20 +385,30 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
                     raise ctx.fail(dwhere, d, "count", f"must be a positive integer, found {dcount!r}.")
                 if "name" in d and dcount > 1:
                     raise ctx.fail(dwhere, d, "name", "a named device entry must have count 1.")
-                slowdown = (_plausible(ctx, dwhere, d, "slowdown", _number(ctx, dwhere, d, "slowdown"), SLOWDOWN)
-                            if "slowdown" in d else 1.0)
+                slowdown = (
+                    _plausible(ctx, dwhere, d, "slowdown", _number(ctx, dwhere, d, "slowdown"), SLOWDOWN)
+                    if "slowdown" in d
+                    else 1.0
+                )
                 if kind == "emulated" and gt.vendor != "cpu":
-                    raise ctx.fail(dwhere, d, "type", f"an emulated cluster runs local CPU processes; "
-                                                      f"use type 'cpu' (with a slowdown), not {gt.name!r}.")
+                    raise ctx.fail(
+                        dwhere,
+                        d,
+                        "type",
+                        f"an emulated cluster runs local CPU processes; "
+                        f"use type 'cpu' (with a slowdown), not {gt.name!r}.",
+                    )
                 mem = None
                 if "memory_gib" in d and "memory_bytes" in d:
                     raise ctx.fail(dwhere, d, "memory_bytes", "give memory once (memory_gib or memory_bytes).")
                 if "memory_gib" in d:
-                    mem = int(_plausible(ctx, dwhere, d, "memory_gib", _number(ctx, dwhere, d, "memory_gib") * 2**30,
-                                         MEMORY))
+                    mem = int(
+                        _plausible(ctx, dwhere, d, "memory_gib", _number(ctx, dwhere, d, "memory_gib") * 2**30, MEMORY)
+                    )
                 elif "memory_bytes" in d:
-                    mem = int(_plausible(ctx, dwhere, d, "memory_bytes", _number(ctx, dwhere, d, "memory_bytes"),
-                                         MEMORY))
+                    mem = int(
+                        _plausible(ctx, dwhere, d, "memory_bytes", _number(ctx, dwhere, d, "memory_bytes"), MEMORY)
+                    )
                 intra_bw = _bandwidth(ctx, dwhere, d, "intra_bandwidth", None)
                 prefix = "cpu" if gt.vendor == "cpu" else "gpu"
                 for _ in range(dcount):
@@ -350,10 +420,12 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
                         dev_name = f"{node_name}/{prefix}{k}"
                     if dev_name in device_node:
                         other = device_node[dev_name]
-                        msg = (f"duplicate device name {dev_name!r} in node {node_name!r}"
-                               if other == node_name else
-                               f"device {dev_name!r} is in two nodes ({other!r} and {node_name!r}); "
-                               f"a device belongs to exactly one node: rename one")
+                        msg = (
+                            f"duplicate device name {dev_name!r} in node {node_name!r}"
+                            if other == node_name
+                            else f"device {dev_name!r} is in two nodes ({other!r} and {node_name!r}); "
+                            f"a device belongs to exactly one node: rename one"
+                        )
                         raise ctx.fail(dwhere, d, "name" if "name" in d else None, msg + ".")
                     device_node[dev_name] = node_name
                     dev: dict[str, Any] = {"name": dev_name, "gpu_type": gt.name, "slowdown": slowdown}
@@ -362,17 +434,32 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
                     if intra_bw is not None:
                         dev["intra_bandwidth_bytes_per_s"] = intra_bw
                     devices.append(dev)
-            nodes.append({"name": node_name, "devices": devices, "nic_bandwidth_bytes_per_s": nic_bw,
-                          "nic_latency_s": nic_lat, "intra_latency_s": intra_lat, "host_speed": host_speed})
+            nodes.append(
+                {
+                    "name": node_name,
+                    "devices": devices,
+                    "nic_bandwidth_bytes_per_s": nic_bw,
+                    "nic_latency_s": nic_lat,
+                    "intra_latency_s": intra_lat,
+                    "host_speed": host_speed,
+                }
+            )
     meta = dict(doc.get("meta") or {})
     if "description" in doc:
         meta["description"] = str(doc["description"])
-    return build_cluster(name=name, gpu_types=gpu_types, nodes=nodes, kind=kind,
-                         switch_core_bandwidth_bytes_per_s=switch_bw, switch_latency_s=switch_latency_s,
-                         meta=meta)
+    return build_cluster(
+        name=name,
+        gpu_types=gpu_types,
+        nodes=nodes,
+        kind=kind,
+        switch_core_bandwidth_bytes_per_s=switch_bw,
+        switch_latency_s=switch_latency_s,
+        meta=meta,
+    )
 
 
 # -- public API ----------------------------------------------------------------------------------
+
 
 def builtin_clusters() -> list[str]:
     folder = resources.files("heterog.hardware").joinpath("clusters")
@@ -397,15 +484,20 @@ def parse_cluster_yaml(text: str, source: str = "<yaml>", base_dir: Path | None 
 
 def load_cluster(name_or_path: str | Path) -> Cluster:
     """A built-in cluster by name ('paper-8gpu', 'mixed-16', …) or a YAML file."""
-    text = _builtin_text(str(name_or_path)) if "/" not in str(name_or_path) and not str(
-        name_or_path).endswith((".yaml", ".yml")) else None
+    text = (
+        _builtin_text(str(name_or_path))
+        if "/" not in str(name_or_path) and not str(name_or_path).endswith((".yaml", ".yml"))
+        else None
+    )
     if text is not None:
         return parse_cluster_yaml(text, f"<built-in {name_or_path}>")
     path = Path(name_or_path)
     if not path.is_file():
-        raise ClusterError(f"no cluster {str(name_or_path)!r}: not a built-in "
-                           f"({', '.join(builtin_clusters())}) and no such file."
-                           f"{did_you_mean(str(name_or_path), builtin_clusters())}")
+        raise ClusterError(
+            f"no cluster {str(name_or_path)!r}: not a built-in "
+            f"({', '.join(builtin_clusters())}) and no such file."
+            f"{did_you_mean(str(name_or_path), builtin_clusters())}"
+        )
     return parse_cluster_yaml(path.read_text(), str(path), path.resolve().parent)
 
 
@@ -415,11 +507,16 @@ def cluster_from_dict(doc: dict[str, Any]) -> Cluster:
 
 
 def _gpu_type_to_dict(g: GpuType) -> dict[str, Any]:
-    return {"vendor": g.vendor, "peak_flops_per_s": dict(g.peak_flops_per_s),
-            "memory_bandwidth_bytes_per_s": g.memory_bandwidth_bytes_per_s,
-            "memory_bytes": g.memory_bytes, "intra_node_link": g.intra_node_link,
-            "intra_node_bandwidth_bytes_per_s": g.intra_node_bandwidth_bytes_per_s,
-            "sources": dict(g.sources), **gpu_extras_to_dict(g)}
+    return {
+        "vendor": g.vendor,
+        "peak_flops_per_s": dict(g.peak_flops_per_s),
+        "memory_bandwidth_bytes_per_s": g.memory_bandwidth_bytes_per_s,
+        "memory_bytes": g.memory_bytes,
+        "intra_node_link": g.intra_node_link,
+        "intra_node_bandwidth_bytes_per_s": g.intra_node_bandwidth_bytes_per_s,
+        "sources": dict(g.sources),
+        **gpu_extras_to_dict(g),
+    }
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
@@ -438,14 +535,22 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             if port_bw != gt.intra_node_bandwidth_bytes_per_s:
                 entry["intra_bandwidth_bytes_per_s"] = port_bw
             devices.append(entry)
-        node: dict[str, Any] = {"name": n.name, "nic_bandwidth_bytes_per_s": n.nic_bandwidth_bytes_per_s,
-                                "nic_latency_s": n.nic_latency_s, "intra_latency_s": n.intra_latency_s}
-        if n.host_speed != 1.0:     # omitted at the default, so older documents stay as they were
+        node: dict[str, Any] = {
+            "name": n.name,
+            "nic_bandwidth_bytes_per_s": n.nic_bandwidth_bytes_per_s,
+            "nic_latency_s": n.nic_latency_s,
+            "intra_latency_s": n.intra_latency_s,
+        }
+        if n.host_speed != 1.0:  # omitted at the default, so older documents stay as they were
             node["host_speed"] = n.host_speed
         nodes.append({**node, "devices": devices})
-    out: dict[str, Any] = {"version": SPEC_VERSION, "name": cluster.name, "kind": cluster.kind,
-                           "gpu_types": {k: _gpu_type_to_dict(g) for k, g in cluster.gpu_types.items()},
-                           "nodes": nodes}
+    out: dict[str, Any] = {
+        "version": SPEC_VERSION,
+        "name": cluster.name,
+        "kind": cluster.kind,
+        "gpu_types": {k: _gpu_type_to_dict(g) for k, g in cluster.gpu_types.items()},
+        "nodes": nodes,
+    }
     if cluster.switch_core:
         core = cluster.links[cluster.switch_core]
         out["switch"] = {"core_bandwidth_bytes_per_s": core.bandwidth_bytes_per_s, "latency_s": core.latency_s}
@@ -458,8 +563,9 @@ def with_gpu_type(cluster: Cluster, gpu: GpuType) -> Cluster:
     """`cluster` with the figures of its type `gpu.name` replaced by `gpu`'s (a calibration
     of that type: `heterog plan --profile`)."""
     if gpu.name not in cluster.gpu_types:
-        raise ClusterError(f"cluster {cluster.name!r} has no device of type {gpu.name!r} (its types: "
-                           f"{', '.join(cluster.gpu_types)}).")
+        raise ClusterError(
+            f"cluster {cluster.name!r} has no device of type {gpu.name!r} (its types: {', '.join(cluster.gpu_types)})."
+        )
     doc = cluster_to_dict(cluster)
     doc["gpu_types"][gpu.name] = _gpu_type_to_dict(gpu)
     return cluster_from_dict(doc)

@@ -15,14 +15,14 @@ class Affine:
     def at(self, batch: float) -> float:
         return self.fixed + self.per_sample * batch
 
-    def __add__(self, other: "Affine") -> "Affine":
+    def __add__(self, other: Affine) -> Affine:
         return Affine(self.fixed + other.fixed, self.per_sample + other.per_sample)
 
-    def scaled(self, factor: float) -> "Affine":
+    def scaled(self, factor: float) -> Affine:
         return Affine(self.fixed * factor, self.per_sample * factor)
 
     @staticmethod
-    def fit(batch_a: float, value_a: float, batch_b: float, value_b: float) -> "Affine":
+    def fit(batch_a: float, value_a: float, batch_b: float, value_b: float) -> Affine:
         """The line through two measurements (e.g. a capture at batch b and at 2b)."""
         assert batch_a != batch_b
         per_sample = (value_b - value_a) / (batch_b - batch_a)
@@ -32,9 +32,12 @@ class Affine:
         return [float(self.fixed), float(self.per_sample)]
 
     @staticmethod
-    def from_json(value: object) -> "Affine":
-        if (not isinstance(value, (list, tuple)) or len(value) != 2
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+    def from_json(value: object) -> Affine:
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        ):
             raise ValueError(f"expected [fixed, per_sample] numbers, found {value!r}")
         return Affine(float(value[0]), float(value[1]))
 

@@ -8,14 +8,15 @@ from enum import StrEnum
 
 class Precision(StrEnum):
     FP32 = "fp32"
-    TF32 = "tf32"             # fp32 tensors, matmuls and convolutions on TF32 tensor cores
-                              # (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 on)
-    AMP_BF16 = "amp-bf16"     # autocast to bfloat16, fp32 master weights
-    FP16 = "fp16"             # autocast to float16, fp32 master weights, gradient scaler
+    TF32 = "tf32"  # fp32 tensors, matmuls and convolutions on TF32 tensor cores
+    # (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 on)
+    AMP_BF16 = "amp-bf16"  # autocast to bfloat16, fp32 master weights
+    FP16 = "fp16"  # autocast to float16, fp32 master weights, gradient scaler
 
 
 class SyncMethod(StrEnum):
     """How the gradients of a replicated group are combined."""
+
     NONE = "none"
     RING = "ring"
     TREE = "tree"
@@ -30,7 +31,7 @@ class PipelineSchedule(StrEnum):
 
 class Phase(StrEnum):
     FORWARD = "forward"
-    BACKWARD = "backward"     # of a recomputing block: runs its forward again first
+    BACKWARD = "backward"  # of a recomputing block: runs its forward again first
 
 
 class InstructionKind(StrEnum):

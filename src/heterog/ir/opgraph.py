@@ -22,32 +22,32 @@ SCHEMA_VERSION = 1
 KIND = "heterog.OpGraph"
 
 # What an op spends its time on; the cost model picks efficiency curves by kind.
-OpKind = Literal["matmul", "conv", "attention", "norm", "elementwise", "pool",
-                 "embedding", "reduction", "loss", "memory", "other"]
+OpKind = Literal[
+    "matmul", "conv", "attention", "norm", "elementwise", "pool", "embedding", "reduction", "loss", "memory", "other"
+]
 OP_KINDS: tuple[str, ...] = OpKind.__args__  # type: ignore[attr-defined]
 
-_AFFINE_FIELDS = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes",
-                  "output_bytes", "workspace_bytes")
+_AFFINE_FIELDS = ("fwd_flops", "bwd_flops", "fwd_bytes", "bwd_bytes", "saved_bytes", "output_bytes", "workspace_bytes")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OpNode:
-    name: str                       # unique; the leaf module path, '#k' appended on repeat calls
-    module_path: str                # owning module ('' = the root model)
-    module_type: str                # class of the owning module, e.g. 'Conv2d'
-    kind: str                       # one of OP_KINDS
+    name: str  # unique; the leaf module path, '#k' appended on repeat calls
+    module_path: str  # owning module ('' = the root model)
+    module_type: str  # class of the owning module, e.g. 'Conv2d'
+    kind: str  # one of OP_KINDS
     fwd_flops: Affine = ZERO
     bwd_flops: Affine = ZERO
-    fwd_bytes: Affine = ZERO        # memory traffic: bytes read + written by its kernels
+    fwd_bytes: Affine = ZERO  # memory traffic: bytes read + written by its kernels
     bwd_bytes: Affine = ZERO
-    saved_bytes: Affine = ZERO      # activations autograd keeps for backward (de-duplicated)
-    output_bytes: Affine = ZERO     # bytes of the outputs other nodes consume
+    saved_bytes: Affine = ZERO  # activations autograd keeps for backward (de-duplicated)
+    output_bytes: Affine = ZERO  # bytes of the outputs other nodes consume
     workspace_bytes: Affine = ZERO  # largest transient tensor while it runs
-    param_names: tuple[str, ...] = ()   # parameters this node owns (a shared one: first user; see Tie)
+    param_names: tuple[str, ...] = ()  # parameters this node owns (a shared one: first user; see Tie)
     param_count: int = 0
     param_bytes: int = 0
-    batch_splittable: bool = True   # False: its work does not divide along the batch
-    fwd_kernels: int = 0            # aten ops launched in forward / backward (host overhead)
+    batch_splittable: bool = True  # False: its work does not divide along the batch
+    fwd_kernels: int = 0  # aten ops launched in forward / backward (host overhead)
     bwd_kernels: int = 0
     tensor_core_flops_fraction: float = 0.0  # share of FLOPs in matmul/conv/attention kernels
 
@@ -63,7 +63,7 @@ class OpNode:
         return out
 
     @staticmethod
-    def from_json(doc: dict[str, Any], where: str) -> "OpNode":
+    def from_json(doc: dict[str, Any], where: str) -> OpNode:
         if not isinstance(doc, dict):
             raise GraphError(f"{where}: a node must be a JSON object, found {type(doc).__name__}.")
         known = {f.name for f in fields(OpNode)}
@@ -100,6 +100,7 @@ class Tie:
     in param_names and counts its bytes); a plan that puts the others in groups on other
     devices gives each of those devices a copy whose gradient is summed across the copies
     every step (`tie_holders`)."""
+
     param: str
     nodes: tuple[str, ...]
     param_bytes: int
@@ -108,15 +109,15 @@ class Tie:
 @dataclass(frozen=True, kw_only=True)
 class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
     model: str
-    batch_size: int                 # the reference batch the capture ran at
+    batch_size: int  # the reference batch the capture ran at
     seq_len: int | None = None
     dtype: str = "float32"
     nodes: tuple[OpNode, ...]
     edges: tuple[OpEdge, ...]
-    input_bytes: Affine = ZERO      # the example batch itself
+    input_bytes: Affine = ZERO  # the example batch itself
     num_parameters: int = 0
     meta: dict[str, Any] = field(default_factory=dict)  # provenance: capture time, torch version
-    ties: tuple[Tie, ...] = ()      # parameters read by more than one node
+    ties: tuple[Tie, ...] = ()  # parameters read by more than one node
 
     # -- look-ups ------------------------------------------------------------------------
     @cached_property
@@ -177,7 +178,7 @@ class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
         return hashlib.sha256(body).hexdigest()[:16]
 
     # -- validation -----------------------------------------------------------------------
-    def validate(self) -> "OpGraph":
+    def validate(self) -> OpGraph:
         """Check structure and values; raise GraphError naming the offending node or edge."""
         if self.batch_size <= 0:
             raise GraphError(f"graph of {self.model}: batch_size must be positive, found {self.batch_size}.")
@@ -196,8 +197,8 @@ class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
                 for b in (0.0, 1.0, float(self.batch_size)):
                     if a.at(b) < -1e-6 * max(1.0, abs(a.fixed)):
                         raise GraphError(
-                            f"{where}: {fname} is negative at batch {b:g} ({a.at(b):g}); "
-                            f"sizes and FLOPs must be ≥ 0.")
+                            f"{where}: {fname} is negative at batch {b:g} ({a.at(b):g}); sizes and FLOPs must be ≥ 0."
+                        )
             for fname in ("param_count", "param_bytes", "fwd_kernels", "bwd_kernels"):
                 if getattr(n, fname) < 0:
                     raise GraphError(f"{where}: {fname} is negative ({getattr(n, fname)}).")
@@ -208,7 +209,8 @@ class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
                 if end not in seen:
                     raise GraphError(
                         f"edge {j} ({e.src!r} → {e.dst!r}) refers to node {end!r}, which does not "
-                        f"exist: a dangling edge. Remove it or add the node.")
+                        f"exist: a dangling edge. Remove it or add the node."
+                    )
             if e.src == e.dst:
                 raise GraphError(f"edge {j}: self-loop on {e.src!r}; a node cannot feed itself.")
             if e.bytes.at(self.batch_size) < 0:
@@ -216,19 +218,25 @@ class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
         for j, t in enumerate(self.ties):
             missing = [n for n in t.nodes if n not in seen]
             if missing or len(t.nodes) < 2:
-                raise GraphError(f"tie {j} of parameter {t.param!r}: needs two or more existing nodes, "
-                                 f"found {list(t.nodes)}" + (f" (no node {missing[0]!r})" if missing else "")
-                                 + "; fix or drop the tie.")
+                raise GraphError(
+                    f"tie {j} of parameter {t.param!r}: needs two or more existing nodes, "
+                    f"found {list(t.nodes)}"
+                    + (f" (no node {missing[0]!r})" if missing else "")
+                    + "; fix or drop the tie."
+                )
             owner = self.nodes[self.index[t.nodes[0]]]
             if t.param not in owner.param_names:
-                raise GraphError(f"tie {j}: its first node {owner.name!r} must own parameter {t.param!r} "
-                                 f"(list it in param_names), since the tie's first node holds it.")
+                raise GraphError(
+                    f"tie {j}: its first node {owner.name!r} must own parameter {t.param!r} "
+                    f"(list it in param_names), since the tie's first node holds it."
+                )
         cycle = self._find_cycle()
         if cycle:
             path = " → ".join(cycle)
             raise GraphError(
                 f"cycle {path}: the simulator could never start {cycle[1]!r}, because it "
-                f"waits for itself. An OpGraph must be acyclic.")
+                f"waits for itself. An OpGraph must be acyclic."
+            )
         return self
 
     def _find_cycle(self) -> list[str] | None:
@@ -250,7 +258,7 @@ class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
                     stack.pop()
                     path.pop()
                 elif state.get(nxt) == 1:
-                    return path[path.index(nxt):] + [nxt]
+                    return path[path.index(nxt) :] + [nxt]
                 elif nxt not in state:
                     state[nxt] = 1
                     stack.append((nxt, iter(succ[nxt])))
@@ -276,7 +284,7 @@ class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
         return body
 
     @staticmethod
-    def from_dict(doc: dict[str, Any], source: str = "<graph>") -> "OpGraph":
+    def from_dict(doc: dict[str, Any], source: str = "<graph>") -> OpGraph:
         try:
             raw_nodes = doc["nodes"]
             raw_edges = doc["edges"]
@@ -295,11 +303,17 @@ class OpGraph(Artifact, kind=KIND, version=SCHEMA_VERSION):
                     raise GraphError(f"{source}: tie {j} must be [param, [nodes...], param_bytes], found {t!r}.")
                 ties.append(Tie(param=t[0], nodes=tuple(t[1]), param_bytes=int(t[2])))
             graph = OpGraph(
-                model=doc["model"], batch_size=doc["batch_size"], seq_len=doc.get("seq_len"),
-                dtype=doc.get("dtype", "float32"), nodes=nodes, edges=tuple(edges),
+                model=doc["model"],
+                batch_size=doc["batch_size"],
+                seq_len=doc.get("seq_len"),
+                dtype=doc.get("dtype", "float32"),
+                nodes=nodes,
+                edges=tuple(edges),
                 input_bytes=Affine.from_json(doc.get("input_bytes", [0, 0])),
-                num_parameters=doc.get("num_parameters", 0), meta=doc.get("meta", {}),
-                ties=tuple(ties))
+                num_parameters=doc.get("num_parameters", 0),
+                meta=doc.get("meta", {}),
+                ties=tuple(ties),
+            )
         except KeyError as e:
             raise GraphError(f"{source}: missing field {e.args[0]!r} in the OpGraph.") from None
         except TypeError as e:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
 from heterog.errors import ArtifactError, PlanError
+from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
 from heterog.jsonio import Artifact
 from heterog.userfile import locate, register_location
 
@@ -28,17 +29,19 @@ SCHEDULES = tuple(PipelineSchedule)
 PRECISIONS = tuple(Precision)
 OPTIMIZERS = ("sgd", "adamw")
 SHARE_TOLERANCE = 1e-6
-IN_MEMORY_PREFIX = "in-memory:"   # the model name of a plan made from an nn.Module object
+IN_MEMORY_PREFIX = "in-memory:"  # the model name of a plan made from an nn.Module object
 
 
 def in_memory_model_error(name: str) -> str | None:
     """Why a plan of an in-memory module cannot be rebuilt in another process, or None."""
     if not name.startswith(IN_MEMORY_PREFIX):
         return None
-    return (f"the plan was made for an in-memory nn.Module ({name!r}); its ranks would have to rebuild "
-            f"that module in other processes, which cannot see it. Put the module in a file — "
-            f"factory(**args) and example_batch(batch_size) — and plan 'path/file.py:factory' "
-            f"(docs/robustness.md).")
+    return (
+        f"the plan was made for an in-memory nn.Module ({name!r}); its ranks would have to rebuild "
+        f"that module in other processes, which cannot see it. Put the module in a file — "
+        f"factory(**args) and example_batch(batch_size) — and plan 'path/file.py:factory' "
+        f"(docs/robustness.md)."
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,11 +53,11 @@ class Replica:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Group:
     name: str
-    nodes: tuple[str, ...]          # OpGraph node names, in graph order
+    nodes: tuple[str, ...]  # OpGraph node names, in graph order
     replicas: tuple[Replica, ...]
-    sync: str = "none"              # how gradients of a replicated group are combined
-    ps_device: str | None = None    # the parameter server, when sync == 'ps'
-    recompute: bool = False         # recompute activations in backward instead of saving them
+    sync: str = "none"  # how gradients of a replicated group are combined
+    ps_device: str | None = None  # the parameter server, when sync == 'ps'
+    recompute: bool = False  # recompute activations in backward instead of saving them
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -75,13 +78,15 @@ class Group:
                 raise PlanError(f"{where} replica on {r.device!r}: share must be > 0, found {r.share}.")
         total = sum(r.share for r in self.replicas)
         if abs(total - 1.0) > SHARE_TOLERANCE:
-            raise PlanError(f"{where}: replica shares sum to {total:.6g}, not 1; "
-                            f"shares are fractions of each micro-batch.")
+            raise PlanError(
+                f"{where}: replica shares sum to {total:.6g}, not 1; shares are fractions of each micro-batch."
+            )
         if self.sync not in SYNC_METHODS:
             raise PlanError(f"{where}: sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}.")
         if self.sync == "ps" and self.ps_device is None:
-            raise PlanError(f"{where}: sync is 'ps' but ps_device is not set; name the device "
-                            f"that holds the parameter server.")
+            raise PlanError(
+                f"{where}: sync is 'ps' but ps_device is not set; name the device that holds the parameter server."
+            )
         if self.sync != "ps" and self.ps_device is not None:
             raise PlanError(f"{where}: ps_device is set but sync is {self.sync!r}, not 'ps'.")
 
@@ -89,17 +94,18 @@ class Group:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
     """What to capture to rebuild the graph the plan was made for."""
-    name: str                                        # zoo name or 'path/file.py:factory'
+
+    name: str  # zoo name or 'path/file.py:factory'
     args: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 1
     seq_len: int | None = None
-    file: str | None = None                          # user model file: relative to the plan file on disk
-    file_sha256: str | None = None                   # its content hash, when saved to disk
+    file: str | None = None  # user model file: relative to the plan file on disk
+    file_sha256: str | None = None  # its content hash, when saved to disk
 
 
 @dataclass(frozen=True, kw_only=True)
 class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
-    strategy: str                   # 'even-dp-allreduce', 'search', ... (see search/)
+    strategy: str  # 'even-dp-allreduce', 'search', ... (see search/)
     model: ModelSpec
     precision: str = "fp32"
     optimizer: str = "sgd"
@@ -108,12 +114,12 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
     schedule: str = "gpipe"
     bucket_bytes: int = 25 * 2**20  # gradient bucket size for overlapping sync with backward
     priorities: dict[str, float] = field(default_factory=dict)  # node → priority; higher first
-    cluster: dict[str, Any] = field(default_factory=dict)       # the cluster spec (self-contained)
+    cluster: dict[str, Any] = field(default_factory=dict)  # the cluster spec (self-contained)
     graph_fingerprint: str = ""
     cluster_fingerprint: str = ""
     predicted_iteration_time_s: float | None = None
     predicted_peak_memory_bytes: dict[str, int] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()     # the explanation: why this plan
+    notes: tuple[str, ...] = ()  # the explanation: why this plan
 
     @property
     def batch_size(self) -> int:
@@ -135,12 +141,13 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
         """Integer samples of each replica of `group` in one micro-batch (largest remainder)."""
         return split_samples(self.microbatch_size(microbatch), [r.share for r in group.replicas])
 
-    def with_prediction(self, iteration_time_s: float, peak_memory_bytes: dict[str, int]) -> "Plan":
-        return replace(self, predicted_iteration_time_s=iteration_time_s,
-                       predicted_peak_memory_bytes=dict(peak_memory_bytes))
+    def with_prediction(self, iteration_time_s: float, peak_memory_bytes: dict[str, int]) -> Plan:
+        return replace(
+            self, predicted_iteration_time_s=iteration_time_s, predicted_peak_memory_bytes=dict(peak_memory_bytes)
+        )
 
     # -- validation -----------------------------------------------------------------------
-    def validate(self, graph=None, cluster=None, checked: Callable[[Group], bool] | None = None) -> "Plan":
+    def validate(self, graph=None, cluster=None, checked: Callable[[Group], bool] | None = None) -> Plan:
         """Check the plan alone, and against a graph and cluster when given. checked(g): True
         for a group validated before (groups are frozen; the search re-uses unchanged ones)."""
         if self.precision not in PRECISIONS:
@@ -152,8 +159,9 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
         if self.model.batch_size < 1:
             raise PlanError(f"model.batch_size must be ≥ 1, found {self.model.batch_size}.")
         if not 1 <= self.num_microbatches <= self.model.batch_size:
-            raise PlanError(f"num_microbatches must lie in 1..batch_size ({self.model.batch_size}), "
-                            f"found {self.num_microbatches}.")
+            raise PlanError(
+                f"num_microbatches must lie in 1..batch_size ({self.model.batch_size}), found {self.num_microbatches}."
+            )
         if not self.groups:
             raise PlanError("the plan has no groups; every graph node must belong to one group.")
         names: set[str] = set()
@@ -165,20 +173,23 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
                 g.validate()
             if len(g.replicas) > 1 and g.sync == "none" and graph is not None:
                 if any(graph.node(n).param_count for n in g.nodes if n in graph.index):
-                    raise PlanError(f"group {g.name!r}: replicated on {len(g.replicas)} devices and holds "
-                                    f"parameters, but sync is 'none'; its replicas would diverge. "
-                                    f"Choose ring, tree, hierarchical or ps.")
+                    raise PlanError(
+                        f"group {g.name!r}: replicated on {len(g.replicas)} devices and holds "
+                        f"parameters, but sync is 'none'; its replicas would diverge. "
+                        f"Choose ring, tree, hierarchical or ps."
+                    )
         if cluster is not None:
             known = set(cluster.device_index)
             for g in self.groups:
                 for d in [*g.devices, *([g.ps_device] if g.ps_device else [])]:
                     if d not in known:
-                        raise PlanError(f"group {g.name!r}: device {d!r} is not in cluster "
-                                        f"{cluster.name!r}.")
+                        raise PlanError(f"group {g.name!r}: device {d!r} is not in cluster {cluster.name!r}.")
             if self.cluster_fingerprint and self.cluster_fingerprint != cluster.fingerprint():
-                raise PlanError(f"the plan was made for a different cluster (fingerprint "
-                                f"{self.cluster_fingerprint}, this one {cluster.fingerprint()}): was the "
-                                f"plan's cluster edited after planning? Re-plan for this cluster.")
+                raise PlanError(
+                    f"the plan was made for a different cluster (fingerprint "
+                    f"{self.cluster_fingerprint}, this one {cluster.fingerprint()}): was the "
+                    f"plan's cluster edited after planning? Re-plan for this cluster."
+                )
         if graph is not None:
             owner: dict[str, str] = {}
             for g in self.groups:
@@ -190,11 +201,15 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
                     owner[n] = g.name
             missing = [n.name for n in graph.nodes if n.name not in owner]
             if missing:
-                raise PlanError(f"{len(missing)} graph node(s) belong to no group, e.g. {missing[:3]}; "
-                                f"every node must be in exactly one group.")
+                raise PlanError(
+                    f"{len(missing)} graph node(s) belong to no group, e.g. {missing[:3]}; "
+                    f"every node must be in exactly one group."
+                )
             if self.graph_fingerprint and self.graph_fingerprint != graph.fingerprint():
-                raise PlanError(f"the plan was made for a different model graph (fingerprint "
-                                f"{self.graph_fingerprint}, this one {graph.fingerprint()}).")
+                raise PlanError(
+                    f"the plan was made for a different model graph (fingerprint "
+                    f"{self.graph_fingerprint}, this one {graph.fingerprint()})."
+                )
         return self
 
     # -- serialisation ------------------------------------------------------------------------
@@ -203,12 +218,25 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "model":
-                v = {"name": v.name, "args": v.args, "batch_size": v.batch_size, "seq_len": v.seq_len,
-                     **({"file": v.file, "file_sha256": v.file_sha256} if v.file else {})}
+                v = {
+                    "name": v.name,
+                    "args": v.args,
+                    "batch_size": v.batch_size,
+                    "seq_len": v.seq_len,
+                    **({"file": v.file, "file_sha256": v.file_sha256} if v.file else {}),
+                }
             elif f.name == "groups":
-                v = [{"name": g.name, "nodes": list(g.nodes),
-                      "replicas": [[r.device, r.share] for r in g.replicas],
-                      "sync": g.sync, "ps_device": g.ps_device, "recompute": g.recompute} for g in v]
+                v = [
+                    {
+                        "name": g.name,
+                        "nodes": list(g.nodes),
+                        "replicas": [[r.device, r.share] for r in g.replicas],
+                        "sync": g.sync,
+                        "ps_device": g.ps_device,
+                        "recompute": g.recompute,
+                    }
+                    for g in v
+                ]
             elif isinstance(v, tuple):
                 v = list(v)
             out[f.name] = v
@@ -220,12 +248,12 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
         Artifact.save(replace(self, model=portable_model(self.model, Path(path).parent)), path)
 
     @classmethod
-    def load(cls, path) -> "Plan":
+    def load(cls, path) -> Plan:
         plan = super().load(path)
         return replace(plan, model=resolve_model(plan.model, Path(path).parent, source=str(path)))
 
     @staticmethod
-    def from_dict(doc: dict[str, Any], source: str = "<plan>") -> "Plan":
+    def from_dict(doc: dict[str, Any], source: str = "<plan>") -> Plan:
         try:
             m = doc["model"]
             groups = []
@@ -234,20 +262,36 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
                 try:
                     replicas = tuple(Replica(device=d, share=float(s)) for d, s in g["replicas"])
                 except (TypeError, ValueError):
-                    raise PlanError(f"{where}: replicas must be [[device, share], ...], "
-                                    f"found {g.get('replicas')!r}.") from None
-                groups.append(Group(name=g["name"], nodes=tuple(g["nodes"]), replicas=replicas,
-                                    sync=g.get("sync", "none"), ps_device=g.get("ps_device"),
-                                    recompute=bool(g.get("recompute", False))))
+                    raise PlanError(
+                        f"{where}: replicas must be [[device, share], ...], found {g.get('replicas')!r}."
+                    ) from None
+                groups.append(
+                    Group(
+                        name=g["name"],
+                        nodes=tuple(g["nodes"]),
+                        replicas=replicas,
+                        sync=g.get("sync", "none"),
+                        ps_device=g.get("ps_device"),
+                        recompute=bool(g.get("recompute", False)),
+                    )
+                )
             known = {f.name for f in fields(Plan)}
             rest = {k: v for k, v in doc.items() if k in known and k not in ("model", "groups")}
             for k in ("notes",):
                 if k in rest:
                     rest[k] = tuple(rest[k])
-            plan = Plan(model=ModelSpec(name=m["name"], args=m.get("args", {}),
-                                        batch_size=m["batch_size"], seq_len=m.get("seq_len"),
-                                        file=m.get("file"), file_sha256=m.get("file_sha256")),
-                        groups=tuple(groups), **rest)
+            plan = Plan(
+                model=ModelSpec(
+                    name=m["name"],
+                    args=m.get("args", {}),
+                    batch_size=m["batch_size"],
+                    seq_len=m.get("seq_len"),
+                    file=m.get("file"),
+                    file_sha256=m.get("file_sha256"),
+                ),
+                groups=tuple(groups),
+                **rest,
+            )
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}.") from None
         except (TypeError, AttributeError) as e:
@@ -284,6 +328,7 @@ def split_samples(total: int, shares: list[float]) -> list[int]:
 # from any folder, and on any node holding the file at the same place relative to the plan.
 # In memory (and in the spec the ranks get) `file` is absolute.
 
+
 def user_model_file(name: str) -> tuple[str, str] | None:
     """(path, factory) of a user model name, None for a zoo name."""
     path, sep, attr = name.rpartition(":")
@@ -301,8 +346,10 @@ def portable_model(model: ModelSpec, plan_dir: Path) -> ModelSpec:
         return model
     found = Path(model.file) if model.file else locate(user[0])
     if not found.is_file():
-        raise PlanError(f"model file {str(found)!r} does not exist, so the plan cannot record it; save the "
-                        f"plan from the folder the model path is relative to.")
+        raise PlanError(
+            f"model file {str(found)!r} does not exist, so the plan cannot record it; save the "
+            f"plan from the folder the model path is relative to."
+        )
     rel = os.path.relpath(found.resolve(), plan_dir.resolve())
     return replace(model, file=rel, file_sha256=file_sha256(found))
 
@@ -317,15 +364,19 @@ def resolve_model(model: ModelSpec, plan_dir: Path, *, source: str) -> ModelSpec
         return model
     found = Path(model.file) if os.path.isabs(model.file) else plan_dir / model.file
     if not found.is_file():
-        raise PlanError(f"{source}: the plan's model file {model.file!r} (relative to the plan's folder "
-                        f"{plan_dir}) is missing; put the model file there — every node that runs the "
-                        f"plan needs it — or re-plan.")
+        raise PlanError(
+            f"{source}: the plan's model file {model.file!r} (relative to the plan's folder "
+            f"{plan_dir}) is missing; put the model file there — every node that runs the "
+            f"plan needs it — or re-plan."
+        )
     if model.file_sha256 is not None:
         now = file_sha256(found)
         if now != model.file_sha256:
-            raise PlanError(f"{source}: the model file {found} changed since the plan was made "
-                            f"(sha256 {model.file_sha256[:12]}… then, {now[:12]}… now); the plan may not fit "
-                            f"the model any more. Re-plan, or restore the file the plan was made for.")
+            raise PlanError(
+                f"{source}: the model file {found} changed since the plan was made "
+                f"(sha256 {model.file_sha256[:12]}… then, {now[:12]}… now); the plan may not fit "
+                f"the model any more. Re-plan, or restore the file the plan was made for."
+            )
     register_location(user[0], found.resolve())
     return replace(model, file=str(found.resolve()))
 

@@ -24,20 +24,21 @@ from heterog.lower.context import ClusterInfo, CostTable, SimCache
 
 @dataclass(slots=True)
 class Block:
-    groups: tuple[int, ...]          # group indices, in execution order
+    groups: tuple[int, ...]  # group indices, in execution order
     nodes: tuple[tuple[str, ...], ...]  # their node tuples (cost-cache keys)
-    devices: tuple[int, ...]         # replica device ids
+    devices: tuple[int, ...]  # replica device ids
     shares: tuple[float, ...]
-    placement: int                   # number of (devices, shares) in the SimCache: a cache key
-    device_set: int                  # number of the devices alone
+    placement: int  # number of (devices, shares) in the SimCache: a cache key
+    device_set: int  # number of the devices alone
     sync: str
     ps_device: int | None
     recompute: bool
     label: str
 
 
-def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table: CostTable,
-                cache: SimCache) -> list[Block]:
+def make_blocks(
+    plan: Plan, order: list[int], grouping, info: ClusterInfo, table: CostTable, cache: SimCache
+) -> list[Block]:
     """Fuse runs of groups (see the module docstring). A group joins the run before it only if
     it has the same placement, none of its inputs come from another placement, and the run's
     last group sends nothing to another placement: a fused run then receives only at its start
@@ -48,9 +49,12 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
     runs: list[list[int]] = []
     for g in order:
         key = keys[g]
-        if (runs and keys[runs[-1][-1]] == key
-                and all(keys[p] == key for p in grouping.pred[g])
-                and all(keys[s] == key for s in grouping.succ[runs[-1][-1]])):
+        if (
+            runs
+            and keys[runs[-1][-1]] == key
+            and all(keys[p] == key for p in grouping.pred[g])
+            and all(keys[s] == key for s in grouping.succ[runs[-1][-1]])
+        ):
             runs[-1].append(g)
         else:
             runs.append([g])
@@ -59,18 +63,27 @@ def make_blocks(plan: Plan, order: list[int], grouping, info: ClusterInfo, table
     for run in runs:
         grp = groups[run[0]]
         replicated = len(grp.replicas) > 1 and grp.sync != "none"
-        pieces = (gradient_buckets(run, [table.gradient_bytes(groups[g].nodes) for g in run], plan.bucket_bytes)
-                  if replicated else [run])
+        pieces = (
+            gradient_buckets(run, [table.gradient_bytes(groups[g].nodes) for g in run], plan.bucket_bytes)
+            if replicated
+            else [run]
+        )
         for p in pieces:
             names = [groups[g].name for g in p]
-            blocks.append(Block(
-                groups=tuple(p), nodes=tuple(groups[g].nodes for g in p),
-                devices=info.ids(places[run[0]][1]), shares=places[run[0]][2], placement=places[run[0]][0],
-                device_set=places[run[0]][3],
-                sync=grp.sync,
-                ps_device=dev_id[grp.ps_device] if grp.ps_device else None,
-                recompute=grp.recompute,
-                label=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"))
+            blocks.append(
+                Block(
+                    groups=tuple(p),
+                    nodes=tuple(groups[g].nodes for g in p),
+                    devices=info.ids(places[run[0]][1]),
+                    shares=places[run[0]][2],
+                    placement=places[run[0]][0],
+                    device_set=places[run[0]][3],
+                    sync=grp.sync,
+                    ps_device=dev_id[grp.ps_device] if grp.ps_device else None,
+                    recompute=grp.recompute,
+                    label=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}",
+                )
+            )
     return blocks
 
 
@@ -152,8 +165,11 @@ def overlap_arrays(a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return empty, empty, np.zeros(0, dtype=ea.dtype if len(ea) else eb.dtype)
     cuts = np.union1d(ea, eb)
     cuts = cuts[(cuts > 0) & (cuts <= min(ea[-1], eb[-1]))]
-    return (np.searchsorted(ea, cuts, "left"), np.searchsorted(eb, cuts, "left"),
-            np.diff(cuts, prepend=cuts.dtype.type(0)))
+    return (
+        np.searchsorted(ea, cuts, "left"),
+        np.searchsorted(eb, cuts, "left"),
+        np.diff(cuts, prepend=cuts.dtype.type(0)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +178,7 @@ class Moves:
     replica) pair that shares samples, in sample order: devices, replicas, bytes, whether
     anything crosses a link (a different device and bytes to send), the paths there and back
     (None where nothing crosses) and the uncontended times (0 where nothing crosses)."""
+
     src: np.ndarray
     dst: np.ndarray
     i: np.ndarray
@@ -190,14 +207,27 @@ def _pair_rows(info: ClusterInfo, table: CostTable, keys: list[int]) -> list[tup
         if r is None:
             a, b = divmod(key, n)
             sa, sb = info.devices[a], info.devices[b]
-            r = known[key] = (info.path(a, b), info.path(b, a), *table.transfer_line(sa, sb),
-                              *table.transfer_line(sb, sa))
+            r = known[key] = (
+                info.path(a, b),
+                info.path(b, a),
+                *table.transfer_line(sa, sb),
+                *table.transfer_line(sb, sa),
+            )
         rows.append(r)
     return rows
 
 
-def moves_between(src: Block, dst: Block, asplit: list[int], bsplit: list[int], size: int, fx: float, ps: float,
-                  info: ClusterInfo, table: CostTable) -> Moves:
+def moves_between(
+    src: Block,
+    dst: Block,
+    asplit: list[int],
+    bsplit: list[int],
+    size: int,
+    fx: float,
+    ps: float,
+    info: ClusterInfo,
+    table: CostTable,
+) -> Moves:
     """The re-partition between two placements, with its paths and uncontended times. The
     search re-scores the same pairs constantly, so the caller caches these per cost table."""
     i, j, n = overlap_arrays(asplit, bsplit)
@@ -216,8 +246,9 @@ def moves_between(src: Block, dst: Block, asplit: list[int], bsplit: list[int], 
         fixed_f, per_f, fixed_b, per_b = np.array([r[2:] for r in rows]).T
         t_fwd[k] = fixed_f + per_f * nbytes[k]
         t_bwd[k] = fixed_b + per_b * nbytes[k]
-    return Moves(src=da, dst=db, i=i, j=j, nbytes=nbytes, cross=cross, paths=paths, backs=backs,
-                 t_fwd=t_fwd, t_bwd=t_bwd)
+    return Moves(
+        src=da, dst=db, i=i, j=j, nbytes=nbytes, cross=cross, paths=paths, backs=backs, t_fwd=t_fwd, t_bwd=t_bwd
+    )
 
 
 def block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:

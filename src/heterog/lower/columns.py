@@ -17,31 +17,33 @@ class BlockColumns(NamedTuple):
     """What expand adds for one block in one micro-batch, cached: it depends only on the
     block, its samples and the merged devices. Task i is the forward of kept replica i, task
     n + i its backward (n kept replicas); chunks hold task ids relative to the first."""
-    kept: list[int]                 # replicas simulated (the others are merged devices)
-    kept_dev: np.ndarray            # their devices
-    position: list                  # replica → its index among the kept (-1 if merged)
-    dev: list[int]                  # device of each task
-    dur: list[float]                # duration of each task (backwards adding into held gradients)
-    dev_array: np.ndarray           # the same as arrays (Tasks.array), and the tasks' kinds
+
+    kept: list[int]  # replicas simulated (the others are merged devices)
+    kept_dev: np.ndarray  # their devices
+    position: list  # replica → its index among the kept (-1 if merged)
+    dev: list[int]  # device of each task
+    dur: list[float]  # duration of each task (backwards adding into held gradients)
+    dev_array: np.ndarray  # the same as arrays (Tasks.array), and the tasks' kinds
     dur_array: np.ndarray
     kind_array: np.ndarray
-    first_dur: list[float]          # the same for micro-batch 0, whose backwards create the
-    first_dur_array: np.ndarray     # gradients instead of adding into them
-    at_start: tuple                 # memory effects at task starts (TaskRows chunk)
-    at_end: tuple                   # ... at task ends
-    first_at_start: tuple           # the same for micro-batch 0, whose backwards create
-    first_at_end: tuple             # the gradients
+    first_dur: list[float]  # the same for micro-batch 0, whose backwards create the
+    first_dur_array: np.ndarray  # gradients instead of adding into them
+    at_start: tuple  # memory effects at task starts (TaskRows chunk)
+    at_end: tuple  # ... at task ends
+    first_at_start: tuple  # the same for micro-batch 0, whose backwards create
+    first_at_end: tuple  # the gradients
 
 
 class KeptReplicas(NamedTuple):
     """What a block's columns share with every block of its placement at one micro-batch size
     and merged-device map (cached: data parallelism has one placement for all blocks)."""
-    kept: list[int]                 # replicas simulated (the others are merged devices)
-    devices: np.ndarray             # their devices
-    position: list                  # replica → its index among the kept (-1 if merged)
+
+    kept: list[int]  # replicas simulated (the others are merged devices)
+    devices: np.ndarray  # their devices
+    position: list  # replica → its index among the kept (-1 if merged)
     costs_of: list[tuple[str, int]]  # distinct (device class, samples) of the kept
-    which: np.ndarray               # kept replica → its index in costs_of
-    dev: list[int]                  # the tasks' devices (forwards, then backwards)
+    which: np.ndarray  # kept replica → its index in costs_of
+    dev: list[int]  # the tasks' devices (forwards, then backwards)
     dev_array: np.ndarray
     kind_array: np.ndarray
 
@@ -58,13 +60,27 @@ def _kept_replicas(blk: Block, samples: list[int], rep: np.ndarray, info: Cluste
     position[kept_r] = np.arange(n)
     devs = d.tolist()
     return KeptReplicas(
-        kept=kept_r.tolist(), devices=d, position=position.tolist(),
-        costs_of=[(info.class_names[k // base], k % base) for k in distinct.tolist()], which=which,
-        dev=devs + devs, dev_array=np.concatenate((d, d)), kind_array=np.repeat(np.array([FWD, BWD], dtype=np.int64), n))
+        kept=kept_r.tolist(),
+        devices=d,
+        position=position.tolist(),
+        costs_of=[(info.class_names[k // base], k % base) for k in distinct.tolist()],
+        which=which,
+        dev=devs + devs,
+        dev_array=np.concatenate((d, d)),
+        kind_array=np.repeat(np.array([FWD, BWD], dtype=np.int64), n),
+    )
 
 
-def block_columns(blk: Block, size: int, samples: list[int], rep: np.ndarray, rep_key: int, info: ClusterInfo,
-                  replica_cache: dict, table: CostTable) -> BlockColumns:
+def block_columns(
+    blk: Block,
+    size: int,
+    samples: list[int],
+    rep: np.ndarray,
+    rep_key: int,
+    info: ClusterInfo,
+    replica_cache: dict,
+    table: CostTable,
+) -> BlockColumns:
     """The block's columns (BlockColumns) from its replicas' costs (_replica_costs), computed
     once per distinct (device class, samples) and spread with numpy: a 1024-replica block has
     a handful of distinct ones."""
@@ -85,7 +101,7 @@ def block_columns(blk: Block, size: int, samples: list[int], rep: np.ndarray, re
         rows.append(hit)
     d, n = kr.devices, len(kr.devices)
     v = np.array(rows, dtype=np.float64).reshape(-1, 8)[kr.which]
-    act, ws, peak_later, peak_first, grad = v[:, 2], v[:, 3], v[:, 4], v[:, 5], v[:, 6]   # see _replica_costs
+    act, ws, peak_later, peak_first, grad = v[:, 2], v[:, 3], v[:, 4], v[:, 5], v[:, 6]  # see _replica_costs
     # forward: its activations and workspace; backward: up to its peak, then down to nothing;
     # micro-batch 0's backward peaks at peak_first and leaves the gradients behind
     fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
@@ -93,13 +109,21 @@ def block_columns(blk: Block, size: int, samples: list[int], rep: np.ndarray, re
     first = np.concatenate((v[:, 0], v[:, 1]))
     dur = np.concatenate((v[:, 0], v[:, 1] + v[:, 7]))
     return BlockColumns(
-        kept=kr.kept, kept_dev=d, position=kr.position, dev=kr.dev,
-        dur=dur.tolist(), dev_array=kr.dev_array, dur_array=dur, kind_array=kr.kind_array,
-        first_dur=first.tolist(), first_dur_array=first,
+        kept=kr.kept,
+        kept_dev=d,
+        position=kr.position,
+        dev=kr.dev,
+        dur=dur.tolist(),
+        dev_array=kr.dev_array,
+        dur_array=dur,
+        kind_array=kr.kind_array,
+        first_dur=first.tolist(),
+        first_dur_array=first,
         at_start=_joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
         at_end=_joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
         first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
-        first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)))
+        first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
+    )
 
 
 def _distinct(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -140,18 +164,21 @@ def _replica_costs(blk: Block, dn: str, samples: int, table: CostTable) -> tuple
         accumulate += table.accumulate_s(nodes, dn)
         f_s, b_s = table.times_s(nodes, dn, samples)
         fwd += f_s
-        bwd += b_s + (f_s if blk.recompute else 0.0)   # recompute runs the forward again
+        bwd += b_s + (f_s if blk.recompute else 0.0)  # recompute runs the forward again
         act = table.activation_bytes(nodes, samples, blk.recompute)
         acts.append(act)
         # recompute: in its backward a group holds its kept activations plus the largest
         # block it rebuilds (never more than its full activations)
-        fulls.append(min(act + table.recompute_transient_bytes(nodes, samples),
-                         table.activation_bytes(nodes, samples, False)) if blk.recompute else act)
+        fulls.append(
+            min(act + table.recompute_transient_bytes(nodes, samples), table.activation_bytes(nodes, samples, False))
+            if blk.recompute
+            else act
+        )
         grads.append(table.gradient_bytes(nodes))
         wss.append(table.workspace_bytes(nodes, samples))
     act_all, grad_all = sum(acts), sum(grads)
-    below = act_all          # activations of groups before k
-    after = 0.0              # gradients of groups ≥ k
+    below = act_all  # activations of groups before k
+    after = 0.0  # gradients of groups ≥ k
     peak_later = peak_first = 0.0
     for k in range(len(acts) - 1, -1, -1):
         below -= acts[k]

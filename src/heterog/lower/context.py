@@ -10,7 +10,7 @@ plan's tasks.
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -19,7 +19,7 @@ from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 
-_MAX_ENTRIES = 500_000     # entries in one cost table before it is cleared
+_MAX_ENTRIES = 500_000  # entries in one cost table before it is cleared
 
 
 def device_class_key(cluster: Cluster, device: str) -> tuple:
@@ -36,15 +36,15 @@ class NumberedSets:
     shares as a pipe. Kept flat, so per-task rows and sums are gathered with numpy, not
     task by task."""
 
-    ALL, EXCLUSIVE, CORES = 0, 1, 2     # the parts of a set
+    ALL, EXCLUSIVE, CORES = 0, 1, 2  # the parts of a set
 
     def __init__(self, core_index: dict[int, int]):
         self._core_index = core_index
         self._id: dict[tuple[int, ...], int] = {}
-        self._by_object: dict[int, tuple[tuple[int, ...], int]] = {}   # id(tuple) → (tuple, number)
+        self._by_object: dict[int, tuple[tuple[int, ...], int]] = {}  # id(tuple) → (tuple, number)
         self._parts: tuple[list, list, list] = ([], [], [])
         self._flat: list | None = None
-        self.generation = 0      # numbers given before a restart are stale
+        self.generation = 0  # numbers given before a restart are stale
 
     def ids(self, sets: list[tuple[int, ...]]) -> np.ndarray:
         """The number of each set (valid until the next call). Found first by the tuple's
@@ -63,7 +63,7 @@ class NumberedSets:
             i = get(links)
             if i is None:
                 i = self._add(links)
-            by_object[id(links)] = (links, i)    # holds the tuple: its id stays its own
+            by_object[id(links)] = (links, i)  # holds the tuple: its id stays its own
             out.append(i)
         return np.array(out, dtype=np.int64)
 
@@ -127,8 +127,9 @@ class ClusterInfo:
         self.links = list(cluster.links)
         self.link_id = {n: i for i, n in enumerate(self.links)}
         # switch cores are pipes shared by the transfers crossing them (engine.run)
-        self.shared_bw = {self.link_id[l.name]: l.bandwidth_bytes_per_s
-                          for l in cluster.links.values() if l.kind == "switch"}
+        self.shared_bw = {
+            self.link_id[l.name]: l.bandwidth_bytes_per_s for l in cluster.links.values() if l.kind == "switch"
+        }
         self._core_index = {l: i for i, l in enumerate(self.shared_bw)}
         node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.node_rank = [node_order[d.node] for d in cluster.devices]
@@ -136,7 +137,7 @@ class ClusterInfo:
         self.dev_class: list[str] = []
         for d in cluster.devices:
             self.dev_class.append(rep.setdefault(device_class_key(cluster, d.name), d.name))
-        self.class_names = list(dict.fromkeys(self.dev_class))     # one name per class
+        self.class_names = list(dict.fromkeys(self.dev_class))  # one name per class
         index = {c: i for i, c in enumerate(self.class_names)}
         self.class_index = np.array([index[c] for c in self.dev_class], dtype=np.int64)
         self.capacity_bytes = [cluster.memory_bytes(n) for n in self.devices]
@@ -145,7 +146,7 @@ class ClusterInfo:
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._arrays: dict[tuple[int, ...], np.ndarray] = {}
         self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
-        self.known_device_sets: set[int] = set()   # SimCache device-set numbers checked against it
+        self.known_device_sets: set[int] = set()  # SimCache device-set numbers checked against it
         self.link_sets = NumberedSets(self._core_index)
         self.member_sets = NumberedSets({})
 
@@ -227,16 +228,21 @@ class Grouping:
         for gi, nodes in enumerate(group_nodes):
             for n in nodes:
                 if n not in index:
-                    raise PlanError(f"group {group_names[gi]!r} field 'nodes': node {n!r} is not in "
-                                    f"the graph of {graph.model}.")
+                    raise PlanError(
+                        f"group {group_names[gi]!r} field 'nodes': node {n!r} is not in the graph of {graph.model}."
+                    )
                 if n in owner:
-                    raise PlanError(f"group {group_names[gi]!r} field 'nodes': node {n!r} is also in "
-                                    f"group {group_names[owner[n]]!r}; a node belongs to one group.")
+                    raise PlanError(
+                        f"group {group_names[gi]!r} field 'nodes': node {n!r} is also in "
+                        f"group {group_names[owner[n]]!r}; a node belongs to one group."
+                    )
                 owner[n] = gi
         if len(owner) != len(graph.nodes):
             missing = [n.name for n in graph.nodes if n.name not in owner]
-            raise PlanError(f"{len(missing)} graph node(s) belong to no group (e.g. {missing[:3]}); "
-                            f"add them to a group's 'nodes' so every node is placed.")
+            raise PlanError(
+                f"{len(missing)} graph node(s) belong to no group (e.g. {missing[:3]}); "
+                f"add them to a group's 'nodes' so every node is placed."
+            )
         self.owner = owner
         self.nodes = tuple(group_nodes)
         g = len(group_nodes)
@@ -251,7 +257,7 @@ class Grouping:
                 self.cross.setdefault((a, b), []).append((e.src, e.dst))
         # graph nodes are in topological order; a group's position is that of its first node
         self.first = [min(index[n] for n in nodes) for nodes in group_nodes]
-        self._orders: dict[tuple[float, ...], list[int]] = {}   # per priority vector
+        self._orders: dict[tuple[float, ...], list[int]] = {}  # per priority vector
         self._check_acyclic(group_names)
 
     def _check_acyclic(self, names: Sequence[str]) -> None:
@@ -260,9 +266,11 @@ class Grouping:
             stuck = set(range(len(self.nodes))) - set(order)
             a = min(stuck)
             b = next(s for s in self.succ[a] if s in stuck)
-            raise PlanError(f"groups {names[a]!r} and {names[b]!r} depend on each other through "
-                            f"their 'nodes' (a cycle among groups): neither could start first. "
-                            f"Make each group a contiguous piece of the graph.")
+            raise PlanError(
+                f"groups {names[a]!r} and {names[b]!r} depend on each other through "
+                f"their 'nodes' (a cycle among groups): neither could start first. "
+                f"Make each group a contiguous piece of the graph."
+            )
 
     def order(self, priority: Sequence[float]) -> list[int]:
         """A topological order of the groups that runs the highest priority first among
@@ -301,7 +309,7 @@ class CostTable:
         self._mem: dict = {}
         self._edge: dict[tuple[str, str], tuple[float, float]] = {}
         self._comm: dict = {}
-        self.scratch: dict = {}     # caches other simulator modules keep per (graph, costs)
+        self.scratch: dict = {}  # caches other simulator modules keep per (graph, costs)
         # optional extension of the CostModel protocol: the sum of compute_time_s over nodes
         self._group_time = getattr(costs, "group_time_s", None)
 
@@ -317,13 +325,15 @@ class CostTable:
         if hit is None:
             if samples <= 0:
                 hit = (0.0, 0.0)
-            elif self._group_time is not None:   # a vectorised sum, when the model has one
+            elif self._group_time is not None:  # a vectorised sum, when the model has one
                 gt = self._group_time
                 hit = (float(gt(nodes, device, samples, "fwd")), float(gt(nodes, device, samples, "bwd")))
             else:
                 ct = self.costs.compute_time_s
-                hit = (sum(ct(n, device, samples, "fwd") for n in nodes),
-                       sum(ct(n, device, samples, "bwd") for n in nodes))
+                hit = (
+                    sum(ct(n, device, samples, "fwd") for n in nodes),
+                    sum(ct(n, device, samples, "bwd") for n in nodes),
+                )
             self._trim()
             self._time[key] = hit
         return hit
@@ -338,16 +348,21 @@ class CostTable:
         return hit
 
     def optimizer_s(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(self._time, ("opt", nodes, device),
-                            lambda: float(self.costs.optimizer_time_s(nodes, device)))
+        return self._cached(
+            self._time, ("opt", nodes, device), lambda: float(self.costs.optimizer_time_s(nodes, device))
+        )
 
     def accumulate_s(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(self._time, ("acc", nodes, device),
-                            lambda: float(self.costs.accumulate_time_s(nodes, device)))
+        return self._cached(
+            self._time, ("acc", nodes, device), lambda: float(self.costs.accumulate_time_s(nodes, device))
+        )
 
     def activation_bytes(self, nodes: tuple[str, ...], samples: int, recompute: bool) -> float:
-        return self._cached(self._mem, ("act", nodes, samples, recompute), lambda: (
-            0.0 if samples <= 0 else float(self.costs.activation_bytes(nodes, samples, recompute))))
+        return self._cached(
+            self._mem,
+            ("act", nodes, samples, recompute),
+            lambda: 0.0 if samples <= 0 else float(self.costs.activation_bytes(nodes, samples, recompute)),
+        )
 
     def recompute_transient_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
         def make() -> float:
@@ -357,19 +372,25 @@ class CostTable:
             if fn is None:  # a cost model without blocks: the whole group lives again
                 return float(self.costs.activation_bytes(nodes, samples, False))
             return float(fn(nodes, samples))
+
         return self._cached(self._mem, ("rt", nodes, samples), make)
 
     def workspace_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
-        return self._cached(self._mem, ("ws", nodes, samples), lambda: (
-            0.0 if samples <= 0 else float(self.costs.workspace_bytes(nodes, samples))))
+        return self._cached(
+            self._mem,
+            ("ws", nodes, samples),
+            lambda: 0.0 if samples <= 0 else float(self.costs.workspace_bytes(nodes, samples)),
+        )
 
     def persistent_bytes(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(self._mem, ("pers", nodes, device),
-                            lambda: float(self.costs.persistent_bytes(nodes, device)))
+        return self._cached(
+            self._mem, ("pers", nodes, device), lambda: float(self.costs.persistent_bytes(nodes, device))
+        )
 
     def optimizer_state_bytes(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(self._mem, ("optstate", nodes, device),
-                            lambda: float(self.costs.optimizer_state_bytes(nodes, device)))
+        return self._cached(
+            self._mem, ("optstate", nodes, device), lambda: float(self.costs.optimizer_state_bytes(nodes, device))
+        )
 
     def gradient_bytes(self, nodes: tuple[str, ...]) -> float:
         return self._cached(self._mem, ("grad", nodes), lambda: float(self.costs.gradient_bytes(nodes)))
@@ -399,6 +420,7 @@ class CostTable:
             if method == "ps":
                 return float(self.costs.ps_sync_time_s(nbytes, devices, server))
             return float(self.costs.collective_time_s("allreduce", nbytes, devices, method))
+
         return self._cached(self._comm, (method, nbytes, devices, server), make)
 
 
@@ -416,8 +438,8 @@ class SimCache:
     def __init__(self, limit: int = 64):
         self.limit = limit
         self._entries: dict[str, dict] = {}
-        self.placement_ids: dict[tuple, int] = {}   # (device names, shares) or names → small int
-        self._next_placement = 0     # ids are never reused: caches keyed by them stay valid
+        self.placement_ids: dict[tuple, int] = {}  # (device names, shares) or names → small int
+        self._next_placement = 0  # ids are never reused: caches keyed by them stay valid
 
     def _get(self, kind: str, key, owners: tuple, make):
         """The entry for `key`, made if missing or if its key objects (`owners`, compared by
@@ -437,9 +459,12 @@ class SimCache:
         """The grouping of these node sets; found first by the identity of the node tuples
         (a neighbour in the search shares them with its plan: hashing ~1000 names per call
         cost more), then by their content."""
-        return self._get("grouping by identity", (id(graph), *map(id, nodes)), (graph, *nodes),
-                         lambda: self._get("grouping", (id(graph), tuple(nodes)), (graph,),
-                                           lambda: Grouping(graph, names, nodes)))
+        return self._get(
+            "grouping by identity",
+            (id(graph), *map(id, nodes)),
+            (graph, *nodes),
+            lambda: self._get("grouping", (id(graph), tuple(nodes)), (graph,), lambda: Grouping(graph, names, nodes)),
+        )
 
     def cost_table(self, graph: OpGraph, costs) -> CostTable:
         return self._get("table", (id(graph), id(costs)), (graph, costs), lambda: CostTable(graph, costs))

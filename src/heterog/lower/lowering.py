@@ -20,8 +20,18 @@ from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, overlaps
 from heterog.lower.context import SimCache
-from heterog.lower.program import (BlockInfo, Collective, Compute, InputPiece, Instruction, Optimizer,
-                                   Program, Recv, Send, validate)
+from heterog.lower.program import (
+    BlockInfo,
+    Collective,
+    Compute,
+    InputPiece,
+    Instruction,
+    Optimizer,
+    Program,
+    Recv,
+    Send,
+    validate,
+)
 from heterog.lower.schedule import Schedule, build_schedule
 from heterog.lower.taskgraph import BWD, FWD, OPT, SYNC, XFER
 
@@ -56,7 +66,7 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
     ranges = _Ranges(sched.blocks, sizes)
     pieces = _input_pieces(sched, ranges)
     out: dict[str, list[Instruction]] = {d: [] for d in program_devices(plan, cluster)}
-    tasks_of: dict[str, list[int]] = {d: [] for d in out}     # the task of each instruction
+    tasks_of: dict[str, list[int]] = {d: [] for d in out}  # the task of each instruction
     for t in sched.order.tolist():
         kind = tasks.kind[t]
         mem = _memory(tasks, t)
@@ -65,9 +75,18 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
             b, m = tasks.block_of(t), tasks.mb[t]
             lo, hi = ranges.of(b, m, d)
             alloc, free = mem.get(d, (0.0, 0.0))
-            out[names[d]].append(Compute(block=b, phase=Phase.FORWARD if kind == FWD else Phase.BACKWARD,
-                                         microbatch=m, lo=lo, hi=hi, inputs=pieces.get((b, m, d), ()),
-                                         alloc_bytes=alloc, free_bytes=free))
+            out[names[d]].append(
+                Compute(
+                    block=b,
+                    phase=Phase.FORWARD if kind == FWD else Phase.BACKWARD,
+                    microbatch=m,
+                    lo=lo,
+                    hi=hi,
+                    inputs=pieces.get((b, m, d), ()),
+                    alloc_bytes=alloc,
+                    free_bytes=free,
+                )
+            )
         elif kind == XFER:
             _transfer(out, tasks, t, names, ranges, mem)
         elif kind == SYNC:
@@ -76,18 +95,29 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
             d = tasks.dev[t]
             alloc, free = mem.get(d, (0.0, 0.0))
             out[names[d]].append(Optimizer(alloc_bytes=alloc, free_bytes=free))
-        for d in ((names[tasks.dev[t]],) if kind in (FWD, BWD, OPT) else out):
+        for d in (names[tasks.dev[t]],) if kind in (FWD, BWD, OPT) else out:
             tasks_of[d].extend([t] * (len(out[d]) - len(tasks_of[d])))
     _launch_when_ready(out, tasks_of, tasks)
-    blocks = tuple(BlockInfo(groups=b.groups, devices=info.names(b.devices), shares=b.shares,
-                             sync=SyncMethod(b.sync),
-                             ps_device=names[b.ps_device] if b.ps_device is not None else None,
-                             recompute=b.recompute, label=b.label) for b in sched.blocks)
-    return Program(devices=tuple(out), blocks=blocks, microbatch_sizes=tuple(sizes),
-                   instructions={d: tuple(v) for d, v in out.items()},
-                   initial_bytes={names[d]: float(tasks.initial_bytes[d]) for d in range(len(names))
-                                  if names[d] in out},
-                   plan=plan.to_dict())
+    blocks = tuple(
+        BlockInfo(
+            groups=b.groups,
+            devices=info.names(b.devices),
+            shares=b.shares,
+            sync=SyncMethod(b.sync),
+            ps_device=names[b.ps_device] if b.ps_device is not None else None,
+            recompute=b.recompute,
+            label=b.label,
+        )
+        for b in sched.blocks
+    )
+    return Program(
+        devices=tuple(out),
+        blocks=blocks,
+        microbatch_sizes=tuple(sizes),
+        instructions={d: tuple(v) for d, v in out.items()},
+        initial_bytes={names[d]: float(tasks.initial_bytes[d]) for d in range(len(names)) if names[d] in out},
+        plan=plan.to_dict(),
+    )
 
 
 def _launch_when_ready(out: dict[str, list[Instruction]], tasks_of: dict[str, list[int]], tasks) -> None:
@@ -115,7 +145,7 @@ def _launch_when_ready(out: dict[str, list[Instruction]], tasks_of: dict[str, li
                 j = i
                 while j > 0 and not isinstance(ins[j - 1], Collective) and tids[j - 1] not in mine:
                     j -= 1
-                if j < i and mine & here:     # not a member without inputs here (a server)
+                if j < i and mine & here:  # not a member without inputs here (a server)
                     ins.insert(j, ins.pop(i))
                     tids.insert(j, tids.pop(i))
             i += 1
@@ -154,7 +184,7 @@ def _transfer(out, tasks, t: int, names, ranges: _Ranges, mem) -> None:
     (src, dst), nbytes, _ = tasks.comm[t]
     a, b = tasks.xfer_blocks[t]
     m = tasks.mb[t]
-    forward = tasks.comm[t][2] == b     # a forward transfer is filed under its consumer block
+    forward = tasks.comm[t][2] == b  # a forward transfer is filed under its consumer block
     phase = Phase.FORWARD if forward else Phase.BACKWARD
     prod, cons = (src, dst) if forward else (dst, src)
     (plo, phi), (clo, chi) = ranges.of(a, m, prod), ranges.of(b, m, cons)
@@ -181,9 +211,19 @@ def _collective(out, tasks, t: int, sched: Schedule, cluster: Cluster, mem) -> N
     method = SyncMethod.RING if tie else SyncMethod(blk.sync)
     for d in involved:
         alloc, free = mem.get(d, (0.0, 0.0))
-        out[names[d]].append(Collective(block=b, method=method, members=members, server=server,
-                                        nodes=tuple(tuple(v) for v in by_node.values()), nbytes=nbytes,
-                                        alloc_bytes=alloc, free_bytes=free, tie=tie))
+        out[names[d]].append(
+            Collective(
+                block=b,
+                method=method,
+                members=members,
+                server=server,
+                nodes=tuple(tuple(v) for v in by_node.values()),
+                nbytes=nbytes,
+                alloc_bytes=alloc,
+                free_bytes=free,
+                tie=tie,
+            )
+        )
 
 
 def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int], tuple[InputPiece, ...]]:
@@ -191,8 +231,8 @@ def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int]
     re-partition rule (blocks.overlaps: replicas own contiguous ranges in replica order), with
     the tag of the transfer that brings a piece from another device."""
     tasks = sched.tasks
-    tag_of: dict[tuple[int, int, int, int, int], int] = {}   # (a, b, m, producer, consumer) → transfer
-    grad_tag_of: dict[tuple[int, int, int, int, int], int] = {}   # idem → its gradient's transfer
+    tag_of: dict[tuple[int, int, int, int, int], int] = {}  # (a, b, m, producer, consumer) → transfer
+    grad_tag_of: dict[tuple[int, int, int, int, int], int] = {}  # idem → its gradient's transfer
     for t, (a, b) in tasks.xfer_blocks.items():
         (src, dst), _, filed_under = tasks.comm[t]
         if filed_under == b:
@@ -212,9 +252,15 @@ def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int]
                     key = (a, b, m, da, db)
                     remote = da != db
                     out.setdefault((b, m, db), []).append(
-                        InputPiece(block=a, lo=pos, hi=pos + n, src_lo=ra[i][0],
-                                   tag=tag_of.get(key) if remote else None,
-                                   grad_tag=grad_tag_of.get(key) if remote else None))
+                        InputPiece(
+                            block=a,
+                            lo=pos,
+                            hi=pos + n,
+                            src_lo=ra[i][0],
+                            tag=tag_of.get(key) if remote else None,
+                            grad_tag=grad_tag_of.get(key) if remote else None,
+                        )
+                    )
                     pos += n
     return {k: tuple(v) for k, v in out.items()}
 
@@ -224,7 +270,7 @@ def _block_preds(sched: Schedule) -> list[set[int]]:
     block_of = {g: bi for bi, blk in enumerate(sched.blocks) for g in blk.groups}
     preds: list[set[int]] = [set() for _ in sched.blocks]
     grp = sched.grouping
-    for (ga, gb) in grp.cross:
+    for ga, gb in grp.cross:
         a, b = block_of[ga], block_of[gb]
         if a != b:
             preds[b].add(a)

@@ -39,15 +39,28 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
         bwd_left[d, m] = c
     gpipe = schedule == "gpipe"
     order, count = _list_schedule(
-        tasks.array("dur"), tasks.array("dev"), tasks.array("kind"), tasks.array("mb"), tasks.array("key"),
-        tasks.npred, succ_ptr, succ_idx, tasks.sources, np.asarray(tasks.stage_limit, dtype=np.int64),
-        bwd_left, n_devices, gpipe, not gpipe and limit_in_flight)
+        tasks.array("dur"),
+        tasks.array("dev"),
+        tasks.array("kind"),
+        tasks.array("mb"),
+        tasks.array("key"),
+        tasks.npred,
+        succ_ptr,
+        succ_idx,
+        tasks.sources,
+        np.asarray(tasks.stage_limit, dtype=np.int64),
+        bwd_left,
+        n_devices,
+        gpipe,
+        not gpipe and limit_in_flight,
+    )
     return order if count == n else None
 
 
 @njit(cache=True, nogil=True)
-def _list_schedule(dur, dev, kind, mb, key, npred, succ_ptr, succ_idx, sources, limit, bwd_left,
-                   n_devices, gpipe, one_f1b):
+def _list_schedule(
+    dur, dev, kind, mb, key, npred, succ_ptr, succ_idx, sources, limit, bwd_left, n_devices, gpipe, one_f1b
+):
     """The list scheduler (see the module docstring). Each device keeps a binary heap of its
     ready compute tasks ordered by (key, task); the busy devices' end events form a heap
     ordered by (time, task). GPipe holds a device's backwards until its forwards are done;
@@ -64,7 +77,7 @@ def _list_schedule(dur, dev, kind, mb, key, npred, succ_ptr, succ_idx, sources, 
         if dev[t] >= 0:
             cap[dev[t] + 1] += 1
     base = np.cumsum(cap)
-    heap = np.empty(max(n, 1), dtype=np.int64)      # entries key * n + task: one int compare
+    heap = np.empty(max(n, 1), dtype=np.int64)  # entries key * n + task: one int compare
     hsize = np.zeros(n_devices, dtype=np.int64)
     ev_time = np.empty(n_devices + 1, dtype=np.float64)
     ev_task = np.empty(n_devices + 1, dtype=np.int64)
@@ -86,11 +99,26 @@ def _list_schedule(dur, dev, kind, mb, key, npred, succ_ptr, succ_idx, sources, 
     for i in range(len(sources)):
         left[sources[i]] = 1
         stack[i] = sources[i]
-    n_order, n_touched = _release(stack, len(sources), touched, n_touched, left, dev, succ_ptr, succ_idx,
-                                  key, n, heap, base, hsize, order, n_order)
+    n_order, n_touched = _release(
+        stack,
+        len(sources),
+        touched,
+        n_touched,
+        left,
+        dev,
+        succ_ptr,
+        succ_idx,
+        key,
+        n,
+        heap,
+        base,
+        hsize,
+        order,
+        n_order,
+    )
     now = 0.0
     while True:
-        for i in range(n_touched):       # each idle device starts its best eligible ready task
+        for i in range(n_touched):  # each idle device starts its best eligible ready task
             d = touched[i]
             if busy[d] or hsize[d] == 0:
                 continue
@@ -125,17 +153,19 @@ def _list_schedule(dur, dev, kind, mb, key, npred, succ_ptr, succ_idx, sources, 
                 n_in_flight[d] -= 1
         touched[0] = d
         n_touched = 1
-        for j in range(succ_ptr[t + 1] - 1, succ_ptr[t] - 1, -1):   # last successor first
+        for j in range(succ_ptr[t + 1] - 1, succ_ptr[t] - 1, -1):  # last successor first
             s = succ_idx[j]
             stack[0] = s
-            n_order, n_touched = _release(stack, 1, touched, n_touched, left, dev, succ_ptr, succ_idx,
-                                          key, n, heap, base, hsize, order, n_order)
+            n_order, n_touched = _release(
+                stack, 1, touched, n_touched, left, dev, succ_ptr, succ_idx, key, n, heap, base, hsize, order, n_order
+            )
     return order, n_order
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _release(stack, n_stack, touched, n_touched, left, dev, succ_ptr, succ_idx, key, n, heap, base, hsize,
-             order, n_order):
+def _release(
+    stack, n_stack, touched, n_touched, left, dev, succ_ptr, succ_idx, key, n, heap, base, hsize, order, n_order
+):
     """Count down the tasks on `stack` (taken from its end): communication that becomes
     ready completes at once (its successors pushed, depth first), compute joins its device's
     ready heap and the device is added to `touched`."""

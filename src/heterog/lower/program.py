@@ -38,6 +38,7 @@ class InputPiece:
     """Samples [lo, hi) of `block`'s outputs for one compute: held here since that block's
     replica on this device computed them (tag None; its range starts at src_lo), or received
     by the transfer `tag`, whose gradients go back by the transfer `grad_tag`."""
+
     block: int
     lo: int
     hi: int
@@ -63,11 +64,12 @@ class Compute:
 class Transfer:
     """Samples [lo, hi) of a block's outputs (forward) or of their gradients (backward)
     between this device and `peer`; a send and its receive share the tag."""
+
     tag: int
     peer: str
-    src_block: int        # the producer block (whose outputs, or their gradients, move)
-    dst_block: int        # the consumer block
-    phase: Phase          # forward: activations producer → consumer; backward: their gradients back
+    src_block: int  # the producer block (whose outputs, or their gradients, move)
+    dst_block: int  # the consumer block
+    phase: Phase  # forward: activations producer → consumer; backward: their gradients back
     microbatch: int
     lo: int
     hi: int
@@ -90,13 +92,13 @@ class Recv(Transfer):
 class Collective:
     block: int
     method: SyncMethod
-    members: tuple[str, ...]     # ring order
-    server: str | None           # the parameter server (method ps)
-    nodes: tuple[tuple[str, ...], ...]   # members by cluster node (hierarchical)
+    members: tuple[str, ...]  # ring order
+    server: str | None  # the parameter server (method ps)
+    nodes: tuple[tuple[str, ...], ...]  # members by cluster node (hierarchical)
     nbytes: float
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
-    tie: str | None = None       # a tied parameter's copies, else the block's gradient bucket
+    tie: str | None = None  # a tied parameter's copies, else the block's gradient bucket
     kind: InstructionKind = InstructionKind.COLLECTIVE
 
     @property
@@ -116,13 +118,19 @@ class Optimizer:
 
 
 Instruction = Compute | Send | Recv | Collective | Optimizer
-_BY_KIND = {InstructionKind.COMPUTE: Compute, InstructionKind.SEND: Send, InstructionKind.RECV: Recv,
-            InstructionKind.COLLECTIVE: Collective, InstructionKind.OPTIMIZER: Optimizer}
+_BY_KIND = {
+    InstructionKind.COMPUTE: Compute,
+    InstructionKind.SEND: Send,
+    InstructionKind.RECV: Recv,
+    InstructionKind.COLLECTIVE: Collective,
+    InstructionKind.OPTIMIZER: Optimizer,
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BlockInfo:
     """A block: groups (plan indices) run back to back by the same replicas."""
+
     groups: tuple[int, ...]
     devices: tuple[str, ...]
     shares: tuple[float, ...]
@@ -134,12 +142,12 @@ class BlockInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
-    devices: tuple[str, ...]                          # rank r ↔ devices[r]
+    devices: tuple[str, ...]  # rank r ↔ devices[r]
     blocks: tuple[BlockInfo, ...]
     microbatch_sizes: tuple[int, ...]
     instructions: dict[str, tuple[Instruction, ...]]  # device → its instructions, in order
-    initial_bytes: dict[str, float]                   # memory in use when the iteration starts
-    plan: dict[str, Any] = field(default_factory=dict)   # the Plan it was lowered from (to_dict)
+    initial_bytes: dict[str, float]  # memory in use when the iteration starts
+    plan: dict[str, Any] = field(default_factory=dict)  # the Plan it was lowered from (to_dict)
 
     def rank_of(self) -> dict[str, int]:
         return {d: r for r, d in enumerate(self.devices)}
@@ -161,8 +169,12 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
                 level += ins.alloc_bytes
                 peak = max(peak, level)
                 level -= ins.free_bytes
-            out[d] = {"instructions": dict(counts), "sent_bytes": sent, "received_bytes": recv,
-                      "peak_memory_bytes": peak}
+            out[d] = {
+                "instructions": dict(counts),
+                "sent_bytes": sent,
+                "received_bytes": recv,
+                "peak_memory_bytes": peak,
+            }
         return out
 
     # -- JSON --------------------------------------------------------------------------------
@@ -171,26 +183,44 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
             d = asdict(i)
             d["kind"] = str(i.kind)
             return d
-        return {"devices": list(self.devices), "blocks": [asdict(b) for b in self.blocks],
-                "microbatch_sizes": list(self.microbatch_sizes),
-                "initial_bytes": self.initial_bytes,
-                "instructions": {d: [ins(i) for i in lst] for d, lst in self.instructions.items()},
-                "plan": self.plan}
+
+        return {
+            "devices": list(self.devices),
+            "blocks": [asdict(b) for b in self.blocks],
+            "microbatch_sizes": list(self.microbatch_sizes),
+            "initial_bytes": self.initial_bytes,
+            "instructions": {d: [ins(i) for i in lst] for d, lst in self.instructions.items()},
+            "plan": self.plan,
+        }
 
     @staticmethod
-    def from_dict(doc: dict[str, Any], source: str = "<program>") -> "Program":
+    def from_dict(doc: dict[str, Any], source: str = "<program>") -> Program:
         try:
-            blocks = tuple(BlockInfo(**{**b, "groups": tuple(b["groups"]), "devices": tuple(b["devices"]),
-                                        "shares": tuple(b["shares"]), "sync": SyncMethod(b["sync"])})
-                           for b in doc["blocks"])
+            blocks = tuple(
+                BlockInfo(
+                    **{
+                        **b,
+                        "groups": tuple(b["groups"]),
+                        "devices": tuple(b["devices"]),
+                        "shares": tuple(b["shares"]),
+                        "sync": SyncMethod(b["sync"]),
+                    }
+                )
+                for b in doc["blocks"]
+            )
             instructions = {d: tuple(_instruction(x) for x in lst) for d, lst in doc["instructions"].items()}
-            prog = Program(devices=tuple(doc["devices"]), blocks=blocks,
-                           microbatch_sizes=tuple(doc["microbatch_sizes"]), instructions=instructions,
-                           initial_bytes={k: float(v) for k, v in doc["initial_bytes"].items()},
-                           plan=doc.get("plan", {}))
+            prog = Program(
+                devices=tuple(doc["devices"]),
+                blocks=blocks,
+                microbatch_sizes=tuple(doc["microbatch_sizes"]),
+                instructions=instructions,
+                initial_bytes={k: float(v) for k, v in doc["initial_bytes"].items()},
+                plan=doc.get("plan", {}),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(f"{source}: not a valid heterog Program ({type(e).__name__}: {e}); "
-                                f"re-create it with `heterog lower`.") from None
+            raise ArtifactError(
+                f"{source}: not a valid heterog Program ({type(e).__name__}: {e}); re-create it with `heterog lower`."
+            ) from None
         validate(prog, source)
         return prog
 
@@ -216,8 +246,10 @@ def validate(prog: Program, source: str = "<program>") -> None:
     without its receive (or the reverse), collectives whose members disagree, or a deadlock."""
     known = set(prog.devices)
     if set(prog.instructions) != known:
-        raise PlanError(f"{source}: instruction lists for {sorted(set(prog.instructions) ^ known)} do "
-                        f"not match the program's devices; re-create it with `heterog lower`.")
+        raise PlanError(
+            f"{source}: instruction lists for {sorted(set(prog.instructions) ^ known)} do "
+            f"not match the program's devices; re-create it with `heterog lower`."
+        )
     _check_pairs(prog, source)
     _check_collectives(prog, source)
     _check_deadlock(prog, source)
@@ -230,25 +262,32 @@ def _check_pairs(prog: Program, source: str) -> None:
         for i in lst:
             if isinstance(i, (Send, Recv)):
                 if i.peer not in prog.instructions:
-                    raise PlanError(f"{source}: device {d!r} has a {i.kind} (tag {i.tag}) with unknown "
-                                    f"peer {i.peer!r}.")
+                    raise PlanError(
+                        f"{source}: device {d!r} has a {i.kind} (tag {i.tag}) with unknown peer {i.peer!r}."
+                    )
                 table = sends if isinstance(i, Send) else recvs
                 if i.tag in table:
-                    raise PlanError(f"{source}: tag {i.tag} is used by two {i.kind}s ({table[i.tag][0]!r} "
-                                    f"and {d!r}); each transfer needs its own tag.")
+                    raise PlanError(
+                        f"{source}: tag {i.tag} is used by two {i.kind}s ({table[i.tag][0]!r} "
+                        f"and {d!r}); each transfer needs its own tag."
+                    )
                 table[i.tag] = (d, i)
     for tag in sends.keys() ^ recvs.keys():
         d, i = sends.get(tag) or recvs[tag]
         other = "receive" if tag in sends else "send"
-        raise PlanError(f"{source}: device {d!r} has a {i.kind} (tag {tag}, {i.phase} of block "
-                        f"{i.src_block}→{i.dst_block}, micro-batch {i.microbatch}) with no matching "
-                        f"{other} on {i.peer!r}; it would wait forever.")
+        raise PlanError(
+            f"{source}: device {d!r} has a {i.kind} (tag {tag}, {i.phase} of block "
+            f"{i.src_block}→{i.dst_block}, micro-batch {i.microbatch}) with no matching "
+            f"{other} on {i.peer!r}; it would wait forever."
+        )
     for tag, (src, s) in sends.items():
         dst, r = recvs[tag]
         if (s.peer, r.peer) != (dst, src) or (s.lo, s.hi, s.microbatch, s.phase) != (r.lo, r.hi, r.microbatch, r.phase):
-            raise PlanError(f"{source}: send tag {tag} on {src!r} and its receive on {dst!r} disagree "
-                            f"(peers {s.peer!r}/{r.peer!r}, samples [{s.lo}, {s.hi}) vs [{r.lo}, {r.hi}), "
-                            f"micro-batch {s.microbatch}/{r.microbatch}).")
+            raise PlanError(
+                f"{source}: send tag {tag} on {src!r} and its receive on {dst!r} disagree "
+                f"(peers {s.peer!r}/{r.peer!r}, samples [{s.lo}, {s.hi}) vs [{r.lo}, {r.hi}), "
+                f"micro-batch {s.microbatch}/{r.microbatch})."
+            )
 
 
 def _check_collectives(prog: Program, source: str) -> None:
@@ -260,20 +299,26 @@ def _check_collectives(prog: Program, source: str) -> None:
                 continue
             everyone = set(i.members) | ({i.server} if i.server else set())
             if d not in everyone:
-                raise PlanError(f"{source}: device {d!r} runs the collective of {i.describe()} but is "
-                                f"not one of its members {list(i.members)}.")
+                raise PlanError(
+                    f"{source}: device {d!r} runs the collective of {i.describe()} but is "
+                    f"not one of its members {list(i.members)}."
+                )
             first = seen.setdefault(i.ident, i)
             if (first.members, first.method, first.server) != (i.members, i.method, i.server):
-                raise PlanError(f"{source}: members of the collective of {i.describe()} disagree: {d!r} "
-                                f"has {i.method} over {list(i.members)}, another member "
-                                f"{first.method} over {list(first.members)}.")
+                raise PlanError(
+                    f"{source}: members of the collective of {i.describe()} disagree: {d!r} "
+                    f"has {i.method} over {list(i.members)}, another member "
+                    f"{first.method} over {list(first.members)}."
+                )
             order.setdefault(d, []).append(i.ident)
     for ident, c in seen.items():
         everyone = set(c.members) | ({c.server} if c.server else set())
         for d in everyone:
             if ident not in order.get(d, []):
-                raise PlanError(f"{source}: device {d!r} is a member of the collective of {c.describe()} "
-                                f"but never runs it; the other members would wait forever.")
+                raise PlanError(
+                    f"{source}: device {d!r} is a member of the collective of {c.describe()} "
+                    f"but never runs it; the other members would wait forever."
+                )
 
 
 def _check_deadlock(prog: Program, source: str) -> None:
@@ -284,8 +329,12 @@ def _check_deadlock(prog: Program, source: str) -> None:
     pos = {d: 0 for d in prog.devices}
     posted: set[int] = set()
     arrived: dict[tuple[int, str], set[str]] = defaultdict(set)
-    everyone = {i.ident: set(i.members) | ({i.server} if i.server else set())
-                for lst in prog.instructions.values() for i in lst if isinstance(i, Collective)}
+    everyone = {
+        i.ident: set(i.members) | ({i.server} if i.server else set())
+        for lst in prog.instructions.values()
+        for i in lst
+        if isinstance(i, Collective)
+    }
     launched: dict[str, list[tuple[int, str]]] = defaultdict(list)
     lists = prog.instructions
 
@@ -310,13 +359,20 @@ def _check_deadlock(prog: Program, source: str) -> None:
                     posted.add(i.tag)
                 pos[d] += 1
                 progress = True
-    stuck = {d: lists[d][p] if p < len(lists[d]) else None for d, p in pos.items()
-             if p < len(lists[d]) or not synced(d)}
+    stuck = {
+        d: lists[d][p] if p < len(lists[d]) else None for d, p in pos.items() if p < len(lists[d]) or not synced(d)
+    }
     if stuck:
-        what = "; ".join(f"{d!r} waits at instruction {pos[d]} ({_describe(i)})" if i is not None
-                         else f"{d!r} waits at its end for its collectives" for d, i in list(stuck.items())[:4])
-        raise PlanError(f"{source}: the program deadlocks: {what}. Each waits on a peer that waits "
-                        f"on it; re-create the program with `heterog lower` (its order cannot deadlock).")
+        what = "; ".join(
+            f"{d!r} waits at instruction {pos[d]} ({_describe(i)})"
+            if i is not None
+            else f"{d!r} waits at its end for its collectives"
+            for d, i in list(stuck.items())[:4]
+        )
+        raise PlanError(
+            f"{source}: the program deadlocks: {what}. Each waits on a peer that waits "
+            f"on it; re-create the program with `heterog lower` (its order cannot deadlock)."
+        )
 
 
 def _describe(i: Instruction) -> str:

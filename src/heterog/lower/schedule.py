@@ -36,13 +36,14 @@ from heterog.lower.tasks import expand
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Schedule:
     """One iteration's tasks and the order every device runs them in."""
+
     plan: Plan
     info: ClusterInfo
     grouping: Grouping
     blocks: list[Block]
     tasks: Tasks
-    order: np.ndarray         # task ids in the global reference order
-    merged: bool              # symmetric devices simulated once (tasks.rep), micro-batches copied
+    order: np.ndarray  # task ids in the global reference order
+    merged: bool  # symmetric devices simulated once (tasks.rep), micro-batches copied
 
 
 def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
@@ -51,25 +52,32 @@ def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
     info = cache.cluster_info(cluster)
     for g in plan.groups:
         if cache.placement(g.replicas)[3] in info.known_device_sets:
-            continue      # this device set was checked against this cluster before
+            continue  # this device set was checked against this cluster before
         for r in g.replicas:
             if r.device not in info.dev_id:
-                raise PlanError(f"group {g.name!r} field 'replicas': device {r.device!r} is not in "
-                                f"cluster {cluster.name!r}; use one of its devices "
-                                f"({', '.join(info.devices[:6])}{' …' if len(info.devices) > 6 else ''}).")
+                raise PlanError(
+                    f"group {g.name!r} field 'replicas': device {r.device!r} is not in "
+                    f"cluster {cluster.name!r}; use one of its devices "
+                    f"({', '.join(info.devices[:6])}{' …' if len(info.devices) > 6 else ''})."
+                )
         info.known_device_sets.add(cache.placement(g.replicas)[3])
     for g in plan.groups:
         if g.ps_device is not None and g.ps_device not in info.dev_id:
-            raise PlanError(f"group {g.name!r} field 'ps_device': device {g.ps_device!r} is not in "
-                            f"cluster {cluster.name!r}.")
+            raise PlanError(
+                f"group {g.name!r} field 'ps_device': device {g.ps_device!r} is not in cluster {cluster.name!r}."
+            )
     fp = cache.fingerprint(cluster)
     if plan.cluster_fingerprint and plan.cluster_fingerprint != fp:
-        raise PlanError(f"field 'cluster_fingerprint': the plan was made for another cluster "
-                        f"({plan.cluster_fingerprint}, this one {fp}); re-plan.")
+        raise PlanError(
+            f"field 'cluster_fingerprint': the plan was made for another cluster "
+            f"({plan.cluster_fingerprint}, this one {fp}); re-plan."
+        )
     fp = cache.fingerprint(graph)
     if plan.graph_fingerprint and plan.graph_fingerprint != fp:
-        raise PlanError(f"field 'graph_fingerprint': the plan was made for another model graph "
-                        f"({plan.graph_fingerprint}, this one {fp}); re-plan.")
+        raise PlanError(
+            f"field 'graph_fingerprint': the plan was made for another model graph "
+            f"({plan.graph_fingerprint}, this one {fp}); re-plan."
+        )
     return info, cache.grouping(graph, [g.name for g in plan.groups], [g.nodes for g in plan.groups])
 
 
@@ -83,7 +91,7 @@ def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
     if not missing:
         return plan
     pred, succ = graph.predecessors, graph.successors
-    for n in missing:          # graph nodes are in topological order: producers first
+    for n in missing:  # graph nodes are in topological order: producers first
         owner[n] = next((owner[p] for p in pred[n] if p in owner), None)
     for n in reversed(missing):
         if owner[n] is None:
@@ -91,13 +99,15 @@ def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
     added: dict[int, list[str]] = {}
     for n in missing:
         added.setdefault(owner[n], []).append(n)
-    groups = tuple(dataclasses.replace(g, nodes=tuple(g.nodes) + tuple(added.get(gi, ())))
-                   for gi, g in enumerate(plan.groups))
+    groups = tuple(
+        dataclasses.replace(g, nodes=tuple(g.nodes) + tuple(added.get(gi, ()))) for gi, g in enumerate(plan.groups)
+    )
     return dataclasses.replace(plan, groups=groups)
 
 
-def build_schedule(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, cache: SimCache | None = None,
-                   merge: bool = True) -> Schedule:
+def build_schedule(
+    graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, cache: SimCache | None = None, merge: bool = True
+) -> Schedule:
     """The schedule of one iteration. merge=True lets symmetric devices share one timeline and
     equal micro-batches share tasks (the simulator's shortcut; results are equal); the Program
     needs every device's own instructions (merge=False)."""
@@ -106,17 +116,18 @@ def build_schedule(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, cache
     table = cache.cost_table(graph, costs)
     for g in plan.groups:
         if len(g.replicas) > 1 and g.sync == "none" and table.gradient_bytes(g.nodes) > 0:
-            raise PlanError(f"group {g.name!r} field 'sync': replicated on {len(g.replicas)} devices "
-                            f"with parameters but sync is 'none'; its replicas would diverge. "
-                            f"Choose ring, tree, hierarchical or ps.")
+            raise PlanError(
+                f"group {g.name!r} field 'sync': replicated on {len(g.replicas)} devices "
+                f"with parameters but sync is 'none'; its replicas would diverge. "
+                f"Choose ring, tree, hierarchical or ps."
+            )
     prio = plan.priorities
-    group_prio = ([max(prio.get(n, 0.0) for n in g.nodes) for g in plan.groups] if prio
-                  else [0.0] * len(plan.groups))
+    group_prio = [max(prio.get(n, 0.0) for n in g.nodes) for g in plan.groups] if prio else [0.0] * len(plan.groups)
     blocks = make_blocks(plan, grp.order(group_prio), grp, info, table, cache)
     tasks = expand(plan, grp, blocks, info, table, merge=merge)
     n_dev = len(info.devices)
     order = reference_order(tasks, n_dev, plan.schedule)
-    if order is None:   # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
+    if order is None:  # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
         order = reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
     assert order is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
     return Schedule(plan=plan, info=info, grouping=grp, blocks=blocks, tasks=tasks, order=order, merged=merge)

@@ -17,15 +17,26 @@ from heterog.lower.context import ClusterInfo, CostTable, id_runs
 from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
 
 
-def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                  Bk, bwd_of_dev: dict[int, np.ndarray], rep: list[int], preds, splits, mb_sizes) -> None:
+def sync_and_step(
+    tasks: Tasks,
+    plan: Plan,
+    blocks: list[Block],
+    info: ClusterInfo,
+    table: CostTable,
+    Bk,
+    bwd_of_dev: dict[int, np.ndarray],
+    rep: list[int],
+    preds,
+    splits,
+    mb_sizes,
+) -> None:
     """Persistent state per device, gradient sync per replicated block, optimizer steps."""
     where = _placement_of_tied_nodes(blocks, table)
     opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where)
     _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     split = _split_ties(table, where)
     opt_inputs = OptimizerInputs()
-    waits: list[tuple[int, tuple[int, ...]]] = []     # (collective, the blocks it waits for)
+    waits: list[tuple[int, tuple[int, ...]]] = []  # (collective, the blocks it waits for)
     _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
     _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
     _after_backwards(tasks, Bk, waits)
@@ -40,8 +51,9 @@ def sync_and_step(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterIn
         n_before.append(len(bl) + len(syncs))
     if before:
         first = len(tasks.kind) - len(n_before)
-        tasks.edges.add_chunk(0, (np.concatenate(before),
-                                  np.repeat(np.arange(first, len(tasks.kind), dtype=np.int64), n_before)))
+        tasks.edges.add_chunk(
+            0, (np.concatenate(before), np.repeat(np.arange(first, len(tasks.kind), dtype=np.int64), n_before))
+        )
 
 
 class OptimizerInputs:
@@ -74,12 +86,24 @@ def _placement_of_tied_nodes(blocks: list[Block], table: CostTable) -> dict[str,
     tied = {n for tie in table.graph.ties for n in tie.nodes}
     if not tied:
         return {}
-    return {n: (bi, g) for bi, blk in enumerate(blocks) for g, nodes in zip(blk.groups, blk.nodes)
-            for n in nodes if n in tied}
+    return {
+        n: (bi, g)
+        for bi, blk in enumerate(blocks)
+        for g, nodes in zip(blk.groups, blk.nodes)
+        for n in nodes
+        if n in tied
+    }
 
 
-def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                      rep: list[int], bwd_of_dev, where: dict[str, tuple[int, int]]) -> dict[int, float]:
+def _persistent_state(
+    tasks: Tasks,
+    blocks: list[Block],
+    info: ClusterInfo,
+    table: CostTable,
+    rep: list[int],
+    bwd_of_dev,
+    where: dict[str, tuple[int, int]],
+) -> dict[int, float]:
     """Parameters, gradients and optimizer state on every device (tasks.persistent_bytes,
     initial_bytes); returns each device's optimizer-step time. A block synced by a parameter
     server leaves its optimizer state and update to the server (_server_state)."""
@@ -88,8 +112,8 @@ def _persistent_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, tabl
     # parameters, gradients and optimizer state: summed per placement first, since blocks
     # of one placement (all of them, in data parallelism) add the same per-class amounts
     per_placement: dict[tuple[int, bool], tuple[dict[str, list[float]], tuple[int, ...]]] = {}
-    state_cache = table.scratch.setdefault("state", {})   # (nodes, served) → class → (bytes, optimizer s)
-    classes_cache = table.scratch.setdefault("classes", {})   # device set → its devices' classes
+    state_cache = table.scratch.setdefault("state", {})  # (nodes, served) → class → (bytes, optimizer s)
+    classes_cache = table.scratch.setdefault("classes", {})  # device set → its devices' classes
     for blk in blocks:
         served = _served(blk)
         acc = per_placement.setdefault((blk.device_set, served), ({}, blk.devices))[0]
@@ -152,8 +176,9 @@ def _server_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: C
                 tasks.persistent_bytes[d] += received
 
 
-def _tied_copies(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                 where: dict[str, tuple[int, int]]) -> None:
+def _tied_copies(
+    tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: CostTable, where: dict[str, tuple[int, int]]
+) -> None:
     """A tied parameter (OpGraph.ties) read by blocks on other devices than its owner's: each of
     those devices holds a copy — parameter, gradient and optimizer state — as the executor's
     partition gives it (execute/partition.py; the copies' gradients are summed every step)."""
@@ -168,12 +193,25 @@ def _split_ties(table: CostTable, where: dict[str, tuple[int, int]]) -> list[tup
     """The tied parameters whose users lie in several groups, each with its owner's block and
     the blocks that read it: the executor keeps them out of the owners' gradient buckets and
     sums their copies' gradients in an all-reduce of their own (execute/sync.py)."""
-    return [(tie, where[tie.nodes[0]][0], tuple(sorted({where[n][0] for n in tie.nodes})))
-            for tie in table.graph.ties if len({where[n][1] for n in tie.nodes}) > 1]
+    return [
+        (tie, where[tie.nodes[0]][0], tuple(sorted({where[n][0] for n in tie.nodes})))
+        for tie in table.graph.ties
+        if len({where[n][1] for n in tie.nodes}) > 1
+    ]
 
 
-def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable, Bk,
-               rep: list[int], split, opt_inputs: "OptimizerInputs", waits: list) -> None:
+def _tie_syncs(
+    tasks: Tasks,
+    plan: Plan,
+    blocks: list[Block],
+    info: ClusterInfo,
+    table: CostTable,
+    Bk,
+    rep: list[int],
+    split,
+    opt_inputs: OptimizerInputs,
+    waits: list,
+) -> None:
     """A ring all-reduce of each split tied parameter's gradient over the devices holding a
     copy, after every backward that reads it; the holders' optimizer steps wait for it."""
     for tie, owner, readers in split:
@@ -182,24 +220,46 @@ def _tie_syncs(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo,
             continue
         nbytes = float(tie.param_bytes)
         links, load = info.ring(members)
-        s = _collective(tasks, info, table.sync_s("ring", nbytes, info.names(members), None), plan.num_microbatches,
-                        owner, links, load, members, nbytes, readers, waits)
+        s = _collective(
+            tasks,
+            info,
+            table.sync_s("ring", nbytes, info.names(members), None),
+            plan.num_microbatches,
+            owner,
+            links,
+            load,
+            members,
+            nbytes,
+            readers,
+            waits,
+        )
         tasks.ties[s] = tie.param
         kept = [d for d in members if rep[d] == d]
-        for d in kept:     # the gradient's sync buffer
+        for d in kept:  # the gradient's sync buffer
             tasks.mem(s, True, d, nbytes)
             tasks.mem(s, False, d, -nbytes)
         opt_inputs.add(s, np.array(kept, dtype=np.int64))
 
 
-def _collective(tasks: Tasks, info: ClusterInfo, dur: float, mbs: int, block: int, links, load: dict[int, float],
-                involved: tuple[int, ...], nbytes: float, after: tuple[int, ...], waits: list) -> int:
+def _collective(
+    tasks: Tasks,
+    info: ClusterInfo,
+    dur: float,
+    mbs: int,
+    block: int,
+    links,
+    load: dict[int, float],
+    involved: tuple[int, ...],
+    nbytes: float,
+    after: tuple[int, ...],
+    waits: list,
+) -> int:
     """A gradient collective's task, to run after every backward of the blocks `after`
     (edges added by _after_backwards), with the bytes it pushes through switch cores and its
     link loads (tasks.sync_loads)."""
     s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
     for l in info.shared_bw:
-        if l in load:   # a ring crosses the core once per node it leaves
+        if l in load:  # a ring crosses the core once per node it leaves
             tasks.core_bytes[s] = load[l] * nbytes
     tasks.sync_loads[s] = load
     waits.append((s, after))
@@ -238,13 +298,23 @@ def _input_batch(tasks: Tasks, blocks: list[Block], table: CostTable, preds, spl
                 tasks.initial_bytes[d] += input_bytes.at(n)
 
 
-def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo, table: CostTable,
-                Bk, rep: list[int], split, opt_inputs: "OptimizerInputs", waits: list) -> None:
+def _sync_tasks(
+    tasks: Tasks,
+    plan: Plan,
+    blocks: list[Block],
+    info: ClusterInfo,
+    table: CostTable,
+    Bk,
+    rep: list[int],
+    split,
+    opt_inputs: OptimizerInputs,
+    waits: list,
+) -> None:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
     mbs = plan.num_microbatches
-    rep_key = rep_id(table.scratch, rep)     # first: it may drop the cache below
+    rep_key = rep_id(table.scratch, rep)  # first: it may drop the cache below
     bucket_cache = table.scratch.setdefault("buckets", {})
     grads_of: dict[int, list] = {}
     tied_out: dict[int, float] = {}
@@ -258,14 +328,21 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
             grads_of.setdefault(blk.device_set, [blk.devices, 0.0])[1] += grad
         grad_synced = grad - tied_out.get(bi, 0.0)
         if len(blk.devices) > 1 and blk.sync != "none" and grad_synced > 0:
-            key = (blk.placement, blk.sync, blk.ps_device, grad_synced, rep_key,
-                   blk.nodes if blk.sync == "ps" else None)
+            key = (
+                blk.placement,
+                blk.sync,
+                blk.ps_device,
+                grad_synced,
+                rep_key,
+                blk.nodes if blk.sync == "ps" else None,
+            )
             bucket = bucket_cache.get(key)
-            if bucket is None:   # cached: the search re-scores the same buckets constantly
+            if bucket is None:  # cached: the search re-scores the same buckets constantly
                 make_room(bucket_cache, len(blk.devices))
                 bucket = bucket_cache[key] = _bucket_sync(blk, grad_synced, info, table, rep)
-            s = _collective(tasks, info, bucket.dur, mbs, bi, bucket.links, bucket.load, bucket.involved,
-                            grad_synced, (bi,), waits)
+            s = _collective(
+                tasks, info, bucket.dur, mbs, bi, bucket.links, bucket.load, bucket.involved, grad_synced, (bi,), waits
+            )
             tasks.mem_start.add_chunk(s, bucket.buffer_start)
             tasks.mem_end.add_chunk(s, bucket.buffer_end)
             opt_inputs.add(s, bucket.kept_members)
@@ -276,13 +353,14 @@ def _sync_tasks(tasks: Tasks, plan: Plan, blocks: list[Block], info: ClusterInfo
 
 class BucketSync(NamedTuple):
     """A gradient bucket's sync as a task needs it (_bucket_sync)."""
+
     dur: float
     links: tuple[int, ...]
-    load: dict[int, float]           # link → bytes per buffer byte
-    involved: tuple[int, ...]        # members, and the server if it is not one
-    buffer_start: tuple              # the communication buffer on every involved device:
-    buffer_end: tuple                # effect chunks at the sync's start and end
-    kept_members: np.ndarray         # members simulated (their optimizer steps wait for it)
+    load: dict[int, float]  # link → bytes per buffer byte
+    involved: tuple[int, ...]  # members, and the server if it is not one
+    buffer_start: tuple  # the communication buffer on every involved device:
+    buffer_end: tuple  # effect chunks at the sync's start and end
+    kept_members: np.ndarray  # members simulated (their optimizer steps wait for it)
 
 
 def _bucket_sync(blk: Block, grad: float, info: ClusterInfo, table: CostTable, rep: list[int]) -> BucketSync:
@@ -293,7 +371,8 @@ def _bucket_sync(blk: Block, grad: float, info: ClusterInfo, table: CostTable, r
     if blk.sync == "ps":
         links, load = info.star(members, blk.ps_device)
         dur = table.sync_s("ps", grad, names, info.devices[blk.ps_device]) + sum(
-            table.optimizer_s(nodes, info.dev_class[blk.ps_device]) for nodes in blk.nodes)
+            table.optimizer_s(nodes, info.dev_class[blk.ps_device]) for nodes in blk.nodes
+        )
         involved = members if blk.ps_device in members else members + (blk.ps_device,)
     else:
         links, load = info.ring(tuple(sorted(members)))
@@ -301,6 +380,12 @@ def _bucket_sync(blk: Block, grad: float, info: ClusterInfo, table: CostTable, r
         involved = members
     kept = [d for d in involved if rep[d] == d]
     at, held = np.zeros(len(kept), dtype=np.int64), np.array(kept, dtype=np.int64)
-    return BucketSync(dur=dur, links=links, load=load, involved=involved,
-                      buffer_start=(at, held, np.full(len(kept), grad)), buffer_end=(at, held, np.full(len(kept), -grad)),
-                      kept_members=np.array([d for d in members if rep[d] == d], dtype=np.int64))
+    return BucketSync(
+        dur=dur,
+        links=links,
+        load=load,
+        involved=involved,
+        buffer_start=(at, held, np.full(len(kept), grad)),
+        buffer_end=(at, held, np.full(len(kept), -grad)),
+        kept_members=np.array([d for d in members if rep[d] == d], dtype=np.int64),
+    )

@@ -24,35 +24,62 @@ class Tasks:
     """The task graph: flat per-task lists (task id = index); `comm` holds what only
     communication tasks have. Call `seal()` after the last task is added."""
 
-    __slots__ = ("kind", "dur", "dev", "links", "edges", "npred", "key", "mb", "comm",
-                 "mem_start", "mem_end", "sync_loads", "persistent_bytes",
-                 "blocks", "stage_limit", "bwd_count", "rep", "initial_bytes", "core_bytes", "sources",
-                 "xfer_blocks", "ties", "mb_stride", "scratch", "runs", "dur_patches", "_phase_stride", "_succ_csr", "_arrays")
+    __slots__ = (
+        "kind",
+        "dur",
+        "dev",
+        "links",
+        "edges",
+        "npred",
+        "key",
+        "mb",
+        "comm",
+        "mem_start",
+        "mem_end",
+        "sync_loads",
+        "persistent_bytes",
+        "blocks",
+        "stage_limit",
+        "bwd_count",
+        "rep",
+        "initial_bytes",
+        "core_bytes",
+        "sources",
+        "xfer_blocks",
+        "ties",
+        "mb_stride",
+        "scratch",
+        "runs",
+        "dur_patches",
+        "_phase_stride",
+        "_succ_csr",
+        "_arrays",
+    )
 
     def __init__(self, blocks: list[Block], n_devices: int, num_microbatches: int):
         self.kind: list[int] = []
         self.dur: list[float] = []
-        self.dev: list[int] = []                 # device of a compute task, -1 for communication
-        self.links: list[tuple[int, ...]] = []   # links a communication task occupies
-        self.edges = TaskRows((np.int64,), (True,))   # task → successor
-        self.npred = np.zeros(0, dtype=np.int64)     # inputs per task: filled by seal()
-        self.sources = np.zeros(0, dtype=np.int64)   # tasks without inputs: idem
-        self.key: list[int] = []                 # reference priority (see prio); -1 for communication
+        self.dev: list[int] = []  # device of a compute task, -1 for communication
+        self.links: list[tuple[int, ...]] = []  # links a communication task occupies
+        self.edges = TaskRows((np.int64,), (True,))  # task → successor
+        self.npred = np.zeros(0, dtype=np.int64)  # inputs per task: filled by seal()
+        self.sources = np.zeros(0, dtype=np.int64)  # tasks without inputs: idem
+        self.key: list[int] = []  # reference priority (see prio); -1 for communication
         self.mb: list[int] = []
         self.comm: dict[int, tuple[tuple[int, ...], float, int]] = {}  # t → (devices involved, bytes, block)
-        self.mem_start = effects()               # memory effects at a task's start
-        self.mem_end = effects()                 # ... and at its end
-        self.sync_loads: dict[int, dict[int, float]] = {}   # collective → link → bytes per buffer byte
-        self.persistent_bytes = [0.0] * n_devices   # parameters + gradients + optimizer state
-        self.initial_bytes = [0.0] * n_devices      # memory in use when the iteration starts
-        self.core_bytes: dict[int, float] = {}      # collective → bytes through a switch core
+        self.mem_start = effects()  # memory effects at a task's start
+        self.mem_end = effects()  # ... and at its end
+        self.sync_loads: dict[int, dict[int, float]] = {}  # collective → link → bytes per buffer byte
+        self.persistent_bytes = [0.0] * n_devices  # parameters + gradients + optimizer state
+        self.initial_bytes = [0.0] * n_devices  # memory in use when the iteration starts
+        self.core_bytes: dict[int, float] = {}  # collective → bytes through a switch core
         self.blocks = blocks
-        self.stage_limit = [1] * n_devices       # 1F1B: micro-batches in flight per device
+        self.stage_limit = [1] * n_devices  # 1F1B: micro-batches in flight per device
         self.bwd_count: dict[tuple[int, int], int] = {}
         self.rep: list[int] = list(range(n_devices))  # device whose tasks stand for this one's
-        self.xfer_blocks: dict[int, tuple[int, int]] = {}   # transfer → (producer, consumer block)
-        self.ties: dict[int, str] = {}           # sync of a tied parameter's copies → the parameter
-        self.mb_stride = 2 * len(blocks) + 1     # key step of one micro-batch
+        self.xfer_blocks: dict[int, tuple[int, int]] = {}  # transfer → (producer, consumer block)
+        self.ties: dict[int, str] = {}  # sync of a tied parameter's copies → the parameter
+        self.mb_stride = 2 * len(blocks) + 1  # key step of one micro-batch
         self._phase_stride = (num_microbatches + 1) * self.mb_stride
         self._succ_csr: tuple[np.ndarray, np.ndarray] | None = None
         self._arrays: dict[str, np.ndarray] = {}
@@ -62,7 +89,7 @@ class Tasks:
         # durations set once every micro-batch is expanded — micro-batch 0's backwards, which
         # create the gradients the copies of it add into (tasks.py): (first id, durations)
         self.dur_patches: list[tuple[int, np.ndarray]] = []
-        self.scratch: dict = {}                  # what the timed pass derives once (engine.py)
+        self.scratch: dict = {}  # what the timed pass derives once (engine.py)
 
     def prio(self, phase: int, mb: int, signed_block: int) -> int:
         """The priority key of a compute task: (phase, micro-batch, ±block) in lexicographic
@@ -79,8 +106,16 @@ class Tasks:
         self.mb.append(mb)
         return t
 
-    def add_comm(self, kind: int, dur: float, mb: int, block: int, links: tuple[int, ...],
-                 members: tuple[int, ...], nbytes: float) -> int:
+    def add_comm(
+        self,
+        kind: int,
+        dur: float,
+        mb: int,
+        block: int,
+        links: tuple[int, ...],
+        members: tuple[int, ...],
+        nbytes: float,
+    ) -> int:
         t = self.add(kind, dur, -1, -1, mb)
         self.links[t] = links
         self.comm[t] = (members, nbytes, block)
@@ -110,7 +145,7 @@ class Tasks:
 
     def successors(self, t: int) -> list[int]:
         ptr, idx = self.succ_csr()
-        return idx[ptr[t]:ptr[t + 1]].tolist()
+        return idx[ptr[t] : ptr[t + 1]].tolist()
 
     def array(self, column: str) -> np.ndarray:
         """A numeric column ('dur', 'dev', 'kind', 'mb', 'key') as a numpy array, made once
@@ -130,17 +165,18 @@ class Tasks:
             a[at:] = values[at:]
             if column == "dur":
                 for first, dur in self.dur_patches:
-                    a[first:first + len(dur)] = dur
+                    a[first : first + len(dur)] = dur
             self._arrays[column] = a
         return a
 
     def seal(self) -> None:
         self.npred = np.bincount(self.succ_csr()[1], minlength=len(self.kind)).astype(np.int64)
-        self.sources = np.flatnonzero(self.npred == 0).astype(np.int64)   # tasks with no inputs, in id order
+        self.sources = np.flatnonzero(self.npred == 0).astype(np.int64)  # tasks with no inputs, in id order
 
 
 class ComputeRun(NamedTuple):
     """A block's forwards then backwards in one micro-batch (tasks.py BlockColumns)."""
+
     dur: np.ndarray
     dev: np.ndarray
     kind: np.ndarray
@@ -160,6 +196,7 @@ class ComputeRun(NamedTuple):
 
 class TransferRun(NamedTuple):
     """A pair of blocks' transfers in one micro-batch (transfers.py PairTransfers)."""
+
     dur: np.ndarray
     mb: int
 
@@ -175,12 +212,13 @@ class TransferRun(NamedTuple):
 class CopyRun(NamedTuple):
     """A replicated micro-batch: the columns of an earlier run of tasks (tasks.py _replicate),
     its compute tasks' keys shifted by `key_shift`."""
+
     source: int
     key_shift: int
     mb: int
 
     def fill(self, a: np.ndarray, column: str, first: int, end: int) -> None:
-        src = a[self.source:self.source + end - first]
+        src = a[self.source : self.source + end - first]
         if column == "key":
             a[first:end] = src + self.key_shift * (src >= 0)
         elif column == "mb":
@@ -202,10 +240,10 @@ class TaskRows:
     def __init__(self, dtypes: tuple, ids: tuple[bool, ...]):
         # per chunk: (single rows added before it, task id offset, (tasks, *values)); the
         # offset is applied when the rows are read, so a chunk is reused as it is
-        self.chunks: list[tuple[int, int, tuple[np.ndarray, ...], int]] = []   # ..., rows
+        self.chunks: list[tuple[int, int, tuple[np.ndarray, ...], int]] = []  # ..., rows
         self.task: list[int] = []
         self.values: tuple[list, ...] = tuple([] for _ in dtypes)
-        self._ids = (True,) + ids        # columns holding task ids (shifted with the task)
+        self._ids = (True,) + ids  # columns holding task ids (shifted with the task)
         self._dtypes = (np.int64,) + tuple(dtypes)
         self._by_task: dict[int, list[tuple]] | None = None
 
@@ -249,14 +287,14 @@ class TaskRows:
         parts, offsets, lengths, at = [], [], [], s0
         for pos, first, chunk, n in self.chunks[c0:c1]:
             if pos > at:
-                parts.append(tuple(c[at - s0:pos - s0] for c in singles))
+                parts.append(tuple(c[at - s0 : pos - s0] for c in singles))
                 offsets.append(0)
                 lengths.append(pos - at)
                 at = pos
             parts.append(chunk)
             offsets.append(first)
             lengths.append(n)
-        parts.append(tuple(c[at - s0:] for c in singles))
+        parts.append(tuple(c[at - s0 :] for c in singles))
         offsets.append(0)
         lengths.append(s1 - at)
         cols = [np.concatenate(c) for c in zip(*parts)]
@@ -300,7 +338,7 @@ def effects() -> TaskRows:
     return TaskRows((np.int64, np.float64), (False, False))
 
 
-_CACHED_REPLICAS = 200_000   # replicas' entries kept in a per-call-shared cache (~100 MB at most)
+_CACHED_REPLICAS = 200_000  # replicas' entries kept in a per-call-shared cache (~100 MB at most)
 
 
 def rep_id(scratch: dict, rep: list[int]) -> int:
@@ -310,12 +348,12 @@ def rep_id(scratch: dict, rep: list[int]) -> int:
     rt = tuple(rep)
     hit = ids.get(rt)
     if hit is None:
-        if len(ids) >= 10_000:    # ids restart: drop every entry keyed by an old one
+        if len(ids) >= 10_000:  # ids restart: drop every entry keyed by an old one
             ids.clear()
             scratch.pop("columns", None)
             scratch.pop("kept", None)
             scratch.pop("buckets", None)
-            scratch.pop("moves", None)     # their transfer templates (lower/transfers.py)
+            scratch.pop("moves", None)  # their transfer templates (lower/transfers.py)
         hit = ids[rt] = len(ids)
     return hit
 

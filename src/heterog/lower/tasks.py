@@ -18,9 +18,9 @@ import numpy as np
 
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, stage_limits
+from heterog.lower.columns import block_columns
 from heterog.lower.context import ClusterInfo, CostTable, id_runs
 from heterog.lower.sync_tasks import sync_and_step
-from heterog.lower.columns import block_columns
 from heterog.lower.taskgraph import BWD, FWD, ComputeRun, CopyRun, Tasks, make_room, rep_id
 from heterog.lower.transfers import pair_moves, transfer_tasks
 
@@ -58,8 +58,9 @@ def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: 
     return rep
 
 
-def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
-           table: CostTable, *, merge: bool = True) -> Tasks:
+def expand(
+    plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo, table: CostTable, *, merge: bool = True
+) -> Tasks:
     """The task graph of one iteration. merge: simulate symmetric devices once and copy the
     tasks of equal-sized micro-batches (results are equal; the Program needs merge=False)."""
     tasks = Tasks(blocks, len(info.devices), plan.num_microbatches)
@@ -67,7 +68,7 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     mb_sizes = split_samples(plan.batch_size, [1.0] * plan.num_microbatches)
     sizes = sorted(set(mb_sizes))
     splits: dict[tuple, list[int]] = {}
-    known = table.scratch.setdefault("splits", {})     # (size, placement) → samples per replica
+    known = table.scratch.setdefault("splits", {})  # (size, placement) → samples per replica
     for size in sizes:
         for blk in blocks:
             key = (size, blk.placement)
@@ -91,15 +92,24 @@ def expand(plan: Plan, graph_grouping, blocks: list[Block], info: ClusterInfo,
     return tasks
 
 
-def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: list[int],
-                      info: ClusterInfo, table: CostTable, merge: bool):
+def _microbatch_tasks(
+    tasks: Tasks,
+    plan: Plan,
+    preds,
+    moves,
+    splits,
+    mb_sizes: list[int],
+    info: ClusterInfo,
+    table: CostTable,
+    merge: bool,
+):
     """Forward, backward and transfer tasks of every micro-batch (equal-sized ones copied when
     merging). Returns (backward task ids per micro-batch and block, micro-batch 0's columns)."""
     Bk = Backwards(len(tasks.blocks), len(mb_sizes))
-    templates: dict[int, Segment] = {}   # size → the first micro-batch of that size
-    first_bwd: list[tuple] = []   # (first task, effect chunk indices, columns) of micro-batch 0's blocks
+    templates: dict[int, Segment] = {}  # size → the first micro-batch of that size
+    first_bwd: list[tuple] = []  # (first task, effect chunk indices, columns) of micro-batch 0's blocks
     comm = tasks.comm
-    rep_key = rep_id(table.scratch, tasks.rep)     # once per call: it hashes the merged-device map
+    rep_key = rep_id(table.scratch, tasks.rep)  # once per call: it hashes the merged-device map
     for m, size in enumerate(mb_sizes):
         if size in templates and merge:
             _replicate(tasks, templates[size], m, Bk)
@@ -108,17 +118,34 @@ def _microbatch_tasks(tasks: Tasks, plan: Plan, preds, moves, splits, mb_sizes: 
         marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
         _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", Bk, first_bwd)
         transfer_tasks(tasks, m, size, preds, moves, Bk, rep_key)
-        templates[size] = Segment(m, seg_start, len(tasks.kind), list(comm)[comm_before:], marks,
-                                  (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()), [])
+        templates[size] = Segment(
+            m,
+            seg_start,
+            len(tasks.kind),
+            list(comm)[comm_before:],
+            marks,
+            (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark()),
+            [],
+        )
     return Bk, first_bwd
 
 
-def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, table: CostTable,
-                   rep_key: int, one_f1b: bool, Bk: "Backwards", first_bwd) -> None:
+def _compute_tasks(
+    tasks: Tasks,
+    m: int,
+    size: int,
+    splits,
+    info: ClusterInfo,
+    table: CostTable,
+    rep_key: int,
+    one_f1b: bool,
+    Bk: Backwards,
+    first_bwd,
+) -> None:
     """Micro-batch m's forwards and backwards: per block, its forwards then its backwards, one
     slice per column (the hot path); the columns that depend only on the block and the merged
     devices are cached."""
-    rep = None      # the merged-device map as an array, made at the first miss
+    rep = None  # the merged-device map as an array, made at the first miss
     column_cache = table.scratch.setdefault("columns", {})
     replica_cache = table.scratch.setdefault("replica", {})
     kinds = tasks.kind
@@ -129,8 +156,9 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
             make_room(column_cache, len(blk.devices))
             if rep is None:
                 rep = np.asarray(tasks.rep, dtype=np.int64)
-            cols = column_cache[ck] = block_columns(blk, size, splits[(size, blk.placement)], rep, rep_key,
-                                                    info, replica_cache, table)
+            cols = column_cache[ck] = block_columns(
+                blk, size, splits[(size, blk.placement)], rep, rep_key, info, replica_cache, table
+            )
         kept_r = cols.kept
         n_kept = len(kept_r)
         f0 = len(kinds)
@@ -145,8 +173,9 @@ def _compute_tasks(tasks: Tasks, m: int, size: int, splits, info: ClusterInfo, t
         tasks.key.extend([key_b] * n_kept)
         tasks.mb.extend([m] * (2 * n_kept))
         if n_kept:
-            tasks.runs.append((f0, b0 + n_kept, ComputeRun(cols.dur_array, cols.dev_array, cols.kind_array,
-                                                           key_f, key_b, m)))
+            tasks.runs.append(
+                (f0, b0 + n_kept, ComputeRun(cols.dur_array, cols.dev_array, cols.kind_array, key_f, key_b, m))
+            )
         chunks = (tasks.mem_start.add_chunk(f0, cols.at_start), tasks.mem_end.add_chunk(f0, cols.at_end))
         if m == 0:
             first_bwd.append((f0, chunks, cols))
@@ -164,7 +193,7 @@ def _forward_before_backward(tasks: Tasks, spans: list[tuple[int, int]]) -> None
     tasks.edges.add_chunk(0, (fwd, fwd + np.repeat(count, count)))
 
 
-def _backwards_by_device(tasks: Tasks, Bk: "Backwards") -> dict[int, np.ndarray]:
+def _backwards_by_device(tasks: Tasks, Bk: Backwards) -> dict[int, np.ndarray]:
     """Every device's backward tasks in id order (micro-batch, then block), the devices in the
     order of their first backward; and (tasks.bwd_count) how many each micro-batch has there:
     1F1B retires a micro-batch on a device when the last of them ends. From the blocks' spans
@@ -183,7 +212,7 @@ def _backwards_by_device(tasks: Tasks, Bk: "Backwards") -> dict[int, np.ndarray]
     dev = np.concatenate(devs) if devs else np.zeros(0, dtype=np.int64)
     by_dev = np.argsort(dev, kind="stable")
     uniq, first, n_of = np.unique(dev[by_dev], return_index=True, return_counts=True)
-    tasks_of = {d: bwd[by_dev[a:a + c]] for d, a, c in zip(uniq.tolist(), first.tolist(), n_of.tolist())}
+    tasks_of = {d: bwd[by_dev[a : a + c]] for d, a, c in zip(uniq.tolist(), first.tolist(), n_of.tolist())}
     n_mb = len(mbs)
     pairs, n_pair = np.unique(dev * n_mb + np.repeat(np.arange(n_mb, dtype=np.int64), mbs), return_counts=True)
     tasks.bwd_count = {(p // n_mb, p % n_mb): c for p, c in zip(pairs.tolist(), n_pair.tolist())}
@@ -201,22 +230,23 @@ def _first_microbatch(tasks: Tasks, first_bwd) -> None:
         n = len(cols.kept)
         if n:
             b0 = f0 + n
-            tasks.dur[b0:b0 + n] = cols.first_dur[n:]
+            tasks.dur[b0 : b0 + n] = cols.first_dur[n:]
             tasks.dur_patches.append((b0, cols.first_dur_array[n:]))
 
 
 class Segment(NamedTuple):
     """The tasks of an expanded micro-batch that later ones of its size copy (_replicate)."""
-    m0: int                         # the micro-batch
-    start: int                      # its first task id
-    end: int                        # one past its last
-    comm: list[int]                 # its communication tasks
-    since: tuple                    # TaskRows marks (memory at start, at end, edges) before it
-    until: tuple                    # ... and after it
-    copies: list                    # keys and rows as arrays, made at the first copy
+
+    m0: int  # the micro-batch
+    start: int  # its first task id
+    end: int  # one past its last
+    comm: list[int]  # its communication tasks
+    since: tuple  # TaskRows marks (memory at start, at end, edges) before it
+    until: tuple  # ... and after it
+    copies: list  # keys and rows as arrays, made at the first copy
 
 
-def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None:
+def _replicate(tasks: Tasks, template: Segment, m: int, Bk: Backwards) -> None:
     """Micro-batch m has the same size as an earlier one, so its tasks are a copy of that
     micro-batch's segment with ids shifted (and m in the priority keys): list slices and
     array chunks instead of a second expansion."""
@@ -228,17 +258,17 @@ def _replicate(tasks: Tasks, template: Segment, m: int, Bk: "Backwards") -> None
     tasks.links.extend(tasks.links[start:end])
     shift = (m - m0) * tasks.mb_stride
     rows_of = (tasks.mem_start, tasks.mem_end, tasks.edges)
-    if not rows:     # the segment's keys and rows (one chunk each), made at the first copy
+    if not rows:  # the segment's keys and rows (one chunk each), made at the first copy
         keys = np.array(tasks.key[start:end], dtype=np.int64)
         rows.append((keys, keys >= 0))
         rows.extend(r.segment(a, b) for r, a, b in zip(rows_of, since, until))
     keys, compute = rows[0]
-    tasks.key.extend((keys + shift * compute).tolist())     # communication keeps -1
+    tasks.key.extend((keys + shift * compute).tolist())  # communication keeps -1
     tasks.mb.extend([m] * (end - start))
     tasks.runs.append((off + start, off + end, CopyRun(start, shift, m)))
     for r, chunk in zip(rows_of, rows[1:]):
         r.add_chunk(off, chunk)
-    comm, xfer_blocks = tasks.comm, tasks.xfer_blocks      # the segment's communication tasks
+    comm, xfer_blocks = tasks.comm, tasks.xfer_blocks  # the segment's communication tasks
     comm.update([(t + off, comm[t]) for t in seg_comm])
     xfer_blocks.update([(t + off, xfer_blocks[t]) for t in seg_comm])
     Bk.copy_of[m] = (m0, off)

@@ -22,13 +22,14 @@ from heterog.lower.blocks import Block, Moves, moves_between
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.taskgraph import XFER, Tasks, TransferRun
 
-SMALL_PAIR = 4    # moves up to which a pair's transfers are added row by row
+SMALL_PAIR = 4  # moves up to which a pair's transfers are added row by row
 
 
 class PairMoves(NamedTuple):
     """The moves between two placements at one micro-batch size (None: an identity, replica i
     feeds replica i on the same device), the devices that send or receive point to point, and
     the pair's templates per merged-device map (rep_id)."""
+
     moves: Moves | None
     ends: frozenset
     templates: dict
@@ -50,12 +51,25 @@ def pair_moves(blocks: list[Block], preds, sizes: list[int], splits, info: Clust
                 if hit is None:
                     if len(move_cache) > 20_000:
                         move_cache.clear()
-                    mv = moves_between(src, blk, splits[(size, src.placement)], splits[(size, blk.placement)],
-                                       size, fx, ps, info, table)
+                    mv = moves_between(
+                        src,
+                        blk,
+                        splits[(size, src.placement)],
+                        splits[(size, blk.placement)],
+                        size,
+                        fx,
+                        ps,
+                        info,
+                        table,
+                    )
                     ends = frozenset(np.concatenate((mv.src[mv.cross], mv.dst[mv.cross])).tolist())
                     # identity: consecutive blocks of one placement; expanded without the moves
-                    ident = (src.devices == blk.devices and mv.count == len(blk.devices) and not ends
-                             and bool((mv.i == np.arange(mv.count)).all() and (mv.j == mv.i).all()))
+                    ident = (
+                        src.devices == blk.devices
+                        and mv.count == len(blk.devices)
+                        and not ends
+                        and bool((mv.i == np.arange(mv.count)).all() and (mv.j == mv.i).all())
+                    )
                     hit = move_cache[ck] = PairMoves(None if ident else mv, ends, {})
                 moves[(size, a, bi)] = hit
                 if hit.ends:
@@ -80,15 +94,25 @@ def transfer_tasks(tasks: Tasks, m: int, size: int, preds, moves, Bk, rep_key: i
                 if tpl is None:
                     if len(pm.templates) > 8:
                         pm.templates.clear()
-                    tpl = pm.templates[rep_key] = _template(pm.moves, tasks.rep, cols[a].position, cols[bi].position,
-                                                            spans[a][1], spans[bi][1], a, bi)
+                    tpl = pm.templates[rep_key] = _template(
+                        pm.moves, tasks.rep, cols[a].position, cols[bi].position, spans[a][1], spans[bi][1], a, bi
+                    )
                 _add_pair(tasks, m, a, bi, tpl, spans[a][0] - spans[a][1], spans[bi][0] - spans[bi][1])
 
 
 def _rows(mv: Moves):
     """The moves one by one: (src, dst, i, j, bytes, path, back path, t_fwd, t_bwd)."""
-    return zip(mv.src.tolist(), mv.dst.tolist(), mv.i.tolist(), mv.j.tolist(), mv.nbytes.tolist(), mv.paths,
-               mv.backs, mv.t_fwd.tolist(), mv.t_bwd.tolist())
+    return zip(
+        mv.src.tolist(),
+        mv.dst.tolist(),
+        mv.i.tolist(),
+        mv.j.tolist(),
+        mv.nbytes.tolist(),
+        mv.paths,
+        mv.backs,
+        mv.t_fwd.tolist(),
+        mv.t_bwd.tolist(),
+    )
 
 
 def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: Moves, span_a, span_b, pos_a, pos_b) -> None:
@@ -100,10 +124,10 @@ def _one_by_one(tasks: Tasks, m: int, a: int, bi: int, mv: Moves, span_a, span_b
     fa0, fb0 = ba0 - span_a[1], bb0 - span_b[1]
     for da, db, i, j, nbytes, path, back, t_f, t_b in _rows(mv):
         if rep[da] != da or rep[db] != db:
-            continue   # a merged device: its representative carries the dependency
+            continue  # a merged device: its representative carries the dependency
         pi, pj = pos_a[i], pos_b[j]
         fa, fb, ba, bb = fa0 + pi, fb0 + pj, ba0 + pi, bb0 + pj
-        if path is None:          # same device, or nothing to send
+        if path is None:  # same device, or nothing to send
             dep(fa, fb)
             dep(bb, ba)
             continue
@@ -139,23 +163,25 @@ class PairTransfers(NamedTuple):
     bases (sel 0: the producer's first forward, 1: the consumer's, 2: the pair's first
     transfer); `rel`/`sel` hold, in turn, the edges' sources, their targets, the tasks of
     the effects at start and of those at end."""
+
     rel: np.ndarray
     sel: np.ndarray
-    cuts: tuple[int, int, int]      # where the four id columns meet in rel
-    start_dev: np.ndarray           # effects at start: device, bytes
+    cuts: tuple[int, int, int]  # where the four id columns meet in rel
+    start_dev: np.ndarray  # effects at start: device, bytes
     start_bytes: np.ndarray
-    end_dev: np.ndarray             # effects at end
+    end_dev: np.ndarray  # effects at end
     end_bytes: np.ndarray
-    kind: list[int]                 # columns of the transfer tasks, two per move
+    kind: list[int]  # columns of the transfer tasks, two per move
     dur: list[float]
     dur_array: np.ndarray
-    none: list[int]                 # -1 per task (device, priority key)
+    none: list[int]  # -1 per task (device, priority key)
     links: list[tuple]
     comm: list[tuple]
 
 
-def _template(mv: Moves, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b: int, a: int,
-              bi: int) -> PairTransfers:
+def _template(
+    mv: Moves, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b: int, a: int, bi: int
+) -> PairTransfers:
     """A pair's transfers as arrays, rows in the order _one_by_one adds them (pos: replica →
     kept position; n: kept replicas). Per move, in _one_by_one's order: edges (xf→fb, xb→ba,
     fa→xf, bb→xb) where something crosses, (fa→fb, bb→ba) where not; then two effects at
@@ -172,8 +198,9 @@ def _template(mv: Moves, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b
     zero, one, two = np.zeros_like(fa), np.ones_like(fa), np.full_like(fa, 2)
     keep = np.column_stack((np.ones_like(c), np.ones_like(c), c, c)).ravel()
 
-    def column(*cols):         # per move four edges (rows), flattened, the unused dropped
+    def column(*cols):  # per move four edges (rows), flattened, the unused dropped
         return np.column_stack(cols).ravel()[keep]
+
     src_rel = column(np.where(c, xf, fa), np.where(c, xb, bb), fa, bb)
     src_sel = column(np.where(c, two, zero), np.where(c, two, one), zero, one)
     dst_rel = column(fb, ba, xf, xb)
@@ -185,17 +212,25 @@ def _template(mv: Moves, rep: list[int], pos_a: list, pos_b: list, n_a: int, n_b
     kc = k[c].tolist()
     dur = np.column_stack((mv.t_fwd[k][c], mv.t_bwd[k][c])).ravel()
     links = [p for x in kc for p in (mv.paths[x], mv.backs[x])]
-    comm = [t for s, d, n in zip(da_c.tolist(), db_c.tolist(), nb_c.tolist())
-            for t in (((s, d), n, bi), ((d, s), n, a))]
+    comm = [
+        t for s, d, n in zip(da_c.tolist(), db_c.tolist(), nb_c.tolist()) for t in (((s, d), n, bi), ((d, s), n, a))
+    ]
     n_e, n_s = len(src_rel), len(start_rel)
     return PairTransfers(
         rel=np.concatenate((src_rel, dst_rel, start_rel, ends)),
         sel=np.concatenate((src_sel, dst_sel, np.full(n_s, 2, dtype=np.int64), end_sel)),
         cuts=(n_e, 2 * n_e, 2 * n_e + n_s),
-        start_dev=np.column_stack((db_c, da_c)).ravel(), start_bytes=np.column_stack((nb_c, nb_c)).ravel(),
+        start_dev=np.column_stack((db_c, da_c)).ravel(),
+        start_bytes=np.column_stack((nb_c, nb_c)).ravel(),
         end_dev=np.column_stack((db_c, da_c, da_c, da_c, db_c, db_c)).ravel(),
         end_bytes=np.column_stack((-nb_c, -nb_c, nb_c, -nb_c, nb_c, -nb_c)).ravel(),
-        kind=[XFER] * len(dur), dur=dur.tolist(), dur_array=dur, none=[-1] * len(dur), links=links, comm=comm)
+        kind=[XFER] * len(dur),
+        dur=dur.tolist(),
+        dur_array=dur,
+        none=[-1] * len(dur),
+        links=links,
+        comm=comm,
+    )
 
 
 def _add_pair(tasks: Tasks, m: int, a: int, bi: int, tpl: PairTransfers, fa0: int, fb0: int) -> None:
@@ -229,7 +264,7 @@ def _identity(tasks: Tasks, span_a: tuple[int, int], span_b: tuple[int, int], ch
     ba0, n = span_a
     bb0 = span_b[0]
     fa0, fb0 = ba0 - n, bb0 - n
-    if n <= 2:     # cached chunks cost less than rows from 3 replicas on
+    if n <= 2:  # cached chunks cost less than rows from 3 replicas on
         for i in range(n):
             tasks.dep(fa0 + i, fb0 + i)
             tasks.dep(bb0 + i, ba0 + i)

@@ -53,7 +53,7 @@ class DeviceProfile(Artifact, kind=KIND, version=SCHEMA_VERSION):
     comm: dict[str, Any] | None = None
     steps: tuple[dict[str, Any], ...] = ()
     nodes: Profile | None = None
-    host_speed: float | None = None     # relative to the reference host; None: not measured
+    host_speed: float | None = None  # relative to the reference host; None: not measured
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -65,24 +65,38 @@ class DeviceProfile(Artifact, kind=KIND, version=SCHEMA_VERSION):
 
     # -- serialisation --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"device": dict(self.device), "gemm": [dict(g) for g in self.gemm], "copy": self.copy,
-                "host": self.host, "comm": self.comm, "steps": [dict(s) for s in self.steps],
-                "nodes": None if self.nodes is None else self.nodes.to_dict(), "host_speed": self.host_speed,
-                "meta": self.meta}
+        return {
+            "device": dict(self.device),
+            "gemm": [dict(g) for g in self.gemm],
+            "copy": self.copy,
+            "host": self.host,
+            "comm": self.comm,
+            "steps": [dict(s) for s in self.steps],
+            "nodes": None if self.nodes is None else self.nodes.to_dict(),
+            "host_speed": self.host_speed,
+            "meta": self.meta,
+        }
 
     @staticmethod
-    def from_dict(doc: dict[str, Any], source: str = "<device profile>") -> "DeviceProfile":
+    def from_dict(doc: dict[str, Any], source: str = "<device profile>") -> DeviceProfile:
         dev = doc.get("device")
         if not isinstance(dev, dict) or not isinstance(dev.get("type"), str) or not dev["type"]:
-            raise DeviceProfileError(f"{source}: 'device' must give the device 'type' (a catalog GPU type "
-                                     f"or 'cpu'), e.g. {{\"type\": \"H200\"}}.")
+            raise DeviceProfileError(
+                f"{source}: 'device' must give the device 'type' (a catalog GPU type "
+                f'or \'cpu\'), e.g. {{"type": "H200"}}.'
+            )
         gemm = []
         for i, g in enumerate(doc.get("gemm") or []):
             where = f"{source}: gemm[{i}]"
             if not isinstance(g, dict) or g.get("dtype") not in GEMM_DTYPES:
                 raise DeviceProfileError(f"{where}: expected {{'n', 'dtype' in {GEMM_DTYPES}, 'time_s'}}, found {g!r}.")
-            gemm.append({"n": int(_positive(f"{where}.n", g.get("n"))), "dtype": g["dtype"],
-                         "time_s": _positive(f"{where}.time_s", g.get("time_s"))})
+            gemm.append(
+                {
+                    "n": int(_positive(f"{where}.n", g.get("n"))),
+                    "dtype": g["dtype"],
+                    "time_s": _positive(f"{where}.time_s", g.get("time_s")),
+                }
+            )
         copy = doc.get("copy")
         if copy is not None:
             copy = {k: _positive(f"{source}: copy.{k}", (copy or {}).get(k)) for k in ("bytes", "time_s")}
@@ -102,19 +116,31 @@ class DeviceProfile(Artifact, kind=KIND, version=SCHEMA_VERSION):
             where = f"{source}: steps[{i}]"
             if not isinstance(s, dict) or not isinstance(s.get("model"), str):
                 raise DeviceProfileError(f"{where}: expected a step with 'model', 'batch_size', 'time_s'.")
-            steps.append({**s, "batch_size": int(_positive(f"{where}.batch_size", s.get("batch_size"))),
-                          "time_s": _positive(f"{where}.time_s", s.get("time_s"))})
+            steps.append(
+                {
+                    **s,
+                    "batch_size": int(_positive(f"{where}.batch_size", s.get("batch_size"))),
+                    "time_s": _positive(f"{where}.time_s", s.get("time_s")),
+                }
+            )
         nodes = doc.get("nodes")
         speed = doc.get("host_speed")
         if speed is not None:
             speed = _positive(f"{source}: host_speed (the host's speed relative to the reference host)", speed)
-        return DeviceProfile(device={k: str(v) for k, v in dev.items()}, gemm=tuple(gemm), copy=copy, host=host,
-                             comm=doc.get("comm"), steps=tuple(steps),
-                             nodes=None if nodes is None else Profile.from_dict(nodes, f"{source}: nodes"),
-                             host_speed=speed, meta=dict(doc.get("meta") or {}))
+        return DeviceProfile(
+            device={k: str(v) for k, v in dev.items()},
+            gemm=tuple(gemm),
+            copy=copy,
+            host=host,
+            comm=doc.get("comm"),
+            steps=tuple(steps),
+            nodes=None if nodes is None else Profile.from_dict(nodes, f"{source}: nodes"),
+            host_speed=speed,
+            meta=dict(doc.get("meta") or {}),
+        )
 
     @staticmethod
-    def from_shared_files(paths: list[str | Path], device_type: str) -> "DeviceProfile":
+    def from_shared_files(paths: list[str | Path], device_type: str) -> DeviceProfile:
         """A profile from files in the format of the project's shared measurements: a
         micro-benchmark file ('matmul' rows with m/n/k, dtype, median_ms; 'copy' with gbps)
         and/or a steps file ('steps' rows with name, batch_size, seq_len, mode, median_ms,
@@ -132,14 +158,30 @@ class DeviceProfile(Artifact, kind=KIND, version=SCHEMA_VERSION):
             if isinstance(doc.get("copy"), dict) and "gbps" in doc["copy"]:
                 copy = {"bytes": 1e9 * doc["copy"]["gbps"], "time_s": 1.0}
             for s in doc.get("steps") or []:
-                steps.append({"model": s["name"].replace("_", "-"), "batch_size": s["batch_size"],
-                              "seq_len": s.get("seq_len"), "precision": "amp-bf16" if s["mode"] == "bf16" else "fp32",
-                              "optimizer": "sgd" if s.get("family") == "cnn" else "adamw",
-                              "recompute": bool(s.get("ckpt")), "time_s": s["median_ms"] * 1e-3,
-                              "peak_bytes": s.get("peak_mem_bytes")})
+                steps.append(
+                    {
+                        "model": s["name"].replace("_", "-"),
+                        "batch_size": s["batch_size"],
+                        "seq_len": s.get("seq_len"),
+                        "precision": "amp-bf16" if s["mode"] == "bf16" else "fp32",
+                        "optimizer": "sgd" if s.get("family") == "cnn" else "adamw",
+                        "recompute": bool(s.get("ckpt")),
+                        "time_s": s["median_ms"] * 1e-3,
+                        "peak_bytes": s.get("peak_mem_bytes"),
+                    }
+                )
         if not (gemm or copy or steps):
-            raise DeviceProfileError(f"{', '.join(map(str, paths))}: no 'matmul', 'copy' or 'steps' found; "
-                                     f"give heterog profile output, or a sweep ('matmul' rows of m, dtype, "
-                                     f"median_ms; 'copy' with gbps) and/or 'steps' rows.")
-        return DeviceProfile.from_dict({"device": {"type": device_type, "name": name}, "gemm": gemm, "copy": copy,
-                                        "steps": steps, "meta": {"converted_from": [str(p) for p in paths]}})
+            raise DeviceProfileError(
+                f"{', '.join(map(str, paths))}: no 'matmul', 'copy' or 'steps' found; "
+                f"give heterog profile output, or a sweep ('matmul' rows of m, dtype, "
+                f"median_ms; 'copy' with gbps) and/or 'steps' rows."
+            )
+        return DeviceProfile.from_dict(
+            {
+                "device": {"type": device_type, "name": name},
+                "gemm": gemm,
+                "copy": copy,
+                "steps": steps,
+                "meta": {"converted_from": [str(p) for p in paths]},
+            }
+        )

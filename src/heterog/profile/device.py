@@ -17,7 +17,8 @@ import queue
 import socket
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from heterog.profile.artifact import DeviceProfileError
 GEMM_SIZES_GPU = (512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (128, 256, 512, 1024)
 COMM_BYTES = (2**20, 16 * 2**20)
-CHAIN_OPS = 200                       # tiny ops per host-cost measurement
+CHAIN_OPS = 200  # tiny ops per host-cost measurement
 COMM_TIMEOUT_S = 120
 
 
@@ -118,8 +119,12 @@ def measure_host(dev: torch.device) -> dict[str, float]:
     # under autocast each linear casts its input (the weight and bias casts are cached only
     # inside one autocast region: here each call is its own, so three casts per linear)
     cast_s = max(cast - plain, 0.0) / (3 * (CHAIN_OPS // 4))
-    return {"forward_op_s": fwd, "backward_op_s": max(both - fwd, 0.0), "module_call_s": call,
-            "autocast_cast_s": cast_s}
+    return {
+        "forward_op_s": fwd,
+        "backward_op_s": max(both - fwd, 0.0),
+        "module_call_s": call,
+        "autocast_cast_s": cast_s,
+    }
 
 
 def _free_port() -> int:
@@ -132,6 +137,7 @@ def _comm_rank(rank: int, world: int, port: int, backend: str, out) -> None:
     import datetime
 
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -145,6 +151,7 @@ def _comm_rank(rank: int, world: int, port: int, backend: str, out) -> None:
                 dist.send(t, 1)
             elif rank == 1:
                 dist.recv(t, 0)
+
         dist.barrier()
         pp = timed_s(p2p, dev, repeats=3)
         rows.append({"bytes": nbytes, "allreduce_s": ar, "p2p_s": pp})
@@ -157,6 +164,7 @@ def measure_comm(dev: torch.device) -> dict[str, Any]:
     """All-reduce and point-to-point between two ranks: NCCL across two visible GPUs, gloo
     between two local processes otherwise."""
     import torch.multiprocessing as mp
+
     backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -167,9 +175,11 @@ def measure_comm(dev: torch.device) -> dict[str, Any]:
     try:
         rows = out.get(timeout=COMM_TIMEOUT_S)
     except queue.Empty:
-        raise DeviceProfileError(f"the two-rank {backend} measurement did not finish within {COMM_TIMEOUT_S} s "
-                                 f"(a rank failed to start or connect on 127.0.0.1); rerun with --no-comm to "
-                                 f"skip it.") from None
+        raise DeviceProfileError(
+            f"the two-rank {backend} measurement did not finish within {COMM_TIMEOUT_S} s "
+            f"(a rank failed to start or connect on 127.0.0.1); rerun with --no-comm to "
+            f"skip it."
+        ) from None
     finally:
         for p in procs:
             p.join(timeout=30)

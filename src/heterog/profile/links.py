@@ -58,13 +58,14 @@ class LinkMeasurementError(ResourceError):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkMeasurement:
     """What gloo moved over one shaped link, next to what the cluster declares."""
+
     src: str
     dst: str
-    nominal_bandwidth_bytes_per_s: float     # the slower NIC of the two nodes, as declared
-    latency_s: float                         # one-way message: fixed part
-    one_way_bandwidth_bytes_per_s: float     # one-way message: payload bytes per second
-    ring_bandwidth_bytes_per_s: float        # two-member ring all-reduce: bytes each member sends / s
-    one_way_times_s: tuple[tuple[float, float], ...] = ()   # (bytes, median seconds)
+    nominal_bandwidth_bytes_per_s: float  # the slower NIC of the two nodes, as declared
+    latency_s: float  # one-way message: fixed part
+    one_way_bandwidth_bytes_per_s: float  # one-way message: payload bytes per second
+    ring_bandwidth_bytes_per_s: float  # two-member ring all-reduce: bytes each member sends / s
+    one_way_times_s: tuple[tuple[float, float], ...] = ()  # (bytes, median seconds)
     ring_time_s: float = 0.0
 
     @property
@@ -79,11 +80,18 @@ class LinkMeasurement:
         return self.ring_bandwidth_bytes_per_s / self.nominal_bandwidth_bytes_per_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"src": self.src, "dst": self.dst, "nominal_bandwidth_bytes_per_s": self.nominal_bandwidth_bytes_per_s,
-                "latency_s": self.latency_s, "one_way_bandwidth_bytes_per_s": self.one_way_bandwidth_bytes_per_s,
-                "ring_bandwidth_bytes_per_s": self.ring_bandwidth_bytes_per_s, "efficiency": self.efficiency,
-                "duplex_efficiency": self.duplex_efficiency,
-                "one_way_times_s": [list(x) for x in self.one_way_times_s], "ring_time_s": self.ring_time_s}
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "nominal_bandwidth_bytes_per_s": self.nominal_bandwidth_bytes_per_s,
+            "latency_s": self.latency_s,
+            "one_way_bandwidth_bytes_per_s": self.one_way_bandwidth_bytes_per_s,
+            "ring_bandwidth_bytes_per_s": self.ring_bandwidth_bytes_per_s,
+            "efficiency": self.efficiency,
+            "duplex_efficiency": self.duplex_efficiency,
+            "one_way_times_s": [list(x) for x in self.one_way_times_s],
+            "ring_time_s": self.ring_time_s,
+        }
 
 
 def _free_port() -> int:
@@ -100,6 +108,7 @@ def _rank_main(rank: int, master_addr: str, port: int, out_path: str, sizes: str
     import torch.distributed as dist
 
     from heterog.execute.collectives import ProcessGroupCache, allreduce_sum
+
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     rows: dict[str, Any] = {"one_way": [], "ring": []}
@@ -107,14 +116,14 @@ def _rank_main(rank: int, master_addr: str, port: int, out_path: str, sizes: str
     for nbytes in one_way_bytes:
         t = torch.ones(nbytes // 4)
         times = []
-        for _ in range(REPEATS + 1):            # the first is a warm-up (connection, buffers)
+        for _ in range(REPEATS + 1):  # the first is a warm-up (connection, buffers)
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
                 dist.send(t, 1)
             else:
                 dist.recv(t, 0)
-            dist.barrier()                      # the receiver has it when the barrier passes
+            dist.barrier()  # the receiver has it when the barrier passes
             times.append(time.perf_counter() - t0)
         rows["one_way"].append([nbytes, statistics.median(times[1:])])
     groups = ProcessGroupCache(timeout_s=60)
@@ -149,23 +158,50 @@ def _fit(rows: dict[str, Any], src: str, dst: str, nominal: float) -> LinkMeasur
     # a two-member ring sends half the buffer twice (reduce-scatter, all-gather): the buffer's
     # size per member, both directions at once; its own message latencies taken out
     ring_bw = ring_bytes / max(ring_s - 2 * latency, 1e-9)
-    return LinkMeasurement(src=src, dst=dst, nominal_bandwidth_bytes_per_s=nominal, latency_s=latency,
-                           one_way_bandwidth_bytes_per_s=bw, ring_bandwidth_bytes_per_s=ring_bw,
-                           one_way_times_s=tuple((float(b), float(t)) for b, t in rows["one_way"]),
-                           ring_time_s=float(ring_s))
+    return LinkMeasurement(
+        src=src,
+        dst=dst,
+        nominal_bandwidth_bytes_per_s=nominal,
+        latency_s=latency,
+        one_way_bandwidth_bytes_per_s=bw,
+        ring_bandwidth_bytes_per_s=ring_bw,
+        one_way_times_s=tuple((float(b), float(t)) for b, t in rows["one_way"]),
+        ring_time_s=float(ring_s),
+    )
 
 
-def _run_pair(wrap: tuple[list[str], list[str]], env: tuple[dict, dict], master_addr: str,
-              sizes: tuple[tuple[int, int], int], what: str) -> dict[str, Any]:
+def _run_pair(
+    wrap: tuple[list[str], list[str]],
+    env: tuple[dict, dict],
+    master_addr: str,
+    sizes: tuple[tuple[int, int], int],
+    what: str,
+) -> dict[str, Any]:
     """Run the two ranks of a measurement (each under its own command prefix and environment)
     with the message sizes `sizes` and return rank 0's rows."""
     (small, large), ring = sizes
     with tempfile.TemporaryDirectory(prefix="heterog-link-") as tmp:
         out, port = Path(tmp) / "rows.json", _free_port()
-        procs = [subprocess.Popen([*wrap[r], sys.executable, "-m", "heterog.profile.links",
-                                   str(r), master_addr, str(port), str(out), f"{small},{large},{ring}"],
-                                  env={**os.environ, **env[r]}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [
+                    *wrap[r],
+                    sys.executable,
+                    "-m",
+                    "heterog.profile.links",
+                    str(r),
+                    master_addr,
+                    str(port),
+                    str(out),
+                    f"{small},{large},{ring}",
+                ],
+                env={**os.environ, **env[r]},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
         errors = []
         for p in procs:
             try:
@@ -177,8 +213,9 @@ def _run_pair(wrap: tuple[list[str], list[str]], env: tuple[dict, dict], master_
             if p.returncode:
                 errors.append((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
         if errors or not out.exists():
-            raise LinkMeasurementError(f"measuring {what} failed: {errors}; run without link "
-                                       f"calibration (the declared link rates are used).")
+            raise LinkMeasurementError(
+                f"measuring {what} failed: {errors}; run without link calibration (the declared link rates are used)."
+            )
         return json.loads(out.read_text())
 
 
@@ -187,17 +224,19 @@ def measure_shaped_link(cluster, src: str, dst: str) -> LinkMeasurement:
     (netns.LinkShaping): one-way messages and a two-member ring all-reduce (see the module
     docstring). Raises LinkMeasurementError when the links cannot be shaped or a rank fails."""
     from heterog.execute.netns import LinkShaping, ShapingUnavailable
+
     if cluster.node_of[src] == cluster.node_of[dst]:
-        raise LinkMeasurementError(f"{src} and {dst} share node {cluster.node_of[src]}: there is no "
-                                   f"shaped link between them to measure; pick devices on two nodes.")
+        raise LinkMeasurementError(
+            f"{src} and {dst} share node {cluster.node_of[src]}: there is no "
+            f"shaped link between them to measure; pick devices on two nodes."
+        )
     nominal = min(cluster.node_index[cluster.node_of[d]].nic_bandwidth_bytes_per_s for d in (src, dst))
     try:
         links = LinkShaping(cluster=cluster, devices=(src, dst)).__enter__()
     except ShapingUnavailable as e:
         raise LinkMeasurementError(f"cannot shape the link {src} ↔ {dst} here: {e}") from None
     try:
-        rows = _run_pair(links.wrap, links.env, links.master_addr, SHAPED_BYTES,
-                         f"the shaped link {src} ↔ {dst}")
+        rows = _run_pair(links.wrap, links.env, links.master_addr, SHAPED_BYTES, f"the shaped link {src} ↔ {dst}")
     finally:
         links.remove()
     return _fit(rows, src, dst, nominal)
@@ -209,9 +248,12 @@ def measure_intra_link(cluster, src: str, dst: str) -> LinkMeasurement:
     kernel and gloo copy per second is the node's intra-node rate, which the `cpu` type only
     declares. No root needed."""
     from heterog.hardware.cluster import Cluster
+
     if cluster.node_of[src] != cluster.node_of[dst] or src == dst:
-        raise LinkMeasurementError(f"{src} and {dst} are not two devices of one node; pick two "
-                                   f"devices of the node whose intra-node link to measure.")
+        raise LinkMeasurementError(
+            f"{src} and {dst} are not two devices of one node; pick two "
+            f"devices of the node whose intra-node link to measure."
+        )
     nominal = min(cluster.links[Cluster.port(d, "up")].bandwidth_bytes_per_s for d in (src, dst))
     rows = _run_pair(([], []), ({}, {}), "127.0.0.1", LOOPBACK_BYTES, f"the intra-node link {src} ↔ {dst}")
     return _fit(rows, src, dst, nominal)
@@ -219,8 +261,14 @@ def measure_intra_link(cluster, src: str, dst: str) -> LinkMeasurement:
 
 def _calibration(node: str, m: LinkMeasurement, scope):
     from heterog.cost.profile import LinkCalibration
-    return LinkCalibration(node=node, one_way_efficiency=min(m.efficiency, 1.0),
-                           duplex_efficiency=min(m.duplex_efficiency, 1.0), latency_s=m.latency_s, scope=scope)
+
+    return LinkCalibration(
+        node=node,
+        one_way_efficiency=min(m.efficiency, 1.0),
+        duplex_efficiency=min(m.duplex_efficiency, 1.0),
+        latency_s=m.latency_s,
+        scope=scope,
+    )
 
 
 def calibrate_links(cluster, *, nics: bool = True, say=lambda msg: None) -> tuple[tuple[Any, LinkMeasurement], ...]:
@@ -231,6 +279,7 @@ def calibrate_links(cluster, *, nics: bool = True, say=lambda msg: None) -> tupl
     the one the measurement describes). Efficiencies are capped at 1: TBF's burst lets a
     few-MiB message pass a little above the rate, a long stream not."""
     from heterog.cost.profile import LinkScope
+
     nodes = [n for n in cluster.nodes if n.devices]
     out = []
     for n in nodes:
@@ -250,5 +299,5 @@ def calibrate_links(cluster, *, nics: bool = True, say=lambda msg: None) -> tupl
     return tuple(out)
 
 
-if __name__ == "__main__":       # one rank of a measurement (in its node's namespace when shaped)
+if __name__ == "__main__":  # one rank of a measurement (in its node's namespace when shaped)
     _rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])

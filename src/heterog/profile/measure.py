@@ -33,9 +33,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +65,7 @@ def _node_hooks(model: nn.Module, now: Callable[[], float]) -> Iterator[dict[str
         return path if k == 0 else f"{path}#{k}"
 
     for path, m in _leaf_modules(model):
+
         def fwd_pre(mod, args, path=path):
             started[(path, "fwd")].append((node_name(path), now()))
 
@@ -80,8 +82,12 @@ def _node_hooks(model: nn.Module, now: Callable[[], float]) -> Iterator[dict[str
             name, t0 = started[(path, "bwd")].pop()
             samples[name]["bwd"].append(now() - t0)
 
-        handles += [m.register_forward_pre_hook(fwd_pre), m.register_forward_hook(fwd_post),
-                    m.register_full_backward_pre_hook(bwd_pre), m.register_full_backward_hook(bwd_post)]
+        handles += [
+            m.register_forward_pre_hook(fwd_pre),
+            m.register_forward_hook(fwd_post),
+            m.register_full_backward_pre_hook(bwd_pre),
+            m.register_full_backward_hook(bwd_post),
+        ]
     try:
         yield samples
     finally:
@@ -110,6 +116,7 @@ def _per_node(rounds: list[dict[str, dict[str, list[float]]]], reduce) -> dict[s
 class WholeStep:
     """One batch size's whole forward (model and loss) and backward, timed without hooks, and
     the loss alone (None where the model's output cannot be cut off from the loss)."""
+
     fwd_s: float
     bwd_s: float
     loss_fwd_s: float | None = None
@@ -119,12 +126,15 @@ class WholeStep:
 def _leaves(out: Any) -> Any:
     """The model's output as fresh leaves that need grad (so the loss's backward stops there)."""
     from torch.utils._pytree import tree_map
-    return tree_map(lambda t: t.detach().requires_grad_(True)
-                    if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+
+    return tree_map(
+        lambda t: t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out
+    )
 
 
-def _whole_step(model: nn.Module, work: Workload, inputs: tuple, targets: Any, out: Any,
-                now: Callable[[], float]) -> tuple[float, float, float | None, float | None]:
+def _whole_step(
+    model: nn.Module, work: Workload, inputs: tuple, targets: Any, out: Any, now: Callable[[], float]
+) -> tuple[float, float, float | None, float | None]:
     """One step without hooks — forward with the loss, backward — then the loss alone on the
     model's output `out` (None: an output the loss cannot take apart); four times."""
     model.zero_grad(set_to_none=True)
@@ -156,13 +166,17 @@ def _detached_output(model: nn.Module, work: Workload, inputs: tuple, targets: A
 
 def _whole(rounds: list[tuple], reduce) -> WholeStep:
     fwd, bwd, lf, lb = zip(*rounds)
-    return WholeStep(fwd_s=reduce(fwd), bwd_s=reduce(bwd),
-                     loss_fwd_s=reduce(lf) if lf[0] is not None else None,
-                     loss_bwd_s=reduce(lb) if lb[0] is not None else None)
+    return WholeStep(
+        fwd_s=reduce(fwd),
+        bwd_s=reduce(bwd),
+        loss_fwd_s=reduce(lf) if lf[0] is not None else None,
+        loss_bwd_s=reduce(lb) if lb[0] is not None else None,
+    )
 
 
-def attribute_unhooked(node_times: dict[str, dict[str, float]], whole: WholeStep, graph,
-                       batch: float) -> dict[str, dict[str, float]]:
+def attribute_unhooked(
+    node_times: dict[str, dict[str, float]], whole: WholeStep, graph, batch: float
+) -> dict[str, dict[str, float]]:
     """Every node's time, so that per phase they sum to the whole step measured without hooks
     (module docstring): the loss's own time to the loss nodes, what the whole step took beyond
     the hooked nodes and the loss to the other unhooked nodes in proportion to the bytes each
@@ -208,13 +222,22 @@ def profile_batch_sizes(batch: int) -> tuple[int, ...]:
 def _grad_inputs(work: Workload, b: int, seed: int) -> tuple[tuple, Any]:
     """A batch whose floating inputs need grad (or the first module's backward hook would not fire)."""
     inputs, targets = global_batch(work, b, seed=seed, step=0)
-    return tuple(x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                 else x for x in inputs), targets
+    return tuple(
+        x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs
+    ), targets
 
 
-def node_times_by_batch(model: nn.Module, work: Workload, batch_sizes: tuple[int, ...], *, repeats: int,
-                        graph=None, seed: int = 0, statistic: str = "median",
-                        clock: str = "cpu") -> dict[int, dict[str, dict[str, float]]]:
+def node_times_by_batch(
+    model: nn.Module,
+    work: Workload,
+    batch_sizes: tuple[int, ...],
+    *,
+    repeats: int,
+    graph=None,
+    seed: int = 0,
+    statistic: str = "median",
+    clock: str = "cpu",
+) -> dict[int, dict[str, dict[str, float]]]:
     """batch → node → {'fwd': s, 'bwd': s}, over `repeats` rounds after a warm-up round. A
     round takes one hooked step at every batch size and, with a graph, one whole step and the
     loss alone at each: a spell of a shared machine (this one's same step varies 450–665 ms
@@ -224,7 +247,7 @@ def node_times_by_batch(model: nn.Module, work: Workload, batch_sizes: tuple[int
     outputs = {b: _detached_output(model, work, *data[b]) for b in batch_sizes} if graph is not None else {}
     hooked: dict[int, list] = {b: [] for b in batch_sizes}
     whole: dict[int, list] = {b: [] for b in batch_sizes}
-    for k in range(repeats + 1):                # the first pass warms up: allocator, kernel selection
+    for k in range(repeats + 1):  # the first pass warms up: allocator, kernel selection
         for b, (inputs, targets) in data.items():
             with _node_hooks(model, now) as samples:
                 model.zero_grad(set_to_none=True)
@@ -236,21 +259,31 @@ def node_times_by_batch(model: nn.Module, work: Workload, batch_sizes: tuple[int
                 if k:
                     whole[b].append(w)
     out = {b: _per_node(hooked[b], reduce) for b in batch_sizes}
-    if graph is not None:   # the time outside the hooked nodes, measured (module docstring)
+    if graph is not None:  # the time outside the hooked nodes, measured (module docstring)
         out = {b: attribute_unhooked(t, _whole(whole[b], reduce), graph, b) for b, t in out.items()}
     return out
 
 
-def measure_profile(work: Workload, *, batch_sizes: tuple[int, ...], repeats: int = 5,
-                    threads: int = 1, device_type: str = "cpu", graph=None, seed: int = 0,
-                    statistic: str = "median", clock: str = "cpu") -> Profile:
+def measure_profile(
+    work: Workload,
+    *,
+    batch_sizes: tuple[int, ...],
+    repeats: int = 5,
+    threads: int = 1,
+    device_type: str = "cpu",
+    graph=None,
+    seed: int = 0,
+    statistic: str = "median",
+    clock: str = "cpu",
+) -> Profile:
     """A Profile of `work`'s leaf modules at `batch_sizes` on this CPU with `threads` threads,
     with freed memory kept for reuse as the ranks keep it (execute/emulation.py)."""
     keep_freed_memory()
     torch.set_num_threads(threads)
     model = build_model(work, seed=seed)
-    by_batch = node_times_by_batch(model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed,
-                                   statistic=statistic, clock=clock)
+    by_batch = node_times_by_batch(
+        model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed, statistic=statistic, clock=clock
+    )
     times: dict[str, dict[str, dict[str, list]]] = {}
     for b, node_times in by_batch.items():
         for node, phases in node_times.items():
@@ -258,8 +291,12 @@ def measure_profile(work: Workload, *, batch_sizes: tuple[int, ...], repeats: in
                 times.setdefault(node, {}).setdefault(device_type, {}).setdefault(phase, []).append((float(b), t))
     if graph is not None:  # keep only nodes the graph knows (and say nothing about the rest)
         times = {n: v for n, v in times.items() if n in graph.index}
-    frozen: dict[str, Any] = {n: {g: {p: tuple(sorted(pts)) for p, pts in ph.items()} for g, ph in by.items()}
-                              for n, by in times.items()}
-    return Profile(model=work.name, precision="fp32",
-                   graph_fingerprint=graph.fingerprint() if graph is not None else "", times=frozen)
-
+    frozen: dict[str, Any] = {
+        n: {g: {p: tuple(sorted(pts)) for p, pts in ph.items()} for g, ph in by.items()} for n, by in times.items()
+    }
+    return Profile(
+        model=work.name,
+        precision="fp32",
+        graph_fingerprint=graph.fingerprint() if graph is not None else "",
+        times=frozen,
+    )

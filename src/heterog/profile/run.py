@@ -19,6 +19,7 @@ def device_type_of(dev: torch.device) -> tuple[str, str]:
     if dev.type != "cuda":
         return "cpu", platform.processor() or platform.machine()
     from heterog.hardware.catalog import gpu_from_device_name
+
     props = torch.cuda.get_device_properties(dev)
     return gpu_from_device_name(props.name, props.total_memory).name, props.name
 
@@ -44,12 +45,20 @@ def precision_context(precision: str, dev: torch.device):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def measure_steps(model: str, model_args: dict[str, Any] | None, batch_sizes: tuple[int, ...],
-                  seq_len: int | None, precision: str, optimizer: str, dev: torch.device) -> list[dict]:
+def measure_steps(
+    model: str,
+    model_args: dict[str, Any] | None,
+    batch_sizes: tuple[int, ...],
+    seq_len: int | None,
+    precision: str,
+    optimizer: str,
+    dev: torch.device,
+) -> list[dict]:
     """Whole training steps (zero_grad, forward, loss, backward, optimizer step) per batch size:
     median time, and on a GPU the peak allocated memory."""
     from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload
     from heterog.ir.plan import ModelSpec
+
     work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
     net = build_model(work, seed=0).to(dev)
     opt = make_optimizer(list(net.parameters()), optimizer)
@@ -70,15 +79,34 @@ def measure_steps(model: str, model_args: dict[str, Any] | None, batch_sizes: tu
             torch.cuda.reset_peak_memory_stats(dev)
         t = timed_s(step, dev, repeats=3)
         peak = float(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
-        rows.append({"model": model, "batch_size": b, "seq_len": work.seq_len, "precision": precision,
-                     "optimizer": optimizer, "recompute": False, "time_s": t, "peak_bytes": peak})
+        rows.append(
+            {
+                "model": model,
+                "batch_size": b,
+                "seq_len": work.seq_len,
+                "precision": precision,
+                "optimizer": optimizer,
+                "recompute": False,
+                "time_s": t,
+                "peak_bytes": peak,
+            }
+        )
     return rows
 
 
-def profile_device(*, model: str | None = None, model_args: dict[str, Any] | None = None,
-                   batch_sizes: tuple[int, ...] = (1, 4), seq_len: int | None = None, precision: str = "fp32",
-                   optimizer: str = "sgd", device: str = "auto", quick: bool = False, comm: bool = True,
-                   say=lambda msg: None) -> DeviceProfile:
+def profile_device(
+    *,
+    model: str | None = None,
+    model_args: dict[str, Any] | None = None,
+    batch_sizes: tuple[int, ...] = (1, 4),
+    seq_len: int | None = None,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    device: str = "auto",
+    quick: bool = False,
+    comm: bool = True,
+    say=lambda msg: None,
+) -> DeviceProfile:
     """Measure the device (and, with `model`, its steps and per-node times)."""
     t0 = time.perf_counter()
     dev = pick_device(device)
@@ -101,17 +129,30 @@ def profile_device(*, model: str | None = None, model_args: dict[str, Any] | Non
             from heterog.execute.workload import resolve_workload
             from heterog.ir.plan import ModelSpec
             from heterog.profile.measure import measure_profile
+
             work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
             nodes = measure_profile(work, batch_sizes=batch_sizes, repeats=3, device_type=dtype)
-    prof = DeviceProfile(device={"type": dtype, "name": name, "torch": torch.__version__,
-                                 "host": platform.processor() or platform.machine()},
-                         gemm=tuple(gemm), copy=copy, host=host, comm=comm_doc, steps=tuple(steps), nodes=nodes,
-                         meta={"profile_time_s": time.perf_counter() - t0})
+    prof = DeviceProfile(
+        device={
+            "type": dtype,
+            "name": name,
+            "torch": torch.__version__,
+            "host": platform.processor() or platform.machine(),
+        },
+        gemm=tuple(gemm),
+        copy=copy,
+        host=host,
+        comm=comm_doc,
+        steps=tuple(steps),
+        nodes=nodes,
+        meta={"profile_time_s": time.perf_counter() - t0},
+    )
     if steps and dev.type == "cuda":
         # the node's host speed: how fast this host drives the GPU relative to the reference
         # host, from the measured steps (the small-batch ones are the host's)
         say("host speed from the measured steps")
         from heterog.cost.calibrate import fit_host_speed
         from heterog.hardware.catalog import get_gpu
+
         prof = dataclasses.replace(prof, host_speed=fit_host_speed(prof, get_gpu(dtype)))
     return prof

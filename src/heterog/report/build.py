@@ -9,9 +9,9 @@ the candidates; and, with a run, how its prediction relates to this one.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Sequence
 
 from heterog.cli.output import human_bytes, human_time
 from heterog.hardware.cluster import Cluster
@@ -20,7 +20,7 @@ from heterog.report import bottleneck, page, svg, tables
 from heterog.report.inputs import Candidate, MeasuredRun
 from heterog.simulate.result import SimResult
 
-MAX_TIMELINE_ROWS = 128   # above this many devices, the busiest MAX_TIMELINE_ROWS // 2 are drawn
+MAX_TIMELINE_ROWS = 128  # above this many devices, the busiest MAX_TIMELINE_ROWS // 2 are drawn
 COMPUTE_KINDS = ("forward", "backward", "optimizer", "compute")
 
 
@@ -37,7 +37,7 @@ def _rows_shown(inp: ReportInputs) -> tuple[list[str], str]:
     """The devices drawn (cluster order) and a note when some are left out. Above
     MAX_TIMELINE_ROWS devices, one row per node (its busiest device), so every node and every
     pipeline stage stays in view; with more nodes than that, the busiest devices."""
-    devices = [d.name for d in inp.cluster.devices]   # unused ones too: an idle row is a finding
+    devices = [d.name for d in inp.cluster.devices]  # unused ones too: an idle row is a finding
     if len(devices) <= MAX_TIMELINE_ROWS:
         return devices, ""
     idle = inp.sim.idle_time_s
@@ -46,12 +46,16 @@ def _rows_shown(inp: ReportInputs) -> tuple[list[str], str]:
         by_node.setdefault(inp.cluster.node_of[d], []).append(d)
     if len(by_node) <= MAX_TIMELINE_ROWS:
         keep = [min(ds, key=lambda d: (idle.get(d, float("inf")), d)) for ds in by_node.values()]
-        return keep, (f"one row per node ({len(by_node)} nodes, {len(devices)} devices): each node's busiest "
-                      f"device (least idle time)")
+        return keep, (
+            f"one row per node ({len(by_node)} nodes, {len(devices)} devices): each node's busiest "
+            f"device (least idle time)"
+        )
     busy = [d for d in devices if d in idle]
-    kept = set(sorted(busy, key=lambda d: idle[d])[:MAX_TIMELINE_ROWS // 2])
-    return ([d for d in devices if d in kept],
-            f"showing the {len(kept)} busiest of {len(devices)} devices (least idle time)")
+    kept = set(sorted(busy, key=lambda d: idle[d])[: MAX_TIMELINE_ROWS // 2])
+    return (
+        [d for d in devices if d in kept],
+        f"showing the {len(kept)} busiest of {len(devices)} devices (least idle time)",
+    )
 
 
 def _sim_rows(inp: ReportInputs, devices: Sequence[str]) -> list[svg.Row]:
@@ -63,8 +67,10 @@ def _sim_rows(inp: ReportInputs, devices: Sequence[str]) -> list[svg.Row]:
     rows = []
     for d in devices:
         gpu = inp.cluster.device(d).gpu_type
-        note = (f"{gpu}; compute {human_time(inp.sim.compute_time_s.get(d))}, communication "
-                f"{human_time(inp.sim.communication_time_s.get(d))}, idle {human_time(inp.sim.idle_time_s.get(d))}")
+        note = (
+            f"{gpu}; compute {human_time(inp.sim.compute_time_s.get(d))}, communication "
+            f"{human_time(inp.sim.communication_time_s.get(d))}, idle {human_time(inp.sim.idle_time_s.get(d))}"
+        )
         rows.append(svg.Row(device=d, label=d if d in used else f"{d} (unused)", bars=tuple(bars[d]), note=note))
     return rows
 
@@ -73,8 +79,7 @@ def _measured_rows(run: MeasuredRun, devices: Sequence[str]) -> tuple[list[svg.R
     """The rows of the run's median step (the first step is warm-up when there are others)."""
     steps = sorted({s.step for s in run.spans})
     timed = [s for s in steps if s > 0] or steps
-    length = {k: max(s.end_s - s.start_s for s in run.spans if s.step == k and s.category == "step")
-              for k in timed}
+    length = {k: max(s.end_s - s.start_s for s in run.spans if s.step == k and s.category == "step") for k in timed}
     median = statistics.median_low(sorted(length.values()))
     step = next(k for k in timed if length[k] == median)
     spans = [s for s in run.spans if s.step == step]
@@ -83,29 +88,46 @@ def _measured_rows(run: MeasuredRun, devices: Sequence[str]) -> tuple[list[svg.R
     bars: dict[str, list[svg.Bar]] = {d: [] for d in devices}
     for s in spans:
         if s.category != "step" and s.device in bars:
-            bars[s.device].append(svg.Bar(kind=s.category, start_s=s.start_s - t0, end_s=s.end_s - t0,
-                                          lane=0 if s.category in COMPUTE_KINDS else 1))
+            bars[s.device].append(
+                svg.Bar(
+                    kind=s.category,
+                    start_s=s.start_s - t0,
+                    end_s=s.end_s - t0,
+                    lane=0 if s.category in COMPUTE_KINDS else 1,
+                )
+            )
     ran = {s.device for s in spans}
-    return ([svg.Row(device=d, label=d if d in ran else f"{d} (no rank)", bars=tuple(bars[d])) for d in devices],
-            t1 - t0, step)
+    return (
+        [svg.Row(device=d, label=d if d in ran else f"{d} (no rank)", bars=tuple(bars[d])) for d in devices],
+        t1 - t0,
+        step,
+    )
 
 
 def _summary(inp: ReportInputs) -> str:
     p, s = inp.plan, inp.sim
     model = p.model.name + (f", seq_len {p.model.seq_len}" if p.model.seq_len else "")
-    fits = ("fits in memory" if s.feasible else
-            f'<b class="bad">does not fit: {escape(str(s.overflow_device))} needs '
-            f'{human_bytes(s.overflow_bytes)} more</b>')
-    kpis = [("iteration (simulated)", human_time(s.iteration_time_s)),
-            ("throughput", f"{s.throughput_samples_per_s:,.1f} samples/s"),
-            ("devices used", f"{len(p.devices())} of {len(inp.cluster.devices)}"),
-            ("groups", str(len(p.groups))), ("micro-batches", f"{p.num_microbatches} ({p.schedule})")]
+    fits = (
+        "fits in memory"
+        if s.feasible
+        else f'<b class="bad">does not fit: {escape(str(s.overflow_device))} needs '
+        f"{human_bytes(s.overflow_bytes)} more</b>"
+    )
+    kpis = [
+        ("iteration (simulated)", human_time(s.iteration_time_s)),
+        ("throughput", f"{s.throughput_samples_per_s:,.1f} samples/s"),
+        ("devices used", f"{len(p.devices())} of {len(inp.cluster.devices)}"),
+        ("groups", str(len(p.groups))),
+        ("micro-batches", f"{p.num_microbatches} ({p.schedule})"),
+    ]
     k = "".join(f"<div>{escape(a)}<b>{escape(b)}</b></div>" for a, b in kpis)
     fits += _recorded_prediction(p, s)
     notes = "".join(f"<li>{escape(n)}</li>" for n in p.notes)
-    return (f"<h1>{escape(p.strategy)} plan: {escape(model)}, batch {p.batch_size}, on {escape(inp.cluster.name)}</h1>"
-            f'<p class="muted">{escape(p.precision)}, {escape(p.optimizer)}; {fits}.</p><div class="kpis">{k}</div>'
-            + (f"<details><summary>why this plan (planner's notes)</summary><ul>{notes}</ul></details>" if notes else ""))
+    return (
+        f"<h1>{escape(p.strategy)} plan: {escape(model)}, batch {p.batch_size}, on {escape(inp.cluster.name)}</h1>"
+        f'<p class="muted">{escape(p.precision)}, {escape(p.optimizer)}; {fits}.</p><div class="kpis">{k}</div>'
+        + (f"<details><summary>why this plan (planner's notes)</summary><ul>{notes}</ul></details>" if notes else "")
+    )
 
 
 def _recorded_prediction(plan: Plan, sim: SimResult) -> str:
@@ -114,24 +136,35 @@ def _recorded_prediction(plan: Plan, sim: SimResult) -> str:
     rec = plan.predicted_iteration_time_s
     if rec is None or sim.iteration_time_s <= 0 or abs(rec - sim.iteration_time_s) <= 0.01 * sim.iteration_time_s:
         return ""
-    return (f'. <b class="bad">The plan file records {human_time(rec)} (the planner\'s prediction); this '
-            f"simulation gives {human_time(sim.iteration_time_s)}: the cost model, GPU catalog or cluster spec "
-            f"differ from when it was planned, so the candidates table (planner's figures) and this page's "
-            f"timelines (today's) do not agree; re-plan to compare like with like</b>")
+    return (
+        f'. <b class="bad">The plan file records {human_time(rec)} (the planner\'s prediction); this '
+        f"simulation gives {human_time(sim.iteration_time_s)}: the cost model, GPU catalog or cluster spec "
+        f"differ from when it was planned, so the candidates table (planner's figures) and this page's "
+        f"timelines (today's) do not agree; re-plan to compare like with like</b>"
+    )
 
 
 def _timelines(inp: ReportInputs) -> str:
     devices, cut = _rows_shown(inp)
     width = 1140 if inp.run is None or not inp.run.spans else 570
-    sim_svg = svg.timeline_svg(_sim_rows(inp, devices), inp.sim.iteration_time_s, width_px=width,
-                               title="simulated iteration per device", css_id="timeline-sim")
-    parts = [f'<div><h3>simulated: {human_time(inp.sim.iteration_time_s)}</h3>{sim_svg}</div>']
+    sim_svg = svg.timeline_svg(
+        _sim_rows(inp, devices),
+        inp.sim.iteration_time_s,
+        width_px=width,
+        title="simulated iteration per device",
+        css_id="timeline-sim",
+    )
+    parts = [f"<div><h3>simulated: {human_time(inp.sim.iteration_time_s)}</h3>{sim_svg}</div>"]
     if inp.run is not None and inp.run.spans:
         rows, length, step = _measured_rows(inp.run, devices)
-        parts.append(f'<div><h3>measured: step {step}, {human_time(length)}</h3>'
-                     f'{svg.timeline_svg(rows, length, width_px=width, title="measured step per device", css_id="timeline-run")}</div>')
-    head = ("<p class=muted>Each row is one device: compute in the upper lane, communication in the lower "
-            "lane, gaps are idle." + (f" {escape(cut)}." if cut else "") + "</p>")
+        parts.append(
+            f"<div><h3>measured: step {step}, {human_time(length)}</h3>"
+            f"{svg.timeline_svg(rows, length, width_px=width, title='measured step per device', css_id='timeline-run')}</div>"
+        )
+    head = (
+        "<p class=muted>Each row is one device: compute in the upper lane, communication in the lower "
+        "lane, gaps are idle." + (f" {escape(cut)}." if cut else "") + "</p>"
+    )
     return f'<h2>Timeline of one iteration</h2>{head}{page.legend(len(parts) > 1)}<div class="side scroll">{"".join(parts)}</div>'
 
 
@@ -141,36 +174,68 @@ def _memory(inp: ReportInputs) -> str:
     for d in devices:
         peak = inp.sim.peak_memory_bytes.get(d, 0)
         cap = inp.sim.memory_capacity_bytes.get(d) or inp.cluster.memory_bytes(d)
-        text = (f"{human_bytes(peak)} / {human_bytes(cap)} ({100 * peak / max(cap, 1):.0f} %)"
-                if d in inp.sim.peak_memory_bytes else f"unused / {human_bytes(cap)}")
-        rows.append(svg.MemoryRow(device=d, label=d, points=tuple(inp.sim.memory_timeline.get(d, ())),
-                                  peak_bytes=peak, capacity_bytes=cap, text=text))
-    missing = "" if inp.sim.memory_timeline else (" The simulator gave no memory timeline for this plan, so the "
-                                                  "rows show nothing over time; the figures are the peaks.")
+        text = (
+            f"{human_bytes(peak)} / {human_bytes(cap)} ({100 * peak / max(cap, 1):.0f} %)"
+            if d in inp.sim.peak_memory_bytes
+            else f"unused / {human_bytes(cap)}"
+        )
+        rows.append(
+            svg.MemoryRow(
+                device=d,
+                label=d,
+                points=tuple(inp.sim.memory_timeline.get(d, ())),
+                peak_bytes=peak,
+                capacity_bytes=cap,
+                text=text,
+            )
+        )
+    missing = (
+        ""
+        if inp.sim.memory_timeline
+        else (
+            " The simulator gave no memory timeline for this plan, so the "
+            "rows show nothing over time; the figures are the peaks."
+        )
+    )
     scale = human_bytes(svg.memory_scale_bytes(rows))
-    return (f"<h2>Memory over the iteration</h2><p class=muted>Memory in use per device, every row on one scale "
-            f"(0 to {scale}); a dashed line marks a device's capacity where it lies within that scale. On the "
-            f"right: peak / capacity.{escape(missing)}</p>"
-            f'<div class="scroll">{svg.memory_svg(rows, inp.sim.iteration_time_s, width_px=1140)}</div>')
+    return (
+        f"<h2>Memory over the iteration</h2><p class=muted>Memory in use per device, every row on one scale "
+        f"(0 to {scale}); a dashed line marks a device's capacity where it lies within that scale. On the "
+        f"right: peak / capacity.{escape(missing)}</p>"
+        f'<div class="scroll">{svg.memory_svg(rows, inp.sim.iteration_time_s, width_px=1140)}</div>'
+    )
 
 
 def _prediction(inp: ReportInputs) -> str:
     run = inp.run
     if run is None:
         return ""
-    other = (f"{human_time(run.predicted_iteration_time_s)} ({escape(run.prediction_source)})"
-             if run.predicted_iteration_time_s is not None else "none")
+    other = (
+        f"{human_time(run.predicted_iteration_time_s)} ({escape(run.prediction_source)})"
+        if run.predicted_iteration_time_s is not None
+        else "none"
+    )
     lines = "".join(f"<li>{escape(n)}</li>" for n in run.notes)
-    steps = "".join(f'<tr><td class="num">{x["step"]}</td><td class="num">{x["loss"]:.4f}</td>'
-                    f'<td class="num">{human_time(x["step_time_s"])}</td><td>{escape(x["slowest_device"])}</td></tr>'
-                    for x in run.step_lines)
-    table = (f'<table><thead><tr><th>step</th><th>loss</th><th>step time</th><th>slowest rank</th></tr></thead>'
-             f"<tbody>{steps}</tbody></table>") if steps else ""
-    return (f"<h2>Measured run</h2><p>median iteration measured {human_time(run.measured_iteration_time_s)} "
-            f"over {run.steps} steps; the run's own prediction: {other}; this report's simulation: "
-            f"{human_time(inp.sim.iteration_time_s)}. The run predicts on the cluster as its ranks see it "
-            f"(an emulated CPU device is re-measured at one thread per rank), so the two differ when the plan was "
-            f"made with another CPU probe or a measured profile.</p><ul>{lines}</ul>{table}")
+    steps = "".join(
+        f'<tr><td class="num">{x["step"]}</td><td class="num">{x["loss"]:.4f}</td>'
+        f'<td class="num">{human_time(x["step_time_s"])}</td><td>{escape(x["slowest_device"])}</td></tr>'
+        for x in run.step_lines
+    )
+    table = (
+        (
+            f"<table><thead><tr><th>step</th><th>loss</th><th>step time</th><th>slowest rank</th></tr></thead>"
+            f"<tbody>{steps}</tbody></table>"
+        )
+        if steps
+        else ""
+    )
+    return (
+        f"<h2>Measured run</h2><p>median iteration measured {human_time(run.measured_iteration_time_s)} "
+        f"over {run.steps} steps; the run's own prediction: {other}; this report's simulation: "
+        f"{human_time(inp.sim.iteration_time_s)}. The run predicts on the cluster as its ranks see it "
+        f"(an emulated CPU device is re-measured at one thread per rank), so the two differ when the plan was "
+        f"made with another CPU probe or a measured profile.</p><ul>{lines}</ul>{table}"
+    )
 
 
 def build_report(inp: ReportInputs) -> str:
@@ -179,13 +244,23 @@ def build_report(inp: ReportInputs) -> str:
     finds = "".join(f"<li><b>{escape(f.title)}</b>: {escape(f.text)}</li>" for f in bottleneck.findings(inp.sim, used))
     node_of = inp.cluster.node_of
     devices = [d.name for d in inp.cluster.devices if d.name in set(used)]
-    cands = (tables.candidates_table(inp.candidates, inp.plan.strategy) if inp.candidates else
-             "<p class=muted>This file holds only the plan. For the table of every baseline, pass the output of "
-             "<code>heterog plan --json</code> or use <code>heterog plan --report FILE</code>.</p>")
-    body = (_summary(inp) + f'<h2>Bottleneck</h2><ul class="find">{finds}</ul>' + _timelines(inp) + _memory(inp)
-            + "<h2>Placement</h2><div class=scroll>"
-            + tables.placement_table(inp.plan, devices, {d: d for d in devices}, node_of)
-            + "</div><h2>Candidates</h2>" + cands + _prediction(inp)
-            + '<p class="muted">Made by <code>heterog report</code>; self-contained: no scripts, fonts or '
-              "network requests.</p>")
+    cands = (
+        tables.candidates_table(inp.candidates, inp.plan.strategy)
+        if inp.candidates
+        else "<p class=muted>This file holds only the plan. For the table of every baseline, pass the output of "
+        "<code>heterog plan --json</code> or use <code>heterog plan --report FILE</code>.</p>"
+    )
+    body = (
+        _summary(inp)
+        + f'<h2>Bottleneck</h2><ul class="find">{finds}</ul>'
+        + _timelines(inp)
+        + _memory(inp)
+        + "<h2>Placement</h2><div class=scroll>"
+        + tables.placement_table(inp.plan, devices, {d: d for d in devices}, node_of)
+        + "</div><h2>Candidates</h2>"
+        + cands
+        + _prediction(inp)
+        + '<p class="muted">Made by <code>heterog report</code>; self-contained: no scripts, fonts or '
+        "network requests.</p>"
+    )
     return page.page(f"heterog report: {inp.plan.strategy} {inp.plan.model.name} on {inp.cluster.name}", body)

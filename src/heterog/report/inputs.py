@@ -21,6 +21,7 @@ from heterog.ir.plan import Plan
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
     """One row of the planner's candidates table (search/planner.py Candidate.to_dict)."""
+
     strategy: str
     iteration_time_s: float | None
     feasible: bool
@@ -36,6 +37,7 @@ class Candidate:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredSpan:
     """A span that a rank measured (execute/trace.py), times relative to the run's start."""
+
     device: str
     rank: int
     step: int
@@ -48,6 +50,7 @@ class MeasuredSpan:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredRun:
     """What the report shows of a run: its median iteration, its steps and its spans."""
+
     measured_iteration_time_s: float
     predicted_iteration_time_s: float | None
     prediction_source: str
@@ -60,6 +63,7 @@ class MeasuredRun:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanFile:
     """A plan, with the candidates table when the file came from `heterog plan --json`."""
+
     plan: Plan
     candidates: tuple[Candidate, ...] = field(default=())
     search_time_s: float | None = None
@@ -80,21 +84,27 @@ def load_plan_file(path: Path) -> PlanFile:
     doc = _read_json(path, "plan file from `heterog plan --out` or the output of `heterog plan --json`")
     if isinstance(doc, dict) and "best" in doc and "candidates" in doc:
         cands = tuple(candidate_from_dict(c, f"{path}: candidates[{i}]") for i, c in enumerate(doc["candidates"]))
-        return PlanFile(plan=Plan.from_dict(doc["best"], f"{path}: best"), candidates=cands,
-                        search_time_s=doc.get("search_time_s"))
+        return PlanFile(
+            plan=Plan.from_dict(doc["best"], f"{path}: best"), candidates=cands, search_time_s=doc.get("search_time_s")
+        )
     if isinstance(doc, dict) and doc.get("kind") == PLAN_KIND:
         return PlanFile(plan=Plan.load(path))
-    raise ArtifactError(f"{path}: neither a plan (kind {PLAN_KIND!r}) nor `heterog plan --json` output "
-                        f"(keys 'best' and 'candidates'); write one with `heterog plan ... --out plan.json`.")
+    raise ArtifactError(
+        f"{path}: neither a plan (kind {PLAN_KIND!r}) nor `heterog plan --json` output "
+        f"(keys 'best' and 'candidates'); write one with `heterog plan ... --out plan.json`."
+    )
 
 
 def candidate_from_dict(doc: dict[str, Any], where: str) -> Candidate:
     try:
-        return Candidate(strategy=str(doc["strategy"]), iteration_time_s=doc.get("iteration_time_s"),
-                         feasible=bool(doc["feasible"]),
-                         peak_memory_bytes={k: int(v) for k, v in doc.get("peak_memory_bytes", {}).items()},
-                         devices_used=int(doc.get("devices_used", 0)),
-                         num_microbatches=int(doc.get("num_microbatches", 1)))
+        return Candidate(
+            strategy=str(doc["strategy"]),
+            iteration_time_s=doc.get("iteration_time_s"),
+            feasible=bool(doc["feasible"]),
+            peak_memory_bytes={k: int(v) for k, v in doc.get("peak_memory_bytes", {}).items()},
+            devices_used=int(doc.get("devices_used", 0)),
+            num_microbatches=int(doc.get("num_microbatches", 1)),
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{where}: not a candidate of `heterog plan --json` ({e!r}).") from None
 
@@ -103,15 +113,30 @@ def load_run(path: Path) -> MeasuredRun:
     """The JSON that `heterog run --json` prints (or writes with --out)."""
     doc = _read_json(path, "output of `heterog run PLAN --json` (or its --out file)")
     if not isinstance(doc, dict) or "measured_iteration_time_s" not in doc:
-        raise ArtifactError(f"{path}: has no 'measured_iteration_time_s', so it is not the output of "
-                            f"`heterog run PLAN --json`; write one with `heterog run plan.json --out run.json`.")
+        raise ArtifactError(
+            f"{path}: has no 'measured_iteration_time_s', so it is not the output of "
+            f"`heterog run PLAN --json`; write one with `heterog run plan.json --out run.json`."
+        )
     raw = doc.get("spans", [])
     t0 = min((s["start_s"] for s in raw), default=0.0)
-    spans = tuple(MeasuredSpan(device=s["device"], rank=int(s["rank"]), step=int(s["step"]), name=s["name"],
-                               category=s["category"], start_s=s["start_s"] - t0, end_s=s["end_s"] - t0)
-                  for s in raw)
-    return MeasuredRun(measured_iteration_time_s=float(doc["measured_iteration_time_s"]),
-                       predicted_iteration_time_s=doc.get("predicted_iteration_time_s"),
-                       prediction_source=str(doc.get("prediction_source", "")), steps=int(doc.get("steps", 0)),
-                       step_lines=tuple(doc.get("step_lines", ())), spans=spans,
-                       notes=tuple(doc.get("notes", ())))
+    spans = tuple(
+        MeasuredSpan(
+            device=s["device"],
+            rank=int(s["rank"]),
+            step=int(s["step"]),
+            name=s["name"],
+            category=s["category"],
+            start_s=s["start_s"] - t0,
+            end_s=s["end_s"] - t0,
+        )
+        for s in raw
+    )
+    return MeasuredRun(
+        measured_iteration_time_s=float(doc["measured_iteration_time_s"]),
+        predicted_iteration_time_s=doc.get("predicted_iteration_time_s"),
+        prediction_source=str(doc.get("prediction_source", "")),
+        steps=int(doc.get("steps", 0)),
+        step_lines=tuple(doc.get("step_lines", ())),
+        spans=spans,
+        notes=tuple(doc.get("notes", ())),
+    )

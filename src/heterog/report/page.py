@@ -37,20 +37,31 @@ margin-right:4px;vertical-align:-1px}
 ul.find li{margin:4px 0}
 """
 
-LEGEND_KINDS = (("forward", "forward"), ("backward", "backward"), ("optimizer", "optimizer"),
-                ("compute", "forward + backward (measured)"), ("sync", "gradient sync"),
-                ("transfer", "transfers (lower lane)"))
+LEGEND_KINDS = (
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("optimizer", "optimizer"),
+    ("compute", "forward + backward (measured)"),
+    ("sync", "gradient sync"),
+    ("transfer", "transfers (lower lane)"),
+)
 
 
 def legend(measured: bool) -> str:
-    items = "".join(f'<span><i style="background:var(--{k})"></i>{label}</span>' for k, label in LEGEND_KINDS
-                    if measured or k != "compute")
+    items = "".join(
+        f'<span><i style="background:var(--{k})"></i>{label}</span>'
+        for k, label in LEGEND_KINDS
+        if measured or k != "compute"
+    )
     return f'<p class="legend">{items}<span>gaps: idle</span></p>'
 
 
 def page(title: str, body: str) -> str:
     from html import escape
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta name="viewport" content="width=device-width,initial-scale=1">'
-            f'<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; style-src \'unsafe-inline\'; '
-            f'img-src data:"><title>{escape(title)}</title><style>{CSS}</style></head><body>{body}</body></html>')
+
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+        f'img-src data:"><title>{escape(title)}</title><style>{CSS}</style></head><body>{body}</body></html>'
+    )

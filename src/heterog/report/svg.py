@@ -11,9 +11,9 @@ the bars per row by the width in pixels and keeps the file small.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Iterable, Sequence
 
 from heterog.cli.output import time_unit
 
@@ -25,10 +25,10 @@ MEM_ROW_MAX_PX = 34
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Bar:
-    kind: str                      # a CSS class suffix: forward, backward, sync, …
+    kind: str  # a CSS class suffix: forward, backward, sync, …
     start_s: float
     end_s: float
-    lane: int = 0                  # 0: compute lane (tall), 1: communication lane (thin)
+    lane: int = 0  # 0: compute lane (tall), 1: communication lane (thin)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,7 +36,7 @@ class Row:
     device: str
     label: str
     bars: tuple[Bar, ...]
-    note: str = ""                 # tooltip of the label (busy / idle times)
+    note: str = ""  # tooltip of the label (busy / idle times)
 
 
 def merge_intervals(bars: Iterable[Bar], tolerance_s: float) -> list[Bar]:
@@ -61,6 +61,7 @@ def _nice_step(span: float, ticks: int = 6) -> float:
     if raw <= 0:
         return 1.0
     from math import floor, log10
+
     mag = 10 ** floor(log10(raw))
     for m in (1, 2, 2.5, 5, 10):
         if raw <= m * mag:
@@ -75,29 +76,34 @@ def _fmt_time(t: float) -> str:
     return f"{t * factor:g} {unit}"
 
 
-def timeline_svg(rows: Sequence[Row], duration_s: float, *, width_px: int, title: str,
-                 css_id: str) -> str:
+def timeline_svg(rows: Sequence[Row], duration_s: float, *, width_px: int, title: str, css_id: str) -> str:
     """One row per device: compute bars in the upper lane, communication in the lower, the
     gaps are idle. A time axis on top."""
-    plot = width_px - LABEL_PX - 28   # room for the last tick's label
+    plot = width_px - LABEL_PX - 28  # room for the last tick's label
     scale = plot / duration_s if duration_s > 0 else 0.0
     tol = duration_s / (2 * plot) if plot > 0 else 0.0
     h = AXIS_PX + ROW_PX * len(rows) + 4
-    out = [f'<svg id="{css_id}" class="timeline" role="img" width="{width_px}" height="{h}" '
-           f'viewBox="0 0 {width_px} {h}" xmlns="http://www.w3.org/2000/svg"><title>{escape(title)}</title>']
+    out = [
+        f'<svg id="{css_id}" class="timeline" role="img" width="{width_px}" height="{h}" '
+        f'viewBox="0 0 {width_px} {h}" xmlns="http://www.w3.org/2000/svg"><title>{escape(title)}</title>'
+    ]
     step = _nice_step(duration_s)
     t = 0.0
     while t <= duration_s * 1.0001 and step > 0:
         x = LABEL_PX + t * scale
-        out.append(f'<line class="grid" x1="{x:.1f}" y1="{AXIS_PX - 4}" x2="{x:.1f}" y2="{h - 2}"/>'
-                   f'<text class="tick" x="{x:.1f}" y="{AXIS_PX - 8}">{_fmt_time(round(t, 12))}</text>')
+        out.append(
+            f'<line class="grid" x1="{x:.1f}" y1="{AXIS_PX - 4}" x2="{x:.1f}" y2="{h - 2}"/>'
+            f'<text class="tick" x="{x:.1f}" y="{AXIS_PX - 8}">{_fmt_time(round(t, 12))}</text>'
+        )
         t += step
     for i, row in enumerate(rows):
         y = AXIS_PX + i * ROW_PX
-        out.append(f'<g class="device-row" data-device="{escape(row.device)}">'
-                   f'<rect class="lane-bg" x="{LABEL_PX}" y="{y + 2}" width="{plot}" height="{ROW_PX - 4}"/>'
-                   f'<text class="label" x="{LABEL_PX - 6}" y="{y + ROW_PX / 2 + 4}">{escape(row.label)}'
-                   f'<title>{escape(row.device + (": " + row.note if row.note else ""))}</title></text>')
+        out.append(
+            f'<g class="device-row" data-device="{escape(row.device)}">'
+            f'<rect class="lane-bg" x="{LABEL_PX}" y="{y + 2}" width="{plot}" height="{ROW_PX - 4}"/>'
+            f'<text class="label" x="{LABEL_PX - 6}" y="{y + ROW_PX / 2 + 4}">{escape(row.label)}'
+            f"<title>{escape(row.device + (': ' + row.note if row.note else ''))}</title></text>"
+        )
         for b in merge_intervals(row.bars, tol):
             x = LABEL_PX + b.start_s * scale
             w = max((b.end_s - b.start_s) * scale, 0.6)
@@ -125,10 +131,10 @@ def downsample_peaks(points: Sequence[tuple[float, float]], duration_s: float, b
 class MemoryRow:
     device: str
     label: str
-    points: tuple[tuple[float, float], ...]   # (time_s, bytes) steps over the iteration
+    points: tuple[tuple[float, float], ...]  # (time_s, bytes) steps over the iteration
     peak_bytes: int
     capacity_bytes: int
-    text: str                                  # e.g. "12.3 / 16.0 GiB (77 %)"
+    text: str  # e.g. "12.3 / 16.0 GiB (77 %)"
 
 
 def memory_scale_bytes(rows: Sequence[MemoryRow]) -> float:
@@ -148,9 +154,11 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
     full = memory_scale_bytes(rows)
     MEM_ROW_PX = MEM_ROW_MAX_PX if len(rows) <= 16 else ROW_PX  # noqa: N806 - 64 rows stay on a screen or two
     h = MEM_ROW_PX * len(rows) + 4
-    out = [f'<svg id="memory" class="memory" role="img" width="{width_px}" height="{h}" '
-           f'viewBox="0 0 {width_px} {h}" xmlns="http://www.w3.org/2000/svg">'
-           f'<title>memory in use over one iteration, per device, against its capacity</title>']
+    out = [
+        f'<svg id="memory" class="memory" role="img" width="{width_px}" height="{h}" '
+        f'viewBox="0 0 {width_px} {h}" xmlns="http://www.w3.org/2000/svg">'
+        f"<title>memory in use over one iteration, per device, against its capacity</title>"
+    ]
     for i, r in enumerate(rows):
         y0 = 2 + i * MEM_ROW_PX
         top, base = y0 + 2, y0 + MEM_ROW_PX - 3
@@ -158,6 +166,7 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
 
         def ypos(b: float) -> float:
             return base - (base - top) * b / full
+
         pts = downsample_peaks(r.points, duration_s, max(plot, 1))
         path = [f"M{LABEL_PX},{base}"]
         last_y = base
@@ -166,14 +175,20 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
             path.append(f"L{x:.1f},{last_y:.1f}L{x:.1f},{ypos(b):.1f}")
             last_y = ypos(b)
         path.append(f"L{LABEL_PX + plot},{last_y:.1f}L{LABEL_PX + plot},{base}Z")
-        cap_line = (f'<line class="cap" x1="{LABEL_PX}" y1="{ypos(r.capacity_bytes):.1f}" x2="{LABEL_PX + plot}" '
-                    f'y2="{ypos(r.capacity_bytes):.1f}"/>' if r.capacity_bytes <= full else "")
-        out.append(f'<g class="memory-row" data-device="{escape(r.device)}">'
-                   f'<rect class="lane-bg" x="{LABEL_PX}" y="{top}" width="{plot}" height="{base - top}"/>'
-                   f'<path class="{"mem-over" if over else "mem"}" d="{"".join(path)}"/>'
-                   f'{cap_line}'
-                   f'<text class="label" x="{LABEL_PX - 6}" y="{y0 + MEM_ROW_PX / 2 + 3}">{escape(r.label)}</text>'
-                   f'<text class="memtext{" bad" if over else ""}" x="{LABEL_PX + plot + 8}" '
-                   f'y="{y0 + MEM_ROW_PX / 2 + 3}">{escape(r.text)}</text></g>')
+        cap_line = (
+            f'<line class="cap" x1="{LABEL_PX}" y1="{ypos(r.capacity_bytes):.1f}" x2="{LABEL_PX + plot}" '
+            f'y2="{ypos(r.capacity_bytes):.1f}"/>'
+            if r.capacity_bytes <= full
+            else ""
+        )
+        out.append(
+            f'<g class="memory-row" data-device="{escape(r.device)}">'
+            f'<rect class="lane-bg" x="{LABEL_PX}" y="{top}" width="{plot}" height="{base - top}"/>'
+            f'<path class="{"mem-over" if over else "mem"}" d="{"".join(path)}"/>'
+            f"{cap_line}"
+            f'<text class="label" x="{LABEL_PX - 6}" y="{y0 + MEM_ROW_PX / 2 + 3}">{escape(r.label)}</text>'
+            f'<text class="memtext{" bad" if over else ""}" x="{LABEL_PX + plot + 8}" '
+            f'y="{y0 + MEM_ROW_PX / 2 + 3}">{escape(r.text)}</text></g>'
+        )
     out.append("</svg>")
     return "".join(out)

@@ -8,24 +8,25 @@ summed, so a 1024-device plan reads as a table of its nodes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
-from typing import Sequence
 
 from heterog.ir.plan import Plan
 from heterog.report.inputs import Candidate
 
 MAX_DEVICE_COLUMNS = 64
-TEXT_COLUMNS = 16            # up to this many columns the share is written in each cell
+TEXT_COLUMNS = 16  # up to this many columns the share is written in each cell
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Segment:
     """Groups first..last (inclusive) that share one placement."""
+
     first: int
     last: int
     nodes: int
-    shares: dict[str, float]     # device → share of each micro-batch
+    shares: dict[str, float]  # device → share of each micro-batch
     sync: str
     ps_device: str | None
     recompute: bool
@@ -37,11 +38,27 @@ def segments(plan: Plan) -> list[Segment]:
         key = ({r.device: r.share for r in g.replicas}, g.sync, g.ps_device, g.recompute)
         prev = out[-1] if out else None
         if prev is not None and (prev.shares, prev.sync, prev.ps_device, prev.recompute) == key:
-            out[-1] = Segment(first=prev.first, last=i, nodes=prev.nodes + len(g.nodes), shares=prev.shares,
-                              sync=prev.sync, ps_device=prev.ps_device, recompute=prev.recompute)
+            out[-1] = Segment(
+                first=prev.first,
+                last=i,
+                nodes=prev.nodes + len(g.nodes),
+                shares=prev.shares,
+                sync=prev.sync,
+                ps_device=prev.ps_device,
+                recompute=prev.recompute,
+            )
         else:
-            out.append(Segment(first=i, last=i, nodes=len(g.nodes), shares=key[0], sync=g.sync,
-                               ps_device=g.ps_device, recompute=g.recompute))
+            out.append(
+                Segment(
+                    first=i,
+                    last=i,
+                    nodes=len(g.nodes),
+                    shares=key[0],
+                    sync=g.sync,
+                    ps_device=g.ps_device,
+                    recompute=g.recompute,
+                )
+            )
     return out
 
 
@@ -57,8 +74,10 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
     """Groups × devices (or nodes): each cell shaded by the share of the batch it computes."""
     cols, col_of, unit = _columns(devices, node_of)
     written = len(cols) <= TEXT_COLUMNS
-    head = "".join(f'<th class="dev{"" if written else " vertical"}" title="{escape(c)}">'
-                   f'{escape(labels.get(c, c))}</th>' for c in cols)
+    head = "".join(
+        f'<th class="dev{"" if written else " vertical"}" title="{escape(c)}">{escape(labels.get(c, c))}</th>'
+        for c in cols
+    )
     body = []
     for s in segments(plan):
         per_col: dict[str, float] = {}
@@ -73,18 +92,26 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
             text = f"{100 * share:.0f}" if written and share > 0 else ""
             style = f' style="--s:{min(share * 2.5, 1.0) if share else 0:.3f}"' if share else ""
             cells.append(f'<td class="share{" on" if share else ""}"{style} title="{escape(tip)}">{text}</td>')
-        body.append(f'<tr><th class="grp">{name}</th><td class="num">{s.nodes}</td>'
-                    f'<td>{escape(sync)}{" · recompute" if s.recompute else ""}</td>{"".join(cells)}</tr>')
-    note = ("cells: % of each micro-batch" if written else
-            f"cells shaded by share of each micro-batch (hover for the value); columns are {unit}s")
+        body.append(
+            f'<tr><th class="grp">{name}</th><td class="num">{s.nodes}</td>'
+            f"<td>{escape(sync)}{' · recompute' if s.recompute else ''}</td>{''.join(cells)}</tr>"
+        )
+    note = (
+        "cells: % of each micro-batch"
+        if written
+        else f"cells shaded by share of each micro-batch (hover for the value); columns are {unit}s"
+    )
     runs = f"{len(body)} run{'s' if len(body) != 1 else ''}"
-    return (f'<table class="placement"><caption>{len(plan.groups)} groups in {runs} of equal placement '
-            f'× {len(cols)} {unit}s — {note}</caption><thead><tr><th>groups</th><th>ops</th><th>sync</th>{head}'
-            f'</tr></thead><tbody>{"".join(body)}</tbody></table>')
+    return (
+        f'<table class="placement"><caption>{len(plan.groups)} groups in {runs} of equal placement '
+        f"× {len(cols)} {unit}s — {note}</caption><thead><tr><th>groups</th><th>ops</th><th>sync</th>{head}"
+        f"</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
 
 
 def _t(seconds: float | None) -> str:
     from heterog.cli.output import human_time
+
     return human_time(seconds)
 
 
@@ -92,22 +119,30 @@ def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
     """Every strategy the planner scored: time, speed-up over even data parallelism (or the
     slowest feasible candidate when that does not fit), fits, peak memory."""
     from heterog.cli.output import human_bytes
+
     feasible = [c for c in cands if c.feasible and c.iteration_time_s]
     ref = next((c for c in feasible if c.strategy == "even-dp-allreduce"), None)
     if ref is None and feasible:
         ref = max(feasible, key=lambda c: c.iteration_time_s or 0.0)
     rows = []
     for c in cands:
-        speed = (f"{ref.iteration_time_s / c.iteration_time_s:.2f}×"
-                 if ref is not None and c.feasible and c.iteration_time_s else "—")
+        speed = (
+            f"{ref.iteration_time_s / c.iteration_time_s:.2f}×"
+            if ref is not None and c.feasible and c.iteration_time_s
+            else "—"
+        )
         cls = ' class="chosen"' if c.strategy == chosen else ""
-        rows.append(f'<tr{cls}><th>{escape(c.strategy)}</th><td class="num">'
-                    f'{_t(c.iteration_time_s) if c.feasible else "—"}</td><td class="num">{speed}</td>'
-                    f'<td>{"yes" if c.feasible else "<b class=bad>no (memory)</b>"}</td>'
-                    f'<td class="num">{c.devices_used}</td><td class="num">{c.num_microbatches}</td>'
-                    f'<td class="num">{human_bytes(c.max_peak_memory_bytes)}</td></tr>')
+        rows.append(
+            f'<tr{cls}><th>{escape(c.strategy)}</th><td class="num">'
+            f'{_t(c.iteration_time_s) if c.feasible else "—"}</td><td class="num">{speed}</td>'
+            f"<td>{'yes' if c.feasible else '<b class=bad>no (memory)</b>'}</td>"
+            f'<td class="num">{c.devices_used}</td><td class="num">{c.num_microbatches}</td>'
+            f'<td class="num">{human_bytes(c.max_peak_memory_bytes)}</td></tr>'
+        )
     ref_name = ref.strategy if ref is not None else "—"
-    return (f'<table class="candidates"><caption>speed-up relative to {escape(ref_name)}; the chosen plan '
-            f'is marked</caption><thead><tr><th>strategy</th><th>iteration</th><th>speed-up</th><th>fits</th>'
-            f'<th>devices</th><th>micro-batches</th><th>max peak memory</th></tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table>')
+    return (
+        f'<table class="candidates"><caption>speed-up relative to {escape(ref_name)}; the chosen plan '
+        f"is marked</caption><thead><tr><th>strategy</th><th>iteration</th><th>speed-up</th><th>fits</th>"
+        f"<th>devices</th><th>micro-batches</th><th>max peak memory</th></tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )

@@ -14,7 +14,7 @@ infeasible when they overflow.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,7 +85,7 @@ def device_blocks(prob: Problem, k: int) -> list[list[int]]:
     """k blocks of devices, contiguous in node order (a stage stays inside nodes when it can)."""
     order = sorted(range(prob.n_devices), key=lambda i: (prob.node_of_device[i], i))
     n = len(order)
-    return [order[j * n // k:(j + 1) * n // k] for j in range(k)]
+    return [order[j * n // k : (j + 1) * n // k] for j in range(k)]
 
 
 def partition_stages(prob: Problem, blocks: list[list[int]], act_fraction: float = 1.0) -> list[tuple[int, int]] | None:
@@ -108,8 +108,8 @@ def partition_stages(prob: Problem, blocks: list[list[int]], act_fraction: float
     def stage_cost(j: int, a: int, b: int) -> float:
         devs = np.asarray(blocks[j])
         cls = prob.dev_class[devs]
-        t = pre_t[b, cls] - pre_t[a, cls]           # per-sample time of groups a..b-1 per device
-        rate = (1.0 / np.maximum(t, 1e-30)).sum()   # samples per second of the block
+        t = pre_t[b, cls] - pre_t[a, cls]  # per-sample time of groups a..b-1 per device
+        rate = (1.0 / np.maximum(t, 1e-30)).sum()  # samples per second of the block
         share = (1.0 / np.maximum(t, 1e-30)) / rate
         mem = pre_mem[b, cls] - pre_mem[a, cls] + (pre_act[b] - pre_act[a]) * share * B * act_fraction
         over = float(np.max((mem - prob.memory_bytes[devs]) / prob.memory_bytes[devs]))

@@ -37,13 +37,14 @@ EXPORT_BATCH = 2  # the batch is exported as a symbol: any small example works
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelCuts:
     """The search's view of what the executor can cut for one model."""
-    splittable: bool                        # torch.export takes the model
+
+    splittable: bool  # torch.export takes the model
     follow_consumers: frozenset[str] = frozenset()
     same_placement: frozenset[tuple[str, str]] = frozenset()
-    reason: str = ""                        # why not splittable
+    reason: str = ""  # why not splittable
 
     @classmethod
-    def unconstrained(cls) -> "ModelCuts":
+    def unconstrained(cls) -> ModelCuts:
         return cls(splittable=True)
 
 
@@ -61,12 +62,12 @@ def _key(spec: ModelSpec) -> str:
 def model_cuts(spec: ModelSpec) -> ModelCuts:
     """Export `spec`'s model once (meta device first, then CPU) and read its constraints."""
     from heterog.capture.zoo import get_zoo_model
+    from heterog.errors import ModelError
     from heterog.execute.split_export import cut_constraints
 
-    from heterog.errors import ModelError
     try:
         entry = get_zoo_model(spec.name)
-    except ModelError as e:   # e.g. a model held in memory: the executor cannot build it anyway
+    except ModelError as e:  # e.g. a model held in memory: the executor cannot build it anyway
         log.info("no cut constraints for %s: %s", spec.name, e)
         return ModelCuts.unconstrained()
     args = dict(spec.args)
@@ -80,8 +81,7 @@ def model_cuts(spec: ModelSpec) -> ModelCuts:
                 inputs, _ = entry.example_batch(EXPORT_BATCH, seq, device, **args)
             inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
             c = cut_constraints(model, inputs)
-            return ModelCuts(splittable=True, follow_consumers=c.follow_consumers,
-                             same_placement=c.same_placement)
+            return ModelCuts(splittable=True, follow_consumers=c.follow_consumers, same_placement=c.same_placement)
         except Exception as e:  # noqa: BLE001 - export raises many types for code it cannot take
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             errors.append(f"{device}: {type(e).__name__}: {first[:200]}")
@@ -97,19 +97,31 @@ def stored_model_cuts(spec: ModelSpec) -> ModelCuts:
     """model_cuts through the on-disk store of capture/cache.py: a model is exported once per
     machine, not once per command."""
     from heterog.capture.cache import load_json, model_key, store_json
+
     key = model_key("cuts", spec.name, spec.args, code=CUTS_CODE, seq_len=spec.seq_len)
     doc = load_json("cuts", key)
     if isinstance(doc, dict):
         try:
-            return ModelCuts(splittable=bool(doc["splittable"]), follow_consumers=frozenset(doc["follow_consumers"]),
-                             same_placement=frozenset(tuple(p) for p in doc["same_placement"]),
-                             reason=str(doc["reason"]))
+            return ModelCuts(
+                splittable=bool(doc["splittable"]),
+                follow_consumers=frozenset(doc["follow_consumers"]),
+                same_placement=frozenset(tuple(p) for p in doc["same_placement"]),
+                reason=str(doc["reason"]),
+            )
         except (KeyError, TypeError, ValueError):
-            pass        # damaged: export again
+            pass  # damaged: export again
     cuts = model_cuts(spec)
     if not spec.name.startswith(IN_MEMORY_PREFIX):
-        store_json("cuts", key, {"splittable": cuts.splittable, "follow_consumers": sorted(cuts.follow_consumers),
-                                 "same_placement": sorted(cuts.same_placement), "reason": cuts.reason})
+        store_json(
+            "cuts",
+            key,
+            {
+                "splittable": cuts.splittable,
+                "follow_consumers": sorted(cuts.follow_consumers),
+                "same_placement": sorted(cuts.same_placement),
+                "reason": cuts.reason,
+            },
+        )
     return cuts
 
 
@@ -151,6 +163,8 @@ def violations(cuts: ModelCuts, group_of: dict[str, int], replicas_of_group: lis
         out.append(f"the model cannot be split ({cuts.reason}), but the groups have different placements")
     for a, b in sorted(cuts.same_placement):
         if a in group_of and b in group_of and replicas_of_group[group_of[a]] != replicas_of_group[group_of[b]]:
-            out.append(f"{a!r} and {b!r} pass a value without a sample dimension (a batch statistic) "
-                       f"but are placed differently")
+            out.append(
+                f"{a!r} and {b!r} pass a value without a sample dimension (a batch statistic) "
+                f"but are placed differently"
+            )
     return out

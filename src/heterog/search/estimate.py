@@ -34,8 +34,8 @@ INFEASIBLE_PENALTY = 10.0  # score multiplier per unit of relative memory overfl
 @dataclass(frozen=True, slots=True)
 class Estimate:
     iteration_time_s: float
-    peak_memory_bytes: np.ndarray   # per device index
-    overflow: float                 # max over devices of (peak − memory) / memory, ≥ 0
+    peak_memory_bytes: np.ndarray  # per device index
+    overflow: float  # max over devices of (peak − memory) / memory, ≥ 0
 
     @property
     def feasible(self) -> bool:
@@ -47,8 +47,9 @@ class Estimate:
         return self.iteration_time_s * (1.0 + INFEASIBLE_PENALTY * (self.overflow + (self.overflow > 0)))
 
 
-def _repartition(prob: Problem, src: Placement, dst: Placement, nbytes: float
-                 ) -> tuple[float, dict[int, float], dict[int, float]]:
+def _repartition(
+    prob: Problem, src: Placement, dst: Placement, nbytes: float
+) -> tuple[float, dict[int, float], dict[int, float]]:
     """Re-partition `nbytes` from src's replicas to dst's: each destination replica receives
     the overlap of its sample interval with each source's. Returns (slowest destination's
     receive time over its own paths, bytes leaving each node, bytes entering each node)."""
@@ -56,7 +57,7 @@ def _repartition(prob: Problem, src: Placement, dst: Placement, nbytes: float
     up: dict[int, float] = {}
     down: dict[int, float] = {}
     node = prob.node_idx
-    for i, j, ov in overlaps(src.shares, dst.shares):   # the lowering's re-partition rule
+    for i, j, ov in overlaps(src.shares, dst.shares):  # the lowering's re-partition rule
         si, dj = src.devices[i], dst.devices[j]
         if ov > 1e-12 and si != dj:
             lat, per_byte = prob.pair_cost(si, dj)
@@ -81,8 +82,10 @@ class _Nics:
             return ready_s + own_s
         spb = self.prob.nic_s_per_byte
         start = max(ready_s, max((self.up[n] for n in up), default=0.0), max((self.down[n] for n in down), default=0.0))
-        busy = max(max((b * spb[n] for n, b in up.items()), default=0.0),
-                   max((b * spb[n] for n, b in down.items()), default=0.0))
+        busy = max(
+            max((b * spb[n] for n, b in up.items()), default=0.0),
+            max((b * spb[n] for n, b in down.items()), default=0.0),
+        )
         end = start + max(own_s, busy)
         for n in up:
             self.up[n] = end
@@ -102,6 +105,7 @@ def _buckets(prob: Problem, P) -> dict[int, list[int]]:
             for bucket in gradient_buckets(run, [float(prob.grad_bytes[g]) for g in run], BUCKET_BYTES):
                 closes[bucket[0]] = bucket
             run.clear()
+
     for g in range(prob.n_groups):
         if run and P[run[-1]] != P[g]:
             cut()
@@ -124,8 +128,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     for g in range(G):
         if P[g].recompute:
             t_b[g] = t_b[g] + t_f[g]
-    same_as = [[P[p].devices == P[g].devices and P[p].shares == P[g].shares for p in prob.preds[g]]
-               for g in range(G)]
+    same_as = [[P[p].devices == P[g].devices and P[p].shares == P[g].shares for p in prob.preds[g]] for g in range(G)]
     xfer_cache: dict[tuple[int, int], tuple[float, dict, dict]] = {}
 
     def xfer(a: int, b: int, nbytes_edge: tuple[int, int]) -> tuple[float, dict, dict]:
@@ -182,7 +185,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
                     own, up, down = xfer(c, g, (g, c))  # the gradient flows back c → g
                     ready = np.maximum(ready, nics.transfer(float(fin_b[c][m].max()), own, up, down))
             start = np.maximum(free[dev[g]], ready)
-            fin = start + (t_b[g] + prob.accumulate_time_s[g, cls[g]] if m else t_b[g])   # the lowering's rule
+            fin = start + (t_b[g] + prob.accumulate_time_s[g, cls[g]] if m else t_b[g])  # the lowering's rule
             free[dev[g]] = fin
             fin_b[g][m] = fin
             if m == M - 1 and g in closes:
@@ -196,7 +199,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     peak = np.zeros(prob.n_devices)
     work = np.zeros(prob.n_devices)
     inflight = np.full(prob.n_devices, float(M))  # GPipe: every micro-batch's activations are live
-    if s.schedule == "1f1b" and M > 1:      # the lowering's 1F1B window: p − s on stage s
+    if s.schedule == "1f1b" and M > 1:  # the lowering's 1F1B window: p − s on stage s
         for d, limit in stage_limits([tuple(P[g].devices) for g in range(G)]).items():
             inflight[d] = min(M, limit)
     for g in range(G):

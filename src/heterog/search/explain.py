@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,13 +26,13 @@ def _segments(plan: Plan) -> list[tuple[int, int]]:
     return out
 
 
-def _kind(prob: "Problem", device: str) -> str:
+def _kind(prob: Problem, device: str) -> str:
     """GPU type, with the slowdown of an emulated device (two 'cpu' devices may differ)."""
     d = prob.cluster.device(device)
     return d.gpu_type if d.slowdown == 1.0 else f"{d.gpu_type}/{d.slowdown:g}x-slower"
 
 
-def _simulated(prob: "Problem", plan: Plan):
+def _simulated(prob: Problem, plan: Plan):
     """The winner's simulated iteration (per-device compute and idle time), or None when the
     simulator is not available (the plan was scored by the estimate)."""
     try:
@@ -53,9 +54,11 @@ def _busy_note(plan: Plan, sim) -> str:
     if not busy:
         return ""
     top = max(busy, key=busy.get)
-    return (f"in the simulated iteration the {len(busy)} device(s) used compute {_percent_range(list(busy.values()))} "
-            f"of the time (busiest: {top} at {busy[top] * 100:.0f} %); the rest they wait for inputs, "
-            f"transfers and gradient syncs.")
+    return (
+        f"in the simulated iteration the {len(busy)} device(s) used compute {_percent_range(list(busy.values()))} "
+        f"of the time (busiest: {top} at {busy[top] * 100:.0f} %); the rest they wait for inputs, "
+        f"transfers and gradient syncs."
+    )
 
 
 def _microbatch_note(plan: Plan, segments: list[tuple[int, int]], sim) -> str:
@@ -65,20 +68,24 @@ def _microbatch_note(plan: Plan, segments: list[tuple[int, int]], sim) -> str:
     m, sched = plan.num_microbatches, plan.schedule
     if len(stages) == 1:
         if sched == "1f1b":
-            return (f"{m} micro-batches accumulate gradients (1F1B on one stage): only one micro-batch's "
-                    f"activations are live at a time, which lowers peak memory.")
+            return (
+                f"{m} micro-batches accumulate gradients (1F1B on one stage): only one micro-batch's "
+                f"activations are live at a time, which lowers peak memory."
+            )
         return f"{m} micro-batches per iteration ({sched})."
     line = f"{m} micro-batches per iteration ({sched}) over {len(stages)} stages"
     if sim is not None and sim.iteration_time_s > 0:
         per_stage = [max(sim.compute_time_s.get(d, 0.0) for d in devs) / sim.iteration_time_s for devs in stages]
-        line += (f"; each stage's busiest device computes {_percent_range(per_stage)} of the iteration, "
-                 f"the rest is pipeline fill and drain, transfers and syncs")
+        line += (
+            f"; each stage's busiest device computes {_percent_range(per_stage)} of the iteration, "
+            f"the rest is pipeline fill and drain, transfers and syncs"
+        )
     if sched == "1f1b":
         line += "; 1F1B keeps at most p − s micro-batches in flight at stage s of p, which bounds activation memory"
     return line + "."
 
 
-def _segment_note(prob: "Problem", plan: Plan, a: int, b: int, speed: np.ndarray) -> str:
+def _segment_note(prob: Problem, plan: Plan, a: int, b: int, speed: np.ndarray) -> str:
     g = plan.groups[a]
     span = f"groups g{a}–g{b - 1}" if b - a > 1 else f"group g{a}"
     if len(g.replicas) == 1:
@@ -104,27 +111,37 @@ def _segment_note(prob: "Problem", plan: Plan, a: int, b: int, speed: np.ndarray
     return line + "."
 
 
-def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"]) -> list[str]:
+def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate]) -> list[str]:
     """The plan's explanation. Every claim is computed: times and memory from the candidates'
     scores, busy fractions and pipeline fill from a simulation of the winner."""
     plan = winner.plan
     sim = _simulated(prob, plan) if winner.scored_by == "simulator" else None
-    out = [f"chose {winner.strategy!r}: {human_time(winner.iteration_time_s)} per iteration "
-           f"({'simulated' if winner.scored_by == 'simulator' else 'estimated'}), using "
-           f"{len(plan.devices())} of {prob.n_devices} devices."]
+    out = [
+        f"chose {winner.strategy!r}: {human_time(winner.iteration_time_s)} per iteration "
+        f"({'simulated' if winner.scored_by == 'simulator' else 'estimated'}), using "
+        f"{len(plan.devices())} of {prob.n_devices} devices."
+    ]
     ref = next((c for c in candidates if c.strategy == "even-dp-allreduce"), None)
     if ref is not None and ref.strategy != winner.strategy:
         if ref.feasible:
-            out.append(f"{ref.iteration_time_s / winner.iteration_time_s:.2f}× faster than even data "
-                       f"parallelism with ring all-reduce ({human_time(ref.iteration_time_s)}).")
+            out.append(
+                f"{ref.iteration_time_s / winner.iteration_time_s:.2f}× faster than even data "
+                f"parallelism with ring all-reduce ({human_time(ref.iteration_time_s)})."
+            )
         else:
-            worst = max(ref.peak_memory_bytes.items(), key=lambda kv: kv[1] / prob.cluster.memory_bytes(kv[0]),
-                        default=None)
+            worst = max(
+                ref.peak_memory_bytes.items(), key=lambda kv: kv[1] / prob.cluster.memory_bytes(kv[0]), default=None
+            )
             if worst is not None:
-                out.append(f"even data parallelism does not fit: it needs {human_bytes(worst[1])} on "
-                           f"{worst[0]}, which has {human_bytes(prob.cluster.memory_bytes(worst[0]))}.")
-    beaten = [f"{c.strategy} {human_time(c.iteration_time_s) if c.feasible else 'infeasible (memory)'}"
-              for c in candidates if c.strategy != winner.strategy]
+                out.append(
+                    f"even data parallelism does not fit: it needs {human_bytes(worst[1])} on "
+                    f"{worst[0]}, which has {human_bytes(prob.cluster.memory_bytes(worst[0]))}."
+                )
+    beaten = [
+        f"{c.strategy} {human_time(c.iteration_time_s) if c.feasible else 'infeasible (memory)'}"
+        for c in candidates
+        if c.strategy != winner.strategy
+    ]
     if beaten:
         out.append("compared: " + "; ".join(beaten) + ".")
     speed = 1.0 / prob.device_time_per_sample_s
@@ -138,16 +155,16 @@ def notes(prob: "Problem", winner: "Candidate", candidates: Sequence["Candidate"
         out.append(busy)
     if any(g.recompute for g in plan.groups):
         k = sum(g.recompute for g in plan.groups)
-        out.append(f"{k} group(s) recompute activations in backward: less activation memory for a "
-                   f"second forward pass.")
-    tight = sorted(((b / prob.cluster.memory_bytes(d), d) for d, b in plan.predicted_peak_memory_bytes.items()),
-                   reverse=True)[:1]
+        out.append(f"{k} group(s) recompute activations in backward: less activation memory for a second forward pass.")
+    tight = sorted(
+        ((b / prob.cluster.memory_bytes(d), d) for d, b in plan.predicted_peak_memory_bytes.items()), reverse=True
+    )[:1]
     for frac, d in tight:
         out.append(f"tightest memory: {d} at {frac * 100:.0f}% of {human_bytes(prob.cluster.memory_bytes(d))}.")
     return out
 
 
-def infeasible_message(prob: "Problem", candidates: Sequence["Candidate"]) -> str:
+def infeasible_message(prob: Problem, candidates: Sequence[Candidate]) -> str:
     """Name the smallest per-device memory any plan we found would need."""
     best_need, best_dev, best_name = None, None, None
     for c in candidates:
@@ -158,12 +175,18 @@ def infeasible_message(prob: "Problem", candidates: Sequence["Candidate"]) -> st
             best_need, best_dev, best_name = need, dev, c.strategy
     largest = max(prob.cluster.memory_bytes(d) for d in prob.device_names)
     total_state = float(prob.persistent_bytes[:, prob.dev_class[prob.speed_order[0]]].sum())
-    msg = (f"model {prob.graph.model!r} at batch {prob.batch_size} fits nowhere on cluster "
-           f"{prob.cluster.name!r}: no strategy tried keeps every device within its memory. ")
+    msg = (
+        f"model {prob.graph.model!r} at batch {prob.batch_size} fits nowhere on cluster "
+        f"{prob.cluster.name!r}: no strategy tried keeps every device within its memory. "
+    )
     if best_need is not None:
-        msg += (f"The smallest need found is {human_bytes(best_need)} on one device ({best_dev}, "
-                f"strategy {best_name}); the largest device here has {human_bytes(largest)}. ")
-    msg += (f"Parameters, gradients and optimizer state alone take {human_bytes(total_state)}. "
-            f"Use devices with more memory, more devices, a smaller --batch-size, "
-            f"--optimizer sgd instead of adamw, or amp-bf16 precision.")
+        msg += (
+            f"The smallest need found is {human_bytes(best_need)} on one device ({best_dev}, "
+            f"strategy {best_name}); the largest device here has {human_bytes(largest)}. "
+        )
+    msg += (
+        f"Parameters, gradients and optimizer state alone take {human_bytes(total_state)}. "
+        f"Use devices with more memory, more devices, a smaller --batch-size, "
+        f"--optimizer sgd instead of adamw, or amp-bf16 precision."
+    )
     return msg

@@ -16,8 +16,8 @@ their consumers' group.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from itertools import accumulate
-from typing import Sequence
 
 from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
@@ -91,9 +91,8 @@ def contiguous_groups(graph: OpGraph, weights: Sequence[float], max_groups: int)
     bounds = [0, *sorted(cuts), n]
     segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
     while len(segments) > max_groups:  # merge the lightest adjacent pair
-        j = min(range(len(segments) - 1),
-                key=lambda s: prefix[segments[s + 1][1]] - prefix[segments[s][0]])
-        segments[j:j + 2] = [(segments[j][0], segments[j + 1][1])]
+        j = min(range(len(segments) - 1), key=lambda s: prefix[segments[s + 1][1]] - prefix[segments[s][0]])
+        segments[j : j + 2] = [(segments[j][0], segments[j + 1][1])]
     names = [node.name for node in graph.nodes]
     return [tuple(names[a:b]) for a, b in segments]
 
@@ -108,7 +107,7 @@ def group_graph(graph: OpGraph, groups: Sequence[Sequence[str]]) -> dict[tuple[i
         if a != b:
             crossing.setdefault((a, b), []).append((e.src, e.bytes))
     out: dict[tuple[int, int], object] = {}
-    for key, edges in crossing.items():     # the lowering's rule: a tensor crosses once
+    for key, edges in crossing.items():  # the lowering's rule: a tensor crosses once
         moved = sent_once(edges, lambda b: b.fixed + b.per_sample)
         total = moved[0]
         for x in moved[1:]:
@@ -129,7 +128,7 @@ def respect_cuts(graph: OpGraph, groups: Sequence[Sequence[str]], cuts: ModelCut
     if cuts is None or not (cuts.same_placement or cuts.follow_consumers):
         return [tuple(g) for g in out]
     owner = {name: gi for gi, names in enumerate(out) for name in names}
-    glue = [False] * max(0, len(out) - 1)     # glue[k]: groups k and k+1 must stay one
+    glue = [False] * max(0, len(out) - 1)  # glue[k]: groups k and k+1 must stay one
     for a, b in cuts.same_placement:
         if a in owner and b in owner:
             lo, hi = sorted((owner[a], owner[b]))
@@ -156,8 +155,9 @@ def respect_cuts(graph: OpGraph, groups: Sequence[Sequence[str]], cuts: ModelCut
     return [tuple(sorted(g, key=index.__getitem__)) for g in merged if g]
 
 
-def make_groups(graph: OpGraph, cluster: Cluster, costs: CostModel,
-                max_groups: int = 32, cuts: ModelCuts | None = None) -> list[tuple[str, ...]]:
+def make_groups(
+    graph: OpGraph, cluster: Cluster, costs: CostModel, max_groups: int = 32, cuts: ModelCuts | None = None
+) -> list[tuple[str, ...]]:
     """The search's unit of placement: ≤ max_groups contiguous, balanced segments, adjusted
     to the executor's cut constraints when given (respect_cuts)."""
     groups = contiguous_groups(graph, node_weights_s(graph, cluster, costs), max_groups)

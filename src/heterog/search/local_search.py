@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
@@ -57,10 +57,12 @@ def _with(s: Strategy, a: int, b: int, p: Placement) -> Strategy:
     return Strategy(tuple(P), s.microbatches, s.schedule)
 
 
-def _reshaped(prob: Problem, s: Strategy, a: int, b: int, devices: Sequence[int], sync: str, ps: int | None,
-              recompute: bool) -> Strategy:
-    devs, shares = balanced_shares(prob, range(a, b), sorted(set(devices)), microbatches=s.microbatches,
-                                   recompute=recompute)
+def _reshaped(
+    prob: Problem, s: Strategy, a: int, b: int, devices: Sequence[int], sync: str, ps: int | None, recompute: bool
+) -> Strategy:
+    devs, shares = balanced_shares(
+        prob, range(a, b), sorted(set(devices)), microbatches=s.microbatches, recompute=recompute
+    )
     if len(devs) == 1:
         sync, ps = "none", None
     else:
@@ -74,9 +76,15 @@ def _reshaped(prob: Problem, s: Strategy, a: int, b: int, devices: Sequence[int]
 
 
 class Annealer:
-    def __init__(self, prob: Problem, seed: int = 0, *, elite_size: int = 8,
-                 scorer: Callable[[Problem, Strategy], Estimate] = estimate,
-                 verifier: Callable[[Problem, Strategy], Estimate] | None = None):
+    def __init__(
+        self,
+        prob: Problem,
+        seed: int = 0,
+        *,
+        elite_size: int = 8,
+        scorer: Callable[[Problem, Strategy], Estimate] = estimate,
+        verifier: Callable[[Problem, Strategy], Estimate] | None = None,
+    ):
         """scorer ranks moves; verifier (the simulator, when the scorer is the faster
         estimate) re-scores every new best, and the result is the best by the verifier."""
         self.prob = prob
@@ -84,8 +92,7 @@ class Annealer:
         self.rng = random.Random(seed)
         self.score_fn = scorer
         self.elite_size = elite_size
-        self.microbatch_choices = [m for m in (1, 2, 4, 8, 16, 32)
-                                   if prob.batch_size % m == 0]
+        self.microbatch_choices = [m for m in (1, 2, 4, 8, 16, 32) if prob.batch_size % m == 0]
         fast = prob.speed_order
         # devices drawn for single-device moves: faster ones more often (rank-weighted)
         self.device_weights = [1.0 / (1 + r) ** 0.5 for r in range(len(fast))]
@@ -101,8 +108,10 @@ class Annealer:
         segs = segments(s)
         a, b = rng.choice(segs)
         p = s.placements[a]
-        kind = rng.choices(("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare",
-                            "nudge"), weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1))[0]
+        kind = rng.choices(
+            ("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare", "nudge"),
+            weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1),
+        )[0]
         if kind == "move":
             r = rng.random()
             if r < 0.3:
@@ -167,8 +176,13 @@ class Annealer:
             keep = [k for k in range(len(shares)) if shares[k] > 1e-9]
             total = sum(shares[k] for k in keep)
             devs = tuple(p.devices[k] for k in keep)
-            new_p = Placement(devs, tuple(shares[k] / total for k in keep), p.sync if len(devs) > 1 else "none",
-                              p.ps if len(devs) > 1 and p.ps in devs else None, p.recompute)
+            new_p = Placement(
+                devs,
+                tuple(shares[k] / total for k in keep),
+                p.sync if len(devs) > 1 else "none",
+                p.ps if len(devs) > 1 and p.ps in devs else None,
+                p.recompute,
+            )
             if new_p.sync == "ps" and new_p.ps is None:
                 new_p = replace(new_p, ps=devs[0])
             return _with(s, a, b, new_p)
@@ -176,8 +190,16 @@ class Annealer:
             return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, not p.recompute)
         return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, p.recompute)
 
-    def run(self, starts: Sequence[Strategy], *, budget_s: float, max_iters: int | None = None,
-            t0: float = 0.05, cooling_iters: int = 2000, progress: Callable[[float], None] | None = None) -> SearchResult:
+    def run(
+        self,
+        starts: Sequence[Strategy],
+        *,
+        budget_s: float,
+        max_iters: int | None = None,
+        t0: float = 0.05,
+        cooling_iters: int = 2000,
+        progress: Callable[[float], None] | None = None,
+    ) -> SearchResult:
         """Anneal from the best of `starts`; restart from the elite when stuck."""
         begin = time.perf_counter()
         seen: dict[tuple, float] = {}
@@ -192,13 +214,13 @@ class Annealer:
                 if len(elite) < self.elite_size or v < elite[-1][0]:
                     elite.append((v, s))  # keys are unique: only unseen strategies get here
                     elite.sort(key=lambda e: e[0])
-                    del elite[self.elite_size:]
+                    del elite[self.elite_size :]
             return v
 
         state = {"it": 0, "best": None, "best_v": math.inf}
 
         def out_of_time(limit_it: int | None, t_end: float) -> bool:
-            return ((limit_it is not None and state["it"] >= limit_it) or time.perf_counter() >= t_end)
+            return (limit_it is not None and state["it"] >= limit_it) or time.perf_counter() >= t_end
 
         def walk(cur: Strategy, cur_v: float, limit_it: int | None, t_end: float, restarts: bool) -> None:
             """Simulated annealing from `cur` until the iteration limit or the deadline."""
@@ -259,10 +281,22 @@ class Annealer:
         if verified[1] is not None:
             best = verified[1]
             elite.insert(0, (state["best_v"], state["best"]))  # the scorer's own best stays a candidate
-        return SearchResult(best=best, best_estimate=self.score_fn(self.prob, best), iterations=it,
-                            time_s=time.perf_counter() - begin, elite=elite)
+        return SearchResult(
+            best=best,
+            best_estimate=self.score_fn(self.prob, best),
+            iterations=it,
+            time_s=time.perf_counter() - begin,
+            elite=elite,
+        )
 
 
-def anneal(prob: Problem, starts: Sequence[Strategy], *, budget_s: float, seed: int = 0,
-           max_iters: int | None = None, progress: Callable[[float], None] | None = None) -> SearchResult:
+def anneal(
+    prob: Problem,
+    starts: Sequence[Strategy],
+    *,
+    budget_s: float,
+    seed: int = 0,
+    max_iters: int | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> SearchResult:
     return Annealer(prob, seed).run(starts, budget_s=budget_s, max_iters=max_iters, progress=progress)

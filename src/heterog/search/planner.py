@@ -10,8 +10,9 @@ all feasible candidates, so it is never worse than a baseline as the simulator s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -28,12 +29,21 @@ from heterog.search.grouping import make_groups
 from heterog.search.local_search import Annealer
 from heterog.search.problem import Problem, Strategy
 
-CANDIDATES = ("single-device", "even-dp-allreduce", "even-dp-ps", "proportional-dp", "model-parallel",
-              "pipeline", "search", "gnn", "gnn+search")
+CANDIDATES = (
+    "single-device",
+    "even-dp-allreduce",
+    "even-dp-ps",
+    "proportional-dp",
+    "model-parallel",
+    "pipeline",
+    "search",
+    "gnn",
+    "gnn+search",
+)
 DEFAULT_BUDGET_S = 10.0
 ELITE_RESCORED = 4  # strategies from each search that the simulator re-scores (at most)
 PRIORITY_MAX_DEVICES = 128
-FINAL_SIMULATIONS = 7   # after the search: search, gnn, gnn+search scored twice each, the winner explained
+FINAL_SIMULATIONS = 7  # after the search: search, gnn, gnn+search scored twice each, the winner explained
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,18 +56,23 @@ class Candidate:
     scored_by: str  # 'simulator' or 'estimate'
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "iteration_time_s": self.iteration_time_s,
-                "feasible": self.feasible, "peak_memory_bytes": self.peak_memory_bytes,
-                "devices_used": len(self.plan.devices()), "num_microbatches": self.plan.num_microbatches,
-                "scored_by": self.scored_by}
+        return {
+            "strategy": self.strategy,
+            "iteration_time_s": self.iteration_time_s,
+            "feasible": self.feasible,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "devices_used": len(self.plan.devices()),
+            "num_microbatches": self.plan.num_microbatches,
+            "scored_by": self.scored_by,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanResult:
     best: Plan
     candidates: tuple[Candidate, ...]
-    search_time_s: float                                    # what --budget-s bounds
-    other_time_s: dict[str, float] = field(default_factory=dict)    # what else planning took
+    search_time_s: float  # what --budget-s bounds
+    other_time_s: dict[str, float] = field(default_factory=dict)  # what else planning took
 
     def plan_of(self, strategy: str) -> Plan:
         """The plan of the candidate named `strategy` (a baseline's or heterog's)."""
@@ -65,12 +80,17 @@ class PlanResult:
             if c.strategy == strategy:
                 return c.plan
         names = [c.strategy for c in self.candidates]
-        raise PlanError(f"no candidate named {strategy!r}.{did_you_mean(strategy, names)} The planner "
-                        f"compared {', '.join(names)}.")
+        raise PlanError(
+            f"no candidate named {strategy!r}.{did_you_mean(strategy, names)} The planner compared {', '.join(names)}."
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"best": self.best.to_dict(), "candidates": [c.to_dict() for c in self.candidates],
-                "search_time_s": self.search_time_s, "other_time_s": dict(self.other_time_s)}
+        return {
+            "best": self.best.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "search_time_s": self.search_time_s,
+            "other_time_s": dict(self.other_time_s),
+        }
 
 
 def _simulator() -> Callable | None:
@@ -89,21 +109,31 @@ def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[Plan, flo
     sim = _simulator()
     if sim is not None:
         from heterog.simulate.priorities import assign_priorities
+
         best = None
         # ranking a 1024-device plan's nodes costs seconds; large plans keep graph order
-        variants = (plan,) if prob.n_devices > PRIORITY_MAX_DEVICES else (
-            assign_priorities(prob.graph, prob.cluster, plan, prob.costs, cache=prob.sim_cache), plan)
+        variants = (
+            (plan,)
+            if prob.n_devices > PRIORITY_MAX_DEVICES
+            else (assign_priorities(prob.graph, prob.cluster, plan, prob.costs, cache=prob.sim_cache), plan)
+        )
         for p in variants:
             r = sim(prob.graph, prob.cluster, p, prob.costs, timeline=False, cache=prob.sim_cache)
             key = (not r.feasible, r.iteration_time_s)
             if best is None or key < best[0]:
                 best = (key, p, r)
         _, p, r = best
-        return (p, float(r.iteration_time_s), bool(r.feasible),
-                {d: int(b) for d, b in r.peak_memory_bytes.items()}, "simulator")
+        return (
+            p,
+            float(r.iteration_time_s),
+            bool(r.feasible),
+            {d: int(b) for d, b in r.peak_memory_bytes.items()},
+            "simulator",
+        )
     e = estimate(prob, prob.finalize(strategy))
-    peak = {prob.device_names[i]: int(e.peak_memory_bytes[i]) for i in range(prob.n_devices)
-            if e.peak_memory_bytes[i] > 0}
+    peak = {
+        prob.device_names[i]: int(e.peak_memory_bytes[i]) for i in range(prob.n_devices) if e.peak_memory_bytes[i] > 0
+    }
     return plan, e.iteration_time_s, e.feasible, peak, "estimate"
 
 
@@ -111,6 +141,7 @@ def _load_policy(policy: Any):
     if policy is False:
         return None
     from heterog.search.gnn.policy import load_policy
+
     return load_policy(policy)
 
 
@@ -126,8 +157,12 @@ def simulator_scorer(prob: Problem) -> Callable[[Problem, Strategy], Estimate]:
         for d, b in r.peak_memory_bytes.items():
             peak[p.cluster.device_index[d]] = b
         overflow = float(np.max((peak - cap) / cap))
-        return Estimate(iteration_time_s=float(r.iteration_time_s), peak_memory_bytes=peak,
-                        overflow=max(0.0, overflow) if not r.feasible else 0.0)
+        return Estimate(
+            iteration_time_s=float(r.iteration_time_s),
+            peak_memory_bytes=peak,
+            overflow=max(0.0, overflow) if not r.feasible else 0.0,
+        )
+
     return score
 
 
@@ -136,8 +171,7 @@ def _candidate(prob: Problem, name: str, options: list[Strategy]) -> Candidate:
     best_c = None
     for s in options:
         plan, t, ok, peak, how = score_plan(prob, prob.to_plan(s, name), s)
-        c = Candidate(strategy=name, plan=plan, iteration_time_s=t, feasible=ok, peak_memory_bytes=peak,
-                      scored_by=how)
+        c = Candidate(strategy=name, plan=plan, iteration_time_s=t, feasible=ok, peak_memory_bytes=peak, scored_by=how)
         if best_c is None or (not c.feasible, c.iteration_time_s) < (not best_c.feasible, best_c.iteration_time_s):
             best_c = c
     return best_c
@@ -154,12 +188,25 @@ def _options(best: Strategy, elite: list[tuple[float, Strategy]], limit: int) ->
     return out
 
 
-def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: float = DEFAULT_BUDGET_S,
-               seed: int = 0, max_groups: int = 32, policy: Any = None, model_spec: ModelSpec | None = None,
-               precision: str = "fp32", optimizer: str = "sgd", max_iters: int | None = None,
-               scorer: str = "auto", finetune_s: float = 0.0,
-               progress: Callable[[str, float], None] | None = None,
-               cuts: ModelCuts | None | str = "auto", cut_cache: ConstraintCache | None = None) -> PlanResult:
+def plan_graph(
+    graph: OpGraph,
+    cluster: Cluster,
+    costs: CostModel,
+    *,
+    budget_s: float = DEFAULT_BUDGET_S,
+    seed: int = 0,
+    max_groups: int = 32,
+    policy: Any = None,
+    model_spec: ModelSpec | None = None,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    max_iters: int | None = None,
+    scorer: str = "auto",
+    finetune_s: float = 0.0,
+    progress: Callable[[str, float], None] | None = None,
+    cuts: ModelCuts | None | str = "auto",
+    cut_cache: ConstraintCache | None = None,
+) -> PlanResult:
     """The best Plan for `graph` on `cluster` within about `budget_s` seconds.
 
     policy: None loads the shipped pre-trained GNN, a path loads that file, a policy object is
@@ -174,7 +221,7 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     Groups follow them, and a candidate that breaks them is reported infeasible.
     """
     started = time.perf_counter()
-    if cuts == "auto":   # before the clock starts: an export (seconds, once per model) is not search time
+    if cuts == "auto":  # before the clock starts: an export (seconds, once per model) is not search time
         cuts = (cut_cache or DEFAULT_CACHE).get(model_spec) if model_spec is not None else None
     cuts_s = time.perf_counter() - started
     assert cuts is None or isinstance(cuts, ModelCuts), cuts
@@ -182,8 +229,17 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     say = progress or (lambda stage, frac: None)
     say("grouping", 0.0)
     groups = make_groups(graph, cluster, costs, max_groups, cuts)
-    prob = Problem(graph=graph, cluster=cluster, costs=costs, groups=groups, batch_size=graph.batch_size,
-                   model_spec=model_spec, precision=precision, optimizer=optimizer, cuts=cuts)
+    prob = Problem(
+        graph=graph,
+        cluster=cluster,
+        costs=costs,
+        groups=groups,
+        batch_size=graph.batch_size,
+        model_spec=model_spec,
+        precision=precision,
+        optimizer=optimizer,
+        cuts=cuts,
+    )
     strategies: dict[str, Strategy] = {name: build(prob) for name, build in BASELINE_BUILDERS.items()}
     say("baselines", 0.03)
     t0 = time.perf_counter()
@@ -197,6 +253,7 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
             import copy
 
             from heterog.search.gnn.train import TrainConfig, train
+
             pol = copy.deepcopy(pol)
             train(pol, [prob], TrainConfig(steps=100_000, seed=seed), budget_s=finetune_s)
         gnn_props = pol.propose(prob, samples=8, seed=seed)
@@ -217,12 +274,14 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     # way into models that no baseline fits; and from data parallelism inside each node
     starts = [strategies[n] for n in BASELINE_BUILDERS] + [pipeline(prob, "1f1b")] + node_dp_starts(prob)
     searched = Annealer(prob, seed, scorer=score_fn, verifier=verify).run(
-        starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f))
+        starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f)
+    )
     strategies["search"] = searched.best
     pools = {"search": searched.elite}
     if gnn_props:
         both = Annealer(prob, seed + 1, scorer=score_fn, verifier=verify).run(
-            gnn_props, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("gnn+search", 0.5 + 0.4 * f))
+            gnn_props, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("gnn+search", 0.5 + 0.4 * f)
+        )
         strategies["gnn+search"] = both.best
         pools["gnn+search"] = both.elite
     say("scoring", 0.9)
@@ -233,6 +292,7 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
         if name in strategies:
             candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, []), limit))
     from heterog.hardware.spec import cluster_to_dict
+
     cluster_doc = cluster_to_dict(prob.cluster)
     ordered = [_runnable(prob, candidates[n], cluster_doc) for n in CANDIDATES if n in candidates]
     feasible = [c for c in ordered if c.feasible]
@@ -241,8 +301,12 @@ def plan_graph(graph: OpGraph, cluster: Cluster, costs: CostModel, *, budget_s: 
     winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
     best = _finish(prob, winner, ordered)
     say("done", 1.0)
-    return PlanResult(best=best, candidates=tuple(ordered), search_time_s=time.perf_counter() - begin,
-                      other_time_s={"cut_analysis": cuts_s})
+    return PlanResult(
+        best=best,
+        candidates=tuple(ordered),
+        search_time_s=time.perf_counter() - begin,
+        other_time_s={"cut_analysis": cuts_s},
+    )
 
 
 def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candidate:
@@ -251,8 +315,9 @@ def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candi
     executor could not cut (search/constraints.py) is infeasible."""
     plan = replace(c.plan.with_prediction(c.iteration_time_s, c.peak_memory_bytes), cluster=cluster_doc)
     cuts = prob.cuts
-    broken = cuts is not None and violations(cuts, {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes},
-                                             [g.replicas for g in plan.groups])
+    broken = cuts is not None and violations(
+        cuts, {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}, [g.replicas for g in plan.groups]
+    )
     return replace(c, plan=plan, feasible=c.feasible and not broken)
 
 
@@ -260,16 +325,33 @@ def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Pl
     """Attach the explanation (prediction and cluster came with _runnable, priorities with
     scoring), and how the devices run the plan's precision (cost/precision.py)."""
     from heterog.cost.precision import precision_advice
-    plan = replace(winner.plan, notes=tuple(explain.notes(prob, winner, candidates))
-                   + precision_advice(prob.cluster, winner.plan.precision).notes)
+
+    plan = replace(
+        winner.plan,
+        notes=tuple(explain.notes(prob, winner, candidates))
+        + precision_advice(prob.cluster, winner.plan.precision).notes,
+    )
     return plan.validate(prob.graph, prob.cluster)
 
 
-def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: int, seq_len: int | None = None,
-         cluster: str | Cluster, precision: str = "fp32", optimizer: str = "sgd",
-         budget_s: float = DEFAULT_BUDGET_S, seed: int = 0, policy: Any = None, finetune_s: float = 0.0,
-         max_iters: int | None = None, progress: Callable[[str, float], None] | None = None,
-         strategy: str | None = None, profile: Any = None) -> dict[str, Any]:
+def plan(
+    model: str,
+    *,
+    model_args: dict[str, Any] | None = None,
+    batch_size: int,
+    seq_len: int | None = None,
+    cluster: str | Cluster,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+    budget_s: float = DEFAULT_BUDGET_S,
+    seed: int = 0,
+    policy: Any = None,
+    finetune_s: float = 0.0,
+    max_iters: int | None = None,
+    progress: Callable[[str, float], None] | None = None,
+    strategy: str | None = None,
+    profile: Any = None,
+) -> dict[str, Any]:
     """Capture `model`, load `cluster`, build the cost model and plan. Returns the CLI's JSON:
     {"best": plan dict, "candidates": [...], "search_time_s"}; with `strategy`, also
     "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run.
@@ -284,12 +366,24 @@ def plan(model: str, *, model_args: dict[str, Any] | None = None, batch_size: in
     graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
     t1 = time.perf_counter()
     # the inputs simulate, report and run build for the plan (heterog/inputs.py): one prediction
-    graph, clu, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, profile=profile,
-                                     graph=graph)
+    graph, clu, costs = model_inputs(
+        spec, cluster, precision=precision, optimizer=optimizer, profile=profile, graph=graph
+    )
     t2 = time.perf_counter()
-    result = plan_graph(graph, clu, costs, budget_s=budget_s, seed=seed, policy=policy, model_spec=spec,
-                        precision=precision, optimizer=optimizer, finetune_s=finetune_s,
-                        max_iters=max_iters, progress=progress)
+    result = plan_graph(
+        graph,
+        clu,
+        costs,
+        budget_s=budget_s,
+        seed=seed,
+        policy=policy,
+        model_spec=spec,
+        precision=precision,
+        optimizer=optimizer,
+        finetune_s=finetune_s,
+        max_iters=max_iters,
+        progress=progress,
+    )
     out = result.to_dict()
     out["other_time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["other_time_s"]}
     out["graph_cache"] = graph.meta.get("graph_cache", "off")

@@ -10,9 +10,9 @@ groups the activation bytes between them. A `Strategy` is the search's compact p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
 
@@ -32,6 +32,7 @@ BUCKET_BYTES = Plan.__dataclass_fields__["bucket_bytes"].default  # gradient buc
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where one group runs: device indices (sorted), each one's share, how gradients sync."""
+
     devices: tuple[int, ...]
     shares: tuple[float, ...]
     sync: str = "none"
@@ -51,8 +52,13 @@ class Strategy:
 
     def key(self) -> tuple:
         """Identity for de-duplication (shares rounded so float noise does not count)."""
-        return (self.microbatches, self.schedule, tuple((p.devices, tuple(round(s, 4) for s in p.shares), p.sync,
-                                          p.ps, p.recompute) for p in self.placements))
+        return (
+            self.microbatches,
+            self.schedule,
+            tuple(
+                (p.devices, tuple(round(s, 4) for s in p.shares), p.sync, p.ps, p.recompute) for p in self.placements
+            ),
+        )
 
 
 def _fit(t_lo: float, t_hi: float, b_lo: float, b_hi: float) -> Affine:
@@ -74,8 +80,8 @@ class Problem:
     precision: str = "fp32"
     optimizer: str = "sgd"
     extra: dict = field(default_factory=dict)
-    cuts: ModelCuts | None = None    # what the executor can cut (search/constraints.py)
-    sim_cache: SimCache = field(default_factory=SimCache)   # the simulator's, kept across candidates
+    cuts: ModelCuts | None = None  # what the executor can cut (search/constraints.py)
+    sim_cache: SimCache = field(default_factory=SimCache)  # the simulator's, kept across candidates
 
     def __post_init__(self) -> None:
         c = self.cluster
@@ -103,7 +109,7 @@ class Problem:
         self.fwd = np.zeros((G, C, 2))  # [..., 0] fixed time, [..., 1] time per sample
         self.bwd = np.zeros((G, C, 2))
         self.opt_time_s = np.zeros((G, C))
-        self.accumulate_time_s = np.zeros((G, C))   # a later micro-batch's backward adds its gradients
+        self.accumulate_time_s = np.zeros((G, C))  # a later micro-batch's backward adds its gradients
         self.persistent_bytes = np.zeros((G, C))
         self.act_per_sample = np.zeros((G, 2))  # without / with recompute
         self.workspace_per_sample = np.zeros(G)
@@ -125,13 +131,12 @@ class Problem:
             self.act_per_sample[g, 1] = self.costs.activation_bytes(names, B, True) / B
             self.workspace_per_sample[g] = self.costs.workspace_bytes(names, B) / B
             self.grad_bytes[g] = self.costs.gradient_bytes(names)
-            self.flops_per_sample[g] = sum(nodes[n].fwd_flops.at(B) + nodes[n].bwd_flops.at(B)
-                                           for n in names) / B
+            self.flops_per_sample[g] = sum(nodes[n].fwd_flops.at(B) + nodes[n].bwd_flops.at(B) for n in names) / B
             self.param_bytes[g] = sum(nodes[n].param_bytes for n in names)
         self.edges = {k: v for k, v in group_graph(self.graph, self.groups).items()}
         self.preds: list[list[int]] = [[] for _ in range(G)]
         self.succs: list[list[int]] = [[] for _ in range(G)]
-        for (a, b) in self.edges:
+        for a, b in self.edges:
             self.preds[b].append(a)
             self.succs[a].append(b)
         self._pair_cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -150,8 +155,9 @@ class Problem:
     @cached_property
     def device_time_per_sample_s(self) -> np.ndarray:
         """Whole-graph forward + backward time per sample on each device (at the full batch)."""
-        per_class = (self.fwd[:, :, 1] + self.bwd[:, :, 1]).sum(axis=0) + \
-            (self.fwd[:, :, 0] + self.bwd[:, :, 0]).sum(axis=0) / self.batch_size
+        per_class = (self.fwd[:, :, 1] + self.bwd[:, :, 1]).sum(axis=0) + (self.fwd[:, :, 0] + self.bwd[:, :, 0]).sum(
+            axis=0
+        ) / self.batch_size
         return per_class[self.dev_class]
 
     @cached_property
@@ -188,6 +194,7 @@ class Problem:
                 if p.sync == "ps":
                     return self.costs.ps_sync_time_s(b, names, self.device_names[p.ps])
                 return self.costs.collective_time_s("allreduce", b, names, p.sync)
+
             t1, t2 = t(1e7), t(2e7)
             per_byte = max(0.0, (t2 - t1) / 1e7)
             hit = (max(0.0, t1 - 1e7 * per_byte), per_byte)
@@ -223,11 +230,28 @@ class Problem:
         groups = []
         for g, (names, p) in enumerate(zip(self.groups, s.placements)):
             replicas = tuple(Replica(device=self.device_names[d], share=sh) for d, sh in zip(p.devices, p.shares))
-            groups.append(Group(name=f"g{g}", nodes=tuple(names), replicas=replicas, sync=p.sync,
-                                ps_device=self.device_names[p.ps] if p.sync == "ps" else None,
-                                recompute=p.recompute))
-        spec = self.model_spec or ModelSpec(name=self.graph.model, batch_size=self.batch_size,
-                                            seq_len=self.graph.seq_len)
-        return Plan(strategy=strategy_name, model=spec, precision=self.precision, optimizer=self.optimizer,
-                    groups=tuple(groups), num_microbatches=s.microbatches, schedule=s.schedule, notes=tuple(notes),
-                    graph_fingerprint=self.fingerprints[0], cluster_fingerprint=self.fingerprints[1])
+            groups.append(
+                Group(
+                    name=f"g{g}",
+                    nodes=tuple(names),
+                    replicas=replicas,
+                    sync=p.sync,
+                    ps_device=self.device_names[p.ps] if p.sync == "ps" else None,
+                    recompute=p.recompute,
+                )
+            )
+        spec = self.model_spec or ModelSpec(
+            name=self.graph.model, batch_size=self.batch_size, seq_len=self.graph.seq_len
+        )
+        return Plan(
+            strategy=strategy_name,
+            model=spec,
+            precision=self.precision,
+            optimizer=self.optimizer,
+            groups=tuple(groups),
+            num_microbatches=s.microbatches,
+            schedule=s.schedule,
+            notes=tuple(notes),
+            graph_fingerprint=self.fingerprints[0],
+            cluster_fingerprint=self.fingerprints[1],
+        )

@@ -16,7 +16,7 @@ shortens the slowest finishing time.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy.optimize import linprog
@@ -24,8 +24,9 @@ from scipy.optimize import linprog
 from heterog.search.problem import Problem
 
 
-def replica_terms(prob: Problem, groups: Sequence[int], devices: Sequence[int], microbatches: int = 1,
-                  recompute: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def replica_terms(
+    prob: Problem, groups: Sequence[int], devices: Sequence[int], microbatches: int = 1, recompute: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(fixed_s, per_sample_s, free_memory_bytes, act_bytes_per_sample) per replica device."""
     dev = np.asarray(devices, dtype=np.int64)
     cls = prob.dev_class[dev]
@@ -41,8 +42,14 @@ def replica_terms(prob: Problem, groups: Sequence[int], devices: Sequence[int], 
     return fixed, per, free, np.full(len(dev), act)
 
 
-def optimal_shares(fixed_s: np.ndarray, per_sample_s: np.ndarray, batch: int, *,
-                   cap: np.ndarray | None = None, extra_s: np.ndarray | None = None) -> np.ndarray:
+def optimal_shares(
+    fixed_s: np.ndarray,
+    per_sample_s: np.ndarray,
+    batch: int,
+    *,
+    cap: np.ndarray | None = None,
+    extra_s: np.ndarray | None = None,
+) -> np.ndarray:
     """Continuous shares (summing to 1) minimising the slowest replica's time (the LP above).
 
     When the caps cannot hold the whole batch (Σ cap < 1) no split fits in memory; the shares
@@ -72,8 +79,9 @@ def optimal_shares(fixed_s: np.ndarray, per_sample_s: np.ndarray, batch: int, *,
     return s / s.sum()
 
 
-def integer_samples(shares: np.ndarray, total: int, fixed_s: np.ndarray, per_sample_s: np.ndarray,
-                    cap_samples: np.ndarray | None = None) -> np.ndarray:
+def integer_samples(
+    shares: np.ndarray, total: int, fixed_s: np.ndarray, per_sample_s: np.ndarray, cap_samples: np.ndarray | None = None
+) -> np.ndarray:
     """Whole samples per replica: largest remainder, then move one sample at a time from the
     replica that finishes last to the one that would finish earliest, while that helps."""
     exact = shares * total
@@ -95,8 +103,15 @@ def integer_samples(shares: np.ndarray, total: int, fixed_s: np.ndarray, per_sam
     return counts
 
 
-def balanced_shares(prob: Problem, groups: Sequence[int], devices: Sequence[int], *, microbatches: int = 1,
-                    recompute: bool = False, extra_s: np.ndarray | None = None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def balanced_shares(
+    prob: Problem,
+    groups: Sequence[int],
+    devices: Sequence[int],
+    *,
+    microbatches: int = 1,
+    recompute: bool = False,
+    extra_s: np.ndarray | None = None,
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Devices that get samples and their shares, for `groups` replicated on `devices`."""
     fixed, per, free, act = replica_terms(prob, groups, devices, microbatches, recompute)
     batch = prob.batch_size

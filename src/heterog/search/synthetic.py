@@ -11,8 +11,8 @@ alpha–beta over the cluster's bottleneck link; a ring all-reduce moves 2(n−1
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import GpuType
@@ -24,19 +24,31 @@ KERNEL_OVERHEAD_S = 5e-6
 COMPUTE_EFFICIENCY = 0.5
 
 
-def gpu_type(name: str, tflops: float, memory_gib: float, *, membw_gbs: float = 900.0,
-             intra_gbs: float = 12.0) -> GpuType:
+def gpu_type(
+    name: str, tflops: float, memory_gib: float, *, membw_gbs: float = 900.0, intra_gbs: float = 12.0
+) -> GpuType:
     """A made-up GPU type for synthetic clusters (not a catalog entry)."""
     peak = tflops * 1e12
-    return GpuType(name=name, vendor="nvidia",
-                   peak_flops_per_s={"fp32": peak, "tf32": peak, "fp16": 4 * peak, "bf16": 4 * peak},
-                   memory_bandwidth_bytes_per_s=membw_gbs * 1e9, memory_bytes=int(memory_gib * GIB),
-                   intra_node_link="pcie3", intra_node_bandwidth_bytes_per_s=intra_gbs * 1e9,
-                   sources={"all": "synthetic"})
+    return GpuType(
+        name=name,
+        vendor="nvidia",
+        peak_flops_per_s={"fp32": peak, "tf32": peak, "fp16": 4 * peak, "bf16": 4 * peak},
+        memory_bandwidth_bytes_per_s=membw_gbs * 1e9,
+        memory_bytes=int(memory_gib * GIB),
+        intra_node_link="pcie3",
+        intra_node_bandwidth_bytes_per_s=intra_gbs * 1e9,
+        sources={"all": "synthetic"},
+    )
 
 
-def toy_cluster(speeds_tflops: Sequence[float], *, memory_gib: Sequence[float] | float = 16.0,
-                devices_per_node: int = 1, nic_gbs: float = 10.0, name: str = "toy") -> Cluster:
+def toy_cluster(
+    speeds_tflops: Sequence[float],
+    *,
+    memory_gib: Sequence[float] | float = 16.0,
+    devices_per_node: int = 1,
+    nic_gbs: float = 10.0,
+    name: str = "toy",
+) -> Cluster:
     """One device per speed; `devices_per_node` devices share a node (and its NIC)."""
     mems = [memory_gib] * len(speeds_tflops) if isinstance(memory_gib, (int, float)) else list(memory_gib)
     assert len(mems) == len(speeds_tflops)
@@ -47,14 +59,22 @@ def toy_cluster(speeds_tflops: Sequence[float], *, memory_gib: Sequence[float] |
         types.setdefault(tname, gpu_type(tname, tf, mem))
         k = i // devices_per_node
         if len(nodes) <= k:
-            nodes.append({"name": f"n{k}", "devices": [], "nic_bandwidth_bytes_per_s": nic_gbs * 1e9,
-                          "nic_latency_s": 10e-6, "intra_latency_s": 4e-6})
+            nodes.append(
+                {
+                    "name": f"n{k}",
+                    "devices": [],
+                    "nic_bandwidth_bytes_per_s": nic_gbs * 1e9,
+                    "nic_latency_s": 10e-6,
+                    "intra_latency_s": 4e-6,
+                }
+            )
         nodes[k]["devices"].append({"name": f"n{k}/d{i}", "gpu_type": tname})
     return build_cluster(name=name, gpu_types=types, nodes=nodes)
 
 
-def layered_graph(layers: Sequence[tuple[float, float, float]], *, batch_size: int = 32,
-                  name: str = "synthetic", skip_every: int = 0) -> OpGraph:
+def layered_graph(
+    layers: Sequence[tuple[float, float, float]], *, batch_size: int = 32, name: str = "synthetic", skip_every: int = 0
+) -> OpGraph:
     """A chain of layers, each (GFLOP per sample forward, parameter MB, activation MB per sample).
 
     Backward costs 2× forward (Kaplan et al. 2020). With skip_every=k, every k-th layer also
@@ -65,20 +85,39 @@ def layered_graph(layers: Sequence[tuple[float, float, float]], *, batch_size: i
         f = gflop * 1e9
         pbytes = int(param_mb * 1e6)
         act = act_mb * 1e6
-        nodes.append(OpNode(
-            name=f"layer{i}", module_path=f"layer{i}", module_type="Linear", kind="matmul",
-            fwd_flops=Affine(0.0, f), bwd_flops=Affine(0.0, 2 * f),
-            fwd_bytes=Affine(2.0 * pbytes, 2 * act), bwd_bytes=Affine(3.0 * pbytes, 4 * act),
-            saved_bytes=Affine(0.0, act), output_bytes=Affine(0.0, act), workspace_bytes=Affine(0.0, act),
-            param_names=(f"layer{i}.weight",) if pbytes else (), param_count=pbytes // 4,
-            param_bytes=pbytes, fwd_kernels=2, bwd_kernels=4, tensor_core_flops_fraction=0.9))
+        nodes.append(
+            OpNode(
+                name=f"layer{i}",
+                module_path=f"layer{i}",
+                module_type="Linear",
+                kind="matmul",
+                fwd_flops=Affine(0.0, f),
+                bwd_flops=Affine(0.0, 2 * f),
+                fwd_bytes=Affine(2.0 * pbytes, 2 * act),
+                bwd_bytes=Affine(3.0 * pbytes, 4 * act),
+                saved_bytes=Affine(0.0, act),
+                output_bytes=Affine(0.0, act),
+                workspace_bytes=Affine(0.0, act),
+                param_names=(f"layer{i}.weight",) if pbytes else (),
+                param_count=pbytes // 4,
+                param_bytes=pbytes,
+                fwd_kernels=2,
+                bwd_kernels=4,
+                tensor_core_flops_fraction=0.9,
+            )
+        )
         if i:
             edges.append(OpEdge(src=f"layer{i - 1}", dst=f"layer{i}", bytes=Affine(0.0, layers[i - 1][2] * 1e6)))
         if skip_every and i >= 2 and i % skip_every == 0:
             edges.append(OpEdge(src=f"layer{i - 2}", dst=f"layer{i}", bytes=Affine(0.0, layers[i - 2][2] * 1e6)))
-    return OpGraph(model=name, batch_size=batch_size, nodes=tuple(nodes), edges=tuple(edges),
-                   input_bytes=Affine(0.0, layers[0][2] * 1e6),
-                   num_parameters=sum(n.param_count for n in nodes)).validate()
+    return OpGraph(
+        model=name,
+        batch_size=batch_size,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        input_bytes=Affine(0.0, layers[0][2] * 1e6),
+        num_parameters=sum(n.param_count for n in nodes),
+    ).validate()
 
 
 def random_graph(rng: random.Random, *, batch_size: int = 32) -> OpGraph:
@@ -89,14 +128,18 @@ def random_graph(rng: random.Random, *, batch_size: int = 32) -> OpGraph:
         layers = []
         for i in range(n):
             depth = i / n
-            layers.append((rng.uniform(0.2, 1.5), rng.uniform(0.05, 4.0) * (1 + 8 * depth),
-                           rng.uniform(0.2, 3.0) * (1.0 - 0.8 * depth)))
+            layers.append(
+                (
+                    rng.uniform(0.2, 1.5),
+                    rng.uniform(0.05, 4.0) * (1 + 8 * depth),
+                    rng.uniform(0.2, 3.0) * (1.0 - 0.8 * depth),
+                )
+            )
         for _ in range(rng.randint(0, 3)):  # fully connected head: parameter heavy, cheap
             layers.append((rng.uniform(0.05, 0.3), rng.uniform(50, 400), 0.02))
     else:
         width = rng.uniform(0.5, 3.0)
-        layers = [(rng.uniform(0.8, 1.2) * width, rng.uniform(20, 60) * width, rng.uniform(0.5, 2.0))
-                  for _ in range(n)]
+        layers = [(rng.uniform(0.8, 1.2) * width, rng.uniform(20, 60) * width, rng.uniform(0.5, 2.0)) for _ in range(n)]
     return layered_graph(layers, batch_size=batch_size, name="random", skip_every=rng.choice([0, 2, 3]))
 
 
@@ -106,9 +149,13 @@ def random_cluster(rng: random.Random, *, max_devices: int = 8) -> Cluster:
     chosen = rng.sample(kinds, k=rng.randint(1, 3))
     n = rng.randint(2, max_devices)
     devs = [rng.choice(chosen) for _ in range(n)]
-    return toy_cluster([d[0] for d in devs], memory_gib=[d[1] for d in devs],
-                       devices_per_node=rng.choice([1, 2, 4]), nic_gbs=rng.choice([3.0, 6.25, 12.5]),
-                       name="random")
+    return toy_cluster(
+        [d[0] for d in devs],
+        memory_gib=[d[1] for d in devs],
+        devices_per_node=rng.choice([1, 2, 4]),
+        nic_gbs=rng.choice([3.0, 6.25, 12.5]),
+        name="random",
+    )
 
 
 @dataclass(kw_only=True)

@@ -44,27 +44,39 @@ def _times(tasks: Tasks, order: np.ndarray, info: ClusterInfo):
     module docstring), compiled where numba can be imported (heterog/_jit.py)."""
     link_ptr, link_idx, core_ptr, core_idx, core_bytes = _resources(tasks, info)
     succ_ptr, succ_idx = tasks.succ_csr()
-    return _timed_pass(np.asarray(order, dtype=np.int64), tasks.array("dur"), tasks.array("dev"),
-                       succ_ptr, succ_idx, link_ptr, link_idx,
-                       core_ptr, core_idx, core_bytes, np.array(list(info.shared_bw.values()), dtype=np.float64),
-                       len(info.devices), len(info.links))
+    return _timed_pass(
+        np.asarray(order, dtype=np.int64),
+        tasks.array("dur"),
+        tasks.array("dev"),
+        succ_ptr,
+        succ_idx,
+        link_ptr,
+        link_idx,
+        core_ptr,
+        core_idx,
+        core_bytes,
+        np.array(list(info.shared_bw.values()), dtype=np.float64),
+        len(info.devices),
+        len(info.links),
+    )
 
 
 @njit(cache=True, nogil=True)
-def _timed_pass(order, dur, dev, succ_ptr, succ_idx, link_ptr, link_idx, core_ptr, core_idx, core_bytes,
-                core_bw, n_devices, n_links):
+def _timed_pass(
+    order, dur, dev, succ_ptr, succ_idx, link_ptr, link_idx, core_ptr, core_idx, core_bytes, core_bw, n_devices, n_links
+):
     """The timed pass: a compute task waits for its inputs and its device; a transfer or
     collective for its inputs and every link it holds, then holds them to its end; one
     that crosses switch cores starts no earlier than the cores' previous transfer started and
     ends no earlier than the cores have pushed its bytes after those before it."""
     n = len(dur)
-    ready = np.zeros(n)               # when the inputs of a task are all done
+    ready = np.zeros(n)  # when the inputs of a task are all done
     start = np.zeros(n)
     end = np.zeros(n)
-    dev_free = np.zeros(n_devices)    # end of the device's previous task
-    link_free = np.zeros(n_links)     # end of the link's previous task
-    core_started = np.zeros(len(core_bw))   # start of the core's previous transfer
-    core_free = np.zeros(len(core_bw))      # when the core has pushed the bytes before
+    dev_free = np.zeros(n_devices)  # end of the device's previous task
+    link_free = np.zeros(n_links)  # end of the link's previous task
+    core_started = np.zeros(len(core_bw))  # start of the core's previous transfer
+    core_free = np.zeros(len(core_bw))  # when the core has pushed the bytes before
     for t in order:
         s = ready[t]
         d = dev[t]
@@ -119,21 +131,20 @@ def comm_link_sets(tasks: Tasks, info: ClusterInfo) -> tuple[np.ndarray, np.ndar
     return hit[1], hit[2]
 
 
-def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int,
-            capacity_bytes: list[int], record: bool):
+def _memory(tasks: Tasks, start: np.ndarray, end: np.ndarray, n_devices: int, capacity_bytes: list[int], record: bool):
     """Replay every task's memory effects in time order: (peak per device, first overflow
     (device, time) or None, per-device trace when `record`)."""
     initial = list(tasks.initial_bytes)
     overflow = next(((d, 0.0) for d in range(n_devices) if initial[d] > capacity_bytes[d]), None)
     # ends first: at equal times a device frees a task's memory before its next task allocates
-    dev_s, time_s, phase_s, delta_s = _events_in_order(*tasks.mem_end.in_order(), *tasks.mem_start.in_order(),
-                                                       start, end, n_devices)
+    dev_s, time_s, phase_s, delta_s = _events_in_order(
+        *tasks.mem_end.in_order(), *tasks.mem_start.in_order(), start, end, n_devices
+    )
     if not len(time_s):
         trace = [[(0.0, initial[d])] if initial[d] else [] for d in range(n_devices)] if record else None
         return initial, overflow, trace
     init_a = np.array(initial, dtype=float)
-    cur, peak_a, over = _replay(dev_s, time_s, phase_s, delta_s, init_a,
-                                np.asarray(capacity_bytes, dtype=float))
+    cur, peak_a, over = _replay(dev_s, time_s, phase_s, delta_s, init_a, np.asarray(capacity_bytes, dtype=float))
     peak = [max(p, i) for p, i in zip(peak_a.tolist(), initial)]
     if overflow is None and over >= 0:
         overflow = (int(dev_s[over]), float(time_s[over]))
@@ -206,7 +217,8 @@ def _replay(dev_s, time_s, phase_s, delta_s, initial, capacity):
         cur[i] = c
         if c > peak[d]:
             peak[d] = c
-        if c > capacity[d] and (over < 0 or time_s[i] < time_s[over]
-                                or (time_s[i] == time_s[over] and phase_s[i] < phase_s[over])):
+        if c > capacity[d] and (
+            over < 0 or time_s[i] < time_s[over] or (time_s[i] == time_s[over] and phase_s[i] < phase_s[over])
+        ):
             over = i
     return cur, peak, over

@@ -29,8 +29,9 @@ from heterog.lower.schedule import check_plan
 METHODS = ("upward", "heteroG")
 
 
-def node_weights_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
-                   cache: SimCache | None = None) -> dict[str, float]:
+def node_weights_s(
+    graph: OpGraph, cluster: Cluster, plan: Plan, costs, cache: SimCache | None = None
+) -> dict[str, float]:
     """w(n): mean forward + backward time of each node over its group's replicas."""
     cache = cache if cache is not None else SimCache()
     info, _ = check_plan(graph, cluster, plan, cache)
@@ -48,8 +49,9 @@ def node_weights_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
     return out
 
 
-def edge_costs_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
-                 cache: SimCache | None = None) -> dict[tuple[str, str], float]:
+def edge_costs_s(
+    graph: OpGraph, cluster: Cluster, plan: Plan, costs, cache: SimCache | None = None
+) -> dict[tuple[str, str], float]:
     """c(u, v) for edges between differently placed groups: the slowest of the transfers the
     re-partition of that edge makes (replicas own contiguous sample ranges)."""
     cache = cache if cache is not None else SimCache()
@@ -61,8 +63,10 @@ def edge_costs_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
         a, b = plan.groups[ga], plan.groups[gb]
         if a.replicas == b.replicas:
             continue
-        moves = [(a.replicas[i].device, b.replicas[j].device, n)
-                 for i, j, n in overlaps(plan.replica_samples(a, 0), plan.replica_samples(b, 0))]
+        moves = [
+            (a.replicas[i].device, b.replicas[j].device, n)
+            for i, j, n in overlaps(plan.replica_samples(a, 0), plan.replica_samples(b, 0))
+        ]
         for src, dst in edges:
             fx, ps = table.edge_bytes(src, dst)
             worst = 0.0
@@ -76,8 +80,9 @@ def edge_costs_s(graph: OpGraph, cluster: Cluster, plan: Plan, costs,
     return out
 
 
-def node_ranks(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward",
-               cache: SimCache | None = None) -> dict[str, float]:
+def node_ranks(
+    graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward", cache: SimCache | None = None
+) -> dict[str, float]:
     """The rank of every node (seconds) under `method` (see the module docstring)."""
     if method not in METHODS:
         raise PlanError(f"priority method {method!r} is not one of {', '.join(METHODS)}.")
@@ -87,7 +92,7 @@ def node_ranks(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str 
     if method == "upward":
         c = edge_costs_s(graph, cluster, plan, costs, cache)
         succ = graph.successors
-        for n in reversed(graph.nodes):   # graph nodes are in topological order
+        for n in reversed(graph.nodes):  # graph nodes are in topological order
             best = 0.0
             for s in succ[n.name]:
                 v = c.get((n.name, s), 0.0) + rank[s]
@@ -101,8 +106,9 @@ def node_ranks(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str 
     return rank
 
 
-def assign_priorities(graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward",
-                      cache: SimCache | None = None) -> Plan:
+def assign_priorities(
+    graph: OpGraph, cluster: Cluster, plan: Plan, costs, method: str = "upward", cache: SimCache | None = None
+) -> Plan:
     """The plan with `priorities` filled (node → priority, higher runs first)."""
     rank = node_ranks(graph, cluster, plan, costs, method, cache)
     if method == "heteroG":

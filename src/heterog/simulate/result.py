@@ -13,6 +13,7 @@ KIND = "heterog.SimResult"
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Traffic:
     """What moved over the cluster in one iteration (SimResult builds it on first use)."""
+
     communication_time_s: dict[str, float] = field(default_factory=dict)
     link_bytes: dict[str, float] = field(default_factory=dict)
     link_busy_time_s: dict[str, float] = field(default_factory=dict)
@@ -23,14 +24,14 @@ class SimResult:
     iteration_time_s: float
     throughput_samples_per_s: float
     batch_size: int
-    feasible: bool                                # every device's peak fits its memory
+    feasible: bool  # every device's peak fits its memory
     peak_memory_bytes: dict[str, int]
     memory_capacity_bytes: dict[str, int]
     persistent_memory_bytes: dict[str, int]
-    overflow_device: str | None = None            # the first device (in time) to run out
-    overflow_bytes: int = 0                       # its peak minus its memory
+    overflow_device: str | None = None  # the first device (in time) to run out
+    overflow_bytes: int = 0  # its peak minus its memory
     compute_time_s: dict[str, float] = field(default_factory=dict)
-    idle_time_s: dict[str, float] = field(default_factory=dict)           # compute queue empty
+    idle_time_s: dict[str, float] = field(default_factory=dict)  # compute queue empty
     num_tasks: int = 0
     memory_timeline: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     # the timeline as a tuple of events, and the traffic (Traffic), or functions that build
@@ -55,7 +56,7 @@ class SimResult:
     def link_busy_time_s(self) -> dict[str, float]:
         return self._traffic_of().link_busy_time_s
 
-    def _traffic_of(self) -> "Traffic":
+    def _traffic_of(self) -> Traffic:
         if not self._traffic:
             src = self.traffic_source
             self._traffic.append(src() if callable(src) else (src or Traffic()))
@@ -81,19 +82,24 @@ class SimResult:
             "persistent_memory_bytes": self.persistent_memory_bytes,
             "overflow_device": self.overflow_device,
             "overflow_bytes": self.overflow_bytes,
-            "devices": {d: {"compute_time_s": self.compute_time_s[d],
-                            "communication_time_s": self.communication_time_s[d],
-                            "idle_time_s": self.idle_time_s[d],
-                            "peak_memory_bytes": self.peak_memory_bytes[d],
-                            "memory_capacity_bytes": self.memory_capacity_bytes[d]}
-                        for d in self.peak_memory_bytes},
+            "devices": {
+                d: {
+                    "compute_time_s": self.compute_time_s[d],
+                    "communication_time_s": self.communication_time_s[d],
+                    "idle_time_s": self.idle_time_s[d],
+                    "peak_memory_bytes": self.peak_memory_bytes[d],
+                    "memory_capacity_bytes": self.memory_capacity_bytes[d],
+                }
+                for d in self.peak_memory_bytes
+            },
             "link_bytes": self.link_bytes,
             "link_busy_time_s": self.link_busy_time_s,
             "num_tasks": self.num_tasks,
         }
         if events:
-            out["events"] = [{"name": n, "category": c, "track": tr, "start_s": s, "end_s": e}
-                             for n, c, tr, s, e in self.events]
+            out["events"] = [
+                {"name": n, "category": c, "track": tr, "start_s": s, "end_s": e} for n, c, tr, s, e in self.events
+            ]
         return out
 
     def to_json(self) -> str:
@@ -121,15 +127,18 @@ class SimResult:
                 tid = link_tids.get(link)
                 if tid is None:
                     tid = link_tids[link] = len(link_tids) + 1
-                    trace.append({"ph": "M", "name": "thread_name", "pid": link_pid, "tid": tid,
-                                  "args": {"name": link}})
+                    trace.append(
+                        {"ph": "M", "name": "thread_name", "pid": link_pid, "tid": tid, "args": {"name": link}}
+                    )
                 ev.update(pid=link_pid, tid=tid)
             else:
                 ev.update(pid=pids[track], tid=1 if cat in ("forward", "backward", "optimizer") else 2)
             trace.append(ev)
         for d, points in self.memory_timeline.items():
             for t, b in points:
-                trace.append({"ph": "C", "name": "memory", "pid": pids[d], "ts": t * 1e6,
-                              "args": {"GiB": b / 2**30}})
-        return {"traceEvents": trace, "displayTimeUnit": "ms",
-                "otherData": {"iteration_time_s": self.iteration_time_s, "feasible": self.feasible}}
+                trace.append({"ph": "C", "name": "memory", "pid": pids[d], "ts": t * 1e6, "args": {"GiB": b / 2**30}})
+        return {
+            "traceEvents": trace,
+            "displayTimeUnit": "ms",
+            "otherData": {"iteration_time_s": self.iteration_time_s, "feasible": self.feasible},
+        }

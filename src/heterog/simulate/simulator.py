@@ -32,8 +32,10 @@ from heterog.lower.taskgraph import KIND_NAMES, OPT, SYNC, XFER
 from heterog.simulate import engine
 from heterog.simulate.result import SimResult, Traffic
 
-def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, timeline: bool = True,
-             cache: SimCache | None = None) -> SimResult:
+
+def simulate(
+    graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, timeline: bool = True, cache: SimCache | None = None
+) -> SimResult:
     """Simulate one iteration. `timeline=False` skips the memory timeline (the search's
     setting; events are built lazily either way). `cache`: the caller's SimCache, kept across
     calls that share graph, cluster and costs (the search's); a fresh one otherwise."""
@@ -57,9 +59,8 @@ def time_schedule(sched: Schedule, *, timeline: bool = True) -> SimResult:
 
 
 def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResult:
-    device_sets = {b.device_set: b.devices for b in tasks.blocks}    # a few distinct ones
-    used = sorted(set().union(*device_sets.values())
-                  | {b.ps_device for b in tasks.blocks if b.ps_device is not None})
+    device_sets = {b.device_set: b.devices for b in tasks.blocks}  # a few distinct ones
+    used = sorted(set().union(*device_sets.values()) | {b.ps_device for b in tasks.blocks if b.ps_device is not None})
     names = info.devices
     iteration = max(end) if end else 0.0
     compute = {d: 0.0 for d in used}
@@ -70,7 +71,7 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
     for d in compute:
         compute[d] += per_dev[d]
     rep = tasks.rep
-    for d in used:     # devices simulated through a representative share its timeline
+    for d in used:  # devices simulated through a representative share its timeline
         r = rep[d]
         if r != d:
             compute[d] = compute[r]
@@ -87,7 +88,8 @@ def _result(plan, info, tasks, start, end, peak, overflow, mem_trace) -> SimResu
         peak_memory_bytes={names[d]: int(peak[d]) for d in used},
         memory_capacity_bytes={names[d]: int(info.capacity_bytes[d]) for d in used},
         persistent_memory_bytes={names[d]: int(tasks.persistent_bytes[d]) for d in used},
-        overflow_device=over_dev, overflow_bytes=over_bytes,
+        overflow_device=over_dev,
+        overflow_bytes=over_bytes,
         compute_time_s={names[d]: compute[d] for d in used},
         idle_time_s={names[d]: max(iteration - compute[d], 0.0) for d in used},
         num_tasks=len(tasks.dur),
@@ -109,9 +111,11 @@ def _traffic(tasks, info, used: list[int]) -> Traffic:
     comm_ids, sets = engine.comm_link_sets(tasks, info)
     busy = _per_element(info.link_sets, sets, tasks.array("dur")[comm_ids])
     names = info.devices
-    return Traffic(communication_time_s={names[d]: comm[d] for d in used},
-                   link_bytes={info.links[l]: b for l, b in sorted(_link_bytes(tasks, info).items())},
-                   link_busy_time_s={info.links[l]: b for l, b in busy.items()})
+    return Traffic(
+        communication_time_s={names[d]: comm[d] for d in used},
+        link_bytes={info.links[l]: b for l, b in sorted(_link_bytes(tasks, info).items())},
+        link_busy_time_s={info.links[l]: b for l, b in busy.items()},
+    )
 
 
 def _link_bytes(tasks, info) -> dict[int, float]:

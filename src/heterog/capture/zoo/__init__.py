@@ -14,20 +14,30 @@ import functools
 import inspect
 from typing import Any
 
+from heterog.capture.models import MODEL_INFO, is_user_model, unknown_model_error
 from heterog.capture.zoo import hf, inception, mobilenet, resnet, seq2seq, small, vgg, vit
 from heterog.capture.zoo.base import ZooModel, classification_loss, image_batch, token_batch
-from heterog.capture.models import MODEL_INFO, is_user_model, unknown_model_error
 from heterog.errors import ModelError
 from heterog.ir.plan import in_memory_model_error
 from heterog.userfile import load_user_module, locate
 
+
 def _entry(name: str, builder, batch_maker, **extra: Any) -> ZooModel:
     """The zoo model `name`: its table row (capture/models.py), how to build it and its batch."""
     info = MODEL_INFO[name]
-    return ZooModel(name=name, family=info.family, description=info.description, builder=builder,
-                    batch_maker=batch_maker, default_batch_size=info.default_batch_size,
-                    default_seq_len=info.default_seq_len, image_size=info.image_size,
-                    reference_params=info.reference_params, reference_source=info.reference_source, **extra)
+    return ZooModel(
+        name=name,
+        family=info.family,
+        description=info.description,
+        builder=builder,
+        batch_maker=batch_maker,
+        default_batch_size=info.default_batch_size,
+        default_seq_len=info.default_seq_len,
+        image_size=info.image_size,
+        reference_params=info.reference_params,
+        reference_source=info.reference_source,
+        **extra,
+    )
 
 
 def _entries() -> list[ZooModel]:
@@ -45,7 +55,9 @@ def _entries() -> list[ZooModel]:
         _entry("bert-large", hf.bert, token_batch("vocab", 30522)),
         _entry("xlnet-large", hf.xlnet, token_batch("vocab", 32000)),
         _entry("gpt2", hf.gpt2, token_batch("vocab", 50257)),
-        _entry("gpt2-medium", functools.partial(hf.gpt2, hidden=1024, layers=24, heads=16), token_batch("vocab", 50257)),
+        _entry(
+            "gpt2-medium", functools.partial(hf.gpt2, hidden=1024, layers=24, heads=16), token_batch("vocab", 50257)
+        ),
         _entry("gpt2-xl", functools.partial(hf.gpt2, hidden=1600, layers=48, heads=25), token_batch("vocab", 50257)),
         _entry("tinyllama-1.1b", hf.tinyllama, token_batch("vocab", 32000)),
         _entry("llama", hf.llama, token_batch("vocab", 32000)),
@@ -56,6 +68,7 @@ def _entries() -> list[ZooModel]:
 
 def _nasnet(num_classes: int = 1000):
     from heterog.capture.zoo import nasnet
+
     return nasnet.nasnet_mobile(num_classes)
 
 
@@ -69,8 +82,10 @@ def list_models() -> list[str]:
 def _load_user_model(spec: str) -> ZooModel:
     path, _, attr = spec.rpartition(":")
     if not locate(path).is_file():
-        raise ModelError(f"model {spec!r}: no file {path!r}. A user model is given as "
-                         f"'path/file.py:factory'; known zoo models: {', '.join(ZOO)}.")
+        raise ModelError(
+            f"model {spec!r}: no file {path!r}. A user model is given as "
+            f"'path/file.py:factory'; known zoo models: {', '.join(ZOO)}."
+        )
     module = load_user_module(path, what="model", spec=spec)
     factory = getattr(module, attr, None)
     if not callable(factory):
@@ -79,8 +94,10 @@ def _load_user_model(spec: str) -> ZooModel:
         return factory  # already zoo-style
     batch_fn = getattr(module, "example_batch", None)
     if not callable(batch_fn):
-        raise ModelError(f"model {spec!r}: {path} must also define example_batch(batch_size, seq_len) "
-                         f"returning (inputs tuple, targets).")
+        raise ModelError(
+            f"model {spec!r}: {path} must also define example_batch(batch_size, seq_len) "
+            f"returning (inputs tuple, targets)."
+        )
     params = inspect.signature(batch_fn).parameters
     factory_args = set(inspect.signature(factory).parameters)
     names = list(params)
@@ -90,15 +107,22 @@ def _load_user_model(spec: str) -> ZooModel:
 
     def make(batch_size: int, seq_len: int | None, device: Any, **args: Any):
         import torch
+
         extra = args if takes_any else {k: v for k, v in args.items() if k in params}  # --model-arg values
         with torch.device(device):
-            inputs, targets = (batch_fn(batch_size, seq_len, **extra) if takes_seq
-                               else batch_fn(batch_size, **extra))
+            inputs, targets = batch_fn(batch_size, seq_len, **extra) if takes_seq else batch_fn(batch_size, **extra)
         return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), targets
 
-    return ZooModel(name=spec, family="user", description=f"{attr} from {path}", builder=factory,
-                    batch_maker=make, loss_fn=getattr(module, "loss", classification_loss),
-                    default_batch_size=8, default_seq_len=getattr(module, "DEFAULT_SEQ_LEN", None))
+    return ZooModel(
+        name=spec,
+        family="user",
+        description=f"{attr} from {path}",
+        builder=factory,
+        batch_maker=make,
+        loss_fn=getattr(module, "loss", classification_loss),
+        default_batch_size=8,
+        default_seq_len=getattr(module, "DEFAULT_SEQ_LEN", None),
+    )
 
 
 def get_zoo_model(name: str) -> ZooModel:

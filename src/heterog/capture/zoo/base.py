@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +29,13 @@ class ZooModel:
     seq_len, device, **args)` returns (inputs tuple, targets)."""
 
     name: str
-    family: str                       # cnn | transformer | lm | small
+    family: str  # cnn | transformer | lm | small
     description: str
     builder: Callable[..., nn.Module]
     batch_maker: Callable[..., tuple[tuple[Any, ...], Any]]
     loss_fn: Callable[[Any, Any], torch.Tensor] = classification_loss
     default_batch_size: int = 32
-    default_seq_len: int | None = None   # None: the model takes no sequence (images, vectors)
+    default_seq_len: int | None = None  # None: the model takes no sequence (images, vectors)
     image_size: int | None = None
     reference_params: int | None = None  # published parameter count at default arguments
     reference_source: str = ""
@@ -49,7 +50,8 @@ class ZooModel:
         if unknown:
             raise ModelError(
                 f"model {self.name!r} has no argument(s) {', '.join(unknown)}; it accepts "
-                f"{', '.join(accepted) or 'no arguments'} (--model-arg key=value).")
+                f"{', '.join(accepted) or 'no arguments'} (--model-arg key=value)."
+            )
         return {**self.default_args, **args}
 
     def build(self, **args: Any) -> nn.Module:
@@ -59,11 +61,14 @@ class ZooModel:
         except ModelError:
             raise
         except Exception as e:  # noqa: BLE001 - a bad argument value reaches the user as one paragraph
-            raise ModelError(f"building model {self.name!r} with {args or 'default arguments'} "
-                             f"failed: {type(e).__name__}: {e}. Check the --model-arg values.") from e
+            raise ModelError(
+                f"building model {self.name!r} with {args or 'default arguments'} "
+                f"failed: {type(e).__name__}: {e}. Check the --model-arg values."
+            ) from e
 
-    def example_batch(self, batch_size: int, seq_len: int | None = None, device: Any = "cpu",
-                      **args: Any) -> tuple[tuple[Any, ...], Any]:
+    def example_batch(
+        self, batch_size: int, seq_len: int | None = None, device: Any = "cpu", **args: Any
+    ) -> tuple[tuple[Any, ...], Any]:
         """Synthetic (inputs, targets); pass the same model args as build() when they change
         input shapes (e.g. mlp in_features, llama vocab)."""
         if batch_size <= 0:
@@ -85,13 +90,16 @@ def image_batch(image_size: int, num_classes: int = 1000) -> Callable[..., tuple
         classes = args.get("num_classes", num_classes)
         x = torch.randn(batch_size, 3, size, size, device=device)
         return (x,), torch.randint(0, classes, (batch_size,), device=device)
+
     return make
 
 
 def token_batch(vocab_arg: str, default_vocab: int) -> Callable[..., tuple[tuple[Any, ...], Any]]:
     """Next-token / masked-token data: ids and targets of shape (batch, seq)."""
+
     def make(batch_size: int, seq_len: int | None, device: Any, **args: Any):
         vocab = args.get(vocab_arg, default_vocab)
         ids = torch.randint(0, vocab, (batch_size, seq_len), device=device)
         return (ids,), torch.randint(0, vocab, (batch_size, seq_len), device=device)
+
     return make

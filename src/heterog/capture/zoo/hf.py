@@ -13,6 +13,7 @@ use_cache=False: training keeps no KV cache.
 from __future__ import annotations
 
 import os
+
 from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,44 +25,104 @@ def _finish(model: nn.Module) -> nn.Module:
     return model
 
 
-def gpt2(hidden: int = 768, layers: int = 12, heads: int = 12, vocab: int = 50257,
-         positions: int = 1024, dropout: float = 0.1) -> nn.Module:
+def gpt2(
+    hidden: int = 768,
+    layers: int = 12,
+    heads: int = 12,
+    vocab: int = 50257,
+    positions: int = 1024,
+    dropout: float = 0.1,
+) -> nn.Module:
     """GPT-2 (Radford et al., 2019) with the LM head tied to the token embedding; `dropout`
     on embeddings and residual branches (0 makes training deterministic, for tests)."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab,
-                     n_positions=positions, attn_pdrop=0.0, resid_pdrop=dropout, embd_pdrop=dropout, use_cache=False, attn_implementation="sdpa")
+
+    cfg = GPT2Config(
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=positions,
+        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return _finish(GPT2LMHeadModel(cfg))
 
 
-def bert(hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096,
-         vocab: int = 30522, positions: int = 512, dropout: float = 0.1) -> nn.Module:
+def bert(
+    hidden: int = 1024,
+    layers: int = 24,
+    heads: int = 16,
+    ffn: int = 4096,
+    vocab: int = 30522,
+    positions: int = 512,
+    dropout: float = 0.1,
+) -> nn.Module:
     """BERT with its masked-LM head (Devlin et al., 2019); defaults: BERT-large."""
     from transformers import BertConfig, BertForMaskedLM
-    cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=positions,
-                     attention_probs_dropout_prob=0.0, hidden_dropout_prob=dropout,
-                     attn_implementation="sdpa")
+
+    cfg = BertConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=dropout,
+        attn_implementation="sdpa",
+    )
     return BertForMaskedLM(cfg)
 
 
-def xlnet(hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096,
-          vocab: int = 32000, dropout: float = 0.1) -> nn.Module:
+def xlnet(
+    hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096, vocab: int = 32000, dropout: float = 0.1
+) -> nn.Module:
     """XLNet with its LM head (Yang et al., 2019); defaults: XLNet-large."""
     from transformers import XLNetConfig, XLNetLMHeadModel
-    cfg = XLNetConfig(d_model=hidden, n_layer=layers, n_head=heads, d_inner=ffn, vocab_size=vocab,
-                      use_mems_train=False, use_mems_eval=False, mem_len=None, dropout=dropout)
+
+    cfg = XLNetConfig(
+        d_model=hidden,
+        n_layer=layers,
+        n_head=heads,
+        d_inner=ffn,
+        vocab_size=vocab,
+        use_mems_train=False,
+        use_mems_eval=False,
+        mem_len=None,
+        dropout=dropout,
+    )
     return XLNetLMHeadModel(cfg)
 
 
-def llama(hidden: int = 512, layers: int = 4, heads: int = 8, kv_heads: int | None = None,
-          ffn: int = 1376, vocab: int = 32000, positions: int = 4096, tie: bool = False) -> nn.Module:
+def llama(
+    hidden: int = 512,
+    layers: int = 4,
+    heads: int = 8,
+    kv_heads: int | None = None,
+    ffn: int = 1376,
+    vocab: int = 32000,
+    positions: int = 4096,
+    tie: bool = False,
+) -> nn.Module:
     """A Llama-architecture decoder (RMSNorm, SwiGLU, rotary positions, grouped KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
-                      vocab_size=vocab, max_position_embeddings=positions,
-                      tie_word_embeddings=tie, use_cache=False, attn_implementation="sdpa")
+
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        tie_word_embeddings=tie,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return _finish(LlamaForCausalLM(cfg))
 
 

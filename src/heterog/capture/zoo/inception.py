@@ -143,10 +143,30 @@ class InceptionV3(nn.Module):
         self.fc = nn.Linear(2048, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for name in ("Conv2d_1a_3x3", "Conv2d_2a_3x3", "Conv2d_2b_3x3", "maxpool1", "Conv2d_3b_1x1",
-                     "Conv2d_4a_3x3", "maxpool2", "Mixed_5b", "Mixed_5c", "Mixed_5d", "Mixed_6a",
-                     "Mixed_6b", "Mixed_6c", "Mixed_6d", "Mixed_6e", "Mixed_7a", "Mixed_7b",
-                     "Mixed_7c", "avgpool", "dropout", "flatten", "fc"):
+        for name in (
+            "Conv2d_1a_3x3",
+            "Conv2d_2a_3x3",
+            "Conv2d_2b_3x3",
+            "maxpool1",
+            "Conv2d_3b_1x1",
+            "Conv2d_4a_3x3",
+            "maxpool2",
+            "Mixed_5b",
+            "Mixed_5c",
+            "Mixed_5d",
+            "Mixed_6a",
+            "Mixed_6b",
+            "Mixed_6c",
+            "Mixed_6d",
+            "Mixed_6e",
+            "Mixed_7a",
+            "Mixed_7b",
+            "Mixed_7c",
+            "avgpool",
+            "dropout",
+            "flatten",
+            "fc",
+        ):
             x = getattr(self, name)(x)
         return x
 

@@ -9,8 +9,11 @@ from torch import nn
 
 def _conv_bn_act(cin: int, cout: int, kernel: int = 3, stride: int = 1, groups: int = 1) -> nn.Sequential:
     # torchvision's Conv2dNormActivation: conv (no bias) → BN → ReLU6.
-    return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
-                         nn.BatchNorm2d(cout), nn.ReLU6(inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU6(inplace=True),
+    )
 
 
 class InvertedResidual(nn.Module):
@@ -21,8 +24,11 @@ class InvertedResidual(nn.Module):
         layers: list[nn.Module] = []
         if expand_ratio != 1:
             layers.append(_conv_bn_act(cin, hidden, kernel=1))
-        layers += [_conv_bn_act(hidden, hidden, stride=stride, groups=hidden),
-                   nn.Conv2d(hidden, cout, 1, 1, 0, bias=False), nn.BatchNorm2d(cout)]
+        layers += [
+            _conv_bn_act(hidden, hidden, stride=stride, groups=hidden),
+            nn.Conv2d(hidden, cout, 1, 1, 0, bias=False),
+            nn.BatchNorm2d(cout),
+        ]
         self.conv = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,8 +39,15 @@ class InvertedResidual(nn.Module):
 
 class MobileNetV2(nn.Module):
     # (expansion t, channels c, repeats n, first stride s), Table 2 of the paper.
-    SETTING = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1],
-               [6, 160, 3, 2], [6, 320, 1, 1]]
+    SETTING = [
+        [1, 16, 1, 1],
+        [6, 24, 2, 2],
+        [6, 32, 3, 2],
+        [6, 64, 4, 2],
+        [6, 96, 3, 1],
+        [6, 160, 3, 2],
+        [6, 320, 1, 1],
+    ]
 
     def __init__(self, num_classes: int = 1000, dropout: float = 0.2):
         super().__init__()

@@ -16,7 +16,7 @@ from torch import nn
 
 
 def _bn(c: int) -> nn.BatchNorm2d:
-    return nn.BatchNorm2d(c, eps=1e-3, momentum=0.0003)   # Keras momentum 0.9997
+    return nn.BatchNorm2d(c, eps=1e-3, momentum=0.0003)  # Keras momentum 0.9997
 
 
 def _correct_pad(x: torch.Tensor, k: int) -> tuple[int, int, int, int]:
@@ -30,8 +30,7 @@ class SeparableConv(nn.Module):
 
     def __init__(self, cin: int, cout: int, k: int, stride: int = 1):
         super().__init__()
-        self.depthwise = nn.Conv2d(cin, cin, k, stride, padding=k // 2 if stride == 1 else 0,
-                                   groups=cin, bias=False)
+        self.depthwise = nn.Conv2d(cin, cin, k, stride, padding=k // 2 if stride == 1 else 0, groups=cin, bias=False)
         self.pointwise = nn.Conv2d(cin, cout, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,8 +146,14 @@ class ReductionCell(_Cell):
 
 
 class NASNet(nn.Module):
-    def __init__(self, penultimate_filters: int = 1056, num_blocks: int = 4, stem_filters: int = 32,
-                 multiplier: int = 2, num_classes: int = 1000):
+    def __init__(
+        self,
+        penultimate_filters: int = 1056,
+        num_blocks: int = 4,
+        stem_filters: int = 32,
+        multiplier: int = 2,
+        num_classes: int = 1000,
+    ):
         super().__init__()
         f = penultimate_filters // 24
         self.stem_conv = nn.Conv2d(3, stem_filters, 3, 2, bias=False)
@@ -163,13 +168,13 @@ class NASNet(nn.Module):
             level = x_shape[1] + (1 if cell_type is ReductionCell else 0)
             x_shape, p_shape = (cell.out_channels, level), x_shape
 
-        add(ReductionCell, f // multiplier ** 2)
+        add(ReductionCell, f // multiplier**2)
         add(ReductionCell, f // multiplier)
         for stack in range(3):
             if stack > 0:
-                add(ReductionCell, f * multiplier ** stack)
+                add(ReductionCell, f * multiplier**stack)
             for _ in range(num_blocks):
-                add(NormalCell, f * multiplier ** stack)
+                add(NormalCell, f * multiplier**stack)
         self.cells = nn.ModuleList(cells)
         self.pool = nn.AdaptiveAvgPool2d((1, 1))
         self.flatten = nn.Flatten(1)

@@ -63,8 +63,10 @@ class ResNet(nn.Module):
     def _make_layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.inplanes != planes * Bottleneck.expansion:
-            downsample = nn.Sequential(_conv1x1(self.inplanes, planes * Bottleneck.expansion, stride),
-                                       nn.BatchNorm2d(planes * Bottleneck.expansion))
+            downsample = nn.Sequential(
+                _conv1x1(self.inplanes, planes * Bottleneck.expansion, stride),
+                nn.BatchNorm2d(planes * Bottleneck.expansion),
+            )
         layers = [Bottleneck(self.inplanes, planes, stride, downsample)]
         self.inplanes = planes * Bottleneck.expansion
         layers += [Bottleneck(self.inplanes, planes) for _ in range(1, blocks)]

@@ -70,8 +70,15 @@ class DecoderLayer(nn.Module):
 
 
 class Seq2SeqTransformer(nn.Module):
-    def __init__(self, vocab: int = 37000, d_model: int = 512, heads: int = 8, layers: int = 6,
-                 ffn: int = 2048, dropout: float = 0.1):
+    def __init__(
+        self,
+        vocab: int = 37000,
+        d_model: int = 512,
+        heads: int = 8,
+        layers: int = 6,
+        ffn: int = 2048,
+        dropout: float = 0.1,
+    ):
         super().__init__()
         self.scale = math.sqrt(d_model)
         self.embed = nn.Embedding(vocab, d_model)
@@ -83,7 +90,7 @@ class Seq2SeqTransformer(nn.Module):
         self.decoder = nn.ModuleList(DecoderLayer(d_model, heads, ffn, dropout) for _ in range(layers))
         self.decoder_norm = nn.LayerNorm(d_model)
         self.generator = nn.Linear(d_model, vocab, bias=False)
-        self.generator.weight = self.embed.weight   # tied (§3.4)
+        self.generator.weight = self.embed.weight  # tied (§3.4)
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         memory = self.src_dropout(self.positions(self.embed(src) * self.scale))
@@ -96,8 +103,9 @@ class Seq2SeqTransformer(nn.Module):
         return self.generator(self.decoder_norm(x))
 
 
-def transformer(vocab: int = 37000, d_model: int = 512, heads: int = 8, layers: int = 6,
-                ffn: int = 2048, dropout: float = 0.1) -> Seq2SeqTransformer:
+def transformer(
+    vocab: int = 37000, d_model: int = 512, heads: int = 8, layers: int = 6, ffn: int = 2048, dropout: float = 0.1
+) -> Seq2SeqTransformer:
     """dropout=0 makes training deterministic (the executor's equivalence tests)."""
     return Seq2SeqTransformer(vocab, d_model, heads, layers, ffn, dropout)
 

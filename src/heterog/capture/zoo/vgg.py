@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_CFG_E = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
-          512, 512, 512, 512, "M"]
+_CFG_E = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
 
 
 class VGG(nn.Module):
@@ -25,9 +24,14 @@ class VGG(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.flatten = nn.Flatten(1)
         self.classifier = nn.Sequential(
-            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(dropout),
-            nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(dropout),
-            nn.Linear(4096, num_classes))
+            nn.Linear(512 * 7 * 7, 4096),
+            nn.ReLU(True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, 4096),
+            nn.ReLU(True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, num_classes),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.flatten(self.avgpool(self.features(x))))

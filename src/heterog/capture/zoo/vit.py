@@ -15,8 +15,9 @@ from heterog.capture.zoo.attention import SelfAttention
 
 class MLPBlock(nn.Sequential):
     def __init__(self, dim: int, mlp_dim: int, dropout: float):
-        super().__init__(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout),
-                         nn.Linear(mlp_dim, dim), nn.Dropout(dropout))
+        super().__init__(
+            nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(mlp_dim, dim), nn.Dropout(dropout)
+        )
 
 
 class EncoderBlock(nn.Module):
@@ -38,8 +39,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.pos_embedding = nn.Parameter(torch.empty(1, seq_length, dim).normal_(std=0.02))
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.Sequential(OrderedDict(
-            (f"encoder_layer_{i}", EncoderBlock(heads, dim, mlp_dim, dropout)) for i in range(layers)))
+        self.layers = nn.Sequential(
+            OrderedDict((f"encoder_layer_{i}", EncoderBlock(heads, dim, mlp_dim, dropout)) for i in range(layers))
+        )
         self.ln = nn.LayerNorm(dim, eps=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,8 +49,17 @@ class Encoder(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, image_size: int = 224, patch_size: int = 16, layers: int = 12, heads: int = 12,
-                 hidden: int = 768, mlp_dim: int = 3072, num_classes: int = 1000, dropout: float = 0.0):
+    def __init__(
+        self,
+        image_size: int = 224,
+        patch_size: int = 16,
+        layers: int = 12,
+        heads: int = 12,
+        hidden: int = 768,
+        mlp_dim: int = 3072,
+        num_classes: int = 1000,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.patch_size = patch_size
         self.hidden = hidden
@@ -60,8 +71,8 @@ class VisionTransformer(nn.Module):
         self.heads.add_module("head", nn.Linear(hidden, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv_proj(x)                      # (n, hidden, h/p, w/p)
-        x = x.flatten(2).permute(0, 2, 1)          # (n, patches, hidden)
+        x = self.conv_proj(x)  # (n, hidden, h/p, w/p)
+        x = x.flatten(2).permute(0, 2, 1)  # (n, patches, hidden)
         cls = self.class_token.expand(x.shape[0], -1, -1)
         x = self.encoder(torch.cat([cls, x], dim=1))
         return self.heads(x[:, 0])

@@ -32,10 +32,10 @@ PAIR_FEATURES = 5
 
 @dataclass(frozen=True, slots=True)
 class Features:
-    group: torch.Tensor        # [G, GROUP_FEATURES]
-    device: torch.Tensor       # [n, DEVICE_FEATURES]
-    pair: torch.Tensor         # [G, n, PAIR_FEATURES]
-    edge_index: torch.Tensor   # [2, E] group graph, both directions
+    group: torch.Tensor  # [G, GROUP_FEATURES]
+    device: torch.Tensor  # [n, DEVICE_FEATURES]
+    pair: torch.Tensor  # [G, n, PAIR_FEATURES]
+    edge_index: torch.Tensor  # [2, E] group graph, both directions
     node_of_device: torch.Tensor  # [n] node index of each device
     n_nodes: int
 
@@ -58,23 +58,30 @@ def build_features(prob: Problem) -> Features:
     t_full = group_times_s(prob, B)[:, fast_cls]
     total_t = max(t_full.sum(), 1e-30)
     act = prob.act_per_sample[:, 0] * B
-    sync_all = np.array([prob.sync_time_s(g, Placement(tuple(range(n)), tuple([1.0 / n] * n), "ring"))
-                         if n > 1 else 0.0 for g in range(G)])
+    sync_all = np.array(
+        [
+            prob.sync_time_s(g, Placement(tuple(range(n)), tuple([1.0 / n] * n), "ring")) if n > 1 else 0.0
+            for g in range(G)
+        ]
+    )
     cross = np.zeros(G)
     for (a, b), nbytes in prob.edges.items():
         if b == a + 1:
             cross[a] += nbytes.at(B)
-    gf = np.stack([
-        t_full / total_t * G,
-        prob.param_bytes / max(prob.param_bytes.sum(), 1.0) * G,
-        act / max(act.sum(), 1.0) * G,
-        np.arange(G) / max(G - 1, 1),
-        np.log10(1 + sync_all / np.maximum(t_full / n, 1e-9)) ,
-        np.log10(1 + cross / max(act.mean(), 1.0)),
-        _log_ratio(t_full, total_t / G) / 3,
-        np.full(G, math.log10(n) / 3),
-        np.full(G, math.log10(B) / 3),
-    ], axis=1)
+    gf = np.stack(
+        [
+            t_full / total_t * G,
+            prob.param_bytes / max(prob.param_bytes.sum(), 1.0) * G,
+            act / max(act.sum(), 1.0) * G,
+            np.arange(G) / max(G - 1, 1),
+            np.log10(1 + sync_all / np.maximum(t_full / n, 1e-9)),
+            np.log10(1 + cross / max(act.mean(), 1.0)),
+            _log_ratio(t_full, total_t / G) / 3,
+            np.full(G, math.log10(n) / 3),
+            np.full(G, math.log10(B) / 3),
+        ],
+        axis=1,
+    )
     speed = 1.0 / prob.device_time_per_sample_s
     mem = prob.memory_bytes
     node_names = sorted(set(prob.node_of_device), key=prob.node_of_device.index)
@@ -91,33 +98,42 @@ def build_features(prob: Problem) -> Features:
         other = members[1 if node_idx[i] == 0 else 0][0] if len(members) > 1 else None
         nic[i] = 1.0 / max(prob.pair_cost(i, other)[1], 1e-15) if other is not None else 1e12
         local[i] = 1.0 / max(prob.pair_cost(i, peer)[1], 1e-15) if peer is not None else 1e12
-    df = np.stack([
-        speed / speed.max(),
-        mem / mem.max(),
-        np.log10(nic / 1e9) / 2,
-        np.log10(local / 1e9) / 2,
-        per_node[node_idx] / n,
-        np.log10(np.maximum(mem - prob.persistent_bytes[:, prob.dev_class].sum(axis=0), 1.0) / mem.max()) / 3,
-    ], axis=1)
+    df = np.stack(
+        [
+            speed / speed.max(),
+            mem / mem.max(),
+            np.log10(nic / 1e9) / 2,
+            np.log10(local / 1e9) / 2,
+            per_node[node_idx] / n,
+            np.log10(np.maximum(mem - prob.persistent_bytes[:, prob.dev_class].sum(axis=0), 1.0) / mem.max()) / 3,
+        ],
+        axis=1,
+    )
     cls = prob.dev_class
-    t_even = group_times_s(prob, even)[:, cls]                       # [G, n]
+    t_even = group_times_s(prob, even)[:, cls]  # [G, n]
     t_even_fast = group_times_s(prob, even)[:, fast_cls][:, None]
     need_g = prob.persistent_bytes[:, cls] + (prob.act_per_sample[:, 0] * even)[:, None]
     need_all = need_g.sum(axis=0, keepdims=True)
     per_byte = np.array([prob.pair_cost(d, fast)[1] if d != fast else 0.0 for d in range(n)])
     grad_move = prob.grad_bytes[:, None] * per_byte[None, :] / np.maximum(t_even_fast, 1e-9)
-    pf = np.stack([
-        _log_ratio(t_even, 1.0) - _log_ratio(t_even_fast, 1.0),
-        need_g / mem[None, :],
-        np.broadcast_to(need_all / mem[None, :], (G, n)),
-        np.log10(1 + grad_move),
-        np.broadcast_to((speed / speed.sum())[None, :] * n, (G, n)),
-    ], axis=2)
+    pf = np.stack(
+        [
+            _log_ratio(t_even, 1.0) - _log_ratio(t_even_fast, 1.0),
+            need_g / mem[None, :],
+            np.broadcast_to(need_all / mem[None, :], (G, n)),
+            np.log10(1 + grad_move),
+            np.broadcast_to((speed / speed.sum())[None, :] * n, (G, n)),
+        ],
+        axis=2,
+    )
     src = [a for (a, b) in prob.edges] + [b for (a, b) in prob.edges]
     dst = [b for (a, b) in prob.edges] + [a for (a, b) in prob.edges]
     f32 = torch.float32
-    return Features(group=torch.tensor(np.nan_to_num(gf), dtype=f32),
-                    device=torch.tensor(np.nan_to_num(df), dtype=f32),
-                    pair=torch.tensor(np.nan_to_num(np.clip(pf, -10, 10)), dtype=f32),
-                    edge_index=torch.tensor([src, dst], dtype=torch.long).reshape(2, -1),
-                    node_of_device=torch.tensor(node_idx, dtype=torch.long), n_nodes=len(node_names))
+    return Features(
+        group=torch.tensor(np.nan_to_num(gf), dtype=f32),
+        device=torch.tensor(np.nan_to_num(df), dtype=f32),
+        pair=torch.tensor(np.nan_to_num(np.clip(pf, -10, 10)), dtype=f32),
+        edge_index=torch.tensor([src, dst], dtype=torch.long).reshape(2, -1),
+        node_of_device=torch.tensor(node_idx, dtype=torch.long),
+        n_nodes=len(node_names),
+    )

@@ -51,10 +51,10 @@ def _mlp(i: int, h: int, o: int) -> nn.Sequential:
 @dataclass(frozen=True, slots=True)
 class PolicyOutput:
     placement_logits: torch.Tensor  # [G, 2 + n_nodes + n_devices]
-    sync_logits: torch.Tensor       # [G, 2]
-    share_logits: torch.Tensor      # [G, len(SHARE_PATTERNS)]
-    pair_scores: torch.Tensor       # [G, n]: which device of a set should serve as PS
-    micro_logits: torch.Tensor      # [len(MICROBATCH_OPTIONS)]
+    sync_logits: torch.Tensor  # [G, 2]
+    share_logits: torch.Tensor  # [G, len(SHARE_PATTERNS)]
+    pair_scores: torch.Tensor  # [G, n]: which device of a set should serve as PS
+    micro_logits: torch.Tensor  # [len(MICROBATCH_OPTIONS)]
 
 
 class PolicyNet(nn.Module):
@@ -63,8 +63,9 @@ class PolicyNet(nn.Module):
         self.config = config
         h = config.hidden
         self.group_in = nn.Linear(GROUP_FEATURES, h)
-        self.gats = nn.ModuleList(GATConv(h, h // config.heads, heads=config.heads, add_self_loops=True)
-                                  for _ in range(config.gat_layers))
+        self.gats = nn.ModuleList(
+            GATConv(h, h // config.heads, heads=config.heads, add_self_loops=True) for _ in range(config.gat_layers)
+        )
         self.device_in = _mlp(DEVICE_FEATURES, h, h)
         self.pair = _mlp(2 * h + PAIR_FEATURES, h, h)
         self.pair_out = nn.Linear(h, 1)
@@ -79,22 +80,27 @@ class PolicyNet(nn.Module):
         x = torch.nn.functional.elu(self.group_in(f.group))
         for gat in self.gats:
             x = x + torch.nn.functional.elu(gat(x, f.edge_index))
-        e = self.device_in(f.device)                                 # [n, h]
-        ctx = e.mean(dim=0, keepdim=True).expand(x.shape[0], -1)     # [G, h]
+        e = self.device_in(f.device)  # [n, h]
+        ctx = e.mean(dim=0, keepdim=True).expand(x.shape[0], -1)  # [G, h]
         G, n = f.pair.shape[:2]
         pair_in = torch.cat([x[:, None, :].expand(G, n, -1), e[None, :, :].expand(G, n, -1), f.pair], dim=2)
-        ph = torch.nn.functional.elu(self.pair(pair_in))             # [G, n, h]
-        single = self.pair_out(ph).squeeze(-1)                       # [G, n]
+        ph = torch.nn.functional.elu(self.pair(pair_in))  # [G, n, h]
+        single = self.pair_out(ph).squeeze(-1)  # [G, n]
         # a node's logit reads the mean of its devices' pair embeddings
         counts = torch.bincount(f.node_of_device, minlength=f.n_nodes).clamp(min=1).to(ph.dtype)
         pooled = torch.zeros(G, f.n_nodes, ph.shape[2], dtype=ph.dtype)
         pooled = pooled.index_add(1, f.node_of_device, ph) / counts[None, :, None]
-        node = self.node_out(pooled).squeeze(-1)                     # [G, n_nodes]
+        node = self.node_out(pooled).squeeze(-1)  # [G, n_nodes]
         xc = torch.cat([x, ctx], dim=1)
         prev = torch.cat([x[:1], x[:-1]], dim=0)
         same = self.same_out(torch.cat([x, prev], dim=1))
         same = torch.cat([torch.full_like(same[:1], -1e4), same[1:]], dim=0)  # group 0 has no predecessor
         logits = torch.cat([same, self.all_out(xc), node, single], dim=1)
         micro = self.micro_out(torch.cat([x.mean(dim=0), ctx[0]]))
-        return PolicyOutput(placement_logits=logits, sync_logits=self.sync_out(xc), share_logits=self.share_out(xc),
-                            pair_scores=single, micro_logits=micro)
+        return PolicyOutput(
+            placement_logits=logits,
+            sync_logits=self.sync_out(xc),
+            share_logits=self.share_out(xc),
+            pair_scores=single,
+            micro_logits=micro,
+        )

@@ -13,10 +13,17 @@ from typing import Any
 import torch
 
 from heterog.errors import ArtifactError
-from heterog.search.gnn.features import Features, build_features
-from heterog.search.gnn.model import (ALL, MICROBATCH_OPTIONS, SAME, SHARE_PATTERNS, PolicyConfig, PolicyNet,
-                                      PolicyOutput)
 from heterog.ir.plan import split_samples
+from heterog.search.gnn.features import Features, build_features
+from heterog.search.gnn.model import (
+    ALL,
+    MICROBATCH_OPTIONS,
+    SAME,
+    SHARE_PATTERNS,
+    PolicyConfig,
+    PolicyNet,
+    PolicyOutput,
+)
 from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
 
@@ -27,26 +34,33 @@ FORMAT = "heterog.GnnPolicy/2"  # 2: share-pattern head
 @dataclass(frozen=True, slots=True)
 class Actions:
     placement: torch.Tensor  # [G] long
-    sync: torch.Tensor       # [G] long
-    share: torch.Tensor      # [G] long, index into SHARE_PATTERNS
-    micro: torch.Tensor      # [] long
+    sync: torch.Tensor  # [G] long
+    share: torch.Tensor  # [G] long, index into SHARE_PATTERNS
+    micro: torch.Tensor  # [] long
 
     def key(self) -> tuple:
-        return (tuple(self.placement.tolist()), tuple(self.sync.tolist()), tuple(self.share.tolist()),
-                int(self.micro))
+        return (tuple(self.placement.tolist()), tuple(self.sync.tolist()), tuple(self.share.tolist()), int(self.micro))
 
 
 def _dists(out: PolicyOutput):
-    return tuple(torch.distributions.Categorical(logits=t) for t in
-                 (out.placement_logits, out.sync_logits, out.share_logits, out.micro_logits))
+    return tuple(
+        torch.distributions.Categorical(logits=t)
+        for t in (out.placement_logits, out.sync_logits, out.share_logits, out.micro_logits)
+    )
 
 
 def sample_actions(out: PolicyOutput, generator: torch.Generator | None = None, greedy: bool = False) -> Actions:
     if greedy:
-        return Actions(out.placement_logits.argmax(dim=1), out.sync_logits.argmax(dim=1),
-                       out.share_logits.argmax(dim=1), out.micro_logits.argmax())
-    probs = [torch.softmax(t.detach(), dim=-1) for t in
-             (out.placement_logits, out.sync_logits, out.share_logits, out.micro_logits)]
+        return Actions(
+            out.placement_logits.argmax(dim=1),
+            out.sync_logits.argmax(dim=1),
+            out.share_logits.argmax(dim=1),
+            out.micro_logits.argmax(),
+        )
+    probs = [
+        torch.softmax(t.detach(), dim=-1)
+        for t in (out.placement_logits, out.sync_logits, out.share_logits, out.micro_logits)
+    ]
     p = torch.multinomial(probs[0], 1, generator=generator).squeeze(1)
     s = torch.multinomial(probs[1], 1, generator=generator).squeeze(1)
     h = torch.multinomial(probs[2], 1, generator=generator).squeeze(1)
@@ -56,8 +70,9 @@ def sample_actions(out: PolicyOutput, generator: torch.Generator | None = None, 
 
 def log_prob(out: PolicyOutput, a: Actions) -> torch.Tensor:
     dp, ds, dh, dm = _dists(out)
-    return (dp.log_prob(a.placement).sum() + ds.log_prob(a.sync).sum() + dh.log_prob(a.share).sum()
-            + dm.log_prob(a.micro))
+    return (
+        dp.log_prob(a.placement).sum() + ds.log_prob(a.sync).sum() + dh.log_prob(a.share).sum() + dm.log_prob(a.micro)
+    )
 
 
 def entropy(out: PolicyOutput) -> torch.Tensor:
@@ -65,8 +80,9 @@ def entropy(out: PolicyOutput) -> torch.Tensor:
     return dp.entropy().mean() + ds.entropy().mean() + dh.entropy().mean() + dm.entropy()
 
 
-def pattern_shares(prob: Problem, groups: range, devs: tuple[int, ...], pattern: str,
-                   microbatches: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def pattern_shares(
+    prob: Problem, groups: range, devs: tuple[int, ...], pattern: str, microbatches: int
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Shares of a device set by pattern: the LP balance, even, or proportional to the memory
     each device has left after the groups' persistent state (whole samples, by split_samples)."""
     if pattern == "balanced" or len(devs) == 1:
@@ -153,8 +169,15 @@ class Policy:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save({"format": FORMAT, "config": self.net.config.to_dict(),
-                    "state_dict": self.net.state_dict(), "meta": self.meta}, tmp)
+        torch.save(
+            {
+                "format": FORMAT,
+                "config": self.net.config.to_dict(),
+                "state_dict": self.net.state_dict(),
+                "meta": self.meta,
+            },
+            tmp,
+        )
         tmp.replace(path)
 
 

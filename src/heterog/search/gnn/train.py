@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -60,8 +60,13 @@ class _Task:
 
 def make_problem(graph, cluster, max_groups: int = 16) -> Problem:
     costs = TableCostModel(graph=graph, cluster=cluster)
-    return Problem(graph=graph, cluster=cluster, costs=costs, groups=make_groups(graph, cluster, costs, max_groups),
-                   batch_size=graph.batch_size)
+    return Problem(
+        graph=graph,
+        cluster=cluster,
+        costs=costs,
+        groups=make_groups(graph, cluster, costs, max_groups),
+        batch_size=graph.batch_size,
+    )
 
 
 def synthetic_problems(count: int, *, seed: int = 0, max_devices: int = 8, max_groups: int = 16) -> list[Problem]:
@@ -96,8 +101,15 @@ def zoo_problems(models: Sequence[str], clusters: Sequence[str], *, max_groups: 
         for name in clusters:
             cluster = load_cluster(name)
             costs = build_cost_model(graph, cluster)
-            out.append(Problem(graph=graph, cluster=cluster, costs=costs,
-                               groups=make_groups(graph, cluster, costs, max_groups), batch_size=graph.batch_size))
+            out.append(
+                Problem(
+                    graph=graph,
+                    cluster=cluster,
+                    costs=costs,
+                    groups=make_groups(graph, cluster, costs, max_groups),
+                    batch_size=graph.batch_size,
+                )
+            )
     return out
 
 
@@ -120,8 +132,14 @@ def mean_reward(policy: Policy, prob: Problem, samples: int = 16, seed: int = 0)
         return sum(reward(task, sample_actions(out, gen), out) for _ in range(samples)) / samples
 
 
-def train(policy: Policy, problems: list[Problem], config: TrainConfig = TrainConfig(), *,
-          budget_s: float | None = None, log: Callable[[dict], None] | None = None) -> list[dict]:
+def train(
+    policy: Policy,
+    problems: list[Problem],
+    config: TrainConfig = TrainConfig(),
+    *,
+    budget_s: float | None = None,
+    log: Callable[[dict], None] | None = None,
+) -> list[dict]:
     """Train in place; returns one record per step (problem, mean reward, best reward, loss)."""
     torch.manual_seed(config.seed)
     gen = torch.Generator().manual_seed(config.seed)
@@ -155,7 +173,7 @@ def train(policy: Policy, problems: list[Problem], config: TrainConfig = TrainCo
             if all(a.key() != p[1].key() for p in task.pool):
                 task.pool.append((r, a))
         task.pool.sort(key=lambda p: -p[0])
-        del task.pool[config.pool_size:]
+        del task.pool[config.pool_size :]
         if step % config.imitate_every == 0:
             good = [(r - task.baseline, a) for r, a in task.pool if r > task.baseline]
             if good:
@@ -169,12 +187,19 @@ def train(policy: Policy, problems: list[Problem], config: TrainConfig = TrainCo
         stall = 0 if improved else stall + 1
         if stall > 3 * len(tasks):  # no problem improved for a while: explore more
             beta, stall = min(beta * 1.5, 0.2), 0
-        rec = {"step": step, "problem": ti, "mean_reward": mean_r, "best_reward": task.best_reward,
-               "loss": float(loss.detach()), "entropy_weight": beta}
+        rec = {
+            "step": step,
+            "problem": ti,
+            "mean_reward": mean_r,
+            "best_reward": task.best_reward,
+            "loss": float(loss.detach()),
+            "entropy_weight": beta,
+        }
         history.append(rec)
         if log is not None:
             log(rec)
     net.eval()
-    policy.meta.update({"trained_steps": len(history), "problems": len(tasks),
-                        "train_time_s": round(time.perf_counter() - begin, 1)})
+    policy.meta.update(
+        {"trained_steps": len(history), "problems": len(tasks), "train_time_s": round(time.perf_counter() - begin, 1)}
+    )
     return history
