@@ -47,6 +47,7 @@ from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
 from heterog.execute.graph_cut import Boundary, GradientSlot, Sink, last_reads, transfer_key
 from heterog.execute.partition import INPUT, Dataflow, Stage
+from heterog.execute.shard import ShardRunner
 from heterog.execute.trace import Span, SpanCategory
 from heterog.execute.transport import MAX_VALUES, Transport
 from heterog.execute.workload import Workload, slice_batch
@@ -107,8 +108,10 @@ class Interpreter:
         precision: str = "fp32",
         memory_cap: MemoryCap | None = None,
         crossing: dict[tuple[int, int], list[str]] | None = None,
+        shards: ShardRunner | None = None,
     ):
         self.program, self.flow, self.work = program, flow, work
+        self.shards = shards  # the sharded blocks' pieces (shard.py); None: nothing sharded here
         self.memory_cap = memory_cap  # an emulated device's capacity, checked after every instruction
         self.peak_live_bytes = 0
         self.instructions = program.instructions[device]
@@ -133,6 +136,8 @@ class Interpreter:
         self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)  # Boundary's
         self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
         self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
+        if shards is not None:
+            shards.check_stages(self.stages_of)
         self.crossing = crossing if crossing is not None else crossing_values(program, flow)
         self.range_of: dict[tuple[int, int], tuple[int, int]] = {}
         self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}  # (run, micro-batch) → pieces
@@ -225,6 +230,9 @@ class Interpreter:
             self.sync.finish()  # a server without a replica has collectives but no optimizer step
         if self.scaler is not None:  # every rank, so that all skip an overflowing step alike
             self._scaled_step()
+            if self.shards is not None:  # the updated pieces to every member (shard.py)
+                self.shards.launch_deferred()
+                self.sync.finish()
         if self.rank_device.kind == "meta":  # shapes only (heterog check)
             return float("nan")
         return float(self._loss_total)
@@ -345,12 +353,13 @@ class Interpreter:
             self.transport.in_flight(),
             [(c.saved, c.loss) for c in self._calls.values()],
         )
+        sharded = self.shards.model_params() if self.shards is not None else []
         return LiveBytes(
-            parameters_bytes=count.add(params),
-            gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
+            parameters_bytes=count.add([*params, *sharded, *(self.shards.live_tensors() if self.shards else [])]),
+            gradients_bytes=count.add(p.grad for p in [*params, *sharded] if p.grad is not None),
             optimizer_state_bytes=count.add(tensors_in(state)),
             activations_bytes=count.add(tensors_in(held)),
-            buffers_bytes=count.add(self.sync.runner.kept_buffers()),
+            buffers_bytes=count.add([*self.sync.runner.kept_buffers(), *self.sync.runner.in_flight()]),
         )
 
     def _saving(self, saved: list[torch.Tensor]):
@@ -360,6 +369,16 @@ class Interpreter:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
 
     def _compute(self, index: int, ins: Compute) -> None:
+        """A compute, on the parameters gathered for it when its block shards them (stage 3)."""
+        if self.shards is None:
+            return self._compute_here(index, ins)
+        self.shards.materialise(ins.block, ins.phase, ins.microbatch)
+        try:
+            self._compute_here(index, ins)
+        finally:
+            self.shards.release(ins.block, ins.phase, ins.microbatch)
+
+    def _compute_here(self, index: int, ins: Compute) -> None:
         self.trace.append(("compute", ins.block, str(ins.phase), ins.microbatch, ins.hi - ins.lo))
         if ins.lo == ins.hi:
             return

@@ -33,7 +33,8 @@ it on all of them (collectives.ParameterServer).
 
 `ProgramSync` drives it from a lowered Program: one bucket per Collective instruction (a
 block's parameters, or with `tie` a tied parameter's copies), launched when the rank's
-interpreter reaches the instruction.
+interpreter reaches the instruction; a sharded block's reduce-scatters and all-gathers run
+on the same lane through `ShardRunner` (shard.py).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ import torch
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
 from heterog.execute.partition import Dataflow
+from heterog.execute.shard import ShardRunner, sharded_collectives
 from heterog.execute.workload import make_optimizer
-from heterog.ir.kinds import SyncMethod
+from heterog.ir.kinds import CollectiveOp, SyncMethod
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,6 +68,16 @@ class Bucket:
     server: int | None = None
     replicas: tuple[int, ...] = ()  # ps: the ranks that compute gradients
     nodes: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """A collective on the lane that installs its own result (a sharded block's, shard.py)."""
+
+    label: str
+    members: tuple[int, ...]
+    method: str = "ring"
+    buffers: tuple[torch.Tensor, ...] = dataclasses.field(default=(), compare=False)  # what it holds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,7 +189,7 @@ class BucketRunner:
         self.lane = make_lane(self.device, host_staging)
         self.deferred = deferred
         self.clock = clock
-        self._pending: list[tuple[Bucket, Any, bool]] = []
+        self._pending: list[tuple[Bucket | Job, Any, bool]] = []
         self._gathered: list[Bucket] = []  # deferred: servers that hold a sum to apply
         self.runs: list[tuple[str, Any, Any]] = []  # (label, start mark, end mark) of each collective run
         self.sync_s = 0.0
@@ -231,6 +243,39 @@ class BucketRunner:
         self._pending.append((bucket, self.lane.submit(self._run, bucket, grad, values), in_place))
         self.sync_s += time.perf_counter() - t0
 
+    def submit(self, label: str, members: tuple[int, ...], fn: Callable[..., Any], *args: Any) -> tuple[Job, Any]:
+        """Run fn(*args) on the lane after the collectives launched before it; finish() waits
+        for it. Returns what `wait` takes."""
+        t0 = time.perf_counter()
+        job = Job(label=label, members=members, buffers=tuple(a for a in args if isinstance(a, torch.Tensor)))
+        handle = self.lane.submit(self._timed, label, fn, *args)
+        self._pending.append((job, handle, True))
+        self.sync_s += time.perf_counter() - t0
+        return job, handle
+
+    def wait(self, submitted: tuple[Job, Any]) -> Any:
+        """Wait for one submitted job (and so for every collective launched before it)."""
+        t0 = time.perf_counter()
+        out = self._result(*submitted)
+        self.sync_s += time.perf_counter() - t0
+        return out
+
+    def _timed(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
+        start = self.clock.mark() if self.clock is not None else None
+        out = fn(*args)
+        if self.clock is not None:
+            self.runs.append((label, start, self.clock.mark()))
+        return out
+
+    def in_flight(self) -> list[torch.Tensor]:
+        """The buffers of submitted jobs still running (a reduce-scatter's flat gradients)."""
+        return [
+            t
+            for job, handle, _ in self._pending
+            if isinstance(job, Job) and not (isinstance(handle, Future) and handle.done())
+            for t in job.buffers
+        ]
+
     def _run(self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
         start = self.clock.mark() if self.clock is not None else None
         out: torch.Tensor | None = grad
@@ -247,7 +292,7 @@ class BucketRunner:
             self.runs.append((f"{bucket.label} {bucket.method}", start, self.clock.mark()))
         return out
 
-    def _result(self, bucket: Bucket, handle: Any) -> Any:
+    def _result(self, bucket: Bucket | Job, handle: Any) -> Any:
         try:
             return self.lane.result(handle)
         except RuntimeError as e:
@@ -264,6 +309,8 @@ class BucketRunner:
         pending, self._pending = self._pending, []
         for bucket, handle, in_place in pending:
             flat = self._result(bucket, handle)
+            if isinstance(bucket, Job):  # it installed its own result
+                continue
             if flat is None:  # deferred: the server's update comes later
                 self._gathered.append(bucket)
             elif self._holds(bucket) and not in_place:  # in place: the gradient holds the sum
@@ -357,11 +404,18 @@ class ProgramSync:
                 ranks_of_group[g] = [self.rank_of[d] for d in block.devices]
         self.ties = tie_buckets(flow, ranks_of_group)
         self._ties_done: set[str] = set()  # tied parameters synced by the Program this step
-        sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties]
+        sharded = sharded_collectives(program)
+        sets = (
+            [self._bucket(c).members for c in self._collectives()]
+            + [b.members for b in self.ties]
+            + [tuple(self.rank_of[d] for d in c.members) for _, c in sorted(sharded.items())]
+        )
         self.runner.create_groups(
             [Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING) for m in sets]
         )
         self.runner.create_servers([b for c in self._collectives() if (b := self._bucket(c)).names])
+        self.shards = ShardRunner(program=program, flow=flow, rank=rank, rank_of=self.rank_of, runner=self.runner)
+        self.deferred = deferred
 
     def served(self) -> list[Served]:
         """The ps buckets this rank serves, with their servers (for checkpoints)."""
@@ -386,7 +440,7 @@ class ProgramSync:
         seen: dict[int, Any] = {}
         for device in self.program.devices:
             for ins in self.program.instructions.get(device, ()):
-                if isinstance(ins, Collective) and not ins.tie:
+                if isinstance(ins, Collective) and not ins.tie and ins.op is CollectiveOp.ALL_REDUCE:
                     seen.setdefault(ins.block, ins)
         return [seen[b] for b in sorted(seen)]
 
@@ -415,6 +469,9 @@ class ProgramSync:
         )
 
     def launch(self, ins: Any) -> None:
+        if ins.op is not CollectiveOp.ALL_REDUCE:  # a sharded block's (shard.py)
+            self.shards.launch(ins, deferred=self.deferred)
+            return
         if ins.tie:  # a tied parameter's copies, where the Program puts it
             bucket = self._tie(ins.tie, tuple(self.rank_of[d] for d in ins.members))
             self._ties_done.add(ins.tie)

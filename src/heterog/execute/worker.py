@@ -242,8 +242,11 @@ def build_rank(
         clock=rdev.clock(),
     )
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
-    params = [p for _, p in named]
-    opt = make_optimizer(params, plan.optimizer)
+    sharded, hidden = sync.shards.sharded_names(), sync.shards.hidden_names()
+    stepped = [p for n, p in named if n not in sharded] + sync.shards.pieces()  # sharded: the pieces
+    opt = make_optimizer(stepped, plan.optimizer)
+    params = stepped + sync.shards.model_params()  # their gradients are cleared every step
+    named = [(n, p) for n, p in named if n not in hidden]  # held whole (checkpoints, dumps)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
     cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)  # emulated devices only
     ex = Interpreter(
@@ -261,6 +264,7 @@ def build_rank(
         precision=plan.precision,
         memory_cap=cap,
         crossing=crossing,
+        shards=sync.shards,
     )
     return RankSetup(
         rank=rank,
@@ -298,7 +302,12 @@ def train(
     setup = build_rank(spec, rank, device, rdev, rank_of, models=models)
     ckpt = checkpoint.CheckpointConfig.from_dict(spec.get("checkpoint"))
     first_step = checkpoint.resume(
-        ckpt, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.served()
+        ckpt,
+        setup.named,
+        setup.optimizer,
+        model=setup.plan.model.name,
+        servers=setup.sync.served(),
+        shards=setup.sync.shards,
     )
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
@@ -309,7 +318,10 @@ def train(
     if spec.get("dump_params"):  # with the parameters: what ran, for tests against the Program
         write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
         write_atomic(out_dir / f"samples_rank{rank}.json", json.dumps(ex.samples))
-        torch.save({name: p.detach().to("cpu").clone() for name, p in setup.named}, out_dir / f"params_rank{rank}.pt")
+        params = {name: p.detach() for name, p in setup.named} | {
+            k.removeprefix("model/"): v for k, v in setup.sync.shards.full_state(None, with_params=False).items()
+        }
+        torch.save({name: p.to("cpu").clone() for name, p in params.items()}, out_dir / f"params_rank{rank}.pt")
     dist.barrier()
     setup.sync.runner.close()  # its sync thread (a multi-plan launch would keep one per plan)
     dist.destroy_process_group()
@@ -411,6 +423,7 @@ def _train_step(
         rank=rank,
         model=setup.plan.model.name,
         servers=setup.sync.served(),
+        shards=setup.sync.shards,
     )
     return record
 

@@ -145,7 +145,7 @@ class ClusterInfo:
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._arrays: dict[tuple[int, ...], np.ndarray] = {}
-        self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
+        self._rings: dict[tuple, tuple[tuple[int, ...], dict[int, float]]] = {}
         self.known_device_sets: set[int] = set()  # SimCache device-set numbers checked against it
         self.link_sets = NumberedSets(self._core_index)
         self.member_sets = NumberedSets({})
@@ -200,6 +200,25 @@ class ClusterInfo:
                     load[l] = load.get(l, 0.0) + per_hop
             hit = (tuple(sorted(load)), load)
             self._rings[members] = hit
+        return hit
+
+    def shard_ring(
+        self, members: tuple[int, ...], fractions: tuple[float, ...], op: str
+    ) -> tuple[tuple[int, ...], dict[int, float]]:
+        """ring() for a reduce-scatter or all-gather with uneven pieces: `members` in ring order,
+        fractions[i] the piece members[i] owns. Over the n − 1 steps each member sends every
+        piece but one (cost/comm.py shard_piece): a reduce-scatter all but its own, an
+        all-gather all but its successor's."""
+        key = ("shard", members, fractions, op)
+        hit = self._rings.get(key)
+        if hit is None:
+            n = len(members)
+            load: dict[int, float] = {}
+            for i in range(n if n > 1 else 0):
+                kept = fractions[i] if op == "reduce_scatter" else fractions[(i + 1) % n]
+                for link in self.path(members[i], members[(i + 1) % n]):
+                    load[link] = load.get(link, 0.0) + 1.0 - kept
+            hit = self._rings[key] = (tuple(sorted(load)), load)
         return hit
 
     def ring_order(self, members) -> list[int]:
@@ -414,6 +433,22 @@ class CostTable:
             self._trim()
             hit = comm.affine_in_bytes(self._comm, key, lambda b: float(self.costs.transfer_time_s(b, src, dst)))
         return hit
+
+    def shard_sync_s(self, op: str, nbytes: float, devices: tuple[str, ...], fractions: tuple[float, ...]) -> float:
+        """A ring reduce-scatter or all-gather with uneven pieces (devices[i] owns fractions[i])."""
+        return self._cached(
+            self._comm,
+            (op, nbytes, devices, fractions),
+            lambda: float(self.costs.shard_collective_time_s(op, nbytes, devices, fractions)),
+        )
+
+    def parameter_bytes(self, nodes: tuple[str, ...], device: str) -> float:
+        """The parameters alone: persistent state less gradients and optimizer state."""
+        return (
+            self.persistent_bytes(nodes, device)
+            - self.gradient_bytes(nodes)
+            - self.optimizer_state_bytes(nodes, device)
+        )
 
     def sync_s(self, method: str, nbytes: float, devices: tuple[str, ...], server: str | None) -> float:
         def make() -> float:

@@ -10,7 +10,12 @@ schedule). Devices are ranks: rank r runs `instructions[devices[r]]` in order. I
   Collective  a gradient bucket (one replicated block) over its members: ring, tree,
               hierarchical or a parameter server; members in ring order. With `tie` set, the
               gradient of a tied parameter whose users lie in several groups, summed over
-              every device holding a copy (ring); `block` is then its owner's block
+              every device holding a copy (ring); `block` is then its owner's block.
+              A sharded block's (lower/shard_tasks.py) are a ring reduce-scatter of its
+              gradients and an all-gather of its parameters (`op`), member i owning the piece
+              `shards[i]` of the flat buffer; with `phase` and `microbatch` set (stage 3) a
+              gather serves that one compute of the block — its parameters live until the
+              compute ends — and a reduce-scatter that micro-batch's gradients
   Optimizer   the optimizer step over the parameters this device holds
 Each carries its memory effect on its device: bytes allocated when it starts
 (`alloc_bytes`) and freed when it ends (`free_bytes`).
@@ -26,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from heterog.errors import ArtifactError, PlanError
-from heterog.ir.kinds import InstructionKind, Phase, SyncMethod
+from heterog.ir.kinds import CollectiveOp, InstructionKind, Phase, SyncMethod
 from heterog.jsonio import Artifact
 
 KIND = "heterog.Program"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: sharded collectives (op, shards, phase, microbatch); shard fields of a block
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,15 +104,32 @@ class Collective:
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
     tie: str | None = None  # a tied parameter's copies, else the block's gradient bucket
+    op: CollectiveOp = CollectiveOp.ALL_REDUCE
+    shards: tuple[float, ...] = ()  # a sharded block's: each member's piece, in member order
+    phase: Phase | None = None  # stage 3: the compute of the block this serves
+    microbatch: int | None = None
     kind: InstructionKind = InstructionKind.COLLECTIVE
 
     @property
-    def ident(self) -> tuple[int, str]:
+    def ident(self) -> tuple[int, str, str, str, int]:
         """Which collective this is: every member's instruction has the same."""
-        return (self.block, self.tie or "")
+        mb = -1 if self.microbatch is None else self.microbatch
+        return (self.block, self.tie or "", str(self.op), str(self.phase or ""), mb)
+
+    @property
+    def serves(self) -> tuple[int, Phase, int] | None:
+        """(block, phase, micro-batch) of the compute a stage-3 gather feeds, else None."""
+        if self.op is not CollectiveOp.ALL_GATHER or self.phase is None or self.microbatch is None:
+            return None
+        return (self.block, self.phase, self.microbatch)
 
     def describe(self) -> str:
-        return f"tied parameter {self.tie!r}" if self.tie else f"block {self.block}"
+        if self.tie:
+            return f"tied parameter {self.tie!r}"
+        if self.op is CollectiveOp.ALL_REDUCE:
+            return f"block {self.block}"
+        at = f" for {self.phase} of micro-batch {self.microbatch}" if self.phase else ""
+        return f"{self.op} of block {self.block}{at}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,10 +160,12 @@ class BlockInfo:
     ps_device: str | None
     recompute: bool
     label: str
+    shard_stage: int = 0  # ZeRO stage of its groups (ir/kinds.py ShardStage)
+    shards: tuple[float, ...] = ()  # each replica's fraction of the sharded state, in replica order
 
 
 @dataclass(frozen=True, kw_only=True)
-class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
+class Program(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
     devices: tuple[str, ...]  # rank r ↔ devices[r]
     blocks: tuple[BlockInfo, ...]
     microbatch_sizes: tuple[int, ...]
@@ -203,6 +227,7 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
                         "groups": tuple(b["groups"]),
                         "devices": tuple(b["devices"]),
                         "shares": tuple(b["shares"]),
+                        "shards": tuple(b.get("shards", ())),
                         "sync": SyncMethod(b["sync"]),
                     }
                 )
@@ -237,6 +262,9 @@ def _instruction(x: dict[str, Any]) -> Instruction:
         body["method"] = SyncMethod(body["method"])
         body["members"] = tuple(body["members"])
         body["nodes"] = tuple(tuple(n) for n in body["nodes"])
+        body["op"] = CollectiveOp(body.get("op", CollectiveOp.ALL_REDUCE))
+        body["shards"] = tuple(body.get("shards", ()))
+        body["phase"] = Phase(body["phase"]) if body.get("phase") else None
     return _BY_KIND[kind](**body)
 
 
@@ -304,11 +332,16 @@ def _check_collectives(prog: Program, source: str) -> None:
                     f"not one of its members {list(i.members)}."
                 )
             first = seen.setdefault(i.ident, i)
-            if (first.members, first.method, first.server) != (i.members, i.method, i.server):
+            if (first.members, first.method, first.server, first.shards) != (i.members, i.method, i.server, i.shards):
                 raise PlanError(
                     f"{source}: members of the collective of {i.describe()} disagree: {d!r} "
-                    f"has {i.method} over {list(i.members)}, another member "
-                    f"{first.method} over {list(first.members)}."
+                    f"has {i.method} over {list(i.members)} (pieces {list(i.shards)}), another member "
+                    f"{first.method} over {list(first.members)} (pieces {list(first.shards)})."
+                )
+            if i.shards and (len(i.shards) != len(i.members) or abs(sum(i.shards) - 1.0) > 1e-6):
+                raise PlanError(
+                    f"{source}: the collective of {i.describe()} gives {len(i.shards)} pieces summing "
+                    f"to {sum(i.shards):.6g} for {len(i.members)} members; re-create it with `heterog lower`."
                 )
             order.setdefault(d, []).append(i.ident)
     for ident, c in seen.items():
@@ -323,44 +356,74 @@ def _check_collectives(prog: Program, source: str) -> None:
 
 def _check_deadlock(prog: Program, source: str) -> None:
     """Run the program abstractly, as the executor does: sends never block, a receive waits
-    for its send, a collective is launched without waiting (execute/sync.py: a background
-    thread), and the optimizer step, like the end of the step, waits until every member of
-    each collective its device launched has launched it too. Every device must reach its end."""
+    for its send, and a collective is launched without waiting onto its device's lane
+    (execute/sync.py: one per device), which runs them one after another in launch order — a
+    collective completes once it heads the lane of every member. A compute waits for the
+    gather that serves it (a stage-3 sharded block's parameters); the optimizer step, like the
+    end of the step, waits until every collective its device launched has completed. Every
+    device must reach its end."""
     pos = {d: 0 for d in prog.devices}
     posted: set[int] = set()
-    arrived: dict[tuple[int, str], set[str]] = defaultdict(set)
     everyone = {
         i.ident: set(i.members) | ({i.server} if i.server else set())
         for lst in prog.instructions.values()
         for i in lst
         if isinstance(i, Collective)
     }
-    launched: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    gather_for = {
+        (d, i.serves): i.ident
+        for d, lst in prog.instructions.items()
+        for i in lst
+        if isinstance(i, Collective) and i.serves is not None
+    }
+    lanes: dict[str, list[tuple]] = defaultdict(list)  # launched, in order
+    head = dict.fromkeys(prog.devices, 0)  # the first collective of each lane not yet completed
+    done: set[tuple] = set()
     lists = prog.instructions
 
-    def synced(d: str) -> bool:
-        return all(everyone[c] <= arrived[c] for c in launched[d])
+    def drained(d: str) -> bool:
+        return head[d] == len(lanes[d])
+
+    def run_lanes() -> bool:
+        moved = False
+        for d in prog.devices:
+            while not drained(d):
+                c = lanes[d][head[d]]
+                if not all(head[e] < len(lanes[e]) and lanes[e][head[e]] == c for e in everyone[c]):
+                    break
+                done.add(c)
+                for e in everyone[c]:
+                    head[e] += 1
+                moved = True
+        return moved
+
+    def blocked(d: str, i: Instruction) -> bool:
+        if isinstance(i, Recv):
+            return i.tag not in posted
+        if isinstance(i, Optimizer):
+            return not drained(d)
+        if isinstance(i, Compute):
+            wanted = gather_for.get((d, (i.block, i.phase, i.microbatch)))
+            return wanted is not None and wanted not in done
+        return False
 
     progress = True
     while progress:
-        progress = False
+        progress = run_lanes()
         for d in prog.devices:
             lst = lists[d]
-            while pos[d] < len(lst):
+            while pos[d] < len(lst) and not blocked(d, lst[pos[d]]):
                 i = lst[pos[d]]
-                if isinstance(i, Recv) and i.tag not in posted:
-                    break
-                if isinstance(i, Optimizer) and not synced(d):
-                    break
                 if isinstance(i, Collective):
-                    arrived[i.ident].add(d)
-                    launched[d].append(i.ident)
-                if isinstance(i, Send):
+                    lanes[d].append(i.ident)
+                elif isinstance(i, Send):
                     posted.add(i.tag)
                 pos[d] += 1
                 progress = True
+                if isinstance(i, Collective):
+                    run_lanes()
     stuck = {
-        d: lists[d][p] if p < len(lists[d]) else None for d, p in pos.items() if p < len(lists[d]) or not synced(d)
+        d: lists[d][p] if p < len(lists[d]) else None for d, p in pos.items() if p < len(lists[d]) or not drained(d)
     }
     if stuck:
         what = "; ".join(
@@ -382,4 +445,6 @@ def _describe(i: Instruction) -> str:
         return f"{i.method} collective of {i.describe()} with {list(i.members)}"
     if isinstance(i, Optimizer):
         return "optimizer step, waiting for the collectives this device launched"
+    if isinstance(i, Compute):
+        return f"{i.phase} of block {i.block}, micro-batch {i.microbatch}, waiting for its parameters"
     return str(i.kind)

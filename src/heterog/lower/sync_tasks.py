@@ -1,6 +1,7 @@
 """The once-per-iteration part of the task graph: what each device holds (parameters,
 gradients, optimizer state, the input batch, a server's copy), a gradient sync task per
-replicated block (its collective over the members, or the parameter server), one per tied
+replicated block (its collective over the members, or the parameter server; a sharded
+block's reduce-scatters and gathers, shard_tasks.py), one per tied
 parameter whose users lie in several groups (a ring all-reduce over every device holding a
 copy, as the executor sums the copies' gradients), and each device's optimizer step after its
 backwards and syncs."""
@@ -14,6 +15,7 @@ import numpy as np
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable, id_runs
+from heterog.lower.shard_tasks import parameter_gathers, persistent_state, shard_syncs
 from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
 
 
@@ -30,22 +32,27 @@ def sync_and_step(
     splits,
     mb_sizes,
 ) -> None:
-    """Persistent state per device, gradient sync per replicated block, optimizer steps."""
+    """Persistent state per device, gradient sync per replicated block (a sharded one's
+    reduce-scatters, shard_tasks.py), optimizer steps, and a sharded block's gather of its
+    updated pieces after them."""
     where = _placement_of_tied_nodes(blocks, table)
-    opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where)
-    _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     split = _split_ties(table, where)
+    tied_out = _tied_bytes(split)
+    opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where, tied_out)
+    _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     opt_inputs = OptimizerInputs()
     waits: list[tuple[int, tuple[int, ...]]] = []  # (collective, the blocks it waits for)
-    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
+    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, tied_out, opt_inputs, waits)
+    shard_syncs(tasks, blocks, info, table, Bk, rep, tied_out, plan.num_microbatches, opt_inputs, waits)
     _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
     _after_backwards(tasks, Bk, waits)
     opt_preds = opt_inputs.by_device()
     # each device's optimizer step after its backwards and syncs: one chunk of edges, each
     # device's backwards then its syncs, in the order of the devices' first backwards
     before, n_before, no_syncs = [], [], np.zeros(0, dtype=np.int64)
+    opt_of: dict[int, int] = {}
     for d, bl in bwd_of_dev.items():
-        tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
+        opt_of[d] = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
         syncs = opt_preds.get(d, no_syncs)
         before += (bl, syncs)
         n_before.append(len(bl) + len(syncs))
@@ -54,6 +61,7 @@ def sync_and_step(
         tasks.edges.add_chunk(
             0, (np.concatenate(before), np.repeat(np.arange(first, len(tasks.kind), dtype=np.int64), n_before))
         )
+    parameter_gathers(tasks, blocks, info, table, rep, tied_out, opt_of, plan.num_microbatches)
 
 
 class OptimizerInputs:
@@ -103,10 +111,12 @@ def _persistent_state(
     rep: list[int],
     bwd_of_dev,
     where: dict[str, tuple[int, int]],
+    tied_out: dict[int, float],
 ) -> dict[int, float]:
     """Parameters, gradients and optimizer state on every device (tasks.persistent_bytes,
     initial_bytes); returns each device's optimizer-step time. A block synced by a parameter
-    server leaves its optimizer state and update to the server (_server_state)."""
+    server leaves its optimizer state and update to the server (_server_state); a sharded
+    block's replicas hold their pieces (shard_tasks.persistent_state)."""
     dclass = info.dev_class
     opt_time: dict[int, float] = {d: 0.0 for d in bwd_of_dev}
     # parameters, gradients and optimizer state: summed per placement first, since blocks
@@ -114,7 +124,12 @@ def _persistent_state(
     per_placement: dict[tuple[int, bool], tuple[dict[str, list[float]], tuple[int, ...]]] = {}
     state_cache = table.scratch.setdefault("state", {})  # (nodes, served) → class → (bytes, optimizer s)
     classes_cache = table.scratch.setdefault("classes", {})  # device set → its devices' classes
-    for blk in blocks:
+    for bi, blk in enumerate(blocks):
+        if blk.shard_stage:
+            for d, t in persistent_state(tasks, blk, info, table, rep, tied_out.get(bi, 0.0)).items():
+                if d in opt_time:
+                    opt_time[d] += t
+            continue
         served = _served(blk)
         acc = per_placement.setdefault((blk.device_set, served), ({}, blk.devices))[0]
         classes = classes_cache.get(blk.device_set)
@@ -187,6 +202,19 @@ def _tied_copies(
         holders = {d for n in tie.nodes for d in blocks[where[n][0]].devices} - owner
         for d in holders:
             tasks.persistent_bytes[d] += table.costs.tied_copy_bytes(tie.param_bytes, info.devices[d])
+
+
+def _tied_bytes(split) -> dict[int, float]:
+    """block → bytes of the split tied parameters it owns (kept out of its bucket)."""
+    out: dict[int, float] = {}
+    for tie, owner, _ in split:
+        out[owner] = out.get(owner, 0.0) + tie.param_bytes
+    return out
+
+
+def tied_bytes(blocks: list[Block], table: CostTable) -> dict[int, float]:
+    """_tied_bytes of the blocks' split ties, for callers after the expansion."""
+    return _tied_bytes(_split_ties(table, _placement_of_tied_nodes(blocks, table)))
 
 
 def _split_ties(table: CostTable, where: dict[str, tuple[int, int]]) -> list[tuple[object, int, tuple[int, ...]]]:
@@ -306,20 +334,18 @@ def _sync_tasks(
     table: CostTable,
     Bk,
     rep: list[int],
-    split,
+    tied_out: dict[int, float],
     opt_inputs: OptimizerInputs,
     waits: list,
 ) -> None:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
-    Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
+    Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them); a
+    sharded block's gradients are reduce-scattered instead (shard_tasks.shard_syncs)."""
     mbs = plan.num_microbatches
     rep_key = rep_id(table.scratch, rep)  # first: it may drop the cache below
     bucket_cache = table.scratch.setdefault("buckets", {})
     grads_of: dict[int, list] = {}
-    tied_out: dict[int, float] = {}
-    for tie, owner, _ in split:
-        tied_out[owner] = tied_out.get(owner, 0.0) + tie.param_bytes
     for bi, blk in enumerate(blocks):
         grad = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
         if grad > 0:
@@ -327,7 +353,7 @@ def _sync_tasks(
             # the first backward (micro-batch 0, see expand); summed per placement
             grads_of.setdefault(blk.device_set, [blk.devices, 0.0])[1] += grad
         grad_synced = grad - tied_out.get(bi, 0.0)
-        if len(blk.devices) > 1 and blk.sync != "none" and grad_synced > 0:
+        if len(blk.devices) > 1 and blk.sync != "none" and grad_synced > 0 and not blk.shard_stage:
             key = (
                 blk.placement,
                 blk.sync,

@@ -1,0 +1,353 @@
+"""Sharded state on one rank (ZeRO-1/2/3): the pieces it holds, and what the Program's
+reduce-scatters and all-gathers of sharded blocks do with them. The rules — layout, which
+collective runs when, what lives how long — are the lowering's (lower/shard_tasks.py); this
+module carries them out.
+
+A sharded block's parameters (its groups' parameters in a fixed order, the same on every rank;
+tied and unused ones left whole, as in its gradient bucket, sync.py) form one flat buffer, and
+the member at ring position i owns elements `shard_ranges(numel, shards)[i]`. The optimizer
+steps that piece (`ShardUnit.piece`), which has its own gradient:
+- stages 1–2: the flat buffer holds all parameters and the model's parameters are views of
+  it, the piece too, so the optimizer updates the model in place; the all-gather after the
+  step fills in the other members' pieces, in place;
+- stage 3: the rank keeps only its piece; an all-gather before a compute builds the full
+  buffer, the parameters become views of it for that compute (`materialise`) and are emptied
+  after it (`release`). Autograd saved the parameters themselves, not their storage, so the
+  backward's gather makes them whole again for the backward.
+A reduce-scatter sums the gradients into the piece's (added, under stage 3, micro-batch after
+micro-batch); stage 2 and 3 free the gradients when it starts.
+
+Why not torch's FSDP2 (`fully_shard`): it shards every parameter evenly along dim 0
+(torch/distributed/fsdp/_fully_shard/_fsdp_param.py, `_chunk_with_empty`, the first chunk
+padded) and issues its collectives from module hooks, while a plan gives replicas uneven
+pieces and the Program says when each collective runs. The ring halves (collectives.py) run
+on the same sub-groups, lane and tags as the all-reduces.
+
+Checkpoints stay keyed by parameter name (checkpoint.py): for each block the members gather
+the parameters and optimizer state, and each parameter is written by the member holding most
+of it (`owner`); on resume each member reads the parameters that overlap its piece and keeps
+its slice, whatever plan wrote them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from heterog.errors import PlanError
+from heterog.execute.collectives import ring_all_gather, ring_reduce_scatter
+from heterog.execute.partition import Dataflow
+from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
+from heterog.lower.program import Collective, Program
+from heterog.lower.shard_tasks import shard_ranges
+
+
+@dataclass(kw_only=True)
+class ShardUnit:
+    """A sharded block this rank is a member of."""
+
+    block: int
+    stage: int
+    names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...]
+    shapes: tuple[torch.Size, ...]
+    members: tuple[int, ...]  # ranks, ring order
+    ranges: tuple[tuple[int, int], ...]  # each member's piece of the flat buffer, ring order
+    piece: nn.Parameter  # this rank's piece: what the optimizer steps
+    flat: torch.Tensor | None = None  # stages 1–2: every parameter (the model's are views)
+    gathered: dict[tuple[Phase, int], tuple[torch.Tensor, Any]] = field(default_factory=dict)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [hi - lo for lo, hi in self.ranges]
+
+    @property
+    def mine(self) -> tuple[int, int]:
+        return self.ranges[self.members.index(torch.distributed.get_rank())]
+
+    def offsets(self) -> list[int]:
+        out, at = [], 0
+        for shape in self.shapes:
+            out.append(at)
+            at += shape.numel()
+        return out
+
+    def show(self, flat: torch.Tensor) -> None:
+        """Make the parameters views of `flat` (all of them)."""
+        for p, shape, at in zip(self.params, self.shapes, self.offsets()):
+            p.data = flat[at : at + shape.numel()].view(shape)
+
+    def hide(self) -> None:
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def owner(self, index: int) -> int:
+        """The member (rank) that writes parameter `index` to a checkpoint: the one holding
+        most of it, the first in ring order on a tie."""
+        at = self.offsets()[index]
+        end = at + self.shapes[index].numel()
+        overlap = [max(0, min(hi, end) - max(lo, at)) for lo, hi in self.ranges]
+        return self.members[overlap.index(max(overlap))]
+
+
+def unit_names(flow: Dataflow, groups: Sequence[int]) -> tuple[str, ...]:
+    """The parameters a block's groups shard: its gradient bucket's (sync.py)."""
+    return tuple(n for g in groups for n in flow.param_names.get(g, ()) if n not in flow.tied and n not in flow.unused)
+
+
+def sharded_collectives(program: Program) -> dict[int, Collective]:
+    """One reduce-scatter or all-gather of each sharded block (its members and pieces)."""
+    out: dict[int, Collective] = {}
+    for device in program.devices:
+        for ins in program.instructions.get(device, ()):
+            if isinstance(ins, Collective) and ins.op is not CollectiveOp.ALL_REDUCE:
+                out.setdefault(ins.block, ins)
+    return out
+
+
+class ShardRunner:
+    """The sharded blocks of this rank and their collectives (launched by sync.ProgramSync on
+    the BucketRunner's lane)."""
+
+    def __init__(self, *, program: Program, flow: Dataflow, rank: int, rank_of: dict[str, int], runner: Any):
+        self.rank, self.runner = rank, runner
+        self.units: dict[int, ShardUnit] = {}
+        for b, ins in sorted(sharded_collectives(program).items()):
+            members = tuple(rank_of[d] for d in ins.members)
+            if rank in members:
+                self.units[b] = self._unit(program, flow, b, ins, members)
+        self._deferred: list[Collective] = []
+
+    @staticmethod
+    def _unit(program: Program, flow: Dataflow, b: int, ins: Collective, members: tuple[int, ...]) -> ShardUnit:
+        block = program.blocks[b]
+        names = unit_names(flow, block.groups)
+        params = tuple(flow.param_by_name[n] for n in names)
+        shapes = tuple(flow.param_shape[n] for n in names)
+        ranges = tuple(shard_ranges(sum(s.numel() for s in shapes), ins.shards))
+        lo, hi = ranges[members.index(torch.distributed.get_rank())]
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
+        unit = ShardUnit(
+            block=b,
+            stage=block.shard_stage,
+            names=names,
+            params=params,
+            shapes=shapes,
+            members=members,
+            ranges=ranges,
+            piece=nn.Parameter(flat[lo:hi] if block.shard_stage < ShardStage.PARAMETERS else flat[lo:hi].clone()),
+        )
+        if unit.stage < ShardStage.PARAMETERS:
+            unit.flat = flat
+            unit.show(flat)
+        else:
+            unit.hide()
+        return unit
+
+    # -- what the rest of the rank needs ------------------------------------------------------
+    def pieces(self) -> list[nn.Parameter]:
+        """The pieces the optimizer steps (an empty one too: every member then keeps the same
+        optimizer state keys, which a checkpoint gathers)."""
+        return [u.piece for u in self.units.values()]
+
+    def sharded_names(self) -> set[str]:
+        return {n for u in self.units.values() for n in u.names}
+
+    def hidden_names(self) -> set[str]:
+        """Parameters this rank does not hold whole between computes (stage 3)."""
+        return {n for u in self.units.values() if u.stage >= ShardStage.PARAMETERS for n in u.names}
+
+    def model_params(self) -> list[nn.Parameter]:
+        """The model's parameters of sharded blocks (their gradients to clear each step)."""
+        return [p for u in self.units.values() for p in u.params]
+
+    def live_tensors(self) -> list[torch.Tensor]:
+        """Gathered parameters (stage 3) and the flat buffers, for the memory count."""
+        out = [u.flat for u in self.units.values() if u.flat is not None]
+        return out + [t for u in self.units.values() for t, _ in u.gathered.values()]
+
+    def check_stages(self, stages_of: dict[int, list[int]]) -> None:
+        """A stage-3 block's parameters are gathered for its own computes only, so no stage of
+        the split may run it together with another block."""
+        blocks_of: dict[int, set[int]] = {}
+        for b, stages in stages_of.items():
+            for si in stages:
+                blocks_of.setdefault(si, set()).add(b)
+        for b, u in self.units.items():
+            others = {x for si in stages_of.get(b, ()) for x in blocks_of[si]} - {b}
+            if u.stage >= ShardStage.PARAMETERS and others:
+                raise PlanError(
+                    f"block {b} shards its parameters (stage 3), but the split runs it in one stage "
+                    f"with block(s) {sorted(others)}: their parameters could not be gathered apart. "
+                    f"Shard it at stage 2, or group the model so that the cut falls between them."
+                )
+
+    # -- the collectives ---------------------------------------------------------------------
+    def launch(self, ins: Collective, *, deferred: bool = False) -> None:
+        """A sharded block's reduce-scatter or all-gather as the Program reaches it. With
+        `deferred` (fp16: the optimizer steps at the end of the step, after the loss-scale
+        check) a gather of updated pieces waits for `launch_deferred`."""
+        unit = self.units.get(ins.block)
+        if unit is None or not unit.names:
+            return
+        if ins.op is CollectiveOp.REDUCE_SCATTER:
+            self._reduce_scatter(unit)
+        elif ins.phase is not None:
+            self._gather_for(unit, ins.phase, ins.microbatch)
+        elif deferred:
+            self._deferred.append(ins)
+        else:
+            self.runner.submit(f"{unit.block} all-gather", unit.members, self._all_gather, unit.flat, unit)
+
+    def launch_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for ins in deferred:
+            self.launch(ins)
+
+    def _reduce_scatter(self, unit: ShardUnit) -> None:
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros(s, device=unit.piece.device)).detach().reshape(-1)
+            for p, s in zip(unit.params, unit.shapes)
+        ]
+        flat = torch.cat(grads)
+        if unit.stage >= ShardStage.GRADIENTS:  # the flat copy holds them now
+            for p in unit.params:
+                p.grad = None
+        self.runner.submit(f"{unit.block} reduce-scatter", unit.members, self._sum_into_piece, flat, unit)
+
+    def _sum_into_piece(self, flat: torch.Tensor, unit: ShardUnit) -> None:
+        """On the lane: reduce-scatter `flat` and add this rank's summed piece to the piece's
+        gradient (which owns its storage: the flat buffer goes when this returns)."""
+        ring_reduce_scatter(flat, unit.sizes, unit.members, self.runner.groups.link(unit.members))
+        lo, hi = unit.mine
+        mine = flat[lo:hi]
+        if unit.piece.grad is None:
+            unit.piece.grad = mine.clone()
+        else:
+            unit.piece.grad.add_(mine)
+
+    def _all_gather(self, flat: torch.Tensor, unit: ShardUnit) -> torch.Tensor:
+        ring_all_gather(flat, unit.sizes, unit.members, self.runner.groups.link(unit.members))
+        return flat
+
+    def _gather_for(self, unit: ShardUnit, phase: Phase, microbatch: int | None) -> None:
+        lo, hi = unit.mine
+        full = torch.empty(sum(unit.sizes), dtype=unit.piece.dtype, device=unit.piece.device)
+        full[lo:hi].copy_(unit.piece.detach())
+        job = self.runner.submit(
+            f"{unit.block} all-gather {phase} mb{microbatch}", unit.members, self._all_gather, full, unit
+        )
+        unit.gathered[(phase, microbatch or 0)] = (full, job)
+
+    def materialise(self, block: int, phase: Phase, microbatch: int) -> None:
+        """Before a compute of a stage-3 block: wait for its gather, show the parameters."""
+        unit = self.units.get(block)
+        if unit is None or unit.stage < ShardStage.PARAMETERS or not unit.names:
+            return
+        entry = unit.gathered.get((phase, microbatch))
+        if entry is None:
+            raise PlanError(
+                f"the {phase} of block {block}, micro-batch {microbatch}, runs before the gather of its "
+                f"parameters was launched; re-lower the plan (`heterog lower`)."
+            )
+        full, job = entry
+        self.runner.wait(job)
+        unit.show(full)
+
+    def release(self, block: int, phase: Phase, microbatch: int) -> None:
+        """After that compute: the gathered parameters go."""
+        unit = self.units.get(block)
+        if unit is None or unit.stage < ShardStage.PARAMETERS:
+            return
+        unit.gathered.pop((phase, microbatch), None)
+        unit.hide()
+
+    # -- checkpoints and dumps -------------------------------------------------------------------
+    def full_state(self, optimizer: torch.optim.Optimizer | None, *, with_params: bool) -> dict[str, Any]:
+        """Checkpoint entries this rank writes: for each parameter it owns, `model/<name>`
+        (`with_params`, or always under stage 3) and its optimizer state `optim/<name>/<key>`,
+        gathered from the members. Every member calls this (collective per block)."""
+        out: dict[str, Any] = {}
+        for unit in self.units.values():
+            if not unit.names:
+                continue
+            gathered = {}
+            if with_params or unit.stage >= ShardStage.PARAMETERS:
+                gathered["model"] = self._gather_piece(unit, unit.piece.detach())
+            state = optimizer.state.get(unit.piece, {}) if optimizer is not None else {}
+            for key in sorted(state):  # the same keys, in the same order, on every member
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    gathered[key] = value if value.dim() == 0 else self._gather_piece(unit, value)
+            for i, (name, shape, at) in enumerate(zip(unit.names, unit.shapes, unit.offsets())):
+                if unit.owner(i) != self.rank:
+                    continue
+                for key, full in gathered.items():
+                    piece = full if full.dim() == 0 else full[at : at + shape.numel()].view(shape)
+                    out[f"model/{name}" if key == "model" else f"optim/{name}/{key}"] = piece.clone()
+        return out
+
+    def _gather_piece(self, unit: ShardUnit, piece: torch.Tensor) -> torch.Tensor:
+        """A full flat buffer from every member's piece (run now, on this thread)."""
+        lo, hi = unit.mine
+        full = torch.empty(sum(unit.sizes), dtype=piece.dtype, device=piece.device)
+        full[lo:hi].copy_(piece.reshape(-1))
+        return self._all_gather(full, unit)
+
+    def load(self, read: Any, optimizer: torch.optim.Optimizer | None, state_device: Any) -> None:
+        """Resume: each unit's parameters (stage 3) and optimizer state from full per-name
+        tensors, of which this rank keeps its slice. `read` (checkpoint._Reader) lists a
+        parameter's state keys, makes empty tensors shaped as the checkpoint holds them and
+        fills a dict of them; `state_device(key, piece)` says where a state entry lives."""
+        for unit in self.units.values():
+            if unit.names:
+                self._load_unit(unit, read, optimizer, state_device)
+
+    def _load_unit(self, unit: ShardUnit, read: Any, optimizer: Any, state_device: Any) -> None:
+        lo, hi = unit.mine
+        overlap = [
+            (name, shape, at)
+            for name, shape, at in zip(unit.names, unit.shapes, unit.offsets())
+            if at < hi and at + shape.numel() > lo
+        ]
+        first = unit.names[0]  # scalar state (AdamW's step) is the same for every parameter
+        keys = read.keys_of(first) if optimizer is not None else []
+        entries: dict[str, torch.Tensor] = {}
+        for name, shape, _ in overlap:
+            if unit.stage >= ShardStage.PARAMETERS:
+                entries[f"model/{name}"] = torch.empty(shape, dtype=unit.piece.dtype, device=unit.piece.device)
+            for key in keys:
+                entries[f"optim/{name}/{key}"] = read.empty(f"optim/{name}/{key}", state_device(key, unit.piece))
+        for key in keys:
+            entries.setdefault(
+                f"optim/{first}/{key}", read.empty(f"optim/{first}/{key}", state_device(key, unit.piece))
+            )
+        if entries:
+            read(entries)
+        with torch.no_grad():
+            if unit.stage >= ShardStage.PARAMETERS:
+                _fill(unit.piece.data, overlap, lo, entries, "model/{}")
+            state = {}
+            for key in keys:
+                like = entries[f"optim/{first}/{key}"]
+                if like.dim() == 0:
+                    state[key] = like
+                else:
+                    state[key] = torch.empty(hi - lo, dtype=like.dtype, device=like.device)
+                    _fill(state[key], overlap, lo, entries, f"optim/{{}}/{key}")
+            if state:
+                optimizer.state[unit.piece] = state
+
+
+def _fill(target: torch.Tensor, overlap, lo: int, entries: dict[str, torch.Tensor], key: str) -> None:
+    """Copy into `target` (the piece starting at `lo` of a flat buffer) the part of each
+    overlapping parameter's full tensor (entries[key.format(name)]) that falls in it."""
+    hi = lo + target.numel()
+    for name, shape, at in overlap:
+        a, b = max(lo, at), min(hi, at + shape.numel())
+        target[a - lo : b - lo].copy_(entries[key.format(name)].reshape(-1)[a - at : b - at])
