@@ -109,11 +109,11 @@ def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
     return dataclasses.replace(plan, groups=groups)
 
 
-def _order(tasks, n_dev: int, schedule: str) -> np.ndarray:
+def _order(tasks, n_dev: int, schedule: str) -> np.ndarray | None:
+    """The reference order; None only if the task graph has a cycle."""
     order = reference_order(tasks, n_dev, schedule)
     if order is None:  # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
         order = reference_order(tasks, n_dev, schedule, limit_in_flight=False)
-    assert order is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
     return order
 
 
@@ -136,8 +136,16 @@ def build_schedule(
     prio = plan.priorities
     group_prio = [max(prio.get(n, 0.0) for n in g.nodes) for g in plan.groups] if prio else [0.0] * len(plan.groups)
     blocks = make_blocks(plan, grp.order(group_prio), grp, info, table, cache)
+    n_dev = len(info.devices)
     tasks = expand(plan, grp, blocks, info, table, merge=merge)
-    order = _order(tasks, len(info.devices), plan.schedule)
+    order = _order(tasks, n_dev, plan.schedule)
+    assert order is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
     if compute_gathers(tasks, order, blocks, info, table, tied_bytes(blocks, table)):
-        order = _order(tasks, len(info.devices), plan.schedule)  # the gathers' waits may move work
+        gathered = _order(tasks, n_dev, plan.schedule)  # the gathers' waits may move work
+        if gathered is None:  # members wait for each other's gathers in a cycle: the safe rule
+            tasks = expand(plan, grp, blocks, info, table, merge=merge)
+            compute_gathers(tasks, order, blocks, info, table, tied_bytes(blocks, table), forward_only=True)
+            gathered = _order(tasks, n_dev, plan.schedule)
+        assert gathered is not None, "gathers placed forward in the first order cannot make a cycle"
+        order = gathered
     return Schedule(plan=plan, info=info, grouping=grp, blocks=blocks, tasks=tasks, order=order, merged=merge)

@@ -221,16 +221,19 @@ def compute_gathers(
     info: ClusterInfo,
     table: CostTable,
     tied_out: dict[int, float],
+    *,
+    forward_only: bool = False,
 ) -> bool:
     """Stage 3: an all-gather of a block's parameters before each of its computes (one for
-    all members), after the compute `PREFETCH_UNITS + 1` places before it on every member in
-    `order` (the reference order without gathers) — or the latest before that which comes
-    before all the computes it serves in `order`: members may run blocks in different orders,
-    and every new edge must go forward in `order`, so that the graph stays acyclic and a
-    list schedule of it cannot deadlock. Gathers with nothing to wait for start at once, in
-    the order of their computes. The caller orders the tasks again (schedule.py): a gather
-    makes a fast member wait for a slow one, which may change what it runs meanwhile.
-    Returns whether it added any."""
+    all members), after the compute `PREFETCH_UNITS + 1` places before it on each member in
+    `order` (the reference order without gathers), as each member's executor issues it.
+    Members that run their blocks in the same order — data parallelism — then advance in step.
+    Where members order them differently (a device in several placements) such waits can form
+    a cycle; with `forward_only` each member's wait is moved back until it comes before all
+    the computes the gather serves in `order`, so every edge goes forward in it and none can
+    (schedule.py retries so when the first try cycles). Gathers with nothing to wait for
+    start at once, in the order of their computes. The caller orders the tasks again: a
+    gather makes a fast member wait for a slow one. Returns whether it added any."""
     sharded = {b for b, blk in enumerate(blocks) if blk.shard_stage >= ShardStage.PARAMETERS}
     if not sharded:
         return False
@@ -255,7 +258,7 @@ def compute_gathers(
         st = sharded_state(blk, info.dev_class[blk.devices[0]], table, _param_bytes(tied_out, b))
         phase = Phase.FORWARD if k == FWD else Phase.BACKWARD
         s = _shard_task(tasks, info, table, blk, b, CollectiveOp.ALL_GATHER, st.params, m, phase, m)
-        first = min(int(rank[c]) for c in computes)
+        first = min(int(rank[c]) for c in computes) if forward_only else len(order)
         after = [_prefetch_point(seq[int(dev[c])], position[c], rank, first) for c in computes]
         for a in after:
             if a is not None:

@@ -12,7 +12,8 @@ change, by the LP batch-share optimiser on the affected segment):
   micro     – change the number of micro-batches, or the schedule (GPipe / 1F1B);
   recompute – toggle activation recomputation on a segment (trades time for memory);
   reshare   – re-run the share optimiser on a segment;
-  nudge     – move one or two samples of a micro-batch between two replicas of a segment.
+  nudge     – move one or two samples of a micro-batch between two replicas of a segment;
+  shard     – shard a segment's state at another ZeRO stage (sharding.py).
 Scored by `estimate` (estimate.py); a worse move is accepted with probability
 exp(−Δ/(T·score)) (Kirkpatrick et al. 1983), T cooling geometrically with the iteration
 count, so a run is reproducible for a seed and an iteration limit; the wall-clock budget
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
+from heterog.search.sharding import propose_shard
 
 
 @dataclass(kw_only=True)
@@ -109,9 +111,11 @@ class Annealer:
         a, b = rng.choice(segs)
         p = s.placements[a]
         kind = rng.choices(
-            ("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare", "nudge"),
-            weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1),
+            ("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare", "nudge", "shard"),
+            weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 2),
         )[0]
+        if kind == "shard":
+            return propose_shard(rng, prob, s, a, b)
         if kind == "move":
             r = rng.random()
             if r < 0.3:
@@ -157,6 +161,8 @@ class Annealer:
                 return s
             sync = rng.choice(SYNC_CHOICES)
             ps = rng.choice(p.devices) if sync == "ps" else None
+            if sync != "ring":  # sharded state syncs by ring reduce-scatter and all-gather only
+                p = replace(p, shard=0, shards=())
             return _with(s, a, b, replace(p, sync=sync, ps=ps))
         if kind == "micro":
             if rng.random() < 0.3:

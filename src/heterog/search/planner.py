@@ -36,6 +36,8 @@ CANDIDATES = (
     "proportional-dp",
     "model-parallel",
     "pipeline",
+    "fsdp-even",
+    "zero-uneven",
     "search",
     "gnn",
     "gnn+search",

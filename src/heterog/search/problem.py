@@ -31,17 +31,21 @@ BUCKET_BYTES = Plan.__dataclass_fields__["bucket_bytes"].default  # gradient buc
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where one group runs: device indices (sorted), each one's share, how gradients sync."""
+    """Where one group runs: device indices (sorted), each one's share, how gradients sync,
+    and the state its replicas shard (ZeRO stage, each replica's fraction of the state)."""
 
     devices: tuple[int, ...]
     shares: tuple[float, ...]
     sync: str = "none"
     ps: int | None = None
     recompute: bool = False
+    shard: int = 0
+    shards: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.devices) == len(self.shares) and self.devices, self
         assert abs(sum(self.shares) - 1.0) < 1e-6, self.shares
+        assert not self.shard or (len(self.shards) == len(self.devices) and abs(sum(self.shards) - 1.0) < 1e-6), self
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +60,9 @@ class Strategy:
             self.microbatches,
             self.schedule,
             tuple(
-                (p.devices, tuple(round(s, 4) for s in p.shares), p.sync, p.ps, p.recompute) for p in self.placements
+                (p.devices, tuple(round(s, 4) for s in p.shares), p.sync, p.ps, p.recompute, p.shard)
+                + tuple(round(f, 4) for f in p.shards)
+                for p in self.placements
             ),
         )
 
@@ -218,7 +224,13 @@ class Problem:
             sync = "ring"
         if sync == "ps" and ps is None:
             ps = devs[0]
-        return Placement(devs, shares, sync, ps if sync == "ps" else None, p.recompute)
+        shard, shards = p.shard if len(devs) > 1 else 0, ()
+        if shard:  # the replicas kept keep their fractions, renormalised
+            kept = [p.shards[i] for i in keep]
+            total = sum(kept)
+            shards = tuple(f / total for f in kept) if total > 0 else tuple([1.0 / len(kept)] * len(kept))
+            sync, ps = "ring", None
+        return Placement(devs, shares, sync, ps if sync == "ps" else None, p.recompute, shard, shards)
 
     def finalize(self, s: Strategy) -> Strategy:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
@@ -229,7 +241,10 @@ class Problem:
         s = self.finalize(s)
         groups = []
         for g, (names, p) in enumerate(zip(self.groups, s.placements)):
-            replicas = tuple(Replica(device=self.device_names[d], share=sh) for d, sh in zip(p.devices, p.shares))
+            replicas = tuple(
+                Replica(device=self.device_names[d], share=sh, shard=p.shards[i] if p.shard else None)
+                for i, (d, sh) in enumerate(zip(p.devices, p.shares))
+            )
             groups.append(
                 Group(
                     name=f"g{g}",
@@ -238,6 +253,7 @@ class Problem:
                     sync=p.sync,
                     ps_device=self.device_names[p.ps] if p.sync == "ps" else None,
                     recompute=p.recompute,
+                    shard_stage=p.shard,
                 )
             )
         spec = self.model_spec or ModelSpec(
