@@ -174,9 +174,9 @@ def test_initial_state_per_replica_follows_the_stage_and_the_fraction(stage):
     fractions = {devs[0]: 0.1, devs[2]: 0.3, devs[3]: 0.6}
     p = _shard(plan([("all", layers, reps)], batch_size=10), stage, fractions)
     prog = lower(g, c, p, AdamCosts(g, c))
-    P, O = 8 * PARAM, 16 * PARAM  # parameters, AdamW state (gradients appear in backward)
+    params, opt = 8 * PARAM, 16 * PARAM  # parameters, AdamW state (gradients appear in backward)
     for d, f in fractions.items():
-        want = {0: P + O, 1: P + f * O, 2: P + f * O, 3: f * (P + O)}[stage]
+        want = {0: params + opt, 1: params + f * opt, 2: params + f * opt, 3: f * (params + opt)}[stage]
         assert prog.initial_bytes[d] == pytest.approx(want), (stage, d)
 
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from heterog.search.estimate import estimate
 from heterog.search.problem import Placement, Problem, Strategy
-from heterog.search.shares import balanced_shares
 from heterog.search.sharding import free_memory_fractions, sharded
+from heterog.search.shares import balanced_shares
 
 BASELINES = (
     "single-device",

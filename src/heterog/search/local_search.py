@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
-from heterog.search.shares import balanced_shares
 from heterog.search.sharding import propose_shard
+from heterog.search.shares import balanced_shares
 
 
 @dataclass(kw_only=True)
