@@ -9,7 +9,10 @@ Scenarios (heterog.demo.SCENARIOS): a CNN (toy-cnn with a parameter-heavy classi
 transformer LM (a small GPT-2 with a large tied vocabulary), each on three CPU ranks on two
 emulated nodes, paced 3×/6× and 3× (lm-fast-far: 8×/8× and 6×, its fastest device behind the
 slow link), node b behind a 0.2 Gb/s tc-shaped link; the "small-memory" variants also cap
-b/cpu0 at 64 MiB, enforced at run time (emulation.py).
+b/cpu0 at 64 MiB, enforced at run time (emulation.py); lm-sharded-memory (an untied Llama
+with AdamW) caps every device at 88 MiB, which only plans that shard its state fit. For the
+sharded plans each capped device's measured peak memory (its live tensors at instruction
+boundaries) is printed beside the simulator's.
 
 Costs as measured here: per-node times at one thread with the time outside the hooked
 modules attributed (profile/measure.py), and node b's shaped link measured once per
@@ -24,7 +27,7 @@ Per scenario: plan; run every distinct feasible candidate for `--steps` steps, i
 shared machine hits all alike; per plan the predicted time (simulator, on this CPU's measured per-node
 times at one thread) and the measured median and spread. heterog's plan is the planner's
 best; the best baseline is the fastest *measured* baseline (single-device, even-dp-*,
-proportional-dp, model-parallel, pipeline). Speedups are per-repetition ratios: the median
+proportional-dp, model-parallel, pipeline, fsdp-even, zero-uneven). Speedups are per-repetition ratios: the median
 and the worst repetition's. An even-DP plan the planner finds does not fit is run once to
 show that the emulated memory cap stops it.
 
@@ -60,7 +63,14 @@ def plan_key(plan) -> str:
     """Identical plans (the search often returns a baseline) are run once."""
     return json.dumps(
         [
-            [g.nodes, [(r.device, round(r.share, 6)) for r in g.replicas], g.sync, g.ps_device, g.recompute]
+            [
+                g.nodes,
+                [(r.device, round(r.share, 6), r.shard) for r in g.replicas],
+                g.sync,
+                g.ps_device,
+                g.recompute,
+                g.shard_stage,
+            ]
             for g in plan.groups
         ]
         + [plan.num_microbatches, plan.schedule]
@@ -95,6 +105,24 @@ def refused(setup, result) -> dict[str, Any] | None:
         return {"strategy": even.strategy, "failed": True, "message": str(e).split(" Log tail:")[0]}
 
 
+def peak_memory(setup, plan, per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per device with an emulated memory cap: the peak of its live tensors measured at every
+    instruction boundary (emulation.py) beside the simulator's predicted peak."""
+    from heterog.simulate.simulator import simulate
+
+    predicted = simulate(setup.graph, setup.cluster, plan, setup.costs, timeline=False).peak_memory_bytes
+    out = {}
+    for r in per_rank:
+        if r.get("peak_live_bytes") and predicted.get(r["device"]):
+            p = predicted[r["device"]]
+            out[r["device"]] = {
+                "measured_bytes": r["peak_live_bytes"],
+                "predicted_bytes": p,
+                "ratio": r["peak_live_bytes"] / p,
+            }
+    return out
+
+
 def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
     from heterog.search.baselines import BASELINE_BUILDERS
     from heterog.search.planner import plan_graph
@@ -108,9 +136,12 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
         batch_size=sc.batch_size,
         seq_len=sc.seq_len,
         profile=not args.no_profile,
+        optimizer=sc.optimizer,
         say=print,
     )
-    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=args.budget_s, model_spec=setup.spec)
+    result = plan_graph(
+        setup.graph, setup.cluster, setup.costs, budget_s=args.budget_s, model_spec=setup.spec, optimizer=sc.optimizer
+    )
     plans, same, top = distinct_plans(result)
     out: dict[str, Any] = {
         "scenario": sc.name,
@@ -131,8 +162,9 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
         return out
     failed: dict[str, str] = {}
     strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print, failed=failed)
-    for s in strategies.values():
-        del s["per_rank"]
+    for label, s in strategies.items():
+        s["sharded"] = any(g.shard_stage for g in plans[label].groups)
+        s["memory"] = peak_memory(setup, plans[label], s.pop("per_rank"))
     baselines = [k for k in strategies if k in BASELINE_BUILDERS and k != top]
     best_base = min(baselines, key=lambda k: strategies[k]["measured_iteration_time_s"]) if baselines else None
     even = "even-dp-allreduce" if "even-dp-allreduce" in strategies else same.get("even-dp-allreduce")
@@ -193,6 +225,10 @@ def print_scenario(r: dict[str, Any]) -> None:
     )
     for label, why in r["failed_plans"].items():
         print(f"  {label} failed to run: {why}")
+    for label, v in r["plans"].items():
+        if v.get("sharded") and v.get("memory"):
+            ratios = ", ".join(f"{d} {m['ratio']:.0%}" for d, m in v["memory"].items())
+            print(f"  {label} (sharded): measured peak memory / predicted: {ratios}")
     for name, key in (("even DP", "speedup_vs_even_dp"), ("the best baseline", "speedup_vs_best_baseline")):
         sp = r[key]
         if sp is None:

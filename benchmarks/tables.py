@@ -702,7 +702,7 @@ def scenarios_block() -> list[str]:
                 f"{sc.batch_size}" + (f" × {sc.seq_len}" if sc.seq_len else ""),
                 " / ".join(f"{x:g}×" for x in sc.slowdowns),
                 f"{sc.slow_link_gbps:g} Gb/s",
-                f"{sc.memory_gib * 1024:g} MiB on {sc.capped_device}" if sc.memory_gib else "—",
+                f"{sc.memory_gib * 1024:g} MiB on {', '.join(sc.capped_devices)}" if sc.memory_gib else "—",
                 f"{r['heterog_strategy']}, {times(vb['median'])} over {r['best_baseline']}" if r else "not run",
             ]
         )

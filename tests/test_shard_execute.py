@@ -122,10 +122,21 @@ def check_batched(done: BatchedRun) -> None:
     check_equal(done.plan, done.result(), done.out_dir)
 
 
+# CI runs every stage on Llama and stage 3 on GPT-2 (tied embedding, kept whole); GPT-2's
+# stages 1 and 2 run in `make test-sweep`, for CI's time budget.
+CASES = [
+    pytest.param("llama", 1),
+    pytest.param("llama", 2),
+    pytest.param("llama", 3),
+    pytest.param("gpt2", 3),
+    pytest.param("gpt2", 1, marks=pytest.mark.sweep),
+    pytest.param("gpt2", 2, marks=pytest.mark.sweep),
+]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.batched(plan=zero)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name,stage", CASES)
 def test_zero_stage_with_uneven_shares_and_shards_trains_exactly(plan_batch, name, stage):
     check_batched(plan_batch.get(zero, name=name, stage=stage))
 

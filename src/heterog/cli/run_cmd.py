@@ -124,7 +124,8 @@ def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
             human_time(r["recv_wait_s"]),
             human_time(r["sync_s"]),
             human_time(r.get("other_s")),
-            mem(r.get("peak_allocated_bytes")),
+            # a GPU's allocator peak, or an emulated device's live tensors (emulation.py)
+            mem(r.get("peak_allocated_bytes") or r.get("peak_live_bytes")),
             mem(r.get("predicted_peak_memory_bytes")),
         ]
         for r in per_rank

@@ -335,10 +335,11 @@ class Interpreter:
             with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
                 self._timed(self.optimizer.step)
 
-    def live_bytes(self) -> LiveBytes:
+    def live_bytes(self, also: Any = ()) -> LiveBytes:
         """What this rank's live tensors hold now, each storage once: parameters, their
         gradients, optimizer state, and activations (values kept, tensors received or to be
-        sent, gradients in flight, and what autograd saved for the backwards still to run)."""
+        sent, gradients in flight, and what autograd saved for the backwards still to run;
+        `also`: more activations, e.g. what the backward under way saved)."""
         count = StorageCounter()
         params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
         state = list(self.optimizer.state.values()) if self.optimizer else []
@@ -352,6 +353,7 @@ class Interpreter:
             [s.grad for s in self._slots.values()],
             self.transport.in_flight(),
             [(c.saved, c.loss) for c in self._calls.values()],
+            also,
         )
         sharded = self.shards.model_params() if self.shards is not None else []
         return LiveBytes(
@@ -496,6 +498,8 @@ class Interpreter:
                 root_grads.append(None)
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
+        if self.memory_cap is not None:  # the backward's own peak: its gradients beside what it saved
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=call.saved).total_bytes)
         for v in self._values_of(s):  # the outputs' gradients are spent
             self._slots.pop((v, m), None)
         for v, slot, pieces in call.leaves:  # input gradients back to their producers

@@ -23,7 +23,8 @@ and f the replica's fraction (Rajbhandari et al., ZeRO, SC'20):
            (FSDP2's default: every micro-batch creates and frees its gradients). A gather starts
            once the compute two before its own on every member has ended (`PREFETCH_UNITS`:
            one unit is gathered while the one before it runs, FSDP's prefetch), so at most two
-           units are gathered on a device at once.
+           units are gathered on a device at once (compute_gathers says where members that
+           order their blocks differently wait earlier).
 
 Every member is in the collective of every piece, even one that holds no samples or no
 piece (fraction 0): the ring passes through it.
@@ -149,7 +150,9 @@ def shard_syncs(
 ) -> None:
     """The gradient reduce-scatters of every sharded block: stages 1–2 once after all its
     backwards (sync_tasks._after_backwards adds those edges, via `waits`), stage 3 once per
-    micro-batch after that micro-batch's backwards; the optimizer steps wait for them."""
+    micro-batch after that micro-batch's backwards; the optimizer steps wait for them. Each
+    member keeps a receive buffer as large as the largest piece it is sent (`receive_bytes`)."""
+    scratch: dict[int, float] = {}
     for b, blk in enumerate(blocks):
         if not blk.shard_stage:
             continue
@@ -158,6 +161,9 @@ def shard_syncs(
         if st.grads <= 0:
             continue
         kept_ids = np.array([d for d, _ in kept], dtype=np.int64)
+        for d, nbytes in receive_bytes(blk, info, st.grads).items():
+            if rep[d] == d:
+                scratch[d] = max(scratch.get(d, 0.0), nbytes)
         if blk.shard_stage < ShardStage.PARAMETERS:
             s = _shard_task(tasks, info, table, blk, b, CollectiveOp.REDUCE_SCATTER, st.grads, num_microbatches)
             for d, f in kept:
@@ -180,6 +186,19 @@ def shard_syncs(
                 tasks.mem(s, True, d, -(tied_grads if m else 0.0))
                 tasks.mem(s, False, d, (f * st.grads if m == 0 else 0.0) - st.grads)
             opt_inputs.add(s, kept_ids)
+    for d, nbytes in scratch.items():  # kept from call to call (execute/collectives.py ScratchBuffers)
+        tasks.initial_bytes[d] += nbytes
+        tasks.persistent_bytes[d] += nbytes
+
+
+def receive_bytes(blk: Block, info: ClusterInfo, nbytes: float) -> dict[int, float]:
+    """Per member, the largest piece a reduce-scatter of `nbytes` sends it (every piece but
+    its predecessor's, cost/comm.py shard_piece): the receive buffer the ring adds into."""
+    ring, fractions = ring_fractions(blk, info)
+    n = len(ring)
+    return {
+        d: nbytes * max((fractions[j] for j in range(n) if j != (i - 1) % n), default=0.0) for i, d in enumerate(ring)
+    }
 
 
 def table_grad_bytes(blk: Block, table: CostTable) -> float:
