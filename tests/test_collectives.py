@@ -264,19 +264,6 @@ def test_program_sync_runs_each_blocks_method_and_sums_tied_gradients_over_all_h
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name,members,sizes", SHARD_CASES, ids=[c[0] for c in SHARD_CASES])
-def test_uneven_reduce_scatter_and_all_gather(results, name, members, sizes):
-    """Member i of the ring ends the reduce-scatter with the sum of piece i; the all-gather
-    gives every member every member's piece."""
-    total = sum(grad_of(r, sum(sizes)) for r in sorted(members))
-    want = torch.cat([torch.full((n,), float(r)) for r, n in zip(members, sizes)])
-    for i, r in enumerate(members):
-        lo = sum(sizes[:i])
-        assert torch.allclose(results[r][(name, "piece")], total[lo : lo + sizes[i]], rtol=1e-6, atol=1e-6)
-        assert torch.equal(results[r][(name, "gathered")], want)
-
-
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("name,server,replicas,kind", PS_CASES, ids=[c[0] for c in PS_CASES])
 def test_deferred_parameter_server_skips_a_step_on_every_member(results, name, server, replicas, kind):
     """push / pull apart (fp16): a step whose pull every member skips leaves the parameters
