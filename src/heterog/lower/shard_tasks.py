@@ -40,7 +40,7 @@ from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
 from heterog.ir.plan import split_samples
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable
-from heterog.lower.taskgraph import BWD, FWD, SYNC, ShardOp, Tasks
+from heterog.lower.taskgraph import BWD, FWD, ShardOp, Tasks
 
 PREFETCH_UNITS = 1  # stage 3: units gathered ahead of the one computing (FSDP prefetches one)
 
@@ -125,11 +125,7 @@ def _shard_task(
     key = "reduce_scatter" if op is CollectiveOp.REDUCE_SCATTER else "all_gather"
     dur = table.shard_sync_s(key, nbytes, info.names(ring), fractions)
     links, load = info.shard_ring(ring, fractions, key)
-    t = tasks.add_comm(SYNC, dur, mb, b, links, blk.devices, nbytes)
-    for link in info.shared_bw:
-        if link in load:  # a switch core: the bytes it pushes (engine.py)
-            tasks.core_bytes[t] = load[link] * nbytes
-    tasks.sync_loads[t] = load
+    t = tasks.add_sync(dur, mb, b, links, load, blk.devices, nbytes, info.shared_bw)
     tasks.shard_ops[t] = ShardOp(
         op=str(op), members=ring, fractions=fractions, phase=str(phase) if phase else None, microbatch=microbatch
     )

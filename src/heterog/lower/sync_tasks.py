@@ -16,7 +16,7 @@ from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable, id_runs
 from heterog.lower.shard_tasks import parameter_gathers, persistent_state, shard_syncs
-from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import OPT, Tasks, make_room, rep_id
 
 
 def sync_and_step(
@@ -285,11 +285,7 @@ def _collective(
     """A gradient collective's task, to run after every backward of the blocks `after`
     (edges added by _after_backwards), with the bytes it pushes through switch cores and its
     link loads (tasks.sync_loads)."""
-    s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
-    for l in info.shared_bw:
-        if l in load:  # a ring crosses the core once per node it leaves
-            tasks.core_bytes[s] = load[l] * nbytes
-    tasks.sync_loads[s] = load
+    s = tasks.add_sync(dur, mbs, block, links, load, involved, nbytes, info.shared_bw)
     waits.append((s, after))
     return s
 

@@ -123,6 +123,26 @@ class Tasks:
         self.comm[t] = (members, nbytes, block)
         return t
 
+    def add_sync(
+        self,
+        dur: float,
+        mb: int,
+        block: int,
+        links: tuple[int, ...],
+        load: dict[int, float],
+        members: tuple[int, ...],
+        nbytes: float,
+        cores,
+    ) -> int:
+        """A collective task holding `links`, with each link's load (bytes per buffer byte)
+        and the bytes it pushes through the switch cores among them (`cores`: ClusterInfo.shared_bw)."""
+        t = self.add_comm(SYNC, dur, mb, block, links, members, nbytes)
+        for link in cores:
+            if link in load:  # a ring crosses the core once per node it leaves
+                self.core_bytes[t] = load[link] * nbytes
+        self.sync_loads[t] = load
+        return t
+
     def block_of(self, t: int) -> int:
         if self.dev[t] < 0:
             return self.comm[t][2]

@@ -22,26 +22,14 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
-from heterog.search.baselines import BASELINE_BUILDERS, node_dp_starts, pipeline
+from heterog.search.baselines import BASELINE_BUILDERS, BASELINES, node_dp_starts, pipeline
 from heterog.search.constraints import DEFAULT_CACHE, ConstraintCache, ModelCuts, violations
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.grouping import make_groups
 from heterog.search.local_search import Annealer
 from heterog.search.problem import Problem, Strategy
 
-CANDIDATES = (
-    "single-device",
-    "even-dp-allreduce",
-    "even-dp-ps",
-    "proportional-dp",
-    "model-parallel",
-    "pipeline",
-    "fsdp-even",
-    "zero-uneven",
-    "search",
-    "gnn",
-    "gnn+search",
-)
+CANDIDATES = (*BASELINES, "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
 ELITE_RESCORED = 4  # strategies from each search that the simulator re-scores (at most)
 PRIORITY_MAX_DEVICES = 128

@@ -111,19 +111,26 @@ def llama(
     """A Llama-architecture decoder (RMSNorm, SwiGLU, rotary positions, grouped KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
+    return _decoder(LlamaConfig, LlamaForCausalLM, hidden, layers, heads, kv_heads or heads, ffn, vocab, positions, tie)
+
+
+def _decoder(config_cls, model_cls, hidden, layers, heads, kv_heads, ffn, vocab, positions, tie, **extra) -> nn.Module:
+    """A Llama-style decoder of transformers' `model_cls` (Llama, Mistral, Qwen2 share these
+    config fields), SDPA attention, no KV cache."""
+    cfg = config_cls(
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads or heads,
+        num_key_value_heads=kv_heads,
         vocab_size=vocab,
         max_position_embeddings=positions,
         tie_word_embeddings=tie,
         use_cache=False,
         attn_implementation="sdpa",
+        **extra,
     )
-    return _finish(LlamaForCausalLM(cfg))
+    return _finish(model_cls(cfg))
 
 
 def tinyllama() -> nn.Module:
@@ -146,20 +153,19 @@ def mistral(
     attention over `window` tokens; defaults: Mistral-7B-v0.1 (HF config)."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=positions,
+    return _decoder(
+        MistralConfig,
+        MistralForCausalLM,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        ffn,
+        vocab,
+        positions,
+        False,
         sliding_window=window,
-        tie_word_embeddings=False,
-        use_cache=False,
-        attn_implementation="sdpa",
     )
-    return _finish(MistralForCausalLM(cfg))
 
 
 def qwen2(
@@ -176,19 +182,7 @@ def qwen2(
     projections and grouped KV heads; defaults: Qwen2-7B (HF config)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=positions,
-        tie_word_embeddings=tie,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return _finish(Qwen2ForCausalLM(cfg))
+    return _decoder(Qwen2Config, Qwen2ForCausalLM, hidden, layers, heads, kv_heads, ffn, vocab, positions, tie)
 
 
 def gpt_neo(
