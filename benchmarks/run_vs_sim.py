@@ -207,6 +207,7 @@ def print_scenario(r: dict[str, Any]) -> None:
     rows = [
         [
             k
+            + (" (sharded)" if v.get("sharded") else "")
             + (" * heterog" if k == r["heterog_label"] else "")
             + (" ◦ best baseline" if k == r["best_baseline"] else ""),
             human_time(v["predicted_iteration_time_s"]),

@@ -213,6 +213,55 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
     return out
 
 
+def plan_quality_lm(doc: dict[str, Any], short: bool) -> list[str]:
+    """The language models trained with AdamW: heterog's plan against the sharded baselines
+    and the best baseline (the cases the planner finds nothing for are left out)."""
+    rows = [r for r in doc["rows"] if r.get("optimizer") == "adamw" and r.get("feasible")]
+    if not rows:
+        return ["(no language-model cases in the results: `python benchmarks/plan_quality.py --only lm`)", ""]
+
+    def of(r: dict, k: str) -> float | None:
+        return r["times_s"].get(k)
+
+    out = table(
+        [
+            "model",
+            "cluster",
+            "precision",
+            "heterog's plan",
+            "sharded groups",
+            "fsdp-even",
+            "zero-uneven",
+            "best baseline",
+            "over the best baseline",
+            "over fsdp-even",
+        ],
+        [
+            [
+                r["model"],
+                r["cluster"],
+                r["precision"],
+                f"{r['best']}, {secs(r['best_time_s'])}",
+                r.get("sharded_groups", 0),
+                secs(of(r, "fsdp-even")),
+                secs(of(r, "zero-uneven")),
+                r.get("best_baseline") or "—",
+                times(r.get("speedup_vs_best_baseline")),
+                times(of(r, "fsdp-even") / r["best_time_s"]) if of(r, "fsdp-even") else "does not fit",
+            ]
+            for r in rows
+        ],
+    )
+    missing = [
+        f"{r['model']} on {r['cluster']}"
+        for r in doc["rows"]
+        if r.get("optimizer") == "adamw" and not r.get("feasible")
+    ]
+    if missing:
+        out += [f"No plan fits {', '.join(missing)}.", ""]
+    return out
+
+
 def _med_max(values: list[float | None]) -> str:
     v = [x for x in values if x is not None]
     return f"{times(statistics.median(v))} ({times(max(v))})" if v else "—"
@@ -551,6 +600,15 @@ SECTIONS = (
         result="plan_quality.json",
         render=plan_quality,
         about="The paper's models and more on the built-in GPU clusters; every candidate's simulated iteration time.",
+    ),
+    Section(
+        key="plan-quality-lm",
+        title="Plan quality: language models with sharded state",
+        script="benchmarks/plan_quality.py",
+        result="plan_quality.json",
+        render=plan_quality_lm,
+        about="gpt2-xl, tinyllama-1.1b and llama-7b trained with AdamW (batch 16) on the built-in GPU clusters, "
+        "against the sharded baselines fsdp-even (ZeRO-3, even) and zero-uneven (Cephalo's rule); simulated.",
     ),
     Section(
         key="prediction-accuracy",
