@@ -51,7 +51,7 @@ from heterog.execute.shard import ShardRunner
 from heterog.execute.trace import Span, SpanCategory
 from heterog.execute.transport import MAX_VALUES, Transport
 from heterog.execute.workload import Workload, slice_batch
-from heterog.ir.kinds import Phase, Precision
+from heterog.ir.kinds import CollectiveOp, Phase, Precision
 from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
 
 
@@ -275,7 +275,8 @@ class Interpreter:
         if isinstance(ins, (Send, Recv)):
             return f"{ins.kind} {ins.peer} mb{ins.microbatch}", SpanCategory.TRANSFER
         if isinstance(ins, Collective):
-            return f"{self.program.blocks[ins.block].label} {ins.method} sync", SpanCategory.SYNC
+            what = f"{ins.method} sync" if ins.op is CollectiveOp.ALL_REDUCE else str(ins.op)
+            return f"{self.program.blocks[ins.block].label} {what}", SpanCategory.SYNC
         raise AssertionError(f"no span for {type(ins).__name__}")
 
     def read_timings(self, *, rank: int, step: int, origin: Any, origin_s: float) -> list[Span]:
