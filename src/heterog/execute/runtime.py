@@ -485,6 +485,8 @@ class Interpreter:
             if self.scaler is not None:
                 call.loss = self.scaler.scale_loss(call.loss)
         self._calls[(si, m)] = call
+        if self.memory_cap is not None:  # the forward's own peak, its outputs and loss beside what it saved
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[out, call.loss]).total_bytes)
 
     def _backward(self, si: int, ins: Compute) -> None:
         call = self._calls.pop((si, ins.microbatch))
@@ -500,7 +502,7 @@ class Interpreter:
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
         if self.memory_cap is not None:  # the backward's own peak: its gradients beside what it saved
-            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=call.saved).total_bytes)
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[call.saved]).total_bytes)
         for v in self._values_of(s):  # the outputs' gradients are spent
             self._slots.pop((v, m), None)
         for v, slot, pieces in call.leaves:  # input gradients back to their producers
