@@ -119,7 +119,9 @@ def run_vs_sim(doc: dict[str, Any], short: bool) -> list[str]:
             [
                 s["scenario"],
                 s["heterog_strategy"],
-                f"{times(vb['median'])} / {times(vb['worst'])} ({times(vb['predicted'])}) over {s['best_baseline']}",
+                f"{times(vb['median'])} / {times(vb['worst'])} ({times(vb['predicted'])}) over {s['best_baseline']}"
+                if vb
+                else "no baseline fits",
                 f"{times(ve['median'])} / {times(ve['worst'])} ({times(ve['predicted'])})" if ve else "—",
                 f"{pct(statistics.median(errors))} ({len(errors)})" if errors else "—",
             ]
@@ -195,7 +197,7 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
                     r["model"],
                     r["batch_size"],
                     r["cluster"],
-                    r["best"] or "—",
+                    r.get("best") or "no plan fits",
                     secs(r.get("best_time_s")),
                     times(r.get("speedup_vs_even_dp")),
                     times(r.get("speedup_vs_best_baseline")),
@@ -761,7 +763,13 @@ def scenarios_block() -> list[str]:
                 " / ".join(f"{x:g}×" for x in sc.slowdowns),
                 f"{sc.slow_link_gbps:g} Gb/s",
                 f"{sc.memory_gib * 1024:g} MiB on {', '.join(sc.capped_devices)}" if sc.memory_gib else "—",
-                f"{r['heterog_strategy']}, {times(vb['median'])} over {r['best_baseline']}" if r else "not run",
+                (
+                    "not run"
+                    if not r
+                    else f"{r['heterog_strategy']}, no baseline fits"
+                    if vb is None
+                    else f"{r['heterog_strategy']}, {times(vb['median'])} over {r['best_baseline']}"
+                ),
             ]
         )
     return table(

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
+from heterog.ir.plan import shard_piece
 
 METHODS = ("ring", "tree", "hierarchical")
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -180,14 +181,6 @@ def collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequenc
     raise PlanError(
         f"unknown collective method {method!r}; use one of {', '.join(METHODS)} (or sync 'ps' with ps_sync_time_s)."
     )
-
-
-def shard_piece(op: str, position: int, step: int, n: int) -> int:
-    """The piece the ring member at `position` sends at `step` (0 … n−2) of a reduce-scatter
-    or all-gather whose member i owns piece i (execute/collectives.py runs the same rule): a
-    reduce-scatter passes on the partial sum of piece i−k−1, so after n−1 steps member i holds
-    the total of piece i; an all-gather passes on piece i−k, its own first."""
-    return (position - step - (1 if op == "reduce_scatter" else 0)) % n
 
 
 def shard_collective_time_s(

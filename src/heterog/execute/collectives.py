@@ -6,7 +6,7 @@ members, so what runs is the algorithm the simulator times, not the backend's ch
 - `ring`: reduce-scatter then all-gather around the ring in the given member order
   (Patarasuk & Yuan 2009): 2(n−1) steps, each moving 1/n of the bucket to the next member.
   The halves run alone, with uneven pieces, for sharded state (`ring_reduce_scatter`,
-  `ring_all_gather`; member i owns piece i, cost/comm.py `shard_piece`): torch's own
+  `ring_all_gather`; member i owns piece i, ir/plan.py `shard_piece`): torch's own
   reduce_scatter_tensor and all_gather_into_tensor take equal pieces only;
 - `tree`: reduce up a binary tree rooted at the first member, then broadcast down it;
 - `hierarchical`: reduce inside each node to its leader (the node's first member), ring
@@ -37,9 +37,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from heterog.cost.comm import shard_piece
 from heterog.execute.transport import wait_for
 from heterog.ir.kinds import SyncMethod
+from heterog.ir.plan import shard_piece
 
 TAGS_PER_CALL = 1 << 12
 

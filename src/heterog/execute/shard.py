@@ -42,8 +42,8 @@ from heterog.errors import PlanError
 from heterog.execute.collectives import ring_all_gather, ring_reduce_scatter
 from heterog.execute.partition import Dataflow
 from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
+from heterog.ir.plan import shard_ranges
 from heterog.lower.program import Collective, Program
-from heterog.lower.shard_tasks import shard_ranges
 
 
 @dataclass(kw_only=True)

@@ -386,6 +386,24 @@ def split_samples(total: int, shares: list[float]) -> list[int]:
     return counts
 
 
+def shard_ranges(total: int, fractions: tuple[float, ...] | list[float]) -> list[tuple[int, int]]:
+    """[lo, hi) of each member's piece of a flat buffer of `total` elements: contiguous, in
+    ring order, sized by the fractions (largest remainder, as samples are split)."""
+    out, lo = [], 0
+    for n in split_samples(total, list(fractions)) if total else [0] * len(fractions):
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
+def shard_piece(op: str, position: int, step: int, n: int) -> int:
+    """The piece the ring member at `position` sends at `step` (0 … n−2) of a reduce-scatter
+    or all-gather whose member i owns piece i (execute/collectives.py runs the same rule): a
+    reduce-scatter passes on the partial sum of piece i−k−1, so after n−1 steps member i holds
+    the total of piece i; an all-gather passes on piece i−k, its own first."""
+    return (position - step - (1 if op == "reduce_scatter" else 0)) % n
+
+
 # -- portable user-model files -------------------------------------------------------------------
 # A user model is named 'path/file.py:factory', as typed when planning (the graph fingerprint is
 # computed from that name, so it is kept). A saved plan also records `file`, the model file's

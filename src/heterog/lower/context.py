@@ -207,7 +207,7 @@ class ClusterInfo:
     ) -> tuple[tuple[int, ...], dict[int, float]]:
         """ring() for a reduce-scatter or all-gather with uneven pieces: `members` in ring order,
         fractions[i] the piece members[i] owns. Over the n − 1 steps each member sends every
-        piece but one (cost/comm.py shard_piece): a reduce-scatter all but its own, an
+        piece but one (ir/plan.py shard_piece): a reduce-scatter all but its own, an
         all-gather all but its successor's."""
         key = ("shard", members, fractions, op)
         hit = self._rings.get(key)

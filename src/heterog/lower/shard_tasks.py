@@ -5,7 +5,7 @@ like every other collective, and the search's estimate calls the same functions.
 
 Layout. A sharded block (lower/blocks.py: a gradient bucket; under stage 3 also the unit whose
 parameters are gathered together, FSDP's unit) lays its parameters out flat in a fixed order,
-and member i of its ring (ring order) owns the contiguous piece `shard_ranges(...)[i]`, sized
+and member i of its ring (ring order) owns the contiguous piece `shard_ranges(...)[i]` (ir/plan.py), sized
 by its shard fraction. Tied parameters whose users lie in several groups stay whole on every
 holder (their own all-reduce, sync_tasks.py), so the shardable part of a block is its state
 less theirs. Per stage, with P, G, O that part's parameter, gradient and optimizer-state bytes
@@ -37,22 +37,11 @@ from typing import NamedTuple
 import numpy as np
 
 from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
-from heterog.ir.plan import split_samples
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable
 from heterog.lower.taskgraph import BWD, FWD, ShardOp, Tasks
 
 PREFETCH_UNITS = 1  # stage 3: units gathered ahead of the one computing (FSDP prefetches one)
-
-
-def shard_ranges(total: int, fractions: tuple[float, ...] | list[float]) -> list[tuple[int, int]]:
-    """[lo, hi) of each member's piece of a flat buffer of `total` elements: contiguous, in
-    ring order, sized by the fractions (largest remainder, as samples are split)."""
-    out, lo = [], 0
-    for n in split_samples(total, list(fractions)) if total else [0] * len(fractions):
-        out.append((lo, lo + n))
-        lo += n
-    return out
 
 
 class ShardedState(NamedTuple):
@@ -189,7 +178,7 @@ def shard_syncs(
 
 def receive_bytes(blk: Block, info: ClusterInfo, nbytes: float) -> dict[int, float]:
     """Per member, the largest piece a reduce-scatter of `nbytes` sends it (every piece but
-    its predecessor's, cost/comm.py shard_piece): the receive buffer the ring adds into."""
+    its predecessor's, ir/plan.py shard_piece): the receive buffer the ring adds into."""
     ring, fractions = ring_fractions(blk, info)
     n = len(ring)
     return {

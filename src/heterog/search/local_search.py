@@ -13,7 +13,8 @@ change, by the LP batch-share optimiser on the affected segment):
   recompute – toggle activation recomputation on a segment (trades time for memory);
   reshare   – re-run the share optimiser on a segment;
   nudge     – move one or two samples of a micro-batch between two replicas of a segment;
-  shard     – shard a segment's state at another ZeRO stage (sharding.py).
+  shard     – shard a segment's state at another ZeRO stage (sharding.py), a share of the
+              moves on problems whose state presses on the devices' memory.
 Scored by `estimate` (estimate.py); a worse move is accepted with probability
 exp(−Δ/(T·score)) (Kirkpatrick et al. 1983), T cooling geometrically with the iteration
 count, so a run is reproducible for a seed and an iteration limit; the wall-clock budget
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
-from heterog.search.sharding import propose_shard
+from heterog.search.sharding import SHARD_MOVES, memory_bound, propose_shard
 from heterog.search.shares import balanced_shares
 
 
@@ -101,6 +102,7 @@ class Annealer:
         self.fast = fast
         gb = [float(x) for x in prob.grad_bytes]
         self.grad_weights = gb if sum(gb) > 0 else None
+        self.shard_moves = memory_bound(prob)
 
     def _device(self) -> int:
         return self.rng.choices(self.fast, weights=self.device_weights)[0]
@@ -111,10 +113,10 @@ class Annealer:
         a, b = rng.choice(segs)
         p = s.placements[a]
         kind = rng.choices(
-            ("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare", "nudge", "shard"),
-            weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 2),
+            ("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare", "nudge"),
+            weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1),
         )[0]
-        if kind == "shard":
+        if self.shard_moves and rng.random() < SHARD_MOVES:  # where memory binds (sharding.py)
             return propose_shard(rng, prob, s, a, b)
         if kind == "move":
             r = rng.random()

@@ -28,6 +28,8 @@ from heterog.lower.shard_tasks import ShardedState, replica_bytes
 from heterog.search.problem import Placement, Problem
 
 GATHERED_UNITS = 2  # stage 3: the unit computing and the one prefetched (shard_tasks.PREFETCH_UNITS + 1)
+SHARD_MOVES = 0.15  # the share of the search's moves that change sharding, where memory binds
+MEMORY_BOUND = 0.25  # ... that is, where the whole state takes more than this share of a device
 
 
 def group_state(prob: Problem, g: int, cls: int) -> ShardedState:
@@ -164,6 +166,14 @@ def sharded(p: Placement, stage: int, fractions: Sequence[float]) -> Placement:
     if not stage or len(p.devices) < 2:
         return Placement(p.devices, p.shares, p.sync if len(p.devices) > 1 else "none", p.ps, p.recompute)
     return Placement(p.devices, p.shares, "ring", None, p.recompute, int(stage), tuple(fractions))
+
+
+def memory_bound(prob: Problem) -> bool:
+    """Whether sharding may pay: the model's whole state (parameters, gradients, optimizer
+    state) takes more than MEMORY_BOUND of some device's memory. Elsewhere it only adds
+    collectives, and the search spends no moves on it."""
+    whole = prob.persistent_bytes.sum(axis=0)[prob.dev_class]
+    return bool(np.any(whole > MEMORY_BOUND * prob.memory_bytes))
 
 
 def propose_shard(rng, prob: Problem, s, a: int, b: int):
