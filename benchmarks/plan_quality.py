@@ -134,6 +134,15 @@ def _kept(path: Path, rows: list[dict]) -> list[dict]:
     return [r for r in json.loads(path.read_text())["rows"] if _case_key(r) not in made]
 
 
+def _command(path: Path, argv) -> str:
+    """This run's command; with --only, after the command that made the rows it kept."""
+    this = "python benchmarks/plan_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if "--only" not in this or not path.exists():
+        return this
+    before = json.loads(path.read_text()).get("command", "")
+    return " + ".join(dict.fromkeys(c for c in (*before.split(" + "), this) if c))
+
+
 def _fmt(v):
     return "OOM" if v is None else f"{v * 1e3:.1f}"
 
@@ -232,7 +241,7 @@ def main(argv=None) -> int:
         args.out,
         {
             "benchmark": "plan_quality",
-            "command": "python benchmarks/plan_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": _command(Path(args.out), argv),
             "machine": platform.processor() or platform.machine(),
             "summary": summary,
             "rows": rows,

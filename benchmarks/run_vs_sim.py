@@ -324,7 +324,9 @@ def main() -> int:
             "load_average_after": os.getloadavg(),
             "cpu_count": os.cpu_count(),
             "wall_time_s": time.perf_counter() - t0,
-            "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:]),
+            # every command that measured a scenario here, in the order of the scenarios
+            "command": " + ".join(dict.fromkeys(r["command"] for r in every if r.get("command")))
+            or "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:]),
         }
 
     for name in names:
