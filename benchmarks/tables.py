@@ -298,6 +298,47 @@ def predict_gpu(doc: dict[str, Any], short: bool) -> list[str]:
     return out
 
 
+def predict_iterations(doc: dict[str, Any], short: bool) -> list[str]:
+    s = doc["summary"]
+    rows = [r for r in doc["rows"] if "predicted_s" in r]
+    if short:
+        out = table(
+            ["whole iterations", "configurations", "heterog: median (worst) error", "AMP's own model: median (worst)"],
+            [
+                [
+                    "GPT-2 345M on 16 T4s (DeepSpeed, dp × pp)",
+                    s["predicted"],
+                    f"{pct(s['median_abs_error'])} ({pct(s['worst_abs_error'])})",
+                    f"{pct(s['amp_median_abs_error'])} ({pct(s['amp_worst_abs_error'])})",
+                ]
+            ],
+        )
+        return out
+    out = table(
+        ["dp", "pp", "micro-batch", "micro-batches", "measured", "heterog", "error", "AMP's model", "fits"],
+        [
+            [
+                r["dp"],
+                r["pp"],
+                r["micro_batch"],
+                r["microbatches"],
+                "failed" if r["measured_s"] is None else secs(r["measured_s"]),
+                secs(r["predicted_s"]),
+                "—" if r["measured_s"] is None else pct(r["predicted_s"] / r["measured_s"] - 1, signed=True),
+                secs(r["amp_predicted_s"]),
+                f"{'yes' if r['fits'] else 'no'} ({r['peak_memory_gib']:.1f} GiB)",
+            ]
+            for r in rows
+        ],
+    )
+    out.append(
+        f"{s['skipped_tensor_parallel']} more configurations need tensor parallelism. Runs that failed "
+        f"(out of memory or an error): {s['failed_runs']}, {s['failed_runs_predicted_not_to_fit']} of them "
+        f"predicted not to fit; runs predicted not to fit that ran: {s['ran_but_predicted_not_to_fit']}."
+    )
+    return out
+
+
 def predict_accuracy(doc: dict[str, Any], short: bool) -> list[str]:
     s = doc["summary"]
     out = table(
@@ -559,6 +600,15 @@ SECTIONS = (
         result="predict_gpu.json",
         render=predict_gpu,
         about="Predicted against measured GPU training steps and per-layer times (docs/cost_model.md).",
+    ),
+    Section(
+        key="iteration-accuracy",
+        title="Whole multi-GPU iterations",
+        script="benchmarks/predict_iterations.py",
+        result="predict_iterations.json",
+        render=predict_iterations,
+        about="Public measured iterations of GPT-2 345M on 16 T4s in 4 nodes (AMP's DeepSpeed runs), each "
+        "configuration heterog can express planned on the same devices and simulated; nothing is fitted to them.",
     ),
     Section(
         key="cpu-accuracy",
