@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from heterog.errors import CheckpointError
-from heterog.ir.plan import user_model_file
+from heterog.ir.plan import file_sha256, user_model_file
 from heterog.jsonio import write_atomic
 from heterog.userfile import locate
 
@@ -86,10 +86,45 @@ class CheckpointInfo:
 
 
 def model_key(name: str) -> str:
-    """The model's identity in a checkpoint: a zoo name, or a user file's absolute path and
-    factory (so plans saved in different folders that name the same file agree)."""
+    """The model's identity in a checkpoint, portable as a plan's is: a zoo name, or a user
+    file's name, factory and content hash, so that a project copied elsewhere (the same file at
+    another path) resumes, and an edited model file is named as the reason it does not."""
     user = user_model_file(name)
-    return name if user is None else f"{locate(user[0]).resolve()}:{user[1]}"
+    if user is None:
+        return name
+    path = locate(user[0])
+    return f"{path.name}:{user[1]} sha256={file_sha256(path)}"
+
+
+def check_same_model(saved: str, name: str, where: str) -> None:
+    """Refuse to resume a checkpoint of another model than `name`, saying why. A user model
+    matches on its factory and file content, wherever the file now is; a checkpoint written
+    before content hashes named the file's absolute path, which still matches that path."""
+    current = model_key(name)
+    if saved == current or _factory_and_hash(saved) == _factory_and_hash(current) != (None, None):
+        return
+    user = user_model_file(name)
+    if user is not None and saved == f"{locate(user[0]).resolve()}:{user[1]}":
+        return
+    then, now = _factory_and_hash(saved), _factory_and_hash(current)
+    if then[0] is not None and then[0] == now[0]:
+        raise CheckpointError(
+            f"{where}: the model file changed since the checkpoint was written (factory {now[0]!r}, sha256 "
+            f"{then[1][:12]}… then, {now[1][:12]}… now); restore the file the checkpoint was trained with, or "
+            f"start without --resume."
+        )
+    raise CheckpointError(
+        f"{where}: the checkpoint is of model {saved!r}, but the plan trains {current!r}; resume with a plan of "
+        f"the same model."
+    )
+
+
+def _factory_and_hash(key: str) -> tuple[str | None, str | None]:
+    """(factory, sha256) of a user model's key, (None, None) for a zoo name or an old key."""
+    head, sep, digest = key.rpartition(" sha256=")
+    if not sep:
+        return None, None
+    return head.rpartition(":")[2], digest
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -212,10 +247,7 @@ def load_checkpoint(
 ) -> None:
     """Load the parameters (in place) and optimizer state this rank holds, by name, and the
     state of the parameter servers it runs."""
-    if info.model != model_key(model):
-        raise CheckpointError(
-            f"{info.path}: the checkpoint is of model {info.model!r}, not {model!r}; resume with the same model."
-        )
+    check_same_model(info.model, model, str(info.path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {}
     for name, p in named_params:

@@ -39,7 +39,7 @@ from typing import Any
 
 from heterog.errors import CheckpointError, PlanError, RankError
 from heterog.execute import stale
-from heterog.execute.checkpoint import find_checkpoint, model_key
+from heterog.execute.checkpoint import check_same_model, find_checkpoint
 from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
 from heterog.ir.plan import in_memory_model_error
 
@@ -356,12 +356,7 @@ def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> dict[str, An
     if not cfg.checkpoint or not cfg.checkpoint.get("resume"):
         return cfg.checkpoint
     info = find_checkpoint(cfg.checkpoint["resume"])
-    model = plan_doc["model"]["name"]
-    if info.model != model_key(model):
-        raise CheckpointError(
-            f"--resume {cfg.checkpoint['resume']}: the checkpoint is of model {info.model!r}, "
-            f"but the plan trains {model!r}; resume with a plan of the same model."
-        )
+    check_same_model(info.model, plan_doc["model"]["name"], f"--resume {cfg.checkpoint['resume']}")
     if info.step >= cfg.steps:
         raise CheckpointError(
             f"--resume {cfg.checkpoint['resume']}: the checkpoint already holds {info.step} "
