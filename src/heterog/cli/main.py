@@ -39,6 +39,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "simulate_cmd",
     "run_cmd",
     "check_cmd",
+    "whatif_cmd",
     "report_cmd",
     "profile_cmd",
     "calibrate_cmd",
