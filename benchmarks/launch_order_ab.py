@@ -31,8 +31,9 @@ sys.path.insert(0, str(ROOT / "src"))
 import heterog.lower.lowering as lowering  # noqa: E402
 import heterog.pipeline as pipeline  # noqa: E402
 from heterog import demo as D  # noqa: E402
-from heterog.cli.output import human_time, print_table  # noqa: E402
+from heterog.cli.output import print_table  # noqa: E402
 from heterog.errors import HeterogWarning  # noqa: E402
+from heterog.fmt import human_time  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 
 

@@ -213,8 +213,7 @@ def main() -> None:
     if device == "cpu" and not args.cached_probe:
         import tempfile
 
-        from heterog.cost import efficiency
-        from heterog.hardware import catalog
+        from heterog.hardware import catalog, efficiency
 
         os.environ["HETEROG_CACHE_DIR"] = tempfile.mkdtemp(prefix="heterog-probe-")
         catalog._measure_cpu_for.cache_clear()

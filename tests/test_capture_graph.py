@@ -232,7 +232,7 @@ def test_value_dependent_forward_is_explained():
 @pytest.mark.parametrize("name", ["mlp", "toy-cnn", "resnet50", "inception_v3", "nasnet", "vit_b_16", "transformer"])
 def test_leaf_nodes_match_the_executors_fx_module_calls(name):
     # The executor splits models with torch.fx and maps call_module targets to node names.
-    partition = pytest.importorskip("heterog.execute.partition")
+    partition = pytest.importorskip("heterog.cut.partition")
     if not hasattr(partition, "fx_node_names"):
         pytest.skip("executor exposes no fx_node_names")
     from heterog.capture.zoo import get_zoo_model
@@ -329,7 +329,7 @@ def test_a_call_returning_its_input_produces_it_as_the_export_sees_it():
     producer; nn.Identity runs no op in either, so values pass through it. The executor cuts
     the export where the capture's edges say values cross (regression: GPT-2's and Llama's
     even-dp-ps plans failed with 'reaches block 3 from no piece of the program')."""
-    from heterog.execute.split_export import export_model
+    from heterog.cut.split_export import export_model
 
     model = _AliasingLeaves()
     graph = capture(model, (torch.randn(2, 4),), name="aliasing")

@@ -150,7 +150,7 @@ def test_checkpoint_options_are_checked():
 def test_loader_data_resumes_at_the_same_batch(tmp_path):
     """A shuffling DataLoader read by step gives step k the same batch in a fresh process
     (a resumed run) as in the run that went through steps 0..k-1."""
-    from heterog.execute.workload import global_batch, resolve_workload, with_data
+    from heterog.workload import global_batch, resolve_workload, with_data
 
     (tmp_path / "data.py").write_text(
         "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"

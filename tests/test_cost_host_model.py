@@ -85,7 +85,7 @@ def test_a_power_limited_card_sustains_less_than_its_peak():
     """The T4 (70 W) and L4 (72 W) sustain a smaller share of their data-sheet tensor peak
     than full-power cards of their generations (Titan RTX, 280 W; RTX 4090, 450 W) on the same
     layer (hidden 2048, 4k tokens): their GEMMs hold the base clock, far below the boost clock
-    the peak assumes (cost/public_model.py). No type passes its data-sheet peak."""
+    the peak assumes (hardware/public_model.py). No type passes its data-sheet peak."""
     big = transformer_graph(layers=1, hidden=2048, seq=512, batch=8)
 
     def share(name: str) -> float:
@@ -183,7 +183,7 @@ def test_a_half_precision_nchw_convolution_pays_for_its_layout_transforms():
     2 extra passes of its activation traffic at copy bandwidth, forward and backward; fp32
     and non-NVIDIA types do not."""
     from heterog.cost.analytic import NCHW_HALF_CONV_TRANSFORM_PASSES, _TypeTable
-    from heterog.cost.efficiency import memory_efficiency
+    from heterog.hardware.efficiency import memory_efficiency
 
     conv = conv_graph()
     gpu = get_gpu("H200")

@@ -11,10 +11,10 @@ import pytest
 from cost_support import linear, transformer_graph
 
 from heterog.cost import Profile, ProfileError, build_cost_model
-from heterog.cost.efficiency import gpu_curve, h200_curve
 from heterog.cost.memory import block_of
 from heterog.cost.predict import predict, single_device_cluster
 from heterog.hardware.catalog import get_gpu
+from heterog.hardware.efficiency import gpu_curve, h200_curve
 from heterog.hardware.gputype import Efficiency
 from heterog.hardware.spec import load_cluster
 from heterog.ir.affine import Affine
@@ -190,7 +190,7 @@ def test_predict_is_sane_and_monotone(graph):
 def test_h200_calibration_points(dtype, precision):
     """Every large square product of data/h200_micro.json is predicted within 15% (from 4096 on,
     where the ~15 µs launch-and-timing floor of the measurement is under 10%)."""
-    from heterog.cost.efficiency import _h200_doc
+    from heterog.hardware.efficiency import _h200_doc
 
     cl = single_device_cluster(get_gpu("H200"))
     for row in _h200_doc()["matmul"]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from plan_batch import BatchedRun
 
-from heterog.execute.partition import fx_node_names
+from heterog.cut.partition import fx_node_names
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.pipeline import run

@@ -12,9 +12,9 @@ from heterog.capture import capture_model
 from heterog.cost import build_cost_model
 from heterog.cost.profile import LinkCalibratedCosts, LinkCalibration, LinkScope, ProfileError
 from heterog.demo import SCENARIOS
-from heterog.execute.workload import resolve_workload
 from heterog.ir.plan import ModelSpec
 from heterog.profile.measure import WholeStep, attribute_unhooked, measure_profile, profile_batch_sizes
+from heterog.workload import resolve_workload
 
 GPT2 = {"hidden": 32, "layers": 1, "heads": 2, "vocab": 512, "positions": 16, "dropout": 0.0}
 

@@ -194,9 +194,9 @@ def prepare(
     cluster of several nodes), each shaped link is measured once and the cost model's
     transfers and collectives use what it carried (cost.profile.LinkCalibratedCosts)."""
     from heterog.capture.cache import capture_cached
-    from heterog.execute.workload import resolve_workload
     from heterog.inputs import device_view, model_inputs
     from heterog.profile.measure import measure_profile, profile_batch_sizes
+    from heterog.workload import resolve_workload
 
     device_view(cluster)  # one torch thread: every rank runs one, and the profile measures at one
     spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)

@@ -92,8 +92,8 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
     prof = None
     if profile:
         from heterog.capture.cache import capture_cached
-        from heterog.execute.workload import resolve_workload
         from heterog.profile.measure import measure_profile, profile_batch_sizes
+        from heterog.workload import resolve_workload
 
         device_view(cluster)  # one thread, as the ranks measure
         if graph is None:

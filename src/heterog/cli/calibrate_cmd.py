@@ -29,8 +29,8 @@ def register(app: typer.Typer) -> None:
         Use it with `export HETEROG_CATALOG=FILE` (several files: join with ':'), then
         `--device NAME` or `type: NAME` in a cluster YAML."""
         from heterog.cost.calibrate import calibrate
+        from heterog.cost.device_profile import DeviceProfile
         from heterog.jsonio import write_atomic
-        from heterog.profile.artifact import DeviceProfile
 
         if len(profile) == 1 and _is_device_profile(profile[0]):
             prof = DeviceProfile.load(profile[0])

@@ -7,7 +7,8 @@ from typing import Any
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, console, human_bytes, human_flops, print_json, print_table, set_wide
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide
+from heterog.fmt import human_bytes, human_flops
 
 
 def capture_summary(graph: Any) -> dict[str, Any]:

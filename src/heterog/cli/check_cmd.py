@@ -7,8 +7,9 @@ from pathlib import Path
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, console, human_bytes, human_time, print_json, print_table, set_wide
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide
 from heterog.errors import HeterogError
+from heterog.fmt import human_bytes, human_time
 
 
 class CheckFailed(HeterogError):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, human_bytes, print_json, print_table, set_wide
+from heterog.cli.output import WIDE_HELP, print_json, print_table, set_wide
+from heterog.fmt import human_bytes
 
 KINDS = ("compute", "send", "recv", "collective", "optimizer")
 

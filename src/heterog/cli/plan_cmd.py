@@ -9,7 +9,8 @@ from typing import Any
 
 import typer
 
-from heterog.cli.output import console, human_bytes, human_time, parse_model_args, print_json, print_table
+from heterog.cli.output import console, parse_model_args, print_json, print_table
+from heterog.fmt import human_bytes, human_time
 from heterog.hardware.catalog import precision_help
 
 

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from heterog.cli.output import (
-    WIDE_HELP,
-    console,
-    human_bytes,
-    human_flops,
-    human_time,
-    parse_model_args,
-    print_json,
-    print_table,
-    set_wide,
-)
+from heterog.cli.output import WIDE_HELP, console, parse_model_args, print_json, print_table, set_wide
+from heterog.fmt import human_bytes, human_flops, human_time
 from heterog.hardware.catalog import precision_help
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from heterog.cli.output import console, human_time, parse_model_args, print_json, print_table
+from heterog.cli.output import console, parse_model_args, print_json, print_table
+from heterog.fmt import human_time
 from heterog.hardware.catalog import precision_help
 
 

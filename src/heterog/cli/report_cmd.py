@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from heterog.cli.output import console, human_time, print_json
+from heterog.cli.output import console, print_json
+from heterog.fmt import human_time
 
 
 def write_report(

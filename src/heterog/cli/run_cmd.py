@@ -12,16 +12,8 @@ from typing import Any
 
 import typer
 
-from heterog.cli.output import (
-    WIDE_HELP,
-    console,
-    human_bytes,
-    human_time,
-    print_json,
-    print_table,
-    set_wide,
-    write_json,
-)
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
+from heterog.fmt import human_bytes, human_time
 
 
 class _StepFollower:

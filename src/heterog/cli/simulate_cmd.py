@@ -7,16 +7,8 @@ from typing import Any
 
 import typer
 
-from heterog.cli.output import (
-    WIDE_HELP,
-    console,
-    human_bytes,
-    human_time,
-    print_json,
-    print_table,
-    set_wide,
-    write_json,
-)
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
+from heterog.fmt import human_bytes, human_time
 
 
 def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None, profile: Path | None = None):

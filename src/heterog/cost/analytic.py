@@ -14,7 +14,7 @@ Compute time of one node (Williams, Waterman & Patterson, "Roofline", CACM 2009)
 
 F_tc is the node's FLOPs in matmul/conv/attention kernels (tensor_core_flops_fraction), k its
 kernel count, n = (F_tc / k / 2)^(1/3) the equivalent square-product size that picks the
-efficiency from the calibrated curve (cost/efficiency.py), times the GPU type's own sustained
+efficiency from the calibrated curve (hardware/efficiency.py), times the GPU type's own sustained
 factors (catalog `efficiency`, never above peak). P_tc by precision, as PyTorch runs
 by default: fp32 — matmul and attention at the FP32 rate, cuDNN convolutions at TF32
 (torch.backends.cudnn.allow_tf32 is on, cuda.matmul.allow_tf32 is off); tf32 — both on TF32
@@ -32,7 +32,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from heterog.cost import comm
-from heterog.cost.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.cost.host import autocast_casts, cudnn_calls, host_times_s
 from heterog.cost.kernels import bandwidth_kind, conv_kernels, traffic_factors
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
@@ -40,6 +39,7 @@ from heterog.cost.profile import Profile
 from heterog.errors import ClusterError, PlanError
 from heterog.hardware.catalog import host_costs, host_overheads
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.hardware.gputype import GpuType
 from heterog.ir.kinds import Precision
 from heterog.ir.opgraph import OpGraph

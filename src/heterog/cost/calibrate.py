@@ -1,6 +1,6 @@
 """`heterog calibrate`: from a measured device profile, a catalog entry for the device type.
 
-What is fitted, and from what (profile/artifact.py names the sections):
+What is fitted, and from what (cost/device_profile.py names the sections):
 - compute[p], per GEMM precision measured: the median, over the larger half of the measured
   sizes, of (measured FLOP/s / peak) ÷ (the efficiency the H200-calibrated curve gives a type
   of this peak, cost.efficiency.gpu_curve). 1.0 means "behaves like the scaled H200";
@@ -27,16 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from heterog.cost.device_profile import DeviceProfile
 from heterog.errors import ClusterError
 from heterog.hardware.catalog import get_gpu, host_costs
 from heterog.hardware.gputype import Efficiency, GpuType, HostCosts
-from heterog.profile.artifact import DeviceProfile
 
 HOST_SCALE_BOUNDS = (0.2, 5.0)
 
 
 def compute_factors(profile: DeviceProfile, base: GpuType) -> dict[str, float]:
-    from heterog.cost.efficiency import gpu_curve
+    from heterog.hardware.efficiency import gpu_curve
 
     plain = dataclasses.replace(base, efficiency=Efficiency())
     out = {}

@@ -37,7 +37,7 @@ class ProfileSpec:
 
 
 def _load(path: Path):
-    from heterog.profile.artifact import DeviceProfile
+    from heterog.cost.device_profile import DeviceProfile
 
     try:
         kind = json.loads(path.read_text()).get("kind")
@@ -62,9 +62,9 @@ def apply_profiles(cluster: Cluster, specs: list[ProfileSpec | str | Path] | Any
     """The cluster with every profiled GPU type calibrated, and the per-node times of all the
     profiles merged (None if none measured nodes)."""
     from heterog.cost.calibrate import calibrate
+    from heterog.cost.device_profile import DeviceProfile
     from heterog.hardware.catalog import gpu_from_entry
     from heterog.hardware.spec import with_gpu_type
-    from heterog.profile.artifact import DeviceProfile
 
     if specs is None:
         return cluster, None

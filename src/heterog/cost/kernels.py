@@ -19,7 +19,7 @@ channel; a layer norm reads one row per thread block. They reach different bandw
 H200 profile of resnet50, batch 128, fp32, puts cuDNN's batch norm passes at ~0.55-0.65 of a
 copy's; the transformers' layer norms fit near a copy's), so batch and group norm have their
 own kind, "batchnorm" (`bandwidth_kind`); a type that was never fitted on a CNN charges
-it at the element-wise kind's bandwidth, the nearest kernel shape (cost/efficiency.py).
+it at the element-wise kind's bandwidth, the nearest kernel shape (hardware/efficiency.py).
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def node_profile(profile: Any):
         return None
     from pathlib import Path
 
+    from heterog.cost.device_profile import DeviceProfile
     from heterog.cost.profile import Profile, ProfileError
-    from heterog.profile.artifact import DeviceProfile
 
     if isinstance(profile, (str, Path)):
         import json

@@ -28,17 +28,17 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from heterog.cut.partition import Dataflow, build_dataflow, export_plan_model, program_group_order
+from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import HeterogError, PlanError
 from heterog.execute.device import RankDevice
 from heterog.execute.emulation import Pacer
-from heterog.execute.partition import Dataflow, build_dataflow, export_plan_model, program_group_order
 from heterog.execute.placement import misplaced, place_rank, place_stages, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
-from heterog.execute.split_export import ExportedModel, copy_exported
 from heterog.execute.wire import WireSpec, wire_table
-from heterog.execute.workload import Workload, build_model, global_batch, resolve_workload, to_device
 from heterog.ir.plan import Plan
 from heterog.lower.program import Compute, Program, Recv, Send
+from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device
 
 KIND = "heterog.CheckResult"
 DEVICES = ("meta", "cpu", "cuda")

@@ -72,6 +72,6 @@ def check_data(plan: Plan, data: str | None) -> None:
     """Fetch the first batch of --data in this process and check its form."""
     if not data:
         return
-    from heterog.execute.workload import check_batch, resolve_workload, with_data
+    from heterog.workload import check_batch, resolve_workload, with_data
 
     check_batch(with_data(resolve_workload(plan.model), data), plan.batch_size, source=f"--data {data!r}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from heterog.execute.device import LossScaler, RankDevice
-from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, with_data
 from heterog.ir.kinds import Precision
 from heterog.ir.plan import Plan
+from heterog.workload import build_model, global_batch, make_optimizer, resolve_workload, with_data
 
 
 def reference_train(

@@ -128,8 +128,8 @@ def full_model_bytes(plan_doc: dict[str, Any]) -> int:
     """Bytes of the whole model's fp32 parameters (built on the meta device: no memory)."""
     import torch
 
-    from heterog.execute.workload import resolve_workload
     from heterog.ir.plan import Plan
+    from heterog.workload import resolve_workload
 
     work = resolve_workload(Plan.from_dict(plan_doc).model)
     with torch.device("meta"):

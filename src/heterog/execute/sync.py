@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
+from heterog.cut.partition import Dataflow
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
-from heterog.execute.partition import Dataflow
-from heterog.execute.workload import make_optimizer
 from heterog.ir.kinds import SyncMethod
+from heterog.workload import make_optimizer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,20 +33,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from heterog.cut.partition import Dataflow, build_dataflow, detach_unheld, export_plan_model, program_group_order
+from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError, RankError
 from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
-from heterog.execute.partition import Dataflow, build_dataflow, detach_unheld, export_plan_model, program_group_order
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
-from heterog.execute.split_export import ExportedModel, copy_exported
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.sync import ProgramSync
 from heterog.execute.trace import Span, SpanCategory, StepRecorder
 from heterog.execute.transport import Channels, Transport, transfer_pairs
 from heterog.execute.wire import wire_table
-from heterog.execute.workload import (
+from heterog.ir.kinds import Precision
+from heterog.ir.plan import Plan
+from heterog.jsonio import write_atomic
+from heterog.lower.program import Program
+from heterog.workload import (
     Workload,
     build_model,
     global_batch,
@@ -55,10 +59,6 @@ from heterog.execute.workload import (
     to_device,
     with_data,
 )
-from heterog.ir.kinds import Precision
-from heterog.ir.plan import Plan
-from heterog.jsonio import write_atomic
-from heterog.lower.program import Program
 
 
 def _init(spec: dict[str, Any], store: Any = None) -> tuple[int, int, str, RankDevice]:

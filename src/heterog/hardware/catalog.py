@@ -5,7 +5,7 @@ whose rates are measured on this machine by a short probe and cached.
 separators, reads '80g' as '80GB' and knows each type's other spellings (`aka`); a name that
 several types share (a family: 'A100', 'V100', 'H100') is refused with the types it could
 mean, and an unknown one gets the close names — never a silent guess. A catalog type without
-measurements gets its efficiency from its public figures (cost/public_model.py).
+measurements gets its efficiency from its public figures (hardware/public_model.py).
 """
 
 from __future__ import annotations
@@ -111,12 +111,12 @@ def _public_from_entry(e: dict[str, Any] | None, sources: dict[str, Any], where:
 
 def gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
     """A catalog entry as a GpuType; without an `efficiency` of its own (no measurements),
-    its efficiency derived from its public figures (cost/public_model.py)."""
+    its efficiency derived from its public figures (hardware/public_model.py)."""
     where = f"{where}: GPU type {e.get('name', '?')!r}"
     gpu = _gpu_type_of(e, where)
     if e.get("efficiency") or gpu.public is None:
         return gpu
-    from heterog.cost.public_model import derive
+    from heterog.hardware.public_model import derive
 
     try:
         return derive(gpu)

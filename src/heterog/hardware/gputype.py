@@ -7,7 +7,7 @@ Four records describe a type:
   boost clocks, board power, tensor-core generation, memory technology;
 - `Efficiency`: what the type sustains of its peaks in training kernels (power- and
   clock-limited cards reach far less than SXM parts): fitted per type on measured layers
-  where the type was measured, else derived from its public figures (cost/public_model.py);
+  where the type was measured, else derived from its public figures (hardware/public_model.py);
 - `HostCosts`: what eager PyTorch's host (Python, dispatcher, autograd, autocast) spends per
   op while driving this device. The host is a property of the machine, so every GPU type
   shares one default unless a calibration (`heterog calibrate`) measured its own.
@@ -39,7 +39,7 @@ class TensorCores(StrEnum):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PublicFigures:
     """Data-sheet facts beyond the peaks, from which a type's sustained efficiency is derived
-    when it has no measurements (cost/public_model.py). The peaks assume the boost clock; a
+    when it has no measurements (hardware/public_model.py). The peaks assume the boost clock; a
     dense training kernel holds the clock the board power allows, which the base clock
     bounds (NVIDIA defines it as the clock guaranteed at the board's power under a heavy
     load): a 70 W T4 runs its GEMMs near 585 MHz, not at its 1590 MHz boost."""

@@ -83,7 +83,7 @@ def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
 
 def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
     """The plan with every graph node it does not name put in a group, by the partitioner's rule
-    for loose ops (execute/partition.py): a node follows its first predecessor's group, else its
+    for loose ops (cut/partition.py): a node follows its first predecessor's group, else its
     first successor's, else the first group. Plans written by hand often name only the model's
     module calls; the capture also records loose ops and the loss."""
     owner = {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}

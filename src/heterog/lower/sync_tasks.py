@@ -181,7 +181,7 @@ def _tied_copies(
 ) -> None:
     """A tied parameter (OpGraph.ties) read by blocks on other devices than its owner's: each of
     those devices holds a copy — parameter, gradient and optimizer state — as the executor's
-    partition gives it (execute/partition.py; the copies' gradients are summed every step)."""
+    partition gives it (cut/partition.py; the copies' gradients are summed every step)."""
     for tie in table.graph.ties:
         owner = set(blocks[where[tie.nodes[0]][0]].devices)
         holders = {d for n in tie.nodes for d in blocks[where[n][0]].devices} - owner

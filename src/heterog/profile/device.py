@@ -1,7 +1,7 @@
 """`heterog profile`: measure the device at hand — GEMM throughput at a few sizes, a copy's
 bandwidth, the host's time per op (dispatch, autograd, autocast casts, module calls),
 all-reduce and point-to-point bandwidth between two ranks, whole training steps, and
-per-node forward/backward times of a model — into a DeviceProfile (profile/artifact.py)
+per-node forward/backward times of a model — into a DeviceProfile (cost/device_profile.py)
 that `heterog calibrate`, `heterog predict --profile` and `heterog plan --profile` read.
 
 On a GPU (CUDA) every timing synchronises the device around the timed region; host costs
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from heterog.profile.artifact import DeviceProfileError
+from heterog.cost.device_profile import DeviceProfileError
 
 GEMM_SIZES_GPU = (512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (128, 256, 512, 1024)

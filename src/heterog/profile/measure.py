@@ -43,7 +43,7 @@ from torch import nn
 
 from heterog.cost.profile import Profile
 from heterog.execute.emulation import keep_freed_memory
-from heterog.execute.workload import Workload, build_model, global_batch
+from heterog.workload import Workload, build_model, global_batch
 
 
 def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from heterog.profile.artifact import DeviceProfile
+from heterog.cost.device_profile import DeviceProfile
 from heterog.profile.device import measure_comm, measure_copy, measure_gemm, measure_host, pick_device, timed_s
 
 
@@ -56,8 +56,8 @@ def measure_steps(
 ) -> list[dict]:
     """Whole training steps (zero_grad, forward, loss, backward, optimizer step) per batch size:
     median time, and on a GPU the peak allocated memory."""
-    from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload
     from heterog.ir.plan import ModelSpec
+    from heterog.workload import build_model, global_batch, make_optimizer, resolve_workload
 
     work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
     net = build_model(work, seed=0).to(dev)
@@ -126,9 +126,9 @@ def profile_device(
         say(f"{model}: whole steps and per-node times at batch {', '.join(map(str, batch_sizes))}")
         steps = measure_steps(model, model_args, batch_sizes, seq_len, precision, optimizer, dev)
         if dev.type == "cpu":  # per-node hooks time the CPU's own work (profile/measure.py)
-            from heterog.execute.workload import resolve_workload
             from heterog.ir.plan import ModelSpec
             from heterog.profile.measure import measure_profile
+            from heterog.workload import resolve_workload
 
             work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
             nodes = measure_profile(work, batch_sizes=batch_sizes, repeats=3, device_type=dtype)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from heterog.cli.output import human_bytes, human_time
+from heterog.fmt import human_bytes, human_time
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
 from heterog.report import bottleneck, page, svg, tables

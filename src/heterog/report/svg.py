@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from html import escape
 
-from heterog.cli.output import time_unit
+from heterog.fmt import time_unit
 
 LABEL_PX = 150
 ROW_PX = 22

@@ -110,7 +110,7 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
 
 
 def _t(seconds: float | None) -> str:
-    from heterog.cli.output import human_time
+    from heterog.fmt import human_time
 
     return human_time(seconds)
 
@@ -118,7 +118,7 @@ def _t(seconds: float | None) -> str:
 def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
     """Every strategy the planner scored: time, speed-up over even data parallelism (or the
     slowest feasible candidate when that does not fit), fits, peak memory."""
-    from heterog.cli.output import human_bytes
+    from heterog.fmt import human_bytes
 
     feasible = [c for c in cands if c.feasible and c.iteration_time_s]
     ref = next((c for c in feasible if c.strategy == "even-dp-allreduce"), None)

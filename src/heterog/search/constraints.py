@@ -1,7 +1,7 @@
 """What the executor can cut, as the search needs it: a model's CutConstraints, cached.
 
-The executor splits a model at group boundaries through torch.export (execute/partition.py).
-Two things there constrain a plan (execute/split_export.py `CutConstraints`): nodes that
+The executor splits a model at group boundaries through torch.export (cut/partition.py).
+Two things there constrain a plan (cut/split_export.py `CutConstraints`): nodes that
 depend on no input data run in their consumers' groups whatever the plan says
 (`follow_consumers`), and a value without a sample dimension that needs a gradient (a batch
 statistic) cannot cross between groups of different placements (`same_placement`). A model
@@ -62,8 +62,8 @@ def _key(spec: ModelSpec) -> str:
 def model_cuts(spec: ModelSpec) -> ModelCuts:
     """Export `spec`'s model once (meta device first, then CPU) and read its constraints."""
     from heterog.capture.zoo import get_zoo_model
+    from heterog.cut.split_export import cut_constraints
     from heterog.errors import ModelError
-    from heterog.execute.split_export import cut_constraints
 
     try:
         entry = get_zoo_model(spec.name)
@@ -90,7 +90,7 @@ def model_cuts(spec: ModelSpec) -> ModelCuts:
 
 
 # the code a model's cuts depend on: the models, their export and the rules read from it
-CUTS_CODE = ("capture", "ir", "execute/split_export.py", "search/constraints.py")
+CUTS_CODE = ("capture", "ir", "cut/split_export.py", "search/constraints.py")
 
 
 def stored_model_cuts(spec: ModelSpec) -> ModelCuts:

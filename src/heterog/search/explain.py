@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from heterog.cli.output import human_bytes, human_time
+from heterog.fmt import human_bytes, human_time
 from heterog.ir.plan import Plan
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ size n·sqrt(U / U_H200): eff_X(n) = eff_H200(n · sqrt(U_H200 / U_X)). A type w
 figures (a custom type of a cluster file) has no unit count: its peak stands in for it,
 eff_X(n) = eff_H200(n · sqrt(P_H200 / P_X)). Each type then applies its own figures
 (hardware.gputype.Efficiency, catalog.yaml; fitted on its measurements or derived from its
-public figures, cost/public_model.py): the size shift `size_scale`, the compute factor per
+public figures, hardware/public_model.py): the size shift `size_scale`, the compute factor per
 precision (cost.analytic), and its sustained memory bandwidth per kind of op
 (memory_efficiency).
 """
@@ -66,7 +66,7 @@ class Curve:
 
 @lru_cache(maxsize=1)
 def _h200_doc() -> dict:
-    return json.loads(resources.files("heterog.cost").joinpath("data", "h200_micro.json").read_text())
+    return json.loads(resources.files("heterog.hardware").joinpath("data", "h200_micro.json").read_text())
 
 
 @lru_cache(maxsize=8)

@@ -61,8 +61,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from heterog.errors import PlanError
-from heterog.execute.assign import (
+from heterog.cut.assign import (
     GroupOrder,
     assign_groups,
     group_major_order,
@@ -70,9 +69,10 @@ from heterog.execute.assign import (
     group_order_of,
     segments,
 )
-from heterog.execute.cut_rewrite import attributes_inside, batch_first_across_cuts, replicate_per_stage, single_output
-from heterog.execute.loss_stage import LOSS_VALUE, LossInput, loss_group_apart
-from heterog.execute.split_export import ExportedModel, export_model
+from heterog.cut.loss_stage import LOSS_VALUE, LossInput, loss_group_apart
+from heterog.cut.rewrite import attributes_inside, batch_first_across_cuts, replicate_per_stage, single_output
+from heterog.cut.split_export import ExportedModel, export_model
+from heterog.errors import PlanError
 from heterog.ir.plan import Plan
 
 INPUT = -1  # owner of model inputs: every rank has the whole global batch
@@ -431,7 +431,7 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
 def example_batch_for(plan: Plan) -> tuple[Any, ...]:
     """A small synthetic batch of the plan's model (2–4 samples) to export it with; the RNG
     state is left untouched, so the run's seeded batches and parameters do not move."""
-    from heterog.execute.workload import resolve_workload
+    from heterog.workload import resolve_workload
 
     work = resolve_workload(plan.model)
     with torch.random.fork_rng(devices=[]):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from heterog.cut.split_export import ExportedModel
 from heterog.errors import PlanError
-from heterog.execute.split_export import ExportedModel
 from heterog.ir.plan import Plan
 
 

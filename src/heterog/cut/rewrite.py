@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from heterog.cut.split_export import ExportedModel, LayoutKind, nearest_name
 from heterog.errors import PlanError
-from heterog.execute.split_export import ExportedModel, LayoutKind, nearest_name
 from heterog.ir.plan import Plan
 
 
