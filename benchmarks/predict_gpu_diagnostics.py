@@ -188,7 +188,8 @@ def peer_ops(peer_file: Path) -> dict:
     ]
     for r in rows:
         print(
-            f"{r['gpu']:11s} {r['precision']:5s} {r['op']:27s} h{r['hidden']:<5d} {r['median_predicted_over_measured']:.2f}"
+            f"{r['gpu']:11s} {r['precision']:5s} {r['op']:27s} h{r['hidden']:<5d} "
+            f"{r['median_predicted_over_measured']:.2f}"
             + (f" (one fused kernel: {r['with_one_fused_softmax']:.2f})" if "with_one_fused_softmax" in r else "")
         )
     return {"rows": rows}

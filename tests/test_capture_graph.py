@@ -19,9 +19,9 @@ def test_gpt2_forward_flops_match_the_analytic_count():
     #   norms and position embeddings excluded), + 2·V·h·s for the LM head (tied to the
     #   token embedding, which itself is a look-up and costs no FLOPs),
     #   + 4·l·s²·h for attention scores QK^T and the weighted sum PV (dense, not causal-halved).
-    b, s, l, h, V = 2, 256, 12, 768, 50257
+    b, s, layers, h, V = 2, 256, 12, 768, 50257
     graph = capture_model("gpt2", batch_size=b, seq_len=s)
-    analytic = b * (2 * 12 * l * h * h * s + 2 * V * h * s + 4 * l * s * s * h)
+    analytic = b * (2 * 12 * layers * h * h * s + 2 * V * h * s + 4 * layers * s * s * h)
     assert graph.forward_flops() == pytest.approx(analytic, rel=0.02)
     # backward ≈ 2× forward for a matmul-dominated model (grad w.r.t. inputs and weights)
     assert graph.backward_flops() / graph.forward_flops() == pytest.approx(2.0, abs=0.1)

@@ -5,8 +5,9 @@ Llama) the planner compares its candidates (baselines, search, GNN) on a 3-devic
 cluster of two nodes with unequal speeds; each distinct plan (as `PlanResult.plan_of`
 returns it, which is what `heterog plan --strategy NAME` writes) is run for 2 steps on real
 gloo processes, the plans of every selected family in one launch (`run_many`, through
-tests/plan_batch.py: the processes start and import torch once, and export each model once). A plan the executor cannot run is a bug in the partitioner
-or the lowering, or a planner choice the executor cannot cut (search/constraints.py).
+tests/plan_batch.py: the processes start and import torch once, and export each model once).
+A plan the executor cannot run is a bug in the partitioner or the lowering, or a planner
+choice the executor cannot cut (search/constraints.py).
 """
 
 from __future__ import annotations

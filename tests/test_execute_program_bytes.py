@@ -54,7 +54,6 @@ def _sent_bytes(plan: Plan) -> tuple[dict[tuple[int, int], float], dict[tuple[in
     flow = build_dataflow(
         build_model(resolve_workload(plan.model), seed=0), plan, 1, group_order=program_group_order(program)
     )
-    block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
     crossing = crossing_values(program, flow)
     outputs = {
         s.value: next(n for n in s.module.graph.nodes if n.op == "output").args[0]

@@ -2,9 +2,9 @@
 
 Small configurations of the zoo's language models — GPT-2, BERT, Llama and the seq2seq
 Transformer — under even data parallelism, a 2-stage pipeline (GPipe and 1F1B), parameter
-servers and a hybrid plan with uneven shares, cut at the
-middle of the captured node list (wherever that falls: for the Transformer, inside its first
-decoder layer, where the export traces a residual add after the second half's first ops). GPT-2, BERT and the Transformer tie
+servers and a hybrid plan with uneven shares, cut at the middle of the captured node list
+(wherever that falls: for the Transformer, inside its first decoder layer, where the export
+traces a residual add after the second half's first ops). GPT-2, BERT and the Transformer tie
 their token embedding to the output projection, so the hybrid plans hold the tied weight on
 three devices and sum its gradient across them. Each case runs 3 optimizer steps and
 compares every rank's parameters with single-process training, within 1e-5 relative. The

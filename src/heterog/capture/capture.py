@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from heterog.capture.recorder import Recorder
+from heterog.capture.zoo import get_zoo_model
 from heterog.errors import ModelError
 from heterog.ir.affine import Affine
 from heterog.ir.opgraph import OpEdge, OpGraph, OpNode, Tie
@@ -354,8 +355,6 @@ def capture_model(
 ) -> OpGraph:
     """Capture a zoo model (or 'path/file.py:factory') at `batch_size`, built on the meta
     device so that no parameter memory is allocated at any model size."""
-    from heterog.capture.zoo import get_zoo_model
-
     entry = get_zoo_model(name)
     args = dict(model_args or {})
     if batch_size <= 0:

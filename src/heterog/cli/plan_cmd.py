@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from heterog.cli.output import console, parse_model_args, print_json, print_table
+from heterog.cli.report_cmd import report_from_plan_result
+from heterog.cli.stop import raise_if_stopped
+from heterog.errors import did_you_mean
 from heterog.fmt import human_bytes, human_time
 from heterog.hardware.catalog import precision_help
+from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
 
 
 def _progress_bar(enabled: bool):
     """A rich progress bar on a terminal (never in --json); either way a callback that stops
     the search when a stop signal arrived (cli/stop.py raise_if_stopped)."""
-    from heterog.cli.stop import raise_if_stopped
-
     if not enabled:
         return None, lambda stage, frac: raise_if_stopped()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     bar = Progress(
         TextColumn("{task.description:<12}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
     )
@@ -40,10 +43,6 @@ _TIME_WORDS = {"graph": "graph", "cluster_and_costs": "cluster and costs", "cut_
 
 def process_age_s() -> float:
     """Seconds since this process started (interpreter, imports and all)."""
-    import time
-
-    import psutil
-
     return time.time() - psutil.Process().create_time()
 
 
@@ -134,8 +133,7 @@ def plan_command(
     ),
 ) -> None:
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
-    from heterog.errors import did_you_mean
-    from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.search.planner import CANDIDATES, plan
 
     if precision not in PRECISIONS:
@@ -172,8 +170,6 @@ def plan_command(
     if out is not None:
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:
-        from heterog.cli.report_cmd import report_from_plan_result
-
         report_from_plan_result(result, report, profile)
     if as_json:
         print_json(result)
@@ -203,6 +199,7 @@ def train_policy_command(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Train the GNN placement policy by REINFORCE on synthetic problems and save it."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.search.gnn.policy import load_policy, new_policy
     from heterog.search.gnn.train import DEFAULT_ZOO, TrainConfig, mean_reward, synthetic_problems, train, zoo_problems
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import typer
 
 from heterog.cli.output import WIDE_HELP, console, parse_model_args, print_json, print_table, set_wide
 from heterog.fmt import human_bytes, human_flops, human_time
-from heterog.hardware.catalog import precision_help
+from heterog.hardware.catalog import list_gpus, precision_help
+from heterog.hardware.spec import builtin_clusters, load_cluster
 
 
 def register(app: typer.Typer) -> None:
@@ -36,6 +39,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Predict one training step (forward, backward, optimizer) on one device type."""
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.cost.predict import predict
 
         result = predict(
@@ -89,8 +93,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """List the GPU catalog (dense peaks, memory, links) and their sources."""
         set_wide(wide)
-        from heterog.hardware.catalog import list_gpus
-
         gpus = list_gpus(include_cpu=cpu)
         if as_json:
             print_json(
@@ -140,10 +142,6 @@ def register(app: typer.Typer) -> None:
     @app.command("clusters")
     def clusters_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
         """List the built-in clusters (use their names wherever a cluster file is accepted)."""
-        from collections import Counter
-
-        from heterog.hardware.spec import builtin_clusters, load_cluster
-
         rows = []
         for name in builtin_clusters():
             c = load_cluster(name)

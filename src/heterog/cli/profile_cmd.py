@@ -9,6 +9,7 @@ import typer
 from heterog.cli.output import console, parse_model_args, print_json, print_table
 from heterog.fmt import human_time
 from heterog.hardware.catalog import precision_help
+from heterog.ir.plan import PRECISIONS
 
 
 def register(app: typer.Typer) -> None:
@@ -29,7 +30,7 @@ def register(app: typer.Typer) -> None:
         """Measure GEMM throughput, copy bandwidth, host time per op, two-rank all-reduce and
         p2p bandwidth, and (with --model) whole steps and per-node times; `heterog calibrate`
         turns the file into a catalog entry, `predict/plan --profile` use its node times."""
-        from heterog.ir.plan import PRECISIONS
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.profile.run import profile_device
 
         if precision not in PRECISIONS:
@@ -37,7 +38,9 @@ def register(app: typer.Typer) -> None:
         try:
             sizes = tuple(int(b) for b in batch_sizes.split(",") if b.strip())
         except ValueError:
-            raise typer.BadParameter(f"--batch-sizes must be comma-separated integers, found {batch_sizes!r}.")
+            raise typer.BadParameter(
+                f"--batch-sizes must be comma-separated integers, found {batch_sizes!r}."
+            ) from None
         if not sizes or min(sizes) < 1:
             raise typer.BadParameter("--batch-sizes needs at least one batch size ≥ 1.")
         say = (lambda m: None) if as_json else (lambda m: console.print(f"[dim]{m}[/dim]"))

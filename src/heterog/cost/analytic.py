@@ -37,7 +37,7 @@ from heterog.cost.kernels import bandwidth_kind, conv_kernels, traffic_factors
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 from heterog.errors import ClusterError, PlanError
-from heterog.hardware.catalog import host_costs, host_overheads
+from heterog.hardware.catalog import host_costs, host_overheads, measure_cpu
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.hardware.gputype import GpuType
@@ -197,8 +197,6 @@ class _TypeTable:
         # CPU: a floor per output element for dropout (random numbers) and GELU (erf), measured
         self._element_s = np.zeros(len(nodes))
         if self.synchronous and fw:
-            from heterog.hardware.catalog import measure_cpu
-
             per_element = measure_cpu().element_s
             for i, n in enumerate(nodes):
                 for key, t in per_element.items():
@@ -258,8 +256,6 @@ def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
             return CONV_FACTOR_GPU[precision]
         return KIND_FACTOR_GPU.get(kind, 1.0)
     if kind == "conv":
-        from heterog.hardware.catalog import measure_cpu
-
         p = measure_cpu()
         # oneDNN convolutions vs the same work as GEMM, measured on this machine
         return float(np.clip(p.conv_flops_per_s / p.peak_flops_per_s, 0.25, 2.0))

@@ -66,10 +66,10 @@ def step_time_s(cluster: Cluster, transfers: Iterable[tuple[str, str, float]]) -
         path = cluster.path(src, dst)
         for link in path:
             load[link] += nbytes
-        latency = max(latency, sum(cluster.links[l].latency_s for l in path))
+        latency = max(latency, sum(cluster.links[link].latency_s for link in path))
     if not load:
         return 0.0
-    return latency + max(b / cluster.links[l].bandwidth_bytes_per_s for l, b in load.items())
+    return latency + max(b / cluster.links[link].bandwidth_bytes_per_s for link, b in load.items())
 
 
 def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:

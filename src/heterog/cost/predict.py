@@ -4,11 +4,15 @@ analytic cost model. Many predictions can run in one process (captures are cache
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from heterog.cost import build_cost_model
+from heterog.cost.device_profile import DeviceProfile
 from heterog.cost.memory import CUDA_CONTEXT_BYTES
 from heterog.cost.precision import precision_advice
+from heterog.cost.profile import Profile, ProfileError
 from heterog.errors import ModelError
 from heterog.hardware.catalog import get_gpu
 from heterog.hardware.cluster import Cluster, build_cluster
@@ -50,6 +54,7 @@ def _captured(model: str, model_args: dict[str, Any] | None, batch_size: int, se
     key = (model, _freeze(model_args), batch_size, seq_len)
     graph = _CAPTURES.get(key)
     if graph is None:
+        # capturing a graph imports torch: a cached graph is read without it
         from heterog.capture import capture_model
 
         graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
@@ -74,14 +79,7 @@ def node_profile(profile: Any):
     either; None stays None."""
     if profile is None:
         return None
-    from pathlib import Path
-
-    from heterog.cost.device_profile import DeviceProfile
-    from heterog.cost.profile import Profile, ProfileError
-
     if isinstance(profile, (str, Path)):
-        import json
-
         try:
             kind = json.loads(Path(profile).read_text()).get("kind")
         except (OSError, ValueError, AttributeError):

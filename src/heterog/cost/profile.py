@@ -26,6 +26,7 @@ from typing import Any
 from heterog.cost import comm
 from heterog.errors import ArtifactError
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import cluster_from_dict, cluster_to_dict
 from heterog.jsonio import Artifact
 
 KIND = "heterog.Profile"
@@ -175,8 +176,6 @@ class LinkCalibration:
 def _effective_cluster(cluster, calibrations: tuple[LinkCalibration, ...], duplex: bool):
     """The cluster with each calibrated node's NIC, and each calibrated node's device ports,
     at their measured bandwidth and latency."""
-    from heterog.hardware.spec import cluster_from_dict, cluster_to_dict
-
     doc = cluster_to_dict(cluster)
     for c in calibrations:
         node = next(n for n in doc["nodes"] if n["name"] == c.node)

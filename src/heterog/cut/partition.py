@@ -74,6 +74,7 @@ from heterog.cut.rewrite import attributes_inside, batch_first_across_cuts, repl
 from heterog.cut.split_export import ExportedModel, export_model
 from heterog.errors import PlanError
 from heterog.ir.plan import Plan
+from heterog.workload import resolve_workload
 
 INPUT = -1  # owner of model inputs: every rank has the whole global batch
 GROUP_META = "heterog_group"  # fx node meta key: the group a data node runs in
@@ -431,8 +432,6 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
 def example_batch_for(plan: Plan) -> tuple[Any, ...]:
     """A small synthetic batch of the plan's model (2–4 samples) to export it with; the RNG
     state is left untouched, so the run's seeded batches and parameters do not move."""
-    from heterog.workload import resolve_workload
-
     work = resolve_workload(plan.model)
     with torch.random.fork_rng(devices=[]):
         inputs, _ = work.example_batch(max(2, min(plan.batch_size, 4)), work.seq_len)

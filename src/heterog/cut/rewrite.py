@@ -66,8 +66,8 @@ def replicate_per_stage(
     for u in list(gm.graph.nodes):
         if u in seg and u not in need:
             s = seg[u]
-            u.args = fx.node.map_arg(u.args, lambda a: copies.get((a, s), a))
-            u.kwargs = fx.node.map_arg(u.kwargs, lambda a: copies.get((a, s), a))
+            u.args = fx.node.map_arg(u.args, lambda a, s=s: copies.get((a, s), a))
+            u.kwargs = fx.node.map_arg(u.kwargs, lambda a, s=s: copies.get((a, s), a))
     crossing = [
         (a.name, u.name)
         for u in gm.graph.nodes

@@ -36,6 +36,7 @@ from heterog.execute.emulation import Pacer
 from heterog.execute.placement import misplaced, place_rank, place_stages, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
 from heterog.execute.wire import WireSpec, wire_table
+from heterog.ir.kinds import Phase
 from heterog.ir.plan import Plan
 from heterog.lower.program import Compute, Program, Recv, Send
 from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device
@@ -141,8 +142,6 @@ class _LocalTransport:
     sent_bytes: int = 0
 
     def messages(self, ins: Send | Recv) -> list[tuple[int, str]]:
-        from heterog.ir.kinds import Phase
-
         values = self.crossing.get((ins.src_block, ins.dst_block), ())
         return [(k, v) for k, v in enumerate(values) if not (ins.phase == Phase.BACKWARD and v in self.no_grad)]
 

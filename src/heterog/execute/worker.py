@@ -17,6 +17,7 @@ plans afresh.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -468,7 +469,9 @@ def run_plans(spec: dict[str, Any]) -> int:
         if me in processes:  # rank of the plan: the place of this process in its list
             plan_spec = {**common, **entry, "rank": processes.index(me)}
             prefixed = dist.PrefixStore(f"plan{entry['index']}/", store)
-            if _report(out_dir, plan_spec["rank"], lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
+            if _report(
+                out_dir, plan_spec["rank"], functools.partial(train, plan_spec, out_dir, store=prefixed, models=models)
+            ):
                 return 1
         _store_barrier(store, f"after{entry['index']}", world, entry["wait_s"])
     if me == 0:  # the store lives in this process: leave last

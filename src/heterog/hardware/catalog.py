@@ -11,6 +11,7 @@ measurements gets its efficiency from its public figures (hardware/public_model.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import platform
@@ -22,11 +23,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from heterog.cachedir import cache_dir as user_cache_dir
 from heterog.errors import ClusterError
 from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts, PublicFigures
+from heterog.hardware.public_model import derive
 from heterog.jsonio import write_atomic
 
 CPU_TYPE = "cpu"
@@ -116,8 +119,6 @@ def gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
     gpu = _gpu_type_of(e, where)
     if e.get("efficiency") or gpu.public is None:
         return gpu
-    from heterog.hardware.public_model import derive
-
     try:
         return derive(gpu)
     except ValueError as err:
@@ -355,6 +356,7 @@ def _cpu_model_name() -> str:
 
 
 def _probe_key() -> str:
+    # torch only to probe this CPU (once per machine, then cached): the catalog loads without it
     import torch
 
     return f"{_cpu_model_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|v{_PROBE_VERSION}"
@@ -367,6 +369,7 @@ def cache_dir() -> Path:
 def _best_time_s(fn, *, repeats: int, min_time_s: float = 0.0) -> float:
     """The fastest of `repeats` runs: on a shared machine the least-disturbed run is the
     closest to the device's own speed (HeteroG profiled the same way: min of 5 runs)."""
+    # torch only to probe this CPU (once per machine, then cached): the catalog loads without it
     import torch
 
     # One torch thread: its own CPU time, which other processes on a shared machine do not
@@ -386,7 +389,7 @@ def _best_time_s(fn, *, repeats: int, min_time_s: float = 0.0) -> float:
 
 def _run_probe() -> CpuProbe:
     """About one second of matmuls, a convolution, a copy and tiny ops under autograd."""
-    import psutil
+    # torch only to probe this CPU (once per machine, then cached): the catalog loads without it
     import torch
     import torch.nn.functional as F
 
@@ -394,7 +397,7 @@ def _run_probe() -> CpuProbe:
         mm: dict[int, float] = {}
         for n in (64, 128, 256, 512, 1024):
             a, b = torch.randn(n, n), torch.randn(n, n)
-            t = _best_time_s(lambda: torch.mm(a, b), repeats=5 if n >= 512 else 20)
+            t = _best_time_s(functools.partial(torch.mm, a, b), repeats=5 if n >= 512 else 20)
             mm[n] = 2 * n**3 / t
         a16, b16 = torch.randn(512, 512).bfloat16(), torch.randn(512, 512).bfloat16()
         bf16 = 2 * 512**3 / _best_time_s(lambda: torch.mm(a16, b16), repeats=3)
@@ -441,7 +444,9 @@ def _run_probe() -> CpuProbe:
     ):
         y = fn(x)
         g = torch.ones_like(y)
-        kinds[f"{kind}.bwd"] = nbytes / _best_time_s(lambda: torch.autograd.grad(y, x, g, retain_graph=True), repeats=3)
+        kinds[f"{kind}.bwd"] = nbytes / _best_time_s(
+            functools.partial(torch.autograd.grad, y, x, g, retain_graph=True), repeats=3
+        )
     p = torch.ones(4, requires_grad=True)
     q = torch.ones(4)
     chain = 200
@@ -527,8 +532,6 @@ def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> G
     """The catalog type of a physical device, from torch.cuda.get_device_name() (e.g. 'NVIDIA
     A100-SXM4-80GB', 'Tesla V100-SXM2-16GB', 'NVIDIA H100 80GB HBM3'); its total memory, when
     given, picks between variants of one family (A100 40/80 GB)."""
-    import re
-
     name = re.sub(r"[^A-Z0-9]", "", device_name.upper())
     candidates: list[tuple[int, GpuType]] = []
     for g in list_gpus():

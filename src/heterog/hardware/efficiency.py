@@ -28,6 +28,7 @@ from importlib import resources
 
 import numpy as np
 
+from heterog.hardware.catalog import measure_cpu, memory_by_kind_default
 from heterog.hardware.gputype import GpuType
 
 MEASUREMENT_FLOOR_S = 15e-6
@@ -126,8 +127,6 @@ def gpu_curve(gpu: GpuType, precision: str) -> Curve:
 
 @lru_cache(maxsize=1)
 def cpu_curve() -> Curve:
-    from heterog.hardware.catalog import measure_cpu
-
     p = measure_cpu()
     peak = p.peak_flops_per_s
     sizes = sorted(p.matmul_flops_per_s)
@@ -156,13 +155,9 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd")
         base = e.memory if e.memory is not None else h200_copy_efficiency()
         if kind is None:
             return base
-        from heterog.hardware.catalog import memory_by_kind_default
-
         return base * kind_factor(e.memory_by_kind, memory_by_kind_default(), kind)
     if kind is None:
         return 1.0
-    from heterog.hardware.catalog import measure_cpu
-
     p = measure_cpu()
     rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == "fwd" else f"{kind}.bwd")
     return 1.0 if rate is None else float(np.clip(rate / p.copy_bandwidth_bytes_per_s, 0.02, 4.0))

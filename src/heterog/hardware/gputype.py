@@ -132,7 +132,7 @@ class HostCosts:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Efficiency:
     """Sustained fractions of the data-sheet peaks, relative to what the H200-calibrated
-    curves (cost.efficiency) predict for a type of this peak: compute[p] multiplies the
+    curves (hardware.efficiency) predict for a type of this peak: compute[p] multiplies the
     tensor-core efficiency at precision p ('fp32' = CUDA cores; 1.0 = as the H200 scaled),
     memory is the fraction of data-sheet bandwidth a streaming copy reaches, and
     memory_by_kind the fraction a kind of memory-bound op reaches relative to that copy

@@ -108,6 +108,7 @@ class PublicModel:
 
     def efficiency(self, gpu: GpuType) -> Efficiency:
         """The type's Efficiency, derived (compute factors relative to the H200 sweep)."""
+        # catalog.py and efficiency.py derive a type's efficiency with this module: a cycle
         from heterog.hardware.efficiency import h200_plateau
 
         pub = _public(gpu)
@@ -142,6 +143,7 @@ def _public(gpu: GpuType) -> PublicFigures:
 @lru_cache(maxsize=1)
 def packaged_public_model() -> PublicModel:
     """The constants shipped in catalog.yaml."""
+    # catalog.py and efficiency.py derive a type's efficiency with this module: a cycle
     from heterog.hardware.catalog import catalog_document
 
     return PublicModel.from_dict(catalog_document()["public_model"])

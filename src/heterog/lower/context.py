@@ -71,8 +71,8 @@ class NumberedSets:
         core = self._core_index
         i = self._id[links] = len(self._id)
         self._parts[self.ALL].append(links)
-        self._parts[self.EXCLUSIVE].append([l for l in links if l not in core])
-        self._parts[self.CORES].append([core[l] for l in links if l in core])
+        self._parts[self.EXCLUSIVE].append([link for link in links if link not in core])
+        self._parts[self.CORES].append([core[link] for link in links if link in core])
         self._flat = None
         return i
 
@@ -128,9 +128,11 @@ class ClusterInfo:
         self.link_id = {n: i for i, n in enumerate(self.links)}
         # switch cores are pipes shared by the transfers crossing them (engine.run)
         self.shared_bw = {
-            self.link_id[l.name]: l.bandwidth_bytes_per_s for l in cluster.links.values() if l.kind == "switch"
+            self.link_id[link.name]: link.bandwidth_bytes_per_s
+            for link in cluster.links.values()
+            if link.kind == "switch"
         }
-        self._core_index = {l: i for i, l in enumerate(self.shared_bw)}
+        self._core_index = {link: i for i, link in enumerate(self.shared_bw)}
         node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.node_rank = [node_order[d.node] for d in cluster.devices]
         rep: dict[tuple, str] = {}
@@ -177,7 +179,7 @@ class ClusterInfo:
         key = (src, dst)
         p = self._paths.get(key)
         if p is None:
-            p = tuple(self.link_id[l] for l in self.cluster.path(self.devices[src], self.devices[dst]))
+            p = tuple(self.link_id[link] for link in self.cluster.path(self.devices[src], self.devices[dst]))
             self._paths[key] = p
         return p
 
@@ -196,8 +198,8 @@ class ClusterInfo:
             per_hop = 2.0 * (n - 1) / n if n > 1 else 0.0
             load: dict[int, float] = {}
             for i in range(n):
-                for l in self.path(order[i], order[(i + 1) % n]):
-                    load[l] = load.get(l, 0.0) + per_hop
+                for link in self.path(order[i], order[(i + 1) % n]):
+                    load[link] = load.get(link, 0.0) + per_hop
             hit = (tuple(sorted(load)), load)
             self._rings[members] = hit
         return hit
@@ -213,8 +215,8 @@ class ClusterInfo:
         if hit is None:
             load: dict[int, float] = {}
             for d in members:
-                for l in self.path(d, server) + self.path(server, d):
-                    load[l] = load.get(l, 0.0) + 1.0
+                for link in self.path(d, server) + self.path(server, d):
+                    load[link] = load.get(link, 0.0) + 1.0
             hit = self._rings[(members, server)] = (tuple(sorted(load)), load)
         return hit
 

@@ -247,7 +247,7 @@ def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int]
             for m in range(len(ranges.sizes)):
                 ra, rb = ranges.all(a, m), ranges.all(b, m)
                 pos = 0
-                for i, j, n in overlaps([h - l for l, h in ra], [h - l for l, h in rb]):
+                for i, j, n in overlaps([h - lo for lo, h in ra], [h - lo for lo, h in rb]):
                     da, db = src.devices[i], blk.devices[j]
                     key = (a, b, m, da, db)
                     remote = da != db

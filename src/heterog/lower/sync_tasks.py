@@ -258,9 +258,9 @@ def _collective(
     (edges added by _after_backwards), with the bytes it pushes through switch cores and its
     link loads (tasks.sync_loads)."""
     s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
-    for l in info.shared_bw:
-        if l in load:  # a ring crosses the core once per node it leaves
-            tasks.core_bytes[s] = load[l] * nbytes
+    for link in info.shared_bw:
+        if link in load:  # a ring crosses the core once per node it leaves
+            tasks.core_bytes[s] = load[link] * nbytes
     tasks.sync_loads[s] = load
     waits.append((s, after))
     return s
@@ -270,7 +270,7 @@ def _after_backwards(tasks: Tasks, Bk, waits: list[tuple[int, tuple[int, ...]]])
     """Edges from every backward (all micro-batches) of the blocks each collective waits for
     to the collective, as one chunk in the order the collectives were made."""
     firsts, counts, syncs = [], [], []
-    for s, after in waits:
+    for _, after in waits:
         n_s = 0
         for first, n in Bk.runs(after):
             firsts.append(first)

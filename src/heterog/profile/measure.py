@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from heterog.cost.profile import Profile
 from heterog.execute.emulation import keep_freed_memory
@@ -125,8 +126,6 @@ class WholeStep:
 
 def _leaves(out: Any) -> Any:
     """The model's output as fresh leaves that need grad (so the loss's backward stops there)."""
-    from torch.utils._pytree import tree_map
-
     return tree_map(
         lambda t: t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out
     )

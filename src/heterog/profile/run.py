@@ -10,16 +10,19 @@ from typing import Any
 
 import torch
 
+from heterog.cost.calibrate import fit_host_speed
 from heterog.cost.device_profile import DeviceProfile
+from heterog.hardware.catalog import get_gpu, gpu_from_device_name
+from heterog.ir.plan import ModelSpec
 from heterog.profile.device import measure_comm, measure_copy, measure_gemm, measure_host, pick_device, timed_s
+from heterog.profile.measure import measure_profile
+from heterog.workload import build_model, global_batch, make_optimizer, resolve_workload
 
 
 def device_type_of(dev: torch.device) -> tuple[str, str]:
     """(catalog type, device name): a GPU's catalog type from its name and memory; 'cpu'."""
     if dev.type != "cuda":
         return "cpu", platform.processor() or platform.machine()
-    from heterog.hardware.catalog import gpu_from_device_name
-
     props = torch.cuda.get_device_properties(dev)
     return gpu_from_device_name(props.name, props.total_memory).name, props.name
 
@@ -56,9 +59,6 @@ def measure_steps(
 ) -> list[dict]:
     """Whole training steps (zero_grad, forward, loss, backward, optimizer step) per batch size:
     median time, and on a GPU the peak allocated memory."""
-    from heterog.ir.plan import ModelSpec
-    from heterog.workload import build_model, global_batch, make_optimizer, resolve_workload
-
     work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
     net = build_model(work, seed=0).to(dev)
     opt = make_optimizer(list(net.parameters()), optimizer)
@@ -68,7 +68,7 @@ def measure_steps(
         inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs)
         targets = targets.to(dev) if isinstance(targets, torch.Tensor) else targets
 
-        def step():
+        def step(inputs: tuple = inputs, targets: Any = targets) -> None:
             opt.zero_grad(set_to_none=True)
             with precision_context(precision, dev):
                 loss = work.loss(net(*inputs), targets)
@@ -126,10 +126,6 @@ def profile_device(
         say(f"{model}: whole steps and per-node times at batch {', '.join(map(str, batch_sizes))}")
         steps = measure_steps(model, model_args, batch_sizes, seq_len, precision, optimizer, dev)
         if dev.type == "cpu":  # per-node hooks time the CPU's own work (profile/measure.py)
-            from heterog.ir.plan import ModelSpec
-            from heterog.profile.measure import measure_profile
-            from heterog.workload import resolve_workload
-
             work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
             nodes = measure_profile(work, batch_sizes=batch_sizes, repeats=3, device_type=dtype)
     prof = DeviceProfile(
@@ -151,8 +147,5 @@ def profile_device(
         # the node's host speed: how fast this host drives the GPU relative to the reference
         # host, from the measured steps (the small-batch ones are the host's)
         say("host speed from the measured steps")
-        from heterog.cost.calibrate import fit_host_speed
-        from heterog.hardware.catalog import get_gpu
-
         prof = dataclasses.replace(prof, host_speed=fit_host_speed(prof, get_gpu(dtype)))
     return prof

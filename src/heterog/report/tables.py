@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
+from heterog.fmt import human_bytes, human_time
 from heterog.ir.plan import Plan
 from heterog.report.inputs import Candidate
 
@@ -110,16 +111,12 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
 
 
 def _t(seconds: float | None) -> str:
-    from heterog.fmt import human_time
-
     return human_time(seconds)
 
 
 def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
     """Every strategy the planner scored: time, speed-up over even data parallelism (or the
     slowest feasible candidate when that does not fit), fits, peak memory."""
-    from heterog.fmt import human_bytes
-
     feasible = [c for c in cands if c.feasible and c.iteration_time_s]
     ref = next((c for c in feasible if c.strategy == "even-dp-allreduce"), None)
     if ref is None and feasible:

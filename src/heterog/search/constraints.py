@@ -27,6 +27,10 @@ from typing import Any
 
 import torch
 
+from heterog.capture.cache import load_json, model_key, store_json
+from heterog.capture.zoo import get_zoo_model
+from heterog.cut.split_export import cut_constraints
+from heterog.errors import ModelError
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -61,10 +65,6 @@ def _key(spec: ModelSpec) -> str:
 
 def model_cuts(spec: ModelSpec) -> ModelCuts:
     """Export `spec`'s model once (meta device first, then CPU) and read its constraints."""
-    from heterog.capture.zoo import get_zoo_model
-    from heterog.cut.split_export import cut_constraints
-    from heterog.errors import ModelError
-
     try:
         entry = get_zoo_model(spec.name)
     except ModelError as e:  # e.g. a model held in memory: the executor cannot build it anyway
@@ -96,8 +96,6 @@ CUTS_CODE = ("capture", "ir", "cut/split_export.py", "search/constraints.py")
 def stored_model_cuts(spec: ModelSpec) -> ModelCuts:
     """model_cuts through the on-disk store of capture/cache.py: a model is exported once per
     machine, not once per command."""
-    from heterog.capture.cache import load_json, model_key, store_json
-
     key = model_key("cuts", spec.name, spec.args, code=CUTS_CODE, seq_len=spec.seq_len)
     doc = load_json("cuts", key)
     if isinstance(doc, dict):
