@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
-from heterog.capture import capture
 from heterog.capture.cache import remember_in_memory
+from heterog.capture.capture import capture
 from heterog.errors import ModelError
 from heterog.inputs import model_inputs
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
@@ -57,7 +57,7 @@ def plan(
     nn.Module (then example_inputs is required: forward's positional arguments, batch first;
     `targets` and `loss_fn(output, targets)` make the loss, as in heterog.capture).
     """
-    extra = {"budget_s": budget_s} if budget_s is not None else {}
+    extra: dict[str, Any] = {"budget_s": budget_s} if budget_s is not None else {}
     if isinstance(model, str):
         if batch_size is None:
             raise ModelError(f"plan({model!r}): give batch_size, the global batch of one iteration.")

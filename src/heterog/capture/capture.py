@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ def fake_parameters(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[Non
     memo: dict[int, torch.Tensor] = {}
     originals: list[tuple[dict, str, Any]] = []
 
-    def fake_of(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+    def fake_of(t: torch.Tensor, is_param: bool) -> Any:  # a fake tensor, or a Parameter of one
         if id(t) not in memo:
             with fake_mode:
                 f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
@@ -87,7 +87,7 @@ def _default_loss(output: Any) -> torch.Tensor:
         raise ModelError(
             "the model returned no floating-point tensor to build a loss from; pass loss_fn=... to capture()."
         )
-    return sum(t.float().sum() for t in tensors)
+    return cast(torch.Tensor, sum(t.float().sum() for t in tensors))
 
 
 def _nbytes(value: Any) -> int:
@@ -199,7 +199,7 @@ def _fit_graph(
             return Affine(0.0, max(x / batch_a, y / batch_b))
         return f
 
-    nodes = []
+    nodes: list[OpNode] = []
     for na, nb in zip(a.nodes, b.nodes):
         fwd_flops = fit(na.fwd_flops, nb.fwd_flops)
         out_a = float(sum(na.consumed.values()))
@@ -359,6 +359,7 @@ def capture_model(
     args = dict(model_args or {})
     if batch_size <= 0:
         raise ModelError(f"batch size must be positive, found {batch_size}.")
+    seq: int | None
     if entry.default_seq_len is not None:
         seq = seq_len or entry.default_seq_len
     else:  # image / vector models take no sequence; a user file's example_batch may

@@ -204,6 +204,7 @@ def train_policy_command(
     from heterog.search.gnn.train import DEFAULT_ZOO, TrainConfig, mean_reward, synthetic_problems, train, zoo_problems
 
     pol = load_policy(init) if init is not None else new_policy(seed=seed)
+    assert pol is not None  # load_policy returns None only when given no file
     probs = synthetic_problems(problems, seed=seed, max_devices=max_devices)
     if zoo:
         models = DEFAULT_ZOO if zoo == "default" else [m.strip() for m in zoo.split(",") if m.strip()]

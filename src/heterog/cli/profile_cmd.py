@@ -63,19 +63,21 @@ def register(app: typer.Typer) -> None:
         rows = [
             (f"GEMM {g['dtype']} n={g['n']}", f"{2 * g['n'] ** 3 / g['time_s'] / 1e12:.2f} TFLOP/s") for g in prof.gemm
         ]
-        if prof.copy:
-            rows.append(("copy", f"{prof.copy_bandwidth_bytes_per_s() / 1e9:.1f} GB/s"))
+        copy_bytes_per_s = prof.copy_bandwidth_bytes_per_s() if prof.copy else None
+        if copy_bytes_per_s is not None:
+            rows.append(("copy", f"{copy_bytes_per_s / 1e9:.1f} GB/s"))
         rows += [(f"host {k}", human_time(v)) for k, v in (prof.host or {}).items()]
-        for r in (prof.comm or {}).get("rows", []):
+        comm = prof.comm or {}
+        for r in comm.get("rows", []):
             rows.append(
                 (
-                    f"{prof.comm['backend']} all-reduce {r['bytes'] / 2**20:.0f} MiB",
+                    f"{comm['backend']} all-reduce {r['bytes'] / 2**20:.0f} MiB",
                     f"{r['bytes'] / r['allreduce_s'] / 1e9:.2f} GB/s",
                 )
             )
             rows.append(
                 (
-                    f"{prof.comm['backend']} p2p {r['bytes'] / 2**20:.0f} MiB",
+                    f"{comm['backend']} p2p {r['bytes'] / 2**20:.0f} MiB",
                     f"{r['bytes'] / r['p2p_s'] / 1e9:.2f} GB/s",
                 )
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -40,7 +41,7 @@ def write_report_for(
     run=None,
     graph: Path | None = None,
     cluster: str | None = None,
-    profile: Path | None = None,
+    profile: Any = None,  # as heterog.inputs.plan_inputs takes it
     t0: float | None = None,
 ) -> dict:
     """Simulate the plan as `heterog simulate` does (same graph, cluster and costs, so the same
@@ -69,7 +70,7 @@ def write_report_for(
     }
 
 
-def report_from_plan_result(result: dict, out: Path, profile: Path | None = None) -> dict:
+def report_from_plan_result(result: dict, out: Path, profile: Any = None) -> dict:
     """`heterog plan --report FILE`: the report of the planner's answer, candidates included."""
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.report.inputs import PlanFile, candidate_from_dict

@@ -13,14 +13,14 @@ from heterog.inputs import as_plan, plan_inputs
 from heterog.ir.opgraph import OpGraph
 
 
-def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None, profile: Path | None = None):
+def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None, profile: Any = None):
     """The plan, and the graph, cluster and cost model it was made with (heterog/inputs.py,
     as `heterog plan` builds them): the graph from the capture cache (or --graph), the cluster
     the plan records (or --cluster), costs at the plan's precision and optimizer."""
     return inputs_for_plan(as_plan(plan_path), graph_path, cluster_name, profile)
 
 
-def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, profile: Path | None = None):
+def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, profile: Any = None):
     """load_inputs for a Plan already in memory (`heterog report` reads it from `plan --json`);
     the plan comes back covering the whole graph (lower.schedule.cover_graph), as it runs."""
     # imported when the command runs: `heterog --help` starts without numpy or torch

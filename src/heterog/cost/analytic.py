@@ -133,7 +133,7 @@ class _TypeTable:
         # NCHW convolutions in half precision: cuDNN's tensor-core kernels work on NHWC, so it
         # transforms the activations in and out (separate kernels, after the roofline)
         self.transform_ps = np.zeros(len(nodes))
-        if precision in ("amp-bf16", "fp16") and gpu.vendor == "nvidia":
+        if convs is not None and precision in ("amp-bf16", "fp16") and gpu.vendor == "nvidia":
             act_ps = np.array([b.per_sample for b in bytes_obj]) * factor
             nchw_tc = conv & convs.on_tensor_cores & ~convs.nhwc
             self.transform_ps = np.where(nchw_tc, NCHW_HALF_CONV_TRANSFORM_PASSES * act_ps, 0.0)
@@ -243,6 +243,7 @@ class _TypeTable:
             return roof + k * self.dispatch
         # The host runs ahead while the GPU is busy and the GPU idles while the host is
         # behind: each node takes whichever is longer (cost/host.py)
+        assert self.host_s is not None and self.cudnn_s is not None  # set for every GPU table
         return np.maximum(roof + k * self.kernel_gap, self.host_s[idx] * host_scale + self.cudnn_s[idx])
 
 

@@ -95,10 +95,10 @@ def apply_profiles(cluster: Cluster, specs: list[ProfileSpec | str | Path] | Any
                         f"{where} (calibrated)",
                     ),
                 )
-            prof = prof.nodes
-            if prof is None:
-                continue
-        node_times = _retyped(prof.times, target, where) if target else prof.times
+        node_prof = prof.nodes if isinstance(prof, DeviceProfile) else prof
+        if node_prof is None:
+            continue
+        node_times = _retyped(node_prof.times, target, where) if target else node_prof.times
         unknown = {t for by_type in node_times.values() for t in by_type} - set(cluster.gpu_types)
         if unknown:
             raise ProfileError(
@@ -108,5 +108,5 @@ def apply_profiles(cluster: Cluster, specs: list[ProfileSpec | str | Path] | Any
             )
         for node, by_type in node_times.items():
             times.setdefault(node, {}).update(by_type)
-        model = model or prof.model
+        model = model or node_prof.model
     return cluster, (Profile(model=model, times=times) if times else None)

@@ -266,7 +266,8 @@ def _dataflow(
                 no_grad.add(n.name)
             elif isinstance(integer, tuple):
                 no_grad.update(f"{n.name}[{i}]" for i, flag in enumerate(integer) if flag)
-            owner[n.name] = made_by[n.name] if isinstance(made_by[n.name], int) else first_group[k]
+            made_here = made_by[n.name]
+            owner[n.name] = made_here if isinstance(made_here, int) else first_group[k]
         elif n.op == "call_function" and n.target is operator.getitem:
             src, index = n.args
             projections[n.name] = (src.name, int(index))

@@ -117,7 +117,7 @@ def _drop_guards(gm: fx.GraphModule) -> None:
 
 
 def _batch_symbols(gm: fx.GraphModule) -> set[Any]:
-    out = set()
+    out: set[Any] = set()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
@@ -238,7 +238,7 @@ def cut_constraints(model: nn.Module, example_inputs: tuple[Any, ...]) -> CutCon
     named = exported.leaf_name
     follow = {named[n] for n in named if n not in exported.data}
     follow -= {named[n] for n in named if n in exported.data}  # a leaf with data work stays put
-    pairs = set()
+    pairs: set[tuple[str, str]] = set()
     for p in exported.module.graph.nodes:
         val = p.meta.get("val")
         if (

@@ -292,7 +292,7 @@ def check_program(
     ranks = tuple(
         _check_rank(plan, program, flow, work, rank, rdev, wire, crossing, inputs, targets)
         if problems[rank] is None
-        else _refused(plan, program, flow, rank, problems[rank])
+        else _refused(plan, program, flow, rank, str(problems[rank]))
         for rank in range(len(program.devices))
     )
     return CheckResult(
@@ -345,7 +345,7 @@ def _check_rank(
     device = program.devices[rank]
     held, stages = _rank_stages(plan, program, flow, rank)
     computes = [ins for ins in program.instructions[device] if isinstance(ins, Compute)]
-    base = dict(rank=rank, device=device, computes=len(computes))
+    base: dict[str, Any] = dict(rank=rank, device=device, computes=len(computes))
     target = rdev.torch_device
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from heterog.errors import CheckpointError
 from heterog.ir.plan import user_model_file
@@ -225,9 +226,10 @@ def load_checkpoint(
                 f"{info.path}: holds no parameter {name!r}; it was written for a "
                 f"different model version (it holds {len(info.parameter_names)} parameters)."
             )
-        if tuple(meta[key].size) != tuple(p.shape):
+        saved = _tensor_meta(meta, key)
+        if tuple(saved.size) != tuple(p.shape):
             raise CheckpointError(
-                f"{info.path}: parameter {name!r} has shape {tuple(meta[key].size)} in the "
+                f"{info.path}: parameter {name!r} has shape {tuple(saved.size)} in the "
                 f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values."
             )
         state[key] = p.detach()
@@ -246,7 +248,7 @@ def load_checkpoint(
             else []
         )
     for name, key, device in wanted:
-        m = meta[f"optim/{name}/{key}"]
+        m = _tensor_meta(meta, f"optim/{name}/{key}")
         state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
     dcp.load(state, checkpoint_id=info.path)
     if opt is not None:
@@ -258,6 +260,14 @@ def load_checkpoint(
             {name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)} for name in served.names},
             served.names,
         )
+
+
+def _tensor_meta(meta: Any, key: str) -> TensorStorageMetadata:
+    """The saved metadata of tensor `key` (parameters and optimizer state are tensors)."""
+    m = meta[key]
+    if not isinstance(m, TensorStorageMetadata):
+        raise CheckpointError(f"checkpoint entry {key!r} is not a tensor; it was written by another program.")
+    return m
 
 
 def _keys(meta: dict[str, Any], name: str) -> list[str]:

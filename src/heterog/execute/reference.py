@@ -21,6 +21,7 @@ def reference_train(
     work = with_data(resolve_workload(plan.model), data)
     model = build_model(work, seed=seed)
     opt = make_optimizer(list(model.parameters()), plan.optimizer)
+    assert opt is not None, "the reference trains a model with parameters"
     fp16 = plan.precision == Precision.FP16
     scaler = torch.amp.GradScaler("cpu", init_scale=LossScaler(RankDevice(kind="cpu")).scale) if fp16 else None
     for step in range(steps):

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +79,7 @@ class Served:
     server: ParameterServer
 
 
-def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> list[Bucket]:
+def tie_buckets(flow: Dataflow, ranks_of_group: Mapping[int, Sequence[int]]) -> list[Bucket]:
     """One ring all-reduce per tied parameter, over every rank that holds a copy."""
     out = []
     for name in sorted(flow.tied):

@@ -376,7 +376,7 @@ def _best_time_s(fn, *, repeats: int, min_time_s: float = 0.0) -> float:
     # inflate. Several threads: wall time (the fastest run is the least disturbed).
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()  # warm-up (allocations, one-time kernel selection)
-    times = []
+    times: list[float] = []
     start = time.perf_counter()
     while len(times) < repeats or time.perf_counter() - start < min_time_s:
         t0 = clock()
@@ -418,7 +418,8 @@ def _run_probe() -> CpuProbe:
         rm, rv = torch.zeros(64), torch.ones(64)
         kinds = {
             "norm": 2 * nb / _best_time_s(lambda: F.batch_norm(act, rm, rv, training=True), repeats=3),
-            "pool": (nb + nb / 4 * 3) / _best_time_s(lambda: F.max_pool2d_with_indices(act, 3, 2, 1), repeats=3),
+            "pool": (nb + nb / 4 * 3)
+            / _best_time_s(lambda: F.max_pool2d_with_indices(act, (3, 3), (2, 2), (1, 1)), repeats=3),
             "elementwise": 2 * nb / _best_time_s(lambda: F.relu(act), repeats=3),
             "attention": 2 * nb / _best_time_s(lambda: torch.softmax(act, dim=-1), repeats=3),
         }
@@ -545,18 +546,18 @@ def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> G
             f"hardware/catalog.yaml with its data-sheet figures and sources."
         )
     longest = max(n for n, _ in candidates)
-    family = [g for n, g in candidates if n == longest]
-    if len(family) > 1:
+    matches = [g for n, g in candidates if n == longest]
+    if len(matches) > 1:
         is_pcie = "PCIE" in name
-        by_form = [g for g in family if ("PCIE" in g.name.upper()) == is_pcie] or family
-        family = by_form
-    if len(family) > 1 and memory_bytes:
-        family.sort(key=lambda g: abs(g.memory_bytes - memory_bytes))
-    elif len(family) > 1:
+        matches = [g for g in matches if ("PCIE" in g.name.upper()) == is_pcie] or matches
+    if len(matches) > 1 and memory_bytes:
+        matches.sort(key=lambda g: abs(g.memory_bytes - memory_bytes))
+    elif len(matches) > 1:
         gb = re.search(r"(\d+)GB", device_name.upper().replace(" ", ""))
         if gb:
-            family.sort(key=lambda g: abs(g.memory_bytes / 2**30 - int(gb.group(1))))
-    return family[0]
+            gib = int(gb.group(1))
+            matches.sort(key=lambda g: abs(g.memory_bytes / 2**30 - gib))
+    return matches[0]
 
 
 # -- which types run which precision fast (the --precision help) -----------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
@@ -261,8 +262,8 @@ def gpu_extras_from_dict(d: dict) -> dict:
             source=str(e.get("source", "")),
         )
     if d.get("host"):
-        h = dict(d["host"])
-        out["host"] = HostCosts(**{k: (str(v) if k == "source" else float(v)) for k, v in h.items()})
+        host: dict[str, Any] = {k: (str(v) if k == "source" else float(v)) for k, v in d["host"].items()}
+        out["host"] = HostCosts(**host)
     if d.get("public"):
         try:
             out["public"] = PublicFigures.from_dict(d["public"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from importlib import resources
@@ -272,9 +273,9 @@ def _catalog_types(ctx: _Ctx, doc: dict, base_dir: Path | None) -> dict[str, Gpu
             entries = catalog.catalog_entries(path)
         except ClusterError as e:
             raise ctx.fail("", doc, "catalog", str(e)) from None
-        for e in entries:
-            g = catalog.gpu_from_entry(e, str(path))
-            for alias in [g.name, *e.get("aka", [])]:
+        for entry in entries:
+            g = catalog.gpu_from_entry(entry, str(path))
+            for alias in [g.name, *entry.get("aka", [])]:
                 out[alias] = g
     return out
 
@@ -482,7 +483,7 @@ def parse_cluster_yaml(text: str, source: str = "<yaml>", base_dir: Path | None 
     return _parse(doc, source, base_dir)
 
 
-def load_cluster(name_or_path: str | Path) -> Cluster:
+def load_cluster(name_or_path: str | os.PathLike) -> Cluster:
     """A built-in cluster by name ('paper-8gpu', 'mixed-16', …) or a YAML file."""
     text = (
         _builtin_text(str(name_or_path))

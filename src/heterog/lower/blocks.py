@@ -267,8 +267,8 @@ def block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[in
 
 def _block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:
     block_of_group = {}
-    for bi, b in enumerate(blocks):
-        for g in b.groups:
+    for bi, blk in enumerate(blocks):
+        for g in blk.groups:
             block_of_group[g] = bi
     preds: list[dict[int, tuple[float, float]]] = [dict() for _ in blocks]
     for (ga, gb), edges in grouping.cross.items():

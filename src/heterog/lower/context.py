@@ -147,7 +147,8 @@ class ClusterInfo:
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._arrays: dict[tuple[int, ...], np.ndarray] = {}
-        self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
+        # a ring by its members; a star by (members, server)
+        self._rings: dict[tuple, tuple[tuple[int, ...], dict[int, float]]] = {}
         self.known_device_sets: set[int] = set()  # SimCache device-set numbers checked against it
         self.link_sets = NumberedSets(self._core_index)
         self.member_sets = NumberedSets({})

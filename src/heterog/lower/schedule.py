@@ -86,7 +86,7 @@ def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
     for loose ops (cut/partition.py): a node follows its first predecessor's group, else its
     first successor's, else the first group. Plans written by hand often name only the model's
     module calls; the capture also records loose ops and the loss."""
-    owner = {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}
+    owner: dict[str, int | None] = {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}
     missing = [n.name for n in graph.nodes if n.name not in owner]
     if not missing:
         return plan
@@ -98,7 +98,7 @@ def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
             owner[n] = next((owner[s] for s in succ[n] if owner.get(s) is not None), 0)
     added: dict[int, list[str]] = {}
     for n in missing:
-        added.setdefault(owner[n], []).append(n)
+        added.setdefault(owner[n] or 0, []).append(n)
     groups = tuple(
         dataclasses.replace(g, nodes=tuple(g.nodes) + tuple(added.get(gi, ()))) for gi, g in enumerate(plan.groups)
     )

@@ -43,7 +43,9 @@ def sync_and_step(
     opt_preds = opt_inputs.by_device()
     # each device's optimizer step after its backwards and syncs: one chunk of edges, each
     # device's backwards then its syncs, in the order of the devices' first backwards
-    before, n_before, no_syncs = [], [], np.zeros(0, dtype=np.int64)
+    before: list[np.ndarray] = []
+    n_before: list[int] = []
+    no_syncs = np.zeros(0, dtype=np.int64)
     for d, bl in bwd_of_dev.items():
         tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
         syncs = opt_preds.get(d, no_syncs)
@@ -168,6 +170,7 @@ def _server_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: C
     for blk in blocks:
         if not _served(blk):
             continue
+        assert blk.ps_device is not None  # a served block has its server
         dn = info.dev_class[blk.ps_device]
         tasks.persistent_bytes[blk.ps_device] += sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
         received = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
@@ -369,11 +372,13 @@ def _bucket_sync(blk: Block, grad: float, info: ClusterInfo, table: CostTable, r
     members = blk.devices
     names = info.names(members)
     if blk.sync == "ps":
-        links, load = info.star(members, blk.ps_device)
-        dur = table.sync_s("ps", grad, names, info.devices[blk.ps_device]) + sum(
-            table.optimizer_s(nodes, info.dev_class[blk.ps_device]) for nodes in blk.nodes
+        server = blk.ps_device
+        assert server is not None  # a parameter-server block has its server
+        links, load = info.star(members, server)
+        dur = table.sync_s("ps", grad, names, info.devices[server]) + sum(
+            table.optimizer_s(nodes, info.dev_class[server]) for nodes in blk.nodes
         )
-        involved = members if blk.ps_device in members else members + (blk.ps_device,)
+        involved = members if server in members else members + (server,)
     else:
         links, load = info.ring(tuple(sorted(members)))
         dur = table.sync_s(blk.sync, grad, names, None)

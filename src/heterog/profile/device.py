@@ -64,7 +64,7 @@ def measure_gemm(dev: torch.device, *, quick: bool = False) -> list[dict[str, An
     """Square n×n×n products: [{'n', 'dtype', 'time_s'}] (the format of h200_micro.json's
     'matmul' rows, in seconds). On CUDA also fp16, and tf32: fp32 tensors with
     torch.backends.cuda.matmul.allow_tf32 on for the measurement."""
-    sizes = GEMM_SIZES_GPU if dev.type == "cuda" else GEMM_SIZES_CPU
+    sizes: tuple[int, ...] = GEMM_SIZES_GPU if dev.type == "cuda" else GEMM_SIZES_CPU
     sizes = sizes[:3] if quick else sizes
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if dev.type == "cuda":

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -174,8 +175,8 @@ def _fit(rows: dict[str, Any], src: str, dst: str, nominal: float) -> LinkMeasur
 
 
 def _run_pair(
-    wrap: tuple[list[str], list[str]],
-    env: tuple[dict, dict],
+    wrap: Mapping[int, list[str]],
+    env: Mapping[int, dict[str, str]],
     master_addr: str,
     sizes: tuple[tuple[int, int], int],
     what: str,
@@ -205,7 +206,7 @@ def _run_pair(
             )
             for r in (0, 1)
         ]
-        errors = []
+        errors: list[str] = []
         for p in procs:
             try:
                 _, err = p.communicate(timeout=TIMEOUT_S)
@@ -214,7 +215,7 @@ def _run_pair(
                 _, err = p.communicate()
                 errors.append(f"a rank did not finish within {TIMEOUT_S} s")
             if p.returncode:
-                errors.append((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+                errors.extend((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
         if errors or not out.exists():
             raise LinkMeasurementError(
                 f"measuring {what} failed: {errors}; run without link calibration (the declared link rates are used)."
@@ -254,7 +255,7 @@ def measure_intra_link(cluster, src: str, dst: str) -> LinkMeasurement:
             f"devices of the node whose intra-node link to measure."
         )
     nominal = min(cluster.links[Cluster.port(d, "up")].bandwidth_bytes_per_s for d in (src, dst))
-    rows = _run_pair(([], []), ({}, {}), "127.0.0.1", LOOPBACK_BYTES, f"the intra-node link {src} ↔ {dst}")
+    rows = _run_pair({0: [], 1: []}, {0: {}, 1: {}}, "127.0.0.1", LOOPBACK_BYTES, f"the intra-node link {src} ↔ {dst}")
     return _fit(rows, src, dst, nominal)
 
 

@@ -189,9 +189,10 @@ def attribute_unhooked(
     out.update({n.name: {} for n in unseen})
     for phase, total, loss_s in (("fwd", whole.fwd_s, whole.loss_fwd_s), ("bwd", whole.bwd_s, whole.loss_bwd_s)):
         hooked = sum(v.get(phase, 0.0) for v in node_times.values())
+        loss_time_s = loss_s if losses and loss_s is not None else 0.0  # losses are found with the loss timed
         for n in losses:
-            out[n.name][phase] = loss_s / len(losses)
-        room = max(total - (loss_s if losses else 0.0), 0.0)
+            out[n.name][phase] = loss_time_s / len(losses)
+        room = max(total - loss_time_s, 0.0)
         if hooked > room:
             for n, v in node_times.items():
                 if phase in v:

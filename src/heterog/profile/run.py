@@ -62,6 +62,7 @@ def measure_steps(
     work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
     net = build_model(work, seed=0).to(dev)
     opt = make_optimizer(list(net.parameters()), optimizer)
+    assert opt is not None, "a profiled model has parameters"
     rows = []
     for b in batch_sizes:
         inputs, targets = global_batch(work, b, seed=0, step=0)

@@ -168,7 +168,7 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
 
         pts = downsample_peaks(r.points, duration_s, max(plot, 1))
         path = [f"M{LABEL_PX},{base}"]
-        last_y = base
+        last_y: float = base
         for t, b in pts:
             x = LABEL_PX + (t / duration_s if duration_s > 0 else 0) * plot
             path.append(f"L{x:.1f},{last_y:.1f}L{x:.1f},{ypos(b):.1f}")

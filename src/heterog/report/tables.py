@@ -125,7 +125,7 @@ def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
     for c in cands:
         speed = (
             f"{ref.iteration_time_s / c.iteration_time_s:.2f}×"
-            if ref is not None and c.feasible and c.iteration_time_s
+            if ref is not None and ref.iteration_time_s and c.feasible and c.iteration_time_s
             else "—"
         )
         cls = ' class="chosen"' if c.strategy == chosen else ""

@@ -13,6 +13,7 @@ use_cache=False: training keeps no KV cache.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from torch import nn
 
@@ -20,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _finish(model: nn.Module) -> nn.Module:
+def _finish(model: Any) -> nn.Module:  # a transformers PreTrainedModel
     model.config.use_cache = False
     return model
 
