@@ -36,6 +36,7 @@ from heterog.hardware.catalog import get_gpu
 from heterog.hardware.efficiency import h200_plateau
 from heterog.hardware.gputype import Efficiency, GpuType
 from heterog.hardware.public_model import MODEL_FIELDS, PublicModel, derive, packaged_public_model
+from heterog.ir.kinds import Phase
 
 DEVICE = "local/gpu0"
 PEER_TO_CATALOG = {
@@ -133,12 +134,12 @@ def layer_times_s(records: list[dict], gpu: GpuType, aceso_op_floor_s: float = 0
             models[key] = (AnalyticCostModel(g, cluster, precision=layer_precision(r), optimizer="adamw"), names, ops)
         m, names, ops = models[key]
         if is_aceso(r):
-            ts = m.node_times_s(names, DEVICE, r["micro_batch"], "fwd")
+            ts = m.node_times_s(names, DEVICE, r["micro_batch"], Phase.FORWARD)
             out.append(float(np.where(ops, np.maximum(ts, aceso_op_floor_s), ts).sum()))
         else:
             out.append(
-                m.group_time_s(names, DEVICE, r["micro_batch"], "fwd")
-                + m.group_time_s(names, DEVICE, r["micro_batch"], "bwd")
+                m.group_time_s(names, DEVICE, r["micro_batch"], Phase.FORWARD)
+                + m.group_time_s(names, DEVICE, r["micro_batch"], Phase.BACKWARD)
             )
     return np.array(out)
 

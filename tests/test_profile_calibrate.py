@@ -18,6 +18,7 @@ from heterog.cost.device_profile import DeviceProfile, DeviceProfileError
 from heterog.cost.predict import predict
 from heterog.hardware import catalog
 from heterog.hardware.catalog import get_gpu, host_costs
+from heterog.ir.kinds import Phase
 
 H200_MICRO = Path(__file__).resolve().parent.parent / "src" / "heterog" / "hardware" / "data" / "h200_micro.json"
 runner = CliRunner()
@@ -219,7 +220,7 @@ def test_profile_calibrate_plan_round_trip_on_this_cpu(tmp_path):
     costs = build_cost_model(_captured("mlp", None, 1, None), cluster, profile=times)
     node, by_type = next(iter(measured.nodes.times.items()))
     batch, time_s = by_type["cpu"]["fwd"][0]
-    assert costs.compute_time_s(node, "a/cpu0", batch, "fwd") == pytest.approx(time_s)
+    assert costs.compute_time_s(node, "a/cpu0", batch, Phase.FORWARD) == pytest.approx(time_s)
 
 
 def test_a_gpu_profile_calibrates_its_type_in_the_plan_cluster():

@@ -41,7 +41,7 @@ from heterog.hardware.catalog import host_costs, host_overheads, measure_cpu
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.hardware.gputype import GpuType
-from heterog.ir.kinds import Precision
+from heterog.ir.kinds import HALF_PRECISIONS, Phase, Precision, SyncMethod
 from heterog.ir.opgraph import OpGraph
 
 PRECISIONS = tuple(Precision)
@@ -98,9 +98,9 @@ def _matmul_precision(kind: str, precision: str, gpu: GpuType) -> str:
 class _TypeTable:
     """Per-node arrays for one GPU type, one precision, one phase: what the roofline needs."""
 
-    def __init__(self, graph: OpGraph, gpu: GpuType, precision: str, phase: str):
+    def __init__(self, graph: OpGraph, gpu: GpuType, precision: str, phase: Phase):
         nodes = graph.nodes
-        fw = phase == "fwd"
+        fw = phase == Phase.FORWARD
         flops_fixed = np.array([(n.fwd_flops if fw else n.bwd_flops).fixed for n in nodes])
         flops_ps = np.array([(n.fwd_flops if fw else n.bwd_flops).per_sample for n in nodes])
         tc = np.array(
@@ -133,7 +133,7 @@ class _TypeTable:
         # NCHW convolutions in half precision: cuDNN's tensor-core kernels work on NHWC, so it
         # transforms the activations in and out (separate kernels, after the roofline)
         self.transform_ps = np.zeros(len(nodes))
-        if convs is not None and precision in ("amp-bf16", "fp16") and gpu.vendor == "nvidia":
+        if convs is not None and precision in HALF_PRECISIONS and gpu.vendor == "nvidia":
             act_ps = np.array([b.per_sample for b in bytes_obj]) * factor
             nchw_tc = conv & convs.on_tensor_cores & ~convs.nhwc
             self.transform_ps = np.where(nchw_tc, NCHW_HALF_CONV_TRANSFORM_PASSES * act_ps, 0.0)
@@ -172,11 +172,11 @@ class _TypeTable:
         ]
         kind_eff = {k: memory_efficiency(gpu, k, phase) for k in set(kind_of)}
         self.bandwidth = gpu.memory_bandwidth_bytes_per_s * np.array([kind_eff[k] for k in kind_of])
-        if precision == "amp-bf16" and gpu.vendor != "cpu":
+        if precision == Precision.AMP_BF16 and gpu.vendor != "cpu":
             bn = np.array([_is_batch_norm(n) for n in nodes])
             self.bandwidth = np.where(bn, self.bandwidth * NATIVE_BN_BF16_FACTOR, self.bandwidth)
         # bytes per element of the tensor-core operands, for the intensity-derived size
-        self.element_bytes = 2.0 if precision in ("amp-bf16", "fp16") else 4.0
+        self.element_bytes = 2.0 if precision in HALF_PRECISIONS else 4.0
         oh = host_overheads(gpu)
         self.synchronous = oh.synchronous
         self.dispatch = oh.dispatch_s if fw or oh.backward_dispatch_s is None else oh.backward_dispatch_s
@@ -297,7 +297,7 @@ class AnalyticCostModel:
             profile.check_against(graph)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _table(self, gpu_type: str, phase: str) -> _TypeTable:
+    def _table(self, gpu_type: str, phase: Phase) -> _TypeTable:
         key = (gpu_type, phase)
         t = self._tables.get(key)
         if t is None:
@@ -327,9 +327,9 @@ class AnalyticCostModel:
         return 1.0 / self.cluster.host_speed(device)
 
     def _phase_times_s(
-        self, idx: np.ndarray, gpu_type: str, batch: float, phase: str, host_scale: float = 1.0
+        self, idx: np.ndarray, gpu_type: str, batch: float, phase: Phase, host_scale: float = 1.0
     ) -> np.ndarray:
-        if phase not in ("fwd", "bwd"):
+        if phase not in (Phase.FORWARD, Phase.BACKWARD):
             raise PlanError(f"unknown phase {phase!r}; use 'fwd' or 'bwd'.")
         times = self._table(gpu_type, phase).times_s(idx, batch, host_scale)
         if self.profile is not None:
@@ -337,13 +337,13 @@ class AnalyticCostModel:
                 measured = self.profile.time_s(self.graph.nodes[i].name, gpu_type, phase, batch)
                 if measured is not None:
                     times[j] = measured
-        if phase == "bwd" and self.recompute:
-            fwd = self._phase_times_s(idx, gpu_type, batch, "fwd", host_scale)
+        if phase == Phase.BACKWARD and self.recompute:
+            fwd = self._phase_times_s(idx, gpu_type, batch, Phase.FORWARD, host_scale)
             times = times + np.where(self._in_block[idx], fwd, 0.0)
         return times
 
     # -- compute --------------------------------------------------------------------------------
-    def compute_time_s(self, node: str, device: str, batch: float, phase: str) -> float:
+    def compute_time_s(self, node: str, device: str, batch: float, phase: Phase) -> float:
         if batch <= 0:
             return 0.0
         d = self._device(device)
@@ -357,7 +357,7 @@ class AnalyticCostModel:
             t = self._node_cache[key] = float(self._phase_times_s(np.array([i]), d.gpu_type, batch, phase, scale)[0])
         return t * d.slowdown
 
-    def group_time_s(self, nodes: Sequence[str], device: str, batch: float, phase: str) -> float:
+    def group_time_s(self, nodes: Sequence[str], device: str, batch: float, phase: Phase) -> float:
         """Sum of compute_time_s over `nodes` (vectorised; the search's hot path)."""
         if batch <= 0 or not nodes:
             return 0.0
@@ -367,7 +367,7 @@ class AnalyticCostModel:
             * d.slowdown
         )
 
-    def node_times_s(self, nodes: Sequence[str], device: str, batch: float, phase: str) -> np.ndarray:
+    def node_times_s(self, nodes: Sequence[str], device: str, batch: float, phase: Phase) -> np.ndarray:
         """compute_time_s of every node in `nodes`, as an array."""
         if batch <= 0 or not nodes:
             return np.zeros(len(nodes))
@@ -381,7 +381,7 @@ class AnalyticCostModel:
             return 0.0
         d = self._device(device)
         idx = self._idx(nodes)
-        fwd = self._table(d.gpu_type, "fwd").times_s(idx, batch, self._host_scale(device))
+        fwd = self._table(d.gpu_type, Phase.FORWARD).times_s(idx, batch, self._host_scale(device))
         return float(np.where(self._in_block[idx], fwd, 0.0).sum()) * d.slowdown
 
     def _parameter_pass(self, nodes: Sequence[str], device: str, bytes_per_param_byte: float):
@@ -445,7 +445,7 @@ class AnalyticCostModel:
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         return comm.p2p_time_s(self.cluster, nbytes, src, dst)
 
-    def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
+    def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = SyncMethod.RING) -> float:
         return comm.cached_collective_time_s(self._comm_cache, self.cluster, op, nbytes, devices, method)
 
     def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:

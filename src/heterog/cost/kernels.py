@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpGraph
 
 # (forward, backward) passes over the activations relative to the capture's count, by the
@@ -35,11 +36,11 @@ from heterog.ir.opgraph import OpGraph
 NORM_PASSES = {"batchnorm": (3 / 2, 5 / 3), "groupnorm": (3 / 2, 5 / 3), "layernorm": (1.0, 5 / 3)}
 
 
-def norm_passes(module_type: str, phase: str) -> float:
+def norm_passes(module_type: str, phase: Phase) -> float:
     name = module_type.lower()
     for key, (fwd, bwd) in NORM_PASSES.items():
         if key in name:
-            return fwd if phase == "fwd" else bwd
+            return fwd if phase == Phase.FORWARD else bwd
     return 1.0
 
 
@@ -51,7 +52,7 @@ def bandwidth_kind(node) -> str:
     return node.kind
 
 
-def traffic_factors(graph: OpGraph, phase: str) -> np.ndarray:
+def traffic_factors(graph: OpGraph, phase: Phase) -> np.ndarray:
     """Per node: the GPU kernels' memory traffic over the capture's count (1 for most)."""
     return np.array([norm_passes(n.module_type, phase) if n.kind == "norm" else 1.0 for n in graph.nodes])
 

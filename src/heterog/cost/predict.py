@@ -17,6 +17,7 @@ from heterog.errors import ModelError
 from heterog.hardware.catalog import get_gpu
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import GpuType
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpGraph
 
 TOP_NODES = 5  # the slowest nodes (forward + backward) listed in the breakdown
@@ -127,8 +128,8 @@ def predict(
         graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute, profile=node_profile(profile)
     )
     names = [n.name for n in graph.nodes]
-    fwd_s = costs.group_time_s(names, dev, batch_size, "fwd")
-    bwd_s = costs.group_time_s(names, dev, batch_size, "bwd")
+    fwd_s = costs.group_time_s(names, dev, batch_size, Phase.FORWARD)
+    bwd_s = costs.group_time_s(names, dev, batch_size, Phase.BACKWARD)
     recompute_s = costs.recompute_time_s(names, dev, batch_size) if recompute else 0.0
     opt_s = costs.optimizer_time_s(names, dev)
     mem = costs.memory.step_peak(batch_size, recompute=recompute)
@@ -138,7 +139,9 @@ def predict(
         in_block = costs.memory.in_block()
         flops += sum(n.fwd_flops.at(batch_size) for n, b in zip(graph.nodes, in_block) if b)
     iteration_s = fwd_s + bwd_s + opt_s
-    node_s = costs.node_times_s(names, dev, batch_size, "fwd") + costs.node_times_s(names, dev, batch_size, "bwd")
+    node_s = costs.node_times_s(names, dev, batch_size, Phase.FORWARD) + costs.node_times_s(
+        names, dev, batch_size, Phase.BACKWARD
+    )
     top = sorted(zip(names, node_s, (n.kind for n in graph.nodes)), key=lambda x: -x[1])[:TOP_NODES]
     return {
         "model": graph.model,

@@ -30,6 +30,7 @@ from heterog.cachedir import cache_dir as user_cache_dir
 from heterog.errors import ClusterError
 from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts, PublicFigures
 from heterog.hardware.public_model import derive
+from heterog.ir.kinds import CATALOG_PRECISION
 from heterog.jsonio import write_atomic
 
 CPU_TYPE = "cpu"
@@ -562,18 +563,16 @@ def gpu_from_device_name(device_name: str, memory_bytes: int | None = None) -> G
 
 # -- which types run which precision fast (the --precision help) -----------------------------------
 
-PLAN_PRECISIONS = {"fp32": "fp32", "tf32": "tf32", "amp-bf16": "bf16", "fp16": "fp16"}
-
 
 def precision_help() -> str:
     """The `--precision` help: every accepted value and, from the packaged catalog's peaks,
     which GPU types run each faster than fp32 (GpuType.accelerates; cost/precision.py)."""
     entries = _catalog_doc()["gpus"]
     parts = []
-    for plan_p, p in list(PLAN_PRECISIONS.items())[1:]:
+    for plan_p, p in list(CATALOG_PRECISION.items())[1:]:
         slow = [e["name"] for e in entries if not float(e["peak_tflops"].get(p) or 0) > float(e["peak_tflops"]["fp32"])]
         parts.append(f"{plan_p} on all but {', '.join(slow)}" if slow else f"{plan_p} on all")
     return (
-        f"{' | '.join(PLAN_PRECISIONS)}. Faster than fp32: {'; '.join(parts)}. Elsewhere a precision "
+        f"{' | '.join(CATALOG_PRECISION)}. Faster than fp32: {'; '.join(parts)}. Elsewhere a precision "
         f"runs at the card's fp32 rate (the plan says so); `heterog gpus` lists the rates."
     )

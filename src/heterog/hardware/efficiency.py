@@ -30,6 +30,7 @@ import numpy as np
 
 from heterog.hardware.catalog import measure_cpu, memory_by_kind_default
 from heterog.hardware.gputype import GpuType
+from heterog.ir.kinds import Phase
 
 MEASUREMENT_FLOOR_S = 15e-6
 # H200 SXM data-sheet dense peaks (catalog.yaml) that the measured throughputs are divided by.
@@ -144,7 +145,7 @@ def kind_factor(own: dict[str, float], default: dict[str, float], kind: str) -> 
     return kind_factor(own, default, "elementwise") if kind == "batchnorm" else 1.0
 
 
-def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd") -> float:
+def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: Phase = Phase.FORWARD) -> float:
     """Achievable fraction of data-sheet memory bandwidth for streaming kernels of `kind`.
     GPUs: the type's sustained copy fraction (catalog `efficiency.memory`; else the H200
     copy's) times the kind's own factor (`efficiency.memory_by_kind`). CPU: its bandwidth is itself a measured
@@ -159,5 +160,5 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd")
     if kind is None:
         return 1.0
     p = measure_cpu()
-    rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == "fwd" else f"{kind}.bwd")
+    rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == Phase.FORWARD else f"{kind}.bwd")  # the probe's keys
     return 1.0 if rate is None else float(np.clip(rate / p.copy_bandwidth_bytes_per_s, 0.02, 4.0))

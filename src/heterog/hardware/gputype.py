@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from heterog.ir.kinds import CATALOG_PRECISION
+
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
 
@@ -211,7 +213,7 @@ class GpuType:
         has one, else its fp32 rate — how PyTorch runs it there (bf16 on a Volta or Turing
         card has no tensor-core path; a GTX 1080 Ti's fp16 runs at 1/64 rate, and cuBLAS
         computes it in fp32)."""
-        want = {"amp-bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}.get(precision, "fp32")
+        want = CATALOG_PRECISION.get(precision, "fp32")
         return want if self.peak_flops_per_s.get(want, 0.0) > 0 else "fp32"
 
     def accelerates(self, precision: str) -> bool:

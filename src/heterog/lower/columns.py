@@ -84,7 +84,7 @@ def block_columns(
     """The block's columns (BlockColumns) from its replicas' costs (_replica_costs), computed
     once per distinct (device class, samples) and spread with numpy: a 1024-replica block has
     a handful of distinct ones."""
-    kept_cache = table.scratch.setdefault("kept", {})
+    kept_cache = table.caches.kept
     key = (size, blk.placement, rep_key)
     kr = kept_cache.get(key)
     if kr is None:

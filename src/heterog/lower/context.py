@@ -17,7 +17,9 @@ import numpy as np
 from heterog.cost import comm
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
+from heterog.ir.kinds import Phase, SyncMethod
 from heterog.ir.opgraph import OpGraph
+from heterog.lower.caches import LoweringCaches
 
 _MAX_ENTRIES = 500_000  # entries in one cost table before it is cleared
 
@@ -312,7 +314,7 @@ class CostTable:
         self._mem: dict = {}
         self._edge: dict[tuple[str, str], tuple[float, float]] = {}
         self._comm: dict = {}
-        self.scratch: dict = {}  # caches other simulator modules keep per (graph, costs)
+        self.caches = LoweringCaches()  # what the lowering derives per (graph, costs)
         # optional extension of the CostModel protocol: the sum of compute_time_s over nodes
         self._group_time = getattr(costs, "group_time_s", None)
 
@@ -330,12 +332,15 @@ class CostTable:
                 hit = (0.0, 0.0)
             elif self._group_time is not None:  # a vectorised sum, when the model has one
                 gt = self._group_time
-                hit = (float(gt(nodes, device, samples, "fwd")), float(gt(nodes, device, samples, "bwd")))
+                hit = (
+                    float(gt(nodes, device, samples, Phase.FORWARD)),
+                    float(gt(nodes, device, samples, Phase.BACKWARD)),
+                )
             else:
                 ct = self.costs.compute_time_s
                 hit = (
-                    sum(ct(n, device, samples, "fwd") for n in nodes),
-                    sum(ct(n, device, samples, "bwd") for n in nodes),
+                    sum(ct(n, device, samples, Phase.FORWARD) for n in nodes),
+                    sum(ct(n, device, samples, Phase.BACKWARD) for n in nodes),
                 )
             self._trim()
             self._time[key] = hit
@@ -420,7 +425,7 @@ class CostTable:
 
     def sync_s(self, method: str, nbytes: float, devices: tuple[str, ...], server: str | None) -> float:
         def make() -> float:
-            if method == "ps":
+            if method == SyncMethod.PS:
                 return float(self.costs.ps_sync_time_s(nbytes, devices, server))
             return float(self.costs.collective_time_s("allreduce", nbytes, devices, method))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from heterog._jit import njit
+from heterog.ir.kinds import PipelineSchedule
 from heterog.lower.taskgraph import BWD, FWD, OPT, Tasks
 
 
@@ -37,7 +38,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     bwd_left = np.zeros((n_devices, n_mb), dtype=np.int64)
     for (d, m), c in tasks.bwd_count.items():
         bwd_left[d, m] = c
-    gpipe = schedule == "gpipe"
+    gpipe = schedule == PipelineSchedule.GPIPE
     order, count = _list_schedule(
         tasks.array("dur"),
         tasks.array("dev"),

@@ -24,6 +24,7 @@ import numpy as np
 
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block, make_blocks
@@ -115,7 +116,7 @@ def build_schedule(
     info, grp = check_plan(graph, cluster, plan, cache)
     table = cache.cost_table(graph, costs)
     for g in plan.groups:
-        if len(g.replicas) > 1 and g.sync == "none" and table.gradient_bytes(g.nodes) > 0:
+        if len(g.replicas) > 1 and g.sync == SyncMethod.NONE and table.gradient_bytes(g.nodes) > 0:
             raise PlanError(
                 f"group {g.name!r} field 'sync': replicated on {len(g.replicas)} devices "
                 f"with parameters but sync is 'none'; its replicas would diverge. "

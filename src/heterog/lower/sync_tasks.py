@@ -11,10 +11,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.context import ClusterInfo, CostTable, id_runs
-from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room
 
 
 def sync_and_step(
@@ -114,8 +115,8 @@ def _persistent_state(
     # parameters, gradients and optimizer state: summed per placement first, since blocks
     # of one placement (all of them, in data parallelism) add the same per-class amounts
     per_placement: dict[tuple[int, bool], tuple[dict[str, list[float]], tuple[int, ...]]] = {}
-    state_cache = table.scratch.setdefault("state", {})  # (nodes, served) → class → (bytes, optimizer s)
-    classes_cache = table.scratch.setdefault("classes", {})  # device set → its devices' classes
+    state_cache = table.caches.state  # (nodes, served) → class → (bytes, optimizer s)
+    classes_cache = table.caches.classes  # device set → its devices' classes
     for blk in blocks:
         served = _served(blk)
         acc = per_placement.setdefault((blk.device_set, served), ({}, blk.devices))[0]
@@ -150,7 +151,7 @@ def _persistent_state(
 
 def _served(blk: Block) -> bool:
     """Whether a parameter server syncs the block (and holds its optimizer state)."""
-    return blk.sync == "ps" and blk.ps_device is not None and len(blk.devices) > 1
+    return blk.sync == SyncMethod.PS and blk.ps_device is not None and len(blk.devices) > 1
 
 
 def _replica_state(blk: Block, dn: str, served: bool, table: CostTable) -> tuple[float, float]:
@@ -226,7 +227,7 @@ def _tie_syncs(
         s = _collective(
             tasks,
             info,
-            table.sync_s("ring", nbytes, info.names(members), None),
+            table.sync_s(SyncMethod.RING, nbytes, info.names(members), None),
             plan.num_microbatches,
             owner,
             links,
@@ -317,8 +318,8 @@ def _sync_tasks(
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
     mbs = plan.num_microbatches
-    rep_key = rep_id(table.scratch, rep)  # first: it may drop the cache below
-    bucket_cache = table.scratch.setdefault("buckets", {})
+    rep_key = table.caches.rep_id(rep)  # first: it may empty the cache below
+    bucket_cache = table.caches.buckets
     grads_of: dict[int, list] = {}
     tied_out: dict[int, float] = {}
     for tie, owner, _ in split:
@@ -330,14 +331,14 @@ def _sync_tasks(
             # the first backward (micro-batch 0, see expand); summed per placement
             grads_of.setdefault(blk.device_set, [blk.devices, 0.0])[1] += grad
         grad_synced = grad - tied_out.get(bi, 0.0)
-        if len(blk.devices) > 1 and blk.sync != "none" and grad_synced > 0:
+        if len(blk.devices) > 1 and blk.sync != SyncMethod.NONE and grad_synced > 0:
             key = (
                 blk.placement,
                 blk.sync,
                 blk.ps_device,
                 grad_synced,
                 rep_key,
-                blk.nodes if blk.sync == "ps" else None,
+                blk.nodes if blk.sync == SyncMethod.PS else None,
             )
             bucket = bucket_cache.get(key)
             if bucket is None:  # cached: the search re-scores the same buckets constantly
@@ -371,11 +372,11 @@ def _bucket_sync(blk: Block, grad: float, info: ClusterInfo, table: CostTable, r
     between gather and scatter; a collective runs over the members' ring."""
     members = blk.devices
     names = info.names(members)
-    if blk.sync == "ps":
+    if blk.sync == SyncMethod.PS:
         server = blk.ps_device
         assert server is not None  # a parameter-server block has its server
         links, load = info.star(members, server)
-        dur = table.sync_s("ps", grad, names, info.devices[server]) + sum(
+        dur = table.sync_s(SyncMethod.PS, grad, names, info.devices[server]) + sum(
             table.optimizer_s(nodes, info.dev_class[server]) for nodes in blk.nodes
         )
         involved = members if server in members else members + (server,)

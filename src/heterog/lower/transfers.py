@@ -28,7 +28,7 @@ SMALL_PAIR = 4  # moves up to which a pair's transfers are added row by row
 class PairMoves(NamedTuple):
     """The moves between two placements at one micro-batch size (None: an identity, replica i
     feeds replica i on the same device), the devices that send or receive point to point, and
-    the pair's templates per merged-device map (rep_id)."""
+    the pair's templates per merged-device map (LoweringCaches.rep_id)."""
 
     moves: Moves | None
     ends: frozenset
@@ -40,7 +40,7 @@ def pair_moves(blocks: list[Block], preds, sizes: list[int], splits, info: Clust
     ((size, producer, consumer) → PairMoves), and the device sets that send or receive point
     to point."""
     moves: dict[tuple[int, int, int], PairMoves] = {}
-    move_cache = table.scratch.setdefault("moves", {})
+    move_cache = table.caches.moves
     p2p_sets: list[frozenset[int]] = []
     for size in sizes:
         for bi, blk in enumerate(blocks):

@@ -13,6 +13,7 @@ import torch
 from heterog.cost.calibrate import fit_host_speed
 from heterog.cost.device_profile import DeviceProfile
 from heterog.hardware.catalog import get_gpu, gpu_from_device_name
+from heterog.ir.kinds import HALF_PRECISIONS, Precision
 from heterog.ir.plan import ModelSpec
 from heterog.profile.device import measure_comm, measure_copy, measure_gemm, measure_host, pick_device, timed_s
 from heterog.profile.measure import measure_profile
@@ -36,12 +37,12 @@ FP16_LOSS_SCALE = 2.0**16
 def precision_context(precision: str, dev: torch.device):
     """A step's forward in the plan precision: autocast to bf16/fp16; tf32 turns on TF32
     matmuls (cuDNN convolutions use TF32 by default) for the step; fp32 as it is."""
-    if precision in ("amp-bf16", "fp16"):
-        with torch.autocast(dev.type, dtype=torch.bfloat16 if precision == "amp-bf16" else torch.float16):
+    if precision in HALF_PRECISIONS:
+        with torch.autocast(dev.type, dtype=torch.bfloat16 if precision == Precision.AMP_BF16 else torch.float16):
             yield
         return
     before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32" or before
+    torch.backends.cuda.matmul.allow_tf32 = precision == Precision.TF32 or before
     try:
         yield
     finally:
@@ -73,7 +74,7 @@ def measure_steps(
             opt.zero_grad(set_to_none=True)
             with precision_context(precision, dev):
                 loss = work.loss(net(*inputs), targets)
-            (loss * FP16_LOSS_SCALE if precision == "fp16" else loss).backward()
+            (loss * FP16_LOSS_SCALE if precision == Precision.FP16 else loss).backward()
             opt.step()
 
         if dev.type == "cuda":

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from html import escape
 
 from heterog.fmt import human_bytes, human_time
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 from heterog.report.inputs import Candidate
 
@@ -85,7 +86,7 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
         for d, share in s.shares.items():
             per_col[col_of.get(d, d)] = per_col.get(col_of.get(d, d), 0.0) + share
         name = f"g{s.first}" if s.first == s.last else f"g{s.first}–g{s.last}"
-        sync = s.sync if s.sync != "ps" else f"ps on {labels.get(s.ps_device or '', s.ps_device)}"
+        sync = s.sync if s.sync != SyncMethod.PS else f"ps on {labels.get(s.ps_device or '', s.ps_device)}"
         cells = []
         for c in cols:
             share = per_col.get(c, 0.0)

@@ -24,6 +24,7 @@ from heterog.errors import InfeasibleError, PlanError, did_you_mean
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.spec import cluster_to_dict
 from heterog.inputs import model_inputs
+from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
@@ -276,7 +277,11 @@ def plan_graph(
     verify = simulator_scorer(prob) if (have_sim and not use_sim and scorer != "estimate") else None
     # the search also starts from a 1F1B pipeline: far less activation memory per stage, the
     # way into models that no baseline fits; and from data parallelism inside each node
-    starts = [strategies[n] for n in BASELINE_BUILDERS] + [pipeline(prob, "1f1b")] + node_dp_starts(prob)
+    starts = (
+        [strategies[n] for n in BASELINE_BUILDERS]
+        + [pipeline(prob, PipelineSchedule.ONE_F_ONE_B)]
+        + node_dp_starts(prob)
+    )
     searched = Annealer(prob, seed, scorer=score_fn, verifier=verify).run(
         starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f)
     )
