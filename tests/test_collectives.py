@@ -156,7 +156,7 @@ def _program():
 
 
 def _flow(rank: int):
-    from heterog.cut.partition import Dataflow
+    from heterog.cut.dataflow import Dataflow
 
     names = {0: ("a", "tied"), 1: ("b", "tied")}
     held = {0: {0}, 1: {0, 1}, 2: {1}}[rank]

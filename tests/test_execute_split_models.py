@@ -245,7 +245,8 @@ def test_size_derived_values_never_cross_a_cut():
     # A value computed from sizes alone (the causal mask, a batch size) is recomputed in each
     # stage that uses it; a stage's copy was once made from the first stage's copy and so read
     # that stage's values, which the Program never sends (the 2-layer GPT-2 even-dp-ps failure).
-    from heterog.cut.partition import INPUT, split_model
+    from heterog.cut.dataflow import INPUT
+    from heterog.cut.partition import split_model
     from heterog.workload import build_model, resolve_workload
 
     plan = make_plan("gpt2", _three_stages("gpt2"))

@@ -30,8 +30,8 @@ def test_the_architecture_page_states_the_layers_of_the_contract():
     """docs/architecture.md's layer list is the layers contract, line for line."""
     layers = next(c for c in _contracts() if c["type"] == "layers")["layers"]
     page = (ROOT / "docs" / "architecture.md").read_text()
-    start = page.index("```text layers")
-    block = page[start:].split("\n", 1)[1].split("```", 1)[0]
+    section = page[page.index("\n## Layers\n") :]
+    block = section[section.index("```text\n") + len("```text\n") :].split("```", 1)[0]
     stated = [line.strip().removeprefix("heterog.") for line in block.strip().splitlines()]
     assert stated == [layer.replace("heterog.", "") for layer in layers]
 

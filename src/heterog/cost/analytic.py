@@ -37,8 +37,9 @@ from heterog.cost.kernels import bandwidth_kind, conv_kernels, traffic_factors
 from heterog.cost.memory import OPTIMIZER_STATE_COPIES, TENSOR_CORE_KINDS, MemoryModel, dtype_factors
 from heterog.cost.profile import Profile
 from heterog.errors import ClusterError, PlanError
-from heterog.hardware.catalog import host_costs, host_overheads, measure_cpu
+from heterog.hardware.catalog import host_costs, host_overheads
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.cpu_probe import measure_cpu
 from heterog.hardware.efficiency import Curve, gpu_curve, memory_efficiency
 from heterog.hardware.gputype import GpuType
 from heterog.ir.kinds import HALF_PRECISIONS, Phase, Precision, SyncMethod

@@ -246,7 +246,7 @@ def cpu_entry(profile: DeviceProfile, name: str | None) -> dict[str, Any]:
     """A catalog entry for the profiled CPU (vendor 'cpu'): its measured GEMM rates, copy
     bandwidth, two-rank point-to-point bandwidth and host time per op. The cost model's CPU
     path takes the rest (per-kind bandwidths, page faults) from this machine's own probe
-    (hardware.catalog.measure_cpu), as it does for the `cpu` type."""
+    (hardware.cpu_probe.measure_cpu), as it does for the `cpu` type."""
     if not name or name.strip().lower() == "cpu":
         raise ClusterError(
             "a calibrated CPU needs a name of its own (--name, e.g. 'lab-cpu'): 'cpu' is the "

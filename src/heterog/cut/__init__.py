@@ -6,6 +6,7 @@ what constrains a cut (`cut_constraints`: a batch statistic's producer and consu
 group, data-free nodes run with their consumers), which the search applies when it forms
 groups (search/constraints.py); `assign.py` gives every graph node its group;
 `rewrite.py` keeps every cut runnable (data-free values recomputed per stage, tensors made
-batch-first across a cut); `partition.py` splits the graph into the per-rank dataflow the
-executor runs; `loss_stage.py` puts the loss where the plan computes it.
+batch-first across a cut); `partition.py` splits the graph into the dataflow the executor runs
+(`dataflow.py`: stages, the values between them, the parameters each group holds);
+`loss_stage.py` puts the loss where the plan computes it.
 """

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from heterog.cut.partition import Dataflow, build_dataflow, export_plan_model, program_group_order
+from heterog.cut.dataflow import Dataflow
+from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
 from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import HeterogError, PlanError
 from heterog.execute.device import RankDevice

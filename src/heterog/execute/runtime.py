@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from heterog.cut.partition import INPUT, Dataflow, Stage
+from heterog.cut.dataflow import INPUT, Dataflow, Stage
 from heterog.errors import PlanError
 from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in

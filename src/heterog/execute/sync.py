@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from heterog.cut.partition import Dataflow
+from heterog.cut.dataflow import Dataflow
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
 from heterog.ir.kinds import SyncMethod

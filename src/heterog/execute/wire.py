@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from heterog.cut.partition import Dataflow
+from heterog.cut.dataflow import Dataflow
 from heterog.errors import PlanError
 from heterog.workload import slice_batch
 

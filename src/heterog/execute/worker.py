@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from heterog.cut.partition import Dataflow, build_dataflow, detach_unheld, export_plan_model, program_group_order
+from heterog.cut.dataflow import Dataflow, detach_unheld
+from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
 from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError, RankError
 from heterog.execute import checkpoint

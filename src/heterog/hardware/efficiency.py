@@ -1,6 +1,6 @@
 """Efficiency curves: the fraction of a device's data-sheet peak that a kernel of a given
 size reaches. Calibrated on one H200 (data/h200_micro.json) and scaled to other GPUs; the
-`cpu` type uses the curve its own probe measured (hardware.catalog.measure_cpu).
+`cpu` type uses the curve its own probe measured (hardware.cpu_probe.measure_cpu).
 
 Calibration. Each H200 point is a square n×n×n product timed with CUDA events around one
 call; the smallest sizes all take ~20 µs, which is launch + event latency, not kernel time.
@@ -28,7 +28,8 @@ from importlib import resources
 
 import numpy as np
 
-from heterog.hardware.catalog import measure_cpu, memory_by_kind_default
+from heterog.hardware.catalog import memory_by_kind_default
+from heterog.hardware.cpu_probe import measure_cpu
 from heterog.hardware.gputype import GpuType
 from heterog.ir.kinds import Phase
 
