@@ -183,13 +183,13 @@ def test_a_half_precision_nchw_convolution_pays_for_its_layout_transforms():
     """Under amp-bf16/fp16 a convolution (NCHW) moves each activation in and out of NHWC:
     2 extra passes of its activation traffic at copy bandwidth, forward and backward; fp32
     and non-NVIDIA types do not."""
-    from heterog.cost.analytic import NCHW_HALF_CONV_TRANSFORM_PASSES, _TypeTable
+    from heterog.cost.roofline import NCHW_HALF_CONV_TRANSFORM_PASSES, TypeTable
     from heterog.hardware.efficiency import memory_efficiency
 
     conv = conv_graph()
     gpu = get_gpu("H200")
     for phase, obj in ((Phase.FORWARD, conv.nodes[0].fwd_bytes), (Phase.BACKWARD, conv.nodes[0].bwd_bytes)):
-        half = _TypeTable(conv, gpu, "amp-bf16", phase)
+        half = TypeTable(conv, gpu, "amp-bf16", phase)
         extra_s = (
             NCHW_HALF_CONV_TRANSFORM_PASSES
             * 0.5
@@ -197,13 +197,13 @@ def test_a_half_precision_nchw_convolution_pays_for_its_layout_transforms():
             * 256
             / (gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu))
         )
-        bare = _TypeTable(conv, gpu, "amp-bf16", phase)
+        bare = TypeTable(conv, gpu, "amp-bf16", phase)
         bare.transform_ps = np.zeros(2)
         idx = np.array([0, 1])
         assert half.times_s(idx, 256)[0] - bare.times_s(idx, 256)[0] == pytest.approx(extra_s)
         assert half.times_s(idx, 256)[1] == bare.times_s(idx, 256)[1]  # the ReLU: none
-        assert not _TypeTable(conv, gpu, "fp32", phase).transform_ps.any()
-        assert not _TypeTable(conv, get_gpu("MI300X"), "amp-bf16", phase).transform_ps.any()
+        assert not TypeTable(conv, gpu, "fp32", phase).transform_ps.any()
+        assert not TypeTable(conv, get_gpu("MI300X"), "amp-bf16", phase).transform_ps.any()
 
 
 def test_the_half_precision_convolution_factor_scales_only_half_convolutions():

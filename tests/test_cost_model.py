@@ -249,7 +249,7 @@ def test_simulated_peak_with_recompute_falls_when_groups_are_fine(graph, mixed):
 
 
 def test_bf16_batch_norm_runs_natively_and_gains_nothing_from_half_bytes():
-    """PyTorch gives bf16 batch norms to its native kernels, not cuDNN's (cost.analytic,
+    """PyTorch gives bf16 batch norms to its native kernels, not cuDNN's (cost.roofline,
     NATIVE_BN_BF16_FACTOR): under amp-bf16 a memory-bound batch norm takes its fp32 time,
     while an element-wise op after a half matmul halves, and fp16 (cuDNN) halves too."""
     from cost_support import elementwise

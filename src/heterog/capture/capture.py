@@ -199,6 +199,40 @@ def _fit_graph(
             return Affine(0.0, max(x / batch_a, y / batch_b))
         return f
 
+    nodes = _fitted_nodes(a, b, fit)
+    edges = []
+    for (src, dst), storages in a.edges.items():
+        other = b.edges.get((src, dst), {})
+        edges.append(
+            OpEdge(
+                src=nodes[src].name,
+                dst=nodes[dst].name,
+                bytes=fit(float(sum(storages.values())), float(sum(other.values()))),
+            )
+        )
+    ties = tuple(
+        Tie(param=pname, nodes=tuple(nodes[i].name for i in users), param_bytes=nbytes)
+        for pname, users, nbytes in a.ties()
+    )
+    conv = {nodes[i].name: na.conv for i, na in enumerate(a.nodes) if na.conv is not None}
+    graph = OpGraph(
+        model=name,
+        batch_size=batch_a,
+        seq_len=seq_len,
+        dtype=dtype,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        input_bytes=input_bytes,
+        num_parameters=num_parameters,
+        meta={**meta, "conv": conv} if conv else meta,
+        ties=ties,
+    )
+    return graph.validate()
+
+
+def _fitted_nodes(a: Recorder, b: Recorder, fit: Callable[[float, float], Affine]) -> list[OpNode]:
+    """The OpGraph nodes: each recorded node's costs fitted as affine in the batch between
+    the two captures (a and b record the same ops)."""
     nodes: list[OpNode] = []
     for na, nb in zip(a.nodes, b.nodes):
         fwd_flops = fit(na.fwd_flops, nb.fwd_flops)
@@ -228,34 +262,7 @@ def _fit_graph(
                 tensor_core_flops_fraction=Recorder.tensor_core_fraction(na),
             )
         )
-    edges = []
-    for (src, dst), storages in a.edges.items():
-        other = b.edges.get((src, dst), {})
-        edges.append(
-            OpEdge(
-                src=nodes[src].name,
-                dst=nodes[dst].name,
-                bytes=fit(float(sum(storages.values())), float(sum(other.values()))),
-            )
-        )
-    ties = tuple(
-        Tie(param=pname, nodes=tuple(nodes[i].name for i in users), param_bytes=nbytes)
-        for pname, users, nbytes in a.ties()
-    )
-    conv = {nodes[i].name: na.conv for i, na in enumerate(a.nodes) if na.conv is not None}
-    graph = OpGraph(
-        model=name,
-        batch_size=batch_a,
-        seq_len=seq_len,
-        dtype=dtype,
-        nodes=tuple(nodes),
-        edges=tuple(edges),
-        input_bytes=input_bytes,
-        num_parameters=num_parameters,
-        meta={**meta, "conv": conv} if conv else meta,
-        ties=ties,
-    )
-    return graph.validate()
+    return nodes
 
 
 def _batch_of(inputs: tuple) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,18 +137,8 @@ def plan_command(
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.search.planner import CANDIDATES, plan
 
-    if precision not in PRECISIONS:
-        raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
-    if optimizer not in OPTIMIZERS:
-        raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
-    if strategy is not None and strategy not in CANDIDATES:  # before the search, not after it
-        raise typer.BadParameter(
-            f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
-            f"candidates are {', '.join(CANDIDATES)}.",
-            param_hint="--strategy",
-        )
+    _check_choices(precision, optimizer, strategy, CANDIDATES)
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())
-    pol: Any = False if no_gnn else policy
     with bar if bar is not None else contextlib.nullcontext():
         result = plan(
             model,
@@ -159,7 +150,7 @@ def plan_command(
             optimizer=optimizer,
             budget_s=budget_s,
             seed=seed,
-            policy=pol,
+            policy=False if no_gnn else policy,
             finetune_s=finetune_s,
             max_iters=max_iters,
             progress=update,
@@ -173,12 +164,26 @@ def plan_command(
         report_from_plan_result(result, report, profile)
     if as_json:
         print_json(result)
-    else:
-        _show(result, budget_s)
-        if out is not None:
-            console.print(f"plan{f' of {strategy!r}' if strategy else ''} written to {out}")
-        if report is not None:
-            console.print(f"report written to {report}")
+        return
+    _show(result, budget_s)
+    if out is not None:
+        console.print(f"plan{f' of {strategy!r}' if strategy else ''} written to {out}")
+    if report is not None:
+        console.print(f"report written to {report}")
+
+
+def _check_choices(precision: str, optimizer: str, strategy: str | None, candidates: Sequence[str]) -> None:
+    """The options with a fixed set of values, checked before the search, not after it."""
+    if precision not in PRECISIONS:
+        raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
+    if optimizer not in OPTIMIZERS:
+        raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
+    if strategy is not None and strategy not in candidates:
+        raise typer.BadParameter(
+            f"no strategy {strategy!r}.{did_you_mean(strategy, candidates)} The "
+            f"candidates are {', '.join(candidates)}.",
+            param_hint="--strategy",
+        )
 
 
 def train_policy_command(

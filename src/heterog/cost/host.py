@@ -4,7 +4,7 @@ Eager PyTorch is two processors in series: the host (Python, the dispatcher, the
 engine, autocast) issues each op, the GPU runs it. The host runs ahead while the GPU is busy;
 the GPU idles while the host is behind. So a step costs, op by op, whichever is longer — at
 small batches the host's (resnet50 takes 16–25 ms per step on an H200 from batch 1 to 32 in
-cost/data/h200_steps.json: the host's dispatch, not the GPU's math). cost.analytic charges
+cost/data/h200_steps.json: the host's dispatch, not the GPU's math). cost.roofline charges
 every node max(device time, host time), which also keeps a step from ever being faster than
 its host time.
 

@@ -64,7 +64,7 @@ def traffic_factors(graph: OpGraph, phase: Phase) -> np.ndarray:
 # (NVIDIA Deep Learning Performance guide, "Convolutional Layers User's Guide": channel
 # alignment for Tensor Cores) — a first layer with 3 input channels does 8/3 of its FLOPs in
 # half precision. Its tensor-core kernels are NHWC: NCHW inputs in half precision are
-# transposed in and out (cost/analytic.py NCHW_HALF_CONV_TRANSFORM_PASSES); channels-last
+# transposed in and out (cost/roofline.py NCHW_HALF_CONV_TRANSFORM_PASSES); channels-last
 # inputs are not.
 # A depthwise convolution (one input channel per group) has no GEMM to give tensor cores: it
 # runs as a direct kernel on the CUDA cores, memory-bound. PyTorch hands it to cuDNN only for

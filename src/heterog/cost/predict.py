@@ -139,10 +139,6 @@ def predict(
         in_block = costs.memory.in_block()
         flops += sum(n.fwd_flops.at(batch_size) for n, b in zip(graph.nodes, in_block) if b)
     iteration_s = fwd_s + bwd_s + opt_s
-    node_s = costs.node_times_s(names, dev, batch_size, Phase.FORWARD) + costs.node_times_s(
-        names, dev, batch_size, Phase.BACKWARD
-    )
-    top = sorted(zip(names, node_s, (n.kind for n in graph.nodes)), key=lambda x: -x[1])[:TOP_NODES]
     return {
         "model": graph.model,
         "device": gpu.name,
@@ -175,7 +171,17 @@ def predict(
             "reserved_bytes": mem.reserved_bytes,
             "context_bytes": context,
             "num_nodes": len(graph.nodes),
-            "top_nodes": [{"node": n, "kind": k, "time_s": float(t)} for n, t, k in top],
+            "top_nodes": _top_nodes(costs, graph, dev, batch_size),
             "num_parameters": graph.num_parameters,
         },
     }
+
+
+def _top_nodes(costs: Any, graph: OpGraph, dev: str, batch_size: int) -> list[dict[str, Any]]:
+    """The TOP_NODES slowest nodes of a step (forward and backward together)."""
+    names = [n.name for n in graph.nodes]
+    node_s = costs.node_times_s(names, dev, batch_size, Phase.FORWARD) + costs.node_times_s(
+        names, dev, batch_size, Phase.BACKWARD
+    )
+    top = sorted(zip(names, node_s, (n.kind for n in graph.nodes)), key=lambda x: -x[1])[:TOP_NODES]
+    return [{"node": n, "kind": k, "time_s": float(t)} for n, t, k in top]

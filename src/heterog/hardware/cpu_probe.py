@@ -41,7 +41,7 @@ class CpuProbe:
     kind_bandwidth_bytes_per_s: dict[str, float]
     fresh_page_s_per_byte: float  # first touch of newly mapped memory (page faults)
     # forward time per output element of ops whose cost is neither FLOPs nor bytes on a CPU:
-    # dropout's random numbers, GELU's erf (by module type, see cost.analytic)
+    # dropout's random numbers, GELU's erf (by module type, see cost.roofline)
     element_s: dict[str, float]
     dispatch_s: float  # one small op with autograd recording
     backward_dispatch_s: float  # one small op's backward in the autograd engine

@@ -14,7 +14,7 @@ figures (a custom type of a cluster file) has no unit count: its peak stands in 
 eff_X(n) = eff_H200(n · sqrt(P_H200 / P_X)). Each type then applies its own figures
 (hardware.gputype.Efficiency, catalog.yaml; fitted on its measurements or derived from its
 public figures, hardware/public_model.py): the size shift `size_scale`, the compute factor per
-precision (cost.analytic), and its sustained memory bandwidth per kind of op
+precision (cost.roofline), and its sustained memory bandwidth per kind of op
 (memory_efficiency).
 """
 

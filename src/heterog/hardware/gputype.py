@@ -94,7 +94,7 @@ class PublicFigures:
         )
 
 
-# memory-bound op kinds with their own sustained bandwidth (cost.analytic reads these)
+# memory-bound op kinds with their own sustained bandwidth (cost.roofline reads these)
 MEMORY_KINDS = ("elementwise", "norm", "batchnorm", "pool", "embedding", "memory", "loss", "optimizer")
 
 
@@ -102,7 +102,7 @@ MEMORY_KINDS = ("elementwise", "norm", "batchnorm", "pool", "embedding", "memory
 class HostCosts:
     """Host time per op of eager PyTorch on one device type, and the device's own minimum
     per kernel. A step runs at the pace of whichever of host and device is behind, op by op
-    (cost.analytic), so at small batches these set the step time."""
+    (cost.roofline), so at small batches these set the step time."""
 
     forward_node_s: float  # one module call: Python hooks + the first op's dispatch
     forward_op_s: float  # each further aten op of a node's forward

@@ -20,7 +20,8 @@ import numpy as np
 
 from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
-from heterog.lower.context import ClusterInfo, CostTable, SimCache
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo, SimCache
 
 
 @dataclass(slots=True)

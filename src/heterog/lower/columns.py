@@ -9,7 +9,8 @@ from typing import NamedTuple
 import numpy as np
 
 from heterog.lower.blocks import Block
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import BWD, FWD, make_room
 
 

@@ -14,7 +14,8 @@ import numpy as np
 from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
-from heterog.lower.context import ClusterInfo, CostTable, id_runs
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo, id_runs
 from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room
 
 

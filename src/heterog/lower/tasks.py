@@ -19,8 +19,9 @@ import numpy as np
 from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, stage_limits
+from heterog.lower.caches import CostTable
 from heterog.lower.columns import block_columns
-from heterog.lower.context import ClusterInfo, CostTable, id_runs
+from heterog.lower.context import ClusterInfo, id_runs
 from heterog.lower.sync_tasks import sync_and_step
 from heterog.lower.taskgraph import BWD, FWD, ComputeRun, CopyRun, Tasks, make_room
 from heterog.lower.transfers import pair_moves, transfer_tasks

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from heterog.lower.blocks import Block, Moves, moves_between
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import XFER, Tasks, TransferRun
 
 SMALL_PAIR = 4  # moves up to which a pair's transfers are added row by row
