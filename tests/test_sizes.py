@@ -28,8 +28,6 @@ ALLOWED_FUNCTIONS = {
     "search/gnn/features.py": {"build_features"},
     "search/local_search.py": {"propose", "run"},
     "search/planner.py": {"plan_graph"},
-    # compiled with numba: a split costs a call per task in the scheduler's inner loop
-    "lower/order.py": {"_list_schedule"},
 }
 
 
