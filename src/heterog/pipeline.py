@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from heterog.capture.cache import capture_cached
 from heterog.errors import PlanError
+from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import cluster_from_dict
 from heterog.inputs import PlanInputs, as_plan, device_view
 from heterog.inputs import plan_inputs as _inputs_of_plan
 from heterog.ir.plan import Plan
@@ -40,6 +43,7 @@ from heterog.lower.lowering import lower as lower_schedule
 from heterog.lower.lowering import program_devices
 from heterog.lower.program import Program
 from heterog.lower.schedule import cover_graph
+from heterog.simulate.simulator import simulate as simulate_schedule
 
 if TYPE_CHECKING:
     from heterog.execute.launcher import PlanLaunch, ProcessLayout
@@ -50,16 +54,12 @@ MAX_LOCAL_RANKS = 16
 def plan_cluster(plan: Plan) -> Cluster | None:
     if not plan.cluster:
         return None
-    from heterog.hardware.spec import cluster_from_dict
-
     return cluster_from_dict(plan.cluster)
 
 
 def local_cpu_cluster(plan: Plan) -> Cluster:
     """For a plan that records no cluster (written by hand): its devices as equal CPU ranks on
     one emulated node, which is what the local launcher runs them as."""
-    from heterog.hardware.spec import cluster_from_dict
-
     names = rank_devices(plan, None)
     return cluster_from_dict(
         {
@@ -91,9 +91,9 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
     CPU first (one thread, as the ranks run; a few seconds), for emulated clusters."""
     prof = None
     if profile:
-        from heterog.capture.cache import capture_cached
-        from heterog.execute.workload import resolve_workload
+        # the executor and torch load only to run: `heterog lower`/`simulate` start without them
         from heterog.profile.measure import measure_profile, profile_batch_sizes
+        from heterog.workload import resolve_workload
 
         device_view(cluster)  # one thread, as the ranks measure
         if graph is None:
@@ -123,8 +123,6 @@ def simulate(plan: Any, *simulator_args: Any, **options: Any):
 
     simulate(graph, cluster, plan, costs, timeline=…, cache=…), with the inputs given, is the
     simulator itself (heterog.simulate.simulator.simulate)."""
-    from heterog.simulate.simulator import simulate as simulate_schedule
-
     if simulator_args or "costs" in options:
         return simulate_schedule(plan, *simulator_args, **options)
     plan = as_plan(plan)
@@ -135,6 +133,7 @@ def simulate(plan: Any, *simulator_args: Any, **options: Any):
 def check(plan: Plan | str | os.PathLike, *, device: str = "meta", cache=None):
     """heterog check: lower the plan, then build every rank's stages for `device` and run
     their compute without communication (execute/check.py); a CheckResult."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.check import check_program
 
     if not isinstance(plan, Plan):
@@ -169,6 +168,7 @@ def emulated_slowdowns(
 
 def local_gpus() -> int:
     """CUDA devices visible to this process (0 without a CUDA build of torch)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -187,6 +187,7 @@ def gpu_layout(
     a note). Devices of one node run on the GPUs they name (their positions in the node,
     launcher.local_gpu_indices); devices of several nodes run one per GPU in rank order;
     with `share`, more ranks than GPUs take the GPUs in turn (gloo, host staging)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import local_gpu_indices
 
     visible = local_gpus()
@@ -217,9 +218,7 @@ def predict_iteration_time(
 ) -> tuple[float, str]:
     """The simulator's iteration time for the schedule the run carries out; per_device, when
     given, receives the simulator's per-device breakdown."""
-    from heterog.simulate.simulator import simulate
-
-    sim = simulate(graph, cluster, plan, costs, timeline=False)
+    sim = simulate_schedule(graph, cluster, plan, costs, timeline=False)
     if per_device is not None:
         per_device.update(sim.to_dict().get("devices", {}))
     return float(sim.iteration_time_s), "simulator"
@@ -270,7 +269,7 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
     for r in results:
         measured = r["steps"][first:]
 
-        def med(key: str) -> float:
+        def med(key: str, measured: list = measured) -> float:
             return statistics.median(s[key] for s in measured)
 
         per_rank.append(
@@ -348,9 +347,9 @@ def run(
     checkpoint.CheckpointConfig as a dict (save every N steps, resume); force: start even
     when the plan's memory per rank exceeds this machine's free memory.
     """
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.device import nccl_env
     from heterog.execute.launcher import LaunchConfig, launch_local
-    from heterog.execute.netns import LinkShaping, ShapingUnavailable
 
     plan = as_plan(plan)
     if steps < 1:
@@ -510,6 +509,7 @@ def _prepare(
     """Lower plan `index` of run_many (the model captured once per model spec: `graphs`;
     with `inputs`, the caller's graph, cluster and costs); its Program saved in its folder, as
     `run` saves it."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import PlanLaunch
 
     cluster, devices = _local_ranks(plan)
@@ -568,6 +568,7 @@ def run_many(
     Program, its ranks' results) in `plan<i>/`. faults: a test hook, plan index → run's
     `fault`. dump_params: each rank also writes what `run(dump_params=True)` writes (its
     parameters after the last step, the instructions it executed) into its plan's folder."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import launch_local_many
 
     loaded = [as_plan(p) for p in plans]
@@ -644,8 +645,8 @@ def _shaped_layout(
 ) -> tuple[ProcessLayout, dict[str, Any]]:
     """One process per device, in network namespaces with the cluster's NIC bandwidths when
     wanted and possible (as `run` shapes them); (the layout, the shaping record)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import ProcessLayout
-    from heterog.execute.netns import LinkShaping, ShapingUnavailable
 
     want = shape_links if shape_links is not None else cluster.kind == "emulated"
     if not want:
@@ -691,6 +692,7 @@ def run_interleaved(
     the (graph, cluster, costs) the caller predicts with, so the Programs that run are the
     schedules it predicts (default: the plans' analytic costs). faults: a test hook, plan
     index → run's `fault` (every round of that plan)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import launch_local_many
 
     loaded = [as_plan(p) for p in plans]

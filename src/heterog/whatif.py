@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from heterog.errors import ClusterError, PlanError, did_you_mean
+from heterog.hardware.catalog import get_gpu
 from heterog.hardware.cluster import Cluster
-from heterog.hardware.spec import cluster_from_dict, cluster_to_dict, load_cluster
+from heterog.hardware.spec import _gpu_type_to_dict, cluster_from_dict, cluster_to_dict, load_cluster
 from heterog.ir.plan import Plan
+from heterog.search.planner import plan
 
 EVEN_DP = "even-dp-allreduce"
 
@@ -67,9 +69,6 @@ def _canonical_type(doc: dict[str, Any], gpu_type: str) -> str:
     """The type's name as the cluster or the catalog spells it, added to `doc` if new."""
     if gpu_type in doc["gpu_types"]:
         return gpu_type
-    from heterog.hardware.catalog import get_gpu
-    from heterog.hardware.spec import _gpu_type_to_dict
-
     try:
         gpu = get_gpu(gpu_type)
     except ClusterError as e:
@@ -210,8 +209,6 @@ class WhatIf:
 
 
 def _scenario(changes: tuple[Change, ...], cluster: Cluster, plan_kw: dict[str, Any]) -> Scenario:
-    from heterog.search.planner import plan
-
     result = plan(cluster=cluster, **plan_kw)
     best = result["best"]
     feasible = [c for c in result["candidates"] if c["feasible"]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -11,17 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from heterog.cli.output import (
-    WIDE_HELP,
-    console,
-    human_bytes,
-    human_time,
-    print_json,
-    print_table,
-    set_wide,
-    write_json,
-)
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
+from heterog.execute.preflight import check_data, check_plan_fits_model
+from heterog.execute.steplog import TRACE_FILE, read_run, write_jsonl
+from heterog.execute.trace import RankSpans, chrome_trace
+from heterog.fmt import human_bytes, human_time
+from heterog.ir.plan import Plan, user_model_file
+from heterog.jsonio import write_atomic
 
 
 class _StepFollower:
@@ -35,8 +34,6 @@ class _StepFollower:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._bar = self._task = None
         if bar and say is not None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._bar = Progress(
                 TextColumn("steps"),
                 BarColumn(),
@@ -65,8 +62,6 @@ class _StepFollower:
             self._poll()
 
     def _poll(self) -> None:
-        from heterog.execute.steplog import read_run
-
         lines = read_run(self.folder, self.world_size)
         for line in lines[self.shown :]:
             if self.say is not None:
@@ -92,9 +87,6 @@ def _forget_old_steps(folder: Path) -> None:
 def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Path | None, trace: Path | None) -> None:
     """Add the per-step lines and the measured spans to `result` (so a report can draw the
     measured timeline) and write the JSON-lines file and the Chrome trace when asked."""
-    from heterog.execute.steplog import TRACE_FILE, read_run, write_jsonl
-    from heterog.execute.trace import RankSpans, chrome_trace
-
     lines = read_run(folder, world_size)
     result["step_lines"] = [line.to_dict() for line in lines]
     recordings = []
@@ -134,8 +126,6 @@ def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
 def _with_repetitions(result: dict, times: list[float], predicted: float | None) -> None:
     """The result of several runs of one plan: the median iteration time, each run's, and the
     spread (slowest / fastest − 1); the prediction of the first run (profiled once)."""
-    import statistics
-
     result["repetitions_s"] = times
     result["measured_iteration_time_s"] = statistics.median(times)
     result["spread"] = max(times) / min(times) - 1.0
@@ -213,10 +203,9 @@ def register(app: typer.Typer) -> None:
         Checks first that the plan fits the model, its cluster, the data and this machine's
         memory; --checkpoint-dir/--checkpoint-every save, --resume continues (docs/robustness.md)."""
         set_wide(wide)
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog import pipeline as api
         from heterog.execute.checkpoint import CheckpointConfig
-        from heterog.execute.preflight import check_data, check_plan_fits_model
-        from heterog.ir.plan import Plan
 
         p = Plan.load(plan)
         ckpt = CheckpointConfig(
@@ -332,6 +321,7 @@ def register(app: typer.Typer) -> None:
         memory; run heterog's plan, the best baseline and even DP (interleaved repetitions);
         compare predicted with measured."""
         set_wide(wide)
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.demo import DEMO_SCENARIO, SCENARIOS, demo
 
         if scenario and scenario not in SCENARIOS:
@@ -409,8 +399,8 @@ def _print_torchrun(
     checkpoint: dict | None = None,
 ) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.execute.launcher import local_gpu_indices, torchrun_commands
-    from heterog.jsonio import write_atomic
     from heterog.pipeline import plan_cluster, rank_devices
 
     cluster = plan_cluster(plan)
@@ -422,6 +412,7 @@ def _print_torchrun(
         used_nodes = [n for n in cluster.nodes if any(d in devices for d in n.devices)]
         node_devices = [[d for d in n.devices if d in devices] for n in used_nodes]
         visible = [local_gpu_indices(n.devices, used) for n, used in zip(used_nodes, node_devices)]
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.execute.device import nccl_env
     from heterog.pipeline import lower
 
@@ -474,8 +465,6 @@ def _print_torchrun(
 
 def _files_every_node_needs(plan, spec_path: Path, data: str | None) -> list[str]:
     """The spec, and the user's model and data files the ranks import (absolute paths)."""
-    from heterog.ir.plan import user_model_file
-
     files = [str(spec_path.resolve())]
     if plan.model.file:
         files.append(plan.model.file)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from heterog.cli.output import console, human_time, parse_model_args, print_json, print_table, set_wide, write_json
+from heterog.cli.output import console, parse_model_args, print_json, print_table, set_wide, write_json
+from heterog.fmt import human_time
 from heterog.hardware.catalog import precision_help
 
 NOISE = 0.02  # changes within 2 % are not called slower or faster
@@ -47,6 +48,7 @@ def register(app: typer.Typer) -> None:
         """Would more (or fewer) devices help? Each change planned by heterog, beside even data
         parallelism on all the devices, both against the cluster as it is."""
         set_wide(wide)
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.whatif import whatif
 
         if not as_json:
@@ -74,28 +76,32 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print_json(doc)
             return
-        rows = [
-            [
-                s.label,
-                str(s.devices),
-                s.plan_strategy,
-                str(s.plan_devices_used),
-                human_time(s.plan_time_s) if s.plan_time_s is not None else "no fit",
-                _times(result.speedup(s, "plan")),
-                human_time(s.even_dp_time_s) if s.even_dp_time_s is not None else "no fit",
-                _times(result.speedup(s, "even_dp")),
-            ]
-            for s in (result.base, *result.scenarios)
+        _show(result, model, batch_size)
+
+
+def _show(result, model: str, batch_size: int) -> None:
+    rows = [
+        [
+            s.label,
+            str(s.devices),
+            s.plan_strategy,
+            str(s.plan_devices_used),
+            human_time(s.plan_time_s) if s.plan_time_s is not None else "no fit",
+            _times(result.speedup(s, "plan")),
+            human_time(s.even_dp_time_s) if s.even_dp_time_s is not None else "no fit",
+            _times(result.speedup(s, "even_dp")),
         ]
-        print_table(
-            f"what if: {model} (batch {batch_size}) on {result.cluster}; x: speed-up over the cluster as it is",
-            ["change", "devices", "heterog's plan", "uses", "iteration", "x", "even DP", "x "],
-            rows,
-        )
-        for s in result.scenarios:
-            plan_x, even_x = result.speedup(s, "plan"), result.speedup(s, "even_dp")
-            if plan_x is not None and even_x is not None and even_x < 1 - NOISE < 1 + NOISE < plan_x:
-                console.print(
-                    f"{s.label}: even data parallelism gets slower ({_times(even_x)}), heterog's plan faster "
-                    f"({_times(plan_x)})."
-                )
+        for s in (result.base, *result.scenarios)
+    ]
+    print_table(
+        f"what if: {model} (batch {batch_size}) on {result.cluster}; x: speed-up over the cluster as it is",
+        ["change", "devices", "heterog's plan", "uses", "iteration", "x", "even DP", "x "],
+        rows,
+    )
+    for s in result.scenarios:
+        plan_x, even_x = result.speedup(s, "plan"), result.speedup(s, "even_dp")
+        if plan_x is not None and even_x is not None and even_x < 1 - NOISE < 1 + NOISE < plan_x:
+            console.print(
+                f"{s.label}: even data parallelism gets slower ({_times(even_x)}), heterog's plan faster "
+                f"({_times(plan_x)})."
+            )

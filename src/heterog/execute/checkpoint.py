@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from heterog.errors import CheckpointError
 from heterog.ir.plan import file_sha256, user_model_file
@@ -107,7 +108,7 @@ def check_same_model(saved: str, name: str, where: str) -> None:
     if user is not None and saved == f"{locate(user[0]).resolve()}:{user[1]}":
         return
     then, now = _factory_and_hash(saved), _factory_and_hash(current)
-    if then[0] is not None and then[0] == now[0]:
+    if then[0] is not None and then[0] == now[0] and then[1] and now[1]:
         raise CheckpointError(
             f"{where}: the model file changed since the checkpoint was written (factory {now[0]!r}, sha256 "
             f"{then[1][:12]}… then, {now[1][:12]}… now); restore the file the checkpoint was trained with, or "
@@ -257,9 +258,10 @@ def load_checkpoint(
                 f"{info.path}: holds no parameter {name!r}; it was written for a "
                 f"different model version (it holds {len(info.parameter_names)} parameters)."
             )
-        if tuple(meta[key].size) != tuple(p.shape):
+        saved = _tensor_meta(meta, key)
+        if tuple(saved.size) != tuple(p.shape):
             raise CheckpointError(
-                f"{info.path}: parameter {name!r} has shape {tuple(meta[key].size)} in the "
+                f"{info.path}: parameter {name!r} has shape {tuple(saved.size)} in the "
                 f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values."
             )
         state[key] = p.detach()
@@ -278,7 +280,7 @@ def load_checkpoint(
             else []
         )
     for name, key, device in wanted:
-        m = meta[f"optim/{name}/{key}"]
+        m = _tensor_meta(meta, f"optim/{name}/{key}")
         state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
     dcp.load(state, checkpoint_id=info.path)
     if opt is not None:
@@ -290,6 +292,14 @@ def load_checkpoint(
             {name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)} for name in served.names},
             served.names,
         )
+
+
+def _tensor_meta(meta: Any, key: str) -> TensorStorageMetadata:
+    """The saved metadata of tensor `key` (parameters and optimizer state are tensors)."""
+    m = meta[key]
+    if not isinstance(m, TensorStorageMetadata):
+        raise CheckpointError(f"checkpoint entry {key!r} is not a tensor; it was written by another program.")
+    return m
 
 
 def _keys(meta: dict[str, Any], name: str) -> list[str]:

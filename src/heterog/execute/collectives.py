@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,7 @@ class _Link:
     a GPU, transport.py)."""
 
     rank: int
-    pg: object
+    pg: Any  # the call's torch.distributed process group
     tag: int
     timeout: timedelta
     scratch: ScratchBuffers = field(default_factory=ScratchBuffers)
@@ -123,12 +124,15 @@ class _Link:
         staged = recv
         ops, peers = [], []
         if send is not None:
+            assert dst is not None, "a send needs its peer"
             out = send.contiguous()
             if self.host_staging and out.device.type != "cpu":
                 out = out.to("cpu")
             ops.append(dist.P2POp(dist.isend, out, dst, group=self.pg, tag=self.tag + step))
             peers.append(dst)
         if recv is not None:
+            assert src is not None, "a receive needs its peer"
+            staged = recv
             if self.host_staging and recv.device.type != "cpu":
                 staged = torch.empty(recv.shape, dtype=recv.dtype, device="cpu")
             ops.append(dist.P2POp(dist.irecv, staged, src, group=self.pg, tag=self.tag + step))
@@ -137,7 +141,7 @@ class _Link:
             return
         for work, peer in zip(dist.batch_isend_irecv(ops), peers):
             wait_for(work, rank=self.rank, peer=peer, timeout=self.timeout, what=f"collective step {step}")
-        if staged is not recv:
+        if recv is not None and staged is not None and staged is not recv:
             recv.copy_(staged)
 
 

@@ -11,14 +11,14 @@ launcher, not a traceback in a rank's log minutes later.
 
 from __future__ import annotations
 
+from heterog.capture.cache import capture_cached
 from heterog.errors import HeterogError, PlanError
+from heterog.hardware.spec import cluster_from_dict
 from heterog.ir.plan import Plan, user_model_file
 
 
 def check_plan_fits_model(plan: Plan) -> None:
     """Raise PlanError when the plan was made for another model, arguments or cluster."""
-    from heterog.hardware.spec import cluster_from_dict
-
     graph = _capture_for_plan(plan)
     if plan.cluster:  # its own errors say what to do
         plan.validate(cluster=cluster_from_dict(plan.cluster))
@@ -33,8 +33,6 @@ def check_plan_fits_model(plan: Plan) -> None:
 
 def _capture_for_plan(plan: Plan):
     """The plan's model captured at the plan's batch, or a PlanError saying it cannot be built."""
-    from heterog.capture.cache import capture_cached  # the graph the plan's inputs read too
-
     try:
         return capture_cached(
             plan.model.name, plan.model.args or None, batch_size=plan.batch_size, seq_len=plan.model.seq_len
@@ -72,6 +70,7 @@ def check_data(plan: Plan, data: str | None) -> None:
     """Fetch the first batch of --data in this process and check its form."""
     if not data:
         return
-    from heterog.execute.workload import check_batch, resolve_workload, with_data
+    # torch only to check a data loader: `heterog run` imports this module at start-up
+    from heterog.workload import check_batch, resolve_workload, with_data
 
     check_batch(with_data(resolve_workload(plan.model), data), plan.batch_size, source=f"--data {data!r}")

@@ -42,16 +42,16 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
+from heterog.cut.dataflow import INPUT, Dataflow, Stage
 from heterog.errors import PlanError
 from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
 from heterog.execute.graph_cut import Boundary, GradientSlot, Sink, last_reads, transfer_key
-from heterog.execute.partition import INPUT, Dataflow, Stage
 from heterog.execute.trace import Span, SpanCategory
 from heterog.execute.transport import MAX_VALUES, Transport
-from heterog.execute.workload import Workload, slice_batch
 from heterog.ir.kinds import Phase, Precision
 from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
+from heterog.workload import Workload, slice_batch
 
 
 @dataclass(kw_only=True)

@@ -8,10 +8,11 @@ the optimizer to its copy (it alone holds that state) and sends the parameters b
 replica then installs them and clears the gradient, so its local optimizer skips them.
 
 Parameters forward never reads have no gradient anywhere and are not synchronised (an
-optimizer skips them, as in single-process training). Tied parameters (partition.py: one parameter read by several groups, e.g. an embedding and
-the output projection) are left out of their groups' sync: every rank holding a copy adds
-its local gradient in one ring all-reduce over all holders, then each holder steps its copy
-with the same gradient, so the copies stay equal (Megatron-LM's embedding all-reduce).
+optimizer skips them, as in single-process training). Tied parameters (cut/partition.py: one
+parameter read by several groups, e.g. an embedding and the output projection) are left out
+of their groups' sync: every rank holding a copy adds its local gradient in one ring
+all-reduce over all holders, then each holder steps its copy with the same gradient, so the
+copies stay equal (Megatron-LM's embedding all-reduce).
 
 A sync unit is a `Bucket`: parameter names (the same list on every rank), members in the
 method's order, method, server and nodes. Buckets run on a *lane*, in the order they are
@@ -40,18 +41,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from heterog.cut.dataflow import Dataflow
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
-from heterog.execute.partition import Dataflow
-from heterog.execute.workload import make_optimizer
 from heterog.ir.kinds import SyncMethod
+from heterog.lower.program import Collective
+from heterog.workload import make_optimizer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +79,7 @@ class Served:
     server: ParameterServer
 
 
-def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> list[Bucket]:
+def tie_buckets(flow: Dataflow, ranks_of_group: Mapping[int, Sequence[int]]) -> list[Bucket]:
     """One ring all-reduce per tied parameter, over every rank that holds a copy."""
     out = []
     for name in sorted(flow.tied):
@@ -381,8 +383,6 @@ class ProgramSync:
 
     def _collectives(self) -> list[Any]:
         """Every Collective of the program, in one order all ranks share (device order)."""
-        from heterog.lower.program import Collective
-
         seen: dict[int, Any] = {}
         for device in self.program.devices:
             for ins in self.program.instructions.get(device, ()):

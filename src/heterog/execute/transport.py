@@ -83,7 +83,7 @@ class Channels:
 @dataclass(kw_only=True)
 class _Posted:
     works: list[Any]
-    buffers: list[torch.Tensor | None]  # None: an empty message, nothing moved
+    buffers: list[torch.Tensor]  # an empty message: an empty tensor, nothing moved
     started_s: float = field(default_factory=time.perf_counter)
 
 
@@ -172,7 +172,7 @@ class Transport:
     def in_flight(self) -> list[torch.Tensor]:
         """The buffers of sends not yet waited for and of receives posted early (live memory)."""
         sends = [t for sends in self._pending.values() for _, t, _ in sends]
-        return sends + [b for p in self._posted.values() for b in p.buffers if b is not None]
+        return sends + [b for p in self._posted.values() for b in p.buffers]
 
     def wait_all(self) -> None:
         """Wait for every send of the step (the receivers have posted theirs by now)."""

@@ -17,6 +17,7 @@ plans afresh.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -33,20 +34,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from heterog.cut.dataflow import Dataflow, detach_unheld
+from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
+from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError, RankError
 from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
-from heterog.execute.partition import Dataflow, build_dataflow, detach_unheld, export_plan_model, program_group_order
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
-from heterog.execute.split_export import ExportedModel, copy_exported
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.sync import ProgramSync
 from heterog.execute.trace import Span, SpanCategory, StepRecorder
 from heterog.execute.transport import Channels, Transport, transfer_pairs
 from heterog.execute.wire import wire_table
-from heterog.execute.workload import (
+from heterog.ir.kinds import Precision
+from heterog.ir.plan import Plan
+from heterog.jsonio import write_atomic
+from heterog.lower.program import Program
+from heterog.workload import (
     Workload,
     build_model,
     global_batch,
@@ -55,10 +61,6 @@ from heterog.execute.workload import (
     to_device,
     with_data,
 )
-from heterog.ir.kinds import Precision
-from heterog.ir.plan import Plan
-from heterog.jsonio import write_atomic
-from heterog.lower.program import Program
 
 
 def _init(spec: dict[str, Any], store: Any = None) -> tuple[int, int, str, RankDevice]:
@@ -468,7 +470,9 @@ def run_plans(spec: dict[str, Any]) -> int:
         if me in processes:  # rank of the plan: the place of this process in its list
             plan_spec = {**common, **entry, "rank": processes.index(me)}
             prefixed = dist.PrefixStore(f"plan{entry['index']}/", store)
-            if _report(out_dir, plan_spec["rank"], lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
+            if _report(
+                out_dir, plan_spec["rank"], functools.partial(train, plan_spec, out_dir, store=prefixed, models=models)
+            ):
                 return 1
         _store_barrier(store, f"after{entry['index']}", world, entry["wait_s"])
     if me == 0:  # the store lives in this process: leave last

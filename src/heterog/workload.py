@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from heterog.capture.zoo import get_zoo_model
 from heterog.errors import DataError, ModelError
 from heterog.ir.plan import ModelSpec
 from heterog.userfile import load_user_module
@@ -53,8 +55,6 @@ def _from_zoo_like(name: str, entry: Any, args: dict[str, Any], seq_len: int | N
 
 def resolve_workload(model: ModelSpec) -> Workload:
     """The Workload a plan's ModelSpec names (zoo name or 'path/file.py:factory')."""
-    from heterog.capture.zoo import get_zoo_model
-
     entry = get_zoo_model(model.name)
     seq_len = model.seq_len or getattr(entry, "default_seq_len", None)
     return _from_zoo_like(model.name, entry, dict(model.args), seq_len)
@@ -195,8 +195,6 @@ def to_device(value: Any, device: torch.device) -> Any:
     """Every tensor in a (nested) batch moved to `device` (a no-op on the CPU)."""
     if device.type == "cpu":
         return value
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value)
 
 
