@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 
+from heterog.cli import training_opts as topt
 from heterog.cli.output import (
     WIDE_HELP,
     console,
@@ -207,6 +208,17 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Run the plan this many times and report the median iteration time and the spread (a noisy machine).",
         ),
+        lr: float | None = topt.LR,
+        weight_decay: float | None = topt.WEIGHT_DECAY,
+        momentum: float | None = topt.MOMENTUM,
+        betas: str | None = topt.BETAS,
+        warmup_steps: int = topt.WARMUP_STEPS,
+        lr_schedule: str = topt.LR_SCHEDULE,
+        max_grad_norm: float | None = topt.MAX_GRAD_NORM,
+        accumulate: int = topt.ACCUMULATE,
+        eval_every: int = topt.EVAL_EVERY,
+        eval_batches: int = topt.EVAL_BATCHES,
+        log_dir: Path | None = topt.LOG_DIR,
     ) -> None:
         """Train a plan for N steps on synthetic data or --data; measured vs predicted step time.
 
@@ -224,10 +236,25 @@ def register(app: typer.Typer) -> None:
             every_steps=checkpoint_every,
             resume=str(resume) if resume else None,
         )
+        training = topt.training_options(  # [train] the user's optimizer, schedule, clipping, evaluation, metrics
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            lr_schedule=lr_schedule,
+            max_grad_norm=max_grad_norm,
+            accumulate=accumulate,
+            eval_every=eval_every,
+            eval_batches=eval_batches,
+            log_dir=str(log_dir) if log_dir else None,
+        )
         check_plan_fits_model(p)
         check_data(p, data)
         if torchrun:
-            _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict())
+            _print_torchrun(
+                p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict(), training=training
+            )
             return
         if not as_json:
             console.print(f"running {p.strategy} plan of {p.model.name} for {steps} steps …")
@@ -253,6 +280,7 @@ def register(app: typer.Typer) -> None:
                         data=data,
                         checkpoint=ckpt.to_dict(),
                         force=force,
+                        training=training,
                     )
                 times.append(result["measured_iteration_time_s"])
                 if rep == 0:
@@ -407,6 +435,7 @@ def _print_torchrun(
     *,
     data: str | None = None,
     checkpoint: dict | None = None,
+    training: dict | None = None,
 ) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
     from heterog.execute.launcher import local_gpu_indices, torchrun_commands
@@ -423,7 +452,7 @@ def _print_torchrun(
         node_devices = [[d for d in n.devices if d in devices] for n in used_nodes]
         visible = [local_gpu_indices(n.devices, used) for n, used in zip(used_nodes, node_devices)]
     from heterog.execute.device import nccl_env
-    from heterog.pipeline import lower
+    from heterog.pipeline import checked_training, lower
 
     gpus = cluster is not None and cluster.kind != "emulated"  # ranks on cuda:<local rank>, NCCL
     env, note = nccl_env({cluster.device(d).gpu_type for d in devices}) if gpus else ({}, None)
@@ -443,6 +472,7 @@ def _print_torchrun(
                 "out_dir": "heterog-run",
                 "data": data,
                 "checkpoint": checkpoint,
+                "training": checked_training(plan, training, steps, data),
             }
         ),
     )
