@@ -156,3 +156,16 @@ def test_token_ids_past_the_vocabulary_fail_at_plan_time_and_before_ranks_start(
     )
     with pytest.raises(DataError, match="token id 70, outside .* vocabulary of 50"):
         check_inputs(plan, f"{path}:data")
+
+
+def test_the_evaluation_twin_of_an_exported_stage_has_no_dropout_and_shares_its_parameters():
+    from torch import nn
+
+    from heterog.execute.evaluation import eval_module
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)).train()
+    x = torch.randn(3, 4)
+    stage = torch.export.export(model, (x,), strict=False).module()  # a training graph: dropout on
+    twin = eval_module(stage)
+    assert torch.equal(twin(x), model.eval()(x))
+    assert {id(p) for p in twin.parameters()} == {id(p) for p in stage.parameters()}

@@ -334,6 +334,10 @@ def register(app: typer.Typer) -> None:
                 else f"not shaped ({shaping.get('reason', 'single node or disabled')})"
             )
         )
+        for evaluation in result.get("evaluations", []):  # [train] --eval-every
+            step = evaluation["step"]
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in evaluation.items() if k != "step")
+            console.print(f"evaluation after step {step}: {shown}")
         for n in result["notes"]:
             console.print(f"note: {n}")
 

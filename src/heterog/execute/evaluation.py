@@ -61,6 +61,27 @@ def eval_module(module: nn.Module) -> nn.Module:
     return fx.GraphModule(module, graph)
 
 
+def eval_forward(ex: Any, si: int, args: list[Any]) -> Any:
+    """Stage `si`'s forward in an evaluation step: its twin, without autograd."""
+    module = ex.eval_modules.get(si)
+    if module is None:
+        module = ex.eval_modules[si] = eval_module(ex.flow.stages[si].module)
+    with ex.rank_device.autocast(ex.precision), torch.no_grad():
+        return ex.call_stage(module, *args)  # not paced: evaluation time is not measured
+
+
+def take_metrics(ex: Any, y: Any, target: Any, samples: int) -> None:
+    """Where the model's output is made: the loss and the user's metrics on these samples,
+    summed into `ex.eval_sums` weighted by their count (`evaluate` turns the sums into means)."""
+    with ex.rank_device.autocast(ex.precision), torch.no_grad():
+        found = {"loss": ex.work.loss(y, target)}
+        if ex.evaluate_fn is not None:
+            found.update(metrics_of(ex.evaluate_fn(y, target), source="evaluate(outputs, targets)"))
+    for name, value in found.items():
+        ex.eval_sums[name] = ex.eval_sums.get(name, 0.0) + float(value) * samples
+    ex.eval_sums["samples"] = ex.eval_sums.get("samples", 0.0) + samples
+
+
 def metrics_of(value: Any, *, source: str) -> dict[str, float]:
     """The user's evaluate() result as {name: float}: a scalar is 'metric'."""
     if isinstance(value, dict):

@@ -505,13 +505,9 @@ class Interpreter:
                 leaves.append((v, *grad_in))
         saved: list[torch.Tensor] = []
         if self.mode is StepMode.EVALUATE:  # forward only, the stage's evaluation twin
-            from heterog.execute.evaluation import eval_module
+            from heterog.execute.evaluation import eval_forward
 
-            module = self.eval_modules.get(si)
-            if module is None:
-                module = self.eval_modules[si] = eval_module(s.module)
-            with self.rank_device.autocast(self.precision), torch.no_grad():
-                out = self._timed(self.call_stage, module, *args)
+            out = eval_forward(self, si, args)
         else:
             out = self._train_forward(s, ins, args, saved)
         self._store_forward(si, s, ins, leaves, saved, out)
@@ -547,7 +543,9 @@ class Interpreter:
             lo = self.mb_offsets[m]
             target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
             if self.mode is StepMode.EVALUATE:
-                self._evaluate(y, target, ins.hi - ins.lo)
+                from heterog.execute.evaluation import take_metrics
+
+                take_metrics(self, y, target, ins.hi - ins.lo)
                 self._calls[(si, m)] = call
                 return
             with self.rank_device.autocast(self.precision), self._saving(saved):
@@ -557,19 +555,6 @@ class Interpreter:
             if self.scaler is not None:
                 call.loss = self.scaler.scale_loss(call.loss)
         self._calls[(si, m)] = call
-
-    def _evaluate(self, y: Any, target: Any, samples: int) -> None:
-        """An evaluation step's loss and the user's metrics on these samples, summed weighted
-        by their count (evaluation.py turns the sums into means over the batches)."""
-        from heterog.execute.evaluation import metrics_of
-
-        with self.rank_device.autocast(self.precision), torch.no_grad():
-            found = {"loss": self.work.loss(y, target)}
-            if self.evaluate_fn is not None:
-                found.update(metrics_of(self.evaluate_fn(y, target), source="evaluate(outputs, targets)"))
-        for name, value in found.items():
-            self.eval_sums[name] = self.eval_sums.get(name, 0.0) + float(value) * samples
-        self.eval_sums["samples"] = self.eval_sums.get("samples", 0.0) + samples
 
     def _backward(self, si: int, ins: Compute) -> None:
         call = self._calls.pop((si, ins.microbatch))

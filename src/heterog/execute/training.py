@@ -263,7 +263,14 @@ class Recipe:
         opt = self.make_optimizer(probe)
         assert opt is not None
         sched = self.make_scheduler(opt)
-        hyper = [{k: _plain(v) for k, v in g.items() if k not in ("params", "initial_lr")} for g in opt.param_groups]
+        hyper = [  # the base rate (a scheduler has already scaled `lr` for step 0)
+            {
+                k: _plain(g.get("initial_lr", v) if k == "lr" else v)
+                for k, v in g.items()
+                if k not in ("params", "initial_lr")
+            }
+            for g in opt.param_groups
+        ]
         return {
             "optimizer": type(opt).__name__,
             "optimizer_from": "model file" if self.user.optimizer else "flags",
