@@ -448,7 +448,7 @@ def checked_training(
         return None
     from heterog.execute.preflight import check_training
 
-    return check_training(plan, training, steps=steps, data=data)
+    return check_training(plan, training, steps=steps)
 
 
 def _outcome(

@@ -127,8 +127,8 @@ def evaluate(ex: Any, batches: list, evaluate_fn: Any, to_device: Any) -> dict[s
                 ex.step(*to_device((inputs, targets)), mode=StepMode.EVALUATE)
         finally:
             with torch.no_grad():
-                for b, v in zip(_buffers(ex), saved):
-                    b.copy_(v)
+                for buf, kept in zip(_buffers(ex), saved):
+                    buf.copy_(kept)
     gathered: list[dict[str, float]] = [{}] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(gathered, ex.eval_sums)

@@ -15,6 +15,7 @@ Steps are counted from 1 (the number of optimizer steps done), TensorBoard's glo
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ class MetricsLog:
         self._lines.write(json.dumps(doc, default=str) + "\n")
         self._lines.flush()
 
-    def record(self, step: int, scalars: dict[str, float | None], kind: str = "train") -> None:
+    def record(self, step: int, scalars: Mapping[str, float | None], kind: str = "train") -> None:
         """One line, and each scalar as a TensorBoard scalar at `step`."""
         kept = {k: float(v) for k, v in scalars.items() if v is not None}
         self._line({"kind": kind, "step": step, **kept})

@@ -6,7 +6,9 @@ launcher, not a traceback in a rank's log minutes later.
   cluster, fingerprints included. A user model file's content is already checked against the hash the plan
   recorded (ir/plan.py: resolve_model), and its graph fingerprint names the file as it was
   typed when planning, so for user models the node names are checked, not the fingerprint.
-- The user's data gives global batches of the plan's size (workload.check_batch).
+- The user's data gives global batches of the plan's size (workload.check_batch), and the
+  first batch's token ids and sequence length fit the model (check_inputs).
+- The training options fit the plan and the user's model file (check_training).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def check_inputs(plan: Plan, data: str | None) -> None:
     check_batch_inputs(limits, inputs, model_name=plan.model.name, source=source)
 
 
-def check_training(plan: Plan, training: dict, *, steps: int, data: str | None = None) -> dict:
+def check_training(plan: Plan, training: dict, *, steps: int) -> dict:
     """The training options checked against the plan and the user's model file before any
     rank starts; returned as the ranks get them (a decaying schedule's horizon: `steps`).
     The user's optimizer is made over a stand-in parameter and stepped once, so a failing
