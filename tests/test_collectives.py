@@ -175,6 +175,7 @@ def _flow(rank: int):
         params_of_group={g: [(n, params[n]) for n in names[g]] for g in held},
         param_names=names,
         param_numel={n: 5 for n in params},
+        param_shape={n: torch.Size([5]) for n in params},
         param_by_name=params,
         tied={"tied": (0, 1)},
     )

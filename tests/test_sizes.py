@@ -17,11 +17,13 @@ ALLOWED_MODULES = {
     "pipeline.py": "run side",
     "execute/launcher.py": "run side",
     "execute/runtime.py": "run side",
+    "execute/worker.py": "run side",
+    "cli/run_cmd.py": "run side",
 }
 ALLOWED_FUNCTIONS = {
     "pipeline.py": {"run", "run_many", "run_interleaved"},
     "execute/launcher.py": {"_launch_many"},
-    "execute/worker.py": {"build_rank"},
+    "execute/worker.py": {"build_rank", "_train_step"},
     "cli/run_cmd.py": {"register", "run_cmd", "demo_cmd"},
     # the search's own rework (budget, anytime search) splits these
     "search/estimate.py": {"estimate"},

@@ -39,6 +39,11 @@ class DataError(HeterogError):
     """A user data loader (`--data path/file.py:loader`) that cannot be used."""
 
 
+class TrainingError(HeterogError):
+    """Training options (learning rate, schedule, clipping, accumulation, evaluation) or the
+    user's optimizer / scheduler / evaluate functions that cannot be used."""
+
+
 class CheckpointError(HeterogError):
     """A checkpoint folder that is missing, incomplete or does not fit the model."""
 

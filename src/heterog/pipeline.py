@@ -305,6 +305,12 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
         "per_rank": per_rank,
         "losses": losses,
     }
+    first_rank = results[0]
+    if first_rank.get("training") is not None:  # the training options that ran (execute/train_loop.py)
+        out["training"] = first_rank["training"]
+        out["learning_rates"] = [s.get("lr") for s in first_rank["steps"]]
+        out["grad_norms"] = [s.get("grad_norm") for s in first_rank["steps"]]
+        out["evaluations"] = first_rank.get("evaluations", [])
     if results[0]["steps"][0].get("loss_scale") is not None:  # fp16: the scale after each step
         out["loss_scales"] = [s["loss_scale"] for s in results[0]["steps"]]
     return out
@@ -330,6 +336,7 @@ def run(
     force: bool = False,
     nccl_override: dict[str, str] | None = None,
     share_gpus: bool = False,
+    training: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
     A real GPU cluster's plan runs one rank per visible GPU, each on the GPU its device names
@@ -345,7 +352,10 @@ def run(
     emulated cluster, else not; False → never. out_dir keeps the ranks' logs and, with
     dump_params, their final parameters (params_rank<R>.pt). checkpoint: a
     checkpoint.CheckpointConfig as a dict (save every N steps, resume); force: start even
-    when the plan's memory per rank exceeds this machine's free memory.
+    when the plan's memory per rank exceeds this machine's free memory. training: the
+    training options (heterog/training.py TrainingConfig as a dict: learning rate, schedule,
+    clipping, accumulation, evaluation, metrics), checked with the inputs before any rank
+    starts (execute/preflight.py check_training).
     """
     # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.device import nccl_env
@@ -355,6 +365,12 @@ def run(
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
     cluster, devices = _local_ranks(plan)
+    training = checked_training(plan, training, steps, data)
+
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
+    from heterog.execute.preflight import check_inputs
+
+    check_inputs(plan, data)  # the first batch within the model's sequence limit and vocabulary
     shared = share_gpus and not emulated and cluster.kind != "emulated" and 0 < local_gpus() < len(devices)
     slowdowns = {} if shared else emulated_slowdowns(plan, cluster, devices, emulated)
     notes: list[str] = []
@@ -402,6 +418,7 @@ def run(
             data=data,
             checkpoint=checkpoint,
             force=force,
+            training=training,
             cuda=cuda,
             **cfg_net,
         )
@@ -421,6 +438,20 @@ def run(
         notes=notes,
         shaping=shaping,
     )
+
+
+def checked_training(
+    plan: Plan, training: dict[str, Any] | None, steps: int, data: str | None = None
+) -> dict[str, Any] | None:
+    """The training options as the ranks get them (the schedule's horizon: the run's steps),
+    after the checks that need no rank (execute/preflight.py)."""
+    if not training:
+        return None
+
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
+    from heterog.execute.preflight import check_training
+
+    return check_training(plan, training, steps=steps)
 
 
 def _outcome(
@@ -505,6 +536,7 @@ def _prepare(
     dump_params: bool,
     out_dir: Path | None,
     inputs: tuple | None = None,
+    training: dict[str, Any] | None = None,
 ) -> _Prepared:
     """Lower plan `index` of run_many (the model captured once per model spec: `graphs`;
     with `inputs`, the caller's graph, cluster and costs); its Program saved in its folder, as
@@ -533,6 +565,7 @@ def _prepare(
         fault=fault,
         dump_params=dump_params,
         folder=folder,
+        training=training,
     )
     return _Prepared(
         plan=plan,
@@ -558,6 +591,7 @@ def run_many(
     force: bool = False,
     faults: dict[int, dict[str, Any]] | None = None,
     dump_params: bool = False,
+    training: dict[str, Any] | None = None,
 ) -> list[PlanRun]:
     """Train `steps` steps of each plan, one after the other, in one launch of local rank
     processes (launcher.launch_local_many): the processes start, import torch and export each
@@ -567,7 +601,8 @@ def run_many(
     dict `run` returns) or its error, in the order given. out_dir keeps plan i's files (its
     Program, its ranks' results) in `plan<i>/`. faults: a test hook, plan index → run's
     `fault`. dump_params: each rank also writes what `run(dump_params=True)` writes (its
-    parameters after the last step, the instructions it executed) into its plan's folder."""
+    parameters after the last step, the instructions it executed) into its plan's folder.
+    training: the training options of every plan (as run's)."""
     # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import launch_local_many
 
@@ -579,7 +614,15 @@ def run_many(
     for i, plan in enumerate(loaded):
         try:
             prepared.append(
-                _prepare(plan, i, graphs, (faults or {}).get(i), dump_params, Path(out_dir) if out_dir else None)
+                _prepare(
+                    plan,
+                    i,
+                    graphs,
+                    (faults or {}).get(i),
+                    dump_params,
+                    Path(out_dir) if out_dir else None,
+                    training=checked_training(plan, training, steps),
+                )
             )
         except Exception as e:  # noqa: BLE001 - reported in that plan's PlanRun; the others run
             prepared.append(e)

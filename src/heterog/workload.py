@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 from heterog.capture.zoo import get_zoo_model
 from heterog.errors import DataError, ModelError
 from heterog.ir.plan import ModelSpec
+from heterog.training import DEFAULT_LR, Recipe
 from heterog.userfile import load_user_module
 
 
@@ -217,17 +218,13 @@ def slice_batch(value: Any, start: int, stop: int) -> Any:
     return value
 
 
-# The optimizer recipe every rank and the reference share; plans name only the kind.
-SGD_LR = 0.05
-ADAMW_LR = 1e-3
+# The optimizer every rank and the reference share without training options; plans name only
+# the kind (heterog/training.py holds the recipe with the user's options).
+SGD_LR = DEFAULT_LR["sgd"]
+ADAMW_LR = DEFAULT_LR["adamw"]
 
 
 def make_optimizer(params: list[nn.Parameter], kind: str) -> torch.optim.Optimizer | None:
-    """A local optimizer over this rank's parameters (None when the rank holds none)."""
-    if not params:
-        return None
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=SGD_LR)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=ADAMW_LR)
-    raise ModelError(f"optimizer {kind!r} is not supported by the executor; use sgd or adamw.")
+    """A local optimizer over this rank's parameters (None when the rank holds none), with
+    the kind's default hyperparameters (training.Recipe with no options)."""
+    return Recipe(kind=kind).make_optimizer(params)

@@ -8,6 +8,7 @@ the capture and restored afterwards, so a real model is left exactly as it was.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from heterog.capture.limits import check_batch_inputs, check_seq_len, input_limits
 from heterog.capture.recorder import Recorder
 from heterog.capture.zoo import get_zoo_model
 from heterog.errors import ModelError
@@ -373,6 +375,7 @@ def capture_model(
         seq = seq_len if getattr(entry, "family", "user") == "user" else None
     with torch.device("meta"):
         model = entry.build(**args)
+    _check_inputs(entry, model, name, args, batch_size, seq)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         try:
@@ -386,3 +389,25 @@ def capture_model(
     graph = _capture(model, tuple(inputs), targets, entry.loss, name, seq, fake_mode)
     graph.meta["model_args"] = args
     return graph
+
+
+_POSITION_ARGS = ("positions", "n_positions", "max_positions", "max_position_embeddings", "block_size", "max_seq_len")
+
+
+def _check_inputs(entry: Any, model: nn.Module, name: str, args: dict[str, Any], batch_size: int, seq: int | None):
+    """Before capturing: the sequence length within the model's limit, and a user model's
+    example token ids within its vocabulary (capture/limits.py). The ids are drawn for real
+    (the capture's are fake), only for a user model with a vocabulary."""
+
+    limits = input_limits(model)
+    builder = getattr(entry, "builder", None)
+    accepted = inspect.signature(builder).parameters if callable(builder) else {}
+    check_seq_len(limits, seq, model_name=name, positions_arg=next((a for a in _POSITION_ARGS if a in accepted), None))
+    if getattr(entry, "family", "user") != "user" or limits.vocab_size is None:
+        return
+    with torch.random.fork_rng(devices=[]):
+        try:
+            inputs, _ = entry.example_batch(batch_size, seq, device="cpu", **args)
+        except Exception:  # noqa: BLE001 - the capture below reports a failing example_batch
+            return
+    check_batch_inputs(limits, tuple(inputs), model_name=name, source=f"model {name!r}: example_batch({batch_size})")

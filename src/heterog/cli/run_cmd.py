@@ -14,6 +14,7 @@ from typing import Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from heterog.cli import training_opts as topt
 from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
 from heterog.execute.preflight import check_data, check_plan_fits_model
 from heterog.execute.steplog import TRACE_FILE, read_run, write_jsonl
@@ -197,6 +198,17 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Run the plan this many times and report the median iteration time and the spread (a noisy machine).",
         ),
+        lr: float | None = topt.LR,
+        weight_decay: float | None = topt.WEIGHT_DECAY,
+        momentum: float | None = topt.MOMENTUM,
+        betas: str | None = topt.BETAS,
+        warmup_steps: int = topt.WARMUP_STEPS,
+        lr_schedule: str = topt.LR_SCHEDULE,
+        max_grad_norm: float | None = topt.MAX_GRAD_NORM,
+        accumulate: int = topt.ACCUMULATE,
+        eval_every: int = topt.EVAL_EVERY,
+        eval_batches: int = topt.EVAL_BATCHES,
+        log_dir: Path | None = topt.LOG_DIR,
     ) -> None:
         """Train a plan for N steps on synthetic data or --data; measured vs predicted step time.
 
@@ -213,10 +225,25 @@ def register(app: typer.Typer) -> None:
             every_steps=checkpoint_every,
             resume=str(resume) if resume else None,
         )
+        training = topt.training_options(  # [train] the user's optimizer, schedule, clipping, evaluation, metrics
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            lr_schedule=lr_schedule,
+            max_grad_norm=max_grad_norm,
+            accumulate=accumulate,
+            eval_every=eval_every,
+            eval_batches=eval_batches,
+            log_dir=str(log_dir) if log_dir else None,
+        )
         check_plan_fits_model(p)
         check_data(p, data)
         if torchrun:
-            _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict())
+            _print_torchrun(
+                p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict(), training=training
+            )
             return
         if not as_json:
             console.print(f"running {p.strategy} plan of {p.model.name} for {steps} steps …")
@@ -242,6 +269,7 @@ def register(app: typer.Typer) -> None:
                         data=data,
                         checkpoint=ckpt.to_dict(),
                         force=force,
+                        training=training,
                     )
                 times.append(result["measured_iteration_time_s"])
                 if rep == 0:
@@ -295,6 +323,10 @@ def register(app: typer.Typer) -> None:
                 else f"not shaped ({shaping.get('reason', 'single node or disabled')})"
             )
         )
+        for evaluation in result.get("evaluations", []):  # [train] --eval-every
+            step = evaluation["step"]
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in evaluation.items() if k != "step")
+            console.print(f"evaluation after step {step}: {shown}")
         for n in result["notes"]:
             console.print(f"note: {n}")
 
@@ -397,6 +429,7 @@ def _print_torchrun(
     *,
     data: str | None = None,
     checkpoint: dict | None = None,
+    training: dict | None = None,
 ) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
     # imported when the command runs: `heterog --help` starts without numpy or torch
@@ -414,7 +447,7 @@ def _print_torchrun(
         visible = [local_gpu_indices(n.devices, used) for n, used in zip(used_nodes, node_devices)]
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.execute.device import nccl_env
-    from heterog.pipeline import lower
+    from heterog.pipeline import checked_training, lower
 
     gpus = cluster is not None and cluster.kind != "emulated"  # ranks on cuda:<local rank>, NCCL
     env, note = nccl_env({cluster.device(d).gpu_type for d in devices}) if gpus else ({}, None)
@@ -434,6 +467,7 @@ def _print_torchrun(
                 "out_dir": "heterog-run",
                 "data": data,
                 "checkpoint": checkpoint,
+                "training": checked_training(plan, training, steps, data),
             }
         ),
     )

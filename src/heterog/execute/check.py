@@ -171,7 +171,7 @@ class _LocalTransport:
     def in_flight(self) -> list[torch.Tensor]:
         return []
 
-    def new_step(self) -> None:
+    def new_step(self, *, forward_only: bool = False) -> None:
         pass
 
 
@@ -179,6 +179,7 @@ class _LocalTransport:
 class _NoRunner:
     runs: list = field(default_factory=list)
     servers: dict = field(default_factory=dict)
+    schedulers: list = field(default_factory=list)  # the servers' learning-rate schedules: none here
 
     def kept_buffers(self) -> list[torch.Tensor]:
         return []

@@ -14,11 +14,13 @@ Resuming: each rank of the new run asks for the names it now holds (under its ne
 cluster: devices lost or added) and DCP reads exactly those. The step counter comes from the
 marker; synthetic batches are seeded by step and user data is advanced to that step
 (workload.py), so no step is lost or repeated. Not saved: torch's RNG state (the zoo's small
-models have no dropout) and BatchNorm running statistics (buffers, not parameters).
+models have no dropout) and BatchNorm running statistics (buffers, not parameters); a
+learning-rate schedule is not saved either but moved on to the checkpoint's step
+(train_loop.TrainingHooks.resumed).
 
-A parameter server keeps the optimizer state of the parameters it serves in one flat copy
-(collectives.ParameterServer); it saves that state cut per parameter, under the same keys a
-rank-local optimizer writes, so a checkpoint resumes under a plan with another server, or
+A parameter server keeps the optimizer state of the parameters it serves per parameter
+(collectives.ParameterServer: its flat copy seen as one tensor per parameter); it saves that
+state under the same keys a rank-local optimizer writes, so a checkpoint resumes under a plan with another server, or
 with none. Loaded state goes on its parameter's device, except the scalar `step` counters,
 which stay on the CPU as torch's optimizers keep them (unless capturable or fused).
 """

@@ -64,6 +64,7 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     checkpoint: dict[str, Any] | None = None  # checkpoint.CheckpointConfig.to_dict()
     force: bool = False  # start even when memory looks too small
+    training: dict[str, Any] | None = None  # training.TrainingConfig.to_dict()
 
 
 def free_port() -> int:
@@ -107,6 +108,7 @@ def launch_local(
                     "fault": cfg.fault,
                     "data": cfg.data,
                     "checkpoint": ckpt,
+                    "training": cfg.training,
                     "cuda": cfg.cuda,
                     "out_dir": str(work),
                     "cuda_indices": list(cfg.cuda_indices),
@@ -193,6 +195,7 @@ class PlanLaunch:
     # entries of one plan (its repetitions) share a key: when one fails, the later ones are
     # not started but get the same error
     key: str = ""
+    training: dict[str, Any] | None = None  # as LaunchConfig.training
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +289,7 @@ def _launch_many(
             "slowdowns": plans[i].slowdowns,
             "fault": plans[i].fault,
             "dump_params": plans[i].dump_params,
+            "training": plans[i].training,
             "out_dir": str(plan_dir[i]),
             "wait_s": wait_s,
         }

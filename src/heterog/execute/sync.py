@@ -53,7 +53,7 @@ from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
 from heterog.ir.kinds import SyncMethod
 from heterog.lower.program import Collective
-from heterog.workload import make_optimizer
+from heterog.training import Recipe
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,14 +165,17 @@ class BucketRunner:
         *,
         flow: Dataflow,
         rank: int,
-        optimizer: str,
+        optimizer: str | Recipe,
         timeout_s: float,
         device: torch.device | None = None,
         host_staging: bool = False,
         deferred: bool = False,
         clock: Any = None,
     ):
-        self.flow, self.rank, self.optimizer = flow, rank, optimizer
+        self.flow, self.rank = flow, rank
+        # the run's optimizer recipe (a plan's kind alone: its defaults); servers step with it
+        self.recipe = optimizer if isinstance(optimizer, Recipe) else Recipe(kind=optimizer)
+        self.schedulers: list[Any] = []  # the servers' learning-rate schedules
         self.device = device or torch.device("cpu")
         self.groups = ProcessGroupCache(timeout_s=timeout_s, host_staging=host_staging)
         self.servers: dict[tuple[str, ...], ParameterServer] = {}
@@ -199,14 +202,17 @@ class BucketRunner:
         for b in buckets:
             if b.method is SyncMethod.PS and self.rank in b.members and b.names not in self.servers:
                 assert b.server is not None
-                self.servers[b.names] = ParameterServer(
+                server = self.servers[b.names] = ParameterServer(
                     server=b.server,
                     replicas=b.replicas,
                     groups=self.groups,
                     numel=b.numel,
                     device=self.device,
-                    make_optimizer=lambda ps: make_optimizer(ps, self.optimizer),
+                    make_optimizer=self.recipe.make_optimizer,
+                    shapes=[self.flow.param_shape[n] for n in b.names],
                 )
+                if (sched := self.recipe.make_scheduler(server.optimizer)) is not None:
+                    self.schedulers.append(sched)
 
     def _params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
         return [self.flow.param_by_name[n] for n in bucket.names]
@@ -334,7 +340,7 @@ class ProgramSync:
         program: Any,
         flow: Dataflow,
         rank: int,
-        optimizer: str,
+        optimizer: str | Recipe,
         timeout_s: float,
         device: torch.device | None = None,
         host_staging: bool = False,

@@ -116,6 +116,17 @@ class Transport:
             tags = [ins.tag for ins in instructions if isinstance(ins, Send) and ins.peer == me]
             if tags:
                 self._incoming[rank_of[d]] = tags
+        # an evaluation step runs the forward transfers alone (runtime.StepMode.EVALUATE)
+        self._forward_incoming: dict[int, list[int]] = {}
+        for d, instructions in program.instructions.items():
+            tags = [
+                ins.tag
+                for ins in instructions
+                if isinstance(ins, Send) and ins.peer == me and ins.phase == Phase.FORWARD
+            ]
+            if tags:
+                self._forward_incoming[rank_of[d]] = tags
+        self._order = self._incoming
         self._cursor: dict[int, int] = {}
         self._recv_of: dict[int, Recv] = {
             ins.tag: ins for ins in program.instructions.get(me, ()) if isinstance(ins, Recv)
@@ -204,7 +215,7 @@ class Transport:
         """The instruction's tensors (in `messages` order): posts this peer's receives up to
         this one in the peer's sending order, then waits for this one's."""
         peer = self.rank_of[ins.peer]
-        order = self._incoming.get(peer, [])
+        order = self._order.get(peer, [])
         if ins.tag not in self._posted:
             at = self._cursor.get(peer, 0)
             try:
@@ -226,5 +237,8 @@ class Transport:
             return [b.to(self.device) for b in posted.buffers]
         return list(posted.buffers)
 
-    def new_step(self) -> None:
+    def new_step(self, *, forward_only: bool = False) -> None:
+        """A step starts: receives are posted from each peer's first send again (only its
+        forward sends in an evaluation step, which runs no backward)."""
+        self._order = self._forward_incoming if forward_only else self._incoming
         self._cursor.clear()
