@@ -100,7 +100,7 @@ class AnalyticCostModel:
         self, idx: np.ndarray, gpu_type: str, batch: float, phase: Phase, host_scale: float = 1.0
     ) -> np.ndarray:
         if phase not in (Phase.FORWARD, Phase.BACKWARD):
-            raise PlanError(f"unknown phase {phase!r}; use 'fwd' or 'bwd'.")
+            raise PlanError(f"unknown phase {phase!r}; use Phase.FORWARD or Phase.BACKWARD (heterog.ir.kinds).")
         times = self._table(gpu_type, phase).times_s(idx, batch, host_scale)
         if self.profile is not None:
             for j, i in enumerate(idx):
