@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from heterog.cluster_change import Change, changed_cluster, parse_changes, whatif
 from heterog.errors import PlanError
 from heterog.hardware.spec import load_cluster
-from heterog.whatif import Change, changed_cluster, parse_changes, whatif
 
 
 def _types(cluster) -> dict[str, int]:

@@ -37,7 +37,7 @@ _API: dict[str, tuple[str, str]] = {
     "simulate": ("heterog.pipeline", "simulate"),
     "run": ("heterog.pipeline", "run"),
     "run_many": ("heterog.pipeline", "run_many"),
-    "whatif": ("heterog.whatif", "whatif"),
+    "whatif": ("heterog.cluster_change", "whatif"),
     "OpGraph": ("heterog.ir.opgraph", "OpGraph"),
     "Plan": ("heterog.ir.plan", "Plan"),
     "Cluster": ("heterog.hardware.cluster", "Cluster"),

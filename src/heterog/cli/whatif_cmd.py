@@ -1,5 +1,5 @@
 """`heterog whatif`: the predicted iteration with k devices of a type added or removed, by
-heterog's plan and by even data parallelism (heterog/whatif.py)."""
+heterog's plan and by even data parallelism (heterog/cluster_change.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         parallelism on all the devices, both against the cluster as it is."""
         set_wide(wide)
         # imported when the command runs: `heterog --help` starts without numpy or torch
-        from heterog.whatif import whatif
+        from heterog.cluster_change import whatif
 
         if not as_json:
             console.print(f"planning {model} on {cluster} and each change ({budget_s:g} s of search each) …")
