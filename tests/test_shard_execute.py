@@ -20,9 +20,9 @@ from plan_batch import BatchedRun
 from heterog.capture import capture_model
 from heterog.execute.checkpoint import CheckpointConfig
 from heterog.execute.reference import reference_train
-from heterog.execute.workload import ADAMW_LR
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.pipeline import run
+from heterog.workload import ADAMW_LR
 
 STEPS = 3
 SEQ = 8

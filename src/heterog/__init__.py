@@ -11,6 +11,7 @@ The stable Python API (the same keys as the CLI's --json output):
     simulate(plan)                       → SimResult (or simulate(graph, cluster, plan, costs))
     run(plan, steps=)                    → measured vs predicted iteration time
     run_many(plans, steps=)              → one PlanRun per plan, in one launch
+    whatif(model, batch_size=, cluster=, add=, remove=)  → WhatIf: each change planned, beside even DP
 
 Wherever a plan is taken, a Plan, its dict (a plan result's "best"), a whole plan result, or a
 path to a plan, program or `heterog plan --json` file is accepted. Imports are lazy so that
@@ -36,6 +37,7 @@ _API: dict[str, tuple[str, str]] = {
     "simulate": ("heterog.pipeline", "simulate"),
     "run": ("heterog.pipeline", "run"),
     "run_many": ("heterog.pipeline", "run_many"),
+    "whatif": ("heterog.cluster_change", "whatif"),
     "OpGraph": ("heterog.ir.opgraph", "OpGraph"),
     "Plan": ("heterog.ir.plan", "Plan"),
     "Cluster": ("heterog.hardware.cluster", "Cluster"),

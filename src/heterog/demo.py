@@ -17,14 +17,28 @@ times each device's slowdown, so predicted and measured times describe the same 
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+from heterog.capture.cache import capture_cached
+from heterog.cost.profile import LinkCalibratedCosts
+from heterog.errors import HeterogWarning
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
+from heterog.inputs import device_view, model_inputs
 from heterog.ir.plan import ModelSpec, Plan
-from heterog.pipeline import run
+from heterog.pipeline import run, run_interleaved
+from heterog.profile.links import LinkMeasurementError, calibrate_links
+from heterog.profile.measure import measure_profile, profile_batch_sizes
+from heterog.report.tables import segments
+from heterog.search.baselines import BASELINE_BUILDERS
+from heterog.search.planner import plan_graph
+from heterog.simulate.simulator import simulate
+from heterog.workload import resolve_workload
 
 # One emulated cluster shape, varied in speed, links and memory: node a has two devices,
 # node b one behind its own (slow) NIC. Pacing every device at least 3× keeps three ranks at
@@ -82,10 +96,6 @@ class Scenario:
     def cluster(self) -> Cluster:
         """The scenario's cluster (its slow link and small memory are deliberate: the
         plausibility warnings about them are silenced)."""
-        import warnings
-
-        from heterog.hardware.spec import parse_cluster_yaml
-
         yaml = _CLUSTER.format(
             name=f"{self.name}-3",
             description=self.description,
@@ -218,11 +228,6 @@ def prepare(
     `profile`, per-node times are measured here; with `links` too (as root, on an emulated
     cluster of several nodes), each shaped link is measured once and the cost model's
     transfers and collectives use what it carried (cost.profile.LinkCalibratedCosts)."""
-    from heterog.capture.cache import capture_cached
-    from heterog.execute.workload import resolve_workload
-    from heterog.inputs import device_view, model_inputs
-    from heterog.profile.measure import measure_profile, profile_batch_sizes
-
     device_view(cluster)  # one torch thread: every rank runs one, and the profile measures at one
     spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)
     graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
@@ -246,11 +251,6 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
     """Costs whose communication uses the emulated cluster's links as measured — the
     intra-node loopback always, the shaped NICs as root — and the measurements; the costs
     unchanged on a cluster that is not emulated."""
-    import os
-
-    from heterog.cost.profile import LinkCalibratedCosts
-    from heterog.profile.links import LinkMeasurementError, calibrate_links
-
     if cluster.kind != "emulated":
         return costs, ()
     try:
@@ -267,15 +267,11 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
 
 
 def predict(setup: Setup, plan: Plan) -> float:
-    from heterog.simulate.simulator import simulate
-
     return float(simulate(setup.graph, setup.cluster, plan, setup.costs, timeline=False).iteration_time_s)
 
 
 def runnable(setup: Setup, plan: Plan) -> Plan:
     """A candidate plan made self-contained: the cluster spec and the model it was made for."""
-    from heterog.hardware.spec import cluster_to_dict
-
     return dataclasses.replace(
         plan, model=setup.spec, cluster=cluster_to_dict(setup.cluster), cluster_fingerprint=setup.cluster.fingerprint()
     )
@@ -283,10 +279,6 @@ def runnable(setup: Setup, plan: Plan) -> Plan:
 
 def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> dict[str, Any]:
     """Run `plan` and return its predicted and measured iteration times."""
-    import warnings
-
-    from heterog.errors import HeterogWarning
-
     with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
         out = run(runnable(setup, plan), steps=steps, predict=False, timeout_s=timeout_s)
@@ -306,8 +298,6 @@ def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -
 def placement(plan: Plan) -> dict[str, Any]:
     """What a plan is, in a few lines of JSON: its runs of groups with one placement (the
     report's placement table: shares, sync, parameter server), micro-batches and schedule."""
-    from heterog.report.tables import segments
-
     return {
         "num_microbatches": plan.num_microbatches,
         "schedule": plan.schedule,
@@ -330,8 +320,6 @@ def contention(per_rank: list[dict[str, Any]]) -> float:
 
 def best_baseline(result) -> Any:
     """The baseline the simulator ranks fastest among the feasible ones."""
-    from heterog.search.baselines import BASELINE_BUILDERS
-
     feasible = [c for c in result.candidates if c.strategy in BASELINE_BUILDERS and c.feasible]
     return min(feasible, key=lambda c: c.iteration_time_s)
 
@@ -350,11 +338,6 @@ def interleaved(
     consecutive strategies run seconds apart; per strategy the median, the spread and the
     repetitions themselves. With `failed` given, a plan whose run fails is recorded there
     (label → the error) and left out; otherwise the error propagates."""
-    import warnings
-
-    from heterog.errors import HeterogWarning
-    from heterog.pipeline import run_interleaved
-
     labels = list(plans)
     say(
         f"{repetitions} repetitions of {', '.join(f'{k} ({plans[k].strategy})' for k in labels)}, "
@@ -423,8 +406,6 @@ def demo(
     """Plan the scenario's model, then run heterog's plan, the best baseline and even data
     parallelism `repetitions` times each, interleaved. Even data parallelism that the
     planner finds does not fit a device's memory is left out (its speedup is None)."""
-    from heterog.search.planner import plan_graph
-
     t0 = time.perf_counter()
     sc = SCENARIOS[scenario]
     cluster = sc.cluster()

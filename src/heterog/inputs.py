@@ -21,10 +21,14 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from heterog.capture.cache import capture_cached, in_memory_graph
 from heterog.errors import PlanError
+from heterog.hardware.catalog import get_gpu
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import cluster_from_dict, load_cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
+from heterog.lower.program import Program
 
 
 class PlanInputs(NamedTuple):
@@ -41,9 +45,8 @@ def device_view(cluster: Cluster) -> Cluster:
     costs the simulator computes later (lazily) use the same rates."""
     if cluster.kind != "emulated" or "cpu" not in cluster.gpu_types:
         return cluster
+    # torch only for an emulated cluster's thread count: the CLI imports this module at start-up
     import torch
-
-    from heterog.hardware.catalog import get_gpu
 
     torch.set_num_threads(1)
     return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
@@ -52,8 +55,6 @@ def device_view(cluster: Cluster) -> Cluster:
 def load_cluster_like(cluster: Cluster | str | os.PathLike) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
-    from heterog.hardware.spec import load_cluster
-
     return load_cluster(cluster)
 
 
@@ -70,12 +71,11 @@ def model_inputs(
     caller has it (an in-memory module, `--graph FILE`); profile: measured per-node times (a
     Profile, a DeviceProfile, a file of either, 'FILE:TYPE' or a list; cost/calibrated.py) that
     replace the analytic estimate, a GPU's device profile calibrating its type."""
+    # numpy with the cost model, when it is built: the CLI imports this module at start-up
     from heterog.cost import build_cost_model
     from heterog.cost.calibrated import apply_profiles
 
     if graph is None:  # a model the capture refuses is a ModelError saying why
-        from heterog.capture.cache import capture_cached
-
         graph = capture_cached(model.name, model.args or None, batch_size=model.batch_size, seq_len=model.seq_len)
     seen, node_times = apply_profiles(device_view(load_cluster_like(cluster)), profile)
     return PlanInputs(
@@ -95,8 +95,6 @@ def plan_inputs(
                 "the plan records no cluster (field 'cluster' is empty), so it does not say which "
                 "cluster it is for; give one (--cluster NAME_OR_FILE)."
             )
-        from heterog.hardware.spec import cluster_from_dict
-
         cluster = cluster_from_dict(plan.cluster)
     if graph is None and plan.model.name.startswith(IN_MEMORY_PREFIX):
         graph = _in_memory_graph(plan)
@@ -106,8 +104,6 @@ def plan_inputs(
 
 
 def _in_memory_graph(plan: Plan) -> OpGraph:
-    from heterog.capture.cache import in_memory_graph
-
     graph = in_memory_graph(plan.graph_fingerprint)
     if graph is None:
         raise PlanError(
@@ -156,8 +152,6 @@ def _read_plan(path: Path) -> Plan:
     except (OSError, ValueError):
         doc = None  # Plan.load says what is wrong with the file
     if isinstance(doc, dict) and doc.get("kind") == "heterog.Program":
-        from heterog.lower.program import Program
-
         return Plan.from_dict(Program.load(path).plan, str(path))
     if isinstance(doc, dict) and "best" in doc and "kind" not in doc:
         return Plan.from_dict(doc["best"], f"{path}: best")

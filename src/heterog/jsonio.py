@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from heterog.errors import ArtifactError
 
@@ -106,6 +106,13 @@ class Artifact:
     KIND: ClassVar[str]
     SCHEMA_VERSION: ClassVar[int]
     OLDER_VERSIONS: ClassVar[tuple[int, ...]]
+
+    if TYPE_CHECKING:  # what each subclass supplies (as the docstring says)
+
+        def to_dict(self) -> dict[str, Any]: ...
+
+        @classmethod
+        def from_dict(cls, doc: dict[str, Any], source: str = ...) -> Self: ...
 
     def __init_subclass__(cls, *, kind: str, version: int, older: tuple[int, ...] = (), **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from heterog.capture.cache import capture_cached
 from heterog.errors import PlanError
+from heterog.execute.netns import LinkShaping, ShapingUnavailable
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import cluster_from_dict
 from heterog.inputs import PlanInputs, as_plan, device_view
 from heterog.inputs import plan_inputs as _inputs_of_plan
 from heterog.ir.plan import Plan
@@ -40,6 +43,7 @@ from heterog.lower.lowering import lower as lower_schedule
 from heterog.lower.lowering import program_devices
 from heterog.lower.program import Program
 from heterog.lower.schedule import cover_graph
+from heterog.simulate.simulator import simulate as simulate_schedule
 
 if TYPE_CHECKING:
     from heterog.execute.launcher import PlanLaunch, ProcessLayout
@@ -50,16 +54,12 @@ MAX_LOCAL_RANKS = 16
 def plan_cluster(plan: Plan) -> Cluster | None:
     if not plan.cluster:
         return None
-    from heterog.hardware.spec import cluster_from_dict
-
     return cluster_from_dict(plan.cluster)
 
 
 def local_cpu_cluster(plan: Plan) -> Cluster:
     """For a plan that records no cluster (written by hand): its devices as equal CPU ranks on
     one emulated node, which is what the local launcher runs them as."""
-    from heterog.hardware.spec import cluster_from_dict
-
     names = rank_devices(plan, None)
     return cluster_from_dict(
         {
@@ -91,9 +91,9 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
     CPU first (one thread, as the ranks run; a few seconds), for emulated clusters."""
     prof = None
     if profile:
-        from heterog.capture.cache import capture_cached
-        from heterog.execute.workload import resolve_workload
+        # the executor and torch load only to run: `heterog lower`/`simulate` start without them
         from heterog.profile.measure import measure_profile, profile_batch_sizes
+        from heterog.workload import resolve_workload
 
         device_view(cluster)  # one thread, as the ranks measure
         if graph is None:
@@ -123,8 +123,6 @@ def simulate(plan: Any, *simulator_args: Any, **options: Any):
 
     simulate(graph, cluster, plan, costs, timeline=…, cache=…), with the inputs given, is the
     simulator itself (heterog.simulate.simulator.simulate)."""
-    from heterog.simulate.simulator import simulate as simulate_schedule
-
     if simulator_args or "costs" in options:
         return simulate_schedule(plan, *simulator_args, **options)
     plan = as_plan(plan)
@@ -135,6 +133,7 @@ def simulate(plan: Any, *simulator_args: Any, **options: Any):
 def check(plan: Plan | str | os.PathLike, *, device: str = "meta", cache=None):
     """heterog check: lower the plan, then build every rank's stages for `device` and run
     their compute without communication (execute/check.py); a CheckResult."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.check import check_program
 
     if not isinstance(plan, Plan):
@@ -169,6 +168,7 @@ def emulated_slowdowns(
 
 def local_gpus() -> int:
     """CUDA devices visible to this process (0 without a CUDA build of torch)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -187,6 +187,7 @@ def gpu_layout(
     a note). Devices of one node run on the GPUs they name (their positions in the node,
     launcher.local_gpu_indices); devices of several nodes run one per GPU in rank order;
     with `share`, more ranks than GPUs take the GPUs in turn (gloo, host staging)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import local_gpu_indices
 
     visible = local_gpus()
@@ -217,9 +218,7 @@ def predict_iteration_time(
 ) -> tuple[float, str]:
     """The simulator's iteration time for the schedule the run carries out; per_device, when
     given, receives the simulator's per-device breakdown."""
-    from heterog.simulate.simulator import simulate
-
-    sim = simulate(graph, cluster, plan, costs, timeline=False)
+    sim = simulate_schedule(graph, cluster, plan, costs, timeline=False)
     if per_device is not None:
         per_device.update(sim.to_dict().get("devices", {}))
     return float(sim.iteration_time_s), "simulator"
@@ -270,7 +269,7 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
     for r in results:
         measured = r["steps"][first:]
 
-        def med(key: str) -> float:
+        def med(key: str, measured: list = measured) -> float:
             return statistics.median(s[key] for s in measured)
 
         per_rank.append(
@@ -306,6 +305,12 @@ def summarize(results: list[dict], warmup_steps: int) -> dict[str, Any]:
         "per_rank": per_rank,
         "losses": losses,
     }
+    first_rank = results[0]
+    if first_rank.get("training") is not None:  # the training options that ran (execute/train_loop.py)
+        out["training"] = first_rank["training"]
+        out["learning_rates"] = [s.get("lr") for s in first_rank["steps"]]
+        out["grad_norms"] = [s.get("grad_norm") for s in first_rank["steps"]]
+        out["evaluations"] = first_rank.get("evaluations", [])
     if results[0]["steps"][0].get("loss_scale") is not None:  # fp16: the scale after each step
         out["loss_scales"] = [s["loss_scale"] for s in results[0]["steps"]]
     return out
@@ -331,6 +336,7 @@ def run(
     force: bool = False,
     nccl_override: dict[str, str] | None = None,
     share_gpus: bool = False,
+    training: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train `steps` steps of `plan` on local processes; measured vs predicted iteration time.
     A real GPU cluster's plan runs one rank per visible GPU, each on the GPU its device names
@@ -346,16 +352,25 @@ def run(
     emulated cluster, else not; False → never. out_dir keeps the ranks' logs and, with
     dump_params, their final parameters (params_rank<R>.pt). checkpoint: a
     checkpoint.CheckpointConfig as a dict (save every N steps, resume); force: start even
-    when the plan's memory per rank exceeds this machine's free memory.
+    when the plan's memory per rank exceeds this machine's free memory. training: the
+    training options (heterog/training.py TrainingConfig as a dict: learning rate, schedule,
+    clipping, accumulation, evaluation, metrics), checked with the inputs before any rank
+    starts (execute/preflight.py check_training).
     """
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.device import nccl_env
     from heterog.execute.launcher import LaunchConfig, launch_local
-    from heterog.execute.netns import LinkShaping, ShapingUnavailable
 
     plan = as_plan(plan)
     if steps < 1:
         raise PlanError(f"steps must be ≥ 1, found {steps}.")
     cluster, devices = _local_ranks(plan)
+    training = checked_training(plan, training, steps, data)
+
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
+    from heterog.execute.preflight import check_inputs
+
+    check_inputs(plan, data)  # the first batch within the model's sequence limit and vocabulary
     shared = share_gpus and not emulated and cluster.kind != "emulated" and 0 < local_gpus() < len(devices)
     slowdowns = {} if shared else emulated_slowdowns(plan, cluster, devices, emulated)
     notes: list[str] = []
@@ -403,6 +418,7 @@ def run(
             data=data,
             checkpoint=checkpoint,
             force=force,
+            training=training,
             cuda=cuda,
             **cfg_net,
         )
@@ -422,6 +438,20 @@ def run(
         notes=notes,
         shaping=shaping,
     )
+
+
+def checked_training(
+    plan: Plan, training: dict[str, Any] | None, steps: int, data: str | None = None
+) -> dict[str, Any] | None:
+    """The training options as the ranks get them (the schedule's horizon: the run's steps),
+    after the checks that need no rank (execute/preflight.py)."""
+    if not training:
+        return None
+
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
+    from heterog.execute.preflight import check_training
+
+    return check_training(plan, training, steps=steps)
 
 
 def _outcome(
@@ -506,10 +536,12 @@ def _prepare(
     dump_params: bool,
     out_dir: Path | None,
     inputs: tuple | None = None,
+    training: dict[str, Any] | None = None,
 ) -> _Prepared:
     """Lower plan `index` of run_many (the model captured once per model spec: `graphs`;
     with `inputs`, the caller's graph, cluster and costs); its Program saved in its folder, as
     `run` saves it."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import PlanLaunch
 
     cluster, devices = _local_ranks(plan)
@@ -533,6 +565,7 @@ def _prepare(
         fault=fault,
         dump_params=dump_params,
         folder=folder,
+        training=training,
     )
     return _Prepared(
         plan=plan,
@@ -558,6 +591,7 @@ def run_many(
     force: bool = False,
     faults: dict[int, dict[str, Any]] | None = None,
     dump_params: bool = False,
+    training: dict[str, Any] | None = None,
 ) -> list[PlanRun]:
     """Train `steps` steps of each plan, one after the other, in one launch of local rank
     processes (launcher.launch_local_many): the processes start, import torch and export each
@@ -567,7 +601,9 @@ def run_many(
     dict `run` returns) or its error, in the order given. out_dir keeps plan i's files (its
     Program, its ranks' results) in `plan<i>/`. faults: a test hook, plan index → run's
     `fault`. dump_params: each rank also writes what `run(dump_params=True)` writes (its
-    parameters after the last step, the instructions it executed) into its plan's folder."""
+    parameters after the last step, the instructions it executed) into its plan's folder.
+    training: the training options of every plan (as run's)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import launch_local_many
 
     loaded = [as_plan(p) for p in plans]
@@ -578,7 +614,15 @@ def run_many(
     for i, plan in enumerate(loaded):
         try:
             prepared.append(
-                _prepare(plan, i, graphs, (faults or {}).get(i), dump_params, Path(out_dir) if out_dir else None)
+                _prepare(
+                    plan,
+                    i,
+                    graphs,
+                    (faults or {}).get(i),
+                    dump_params,
+                    Path(out_dir) if out_dir else None,
+                    training=checked_training(plan, training, steps),
+                )
             )
         except Exception as e:  # noqa: BLE001 - reported in that plan's PlanRun; the others run
             prepared.append(e)
@@ -644,8 +688,8 @@ def _shaped_layout(
 ) -> tuple[ProcessLayout, dict[str, Any]]:
     """One process per device, in network namespaces with the cluster's NIC bandwidths when
     wanted and possible (as `run` shapes them); (the layout, the shaping record)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import ProcessLayout
-    from heterog.execute.netns import LinkShaping, ShapingUnavailable
 
     want = shape_links if shape_links is not None else cluster.kind == "emulated"
     if not want:
@@ -691,6 +735,7 @@ def run_interleaved(
     the (graph, cluster, costs) the caller predicts with, so the Programs that run are the
     schedules it predicts (default: the plans' analytic costs). faults: a test hook, plan
     index → run's `fault` (every round of that plan)."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.launcher import launch_local_many
 
     loaded = [as_plan(p) for p in plans]

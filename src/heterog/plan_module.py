@@ -22,8 +22,13 @@ from typing import Any
 
 from torch import nn
 
+from heterog.capture.cache import remember_in_memory
+from heterog.capture.capture import capture
 from heterog.errors import ModelError
+from heterog.inputs import model_inputs
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
+from heterog.search import planner
+from heterog.search.planner import plan_graph
 
 
 def plan(
@@ -52,9 +57,7 @@ def plan(
     nn.Module (then example_inputs is required: forward's positional arguments, batch first;
     `targets` and `loss_fn(output, targets)` make the loss, as in heterog.capture).
     """
-    from heterog.search import planner
-
-    extra = {"budget_s": budget_s} if budget_s is not None else {}
+    extra: dict[str, Any] = {"budget_s": budget_s} if budget_s is not None else {}
     if isinstance(model, str):
         if batch_size is None:
             raise ModelError(f"plan({model!r}): give batch_size, the global batch of one iteration.")
@@ -114,11 +117,6 @@ def _plan_module(
     optimizer: str,
     **search: Any,
 ) -> dict[str, Any]:
-    from heterog.capture import capture
-    from heterog.capture.cache import remember_in_memory
-    from heterog.inputs import model_inputs
-    from heterog.search.planner import plan_graph
-
     graph = capture(
         module, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}", seq_len=seq_len
     )

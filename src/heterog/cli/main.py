@@ -39,6 +39,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "simulate_cmd",
     "run_cmd",
     "check_cmd",
+    "whatif_cmd",
     "report_cmd",
     "profile_cmd",
     "calibrate_cmd",
@@ -159,7 +160,8 @@ def run_cli(argv: list[str] | None = None) -> int:
         except ClickException as e:
             if debug:
                 raise
-            cmd = e.ctx.command_path if getattr(e, "ctx", None) is not None else "heterog"
+            ctx = getattr(e, "ctx", None)
+            cmd = ctx.command_path if ctx is not None else "heterog"
             text = _paragraph(e.format_message()).rstrip()
             text += "" if text.endswith((".", "?", "!")) else "."
             typer.echo(f"error: {cmd}: {text} See `{cmd} --help`.", err=True)

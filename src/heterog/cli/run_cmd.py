@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -11,17 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from heterog.cli.output import (
-    WIDE_HELP,
-    console,
-    human_bytes,
-    human_time,
-    print_json,
-    print_table,
-    set_wide,
-    write_json,
-)
+from heterog.cli import training_opts as topt
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
+from heterog.execute.preflight import check_data, check_plan_fits_model
+from heterog.execute.steplog import TRACE_FILE, read_run, write_jsonl
+from heterog.execute.trace import RankSpans, chrome_trace
+from heterog.fmt import human_bytes, human_time
+from heterog.ir.plan import Plan, user_model_file
+from heterog.jsonio import write_atomic
 
 
 class _StepFollower:
@@ -35,8 +35,6 @@ class _StepFollower:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._bar = self._task = None
         if bar and say is not None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._bar = Progress(
                 TextColumn("steps"),
                 BarColumn(),
@@ -65,8 +63,6 @@ class _StepFollower:
             self._poll()
 
     def _poll(self) -> None:
-        from heterog.execute.steplog import read_run
-
         lines = read_run(self.folder, self.world_size)
         for line in lines[self.shown :]:
             if self.say is not None:
@@ -92,9 +88,6 @@ def _forget_old_steps(folder: Path) -> None:
 def _measured_outputs(folder: Path, world_size: int, result: dict, steps_log: Path | None, trace: Path | None) -> None:
     """Add the per-step lines and the measured spans to `result` (so a report can draw the
     measured timeline) and write the JSON-lines file and the Chrome trace when asked."""
-    from heterog.execute.steplog import TRACE_FILE, read_run, write_jsonl
-    from heterog.execute.trace import RankSpans, chrome_trace
-
     lines = read_run(folder, world_size)
     result["step_lines"] = [line.to_dict() for line in lines]
     recordings = []
@@ -135,8 +128,6 @@ def _rank_rows(per_rank: list[dict]) -> list[list[str]]:
 def _with_repetitions(result: dict, times: list[float], predicted: float | None) -> None:
     """The result of several runs of one plan: the median iteration time, each run's, and the
     spread (slowest / fastest − 1); the prediction of the first run (profiled once)."""
-    import statistics
-
     result["repetitions_s"] = times
     result["measured_iteration_time_s"] = statistics.median(times)
     result["spread"] = max(times) / min(times) - 1.0
@@ -208,16 +199,26 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Run the plan this many times and report the median iteration time and the spread (a noisy machine).",
         ),
+        lr: float | None = topt.LR,
+        weight_decay: float | None = topt.WEIGHT_DECAY,
+        momentum: float | None = topt.MOMENTUM,
+        betas: str | None = topt.BETAS,
+        warmup_steps: int = topt.WARMUP_STEPS,
+        lr_schedule: str = topt.LR_SCHEDULE,
+        max_grad_norm: float | None = topt.MAX_GRAD_NORM,
+        accumulate: int = topt.ACCUMULATE,
+        eval_every: int = topt.EVAL_EVERY,
+        eval_batches: int = topt.EVAL_BATCHES,
+        log_dir: Path | None = topt.LOG_DIR,
     ) -> None:
         """Train a plan for N steps on synthetic data or --data; measured vs predicted step time.
 
         Checks first that the plan fits the model, its cluster, the data and this machine's
         memory; --checkpoint-dir/--checkpoint-every save, --resume continues (docs/robustness.md)."""
         set_wide(wide)
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog import pipeline as api
         from heterog.execute.checkpoint import CheckpointConfig
-        from heterog.execute.preflight import check_data, check_plan_fits_model
-        from heterog.ir.plan import Plan
 
         p = Plan.load(plan)
         ckpt = CheckpointConfig(
@@ -225,10 +226,25 @@ def register(app: typer.Typer) -> None:
             every_steps=checkpoint_every,
             resume=str(resume) if resume else None,
         )
+        training = topt.training_options(  # [train] the user's optimizer, schedule, clipping, evaluation, metrics
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            lr_schedule=lr_schedule,
+            max_grad_norm=max_grad_norm,
+            accumulate=accumulate,
+            eval_every=eval_every,
+            eval_batches=eval_batches,
+            log_dir=str(log_dir) if log_dir else None,
+        )
         check_plan_fits_model(p)
         check_data(p, data)
         if torchrun:
-            _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict())
+            _print_torchrun(
+                p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt.to_dict(), training=training
+            )
             return
         if not as_json:
             console.print(f"running {p.strategy} plan of {p.model.name} for {steps} steps …")
@@ -254,6 +270,7 @@ def register(app: typer.Typer) -> None:
                         data=data,
                         checkpoint=ckpt.to_dict(),
                         force=force,
+                        training=training,
                     )
                 times.append(result["measured_iteration_time_s"])
                 if rep == 0:
@@ -307,6 +324,10 @@ def register(app: typer.Typer) -> None:
                 else f"not shaped ({shaping.get('reason', 'single node or disabled')})"
             )
         )
+        for evaluation in result.get("evaluations", []):  # [train] --eval-every
+            step = evaluation["step"]
+            shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in evaluation.items() if k != "step")
+            console.print(f"evaluation after step {step}: {shown}")
         for n in result["notes"]:
             console.print(f"note: {n}")
 
@@ -333,6 +354,7 @@ def register(app: typer.Typer) -> None:
         memory; run heterog's plan, the best baseline and even DP (interleaved repetitions);
         compare predicted with measured."""
         set_wide(wide)
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.demo import DEMO_SCENARIO, SCENARIOS, demo
 
         if scenario and scenario not in SCENARIOS:
@@ -408,10 +430,11 @@ def _print_torchrun(
     *,
     data: str | None = None,
     checkpoint: dict | None = None,
+    training: dict | None = None,
 ) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.execute.launcher import local_gpu_indices, torchrun_commands
-    from heterog.jsonio import write_atomic
     from heterog.pipeline import plan_cluster, rank_devices
 
     cluster = plan_cluster(plan)
@@ -423,8 +446,9 @@ def _print_torchrun(
         used_nodes = [n for n in cluster.nodes if any(d in devices for d in n.devices)]
         node_devices = [[d for d in n.devices if d in devices] for n in used_nodes]
         visible = [local_gpu_indices(n.devices, used) for n, used in zip(used_nodes, node_devices)]
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.execute.device import nccl_env
-    from heterog.pipeline import lower
+    from heterog.pipeline import checked_training, lower
 
     gpus = cluster is not None and cluster.kind != "emulated"  # ranks on cuda:<local rank>, NCCL
     env, note = nccl_env({cluster.device(d).gpu_type for d in devices}) if gpus else ({}, None)
@@ -444,6 +468,7 @@ def _print_torchrun(
                 "out_dir": "heterog-run",
                 "data": data,
                 "checkpoint": checkpoint,
+                "training": checked_training(plan, training, steps, data),
             }
         ),
     )
@@ -475,8 +500,6 @@ def _print_torchrun(
 
 def _files_every_node_needs(plan, spec_path: Path, data: str | None) -> list[str]:
     """The spec, and the user's model and data files the ranks import (absolute paths)."""
-    from heterog.ir.plan import user_model_file
-
     files = [str(spec_path.resolve())]
     if plan.model.file:
         files.append(plan.model.file)

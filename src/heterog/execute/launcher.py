@@ -39,7 +39,7 @@ from typing import Any
 
 from heterog.errors import CheckpointError, PlanError, RankError
 from heterog.execute import stale
-from heterog.execute.checkpoint import find_checkpoint, model_key
+from heterog.execute.checkpoint import check_same_model, find_checkpoint
 from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
 from heterog.ir.plan import in_memory_model_error
 
@@ -64,6 +64,7 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     checkpoint: dict[str, Any] | None = None  # checkpoint.CheckpointConfig.to_dict()
     force: bool = False  # start even when memory looks too small
+    training: dict[str, Any] | None = None  # training.TrainingConfig.to_dict()
 
 
 def free_port() -> int:
@@ -107,6 +108,7 @@ def launch_local(
                     "fault": cfg.fault,
                     "data": cfg.data,
                     "checkpoint": ckpt,
+                    "training": cfg.training,
                     "cuda": cfg.cuda,
                     "out_dir": str(work),
                     "cuda_indices": list(cfg.cuda_indices),
@@ -193,6 +195,7 @@ class PlanLaunch:
     # entries of one plan (its repetitions) share a key: when one fails, the later ones are
     # not started but get the same error
     key: str = ""
+    training: dict[str, Any] | None = None  # as LaunchConfig.training
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +289,7 @@ def _launch_many(
             "slowdowns": plans[i].slowdowns,
             "fault": plans[i].fault,
             "dump_params": plans[i].dump_params,
+            "training": plans[i].training,
             "out_dir": str(plan_dir[i]),
             "wait_s": wait_s,
         }
@@ -356,12 +360,7 @@ def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> dict[str, An
     if not cfg.checkpoint or not cfg.checkpoint.get("resume"):
         return cfg.checkpoint
     info = find_checkpoint(cfg.checkpoint["resume"])
-    model = plan_doc["model"]["name"]
-    if info.model != model_key(model):
-        raise CheckpointError(
-            f"--resume {cfg.checkpoint['resume']}: the checkpoint is of model {info.model!r}, "
-            f"but the plan trains {model!r}; resume with a plan of the same model."
-        )
+    check_same_model(info.model, plan_doc["model"]["name"], f"--resume {cfg.checkpoint['resume']}")
     if info.step >= cfg.steps:
         raise CheckpointError(
             f"--resume {cfg.checkpoint['resume']}: the checkpoint already holds {info.step} "

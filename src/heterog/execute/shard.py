@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from heterog.cut.dataflow import Dataflow
 from heterog.errors import PlanError
 from heterog.execute.collectives import ring_all_gather, ring_reduce_scatter
-from heterog.execute.partition import Dataflow
 from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
 from heterog.ir.plan import shard_ranges
 from heterog.lower.program import Collective, Program

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from heterog.jsonio import write_atomic
+
 STEPS_FILE = "steps_rank{rank}.jsonl"
 TRACE_FILE = "trace_rank{rank}.json"
 
@@ -131,6 +133,4 @@ def read_run(folder: Path, world_size: int) -> list[StepLine]:
 
 def write_jsonl(path: Path, lines: Iterable[StepLine]) -> None:
     """The merged lines as JSON lines, written atomically."""
-    from heterog.jsonio import write_atomic
-
     write_atomic(path, "".join(json.dumps(line.to_dict()) + "\n" for line in lines))

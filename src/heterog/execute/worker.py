@@ -17,6 +17,7 @@ plans afresh.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -33,32 +34,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from heterog.cut.dataflow import Dataflow, detach_unheld
+from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
+from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError, RankError
 from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
-from heterog.execute.partition import Dataflow, build_dataflow, detach_unheld, export_plan_model, program_group_order
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
-from heterog.execute.split_export import ExportedModel, copy_exported
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.sync import ProgramSync
 from heterog.execute.trace import Span, SpanCategory, StepRecorder
+from heterog.execute.train_loop import TrainingHooks, gradient_norm, needs_norm, recipe_of
 from heterog.execute.transport import Channels, Transport, transfer_pairs
 from heterog.execute.wire import wire_table
-from heterog.execute.workload import (
-    Workload,
-    build_model,
-    global_batch,
-    make_optimizer,
-    resolve_workload,
-    to_device,
-    with_data,
-)
 from heterog.ir.kinds import Precision
 from heterog.ir.plan import Plan
 from heterog.jsonio import write_atomic
 from heterog.lower.program import Program
+from heterog.workload import (
+    Workload,
+    build_model,
+    global_batch,
+    resolve_workload,
+    to_device,
+    with_data,
+)
 
 
 def _init(spec: dict[str, Any], store: Any = None) -> tuple[int, int, str, RankDevice]:
@@ -182,6 +184,7 @@ class RankSetup:
     interpreter: Interpreter
     pacer: Pacer
     cap: Any
+    recipe: Any = None  # training.Recipe: the run's optimizer, schedule and options
 
 
 def build_rank(
@@ -230,21 +233,22 @@ def build_rank(
         timeout_s=timeout_s,
         host_staging=rdev.host_staging,
     )
+    recipe = recipe_of(spec, plan)  # [train] the user's optimizer, schedule, clipping (train_loop.py)
     sync = ProgramSync(
         program=program,
         flow=flow,
         rank=rank,
-        optimizer=plan.optimizer,
+        optimizer=recipe,
         timeout_s=timeout_s,
         device=rdev.torch_device,
         host_staging=rdev.host_staging,
-        deferred=plan.precision == Precision.FP16,
+        deferred=plan.precision == Precision.FP16 or needs_norm(recipe.config),
         clock=rdev.clock(),
     )
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     sharded, hidden = sync.shards.sharded_names(), sync.shards.hidden_names()
     stepped = [p for n, p in named if n not in sharded] + sync.shards.pieces()  # sharded: the pieces
-    opt = make_optimizer(stepped, plan.optimizer)
+    opt = recipe.make_optimizer(stepped)  # the user's optimizer steps the pieces too
     params = stepped + sync.shards.model_params()  # their gradients are cleared every step
     named = [(n, p) for n, p in named if n not in hidden]  # held whole (checkpoints, dumps)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
@@ -265,6 +269,9 @@ def build_rank(
         memory_cap=cap,
         crossing=crossing,
         shards=sync.shards,
+        scheduler=recipe.make_scheduler(opt),  # [train]
+        grad_norm=gradient_norm(recipe.config, sync, named, rdev.torch_device, rdev.host_staging),
+        max_grad_norm=recipe.config.max_grad_norm,
     )
     return RankSetup(
         rank=rank,
@@ -281,6 +288,7 @@ def build_rank(
         interpreter=ex,
         pacer=pacer,
         cap=cap,
+        recipe=recipe,
     )
 
 
@@ -311,7 +319,15 @@ def train(
     )
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
-    steps = [_train_step(spec, setup, rdev, rec, step_log, step, progress) for step in range(first_step, spec["steps"])]
+    hooks = TrainingHooks.start(setup.recipe, rank=rank, seed=spec.get("seed", 0), model_name=setup.plan.model.name)
+    hooks.resumed(setup.interpreter, first_step)  # [train] schedules at the checkpoint's step
+    try:
+        steps = [
+            _train_step(spec, setup, rdev, rec, step_log, step, progress, hooks)
+            for step in range(first_step, spec["steps"])
+        ]
+    finally:
+        hooks.close()
     progress.write_text("done")
     write_atomic(out_dir / TRACE_FILE.format(rank=rank), json.dumps(rec.to_dict()))
     ex, flow = setup.interpreter, setup.flow
@@ -344,6 +360,8 @@ def train(
         "sent_bytes": setup.transport.sent_bytes,
         "split": flow.split,
         "warnings": flow.warnings,
+        "training": setup.recipe.describe(setup.params or None) if rank == 0 else None,  # [train]
+        "evaluations": hooks.evaluations,
     }
 
 
@@ -355,22 +373,21 @@ def _train_step(
     step_log: StepLog,
     step: int,
     progress: Path,
-) -> dict[str, float]:
+    hooks: TrainingHooks,
+) -> dict[str, Any]:
     """One training step of this rank, timed with the rank's clock (CUDA events on a GPU,
     read once the step has finished); its record."""
     rank, ex = setup.rank, setup.interpreter
     progress.write_text(str(step))
     _fault(spec, rank, step)
-    inputs, targets = to_device(
-        global_batch(setup.work, setup.plan.batch_size, seed=spec.get("seed", 0), step=step), rdev.torch_device
-    )
+    batches = hooks.batches(setup.work, setup.plan.batch_size, step, rdev.torch_device)  # [train] --accumulate
     dist.barrier()
     for p in setup.params:
         p.grad = None
     origin, origin_s = ex.clock.mark(), rec.now_s()
     if (spec.get("fault") or {}).get("kind") == "overflow":
         ex.overflow_hook = lambda: _overflow(spec, rank, step, setup.params)
-    loss = ex.step(inputs, targets)
+    loss = hooks.train(ex, batches)
     _fault(spec, rank, step, "mid")
     end = ex.clock.mark()
     rdev.synchronize()
@@ -390,7 +407,7 @@ def _train_step(
         ]
     )
     st = ex.stats
-    record = {
+    record: dict[str, Any] = {
         "step_time_s": step_time_s,
         "loss": loss,
         "compute_s": st.compute_s,
@@ -403,6 +420,11 @@ def _train_step(
     }
     # the executor's own time: the step less its timed parts (gradient slots, slicing, sends)
     record["other_s"] = step_time_s - sum(record[k] for k in ("compute_s", "paced_s", "recv_wait_s", "sync_s"))
+    record.update(  # [train] learning rate, gradient norm, metrics line, evaluation when due
+        hooks.after(
+            ex, step=step, step_time_s=step_time_s, batches=batches, batch_size=setup.plan.batch_size, work=setup.work
+        )
+    )
     step_log.append(
         StepRecord(
             step=step,
@@ -481,7 +503,9 @@ def run_plans(spec: dict[str, Any]) -> int:
         if me in processes:  # rank of the plan: the place of this process in its list
             plan_spec = {**common, **entry, "rank": processes.index(me)}
             prefixed = dist.PrefixStore(f"plan{entry['index']}/", store)
-            if _report(out_dir, plan_spec["rank"], lambda: train(plan_spec, out_dir, store=prefixed, models=models)):
+            if _report(
+                out_dir, plan_spec["rank"], functools.partial(train, plan_spec, out_dir, store=prefixed, models=models)
+            ):
                 return 1
         _store_barrier(store, f"after{entry['index']}", world, entry["wait_s"])
     if me == 0:  # the store lives in this process: leave last

@@ -9,7 +9,8 @@ from typing import NamedTuple
 import numpy as np
 
 from heterog.lower.blocks import Block
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import BWD, FWD, make_room
 
 
@@ -87,7 +88,7 @@ def block_columns(
     a handful of distinct ones. `fresh`: every micro-batch's backward creates its gradients,
     as the first one does (a stage-3 sharded block frees them at each reduce-scatter,
     lower/shard_tasks.py), so the later ones are the first's."""
-    kept_cache = table.scratch.setdefault("kept", {})
+    kept_cache = table.caches.kept
     key = (size, blk.placement, rep_key)
     kr = kept_cache.get(key)
     if kr is None:

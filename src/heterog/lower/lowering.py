@@ -257,12 +257,12 @@ def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int]
     out: dict[tuple[int, int, int], list[InputPiece]] = {}
     for b, blk in enumerate(sched.blocks):
         for a in sorted(preds[b]):
-            src = sched.blocks[a]
+            producer = sched.blocks[a]
             for m in range(len(ranges.sizes)):
                 ra, rb = ranges.all(a, m), ranges.all(b, m)
                 pos = 0
-                for i, j, n in overlaps([h - l for l, h in ra], [h - l for l, h in rb]):
-                    da, db = src.devices[i], blk.devices[j]
+                for i, j, n in overlaps([h - lo for lo, h in ra], [h - lo for lo, h in rb]):
+                    da, db = producer.devices[i], blk.devices[j]
                     key = (a, b, m, da, db)
                     remote = da != db
                     out.setdefault((b, m, db), []).append(

@@ -38,7 +38,8 @@ import numpy as np
 
 from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
 from heterog.lower.blocks import Block
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import BWD, FWD, ShardOp, Tasks
 
 PREFETCH_UNITS = 1  # stage 3: units gathered ahead of the one computing (FSDP prefetches one)
