@@ -293,7 +293,8 @@ def load_checkpoint(
         state[key] = p.detach()
     wanted: list[tuple[str, str, torch.device]] = []  # (name, state key, device)
     stepped = _stepped(named_params, opt)  # a sharded block's parameters: their piece's state
-    wanted += [(name, key, _state_device(opt, key, p)) for name, p in stepped for key in _keys(meta, name)]
+    if opt is not None:
+        wanted += [(name, key, _state_device(opt, key, p)) for name, p in stepped for key in _keys(meta, name)]
     for served in servers:
         server = served.server
         wanted += (

@@ -41,7 +41,7 @@ from torch import nn
 from heterog.cut.dataflow import Dataflow
 from heterog.errors import PlanError
 from heterog.execute.collectives import ring_all_gather, ring_reduce_scatter
-from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
+from heterog.ir.kinds import CollectiveOp, Phase, ShardStage, SyncMethod
 from heterog.ir.plan import shard_ranges
 from heterog.lower.program import Collective, Program
 
@@ -92,6 +92,16 @@ class ShardUnit:
         end = at + self.shapes[index].numel()
         overlap = [max(0, min(hi, end) - max(lo, at)) for lo, hi in self.ranges]
         return self.members[overlap.index(max(overlap))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """A collective on the sync lane (sync.BucketRunner.submit) that installs its own result."""
+
+    label: str
+    members: tuple[int, ...]
+    method: SyncMethod = SyncMethod.RING
+    buffers: tuple[torch.Tensor, ...] = field(default=(), compare=False)  # what it holds (memory count)
 
 
 def unit_names(flow: Dataflow, groups: Sequence[int]) -> tuple[str, ...]:

@@ -52,7 +52,7 @@ import torch
 from heterog.cut.dataflow import Dataflow
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
-from heterog.execute.shard import ShardRunner, sharded_collectives
+from heterog.execute.shard import Job, ShardRunner, sharded_collectives
 from heterog.ir.kinds import CollectiveOp, SyncMethod
 from heterog.lower.program import Collective
 from heterog.training import Recipe
@@ -70,16 +70,6 @@ class Bucket:
     server: int | None = None
     replicas: tuple[int, ...] = ()  # ps: the ranks that compute gradients
     nodes: tuple[tuple[int, ...], ...] | None = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Job:
-    """A collective on the lane that installs its own result (a sharded block's, shard.py)."""
-
-    label: str
-    members: tuple[int, ...]
-    method: str = "ring"
-    buffers: tuple[torch.Tensor, ...] = dataclasses.field(default=(), compare=False)  # what it holds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -412,12 +402,8 @@ class ProgramSync:
                 ranks_of_group[g] = [self.rank_of[d] for d in block.devices]
         self.ties = tie_buckets(flow, ranks_of_group)
         self._ties_done: set[str] = set()  # tied parameters synced by the Program this step
-        sharded = sharded_collectives(program)
-        sets = (
-            [self._bucket(c).members for c in self._collectives()]
-            + [b.members for b in self.ties]
-            + [tuple(self.rank_of[d] for d in c.members) for _, c in sorted(sharded.items())]
-        )
+        sharded = [tuple(self.rank_of[d] for d in c.members) for _, c in sorted(sharded_collectives(program).items())]
+        sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties] + sharded
         self.runner.create_groups(
             [Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING) for m in sets]
         )

@@ -319,8 +319,8 @@ def _check_pairs(prog: Program, source: str) -> None:
 
 
 def _check_collectives(prog: Program, source: str) -> None:
-    seen: dict[tuple[int, str], Collective] = {}
-    order: dict[str, list[tuple[int, str]]] = {}
+    seen: dict[tuple[int, str, str, str, int], Collective] = {}  # by Collective.ident
+    order: dict[str, list[tuple[int, str, str, str, int]]] = {}
     for d, lst in prog.instructions.items():
         for i in lst:
             if not isinstance(i, Collective):

@@ -231,7 +231,7 @@ def fsdp_even(prob: Problem) -> Strategy:
     even = tuple([1.0 / len(devs)] * len(devs))
 
     def make(recompute: bool, m: int) -> Strategy:
-        return _uniform(prob, Placement(devs, even, "ring", None, recompute, 3, even), m)
+        return _uniform(prob, Placement(devs, even, SyncMethod.RING, None, recompute, 3, even), m)
 
     return _fitted(prob, make, replicas=len(devs))
 
@@ -246,7 +246,9 @@ def zero_uneven(prob: Problem) -> Strategy:
 
     def make(recompute: bool, m: int) -> Strategy:
         # the replicas left with samples (integer_placement) share the state
-        p = prob.integer_placement(Placement(tuple(devs), shares, "ring", None, recompute), prob.batch_size // m)
+        p = prob.integer_placement(
+            Placement(tuple(devs), shares, SyncMethod.RING, None, recompute), prob.batch_size // m
+        )
         fractions = free_memory_fractions(prob, range(prob.n_groups), p, 3, m)
         return _uniform(prob, sharded(p, 3, fractions), m)
 

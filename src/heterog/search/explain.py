@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from heterog.fmt import human_bytes, human_time
-from heterog.ir.kinds import PipelineSchedule
+from heterog.ir.kinds import PipelineSchedule, SyncMethod
 from heterog.ir.plan import Plan
+from heterog.search.problem import Placement
+from heterog.search.sharding import replica_state_bytes
 
 if TYPE_CHECKING:
     from heterog.search.planner import Candidate
@@ -123,12 +125,9 @@ _SHARDED_STATE = {
 
 def _shard_note(prob: Problem, plan: Plan, a: int, b: int) -> str:
     """Why the segment is sharded: what each replica holds of its state, against whole."""
-    from heterog.search.problem import Placement
-    from heterog.search.sharding import replica_state_bytes
-
     g = plan.groups[a]
     idx = tuple(prob.device_names.index(r.device) for r in g.replicas)
-    p = Placement(idx, tuple(r.share for r in g.replicas), "ring", None, g.recompute, g.shard_stage, g.shards)
+    p = Placement(idx, tuple(r.share for r in g.replicas), SyncMethod.RING, None, g.recompute, g.shard_stage, g.shards)
     held = sum(replica_state_bytes(prob, x, p) for x in range(a, b))
     whole = sum(prob.persistent_bytes[x, prob.dev_class[list(idx)]] for x in range(a, b))
     pieces = ", ".join(f"{r.device} {r.shard * 100:.0f}%" for r in g.replicas[:6]) + (

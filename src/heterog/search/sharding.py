@@ -23,9 +23,10 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import linprog
 
-from heterog.ir.kinds import CollectiveOp, ShardStage
+from heterog.cost.model import Collective
+from heterog.ir.kinds import CollectiveOp, ShardStage, SyncMethod
 from heterog.lower.shard_tasks import ShardedState, replica_bytes
-from heterog.search.problem import Placement, Problem
+from heterog.search.problem import Placement, Problem, Strategy
 
 GATHERED_UNITS = 2  # stage 3: the unit computing and the one prefetched (shard_tasks.PREFETCH_UNITS + 1)
 SHARD_MOVES = 0.15  # the share of the search's moves that change sharding, where memory binds
@@ -78,7 +79,7 @@ def shard_time_s(prob: Problem, p: Placement, nbytes: float, op: CollectiveOp) -
     hit = cache.get(key)
     if hit is None:
         names = [prob.device_names[i] for i in p.devices]
-        kind = "reduce_scatter" if op is CollectiveOp.REDUCE_SCATTER else "all_gather"
+        kind: Collective = "reduce_scatter" if op is CollectiveOp.REDUCE_SCATTER else "all_gather"
         t1, t2 = (prob.costs.shard_collective_time_s(kind, b, names, p.shards) for b in (1e7, 2e7))
         per_byte = max(0.0, (t2 - t1) / 1e7)
         hit = cache[key] = (max(0.0, t1 - 1e7 * per_byte), per_byte)
@@ -164,8 +165,8 @@ def sharded(p: Placement, stage: int, fractions: Sequence[float]) -> Placement:
     """p with its state sharded at `stage` (ring sync) in the given fractions; stage 0 or a
     single replica: unsharded."""
     if not stage or len(p.devices) < 2:
-        return Placement(p.devices, p.shares, p.sync if len(p.devices) > 1 else "none", p.ps, p.recompute)
-    return Placement(p.devices, p.shares, "ring", None, p.recompute, int(stage), tuple(fractions))
+        return Placement(p.devices, p.shares, p.sync if len(p.devices) > 1 else SyncMethod.NONE, p.ps, p.recompute)
+    return Placement(p.devices, p.shares, SyncMethod.RING, None, p.recompute, int(stage), tuple(fractions))
 
 
 def memory_bound(prob: Problem) -> bool:
@@ -180,8 +181,6 @@ def propose_shard(rng, prob: Problem, s, a: int, b: int):
     """The search's move on the segment [a, b) (local_search.py): another ZeRO stage, with
     heterog's fractions (balanced_fractions) or even ones; on an unsharded segment often
     stage 3, the one that saves most."""
-    from heterog.search.problem import Strategy
-
     p = s.placements[a]
     if len(p.devices) < 2:
         return s

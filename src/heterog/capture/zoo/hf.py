@@ -156,6 +156,7 @@ def mistral(
 ) -> nn.Module:
     """Mistral (Jiang et al., 2023): Llama's blocks with grouped KV heads and sliding-window
     attention over `window` tokens; defaults: Mistral-7B-v0.1 (HF config)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import MistralConfig, MistralForCausalLM
 
     return _decoder(
@@ -185,6 +186,7 @@ def qwen2(
 ) -> nn.Module:
     """Qwen2 (Qwen team, 2024): Llama-style blocks with biases on the query, key and value
     projections and grouped KV heads; defaults: Qwen2-7B (HF config)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     return _decoder(Qwen2Config, Qwen2ForCausalLM, hidden, layers, heads, kv_heads, ffn, vocab, positions, tie)
@@ -202,6 +204,7 @@ def gpt_neo(
     """GPT-Neo (Black et al., 2021): GPT-2-style blocks alternating global and local (a
     `window`-token) attention, head tied to the embedding; defaults: GPT-Neo 2.7B (HF config).
     transformers runs its attention eagerly (no SDPA path), as training with it does."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     cfg = GPTNeoConfig(
@@ -231,6 +234,7 @@ def opt(
 ) -> nn.Module:
     """OPT (Zhang et al., 2022): pre-norm decoder with learned positions (offset by 2) and the
     head tied to the embedding; defaults: OPT-1.3B (HF config)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import OPTConfig, OPTForCausalLM
 
     cfg = OPTConfig(
