@@ -65,9 +65,13 @@ class StepMode(StrEnum):
 
 
 def runs_in(ins: Any, mode: StepMode) -> bool:
-    """Whether instruction `ins` runs in a step of `mode`."""
+    """Whether instruction `ins` runs in a step of `mode`. A stage-3 sharded block's gathers
+    (and, accumulating, its per-micro-batch reduce-scatters, which add into its pieces'
+    gradients) run with the computes they serve (shard.py); no other collective does."""
     if mode is StepMode.TRAIN:
         return True
+    if isinstance(ins, Collective) and ins.phase is not None:
+        return mode is StepMode.ACCUMULATE or (ins.op is CollectiveOp.ALL_GATHER and ins.phase == Phase.FORWARD)
     if isinstance(ins, (Collective, Optimizer)):
         return False
     return mode is StepMode.ACCUMULATE or ins.phase == Phase.FORWARD

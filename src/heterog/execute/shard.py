@@ -6,7 +6,11 @@ module carries them out.
 A sharded block's parameters (its groups' parameters in a fixed order, the same on every rank;
 tied and unused ones left whole, as in its gradient bucket, sync.py) form one flat buffer, and
 the member at ring position i owns elements `shard_ranges(numel, shards)[i]`. The optimizer
-steps that piece (`ShardUnit.piece`), which has its own gradient:
+steps that piece (`ShardUnit.piece`), which has its own gradient, cut where its parameters
+meet (`ShardUnit.subs`, views of it and of its gradient): the run's optimizer factory chose
+each parameter's group by the parameter as the model holds it (`make_optimizer`), so a cut
+steps with its own parameter's hyperparameters (DeepSpeed's ZeRO keeps the client's groups
+apart likewise: one flat partition per group, deepspeed/runtime/zero/stage_1_and_2.py):
 - stages 1–2: the flat buffer holds all parameters and the model's parameters are views of
   it, the piece too, so the optimizer updates the model in place; the all-gather after the
   step fills in the other members' pieces, in place;
@@ -44,6 +48,7 @@ from heterog.execute.collectives import ring_all_gather, ring_reduce_scatter
 from heterog.ir.kinds import CollectiveOp, Phase, ShardStage, SyncMethod
 from heterog.ir.plan import shard_ranges
 from heterog.lower.program import Collective, Program
+from heterog.training import Recipe
 
 
 @dataclass(kw_only=True)
@@ -57,8 +62,12 @@ class ShardUnit:
     shapes: tuple[torch.Size, ...]
     members: tuple[int, ...]  # ranks, ring order
     ranges: tuple[tuple[int, int], ...]  # each member's piece of the flat buffer, ring order
-    piece: nn.Parameter  # this rank's piece: what the optimizer steps
+    piece: nn.Parameter  # this rank's piece of the flat buffer, with the summed gradient
     flat: torch.Tensor | None = None  # stages 1–2: every parameter (the model's are views)
+    # the piece cut where its parameters meet: (parameter index, start, end in the piece), and
+    # a view of the piece for each, what the optimizer steps (`make_optimizer`)
+    cuts: tuple[tuple[int, int, int], ...] = ()
+    subs: tuple[nn.Parameter, ...] = ()
     gathered: dict[tuple[Phase, int], tuple[torch.Tensor, Any]] = field(default_factory=dict)
 
     @property
@@ -157,13 +166,18 @@ class ShardRunner:
             unit.show(flat)
         else:
             unit.hide()
+        if names:
+            ends = [(i, at, at + s.numel()) for i, (s, at) in enumerate(zip(shapes, unit.offsets()))]
+            # an empty piece is stepped too: every member then keeps the same optimizer state keys
+            cuts = [(i, max(lo, a) - lo, min(hi, b) - lo) for i, a, b in ends if a < hi and b > lo] or [(0, 0, 0)]
+            unit.cuts = tuple(cuts)
+            unit.subs = tuple(nn.Parameter(unit.piece.data[a:b]) for _, a, b in cuts)
         return unit
 
     # -- what the rest of the rank needs ------------------------------------------------------
     def pieces(self) -> list[nn.Parameter]:
-        """The pieces the optimizer steps (an empty one too: every member then keeps the same
-        optimizer state keys, which a checkpoint gathers)."""
-        return [u.piece for u in self.units.values()]
+        """What the optimizer steps: each piece cut where its parameters meet."""
+        return [sub for u in self.units.values() for sub in u.subs]
 
     def sharded_names(self) -> set[str]:
         return {n for u in self.units.values() for n in u.names}
@@ -173,8 +187,9 @@ class ShardRunner:
         return {n for u in self.units.values() if u.stage >= ShardStage.PARAMETERS for n in u.names}
 
     def model_params(self) -> list[nn.Parameter]:
-        """The model's parameters of sharded blocks (their gradients to clear each step)."""
-        return [p for u in self.units.values() for p in u.params]
+        """The model's parameters of sharded blocks and the whole pieces: not stepped, their
+        gradients cleared each step."""
+        return [p for u in self.units.values() for p in (*u.params, u.piece)]
 
     def live_tensors(self) -> list[torch.Tensor]:
         """Gathered parameters (stage 3) and the flat buffers, for the memory count."""
@@ -240,6 +255,8 @@ class ShardRunner:
             unit.piece.grad = mine.clone()
         else:
             unit.piece.grad.add_(mine)
+        for sub, (_, a, b) in zip(unit.subs, unit.cuts):
+            sub.grad = unit.piece.grad[a:b]
 
     def _all_gather(self, flat: torch.Tensor, unit: ShardUnit) -> torch.Tensor:
         ring_all_gather(flat, unit.sizes, unit.members, self.runner.groups.link(unit.members))
@@ -289,7 +306,7 @@ class ShardRunner:
             gathered = {}
             if with_params or unit.stage >= ShardStage.PARAMETERS:
                 gathered["model"] = self._gather_piece(unit, unit.piece.detach())
-            state = optimizer.state.get(unit.piece, {}) if optimizer is not None else {}
+            state = piece_state(optimizer, unit)
             for key in sorted(state):  # the same keys, in the same order, on every member
                 value = state[key]
                 if isinstance(value, torch.Tensor):
@@ -350,8 +367,40 @@ class ShardRunner:
                 else:
                     state[key] = torch.empty(hi - lo, dtype=like.dtype, device=like.device)
                     _fill(state[key], overlap, lo, entries, f"optim/{{}}/{key}")
-            if state:
-                optimizer.state[unit.piece] = state
+            for sub, (_, a, b) in zip(unit.subs, unit.cuts) if state else ():  # each its own copy, `step` too
+                optimizer.state[sub] = {k: (v if v.dim() == 0 else v[a:b]).clone() for k, v in state.items()}
+
+
+def piece_state(optimizer: torch.optim.Optimizer | None, unit: ShardUnit) -> dict[str, torch.Tensor]:
+    """The optimizer state of a unit's piece: its cuts' joined (a scalar, e.g. `step`: the first's)."""
+    states = [optimizer.state.get(sub, {}) for sub in unit.subs] if optimizer is not None else []
+    if not states:
+        return {}
+    return {
+        key: value if value.dim() == 0 else torch.cat([st[key].reshape(-1) for st in states])
+        for key, value in states[0].items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def make_optimizer(recipe: Recipe, params: list[nn.Parameter], shards: ShardRunner) -> torch.optim.Optimizer | None:
+    """The run's optimizer (training.Recipe) over this rank's whole parameters `params` and its
+    pieces' cuts. The recipe's factory is given each sharded parameter as the model holds it
+    (a stand-in of its shape that holds no memory), so its parameter groups and
+    hyperparameters are those one process gets (a user's factory may group by dimension);
+    each cut then steps in its parameter's group."""
+    cut_of: dict[int, list[nn.Parameter]] = {}
+    stand_ins = []
+    for unit in shards.units.values():
+        for sub, (i, _, _) in zip(unit.subs, unit.cuts):
+            like = torch.empty((), dtype=unit.piece.dtype, device=unit.piece.device).expand(unit.shapes[i])
+            stand_ins.append(stand := nn.Parameter(like))
+            cut_of[id(stand)] = [sub]
+    opt = recipe.make_optimizer(params + stand_ins)
+    if opt is not None and stand_ins:
+        for group in opt.param_groups:
+            group["params"] = [q for p in group["params"] for q in cut_of.get(id(p), [p])]
+    return opt
 
 
 def _fill(target: torch.Tensor, overlap, lo: int, entries: dict[str, torch.Tensor], key: str) -> None:

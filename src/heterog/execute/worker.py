@@ -43,6 +43,7 @@ from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
+from heterog.execute.shard import make_optimizer
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog, StepRecord
 from heterog.execute.sync import ProgramSync
 from heterog.execute.trace import Span, SpanCategory, StepRecorder
@@ -247,9 +248,9 @@ def build_rank(
     )
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     sharded, hidden = sync.shards.sharded_names(), sync.shards.hidden_names()
-    stepped = [p for n, p in named if n not in sharded] + sync.shards.pieces()  # sharded: the pieces
-    opt = recipe.make_optimizer(stepped)  # the user's optimizer steps the pieces too
-    params = stepped + sync.shards.model_params()  # their gradients are cleared every step
+    whole = [p for n, p in named if n not in sharded]
+    opt = make_optimizer(recipe, whole, sync.shards)  # the run's optimizer steps the pieces too
+    params = whole + sync.shards.pieces() + sync.shards.model_params()  # their gradients are cleared every step
     named = [(n, p) for n, p in named if n not in hidden]  # held whole (checkpoints, dumps)
     pacer = Pacer(spec.get("slowdowns", {}).get(device, 1.0))
     cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)  # emulated devices only
