@@ -13,10 +13,9 @@ gloo processes, compared with a plain single-process loop over the same function
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+import training_model as user
 
 from heterog.execute.evaluation import eval_batches
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
@@ -53,10 +52,6 @@ def _plan() -> Plan:
 
 def _torch_loop(plan: Plan):
     """(parameters, evaluation loss at step 2, learning rates, gradient norms) of one process."""
-    spec = importlib.util.spec_from_file_location("training_model", "tests/training_model.py")
-    assert spec is not None and spec.loader is not None
-    user = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(user)
     work = resolve_workload(plan.model)
     model = build_model(work, seed=0)
     opt = user.optimizer(list(model.parameters()))
