@@ -54,9 +54,8 @@ REL_TOL = 3e-3  # bisection stops when the bracket is this narrow, relative
 class Bound:
     iteration_time_s: float
     what: str = (
-        "lower bound: every group's samples split over the devices so that all finish at once, "
-        "per-kernel fixed costs and the optimizer step counted, and the gradient bytes data "
-        "parallelism must move through ports and NICs; activation transfers, pipeline fill, "
+        "every device busy until the end: samples split to finish at once, per-kernel costs and optimizer "
+        "steps counted, gradient bytes through ports and NICs; activation transfers, pipeline fill, "
         "latencies and memory left out"
     )
 

@@ -114,8 +114,8 @@ def _segment_note(prob: Problem, plan: Plan, a: int, b: int, speed: np.ndarray) 
 
 def bound_note(bound: Bound, iteration_time_s: float) -> str:
     return (
-        f"within {bound.within(iteration_time_s) * 100:.1f} % of the lower bound {human_time(bound.iteration_time_s)} "
-        f"(no plan can be faster: {bound.what})."
+        f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
+        f"that no plan beats ({bound.what})."
     )
 
 

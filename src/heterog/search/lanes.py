@@ -167,12 +167,12 @@ def run_lane(
     use_simulator: bool,
     emit: Callable[[Candidate], None],
     progress: Callable[[float], None] | None = None,
+    report: Callable[[LaneStats], None] | None = None,
 ) -> LaneStats:
     """Make the lane's starts, anneal until the deadline or max_iters, and emit the candidate
-    of every new best (named after the lane; the best start's also as `start_name`)."""
-    begin = time.perf_counter()
-    starts = lane.starts(prob, deadline_s)
-    t_starts = time.perf_counter() - begin
+    of every new best (named after the lane; the best start's also as `start_name`); `report`
+    gets the lane's figures so far at every new best and every few moves."""
+    stats = LaneStats(name=lane.name, cut_by="running")
     finalize_s = [0.0]
 
     def keep(f: Found) -> None:
@@ -186,25 +186,31 @@ def run_lane(
         if lane.start_name and f.moves == 0:
             emit(replace(c, strategy=lane.start_name, plan=replace(c.plan, strategy=lane.start_name)))
         finalize_s[0] += time.perf_counter() - t
+        stats.new_bests.append((f.moves, f.move, f.score))
+        if report is not None:
+            report(stats)
+
+    def moved(frac: float, moves: int) -> None:
+        stats.moves = moves
+        if progress is not None:
+            progress(frac)
+        if report is not None:
+            report(stats)
 
     scorer = simulator_scorer(prob) if use_simulator else estimate
     t = time.perf_counter()
     r = Annealer(prob, lane.seed, scorer=scorer).run(
-        starts,
+        lane.starts(prob, deadline_s),
         deadline_s=deadline_s,
         max_iters=max_iters,
         on_best=keep,
-        progress=progress,
+        progress=moved,
         known={k: v for k, (v, _) in lane.known.items()},
     )
     chain_s = time.perf_counter() - t
-    return LaneStats(
-        name=lane.name,
-        time_s={"starts": t_starts, "chain": chain_s - finalize_s[0], "finalize": finalize_s[0]},
-        moves=r.iterations,
-        new_bests=[(f.moves, f.move, f.score) for f in r.found],
-        cut_by=r.cut_by,
-    )
+    stats.time_s = {"chain": chain_s - finalize_s[0], "finalize": finalize_s[0]}
+    stats.moves, stats.cut_by = r.iterations, r.cut_by
+    return stats
 
 
 class Best:
@@ -238,7 +244,13 @@ def _child(conn, prob: Problem, lane: Lane, kwargs: dict) -> None:
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     try:
-        stats = run_lane(prob, lane, emit=lambda c: conn.send(("candidate", c)), **kwargs)
+        stats = run_lane(
+            prob,
+            lane,
+            emit=lambda c: conn.send(("candidate", c)),
+            report=lambda st: conn.send(("stats", st)),
+            **kwargs,
+        )
         conn.send(("done", stats))
     except BaseException as e:  # sent to the parent, which raises it there
         try:
@@ -266,7 +278,7 @@ class Forked:
         time.perf_counter() value) has passed; then end the process. What it sent by then is
         the best of a prefix of its moves; a lane still making its starts (importing the
         GNN, say) has found nothing and is cut."""
-        stats = None
+        stats, last = None, None
         try:
             while stats is None:
                 if not self._conn.poll(max(0.0, until_s - time.perf_counter())):
@@ -280,13 +292,17 @@ class Forked:
                     ) from None
                 if kind == "candidate":
                     emit(value)
+                elif kind == "stats":
+                    last = value
                 elif kind == "done":
                     stats = value
                 else:
                     raise value
         finally:
             self.stop()
-        return stats if stats is not None else LaneStats(name=self.lane.name, cut_by="deadline (ended by the planner)")
+        if stats is None:  # ended here: what it had reported
+            stats = replace(last or LaneStats(name=self.lane.name), cut_by="deadline (ended by the planner)")
+        return stats
 
     def stop(self) -> None:
         """End the process if it still runs."""

@@ -105,12 +105,12 @@ class Annealer:
         budget_s: float | None = None,
         max_iters: int | None = None,
         on_best: Callable[[Found], None] | None = None,
-        progress: Callable[[float], None] | None = None,
+        progress: Callable[[float, int], None] | None = None,
         known: dict[tuple, float] | None = None,
     ) -> SearchResult:
         """Anneal from `starts` until max_iters moves or the deadline (a time.perf_counter()
         value; budget_s: that many seconds from now), whichever comes first. The starts are
-        always scored. progress(fraction of the time used) is called every PROGRESS_MOVES;
+        always scored. progress(fraction of the time used, moves) is called every PROGRESS_MOVES;
         known: scores by strategy key that need not be computed again (the scorer's own)."""
         begin = time.perf_counter()
         if deadline_s is None:
@@ -119,7 +119,7 @@ class Annealer:
         walk.known = dict(known or {})
         if progress is not None:
             span = max(deadline_s - begin, 1e-9)
-            walk.progress = lambda: progress(min(1.0, (time.perf_counter() - begin) / span))
+            walk.progress = lambda: progress(min(1.0, (time.perf_counter() - begin) / span), walk.moves)
         try:
             walk.all(starts)
         except _Cut as cut:

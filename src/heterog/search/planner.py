@@ -59,6 +59,7 @@ CANDIDATES = (
 DEFAULT_BUDGET_S = 10.0
 GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
 RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
+REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -419,6 +420,10 @@ def plan(
     out = result.to_dict()
     out["other_time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["other_time_s"]}
     out["time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["time_s"]}
+    # what every plan needs before a search can start; when it alone outlasts the budget,
+    # the command ends that much later (plus the simulations in flight at the deadline)
+    out["required_s"] = sum(out["time_s"].get(k, 0.0) for k in REQUIRED_STAGES)
+    out["over_budget_s"] = time.perf_counter() - t0 - budget_s
     out["graph_cache"] = graph.meta.get("graph_cache", "off")
     if strategy is not None:
         out["chosen"] = result.plan_of(strategy).to_dict()
