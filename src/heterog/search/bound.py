@@ -121,6 +121,24 @@ class _Tables:
     port_bytes_per_s: float  # all devices' ports together
     nic_bytes_per_s: float  # all nodes' NICs together
     batch: int
+    before_s: np.ndarray  # [g] the least time before any forward of group g can start
+    after_s: np.ndarray  # [g] the least time after any backward of group g ends
+
+
+def _suffix_min(x: np.ndarray) -> np.ndarray:
+    return np.minimum.accumulate(x[::-1])[::-1]
+
+
+def _chains(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per group, the longest path over its ancestors of one sample's forward times (nothing
+    of group g computes before one sample has passed them) and of its backward times (after
+    g's backward of a sample, its ancestors' must follow); fastest tier's times."""
+    before, after = np.zeros(prob.n_groups), np.zeros(prob.n_groups)
+    for g in range(prob.n_groups):  # groups are in topological order
+        for p in prob.preds[g]:
+            before[g] = max(before[g], before[p] + fwd1[p])
+            after[g] = max(after[g], after[p] + bwd1[p])
+    return before, after
 
 
 def _tables(prob: Problem) -> _Tables:
@@ -129,17 +147,22 @@ def _tables(prob: Problem) -> _Tables:
     sizes = _sizes(prob.batch_size)
     by_class: dict[int, list] = {}
     under, opt = [], np.zeros((len(prob.tiers), prob.n_groups))
+    fwd1 = np.full(prob.n_groups, np.inf)
+    bwd1 = np.full(prob.n_groups, np.inf)
     for t, devs in enumerate(prob.tiers):
         rep = prob.device_names[devs[0]]
         cls = int(prob.dev_class[devs[0]])
         if cls not in by_class:
             rows = []
-            for names in prob.groups:
+            for g, names in enumerate(prob.groups):
+                one = table.times_s(tuple(names), rep, 1)
+                fwd1[g], bwd1[g] = min(fwd1[g], one[0]), min(bwd1[g], one[1])
                 times = [sum(table.times_s(tuple(names), rep, b)) for b in sizes]
                 rows.append(_under(sizes, times))
             by_class[cls] = rows
         under.append(by_class[cls])
         opt[t] = [table.optimizer_s(tuple(names), rep) for names in prob.groups]
+    before, after = _chains(prob, fwd1, bwd1)
     node = {n.name: n for n in c.nodes}
     per_node = np.array([len(node[c.devices[devs[0]].node].devices) for devs in prob.tiers], dtype=float)
     ports = [c.links.get(c.port(d.name, "up")) for d in c.devices]
@@ -155,6 +178,8 @@ def _tables(prob: Problem) -> _Tables:
         port_bytes_per_s=port,
         nic_bytes_per_s=nic,
         batch=prob.batch_size,
+        before_s=before,
+        after_s=after,
     )
 
 
@@ -185,6 +210,7 @@ class _Programme:
 
         self.cap_entries: list[tuple[int, int, int]] = []  # (index into data, t, g) of −b_max(T)
         self.tier_rows: list[int] = []
+        self.late_rows: list[tuple[int, int, int]] = []  # (row, tier, group)
         for t in range(n_t):
             for g in range(n_g):
                 x, y, z = v(0, t, g), v(1, t, g), v(2, t, g)
@@ -195,6 +221,10 @@ class _Programme:
                 row([(x, 1.0), (y, 0.0)], 0.0)
             entries = [(v(2, t, g), 1.0) for g in range(n_g)] + [(v(3, t, g), tb.opt_s[t, g]) for g in range(n_g)]
             self.tier_rows.append(row(entries, 0.0))
+            # a device's work on groups g, g+1, … lies between the least of their before_s and
+            # the end less the least of their after_s
+            for g in range(1, n_g):
+                self.late_rows.append((row([(v(2, t, k), 1.0) for k in range(g, n_g)], 0.0), t, g))
         S = tb.grad_bytes
         self.port_row = self.nic_row = None
         if np.isfinite(tb.port_bytes_per_s):
@@ -226,10 +256,13 @@ class _Programme:
             bounds[col] = (0.0, 1.0)
         for (i, t, g), col in zip(self.cap_entries, self.y):
             knots, vals, _ = tb.under[t][g]
-            cap = _b_max(knots, vals, T)
+            cap = _b_max(knots, vals, T - tb.before_s[g] - tb.after_s[g])  # a replica's window for g
             data[i] = -cap
             bounds[col] = (0.0, 0.0 if cap == 0 else float(tb.n[t]))
         rhs[self.tier_rows] = tb.n * T
+        wait = _suffix_min(tb.before_s) + _suffix_min(tb.after_s)
+        for r, t, g in self.late_rows:
+            rhs[r] = tb.n[t] * (T - wait[g])
         if self.port_row is not None:
             rhs[self.port_row] = T * tb.port_bytes_per_s + tb.grad_bytes.sum()
         if self.nic_row is not None:

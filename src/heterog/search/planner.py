@@ -14,7 +14,7 @@ of a prefix of its seed's moves, a larger budget never gives a worse plan.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
@@ -119,11 +119,11 @@ def _has_policy(policy: Any) -> bool:
     return policy is not None or resources.files("heterog.search.gnn").joinpath("policy.pt").is_file()
 
 
-def _gnn_starts(policy: Any, finetune_s: float, seed: int, fallback: Callable[[Problem, float], list[Strategy]]):
+def _gnn_starts(policy: Any, finetune_s: float, seed: int, fallback: Callable[[Problem, float], Iterator[Strategy]]):
     """The GNN lane's starts: its policy's proposals (after fine-tuning a copy on this very
     problem for finetune_s, at most half the lane's time)."""
 
-    def make(prob: Problem, deadline_s: float) -> list[Strategy]:
+    def make(prob: Problem, deadline_s: float) -> Iterable[Strategy]:
         from heterog.search.gnn.policy import load_policy
 
         pol = load_policy(policy)
@@ -301,6 +301,8 @@ def plan_graph(
         if forked is not None:
             forked.stop()
     split["reserve_s"] = reserve_s
+    if other is not None and other.start_name and finetune_s > 0:
+        split["finetune_s"] = f"min({finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
     say("scoring", 0.9)
     candidates = dict(base.candidates)
@@ -393,6 +395,8 @@ def plan(
     from heterog.capture.cache import capture_cached
     from heterog.inputs import model_inputs
 
+    if _has_policy(policy):  # an import, as the command's others: before the budget's clock
+        import heterog.search.gnn.policy  # noqa: F401
     t0 = time.perf_counter()
     spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
     graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
