@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -240,7 +242,12 @@ def can_fork() -> bool:
 
 def _child(conn, prob: Problem, lane: Lane, kwargs: dict) -> None:
     """A forked lane: every candidate goes to the parent the moment it is found, then the
-    stats. One intra-op thread: the GNN's torch must not use a thread pool the fork copied."""
+    stats. The parent owns the signals: a stop (Ctrl-C) is its to handle, and its SIGTERM ends
+    this process at once (the handlers and wake-up pipe the fork copied are the parent's).
+    One intra-op thread: the GNN's torch must not use a thread pool the fork copied."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     try:
@@ -261,8 +268,10 @@ def _child(conn, prob: Problem, lane: Lane, kwargs: dict) -> None:
 
 
 class Forked:
-    """A lane in a forked copy of this process (it inherits the problem and its caches);
-    `collect` gathers what it found by a deadline and ends it."""
+    """A lane in a forked copy of this process (it inherits the problem and its caches). A
+    thread here reads what the lane sends as it comes — a plan pickles to more than a pipe
+    holds, so an unread pipe would stall the lane at its first new best; `collect` gathers
+    what it found by a deadline and ends it."""
 
     def __init__(self, prob: Problem, lane: Lane, **kwargs: Any):
         ctx = multiprocessing.get_context("fork")
@@ -272,41 +281,55 @@ class Forked:
         self._proc = ctx.Process(target=_child, args=(child_conn, prob, lane, kwargs), daemon=True)
         self._proc.start()
         child_conn.close()
+        self._candidates: list[Candidate] = []
+        self._stats: LaneStats | None = None
+        self._end: tuple[str, Any] | None = None  # ('done', stats), ('error', exception) or ('eof', None)
+        self._ended = threading.Event()
+        self._reader = threading.Thread(target=self._read, name=f"{lane.name} lane reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, value = self._conn.recv()
+                if kind == "candidate":
+                    self._candidates.append(value)
+                elif kind == "stats":
+                    self._stats = value
+                else:
+                    self._end = (kind, value)
+                    break
+        except (EOFError, OSError):  # the process ended, or stop() closed the pipe
+            self._end = self._end or ("eof", None)
+        self._ended.set()
 
     def collect(self, emit: Callable[[Candidate], None], until_s: float) -> LaneStats:
-        """Pass on every candidate the lane sends until it is done or until_s (a
+        """Pass on every candidate the lane sent by the time it is done or until_s (a
         time.perf_counter() value) has passed; then end the process. What it sent by then is
         the best of a prefix of its moves; a lane still making its starts (importing the
         GNN, say) has found nothing and is cut."""
-        stats, last = None, None
-        try:
-            while stats is None:
-                if not self._conn.poll(max(0.0, until_s - time.perf_counter())):
-                    break
-                try:
-                    kind, value = self._conn.recv()
-                except EOFError:
-                    code = self._proc.exitcode
-                    raise RuntimeError(
-                        f"the {self.lane.name!r} lane's process ended without a result (exit {code})"
-                    ) from None
-                if kind == "candidate":
-                    emit(value)
-                elif kind == "stats":
-                    last = value
-                elif kind == "done":
-                    stats = value
-                else:
-                    raise value
-        finally:
-            self.stop()
-        if stats is None:  # ended here: what it had reported
-            stats = replace(last or LaneStats(name=self.lane.name), cut_by="deadline (ended by the planner)")
-        return stats
+        self._ended.wait(max(0.0, until_s - time.perf_counter()))
+        end = self._end
+        self.stop()
+        for c in list(self._candidates):
+            emit(c)
+        if end is not None and end[0] == "error":
+            raise end[1]
+        if end is not None and end[0] == "done":
+            return end[1]
+        if end is not None and end[0] == "eof" and self._proc.exitcode not in (0, None, -signal.SIGTERM):
+            raise RuntimeError(
+                f"the {self.lane.name!r} lane's process ended without a result (exit {self._proc.exitcode})"
+            )
+        return replace(self._stats or LaneStats(name=self.lane.name), cut_by="deadline (ended by the planner)")
 
     def stop(self) -> None:
         """End the process if it still runs."""
-        self._conn.close()
         if self._proc.is_alive():
             self._proc.terminate()
-        self._proc.join()
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():  # SIGTERM ends it at once; this is a safety net
+            self._proc.kill()
+            self._proc.join()
+        self._reader.join(timeout=5)
+        self._conn.close()

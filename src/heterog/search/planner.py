@@ -283,9 +283,11 @@ def plan_graph(
     other = _other_lane(policy, seed, finetune_s, parallel)
     use_sim = scorer == "simulator" or (scorer == "auto" and _has_simulator())
     kw = {"max_iters": max_iters, "use_simulator": use_sim}
-    # on two cores the other lane starts now (the GNN's imports beside the baselines)
-    forked = Forked(prob, other, deadline_s=deadline, **kw) if parallel and other is not None else None
+    forked = None
     try:
+        # on two cores the other lane starts now (the GNN's proposals beside the baselines)
+        if parallel and other is not None:
+            forked = Forked(prob, other, deadline_s=deadline, **kw)
         say("baselines", 0.03)
         base = _baselines(prob)
         stages.done("baselines")
