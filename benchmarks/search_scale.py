@@ -5,12 +5,12 @@ benchmarks/clusters/scale-256.yaml, the built-in scale-1024, benchmarks/clusters
 each model (ResNet-50, BERT-large, GPT-2 XL, a Llama-7B), each seed and each budget, the whole
 `heterog plan` — graph from the cache, costs, baselines, bound, search — runs in this process,
 timed from the call: the best plan, the best baseline, the lower bound, where the time went.
-Each model's graph is captured once, before any run (the cache then answers, as it does a user
-who plans the same model twice).
+Each model's graph and what the executor can cut of it are found once, before any run (the
+caches then answer, as they do a user who plans the same model twice).
 
     python benchmarks/search_scale.py            # the full grid: 5 sizes × 4 models × 3 seeds × 7 budgets (hours)
-    python benchmarks/search_scale.py --quick    # 16, 64 and 1024 devices, two models, two seeds; 4096 at 15 and 60 s
-    python benchmarks/search_scale.py --sizes 1024 --models bert-large --budgets 15,60 --seeds 0
+    python benchmarks/search_scale.py --quick    # 16, 64, 1024 devices, two models, two seeds; a few more
+    python benchmarks/search_scale.py --sizes 1024 --models bert-large --budgets 15,60 --seeds 0 --merge
 
 Writes benchmarks/results/search_scale.json (atomically) and prints a table. The figures depend
 on the machine's load: the budget bounds wall-clock time, so a loaded machine searches less.
@@ -19,6 +19,7 @@ on the machine's load: the budget bounds wall-clock time, so a loaded machine se
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -33,7 +34,9 @@ os.environ.setdefault("COLUMNS", "200")
 from heterog.capture.cache import capture_cached  # noqa: E402
 from heterog.cli.output import print_table, write_json  # noqa: E402
 from heterog.errors import InfeasibleError  # noqa: E402
+from heterog.ir.plan import ModelSpec  # noqa: E402
 from heterog.search.baselines import BASELINES  # noqa: E402
+from heterog.search.constraints import DEFAULT_CACHE  # noqa: E402
 from heterog.search.planner import plan  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -56,7 +59,11 @@ MODELS = {
 BUDGETS_S = (1, 3, 5, 15, 30, 60, 120)
 SEEDS = (0, 1, 2)
 QUICK = {"sizes": (16, 64, 1024), "models": ("resnet50", "bert-large"), "budgets": (1, 5, 15, 30), "seeds": (0, 1)}
-QUICK_LARGE = [(4096, "resnet50", 15, 0), (4096, "resnet50", 60, 0)]
+QUICK_LARGE = [
+    *[(1024, m, b, 0) for m in ("gpt2-xl", "llama-7b") for b in (15, 30)],
+    (4096, "resnet50", 15, 0),
+    (4096, "resnet50", 60, 0),
+]
 
 
 def batch_of(devices: int, model: str) -> int:
@@ -160,13 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS_S)), help="budgets in seconds, comma-separated")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds, comma-separated")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON results")
+    ap.add_argument("--merge", action="store_true", help="keep --out's other runs; these replace equal cases")
     args = ap.parse_args(argv)
     grid = _grid(args)
-    for devices, model in dict.fromkeys((d, m) for d, m, _, _ in grid):  # capture once, outside the runs
+    for devices, model in dict.fromkeys((d, m) for d, m, _, _ in grid):  # once, outside the runs
         name, margs, seq, _ = MODELS[model]
         t = time.perf_counter()
         capture_cached(name, margs, batch_size=batch_of(devices, model), seq_len=seq)
-        print(f"graph of {model} at batch {batch_of(devices, model)}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        DEFAULT_CACHE.get(ModelSpec(name=name, args=margs, batch_size=batch_of(devices, model), seq_len=seq))
+        print(
+            f"graph and cuts of {model} at batch {batch_of(devices, model)}: {time.perf_counter() - t:.1f} s",
+            file=sys.stderr,
+        )
     run_case(16, "resnet50", 1, 0)  # warm-up: imports and the simulator's compiled code, once per process
     rows = []
     begin = time.perf_counter()
@@ -178,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{devices:5d} {model:10s} seed {seed} budget {budget:5g} s: {best}, wall {r['wall_s']:.1f} s",
             file=sys.stderr,
         )
+    command = "python benchmarks/search_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    commands = [command.strip()]
+    if args.merge and Path(args.out).is_file():
+        old = json.loads(Path(args.out).read_text())
+        done = {_case(r) for r in rows}
+        rows = [r for r in old["rows"] if _case(r) not in done] + rows
+        commands = [old["command"], *commands]
     summary = {**summarise(rows), "total_time_s": time.perf_counter() - begin, "load_average": os.getloadavg()}
     table = []
     for (devices, model), rs in _by_case(rows).items():
@@ -195,10 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         "best plan (ms, median over seeds) by budget", ["devices", "model", "…by budget", "best baseline"], table
     )
     print(summary, file=sys.stderr)
-    command = "python benchmarks/search_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = {
         "benchmark": "search_scale",
-        "command": command.strip(),
+        "command": " + ".join(commands),
         "machine": platform.processor() or platform.machine(),
         "cores": len(os.sched_getaffinity(0)),
         "summary": summary,
@@ -207,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out, doc)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def _case(r: dict) -> tuple:
+    return (r["devices"], r["model"], r["budget_s"], r["seed"])
 
 
 def _by_case(rows: list[dict]) -> dict[tuple[int, str], list[dict]]:

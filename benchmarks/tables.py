@@ -189,7 +189,7 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
         )
     else:
         out = table(
-            ["model", "batch", "cluster", "best", "best time", "over even DP", "over best baseline"],
+            ["model", "batch", "cluster", "best", "best time", "over even DP", "over best baseline", "above the bound"],
             [
                 [
                     r["model"],
@@ -199,6 +199,7 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
                     secs(r.get("best_time_s")),
                     times(r.get("speedup_vs_even_dp")),
                     times(r.get("speedup_vs_best_baseline")),
+                    pct(r.get("above_bound")),
                 ]
                 for r in rows
             ],

@@ -265,12 +265,11 @@ def plan_graph(
     assert cuts is None or isinstance(cuts, ModelCuts), cuts
     say = progress or (lambda stage, frac: None)
     say("grouping", 0.0)
-    groups = make_groups(graph, cluster, costs, max_groups, cuts)
     prob = Problem(
         graph=graph,
         cluster=cluster,
         costs=costs,
-        groups=groups,
+        groups=make_groups(graph, cluster, costs, max_groups, cuts),
         batch_size=graph.batch_size,
         model_spec=model_spec,
         precision=precision,
@@ -307,19 +306,7 @@ def plan_graph(
         split["finetune_s"] = f"min({finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
     say("scoring", 0.9)
-    candidates = dict(base.candidates)
-    for name, c in found.by_name.items():
-        if name not in candidates or c.rank < candidates[name].rank:
-            candidates[name] = c
-    from heterog.hardware.spec import cluster_to_dict
-
-    cluster_doc = cluster_to_dict(prob.cluster)
-    ordered = [_runnable(prob, candidates[n], cluster_doc, bound) for n in CANDIDATES if n in candidates]
-    feasible = [c for c in ordered if c.feasible]
-    if not feasible:
-        raise InfeasibleError(explain.infeasible_message(prob, ordered))
-    winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
-    best = _finish(prob, winner, ordered, bound)
+    best, ordered = _choose(prob, base.candidates, found, bound)
     stages.done("explanation")
     say("done", 1.0)
     lanes: dict[str, dict[str, Any]] = {}
@@ -342,6 +329,23 @@ def _has_simulator() -> bool:
     from heterog.search.lanes import _simulator
 
     return _simulator() is not None
+
+
+def _choose(prob: Problem, baselines: dict[str, Candidate], found: Best, bound: Bound) -> tuple[Plan, list[Candidate]]:
+    """(the best feasible candidate's plan, explained; every candidate, in CANDIDATES order)."""
+    candidates = dict(baselines)
+    for name, c in found.by_name.items():
+        if name not in candidates or c.rank < candidates[name].rank:
+            candidates[name] = c
+    from heterog.hardware.spec import cluster_to_dict
+
+    cluster_doc = cluster_to_dict(prob.cluster)
+    ordered = [_runnable(prob, candidates[n], cluster_doc, bound) for n in CANDIDATES if n in candidates]
+    feasible = [c for c in ordered if c.feasible]
+    if not feasible:
+        raise InfeasibleError(explain.infeasible_message(prob, ordered))
+    winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
+    return _finish(prob, winner, ordered, bound), ordered
 
 
 def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any], bound: Bound) -> Candidate:

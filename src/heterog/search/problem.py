@@ -65,7 +65,8 @@ class Strategy:
 
 def device_tiers(cluster: Cluster) -> list[tuple[int, ...]]:
     """The search's device *tiers*: devices the cost model cannot tell apart (one class,
-    lower/context.device_class_key) on nodes with equal NICs and equally many devices. At
+    lower/context.device_class_key) on nodes with equal NICs, latencies and device counts, so
+    that transfers between two tiers cost alike whichever of their devices they join. At
     hundreds of devices the search moves whole tiers first (a 1024-GPU cluster of four types
     is four tiers), then single devices. Each tier lists its devices node by node, so its
     first k devices fill whole nodes."""
@@ -73,7 +74,13 @@ def device_tiers(cluster: Cluster) -> list[tuple[int, ...]]:
     keys: dict[tuple, list[int]] = {}
     for i, d in enumerate(cluster.devices):
         n = node[d.node]
-        k = (device_class_key(cluster, d.name), n.nic_bandwidth_bytes_per_s, len(n.devices))
+        k = (
+            device_class_key(cluster, d.name),
+            n.nic_bandwidth_bytes_per_s,
+            n.nic_latency_s,
+            n.intra_latency_s,
+            len(n.devices),
+        )
         keys.setdefault(k, []).append(i)
     order = {n.name: i for i, n in enumerate(cluster.nodes)}
     return [tuple(sorted(v, key=lambda i: (order[cluster.devices[i].node], i))) for v in keys.values()]
@@ -161,7 +168,7 @@ class Problem:
         for a, b in self.edges:
             self.preds[b].append(a)
             self.succs[a].append(b)
-        self._pair_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._pair_cache: dict[tuple, tuple[float, float]] = {}
         self._sync_cache: dict[tuple, float] = {}
         self._plan_groups: dict[tuple[Placement, int], tuple] = {}  # to_plan's per-placement part
         self.repartition_cache: dict[tuple, tuple[float, dict, dict]] = {}  # the estimate's transfers
@@ -192,8 +199,9 @@ class Problem:
 
     # -- communication look-ups (cached) ---------------------------------------------------
     def pair_cost(self, src: int, dst: int) -> tuple[float, float]:
-        """(latency_s, seconds per byte) between two devices, from the cost model."""
-        key = (src, dst)
+        """(latency_s, seconds per byte) between two devices, from the cost model; once per
+        pair of tiers (devices of a tier are alike, and so are their nodes' links)."""
+        key = (self.tier_of[src], self.tier_of[dst], self.node_idx[src] == self.node_idx[dst], src == dst)
         hit = self._pair_cache.get(key)
         if hit is None:
             a, b = self.device_names[src], self.device_names[dst]
