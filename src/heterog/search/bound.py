@@ -47,7 +47,7 @@ from scipy.sparse import coo_matrix
 
 from heterog.search.problem import Problem
 
-REL_TOL = 3e-3  # bisection stops when the bracket is this narrow, relative
+REL_TOL = 1e-2  # bisection stops when the bracket is this narrow, relative
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -285,9 +285,12 @@ def _bisect(lp: _Programme, hi: float) -> float:
     return lo  # infeasible below lo: lo is a bound, hi is not
 
 
-def lower_bound(prob: Problem) -> Bound:
-    """The bound of the module docstring for `prob`."""
+def lower_bound(prob: Problem, upper_s: float | None = None) -> Bound:
+    """The bound of the module docstring for `prob`. upper_s: the iteration time of a plan
+    already known (the best baseline's), where the bisection starts."""
     tb = _tables(prob)
     # one device of the fastest tier doing everything is always a feasible split
     hi = min(sum(float(tb.under[t][g][1][-1]) + tb.opt_s[t, g] for g in range(prob.n_groups)) for t in range(len(tb.n)))
+    if upper_s is not None and upper_s > 0:
+        hi = min(hi, upper_s)
     return Bound(iteration_time_s=_bisect(_Programme(tb), hi))
