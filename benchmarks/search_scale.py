@@ -107,7 +107,7 @@ def run_case(devices: int, model: str, budget_s: float, seed: int) -> dict:
 
 
 def summarise(rows: list[dict]) -> dict:
-    """The issue's checks: monotone in the budget per seed, the wall time against the budget,
+    """What the search promises: monotone in the budget per seed, the wall time against the budget,
     the 15-s plan against the best any budget found at 1024, and 4096 against its baselines."""
     ok = [r for r in rows if r["feasible"]]
     series: dict[tuple, list[dict]] = {}
