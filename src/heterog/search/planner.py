@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
+from heterog._signals import signals_deferred
 from heterog.cost.model import CostModel
 from heterog.errors import InfeasibleError, PlanError, did_you_mean
 from heterog.hardware.cluster import Cluster
@@ -125,9 +126,10 @@ def _load_code(policy: Any) -> None:
     imports: the GNN's modules (torch, torch_geometric) and the simulator's compiled code
     (numba loads it on the first call: a tiny plan is simulated). A lane forked afterwards
     has them. Seconds the first time, nothing after."""
-    if _has_policy(policy):
-        import heterog.search.gnn.policy  # noqa: F401
-    _simulate_once()
+    with signals_deferred():  # a stop now is delivered after: see _signals.py
+        if _has_policy(policy):
+            import heterog.search.gnn.policy  # noqa: F401
+        _simulate_once()
 
 
 @functools.cache
