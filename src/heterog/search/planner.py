@@ -273,8 +273,8 @@ def plan_graph(
     used as is, False skips the GNN candidates. max_iters caps each chain's moves and makes the
     run reproducible on any machine (the deadline is then only a safety stop).
     scorer: what the chains' moves are scored by — 'simulator', 'estimate', or 'auto' (the
-    simulator when it is installed; about as fast per neighbour as the estimate once its
-    caches are warm, and the final word anyway).
+    simulator when it is installed: with its caches one to five times the estimate's cost per
+    neighbour, and the final word anyway).
     finetune_s: seconds of REINFORCE on this very problem before the GNN proposes (a copy of
     the policy is tuned; the file is untouched), taken from the GNN lane's time.
     cuts: what the executor can cut (search/constraints.py); 'auto' exports `model_spec`'s
