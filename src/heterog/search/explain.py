@@ -15,7 +15,8 @@ from heterog.search.problem import Placement
 from heterog.search.sharding import replica_state_bytes
 
 if TYPE_CHECKING:
-    from heterog.search.planner import Candidate
+    from heterog.search.bound import Bound
+    from heterog.search.lanes import Candidate
     from heterog.search.problem import Problem
 
 
@@ -141,7 +142,14 @@ def _shard_note(prob: Problem, plan: Plan, a: int, b: int) -> str:
     )
 
 
-def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate]) -> list[str]:
+def bound_note(bound: Bound, iteration_time_s: float) -> str:
+    return (
+        f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
+        f"that no plan beats ({bound.what})."
+    )
+
+
+def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate], bound: Bound | None = None) -> list[str]:
     """The plan's explanation. Every claim is computed: times and memory from the candidates'
     scores, busy fractions and pipeline fill from a simulation of the winner."""
     plan = winner.plan
@@ -151,6 +159,8 @@ def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate]) -> 
         f"({'simulated' if winner.scored_by == 'simulator' else 'estimated'}), using "
         f"{len(plan.devices())} of {prob.n_devices} devices."
     ]
+    if bound is not None:
+        out.append(bound_note(bound, winner.iteration_time_s))
     ref = next((c for c in candidates if c.strategy == "even-dp-allreduce"), None)
     if ref is not None and ref.strategy != winner.strategy:
         if ref.feasible:

@@ -26,10 +26,13 @@ from scipy.optimize import linprog
 from heterog.cost.model import Collective
 from heterog.ir.kinds import CollectiveOp, ShardStage, SyncMethod
 from heterog.lower.shard_tasks import ShardedState, replica_bytes
+from heterog.search.moves import Move, MoveContext, MoveScope, register_move, with_placement
 from heterog.search.problem import Placement, Problem, Strategy
 
 GATHERED_UNITS = 2  # stage 3: the unit computing and the one prefetched (shard_tasks.PREFETCH_UNITS + 1)
-SHARD_MOVES = 0.15  # the share of the search's moves that change sharding, where memory binds
+# the search's shard move, where memory binds: about 15 % of the moves beside the registry's
+# others (weights 29 in all, moves.py)
+SHARD_MOVE_WEIGHT = 5.0
 MEMORY_BOUND = 0.25  # ... that is, where the whole state takes more than this share of a device
 
 
@@ -177,23 +180,21 @@ def memory_bound(prob: Problem) -> bool:
     return bool(np.any(whole > MEMORY_BOUND * prob.memory_bytes))
 
 
-def propose_shard(rng, prob: Problem, s, a: int, b: int):
-    """The search's move on the segment [a, b) (local_search.py): another ZeRO stage, with
-    heterog's fractions (balanced_fractions) or even ones; on an unsharded segment often
-    stage 3, the one that saves most."""
+def shard_move(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
+    """The search's move on the segment [a, b) (moves.py): another ZeRO stage, with heterog's
+    fractions (balanced_fractions) or even ones; drawn only where `memory_bound`."""
     p = s.placements[a]
     if len(p.devices) < 2:
         return s
-    stages = [x for x in ShardStage if x != p.shard]
-    stage = rng.choice(stages)
-    if stage and rng.random() < 0.5:
-        fractions = balanced_fractions(prob, range(a, b), p, stage, s.microbatches)
+    stage = ctx.rng.choice([x for x in ShardStage if x != p.shard])
+    if stage and ctx.rng.random() < 0.5:
+        fractions = balanced_fractions(ctx.prob, range(a, b), p, stage, s.microbatches)
     else:
         fractions = tuple([1.0 / len(p.devices)] * len(p.devices))
-    new = sharded(p, stage, fractions)
-    P = list(s.placements)
-    P[a:b] = [new] * (b - a)
-    return Strategy(tuple(P), s.microbatches, s.schedule)
+    return with_placement(s, a, b, sharded(p, stage, fractions))
+
+
+register_move(Move(name="shard", weight=SHARD_MOVE_WEIGHT, scope=MoveScope.ANY, apply=shard_move, when=memory_bound))
 
 
 def optimizer_fraction(p: Placement) -> np.ndarray | float:
