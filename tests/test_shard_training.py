@@ -80,6 +80,7 @@ def test_sharded_groups_step_with_the_model_files_optimizer_clipping_accumulatio
     want, eval_loss, lrs, norms = _torch_loop(plan)
     assert max(norms) > MAX_NORM, f"the clip never engaged (norms {norms}): the test would not test it"
     assert out["training"]["optimizer_from"] == "model file"
+    assert [g["weight_decay"] for g in out["training"]["param_groups"]] == [0.1, 0.0]  # as the model holds them
     assert out["learning_rates"] == lrs and out["grad_norms"] == pytest.approx(norms, rel=1e-5)
     assert [e["step"] for e in out["evaluations"]] == [2]
     assert out["evaluations"][0]["eval/loss"] == pytest.approx(eval_loss, rel=1e-5)

@@ -179,6 +179,18 @@ class ShardRunner:
         """What the optimizer steps: each piece cut where its parameters meet."""
         return [sub for u in self.units.values() for sub in u.subs]
 
+    def stand_ins(self, *, whole: bool = False) -> list[tuple[nn.Parameter, nn.Parameter | None]]:
+        """Per cut of a piece: a stand-in of its parameter as the model holds it (its shape and
+        dtype, no memory: one element expanded), and the cut; `whole`: of every parameter of
+        the sharded blocks, each once (no cut)."""
+
+        def stand_in(u: ShardUnit, i: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty((), dtype=u.piece.dtype, device=u.piece.device).expand(u.shapes[i]))
+
+        if whole:
+            return [(stand_in(u, i), None) for u in self.units.values() for i in range(len(u.names))]
+        return [(stand_in(u, i), sub) for u in self.units.values() for sub, (i, _, _) in zip(u.subs, u.cuts)]
+
     def sharded_names(self) -> set[str]:
         return {n for u in self.units.values() for n in u.names}
 
@@ -389,13 +401,9 @@ def make_optimizer(recipe: Recipe, params: list[nn.Parameter], shards: ShardRunn
     (a stand-in of its shape that holds no memory), so its parameter groups and
     hyperparameters are those one process gets (a user's factory may group by dimension);
     each cut then steps in its parameter's group."""
-    cut_of: dict[int, list[nn.Parameter]] = {}
-    stand_ins = []
-    for unit in shards.units.values():
-        for sub, (i, _, _) in zip(unit.subs, unit.cuts):
-            like = torch.empty((), dtype=unit.piece.dtype, device=unit.piece.device).expand(unit.shapes[i])
-            stand_ins.append(stand := nn.Parameter(like))
-            cut_of[id(stand)] = [sub]
+    pairs = shards.stand_ins()
+    cut_of = {id(stand): [sub] for stand, sub in pairs if sub is not None}
+    stand_ins = [stand for stand, _ in pairs]
     opt = recipe.make_optimizer(params + stand_ins)
     if opt is not None and stand_ins:
         for group in opt.param_groups:

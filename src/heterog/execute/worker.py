@@ -188,6 +188,14 @@ class RankSetup:
     recipe: Any = None  # training.Recipe: the run's optimizer, schedule and options
 
 
+def _as_held(setup: RankSetup) -> list[nn.Parameter]:
+    """The rank's parameters as the model holds them, for the record's optimizer groups: its
+    sharded blocks' whole, by stand-ins of their shapes (as shard.make_optimizer made its optimizer)."""
+    shards = setup.sync.shards
+    held = [p for n, p in setup.named if n not in shards.sharded_names()]
+    return held + [st for st, _ in shards.stand_ins(whole=True)]
+
+
 def build_rank(
     spec: dict[str, Any],
     rank: int,
@@ -361,7 +369,7 @@ def train(
         "sent_bytes": setup.transport.sent_bytes,
         "split": flow.split,
         "warnings": flow.warnings,
-        "training": setup.recipe.describe(setup.params or None) if rank == 0 else None,  # [train]
+        "training": setup.recipe.describe(_as_held(setup) or None) if rank == 0 else None,  # [train]
         "evaluations": hooks.evaluations,
     }
 
