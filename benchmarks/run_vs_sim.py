@@ -20,7 +20,7 @@ reported over all plans and over those that ran uncontended.
 
 Per scenario: plan; run every distinct feasible candidate for `--steps` steps, interleaved
 (A B C …, then … C B A) for `--repetitions` rounds in one launch of the ranks
-(pipeline.run_interleaved: consecutive plans run seconds apart), so a slow spell of the
+(heterog.run_interleaved: consecutive plans run seconds apart), so a slow spell of the
 shared machine hits all alike; per plan the predicted time (simulator, on this CPU's measured per-node
 times at one thread) and the measured median and spread. heterog's plan is the planner's
 best; the best baseline is the fastest *measured* baseline (single-device, even-dp-*,
@@ -96,8 +96,8 @@ def refused(setup, result) -> dict[str, Any] | None:
 
 
 def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
+    from heterog.plan_module import search
     from heterog.search.baselines import BASELINE_BUILDERS
-    from heterog.search.planner import plan_graph
 
     t0, load_before = time.perf_counter(), os.getloadavg()
     cluster = sc.cluster()
@@ -110,7 +110,7 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
         profile=not args.no_profile,
         say=print,
     )
-    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=args.budget_s, model_spec=setup.spec)
+    result = search(setup.inputs, setup.spec, budget_s=args.budget_s)
     plans, same, top = distinct_plans(result)
     out: dict[str, Any] = {
         "scenario": sc.name,

@@ -12,16 +12,19 @@ import dataclasses
 
 import pytest
 import torch
-from plan_batch import BatchedRun
+from plan_batch import BatchedRun, batch_options
 
 from heterog.execute.partition import fx_node_names
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run
+from heterog.ir.run_request import Limits, OutputConfig, PredictionConfig, RunOptions, TrainingConfig
+from heterog.ir.run_result import RunResult
+from heterog.runs import run
 
 MODELS = "tests/test_execute_models.py"
 STEPS = 3
-BATCH_RUN = dict(steps=STEPS, timeout_s=60)
+BATCH_RUN = batch_options(steps=STEPS, limits=Limits(timeout_s=60))
+QUIET = RunOptions(steps=STEPS, prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=60))
 
 
 def make_plan(
@@ -49,23 +52,23 @@ def replicas(*pairs) -> tuple[Replica, ...]:
     return tuple(Replica(device=d, share=s) for d, s in pairs)
 
 
-def check_equal(plan: Plan, tmp_path, data: str | None = None, rel_tol: float = 1e-5) -> dict:
+def check_equal(plan: Plan, tmp_path, data: str | None = None, rel_tol: float = 1e-5) -> RunResult:
     """Run the plan alone (`run`) and check it."""
-    out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60, data=data)
+    out = run(plan, QUIET, output=OutputConfig(out_dir=tmp_path, dump_params=True), training=TrainingConfig(data=data))
     return check_params(plan, out, tmp_path, data=data, rel_tol=rel_tol)
 
 
-def check_batched(done: BatchedRun, rel_tol: float = 1e-5) -> dict:
+def check_batched(done: BatchedRun, rel_tol: float = 1e-5) -> RunResult:
     """Check a plan of the module's batch."""
     return check_params(done.plan, done.result(), done.out_dir, rel_tol=rel_tol)
 
 
-def check_params(plan: Plan, out: dict, out_dir, *, data: str | None = None, rel_tol: float = 1e-5) -> dict:
+def check_params(plan: Plan, out: RunResult, out_dir, *, data: str | None = None, rel_tol: float = 1e-5) -> RunResult:
     """Every rank's parameters after the run (`out`, its files in `out_dir`) equal
     single-process training's."""
     ref = reference_train(plan, steps=STEPS, data=data)
     seen: set[str] = set()
-    for rank in range(len(out["devices"])):
+    for rank in range(len(out.devices)):
         params = torch.load(out_dir / f"params_rank{rank}.pt")
         for name, value in params.items():
             want = ref[name]
@@ -74,7 +77,7 @@ def check_params(plan: Plan, out: dict, out_dir, *, data: str | None = None, rel
             seen.add(name)
     assert seen == set(ref), f"parameters held by no rank: {set(ref) - seen}"
     # The summed per-rank losses are the global-batch loss, identical to the reference's start.
-    assert len(out["losses"]) == STEPS
+    assert len(out.losses) == STEPS
     return out
 
 
@@ -140,7 +143,7 @@ def test_parameter_server_sync_on_a_device_without_replica_with_user_data(tmp_pa
         ],
     )
     out = check_equal(plan, tmp_path, data=f"{MODELS}:fixed_vectors")
-    assert out["devices"] == ["a", "b", "c"]
+    assert out.devices == ("a", "b", "c")
 
 
 def hybrid_vgg() -> Plan:
@@ -168,7 +171,7 @@ def hybrid_vgg() -> Plan:
 @pytest.mark.batched(plan=hybrid_vgg)
 def test_hybrid_vgg_convs_replicated_and_recomputed_linears_on_one_device(plan_batch):
     out = check_batched(plan_batch.get(hybrid_vgg))
-    assert any("sent" in k for k in out["per_rank"][0])
+    assert out.per_rank[0].sent_bytes_total > 0  # a's share of the convs' outputs goes to c
 
 
 def two_stage_resmlp(schedule: str) -> Plan:
@@ -204,7 +207,7 @@ def test_a_model_the_capture_cannot_take_is_refused_before_any_rank_starts(tmp_p
         ],
     )
     with pytest.raises(ModelError, match="reads tensor values"):
-        run(plan, steps=1, out_dir=tmp_path, predict=False, timeout_s=60)
+        run(plan, QUIET, steps=1, output=OutputConfig(out_dir=tmp_path))
     assert not list(tmp_path.glob("log_rank*"))
 
 
@@ -237,7 +240,7 @@ def test_interleaved_groups_on_overlapping_replicas(plan_batch):
     from heterog.errors import PlanError
 
     with pytest.raises(PlanError, match="cycle among groups"):
-        run(cyclic, steps=1, predict=False, timeout_s=60)
+        run(cyclic, QUIET, steps=1)
 
 
 def llama_data_parallel() -> Plan:

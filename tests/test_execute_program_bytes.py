@@ -21,7 +21,7 @@ from heterog.execute.runtime import crossing_values
 from heterog.execute.workload import build_model, resolve_workload
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.lower.program import Phase, Send
-from heterog.pipeline import lower
+from heterog.orchestrate import lower
 
 SEQ = 8
 GPT2 = dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0)

@@ -11,7 +11,8 @@ its declared speed while it gets at least 1/k of a core — three ranks then fit
 2-core machine that others share, and the ratios between devices stay the declared ones.
 
 Predictions use this machine's measured per-node times at one thread (profile/measure.py)
-times each device's slowdown, so predicted and measured times describe the same hardware.
+times each device's slowdown, so predicted and measured times describe the same hardware;
+each is the simulation of the schedule its run carries out (heterog.runs: one lowering).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 from heterog.hardware.cluster import Cluster
+from heterog.inputs import PlanInputs
 from heterog.ir.plan import ModelSpec, Plan
-from heterog.pipeline import run
+from heterog.ir.run_request import Limits, RunOptions, TimingConfig
+from heterog.ir.run_result import RankSummary, RunResult
+from heterog.runs import run, run_interleaved
 
 # One emulated cluster shape, varied in speed, links and memory: node a has two devices,
 # node b one behind its own (slow) NIC. Pacing every device at least 3× keeps three ranks at
@@ -177,6 +181,10 @@ class Setup:
     profiled: bool
     links: tuple[dict[str, Any], ...] = ()  # the shaped links as measured (profile/links.py)
 
+    @property
+    def inputs(self) -> PlanInputs:
+        return PlanInputs(self.graph, self.cluster, self.costs)
+
 
 def prepare(
     *,
@@ -189,26 +197,21 @@ def prepare(
     links: bool = True,
     say: Callable[[str], None] = lambda s: None,
 ) -> Setup:
-    """Capture the model and build costs as one rank sees this CPU (one thread). With
-    `profile`, per-node times are measured here; with `links` too (as root, on an emulated
-    cluster of several nodes), each shaped link is measured once and the cost model's
-    transfers and collectives use what it carried (cost.profile.LinkCalibratedCosts)."""
-    from heterog.capture.cache import capture_cached
-    from heterog.execute.workload import resolve_workload
-    from heterog.inputs import device_view, model_inputs
-    from heterog.profile.measure import measure_profile, profile_batch_sizes
+    """Capture the model and build costs as one rank sees this CPU (one thread): the same
+    steps as heterog.plan (plan_module.py). With `profile`, per-node times are measured here;
+    with `links` too (as root, on an emulated cluster of several nodes), each shaped link is
+    measured once and the cost model's transfers and collectives use what it carried
+    (cost.profile.LinkCalibratedCosts)."""
+    from heterog.inputs import measured_profile, model_inputs
+    from heterog.plan_module import model_graph
 
-    device_view(cluster)  # one torch thread: every rank runs one, and the profile measures at one
-    spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)
-    graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
+    spec, graph = model_graph(model, model_args=model_args, batch_size=batch_size, seq_len=seq_len)
     prof = None
     if profile:
         say("measuring per-node times on this CPU (one thread)")
         # batch 1 catches the per-call overhead that dominates the small per-replica
         # micro-batches of pipelines; the cost model interpolates between the points.
-        prof = measure_profile(
-            resolve_workload(spec), batch_sizes=profile_batch_sizes(batch_size), graph=graph, repeats=9
-        )
+        prof = measured_profile(spec, graph, repeats=9)
     # the inputs heterog plan / simulate / run build (heterog/inputs.py), with this profile
     graph, cluster, costs = model_inputs(spec, cluster, profile=prof, graph=graph)
     measured: tuple[dict[str, Any], ...] = ()
@@ -241,12 +244,6 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
     )
 
 
-def predict(setup: Setup, plan: Plan) -> float:
-    from heterog.simulate.simulator import simulate
-
-    return float(simulate(setup.graph, setup.cluster, plan, setup.costs, timeline=False).iteration_time_s)
-
-
 def runnable(setup: Setup, plan: Plan) -> Plan:
     """A candidate plan made self-contained: the cluster spec and the model it was made for."""
     from heterog.hardware.spec import cluster_to_dict
@@ -256,26 +253,17 @@ def runnable(setup: Setup, plan: Plan) -> Plan:
     )
 
 
-def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Run `plan` and return its predicted and measured iteration times."""
+def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> RunResult:
+    """Run `plan` once: its measurement beside the prediction of the same schedule."""
     import warnings
 
     from heterog.errors import HeterogWarning
 
     with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
-        out = run(runnable(setup, plan), steps=steps, predict=False, timeout_s=timeout_s)
-    predicted = predict(setup, plan)
-    measured = out["measured_iteration_time_s"]
-    return {
-        "predicted_iteration_time_s": predicted,
-        "measured_iteration_time_s": measured,
-        "relative_error": (measured - predicted) / predicted,
-        "link_shaping": out["link_shaping"],
-        "contention": contention(out["per_rank"]),
-        "per_rank": out["per_rank"],
-        "notes": out["notes"],
-    }
+        return run(
+            runnable(setup, plan), RunOptions(steps=steps, limits=Limits(timeout_s=timeout_s)), inputs=setup.inputs
+        )
 
 
 def placement(plan: Plan) -> dict[str, Any]:
@@ -290,16 +278,16 @@ def placement(plan: Plan) -> dict[str, Any]:
     }
 
 
-def contention(per_rank: list[dict[str, Any]]) -> float:
+def contention(per_rank: tuple[RankSummary, ...]) -> float:
     """How much slower than declared the slowest-running emulated device computed, because
     the shared machine did not give its rank the CPU: pacing (emulation.py) stretches
     compute to slowdown × CPU time, so compute wall time beyond that is contention the pacing
     could not absorb (0: every device ran at its declared speed). The largest over ranks."""
     worst = 0.0
     for r in per_rank:
-        target = r.get("slowdown", 1.0) * r.get("cpu_s", 0.0)
-        if target > 0 and r.get("slowdown", 1.0) > 1.0:
-            worst = max(worst, r.get("compute_s", 0.0) / target - 1.0)
+        target = r.slowdown * r.cpu_s
+        if target > 0 and r.slowdown > 1.0:
+            worst = max(worst, r.compute_s / target - 1.0)
     return max(worst, 0.0)
 
 
@@ -321,52 +309,44 @@ def interleaved(
     failed: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Measure every strategy `repetitions` times, interleaved (A B C, C B A, …) in one launch
-    (pipeline.run_interleaved), so a slow spell of a shared machine hits all of them alike and
+    (heterog.run_interleaved), so a slow spell of a shared machine hits all of them alike and
     consecutive strategies run seconds apart; per strategy the median, the spread and the
-    repetitions themselves. With `failed` given, a plan whose run fails is recorded there
-    (label → the error) and left out; otherwise the error propagates."""
+    repetitions themselves, beside the prediction of the schedule that ran. With `failed`
+    given, a plan whose run fails is recorded there (label → the error) and left out;
+    otherwise the error propagates."""
     import warnings
 
     from heterog.errors import HeterogWarning
-    from heterog.pipeline import run_interleaved
 
     labels = list(plans)
     say(
         f"{repetitions} repetitions of {', '.join(f'{k} ({plans[k].strategy})' for k in labels)}, "
         f"{steps} steps each, interleaved in one launch"
     )
+    options = RunOptions(steps=steps, timing=TimingConfig(repetitions=repetitions), limits=Limits(timeout_s=120.0))
     with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
-        got = run_interleaved(
-            [runnable(setup, plans[k]) for k in labels],
-            steps=steps,
-            repetitions=repetitions,
-            predict=False,
-            timeout_s=120.0,
-            inputs=(setup.graph, setup.cluster, setup.costs),
-        )
+        got = run_interleaved([runnable(setup, plans[k]) for k in labels], options, inputs=setup.inputs)
     out = {}
-    for label, runs in zip(labels, got):
-        if runs.error is not None:
+    for label, result in zip(labels, got):
+        if not result.ok:
             if failed is None:
-                raise runs.error
-            failed[label] = str(runs.error).split(" Log tail:")[0]
+                result.raise_for_failure()
+            assert result.failure is not None
+            failed[label] = result.failure.message.split(" Log tail:")[0]
             continue
-        rs = runs.repetitions
-        times = [r["measured_iteration_time_s"] for r in rs]
-        median = statistics.median(times)
-        predicted = predict(setup, plans[label])
         out[label] = {
             "strategy": plans[label].strategy,
-            "predicted_iteration_time_s": predicted,
-            "measured_iteration_time_s": median,
-            "repetitions_s": times,
-            "contention": statistics.median(contention(r["per_rank"]) for r in rs),
-            "spread": max(times) / min(times) - 1.0,
-            "relative_error": (median - predicted) / predicted,
-            "link_shaping": rs[0]["link_shaping"],
-            "per_rank": rs[-1]["per_rank"],
-            "notes": rs[0]["notes"],
+            "predicted_iteration_time_s": result.predicted_iteration_time_s,
+            "measured_iteration_time_s": result.measured_iteration_time_s,
+            "repetitions_s": list(result.repetitions_s),
+            "contention": statistics.median(contention(rep.per_rank) for rep in result.repetitions),
+            "spread": result.spread,
+            "relative_error": result.relative_error,
+            "link_shaping": result.link_shaping.to_dict(),
+            "per_rank": [r.to_dict() for r in result.per_rank],
+            "by_kind": [k.to_dict() for k in result.by_kind()],
+            "notes": list(result.notes),
             "placement": placement(plans[label]),
         }
     return out
@@ -398,7 +378,7 @@ def demo(
     """Plan the scenario's model, then run heterog's plan, the best baseline and even data
     parallelism `repetitions` times each, interleaved. Even data parallelism that the
     planner finds does not fit a device's memory is left out (its speedup is None)."""
-    from heterog.search.planner import plan_graph
+    from heterog.plan_module import search
 
     t0 = time.perf_counter()
     sc = SCENARIOS[scenario]
@@ -414,7 +394,7 @@ def demo(
         say=say,
     )
     say(f"planning for {cluster.name}: {sc.description} (budget {budget_s:g} s)")
-    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=budget_s, model_spec=setup.spec)
+    result = search(setup.inputs, setup.spec, budget_s=budget_s)
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
     plans = {"heterog": result.best, "best-baseline": best_baseline(result).plan}
     if even.feasible:

@@ -7,8 +7,8 @@ each is decided here only:
 - the graph: the model captured at the plan's batch and sequence length, read from the
   on-disk cache when that capture was made before (capture/cache.py);
 - the device model: an emulated cluster's `cpu` devices run as one-thread processes, so their
-  rates are this CPU's measured at one thread, whatever thread count the caller had
-  (device_view);
+  rates are this CPU's measured at one thread, whatever thread count the caller has — which
+  is left as it is (device_view);
 - the costs: the analytic model at the plan's precision and optimizer, with the per-node
   times of a measured profile where one is given.
 """
@@ -35,18 +35,35 @@ class PlanInputs(NamedTuple):
     costs: Any  # a CostModel
 
 
+RANK_THREADS = 1  # torch threads of a rank process (execute/worker.py)
+
+
 def device_view(cluster: Cluster) -> Cluster:
     """`cluster` as its ranks see this machine: an emulated cluster's `cpu` type measured at
-    one thread (each rank runs one). It leaves this process at one torch thread, so that the
-    costs the simulator computes later (lazily) use the same rates."""
+    one thread (each rank runs one). The type records that count (GpuType.cpu_threads), so
+    every cost computed from it, now or later, uses the one-thread probe; the caller's own
+    thread count is not touched."""
     if cluster.kind != "emulated" or "cpu" not in cluster.gpu_types:
         return cluster
-    import torch
+    from heterog.hardware.catalog import cpu_gpu_type
 
-    from heterog.hardware.catalog import get_gpu
+    return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": cpu_gpu_type(RANK_THREADS)})
 
-    torch.set_num_threads(1)
-    return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
+
+def measured_profile(model: ModelSpec, graph: OpGraph, *, repeats: int = 5) -> Any:
+    """Per-node times of `model` measured on this CPU at one thread, as its ranks run it (a
+    few seconds), at the batch sizes the cost model interpolates between
+    (profile/measure.py profile_batch_sizes) — a profile `model_inputs` takes."""
+    from heterog.execute.workload import resolve_workload
+    from heterog.profile.measure import measure_profile, profile_batch_sizes
+
+    return measure_profile(
+        resolve_workload(model),
+        graph=graph,
+        batch_sizes=profile_batch_sizes(model.batch_size),
+        repeats=repeats,
+        threads=RANK_THREADS,
+    )
 
 
 def load_cluster_like(cluster: Cluster | str | os.PathLike) -> Cluster:

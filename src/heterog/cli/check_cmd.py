@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         """Check that every rank of a plan can run on a device: its stages built for the device (no
         tensor or graph node pinned elsewhere), and its forward and backward computes run."""
         set_wide(wide)
-        from heterog.pipeline import check, read_plan
+        from heterog.orchestrate import check, read_plan
 
         p = read_plan(plan)
         if not as_json:

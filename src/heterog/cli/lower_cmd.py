@@ -20,7 +20,7 @@ def lower_command(
     """Lower PLAN to its Program: per device, the instructions it runs (compute, send, receive,
     collective, optimizer step), the bytes it sends and receives, and the peak memory implied."""
     set_wide(wide)
-    from heterog.pipeline import lower
+    from heterog.orchestrate import lower
 
     program = lower(plan_path)
     if out is not None:

@@ -135,7 +135,8 @@ def plan_command(
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
     from heterog.errors import did_you_mean
     from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
-    from heterog.search.planner import CANDIDATES, plan
+    from heterog.plan_module import plan
+    from heterog.search.planner import CANDIDATES
 
     if precision not in PRECISIONS:
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")

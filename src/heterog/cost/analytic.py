@@ -199,7 +199,7 @@ class _TypeTable:
         if self.synchronous and fw:
             from heterog.hardware.catalog import measure_cpu
 
-            per_element = measure_cpu().element_s
+            per_element = measure_cpu(gpu.cpu_threads).element_s
             for i, n in enumerate(nodes):
                 for key, t in per_element.items():
                     if key in n.module_type.lower():
@@ -260,7 +260,7 @@ def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
     if kind == "conv":
         from heterog.hardware.catalog import measure_cpu
 
-        p = measure_cpu()
+        p = measure_cpu(gpu.cpu_threads)
         # oneDNN convolutions vs the same work as GEMM, measured on this machine
         return float(np.clip(p.conv_flops_per_s / p.peak_flops_per_s, 0.25, 2.0))
     return 1.0 if kind == "matmul" else 0.8

@@ -1,4 +1,5 @@
-"""Start the ranks of a plan: locally (one process per device) or by torchrun on each node.
+"""Start the ranks of a plan on this machine, one process per device (on a real cluster:
+torchrun.py prints the per-node commands).
 
 Local launch: every rank is a `heterog.execute.worker` process in its own session (so a
 SIGINT to the terminal reaches only us, and we can kill a rank's whole process group), with
@@ -22,9 +23,8 @@ of its device, so a process keeps its network namespace (netns.py) across plans.
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import os
-import shlex
 import shutil
 import signal
 import socket
@@ -41,20 +41,26 @@ from heterog.errors import CheckpointError, PlanError, RankError
 from heterog.execute import stale
 from heterog.execute.checkpoint import find_checkpoint, model_key
 from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
+from heterog.execute.spec import FailureKind, LaunchSpec, PlanEntry, RankFailure, RankResult, RankSpec
 from heterog.ir.plan import in_memory_model_error
+from heterog.ir.run_request import CheckpointConfig, Fault, TrainingConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
+    """How to start one plan's ranks here: each rank's spec (execute/spec.py RankSpec) is
+    written from it."""
+
     devices: tuple[str, ...]  # rank → device
     steps: int
     timeout_s: float = 60.0  # every collective / p2p op and the start-up
     seed: int = 0
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     slowdowns: dict[str, float] = field(default_factory=dict)
     pin_cores: bool = False
     dump_params: bool = False
-    fault: dict[str, Any] | None = None  # test hook: {"rank", "kind": die|hang|overflow, "step"}
-    data: str | None = None  # user data 'path/file.py:fn' (workload.with_data)
+    fault: Fault | None = None  # test hook
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
     cuda: bool = False  # ranks compute on GPUs (NCCL), else the CPU (gloo)
@@ -62,8 +68,30 @@ class LaunchConfig:
     host_staging: bool = False  # ranks share GPUs: gloo, tensors cross through the host
     gpu_types: dict[str, str] = field(default_factory=dict)  # device → the GPU type its rank must find
     master_addr: str = "127.0.0.1"
-    checkpoint: dict[str, Any] | None = None  # checkpoint.CheckpointConfig.to_dict()
     force: bool = False  # start even when memory looks too small
+
+    def rank_spec(self, rank: int, program_doc: dict[str, Any], checkpoint: CheckpointConfig, work: Path, port: int):
+        return RankSpec(
+            program=program_doc,
+            devices=self.devices,
+            rank=rank,
+            steps=self.steps,
+            seed=self.seed,
+            timeout_s=self.timeout_s,
+            training=self.training,
+            checkpoint=checkpoint,
+            slowdowns=self.slowdowns,
+            pin_cores=self.pin_cores,
+            dump_params=self.dump_params,
+            fault=self.fault,
+            cuda=self.cuda,
+            cuda_indices=self.cuda_indices,
+            host_staging=self.host_staging,
+            gpu_types=self.gpu_types,
+            master_addr=self.master_addr,
+            master_port=port,
+            out_dir=str(work),
+        )
 
 
 def free_port() -> int:
@@ -81,7 +109,7 @@ def _tail(path: Path, n: int = 1500) -> str:
 
 def launch_local(
     plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None, *, program_doc: dict[str, Any]
-) -> list[dict]:
+) -> list[RankResult]:
     """Run every rank of the plan's Program on this machine; return the per-rank results (rank order)."""
     if (why := in_memory_model_error(plan_doc["model"]["name"])) is not None:
         raise PlanError(why)
@@ -94,32 +122,12 @@ def launch_local(
     with _run_dir(out_dir) as work:
         try:
             for rank in range(len(cfg.devices)):
-                spec = {
-                    "rank": rank,
-                    "devices": list(cfg.devices),
-                    "program": program_doc,
-                    "steps": cfg.steps,
-                    "timeout_s": cfg.timeout_s,
-                    "seed": cfg.seed,
-                    "slowdowns": cfg.slowdowns,
-                    "pin_cores": cfg.pin_cores,
-                    "dump_params": cfg.dump_params,
-                    "fault": cfg.fault,
-                    "data": cfg.data,
-                    "checkpoint": ckpt,
-                    "cuda": cfg.cuda,
-                    "out_dir": str(work),
-                    "cuda_indices": list(cfg.cuda_indices),
-                    "host_staging": cfg.host_staging,
-                    "gpu_types": cfg.gpu_types,
-                    "master_addr": cfg.master_addr,
-                    "master_port": port,
-                }
+                spec = cfg.rank_spec(rank, program_doc, ckpt, work, port)
                 _start_rank(
                     work, spec, f"rank{rank}", procs, logs, wrap=cfg.wrap.get(rank, []), env=cfg.env.get(rank, {})
                 )
             _watch(procs, logs, work, cfg)
-            return [json.loads((work / f"result_rank{r}.json").read_text()) for r in range(len(procs))]
+            return [RankResult.load(RankResult.path(work, r)) for r in range(len(procs))]
         finally:
             _kill_all(procs)
 
@@ -142,7 +150,7 @@ def _run_dir(out_dir: Path | None) -> Iterator[Path]:
 
 def _start_rank(
     work: Path,
-    spec: dict[str, Any],
+    spec: RankSpec | LaunchSpec,
     name: str,
     procs: list[subprocess.Popen],
     logs: list[Path],
@@ -153,7 +161,7 @@ def _start_rank(
     """Start one worker process on `spec` (written to work/spec_<name>.json, its output to
     work/log_<name>.txt) in a session of its own, and record its pid for stale.py."""
     spec_path = work / f"spec_{name}.json"
-    spec_path.write_text(json.dumps(spec))
+    spec.save(spec_path)
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -187,7 +195,7 @@ class PlanLaunch:
     program_doc: dict[str, Any]
     devices: tuple[str, ...]
     slowdowns: dict[str, float] = field(default_factory=dict)
-    fault: dict[str, Any] | None = None  # test hook, as LaunchConfig.fault
+    fault: Fault | None = None  # test hook, as LaunchConfig.fault
     dump_params: bool = False  # as LaunchConfig.dump_params, into the plan's folder
     folder: str = ""  # the plan's folder in the run's; plan<i> if empty
     # entries of one plan (its repetitions) share a key: when one fails, the later ones are
@@ -224,7 +232,8 @@ def launch_local_many(
     out_dir: Path | None = None,
     force: bool = False,
     layout: ProcessLayout | None = None,
-) -> list[list[dict] | Exception]:
+    training: TrainingConfig | None = None,
+) -> list[list[RankResult] | Exception]:
     """Run several plans' Programs one after the other in one set of rank processes
     (worker.run_plans), so the start-up — processes, imports, the model's export — is paid
     once, not per plan. Without `layout`, process r is rank r of every plan that has more than
@@ -233,8 +242,8 @@ def launch_local_many(
     their namespaces). Returns, per plan, its ranks' results (rank order) or the error that
     stopped it: a failing plan ends its processes, which the launcher names as launch_local
     does, and the plans after it start in fresh ones (entries of a failed plan's key get its
-    error without running). CPU ranks (gloo) only; no checkpoints or user data."""
-    out: list[list[dict] | Exception | None] = [None] * len(plans)
+    error without running). CPU ranks (gloo) only; no checkpoints."""
+    out: list[list[RankResult] | Exception | None] = [None] * len(plans)
     for i, p in enumerate(plans):
         try:
             if (why := in_memory_model_error(p.plan_doc["model"]["name"])) is not None:
@@ -248,7 +257,10 @@ def launch_local_many(
     with _run_dir(out_dir) as work:
         launch = 0
         while todo := [i for i in range(len(plans)) if out[i] is None]:
-            _launch_many(plans, todo, out, work, launch, steps=steps, timeout_s=timeout_s, seed=seed, layout=layout)
+            common = LaunchSpec(
+                rank=0, world=0, steps=steps, seed=seed, timeout_s=timeout_s, training=training or TrainingConfig()
+            )
+            _launch_many(plans, todo, out, work, launch, common, layout=layout)
             failed = {plans[i].key: out[i] for i in range(len(plans)) if isinstance(out[i], Exception)}
             for i in range(len(plans)):
                 if out[i] is None and plans[i].key and plans[i].key in failed:
@@ -263,50 +275,43 @@ def _launch_many(
     out: list,
     work: Path,
     launch: int,
+    common: LaunchSpec,
     *,
-    steps: int,
-    timeout_s: float,
-    seed: int,
     layout: ProcessLayout | None,
 ) -> None:
     """One set of processes for the plans `todo` (in order); fills `out` for every plan that
-    finished and for the first that failed."""
+    finished and for the first that failed. `common`: the launch's settings (steps, seed,
+    timeout, training), which each process's spec takes."""
+    steps, timeout_s = common.steps, common.timeout_s
     procs_of = {
         i: layout.processes_of(plans[i]) if layout is not None else list(range(len(plans[i].devices))) for i in todo
     }
     world = len(layout.devices) if layout is not None else max(len(plans[i].devices) for i in todo)
     wait_s = timeout_s * (steps + 3) + 60  # as launch_local's deadline, per plan
     plan_dir = {i: work / (plans[i].folder or f"plan{i}") for i in todo}
-    entries = [
-        {
-            "index": i,
-            "devices": list(plans[i].devices),
-            "processes": procs_of[i],
-            "program": plans[i].program_doc,
-            "slowdowns": plans[i].slowdowns,
-            "fault": plans[i].fault,
-            "dump_params": plans[i].dump_params,
-            "out_dir": str(plan_dir[i]),
-            "wait_s": wait_s,
-        }
+    entries = tuple(
+        PlanEntry(
+            index=i,
+            devices=plans[i].devices,
+            processes=tuple(procs_of[i]),
+            program=plans[i].program_doc,
+            slowdowns=plans[i].slowdowns,
+            fault=plans[i].fault,
+            dump_params=plans[i].dump_params,
+            out_dir=str(plan_dir[i]),
+            wait_s=wait_s,
+        )
         for i in todo
-    ]
+    )
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
     lay = layout or ProcessLayout(devices=())
     try:
         for rank in range(world):
-            spec = {
-                "rank": rank,
-                "world": world,
-                "steps": steps,
-                "timeout_s": timeout_s,
-                "seed": seed,
-                "master_addr": lay.master_addr,
-                "master_port": port,
-                "plans": entries,
-            }
+            spec = dataclasses.replace(
+                common, rank=rank, world=world, master_addr=lay.master_addr, master_port=port, plans=entries
+            )
             _start_rank(
                 work,
                 spec,
@@ -322,53 +327,61 @@ def _launch_many(
         except RankError:
             finished = False
         for i in todo:
-            mine = procs_of[i]
-            files = [plan_dir[i] / f"result_rank{r}.json" for r in range(len(mine))]
+            files = [RankResult.path(plan_dir[i], r) for r in range(len(procs_of[i]))]
             if finished or all(f.exists() for f in files):
-                out[i] = [json.loads(f.read_text()) for f in files]
+                out[i] = [RankResult.load(f) for f in files]
                 continue
-            used = [procs[p] for p in mine]
-            _grace(used, timeout_s)
-            # a process this plan does not use is to blame only when none of the plan's failed
-            # (the store lives in process 0: when that one fails, the idle ones fail after it)
-            plan_failed = any(p.poll() not in (None, 0) for p in used)
-            idle_dead = (
-                [] if plan_failed else [r for r in range(world) if r not in mine and procs[r].poll() not in (None, 0)]
-            )
-            out[i] = (
-                RankError(
-                    idle_dead[0],
-                    f"process {idle_dead[0]} of the launch, which this plan does not "
-                    f"use, died (exit code {procs[idle_dead[0]].poll()}); the plan was "
-                    f"stopped. Log tail: {_tail(logs[idle_dead[0]], 600)}",
-                )
-                if idle_dead
-                else _culprit(used, [logs[p] for p in mine], plan_dir[i], plans[i].devices, timeout_s)
-            )
+            out[i] = _plan_failure(procs, logs, procs_of[i], plan_dir[i], plans[i].devices, timeout_s)
             return
     finally:
         _kill_all(procs)
 
 
-def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> dict[str, Any] | None:
+def _plan_failure(
+    procs: list[subprocess.Popen],
+    logs: list[Path],
+    mine: list[int],
+    folder: Path,
+    devices: tuple[str, ...],
+    timeout_s: float,
+) -> RankError:
+    """What stopped a plan of a multi-plan launch: its culprit (launch_local's rules), or a
+    process of the launch it does not use that died — to blame only when none of the plan's
+    own failed (the store lives in process 0: when that one fails, the idle ones fail after it)."""
+    used = [procs[p] for p in mine]
+    _grace(used, timeout_s)
+    if not any(p.poll() not in (None, 0) for p in used):
+        idle_dead = [r for r in range(len(procs)) if r not in mine and procs[r].poll() not in (None, 0)]
+        if idle_dead:
+            r = idle_dead[0]
+            return RankError(
+                r,
+                f"process {r} of the launch, which this plan does not use, died (exit code "
+                f"{procs[r].poll()}); the plan was stopped. Log tail: {_tail(logs[r], 600)}",
+            )
+    return _culprit(used, [logs[p] for p in mine], folder, devices, timeout_s)
+
+
+def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> CheckpointConfig:
     """The checkpoint settings with `resume` pinned to one complete checkpoint, so every rank
     loads the same one even if another appears meanwhile; checked against the plan first."""
-    if not cfg.checkpoint or not cfg.checkpoint.get("resume"):
-        return cfg.checkpoint
-    info = find_checkpoint(cfg.checkpoint["resume"])
+    ckpt = cfg.checkpoint
+    if not ckpt.resume:
+        return ckpt
+    info = find_checkpoint(ckpt.resume)
     model = plan_doc["model"]["name"]
     if info.model != model_key(model):
         raise CheckpointError(
-            f"--resume {cfg.checkpoint['resume']}: the checkpoint is of model {info.model!r}, "
+            f"--resume {ckpt.resume}: the checkpoint is of model {info.model!r}, "
             f"but the plan trains {model!r}; resume with a plan of the same model."
         )
     if info.step >= cfg.steps:
         raise CheckpointError(
-            f"--resume {cfg.checkpoint['resume']}: the checkpoint already holds {info.step} "
+            f"--resume {ckpt.resume}: the checkpoint already holds {info.step} "
             f"completed steps and --steps {cfg.steps} is the total to reach; give "
             f"--steps above {info.step}."
         )
-    return {**cfg.checkpoint, "resume": str(info.path)}
+    return dataclasses.replace(ckpt, resume=str(info.path))
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -438,17 +451,17 @@ def _culprit(
     """The RankError that names the rank to blame (module docstring), from the exit codes and
     the error reports in `work`."""
     codes = [p.poll() for p in procs]
-    errors = {}
-    for r in range(len(procs)):
-        f = work / f"error_rank{r}.json"
-        if f.exists():
-            errors[r] = json.loads(f.read_text())
-    died = [r for r, c in enumerate(codes) if c not in (None, 0) and (r not in errors or errors[r]["kind"] == "error")]
+    errors = {r: e for r in range(len(procs)) if (e := RankFailure.read(work, r)) is not None}
+    died = [
+        r
+        for r, c in enumerate(codes)
+        if c not in (None, 0) and (r not in errors or errors[r].kind is FailureKind.ERROR)
+    ]
     alive = [r for r, c in enumerate(codes) if c is None]
     if died:
         r = died[0]
         why = (
-            f"failed: {errors[r]['type']}: {errors[r]['message']}"
+            f"failed: {errors[r].type}: {errors[r].message}"
             if r in errors
             else f"died (exit code {codes[r]}) at step {_progress(work, r)}"
         )
@@ -461,48 +474,5 @@ def _culprit(
             f"ranks timed out after {timeout_s:.0f} s waiting for it; killed.",
         )
     r = min(errors) if errors else 0
-    msg = errors.get(r, {}).get("message", _tail(logs[r]))
+    msg = errors[r].message if r in errors else _tail(logs[r])
     return RankError(r, f"failed on device {devices[r]}: {msg}")
-
-
-def local_gpu_indices(node_devices: Sequence[str], used: Sequence[str]) -> list[int]:
-    """The GPU index on its node of each used device: its position among the node's devices,
-    which a cluster file lists in the order of the node's GPUs (CUDA_VISIBLE_DEVICES order)."""
-    return [list(node_devices).index(d) for d in used]
-
-
-def torchrun_commands(
-    *,
-    spec_path: str,
-    node_devices: list[list[str]],
-    master_addr: str,
-    master_port: int = 29500,
-    env: dict[str, str] | None = None,
-    visible: list[list[int]] | None = None,
-) -> list[str]:
-    """One torchrun command per node; rank order follows node order, then device order. `env`
-    (e.g. one NCCL algorithm for unlike GPUs) prefixes every command; `visible[i]`, node i's
-    GPUs the plan uses, becomes its CUDA_VISIBLE_DEVICES, so local rank k runs on the k-th of
-    them — the GPU its plan device names, also when the plan leaves some of the node's out."""
-    prefix = [f"{k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
-    out = []
-    for i, devs in enumerate(node_devices):
-        gpus = [f"CUDA_VISIBLE_DEVICES={','.join(map(str, visible[i]))}"] if visible else []
-        out.append(
-            " ".join(
-                [
-                    *prefix,
-                    *gpus,
-                    "torchrun",
-                    f"--nnodes={len(node_devices)}",
-                    f"--node-rank={i}",
-                    f"--nproc-per-node={len(devs)}",
-                    f"--master-addr={shlex.quote(master_addr)}",
-                    f"--master-port={master_port}",
-                    "-m",
-                    "heterog.execute.worker",
-                    shlex.quote(spec_path),
-                ]
-            )
-        )
-    return out

@@ -23,7 +23,11 @@ step. This module runs them one after another with torch:
 - transfers go through the Transport (transport.py): each Send and Recv moves the values
   that cross between its blocks, shaped by the wire table, posted in the sender's order;
 - every instruction is timed with the rank's Clock (a CUDA event on a GPU), and the spans
-  are read after the step (`spans`), so timing adds no synchronisation inside it.
+  are read after the step (`read_timings`), so timing adds no synchronisation inside it.
+  Each instruction has exactly one span per step carrying its index and op (ir/run_result.py
+  Span): a compute its forward or backward, a send its posting, a receive its wait, a
+  collective its run on the lane (the launch is the executor's own), the optimizer
+  instruction its step (the wait for the syncs before it is the executor's own).
 
 Exactness: the loss of a replica's samples is mean-reduced by the zoo entry, so it is scaled
 by samples / global batch; the sum over replicas and micro-batches is the global-batch mean.
@@ -128,6 +132,7 @@ class Interpreter:
         self.overflow_hook: Callable[[], None] | None = None  # test hook: an inf into a gradient
         self.clock = self.rank_device.clock()
         self._marks: list[_Mark] = []
+        self._optimizer_index: int | None = None  # fp16: the Optimizer instruction, stepped at the end
         self.trace: list[tuple] = []
         self.samples: list[int] = []  # per forward compute: samples in the tensors it produced
         self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)  # Boundary's
@@ -193,7 +198,7 @@ class Interpreter:
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
         self._loss_total = 0.0
-        self._marks = []
+        self._marks, self._optimizer_index = [], None
         self.sync.runner.runs.clear()
         self.stats = StepStats()
         self.trace, self.samples = [], []  # what this step ran
@@ -201,6 +206,9 @@ class Interpreter:
         for index, ins in enumerate(self.instructions):
             if isinstance(ins, Optimizer):
                 self._optimizer(index)
+            elif isinstance(ins, Collective):  # its span is its run on the lane (sync.py)
+                with self._timing(f"launch {self._describe(ins)[0]}", SpanCategory.SYNC):
+                    self._run(index, ins)
             else:
                 name, category = self._describe(ins)
                 with self._timing(name, category, index):
@@ -239,8 +247,8 @@ class Interpreter:
         with self._timing("loss-scale check", SpanCategory.SYNC):
             ok = self.scaler.unscale_and_check(params, also=self.sync.runner.unscale_and_check_servers)
             self.sync.runner.pull_deferred(ok)
-        if ok and self.optimizer is not None:
-            with self._timing("optimizer step", SpanCategory.OPTIMIZER):
+        with self._timing("optimizer step", SpanCategory.OPTIMIZER, self._optimizer_index):
+            if ok and self.optimizer is not None:
                 self._timed(self.optimizer.step)
         self.skipped_steps += 0 if ok else 1
 
@@ -258,16 +266,13 @@ class Interpreter:
         return timed()
 
     def _describe(self, ins) -> tuple[str, SpanCategory]:
+        name = self.program.describe(ins)
         if isinstance(ins, Compute):
-            forward = ins.phase == Phase.FORWARD
-            return (
-                f"{self.program.blocks[ins.block].label} {'F' if forward else 'B'} mb{ins.microbatch}",
-                SpanCategory.FORWARD if forward else SpanCategory.BACKWARD,
-            )
+            return name, SpanCategory.FORWARD if ins.phase == Phase.FORWARD else SpanCategory.BACKWARD
         if isinstance(ins, (Send, Recv)):
-            return f"{ins.kind} {ins.peer} mb{ins.microbatch}", SpanCategory.TRANSFER
+            return name, SpanCategory.TRANSFER
         if isinstance(ins, Collective):
-            return f"{self.program.blocks[ins.block].label} {ins.method} sync", SpanCategory.SYNC
+            return name, SpanCategory.SYNC
         raise AssertionError(f"no span for {type(ins).__name__}")
 
     def read_timings(self, *, rank: int, step: int, origin: Any, origin_s: float) -> list[Span]:
@@ -275,7 +280,8 @@ class Interpreter:
         plus the clock's seconds since `origin` (a mark taken at the step's start), and the
         step's stats derived from them (`stats`)."""
         runs = [
-            _Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b) for label, a, b in self.sync.runner.runs
+            _Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b, index=i)
+            for label, a, b, i in self.sync.runner.runs
         ]
         spans = [
             Span(
@@ -284,6 +290,7 @@ class Interpreter:
                 rank=rank,
                 step=step,
                 index=m.index,
+                op=None if m.index is None else self.instructions[m.index].op,
                 start_s=origin_s + self.clock.seconds(origin, m.start),
                 end_s=origin_s + self.clock.seconds(origin, m.end),
             )
@@ -313,18 +320,22 @@ class Interpreter:
             self._recv(ins)
         elif isinstance(ins, Collective):
             self.trace.append(("collective", ins.block, str(ins.method), ins.members))
-            self.sync.launch(ins)
+            self.sync.launch(ins, index)
 
     def _optimizer(self, index: int) -> None:
-        """The Optimizer instruction: wait for the syncs (a SYNC span), then step (fp16 steps
-        after the loss-scale check at the end of the step instead)."""
-        with self._timing("gradient sync wait", SpanCategory.SYNC, index):
+        """The Optimizer instruction: wait for the syncs (a SYNC span of the executor's own),
+        then step: the instruction's span (fp16 steps after the loss-scale check at the end of
+        the step instead, under the same instruction)."""
+        with self._timing("gradient sync wait", SpanCategory.SYNC):
             self.transport.wait_all()
             self.sync.finish()
             self.sync.sum_tied_gradients()  # copies of a tied parameter: one gradient for all
         self.trace.append(("optimizer",))
-        if self.optimizer is not None and self.scaler is None:
-            with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
+        if self.scaler is not None:
+            self._optimizer_index = index
+            return
+        with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
+            if self.optimizer is not None:
                 self._timed(self.optimizer.step)
 
     def live_bytes(self) -> LiveBytes:

@@ -179,7 +179,9 @@ class BucketRunner:
         self.clock = clock
         self._pending: list[tuple[Bucket, Any, bool]] = []
         self._gathered: list[Bucket] = []  # deferred: servers that hold a sum to apply
-        self.runs: list[tuple[str, Any, Any]] = []  # (label, start mark, end mark) of each collective run
+        # each collective's run on the lane: (label, start mark, end mark, the Program
+        # instruction it carries out, or None for a sync the Program does not list)
+        self.runs: list[tuple[str, Any, Any, int | None]] = []
         self.sync_s = 0.0
 
     def kept_buffers(self) -> list[torch.Tensor]:
@@ -212,8 +214,10 @@ class BucketRunner:
     def _holds(self, bucket: Bucket) -> bool:
         return all(p.numel() == self.flow.param_numel[n] for n, p in zip(bucket.names, self._params(bucket)))
 
-    def launch(self, bucket: Bucket) -> None:
+    def launch(self, bucket: Bucket, index: int | None = None) -> None:
+        """Start `bucket`'s sync on the lane; `index`: the Program instruction it carries out."""
         if self.rank not in bucket.members:
+            self.nothing_to_run(bucket.label, index)
             return
         t0 = time.perf_counter()
         params = self._params(bucket) if self._holds(bucket) else None
@@ -228,10 +232,19 @@ class BucketRunner:
                 if bucket.method is SyncMethod.PS and (server is None or server.needs_parameters)
                 else None
             )
-        self._pending.append((bucket, self.lane.submit(self._run, bucket, grad, values), in_place))
+        self._pending.append((bucket, self.lane.submit(self._run, bucket, grad, values, index), in_place))
         self.sync_s += time.perf_counter() - t0
 
-    def _run(self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+    def nothing_to_run(self, label: str, index: int | None) -> None:
+        """A collective instruction with nothing to sync here (no parameters of its bucket on
+        this rank): an empty run, so that every instruction has its span."""
+        if self.clock is not None and index is not None:
+            mark = self.clock.mark()
+            self.runs.append((f"{label} (nothing to sync)", mark, mark, index))
+
+    def _run(
+        self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None, index: int | None
+    ) -> torch.Tensor | None:
         start = self.clock.mark() if self.clock is not None else None
         out: torch.Tensor | None = grad
         if bucket.method is SyncMethod.PS:
@@ -244,7 +257,7 @@ class BucketRunner:
         else:
             allreduce_sum(grad, bucket.members, bucket.method, bucket.nodes, self.groups)
         if self.clock is not None:
-            self.runs.append((f"{bucket.label} {bucket.method}", start, self.clock.mark()))
+            self.runs.append((f"{bucket.label} {bucket.method}", start, self.clock.mark(), index))
         return out
 
     def _result(self, bucket: Bucket, handle: Any) -> Any:
@@ -414,14 +427,17 @@ class ProgramSync:
             nodes=tuple(tuple(self.rank_of[d] for d in node) for node in ins.nodes) or None,
         )
 
-    def launch(self, ins: Any) -> None:
+    def launch(self, ins: Any, index: int | None = None) -> None:
+        """Start the sync of Collective instruction `ins` (at `index` in this rank's list)."""
         if ins.tie:  # a tied parameter's copies, where the Program puts it
             bucket = self._tie(ins.tie, tuple(self.rank_of[d] for d in ins.members))
             self._ties_done.add(ins.tie)
         else:
             bucket = self._bucket(ins)
         if bucket.names:
-            self.runner.launch(bucket)
+            self.runner.launch(bucket, index)
+        else:
+            self.runner.nothing_to_run(bucket.label, index)
 
     def _tie(self, name: str, members: tuple[int, ...]) -> Bucket:
         """The tie bucket of `name`, in the Program's ring order."""

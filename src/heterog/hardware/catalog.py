@@ -10,12 +10,14 @@ measurements gets its efficiency from its public figures (cost/public_model.py).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
 import platform
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -279,7 +281,7 @@ class HostOverheads:
 def host_overheads(gpu: GpuType) -> HostOverheads:
     """The CPU device type's own costs (measured); GPUs: see host_costs."""
     if gpu.vendor == "cpu":
-        p = measure_cpu()
+        p = measure_cpu(gpu.cpu_threads)
         # a calibrated CPU type (heterog calibrate) carries the profiled machine's op costs
         dispatch_s = gpu.host.forward_op_s if gpu.host is not None else p.dispatch_s
         return HostOverheads(
@@ -354,10 +356,25 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _probe_key() -> str:
+def _probe_key(threads: int) -> str:
     import torch
 
-    return f"{_cpu_model_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|v{_PROBE_VERSION}"
+    return f"{_cpu_model_name()}|threads={threads}|torch={torch.__version__}|v{_PROBE_VERSION}"
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` for the body; the caller's after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    if before != threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def cache_dir() -> Path:
@@ -455,7 +472,7 @@ def _run_probe() -> CpuProbe:
     fwd_s = _best_time_s(forward_chain, repeats=5) / chain
     total_s = _best_time_s(lambda: forward_chain().sum().backward(), repeats=5) / chain
     return CpuProbe(
-        key=_probe_key(),
+        key=_probe_key(torch.get_num_threads()),
         matmul_flops_per_s=mm,
         bf16_matmul_flops_per_s=bf16,
         conv_flops_per_s=conv,
@@ -470,7 +487,7 @@ def _run_probe() -> CpuProbe:
 
 
 @lru_cache(maxsize=4)
-def _measure_cpu_for(key: str) -> CpuProbe:
+def _measure_cpu_for(key: str, threads: int) -> CpuProbe:
     path = cache_dir() / "cpu_probe.json"
     try:
         cached = json.loads(path.read_text())
@@ -484,7 +501,8 @@ def _measure_cpu_for(key: str) -> CpuProbe:
             return CpuProbe(**entry)
         except (TypeError, KeyError, ValueError):
             pass  # a stale or damaged entry: measure again
-    probe = _run_probe()
+    with torch_threads(threads):
+        probe = _run_probe()
     doc = {k: v for k, v in cached.items()} if isinstance(cached, dict) else {}
     body = {f: getattr(probe, f) for f in probe.__dataclass_fields__}
     body["matmul_flops_per_s"] = {str(k): v for k, v in probe.matmul_flops_per_s.items()}
@@ -496,14 +514,24 @@ def _measure_cpu_for(key: str) -> CpuProbe:
     return probe
 
 
-def measure_cpu() -> CpuProbe:
-    """This machine's CPU rates, cached under ~/.cache/heterog (or $HETEROG_CACHE_DIR) and
-    measured again when the CPU model, torch thread count or torch version changes."""
-    return _measure_cpu_for(_probe_key())
+def measure_cpu(threads: int | None = None) -> CpuProbe:
+    """This machine's CPU rates at `threads` torch threads (None: the caller's count), cached
+    under ~/.cache/heterog (or $HETEROG_CACHE_DIR) and measured again when the CPU model,
+    the thread count or torch's version changes. Measuring sets the count for the probe only:
+    the caller's is left as it was."""
+    import torch
+
+    n = threads or torch.get_num_threads()
+    return _measure_cpu_for(_probe_key(n), n)
 
 
-def cpu_gpu_type() -> GpuType:
-    p = measure_cpu()
+def cpu_gpu_type(threads: int | None = None) -> GpuType:
+    """The `cpu` device type: this CPU's rates at `threads` torch threads (None: the caller's
+    count), recorded in the type (`cpu_threads`) so that every cost of it uses the same probe."""
+    import torch
+
+    n = threads or torch.get_num_threads()
+    p = measure_cpu(n)
     fp32 = p.peak_flops_per_s
     return GpuType(
         name=CPU_TYPE,
@@ -512,6 +540,7 @@ def cpu_gpu_type() -> GpuType:
         memory_bandwidth_bytes_per_s=p.copy_bandwidth_bytes_per_s,
         memory_bytes=p.memory_bytes,
         intra_node_link="loopback",
+        cpu_threads=n,
         # gloo between local processes: shared-memory copies through the loopback interface
         intra_node_bandwidth_bytes_per_s=2e9,
         sources={

@@ -196,6 +196,7 @@ class GpuType:
     efficiency: Efficiency = field(default_factory=Efficiency)
     host: HostCosts | None = None  # None: the vendor's default (catalog host_overheads)
     public: PublicFigures | None = None  # None: a custom type with peaks only
+    cpu_threads: int | None = None  # the measured `cpu` type: the torch threads its rates are for
 
     def __post_init__(self) -> None:
         for p in PRECISIONS:

@@ -13,7 +13,12 @@ schedule). Devices are ranks: rank r runs `instructions[devices[r]]` in order. I
               every device holding a copy (ring); `block` is then its owner's block
   Optimizer   the optimizer step over the parameters this device holds
 Each carries its memory effect on its device: bytes allocated when it starts
-(`alloc_bytes`) and freed when it ends (`free_bytes`).
+(`alloc_bytes`) and freed when it ends (`free_bytes`), and `op`, the operation of the
+iteration's schedule it was written from (lower/schedule.py: a task). One operation seen
+from several devices — a transfer's send and receive, a collective's members — is one op, so
+an instruction is named by its device and its op: `instruction_id(device, op)`. The simulator's
+events of an unmerged schedule (the one a Program is written from) and the executor's measured
+spans carry the same op, which is how prediction and measurement of one instruction are joined.
 
 Validated on load (`validate`): every send has exactly one matching receive, collectives
 agree on members, method and order, and no device waits on a peer that waits on it.
@@ -30,7 +35,7 @@ from heterog.ir.kinds import InstructionKind, Phase, SyncMethod
 from heterog.jsonio import Artifact
 
 KIND = "heterog.Program"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,8 +52,15 @@ class InputPiece:
     grad_tag: int | None = None
 
 
+def instruction_id(device: str, op: int) -> str:
+    """The name of device's instruction of operation `op`: unique in a Program (validate
+    checks), the same in its simulation and in the spans its run measured."""
+    return f"{op}@{device}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Compute:
+    op: int
     block: int
     phase: Phase
     microbatch: int
@@ -63,8 +75,9 @@ class Compute:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Transfer:
     """Samples [lo, hi) of a block's outputs (forward) or of their gradients (backward)
-    between this device and `peer`; a send and its receive share the tag."""
+    between this device and `peer`; a send and its receive share the tag (and the op)."""
 
+    op: int
     tag: int
     peer: str
     src_block: int  # the producer block (whose outputs, or their gradients, move)
@@ -90,6 +103,7 @@ class Recv(Transfer):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Collective:
+    op: int
     block: int
     method: SyncMethod
     members: tuple[str, ...]  # ring order
@@ -112,6 +126,7 @@ class Collective:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Optimizer:
+    op: int
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
     kind: InstructionKind = InstructionKind.OPTIMIZER
@@ -151,6 +166,20 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
 
     def rank_of(self) -> dict[str, int]:
         return {d: r for r, d in enumerate(self.devices)}
+
+    def describe(self, ins: Instruction) -> str:
+        """A short name of an instruction, as timelines label it."""
+        if isinstance(ins, Compute):
+            return f"{self.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}"
+        if isinstance(ins, (Send, Recv)):
+            return f"{ins.kind} {ins.peer} mb{ins.microbatch}"
+        if isinstance(ins, Collective):
+            return f"tied {ins.tie} sync" if ins.tie else f"{self.blocks[ins.block].label} {ins.method} sync"
+        return "optimizer step"
+
+    def locations(self) -> dict[str, tuple[str, int]]:
+        """instruction id → (its device, its index in the device's list)."""
+        return {instruction_id(d, ins.op): (d, i) for d, lst in self.instructions.items() for i, ins in enumerate(lst)}
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per device: instruction counts by kind, bytes sent and received, and the peak
@@ -250,9 +279,23 @@ def validate(prog: Program, source: str = "<program>") -> None:
             f"{source}: instruction lists for {sorted(set(prog.instructions) ^ known)} do "
             f"not match the program's devices; re-create it with `heterog lower`."
         )
+    _check_ops(prog, source)
     _check_pairs(prog, source)
     _check_collectives(prog, source)
     _check_deadlock(prog, source)
+
+
+def _check_ops(prog: Program, source: str) -> None:
+    """Every instruction's id (device, op) names it alone."""
+    for d, lst in prog.instructions.items():
+        seen: dict[int, int] = {}
+        for i, ins in enumerate(lst):
+            if ins.op in seen:
+                raise PlanError(
+                    f"{source}: device {d!r} has two instructions of op {ins.op} (at {seen[ins.op]} and {i}); "
+                    f"each instruction needs its own id. Re-create the program with `heterog lower`."
+                )
+            seen[ins.op] = i
 
 
 def _check_pairs(prog: Program, source: str) -> None:

@@ -44,6 +44,7 @@ from torch import nn
 from heterog.cost.profile import Profile
 from heterog.execute.emulation import keep_freed_memory
 from heterog.execute.workload import Workload, build_model, global_batch
+from heterog.hardware.catalog import torch_threads
 
 
 def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -279,11 +280,11 @@ def measure_profile(
     """A Profile of `work`'s leaf modules at `batch_sizes` on this CPU with `threads` threads,
     with freed memory kept for reuse as the ranks keep it (execute/emulation.py)."""
     keep_freed_memory()
-    torch.set_num_threads(threads)
-    model = build_model(work, seed=seed)
-    by_batch = node_times_by_batch(
-        model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed, statistic=statistic, clock=clock
-    )
+    with torch_threads(threads):  # the caller's count afterwards
+        model = build_model(work, seed=seed)
+        by_batch = node_times_by_batch(
+            model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed, statistic=statistic, clock=clock
+        )
     times: dict[str, dict[str, dict[str, list]]] = {}
     for b, node_times in by_batch.items():
         for node, phases in node_times.items():

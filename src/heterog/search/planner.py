@@ -1,5 +1,5 @@
-"""The planner: from a model (or its graph), a cluster and costs to the best Plan and the table
-of every candidate it compared.
+"""The planner: from a model's graph, a cluster and costs to the best Plan and the table
+of every candidate it compared (the capture and the costs before it: heterog/plan_module.py).
 
 Order: group the graph → baselines → the GNN policy's proposals → simulated-annealing search
 from the baselines and, separately, from the GNN's proposals → every candidate scored by the
@@ -332,61 +332,3 @@ def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Pl
         + precision_advice(prob.cluster, winner.plan.precision).notes,
     )
     return plan.validate(prob.graph, prob.cluster)
-
-
-def plan(
-    model: str,
-    *,
-    model_args: dict[str, Any] | None = None,
-    batch_size: int,
-    seq_len: int | None = None,
-    cluster: str | Cluster,
-    precision: str = "fp32",
-    optimizer: str = "sgd",
-    budget_s: float = DEFAULT_BUDGET_S,
-    seed: int = 0,
-    policy: Any = None,
-    finetune_s: float = 0.0,
-    max_iters: int | None = None,
-    progress: Callable[[str, float], None] | None = None,
-    strategy: str | None = None,
-    profile: Any = None,
-) -> dict[str, Any]:
-    """Capture `model`, load `cluster`, build the cost model and plan. Returns the CLI's JSON:
-    {"best": plan dict, "candidates": [...], "search_time_s"}; with `strategy`, also
-    "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run.
-    profile: measured profiles ('FILE' or 'FILE:TYPE', a Profile or DeviceProfile, or a list),
-    each for one device type: their per-node times replace the analytic estimate for the nodes
-    they measured, and a GPU's device profile calibrates its type (cost/calibrated.py)."""
-    from heterog.capture.cache import capture_cached
-    from heterog.inputs import model_inputs
-
-    t0 = time.perf_counter()
-    spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
-    graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
-    t1 = time.perf_counter()
-    # the inputs simulate, report and run build for the plan (heterog/inputs.py): one prediction
-    graph, clu, costs = model_inputs(
-        spec, cluster, precision=precision, optimizer=optimizer, profile=profile, graph=graph
-    )
-    t2 = time.perf_counter()
-    result = plan_graph(
-        graph,
-        clu,
-        costs,
-        budget_s=budget_s,
-        seed=seed,
-        policy=policy,
-        model_spec=spec,
-        precision=precision,
-        optimizer=optimizer,
-        finetune_s=finetune_s,
-        max_iters=max_iters,
-        progress=progress,
-    )
-    out = result.to_dict()
-    out["other_time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["other_time_s"]}
-    out["graph_cache"] = graph.meta.get("graph_cache", "off")
-    if strategy is not None:
-        out["chosen"] = result.plan_of(strategy).to_dict()
-    return out
