@@ -66,8 +66,8 @@ def model_graph(
         )
     if model_args:
         raise ModelError("plan(module): model_args apply to named models; build the module with them instead.")
-    from heterog.capture import capture
     from heterog.capture.cache import remember_in_memory
+    from heterog.capture.capture import capture
 
     graph = capture(
         model, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}", seq_len=seq_len

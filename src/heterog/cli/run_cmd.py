@@ -291,7 +291,11 @@ def run_command(
     from heterog.ir.plan import Plan
 
     p = Plan.load(plan)
-    ckpt = CheckpointConfig(dir=checkpoint_dir, every_steps=checkpoint_every, resume=resume)
+    ckpt = CheckpointConfig(
+        dir=str(checkpoint_dir) if checkpoint_dir else None,
+        every_steps=checkpoint_every,
+        resume=str(resume) if resume else None,
+    )
     check_plan_fits_model(p)
     check_data(p, data)
     if torchrun:
@@ -310,7 +314,7 @@ def run_command(
             layout=DeviceLayout(emulated=emulated, pin_cores=pin_cores),
             links=LinkConfig(shape=False if no_shaping else None),
             limits=Limits(timeout_s=timeout_s, force=force),
-            output=OutputConfig(out_dir=folder),
+            output=OutputConfig(out_dir=str(folder)),
         )
         result = _run_following(p, options, folder, say=None if as_json else console.print)
         _measured_outputs(result, steps_log, trace)

@@ -48,50 +48,18 @@ from heterog.ir.run_request import CheckpointConfig, Fault, TrainingConfig
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    """How to start one plan's ranks here: each rank's spec (execute/spec.py RankSpec) is
-    written from it."""
+    """How to start one plan's ranks here: `spec`, every rank's spec but for its rank, port and
+    folder (the launcher fills those in); each rank's command prefix (a network namespace) and
+    extra environment; and whether to start despite memory that looks too small."""
 
-    devices: tuple[str, ...]  # rank → device
-    steps: int
-    timeout_s: float = 60.0  # every collective / p2p op and the start-up
-    seed: int = 0
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    slowdowns: dict[str, float] = field(default_factory=dict)
-    pin_cores: bool = False
-    dump_params: bool = False
-    fault: Fault | None = None  # test hook
+    spec: RankSpec
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
-    cuda: bool = False  # ranks compute on GPUs (NCCL), else the CPU (gloo)
-    cuda_indices: tuple[int, ...] = ()  # rank → its GPU's index here (default: rank r on cuda:r)
-    host_staging: bool = False  # ranks share GPUs: gloo, tensors cross through the host
-    gpu_types: dict[str, str] = field(default_factory=dict)  # device → the GPU type its rank must find
-    master_addr: str = "127.0.0.1"
-    force: bool = False  # start even when memory looks too small
+    force: bool = False
 
-    def rank_spec(self, rank: int, program_doc: dict[str, Any], checkpoint: CheckpointConfig, work: Path, port: int):
-        return RankSpec(
-            program=program_doc,
-            devices=self.devices,
-            rank=rank,
-            steps=self.steps,
-            seed=self.seed,
-            timeout_s=self.timeout_s,
-            training=self.training,
-            checkpoint=checkpoint,
-            slowdowns=self.slowdowns,
-            pin_cores=self.pin_cores,
-            dump_params=self.dump_params,
-            fault=self.fault,
-            cuda=self.cuda,
-            cuda_indices=self.cuda_indices,
-            host_staging=self.host_staging,
-            gpu_types=self.gpu_types,
-            master_addr=self.master_addr,
-            master_port=port,
-            out_dir=str(work),
-        )
+    @property
+    def devices(self) -> tuple[str, ...]:  # rank → device
+        return self.spec.devices
 
 
 def free_port() -> int:
@@ -107,10 +75,9 @@ def _tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
-def launch_local(
-    plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None, *, program_doc: dict[str, Any]
-) -> list[RankResult]:
-    """Run every rank of the plan's Program on this machine; return the per-rank results (rank order)."""
+def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None) -> list[RankResult]:
+    """Run every rank of the plan's Program (cfg.spec) on this machine; return the per-rank
+    results (rank order)."""
     if (why := in_memory_model_error(plan_doc["model"]["name"])) is not None:
         raise PlanError(why)
     stale.remove_stale_runs()
@@ -122,7 +89,7 @@ def launch_local(
     with _run_dir(out_dir) as work:
         try:
             for rank in range(len(cfg.devices)):
-                spec = cfg.rank_spec(rank, program_doc, ckpt, work, port)
+                spec = dataclasses.replace(cfg.spec, rank=rank, checkpoint=ckpt, out_dir=str(work), master_port=port)
                 _start_rank(
                     work, spec, f"rank{rank}", procs, logs, wrap=cfg.wrap.get(rank, []), env=cfg.env.get(rank, {})
                 )
@@ -365,7 +332,7 @@ def _plan_failure(
 def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> CheckpointConfig:
     """The checkpoint settings with `resume` pinned to one complete checkpoint, so every rank
     loads the same one even if another appears meanwhile; checked against the plan first."""
-    ckpt = cfg.checkpoint
+    ckpt = cfg.spec.checkpoint
     if not ckpt.resume:
         return ckpt
     info = find_checkpoint(ckpt.resume)
@@ -375,10 +342,10 @@ def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> CheckpointCo
             f"--resume {ckpt.resume}: the checkpoint is of model {info.model!r}, "
             f"but the plan trains {model!r}; resume with a plan of the same model."
         )
-    if info.step >= cfg.steps:
+    if info.step >= cfg.spec.steps:
         raise CheckpointError(
             f"--resume {ckpt.resume}: the checkpoint already holds {info.step} "
-            f"completed steps and --steps {cfg.steps} is the total to reach; give "
+            f"completed steps and --steps {cfg.spec.steps} is the total to reach; give "
             f"--steps above {info.step}."
         )
     return dataclasses.replace(ckpt, resume=str(info.path))
@@ -409,7 +376,7 @@ def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: Lau
     """Wait for every rank; on the first failure find the culprit and raise RankError."""
     # Start-up (imports, process group) plus every step may each wait up to the timeout;
     # a run that exceeds this overall bound has a rank stuck outside any timed operation.
-    deadline = time.monotonic() + cfg.timeout_s * (cfg.steps + 3) + 60
+    deadline = time.monotonic() + cfg.spec.timeout_s * (cfg.spec.steps + 3) + 60
     if _wait_all(
         procs,
         deadline,
@@ -420,8 +387,8 @@ def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: Lau
         ),
     ):
         return
-    _grace(procs, cfg.timeout_s)
-    raise _culprit(procs, logs, work, cfg.devices, cfg.timeout_s)
+    _grace(procs, cfg.spec.timeout_s)
+    raise _culprit(procs, logs, work, cfg.devices, cfg.spec.timeout_s)
 
 
 def _wait_all(procs: list[subprocess.Popen], deadline: float, overdue) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 
 from heterog.errors import HeterogError, PlanError
 from heterog.execute.launcher import LaunchConfig, PlanLaunch, ProcessLayout, launch_local, launch_local_many
+from heterog.execute.spec import RankSpec
 from heterog.hardware.cluster import Cluster
 from heterog.inputs import PlanInputs, as_plan
 from heterog.ir.plan import Plan
@@ -157,27 +158,27 @@ def _alone(plan: Plan, options: RunOptions, inputs: Any) -> RunResult:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_sigterm_as_interrupt())
             links = shape_links(stack, cluster, devices, options.links)
-            cfg = LaunchConfig(
+            spec = RankSpec(
+                program=lw.program.to_dict(),
                 devices=devices,
                 steps=options.steps,
-                timeout_s=options.limits.timeout_s,
                 seed=options.seed,
+                timeout_s=options.limits.timeout_s,
                 training=options.training,
                 checkpoint=options.checkpoint,
                 slowdowns=layout.slowdowns,
                 pin_cores=options.layout.pin_cores,
                 dump_params=options.output.dump_params,
                 fault=options.fault,
-                wrap=links.wrap,
-                env={r: {**links.env.get(r, {}), **layout.env.get(r, {})} for r in range(len(devices))},
                 cuda=layout.cuda,
                 cuda_indices=layout.cuda_indices,
                 host_staging=layout.host_staging,
                 gpu_types=layout.gpu_types,
                 master_addr=links.master_addr,
-                force=options.limits.force,
             )
-            results = launch_local(plan.to_dict(), cfg, out_dir, program_doc=lw.program.to_dict())
+            env = {r: {**links.env.get(r, {}), **layout.env.get(r, {})} for r in range(len(devices))}
+            cfg = LaunchConfig(spec=spec, wrap=links.wrap, env=env, force=options.limits.force)
+            results = launch_local(plan.to_dict(), cfg, out_dir)
         notes = [*layout.notes, *([links.note] if links.note else [])]
         reps.append(run_result(lw, devices, cluster.name, results, options, shaping=links.record, notes=notes))
     return combine_repetitions(reps)
@@ -285,6 +286,7 @@ def _in_one_launch(
         results = [
             run_result(prep.lowered, prep.devices, prep.cluster.name, g, options, shaping=shaping, notes=notes)
             for g in got
+            if not isinstance(g, Exception)
         ]
         out.append(combine_repetitions(results))
     return out

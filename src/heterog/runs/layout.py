@@ -105,7 +105,7 @@ def gpu_layout(
 
 @dataclass(frozen=True, kw_only=True)
 class RankLayout:
-    """How one plan's ranks start here (launcher.LaunchConfig takes these fields)."""
+    """How one plan's ranks start here (their RankSpec, execute/spec.py, takes these fields)."""
 
     devices: tuple[str, ...]
     slowdowns: dict[str, float] = field(default_factory=dict)
