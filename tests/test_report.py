@@ -313,6 +313,7 @@ def test_measured_run_is_drawn_beside_the_simulated_one_instruction_by_instructi
     # before b's (predicted 100 ms)
     table = html[html.index("<table id=by-kind>") : html.index("</table>", html.index("<table id=by-kind>"))]
     assert table.index(names[0]) < table.index(names[1]) and "+150.00 ms" in table
+    assert "not of this page's plan" in html  # the run names another plan (strategy 'test' of 'm')
 
 
 # -- per-step log and measured trace ------------------------------------------------------------

@@ -152,7 +152,7 @@ def test_per_instruction_comparison_puts_the_largest_misses_first():
     assert result.per_rank[0].measured_peak_memory_bytes == 10  # the capped device's live tensors
 
 
-def test_a_failed_run_says_what_stopped_it():
+def test_a_failed_run_says_what_stopped_it(tmp_path):
     failed = RunResult(
         strategy="one",
         model="mlp",
@@ -164,6 +164,11 @@ def test_a_failed_run_says_what_stopped_it():
     with pytest.raises(RunFailedError, match="RankError: rank 1: died"):
         failed.raise_for_failure()
     assert RunResult.from_dict(failed.to_dict()) == failed
+    from heterog.report.inputs import load_run
+
+    failed.save(tmp_path / "failed.json")
+    with pytest.raises(ArtifactError, match="the run failed .RankError: rank 1: died.; nothing was measured"):
+        load_run(tmp_path / "failed.json")
 
 
 def test_the_ranks_spec_and_result_are_typed_files(tmp_path):

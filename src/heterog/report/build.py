@@ -229,12 +229,19 @@ def _prediction(inp: ReportInputs) -> str:
         if steps
         else ""
     )
+    other_plan = (run.model, run.strategy) != (inp.plan.model.name, inp.plan.strategy)
+    warn = (
+        f'<p class="bad">This run is of the {escape(run.strategy)} plan of {escape(run.model)}, not of this '
+        f"page's plan: pass the plan the run was made from.</p>"
+        if other_plan
+        else ""
+    )
     return (
-        f"<h2>Measured run</h2><p>median iteration measured {human_time(run.measured_iteration_time_s)} "
+        f"<h2>Measured run</h2>{warn}<p>median iteration measured {human_time(run.measured_iteration_time_s)} "
         f"over {run.measured_steps} of {run.options.steps} steps; the run's own prediction: {other}; "
-        f"this report's simulation: {human_time(inp.sim.iteration_time_s)}. The run predicts on the cluster as its ranks see it "
-        f"(an emulated CPU device is re-measured at one thread per rank), so the two differ when the plan was "
-        f"made with another CPU probe or a measured profile.</p><ul>{lines}</ul>{table}"
+        f"this report's simulation: {human_time(inp.sim.iteration_time_s)}. The run predicts on the cluster as "
+        f"its ranks see it (an emulated CPU device is re-measured at one thread per rank), so the two differ when "
+        f"the plan was made with another CPU probe or a measured profile.</p><ul>{lines}</ul>{table}"
     )
 
 

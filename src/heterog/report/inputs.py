@@ -87,8 +87,13 @@ def candidate_from_dict(doc: dict[str, Any], where: str) -> Candidate:
 def load_run(path: Path) -> RunResult:
     """The run result that `heterog run --out RUN.json` writes (or prints with --json)."""
     try:
-        return RunResult.load(path)
+        run = RunResult.load(path)
     except ArtifactError as e:
         raise ArtifactError(
             f"{e} --run takes the result of a run: write one with `heterog run plan.json --out run.json`."
         ) from None
+    if run.failure is not None:
+        raise ArtifactError(
+            f"{path}: the run failed ({run.failure.type}: {run.failure.message}); nothing was measured."
+        )
+    return run
