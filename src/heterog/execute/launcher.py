@@ -42,7 +42,7 @@ from heterog.execute import stale
 from heterog.execute.checkpoint import find_checkpoint, model_key
 from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
 from heterog.execute.spec import FailureKind, LaunchSpec, PlanEntry, RankFailure, RankResult, RankSpec
-from heterog.ir.plan import in_memory_model_error
+from heterog.ir.plan import Plan, in_memory_model_error
 from heterog.ir.run_request import CheckpointConfig, Fault, TrainingConfig
 
 
@@ -75,14 +75,14 @@ def _tail(path: Path, n: int = 1500) -> str:
         return ""
 
 
-def launch_local(plan_doc: dict[str, Any], cfg: LaunchConfig, out_dir: Path | None = None) -> list[RankResult]:
+def launch_local(plan: Plan, cfg: LaunchConfig, out_dir: Path | None = None) -> list[RankResult]:
     """Run every rank of the plan's Program (cfg.spec) on this machine; return the per-rank
     results (rank order)."""
-    if (why := in_memory_model_error(plan_doc["model"]["name"])) is not None:
+    if (why := in_memory_model_error(plan.model.name)) is not None:
         raise PlanError(why)
     stale.remove_stale_runs()
-    stale.check_memory(plan_doc, cfg.devices, force=cfg.force)
-    ckpt = _resolve_resume(plan_doc, cfg)
+    stale.check_memory(plan.to_dict(), cfg.devices, force=cfg.force)
+    ckpt = _resolve_resume(plan, cfg)
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
@@ -155,10 +155,10 @@ def _start_rank(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanLaunch:
-    """One plan of a multi-plan launch: its plan and Program documents, its ranks' devices
+    """One plan of a multi-plan launch: the plan and its Program's document, its ranks' devices
     (rank r runs in process r) and their compute slowdowns."""
 
-    plan_doc: dict[str, Any]
+    plan: Plan
     program_doc: dict[str, Any]
     devices: tuple[str, ...]
     slowdowns: dict[str, float] = field(default_factory=dict)
@@ -213,9 +213,9 @@ def launch_local_many(
     out: list[list[RankResult] | Exception | None] = [None] * len(plans)
     for i, p in enumerate(plans):
         try:
-            if (why := in_memory_model_error(p.plan_doc["model"]["name"])) is not None:
+            if (why := in_memory_model_error(p.plan.model.name)) is not None:
                 raise PlanError(why)
-            stale.check_memory(p.plan_doc, p.devices, force=force)
+            stale.check_memory(p.plan.to_dict(), p.devices, force=force)
             if layout is not None:
                 layout.processes_of(p)
         except PlanError as e:
@@ -329,14 +329,14 @@ def _plan_failure(
     return _culprit(used, [logs[p] for p in mine], folder, devices, timeout_s)
 
 
-def _resolve_resume(plan_doc: dict[str, Any], cfg: LaunchConfig) -> CheckpointConfig:
+def _resolve_resume(plan: Plan, cfg: LaunchConfig) -> CheckpointConfig:
     """The checkpoint settings with `resume` pinned to one complete checkpoint, so every rank
     loads the same one even if another appears meanwhile; checked against the plan first."""
     ckpt = cfg.spec.checkpoint
     if not ckpt.resume:
         return ckpt
     info = find_checkpoint(ckpt.resume)
-    model = plan_doc["model"]["name"]
+    model = plan.model.name
     if info.model != model_key(model):
         raise CheckpointError(
             f"--resume {ckpt.resume}: the checkpoint is of model {info.model!r}, "

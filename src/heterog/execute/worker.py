@@ -210,11 +210,12 @@ def build_rank(
     rank_of: dict[str, int],
     *,
     models: ModelCache | None = None,
+    program: Program | None = None,
 ) -> RankSetup:
-    """Split the model for the Program, place this rank's stages on its device and check
-    them (placement.py), derive the wire table (wire.py), and make the transport, the syncs,
-    the optimizer and the interpreter."""
-    program = spec.load_program()
+    """Split the model for the Program (the spec's, when not given loaded), place this rank's
+    stages on its device and check them (placement.py), derive the wire table (wire.py), and
+    make the transport, the syncs, the optimizer and the interpreter."""
+    program = program or spec.load_program()
     plan = Plan.from_dict(program.plan)
     work = with_data(resolve_workload(plan.model), spec.training.data)
     seed = spec.seed
@@ -273,14 +274,14 @@ def build_rank(
     )  # fmt: skip
 
 
-def _join(spec: RankSpec, store: Any) -> tuple[int, str, RankDevice, dict[str, int]]:
+def _join(spec: RankSpec, program: Program, store: Any) -> tuple[int, str, RankDevice, dict[str, int]]:
     """Join the run's process group and learn every rank's device: (rank, device, torch
     device, the rank of each device)."""
     rank, world, device, rdev = _init(spec, store)
     devices_by_rank: list[str] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(devices_by_rank, device)
     rank_of = {d: r for r, d in enumerate(devices_by_rank)}
-    missing = [d for d in spec.program["devices"] if d not in rank_of]
+    missing = [d for d in program.devices if d not in rank_of]
     if missing:
         raise RankError(
             rank, f"the program uses device(s) {missing} that no rank was started for; ranks run {devices_by_rank}."
@@ -292,10 +293,11 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     """Train this rank's part of the plan for the spec's steps (from a checkpoint when it
     resumes one); what it measured."""
     torch.set_num_threads(spec.threads)
-    rank, device, rdev, rank_of = _join(spec, store)
+    program = spec.load_program()
+    rank, device, rdev, rank_of = _join(spec, program, store)
     progress = out_dir / f"progress_rank{rank}"
     cores = pin_to_cores(rank) if spec.pin_cores else None
-    setup = build_rank(spec, rank, device, rdev, rank_of, models=models)
+    setup = build_rank(spec, rank, device, rdev, rank_of, models=models, program=program)
     first_step = checkpoint.resume(
         spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.served()
     )

@@ -178,7 +178,7 @@ def _alone(plan: Plan, options: RunOptions, inputs: Any) -> RunResult:
             )
             env = {r: {**links.env.get(r, {}), **layout.env.get(r, {})} for r in range(len(devices))}
             cfg = LaunchConfig(spec=spec, wrap=links.wrap, env=env, force=options.limits.force)
-            results = launch_local(plan.to_dict(), cfg, out_dir)
+            results = launch_local(plan, cfg, out_dir)
         notes = [*layout.notes, *([links.note] if links.note else [])]
         reps.append(run_result(lw, devices, cluster.name, results, options, shaping=links.record, notes=notes))
     return combine_repetitions(reps)
@@ -211,7 +211,7 @@ def _prepare(
     if options.output.out_dir:
         lw.program.save(Path(options.output.out_dir) / folder / "program.json")
     launch = PlanLaunch(
-        plan_doc=plan.to_dict(),
+        plan=plan,
         program_doc=lw.program.to_dict(),
         devices=devices,
         slowdowns=emulated_slowdowns(plan, cluster, devices, False),
