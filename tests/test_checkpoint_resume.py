@@ -13,8 +13,10 @@ import torch
 from heterog.errors import CheckpointError, RankError
 from heterog.execute.checkpoint import MARKER, CheckpointConfig, find_checkpoint, model_key
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.ir.run_request import Fault, FaultKind, FaultPhase, Limits, OutputConfig, PredictionConfig
+from heterog.ir.run_request import Fault, FaultKind, FaultPhase, Limits, OutputConfig, PredictionConfig, RunOptions
 from heterog.runs import run
+
+QUIET = RunOptions(prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=20))
 
 MODEL = "tests/test_execute_models.py:mlp"
 NODES = ("fc1", "act1", "fc2", "act2", "fc3")
@@ -71,20 +73,19 @@ def interrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     run(
         three_device_plan(),
+        QUIET,
         steps=STEPS,
         output=OutputConfig(out_dir=root / "full", dump_params=True),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=20),
     )
     ckpt = root / "ckpt"
     with pytest.raises(RankError) as info:
         run(
             three_device_plan(),
+            QUIET,
             steps=STEPS,
             fault=Fault(rank=1, kind=FaultKind.DIE, step=4, phase=FaultPhase.MID),
             checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2),
             output=OutputConfig(out_dir=root / "cut"),
-            prediction=PredictionConfig(predict=False),
             limits=Limits(timeout_s=10),
         )
     assert info.value.rank == 1
@@ -106,11 +107,10 @@ def test_resume_under_the_same_plan_equals_the_uninterrupted_run(interrupted):
     root, want, ckpt = interrupted
     out = run(
         three_device_plan(),
+        QUIET,
         steps=STEPS,
         checkpoint=CheckpointConfig(resume=str(ckpt)),
         output=OutputConfig(out_dir=root / "same", dump_params=True),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=20),
     )
     assert len(out.losses) == STEPS - 4  # steps 5..10: none lost, none repeated
     _assert_close(_params(root / "same", 3), want, 1e-6)
@@ -121,11 +121,10 @@ def test_resume_on_one_device_fewer_loads_by_name(interrupted):
     root, want, ckpt = interrupted
     out = run(
         two_device_plan(),
+        QUIET,
         steps=STEPS,
         checkpoint=CheckpointConfig(resume=str(ckpt)),
         output=OutputConfig(out_dir=root / "fewer", dump_params=True),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=20),
     )
     assert out.devices == ("a", "b") and len(out.losses) == STEPS - 4
     _assert_close(_params(root / "fewer", 2), want, 1e-5)
@@ -144,9 +143,9 @@ def test_resume_beyond_the_requested_steps_is_refused_before_starting_ranks(tmp_
     with pytest.raises(CheckpointError, match="already holds 10 completed steps"):
         run(
             three_device_plan(),
+            QUIET,
             steps=10,
             checkpoint=CheckpointConfig(resume=str(tmp_path)),
-            prediction=PredictionConfig(predict=False),
         )
 
 
@@ -205,39 +204,36 @@ def test_parameter_server_state_is_saved_and_resumes_under_any_sync(tmp_path):
     saved per parameter), it ends with the uninterrupted run's parameters."""
     run(
         server_plan(),
+        QUIET,
         steps=PS_STEPS,
         output=OutputConfig(out_dir=tmp_path / "full", dump_params=True),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=20),
     )
     want = _params(tmp_path / "full", 3)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(RankError):
         run(
             server_plan(),
+            QUIET,
             steps=PS_STEPS,
             fault=Fault(rank=0, kind=FaultKind.DIE, step=3, phase=FaultPhase.MID),
             checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2),
             output=OutputConfig(out_dir=tmp_path / "cut"),
-            prediction=PredictionConfig(predict=False),
             limits=Limits(timeout_s=10),
         )
     assert find_checkpoint(ckpt).step == 2
     run(
         server_plan(),
+        QUIET,
         steps=PS_STEPS,
         checkpoint=CheckpointConfig(resume=str(ckpt)),
         output=OutputConfig(out_dir=tmp_path / "same", dump_params=True),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=20),
     )
     _assert_close(_params(tmp_path / "same", 3), want, 1e-6)
     run(
         three_device_plan(),
+        QUIET,
         steps=PS_STEPS,
         checkpoint=CheckpointConfig(resume=str(ckpt)),
         output=OutputConfig(out_dir=tmp_path / "ring", dump_params=True),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=20),
     )
     _assert_close(_params(tmp_path / "ring", 3), want, 1e-5)

@@ -13,7 +13,9 @@ import torch
 
 from heterog.execute.device import RankDevice, nccl_env, rank_device
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.ir.run_request import DeviceLayout, Limits, OutputConfig, PredictionConfig
+from heterog.ir.run_request import DeviceLayout, Limits, OutputConfig, PredictionConfig, RunOptions
+
+QUIET = RunOptions(prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=120))
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 MODELS = "tests/test_execute_models.py"
@@ -97,10 +99,9 @@ def test_amp_bf16_on_cuda(tmp_path):
 
     out = run(
         _plan(1, "amp-bf16"),
+        QUIET,
         steps=3,
         output=OutputConfig(out_dir=tmp_path),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=120),
     )
     assert len(out.losses) == 3 and all(x == x for x in out.losses)
 
@@ -114,10 +115,9 @@ def test_two_rank_plan_on_two_gpus_equals_single_process(tmp_path):
     plan = _plan(2)
     run(
         plan,
+        QUIET,
         steps=3,
         output=OutputConfig(out_dir=tmp_path, dump_params=True),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=120),
     )
     ref = reference_train(plan, steps=3)
     got = torch.load(tmp_path / "params_rank0.pt", map_location="cpu")
@@ -208,9 +208,9 @@ def test_language_model_plans_train_on_cuda_as_single_process(tmp_path, model, k
     plan = _split_plan(model, kind)
     out = run(
         plan,
+        QUIET,
         steps=3,
         output=OutputConfig(out_dir=tmp_path, dump_params=True),
-        prediction=PredictionConfig(predict=False),
         limits=Limits(timeout_s=300),
         layout=DeviceLayout(share_gpus=True),
     )
@@ -229,10 +229,9 @@ def test_fp16_trains_on_cuda_with_a_loss_scale(tmp_path):
 
     out = run(
         _plan(1, "fp16"),
+        QUIET,
         steps=3,
         output=OutputConfig(out_dir=tmp_path),
-        prediction=PredictionConfig(predict=False),
-        limits=Limits(timeout_s=120),
     )
     assert out.last.loss_scales == (65536.0,) * 3 and all(x == x for x in out.losses)
 
