@@ -73,8 +73,8 @@ def test_plan_and_simulate_tables_fit_80_columns(tmp_path):
             "64",
             "--cluster",
             "mixed-16",
-            "--budget-s",
-            "1",
+            "--budget-s",  # room for --max-iters, which makes the two runs compared the same
+            "10",
             "--max-iters",
             "20",
             "--no-gnn",

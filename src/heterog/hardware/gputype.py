@@ -244,6 +244,8 @@ def gpu_extras_to_dict(g: GpuType) -> dict:
         out["host"] = {f: getattr(g.host, f) for f in g.host.__dataclass_fields__}
     if g.public is not None:
         out["public"] = g.public.to_dict()
+    if g.cpu_threads is not None:
+        out["cpu_threads"] = g.cpu_threads
     return out
 
 
@@ -269,4 +271,6 @@ def gpu_extras_from_dict(d: dict) -> dict:
             out["public"] = PublicFigures.from_dict(d["public"])
         except KeyError as e:
             raise ValueError(f"public figures lack {e.args[0]!r}") from None
+    if d.get("cpu_threads") is not None:
+        out["cpu_threads"] = int(d["cpu_threads"])
     return out
