@@ -78,7 +78,8 @@ def main() -> None:
     parser.add_argument("--models", help="comma-separated subset (names as in the table)")
     opts = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
-    from heterog.cli.output import human_bytes, human_flops, print_table
+    from heterog.cli.output import print_table
+    from heterog.fmt import human_bytes, human_flops
     from heterog.jsonio import write_atomic
 
     results = []

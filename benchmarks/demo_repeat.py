@@ -24,7 +24,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from heterog.cli.output import human_time, print_table  # noqa: E402
+from heterog.cli.output import print_table  # noqa: E402
+from heterog.fmt import human_time  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 
 TOLERANCE = 0.10

@@ -211,8 +211,8 @@ def plain_step(
 ) -> tuple[float, int]:
     """Median step time and peak memory of a plain PyTorch loop."""
     from heterog.execute.device import RankDevice
-    from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload, to_device
     from heterog.ir.plan import ModelSpec
+    from heterog.workload import build_model, global_batch, make_optimizer, resolve_workload, to_device
 
     work = resolve_workload(ModelSpec(name=model, args=args, batch_size=batch, seq_len=seq_len))
     net = build_model(work, seed=0).to(device)

@@ -5,7 +5,8 @@ scheduler's global order projected on each device), measured interleaved in one 
 the scenario's fastest single-device plan as a control for the host's speed.
 
 Why: when a language model's data-parallel plans run well over their prediction, either the
-host is slower than at its profile, or an all-reduce launched early shares the rank's one core with the backward it overlaps (gloo reduces on the CPU).
+host is slower than at its profile, or an all-reduce launched early shares the rank's one core
+with the backward it overlaps (gloo reduces on the CPU).
 Both orders run the same plan and are predicted alike, so their ratio, taken side by side,
 separates the two; the control's error says how far the host has drifted from its profile.
 
@@ -31,8 +32,9 @@ sys.path.insert(0, str(ROOT / "src"))
 import heterog.lower.lowering as lowering  # noqa: E402
 import heterog.runs.api as api  # noqa: E402
 from heterog import demo as D  # noqa: E402
-from heterog.cli.output import human_time, print_table  # noqa: E402
+from heterog.cli.output import print_table  # noqa: E402
 from heterog.errors import HeterogWarning  # noqa: E402
+from heterog.fmt import human_time  # noqa: E402
 from heterog.ir.run_request import Limits, PredictionConfig, RunOptions, TimingConfig  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 

@@ -213,11 +213,10 @@ def main() -> None:
     if device == "cpu" and not args.cached_probe:
         import tempfile
 
-        from heterog.cost import efficiency
-        from heterog.hardware import catalog
+        from heterog.hardware import cpu_probe, efficiency
 
         os.environ["HETEROG_CACHE_DIR"] = tempfile.mkdtemp(prefix="heterog-probe-")
-        catalog._measure_cpu_for.cache_clear()
+        cpu_probe._measure_cpu_for.cache_clear()
         efficiency.cpu_curve.cache_clear()
     catalog_type = _catalog_type() if device == "cuda" else "cpu"
     chosen = [c for c in CONFIGS if (not args.quick or c[0] in QUICK) and (not args.only or c[0] in args.only)]

@@ -59,6 +59,7 @@ from heterog.cost.memory import MemoryModel  # noqa: E402
 from heterog.cost.predict import _captured, single_device_cluster  # noqa: E402
 from heterog.hardware.catalog import get_gpu, host_costs  # noqa: E402
 from heterog.hardware.gputype import GpuType  # noqa: E402
+from heterog.ir.kinds import Phase  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 
 RESULT = ROOT / "benchmarks" / "results" / "predict_gpu.json"
@@ -195,8 +196,8 @@ def step_times_s(cases: list[StepCase], gpu: GpuType, speeds: dict[str, float] |
             )
         names = [n.name for n in m.graph.nodes]
         out.append(
-            m.group_time_s(names, DEVICE, c.batch, "fwd")
-            + m.group_time_s(names, DEVICE, c.batch, "bwd")
+            m.group_time_s(names, DEVICE, c.batch, Phase.FORWARD)
+            + m.group_time_s(names, DEVICE, c.batch, Phase.BACKWARD)
             + m.optimizer_time_s(names, DEVICE)
         )
     return np.array(out)
@@ -222,7 +223,7 @@ def resnet_kind_split_s(gpu: GpuType) -> np.ndarray:
     """The model's device time of resnet50's fp32 step at batch 128 by kind (RESNET_KINDS)."""
     m = AnalyticCostModel(graph_of("resnet50", None), single_device_cluster(gpu), precision="fp32", optimizer="sgd")
     names = [n.name for n in m.graph.nodes]
-    t = m.node_times_s(names, DEVICE, 128, "fwd") + m.node_times_s(names, DEVICE, 128, "bwd")
+    t = m.node_times_s(names, DEVICE, 128, Phase.FORWARD) + m.node_times_s(names, DEVICE, 128, Phase.BACKWARD)
     kinds = np.array([n.kind for n in m.graph.nodes])
     return np.array([t[kinds == k].sum() for k in RESNET_KINDS])
 

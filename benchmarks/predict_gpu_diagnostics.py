@@ -41,6 +41,7 @@ from heterog.cost.analytic import AnalyticCostModel  # noqa: E402
 from heterog.cost.predict import _captured, single_device_cluster  # noqa: E402
 from heterog.hardware.catalog import get_gpu  # noqa: E402
 from heterog.hardware.gputype import Efficiency  # noqa: E402
+from heterog.ir.kinds import Phase  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 
 PROFILE_GROUPS = {
@@ -61,8 +62,8 @@ def _model_steps_ms(g) -> dict:
         names = [n.name for n in g.nodes]
         for b in (128, 256):
             out[f"{b} {precision}"] = 1e3 * (
-                m.group_time_s(names, DEVICE, b, "fwd")
-                + m.group_time_s(names, DEVICE, b, "bwd")
+                m.group_time_s(names, DEVICE, b, Phase.FORWARD)
+                + m.group_time_s(names, DEVICE, b, Phase.BACKWARD)
                 + m.optimizer_time_s(names, DEVICE)
             )
     return out
@@ -167,7 +168,7 @@ def peer_ops(peer_file: Path) -> dict:
                 )
                 gpu = dataclasses.replace(get_gpu(name), efficiency=Efficiency())
                 models[key] = AnalyticCostModel(g, single_device_cluster(gpu), precision=prec, optimizer="adamw")
-            t = models[key].group_time_s(["layers.0." + ACESO_OPS[r["op"]]], DEVICE, r["micro_batch"], "fwd")
+            t = models[key].group_time_s(["layers.0." + ACESO_OPS[r["op"]]], DEVICE, r["micro_batch"], Phase.FORWARD)
             ratios[(name, prec, r["op"], lr["hidden"], fused == (prec == "fp16"))].append(t / (r["fwd_ms"] * 1e-3))
     rows = [
         {
@@ -188,7 +189,8 @@ def peer_ops(peer_file: Path) -> dict:
     ]
     for r in rows:
         print(
-            f"{r['gpu']:11s} {r['precision']:5s} {r['op']:27s} h{r['hidden']:<5d} {r['median_predicted_over_measured']:.2f}"
+            f"{r['gpu']:11s} {r['precision']:5s} {r['op']:27s} h{r['hidden']:<5d} "
+            f"{r['median_predicted_over_measured']:.2f}"
             + (f" (one fused kernel: {r['with_one_fused_softmax']:.2f})" if "with_one_fused_softmax" in r else "")
         )
     return {"rows": rows}

@@ -3,7 +3,7 @@ profiler), each layer predicted as the layer that was measured (Megatron-LM's,
 cost/peer_layer.py). Two ways of scoring, both on data the predicting figures never saw:
 
 - **Leave one type out** (`leave_one_type_out`): a type predicted from its public figures
-  alone (cost/public_model.py), with the cross-type constants fitted on the other types'
+  alone (hardware/public_model.py), with the cross-type constants fitted on the other types'
   layers and the H200's matmul sweep — none of its own measurements, nor those of a type on
   the same die (A100 40/80 GB; GH200 and the H200). This is how every catalog type without
   measurements is costed.
@@ -31,11 +31,12 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from heterog.cost.analytic import AnalyticCostModel
-from heterog.cost.efficiency import h200_plateau
 from heterog.cost.predict import _captured, single_device_cluster
-from heterog.cost.public_model import MODEL_FIELDS, PublicModel, derive, packaged_public_model
 from heterog.hardware.catalog import get_gpu
+from heterog.hardware.efficiency import h200_plateau
 from heterog.hardware.gputype import Efficiency, GpuType
+from heterog.hardware.public_model import MODEL_FIELDS, PublicModel, derive, packaged_public_model
+from heterog.ir.kinds import Phase
 
 DEVICE = "local/gpu0"
 PEER_TO_CATALOG = {
@@ -133,12 +134,12 @@ def layer_times_s(records: list[dict], gpu: GpuType, aceso_op_floor_s: float = 0
             models[key] = (AnalyticCostModel(g, cluster, precision=layer_precision(r), optimizer="adamw"), names, ops)
         m, names, ops = models[key]
         if is_aceso(r):
-            ts = m.node_times_s(names, DEVICE, r["micro_batch"], "fwd")
+            ts = m.node_times_s(names, DEVICE, r["micro_batch"], Phase.FORWARD)
             out.append(float(np.where(ops, np.maximum(ts, aceso_op_floor_s), ts).sum()))
         else:
             out.append(
-                m.group_time_s(names, DEVICE, r["micro_batch"], "fwd")
-                + m.group_time_s(names, DEVICE, r["micro_batch"], "bwd")
+                m.group_time_s(names, DEVICE, r["micro_batch"], Phase.FORWARD)
+                + m.group_time_s(names, DEVICE, r["micro_batch"], Phase.BACKWARD)
             )
     return np.array(out)
 
@@ -251,7 +252,7 @@ def die_mates(name: str) -> frozenset[str]:
 
 
 def fit_public_model(by_type: dict[str, list[dict]], with_h200: bool) -> tuple[PublicModel, dict[str, float]]:
-    """The cross-type constants (cost/public_model.py) that best predict the given types'
+    """The cross-type constants (hardware/public_model.py) that best predict the given types'
     layers from their public figures (and, with_h200, the H200 sweep's plateaus), with each
     type's Aceso floor fitted beside them."""
     names = list(MODEL_BOUNDS)

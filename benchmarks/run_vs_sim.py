@@ -48,8 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from heterog import demo as D  # noqa: E402
-from heterog.cli.output import human_time, print_table  # noqa: E402
+from heterog.cli.output import print_table  # noqa: E402
 from heterog.errors import RankError  # noqa: E402
+from heterog.fmt import human_time  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 
 ERROR_TARGET = 0.10

@@ -37,15 +37,15 @@ NO_NUMBA_ENV = "HETEROG_NO_NUMBA"  # heterog._jit reads it when heterog is first
 if "--no-numba" in sys.argv:
     os.environ[NO_NUMBA_ENV] = "1"
 
-from heterog import _jit as jit
-from heterog.cost import build_cost_model
-from heterog.hardware.spec import load_cluster
-from heterog.ir.affine import Affine
-from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
-from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.jsonio import write_atomic
-from heterog.lower.context import SimCache
-from heterog.simulate import simulate
+from heterog import _jit as jit  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.cost import build_cost_model  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.hardware.spec import load_cluster  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.ir.affine import Affine  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.ir.opgraph import OpEdge, OpGraph, OpNode  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.ir.plan import Group, ModelSpec, Plan, Replica  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.jsonio import write_atomic  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.lower.context import SimCache  # noqa: E402 - after NO_NUMBA_ENV is set
+from heterog.simulate import simulate  # noqa: E402 - after NO_NUMBA_ENV is set
 
 N_NODES, N_GROUPS = 1000, 50
 CLUSTERS = ("paper-8gpu", "mixed-64", "scale-1024")

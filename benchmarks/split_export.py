@@ -17,7 +17,7 @@ import torch
 
 from heterog.capture import capture_model
 from heterog.capture.zoo import get_zoo_model
-from heterog.execute.partition import split_model
+from heterog.cut.partition import split_model
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.jsonio import write_atomic
 

@@ -298,6 +298,73 @@ def predict_gpu(doc: dict[str, Any], short: bool) -> list[str]:
     return out
 
 
+def predict_iterations(doc: dict[str, Any], short: bool) -> list[str]:
+    s = doc["summary"]
+    one = s.get("one_reduce", {})
+    rows = [r for r in doc["rows"] if "predicted_s" in r]
+    if short:
+        return table(
+            ["whole iterations", "configurations", "heterog: median (worst) error", "AMP's own model"],
+            [
+                [
+                    "GPT-2 345M on 16 T4s (DeepSpeed, dp × pp)",
+                    s["predicted"],
+                    f"{pct(one.get('median_abs_error'))} ({pct(one.get('worst_abs_error'))})",
+                    f"{pct(s['amp_median_abs_error'])} ({pct(s['amp_worst_abs_error'])})",
+                ]
+            ],
+        )
+
+    def err(r: dict[str, Any], key: str) -> str:
+        return "—" if r["measured_s"] is None else pct(r[key] / r["measured_s"] - 1, signed=True)
+
+    out = table(
+        [
+            "dp",
+            "pp",
+            "micro-batch",
+            "micro-batches",
+            "measured",
+            "as DeepSpeed runs it",
+            "error",
+            "heterog's own schedule",
+            "error",
+            "AMP's model",
+            "error",
+            "fits",
+        ],
+        [
+            [
+                r["dp"],
+                r["pp"],
+                r["micro_batch"],
+                r["microbatches"],
+                "failed" if r["measured_s"] is None else secs(r["measured_s"]),
+                secs(r["predicted_one_reduce_s"]),
+                err(r, "predicted_one_reduce_s"),
+                secs(r["predicted_s"]),
+                err(r, "predicted_s"),
+                secs(r["amp_predicted_s"]),
+                err(r, "amp_predicted_s"),
+                f"{'yes' if r['fits'] else 'no'} ({r['peak_memory_gib']:.1f} GiB)",
+            ]
+            for r in rows
+        ],
+    )
+    out.append("")
+    out.append(
+        f"Median |error| as DeepSpeed runs it (one gradient all-reduce after the last backward) "
+        f"{pct(one.get('median_abs_error'))} (worst {pct(one.get('worst_abs_error'))}); with heterog's own "
+        f"schedule (buckets overlapped with the backward) {pct(s['median_abs_error'])} (worst "
+        f"{pct(s['worst_abs_error'])}); AMP's own model {pct(s['amp_median_abs_error'])} (worst "
+        f"{pct(s['amp_worst_abs_error'])}). {s['skipped_tensor_parallel']} more configurations need tensor "
+        f"parallelism. Runs that failed (out of memory or an error): {s['failed_runs']}, "
+        f"{s['failed_runs_predicted_not_to_fit']} of them predicted not to fit; runs predicted not to fit that ran: "
+        f"{s['ran_but_predicted_not_to_fit']}."
+    )
+    return out
+
+
 def predict_accuracy(doc: dict[str, Any], short: bool) -> list[str]:
     s = doc["summary"]
     out = table(
@@ -559,6 +626,15 @@ SECTIONS = (
         result="predict_gpu.json",
         render=predict_gpu,
         about="Predicted against measured GPU training steps and per-layer times (docs/cost_model.md).",
+    ),
+    Section(
+        key="iteration-accuracy",
+        title="Whole multi-GPU iterations",
+        script="benchmarks/predict_iterations.py",
+        result="predict_iterations.json",
+        render=predict_iterations,
+        about="Public measured iterations of GPT-2 345M on 16 T4s in 4 nodes (AMP's DeepSpeed runs), each "
+        "configuration heterog can express planned on the same devices and simulated; nothing is fitted to them.",
     ),
     Section(
         key="cpu-accuracy",

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import GpuType
 from heterog.ir.affine import Affine
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 
@@ -165,7 +166,7 @@ class TableCosts:
 
     def compute_time_s(self, node, device, batch, phase):
         n = self.g.node(node)
-        return (n.fwd_flops if phase == "fwd" else n.bwd_flops).at(batch) / self.rate(device)
+        return (n.fwd_flops if phase == Phase.FORWARD else n.bwd_flops).at(batch) / self.rate(device)
 
     def optimizer_time_s(self, nodes, device):
         return self.opt * sum(self.g.node(n).param_bytes for n in nodes)

@@ -19,9 +19,9 @@ def test_gpt2_forward_flops_match_the_analytic_count():
     #   norms and position embeddings excluded), + 2·V·h·s for the LM head (tied to the
     #   token embedding, which itself is a look-up and costs no FLOPs),
     #   + 4·l·s²·h for attention scores QK^T and the weighted sum PV (dense, not causal-halved).
-    b, s, l, h, V = 2, 256, 12, 768, 50257
+    b, s, layers, h, V = 2, 256, 12, 768, 50257
     graph = capture_model("gpt2", batch_size=b, seq_len=s)
-    analytic = b * (2 * 12 * l * h * h * s + 2 * V * h * s + 4 * l * s * s * h)
+    analytic = b * (2 * 12 * layers * h * h * s + 2 * V * h * s + 4 * layers * s * s * h)
     assert graph.forward_flops() == pytest.approx(analytic, rel=0.02)
     # backward ≈ 2× forward for a matmul-dominated model (grad w.r.t. inputs and weights)
     assert graph.backward_flops() / graph.forward_flops() == pytest.approx(2.0, abs=0.1)
@@ -232,7 +232,7 @@ def test_value_dependent_forward_is_explained():
 @pytest.mark.parametrize("name", ["mlp", "toy-cnn", "resnet50", "inception_v3", "nasnet", "vit_b_16", "transformer"])
 def test_leaf_nodes_match_the_executors_fx_module_calls(name):
     # The executor splits models with torch.fx and maps call_module targets to node names.
-    partition = pytest.importorskip("heterog.execute.partition")
+    partition = pytest.importorskip("heterog.cut.partition")
     if not hasattr(partition, "fx_node_names"):
         pytest.skip("executor exposes no fx_node_names")
     from heterog.capture.zoo import get_zoo_model
@@ -329,7 +329,7 @@ def test_a_call_returning_its_input_produces_it_as_the_export_sees_it():
     producer; nn.Identity runs no op in either, so values pass through it. The executor cuts
     the export where the capture's edges say values cross (regression: GPT-2's and Llama's
     even-dp-ps plans failed with 'reaches block 3 from no piece of the program')."""
-    from heterog.execute.split_export import export_model
+    from heterog.cut.split_export import export_model
 
     model = _AliasingLeaves()
     graph = capture(model, (torch.randn(2, 4),), name="aliasing")

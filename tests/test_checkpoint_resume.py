@@ -139,7 +139,9 @@ def test_incomplete_checkpoint_is_ignored_and_named(tmp_path):
 def test_resume_beyond_the_requested_steps_is_refused_before_starting_ranks(tmp_path):
     folder = tmp_path / "step-00000010"
     folder.mkdir()
-    (folder / MARKER).write_text('{"format": 1, "step": 10, "model": "%s", "parameter_names": []}' % model_key(MODEL))
+    (folder / MARKER).write_text(
+        '{"format": 1, "step": 10, "model": "' + model_key(MODEL) + '", "parameter_names": []}'
+    )
     with pytest.raises(CheckpointError, match="already holds 10 completed steps"):
         run(
             three_device_plan(),
@@ -159,7 +161,7 @@ def test_checkpoint_options_are_checked():
 def test_loader_data_resumes_at_the_same_batch(tmp_path):
     """A shuffling DataLoader read by step gives step k the same batch in a fresh process
     (a resumed run) as in the run that went through steps 0..k-1."""
-    from heterog.execute.workload import global_batch, resolve_workload, with_data
+    from heterog.workload import global_batch, resolve_workload, with_data
 
     (tmp_path / "data.py").write_text(
         "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"

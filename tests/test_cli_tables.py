@@ -8,6 +8,7 @@ wide output — a number folded mid-digit or a name cut to 'v100/gp' would not b
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 
 from heterog.cli.main import app
 from heterog.cli.output import print_table, set_wide
+from heterog.fmt import human_bytes
 from heterog.hardware.spec import load_cluster
 
 BOX = re.compile(r"[│┃┏┓┗┛┣┫┡┩┠┨━─┳┻╇╈┯┷┼╋└┘┌┐├┤┬┴╀╁]")
@@ -73,8 +75,8 @@ def test_plan_and_simulate_tables_fit_80_columns(tmp_path):
             "64",
             "--cluster",
             "mixed-16",
-            "--budget-s",  # room for --max-iters, which makes the two runs compared the same
-            "10",
+            "--budget-s",
+            "120",  # a safety stop: --max-iters ends the search, so both runs find the same plan
             "--max-iters",
             "20",
             "--no-gnn",
@@ -84,8 +86,15 @@ def test_plan_and_simulate_tables_fit_80_columns(tmp_path):
         names,
     )
     out = _check(["simulate", str(plan)], names)
-    assert any(d in out for d in names)
-    assert "--wide" in out or "memory" in out  # a left-out column is named, with the way to see it
+    sim = json.loads(_run(["simulate", str(plan), "--json"], 1000))
+    assert sim["devices"]
+    for device, row in sim["devices"].items():  # each device's peak memory and capacity, on its row
+        line = next(x for x in out.splitlines() if f" {device} " in x)
+        assert human_bytes(row["peak_memory_bytes"]) in line, (device, line)
+        assert human_bytes(row["memory_capacity_bytes"]) in line, (device, line)
+    notes = [x for x in out.splitlines() if x.startswith("(not shown:")]
+    # a left-out column is named, with the way to see it; the memory is never left out
+    assert all("memory" not in x and x.endswith("--wide shows every column)") for x in notes), notes
 
 
 def test_print_table_never_cuts_and_names_what_it_leaves_out(capsys, monkeypatch):

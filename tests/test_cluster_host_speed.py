@@ -14,6 +14,7 @@ from heterog.cost import build_cost_model
 from heterog.cost.predict import predict
 from heterog.errors import ClusterError, HeterogWarning
 from heterog.hardware.spec import cluster_from_dict, cluster_to_dict, parse_cluster_yaml
+from heterog.ir.kinds import Phase
 
 YAML = textwrap.dedent("""\
     name: hosts
@@ -71,7 +72,7 @@ def test_a_2x_slower_host_slows_host_bound_steps_only():
     names = [n.name for n in graph.nodes]
 
     def compute(dev, b):
-        return m.group_time_s(names, dev, b, "fwd") + m.group_time_s(names, dev, b, "bwd")
+        return m.group_time_s(names, dev, b, Phase.FORWARD) + m.group_time_s(names, dev, b, Phase.BACKWARD)
 
     def step(dev, b):
         return compute(dev, b) + m.optimizer_time_s(names, dev)
@@ -81,7 +82,7 @@ def test_a_2x_slower_host_slows_host_bound_steps_only():
     from heterog.cost.host import host_times_s
     from heterog.hardware.catalog import get_gpu, host_costs
 
-    for phase in ("fwd", "bwd"):
+    for phase in Phase:
         host = host_times_s(graph, host_costs(get_gpu("H200")), phase, None)
         fast = m.node_times_s(names, "fast/gpu0", 1, phase)
         slow = m.node_times_s(names, "slow/gpu0", 1, phase)
@@ -113,9 +114,9 @@ def test_host_speed_does_not_scale_the_cudnn_calls():
     c = parse_cluster_yaml(YAML, "hosts.yaml")
     m = build_cost_model(g, c, precision="fp32")
     h = host_costs(get_gpu("H200"))
-    base = host_times_s(g, h, "fwd", None)[0]
-    assert m.compute_time_s("conv1", "fast/gpu0", 1, "fwd") == pytest.approx(base + h.cudnn_op_s)
-    assert m.compute_time_s("conv1", "slow/gpu0", 1, "fwd") == pytest.approx(2 * base + h.cudnn_op_s)
+    base = host_times_s(g, h, Phase.FORWARD, None)[0]
+    assert m.compute_time_s("conv1", "fast/gpu0", 1, Phase.FORWARD) == pytest.approx(base + h.cudnn_op_s)
+    assert m.compute_time_s("conv1", "slow/gpu0", 1, Phase.FORWARD) == pytest.approx(2 * base + h.cudnn_op_s)
 
 
 def test_the_simulator_times_a_device_by_its_own_nodes_host():
@@ -131,5 +132,5 @@ def test_the_simulator_times_a_device_by_its_own_nodes_host():
     m = build_cost_model(graph, c, precision="fp32", optimizer="adamw")
     names = [n.name for n in graph.nodes]
     r = simulate(graph, c, plan([("all", names, [("slow/gpu0", 1.0)])], batch_size=1), m)
-    own = m.group_time_s(names, "slow/gpu0", 1, "fwd") + m.group_time_s(names, "slow/gpu0", 1, "bwd")
+    own = m.group_time_s(names, "slow/gpu0", 1, Phase.FORWARD) + m.group_time_s(names, "slow/gpu0", 1, Phase.BACKWARD)
     assert r.compute_time_s["slow/gpu0"] == pytest.approx(own + m.optimizer_time_s(names, "slow/gpu0"), rel=0.05)

@@ -156,7 +156,7 @@ def _program():
 
 
 def _flow(rank: int):
-    from heterog.execute.partition import Dataflow
+    from heterog.cut.dataflow import Dataflow
 
     names = {0: ("a", "tied"), 1: ("b", "tied")}
     held = {0: {0}, 1: {0, 1}, 2: {1}}[rank]
@@ -175,6 +175,7 @@ def _flow(rank: int):
         params_of_group={g: [(n, params[n]) for n in names[g]] for g in held},
         param_names=names,
         param_numel={n: 5 for n in params},
+        param_shape={n: torch.Size([5]) for n in params},
         param_by_name=params,
         tied={"tied": (0, 1)},
     )
@@ -212,7 +213,7 @@ def test_program_sync_runs_each_blocks_method_and_sums_tied_gradients_over_all_h
         assert torch.allclose(got[r]["a"][1], g(0, "a") + g(1, "a"))
     # ps served by rank 0 (SGD at workload.SGD_LR): replicas 1, 2 get the new
     # parameters and no gradient, so their local optimizer leaves them alone
-    from heterog.execute.workload import SGD_LR
+    from heterog.workload import SGD_LR
 
     want_b = torch.full((5,), 2.0) - SGD_LR * (g(1, "b") + g(2, "b"))
     for r in (1, 2):

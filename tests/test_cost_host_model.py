@@ -13,6 +13,7 @@ from heterog.cost import build_cost_model
 from heterog.cost.host import autocast_casts, host_times_s
 from heterog.cost.predict import predict, single_device_cluster
 from heterog.hardware.catalog import get_gpu, host_costs
+from heterog.ir.kinds import Phase
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def test_a_step_is_never_faster_than_its_host_time(graph, precision):
     cl = single_device_cluster(gpu)
     m = build_cost_model(graph, cl, precision=precision)
     casts = autocast_casts(graph, precision)
-    for phase in ("fwd", "bwd"):
+    for phase in Phase:
         host = host_times_s(graph, host_costs(gpu), phase, casts)
         for b in (1, 4, 64, 4096):
             per_node = m.node_times_s(names(graph), cl.devices[0].name, b, phase)
@@ -75,7 +76,7 @@ def test_autocast_adds_its_casts(graph):
     assert casts.count[graph.index["blocks.0.mlp.fc2"]] == 2
     # the host pays for each cast, forward and backward
     h = host_costs(get_gpu("H200"))
-    for phase in ("fwd", "bwd"):
+    for phase in Phase:
         extra = host_times_s(graph, h, phase, casts) - host_times_s(graph, h, phase, None)
         assert extra == pytest.approx(h.autocast_cast_s * casts.count)
     assert "matmul" in kinds
@@ -85,7 +86,7 @@ def test_a_power_limited_card_sustains_less_than_its_peak():
     """The T4 (70 W) and L4 (72 W) sustain a smaller share of their data-sheet tensor peak
     than full-power cards of their generations (Titan RTX, 280 W; RTX 4090, 450 W) on the same
     layer (hidden 2048, 4k tokens): their GEMMs hold the base clock, far below the boost clock
-    the peak assumes (cost/public_model.py). No type passes its data-sheet peak."""
+    the peak assumes (hardware/public_model.py). No type passes its data-sheet peak."""
     big = transformer_graph(layers=1, hidden=2048, seq=512, batch=8)
 
     def share(name: str) -> float:
@@ -123,7 +124,7 @@ def test_a_cudnn_call_costs_the_host_more_than_an_ordinary_op(graph):
     assert not cudnn_calls(graph, "amp-bf16", a100).any()  # Ampere: flash attention
     h = host_costs(h200)
     assert h.cudnn_op_s > 3 * h.forward_op_s  # a cuDNN call is expensive
-    for phase in ("fwd", "bwd"):
+    for phase in Phase:
         with_cudnn = host_times_s(conv, h, phase, None, cudnn_calls(conv, "fp32", h200))
         assert with_cudnn - host_times_s(conv, h, phase, None) == pytest.approx([h.cudnn_op_s, 0.0])
         # and the model's node time is never below that host time
@@ -182,13 +183,13 @@ def test_a_half_precision_nchw_convolution_pays_for_its_layout_transforms():
     """Under amp-bf16/fp16 a convolution (NCHW) moves each activation in and out of NHWC:
     2 extra passes of its activation traffic at copy bandwidth, forward and backward; fp32
     and non-NVIDIA types do not."""
-    from heterog.cost.analytic import NCHW_HALF_CONV_TRANSFORM_PASSES, _TypeTable
-    from heterog.cost.efficiency import memory_efficiency
+    from heterog.cost.roofline import NCHW_HALF_CONV_TRANSFORM_PASSES, TypeTable
+    from heterog.hardware.efficiency import memory_efficiency
 
     conv = conv_graph()
     gpu = get_gpu("H200")
-    for phase, obj in (("fwd", conv.nodes[0].fwd_bytes), ("bwd", conv.nodes[0].bwd_bytes)):
-        half = _TypeTable(conv, gpu, "amp-bf16", phase)
+    for phase, obj in ((Phase.FORWARD, conv.nodes[0].fwd_bytes), (Phase.BACKWARD, conv.nodes[0].bwd_bytes)):
+        half = TypeTable(conv, gpu, "amp-bf16", phase)
         extra_s = (
             NCHW_HALF_CONV_TRANSFORM_PASSES
             * 0.5
@@ -196,13 +197,13 @@ def test_a_half_precision_nchw_convolution_pays_for_its_layout_transforms():
             * 256
             / (gpu.memory_bandwidth_bytes_per_s * memory_efficiency(gpu))
         )
-        bare = _TypeTable(conv, gpu, "amp-bf16", phase)
+        bare = TypeTable(conv, gpu, "amp-bf16", phase)
         bare.transform_ps = np.zeros(2)
         idx = np.array([0, 1])
         assert half.times_s(idx, 256)[0] - bare.times_s(idx, 256)[0] == pytest.approx(extra_s)
         assert half.times_s(idx, 256)[1] == bare.times_s(idx, 256)[1]  # the ReLU: none
-        assert not _TypeTable(conv, gpu, "fp32", phase).transform_ps.any()
-        assert not _TypeTable(conv, get_gpu("MI300X"), "amp-bf16", phase).transform_ps.any()
+        assert not TypeTable(conv, gpu, "fp32", phase).transform_ps.any()
+        assert not TypeTable(conv, get_gpu("MI300X"), "amp-bf16", phase).transform_ps.any()
 
 
 def test_the_half_precision_convolution_factor_scales_only_half_convolutions():
@@ -218,7 +219,7 @@ def test_the_half_precision_convolution_factor_scales_only_half_convolutions():
 
     def device_s(g, gpu, precision, node):
         m = build_cost_model(g, single_device_cluster(gpu), precision=precision)
-        return m.compute_time_s(node, "local/gpu0", 4096, "fwd")
+        return m.compute_time_s(node, "local/gpu0", 4096, Phase.FORWARD)
 
     assert device_s(conv, slow, "amp-bf16", "conv1") > 1.5 * device_s(conv, h200, "amp-bf16", "conv1")
     assert device_s(conv, slow, "fp32", "conv1") == device_s(conv, h200, "fp32", "conv1")

@@ -10,6 +10,7 @@ from torch import nn
 
 from heterog.capture.capture import capture
 from heterog.cost.kernels import conv_kernels, norm_passes
+from heterog.ir.kinds import Phase
 
 
 class _Blocks(nn.Module):
@@ -82,7 +83,7 @@ def test_channels_last_half_precision_convolutions_skip_the_transposes():
             m = AnalyticCostModel(g, cluster, precision="fp16")
             convs = [n.name for n in g.nodes if n.kind == "conv"]
             t[g.meta["conv"]["stem"]["channels_last"]] = sum(
-                m.group_time_s(convs, "local/gpu0", 4096, p) for p in ("fwd", "bwd")
+                m.group_time_s(convs, "local/gpu0", 4096, p) for p in Phase
             )
         assert t[True] < 0.9 * t[False], device
 
@@ -95,6 +96,10 @@ def test_a_graph_without_geometry_is_costed_as_dense_nchw_convolutions():
 
 
 def test_normalisation_passes_from_the_kernels():
-    assert norm_passes("BatchNorm2d", "fwd") == 1.5 and norm_passes("BatchNorm2d", "bwd") == pytest.approx(5 / 3)
-    assert norm_passes("LayerNorm", "fwd") == 1.0 and norm_passes("LayerNorm", "bwd") == pytest.approx(5 / 3)
-    assert norm_passes("Dropout", "bwd") == 1.0
+    assert norm_passes("BatchNorm2d", Phase.FORWARD) == 1.5 and norm_passes(
+        "BatchNorm2d", Phase.BACKWARD
+    ) == pytest.approx(5 / 3)
+    assert norm_passes("LayerNorm", Phase.FORWARD) == 1.0 and norm_passes("LayerNorm", Phase.BACKWARD) == pytest.approx(
+        5 / 3
+    )
+    assert norm_passes("Dropout", Phase.BACKWARD) == 1.0

@@ -11,13 +11,14 @@ import pytest
 from cost_support import linear, transformer_graph
 
 from heterog.cost import Profile, ProfileError, build_cost_model
-from heterog.cost.efficiency import gpu_curve, h200_curve
 from heterog.cost.memory import block_of
 from heterog.cost.predict import predict, single_device_cluster
 from heterog.hardware.catalog import get_gpu
+from heterog.hardware.efficiency import gpu_curve, h200_curve
 from heterog.hardware.gputype import Efficiency
 from heterog.hardware.spec import load_cluster
 from heterog.ir.affine import Affine
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpEdge, OpGraph
 
 
@@ -37,47 +38,48 @@ def names(g):
 
 def test_time_grows_with_batch_and_has_a_floor(graph, mixed):
     m = build_cost_model(graph, mixed)
-    ts = [m.group_time_s(names(graph), "a100/gpu0", b, "fwd") for b in (1, 2, 8, 32, 128)]
+    ts = [m.group_time_s(names(graph), "a100/gpu0", b, Phase.FORWARD) for b in (1, 2, 8, 32, 128)]
     # never faster with more samples; flat while the host sets the pace (cost/host.py)
     assert all(a <= b for a, b in zip(ts, ts[1:])) and ts[-1] > ts[0]
     # host overhead floor: at batch 1 time is far above the proportional share of batch 128
     assert ts[0] > 2 * ts[-1] / 128
     kernels = sum(n.fwd_kernels for n in graph.nodes)
     assert ts[0] >= kernels * 8e-6 * 0.99  # per-op dispatch (catalog host_costs)
-    assert m.compute_time_s(graph.nodes[1].name, "a100/gpu0", 0, "fwd") == 0.0
+    assert m.compute_time_s(graph.nodes[1].name, "a100/gpu0", 0, Phase.FORWARD) == 0.0
 
 
 def test_faster_gpus_are_faster_and_slowdown_scales(graph, mixed):
     m = build_cost_model(graph, mixed)
-    t = {d: m.group_time_s(names(graph), d, 64, "bwd") for d in ("a100/gpu0", "v100/gpu0", "t4/gpu0")}
+    t = {d: m.group_time_s(names(graph), d, 64, Phase.BACKWARD) for d in ("a100/gpu0", "v100/gpu0", "t4/gpu0")}
     assert t["a100/gpu0"] < t["v100/gpu0"] < t["t4/gpu0"]
     emu = load_cluster("emulated-4")
     me = build_cost_model(graph, emu)
-    fast = me.group_time_s(names(graph), "fast/cpu0", 4, "fwd")
-    assert me.group_time_s(names(graph), "slow/cpu1", 4, "fwd") == pytest.approx(4 * fast)
+    fast = me.group_time_s(names(graph), "fast/cpu0", 4, Phase.FORWARD)
+    assert me.group_time_s(names(graph), "slow/cpu1", 4, Phase.FORWARD) == pytest.approx(4 * fast)
 
 
 def test_group_time_is_the_sum_of_node_times(graph, mixed):
     m = build_cost_model(graph, mixed)
     ns = names(graph)[2:9]
-    total = sum(m.compute_time_s(n, "v100/gpu1", 12, "bwd") for n in ns)
-    assert m.group_time_s(ns, "v100/gpu1", 12, "bwd") == pytest.approx(total)
+    total = sum(m.compute_time_s(n, "v100/gpu1", 12, Phase.BACKWARD) for n in ns)
+    assert m.group_time_s(ns, "v100/gpu1", 12, Phase.BACKWARD) == pytest.approx(total)
     assert np.allclose(
-        m.node_times_s(ns, "v100/gpu1", 12, "bwd"), [m.compute_time_s(n, "v100/gpu1", 12, "bwd") for n in ns]
+        m.node_times_s(ns, "v100/gpu1", 12, Phase.BACKWARD),
+        [m.compute_time_s(n, "v100/gpu1", 12, Phase.BACKWARD) for n in ns],
     )
 
 
 def test_precision_paths(graph):
     cl = single_device_cluster(get_gpu("A100-80GB"))
     dev = cl.devices[0].name
-    fp32 = build_cost_model(graph, cl, precision="fp32").group_time_s(names(graph), dev, 64, "fwd")
-    bf16 = build_cost_model(graph, cl, precision="amp-bf16").group_time_s(names(graph), dev, 64, "fwd")
+    fp32 = build_cost_model(graph, cl, precision="fp32").group_time_s(names(graph), dev, 64, Phase.FORWARD)
+    bf16 = build_cost_model(graph, cl, precision="amp-bf16").group_time_s(names(graph), dev, 64, Phase.FORWARD)
     assert bf16 < fp32 / 3  # 312 vs 19.5 TFLOP/s peaks
     # T4 has no bf16: amp-bf16 falls back to fp32 rates, fp16 uses its tensor cores
     t4 = single_device_cluster(get_gpu("T4"))
     d4 = t4.devices[0].name
-    t_bf16 = build_cost_model(graph, t4, precision="amp-bf16").group_time_s(names(graph), d4, 64, "fwd")
-    t_fp16 = build_cost_model(graph, t4, precision="fp16").group_time_s(names(graph), d4, 64, "fwd")
+    t_bf16 = build_cost_model(graph, t4, precision="amp-bf16").group_time_s(names(graph), d4, 64, Phase.FORWARD)
+    t_fp16 = build_cost_model(graph, t4, precision="fp16").group_time_s(names(graph), d4, 64, Phase.FORWARD)
     assert t_fp16 < t_bf16
 
 
@@ -94,7 +96,7 @@ def test_large_h200_matmul_matches_the_measurement():
     )
     g = OpGraph(model="mm", batch_size=1, nodes=(node,), edges=()).validate()
     cl = single_device_cluster(get_gpu("H200"))
-    t = build_cost_model(g, cl, precision="amp-bf16").compute_time_s("mm", cl.devices[0].name, 1, "fwd")
+    t = build_cost_model(g, cl, precision="amp-bf16").compute_time_s("mm", cl.devices[0].name, 1, Phase.FORWARD)
     assert t == pytest.approx(1.403e-3, rel=0.10)
 
 
@@ -114,10 +116,10 @@ def test_profile_overrides_and_validates(graph, mixed, tmp_path):
     path = tmp_path / "p.json"
     prof.save(path)
     m = build_cost_model(graph, mixed, profile=path)
-    assert m.compute_time_s(node, "a100/gpu0", 8, "fwd") == pytest.approx(1.5e-3)
-    assert m.compute_time_s(node, "a100/gpu0", 6, "fwd") == pytest.approx(1.25e-3)
-    assert m.compute_time_s(node, "a100/gpu0", 16, "fwd") == pytest.approx(2.5e-3)  # linear fit beyond
-    assert m.compute_time_s(node, "v100/gpu0", 8, "fwd") != pytest.approx(1.5e-3)  # not measured there
+    assert m.compute_time_s(node, "a100/gpu0", 8, Phase.FORWARD) == pytest.approx(1.5e-3)
+    assert m.compute_time_s(node, "a100/gpu0", 6, Phase.FORWARD) == pytest.approx(1.25e-3)
+    assert m.compute_time_s(node, "a100/gpu0", 16, Phase.FORWARD) == pytest.approx(2.5e-3)  # linear fit beyond
+    assert m.compute_time_s(node, "v100/gpu0", 8, Phase.FORWARD) != pytest.approx(1.5e-3)  # not measured there
     bad = json.loads(path.read_text())
     bad["times"][node]["A100-80GB"]["fwd"] = [[4, -1]]
     path.write_text(json.dumps(bad))
@@ -150,8 +152,10 @@ def test_recompute_saves_activations_and_costs_time(graph, mixed):
     ns = names(graph)
     assert rc.activation_bytes(ns, 32) < 0.6 * plain.activation_bytes(ns, 32)
     assert rc.memory.step_peak(32, recompute=True).peak_bytes < plain.memory.step_peak(32).peak_bytes
-    fwd = plain.group_time_s(ns, "a100/gpu0", 32, "fwd")
-    extra = rc.group_time_s(ns, "a100/gpu0", 32, "bwd") - plain.group_time_s(ns, "a100/gpu0", 32, "bwd")
+    fwd = plain.group_time_s(ns, "a100/gpu0", 32, Phase.FORWARD)
+    extra = rc.group_time_s(ns, "a100/gpu0", 32, Phase.BACKWARD) - plain.group_time_s(
+        ns, "a100/gpu0", 32, Phase.BACKWARD
+    )
     assert 0.8 * fwd < extra <= fwd
 
 
@@ -190,7 +194,7 @@ def test_predict_is_sane_and_monotone(graph):
 def test_h200_calibration_points(dtype, precision):
     """Every large square product of data/h200_micro.json is predicted within 15% (from 4096 on,
     where the ~15 µs launch-and-timing floor of the measurement is under 10%)."""
-    from heterog.cost.efficiency import _h200_doc
+    from heterog.hardware.efficiency import _h200_doc
 
     cl = single_device_cluster(get_gpu("H200"))
     for row in _h200_doc()["matmul"]:
@@ -206,7 +210,7 @@ def test_h200_calibration_points(dtype, precision):
             }
         )
         g = OpGraph(model="mm", batch_size=1, nodes=(node,), edges=()).validate()
-        t = build_cost_model(g, cl, precision=precision).compute_time_s("mm", cl.devices[0].name, 1, "fwd")
+        t = build_cost_model(g, cl, precision=precision).compute_time_s("mm", cl.devices[0].name, 1, Phase.FORWARD)
         assert t == pytest.approx(row["median_ms"] * 1e-3, rel=0.15), (dtype, n)
 
 
@@ -245,7 +249,7 @@ def test_simulated_peak_with_recompute_falls_when_groups_are_fine(graph, mixed):
 
 
 def test_bf16_batch_norm_runs_natively_and_gains_nothing_from_half_bytes():
-    """PyTorch gives bf16 batch norms to its native kernels, not cuDNN's (cost.analytic,
+    """PyTorch gives bf16 batch norms to its native kernels, not cuDNN's (cost.roofline,
     NATIVE_BN_BF16_FACTOR): under amp-bf16 a memory-bound batch norm takes its fp32 time,
     while an element-wise op after a half matmul halves, and fp16 (cuDNN) halves too."""
     from cost_support import elementwise
@@ -267,7 +271,7 @@ def test_bf16_batch_norm_runs_natively_and_gains_nothing_from_half_bytes():
             cl = single_device_cluster(get_gpu(gpu))
             for p in precisions:
                 times[other.name, gpu, p] = build_cost_model(g, cl, precision=p).group_time_s(
-                    [other.name], cl.devices[0].name, 8, "fwd"
+                    [other.name], cl.devices[0].name, 8, Phase.FORWARD
                 )
     assert times["bn", "H200", "amp-bf16"] == pytest.approx(times["bn", "H200", "fp32"], rel=0.05)
     assert times["act", "H200", "amp-bf16"] == pytest.approx(times["act", "H200", "fp32"] / 2, rel=0.05)

@@ -1,4 +1,4 @@
-"""GPU types from their public figures (cost/public_model.py), the catalog's sources, and
+"""GPU types from their public figures (hardware/public_model.py), the catalog's sources, and
 precisions as each card runs them (cost/precision.py). Accuracy against measurements is
 benchmarks/predict_gpu.py --leave-one-type-out's job."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from heterog.cost.efficiency import gpu_curve
 from heterog.cost.precision import precision_advice
-from heterog.cost.public_model import packaged_public_model
 from heterog.hardware import catalog
 from heterog.hardware.catalog import get_gpu, list_gpus
+from heterog.hardware.efficiency import gpu_curve
+from heterog.hardware.public_model import packaged_public_model
 from heterog.hardware.spec import load_cluster
 
 

@@ -13,8 +13,8 @@ from torch import nn
 
 from heterog.capture import capture_model
 from heterog.cost import build_cost_model
+from heterog.cut.partition import split_model
 from heterog.errors import PlanError
-from heterog.execute.partition import split_model
 from heterog.hardware.spec import cluster_from_dict
 from heterog.ir.plan import ModelSpec
 from heterog.search.constraints import ConstraintCache, violations

@@ -5,14 +5,16 @@ Llama) the planner compares its candidates (baselines, search, GNN) on a 3-devic
 cluster of two nodes with unequal speeds; each distinct plan (as `PlanResult.plan_of`
 returns it, which is what `heterog plan --strategy NAME` writes) is run for 2 steps on real
 gloo processes, the plans of every selected family in one launch (`run_many`, through
-tests/plan_batch.py: the processes start and import torch once, and export each model once). A plan the executor cannot run is a bug in the partitioner
-or the lowering, or a planner choice the executor cannot cut (search/constraints.py).
+tests/plan_batch.py: the processes start and import torch once, and export each model once).
+A plan the executor cannot run is a bug in the partitioner or the lowering, or a planner
+choice the executor cannot cut (search/constraints.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 
 import pytest
 
@@ -112,3 +114,12 @@ def test_every_candidate_runs_two_steps(family, plan_batch):
     assert not failed, "\n".join(failed)
     for o in outcomes:
         assert len(o.losses) == 2 and o.measured_iteration_time_s > 0
+    # every candidate trains the same model from the same parameters on the same batches: the
+    # same first loss (summed over its ranks in another order), finite, and the same second
+    # loss after one step (its parameters equal up to rounding)
+    losses = {"/".join(names): o.losses for (names, _), o in zip(candidates, outcomes)}
+    assert all(len(v) == 2 and all(math.isfinite(x) for x in v) for v in losses.values()), losses
+    first = next(iter(losses.values()))
+    for name, (loss0, loss1) in losses.items():
+        assert loss0 == pytest.approx(first[0], rel=1e-4), (name, losses)
+        assert loss1 == pytest.approx(first[1], rel=1e-3), (name, losses)

@@ -135,8 +135,8 @@ def test_too_many_ranks_for_one_machine_is_a_clear_error():
 
 
 def test_profiler_times_every_leaf_module_at_two_batches():
-    from heterog.execute.workload import resolve_workload
     from heterog.profile.measure import measure_profile
+    from heterog.workload import resolve_workload
 
     work = resolve_workload(ModelSpec(name="tests/test_execute_models.py:resmlp", batch_size=8))
     prof = measure_profile(work, batch_sizes=(4, 16), repeats=2)

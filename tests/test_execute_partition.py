@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_execute_models import MLP, Branchy, Repeat, ResMLP, TinyVGG
 
+from heterog.cut.partition import build_dataflow, fx_node_names, split_model
 from heterog.errors import PlanError
-from heterog.execute.partition import build_dataflow, fx_node_names, split_model
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 
 VEC = (torch.randn(8, 16),)  # an example batch to export the vector models with
@@ -118,7 +118,7 @@ def test_untraceable_model_runs_unsplit_only_under_data_parallelism():
 def test_user_data_replaces_synthetic_batches_step_by_step():
     from test_execute_models import fixed_vectors
 
-    from heterog.execute.workload import global_batch, resolve_workload, with_data
+    from heterog.workload import global_batch, resolve_workload, with_data
 
     work = with_data(
         resolve_workload(ModelSpec(name="tests/test_execute_models.py:mlp", batch_size=4)),
@@ -182,7 +182,7 @@ class _BatchScaled(torch.nn.Module):
 
 
 def test_a_batch_statistic_cannot_cross_placements_and_the_planner_is_told():
-    from heterog.execute.split_export import cut_constraints
+    from heterog.cut.split_export import cut_constraints
 
     # the statistic feeds 'scale'; scale's output (no samples either) meets inp's in a loose mul
     assert cut_constraints(_BatchScaled(), VEC).same_placement == {("stat", "scale"), ("scale", "inp")}
@@ -211,7 +211,7 @@ def test_every_exported_leaf_call_is_a_captured_node_and_any_cut_runs(name):
     unsplit model's output: seq-first XLNet, rotary tables, position ids and masks included."""
     from heterog.capture import capture_model
     from heterog.capture.zoo import get_zoo_model
-    from heterog.execute.split_export import leaf_call_names
+    from heterog.cut.split_export import leaf_call_names
 
     entry = get_zoo_model(name)
     seq = 8 if entry.default_seq_len else None

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from heterog.capture import capture_model
-from heterog.execute.partition import build_dataflow, program_group_order
+from heterog.cut.partition import build_dataflow, program_group_order
 from heterog.execute.runtime import crossing_values
-from heterog.execute.workload import build_model, resolve_workload
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.lower.program import Phase, Send
 from heterog.orchestrate import lower
+from heterog.workload import build_model, resolve_workload
 
 SEQ = 8
 GPT2 = dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0)
@@ -54,7 +54,6 @@ def _sent_bytes(plan: Plan) -> tuple[dict[tuple[int, int], float], dict[tuple[in
     flow = build_dataflow(
         build_model(resolve_workload(plan.model), seed=0), plan, 1, group_order=program_group_order(program)
     )
-    block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
     crossing = crossing_values(program, flow)
     outputs = {
         s.value: next(n for n in s.module.graph.nodes if n.op == "output").args[0]

@@ -2,9 +2,9 @@
 
 Small configurations of the zoo's language models — GPT-2, BERT, Llama and the seq2seq
 Transformer — under even data parallelism, a 2-stage pipeline (GPipe and 1F1B), parameter
-servers and a hybrid plan with uneven shares, cut at the
-middle of the captured node list (wherever that falls: for the Transformer, inside its first
-decoder layer, where the export traces a residual add after the second half's first ops). GPT-2, BERT and the Transformer tie
+servers and a hybrid plan with uneven shares, cut at the middle of the captured node list
+(wherever that falls: for the Transformer, inside its first decoder layer, where the export
+traces a residual add after the second half's first ops). GPT-2, BERT and the Transformer tie
 their token embedding to the output projection, so the hybrid plans hold the tied weight on
 three devices and sum its gradient across them. Each case runs 3 optimizer steps and
 compares every rank's parameters with single-process training, within 1e-5 relative. The
@@ -246,8 +246,9 @@ def test_size_derived_values_never_cross_a_cut():
     # A value computed from sizes alone (the causal mask, a batch size) is recomputed in each
     # stage that uses it; a stage's copy was once made from the first stage's copy and so read
     # that stage's values, which the Program never sends (the 2-layer GPT-2 even-dp-ps failure).
-    from heterog.execute.partition import INPUT, split_model
-    from heterog.execute.workload import build_model, resolve_workload
+    from heterog.cut.dataflow import INPUT
+    from heterog.cut.partition import split_model
+    from heterog.workload import build_model, resolve_workload
 
     plan = make_plan("gpt2", _three_stages("gpt2"))
     flow = split_model(build_model(resolve_workload(plan.model), seed=0), plan)

@@ -188,7 +188,7 @@ def _split_plan(model: str, kind: str, precision: str = "fp32") -> Plan:
 @pytest.mark.parametrize("kind", ["pipeline", "hybrid"])
 @pytest.mark.parametrize("model", list(LANGUAGE_MODELS))
 def test_language_model_plans_check_on_cuda(model, kind):
-    from heterog.runs import check
+    from heterog.orchestrate import check
 
     result = check(_split_plan(model, kind), device="cuda")
     assert result.ok, [r.problem for r in result.ranks]

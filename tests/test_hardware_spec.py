@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from heterog.errors import ClusterError
-from heterog.hardware import catalog
+from heterog.hardware import catalog, cpu_probe
 from heterog.hardware.spec import builtin_clusters, cluster_from_dict, cluster_to_dict, load_cluster, parse_cluster_yaml
 
 REQUIRED = [
@@ -96,17 +96,17 @@ def test_a_cluster_file_naming_a_family_says_where_and_the_choices():
 
 def test_cpu_type_is_measured_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("HETEROG_CACHE_DIR", str(tmp_path))
-    catalog._measure_cpu_for.cache_clear()
+    cpu_probe._measure_cpu_for.cache_clear()
     try:
         g = catalog.get_gpu("cpu")
         assert g.vendor == "cpu" and g.peak_flops_per_s["fp32"] > 1e8
         assert g.memory_bandwidth_bytes_per_s > 1e8
         assert (tmp_path / "cpu_probe.json").is_file()
-        catalog._measure_cpu_for.cache_clear()
-        monkeypatch.setattr(catalog, "_run_probe", lambda: pytest.fail("cache not used"))
+        cpu_probe._measure_cpu_for.cache_clear()
+        monkeypatch.setattr(cpu_probe, "_run_probe", lambda: pytest.fail("cache not used"))
         assert catalog.get_gpu("cpu").peak_flops_per_s == g.peak_flops_per_s
     finally:
-        catalog._measure_cpu_for.cache_clear()
+        cpu_probe._measure_cpu_for.cache_clear()
 
 
 def test_builtin_clusters():

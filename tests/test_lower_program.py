@@ -159,7 +159,7 @@ def test_every_random_program_validates_and_round_trips_through_json():
         text = json.dumps({"kind": "heterog.Program", "version": 2, **prog.to_dict()})
         again = Program.from_json(text)
         assert again.to_dict() == prog.to_dict()
-        for d, lst in prog.instructions.items():  # sample ranges stay inside micro-batches
+        for lst in prog.instructions.values():  # sample ranges stay inside micro-batches
             for i in lst:
                 if isinstance(i, (Compute, Send, Recv)):
                     assert 0 <= i.lo <= i.hi <= prog.microbatch_sizes[i.microbatch]
@@ -214,7 +214,7 @@ def test_one_f_one_b_keeps_at_most_p_minus_s_micro_batches_in_flight():
     g = chain_graph(8, flops=GF, edge_bytes=2e5, param_bytes=1_000_000)
     c = cluster([[RATE, RATE, RATE, RATE]], nic_bandwidth=1e9)
     devs = [d.name for d in c.devices]
-    stages = [("s%d" % k, [f"l{2 * k}", f"l{2 * k + 1}"], [(devs[k], 1.0)]) for k in range(4)]
+    stages = [(f"s{k}", [f"l{2 * k}", f"l{2 * k + 1}"], [(devs[k], 1.0)]) for k in range(4)]
     p = plan(stages, batch_size=16, num_microbatches=8, schedule="1f1b", sync="ring")
     prog = lower(g, c, p, TableCosts(g, c))
     for s, d in enumerate(devs):

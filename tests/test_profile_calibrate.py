@@ -14,12 +14,13 @@ from typer.testing import CliRunner
 
 from heterog.cli.main import app
 from heterog.cost.calibrate import calibrate, fit_host_scale, scale_host
+from heterog.cost.device_profile import DeviceProfile, DeviceProfileError
 from heterog.cost.predict import predict
 from heterog.hardware import catalog
 from heterog.hardware.catalog import get_gpu, host_costs
-from heterog.profile.artifact import DeviceProfile, DeviceProfileError
+from heterog.ir.kinds import Phase
 
-H200_MICRO = Path(__file__).resolve().parent.parent / "src" / "heterog" / "cost" / "data" / "h200_micro.json"
+H200_MICRO = Path(__file__).resolve().parent.parent / "src" / "heterog" / "hardware" / "data" / "h200_micro.json"
 runner = CliRunner()
 
 
@@ -37,7 +38,7 @@ def test_calibrating_the_h200_sweep_reproduces_its_large_products(tmp_path, monk
         if g["n"] < 4096 or g["dtype"] not in gpu.efficiency.compute:
             continue
         achieved = 2 * g["n"] ** 3 / g["time_s"]
-        from heterog.cost.efficiency import gpu_curve
+        from heterog.hardware.efficiency import gpu_curve
 
         model = (
             gpu.peak_flops_per_s[g["dtype"]]
@@ -219,7 +220,7 @@ def test_profile_calibrate_plan_round_trip_on_this_cpu(tmp_path):
     costs = build_cost_model(_captured("mlp", None, 1, None), cluster, profile=times)
     node, by_type = next(iter(measured.nodes.times.items()))
     batch, time_s = by_type["cpu"]["fwd"][0]
-    assert costs.compute_time_s(node, "a/cpu0", batch, "fwd") == pytest.approx(time_s)
+    assert costs.compute_time_s(node, "a/cpu0", batch, Phase.FORWARD) == pytest.approx(time_s)
 
 
 def test_a_gpu_profile_calibrates_its_type_in_the_plan_cluster():

@@ -12,9 +12,10 @@ from heterog.capture import capture_model
 from heterog.cost import build_cost_model
 from heterog.cost.profile import LinkCalibratedCosts, LinkCalibration, LinkScope, ProfileError
 from heterog.demo import SCENARIOS
-from heterog.execute.workload import resolve_workload
+from heterog.ir.kinds import Phase
 from heterog.ir.plan import ModelSpec
 from heterog.profile.measure import WholeStep, attribute_unhooked, measure_profile, profile_batch_sizes
+from heterog.workload import resolve_workload
 
 GPT2 = {"hidden": 32, "layers": 1, "heads": 2, "vocab": 512, "positions": 16, "dropout": 0.0}
 
@@ -74,7 +75,7 @@ def test_a_profile_with_the_graph_times_every_node_and_sums_to_the_step(gpt2_gra
     assert set(prof.times) == {n.name for n in gpt2_graph.nodes}  # none left to the estimate
     costs = build_cost_model(gpt2_graph, SCENARIOS["lm-slow-link"].cluster(), profile=prof)
     names = [n.name for n in gpt2_graph.nodes]
-    assert costs.group_time_s(names, "a/cpu0", 4, "bwd") > 0
+    assert costs.group_time_s(names, "a/cpu0", 4, Phase.BACKWARD) > 0
 
 
 def _calibrated(one_way=0.5, duplex=0.25, latency_s=0.0):
@@ -110,7 +111,7 @@ def test_calibrated_links_slow_only_what_crosses_the_measured_nic():
         base.collective_time_s("allreduce", big, ["a/cpu0", "a/cpu1"])
     )
     n = next(iter(base.graph.index))
-    assert costs.compute_time_s(n, "a/cpu0", 4, "fwd") == base.compute_time_s(n, "a/cpu0", 4, "fwd")
+    assert costs.compute_time_s(n, "a/cpu0", 4, Phase.FORWARD) == base.compute_time_s(n, "a/cpu0", 4, Phase.FORWARD)
     # the p2p time is the closed form on the measured rate
     bw = cluster.bottleneck_bandwidth_bytes_per_s("a/cpu0", "b/cpu0") * 0.5
     assert costs.transfer_time_s(big, "a/cpu0", "b/cpu0") == pytest.approx(

@@ -88,7 +88,7 @@ def test_report_has_a_timeline_and_memory_row_per_device_and_no_external_referen
     assert "default-src 'none'" in html  # and the page forbids fetching anything
     assert "prefers-color-scheme:dark" in html
     # the headline is the simulator's time, as `heterog simulate` prints it
-    from heterog.cli.output import human_time
+    from heterog.fmt import human_time
 
     assert human_time(result.iteration_time_s) in html
 

@@ -44,7 +44,7 @@ def test_heavy_node_is_its_own_group_and_segments_balance():
     layers = [(1.0, 1, 1.0)] * 30
     layers[15] = (40.0, 1, 1.0)  # as heavy as the rest together
     g = layered_graph(layers)
-    weights = [l[0] for l in layers]
+    weights = [layer[0] for layer in layers]
     groups = contiguous_groups(g, weights, 6)
     assert ("layer15",) in groups
     sizes = [sum(weights[int(n[5:])] for n in grp) for grp in groups]

@@ -2,6 +2,7 @@
 
 import pytest
 
+from heterog.ir.kinds import Phase
 from heterog.simulate import simulate
 from tests.simulate_support import TableCosts, chain_graph, cluster, graph, node, plan
 
@@ -16,7 +17,7 @@ def test_one_device_is_sum_of_op_times_plus_optimizer_step():
     for mbs in (1, 4):
         p = plan([("all", [f"l{i}" for i in range(5)], [("n0/d0", 1.0)])], batch_size=8, num_microbatches=mbs)
         r = simulate(g, c, p, costs)
-        ops = sum(costs.compute_time_s(n.name, "n0/d0", 8, ph) for n in g.nodes for ph in ("fwd", "bwd"))
+        ops = sum(costs.compute_time_s(n.name, "n0/d0", 8, ph) for n in g.nodes for ph in Phase)
         step = costs.optimizer_time_s([n.name for n in g.nodes], "n0/d0")
         assert ops == pytest.approx(5 * 3 * GF * 8 / RATE)
         assert r.iteration_time_s == pytest.approx(ops + step)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from heterog.capture import capture, capture_model
+from heterog.cut.partition import split_model
 from heterog.errors import GraphError
-from heterog.execute.partition import split_model
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 

@@ -13,6 +13,7 @@ The stable Python API (the same keys as the CLI's --json output):
                                            and instruction (options: RunOptions)
     run_many(plans, steps=)              → one RunResult per plan, in one launch
     run_interleaved(plans, timing=)      → one RunResult per plan, rounds interleaved
+    whatif(model, batch_size=, cluster=, add=, remove=)  → WhatIf: each change planned, beside even DP
 
 Wherever a plan is taken, a Plan, its dict (a plan result's "best"), a whole plan result, or a
 path to a plan, program or `heterog plan --json` file is accepted. Imports are lazy so that
@@ -42,6 +43,7 @@ _API: dict[str, tuple[str, str]] = {
     "RunOptions": ("heterog.ir.run_request", "RunOptions"),
     "RunRequest": ("heterog.ir.run_request", "RunRequest"),
     "RunResult": ("heterog.ir.run_result", "RunResult"),
+    "whatif": ("heterog.cluster_change", "whatif"),
     "OpGraph": ("heterog.ir.opgraph", "OpGraph"),
     "Plan": ("heterog.ir.plan", "Plan"),
     "Cluster": ("heterog.hardware.cluster", "Cluster"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import types
 
+from heterog import api_function
+
 
 class CallablePackage(types.ModuleType):
     """heterog.X(...) calls the function the API names X (heterog/__init__.py: api_function).
@@ -20,8 +22,6 @@ class CallablePackage(types.ModuleType):
     must not rebind the name on the package, so such names are listed in `_FUNCTIONS`."""
 
     def __call__(self, *args, **kwargs):
-        from heterog import api_function
-
         return api_function(self.__name__.rpartition(".")[2])(*args, **kwargs)
 
     def __setattr__(self, name: str, value) -> None:

@@ -18,17 +18,27 @@ each is the simulation of the schedule its run carries out (heterog.runs: one lo
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+from heterog.cost.profile import LinkCalibratedCosts
+from heterog.errors import HeterogWarning
 from heterog.hardware.cluster import Cluster
-from heterog.inputs import PlanInputs
+from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
+from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.ir.run_request import Limits, RunOptions, TimingConfig
 from heterog.ir.run_result import RankSummary, RunResult
+from heterog.plan_module import model_graph, search
+from heterog.profile.links import LinkMeasurementError, calibrate_links
+from heterog.profile.measure import measured_profile
+from heterog.report.tables import segments
 from heterog.runs import run, run_interleaved
+from heterog.search.baselines import BASELINE_BUILDERS
 
 # One emulated cluster shape, varied in speed, links and memory: node a has two devices,
 # node b one behind its own (slow) NIC. Pacing every device at least 3× keeps three ranks at
@@ -78,10 +88,6 @@ class Scenario:
     def cluster(self) -> Cluster:
         """The scenario's cluster (its slow link and small memory are deliberate: the
         plausibility warnings about them are silenced)."""
-        import warnings
-
-        from heterog.hardware.spec import parse_cluster_yaml
-
         yaml = _CLUSTER.format(
             name=f"{self.name}-3",
             description=self.description,
@@ -202,9 +208,6 @@ def prepare(
     with `links` too (as root, on an emulated cluster of several nodes), each shaped link is
     measured once and the cost model's transfers and collectives use what it carried
     (cost.profile.LinkCalibratedCosts)."""
-    from heterog.inputs import measured_profile, model_inputs
-    from heterog.plan_module import model_graph
-
     spec, graph = model_graph(model, model_args=model_args, batch_size=batch_size, seq_len=seq_len)
     prof = None
     if profile:
@@ -224,11 +227,6 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
     """Costs whose communication uses the emulated cluster's links as measured — the
     intra-node loopback always, the shaped NICs as root — and the measurements; the costs
     unchanged on a cluster that is not emulated."""
-    import os
-
-    from heterog.cost.profile import LinkCalibratedCosts
-    from heterog.profile.links import LinkMeasurementError, calibrate_links
-
     if cluster.kind != "emulated":
         return costs, ()
     try:
@@ -246,8 +244,6 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
 
 def runnable(setup: Setup, plan: Plan) -> Plan:
     """A candidate plan made self-contained: the cluster spec and the model it was made for."""
-    from heterog.hardware.spec import cluster_to_dict
-
     return dataclasses.replace(
         plan, model=setup.spec, cluster=cluster_to_dict(setup.cluster), cluster_fingerprint=setup.cluster.fingerprint()
     )
@@ -255,10 +251,6 @@ def runnable(setup: Setup, plan: Plan) -> Plan:
 
 def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> RunResult:
     """Run `plan` once: its measurement beside the prediction of the same schedule."""
-    import warnings
-
-    from heterog.errors import HeterogWarning
-
     with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
         return run(
@@ -269,8 +261,6 @@ def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -
 def placement(plan: Plan) -> dict[str, Any]:
     """What a plan is, in a few lines of JSON: its runs of groups with one placement (the
     report's placement table: shares, sync, parameter server), micro-batches and schedule."""
-    from heterog.report.tables import segments
-
     return {
         "num_microbatches": plan.num_microbatches,
         "schedule": plan.schedule,
@@ -293,8 +283,6 @@ def contention(per_rank: tuple[RankSummary, ...]) -> float:
 
 def best_baseline(result) -> Any:
     """The baseline the simulator ranks fastest among the feasible ones."""
-    from heterog.search.baselines import BASELINE_BUILDERS
-
     feasible = [c for c in result.candidates if c.strategy in BASELINE_BUILDERS and c.feasible]
     return min(feasible, key=lambda c: c.iteration_time_s)
 
@@ -314,10 +302,6 @@ def interleaved(
     repetitions themselves, beside the prediction of the schedule that ran. With `failed`
     given, a plan whose run fails is recorded there (label → the error) and left out;
     otherwise the error propagates."""
-    import warnings
-
-    from heterog.errors import HeterogWarning
-
     labels = list(plans)
     say(
         f"{repetitions} repetitions of {', '.join(f'{k} ({plans[k].strategy})' for k in labels)}, "
@@ -330,10 +314,11 @@ def interleaved(
     out = {}
     for label, result in zip(labels, got):
         if not result.ok:
+            assert result.failure is not None
             if failed is None:
                 result.raise_for_failure()
-            assert result.failure is not None
-            failed[label] = result.failure.message.split(" Log tail:")[0]
+            else:
+                failed[label] = result.failure.message.split(" Log tail:")[0]
             continue
         out[label] = {
             "strategy": plans[label].strategy,
@@ -378,8 +363,6 @@ def demo(
     """Plan the scenario's model, then run heterog's plan, the best baseline and even data
     parallelism `repetitions` times each, interleaved. Even data parallelism that the
     planner finds does not fit a device's memory is left out (its speedup is None)."""
-    from heterog.plan_module import search
-
     t0 = time.perf_counter()
     sc = SCENARIOS[scenario]
     cluster = sc.cluster()

@@ -4,6 +4,8 @@ Broken internal invariants are plain asserts."""
 
 from __future__ import annotations
 
+import difflib
+
 
 class HeterogError(Exception):
     """Base of every error meant for the user."""
@@ -37,6 +39,11 @@ class DataError(HeterogError):
     """A user data loader (`--data path/file.py:loader`) that cannot be used."""
 
 
+class TrainingError(HeterogError):
+    """Training options (learning rate, schedule, clipping, accumulation, evaluation) or the
+    user's optimizer / scheduler / evaluate functions that cannot be used."""
+
+
 class CheckpointError(HeterogError):
     """A checkpoint folder that is missing, incomplete or does not fit the model."""
 
@@ -65,8 +72,6 @@ class RankError(HeterogError):
 def did_you_mean(name: str, known) -> str:
     """' Did you mean X?' when `name` is close to one of `known` (a typo; case ignored), else
     '' — the sentence an unknown model, cluster or strategy name adds to its error."""
-    import difflib
-
     lowered = {str(k).lower(): str(k) for k in known}
     close = difflib.get_close_matches(str(name).lower(), list(lowered), n=2, cutoff=0.6)
     if not close:

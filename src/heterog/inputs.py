@@ -21,10 +21,14 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from heterog.capture.cache import capture_cached, in_memory_graph
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.cpu_probe import cpu_gpu_type
+from heterog.hardware.spec import cluster_from_dict, load_cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
+from heterog.lower.program import Program
 
 
 class PlanInputs(NamedTuple):
@@ -45,32 +49,12 @@ def device_view(cluster: Cluster) -> Cluster:
     thread count is not touched."""
     if cluster.kind != "emulated" or "cpu" not in cluster.gpu_types:
         return cluster
-    from heterog.hardware.catalog import cpu_gpu_type
-
     return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": cpu_gpu_type(RANK_THREADS)})
-
-
-def measured_profile(model: ModelSpec, graph: OpGraph, *, repeats: int = 5) -> Any:
-    """Per-node times of `model` measured on this CPU at one thread, as its ranks run it (a
-    few seconds), at the batch sizes the cost model interpolates between
-    (profile/measure.py profile_batch_sizes) — a profile `model_inputs` takes."""
-    from heterog.execute.workload import resolve_workload
-    from heterog.profile.measure import measure_profile, profile_batch_sizes
-
-    return measure_profile(
-        resolve_workload(model),
-        graph=graph,
-        batch_sizes=profile_batch_sizes(model.batch_size),
-        repeats=repeats,
-        threads=RANK_THREADS,
-    )
 
 
 def load_cluster_like(cluster: Cluster | str | os.PathLike) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
-    from heterog.hardware.spec import load_cluster
-
     return load_cluster(cluster)
 
 
@@ -87,12 +71,11 @@ def model_inputs(
     caller has it (an in-memory module, `--graph FILE`); profile: measured per-node times (a
     Profile, a DeviceProfile, a file of either, 'FILE:TYPE' or a list; cost/calibrated.py) that
     replace the analytic estimate, a GPU's device profile calibrating its type."""
+    # numpy with the cost model, when it is built: the CLI imports this module at start-up
     from heterog.cost import build_cost_model
     from heterog.cost.calibrated import apply_profiles
 
     if graph is None:  # a model the capture refuses is a ModelError saying why
-        from heterog.capture.cache import capture_cached
-
         graph = capture_cached(model.name, model.args or None, batch_size=model.batch_size, seq_len=model.seq_len)
     seen, node_times = apply_profiles(device_view(load_cluster_like(cluster)), profile)
     return PlanInputs(
@@ -112,8 +95,6 @@ def plan_inputs(
                 "the plan records no cluster (field 'cluster' is empty), so it does not say which "
                 "cluster it is for; give one (--cluster NAME_OR_FILE)."
             )
-        from heterog.hardware.spec import cluster_from_dict
-
         cluster = cluster_from_dict(plan.cluster)
     if graph is None and plan.model.name.startswith(IN_MEMORY_PREFIX):
         graph = _in_memory_graph(plan)
@@ -123,8 +104,6 @@ def plan_inputs(
 
 
 def _in_memory_graph(plan: Plan) -> OpGraph:
-    from heterog.capture.cache import in_memory_graph
-
     graph = in_memory_graph(plan.graph_fingerprint)
     if graph is None:
         raise PlanError(
@@ -173,8 +152,6 @@ def _read_plan(path: Path) -> Plan:
     except (OSError, ValueError):
         doc = None  # Plan.load says what is wrong with the file
     if isinstance(doc, dict) and doc.get("kind") == "heterog.Program":
-        from heterog.lower.program import Program
-
         return Plan.from_dict(Program.load(path).plan, str(path))
     if isinstance(doc, dict) and "best" in doc and "kind" not in doc:
         return Plan.from_dict(doc["best"], f"{path}: best")

@@ -10,7 +10,7 @@ import tempfile
 import types
 import typing
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from heterog.errors import ArtifactError
 
@@ -105,6 +105,13 @@ class Artifact:
     __slots__ = ()
     KIND: ClassVar[str]
     SCHEMA_VERSION: ClassVar[int]
+
+    if TYPE_CHECKING:  # what each subclass supplies (as the docstring says)
+
+        def to_dict(self) -> dict[str, Any]: ...
+
+        @classmethod
+        def from_dict(cls, doc: dict[str, Any], source: str = ...) -> Self: ...
 
     def __init_subclass__(cls, *, kind: str, version: int, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -22,28 +22,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from heterog.hardware.cluster import Cluster
-from heterog.inputs import PlanInputs, as_plan, measured_profile
+from heterog.hardware.spec import cluster_from_dict
+from heterog.inputs import PlanInputs, as_plan
 from heterog.inputs import plan_inputs as _inputs_of_plan
 from heterog.ir.plan import Plan
 from heterog.lower.lowering import program_devices, to_program
 from heterog.lower.program import Program, validate
 from heterog.lower.schedule import build_schedule, cover_graph
 from heterog.simulate.result import SimResult
+from heterog.simulate.simulator import simulate as simulate_schedule
+from heterog.simulate.simulator import time_schedule
 
 
 def plan_cluster(plan: Plan) -> Cluster | None:
     if not plan.cluster:
         return None
-    from heterog.hardware.spec import cluster_from_dict
-
     return cluster_from_dict(plan.cluster)
 
 
 def local_cpu_cluster(plan: Plan) -> Cluster:
     """For a plan that records no cluster (written by hand): its devices as equal CPU ranks on
     one emulated node, which is what the local launcher runs them as."""
-    from heterog.hardware.spec import cluster_from_dict
-
     names = rank_devices(plan, None)
     return cluster_from_dict(
         {
@@ -80,6 +79,9 @@ def plan_inputs(plan: Plan, cluster: Cluster, *, profile: bool = False, graph=No
     CPU first (one thread, as the ranks run; a few seconds), for emulated clusters."""
     prof = None
     if profile:
+        # torch loads only to measure: `heterog lower`/`simulate` start without it
+        from heterog.profile.measure import measured_profile
+
         if graph is None:
             graph = _inputs_of_plan(plan, cluster=cluster).graph
         prof = measured_profile(plan.model, graph)
@@ -99,8 +101,6 @@ def simulate(plan: Any, *simulator_args: Any, **options: Any) -> SimResult:
 
     simulate(graph, cluster, plan, costs, timeline=…, cache=…), with the inputs given, is the
     simulator itself (heterog.simulate.simulator.simulate)."""
-    from heterog.simulate.simulator import simulate as simulate_schedule
-
     if simulator_args or "costs" in options:
         return simulate_schedule(plan, *simulator_args, **options)
     plan = as_plan(plan)
@@ -111,6 +111,7 @@ def simulate(plan: Any, *simulator_args: Any, **options: Any) -> SimResult:
 def check(plan: Plan | str | os.PathLike, *, device: str = "meta", cache=None):
     """heterog check: lower the plan, then build every rank's stages for `device` and run
     their compute without communication (execute/check.py); a CheckResult."""
+    # the executor and torch load only to run: `heterog lower`/`simulate` start without them
     from heterog.execute.check import check_program
 
     if not isinstance(plan, Plan):
@@ -148,8 +149,6 @@ def lowered(
     own tasks), so that the run carries out what is predicted and each Program instruction
     has its simulated start and end. graph: the model's capture, when the caller has it;
     inputs: the (graph, cluster, costs) the caller predicts with (a profiled cost model)."""
-    from heterog.simulate.simulator import time_schedule
-
     got = inputs if inputs is not None else plan_inputs(plan, cluster, profile=profile, graph=graph)
     got = PlanInputs(*got)
     covered = cover_graph(plan, got.graph)

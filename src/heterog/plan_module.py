@@ -29,10 +29,13 @@ from typing import Any
 
 from torch import nn
 
+from heterog.capture.cache import capture_cached, remember_in_memory
+from heterog.capture.capture import capture
 from heterog.errors import ModelError
 from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
+from heterog.search.planner import plan_graph
 
 
 def model_graph(
@@ -51,8 +54,6 @@ def model_graph(
     positional arguments, batch first; `targets` and `loss_fn(output, targets)` make the
     loss, as in heterog.capture)."""
     if isinstance(model, str):
-        from heterog.capture.cache import capture_cached
-
         if batch_size is None:
             raise ModelError(f"plan({model!r}): give batch_size, the global batch of one iteration.")
         spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
@@ -66,9 +67,6 @@ def model_graph(
         )
     if model_args:
         raise ModelError("plan(module): model_args apply to named models; build the module with them instead.")
-    from heterog.capture.cache import remember_in_memory
-    from heterog.capture.capture import capture
-
     graph = capture(
         model, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}", seq_len=seq_len
     )
@@ -79,8 +77,6 @@ def model_graph(
 def search(inputs: PlanInputs, spec: ModelSpec, *, precision: str = "fp32", optimizer: str = "sgd", **options: Any):
     """The planner over a model's inputs (search/planner.py plan_graph; `options` are its
     keywords: budget_s, seed, policy, finetune_s, max_iters, progress, …): a PlanResult."""
-    from heterog.search.planner import plan_graph
-
     graph, cluster, costs = inputs
     return plan_graph(graph, cluster, costs, model_spec=spec, precision=precision, optimizer=optimizer, **options)
 

@@ -37,9 +37,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from heterog import __version__
 from heterog.cachedir import cache_dir
+from heterog.capture.models import MODEL_INFO, is_user_model, unknown_model_error
 from heterog.errors import ArtifactError
 from heterog.ir.opgraph import OpGraph
+from heterog.ir.plan import in_memory_model_error
+from heterog.jsonio import write_atomic
+from heterog.userfile import locate
 
 LIMIT_ENV = "HETEROG_GRAPH_CACHE_MIB"
 SWITCH_ENV = "HETEROG_GRAPH_CACHE"
@@ -83,8 +88,6 @@ def _user_files(name: str) -> dict[str, str]:
     path = name.rpartition(":")[0]
     if not path.endswith(".py"):
         return {}
-    from heterog.userfile import locate
-
     file = locate(path)
     if not file.is_file():
         return {}  # capture_model says what is wrong
@@ -98,8 +101,6 @@ def _user_files(name: str) -> dict[str, str]:
 def model_key(kind: str, name: str, model_args: dict[str, Any] | None, *, code: tuple[str, ...], **more: Any) -> str:
     """The key of one cached result of `kind` about a model (a hex digest): the model spec,
     a user file's bytes and its neighbours', the package versions and `code`'s sources."""
-    from heterog import __version__
-
     doc = {
         "key_version": KEY_VERSION,
         "kind": kind,
@@ -149,8 +150,6 @@ def store_json(kind: str, key: str, doc: Any) -> None:
     """Store a JSON document atomically, then bound the store's size."""
     if not enabled():
         return
-    from heterog.jsonio import write_atomic
-
     try:
         write_atomic(entry_path(kind, key), json.dumps(doc))
         _evict(store_dir(), _limit_bytes())
@@ -205,9 +204,6 @@ def capture_cached(
 ) -> OpGraph:
     """capture_model(name, model_args, batch_size=…, seq_len=…), read from the cache when this
     exact capture was made before; `meta["graph_cache"]` says "hit" or "miss"."""
-    from heterog.capture.models import MODEL_INFO, is_user_model, unknown_model_error
-    from heterog.ir.plan import in_memory_model_error
-
     if name not in MODEL_INFO and not is_user_model(name) and in_memory_model_error(name) is None:
         raise unknown_model_error(name)  # before importing torch: a typo is answered at once
     if not enabled():

@@ -8,18 +8,21 @@ the capture and restored afterwards, so a real model is left exactly as it was.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from heterog.capture.limits import check_batch_inputs, check_seq_len, input_limits
 from heterog.capture.recorder import Recorder
+from heterog.capture.zoo import get_zoo_model
 from heterog.errors import ModelError
 from heterog.ir.affine import Affine
 from heterog.ir.opgraph import OpEdge, OpGraph, OpNode, Tie
@@ -32,7 +35,7 @@ def fake_parameters(model: nn.Module, fake_mode: FakeTensorMode) -> Iterator[Non
     memo: dict[int, torch.Tensor] = {}
     originals: list[tuple[dict, str, Any]] = []
 
-    def fake_of(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+    def fake_of(t: torch.Tensor, is_param: bool) -> Any:  # a fake tensor, or a Parameter of one
         if id(t) not in memo:
             with fake_mode:
                 f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
@@ -86,7 +89,7 @@ def _default_loss(output: Any) -> torch.Tensor:
         raise ModelError(
             "the model returned no floating-point tensor to build a loss from; pass loss_fn=... to capture()."
         )
-    return sum(t.float().sum() for t in tensors)
+    return cast(torch.Tensor, sum(t.float().sum() for t in tensors))
 
 
 def _nbytes(value: Any) -> int:
@@ -198,35 +201,7 @@ def _fit_graph(
             return Affine(0.0, max(x / batch_a, y / batch_b))
         return f
 
-    nodes = []
-    for na, nb in zip(a.nodes, b.nodes):
-        fwd_flops = fit(na.fwd_flops, nb.fwd_flops)
-        out_a = float(sum(na.consumed.values()))
-        out_b = float(sum(nb.consumed.values()))
-        output_bytes = fit(out_a, out_b)
-        fwd_bytes = fit(na.fwd_bytes, nb.fwd_bytes)
-        nodes.append(
-            OpNode(
-                name=na.name or f"{na.module_path or 'root'}::op@{len(nodes)}",
-                module_path=na.module_path,
-                module_type=na.module_type,
-                kind=a.node_kind(na),
-                fwd_flops=fwd_flops,
-                bwd_flops=fit(na.bwd_flops, nb.bwd_flops),
-                fwd_bytes=fwd_bytes,
-                bwd_bytes=fit(na.bwd_bytes, nb.bwd_bytes),
-                saved_bytes=fit(na.saved_bytes, nb.saved_bytes),
-                output_bytes=output_bytes,
-                workspace_bytes=fit(a.workspace_bytes(na), b.workspace_bytes(nb)),
-                param_names=tuple(na.param_names),
-                param_count=na.param_count,
-                param_bytes=na.param_bytes,
-                batch_splittable=(fwd_flops.per_sample > 0 or output_bytes.per_sample > 0 or fwd_bytes.per_sample > 0),
-                fwd_kernels=na.fwd_kernels,
-                bwd_kernels=na.bwd_kernels,
-                tensor_core_flops_fraction=Recorder.tensor_core_fraction(na),
-            )
-        )
+    nodes = _fitted_nodes(a, b, fit)
     edges = []
     for (src, dst), storages in a.edges.items():
         other = b.edges.get((src, dst), {})
@@ -255,6 +230,41 @@ def _fit_graph(
         ties=ties,
     )
     return graph.validate()
+
+
+def _fitted_nodes(a: Recorder, b: Recorder, fit: Callable[[float, float], Affine]) -> list[OpNode]:
+    """The OpGraph nodes: each recorded node's costs fitted as affine in the batch between
+    the two captures (a and b record the same ops)."""
+    nodes: list[OpNode] = []
+    for na, nb in zip(a.nodes, b.nodes):
+        fwd_flops = fit(na.fwd_flops, nb.fwd_flops)
+        out_a = float(sum(na.consumed.values()))
+        out_b = float(sum(nb.consumed.values()))
+        output_bytes = fit(out_a, out_b)
+        fwd_bytes = fit(na.fwd_bytes, nb.fwd_bytes)
+        nodes.append(
+            OpNode(
+                name=na.name or f"{na.module_path or 'root'}::op@{len(nodes)}",
+                module_path=na.module_path,
+                module_type=na.module_type,
+                kind=a.node_kind(na),
+                fwd_flops=fwd_flops,
+                bwd_flops=fit(na.bwd_flops, nb.bwd_flops),
+                fwd_bytes=fwd_bytes,
+                bwd_bytes=fit(na.bwd_bytes, nb.bwd_bytes),
+                saved_bytes=fit(na.saved_bytes, nb.saved_bytes),
+                output_bytes=output_bytes,
+                workspace_bytes=fit(a.workspace_bytes(na), b.workspace_bytes(nb)),
+                param_names=tuple(na.param_names),
+                param_count=na.param_count,
+                param_bytes=na.param_bytes,
+                batch_splittable=(fwd_flops.per_sample > 0 or output_bytes.per_sample > 0 or fwd_bytes.per_sample > 0),
+                fwd_kernels=na.fwd_kernels,
+                bwd_kernels=na.bwd_kernels,
+                tensor_core_flops_fraction=Recorder.tensor_core_fraction(na),
+            )
+        )
+    return nodes
 
 
 def _batch_of(inputs: tuple) -> int:
@@ -354,18 +364,18 @@ def capture_model(
 ) -> OpGraph:
     """Capture a zoo model (or 'path/file.py:factory') at `batch_size`, built on the meta
     device so that no parameter memory is allocated at any model size."""
-    from heterog.capture.zoo import get_zoo_model
-
     entry = get_zoo_model(name)
     args = dict(model_args or {})
     if batch_size <= 0:
         raise ModelError(f"batch size must be positive, found {batch_size}.")
+    seq: int | None
     if entry.default_seq_len is not None:
         seq = seq_len or entry.default_seq_len
     else:  # image / vector models take no sequence; a user file's example_batch may
         seq = seq_len if getattr(entry, "family", "user") == "user" else None
     with torch.device("meta"):
         model = entry.build(**args)
+    _check_inputs(entry, model, name, args, batch_size, seq)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         try:
@@ -379,3 +389,25 @@ def capture_model(
     graph = _capture(model, tuple(inputs), targets, entry.loss, name, seq, fake_mode)
     graph.meta["model_args"] = args
     return graph
+
+
+_POSITION_ARGS = ("positions", "n_positions", "max_positions", "max_position_embeddings", "block_size", "max_seq_len")
+
+
+def _check_inputs(entry: Any, model: nn.Module, name: str, args: dict[str, Any], batch_size: int, seq: int | None):
+    """Before capturing: the sequence length within the model's limit, and a user model's
+    example token ids within its vocabulary (capture/limits.py). The ids are drawn for real
+    (the capture's are fake), only for a user model with a vocabulary."""
+
+    limits = input_limits(model)
+    builder = getattr(entry, "builder", None)
+    accepted = inspect.signature(builder).parameters if callable(builder) else {}
+    check_seq_len(limits, seq, model_name=name, positions_arg=next((a for a in _POSITION_ARGS if a in accepted), None))
+    if getattr(entry, "family", "user") != "user" or limits.vocab_size is None:
+        return
+    with torch.random.fork_rng(devices=[]):
+        try:
+            inputs, _ = entry.example_batch(batch_size, seq, device="cpu", **args)
+        except Exception:  # noqa: BLE001 - the capture below reports a failing example_batch
+            return
+    check_batch_inputs(limits, tuple(inputs), model_name=name, source=f"model {name!r}: example_batch({batch_size})")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 import yaml
 
 from heterog.cli.output import console, print_json
+from heterog.hardware.catalog import get_gpu
+from heterog.jsonio import write_atomic
 
 
 def register(app: typer.Typer) -> None:
@@ -28,9 +31,9 @@ def register(app: typer.Typer) -> None:
         """Fit a device type's efficiency and host costs from PROFILE and write a catalog entry.
         Use it with `export HETEROG_CATALOG=FILE` (several files: join with ':'), then
         `--device NAME` or `type: NAME` in a cluster YAML."""
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.cost.calibrate import calibrate
-        from heterog.jsonio import write_atomic
-        from heterog.profile.artifact import DeviceProfile
+        from heterog.cost.device_profile import DeviceProfile
 
         if len(profile) == 1 and _is_device_profile(profile[0]):
             prof = DeviceProfile.load(profile[0])
@@ -53,7 +56,8 @@ def register(app: typer.Typer) -> None:
         fitted = (
             f"compute factors {eff['compute']}, memory {eff['memory']}"
             if eff
-            else f"fp32 {entry['peak_tflops']['fp32']:.3g} TFLOP/s, copy {entry['memory_bandwidth_gbytes_per_s']:.3g} GB/s"
+            else f"fp32 {entry['peak_tflops']['fp32']:.3g} TFLOP/s, "
+            f"copy {entry['memory_bandwidth_gbytes_per_s']:.3g} GB/s"
         )
         console.print(
             f"catalog entry {entry['name']!r} written to {out}: {fitted}"
@@ -63,8 +67,8 @@ def register(app: typer.Typer) -> None:
             f"use it: export HETEROG_CATALOG={out}, or `catalog: {out}` in a cluster YAML; then "
             f"`type: {entry['name']}` there or `heterog predict ... --device {entry['name']}`"
         )
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.cost.calibrate import fit_host_speed
-        from heterog.hardware.catalog import get_gpu
 
         speed = (
             prof.host_speed if prof.host_speed is not None else fit_host_speed(prof, get_gpu(base or prof.device_type))
@@ -78,8 +82,6 @@ def register(app: typer.Typer) -> None:
 
 
 def _is_device_profile(path: Path) -> bool:
-    import json
-
     try:
         return json.loads(path.read_text()).get("kind") == "heterog.DeviceProfile"
     except (OSError, ValueError, AttributeError):

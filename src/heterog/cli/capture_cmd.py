@@ -7,7 +7,9 @@ from typing import Any
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, console, human_bytes, human_flops, print_json, print_table, set_wide
+from heterog.capture.models import MODELS
+from heterog.cli.output import WIDE_HELP, console, parse_model_args, print_json, print_table, set_wide
+from heterog.fmt import human_bytes, human_flops
 
 
 def capture_summary(graph: Any) -> dict[str, Any]:
@@ -95,8 +97,8 @@ def capture_command(
 ) -> None:
     """Capture one training iteration of MODEL on fake tensors (no memory for weights) as an OpGraph."""
     set_wide(wide)
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.capture import capture_model
-    from heterog.cli.output import parse_model_args
 
     graph = capture_model(model, parse_model_args(model_arg), batch_size=batch_size, seq_len=seq_len)
     if out is not None:
@@ -116,8 +118,6 @@ def models_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """List the built-in models with their parameter counts at default arguments."""
-    from heterog.capture.models import MODELS
-
     rows = [
         {
             "name": m.name,

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, console, human_bytes, human_time, print_json, print_table, set_wide
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide
 from heterog.errors import HeterogError
+from heterog.fmt import human_bytes, human_time
 
 
 class CheckFailed(HeterogError):
@@ -32,6 +33,7 @@ def register(app: typer.Typer) -> None:
         """Check that every rank of a plan can run on a device: its stages built for the device (no
         tensor or graph node pinned elsewhere), and its forward and backward computes run."""
         set_wide(wide)
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.orchestrate import check, read_plan
 
         p = read_plan(plan)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, console, human_time, print_json, print_table, set_wide
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide
+from heterog.fmt import human_time
 
 
 def register(app: typer.Typer) -> None:
@@ -32,6 +33,7 @@ def register(app: typer.Typer) -> None:
         memory; run heterog's plan, the best baseline and even DP (interleaved repetitions);
         compare predicted with measured."""
         set_wide(wide)
+        # imported when the command runs: `heterog --help` starts without numpy or torch
         from heterog.demo import DEMO_SCENARIO, SCENARIOS, demo
 
         if scenario and scenario not in SCENARIOS:

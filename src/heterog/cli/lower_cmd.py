@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from heterog.cli.output import WIDE_HELP, human_bytes, print_json, print_table, set_wide
+from heterog.cli.output import WIDE_HELP, print_json, print_table, set_wide
+from heterog.fmt import human_bytes
 
 KINDS = ("compute", "send", "recv", "collective", "optimizer")
 
@@ -20,6 +21,7 @@ def lower_command(
     """Lower PLAN to its Program: per device, the instructions it runs (compute, send, receive,
     collective, optimizer step), the bytes it sends and receives, and the peak memory implied."""
     set_wide(wide)
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.orchestrate import lower
 
     program = lower(plan_path)

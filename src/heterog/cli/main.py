@@ -40,6 +40,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "run_cmd",
     "demo_cmd",
     "check_cmd",
+    "whatif_cmd",
     "report_cmd",
     "profile_cmd",
     "calibrate_cmd",
@@ -160,7 +161,8 @@ def run_cli(argv: list[str] | None = None) -> int:
         except ClickException as e:
             if debug:
                 raise
-            cmd = e.ctx.command_path if getattr(e, "ctx", None) is not None else "heterog"
+            ctx = getattr(e, "ctx", None)
+            cmd = ctx.command_path if ctx is not None else "heterog"
             text = _paragraph(e.format_message()).rstrip()
             text += "" if text.endswith((".", "?", "!")) else "."
             typer.echo(f"error: {cmd}: {text} See `{cmd} --help`.", err=True)

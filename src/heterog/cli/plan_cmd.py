@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from heterog.cli.output import console, human_bytes, human_time, parse_model_args, print_json, print_table
+from heterog.cli.output import console, parse_model_args, print_json, print_table
+from heterog.cli.report_cmd import report_from_plan_result
+from heterog.cli.stop import raise_if_stopped
+from heterog.errors import did_you_mean
+from heterog.fmt import human_bytes, human_time
 from heterog.hardware.catalog import precision_help
+from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
 
 
 def _progress_bar(enabled: bool):
     """A rich progress bar on a terminal (never in --json); either way a callback that stops
     the search when a stop signal arrived (cli/stop.py raise_if_stopped)."""
-    from heterog.cli.stop import raise_if_stopped
-
     if not enabled:
         return None, lambda stage, frac: raise_if_stopped()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     bar = Progress(
         TextColumn("{task.description:<12}"), BarColumn(), TimeElapsedColumn(), console=console, transient=True
     )
@@ -39,10 +43,6 @@ _TIME_WORDS = {"graph": "graph", "cluster_and_costs": "cluster and costs", "cut_
 
 def process_age_s() -> float:
     """Seconds since this process started (interpreter, imports and all)."""
-    import time
-
-    import psutil
-
     return time.time() - psutil.Process().create_time()
 
 
@@ -133,23 +133,11 @@ def plan_command(
     ),
 ) -> None:
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
-    from heterog.errors import did_you_mean
-    from heterog.ir.plan import OPTIMIZERS, PRECISIONS, Plan
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.plan_module import plan
-    from heterog.search.planner import CANDIDATES
 
-    if precision not in PRECISIONS:
-        raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
-    if optimizer not in OPTIMIZERS:
-        raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
-    if strategy is not None and strategy not in CANDIDATES:  # before the search, not after it
-        raise typer.BadParameter(
-            f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
-            f"candidates are {', '.join(CANDIDATES)}.",
-            param_hint="--strategy",
-        )
+    _check_choices(precision, optimizer, strategy)
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())
-    pol: Any = False if no_gnn else policy
     with bar if bar is not None else contextlib.nullcontext():
         result = plan(
             model,
@@ -161,7 +149,7 @@ def plan_command(
             optimizer=optimizer,
             budget_s=budget_s,
             seed=seed,
-            policy=pol,
+            policy=False if no_gnn else policy,
             finetune_s=finetune_s,
             max_iters=max_iters,
             progress=update,
@@ -172,17 +160,32 @@ def plan_command(
     if out is not None:
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:
-        from heterog.cli.report_cmd import report_from_plan_result
-
         report_from_plan_result(result, report, profile)
     if as_json:
         print_json(result)
-    else:
-        _show(result, budget_s)
-        if out is not None:
-            console.print(f"plan{f' of {strategy!r}' if strategy else ''} written to {out}")
-        if report is not None:
-            console.print(f"report written to {report}")
+        return
+    _show(result, budget_s)
+    if out is not None:
+        console.print(f"plan{f' of {strategy!r}' if strategy else ''} written to {out}")
+    if report is not None:
+        console.print(f"report written to {report}")
+
+
+def _check_choices(precision: str, optimizer: str, strategy: str | None) -> None:
+    """The options with a fixed set of values, checked before the search, not after it."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
+    from heterog.search.planner import CANDIDATES
+
+    if precision not in PRECISIONS:
+        raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
+    if optimizer not in OPTIMIZERS:
+        raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
+    if strategy is not None and strategy not in CANDIDATES:
+        raise typer.BadParameter(
+            f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
+            f"candidates are {', '.join(CANDIDATES)}.",
+            param_hint="--strategy",
+        )
 
 
 def train_policy_command(
@@ -203,10 +206,12 @@ def train_policy_command(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Train the GNN placement policy by REINFORCE on synthetic problems and save it."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.search.gnn.policy import load_policy, new_policy
     from heterog.search.gnn.train import DEFAULT_ZOO, TrainConfig, mean_reward, synthetic_problems, train, zoo_problems
 
     pol = load_policy(init) if init is not None else new_policy(seed=seed)
+    assert pol is not None  # load_policy returns None only when given no file
     probs = synthetic_problems(problems, seed=seed, max_devices=max_devices)
     if zoo:
         models = DEFAULT_ZOO if zoo == "default" else [m.strip() for m in zoo.split(",") if m.strip()]

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from heterog.cli.output import console, human_time, print_json
+from heterog.cli.output import console, print_json
+from heterog.cli.simulate_cmd import inputs_for_plan
+from heterog.fmt import human_time
+from heterog.ir.plan import Plan
+from heterog.jsonio import write_atomic
 
 
 def write_report(
@@ -20,6 +25,7 @@ def write_report(
     profile: Path | None = None,
 ) -> dict:
     """Read a plan file (or `plan --json` output) and a run, then write the report."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.report import load_plan_file, load_run
 
     t0 = time.perf_counter()
@@ -35,13 +41,12 @@ def write_report_for(
     run=None,
     graph: Path | None = None,
     cluster: str | None = None,
-    profile: Path | None = None,
+    profile: Any = None,  # as heterog.inputs.plan_inputs takes it
     t0: float | None = None,
 ) -> dict:
     """Simulate the plan as `heterog simulate` does (same graph, cluster and costs, so the same
     predicted time), build the page and write it atomically. Returns a summary with timings."""
-    from heterog.cli.simulate_cmd import inputs_for_plan
-    from heterog.jsonio import write_atomic
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.report import ReportInputs, build_report
     from heterog.simulate import simulate
 
@@ -65,9 +70,9 @@ def write_report_for(
     }
 
 
-def report_from_plan_result(result: dict, out: Path, profile: Path | None = None) -> dict:
+def report_from_plan_result(result: dict, out: Path, profile: Any = None) -> dict:
     """`heterog plan --report FILE`: the report of the planner's answer, candidates included."""
-    from heterog.ir.plan import Plan
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.report.inputs import PlanFile, candidate_from_dict
 
     pf = PlanFile(

@@ -11,17 +11,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from heterog.cli.output import (
-    WIDE_HELP,
-    console,
-    human_bytes,
-    human_time,
-    print_json,
-    print_table,
-    set_wide,
-    write_json,
-)
+from heterog.cli import training_opts as topt
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
+from heterog.execute.preflight import check_data, check_plan_fits_model
+from heterog.execute.steplog import read_run, write_jsonl
+from heterog.execute.trace import RankSpans, chrome_trace
+from heterog.fmt import human_bytes, human_time
+from heterog.ir.plan import Plan, user_model_file
 from heterog.ir.run_request import (
     CheckpointConfig,
     DeviceLayout,
@@ -31,9 +29,9 @@ from heterog.ir.run_request import (
     PredictionConfig,
     RunOptions,
     TimingConfig,
-    TrainingConfig,
 )
 from heterog.ir.run_result import RankSummary, RunResult
+from heterog.ir.training_config import TrainingConfig
 
 
 class _StepFollower:
@@ -48,8 +46,6 @@ class _StepFollower:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._bar = self._task = None
         if bar and say is not None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self._bar = Progress(
                 TextColumn("steps"),
                 BarColumn(),
@@ -78,8 +74,6 @@ class _StepFollower:
             self._poll()
 
     def _poll(self) -> None:
-        from heterog.execute.steplog import read_run
-
         lines = read_run(self.folder, self.world_size)
         if len(lines) < self.shown:  # the ranks of the next repetition started their files afresh
             self.shown = 0
@@ -94,7 +88,7 @@ class _StepFollower:
                     f"({line.slowest_device})"
                 )
                 (self._bar.console.print if self._bar is not None else self.say)(text)
-            if self._bar is not None:
+            if self._bar is not None and self._task is not None:
                 self._bar.update(self._task, completed=line.step + 1)
         self.shown = max(self.shown, len(lines))
 
@@ -109,9 +103,6 @@ def _forget_old_steps(folder: Path) -> None:
 
 def _measured_outputs(result: RunResult, steps_log: Path | None, trace: Path | None) -> None:
     """The per-step lines as JSON lines, and the measured spans as a Chrome trace, when asked."""
-    from heterog.execute.steplog import write_jsonl
-    from heterog.execute.trace import RankSpans, chrome_trace
-
     if steps_log is not None:
         write_jsonl(steps_log, result.step_lines)
     if trace is not None:
@@ -259,6 +250,7 @@ _Repetitions = Annotated[
 
 
 def run_command(
+    ctx: typer.Context,
     plan: _Plan,
     steps: _Steps = 5,
     emulated: _Emulated = False,
@@ -280,6 +272,17 @@ def run_command(
     resume: _Resume = None,
     force: _Force = False,
     repetitions: _Repetitions = 1,
+    lr: topt.Lr = None,
+    weight_decay: topt.WeightDecay = None,
+    momentum: topt.Momentum = None,
+    betas: topt.Betas = None,
+    warmup_steps: topt.WarmupSteps = 0,
+    lr_schedule: topt.Schedule = "constant",
+    max_grad_norm: topt.MaxGradNorm = None,
+    accumulate: topt.Accumulate = 1,
+    eval_every: topt.EvalEvery = 0,
+    eval_batches: topt.EvalBatches = 4,
+    log_dir: topt.LogDir = None,
 ) -> None:
     """Train a plan for N steps on synthetic data or --data; measured vs predicted step time,
     per rank and per instruction.
@@ -287,10 +290,8 @@ def run_command(
     Checks first that the plan fits the model, its cluster, the data and this machine's
     memory; --checkpoint-dir/--checkpoint-every save, --resume continues (docs/robustness.md)."""
     set_wide(wide)
-    from heterog.execute.preflight import check_data, check_plan_fits_model
-    from heterog.ir.plan import Plan
-
     p = Plan.load(plan)
+    training = topt.training_options(ctx.params)  # --data and the training flags (cli/training_opts.py)
     ckpt = CheckpointConfig(
         dir=str(checkpoint_dir) if checkpoint_dir else None,
         every_steps=checkpoint_every,
@@ -299,7 +300,7 @@ def run_command(
     check_plan_fits_model(p)
     check_data(p, data)
     if torchrun:
-        _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json, data=data, checkpoint=ckpt)
+        _print_torchrun(p, plan, steps, timeout_s, master_addr, as_json, training=training, checkpoint=ckpt)
         return
     if not as_json:
         console.print(f"running {p.strategy} plan of {p.model.name} for {steps} steps …")
@@ -307,7 +308,7 @@ def run_command(
         folder = logs if logs is not None else Path(tmp)
         options = RunOptions(
             steps=steps,
-            training=TrainingConfig(data=data),
+            training=training,
             checkpoint=ckpt,
             timing=TimingConfig(repetitions=repetitions),
             prediction=PredictionConfig(profile=profile),
@@ -329,6 +330,7 @@ def run_command(
 
 def _run_following(plan, options: RunOptions, folder: Path, say: Callable[[str], None] | None) -> RunResult:
     """heterog.run, with one line per step printed as the ranks finish it (from `folder`)."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.orchestrate import plan_cluster, rank_devices
     from heterog.runs import run
 
@@ -375,6 +377,9 @@ def _print_result(plan, result: RunResult) -> None:
             else f"not shaped ({shaping.reason or 'single node or disabled'})"
         )
     )
+    for evaluation in result.evaluations:  # --eval-every
+        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in evaluation.items() if k != "step")
+        console.print(f"evaluation after step {evaluation['step']}: {shown}")
     for n in result.notes:
         console.print(f"note: {n}")
 
@@ -387,14 +392,16 @@ def _print_torchrun(
     master_addr: str,
     as_json: bool,
     *,
-    data: str | None = None,
+    training: TrainingConfig,
     checkpoint: CheckpointConfig | None = None,
 ) -> None:
     """Write the ranks' spec next to the plan and print one torchrun command per node."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.execute.device import nccl_env
     from heterog.execute.spec import RankSpec
     from heterog.execute.torchrun import local_gpu_indices, torchrun_commands
     from heterog.orchestrate import lower, plan_cluster, rank_devices
+    from heterog.runs.api import checked_training
 
     cluster = plan_cluster(plan)
     devices = rank_devices(plan, cluster)
@@ -405,19 +412,20 @@ def _print_torchrun(
         used_nodes = [n for n in cluster.nodes if any(d in devices for d in n.devices)]
         node_devices = [[d for d in n.devices if d in devices] for n in used_nodes]
         visible = [local_gpu_indices(n.devices, used) for n, used in zip(used_nodes, node_devices)]
-    gpus = cluster is not None and cluster.kind != "emulated"  # ranks on cuda:<local rank>, NCCL
-    env, note = nccl_env({cluster.device(d).gpu_type for d in devices}) if gpus else ({}, None)
+    gpu_types = {d: cluster.device(d).gpu_type for d in devices} if cluster and cluster.kind != "emulated" else {}
+    gpus = bool(gpu_types)  # ranks on cuda:<local rank>, NCCL
+    env, note = nccl_env(set(gpu_types.values())) if gpus else ({}, None)
     spec_path = plan_path.with_suffix(".torchrun.json")
     RankSpec(
         program=lower(plan).to_dict(),
         torchrun=True,
         node_devices=tuple(tuple(n) for n in node_devices),
         cuda=gpus,
-        gpu_types={d: cluster.device(d).gpu_type for d in devices} if gpus else {},
+        gpu_types=gpu_types,
         steps=steps,
         timeout_s=timeout_s,
         out_dir="heterog-run",
-        training=TrainingConfig(data=data),
+        training=checked_training(plan, training, steps),
         checkpoint=checkpoint or CheckpointConfig(),
     ).save(spec_path)
     cmds = torchrun_commands(
@@ -429,7 +437,7 @@ def _print_torchrun(
     )
     if note and not as_json:
         console.print(note)
-    files = _files_every_node_needs(plan, spec_path, data)
+    files = _files_every_node_needs(plan, spec_path, training.data)
     if as_json:
         print_json({"spec": str(spec_path), "commands": cmds, "files_every_node_needs": files})
         return
@@ -448,8 +456,6 @@ def _print_torchrun(
 
 def _files_every_node_needs(plan, spec_path: Path, data: str | None) -> list[str]:
     """The spec, and the user's model and data files the ranks import (absolute paths)."""
-    from heterog.ir.plan import user_model_file
-
     files = [str(spec_path.resolve())]
     if plan.model.file:
         files.append(plan.model.file)

@@ -7,32 +7,23 @@ from typing import Any
 
 import typer
 
-from heterog.cli.output import (
-    WIDE_HELP,
-    console,
-    human_bytes,
-    human_time,
-    print_json,
-    print_table,
-    set_wide,
-    write_json,
-)
+from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
+from heterog.fmt import human_bytes, human_time
+from heterog.inputs import as_plan, plan_inputs
+from heterog.ir.opgraph import OpGraph
 
 
-def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None, profile: Path | None = None):
+def load_inputs(plan_path: Path, graph_path: Path | None, cluster_name: str | None, profile: Any = None):
     """The plan, and the graph, cluster and cost model it was made with (heterog/inputs.py,
     as `heterog plan` builds them): the graph from the capture cache (or --graph), the cluster
     the plan records (or --cluster), costs at the plan's precision and optimizer."""
-    from heterog.inputs import as_plan
-
     return inputs_for_plan(as_plan(plan_path), graph_path, cluster_name, profile)
 
 
-def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, profile: Path | None = None):
+def inputs_for_plan(plan, graph_path: Path | None, cluster_name: str | None, profile: Any = None):
     """load_inputs for a Plan already in memory (`heterog report` reads it from `plan --json`);
     the plan comes back covering the whole graph (lower.schedule.cover_graph), as it runs."""
-    from heterog.inputs import plan_inputs
-    from heterog.ir.opgraph import OpGraph
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.lower.schedule import cover_graph
 
     graph = OpGraph.load(graph_path) if graph_path is not None else None
@@ -69,7 +60,7 @@ def _show(result, plan) -> None:
         print_table(
             "busiest links",
             ["link", "bytes", "busy"],
-            [[l, human_bytes(b), human_time(result.link_busy_time_s.get(l, 0.0))] for l, b in links],
+            [[link, human_bytes(b), human_time(result.link_busy_time_s.get(link, 0.0))] for link, b in links],
         )
     line = (
         f"[bold]iteration {human_time(result.iteration_time_s)}[/bold], {result.throughput_samples_per_s:.1f} samples/s"
@@ -100,6 +91,7 @@ def simulate_command(
 ) -> None:
     """Simulate one training iteration of PLAN: time, per-device busy/idle time, memory, links."""
     set_wide(wide)
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.simulate import assign_priorities, simulate
 
     plan, g, c, costs = load_inputs(plan_path, graph, cluster, profile)

@@ -1,9 +1,9 @@
 """`heterog calibrate`: from a measured device profile, a catalog entry for the device type.
 
-What is fitted, and from what (profile/artifact.py names the sections):
+What is fitted, and from what (cost/device_profile.py names the sections):
 - compute[p], per GEMM precision measured: the median, over the larger half of the measured
   sizes, of (measured FLOP/s / peak) ÷ (the efficiency the H200-calibrated curve gives a type
-  of this peak, cost.efficiency.gpu_curve). 1.0 means "behaves like the scaled H200";
+  of this peak, hardware.efficiency.gpu_curve). 1.0 means "behaves like the scaled H200";
   a power-limited card comes out below 1.
 - memory: the copy's bytes per second over the data-sheet bandwidth.
 - host costs: the per-op host times measured directly (module call, dispatch, autograd,
@@ -26,18 +26,19 @@ import statistics
 from typing import Any
 
 import numpy as np
+import psutil
 
+from heterog.cost.device_profile import DeviceProfile
+from heterog.cost.predict import _captured, predict
 from heterog.errors import ClusterError
 from heterog.hardware.catalog import get_gpu, host_costs
+from heterog.hardware.efficiency import gpu_curve
 from heterog.hardware.gputype import Efficiency, GpuType, HostCosts
-from heterog.profile.artifact import DeviceProfile
 
 HOST_SCALE_BOUNDS = (0.2, 5.0)
 
 
 def compute_factors(profile: DeviceProfile, base: GpuType) -> dict[str, float]:
-    from heterog.cost.efficiency import gpu_curve
-
     plain = dataclasses.replace(base, efficiency=Efficiency())
     out = {}
     for dtype in sorted({g["dtype"] for g in profile.gemm}):
@@ -85,8 +86,6 @@ def scale_host(host: HostCosts, k: float) -> HostCosts:
 
 
 def _step_errors(profile: DeviceProfile, gpu: GpuType) -> list[float]:
-    from heterog.cost.predict import _captured, predict
-
     errs = []
     for s in profile.steps:
         graph = _captured(s["model"], s.get("model_args"), 1, s.get("seq_len"))
@@ -104,6 +103,7 @@ def _step_errors(profile: DeviceProfile, gpu: GpuType) -> list[float]:
 
 def fit_host_scale(profile: DeviceProfile, gpu: GpuType) -> float:
     """The common host-cost scale that makes the median step error smallest."""
+    # scipy only for this fit: building a cost model does not load it
     from scipy.optimize import minimize_scalar
 
     host = gpu.host or host_costs(gpu)
@@ -246,7 +246,7 @@ def cpu_entry(profile: DeviceProfile, name: str | None) -> dict[str, Any]:
     """A catalog entry for the profiled CPU (vendor 'cpu'): its measured GEMM rates, copy
     bandwidth, two-rank point-to-point bandwidth and host time per op. The cost model's CPU
     path takes the rest (per-kind bandwidths, page faults) from this machine's own probe
-    (hardware.catalog.measure_cpu), as it does for the `cpu` type."""
+    (hardware.cpu_probe.measure_cpu), as it does for the `cpu` type."""
     if not name or name.strip().lower() == "cpu":
         raise ClusterError(
             "a calibrated CPU needs a name of its own (--name, e.g. 'lab-cpu'): 'cpu' is the "
@@ -264,8 +264,6 @@ def cpu_entry(profile: DeviceProfile, name: str | None) -> dict[str, Any]:
         )
     rows = (profile.comm or {}).get("rows", [])
     p2p = max((r["bytes"] / r["p2p_s"] for r in rows), default=2e9)
-    import psutil
-
     where = profile.device.get("name") or "this machine"
     host = profile.host or {}
     op_s, bwd_s = host.get("forward_op_s", 0.0), host.get("backward_op_s", 0.0)

@@ -17,8 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from heterog.cost.calibrate import calibrate
+from heterog.cost.device_profile import DeviceProfile
 from heterog.cost.profile import Profile, ProfileError
+from heterog.hardware.catalog import gpu_from_entry
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import with_gpu_type
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,8 +41,6 @@ class ProfileSpec:
 
 
 def _load(path: Path):
-    from heterog.profile.artifact import DeviceProfile
-
     try:
         kind = json.loads(path.read_text()).get("kind")
     except OSError as e:
@@ -55,17 +57,13 @@ def _retyped(times: dict, target: str, where: str) -> dict:
             f"{where} holds times of several device types ({', '.join(sorted(measured))}); "
             f"it cannot stand for one type {target!r}."
         )
-    return {node: {target: phases for phases in by_type.values()} for node, by_type in times.items()}
+    # at most one type (checked above): each node's phases, under the target type
+    return {node: {target: phases} for node, by_type in times.items() for phases in by_type.values()}
 
 
 def apply_profiles(cluster: Cluster, specs: list[ProfileSpec | str | Path] | Any) -> tuple[Cluster, Profile | None]:
     """The cluster with every profiled GPU type calibrated, and the per-node times of all the
     profiles merged (None if none measured nodes)."""
-    from heterog.cost.calibrate import calibrate
-    from heterog.hardware.catalog import gpu_from_entry
-    from heterog.hardware.spec import with_gpu_type
-    from heterog.profile.artifact import DeviceProfile
-
     if specs is None:
         return cluster, None
     if isinstance(specs, (str, Path, Profile, DeviceProfile, ProfileSpec)):
@@ -97,10 +95,10 @@ def apply_profiles(cluster: Cluster, specs: list[ProfileSpec | str | Path] | Any
                         f"{where} (calibrated)",
                     ),
                 )
-            prof = prof.nodes
-            if prof is None:
-                continue
-        node_times = _retyped(prof.times, target, where) if target else prof.times
+        node_prof = prof.nodes if isinstance(prof, DeviceProfile) else prof
+        if node_prof is None:
+            continue
+        node_times = _retyped(node_prof.times, target, where) if target else node_prof.times
         unknown = {t for by_type in node_times.values() for t in by_type} - set(cluster.gpu_types)
         if unknown:
             raise ProfileError(
@@ -110,5 +108,5 @@ def apply_profiles(cluster: Cluster, specs: list[ProfileSpec | str | Path] | Any
             )
         for node, by_type in node_times.items():
             times.setdefault(node, {}).update(by_type)
-        model = model or prof.model
+        model = model or node_prof.model
     return cluster, (Profile(model=model, times=times) if times else None)

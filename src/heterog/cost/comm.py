@@ -29,8 +29,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
+from heterog.ir.kinds import SyncMethod
 
-METHODS = ("ring", "tree", "hierarchical")
+METHODS = (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL)
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
 
@@ -66,10 +67,10 @@ def step_time_s(cluster: Cluster, transfers: Iterable[tuple[str, str, float]]) -
         path = cluster.path(src, dst)
         for link in path:
             load[link] += nbytes
-        latency = max(latency, sum(cluster.links[l].latency_s for l in path))
+        latency = max(latency, sum(cluster.links[link].latency_s for link in path))
     if not load:
         return 0.0
-    return latency + max(b / cluster.links[l].bandwidth_bytes_per_s for l, b in load.items())
+    return latency + max(b / cluster.links[link].bandwidth_bytes_per_s for link, b in load.items())
 
 
 def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:
@@ -165,14 +166,16 @@ def hierarchical_collective_time_s(cluster: Cluster, op: str, nbytes: float, dev
     return intra + (m - 1) * inter_step
 
 
-def collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
+def collective_time_s(
+    cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], method: str = SyncMethod.RING
+) -> float:
     if op not in COLLECTIVES:
         raise PlanError(f"unknown collective {op!r}; use one of {', '.join(COLLECTIVES)}.")
-    if method == "ring":
+    if method == SyncMethod.RING:
         return ring_collective_time_s(cluster, op, nbytes, devices)
-    if method == "tree":
+    if method == SyncMethod.TREE:
         return tree_collective_time_s(cluster, op, nbytes, devices)
-    if method == "hierarchical":
+    if method == SyncMethod.HIERARCHICAL:
         return hierarchical_collective_time_s(cluster, op, nbytes, devices)
     raise PlanError(
         f"unknown collective method {method!r}; use one of {', '.join(METHODS)} (or sync 'ps' with ps_sync_time_s)."
@@ -197,7 +200,7 @@ def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], serv
 
 
 def cached_collective_time_s(
-    cache: dict, cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], method: str = "ring"
+    cache: dict, cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], method: str = SyncMethod.RING
 ) -> float:
     if nbytes <= 0 or len(set(devices)) <= 1:
         return 0.0

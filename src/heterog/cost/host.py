@@ -4,7 +4,7 @@ Eager PyTorch is two processors in series: the host (Python, the dispatcher, the
 engine, autocast) issues each op, the GPU runs it. The host runs ahead while the GPU is busy;
 the GPU idles while the host is behind. So a step costs, op by op, whichever is longer — at
 small batches the host's (resnet50 takes 16–25 ms per step on an H200 from batch 1 to 32 in
-cost/data/h200_steps.json: the host's dispatch, not the GPU's math). cost.analytic charges
+cost/data/h200_steps.json: the host's dispatch, not the GPU's math). cost.roofline charges
 every node max(device time, host time), which also keeps a step from ever being faster than
 its host time.
 
@@ -54,6 +54,7 @@ import numpy as np
 from heterog.cost.kernels import conv_kernels
 from heterog.cost.memory import TENSOR_CORE_KINDS, dtype_factors, forced_fp32
 from heterog.hardware.gputype import GpuType, HostCosts, TensorCores
+from heterog.ir.kinds import HALF_PRECISIONS, Phase
 from heterog.ir.opgraph import OpGraph
 
 CAST_BYTES_PER_FP32_BYTE = 1.5  # a 4-byte element read and a 2-byte one written, per 4 bytes
@@ -72,7 +73,7 @@ class Casts:
 def autocast_casts(graph: OpGraph, precision: str) -> Casts | None:
     """The casts autocast inserts under amp-bf16/fp16 (before half ops: fp32 weights and
     inputs; before fp32-list ops: half inputs); None in fp32/tf32 (no autocast)."""
-    if precision not in ("amp-bf16", "fp16"):
+    if precision not in HALF_PRECISIONS:
         return None
     n = len(graph.nodes)
     out = dtype_factors(graph, precision).out
@@ -122,7 +123,7 @@ def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
     """Per node: cuDNN frontend calls in its forward (and, one each, in its backward)."""
     if gpu.vendor != "nvidia":
         return np.zeros(len(graph.nodes))
-    half = precision in ("amp-bf16", "fp16")
+    half = precision in HALF_PRECISIONS
     hopper = gpu.public is not None and gpu.public.tensor_cores in CUDNN_ATTENTION_GENERATIONS
     # every convolution but a depthwise one that PyTorch runs with its own kernels
     conv = conv_kernels(graph, gpu.catalog_precision("tf32" if precision == "fp32" else precision)).cudnn
@@ -132,11 +133,11 @@ def cudnn_calls(graph: OpGraph, precision: str, gpu: GpuType) -> np.ndarray:
 
 
 def host_times_s(
-    graph: OpGraph, host: HostCosts, phase: str, casts: Casts | None, cudnn: np.ndarray | None = None
+    graph: OpGraph, host: HostCosts, phase: Phase, casts: Casts | None, cudnn: np.ndarray | None = None
 ) -> np.ndarray:
     """Host time of every node's forward or backward (seconds), batch-independent."""
     nodes = graph.nodes
-    if phase == "fwd":
+    if phase == Phase.FORWARD:
         ops = np.array([float(n.fwd_kernels) for n in nodes])
         # a leaf module's call (nn.Module.__call__, hooks) and first op; a loose op runs in its
         # container's forward, with no module call of its own (the capture names it 'path::op@k')

@@ -19,7 +19,7 @@ channel; a layer norm reads one row per thread block. They reach different bandw
 H200 profile of resnet50, batch 128, fp32, puts cuDNN's batch norm passes at ~0.55-0.65 of a
 copy's; the transformers' layer norms fit near a copy's), so batch and group norm have their
 own kind, "batchnorm" (`bandwidth_kind`); a type that was never fitted on a CNN charges
-it at the element-wise kind's bandwidth, the nearest kernel shape (cost/efficiency.py).
+it at the element-wise kind's bandwidth, the nearest kernel shape (hardware/efficiency.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpGraph
 
 # (forward, backward) passes over the activations relative to the capture's count, by the
@@ -35,11 +36,11 @@ from heterog.ir.opgraph import OpGraph
 NORM_PASSES = {"batchnorm": (3 / 2, 5 / 3), "groupnorm": (3 / 2, 5 / 3), "layernorm": (1.0, 5 / 3)}
 
 
-def norm_passes(module_type: str, phase: str) -> float:
+def norm_passes(module_type: str, phase: Phase) -> float:
     name = module_type.lower()
     for key, (fwd, bwd) in NORM_PASSES.items():
         if key in name:
-            return fwd if phase == "fwd" else bwd
+            return fwd if phase == Phase.FORWARD else bwd
     return 1.0
 
 
@@ -51,7 +52,7 @@ def bandwidth_kind(node) -> str:
     return node.kind
 
 
-def traffic_factors(graph: OpGraph, phase: str) -> np.ndarray:
+def traffic_factors(graph: OpGraph, phase: Phase) -> np.ndarray:
     """Per node: the GPU kernels' memory traffic over the capture's count (1 for most)."""
     return np.array([norm_passes(n.module_type, phase) if n.kind == "norm" else 1.0 for n in graph.nodes])
 
@@ -63,7 +64,7 @@ def traffic_factors(graph: OpGraph, phase: str) -> np.ndarray:
 # (NVIDIA Deep Learning Performance guide, "Convolutional Layers User's Guide": channel
 # alignment for Tensor Cores) — a first layer with 3 input channels does 8/3 of its FLOPs in
 # half precision. Its tensor-core kernels are NHWC: NCHW inputs in half precision are
-# transposed in and out (cost/analytic.py NCHW_HALF_CONV_TRANSFORM_PASSES); channels-last
+# transposed in and out (cost/roofline.py NCHW_HALF_CONV_TRANSFORM_PASSES); channels-last
 # inputs are not.
 # A depthwise convolution (one input channel per group) has no GEMM to give tensor cores: it
 # runs as a direct kernel on the CUDA cores, memory-bound. PyTorch hands it to cuDNN only for

@@ -31,6 +31,7 @@ import numpy as np
 
 from heterog.errors import PlanError
 from heterog.ir.affine import ZERO, Affine
+from heterog.ir.kinds import HALF_PRECISIONS
 from heterog.ir.opgraph import OpGraph
 
 OPTIMIZER_STATE_COPIES = {"sgd": 1, "adamw": 2}
@@ -71,7 +72,7 @@ def block_of(module_path: str) -> str | None:
 
 def activation_factor(kind: str, precision: str) -> float:
     """A node-local guess (no graph): half for the kinds autocast usually leaves in half."""
-    if precision in ("amp-bf16", "fp16") and kind in HALF_UNDER_AUTOCAST:
+    if precision in HALF_PRECISIONS and kind in HALF_UNDER_AUTOCAST:
         return 0.5
     return 1.0
 
@@ -110,7 +111,7 @@ def dtype_factors(graph: OpGraph, precision: str) -> DtypeFactors:
     the fp32 residual stream gives fp32). Graph inputs and embeddings are fp32."""
     n = len(graph.nodes)
     ones = np.ones(n)
-    if precision not in ("amp-bf16", "fp16"):
+    if precision not in HALF_PRECISIONS:
         return DtypeFactors(ones, ones.copy(), ones.copy())
     preds = graph.predecessors
     gi = graph.index
@@ -181,7 +182,7 @@ class MemoryModel:
         self.allocator = allocator
         self.fixed_bytes = (CUDA_FIXED_BYTES if allocator == "cuda" else 0.0) if fixed_bytes is None else fixed_bytes
         nodes = graph.nodes
-        half = precision in ("amp-bf16", "fp16")
+        half = precision in HALF_PRECISIONS
         self.param_bytes = np.array([float(n.param_bytes) for n in nodes])
         self.dtypes = dtype_factors(graph, precision)
         out_f, saved_f = self.dtypes.out, self.dtypes.saved

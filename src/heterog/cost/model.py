@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-Phase = Literal["fwd", "bwd"]
+from heterog.ir.kinds import Phase, SyncMethod
+
 Collective = Literal["allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce"]
 
 
@@ -35,7 +36,9 @@ class CostModel(Protocol):
         """Point-to-point time over the real path: latency + bytes / bottleneck bandwidth."""
         ...
 
-    def collective_time_s(self, op: Collective, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
+    def collective_time_s(
+        self, op: Collective, nbytes: float, devices: Sequence[str], method: str = SyncMethod.RING
+    ) -> float:
         """A collective over `devices` ('ring', 'tree', 'hierarchical'), limited by the
         slowest link it crosses. nbytes is the full buffer size on each member."""
         ...

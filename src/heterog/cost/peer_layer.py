@@ -46,6 +46,8 @@ class _Softmax(nn.Module):
     every type, its fp16 softmax at 0.9-1.3 (benchmarks/predict_gpu_diagnostics.py
     --peer-ops); as the three ops, at 0.61-0.93."""
 
+    mask: torch.Tensor  # a buffer: the causal mask of the unfused form
+
     def __init__(self, fused: bool, positions: int):
         super().__init__()
         self.fused = fused

@@ -4,15 +4,20 @@ analytic cost model. Many predictions can run in one process (captures are cache
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from heterog.cost import build_cost_model
+from heterog.cost.device_profile import DeviceProfile
 from heterog.cost.memory import CUDA_CONTEXT_BYTES
 from heterog.cost.precision import precision_advice
+from heterog.cost.profile import Profile, ProfileError
 from heterog.errors import ModelError
 from heterog.hardware.catalog import get_gpu
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import GpuType
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpGraph
 
 TOP_NODES = 5  # the slowest nodes (forward + backward) listed in the breakdown
@@ -50,6 +55,7 @@ def _captured(model: str, model_args: dict[str, Any] | None, batch_size: int, se
     key = (model, _freeze(model_args), batch_size, seq_len)
     graph = _CAPTURES.get(key)
     if graph is None:
+        # capturing a graph imports torch: a cached graph is read without it
         from heterog.capture import capture_model
 
         graph = capture_model(model, model_args, batch_size=batch_size, seq_len=seq_len)
@@ -74,14 +80,7 @@ def node_profile(profile: Any):
     either; None stays None."""
     if profile is None:
         return None
-    from pathlib import Path
-
-    from heterog.cost.profile import Profile, ProfileError
-    from heterog.profile.artifact import DeviceProfile
-
     if isinstance(profile, (str, Path)):
-        import json
-
         try:
             kind = json.loads(Path(profile).read_text()).get("kind")
         except (OSError, ValueError, AttributeError):
@@ -129,8 +128,8 @@ def predict(
         graph, cluster, precision=precision, optimizer=optimizer, recompute=recompute, profile=node_profile(profile)
     )
     names = [n.name for n in graph.nodes]
-    fwd_s = costs.group_time_s(names, dev, batch_size, "fwd")
-    bwd_s = costs.group_time_s(names, dev, batch_size, "bwd")
+    fwd_s = costs.group_time_s(names, dev, batch_size, Phase.FORWARD)
+    bwd_s = costs.group_time_s(names, dev, batch_size, Phase.BACKWARD)
     recompute_s = costs.recompute_time_s(names, dev, batch_size) if recompute else 0.0
     opt_s = costs.optimizer_time_s(names, dev)
     mem = costs.memory.step_peak(batch_size, recompute=recompute)
@@ -140,8 +139,6 @@ def predict(
         in_block = costs.memory.in_block()
         flops += sum(n.fwd_flops.at(batch_size) for n, b in zip(graph.nodes, in_block) if b)
     iteration_s = fwd_s + bwd_s + opt_s
-    node_s = costs.node_times_s(names, dev, batch_size, "fwd") + costs.node_times_s(names, dev, batch_size, "bwd")
-    top = sorted(zip(names, node_s, (n.kind for n in graph.nodes)), key=lambda x: -x[1])[:TOP_NODES]
     return {
         "model": graph.model,
         "device": gpu.name,
@@ -174,7 +171,17 @@ def predict(
             "reserved_bytes": mem.reserved_bytes,
             "context_bytes": context,
             "num_nodes": len(graph.nodes),
-            "top_nodes": [{"node": n, "kind": k, "time_s": float(t)} for n, t, k in top],
+            "top_nodes": _top_nodes(costs, graph, dev, batch_size),
             "num_parameters": graph.num_parameters,
         },
     }
+
+
+def _top_nodes(costs: Any, graph: OpGraph, dev: str, batch_size: int) -> list[dict[str, Any]]:
+    """The TOP_NODES slowest nodes of a step (forward and backward together)."""
+    names = [n.name for n in graph.nodes]
+    node_s = costs.node_times_s(names, dev, batch_size, Phase.FORWARD) + costs.node_times_s(
+        names, dev, batch_size, Phase.BACKWARD
+    )
+    top = sorted(zip(names, node_s, (n.kind for n in graph.nodes)), key=lambda x: -x[1])[:TOP_NODES]
+    return [{"node": n, "kind": k, "time_s": float(t)} for n, t, k in top]

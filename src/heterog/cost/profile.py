@@ -26,11 +26,14 @@ from typing import Any
 from heterog.cost import comm
 from heterog.errors import ArtifactError
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import cluster_from_dict, cluster_to_dict
+from heterog.ir.kinds import Phase, SyncMethod
 from heterog.jsonio import Artifact
 
 KIND = "heterog.Profile"
 SCHEMA_VERSION = 1
-PHASES = ("fwd", "bwd")
+PHASES = ("fwd", "bwd")  # the file's keys for the two phases
+PHASE_KEY = {Phase.FORWARD: "fwd", Phase.BACKWARD: "bwd"}
 
 
 class ProfileError(ArtifactError):
@@ -45,8 +48,8 @@ class Profile(Artifact, kind=KIND, version=SCHEMA_VERSION):
     # node → device type → phase → ((batch, time_s), …) sorted by batch
     times: dict[str, dict[str, dict[str, tuple[tuple[float, float], ...]]]] = field(default_factory=dict)
 
-    def time_s(self, node: str, gpu_type: str, phase: str, batch: float) -> float | None:
-        pts = self.times.get(node, {}).get(gpu_type, {}).get(phase)
+    def time_s(self, node: str, gpu_type: str, phase: Phase, batch: float) -> float | None:
+        pts = self.times.get(node, {}).get(gpu_type, {}).get(PHASE_KEY[phase])
         if not pts:
             return None
         if batch <= 0:
@@ -175,8 +178,6 @@ class LinkCalibration:
 def _effective_cluster(cluster, calibrations: tuple[LinkCalibration, ...], duplex: bool):
     """The cluster with each calibrated node's NIC, and each calibrated node's device ports,
     at their measured bandwidth and latency."""
-    from heterog.hardware.spec import cluster_from_dict, cluster_to_dict
-
     doc = cluster_to_dict(cluster)
     for c in calibrations:
         node = next(n for n in doc["nodes"] if n["name"] == c.node)
@@ -225,7 +226,7 @@ class LinkCalibratedCosts:
     def transfer_time_s(self, nbytes: float, src: str, dst: str) -> float:
         return comm.p2p_time_s(self._one_way, nbytes, src, dst)
 
-    def collective_time_s(self, op: str, nbytes: float, devices, method: str = "ring") -> float:
+    def collective_time_s(self, op: str, nbytes: float, devices, method: str = SyncMethod.RING) -> float:
         links = self._duplex if len(set(devices)) == 2 else self._one_way
         return comm.cached_collective_time_s(self._cache, links, op, nbytes, devices, method)
 

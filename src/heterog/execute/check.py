@@ -28,17 +28,19 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from heterog.cut.dataflow import Dataflow
+from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
+from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import HeterogError, PlanError
 from heterog.execute.device import RankDevice
 from heterog.execute.emulation import Pacer
-from heterog.execute.partition import Dataflow, build_dataflow, export_plan_model, program_group_order
 from heterog.execute.placement import misplaced, place_rank, place_stages, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
-from heterog.execute.split_export import ExportedModel, copy_exported
 from heterog.execute.wire import WireSpec, wire_table
-from heterog.execute.workload import Workload, build_model, global_batch, resolve_workload, to_device
+from heterog.ir.kinds import Phase
 from heterog.ir.plan import Plan
 from heterog.lower.program import Compute, Program, Recv, Send
+from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device
 
 KIND = "heterog.CheckResult"
 DEVICES = ("meta", "cpu", "cuda")
@@ -141,8 +143,6 @@ class _LocalTransport:
     sent_bytes: int = 0
 
     def messages(self, ins: Send | Recv) -> list[tuple[int, str]]:
-        from heterog.ir.kinds import Phase
-
         values = self.crossing.get((ins.src_block, ins.dst_block), ())
         return [(k, v) for k, v in enumerate(values) if not (ins.phase == Phase.BACKWARD and v in self.no_grad)]
 
@@ -171,7 +171,7 @@ class _LocalTransport:
     def in_flight(self) -> list[torch.Tensor]:
         return []
 
-    def new_step(self) -> None:
+    def new_step(self, *, forward_only: bool = False) -> None:
         pass
 
 
@@ -179,6 +179,7 @@ class _LocalTransport:
 class _NoRunner:
     runs: list = field(default_factory=list)
     servers: dict = field(default_factory=dict)
+    schedulers: list = field(default_factory=list)  # the servers' learning-rate schedules: none here
 
     def kept_buffers(self) -> list[torch.Tensor]:
         return []
@@ -293,7 +294,7 @@ def check_program(
     ranks = tuple(
         _check_rank(plan, program, flow, work, rank, rdev, wire, crossing, inputs, targets)
         if problems[rank] is None
-        else _refused(plan, program, flow, rank, problems[rank])
+        else _refused(plan, program, flow, rank, str(problems[rank]))
         for rank in range(len(program.devices))
     )
     return CheckResult(
@@ -346,7 +347,7 @@ def _check_rank(
     device = program.devices[rank]
     held, stages = _rank_stages(plan, program, flow, rank)
     computes = [ins for ins in program.instructions[device] if isinstance(ins, Compute)]
-    base = dict(rank=rank, device=device, computes=len(computes))
+    base: dict[str, Any] = dict(rank=rank, device=device, computes=len(computes))
     target = rdev.torch_device
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)

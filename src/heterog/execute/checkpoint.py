@@ -14,11 +14,13 @@ Resuming: each rank of the new run asks for the names it now holds (under its ne
 cluster: devices lost or added) and DCP reads exactly those. The step counter comes from the
 marker; synthetic batches are seeded by step and user data is advanced to that step
 (workload.py), so no step is lost or repeated. Not saved: torch's RNG state (the zoo's small
-models have no dropout) and BatchNorm running statistics (buffers, not parameters).
+models have no dropout) and BatchNorm running statistics (buffers, not parameters); a
+learning-rate schedule is not saved either but moved on to the checkpoint's step
+(train_loop.TrainingHooks.resumed).
 
-A parameter server keeps the optimizer state of the parameters it serves in one flat copy
-(collectives.ParameterServer); it saves that state cut per parameter, under the same keys a
-rank-local optimizer writes, so a checkpoint resumes under a plan with another server, or
+A parameter server keeps the optimizer state of the parameters it serves per parameter
+(collectives.ParameterServer: its flat copy seen as one tensor per parameter); it saves that
+state under the same keys a rank-local optimizer writes, so a checkpoint resumes under a plan with another server, or
 with none. Loaded state goes on its parameter's device, except the scalar `step` counters,
 which stay on the CPU as torch's optimizers keep them (unless capturable or fused).
 """
@@ -36,9 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from heterog.errors import CheckpointError
-from heterog.ir.plan import user_model_file
+from heterog.ir.plan import file_sha256, user_model_file
 from heterog.ir.run_request import CheckpointConfig
 from heterog.jsonio import write_atomic
 from heterog.userfile import locate
@@ -59,10 +62,45 @@ class CheckpointInfo:
 
 
 def model_key(name: str) -> str:
-    """The model's identity in a checkpoint: a zoo name, or a user file's absolute path and
-    factory (so plans saved in different folders that name the same file agree)."""
+    """The model's identity in a checkpoint, portable as a plan's is: a zoo name, or a user
+    file's name, factory and content hash, so that a project copied elsewhere (the same file at
+    another path) resumes, and an edited model file is named as the reason it does not."""
     user = user_model_file(name)
-    return name if user is None else f"{locate(user[0]).resolve()}:{user[1]}"
+    if user is None:
+        return name
+    path = locate(user[0])
+    return f"{path.name}:{user[1]} sha256={file_sha256(path)}"
+
+
+def check_same_model(saved: str, name: str, where: str) -> None:
+    """Refuse to resume a checkpoint of another model than `name`, saying why. A user model
+    matches on its factory and file content, wherever the file now is; a checkpoint written
+    before content hashes named the file's absolute path, which still matches that path."""
+    current = model_key(name)
+    if saved == current or _factory_and_hash(saved) == _factory_and_hash(current) != (None, None):
+        return
+    user = user_model_file(name)
+    if user is not None and saved == f"{locate(user[0]).resolve()}:{user[1]}":
+        return
+    then, now = _factory_and_hash(saved), _factory_and_hash(current)
+    if then[0] is not None and then[0] == now[0] and then[1] and now[1]:
+        raise CheckpointError(
+            f"{where}: the model file changed since the checkpoint was written (factory {now[0]!r}, sha256 "
+            f"{then[1][:12]}… then, {now[1][:12]}… now); restore the file the checkpoint was trained with, or "
+            f"start without --resume."
+        )
+    raise CheckpointError(
+        f"{where}: the checkpoint is of model {saved!r}, but the plan trains {current!r}; resume with a plan of "
+        f"the same model."
+    )
+
+
+def _factory_and_hash(key: str) -> tuple[str | None, str | None]:
+    """(factory, sha256) of a user model's key, (None, None) for a zoo name or an old key."""
+    head, sep, digest = key.rpartition(" sha256=")
+    if not sep:
+        return None, None
+    return head.rpartition(":")[2], digest
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -185,10 +223,7 @@ def load_checkpoint(
 ) -> None:
     """Load the parameters (in place) and optimizer state this rank holds, by name, and the
     state of the parameter servers it runs."""
-    if info.model != model_key(model):
-        raise CheckpointError(
-            f"{info.path}: the checkpoint is of model {info.model!r}, not {model!r}; resume with the same model."
-        )
+    check_same_model(info.model, model, str(info.path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {}
     for name, p in named_params:
@@ -198,9 +233,10 @@ def load_checkpoint(
                 f"{info.path}: holds no parameter {name!r}; it was written for a "
                 f"different model version (it holds {len(info.parameter_names)} parameters)."
             )
-        if tuple(meta[key].size) != tuple(p.shape):
+        saved = _tensor_meta(meta, key)
+        if tuple(saved.size) != tuple(p.shape):
             raise CheckpointError(
-                f"{info.path}: parameter {name!r} has shape {tuple(meta[key].size)} in the "
+                f"{info.path}: parameter {name!r} has shape {tuple(saved.size)} in the "
                 f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values."
             )
         state[key] = p.detach()
@@ -219,7 +255,7 @@ def load_checkpoint(
             else []
         )
     for name, key, device in wanted:
-        m = meta[f"optim/{name}/{key}"]
+        m = _tensor_meta(meta, f"optim/{name}/{key}")
         state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
     dcp.load(state, checkpoint_id=info.path)
     if opt is not None:
@@ -231,6 +267,14 @@ def load_checkpoint(
             {name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)} for name in served.names},
             served.names,
         )
+
+
+def _tensor_meta(meta: Any, key: str) -> TensorStorageMetadata:
+    """The saved metadata of tensor `key` (parameters and optimizer state are tensors)."""
+    m = meta[key]
+    if not isinstance(m, TensorStorageMetadata):
+        raise CheckpointError(f"checkpoint entry {key!r} is not a tensor; it was written by another program.")
+    return m
 
 
 def _keys(meta: dict[str, Any], name: str) -> list[str]:

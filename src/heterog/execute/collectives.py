@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,7 @@ class _Link:
     a GPU, transport.py)."""
 
     rank: int
-    pg: object
+    pg: Any  # the call's torch.distributed process group
     tag: int
     timeout: timedelta
     scratch: ScratchBuffers = field(default_factory=ScratchBuffers)
@@ -123,12 +124,15 @@ class _Link:
         staged = recv
         ops, peers = [], []
         if send is not None:
+            assert dst is not None, "a send needs its peer"
             out = send.contiguous()
             if self.host_staging and out.device.type != "cpu":
                 out = out.to("cpu")
             ops.append(dist.P2POp(dist.isend, out, dst, group=self.pg, tag=self.tag + step))
             peers.append(dst)
         if recv is not None:
+            assert src is not None, "a receive needs its peer"
+            staged = recv
             if self.host_staging and recv.device.type != "cpu":
                 staged = torch.empty(recv.shape, dtype=recv.dtype, device="cpu")
             ops.append(dist.P2POp(dist.irecv, staged, src, group=self.pg, tag=self.tag + step))
@@ -137,7 +141,7 @@ class _Link:
             return
         for work, peer in zip(dist.batch_isend_irecv(ops), peers):
             wait_for(work, rank=self.rank, peer=peer, timeout=self.timeout, what=f"collective step {step}")
-        if staged is not recv:
+        if recv is not None and staged is not None and staged is not recv:
             recv.copy_(staged)
 
 
@@ -256,9 +260,14 @@ class ParameterServer:
     The server's copy starts as the first replica's parameters, sent at the first step, so a
     server that holds no replica needs no model. Only the server has an optimizer; it is made
     with the server (`numel`), so a resumed run can load its state (`load_state`) before the
-    first step. The gradient sum and the replica's receive buffer are kept from step to
-    step, as a server keeps its buffers: made anew, each was a fresh bucket-sized allocation
-    every step (page faults on this CPU; the classifier's PS sync in cnn-small-memory took
+    first step. The copy is one flat tensor (`master`, what the messages carry) seen as one
+    parameter per served parameter (`params`, views of it shaped as `shapes`), and the
+    optimizer is made over those: the user's optimizer sees the shapes a single process
+    would (parameter groups by dimension, per-tensor norms), and its state is per parameter.
+    With a global gradient norm (clipping.py) the phases are apart too, and the server's sum
+    is clipped between them. The gradient sum and the replica's receive buffer are kept from
+    step to step, as a server keeps its buffers: made anew, each was a fresh bucket-sized
+    allocation every step (page faults on this CPU; the classifier's PS sync in cnn-small-memory took
     0.5 s at the first steps, 0.05 s later)."""
 
     def __init__(
@@ -270,15 +279,20 @@ class ParameterServer:
         make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer | None],
         numel: int,
         device: torch.device | None = None,
+        shapes: Sequence[torch.Size] | None = None,
     ):
         self.server, self.replicas = server, list(replicas)
         self.members = sorted(set(self.replicas) | {server})
         self.groups = groups
-        self.master: torch.nn.Parameter | None = None
+        self.master: torch.Tensor | None = None
+        self.params: list[torch.nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
         if dist.get_rank() == server:
-            self.master = torch.nn.Parameter(torch.zeros(numel, device=device))
-            self.optimizer = make_optimizer([self.master])
+            shapes = list(shapes) if shapes is not None else [torch.Size([numel])]
+            assert sum(math.prod(s) for s in shapes) == numel, "the served shapes must add up to numel"
+            self.master = torch.zeros(numel, device=device)
+            self.params = [torch.nn.Parameter(piece) for piece in _views(self.master, shapes)]
+            self.optimizer = make_optimizer(self.params)
         self.steps = 0
         self.buffer: torch.Tensor | None = None  # the server's gradient sum, a replica's parameters in
         self._link: _Link | None = None  # the call of the step under way
@@ -347,11 +361,13 @@ class ParameterServer:
         assert link is not None, "pull() before push()"
         self._link = None
         if rank == self.server:
-            assert self.master is not None
+            assert self.master is not None and self.buffer is not None
             if self.optimizer is not None:
-                self.master.grad = self.buffer
+                for p, g in zip(self.params, _views(self.buffer, [p.shape for p in self.params])):
+                    p.grad = g
                 self.optimizer.step()
-                self.master.grad = None
+                for p in self.params:
+                    p.grad = None
             for r in self.replicas:
                 if r != self.server:
                     link.exchange(self.master.detach(), r, None, None, n + self.members.index(r))
@@ -362,32 +378,30 @@ class ParameterServer:
 
     # -- checkpoints: the server's optimizer state, by parameter name ------------------------------
     def state_by_name(self, names: Sequence[str], shapes: Sequence[torch.Size]) -> dict[str, dict[str, torch.Tensor]]:
-        """The server's optimizer state cut per parameter, each piece shaped like its
-        parameter (the keys and shapes a per-parameter optimizer has: AdamW's exp_avg,
-        exp_avg_sq, step), so a checkpoint does not depend on who served."""
-        if self.optimizer is None or self.master is None:
+        """The server's optimizer state per served parameter (the keys a rank-local optimizer
+        writes: AdamW's exp_avg, exp_avg_sq, step), so a checkpoint does not depend on who
+        served."""
+        if self.optimizer is None:
             return {}
-        state = self.optimizer.state.get(self.master, {})
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        offset = 0
-        for name, shape in zip(names, shapes):
-            k = math.prod(shape)
-            out[name] = {
-                key: (v.detach().clone() if v.dim() == 0 else v.detach()[offset : offset + k].reshape(shape).clone())
-                for key, v in state.items()
-                if isinstance(v, torch.Tensor)
-            }
-            offset += k
-        return out
+        return {
+            name: {k: v.detach().clone() for k, v in self.optimizer.state.get(p, {}).items() if torch.is_tensor(v)}
+            for name, p in zip(names, self.params)
+        }
 
     def load_state(self, per_name: dict[str, dict[str, torch.Tensor]], names: Sequence[str]) -> None:
         """Set the server's optimizer state from per-parameter pieces (state_by_name's form)."""
-        if self.optimizer is None or self.master is None or not per_name:
+        if self.optimizer is None:
             return
-        keys = set.intersection(*(set(per_name[n]) for n in names)) if all(n in per_name for n in names) else set()
-        state: dict[str, torch.Tensor] = {}
-        for key in keys:
-            pieces = [per_name[n][key] for n in names]
-            state[key] = pieces[0].clone() if pieces[0].dim() == 0 else torch.cat([p.reshape(-1) for p in pieces])
-        if state:
-            self.optimizer.state[self.master] = state
+        for name, p in zip(names, self.params):
+            if per_name.get(name):
+                self.optimizer.state[p] = {k: v.clone() for k, v in per_name[name].items()}
+
+
+def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive pieces of a flat tensor, shaped as `shapes` (views: writes go through)."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
+    return out

@@ -34,6 +34,8 @@ Links: see netns.py (namespaces, veth pairs, tc TBF), used when running as root.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 
 from heterog.errors import ResourceError
+from heterog.hardware.spec import cluster_from_dict
 
 MIB = 2**20
 
@@ -59,9 +62,6 @@ def keep_freed_memory() -> bool:
     """Have this process's malloc keep freed memory for reuse, as KEEP_FREED_MEMORY_ENV does
     for a process started with it (module docstring); True when the C library is glibc and
     took the settings, False elsewhere (nothing changes)."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
@@ -189,7 +189,5 @@ def memory_cap(cluster_doc: dict[str, Any] | None, device: str) -> MemoryCap | N
     memory (memory_gib / memory_bytes in the YAML); None otherwise (nothing is enforced)."""
     if not cluster_doc or cluster_doc.get("kind") != "emulated":
         return None
-    from heterog.hardware.spec import cluster_from_dict
-
     dev = cluster_from_dict(cluster_doc).device(device)
     return MemoryCap(device=device, cap_bytes=int(dev.memory_bytes)) if dev.memory_bytes is not None else None

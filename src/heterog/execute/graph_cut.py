@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from heterog.execute.partition import INPUT, Dataflow
+from heterog.cut.dataflow import INPUT, Dataflow
 from heterog.ir.kinds import Phase
 from heterog.lower.program import Compute, Recv, Send
 

@@ -39,11 +39,12 @@ from typing import Any
 
 from heterog.errors import CheckpointError, PlanError, RankError
 from heterog.execute import stale
-from heterog.execute.checkpoint import find_checkpoint, model_key
+from heterog.execute.checkpoint import check_same_model, find_checkpoint
 from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
 from heterog.execute.spec import FailureKind, LaunchSpec, PlanEntry, RankFailure, RankResult, RankSpec
 from heterog.ir.plan import Plan, in_memory_model_error
-from heterog.ir.run_request import CheckpointConfig, Fault, TrainingConfig
+from heterog.ir.run_request import CheckpointConfig, Fault
+from heterog.ir.training_config import TrainingConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +105,7 @@ def _run_dir(out_dir: Path | None) -> Iterator[Path]:
     """The run's folder (out_dir, or a temporary one removed after), claimed for this run
     so that stale.remove_stale_runs leaves it alone while it lives."""
     own_dir = out_dir is None
-    work = Path(tempfile.mkdtemp(prefix=stale.RUN_PREFIX)) if own_dir else Path(out_dir)
+    work = Path(tempfile.mkdtemp(prefix=stale.RUN_PREFIX)) if out_dir is None else Path(out_dir)
     work.mkdir(parents=True, exist_ok=True)
     stale.claim(work)
     try:
@@ -168,6 +169,7 @@ class PlanLaunch:
     # entries of one plan (its repetitions) share a key: when one fails, the later ones are
     # not started but get the same error
     key: str = ""
+    training: TrainingConfig = field(default_factory=TrainingConfig)  # checked (preflight.check_training)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +201,6 @@ def launch_local_many(
     out_dir: Path | None = None,
     force: bool = False,
     layout: ProcessLayout | None = None,
-    training: TrainingConfig | None = None,
 ) -> list[list[RankResult] | Exception]:
     """Run several plans' Programs one after the other in one set of rank processes
     (worker.run_plans), so the start-up — processes, imports, the model's export — is paid
@@ -224,9 +225,7 @@ def launch_local_many(
     with _run_dir(out_dir) as work:
         launch = 0
         while todo := [i for i in range(len(plans)) if out[i] is None]:
-            common = LaunchSpec(
-                rank=0, world=0, steps=steps, seed=seed, timeout_s=timeout_s, training=training or TrainingConfig()
-            )
+            common = LaunchSpec(rank=0, world=0, steps=steps, seed=seed, timeout_s=timeout_s)
             _launch_many(plans, todo, out, work, launch, common, layout=layout)
             failed = {plans[i].key: out[i] for i in range(len(plans)) if isinstance(out[i], Exception)}
             for i in range(len(plans)):
@@ -248,7 +247,7 @@ def _launch_many(
 ) -> None:
     """One set of processes for the plans `todo` (in order); fills `out` for every plan that
     finished and for the first that failed. `common`: the launch's settings (steps, seed,
-    timeout, training), which each process's spec takes."""
+    timeout), which each process's spec takes."""
     steps, timeout_s = common.steps, common.timeout_s
     procs_of = {
         i: layout.processes_of(plans[i]) if layout is not None else list(range(len(plans[i].devices))) for i in todo
@@ -265,6 +264,7 @@ def _launch_many(
             slowdowns=plans[i].slowdowns,
             fault=plans[i].fault,
             dump_params=plans[i].dump_params,
+            training=plans[i].training,
             out_dir=str(plan_dir[i]),
             wait_s=wait_s,
         )
@@ -336,12 +336,7 @@ def _resolve_resume(plan: Plan, cfg: LaunchConfig) -> CheckpointConfig:
     if not ckpt.resume:
         return ckpt
     info = find_checkpoint(ckpt.resume)
-    model = plan.model.name
-    if info.model != model_key(model):
-        raise CheckpointError(
-            f"--resume {ckpt.resume}: the checkpoint is of model {info.model!r}, "
-            f"but the plan trains {model!r}; resume with a plan of the same model."
-        )
+    check_same_model(info.model, plan.model.name, f"--resume {ckpt.resume}")
     if info.step >= cfg.spec.steps:
         raise CheckpointError(
             f"--resume {ckpt.resume}: the checkpoint already holds {info.step} "

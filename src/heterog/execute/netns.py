@@ -22,9 +22,13 @@ import json
 import os
 import secrets
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
+from heterog.execute.stale import remove_stale_runs
 from heterog.hardware.cluster import Cluster
 from heterog.jsonio import write_atomic
 
@@ -76,8 +80,6 @@ class LinkShaping:
     def __enter__(self) -> LinkShaping:
         if os.geteuid() != 0:
             raise ShapingUnavailable("not root: network namespaces and tc need root")
-        from heterog.execute.stale import remove_stale_runs
-
         remove_stale_runs()  # a killed run's ranks and namespaces, before we add ours
         try:
             self._create()
@@ -93,8 +95,6 @@ class LinkShaping:
         return OWNERS_DIR / f"{self.token}.json"
 
     def _create(self) -> None:
-        import psutil
-
         write_atomic(
             self._owner_file(), json.dumps({"pid": os.getpid(), "create_time": psutil.Process().create_time()})
         )
@@ -149,8 +149,6 @@ def leftover_namespaces() -> list[str]:
 
 
 def _owner_alive(token: str) -> bool:
-    import psutil
-
     f = OWNERS_DIR / f"{token}.json"
     try:
         doc = json.loads(f.read_text())
@@ -160,8 +158,6 @@ def _owner_alive(token: str) -> bool:
 
 
 def _young(ns: str) -> bool:
-    import time
-
     try:
         return time.time() - (Path("/run/netns") / ns).stat().st_mtime < YOUNG_NAMESPACE_S
     except OSError:

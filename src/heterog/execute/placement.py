@@ -175,16 +175,20 @@ def _attribute_users(module: nn.Module) -> dict[str, str]:
     return out
 
 
+def _devices_in(args: Any) -> list[torch.device]:
+    """The torch.device values anywhere in a node's (nested) arguments."""
+    found: list[torch.device] = []
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, torch.device) else a)
+    return found
+
+
 def misplaced(stages: Iterable[tuple[str, nn.Module]], device: torch.device) -> list[Misplaced]:
     """What of the given (name, stage module) pairs is not on `device`, nodes first."""
     found: list[Misplaced] = []
     for stage, module in stages:
         for gm in _graph_modules(module):
             for node in gm.graph.nodes:
-                devices: list[torch.device] = []
-                fx.node.map_aggregate(
-                    (node.args, node.kwargs), lambda a: devices.append(a) if isinstance(a, torch.device) else a
-                )
+                devices = _devices_in((node.args, node.kwargs))
                 if isinstance(node.kwargs.get("device"), str):
                     devices.append(torch.device(node.kwargs["device"]))
                 bad = next((d for d in devices if not _same_device(d, device)), None)

@@ -41,21 +41,39 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 
+from heterog.cut.dataflow import INPUT, Dataflow, Stage
 from heterog.errors import PlanError
 from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
 from heterog.execute.graph_cut import Boundary, GradientSlot, Sink, last_reads, transfer_key
-from heterog.execute.partition import INPUT, Dataflow, Stage
 from heterog.execute.trace import Span, SpanCategory
 from heterog.execute.transport import MAX_VALUES, Transport
-from heterog.execute.workload import Workload, slice_batch
 from heterog.ir.kinds import Phase, Precision
 from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
+from heterog.workload import Workload, slice_batch
+
+
+class StepMode(StrEnum):
+    """What one `Interpreter.step` runs of the rank's instructions."""
+
+    TRAIN = "train"  # every instruction, then the optimizer step
+    ACCUMULATE = "accumulate"  # computes and transfers only: the gradients add up (--accumulate)
+    EVALUATE = "evaluate"  # forward computes and forward transfers only, without autograd
+
+
+def runs_in(ins: Any, mode: StepMode) -> bool:
+    """Whether instruction `ins` runs in a step of `mode`."""
+    if mode is StepMode.TRAIN:
+        return True
+    if isinstance(ins, (Collective, Optimizer)):
+        return False
+    return mode is StepMode.ACCUMULATE or ins.phase == Phase.FORWARD
 
 
 @dataclass(kw_only=True)
@@ -111,6 +129,9 @@ class Interpreter:
         precision: str = "fp32",
         memory_cap: MemoryCap | None = None,
         crossing: dict[tuple[int, int], list[str]] | None = None,
+        scheduler: Any = None,
+        grad_norm: Any = None,
+        max_grad_norm: float | None = None,
     ):
         self.program, self.flow, self.work = program, flow, work
         self.memory_cap = memory_cap  # an emulated device's capacity, checked after every instruction
@@ -129,6 +150,17 @@ class Interpreter:
         self.call_stage: Callable[..., Any] = _call
         self.stats = StepStats()
         self.skipped_steps = 0  # fp16: steps skipped on an overflow
+        # training options (heterog/training.py): the local optimizer's schedule; the global
+        # gradient norm (clipping.py), which defers every update to the end of the step
+        self.scheduler, self.grad_norm, self.max_grad_norm = scheduler, grad_norm, max_grad_norm
+        self.deferred = self.scaler is not None or grad_norm is not None
+        self.last_norm: Any = None  # clipping.StepNorm of the last step, when measured
+        self.mode = StepMode.TRAIN
+        self.loss_weight = 1.0
+        self._loss_total: Any = 0.0
+        self.eval_sums: dict[str, float] = {}  # evaluation: metric × samples, summed here
+        self.eval_modules: dict[int, Any] = {}  # stage → its forward-only twin (evaluation.py)
+        self.evaluate_fn: Callable[[Any, Any], Any] | None = None
         self.overflow_hook: Callable[[], None] | None = None  # test hook: an inf into a gradient
         self.clock = self.rank_device.clock()
         self._marks: list[_Mark] = []
@@ -185,9 +217,21 @@ class Interpreter:
         return local[start:stop]
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, inputs: tuple[Any, ...], targets: Any) -> float:
-        """Run every instruction of this rank once; returns this rank's summed loss. Its
-        timings are read afterwards, once the device has finished (`read_timings`)."""
+    def step(
+        self,
+        inputs: tuple[Any, ...],
+        targets: Any,
+        *,
+        mode: StepMode = StepMode.TRAIN,
+        new_step: bool = True,
+        loss_weight: float = 1.0,
+    ) -> float:
+        """Run this rank's instructions once (those of `mode`: runs_in); returns this rank's
+        summed loss. Its timings are read afterwards, once the device has finished
+        (`read_timings`). Accumulation: ACCUMULATE steps, then a TRAIN step, each with
+        `loss_weight` 1/N and all but the first with new_step=False, so the records, the
+        loss and the gradients add up over the N batches."""
+        self.mode = mode
         self._env: dict[tuple[str, int], Any] = {}
         self._inbox: dict[tuple[int, str], torch.Tensor] = {}
         self._outbox: dict[tuple[int, str], torch.Tensor] = {}
@@ -197,13 +241,17 @@ class Interpreter:
         self._calls: dict[tuple[int, int], _Call] = {}
         self._inputs = dict(zip(self.flow.inputs, inputs))
         self._targets = targets
-        self._loss_total = 0.0
-        self._marks, self._optimizer_index = [], None
-        self.sync.runner.runs.clear()
-        self.stats = StepStats()
-        self.trace, self.samples = [], []  # what this step ran
-        self.transport.new_step()
+        self.loss_weight = loss_weight
+        if new_step:
+            self._loss_total = 0.0
+            self._marks, self._optimizer_index = [], None
+            self.sync.runner.runs.clear()
+            self.stats = StepStats()
+            self.trace, self.samples = [], []  # what this step ran
+        self.transport.new_step(forward_only=mode is StepMode.EVALUATE)
         for index, ins in enumerate(self.instructions):
+            if not runs_in(ins, mode):
+                continue
             if isinstance(ins, Optimizer):
                 self._optimizer(index)
             elif isinstance(ins, Collective):  # its span is its run on the lane (sync.py)
@@ -229,23 +277,44 @@ class Interpreter:
                     ),
                 )
         self.transport.wait_all()
+        if mode is not StepMode.TRAIN:
+            return float(self._loss_total)
         with self._timing("gradient sync (end of step)", SpanCategory.SYNC):
             self.sync.finish()  # a server without a replica has collectives but no optimizer step
-        if self.scaler is not None:  # every rank, so that all skip an overflowing step alike
-            self._scaled_step()
+        if self.deferred:  # every rank, so that all skip an overflowing step alike
+            self._deferred_step()
+        for sched in [self.scheduler, *self.sync.runner.schedulers]:  # once per step, as one process does
+            if sched is not None:
+                sched.step()
         if self.rank_device.kind == "meta":  # shapes only (heterog check)
             return float("nan")
         return float(self._loss_total)
 
-    def _scaled_step(self) -> None:
-        """fp16: unscale every gradient (the servers' sums too), skip the update on every rank
-        if any overflowed, else let the servers and the local optimizer step."""
-        assert self.scaler is not None
+    @contextlib.contextmanager
+    def aside(self):
+        """Steps run inside (an evaluation) leave the last training step's records as they were."""
+        kept = (self.trace, self.samples, self._marks, self.stats, self._loss_total, self.mode)
+        try:
+            yield
+        finally:
+            self.trace, self.samples, self._marks, self.stats, self._loss_total, self.mode = kept
+
+    def _deferred_step(self) -> None:
+        """The update once every rank has its synced gradients: fp16 unscales every gradient
+        (the servers' sums too) and skips the update on every rank if any overflowed; the
+        global gradient norm is summed over the ranks and clips the gradients
+        (clipping.py); then the servers and the local optimizer step."""
         params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
         if self.overflow_hook is not None:
             self.overflow_hook()
-        with self._timing("loss-scale check", SpanCategory.SYNC):
-            ok = self.scaler.unscale_and_check(params, also=self.sync.runner.unscale_and_check_servers)
+        ok = True
+        with self._timing("loss-scale check and gradient norm", SpanCategory.SYNC):
+            if self.scaler is not None:
+                ok = self.scaler.unscale_and_check(params, also=self.sync.runner.unscale_and_check_servers)
+            if self.grad_norm is not None:
+                self.last_norm = self.grad_norm.reduce(float(self._loss_total))
+                if ok and self.max_grad_norm is not None:
+                    self.grad_norm.clip(self.last_norm.norm, self.max_grad_norm)
             self.sync.runner.pull_deferred(ok)
         with self._timing("optimizer step", SpanCategory.OPTIMIZER, self._optimizer_index):
             if ok and self.optimizer is not None:
@@ -324,14 +393,15 @@ class Interpreter:
 
     def _optimizer(self, index: int) -> None:
         """The Optimizer instruction: wait for the syncs (a SYNC span of the executor's own),
-        then step: the instruction's span (fp16 steps after the loss-scale check at the end of
-        the step instead, under the same instruction)."""
+        then step: the instruction's span (fp16 and a measured gradient norm step after the
+        loss-scale check and clipping at the end of the step instead, under the same
+        instruction)."""
         with self._timing("gradient sync wait", SpanCategory.SYNC):
             self.transport.wait_all()
             self.sync.finish()
             self.sync.sum_tied_gradients()  # copies of a tied parameter: one gradient for all
         self.trace.append(("optimizer",))
-        if self.scaler is not None:
+        if self.deferred:
             self._optimizer_index = index
             return
         with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
@@ -368,7 +438,12 @@ class Interpreter:
         """With a memory cap: record what autograd saves for backward, so it is counted."""
         if self.memory_cap is None:
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     def _compute(self, index: int, ins: Compute) -> None:
         self.trace.append(("compute", ins.block, str(ins.phase), ins.microbatch, ins.hi - ins.lo))
@@ -409,7 +484,7 @@ class Interpreter:
         a = self.block_of_group[owner]
         if self.run_of[a] == self.run_of[ins.block]:  # same fused run: held here whole
             local = self._value(v, m)
-            pieces = (InputPiece(block=a, lo=ins.lo, hi=ins.hi, src_lo=ins.lo),)
+            pieces: tuple[InputPiece, ...] = (InputPiece(block=a, lo=ins.lo, hi=ins.hi, src_lo=ins.lo),)
             parts = [local]
         else:
             pieces = tuple(p for p in self.pieces_of.get((self.run_of[ins.block], m), ()) if p.block == a)
@@ -438,7 +513,7 @@ class Interpreter:
         return x, None
 
     def _forward(self, si: int, ins: Compute) -> None:
-        s, m = self.flow.stages[si], ins.microbatch
+        s = self.flow.stages[si]
         args, leaves = [], []
         for v in s.args:
             x, grad_in = self._gather(v, ins)
@@ -446,6 +521,16 @@ class Interpreter:
             if grad_in is not None:
                 leaves.append((v, *grad_in))
         saved: list[torch.Tensor] = []
+        if self.mode is StepMode.EVALUATE:  # forward only, the stage's evaluation twin
+            # evaluation.py imports this module's StepMode: imported at use, not at the top
+            from heterog.execute.evaluation import eval_forward
+
+            out = eval_forward(self, si, args)
+        else:
+            out = self._train_forward(s, ins, args, saved)
+        self._store_forward(si, s, ins, leaves, saved, out)
+
+    def _train_forward(self, s: Stage, ins: Compute, args: list[Any], saved: list[torch.Tensor]) -> Any:
         with self.rank_device.autocast(self.precision), self._saving(saved):  # fp32 master weights
             if self.program.blocks[ins.block].recompute:
                 # activation recomputation: keep only the stage's inputs; re-run forward in backward
@@ -454,6 +539,14 @@ class Interpreter:
                 )
             else:
                 out = self._timed(self.call_stage, s.module, *args)
+        return out
+
+    def _store_forward(
+        self, si: int, s: Stage, ins: Compute, leaves: list, saved: list[torch.Tensor], out: Any
+    ) -> None:
+        """Keep a forward's outputs (and where their gradients go); the loss where the model's
+        output is made (in an evaluation step: the loss and the user's metrics, no graph)."""
+        m = ins.microbatch
         self._env[(s.value, m)] = out
         call = _Call(stage=s, lo=ins.lo, leaves=leaves, saved=saved)
         for v in self._values_of(s):
@@ -467,9 +560,16 @@ class Interpreter:
             y = self._value(flow.output, m)
             lo = self.mb_offsets[m]
             target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
+            if self.mode is StepMode.EVALUATE:
+                # evaluation.py imports this module's StepMode: imported at use, not at the top
+                from heterog.execute.evaluation import take_metrics
+
+                take_metrics(self, y, target, ins.hi - ins.lo)
+                self._calls[(si, m)] = call
+                return
             with self.rank_device.autocast(self.precision), self._saving(saved):
                 loss = self._timed(self.work.loss, y, target)
-            call.loss = loss.float() * ((ins.hi - ins.lo) / self.batch_size)
+            call.loss = loss.float() * ((ins.hi - ins.lo) / self.batch_size * self.loss_weight)
             self._loss_total = self._loss_total + call.loss.detach()  # read once, after the step
             if self.scaler is not None:
                 call.loss = self.scaler.scale_loss(call.loss)
@@ -478,7 +578,8 @@ class Interpreter:
     def _backward(self, si: int, ins: Compute) -> None:
         call = self._calls.pop((si, ins.microbatch))
         s, m = call.stage, ins.microbatch
-        roots, root_grads = [], []
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor | None] = []
         if call.loss is not None:
             roots.append(call.loss)
             root_grads.append(None)
@@ -498,6 +599,7 @@ class Interpreter:
                     plo = self.range_of[(p.block, m)][0]
                     self._add_grad(v, m, p.lo - plo, p.hi - plo, part)
                 else:
+                    assert p.grad_tag is not None, "a received piece sends its gradient back by its grad_tag"
                     self._outbox[(p.grad_tag, v)] = part
 
     def _values_of(self, s: Stage) -> list[str]:
@@ -520,7 +622,8 @@ class Interpreter:
                 tensors.append(self._slice(local, v, ins.lo - lo, ins.hi - lo, hi - lo))
             else:
                 tensors.append(self._outbox.pop((ins.tag, v)))
-        self.transport.send(ins, tensors, key=transfer_key(ins) if ins.phase == Phase.FORWARD else None)
+        keep = ins.phase == Phase.FORWARD and self.mode is not StepMode.EVALUATE  # until its gradient is back
+        self.transport.send(ins, tensors, key=transfer_key(ins) if keep else None)
 
     def _recv(self, ins: Recv) -> None:
         self.trace.append(("recv", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))

@@ -20,8 +20,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from heterog.ir.run_request import CheckpointConfig, Fault, TrainingConfig
+from heterog.ir.run_request import CheckpointConfig, Fault
 from heterog.ir.run_result import Span, StepRecord
+from heterog.ir.training_config import TrainingConfig
 from heterog.jsonio import Artifact, Record, write_atomic
 from heterog.lower.program import Program
 
@@ -73,6 +74,7 @@ class PlanEntry(Record):
     slowdowns: dict[str, float] = field(default_factory=dict)
     fault: Fault | None = None
     dump_params: bool = False
+    training: TrainingConfig = field(default_factory=TrainingConfig)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +84,6 @@ class LaunchSpec(Artifact, Record, kind="heterog.LaunchSpec", version=SCHEMA_VER
     steps: int
     seed: int = 0
     timeout_s: float = 60.0
-    training: TrainingConfig = field(default_factory=TrainingConfig)
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     plans: tuple[PlanEntry, ...] = ()
@@ -96,7 +97,7 @@ class LaunchSpec(Artifact, Record, kind="heterog.LaunchSpec", version=SCHEMA_VER
             steps=self.steps,
             seed=self.seed,
             timeout_s=self.timeout_s,
-            training=self.training,
+            training=entry.training,
             slowdowns=entry.slowdowns,
             fault=entry.fault,
             dump_params=entry.dump_params,
@@ -134,6 +135,8 @@ class RankResult(Artifact, Record, kind="heterog.RankResult", version=SCHEMA_VER
     peak_live_bytes: int | None = None
     split: bool = True  # False: the model ran whole (one stage)
     warnings: tuple[str, ...] = ()
+    training: dict[str, Any] | None = None  # rank 0: training.Recipe.describe(), what trained
+    evaluations: tuple[dict[str, Any], ...] = ()  # {"step", "eval/loss", …} per evaluation
 
     @staticmethod
     def path(folder: Path, rank: int) -> Path:

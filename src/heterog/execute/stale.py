@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from heterog.errors import ResourceError
+from heterog.ir.plan import Plan
 from heterog.jsonio import write_atomic
 
 RUN_PREFIX = "heterog-run-"
@@ -118,6 +119,7 @@ def remove_stale_runs() -> list[str]:
         if str(d) not in claimed and d.is_dir() and now - d.stat().st_mtime > UNCLAIMED_GRACE_S:
             shutil.rmtree(d, ignore_errors=True)
             removed.append(f"unclaimed run folder {d}")
+    # netns.py clears stale runs (this module) before it sets up links: a cycle
     from heterog.execute.netns import remove_stale_namespaces
 
     removed += [f"network namespace {ns}" for ns in remove_stale_namespaces()]
@@ -126,10 +128,10 @@ def remove_stale_runs() -> list[str]:
 
 def full_model_bytes(plan_doc: dict[str, Any]) -> int:
     """Bytes of the whole model's fp32 parameters (built on the meta device: no memory)."""
+    # torch only to size the model: `heterog lower`/`simulate` import this module without it
     import torch
 
-    from heterog.execute.workload import resolve_workload
-    from heterog.ir.plan import Plan
+    from heterog.workload import resolve_workload
 
     work = resolve_workload(Plan.from_dict(plan_doc).model)
     with torch.device("meta"):

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from heterog.ir.run_result import StepLine, StepRecord
+from heterog.jsonio import write_atomic
 
 STEPS_FILE = "steps_rank{rank}.jsonl"
 TRACE_FILE = "trace_rank{rank}.json"
@@ -72,6 +73,4 @@ def read_run(folder: Path, world_size: int) -> list[StepLine]:
 
 def write_jsonl(path: Path, lines: Iterable[StepLine]) -> None:
     """The merged lines as JSON lines, written atomically."""
-    from heterog.jsonio import write_atomic
-
     write_atomic(path, "".join(json.dumps(line.to_dict()) + "\n" for line in lines))

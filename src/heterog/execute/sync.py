@@ -8,10 +8,11 @@ the optimizer to its copy (it alone holds that state) and sends the parameters b
 replica then installs them and clears the gradient, so its local optimizer skips them.
 
 Parameters forward never reads have no gradient anywhere and are not synchronised (an
-optimizer skips them, as in single-process training). Tied parameters (partition.py: one parameter read by several groups, e.g. an embedding and
-the output projection) are left out of their groups' sync: every rank holding a copy adds
-its local gradient in one ring all-reduce over all holders, then each holder steps its copy
-with the same gradient, so the copies stay equal (Megatron-LM's embedding all-reduce).
+optimizer skips them, as in single-process training). Tied parameters (cut/partition.py: one
+parameter read by several groups, e.g. an embedding and the output projection) are left out
+of their groups' sync: every rank holding a copy adds its local gradient in one ring
+all-reduce over all holders, then each holder steps its copy with the same gradient, so the
+copies stay equal (Megatron-LM's embedding all-reduce).
 
 A sync unit is a `Bucket`: parameter names (the same list on every rank), members in the
 method's order, method, server and nodes. Buckets run on a *lane*, in the order they are
@@ -40,18 +41,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from heterog.cut.dataflow import Dataflow
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
-from heterog.execute.partition import Dataflow
-from heterog.execute.workload import make_optimizer
 from heterog.ir.kinds import SyncMethod
+from heterog.lower.program import Collective
+from heterog.training import Recipe
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +79,7 @@ class Served:
     server: ParameterServer
 
 
-def tie_buckets(flow: Dataflow, ranks_of_group: dict[int, Sequence[int]]) -> list[Bucket]:
+def tie_buckets(flow: Dataflow, ranks_of_group: Mapping[int, Sequence[int]]) -> list[Bucket]:
     """One ring all-reduce per tied parameter, over every rank that holds a copy."""
     out = []
     for name in sorted(flow.tied):
@@ -163,14 +165,17 @@ class BucketRunner:
         *,
         flow: Dataflow,
         rank: int,
-        optimizer: str,
+        optimizer: str | Recipe,
         timeout_s: float,
         device: torch.device | None = None,
         host_staging: bool = False,
         deferred: bool = False,
         clock: Any = None,
     ):
-        self.flow, self.rank, self.optimizer = flow, rank, optimizer
+        self.flow, self.rank = flow, rank
+        # the run's optimizer recipe (a plan's kind alone: its defaults); servers step with it
+        self.recipe = optimizer if isinstance(optimizer, Recipe) else Recipe(kind=optimizer)
+        self.schedulers: list[Any] = []  # the servers' learning-rate schedules
         self.device = device or torch.device("cpu")
         self.groups = ProcessGroupCache(timeout_s=timeout_s, host_staging=host_staging)
         self.servers: dict[tuple[str, ...], ParameterServer] = {}
@@ -199,14 +204,17 @@ class BucketRunner:
         for b in buckets:
             if b.method is SyncMethod.PS and self.rank in b.members and b.names not in self.servers:
                 assert b.server is not None
-                self.servers[b.names] = ParameterServer(
+                server = self.servers[b.names] = ParameterServer(
                     server=b.server,
                     replicas=b.replicas,
                     groups=self.groups,
                     numel=b.numel,
                     device=self.device,
-                    make_optimizer=lambda ps: make_optimizer(ps, self.optimizer),
+                    make_optimizer=self.recipe.make_optimizer,
+                    shapes=[self.flow.param_shape[n] for n in b.names],
                 )
+                if (sched := self.recipe.make_scheduler(server.optimizer)) is not None:
+                    self.schedulers.append(sched)
 
     def _params(self, bucket: Bucket) -> list[torch.nn.Parameter]:
         return [self.flow.param_by_name[n] for n in bucket.names]
@@ -345,7 +353,7 @@ class ProgramSync:
         program: Any,
         flow: Dataflow,
         rank: int,
-        optimizer: str,
+        optimizer: str | Recipe,
         timeout_s: float,
         device: torch.device | None = None,
         host_staging: bool = False,
@@ -394,8 +402,6 @@ class ProgramSync:
 
     def _collectives(self) -> list[Any]:
         """Every Collective of the program, in one order all ranks share (device order)."""
-        from heterog.lower.program import Collective
-
         seen: dict[int, Any] = {}
         for device in self.program.devices:
             for ins in self.program.instructions.get(device, ()):

@@ -83,7 +83,7 @@ class Channels:
 @dataclass(kw_only=True)
 class _Posted:
     works: list[Any]
-    buffers: list[torch.Tensor | None]  # None: an empty message, nothing moved
+    buffers: list[torch.Tensor]  # an empty message: an empty tensor, nothing moved
     started_s: float = field(default_factory=time.perf_counter)
 
 
@@ -116,6 +116,17 @@ class Transport:
             tags = [ins.tag for ins in instructions if isinstance(ins, Send) and ins.peer == me]
             if tags:
                 self._incoming[rank_of[d]] = tags
+        # an evaluation step runs the forward transfers alone (runtime.StepMode.EVALUATE)
+        self._forward_incoming: dict[int, list[int]] = {}
+        for d, instructions in program.instructions.items():
+            tags = [
+                ins.tag
+                for ins in instructions
+                if isinstance(ins, Send) and ins.peer == me and ins.phase == Phase.FORWARD
+            ]
+            if tags:
+                self._forward_incoming[rank_of[d]] = tags
+        self._order = self._incoming
         self._cursor: dict[int, int] = {}
         self._recv_of: dict[int, Recv] = {
             ins.tag: ins for ins in program.instructions.get(me, ()) if isinstance(ins, Recv)
@@ -172,7 +183,7 @@ class Transport:
     def in_flight(self) -> list[torch.Tensor]:
         """The buffers of sends not yet waited for and of receives posted early (live memory)."""
         sends = [t for sends in self._pending.values() for _, t, _ in sends]
-        return sends + [b for p in self._posted.values() for b in p.buffers if b is not None]
+        return sends + [b for p in self._posted.values() for b in p.buffers]
 
     def wait_all(self) -> None:
         """Wait for every send of the step (the receivers have posted theirs by now)."""
@@ -204,7 +215,7 @@ class Transport:
         """The instruction's tensors (in `messages` order): posts this peer's receives up to
         this one in the peer's sending order, then waits for this one's."""
         peer = self.rank_of[ins.peer]
-        order = self._incoming.get(peer, [])
+        order = self._order.get(peer, [])
         if ins.tag not in self._posted:
             at = self._cursor.get(peer, 0)
             try:
@@ -226,5 +237,8 @@ class Transport:
             return [b.to(self.device) for b in posted.buffers]
         return list(posted.buffers)
 
-    def new_step(self) -> None:
+    def new_step(self, *, forward_only: bool = False) -> None:
+        """A step starts: receives are posted from each peer's first send again (only its
+        forward sends in an evaluation step, which runs no backward)."""
+        self._order = self._forward_incoming if forward_only else self._incoming
         self._cursor.clear()

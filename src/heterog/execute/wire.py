@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from heterog.cut.dataflow import Dataflow
 from heterog.errors import PlanError
-from heterog.execute.partition import Dataflow
-from heterog.execute.workload import slice_batch
+from heterog.workload import slice_batch
 
 PROBE_SAMPLES = 3  # a prime, so that no other dimension is mistaken for the batch
 

@@ -35,36 +35,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from heterog.cut.dataflow import Dataflow, detach_unheld
+from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
+from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError, RankError
 from heterog.execute import checkpoint
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.faults import inject_fault, overflow_gradient
-from heterog.execute.partition import Dataflow, build_dataflow, detach_unheld, export_plan_model, program_group_order
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter, crossing_values
 from heterog.execute.spec import FailureKind, LaunchSpec, RankFailure, RankResult, RankSpec, read_spec
-from heterog.execute.split_export import ExportedModel, copy_exported
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog
 from heterog.execute.sync import ProgramSync
 from heterog.execute.trace import StepRecorder
+from heterog.execute.train_loop import TrainingHooks, gradient_norm, needs_norm, recipe_of
 from heterog.execute.transport import Channels, Transport, transfer_pairs
 from heterog.execute.wire import wire_table
-from heterog.execute.workload import (
-    Workload,
-    build_model,
-    global_batch,
-    make_optimizer,
-    resolve_workload,
-    to_device,
-    with_data,
-)
 from heterog.ir.kinds import Precision
 from heterog.ir.plan import Plan
 from heterog.ir.run_request import FaultKind, FaultPhase
 from heterog.ir.run_result import Span, SpanCategory, StepRecord
 from heterog.jsonio import write_atomic
 from heterog.lower.program import Program
+from heterog.workload import (
+    Workload,
+    build_model,
+    global_batch,
+    resolve_workload,
+    to_device,
+    with_data,
+)
 
 
 def _init(spec: RankSpec, store: Any = None) -> tuple[int, int, str, RankDevice]:
@@ -164,6 +165,7 @@ class RankSetup:
     interpreter: Interpreter
     pacer: Pacer
     cap: Any
+    recipe: Any = None  # training.Recipe: the run's optimizer, schedule and options
 
 
 def _split_for_rank(
@@ -235,21 +237,21 @@ def build_rank(
         timeout_s=spec.timeout_s,
         host_staging=rdev.host_staging,
     )
-    optimizer = spec.training.optimizer_for(plan)
+    recipe = recipe_of(spec.training, plan, spec.steps)  # [train] the user's optimizer, schedule, clipping
     sync = ProgramSync(
         program=program,
         flow=flow,
         rank=rank,
-        optimizer=optimizer,
+        optimizer=recipe,
         timeout_s=spec.timeout_s,
         device=rdev.torch_device,
         host_staging=rdev.host_staging,
-        deferred=plan.precision == Precision.FP16,
+        deferred=plan.precision == Precision.FP16 or needs_norm(recipe.config),
         clock=rdev.clock(),
     )
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     params = [p for _, p in named]
-    opt = make_optimizer(params, optimizer)
+    opt = recipe.make_optimizer(params)
     pacer = Pacer(spec.slowdown(device))
     cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)  # emulated devices only
     ex = Interpreter(
@@ -267,10 +269,13 @@ def build_rank(
         precision=plan.precision,
         memory_cap=cap,
         crossing=crossing,
+        scheduler=recipe.make_scheduler(opt),  # [train]
+        grad_norm=gradient_norm(recipe.config, sync, named, rdev.torch_device, rdev.host_staging),
+        max_grad_norm=recipe.config.max_grad_norm,
     )
     return RankSetup(
         rank=rank, device=device, plan=plan, work=work, flow=flow, held=held, params=params, named=named,
-        optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap,
+        optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap, recipe=recipe,
     )  # fmt: skip
 
 
@@ -303,7 +308,15 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     )
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
-    steps = [_train_step(spec, setup, rdev, rec, step_log, step, progress) for step in range(first_step, spec.steps)]
+    hooks = TrainingHooks.start(setup.recipe, rank=rank, seed=spec.seed, model_name=setup.plan.model.name)
+    hooks.resumed(setup.interpreter, first_step)  # [train] schedules at the checkpoint's step
+    try:
+        steps = [
+            _train_step(spec, setup, rdev, rec, step_log, step, progress, hooks)
+            for step in range(first_step, spec.steps)
+        ]
+    finally:
+        hooks.close()
     progress.write_text("done")
     write_atomic(out_dir / TRACE_FILE.format(rank=rank), json.dumps(rec.to_dict()))
     if spec.dump_params:  # with the parameters: what ran, for tests against the Program
@@ -311,7 +324,7 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     dist.barrier()
     setup.sync.runner.close()  # its sync thread (a multi-plan launch would keep one per plan)
     dist.destroy_process_group()
-    return _rank_result(setup, rdev, cores, tuple(steps), tuple(rec.spans))
+    return _rank_result(setup, rdev, cores, tuple(steps), tuple(rec.spans), hooks.evaluations)
 
 
 def _dump(setup: RankSetup, out_dir: Path) -> None:
@@ -323,7 +336,12 @@ def _dump(setup: RankSetup, out_dir: Path) -> None:
 
 
 def _rank_result(
-    setup: RankSetup, rdev: RankDevice, cores: list[int] | None, steps: tuple[StepRecord, ...], spans: tuple[Span, ...]
+    setup: RankSetup,
+    rdev: RankDevice,
+    cores: list[int] | None,
+    steps: tuple[StepRecord, ...],
+    spans: tuple[Span, ...],
+    evaluations: list[dict[str, Any]],
 ) -> RankResult:
     memory = rdev.memory()
     cap = setup.cap
@@ -346,6 +364,8 @@ def _rank_result(
         peak_live_bytes=int(setup.interpreter.peak_live_bytes) if cap else None,
         split=setup.flow.split,
         warnings=tuple(setup.flow.warnings),
+        training=setup.recipe.describe(setup.params or None) if setup.rank == 0 else None,  # [train]
+        evaluations=tuple(evaluations),
     )
 
 
@@ -357,22 +377,21 @@ def _train_step(
     step_log: StepLog,
     step: int,
     progress: Path,
+    hooks: TrainingHooks,
 ) -> StepRecord:
     """One training step of this rank, timed with the rank's clock (CUDA events on a GPU,
     read once the step has finished); its record."""
     rank, ex = setup.rank, setup.interpreter
     progress.write_text(str(step))
     inject_fault(spec.fault, rank, step, spec.timeout_s)
-    inputs, targets = to_device(
-        global_batch(setup.work, setup.plan.batch_size, seed=spec.seed, step=step), rdev.torch_device
-    )
+    batches = hooks.batches(setup.work, setup.plan.batch_size, step, rdev.torch_device)  # [train] --accumulate
     dist.barrier()
     for p in setup.params:
         p.grad = None
     origin, origin_s = ex.clock.mark(), rec.now_s()
     if spec.fault is not None and spec.fault.kind is FaultKind.OVERFLOW:
         ex.overflow_hook = lambda: overflow_gradient(spec.fault, rank, step, setup.params)
-    loss = ex.step(inputs, targets)
+    loss = hooks.train(ex, batches)
     inject_fault(spec.fault, rank, step, spec.timeout_s, FaultPhase.MID)
     end = ex.clock.mark()
     rdev.synchronize()
@@ -388,6 +407,9 @@ def _train_step(
     )
     rec.add([outer, *spans])
     st = ex.stats
+    figures = hooks.after(  # [train] learning rate, gradient norm, metrics line, evaluation when due
+        ex, step=step, step_time_s=step_time_s, batches=batches, batch_size=setup.plan.batch_size, work=setup.work
+    )
     record = StepRecord(
         step=step,
         rank=rank,
@@ -401,6 +423,8 @@ def _train_step(
         sync_s=st.sync_s,
         loss_scale=ex.scaler.scale if ex.scaler is not None else None,
         skipped_steps=ex.skipped_steps,
+        lr=figures.lr,
+        grad_norm=figures.grad_norm,
     )
     step_log.append(record)
     checkpoint.save_if_due(

@@ -120,15 +120,15 @@ class Cluster:
         return (self.port(src, "up"), self.nic(a, "up"), *core, self.nic(b, "down"), self.port(dst, "down"))
 
     def bottleneck_bandwidth_bytes_per_s(self, src: str, dst: str) -> float:
-        return min((self.links[l].bandwidth_bytes_per_s for l in self.path(src, dst)), default=float("inf"))
+        return min((self.links[link].bandwidth_bytes_per_s for link in self.path(src, dst)), default=float("inf"))
 
     def latency_s(self, src: str, dst: str) -> float:
-        return sum(self.links[l].latency_s for l in self.path(src, dst))
+        return sum(self.links[link].latency_s for link in self.path(src, dst))
 
     def fingerprint(self) -> str:
         body = {
             "devices": [[d.name, d.gpu_type, d.node, d.slowdown, d.memory_bytes] for d in self.devices],
-            "links": sorted([l.name, l.bandwidth_bytes_per_s, l.latency_s] for l in self.links.values()),
+            "links": sorted([link.name, link.bandwidth_bytes_per_s, link.latency_s] for link in self.links.values()),
         }
         # only when set, so clusters without host speeds keep their fingerprints
         speeds = {n.name: n.host_speed for n in self.nodes if n.host_speed != 1.0}

@@ -7,7 +7,7 @@ Four records describe a type:
   boost clocks, board power, tensor-core generation, memory technology;
 - `Efficiency`: what the type sustains of its peaks in training kernels (power- and
   clock-limited cards reach far less than SXM parts): fitted per type on measured layers
-  where the type was measured, else derived from its public figures (cost/public_model.py);
+  where the type was measured, else derived from its public figures (hardware/public_model.py);
 - `HostCosts`: what eager PyTorch's host (Python, dispatcher, autograd, autocast) spends per
   op while driving this device. The host is a property of the machine, so every GPU type
   shares one default unless a calibration (`heterog calibrate`) measured its own.
@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
+
+from heterog.ir.kinds import CATALOG_PRECISION
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
@@ -39,7 +42,7 @@ class TensorCores(StrEnum):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PublicFigures:
     """Data-sheet facts beyond the peaks, from which a type's sustained efficiency is derived
-    when it has no measurements (cost/public_model.py). The peaks assume the boost clock; a
+    when it has no measurements (hardware/public_model.py). The peaks assume the boost clock; a
     dense training kernel holds the clock the board power allows, which the base clock
     bounds (NVIDIA defines it as the clock guaranteed at the board's power under a heavy
     load): a 70 W T4 runs its GEMMs near 585 MHz, not at its 1590 MHz boost."""
@@ -91,7 +94,7 @@ class PublicFigures:
         )
 
 
-# memory-bound op kinds with their own sustained bandwidth (cost.analytic reads these)
+# memory-bound op kinds with their own sustained bandwidth (cost.roofline reads these)
 MEMORY_KINDS = ("elementwise", "norm", "batchnorm", "pool", "embedding", "memory", "loss", "optimizer")
 
 
@@ -99,7 +102,7 @@ MEMORY_KINDS = ("elementwise", "norm", "batchnorm", "pool", "embedding", "memory
 class HostCosts:
     """Host time per op of eager PyTorch on one device type, and the device's own minimum
     per kernel. A step runs at the pace of whichever of host and device is behind, op by op
-    (cost.analytic), so at small batches these set the step time."""
+    (cost.roofline), so at small batches these set the step time."""
 
     forward_node_s: float  # one module call: Python hooks + the first op's dispatch
     forward_op_s: float  # each further aten op of a node's forward
@@ -132,7 +135,7 @@ class HostCosts:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Efficiency:
     """Sustained fractions of the data-sheet peaks, relative to what the H200-calibrated
-    curves (cost.efficiency) predict for a type of this peak: compute[p] multiplies the
+    curves (hardware.efficiency) predict for a type of this peak: compute[p] multiplies the
     tensor-core efficiency at precision p ('fp32' = CUDA cores; 1.0 = as the H200 scaled),
     memory is the fraction of data-sheet bandwidth a streaming copy reaches, and
     memory_by_kind the fraction a kind of memory-bound op reaches relative to that copy
@@ -211,7 +214,7 @@ class GpuType:
         has one, else its fp32 rate — how PyTorch runs it there (bf16 on a Volta or Turing
         card has no tensor-core path; a GTX 1080 Ti's fp16 runs at 1/64 rate, and cuBLAS
         computes it in fp32)."""
-        want = {"amp-bf16": "bf16", "fp16": "fp16", "tf32": "tf32"}.get(precision, "fp32")
+        want = CATALOG_PRECISION.get(precision, "fp32")
         return want if self.peak_flops_per_s.get(want, 0.0) > 0 else "fp32"
 
     def accelerates(self, precision: str) -> bool:
@@ -264,8 +267,8 @@ def gpu_extras_from_dict(d: dict) -> dict:
             source=str(e.get("source", "")),
         )
     if d.get("host"):
-        h = dict(d["host"])
-        out["host"] = HostCosts(**{k: (str(v) if k == "source" else float(v)) for k, v in h.items()})
+        host: dict[str, Any] = {k: (str(v) if k == "source" else float(v)) for k, v in d["host"].items()}
+        out["host"] = HostCosts(**host)
     if d.get("public"):
         try:
             out["public"] = PublicFigures.from_dict(d["public"])

@@ -28,9 +28,7 @@ Errors name the file, line and field, and say how to fix them.
 
 from __future__ import annotations
 
-import difflib
-import math
-import warnings
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -38,8 +36,9 @@ from typing import Any
 
 import yaml
 
-from heterog.errors import ClusterError, HeterogWarning, did_you_mean
+from heterog.errors import ClusterError, did_you_mean
 from heterog.hardware import catalog
+from heterog.hardware import yamlfields as yf
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import PRECISIONS, GpuType, gpu_extras_from_dict, gpu_extras_to_dict
 
@@ -82,162 +81,7 @@ _SWITCH = {
 }
 
 
-# -- plausible ranges -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Plausible:
-    """Outside [error_low, error_high] a figure is surely a unit slip (an error); outside
-    [warn_low, warn_high] it is unusual for real hardware (a warning). SI units."""
-
-    what: str
-    unit: str
-    scale: float  # SI value / scale = the figure in `unit`, for messages
-    error_low: float
-    warn_low: float
-    warn_high: float
-    error_high: float
-
-
-# Anchors: 1 Gbit/s Ethernet to NVLink 5 (1.8 TB/s per GPU, nvidia.com/nvlink); GPU memory
-# from 1 GiB to the 288 GB of a B300 (nvidia.com); NIC latencies of µs (RDMA) to ms (WAN).
-BANDWIDTH = Plausible(
-    what="bandwidth", unit="Gbit/s", scale=1e9 / 8, error_low=1e5, warn_low=1.25e8, warn_high=2e12, error_high=1e13
-)
-MEMORY = Plausible(
-    what="memory", unit="GiB", scale=2**30, error_low=2**26, warn_low=2**30, warn_high=2**39, error_high=2**42
-)
-LATENCY = Plausible(what="latency", unit="µs", scale=1e-6, error_low=0.0, warn_low=0.0, warn_high=10e-3, error_high=1.0)
-# Host speed relative to the machine the catalog's host costs were fitted on: hosts of
-# training GPUs differ by a few × (CPU generation, clock, Python build, load), not by 100×.
-HOST_SPEED = Plausible(
-    what="host speed", unit="×", scale=1.0, error_low=0.01, warn_low=0.2, warn_high=5.0, error_high=100.0
-)
-SLOWDOWN = Plausible(
-    what="slowdown", unit="×", scale=1.0, error_low=1e-3, warn_low=0.05, warn_high=100.0, error_high=1000.0
-)
-
-
-def _plausible(ctx: _Ctx, where: str, m: Any, key: str, value: float, rng: Plausible) -> float:
-    """Return value; raise ClusterError outside the error range, warn outside the usual one."""
-    shown = f"{value / rng.scale:.4g} {rng.unit}"
-    span = f"{rng.warn_low / rng.scale:.4g}–{rng.warn_high / rng.scale:.4g} {rng.unit}"
-    if not rng.error_low <= value <= rng.error_high:
-        raise ctx.fail(
-            where,
-            m,
-            key,
-            f"{rng.what} {shown} is implausible (real hardware lies within {span}); check the unit in the field name.",
-        )
-    if not rng.warn_low <= value <= rng.warn_high:
-        warnings.warn(
-            HeterogWarning(
-                ctx.fail(where, m, key, f"{rng.what} {shown} is outside the usual {span}; is the unit right?").args[0]
-            ),
-            stacklevel=2,
-        )
-    return value
-
-
-# -- YAML with line numbers -------------------------------------------------------------------
-
-
-class _Map(dict):
-    """A mapping that remembers the line of each key (1-based) and of itself."""
-
-    line: int | None = None
-    key_lines: dict[str, int]
-
-
-class _LineLoader(yaml.SafeLoader):
-    pass
-
-
-def _construct_map(loader: _LineLoader, node: yaml.MappingNode) -> _Map:
-    out = _Map()
-    out.line = node.start_mark.line + 1
-    out.key_lines = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in out:
-            raise ClusterError(
-                f"line {key_node.start_mark.line + 1}: field {key!r} appears twice in one mapping; keep one."
-            )
-        out[key] = loader.construct_object(value_node, deep=True)
-        out.key_lines[key] = key_node.start_mark.line + 1
-    return out
-
-
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_map)
-
-
-class _Ctx:
-    """Where we are in the document, to name it in errors."""
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def fail(self, where: str, mapping: Any, key: str | None, message: str) -> ClusterError:
-        line = None
-        if isinstance(mapping, _Map):
-            line = mapping.key_lines.get(key, mapping.line) if key is not None else mapping.line
-        loc = f"{self.source}:{line}" if line else self.source
-        field = f"{where}.{key}" if key and where else (key or where or "(top)")
-        return ClusterError(f"{loc}: field {field}: {message}")
-
-
-def _check_keys(ctx: _Ctx, where: str, m: Any, allowed: set[str]) -> None:
-    if not isinstance(m, dict):
-        raise ctx.fail(where, None, None, f"expected a mapping, found {type(m).__name__} {m!r}.")
-    for k in m:
-        if k not in allowed:
-            close = difflib.get_close_matches(str(k), sorted(allowed), n=2, cutoff=0.5)
-            hint = f" Did you mean {' or '.join(close)}?" if close else ""
-            raise ctx.fail(where, m, k, f"unknown field.{hint} Allowed: {', '.join(sorted(allowed))}.")
-
-
-def _number(ctx: _Ctx, where: str, m: dict, key: str, *, positive: bool = True) -> float:
-    v = m[key]
-    if isinstance(v, str):  # YAML 1.1 reads 1e11 (no dot, no sign) as text
-        try:
-            v = float(v)
-        except ValueError:
-            pass
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ctx.fail(where, m, key, f"expected a finite number, found {v!r}.")
-    if positive and v <= 0:
-        raise ctx.fail(where, m, key, f"must be > 0, found {v!r}; a link or size cannot be zero or negative.")
-    if not positive and v < 0:
-        raise ctx.fail(where, m, key, f"must be ≥ 0, found {v!r}.")
-    return float(v)
-
-
-def _bandwidth(ctx: _Ctx, where: str, m: dict, stem: str, default: float | None) -> float | None:
-    """Bytes per second from stem_gbps (bits), stem_gbytes_per_s or stem_bytes_per_s."""
-    given = [k for k in (f"{stem}_gbps", f"{stem}_gbytes_per_s", f"{stem}_bytes_per_s") if k in m]
-    if len(given) > 1:
-        raise ctx.fail(where, m, given[1], f"give the bandwidth once (found {', '.join(given)}).")
-    if not given:
-        return default
-    k = given[0]
-    v = _number(ctx, where, m, k)
-    v = v * 1e9 / 8 if k.endswith("_gbps") else v * 1e9 if k.endswith("_gbytes_per_s") else v
-    return _plausible(ctx, where, m, k, v, BANDWIDTH)
-
-
-def _latency(ctx: _Ctx, where: str, m: dict, stem: str, default: float) -> float:
-    if f"{stem}_us" in m and f"{stem}_s" in m:
-        raise ctx.fail(where, m, f"{stem}_s", "give the latency once, in _us or in _s.")
-    if f"{stem}_us" in m:
-        return _plausible(
-            ctx, where, m, f"{stem}_us", _number(ctx, where, m, f"{stem}_us", positive=False) * 1e-6, LATENCY
-        )
-    if f"{stem}_s" in m:
-        return _plausible(ctx, where, m, f"{stem}_s", _number(ctx, where, m, f"{stem}_s", positive=False), LATENCY)
-    return default
-
-
-def _gpu_type_from_dict(ctx: _Ctx, where: str, d: Any, name: str) -> GpuType:
+def _gpu_type_from_dict(ctx: yf.Ctx, where: str, d: Any, name: str) -> GpuType:
     try:
         return GpuType(
             name=name,
@@ -256,7 +100,7 @@ def _gpu_type_from_dict(ctx: _Ctx, where: str, d: Any, name: str) -> GpuType:
         raise ctx.fail(where, d, None, f"GPU type {name!r} is malformed ({e}).") from None
 
 
-def _catalog_types(ctx: _Ctx, doc: dict, base_dir: Path | None) -> dict[str, GpuType]:
+def _catalog_types(ctx: yf.Ctx, doc: dict, base_dir: Path | None) -> dict[str, GpuType]:
     """The types of the catalog files named by the spec's `catalog:` (a path or a list),
     each path relative to the spec's own file: by name and by every alias."""
     paths = doc["catalog"]
@@ -272,185 +116,36 @@ def _catalog_types(ctx: _Ctx, doc: dict, base_dir: Path | None) -> dict[str, Gpu
             entries = catalog.catalog_entries(path)
         except ClusterError as e:
             raise ctx.fail("", doc, "catalog", str(e)) from None
-        for e in entries:
-            g = catalog.gpu_from_entry(e, str(path))
-            for alias in [g.name, *e.get("aka", [])]:
+        for entry in entries:
+            g = catalog.gpu_from_entry(entry, str(path))
+            for alias in [g.name, *entry.get("aka", [])]:
                 out[alias] = g
     return out
 
 
 def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
-    ctx = _Ctx(source)
-    _check_keys(ctx, "", doc, _TOP)
+    ctx = yf.Ctx(source)
+    yf.check_keys(ctx, "", doc, _TOP)
     for req in ("name", "nodes"):
         if req not in doc:
             raise ctx.fail("", doc, None, f"missing required field {req!r}.")
-    name = str(doc["name"])
     kind = doc.get("kind", "real")
     if kind not in KINDS:
         raise ctx.fail("", doc, "kind", f"must be one of {', '.join(KINDS)}, found {kind!r}.")
-
-    custom: dict[str, GpuType] = _catalog_types(ctx, doc, base_dir) if "catalog" in doc else {}
-    if "gpu_types" in doc:
-        if not isinstance(doc["gpu_types"], dict):
-            raise ctx.fail("", doc, "gpu_types", "expected a mapping of type name → fields.")
-        for tname, tdoc in doc["gpu_types"].items():
-            custom[str(tname)] = _gpu_type_from_dict(ctx, f"gpu_types.{tname}", tdoc, str(tname))
-
-    def resolve(where: str, m: dict, key: str) -> GpuType:
-        tname = m[key]
-        if not isinstance(tname, str):
-            raise ctx.fail(where, m, key, f"expected a GPU type name, found {tname!r}.")
-        if tname in custom:
-            return custom[tname]
-        try:
-            return catalog.get_gpu(tname)
-        except ClusterError as e:
-            raise ctx.fail(where, m, key, str(e)) from None
-
-    switch_bw = None
-    switch_latency_s = 0.0
-    if "switch" in doc and doc["switch"] is not None:
-        sw = doc["switch"]
-        _check_keys(ctx, "switch", sw, _SWITCH)
-        switch_bw = _bandwidth(ctx, "switch", sw, "core_bandwidth", None)
-        if switch_bw is None:
-            raise ctx.fail(
-                "switch",
-                sw,
-                None,
-                "a switch needs core_bandwidth_gbps (the oversubscribed "
-                "core); omit `switch` for a non-blocking switch.",
-            )
-        switch_latency_s = _latency(ctx, "switch", sw, "latency", 0.0)
-
+    switch_bw, switch_latency_s = _switch(ctx, doc)
     raw_nodes = doc["nodes"]
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise ctx.fail("", doc, "nodes", "expected a non-empty list of nodes.")
-    gpu_types: dict[str, GpuType] = {}
-    nodes: list[dict[str, Any]] = []
-    node_where: dict[str, str] = {}
-    device_node: dict[str, str] = {}
+    reader = _NodeReader(ctx, kind, _custom_types(ctx, doc, base_dir))
     for i, n in enumerate(raw_nodes):
-        where = f"nodes[{i}]"
-        _check_keys(ctx, where, n, _NODE)
-        for req in ("name", "devices"):
-            if req not in n:
-                raise ctx.fail(where, n, None, f"missing required field {req!r}.")
-        count = 1
-        if "count" in n:
-            count = n["count"]
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ctx.fail(where, n, "count", f"must be a positive integer, found {count!r}.")
-            if count > 1 and "{i}" not in str(n["name"]):
-                raise ctx.fail(
-                    where,
-                    n,
-                    "name",
-                    f"a node with count {count} needs '{{i}}' in its name (e.g. 'node{{i}}') so each copy is unique.",
-                )
-        nic_bw = _bandwidth(ctx, where, n, "nic_bandwidth", None)
-        if nic_bw is None:
-            raise ctx.fail(where, n, None, "missing nic_bandwidth_gbps (the node's network card).")
-        nic_lat = _latency(ctx, where, n, "nic_latency", DEFAULT_NIC_LATENCY_S)
-        intra_lat = _latency(ctx, where, n, "intra_latency", DEFAULT_INTRA_LATENCY_S)
-        host_speed = (
-            _plausible(ctx, where, n, "host_speed", _number(ctx, where, n, "host_speed"), HOST_SPEED)
-            if "host_speed" in n
-            else 1.0
-        )
-        if not isinstance(n["devices"], list) or not n["devices"]:
-            raise ctx.fail(where, n, "devices", "expected a non-empty list of devices.")
-        for copy in range(count):
-            node_name = str(n["name"]).replace("{i}", str(copy))
-            if node_name in node_where:
-                raise ctx.fail(
-                    where,
-                    n,
-                    "name",
-                    f"duplicate node name {node_name!r} (also {node_where[node_name]}); node names must be unique.",
-                )
-            node_where[node_name] = where
-            devices: list[dict[str, Any]] = []
-            k_by_prefix: dict[str, int] = {}
-            for j, d in enumerate(n["devices"]):
-                dwhere = f"{where}.devices[{j}]"
-                _check_keys(ctx, dwhere, d, _DEVICE)
-                if "type" not in d:
-                    raise ctx.fail(dwhere, d, None, "missing required field 'type' (a GPU type, see `heterog gpus`).")
-                gt = resolve(dwhere, d, "type")
-                gpu_types[gt.name] = gt
-                dcount = d.get("count", 1)
-                if isinstance(dcount, bool) or not isinstance(dcount, int) or dcount < 1:
-                    raise ctx.fail(dwhere, d, "count", f"must be a positive integer, found {dcount!r}.")
-                if "name" in d and dcount > 1:
-                    raise ctx.fail(dwhere, d, "name", "a named device entry must have count 1.")
-                slowdown = (
-                    _plausible(ctx, dwhere, d, "slowdown", _number(ctx, dwhere, d, "slowdown"), SLOWDOWN)
-                    if "slowdown" in d
-                    else 1.0
-                )
-                if kind == "emulated" and gt.vendor != "cpu":
-                    raise ctx.fail(
-                        dwhere,
-                        d,
-                        "type",
-                        f"an emulated cluster runs local CPU processes; "
-                        f"use type 'cpu' (with a slowdown), not {gt.name!r}.",
-                    )
-                mem = None
-                if "memory_gib" in d and "memory_bytes" in d:
-                    raise ctx.fail(dwhere, d, "memory_bytes", "give memory once (memory_gib or memory_bytes).")
-                if "memory_gib" in d:
-                    mem = int(
-                        _plausible(ctx, dwhere, d, "memory_gib", _number(ctx, dwhere, d, "memory_gib") * 2**30, MEMORY)
-                    )
-                elif "memory_bytes" in d:
-                    mem = int(
-                        _plausible(ctx, dwhere, d, "memory_bytes", _number(ctx, dwhere, d, "memory_bytes"), MEMORY)
-                    )
-                intra_bw = _bandwidth(ctx, dwhere, d, "intra_bandwidth", None)
-                prefix = "cpu" if gt.vendor == "cpu" else "gpu"
-                for _ in range(dcount):
-                    if "name" in d:
-                        dev_name = str(d["name"])
-                    else:
-                        k = k_by_prefix.get(prefix, 0)
-                        k_by_prefix[prefix] = k + 1
-                        dev_name = f"{node_name}/{prefix}{k}"
-                    if dev_name in device_node:
-                        other = device_node[dev_name]
-                        msg = (
-                            f"duplicate device name {dev_name!r} in node {node_name!r}"
-                            if other == node_name
-                            else f"device {dev_name!r} is in two nodes ({other!r} and {node_name!r}); "
-                            f"a device belongs to exactly one node: rename one"
-                        )
-                        raise ctx.fail(dwhere, d, "name" if "name" in d else None, msg + ".")
-                    device_node[dev_name] = node_name
-                    dev: dict[str, Any] = {"name": dev_name, "gpu_type": gt.name, "slowdown": slowdown}
-                    if mem is not None:
-                        dev["memory_bytes"] = mem
-                    if intra_bw is not None:
-                        dev["intra_bandwidth_bytes_per_s"] = intra_bw
-                    devices.append(dev)
-            nodes.append(
-                {
-                    "name": node_name,
-                    "devices": devices,
-                    "nic_bandwidth_bytes_per_s": nic_bw,
-                    "nic_latency_s": nic_lat,
-                    "intra_latency_s": intra_lat,
-                    "host_speed": host_speed,
-                }
-            )
+        reader.read(f"nodes[{i}]", n)
     meta = dict(doc.get("meta") or {})
     if "description" in doc:
         meta["description"] = str(doc["description"])
     return build_cluster(
-        name=name,
-        gpu_types=gpu_types,
-        nodes=nodes,
+        name=str(doc["name"]),
+        gpu_types=reader.gpu_types,
+        nodes=reader.nodes,
         kind=kind,
         switch_core_bandwidth_bytes_per_s=switch_bw,
         switch_latency_s=switch_latency_s,
@@ -458,7 +153,183 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
     )
 
 
-# -- public API ----------------------------------------------------------------------------------
+def _custom_types(ctx: yf.Ctx, doc: dict, base_dir: Path | None) -> dict[str, GpuType]:
+    """The spec's own GPU types: those of its catalog files, then its `gpu_types`."""
+    custom: dict[str, GpuType] = _catalog_types(ctx, doc, base_dir) if "catalog" in doc else {}
+    if "gpu_types" in doc:
+        if not isinstance(doc["gpu_types"], dict):
+            raise ctx.fail("", doc, "gpu_types", "expected a mapping of type name → fields.")
+        for tname, tdoc in doc["gpu_types"].items():
+            custom[str(tname)] = _gpu_type_from_dict(ctx, f"gpu_types.{tname}", tdoc, str(tname))
+    return custom
+
+
+def _switch(ctx: yf.Ctx, doc: dict) -> tuple[float | None, float]:
+    """(core bandwidth, latency) of an oversubscribed switch; (None, 0) for a non-blocking one."""
+    sw = doc.get("switch")
+    if sw is None:
+        return None, 0.0
+    yf.check_keys(ctx, "switch", sw, _SWITCH)
+    switch_bw = yf.bandwidth(ctx, "switch", sw, "core_bandwidth", None)
+    if switch_bw is None:
+        raise ctx.fail(
+            "switch",
+            sw,
+            None,
+            "a switch needs core_bandwidth_gbps (the oversubscribed core); omit `switch` for a non-blocking switch.",
+        )
+    return switch_bw, yf.latency(ctx, "switch", sw, "latency", 0.0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _DeviceEntry:
+    """One entry of a node's `devices`, read: what each of its `count` devices gets."""
+
+    gpu: GpuType
+    count: int
+    slowdown: float
+    memory_bytes: int | None
+    intra_bandwidth_bytes_per_s: float | None
+
+
+class _NodeReader:
+    """Reads the `nodes` list entry by entry into build_cluster's node dicts, keeping node and
+    device names unique across the whole spec."""
+
+    def __init__(self, ctx: yf.Ctx, kind: str, custom: dict[str, GpuType]):
+        self.ctx, self.kind, self.custom = ctx, kind, custom
+        self.gpu_types: dict[str, GpuType] = {}
+        self.nodes: list[dict[str, Any]] = []
+        self.node_where: dict[str, str] = {}
+        self.device_node: dict[str, str] = {}
+
+    def read(self, where: str, n: Any) -> None:
+        """A node entry: `count` copies of it, named by its `{i}` pattern."""
+        ctx = self.ctx
+        yf.check_keys(ctx, where, n, _NODE)
+        for req in ("name", "devices"):
+            if req not in n:
+                raise ctx.fail(where, n, None, f"missing required field {req!r}.")
+        count = n.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ctx.fail(where, n, "count", f"must be a positive integer, found {count!r}.")
+        if count > 1 and "{i}" not in str(n["name"]):
+            raise ctx.fail(
+                where,
+                n,
+                "name",
+                f"a node with count {count} needs '{{i}}' in its name (e.g. 'node{{i}}') so each copy is unique.",
+            )
+        nic_bw = yf.bandwidth(ctx, where, n, "nic_bandwidth", None)
+        if nic_bw is None:
+            raise ctx.fail(where, n, None, "missing nic_bandwidth_gbps (the node's network card).")
+        links = {
+            "nic_bandwidth_bytes_per_s": nic_bw,
+            "nic_latency_s": yf.latency(ctx, where, n, "nic_latency", DEFAULT_NIC_LATENCY_S),
+            "intra_latency_s": yf.latency(ctx, where, n, "intra_latency", DEFAULT_INTRA_LATENCY_S),
+            "host_speed": (
+                yf.plausible(ctx, where, n, "host_speed", yf.number(ctx, where, n, "host_speed"), yf.HOST_SPEED)
+                if "host_speed" in n
+                else 1.0
+            ),
+        }
+        if not isinstance(n["devices"], list) or not n["devices"]:
+            raise ctx.fail(where, n, "devices", "expected a non-empty list of devices.")
+        entries = [self._entry(f"{where}.devices[{j}]", d) for j, d in enumerate(n["devices"])]
+        for copy in range(count):
+            node_name = str(n["name"]).replace("{i}", str(copy))
+            if node_name in self.node_where:
+                raise ctx.fail(
+                    where,
+                    n,
+                    "name",
+                    f"duplicate node name {node_name!r} (also {self.node_where[node_name]}); "
+                    f"node names must be unique.",
+                )
+            self.node_where[node_name] = where
+            devices = self._devices(where, n, node_name, entries)
+            self.nodes.append({"name": node_name, "devices": devices, **links})
+
+    def _entry(self, dwhere: str, d: Any) -> _DeviceEntry:
+        ctx = self.ctx
+        yf.check_keys(ctx, dwhere, d, _DEVICE)
+        if "type" not in d:
+            raise ctx.fail(dwhere, d, None, "missing required field 'type' (a GPU type, see `heterog gpus`).")
+        gt = self._gpu_type(dwhere, d)
+        self.gpu_types[gt.name] = gt
+        dcount = d.get("count", 1)
+        if isinstance(dcount, bool) or not isinstance(dcount, int) or dcount < 1:
+            raise ctx.fail(dwhere, d, "count", f"must be a positive integer, found {dcount!r}.")
+        if "name" in d and dcount > 1:
+            raise ctx.fail(dwhere, d, "name", "a named device entry must have count 1.")
+        if self.kind == "emulated" and gt.vendor != "cpu":
+            raise ctx.fail(
+                dwhere,
+                d,
+                "type",
+                f"an emulated cluster runs local CPU processes; use type 'cpu' (with a slowdown), not {gt.name!r}.",
+            )
+        if "memory_gib" in d and "memory_bytes" in d:
+            raise ctx.fail(dwhere, d, "memory_bytes", "give memory once (memory_gib or memory_bytes).")
+        mem = None
+        if "memory_gib" in d:
+            gib = yf.number(ctx, dwhere, d, "memory_gib")
+            mem = int(yf.plausible(ctx, dwhere, d, "memory_gib", gib * 2**30, yf.MEMORY))
+        elif "memory_bytes" in d:
+            mem = int(
+                yf.plausible(ctx, dwhere, d, "memory_bytes", yf.number(ctx, dwhere, d, "memory_bytes"), yf.MEMORY)
+            )
+        slowdown = (
+            yf.plausible(ctx, dwhere, d, "slowdown", yf.number(ctx, dwhere, d, "slowdown"), yf.SLOWDOWN)
+            if "slowdown" in d
+            else 1.0
+        )
+        intra_bw = yf.bandwidth(ctx, dwhere, d, "intra_bandwidth", None)
+        return _DeviceEntry(
+            gpu=gt, count=dcount, slowdown=slowdown, memory_bytes=mem, intra_bandwidth_bytes_per_s=intra_bw
+        )
+
+    def _gpu_type(self, where: str, m: dict) -> GpuType:
+        tname = m["type"]
+        if not isinstance(tname, str):
+            raise self.ctx.fail(where, m, "type", f"expected a GPU type name, found {tname!r}.")
+        if tname in self.custom:
+            return self.custom[tname]
+        try:
+            return catalog.get_gpu(tname)
+        except ClusterError as e:
+            raise self.ctx.fail(where, m, "type", str(e)) from None
+
+    def _devices(self, where: str, n: Any, node_name: str, entries: list[_DeviceEntry]) -> list[dict[str, Any]]:
+        """The devices of one copy of a node: named, or numbered per prefix (gpu0, cpu1, …)."""
+        devices: list[dict[str, Any]] = []
+        k_by_prefix: dict[str, int] = {}
+        for j, (e, d) in enumerate(zip(entries, n["devices"])):
+            prefix = "cpu" if e.gpu.vendor == "cpu" else "gpu"
+            for _ in range(e.count):
+                if "name" in d:
+                    dev_name = str(d["name"])
+                else:
+                    k = k_by_prefix.get(prefix, 0)
+                    k_by_prefix[prefix] = k + 1
+                    dev_name = f"{node_name}/{prefix}{k}"
+                if dev_name in self.device_node:
+                    other = self.device_node[dev_name]
+                    msg = (
+                        f"duplicate device name {dev_name!r} in node {node_name!r}"
+                        if other == node_name
+                        else f"device {dev_name!r} is in two nodes ({other!r} and {node_name!r}); "
+                        f"a device belongs to exactly one node: rename one"
+                    )
+                    raise self.ctx.fail(f"{where}.devices[{j}]", d, "name" if "name" in d else None, msg + ".")
+                self.device_node[dev_name] = node_name
+                dev: dict[str, Any] = {"name": dev_name, "gpu_type": e.gpu.name, "slowdown": e.slowdown}
+                if e.memory_bytes is not None:
+                    dev["memory_bytes"] = e.memory_bytes
+                if e.intra_bandwidth_bytes_per_s is not None:
+                    dev["intra_bandwidth_bytes_per_s"] = e.intra_bandwidth_bytes_per_s
+                devices.append(dev)
+        return devices
 
 
 def builtin_clusters() -> list[str]:
@@ -473,7 +344,7 @@ def _builtin_text(name: str) -> str | None:
 
 def parse_cluster_yaml(text: str, source: str = "<yaml>", base_dir: Path | None = None) -> Cluster:
     try:
-        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+        doc = yaml.load(text, Loader=yf.LineLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as e:
         line = e.problem_mark.line + 1 if e.problem_mark else "?"
         raise ClusterError(f"{source}:{line}: not valid YAML ({e.problem}).") from None
@@ -482,7 +353,7 @@ def parse_cluster_yaml(text: str, source: str = "<yaml>", base_dir: Path | None 
     return _parse(doc, source, base_dir)
 
 
-def load_cluster(name_or_path: str | Path) -> Cluster:
+def load_cluster(name_or_path: str | os.PathLike) -> Cluster:
     """A built-in cluster by name ('paper-8gpu', 'mixed-16', …) or a YAML file."""
     text = (
         _builtin_text(str(name_or_path))

@@ -14,6 +14,18 @@ class Precision(StrEnum):
     FP16 = "fp16"  # autocast to float16, fp32 master weights, gradient scaler
 
 
+# the precisions that autocast compute to 16 bits, keeping fp32 master weights
+HALF_PRECISIONS = frozenset({Precision.AMP_BF16, Precision.FP16})
+# the catalog precision (the peak rate of hardware/catalog.yaml: fp32, tf32, fp16, bf16)
+# whose tensor-core kernels a plan precision runs, where a GPU type has that rate
+CATALOG_PRECISION: dict[str, str] = {
+    Precision.FP32: "fp32",
+    Precision.TF32: "tf32",
+    Precision.AMP_BF16: "bf16",
+    Precision.FP16: "fp16",
+}
+
+
 class SyncMethod(StrEnum):
     """How the gradients of a replicated group are combined."""
 

@@ -13,8 +13,9 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from heterog.errors import ArtifactError, PlanError
 from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
@@ -30,6 +31,18 @@ PRECISIONS = tuple(Precision)
 OPTIMIZERS = ("sgd", "adamw")
 SHARE_TOLERANCE = 1e-6
 IN_MEMORY_PREFIX = "in-memory:"  # the model name of a plan made from an nn.Module object
+
+
+K = TypeVar("K", bound=StrEnum)
+
+
+def _kind(kind: type[K], value: str, what: str) -> K:
+    """`value` as a member of `kind` (a plan written as JSON holds the strings), or a PlanError
+    naming the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise PlanError(f"{what} {value!r} is not one of {', '.join(kind)}.") from None
 
 
 def in_memory_model_error(name: str) -> str | None:
@@ -55,9 +68,12 @@ class Group:
     name: str
     nodes: tuple[str, ...]  # OpGraph node names, in graph order
     replicas: tuple[Replica, ...]
-    sync: str = "none"  # how gradients of a replicated group are combined
-    ps_device: str | None = None  # the parameter server, when sync == 'ps'
+    sync: SyncMethod = SyncMethod.NONE  # how gradients of a replicated group are combined
+    ps_device: str | None = None  # the parameter server, when sync is ps
     recompute: bool = False  # recompute activations in backward instead of saving them
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sync", _kind(SyncMethod, self.sync, f"group {self.name!r}: sync"))
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -81,14 +97,12 @@ class Group:
             raise PlanError(
                 f"{where}: replica shares sum to {total:.6g}, not 1; shares are fractions of each micro-batch."
             )
-        if self.sync not in SYNC_METHODS:
-            raise PlanError(f"{where}: sync {self.sync!r} is not one of {', '.join(SYNC_METHODS)}.")
-        if self.sync == "ps" and self.ps_device is None:
+        if self.sync == SyncMethod.PS and self.ps_device is None:
             raise PlanError(
                 f"{where}: sync is 'ps' but ps_device is not set; name the device that holds the parameter server."
             )
-        if self.sync != "ps" and self.ps_device is not None:
-            raise PlanError(f"{where}: ps_device is set but sync is {self.sync!r}, not 'ps'.")
+        if self.sync != SyncMethod.PS and self.ps_device is not None:
+            raise PlanError(f"{where}: ps_device is set but sync is {str(self.sync)!r}, not 'ps'.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,11 +121,11 @@ class ModelSpec:
 class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
     strategy: str  # 'even-dp-allreduce', 'search', ... (see search/)
     model: ModelSpec
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     optimizer: str = "sgd"
     groups: tuple[Group, ...]
     num_microbatches: int = 1
-    schedule: str = "gpipe"
+    schedule: PipelineSchedule = PipelineSchedule.GPIPE
     bucket_bytes: int = 25 * 2**20  # gradient bucket size for overlapping sync with backward
     priorities: dict[str, float] = field(default_factory=dict)  # node → priority; higher first
     cluster: dict[str, Any] = field(default_factory=dict)  # the cluster spec (self-contained)
@@ -120,6 +134,10 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
     predicted_iteration_time_s: float | None = None
     predicted_peak_memory_bytes: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # the explanation: why this plan
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", _kind(Precision, self.precision, "precision"))
+        object.__setattr__(self, "schedule", _kind(PipelineSchedule, self.schedule, "schedule"))
 
     @property
     def batch_size(self) -> int:
@@ -150,12 +168,8 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
     def validate(self, graph=None, cluster=None, checked: Callable[[Group], bool] | None = None) -> Plan:
         """Check the plan alone, and against a graph and cluster when given. checked(g): True
         for a group validated before (groups are frozen; the search re-uses unchanged ones)."""
-        if self.precision not in PRECISIONS:
-            raise PlanError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}.")
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}.")
         if self.model.batch_size < 1:
             raise PlanError(f"model.batch_size must be ≥ 1, found {self.model.batch_size}.")
         if not 1 <= self.num_microbatches <= self.model.batch_size:
@@ -171,7 +185,7 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
             names.add(g.name)
             if checked is None or not checked(g):
                 g.validate()
-            if len(g.replicas) > 1 and g.sync == "none" and graph is not None:
+            if len(g.replicas) > 1 and g.sync == SyncMethod.NONE and graph is not None:
                 if any(graph.node(n).param_count for n in g.nodes if n in graph.index):
                     raise PlanError(
                         f"group {g.name!r}: replicated on {len(g.replicas)} devices and holds "
@@ -296,6 +310,8 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
             raise PlanError(f"{source}: missing field {e.args[0]!r}.") from None
         except (TypeError, AttributeError) as e:
             raise PlanError(f"{source}: malformed plan ({e}).") from None
+        except PlanError as e:  # a kind that is not one of its choices
+            raise PlanError(f"{source}: {e}") from None
         except ArtifactError:
             raise
         register_model_file(plan.model)

@@ -3,7 +3,8 @@ RunRequest (a plan and its options) as a versioned artifact.
 
 Each config object holds one concern and checks itself in `__post_init__`, with a message that
 says how to fix the value (the option's CLI spelling where it has one):
-  TrainingConfig    how the ranks train: the data they read, the optimizer they step
+  TrainingConfig    how the ranks train: the data they read, the optimizer's hyperparameters,
+                    schedule, clipping, accumulation, evaluation (ir/training_config.py)
   CheckpointConfig  what a run saves, and the checkpoint it resumes from
   TimingConfig      steps left out of the timing, and how often the whole run is repeated
   PredictionConfig  whether the simulator's prediction goes beside the measurement, and from
@@ -27,7 +28,8 @@ from enum import StrEnum
 from typing import Any
 
 from heterog.errors import CheckpointError, PlanError
-from heterog.ir.plan import OPTIMIZERS, Plan
+from heterog.ir.plan import Plan
+from heterog.ir.training_config import TrainingConfig
 from heterog.jsonio import Artifact, Record, from_plain
 
 KIND = "heterog.RunRequest"
@@ -40,24 +42,6 @@ def _as_text(config: Any, *names: str) -> None:
         value = getattr(config, name)
         if value is not None and not isinstance(value, str):
             object.__setattr__(config, name, os.fspath(value))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainingConfig(Record):
-    """How the ranks train. data: 'path/file.py:loader', loader(batch_size) → an iterable of
-    global (inputs, targets) batches (workload.with_data); None: the zoo's synthetic batches.
-    optimizer: None trains with the plan's (the optimizer its costs were predicted for)."""
-
-    data: str | None = None
-    optimizer: str | None = None
-
-    def __post_init__(self) -> None:
-        _as_text(self, "data")
-        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
-            raise PlanError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}.")
-
-    def optimizer_for(self, plan: Plan) -> str:
-        return self.optimizer or plan.optimizer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

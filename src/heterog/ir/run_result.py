@@ -87,6 +87,8 @@ class StepRecord(Record):
     sync_s: float = 0.0  # collective launches and the waits for them
     loss_scale: float | None = None  # fp16: the scale after the step
     skipped_steps: int = 0  # fp16: steps skipped on an overflow so far
+    lr: float | None = None  # the learning rate the step used
+    grad_norm: float | None = None  # the global gradient norm before clipping, when measured
 
     @property
     def other_s(self) -> float:
@@ -152,6 +154,13 @@ class Repetition(Record):
     losses: tuple[float, ...]  # every step's global loss, warm-up included
     per_rank: tuple[RankSummary, ...]
     loss_scales: tuple[float, ...] | None = None  # fp16: the scale after each step
+    # the training options that ran (training.Recipe.describe: optimizer, hyperparameters,
+    # schedule), the learning rate and gradient norm of each step, and every evaluation
+    # ({"step", "eval/loss", …}); None / empty for a run without training options
+    training: dict[str, Any] | None = None
+    learning_rates: tuple[float | None, ...] | None = None
+    grad_norms: tuple[float | None, ...] | None = None
+    evaluations: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -295,6 +304,22 @@ class RunResult(Artifact, Record, kind=KIND, version=SCHEMA_VERSION):
     def measured_steps(self) -> int:
         return self.last.measured_steps
 
+    @property
+    def training(self) -> dict[str, Any] | None:
+        return self.last.training
+
+    @property
+    def learning_rates(self) -> tuple[float | None, ...] | None:
+        return self.last.learning_rates
+
+    @property
+    def grad_norms(self) -> tuple[float | None, ...] | None:
+        return self.last.grad_norms
+
+    @property
+    def evaluations(self) -> tuple[dict[str, Any], ...]:
+        return self.last.evaluations
+
     def raise_for_failure(self) -> None:
         """Raise what stopped the run (its own exception where this process ran it)."""
         if self.failure is None:
@@ -347,6 +372,10 @@ class RunResult(Artifact, Record, kind=KIND, version=SCHEMA_VERSION):
                 losses=list(last.losses),
                 loss_scales=None if last.loss_scales is None else list(last.loss_scales),
                 per_rank=[r.to_dict() for r in last.per_rank],
+                training=last.training,
+                learning_rates=None if last.learning_rates is None else list(last.learning_rates),
+                grad_norms=None if last.grad_norms is None else list(last.grad_norms),
+                evaluations=list(last.evaluations),
             )
         return out
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
-from heterog.lower.context import ClusterInfo, CostTable, SimCache
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo, SimCache
 
 
 @dataclass(slots=True)
@@ -62,7 +64,7 @@ def make_blocks(
     dev_id = info.dev_id
     for run in runs:
         grp = groups[run[0]]
-        replicated = len(grp.replicas) > 1 and grp.sync != "none"
+        replicated = len(grp.replicas) > 1 and grp.sync != SyncMethod.NONE
         pieces = (
             gradient_buckets(run, [table.gradient_bytes(groups[g].nodes) for g in run], plan.bucket_bytes)
             if replicated
@@ -200,7 +202,7 @@ def _pair_rows(info: ClusterInfo, table: CostTable, keys: list[int]) -> list[tup
     time lines (fixed s, s per byte) both ways, kept in the cost table for its cluster's
     numbering."""
     n = len(info.devices)
-    known = table.scratch.setdefault(("p2p pairs", id(info)), {})
+    known = table.caches.p2p_pairs.setdefault(id(info), {})
     rows = []
     for key in keys:
         r = known.get(key)
@@ -255,7 +257,7 @@ def block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[in
     """preds[b][a] = (fixed, per-sample) bytes from block a to block b. A producer node's
     tensor is sent once per consumer block even when several of its nodes read it. Cached
     per grouping and cut of its groups into blocks (read only: shared between calls)."""
-    cache = table.scratch.setdefault("block edges", {})
+    cache = table.caches.block_edges
     key = (id(grouping), tuple(b.groups for b in blocks))
     hit = cache.get(key)
     if hit is None or hit[0] is not grouping:
@@ -267,8 +269,8 @@ def block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[in
 
 def _block_edges(grouping, blocks: list[Block], table: CostTable) -> list[dict[int, tuple[float, float]]]:
     block_of_group = {}
-    for bi, b in enumerate(blocks):
-        for g in b.groups:
+    for bi, blk in enumerate(blocks):
+        for g in blk.groups:
             block_of_group[g] = bi
     preds: list[dict[int, tuple[float, float]]] = [dict() for _ in blocks]
     for (ga, gb), edges in grouping.cross.items():

@@ -9,7 +9,8 @@ from typing import NamedTuple
 import numpy as np
 
 from heterog.lower.blocks import Block
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import BWD, FWD, make_room
 
 
@@ -84,7 +85,7 @@ def block_columns(
     """The block's columns (BlockColumns) from its replicas' costs (_replica_costs), computed
     once per distinct (device class, samples) and spread with numpy: a 1024-replica block has
     a handful of distinct ones."""
-    kept_cache = table.scratch.setdefault("kept", {})
+    kept_cache = table.caches.kept
     key = (size, blk.placement, rep_key)
     kr = kept_cache.get(key)
     if kr is None:

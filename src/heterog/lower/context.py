@@ -10,16 +10,14 @@ plan's tasks.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from heterog.cost import comm
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
-
-_MAX_ENTRIES = 500_000  # entries in one cost table before it is cleared
+from heterog.lower.caches import CostTable
 
 
 def device_class_key(cluster: Cluster, device: str) -> tuple:
@@ -71,8 +69,8 @@ class NumberedSets:
         core = self._core_index
         i = self._id[links] = len(self._id)
         self._parts[self.ALL].append(links)
-        self._parts[self.EXCLUSIVE].append([l for l in links if l not in core])
-        self._parts[self.CORES].append([core[l] for l in links if l in core])
+        self._parts[self.EXCLUSIVE].append([link for link in links if link not in core])
+        self._parts[self.CORES].append([core[link] for link in links if link in core])
         self._flat = None
         return i
 
@@ -128,9 +126,11 @@ class ClusterInfo:
         self.link_id = {n: i for i, n in enumerate(self.links)}
         # switch cores are pipes shared by the transfers crossing them (engine.run)
         self.shared_bw = {
-            self.link_id[l.name]: l.bandwidth_bytes_per_s for l in cluster.links.values() if l.kind == "switch"
+            self.link_id[link.name]: link.bandwidth_bytes_per_s
+            for link in cluster.links.values()
+            if link.kind == "switch"
         }
-        self._core_index = {l: i for i, l in enumerate(self.shared_bw)}
+        self._core_index = {link: i for i, link in enumerate(self.shared_bw)}
         node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.node_rank = [node_order[d.node] for d in cluster.devices]
         rep: dict[tuple, str] = {}
@@ -145,7 +145,8 @@ class ClusterInfo:
         self._names: dict[tuple[int, ...], tuple[str, ...]] = {}
         self._ids: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._arrays: dict[tuple[int, ...], np.ndarray] = {}
-        self._rings: dict[tuple[int, ...], tuple[tuple[int, ...], dict[int, float]]] = {}
+        # a ring by its members; a star by (members, server)
+        self._rings: dict[tuple, tuple[tuple[int, ...], dict[int, float]]] = {}
         self.known_device_sets: set[int] = set()  # SimCache device-set numbers checked against it
         self.link_sets = NumberedSets(self._core_index)
         self.member_sets = NumberedSets({})
@@ -177,7 +178,7 @@ class ClusterInfo:
         key = (src, dst)
         p = self._paths.get(key)
         if p is None:
-            p = tuple(self.link_id[l] for l in self.cluster.path(self.devices[src], self.devices[dst]))
+            p = tuple(self.link_id[link] for link in self.cluster.path(self.devices[src], self.devices[dst]))
             self._paths[key] = p
         return p
 
@@ -196,8 +197,8 @@ class ClusterInfo:
             per_hop = 2.0 * (n - 1) / n if n > 1 else 0.0
             load: dict[int, float] = {}
             for i in range(n):
-                for l in self.path(order[i], order[(i + 1) % n]):
-                    load[l] = load.get(l, 0.0) + per_hop
+                for link in self.path(order[i], order[(i + 1) % n]):
+                    load[link] = load.get(link, 0.0) + per_hop
             hit = (tuple(sorted(load)), load)
             self._rings[members] = hit
         return hit
@@ -213,8 +214,8 @@ class ClusterInfo:
         if hit is None:
             load: dict[int, float] = {}
             for d in members:
-                for l in self.path(d, server) + self.path(server, d):
-                    load[l] = load.get(l, 0.0) + 1.0
+                for link in self.path(d, server) + self.path(server, d):
+                    load[link] = load.get(link, 0.0) + 1.0
             hit = self._rings[(members, server)] = (tuple(sorted(load)), load)
         return hit
 
@@ -297,131 +298,6 @@ class Grouping:
                 if indeg[s] == 0:
                     heapq.heappush(heap, (-priority[s], self.first[s], s))
         return out
-
-
-class CostTable:
-    """Cost-model answers per group, memoised (the cost model is pure for fixed inputs)."""
-
-    def __init__(self, graph: OpGraph, costs):
-        self.graph = graph
-        self.costs = costs
-        self._time: dict = {}
-        self._mem: dict = {}
-        self._edge: dict[tuple[str, str], tuple[float, float]] = {}
-        self._comm: dict = {}
-        self.scratch: dict = {}  # caches other simulator modules keep per (graph, costs)
-        # optional extension of the CostModel protocol: the sum of compute_time_s over nodes
-        self._group_time = getattr(costs, "group_time_s", None)
-
-    def _trim(self) -> None:
-        for d in (self._time, self._mem, self._comm):
-            if len(d) > _MAX_ENTRIES:
-                d.clear()
-
-    def times_s(self, nodes: tuple[str, ...], device: str, samples: int) -> tuple[float, float]:
-        """(forward, backward) time of a group's nodes run back to back at `samples`."""
-        key = (nodes, device, samples)
-        hit = self._time.get(key)
-        if hit is None:
-            if samples <= 0:
-                hit = (0.0, 0.0)
-            elif self._group_time is not None:  # a vectorised sum, when the model has one
-                gt = self._group_time
-                hit = (float(gt(nodes, device, samples, "fwd")), float(gt(nodes, device, samples, "bwd")))
-            else:
-                ct = self.costs.compute_time_s
-                hit = (
-                    sum(ct(n, device, samples, "fwd") for n in nodes),
-                    sum(ct(n, device, samples, "bwd") for n in nodes),
-                )
-            self._trim()
-            self._time[key] = hit
-        return hit
-
-    def _cached(self, store: dict, key: tuple, make: Callable[[], float]) -> float:
-        """store[key], made (and the store trimmed) on the first ask."""
-        hit = store.get(key)
-        if hit is None:
-            hit = make()
-            self._trim()
-            store[key] = hit
-        return hit
-
-    def optimizer_s(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(
-            self._time, ("opt", nodes, device), lambda: float(self.costs.optimizer_time_s(nodes, device))
-        )
-
-    def accumulate_s(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(
-            self._time, ("acc", nodes, device), lambda: float(self.costs.accumulate_time_s(nodes, device))
-        )
-
-    def activation_bytes(self, nodes: tuple[str, ...], samples: int, recompute: bool) -> float:
-        return self._cached(
-            self._mem,
-            ("act", nodes, samples, recompute),
-            lambda: 0.0 if samples <= 0 else float(self.costs.activation_bytes(nodes, samples, recompute)),
-        )
-
-    def recompute_transient_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
-        def make() -> float:
-            fn = getattr(self.costs, "recompute_transient_bytes", None)
-            if samples <= 0:
-                return 0.0
-            if fn is None:  # a cost model without blocks: the whole group lives again
-                return float(self.costs.activation_bytes(nodes, samples, False))
-            return float(fn(nodes, samples))
-
-        return self._cached(self._mem, ("rt", nodes, samples), make)
-
-    def workspace_bytes(self, nodes: tuple[str, ...], samples: int) -> float:
-        return self._cached(
-            self._mem,
-            ("ws", nodes, samples),
-            lambda: 0.0 if samples <= 0 else float(self.costs.workspace_bytes(nodes, samples)),
-        )
-
-    def persistent_bytes(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(
-            self._mem, ("pers", nodes, device), lambda: float(self.costs.persistent_bytes(nodes, device))
-        )
-
-    def optimizer_state_bytes(self, nodes: tuple[str, ...], device: str) -> float:
-        return self._cached(
-            self._mem, ("optstate", nodes, device), lambda: float(self.costs.optimizer_state_bytes(nodes, device))
-        )
-
-    def gradient_bytes(self, nodes: tuple[str, ...]) -> float:
-        return self._cached(self._mem, ("grad", nodes), lambda: float(self.costs.gradient_bytes(nodes)))
-
-    def edge_bytes(self, src: str, dst: str) -> tuple[float, float]:
-        """(fixed, per-sample) bytes on edge src → dst; the cost model is affine in the batch."""
-        hit = self._edge.get((src, dst))
-        if hit is None:
-            at0 = float(self.costs.activation_transfer_bytes(src, dst, 0))
-            at1 = float(self.costs.activation_transfer_bytes(src, dst, 1))
-            hit = self._edge[(src, dst)] = (at0, at1 - at0)
-        return hit
-
-    def transfer_line(self, src: str, dst: str) -> tuple[float, float]:
-        """(fixed s, s per byte) of a point-to-point transfer src → dst: affine in its bytes
-        (the CostModel protocol: latency + bytes / bottleneck bandwidth), so probed twice per
-        pair and exact after — a neighbour's re-partition sends new byte counts each time."""
-        key = ("p2p", src, dst)
-        hit = self._comm.get(key)
-        if hit is None:
-            self._trim()
-            hit = comm.affine_in_bytes(self._comm, key, lambda b: float(self.costs.transfer_time_s(b, src, dst)))
-        return hit
-
-    def sync_s(self, method: str, nbytes: float, devices: tuple[str, ...], server: str | None) -> float:
-        def make() -> float:
-            if method == "ps":
-                return float(self.costs.ps_sync_time_s(nbytes, devices, server))
-            return float(self.costs.collective_time_s("allreduce", nbytes, devices, method))
-
-        return self._cached(self._comm, (method, nbytes, devices, server), make)
 
 
 class SimCache:

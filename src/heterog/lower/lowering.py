@@ -4,9 +4,10 @@
 lower/schedule.py) and writes, walking the reference order once, each task as the
 instruction(s) of the device(s) it involves, each instruction's `op` its task's id: a compute
 on its device, a transfer as a send on the producer's device and a receive on the consumer's,
-a gradient sync as a collective on every member, the optimizer step on its device. Each device's list is thus a projection of one
-global order in which every receive follows its send and every collective comes after all
-that its members must do first: the Program cannot deadlock (validate() checks it anyway).
+a gradient sync as a collective on every member, the optimizer step on its device. Each
+device's list is thus a projection of one global order in which every receive follows its
+send and every collective comes after all that its members must do first: the Program cannot
+deadlock (validate() checks it anyway).
 A collective then moves up on each member to just after that member's own inputs
 (`_launch_when_ready`): its launch does not block, and the simulator starts it when its inputs
 are done, not when a member gets round to it.
@@ -245,12 +246,12 @@ def _input_pieces(sched: Schedule, ranges: _Ranges) -> dict[tuple[int, int, int]
     out: dict[tuple[int, int, int], list[InputPiece]] = {}
     for b, blk in enumerate(sched.blocks):
         for a in sorted(preds[b]):
-            src = sched.blocks[a]
+            producer = sched.blocks[a]
             for m in range(len(ranges.sizes)):
                 ra, rb = ranges.all(a, m), ranges.all(b, m)
                 pos = 0
-                for i, j, n in overlaps([h - l for l, h in ra], [h - l for l, h in rb]):
-                    da, db = src.devices[i], blk.devices[j]
+                for i, j, n in overlaps([h - lo for lo, h in ra], [h - lo for lo, h in rb]):
+                    da, db = producer.devices[i], blk.devices[j]
                     key = (a, b, m, da, db)
                     remote = da != db
                     out.setdefault((b, m, db), []).append(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from heterog._jit import njit
+from heterog.ir.kinds import PipelineSchedule
 from heterog.lower.taskgraph import BWD, FWD, OPT, Tasks
 
 
@@ -37,7 +38,7 @@ def reference_order(tasks: Tasks, n_devices: int, schedule: str, limit_in_flight
     bwd_left = np.zeros((n_devices, n_mb), dtype=np.int64)
     for (d, m), c in tasks.bwd_count.items():
         bwd_left[d, m] = c
-    gpipe = schedule == "gpipe"
+    gpipe = schedule == PipelineSchedule.GPIPE
     order, count = _list_schedule(
         tasks.array("dur"),
         tasks.array("dev"),
@@ -69,52 +70,24 @@ def _list_schedule(
     Communication completes at once, depth first, when its inputs are done.
     Returns (order, number of tasks ordered)."""
     n = len(dur)
-    n_mb = bwd_left.shape[1]
     left = npred.copy()
-    # per-device heaps of ready tasks, one slice of `heap` each (capacity: the device's tasks)
-    cap = np.zeros(n_devices + 1, dtype=np.int64)
-    for t in range(n):
-        if dev[t] >= 0:
-            cap[dev[t] + 1] += 1
-    base = np.cumsum(cap)
-    heap = np.empty(max(n, 1), dtype=np.int64)  # entries key * n + task: one int compare
-    hsize = np.zeros(n_devices, dtype=np.int64)
+    heap, base, hsize = _device_heaps(dev, n, n_devices)
     ev_time = np.empty(n_devices + 1, dtype=np.float64)
     ev_task = np.empty(n_devices + 1, dtype=np.int64)
     n_ev = 0
     busy = np.zeros(n_devices, dtype=np.bool_)
-    fwd_left = np.zeros(n_devices, dtype=np.int64)
-    if gpipe:
-        for t in range(n):
-            if kind[t] == FWD:
-                fwd_left[dev[t]] += 1
-    in_flight = np.zeros((n_devices, n_mb), dtype=np.bool_)
+    fwd_left = _forward_counts(kind, dev, n, n_devices) if gpipe else np.zeros(n_devices, dtype=np.int64)
+    in_flight = np.zeros((n_devices, bwd_left.shape[1]), dtype=np.bool_)
     n_in_flight = np.zeros(n_devices, dtype=np.int64)
     order = np.empty(n, dtype=np.int64)
-    n_order = 0
     touched = np.empty(n + 1, dtype=np.int64)
     stack = np.empty(len(succ_idx) + len(sources) + 1, dtype=np.int64)
     # the sources are released like successors of a virtual task, the last one first
-    n_touched = 0
     for i in range(len(sources)):
         left[sources[i]] = 1
         stack[i] = sources[i]
     n_order, n_touched = _release(
-        stack,
-        len(sources),
-        touched,
-        n_touched,
-        left,
-        dev,
-        succ_ptr,
-        succ_idx,
-        key,
-        n,
-        heap,
-        base,
-        hsize,
-        order,
-        n_order,
+        stack, len(sources), touched, 0, left, dev, succ_ptr, succ_idx, key, n, heap, base, hsize, order, 0
     )
     now = 0.0
     while True:
@@ -129,7 +102,7 @@ def _list_schedule(
             if one_f1b and k == FWD and not in_flight[d, mb[t]] and n_in_flight[d] >= limit[d]:
                 continue
             _heap_pop(heap, base[d], hsize, d)
-            if one_f1b and k != OPT and not in_flight[d, mb[t]]:
+            if one_f1b and kind[t] != OPT and not in_flight[d, mb[t]]:
                 in_flight[d, mb[t]] = True
                 n_in_flight[d] += 1
             busy[d] = True
@@ -154,12 +127,32 @@ def _list_schedule(
         touched[0] = d
         n_touched = 1
         for j in range(succ_ptr[t + 1] - 1, succ_ptr[t] - 1, -1):  # last successor first
-            s = succ_idx[j]
-            stack[0] = s
+            stack[0] = succ_idx[j]
             n_order, n_touched = _release(
                 stack, 1, touched, n_touched, left, dev, succ_ptr, succ_idx, key, n, heap, base, hsize, order, n_order
             )
     return order, n_order
+
+
+@njit(cache=True, nogil=True)
+def _device_heaps(dev, n, n_devices):
+    """Per-device heaps of ready tasks, one slice of `heap` each (capacity: the device's
+    tasks); entries are key * n + task, so one int compare orders them."""
+    cap = np.zeros(n_devices + 1, dtype=np.int64)
+    for t in range(n):
+        if dev[t] >= 0:
+            cap[dev[t] + 1] += 1
+    return np.empty(max(n, 1), dtype=np.int64), np.cumsum(cap), np.zeros(n_devices, dtype=np.int64)
+
+
+@njit(cache=True, nogil=True)
+def _forward_counts(kind, dev, n, n_devices):
+    """Forward tasks per device (GPipe holds a device's backwards until they are done)."""
+    fwd_left = np.zeros(n_devices, dtype=np.int64)
+    for t in range(n):
+        if kind[t] == FWD:
+            fwd_left[dev[t]] += 1
+    return fwd_left
 
 
 @njit(cache=True, nogil=True, inline="always")

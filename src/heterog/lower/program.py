@@ -299,8 +299,8 @@ def _check_ops(prog: Program, source: str) -> None:
 
 
 def _check_pairs(prog: Program, source: str) -> None:
-    sends: dict[int, tuple[str, Send]] = {}
-    recvs: dict[int, tuple[str, Recv]] = {}
+    sends: dict[int, tuple[str, Send | Recv]] = {}
+    recvs: dict[int, tuple[str, Send | Recv]] = {}
     for d, lst in prog.instructions.items():
         for i in lst:
             if isinstance(i, (Send, Recv)):

@@ -24,6 +24,7 @@ import numpy as np
 
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block, make_blocks
@@ -83,10 +84,10 @@ def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
 
 def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
     """The plan with every graph node it does not name put in a group, by the partitioner's rule
-    for loose ops (execute/partition.py): a node follows its first predecessor's group, else its
+    for loose ops (cut/partition.py): a node follows its first predecessor's group, else its
     first successor's, else the first group. Plans written by hand often name only the model's
     module calls; the capture also records loose ops and the loss."""
-    owner = {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}
+    owner: dict[str, int | None] = {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}
     missing = [n.name for n in graph.nodes if n.name not in owner]
     if not missing:
         return plan
@@ -98,7 +99,7 @@ def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
             owner[n] = next((owner[s] for s in succ[n] if owner.get(s) is not None), 0)
     added: dict[int, list[str]] = {}
     for n in missing:
-        added.setdefault(owner[n], []).append(n)
+        added.setdefault(owner[n] or 0, []).append(n)
     groups = tuple(
         dataclasses.replace(g, nodes=tuple(g.nodes) + tuple(added.get(gi, ()))) for gi, g in enumerate(plan.groups)
     )
@@ -115,7 +116,7 @@ def build_schedule(
     info, grp = check_plan(graph, cluster, plan, cache)
     table = cache.cost_table(graph, costs)
     for g in plan.groups:
-        if len(g.replicas) > 1 and g.sync == "none" and table.gradient_bytes(g.nodes) > 0:
+        if len(g.replicas) > 1 and g.sync == SyncMethod.NONE and table.gradient_bytes(g.nodes) > 0:
             raise PlanError(
                 f"group {g.name!r} field 'sync': replicated on {len(g.replicas)} devices "
                 f"with parameters but sync is 'none'; its replicas would diverge. "

@@ -11,10 +11,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
-from heterog.lower.context import ClusterInfo, CostTable, id_runs
-from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room, rep_id
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo, id_runs
+from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room
 
 
 def sync_and_step(
@@ -43,7 +45,9 @@ def sync_and_step(
     opt_preds = opt_inputs.by_device()
     # each device's optimizer step after its backwards and syncs: one chunk of edges, each
     # device's backwards then its syncs, in the order of the devices' first backwards
-    before, n_before, no_syncs = [], [], np.zeros(0, dtype=np.int64)
+    before: list[np.ndarray] = []
+    n_before: list[int] = []
+    no_syncs = np.zeros(0, dtype=np.int64)
     for d, bl in bwd_of_dev.items():
         tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
         syncs = opt_preds.get(d, no_syncs)
@@ -112,8 +116,8 @@ def _persistent_state(
     # parameters, gradients and optimizer state: summed per placement first, since blocks
     # of one placement (all of them, in data parallelism) add the same per-class amounts
     per_placement: dict[tuple[int, bool], tuple[dict[str, list[float]], tuple[int, ...]]] = {}
-    state_cache = table.scratch.setdefault("state", {})  # (nodes, served) → class → (bytes, optimizer s)
-    classes_cache = table.scratch.setdefault("classes", {})  # device set → its devices' classes
+    state_cache = table.caches.state  # (nodes, served) → class → (bytes, optimizer s)
+    classes_cache = table.caches.classes  # device set → its devices' classes
     for blk in blocks:
         served = _served(blk)
         acc = per_placement.setdefault((blk.device_set, served), ({}, blk.devices))[0]
@@ -148,7 +152,7 @@ def _persistent_state(
 
 def _served(blk: Block) -> bool:
     """Whether a parameter server syncs the block (and holds its optimizer state)."""
-    return blk.sync == "ps" and blk.ps_device is not None and len(blk.devices) > 1
+    return blk.sync == SyncMethod.PS and blk.ps_device is not None and len(blk.devices) > 1
 
 
 def _replica_state(blk: Block, dn: str, served: bool, table: CostTable) -> tuple[float, float]:
@@ -168,6 +172,7 @@ def _server_state(tasks: Tasks, blocks: list[Block], info: ClusterInfo, table: C
     for blk in blocks:
         if not _served(blk):
             continue
+        assert blk.ps_device is not None  # a served block has its server
         dn = info.dev_class[blk.ps_device]
         tasks.persistent_bytes[blk.ps_device] += sum(table.persistent_bytes(nodes, dn) for nodes in blk.nodes)
         received = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
@@ -181,7 +186,7 @@ def _tied_copies(
 ) -> None:
     """A tied parameter (OpGraph.ties) read by blocks on other devices than its owner's: each of
     those devices holds a copy — parameter, gradient and optimizer state — as the executor's
-    partition gives it (execute/partition.py; the copies' gradients are summed every step)."""
+    partition gives it (cut/partition.py; the copies' gradients are summed every step)."""
     for tie in table.graph.ties:
         owner = set(blocks[where[tie.nodes[0]][0]].devices)
         holders = {d for n in tie.nodes for d in blocks[where[n][0]].devices} - owner
@@ -223,7 +228,7 @@ def _tie_syncs(
         s = _collective(
             tasks,
             info,
-            table.sync_s("ring", nbytes, info.names(members), None),
+            table.sync_s(SyncMethod.RING, nbytes, info.names(members), None),
             plan.num_microbatches,
             owner,
             links,
@@ -258,9 +263,9 @@ def _collective(
     (edges added by _after_backwards), with the bytes it pushes through switch cores and its
     link loads (tasks.sync_loads)."""
     s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
-    for l in info.shared_bw:
-        if l in load:  # a ring crosses the core once per node it leaves
-            tasks.core_bytes[s] = load[l] * nbytes
+    for link in info.shared_bw:
+        if link in load:  # a ring crosses the core once per node it leaves
+            tasks.core_bytes[s] = load[link] * nbytes
     tasks.sync_loads[s] = load
     waits.append((s, after))
     return s
@@ -270,7 +275,7 @@ def _after_backwards(tasks: Tasks, Bk, waits: list[tuple[int, tuple[int, ...]]])
     """Edges from every backward (all micro-batches) of the blocks each collective waits for
     to the collective, as one chunk in the order the collectives were made."""
     firsts, counts, syncs = [], [], []
-    for s, after in waits:
+    for _, after in waits:
         n_s = 0
         for first, n in Bk.runs(after):
             firsts.append(first)
@@ -314,8 +319,8 @@ def _sync_tasks(
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
     Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
     mbs = plan.num_microbatches
-    rep_key = rep_id(table.scratch, rep)  # first: it may drop the cache below
-    bucket_cache = table.scratch.setdefault("buckets", {})
+    rep_key = table.caches.rep_id(rep)  # first: it may empty the cache below
+    bucket_cache = table.caches.buckets
     grads_of: dict[int, list] = {}
     tied_out: dict[int, float] = {}
     for tie, owner, _ in split:
@@ -327,14 +332,14 @@ def _sync_tasks(
             # the first backward (micro-batch 0, see expand); summed per placement
             grads_of.setdefault(blk.device_set, [blk.devices, 0.0])[1] += grad
         grad_synced = grad - tied_out.get(bi, 0.0)
-        if len(blk.devices) > 1 and blk.sync != "none" and grad_synced > 0:
+        if len(blk.devices) > 1 and blk.sync != SyncMethod.NONE and grad_synced > 0:
             key = (
                 blk.placement,
                 blk.sync,
                 blk.ps_device,
                 grad_synced,
                 rep_key,
-                blk.nodes if blk.sync == "ps" else None,
+                blk.nodes if blk.sync == SyncMethod.PS else None,
             )
             bucket = bucket_cache.get(key)
             if bucket is None:  # cached: the search re-scores the same buckets constantly
@@ -368,12 +373,14 @@ def _bucket_sync(blk: Block, grad: float, info: ClusterInfo, table: CostTable, r
     between gather and scatter; a collective runs over the members' ring."""
     members = blk.devices
     names = info.names(members)
-    if blk.sync == "ps":
-        links, load = info.star(members, blk.ps_device)
-        dur = table.sync_s("ps", grad, names, info.devices[blk.ps_device]) + sum(
-            table.optimizer_s(nodes, info.dev_class[blk.ps_device]) for nodes in blk.nodes
+    if blk.sync == SyncMethod.PS:
+        server = blk.ps_device
+        assert server is not None  # a parameter-server block has its server
+        links, load = info.star(members, server)
+        dur = table.sync_s(SyncMethod.PS, grad, names, info.devices[server]) + sum(
+            table.optimizer_s(nodes, info.dev_class[server]) for nodes in blk.nodes
         )
-        involved = members if blk.ps_device in members else members + (blk.ps_device,)
+        involved = members if server in members else members + (server,)
     else:
         links, load = info.ring(tuple(sorted(members)))
         dur = table.sync_s(blk.sync, grad, names, None)

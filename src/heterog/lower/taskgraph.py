@@ -48,7 +48,7 @@ class Tasks:
         "xfer_blocks",
         "ties",
         "mb_stride",
-        "scratch",
+        "link_sets",
         "runs",
         "dur_patches",
         "_phase_stride",
@@ -89,7 +89,9 @@ class Tasks:
         # durations set once every micro-batch is expanded — micro-batch 0's backwards, which
         # create the gradients the copies of it add into (tasks.py): (first id, durations)
         self.dur_patches: list[tuple[int, np.ndarray]] = []
-        self.scratch: dict = {}  # what the timed pass derives once (engine.py)
+        # the communication tasks that hold links and their link sets, made once per
+        # schedule for the timed pass (simulate/engine.py comm_link_sets)
+        self.link_sets: tuple | None = None
 
     def prio(self, phase: int, mb: int, signed_block: int) -> int:
         """The priority key of a compute task: (phase, micro-batch, ±block) in lexicographic
@@ -339,23 +341,6 @@ def effects() -> TaskRows:
 
 
 _CACHED_REPLICAS = 200_000  # replicas' entries kept in a per-call-shared cache (~100 MB at most)
-
-
-def rep_id(scratch: dict, rep: list[int]) -> int:
-    """A small int for the merged-device map `rep`, a key of the caches below: hashing a
-    1024-entry tuple for every block cost more than the caches saved."""
-    ids = scratch.setdefault("rep_ids", {})
-    rt = tuple(rep)
-    hit = ids.get(rt)
-    if hit is None:
-        if len(ids) >= 10_000:  # ids restart: drop every entry keyed by an old one
-            ids.clear()
-            scratch.pop("columns", None)
-            scratch.pop("kept", None)
-            scratch.pop("buckets", None)
-            scratch.pop("moves", None)  # their transfer templates (lower/transfers.py)
-        hit = ids[rt] = len(ids)
-    return hit
 
 
 def make_room(cache: dict, replicas: int) -> None:

@@ -16,12 +16,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, stage_limits
+from heterog.lower.caches import CostTable
 from heterog.lower.columns import block_columns
-from heterog.lower.context import ClusterInfo, CostTable, id_runs
+from heterog.lower.context import ClusterInfo, id_runs
 from heterog.lower.sync_tasks import sync_and_step
-from heterog.lower.taskgraph import BWD, FWD, ComputeRun, CopyRun, Tasks, make_room, rep_id
+from heterog.lower.taskgraph import BWD, FWD, ComputeRun, CopyRun, Tasks, make_room
 from heterog.lower.transfers import pair_moves, transfer_tasks
 
 
@@ -68,7 +70,7 @@ def expand(
     mb_sizes = split_samples(plan.batch_size, [1.0] * plan.num_microbatches)
     sizes = sorted(set(mb_sizes))
     splits: dict[tuple, list[int]] = {}
-    known = table.scratch.setdefault("splits", {})  # (size, placement) → samples per replica
+    known = table.caches.splits  # (size, placement) → samples per replica
     for size in sizes:
         for blk in blocks:
             key = (size, blk.placement)
@@ -85,7 +87,7 @@ def expand(
     bwd_of_dev = _backwards_by_device(tasks, Bk)
     sync_and_step(tasks, plan, blocks, info, table, Bk, bwd_of_dev, rep, preds, splits, mb_sizes)
     _first_microbatch(tasks, first_bwd)
-    if plan.schedule == "1f1b":
+    if plan.schedule == PipelineSchedule.ONE_F_ONE_B:
         for d, limit in stage_limits([blk.devices for blk in blocks]).items():
             tasks.stage_limit[d] = limit
     tasks.seal()
@@ -109,14 +111,16 @@ def _microbatch_tasks(
     templates: dict[int, Segment] = {}  # size → the first micro-batch of that size
     first_bwd: list[tuple] = []  # (first task, effect chunk indices, columns) of micro-batch 0's blocks
     comm = tasks.comm
-    rep_key = rep_id(table.scratch, tasks.rep)  # once per call: it hashes the merged-device map
+    rep_key = table.caches.rep_id(tasks.rep)  # once per call: it hashes the merged-device map
     for m, size in enumerate(mb_sizes):
         if size in templates and merge:
             _replicate(tasks, templates[size], m, Bk)
             continue
         seg_start, comm_before = len(tasks.kind), len(comm)
         marks = (tasks.mem_start.mark(), tasks.mem_end.mark(), tasks.edges.mark())
-        _compute_tasks(tasks, m, size, splits, info, table, rep_key, plan.schedule == "1f1b", Bk, first_bwd)
+        _compute_tasks(
+            tasks, m, size, splits, info, table, rep_key, plan.schedule == PipelineSchedule.ONE_F_ONE_B, Bk, first_bwd
+        )
         transfer_tasks(tasks, m, size, preds, moves, Bk, rep_key)
         templates[size] = Segment(
             m,
@@ -146,8 +150,8 @@ def _compute_tasks(
     slice per column (the hot path); the columns that depend only on the block and the merged
     devices are cached."""
     rep = None  # the merged-device map as an array, made at the first miss
-    column_cache = table.scratch.setdefault("columns", {})
-    replica_cache = table.scratch.setdefault("replica", {})
+    column_cache = table.caches.columns
+    replica_cache = table.caches.replica
     kinds = tasks.kind
     for bi, blk in enumerate(tasks.blocks):
         ck = (size, blk.nodes, blk.recompute, blk.placement, rep_key)

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from heterog.lower.blocks import Block, Moves, moves_between
-from heterog.lower.context import ClusterInfo, CostTable
+from heterog.lower.caches import CostTable
+from heterog.lower.context import ClusterInfo
 from heterog.lower.taskgraph import XFER, Tasks, TransferRun
 
 SMALL_PAIR = 4  # moves up to which a pair's transfers are added row by row
@@ -28,7 +29,7 @@ SMALL_PAIR = 4  # moves up to which a pair's transfers are added row by row
 class PairMoves(NamedTuple):
     """The moves between two placements at one micro-batch size (None: an identity, replica i
     feeds replica i on the same device), the devices that send or receive point to point, and
-    the pair's templates per merged-device map (rep_id)."""
+    the pair's templates per merged-device map (LoweringCaches.rep_id)."""
 
     moves: Moves | None
     ends: frozenset
@@ -40,7 +41,7 @@ def pair_moves(blocks: list[Block], preds, sizes: list[int], splits, info: Clust
     ((size, producer, consumer) → PairMoves), and the device sets that send or receive point
     to point."""
     moves: dict[tuple[int, int, int], PairMoves] = {}
-    move_cache = table.scratch.setdefault("moves", {})
+    move_cache = table.caches.moves
     p2p_sets: list[frozenset[int]] = []
     for size in sizes:
         for bi, blk in enumerate(blocks):

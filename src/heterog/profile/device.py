@@ -1,7 +1,7 @@
 """`heterog profile`: measure the device at hand — GEMM throughput at a few sizes, a copy's
 bandwidth, the host's time per op (dispatch, autograd, autocast casts, module calls),
 all-reduce and point-to-point bandwidth between two ranks, whole training steps, and
-per-node forward/backward times of a model — into a DeviceProfile (profile/artifact.py)
+per-node forward/backward times of a model — into a DeviceProfile (cost/device_profile.py)
 that `heterog calibrate`, `heterog predict --profile` and `heterog plan --profile` read.
 
 On a GPU (CUDA) every timing synchronises the device around the timed region; host costs
@@ -12,6 +12,8 @@ on a GPU yet: treat a GPU profile as unverified.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import os
 import queue
 import socket
@@ -21,9 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
-from heterog.profile.artifact import DeviceProfileError
+from heterog.cost.device_profile import DeviceProfileError
 
 GEMM_SIZES_GPU = (512, 1024, 2048, 4096, 8192)
 GEMM_SIZES_CPU = (128, 256, 512, 1024)
@@ -60,7 +64,7 @@ def measure_gemm(dev: torch.device, *, quick: bool = False) -> list[dict[str, An
     """Square n×n×n products: [{'n', 'dtype', 'time_s'}] (the format of h200_micro.json's
     'matmul' rows, in seconds). On CUDA also fp16, and tf32: fp32 tensors with
     torch.backends.cuda.matmul.allow_tf32 on for the measurement."""
-    sizes = GEMM_SIZES_GPU if dev.type == "cuda" else GEMM_SIZES_CPU
+    sizes: tuple[int, ...] = GEMM_SIZES_GPU if dev.type == "cuda" else GEMM_SIZES_CPU
     sizes = sizes[:3] if quick else sizes
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if dev.type == "cuda":
@@ -73,7 +77,7 @@ def measure_gemm(dev: torch.device, *, quick: bool = False) -> list[dict[str, An
             for n in sizes:
                 a = torch.randn(n, n, device=dev, dtype=dt)
                 b = torch.randn(n, n, device=dev, dtype=dt)
-                rows.append({"n": n, "dtype": name, "time_s": timed_s(lambda: torch.mm(a, b), dev)})
+                rows.append({"n": n, "dtype": name, "time_s": timed_s(functools.partial(torch.mm, a, b), dev)})
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     return rows
@@ -134,19 +138,15 @@ def _free_port() -> int:
 
 
 def _comm_rank(rank: int, world: int, port: int, backend: str, out) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     rows = []
     for nbytes in COMM_BYTES:
         t = torch.ones(nbytes // 4, device=dev)
-        ar = timed_s(lambda: dist.all_reduce(t), dev, repeats=3)
+        ar = timed_s(functools.partial(dist.all_reduce, t), dev, repeats=3)
 
-        def p2p():
+        def p2p(t: torch.Tensor = t) -> None:
             if rank == 0:
                 dist.send(t, 1)
             elif rank == 1:
@@ -163,8 +163,6 @@ def _comm_rank(rank: int, world: int, port: int, backend: str, out) -> None:
 def measure_comm(dev: torch.device) -> dict[str, Any]:
     """All-reduce and point-to-point between two ranks: NCCL across two visible GPUs, gloo
     between two local processes otherwise."""
-    import torch.multiprocessing as mp
-
     backend = "nccl" if dev.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

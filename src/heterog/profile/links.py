@@ -36,11 +36,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from heterog.cost.profile import LinkCalibration, LinkScope
 from heterog.errors import ResourceError
+from heterog.execute.netns import LinkShaping, ShapingUnavailable
+from heterog.hardware.cluster import Cluster
 
 # (one-way sizes, ring size): latency from the small message, rate from both. Through a
 # shaped NIC of ~25 MB/s a few MiB take a fraction of a second; through loopback they take
@@ -102,8 +107,7 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, master_addr: str, port: int, out_path: str, sizes: str) -> None:
     """One of the two ranks: one-way messages rank 0 → rank 1, then ring all-reduces."""
-    from datetime import timedelta
-
+    # torch only in the rank processes: measuring a link needs none in the caller
     import torch
     import torch.distributed as dist
 
@@ -171,8 +175,8 @@ def _fit(rows: dict[str, Any], src: str, dst: str, nominal: float) -> LinkMeasur
 
 
 def _run_pair(
-    wrap: tuple[list[str], list[str]],
-    env: tuple[dict, dict],
+    wrap: Mapping[int, list[str]],
+    env: Mapping[int, dict[str, str]],
     master_addr: str,
     sizes: tuple[tuple[int, int], int],
     what: str,
@@ -202,7 +206,7 @@ def _run_pair(
             )
             for r in (0, 1)
         ]
-        errors = []
+        errors: list[str] = []
         for p in procs:
             try:
                 _, err = p.communicate(timeout=TIMEOUT_S)
@@ -211,7 +215,7 @@ def _run_pair(
                 _, err = p.communicate()
                 errors.append(f"a rank did not finish within {TIMEOUT_S} s")
             if p.returncode:
-                errors.append((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
+                errors.extend((err or "").strip().splitlines()[-1:] or [f"exit {p.returncode}"])
         if errors or not out.exists():
             raise LinkMeasurementError(
                 f"measuring {what} failed: {errors}; run without link calibration (the declared link rates are used)."
@@ -223,8 +227,6 @@ def measure_shaped_link(cluster, src: str, dst: str) -> LinkMeasurement:
     """Two gloo ranks on the nodes of `src` and `dst`, their NICs shaped as the cluster says
     (netns.LinkShaping): one-way messages and a two-member ring all-reduce (see the module
     docstring). Raises LinkMeasurementError when the links cannot be shaped or a rank fails."""
-    from heterog.execute.netns import LinkShaping, ShapingUnavailable
-
     if cluster.node_of[src] == cluster.node_of[dst]:
         raise LinkMeasurementError(
             f"{src} and {dst} share node {cluster.node_of[src]}: there is no "
@@ -247,21 +249,17 @@ def measure_intra_link(cluster, src: str, dst: str) -> LinkMeasurement:
     ranks of a node share its namespace, so their bytes never cross a shaped NIC): what the
     kernel and gloo copy per second is the node's intra-node rate, which the `cpu` type only
     declares. No root needed."""
-    from heterog.hardware.cluster import Cluster
-
     if cluster.node_of[src] != cluster.node_of[dst] or src == dst:
         raise LinkMeasurementError(
             f"{src} and {dst} are not two devices of one node; pick two "
             f"devices of the node whose intra-node link to measure."
         )
     nominal = min(cluster.links[Cluster.port(d, "up")].bandwidth_bytes_per_s for d in (src, dst))
-    rows = _run_pair(([], []), ({}, {}), "127.0.0.1", LOOPBACK_BYTES, f"the intra-node link {src} ↔ {dst}")
+    rows = _run_pair({0: [], 1: []}, {0: {}, 1: {}}, "127.0.0.1", LOOPBACK_BYTES, f"the intra-node link {src} ↔ {dst}")
     return _fit(rows, src, dst, nominal)
 
 
 def _calibration(node: str, m: LinkMeasurement, scope):
-    from heterog.cost.profile import LinkCalibration
-
     return LinkCalibration(
         node=node,
         one_way_efficiency=min(m.efficiency, 1.0),
@@ -278,8 +276,6 @@ def calibrate_links(cluster, *, nics: bool = True, say=lambda msg: None) -> tupl
     against a device of that node (so the measured node's NIC is the slower end of the pair,
     the one the measurement describes). Efficiencies are capped at 1: TBF's burst lets a
     few-MiB message pass a little above the rate, a long stream not."""
-    from heterog.cost.profile import LinkScope
-
     nodes = [n for n in cluster.nodes if n.devices]
     out = []
     for n in nodes:

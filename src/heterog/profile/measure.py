@@ -40,11 +40,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from heterog.cost.profile import Profile
 from heterog.execute.emulation import keep_freed_memory
-from heterog.execute.workload import Workload, build_model, global_batch
-from heterog.hardware.catalog import torch_threads
+from heterog.hardware.cpu_probe import torch_threads
+from heterog.inputs import RANK_THREADS
+from heterog.ir.opgraph import OpGraph
+from heterog.ir.plan import ModelSpec
+from heterog.workload import Workload, build_model, global_batch, resolve_workload
 
 
 def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -126,8 +130,6 @@ class WholeStep:
 
 def _leaves(out: Any) -> Any:
     """The model's output as fresh leaves that need grad (so the loss's backward stops there)."""
-    from torch.utils._pytree import tree_map
-
     return tree_map(
         lambda t: t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out
     )
@@ -191,9 +193,10 @@ def attribute_unhooked(
     out.update({n.name: {} for n in unseen})
     for phase, total, loss_s in (("fwd", whole.fwd_s, whole.loss_fwd_s), ("bwd", whole.bwd_s, whole.loss_bwd_s)):
         hooked = sum(v.get(phase, 0.0) for v in node_times.values())
+        loss_time_s = loss_s if losses and loss_s is not None else 0.0  # losses are found with the loss timed
         for n in losses:
-            out[n.name][phase] = loss_s / len(losses)
-        room = max(total - (loss_s if losses else 0.0), 0.0)
+            out[n.name][phase] = loss_time_s / len(losses)
+        room = max(total - loss_time_s, 0.0)
         if hooked > room:
             for n, v in node_times.items():
                 if phase in v:
@@ -300,4 +303,17 @@ def measure_profile(
         precision="fp32",
         graph_fingerprint=graph.fingerprint() if graph is not None else "",
         times=frozen,
+    )
+
+
+def measured_profile(model: ModelSpec, graph: OpGraph, *, repeats: int = 5) -> Profile:
+    """Per-node times of `model` measured on this CPU at one thread, as its ranks run it (a
+    few seconds), at the batch sizes the cost model interpolates between
+    (profile_batch_sizes) — a profile `inputs.model_inputs` takes."""
+    return measure_profile(
+        resolve_workload(model),
+        graph=graph,
+        batch_sizes=profile_batch_sizes(model.batch_size),
+        repeats=repeats,
+        threads=RANK_THREADS,
     )

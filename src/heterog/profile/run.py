@@ -10,16 +10,20 @@ from typing import Any
 
 import torch
 
-from heterog.profile.artifact import DeviceProfile
+from heterog.cost.calibrate import fit_host_speed
+from heterog.cost.device_profile import DeviceProfile
+from heterog.hardware.catalog import get_gpu, gpu_from_device_name
+from heterog.ir.kinds import HALF_PRECISIONS, Precision
+from heterog.ir.plan import ModelSpec
 from heterog.profile.device import measure_comm, measure_copy, measure_gemm, measure_host, pick_device, timed_s
+from heterog.profile.measure import measure_profile
+from heterog.workload import build_model, global_batch, make_optimizer, resolve_workload
 
 
 def device_type_of(dev: torch.device) -> tuple[str, str]:
     """(catalog type, device name): a GPU's catalog type from its name and memory; 'cpu'."""
     if dev.type != "cuda":
         return "cpu", platform.processor() or platform.machine()
-    from heterog.hardware.catalog import gpu_from_device_name
-
     props = torch.cuda.get_device_properties(dev)
     return gpu_from_device_name(props.name, props.total_memory).name, props.name
 
@@ -33,12 +37,12 @@ FP16_LOSS_SCALE = 2.0**16
 def precision_context(precision: str, dev: torch.device):
     """A step's forward in the plan precision: autocast to bf16/fp16; tf32 turns on TF32
     matmuls (cuDNN convolutions use TF32 by default) for the step; fp32 as it is."""
-    if precision in ("amp-bf16", "fp16"):
-        with torch.autocast(dev.type, dtype=torch.bfloat16 if precision == "amp-bf16" else torch.float16):
+    if precision in HALF_PRECISIONS:
+        with torch.autocast(dev.type, dtype=torch.bfloat16 if precision == Precision.AMP_BF16 else torch.float16):
             yield
         return
     before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32" or before
+    torch.backends.cuda.matmul.allow_tf32 = precision == Precision.TF32 or before
     try:
         yield
     finally:
@@ -56,23 +60,21 @@ def measure_steps(
 ) -> list[dict]:
     """Whole training steps (zero_grad, forward, loss, backward, optimizer step) per batch size:
     median time, and on a GPU the peak allocated memory."""
-    from heterog.execute.workload import build_model, global_batch, make_optimizer, resolve_workload
-    from heterog.ir.plan import ModelSpec
-
     work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
     net = build_model(work, seed=0).to(dev)
     opt = make_optimizer(list(net.parameters()), optimizer)
+    assert opt is not None, "a profiled model has parameters"
     rows = []
     for b in batch_sizes:
         inputs, targets = global_batch(work, b, seed=0, step=0)
         inputs = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x for x in inputs)
         targets = targets.to(dev) if isinstance(targets, torch.Tensor) else targets
 
-        def step():
+        def step(inputs: tuple = inputs, targets: Any = targets) -> None:
             opt.zero_grad(set_to_none=True)
             with precision_context(precision, dev):
                 loss = work.loss(net(*inputs), targets)
-            (loss * FP16_LOSS_SCALE if precision == "fp16" else loss).backward()
+            (loss * FP16_LOSS_SCALE if precision == Precision.FP16 else loss).backward()
             opt.step()
 
         if dev.type == "cuda":
@@ -126,10 +128,6 @@ def profile_device(
         say(f"{model}: whole steps and per-node times at batch {', '.join(map(str, batch_sizes))}")
         steps = measure_steps(model, model_args, batch_sizes, seq_len, precision, optimizer, dev)
         if dev.type == "cpu":  # per-node hooks time the CPU's own work (profile/measure.py)
-            from heterog.execute.workload import resolve_workload
-            from heterog.ir.plan import ModelSpec
-            from heterog.profile.measure import measure_profile
-
             work = resolve_workload(ModelSpec(name=model, args=dict(model_args or {}), seq_len=seq_len))
             nodes = measure_profile(work, batch_sizes=batch_sizes, repeats=3, device_type=dtype)
     prof = DeviceProfile(
@@ -151,8 +149,5 @@ def profile_device(
         # the node's host speed: how fast this host drives the GPU relative to the reference
         # host, from the measured steps (the small-batch ones are the host's)
         say("host speed from the measured steps")
-        from heterog.cost.calibrate import fit_host_speed
-        from heterog.hardware.catalog import get_gpu
-
         prof = dataclasses.replace(prof, host_speed=fit_host_speed(prof, get_gpu(dtype)))
     return prof

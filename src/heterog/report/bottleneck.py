@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from heterog.cli.output import human_bytes, human_time
+from heterog.fmt import human_bytes, human_time
 from heterog.simulate.result import SimResult
 
 

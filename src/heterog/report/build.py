@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from heterog.cli.output import human_bytes, human_time
+from heterog.fmt import human_bytes, human_time
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
 from heterog.ir.run_result import RunResult, SpanCategory
@@ -157,15 +157,16 @@ def _timelines(inp: ReportInputs) -> str:
     parts = [f"<div><h3>simulated: {human_time(inp.sim.iteration_time_s)}</h3>{sim_svg}</div>"]
     if inp.run is not None and inp.run.spans:
         rows, length, step = _measured_rows(inp.run, devices)
-        parts.append(
-            f"<div><h3>measured: step {step}, {human_time(length)}</h3>"
-            f"{svg.timeline_svg(rows, length, width_px=width, title='measured step per device', css_id='timeline-run')}</div>"
+        measured = svg.timeline_svg(
+            rows, length, width_px=width, title="measured step per device", css_id="timeline-run"
         )
+        parts.append(f"<div><h3>measured: step {step}, {human_time(length)}</h3>{measured}</div>")
     head = (
         "<p class=muted>Each row is one device: compute in the upper lane, communication in the lower "
         "lane, gaps are idle." + (f" {escape(cut)}." if cut else "") + "</p>"
     )
-    return f'<h2>Timeline of one iteration</h2>{head}{page.legend(len(parts) > 1)}<div class="side scroll">{"".join(parts)}</div>'
+    timelines = f'<div class="side scroll">{"".join(parts)}</div>'
+    return f"<h2>Timeline of one iteration</h2>{head}{page.legend(len(parts) > 1)}{timelines}"
 
 
 def _memory(inp: ReportInputs) -> str:

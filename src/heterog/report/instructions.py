@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from html import escape
 
-from heterog.cli.output import human_time
+from heterog.fmt import human_time
 from heterog.ir.kinds import InstructionKind
 from heterog.ir.run_result import InstructionTiming, RunResult
 from heterog.report import svg

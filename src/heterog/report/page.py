@@ -3,6 +3,8 @@ no network requests) that reads in light and dark mode (prefers-color-scheme).""
 
 from __future__ import annotations
 
+from html import escape
+
 CSS = """
 :root{color-scheme:light dark;--bg:#fff;--fg:#1b1f24;--muted:#57606a;--line:#d0d7de;--lane:#f3f4f6;
 --forward:#2f6fdb;--backward:#8250df;--optimizer:#1a7f37;--compute:#2f6fdb;--sync:#cf222e;
@@ -57,8 +59,6 @@ def legend(measured: bool) -> str:
 
 
 def page(title: str, body: str) -> str:
-    from html import escape
-
     return (
         f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width,initial-scale=1">'

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from html import escape
+from math import floor, log10
 
-from heterog.cli.output import time_unit
+from heterog.fmt import time_unit
 
 LABEL_PX = 150
 ROW_PX = 22
@@ -61,8 +62,6 @@ def _nice_step(span: float, ticks: int = 6) -> float:
     raw = span / max(ticks, 1)
     if raw <= 0:
         return 1.0
-    from math import floor, log10
-
     mag = 10 ** floor(log10(raw))
     for m in (1, 2, 2.5, 5, 10):
         if raw <= m * mag:
@@ -166,12 +165,12 @@ def memory_svg(rows: Sequence[MemoryRow], duration_s: float, *, width_px: int) -
         top, base = y0 + 2, y0 + MEM_ROW_PX - 3
         over = r.peak_bytes > r.capacity_bytes
 
-        def ypos(b: float) -> float:
+        def ypos(b: float, base: float = base, top: float = top) -> float:
             return base - (base - top) * b / full
 
         pts = downsample_peaks(r.points, duration_s, max(plot, 1))
         path = [f"M{LABEL_PX},{base}"]
-        last_y = base
+        last_y: float = base
         for t, b in pts:
             x = LABEL_PX + (t / duration_s if duration_s > 0 else 0) * plot
             path.append(f"L{x:.1f},{last_y:.1f}L{x:.1f},{ypos(b):.1f}")

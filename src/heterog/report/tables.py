@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
+from heterog.fmt import human_bytes, human_time
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 from heterog.report.inputs import Candidate
 
@@ -84,7 +86,7 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
         for d, share in s.shares.items():
             per_col[col_of.get(d, d)] = per_col.get(col_of.get(d, d), 0.0) + share
         name = f"g{s.first}" if s.first == s.last else f"g{s.first}–g{s.last}"
-        sync = s.sync if s.sync != "ps" else f"ps on {labels.get(s.ps_device or '', s.ps_device)}"
+        sync = s.sync if s.sync != SyncMethod.PS else f"ps on {labels.get(s.ps_device or '', s.ps_device)}"
         cells = []
         for c in cols:
             share = per_col.get(c, 0.0)
@@ -110,16 +112,12 @@ def placement_table(plan: Plan, devices: Sequence[str], labels: dict[str, str], 
 
 
 def _t(seconds: float | None) -> str:
-    from heterog.cli.output import human_time
-
     return human_time(seconds)
 
 
 def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
     """Every strategy the planner scored: time, speed-up over even data parallelism (or the
     slowest feasible candidate when that does not fit), fits, peak memory."""
-    from heterog.cli.output import human_bytes
-
     feasible = [c for c in cands if c.feasible and c.iteration_time_s]
     ref = next((c for c in feasible if c.strategy == "even-dp-allreduce"), None)
     if ref is None and feasible:
@@ -128,7 +126,7 @@ def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
     for c in cands:
         speed = (
             f"{ref.iteration_time_s / c.iteration_time_s:.2f}×"
-            if ref is not None and c.feasible and c.iteration_time_s
+            if ref is not None and ref.iteration_time_s and c.feasible and c.iteration_time_s
             else "—"
         )
         cls = ' class="chosen"' if c.strategy == chosen else ""

@@ -31,12 +31,14 @@ from typing import Any
 
 from heterog.errors import HeterogError, PlanError
 from heterog.execute.launcher import LaunchConfig, PlanLaunch, ProcessLayout, launch_local, launch_local_many
+from heterog.execute.preflight import check_inputs, check_training
 from heterog.execute.spec import RankSpec
 from heterog.hardware.cluster import Cluster
 from heterog.inputs import PlanInputs, as_plan
 from heterog.ir.plan import Plan
 from heterog.ir.run_request import DeviceLayout, Fault, RunOptions, RunRequest
 from heterog.ir.run_result import LinkShapingRecord, RunFailure, RunResult, combine_repetitions
+from heterog.ir.training_config import TrainingConfig
 from heterog.orchestrate import Lowered, lowered
 from heterog.runs.layout import emulated_slowdowns, local_ranks, rank_layout, shape_links
 from heterog.runs.summary import run_result
@@ -144,9 +146,20 @@ def run_interleaved(plans: Sequence[Any], options: RunOptions | None = None, /, 
     return run_plans(plans, (options or RunOptions()).with_(**fields), order=RunOrder.INTERLEAVED, **hooks)
 
 
+def checked_training(plan: Plan, config: TrainingConfig, steps: int) -> TrainingConfig:
+    """The run's training options as the ranks get them (a decaying schedule's horizon: the
+    run's `steps`), after the checks that need no rank (execute/preflight.py); options left at
+    their defaults (but --data) are the plan's optimizer as it is, and need none."""
+    if dataclasses.replace(config, data=None) == TrainingConfig():
+        return config
+    return check_training(plan, config, steps=steps)
+
+
 def _alone(plan: Plan, options: RunOptions, inputs: Any) -> RunResult:
     """Each repetition of `plan` in its own launch; one result with every repetition."""
     cluster, devices = local_ranks(plan)
+    training = checked_training(plan, options.training, options.steps)
+    check_inputs(plan, training.data)  # the first batch within the model's sequence limit and vocabulary
     pred = options.prediction
     lw = lowered(plan, cluster, predict=pred.predict, profile=pred.profile, inputs=inputs)
     out_dir = Path(options.output.out_dir) if options.output.out_dir else None
@@ -164,7 +177,7 @@ def _alone(plan: Plan, options: RunOptions, inputs: Any) -> RunResult:
                 steps=options.steps,
                 seed=options.seed,
                 timeout_s=options.limits.timeout_s,
-                training=options.training,
+                training=training,
                 checkpoint=options.checkpoint,
                 slowdowns=layout.slowdowns,
                 pin_cores=options.layout.pin_cores,
@@ -219,6 +232,7 @@ def _prepare(
         dump_params=options.output.dump_params,
         folder=folder,
         key=folder,
+        training=checked_training(plan, options.training, options.steps),
     )
     return _Prepared(lowered=lw, cluster=cluster, devices=devices, launch=launch)
 
@@ -269,7 +283,6 @@ def _in_one_launch(
                 out_dir=Path(options.output.out_dir) if options.output.out_dir else None,
                 force=options.limits.force,
                 layout=layout,
-                training=options.training,
             )
             if entries
             else []

@@ -9,7 +9,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import torch
+
 from heterog.errors import PlanError
+from heterog.execute.device import nccl_env
+from heterog.execute.netns import LinkShaping, ShapingUnavailable
+from heterog.execute.torchrun import local_gpu_indices
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
 from heterog.ir.run_request import DeviceLayout, LinkConfig
@@ -35,8 +40,6 @@ def local_ranks(plan: Plan) -> tuple[Cluster, tuple[str, ...]]:
 
 def local_gpus() -> int:
     """CUDA devices visible to this process (0 without a CUDA build of torch)."""
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -78,8 +81,6 @@ def gpu_layout(
     a note). Devices of one node run on the GPUs they name (their positions in the node,
     torchrun.local_gpu_indices); devices of several nodes run one per GPU in rank order;
     with `share`, more ranks than GPUs take the GPUs in turn (gloo, host staging)."""
-    from heterog.execute.torchrun import local_gpu_indices
-
     visible = local_gpus()
     nodes = {cluster.node_of[d] for d in devices}
     if len(nodes) == 1:
@@ -119,8 +120,6 @@ class RankLayout:
 
 def rank_layout(plan: Plan, cluster: Cluster, devices: tuple[str, ...], layout: DeviceLayout) -> RankLayout:
     """Pacing, GPUs and NCCL settings of `plan`'s ranks on this machine."""
-    from heterog.execute.device import nccl_env
-
     shared = layout.share_gpus and not layout.emulated and cluster.kind != "emulated"
     shared = shared and 0 < local_gpus() < len(devices)
     slowdowns = {} if shared else emulated_slowdowns(plan, cluster, devices, layout.emulated)
@@ -164,8 +163,6 @@ def shape_links(
     """One process per device in network namespaces with the cluster's NIC bandwidths, when
     wanted (LinkConfig.shape; by default on emulated clusters) and possible (root, `ip`,
     `tc`); the namespaces live as long as `stack`. Not shaped: why, in the record."""
-    from heterog.execute.netns import LinkShaping, ShapingUnavailable
-
     want = links.shape if links.shape is not None else cluster.kind == "emulated"
     if not want:
         return ShapedLinks()

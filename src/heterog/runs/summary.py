@@ -80,13 +80,19 @@ def repetition(results: Sequence[RankResult], warmup_steps: int, sim: SimResult 
     per_step = [max(m[k].step_time_s for m in measured) for k in range(len(measured[0]))]
     steps = len(results[0].steps)
     sim_devices = sim.to_dict().get("devices", {}) if sim is not None else {}
-    scales = tuple(s.loss_scale for s in results[0].steps)
+    first = results[0]
+    scales = tuple(s.loss_scale for s in first.steps)
+    trained = first.training is not None  # the training options that ran (execute/train_loop.py)
     return Repetition(
         measured_iteration_time_s=statistics.median(per_step),
         measured_steps=len(per_step),
         losses=tuple(sum(r.steps[k].loss for r in results) for k in range(steps)),
         per_rank=tuple(_rank_summary(r, m, sim_devices) for r, m in zip(results, measured)),
         loss_scales=tuple(float(s) for s in scales if s is not None) if scales and scales[0] is not None else None,
+        training=first.training,
+        learning_rates=tuple(s.lr for s in first.steps) if trained else None,
+        grad_norms=tuple(s.grad_norm for s in first.steps) if trained else None,
+        evaluations=first.evaluations,
     )
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from heterog.ir.kinds import PipelineSchedule, SyncMethod
 from heterog.search.estimate import estimate
 from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
@@ -46,14 +47,14 @@ def single_device(prob: Problem) -> Strategy:
     return best
 
 
-def even_dp(prob: Problem, sync: str = "ring") -> Strategy:
+def even_dp(prob: Problem, sync: SyncMethod = SyncMethod.RING) -> Strategy:
     devs = tuple(_dp_devices(prob))
     n = len(devs)
     if n == 1:
         return single_device(prob)
     share = tuple([1.0 / n] * n)
-    if sync == "ps":
-        return Strategy(tuple(Placement(devs, share, "ps", devs[g % n]) for g in range(prob.n_groups)))
+    if sync == SyncMethod.PS:
+        return Strategy(tuple(Placement(devs, share, SyncMethod.PS, devs[g % n]) for g in range(prob.n_groups)))
     return _uniform(prob, Placement(devs, share, sync))
 
 
@@ -63,7 +64,7 @@ def proportional_dp(prob: Problem) -> Strategy:
         return single_device(prob)
     speed = 1.0 / prob.device_time_per_sample_s[devs]
     shares = speed / speed.sum()
-    return _uniform(prob, Placement(tuple(devs), tuple(float(x) for x in shares), "ring"))
+    return _uniform(prob, Placement(tuple(devs), tuple(float(x) for x in shares), SyncMethod.RING))
 
 
 def node_dp_starts(prob: Problem) -> list[Strategy]:
@@ -77,7 +78,7 @@ def node_dp_starts(prob: Problem) -> list[Strategy]:
         if 1 < len(devs) < prob.n_devices:
             speed = 1.0 / prob.device_time_per_sample_s[devs]
             shares = tuple(float(x) for x in speed / speed.sum())
-            out.append(_uniform(prob, Placement(tuple(devs), shares, "ring")))
+            out.append(_uniform(prob, Placement(tuple(devs), shares, SyncMethod.RING)))
     return out
 
 
@@ -144,7 +145,7 @@ def _staged(prob: Problem, blocks: list[list[int]], ranges: list[tuple[int, int]
     for devs, (a, b) in zip(blocks, ranges):
         groups = list(range(a, b))
         d, sh = balanced_shares(prob, groups, devs, microbatches=microbatches)
-        p = Placement(d, sh, "ring" if len(d) > 1 else "none")
+        p = Placement(d, sh, SyncMethod.RING if len(d) > 1 else SyncMethod.NONE)
         for g in groups:
             placements[g] = p
     return Strategy(tuple(placements), microbatches)
@@ -168,7 +169,7 @@ def model_parallel(prob: Problem) -> Strategy:
     return single_device(prob)
 
 
-def pipeline(prob: Problem, schedule: str = "gpipe") -> Strategy:
+def pipeline(prob: Problem, schedule: PipelineSchedule = PipelineSchedule.GPIPE) -> Strategy:
     """Stages over blocks of devices (2, 4, 8, … stages), uneven layer split, best micro-batch
     count. With schedule='1f1b' a stage holds only its in-flight micro-batches' activations."""
     candidates: list[Strategy] = []
@@ -178,7 +179,7 @@ def pipeline(prob: Problem, schedule: str = "gpipe") -> Strategy:
         splits: dict[float, list[tuple[int, int]] | None] = {}
         for m in MICROBATCH_CHOICES:
             if m > 1 and prob.batch_size % m == 0 and prob.batch_size // m >= max(len(b) for b in blocks):
-                frac = 1.0 if schedule == "gpipe" else min(m, k) / m
+                frac = 1.0 if schedule == PipelineSchedule.GPIPE else min(m, k) / m
                 if frac not in splits:
                     splits[frac] = partition_stages(prob, blocks, frac)
                 ranges = splits[frac]
@@ -191,8 +192,8 @@ def pipeline(prob: Problem, schedule: str = "gpipe") -> Strategy:
 
 BASELINE_BUILDERS: dict[str, Callable[[Problem], Strategy]] = {
     "single-device": single_device,
-    "even-dp-allreduce": lambda p: even_dp(p, "ring"),
-    "even-dp-ps": lambda p: even_dp(p, "ps"),
+    "even-dp-allreduce": lambda p: even_dp(p, SyncMethod.RING),
+    "even-dp-ps": lambda p: even_dp(p, SyncMethod.PS),
     "proportional-dp": proportional_dp,
     "model-parallel": model_parallel,
     "pipeline": pipeline,

@@ -1,7 +1,7 @@
 """What the executor can cut, as the search needs it: a model's CutConstraints, cached.
 
-The executor splits a model at group boundaries through torch.export (execute/partition.py).
-Two things there constrain a plan (execute/split_export.py `CutConstraints`): nodes that
+The executor splits a model at group boundaries through torch.export (cut/partition.py).
+Two things there constrain a plan (cut/split_export.py `CutConstraints`): nodes that
 depend on no input data run in their consumers' groups whatever the plan says
 (`follow_consumers`), and a value without a sample dimension that needs a gradient (a batch
 statistic) cannot cross between groups of different placements (`same_placement`). A model
@@ -27,6 +27,10 @@ from typing import Any
 
 import torch
 
+from heterog.capture.cache import load_json, model_key, store_json
+from heterog.capture.zoo import get_zoo_model
+from heterog.cut.split_export import cut_constraints
+from heterog.errors import ModelError
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -61,10 +65,6 @@ def _key(spec: ModelSpec) -> str:
 
 def model_cuts(spec: ModelSpec) -> ModelCuts:
     """Export `spec`'s model once (meta device first, then CPU) and read its constraints."""
-    from heterog.capture.zoo import get_zoo_model
-    from heterog.errors import ModelError
-    from heterog.execute.split_export import cut_constraints
-
     try:
         entry = get_zoo_model(spec.name)
     except ModelError as e:  # e.g. a model held in memory: the executor cannot build it anyway
@@ -90,14 +90,12 @@ def model_cuts(spec: ModelSpec) -> ModelCuts:
 
 
 # the code a model's cuts depend on: the models, their export and the rules read from it
-CUTS_CODE = ("capture", "ir", "execute/split_export.py", "search/constraints.py")
+CUTS_CODE = ("capture", "ir", "cut/split_export.py", "search/constraints.py")
 
 
 def stored_model_cuts(spec: ModelSpec) -> ModelCuts:
     """model_cuts through the on-disk store of capture/cache.py: a model is exported once per
     machine, not once per command."""
-    from heterog.capture.cache import load_json, model_key, store_json
-
     key = model_key("cuts", spec.name, spec.args, code=CUTS_CODE, seq_len=spec.seq_len)
     doc = load_json("cuts", key)
     if isinstance(doc, dict):

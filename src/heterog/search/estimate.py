@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.ir.kinds import PipelineSchedule, SyncMethod
 from heterog.lower.blocks import gradient_buckets, overlaps, stage_limits
 from heterog.search.problem import BUCKET_BYTES, Placement, Problem, Strategy
 
@@ -199,7 +200,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     peak = np.zeros(prob.n_devices)
     work = np.zeros(prob.n_devices)
     inflight = np.full(prob.n_devices, float(M))  # GPipe: every micro-batch's activations are live
-    if s.schedule == "1f1b" and M > 1:  # the lowering's 1F1B window: p − s on stage s
+    if s.schedule == PipelineSchedule.ONE_F_ONE_B and M > 1:  # the lowering's 1F1B window: p − s on stage s
         for d, limit in stage_limits([tuple(P[g].devices) for g in range(G)]).items():
             inflight[d] = min(M, limit)
     for g in range(G):
@@ -207,7 +208,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
         act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local
         np.add.at(peak, dev[g], prob.persistent_bytes[g, cls[g]] + act)
         np.maximum.at(work, dev[g], prob.workspace_per_sample[g] * shares[g] * b_m)
-        if P[g].sync == "ps" and P[g].ps is not None and len(P[g].devices) > 1:
+        if P[g].sync == SyncMethod.PS and P[g].ps is not None and len(P[g].devices) > 1:
             # the server holds its copy and the sum (sync_tasks._server_state), each other
             # replica the buffer the parameters come back in
             peak[P[g].ps] += 2 * prob.grad_bytes[g]

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from heterog.cli.output import human_bytes, human_time
+from heterog.fmt import human_bytes, human_time
+from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.plan import Plan
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _microbatch_note(plan: Plan, segments: list[tuple[int, int]], sim) -> str:
     stages = list(dict.fromkeys(tuple(r.device for r in plan.groups[a].replicas) for a, _ in segments))
     m, sched = plan.num_microbatches, plan.schedule
     if len(stages) == 1:
-        if sched == "1f1b":
+        if sched == PipelineSchedule.ONE_F_ONE_B:
             return (
                 f"{m} micro-batches accumulate gradients (1F1B on one stage): only one micro-batch's "
                 f"activations are live at a time, which lowers peak memory."
@@ -80,7 +81,7 @@ def _microbatch_note(plan: Plan, segments: list[tuple[int, int]], sim) -> str:
             f"; each stage's busiest device computes {_percent_range(per_stage)} of the iteration, "
             f"the rest is pipeline fill and drain, transfers and syncs"
         )
-    if sched == "1f1b":
+    if sched == PipelineSchedule.ONE_F_ONE_B:
         line += "; 1F1B keeps at most p − s micro-batches in flight at stage s of p, which bounds activation memory"
     return line + "."
 

@@ -21,6 +21,7 @@ from itertools import accumulate
 
 from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpGraph
 from heterog.lower.blocks import sent_once
 from heterog.search.constraints import ModelCuts
@@ -40,7 +41,7 @@ def node_weights_s(graph: OpGraph, cluster: Cluster, costs: CostModel) -> list[f
     b = float(graph.batch_size)
     out = []
     for n in graph.nodes:
-        t = costs.compute_time_s(n.name, ref, b, "fwd") + costs.compute_time_s(n.name, ref, b, "bwd")
+        t = costs.compute_time_s(n.name, ref, b, Phase.FORWARD) + costs.compute_time_s(n.name, ref, b, Phase.BACKWARD)
         out.append(t + 2.0 * n.param_bytes * per_byte_s)
     return out
 

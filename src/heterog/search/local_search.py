@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from heterog.ir.kinds import PipelineSchedule, SyncMethod
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
@@ -64,13 +65,13 @@ def _reshaped(
         prob, range(a, b), sorted(set(devices)), microbatches=s.microbatches, recompute=recompute
     )
     if len(devs) == 1:
-        sync, ps = "none", None
+        sync, ps = SyncMethod.NONE, None
     else:
-        if sync == "none":
-            sync = "ring"
-        if sync == "ps" and ps not in devs:
+        if sync == SyncMethod.NONE:
+            sync = SyncMethod.RING
+        if sync == SyncMethod.PS and ps not in devs:
             ps = devs[0]
-        if sync != "ps":
+        if sync != SyncMethod.PS:
             ps = None
     return _with(s, a, b, Placement(devs, shares, sync, ps, recompute))
 
@@ -122,7 +123,7 @@ class Annealer:
                 # VGG result: fully connected layers on one device, convolutions replicated)
                 a = rng.choices(range(prob.n_groups), weights=self.grad_weights)[0]
                 b = a + 1
-            return _reshaped(prob, s, a, b, [self._device()], "none", None, s.placements[a].recompute)
+            return _reshaped(prob, s, a, b, [self._device()], SyncMethod.NONE, None, s.placements[a].recompute)
         if kind == "merge":
             g = rng.randrange(prob.n_groups)
             nb = g - 1 if (g == prob.n_groups - 1 or (g > 0 and rng.random() < 0.5)) else g + 1
@@ -156,11 +157,15 @@ class Annealer:
             if len(p.devices) < 2:
                 return s
             sync = rng.choice(SYNC_CHOICES)
-            ps = rng.choice(p.devices) if sync == "ps" else None
+            ps = rng.choice(p.devices) if sync == SyncMethod.PS else None
             return _with(s, a, b, replace(p, sync=sync, ps=ps))
         if kind == "micro":
             if rng.random() < 0.3:
-                return Strategy(s.placements, s.microbatches, "1f1b" if s.schedule == "gpipe" else "gpipe")
+                return Strategy(
+                    s.placements,
+                    s.microbatches,
+                    PipelineSchedule.ONE_F_ONE_B if s.schedule == PipelineSchedule.GPIPE else PipelineSchedule.GPIPE,
+                )
             return Strategy(s.placements, rng.choice(self.microbatch_choices), s.schedule)
         if kind == "nudge":
             # the LP balances compute only; moving a few samples between two replicas can pay
@@ -179,11 +184,11 @@ class Annealer:
             new_p = Placement(
                 devs,
                 tuple(shares[k] / total for k in keep),
-                p.sync if len(devs) > 1 else "none",
+                p.sync if len(devs) > 1 else SyncMethod.NONE,
                 p.ps if len(devs) > 1 and p.ps in devs else None,
                 p.recompute,
             )
-            if new_p.sync == "ps" and new_p.ps is None:
+            if new_p.sync == SyncMethod.PS and new_p.ps is None:
                 new_p = replace(new_p, ps=devs[0])
             return _with(s, a, b, new_p)
         if kind == "recompute":

@@ -9,6 +9,7 @@ all feasible candidates, so it is never worse than a baseline as the simulator s
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -17,8 +18,11 @@ from typing import Any
 import numpy as np
 
 from heterog.cost.model import CostModel
+from heterog.cost.precision import precision_advice
 from heterog.errors import InfeasibleError, PlanError, did_you_mean
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.spec import cluster_to_dict
+from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
@@ -28,6 +32,7 @@ from heterog.search.estimate import Estimate, estimate
 from heterog.search.grouping import make_groups
 from heterog.search.local_search import Annealer
 from heterog.search.problem import Problem, Strategy
+from heterog.simulate.priorities import assign_priorities
 
 CANDIDATES = (
     "single-device",
@@ -108,8 +113,6 @@ def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[Plan, flo
     faster of the two is kept, so the prediction is for the plan exactly as returned."""
     sim = _simulator()
     if sim is not None:
-        from heterog.simulate.priorities import assign_priorities
-
         best = None
         # ranking a 1024-device plan's nodes costs seconds; large plans keep graph order
         variants = (
@@ -140,6 +143,7 @@ def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[Plan, flo
 def _load_policy(policy: Any):
     if policy is False:
         return None
+    # torch_geometric takes seconds to import: only when a GNN policy is used
     from heterog.search.gnn.policy import load_policy
 
     return load_policy(policy)
@@ -253,8 +257,7 @@ def plan_graph(
     gnn_props: list[Strategy] = []
     if pol is not None:
         if finetune_s > 0:
-            import copy
-
+            # torch_geometric takes seconds to import: only when a GNN policy is used
             from heterog.search.gnn.train import TrainConfig, train
 
             pol = copy.deepcopy(pol)
@@ -275,7 +278,11 @@ def plan_graph(
     verify = simulator_scorer(prob) if (have_sim and not use_sim and scorer != "estimate") else None
     # the search also starts from a 1F1B pipeline: far less activation memory per stage, the
     # way into models that no baseline fits; and from data parallelism inside each node
-    starts = [strategies[n] for n in BASELINE_BUILDERS] + [pipeline(prob, "1f1b")] + node_dp_starts(prob)
+    starts = (
+        [strategies[n] for n in BASELINE_BUILDERS]
+        + [pipeline(prob, PipelineSchedule.ONE_F_ONE_B)]
+        + node_dp_starts(prob)
+    )
     searched = Annealer(prob, seed, scorer=score_fn, verifier=verify).run(
         starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f)
     )
@@ -294,8 +301,6 @@ def plan_graph(
     for name in ("search", "gnn", "gnn+search"):
         if name in strategies:
             candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, []), limit))
-    from heterog.hardware.spec import cluster_to_dict
-
     cluster_doc = cluster_to_dict(prob.cluster)
     ordered = [_runnable(prob, candidates[n], cluster_doc) for n in CANDIDATES if n in candidates]
     feasible = [c for c in ordered if c.feasible]
@@ -327,8 +332,6 @@ def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candi
 def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Plan:
     """Attach the explanation (prediction and cluster came with _runnable, priorities with
     scoring), and how the devices run the plan's precision (cost/precision.py)."""
-    from heterog.cost.precision import precision_advice
-
     plan = replace(
         winner.plan,
         notes=tuple(explain.notes(prob, winner, candidates))

@@ -19,13 +19,14 @@ import numpy as np
 from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
 from heterog.ir.affine import Affine
+from heterog.ir.kinds import Phase, PipelineSchedule, SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica, split_samples
 from heterog.lower.context import SimCache, device_class_key
 from heterog.search.constraints import ModelCuts
 from heterog.search.grouping import group_graph
 
-SYNC_CHOICES = ("ring", "tree", "hierarchical", "ps")
+SYNC_CHOICES = (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL, SyncMethod.PS)
 BUCKET_BYTES = Plan.__dataclass_fields__["bucket_bytes"].default  # gradient bucket of the plans we emit
 
 
@@ -35,7 +36,7 @@ class Placement:
 
     devices: tuple[int, ...]
     shares: tuple[float, ...]
-    sync: str = "none"
+    sync: SyncMethod = SyncMethod.NONE
     ps: int | None = None
     recompute: bool = False
 
@@ -48,7 +49,9 @@ class Placement:
 class Strategy:
     placements: tuple[Placement, ...]
     microbatches: int = 1
-    schedule: str = "gpipe"  # or '1f1b': same bubble, fewer micro-batches in flight per stage
+    schedule: PipelineSchedule = (
+        PipelineSchedule.GPIPE
+    )  # or '1f1b': same bubble, fewer micro-batches in flight per stage
 
     def key(self) -> tuple:
         """Identity for de-duplication (shares rounded so float noise does not count)."""
@@ -119,7 +122,7 @@ class Problem:
         nodes = {n.name: n for n in self.graph.nodes}
         for g, names in enumerate(self.groups):
             for ci, rep in enumerate(self.class_rep):
-                for arr, phase in ((self.fwd, "fwd"), (self.bwd, "bwd")):
+                for arr, phase in ((self.fwd, Phase.FORWARD), (self.bwd, Phase.BACKWARD)):
                     lo = sum(self.costs.compute_time_s(n, rep, b_lo, phase) for n in names)
                     hi = sum(self.costs.compute_time_s(n, rep, B, phase) for n in names)
                     a = _fit(lo, hi, b_lo, B)
@@ -191,7 +194,7 @@ class Problem:
             names = [self.device_names[i] for i in p.devices]
 
             def t(b: float) -> float:
-                if p.sync == "ps":
+                if p.sync == SyncMethod.PS:
                     return self.costs.ps_sync_time_s(b, names, self.device_names[p.ps])
                 return self.costs.collective_time_s("allreduce", b, names, p.sync)
 
@@ -213,12 +216,12 @@ class Problem:
         shares = tuple(counts[i] / microbatch_samples for i in keep)
         sync, ps = p.sync, p.ps
         if len(devs) == 1:
-            sync, ps = "none", None
-        elif sync == "none":
-            sync = "ring"
-        if sync == "ps" and ps is None:
+            sync, ps = SyncMethod.NONE, None
+        elif sync == SyncMethod.NONE:
+            sync = SyncMethod.RING
+        if sync == SyncMethod.PS and ps is None:
             ps = devs[0]
-        return Placement(devs, shares, sync, ps if sync == "ps" else None, p.recompute)
+        return Placement(devs, shares, sync, ps if sync == SyncMethod.PS else None, p.recompute)
 
     def finalize(self, s: Strategy) -> Strategy:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
@@ -236,7 +239,7 @@ class Problem:
                     nodes=tuple(names),
                     replicas=replicas,
                     sync=p.sync,
-                    ps_device=self.device_names[p.ps] if p.sync == "ps" else None,
+                    ps_device=self.device_names[p.ps] if p.sync == SyncMethod.PS else None,
                     recompute=p.recompute,
                 )
             )

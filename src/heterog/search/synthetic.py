@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import GpuType
 from heterog.ir.affine import Affine
+from heterog.ir.kinds import Phase, SyncMethod
 from heterog.ir.opgraph import OpEdge, OpGraph, OpNode
 
 GIB = 2**30
@@ -171,17 +172,17 @@ class TableCostModel:
         self._node = {n.name: n for n in self.graph.nodes}
         self._edge = {(e.src, e.dst): e.bytes for e in self.graph.edges}
 
-    def compute_time_s(self, node: str, device: str, batch: float, phase: str) -> float:
+    def compute_time_s(self, node: str, device: str, batch: float, phase: Phase) -> float:
         if batch <= 0:
             return 0.0
         n = self._node[node]
         gt = self.cluster.gpu(device)
         dev = self.cluster.device(device)
-        flops = (n.fwd_flops if phase == "fwd" else n.bwd_flops).at(batch)
-        nbytes = (n.fwd_bytes if phase == "fwd" else n.bwd_bytes).at(batch)
+        flops = (n.fwd_flops if phase == Phase.FORWARD else n.bwd_flops).at(batch)
+        nbytes = (n.fwd_bytes if phase == Phase.FORWARD else n.bwd_bytes).at(batch)
         peak = gt.peak_flops_per_s["fp32" if self.precision == "fp32" else "bf16"] * COMPUTE_EFFICIENCY
         t = max(flops / peak, nbytes / gt.memory_bandwidth_bytes_per_s)
-        kernels = n.fwd_kernels if phase == "fwd" else n.bwd_kernels
+        kernels = n.fwd_kernels if phase == Phase.FORWARD else n.bwd_kernels
         return (t + kernels * KERNEL_OVERHEAD_S) * dev.slowdown
 
     def optimizer_time_s(self, nodes: Sequence[str], device: str) -> float:
@@ -204,13 +205,13 @@ class TableCostModel:
         lat = max(self.cluster.latency_s(a, b) for a, b in zip(ring, ring[1:] + ring[:1]))
         return bw, lat
 
-    def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = "ring") -> float:
+    def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = SyncMethod.RING) -> float:
         n = len(devices)
         if n <= 1 or nbytes <= 0:
             return 0.0
         bw, lat = self._ring_bandwidth(devices)
         factor = 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
-        steps = 2 * (n - 1) if method == "ring" else 2 * max(1, (n - 1).bit_length())
+        steps = 2 * (n - 1) if method == SyncMethod.RING else 2 * max(1, (n - 1).bit_length())
         return steps * lat + factor * nbytes / bw
 
     def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:

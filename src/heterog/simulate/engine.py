@@ -122,12 +122,12 @@ def _resources(tasks: Tasks, info: ClusterInfo):
 def comm_link_sets(tasks: Tasks, info: ClusterInfo) -> tuple[np.ndarray, np.ndarray]:
     """The communication tasks that hold links, in id order, and their link sets' numbers
     (info.link_sets), made once per schedule."""
-    hit = tasks.scratch.get("link_sets")
+    hit = tasks.link_sets
     if hit is None or hit[0] != info.link_sets.generation:
         links = tasks.links
         comm_ids = [t for t in sorted(tasks.comm) if links[t]]
         sets = info.link_sets.ids([links[t] for t in comm_ids])
-        hit = tasks.scratch["link_sets"] = (info.link_sets.generation, np.array(comm_ids, dtype=np.int64), sets)
+        hit = tasks.link_sets = (info.link_sets.generation, np.array(comm_ids, dtype=np.int64), sets)
     return hit[1], hit[2]
 
 

@@ -113,8 +113,8 @@ def _traffic(tasks, info, used: list[int]) -> Traffic:
     names = info.devices
     return Traffic(
         communication_time_s={names[d]: comm[d] for d in used},
-        link_bytes={info.links[l]: b for l, b in sorted(_link_bytes(tasks, info).items())},
-        link_busy_time_s={info.links[l]: b for l, b in busy.items()},
+        link_bytes={info.links[link]: b for link, b in sorted(_link_bytes(tasks, info).items())},
+        link_busy_time_s={info.links[link]: b for link, b in busy.items()},
     )
 
 
@@ -128,8 +128,8 @@ def _link_bytes(tasks, info) -> dict[int, float]:
     for s, load in tasks.sync_loads.items():
         per_load.setdefault(id(load), [load, 0.0])[1] += tasks.comm[s][1]
     for load, nbytes in per_load.values():
-        for l, share in load.items():
-            out[l] = out.get(l, 0.0) + share * nbytes
+        for link, share in load.items():
+            out[link] = out.get(link, 0.0) + share * nbytes
     return out
 
 
@@ -177,5 +177,5 @@ def _events(tasks, info, start, end):
             continue
         for m in tasks.comm[t][0]:
             yield SimEvent(label, cat, names[m], s, e, t)
-        for l in tasks.links[t]:
-            yield SimEvent(label, cat, f"link:{links[l]}", s, e, t)
+        for link in tasks.links[t]:
+            yield SimEvent(label, cat, f"link:{links[link]}", s, e, t)

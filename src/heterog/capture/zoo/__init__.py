@@ -14,8 +14,10 @@ import functools
 import inspect
 from typing import Any
 
+import torch
+
 from heterog.capture.models import MODEL_INFO, is_user_model, unknown_model_error
-from heterog.capture.zoo import hf, inception, mobilenet, resnet, seq2seq, small, vgg, vit
+from heterog.capture.zoo import hf, inception, mobilenet, nasnet, resnet, seq2seq, small, vgg, vit
 from heterog.capture.zoo.base import ZooModel, classification_loss, image_batch, token_batch
 from heterog.errors import ModelError
 from heterog.ir.plan import in_memory_model_error
@@ -67,8 +69,6 @@ def _entries() -> list[ZooModel]:
 
 
 def _nasnet(num_classes: int = 1000):
-    from heterog.capture.zoo import nasnet
-
     return nasnet.nasnet_mobile(num_classes)
 
 
@@ -106,8 +106,6 @@ def _load_user_model(spec: str) -> ZooModel:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
     def make(batch_size: int, seq_len: int | None, device: Any, **args: Any):
-        import torch
-
         extra = args if takes_any else {k: v for k, v in args.items() if k in params}  # --model-arg values
         with torch.device(device):
             inputs, targets = batch_fn(batch_size, seq_len, **extra) if takes_seq else batch_fn(batch_size, **extra)

@@ -94,10 +94,18 @@ def image_batch(image_size: int, num_classes: int = 1000) -> Callable[..., tuple
     return make
 
 
+def sequence_length(seq_len: int | None) -> int:
+    """`seq_len`, which a sequence model's batch needs (the zoo gives each its default)."""
+    if seq_len is None:
+        raise ModelError("a sequence model needs a sequence length: give --seq-len (seq_len in the API).")
+    return seq_len
+
+
 def token_batch(vocab_arg: str, default_vocab: int) -> Callable[..., tuple[tuple[Any, ...], Any]]:
     """Next-token / masked-token data: ids and targets of shape (batch, seq)."""
 
     def make(batch_size: int, seq_len: int | None, device: Any, **args: Any):
+        seq_len = sequence_length(seq_len)
         vocab = args.get(vocab_arg, default_vocab)
         ids = torch.randint(0, vocab, (batch_size, seq_len), device=device)
         return (ids,), torch.randint(0, vocab, (batch_size, seq_len), device=device)

@@ -13,6 +13,7 @@ use_cache=False: training keeps no KV cache.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from torch import nn
 
@@ -20,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def _finish(model: nn.Module) -> nn.Module:
+def _finish(model: Any) -> nn.Module:  # a transformers PreTrainedModel
     model.config.use_cache = False
     return model
 
@@ -35,6 +36,7 @@ def gpt2(
 ) -> nn.Module:
     """GPT-2 (Radford et al., 2019) with the LM head tied to the token embedding; `dropout`
     on embeddings and residual branches (0 makes training deterministic, for tests)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
@@ -62,6 +64,7 @@ def bert(
     dropout: float = 0.1,
 ) -> nn.Module:
     """BERT with its masked-LM head (Devlin et al., 2019); defaults: BERT-large."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(
@@ -82,6 +85,7 @@ def xlnet(
     hidden: int = 1024, layers: int = 24, heads: int = 16, ffn: int = 4096, vocab: int = 32000, dropout: float = 0.1
 ) -> nn.Module:
     """XLNet with its LM head (Yang et al., 2019); defaults: XLNet-large."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import XLNetConfig, XLNetLMHeadModel
 
     cfg = XLNetConfig(
@@ -109,6 +113,7 @@ def llama(
     tie: bool = False,
 ) -> nn.Module:
     """A Llama-architecture decoder (RMSNorm, SwiGLU, rotary positions, grouped KV heads)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(

@@ -14,9 +14,12 @@ import torch
 from torch import nn
 
 from heterog.capture.zoo.attention import CrossAttention, SelfAttention
+from heterog.capture.zoo.base import sequence_length
 
 
 class SinusoidalPositions(nn.Module):
+    table: torch.Tensor  # a buffer
+
     def __init__(self, dim: int, max_len: int = 4096):
         super().__init__()
         pos = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)
@@ -113,6 +116,7 @@ def transformer(
 def translation_batch(batch_size: int, seq_len: int | None, device, **args):
     """Source and shifted target ids of seq_len tokens each; targets are the next tokens."""
     vocab = args.get("vocab", 37000)
+    seq_len = sequence_length(seq_len)
     src = torch.randint(0, vocab, (batch_size, seq_len), device=device)
     tgt = torch.randint(0, vocab, (batch_size, seq_len), device=device)
     return (src, tgt), torch.randint(0, vocab, (batch_size, seq_len), device=device)

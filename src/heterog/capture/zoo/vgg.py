@@ -6,7 +6,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_CFG_E = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
+_CFG_E: list[int | str] = [
+    64,
+    64,
+    "M",
+    128,
+    128,
+    "M",
+    256,
+    256,
+    256,
+    256,
+    "M",
+    512,
+    512,
+    512,
+    512,
+    "M",
+    512,
+    512,
+    512,
+    512,
+    "M",
+]
 
 
 class VGG(nn.Module):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from heterog.ir.kinds import SyncMethod
 from heterog.search.problem import Placement, Problem
 
 GROUP_FEATURES = 9
@@ -60,7 +61,7 @@ def build_features(prob: Problem) -> Features:
     act = prob.act_per_sample[:, 0] * B
     sync_all = np.array(
         [
-            prob.sync_time_s(g, Placement(tuple(range(n)), tuple([1.0 / n] * n), "ring")) if n > 1 else 0.0
+            prob.sync_time_s(g, Placement(tuple(range(n)), tuple([1.0 / n] * n), SyncMethod.RING)) if n > 1 else 0.0
             for g in range(G)
         ]
     )

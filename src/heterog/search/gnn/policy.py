@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from heterog.errors import ArtifactError
+from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import split_samples
 from heterog.search.gnn.features import Features, build_features
 from heterog.search.gnn.model import (
@@ -119,7 +120,7 @@ def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strateg
             devs = tuple(node_members[act - 2][: prob.batch_size])
         else:
             devs = (act - 2 - n_nodes,)
-        sync = "none" if len(devs) == 1 else ("ps" if int(a.sync[g]) == 1 else "ring")
+        sync = SyncMethod.NONE if len(devs) == 1 else (SyncMethod.PS if int(a.sync[g]) == 1 else SyncMethod.RING)
         choice.append((devs, sync, SHARE_PATTERNS[int(a.share[g])]))
     micro = MICROBATCH_OPTIONS[int(a.micro)]
     if prob.batch_size % micro:
@@ -134,11 +135,11 @@ def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strateg
         d, sh = pattern_shares(prob, range(g, end + 1), devs, pattern, micro)
         if len(d) == 1:
             p = Placement(d, sh)
-        elif sync == "ps":
+        elif sync == SyncMethod.PS:
             server = max(d, key=lambda i: float(scores[g, i]))
-            p = Placement(d, sh, "ps", server)
+            p = Placement(d, sh, SyncMethod.PS, server)
         else:
-            p = Placement(d, sh, "ring")
+            p = Placement(d, sh, SyncMethod.RING)
         placements.extend([p] * (end - g + 1))
         g = end + 1
     return Strategy(tuple(placements), micro)

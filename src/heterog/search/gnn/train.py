@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heterog.capture import capture_model
+from heterog.cost import build_cost_model
+from heterog.errors import ModelError
+from heterog.hardware.spec import load_cluster
 from heterog.search.baselines import BASELINE_BUILDERS
 from heterog.search.estimate import estimate
 from heterog.search.gnn.features import Features, build_features
@@ -86,11 +90,6 @@ DEFAULT_CLUSTERS = ("paper-8gpu", "mixed-16")
 
 def zoo_problems(models: Sequence[str], clusters: Sequence[str], *, max_groups: int = 16) -> list[Problem]:
     """Real training problems: captured zoo models, the analytic cost model, built-in clusters."""
-    from heterog.capture import capture_model
-    from heterog.cost import build_cost_model
-    from heterog.errors import ModelError
-    from heterog.hardware.spec import load_cluster
-
     out = []
     for spec in models:
         parts = spec.split(":")

@@ -13,18 +13,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from heterog.cut.split_export import ExportedModel, LayoutKind, nearest_name
 from heterog.errors import PlanError
-from heterog.execute.split_export import ExportedModel, LayoutKind, nearest_name
 from heterog.ir.plan import Plan
 
 
 def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _in_stage(copies: dict[tuple[fx.Node, int], fx.Node], stage: int) -> Callable[[fx.Node], fx.Node]:
+    """Maps an argument node to its copy in `stage` (itself where it has none)."""
+    return lambda a: copies.get((a, stage), a)
 
 
 def replicate_per_stage(
@@ -55,19 +61,19 @@ def replicate_per_stage(
         for s, g in sorted(need[n].items(), reverse=True):
             if s == first:  # the original stays, reading the replicable inputs of its stage
                 copy = n
-                n.args = fx.node.map_arg(n.args, lambda a, s=s: copies.get((a, s), a))
-                n.kwargs = fx.node.map_arg(n.kwargs, lambda a, s=s: copies.get((a, s), a))
+                n.args = fx.node.map_arg(n.args, _in_stage(copies, s))
+                n.kwargs = fx.node.map_arg(n.kwargs, _in_stage(copies, s))
             else:
                 with gm.graph.inserting_after(n):
-                    copy = gm.graph.node_copy(n, lambda a, s=s: copies.get((a, s), a))
+                    copy = gm.graph.node_copy(n, _in_stage(copies, s))
                 copy.meta = n.meta
             copies[(n, s)] = copy
             seg[copy], assign[copy] = s, g
     for u in list(gm.graph.nodes):
         if u in seg and u not in need:
             s = seg[u]
-            u.args = fx.node.map_arg(u.args, lambda a: copies.get((a, s), a))
-            u.kwargs = fx.node.map_arg(u.kwargs, lambda a: copies.get((a, s), a))
+            u.args = fx.node.map_arg(u.args, _in_stage(copies, s))
+            u.kwargs = fx.node.map_arg(u.kwargs, _in_stage(copies, s))
     crossing = [
         (a.name, u.name)
         for u in gm.graph.nodes

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,7 +141,7 @@ class DeviceProfile(Artifact, kind=KIND, version=SCHEMA_VERSION):
         )
 
     @staticmethod
-    def from_shared_files(paths: list[str | Path], device_type: str) -> DeviceProfile:
+    def from_shared_files(paths: Sequence[str | Path], device_type: str) -> DeviceProfile:
         """A profile from files in the format of the project's shared measurements: a
         micro-benchmark file ('matmul' rows with m/n/k, dtype, median_ms; 'copy' with gbps)
         and/or a steps file ('steps' rows with name, batch_size, seq_len, mode, median_ms,

@@ -34,11 +34,11 @@ The rule (hardware.gputype.PublicFigures holds the inputs):
 - **Memory**: memory_efficiency of the data-sheet bandwidth — what the measured layers'
   memory-bound kernels (layer norm, softmax, dropout) reach, not a copy's best.
 - **Small kernels**: the H200's measured curve, shifted by the square root of the ratio of
-  compute units (cost/efficiency.py `gpu_curve`): a product saturates a GPU once it has a
+  compute units (hardware/efficiency.py `gpu_curve`): a product saturates a GPU once it has a
   tile for every unit.
 
 The type's `compute[p]` factor is its plateau over the H200 sweep's plateau at p, since every
-type's curve is the H200's scaled (cost/efficiency.py).
+type's curve is the H200's scaled (hardware/efficiency.py).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class PublicModel:
 
     def efficiency(self, gpu: GpuType) -> Efficiency:
         """The type's Efficiency, derived (compute factors relative to the H200 sweep)."""
-        from heterog.cost.efficiency import h200_plateau
+        # catalog.py and efficiency.py derive a type's efficiency with this module: a cycle
+        from heterog.hardware.efficiency import h200_plateau
 
         pub = _public(gpu)
         compute = {
@@ -124,7 +125,7 @@ class PublicModel:
         return Efficiency(
             compute=compute,
             memory=self.memory_efficiency,
-            source=f"derived from public figures (cost/public_model.py): {base} of "
+            source=f"derived from public figures (hardware/public_model.py): {base} of "
             f"{pub.boost_clock_mhz:g} MHz boost, {pub.compute_units} compute units, "
             f"{pub.tensor_cores} tensor cores; the catalog's public_model constants",
         )
@@ -142,6 +143,7 @@ def _public(gpu: GpuType) -> PublicFigures:
 @lru_cache(maxsize=1)
 def packaged_public_model() -> PublicModel:
     """The constants shipped in catalog.yaml."""
+    # catalog.py and efficiency.py derive a type's efficiency with this module: a cycle
     from heterog.hardware.catalog import catalog_document
 
     return PublicModel.from_dict(catalog_document()["public_model"])

@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from heterog.capture.zoo import get_zoo_model
 from heterog.errors import DataError, ModelError
 from heterog.ir.plan import ModelSpec
+from heterog.training import DEFAULT_LR, Recipe
 from heterog.userfile import load_user_module
 
 
@@ -53,8 +56,6 @@ def _from_zoo_like(name: str, entry: Any, args: dict[str, Any], seq_len: int | N
 
 def resolve_workload(model: ModelSpec) -> Workload:
     """The Workload a plan's ModelSpec names (zoo name or 'path/file.py:factory')."""
-    from heterog.capture.zoo import get_zoo_model
-
     entry = get_zoo_model(model.name)
     seq_len = model.seq_len or getattr(entry, "default_seq_len", None)
     return _from_zoo_like(model.name, entry, dict(model.args), seq_len)
@@ -195,8 +196,6 @@ def to_device(value: Any, device: torch.device) -> Any:
     """Every tensor in a (nested) batch moved to `device` (a no-op on the CPU)."""
     if device.type == "cpu":
         return value
-    from torch.utils._pytree import tree_map
-
     return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, value)
 
 
@@ -219,17 +218,13 @@ def slice_batch(value: Any, start: int, stop: int) -> Any:
     return value
 
 
-# The optimizer recipe every rank and the reference share; plans name only the kind.
-SGD_LR = 0.05
-ADAMW_LR = 1e-3
+# The optimizer every rank and the reference share without training options; plans name only
+# the kind (heterog/training.py holds the recipe with the user's options).
+SGD_LR = DEFAULT_LR["sgd"]
+ADAMW_LR = DEFAULT_LR["adamw"]
 
 
 def make_optimizer(params: list[nn.Parameter], kind: str) -> torch.optim.Optimizer | None:
-    """A local optimizer over this rank's parameters (None when the rank holds none)."""
-    if not params:
-        return None
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=SGD_LR)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=ADAMW_LR)
-    raise ModelError(f"optimizer {kind!r} is not supported by the executor; use sgd or adamw.")
+    """A local optimizer over this rank's parameters (None when the rank holds none), with
+    the kind's default hyperparameters (training.Recipe with no options)."""
+    return Recipe(kind=kind).make_optimizer(params)

@@ -54,15 +54,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from heterog.errors import PlanError
-from heterog.execute.assign import (
+from heterog.cut.assign import (
     GroupOrder,
     assign_groups,
     group_major_order,
@@ -70,53 +68,13 @@ from heterog.execute.assign import (
     group_order_of,
     segments,
 )
-from heterog.execute.cut_rewrite import attributes_inside, batch_first_across_cuts, replicate_per_stage, single_output
-from heterog.execute.loss_stage import LOSS_VALUE, LossInput, loss_group_apart
-from heterog.execute.split_export import ExportedModel, export_model
+from heterog.cut.dataflow import GROUP_META, INPUT, Dataflow, Stage
+from heterog.cut.loss_stage import LOSS_VALUE, LossInput, loss_group_apart
+from heterog.cut.rewrite import attributes_inside, batch_first_across_cuts, replicate_per_stage, single_output
+from heterog.cut.split_export import ExportedModel, export_model
+from heterog.errors import PlanError
 from heterog.ir.plan import Plan
-
-INPUT = -1  # owner of model inputs: every rank has the whole global batch
-GROUP_META = "heterog_group"  # fx node meta key: the group a data node runs in
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Stage:
-    """One call of a stage's submodule in the top-level dataflow."""
-
-    value: str  # name of the value it produces
-    group: int  # a group of the stage (all its groups share this placement)
-    module: nn.Module
-    args: tuple[str, ...]  # names of the values it consumes, in call order
-    groups: tuple[int, ...] = ()  # every group whose nodes it runs
-
-
-@dataclass(kw_only=True)
-class Dataflow:
-    """The split model: stages in topological order and how values flow between them.
-
-    `params_of_group` is this rank's view (detach_unheld lists a tied parameter under one
-    held group only, so an optimizer never sees it twice); `param_names` keeps every group's
-    full list, the same on every rank, for gradient sync."""
-
-    inputs: tuple[str, ...]  # model inputs, in call order
-    stages: tuple[Stage, ...]
-    projections: dict[str, tuple[str, int]]  # value → (stage value, tuple index)
-    owner: dict[str, int]  # value → group index (INPUT for inputs)
-    output: str  # the value the loss is computed on
-    params_of_group: dict[int, list[tuple[str, nn.Parameter]]] = field(default_factory=dict)
-    param_numels: dict[int, list[int]] = field(default_factory=dict)  # kept after detach_unheld
-    param_names: dict[int, tuple[str, ...]] = field(default_factory=dict)
-    param_numel: dict[str, int] = field(default_factory=dict)
-    param_shape: dict[str, torch.Size] = field(default_factory=dict)  # as built (kept after detach_unheld)
-    param_by_name: dict[str, nn.Parameter] = field(default_factory=dict)
-    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name → groups holding a copy
-    unused: frozenset[str] = frozenset()  # parameters forward never reads (no gradient)
-    no_grad: frozenset[str] = frozenset()  # values that cross with no gradient back (integer ids)
-    warnings: list[str] = field(default_factory=list)
-    split: bool = True  # False: the whole model is one stage
-
-    def consumers(self, value: str) -> list[Stage]:
-        return [s for s in self.stages if value in s.args]
+from heterog.workload import resolve_workload
 
 
 class _LeafTracer(fx.Tracer):
@@ -213,20 +171,7 @@ def _dataflow(
     every group from its first to its last in group order (a group with no node of its own
     in between, of the same placement, is part of it: the Program runs it there); a value's
     owner is the group that computes it."""
-    pos = go.pos
-    by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
-    groups_of_segment: dict[int, set[int]] = {}
-    first_group: dict[int, int] = {}
-    for n, k in seg.items():
-        groups_of_segment.setdefault(k, set()).add(assign[n])
-    for k, gs in groups_of_segment.items():
-        lo, hi = min(pos[g] for g in gs), max(pos[g] for g in gs)
-        span = by_pos[lo : hi + 1]
-        if go.block is not None:  # the whole block, its groups without nodes here included
-            span = [g for g in range(len(plan.groups)) if go.block[g] in {go.block[x] for x in gs}]
-        if all(plan.groups[g].replicas == plan.groups[span[0]].replicas for g in span):
-            gs.update(span)
-        first_group[k] = min(gs, key=lambda g: pos[g])
+    groups_of_segment, first_group = _segment_groups(seg, assign, plan, go)
     inputs: list[str] = []
     stages: list[Stage] = []
     projections: dict[str, tuple[str, int]] = {}
@@ -265,7 +210,8 @@ def _dataflow(
                 no_grad.add(n.name)
             elif isinstance(integer, tuple):
                 no_grad.update(f"{n.name}[{i}]" for i, flag in enumerate(integer) if flag)
-            owner[n.name] = made_by[n.name] if isinstance(made_by[n.name], int) else first_group[k]
+            made_here = made_by[n.name]
+            owner[n.name] = made_here if isinstance(made_here, int) else first_group[k]
         elif n.op == "call_function" and n.target is operator.getitem:
             src, index = n.args
             projections[n.name] = (src.name, int(index))
@@ -290,6 +236,29 @@ def _dataflow(
         warnings=warnings,
         no_grad=frozenset(no_grad),
     )
+
+
+def _segment_groups(
+    seg: dict[fx.Node, int], assign: dict[fx.Node, int], plan: Plan, go: GroupOrder
+) -> tuple[dict[int, set[int]], dict[int, int]]:
+    """Per segment (stage): the groups it runs — its nodes' groups and, where they share its
+    placement, the groups between them in group order (or the rest of their Program block) —
+    and the first of them in group order."""
+    pos = go.pos
+    by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
+    groups_of_segment: dict[int, set[int]] = {}
+    first_group: dict[int, int] = {}
+    for n, k in seg.items():
+        groups_of_segment.setdefault(k, set()).add(assign[n])
+    for k, gs in groups_of_segment.items():
+        lo, hi = min(pos[g] for g in gs), max(pos[g] for g in gs)
+        span = by_pos[lo : hi + 1]
+        if go.block is not None:  # the whole block, its groups without nodes here included
+            span = [g for g in range(len(plan.groups)) if go.block[g] in {go.block[x] for x in gs}]
+        if all(plan.groups[g].replicas == plan.groups[span[0]].replicas for g in span):
+            gs.update(span)
+        first_group[k] = min(gs, key=lambda g: pos[g])
+    return groups_of_segment, first_group
 
 
 def _loss_stage(flow: Dataflow, plan: Plan, go: GroupOrder) -> None:
@@ -431,8 +400,6 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
 def example_batch_for(plan: Plan) -> tuple[Any, ...]:
     """A small synthetic batch of the plan's model (2–4 samples) to export it with; the RNG
     state is left untouched, so the run's seeded batches and parameters do not move."""
-    from heterog.execute.workload import resolve_workload
-
     work = resolve_workload(plan.model)
     with torch.random.fork_rng(devices=[]):
         inputs, _ = work.example_batch(max(2, min(plan.batch_size, 4)), work.seq_len)
@@ -522,28 +489,3 @@ def program_group_order(program: Any) -> list[tuple[int, ...]]:
         else:
             runs.append([b])
     return [tuple(g for b in run for g in program.blocks[b].groups) for run in runs]
-
-
-def param_numel_of_group(flow: Dataflow) -> dict[int, int]:
-    return {g: sum(flow.param_numel[n] for n in names) for g, names in flow.param_names.items()}
-
-
-def detach_unheld(flow: Dataflow, held_groups: set[int]) -> None:
-    """Free the parameters of groups this rank does not hold (they were built for the seed),
-    and list a tied parameter under only the first held group that uses it."""
-    for g, ps in flow.params_of_group.items():
-        flow.param_numels.setdefault(g, [p.numel() for _, p in ps])
-    held_names = {n for g in held_groups for n, _ in flow.params_of_group.get(g, [])}
-    listed: set[str] = set()
-    for g in sorted(flow.params_of_group):
-        keep = []
-        for name, p in flow.params_of_group[g]:
-            if g in held_groups:
-                if name not in listed:
-                    keep.append((name, p))
-                    listed.add(name)
-            elif name not in held_names:
-                p.data = torch.empty(0, dtype=p.dtype)
-                keep.append((name, p))
-            # a tied copy this rank holds through another group is listed there
-        flow.params_of_group[g] = keep

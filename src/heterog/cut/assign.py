@@ -11,11 +11,12 @@ import heapq
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import fx
 
+from heterog.cut.split_export import ExportedModel
 from heterog.errors import PlanError
-from heterog.execute.split_export import ExportedModel
 from heterog.ir.plan import Plan
 
 
@@ -58,10 +59,10 @@ def group_order_of(plan: Plan, order: Sequence[int] | Sequence[Sequence[int]] | 
     if order is None:
         flat = list(range(n))
     elif order and not isinstance(order[0], int):
-        blocks = [list(b) for b in order]
+        blocks = [list(cast(Sequence[int], b)) for b in order]
         flat = [g for b in blocks for g in b]
     else:
-        flat = [int(g) for g in order]
+        flat = [cast(int, g) for g in order]
     if sorted(flat) != list(range(n)):
         raise PlanError(
             f"the group order {list(order or [])} is not an order of the plan's {n} groups; "
@@ -162,10 +163,11 @@ def segments(
     pos = go.pos
     by_pos = sorted(range(len(plan.groups)), key=lambda g: pos[g])
     seg: dict[fx.Node, int] = {}
-    current, last, last_pos = -1, None, None
+    current, last_pos = -1, None
+    last: object = None  # the block, or the placement, of the last node
     for n in order:
         if n.target is operator.getitem and n.args[0] in seg:
-            seg[n] = seg[n.args[0]]
+            seg[n] = seg[cast(fx.Node, n.args[0])]
             continue
         g = assign[n]
         if go.block is not None:
@@ -173,7 +175,7 @@ def segments(
             last = go.block[g]
         else:
             placement = plan.groups[g].replicas
-            skipped = () if last_pos is None or pos[g] <= last_pos else by_pos[last_pos + 1 : pos[g]]
+            skipped: list[int] = [] if last_pos is None or pos[g] <= last_pos else by_pos[last_pos + 1 : pos[g]]
             new = placement != last or any(plan.groups[k].replicas != placement for k in skipped)
             last = placement
         current += new

@@ -1,6 +1,6 @@
 """Efficiency curves: the fraction of a device's data-sheet peak that a kernel of a given
 size reaches. Calibrated on one H200 (data/h200_micro.json) and scaled to other GPUs; the
-`cpu` type uses the curve its own probe measured (hardware.catalog.measure_cpu).
+`cpu` type uses the curve its own probe measured (hardware.cpu_probe.measure_cpu).
 
 Calibration. Each H200 point is a square n×n×n product timed with CUDA events around one
 call; the smallest sizes all take ~20 µs, which is launch + event latency, not kernel time.
@@ -13,8 +13,8 @@ size n·sqrt(U / U_H200): eff_X(n) = eff_H200(n · sqrt(U_H200 / U_X)). A type w
 figures (a custom type of a cluster file) has no unit count: its peak stands in for it,
 eff_X(n) = eff_H200(n · sqrt(P_H200 / P_X)). Each type then applies its own figures
 (hardware.gputype.Efficiency, catalog.yaml; fitted on its measurements or derived from its
-public figures, cost/public_model.py): the size shift `size_scale`, the compute factor per
-precision (cost.analytic), and its sustained memory bandwidth per kind of op
+public figures, hardware/public_model.py): the size shift `size_scale`, the compute factor per
+precision (cost.roofline), and its sustained memory bandwidth per kind of op
 (memory_efficiency).
 """
 
@@ -28,7 +28,10 @@ from importlib import resources
 
 import numpy as np
 
+from heterog.hardware.catalog import memory_by_kind_default
+from heterog.hardware.cpu_probe import measure_cpu
 from heterog.hardware.gputype import GpuType
+from heterog.ir.kinds import Phase
 
 MEASUREMENT_FLOOR_S = 15e-6
 # H200 SXM data-sheet dense peaks (catalog.yaml) that the measured throughputs are divided by.
@@ -66,7 +69,7 @@ class Curve:
 
 @lru_cache(maxsize=1)
 def _h200_doc() -> dict:
-    return json.loads(resources.files("heterog.cost").joinpath("data", "h200_micro.json").read_text())
+    return json.loads(resources.files("heterog.hardware").joinpath("data", "h200_micro.json").read_text())
 
 
 @lru_cache(maxsize=8)
@@ -126,8 +129,6 @@ def gpu_curve(gpu: GpuType, precision: str) -> Curve:
 
 @lru_cache(maxsize=4)
 def cpu_curve(threads: int | None = None) -> Curve:
-    from heterog.hardware.catalog import measure_cpu
-
     p = measure_cpu(threads)
     peak = p.peak_flops_per_s
     sizes = sorted(p.matmul_flops_per_s)
@@ -145,7 +146,7 @@ def kind_factor(own: dict[str, float], default: dict[str, float], kind: str) -> 
     return kind_factor(own, default, "elementwise") if kind == "batchnorm" else 1.0
 
 
-def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd") -> float:
+def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: Phase = Phase.FORWARD) -> float:
     """Achievable fraction of data-sheet memory bandwidth for streaming kernels of `kind`.
     GPUs: the type's sustained copy fraction (catalog `efficiency.memory`; else the H200
     copy's) times the kind's own factor (`efficiency.memory_by_kind`). CPU: its bandwidth is itself a measured
@@ -156,13 +157,9 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: str = "fwd")
         base = e.memory if e.memory is not None else h200_copy_efficiency()
         if kind is None:
             return base
-        from heterog.hardware.catalog import memory_by_kind_default
-
         return base * kind_factor(e.memory_by_kind, memory_by_kind_default(), kind)
     if kind is None:
         return 1.0
-    from heterog.hardware.catalog import measure_cpu
-
     p = measure_cpu(gpu.cpu_threads)
-    rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == "fwd" else f"{kind}.bwd")
+    rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == Phase.FORWARD else f"{kind}.bwd")  # the probe's keys
     return 1.0 if rate is None else float(np.clip(rate / p.copy_bandwidth_bytes_per_s, 0.02, 4.0))

@@ -29,6 +29,7 @@ Every node of the graph gets what the partitioner needs to cut it:
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.export import Dim, export
 from torch.utils._pytree import tree_flatten
 
 from heterog.errors import PlanError
@@ -76,8 +78,6 @@ def is_leaf_module(module: nn.Module) -> bool:
 def export_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> ExportedModel:
     """Export `model` (train mode kept: dropout stays random, batch norm updates its
     statistics) with a symbolic batch dimension on every tensor input."""
-    from torch.export import Dim, export
-
     dynamic = tuple({0: Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in example_inputs)
     with torch.random.fork_rng(devices=[]):
         ep = export(model, tuple(example_inputs), dynamic_shapes=dynamic, strict=False)
@@ -117,7 +117,7 @@ def _drop_guards(gm: fx.GraphModule) -> None:
 
 
 def _batch_symbols(gm: fx.GraphModule) -> set[Any]:
-    out = set()
+    out: set[Any] = set()
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
@@ -238,7 +238,7 @@ def cut_constraints(model: nn.Module, example_inputs: tuple[Any, ...]) -> CutCon
     named = exported.leaf_name
     follow = {named[n] for n in named if n not in exported.data}
     follow -= {named[n] for n in named if n in exported.data}  # a leaf with data work stays put
-    pairs = set()
+    pairs: set[tuple[str, str]] = set()
     for p in exported.module.graph.nodes:
         val = p.meta.get("val")
         if (
@@ -298,8 +298,6 @@ def copy_exported(exported: ExportedModel) -> ExportedModel:
     """A copy whose graph can be cut without touching the original (the split rewrites the
     graph in place), sharing its parameters and buffers: one export serves every plan of a
     model in a multi-plan launch (heterog.run_many). The node tables follow the copied nodes."""
-    import copy
-
     graph = copy.deepcopy(exported.module.graph)  # node by node, in order; meta shared
     module = fx.GraphModule(exported.module, graph)
     module.meta.update(exported.module.meta)
