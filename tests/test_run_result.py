@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from heterog.errors import ArtifactError, CheckpointError, PlanError
+from heterog.errors import ArtifactError, CheckpointError, PlanError, TrainingError
 from heterog.execute.spec import LaunchSpec, PlanEntry, RankResult, RankSpec, read_spec
 from heterog.ir.kinds import InstructionKind, Phase
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
@@ -37,6 +37,7 @@ from heterog.ir.run_result import (
     StepRecord,
     combine_repetitions,
 )
+from heterog.ir.training_config import TrainingConfig
 
 
 def _plan() -> Plan:
@@ -106,10 +107,16 @@ def test_options_are_grouped_checked_and_written_as_they_read(tmp_path):
 
 
 def test_a_run_request_is_a_versioned_file(tmp_path):
-    req = RunRequest(plan=_plan(), options=RunOptions(steps=4, timing=TimingConfig(warmup_steps=0)))
+    training = TrainingConfig(lr=3e-4, betas=(0.9, 0.95), lr_schedule="cosine", accumulate=2, data="d.py:loader")
+    req = RunRequest(plan=_plan(), options=RunOptions(steps=4, timing=TimingConfig(warmup_steps=0), training=training))
     req.save(tmp_path / "req.json")
-    assert RunRequest.load(tmp_path / "req.json") == req
+    assert RunRequest.load(tmp_path / "req.json") == req  # the training options with it: the run can be made again
     doc = json.loads((tmp_path / "req.json").read_text())
+    assert doc["options"]["training"]["lr_schedule"] == "cosine" and doc["options"]["training"]["betas"] == [0.9, 0.95]
+    bad = {**doc, "options": {**doc["options"], "training": {**doc["options"]["training"], "accumulate": 0}}}
+    (tmp_path / "bad_training.json").write_text(json.dumps(bad))
+    with pytest.raises(TrainingError, match="--accumulate must be ≥ 1"):
+        RunRequest.load(tmp_path / "bad_training.json")
     doc["options"]["timing"]["warmup_steps"] = "one"
     (tmp_path / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(ArtifactError, match=r"options\.timing\.warmup_steps: expected int"):

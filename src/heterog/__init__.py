@@ -10,7 +10,8 @@ The stable Python API (the same keys as the CLI's --json output):
     lower(plan)                          → Program (per-device instructions)
     simulate(plan)                       → SimResult (or simulate(graph, cluster, plan, costs))
     run(plan, steps=)                    → RunResult: measured beside predicted, per step, rank
-                                           and instruction (options: RunOptions)
+                                           and instruction (options: RunOptions; training
+                                           options: TrainingConfig)
     run_many(plans, steps=)              → one RunResult per plan, in one launch
     run_interleaved(plans, timing=)      → one RunResult per plan, rounds interleaved
     whatif(model, batch_size=, cluster=, add=, remove=)  → WhatIf: each change planned, beside even DP
@@ -43,6 +44,7 @@ _API: dict[str, tuple[str, str]] = {
     "RunOptions": ("heterog.ir.run_request", "RunOptions"),
     "RunRequest": ("heterog.ir.run_request", "RunRequest"),
     "RunResult": ("heterog.ir.run_result", "RunResult"),
+    "TrainingConfig": ("heterog.ir.training_config", "TrainingConfig"),
     "whatif": ("heterog.cluster_change", "whatif"),
     "OpGraph": ("heterog.ir.opgraph", "OpGraph"),
     "Plan": ("heterog.ir.plan", "Plan"),
