@@ -58,14 +58,8 @@ from heterog.ir.run_request import FaultKind, FaultPhase
 from heterog.ir.run_result import Span, SpanCategory, StepRecord
 from heterog.jsonio import write_atomic
 from heterog.lower.program import Program
-from heterog.workload import (
-    Workload,
-    build_model,
-    global_batch,
-    resolve_workload,
-    to_device,
-    with_data,
-)
+from heterog.training import Recipe
+from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device, with_data
 
 
 def _init(spec: RankSpec, store: Any = None) -> tuple[int, int, str, RankDevice]:
@@ -165,7 +159,7 @@ class RankSetup:
     interpreter: Interpreter
     pacer: Pacer
     cap: Any
-    recipe: Any = None  # training.Recipe: the run's optimizer, schedule and options
+    recipe: Recipe  # the run's optimizer, schedule and training options
 
 
 def _split_for_rank(
