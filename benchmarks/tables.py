@@ -188,8 +188,10 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
             ],
         )
     else:
+        bound = any(r.get("above_bound") is not None for r in rows)  # results that recorded the bound
         out = table(
-            ["model", "batch", "cluster", "best", "best time", "over even DP", "over best baseline"],
+            ["model", "batch", "cluster", "best", "best time", "over even DP", "over best baseline"]
+            + (["above the bound"] if bound else []),
             [
                 [
                     r["model"],
@@ -200,6 +202,7 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
                     times(r.get("speedup_vs_even_dp")),
                     times(r.get("speedup_vs_best_baseline")),
                 ]
+                + ([pct(r.get("above_bound"))] if bound else [])
                 for r in rows
             ],
         )
@@ -209,6 +212,62 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
         f"{'yes' if s['best_never_worse_than_baselines'] else 'no'}; the GNN alone beats the best baseline "
         f"in {s['gnn_alone_beats_best_baseline']}, GNN + search beats search alone in "
         f"{s['gnn_plus_search_beats_search']}."
+    )
+    return out
+
+
+REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
+
+
+def _past_allowance_s(r: dict[str, Any]) -> float:
+    """How long a run went on past its budget, or past the stages every plan needs when those
+    alone took longer."""
+    required = sum(r["time_s"].get(k, 0.0) for k in REQUIRED_STAGES)
+    return r["wall_s"] - max(r["budget_s"], required)
+
+
+def search_scale(doc: dict[str, Any], short: bool) -> list[str]:
+    rows = [r for r in doc["rows"] if r["feasible"]]
+    budgets = sorted({r["budget_s"] for r in rows})
+    cases: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        cases.setdefault((r["devices"], r["model"]), []).append(r)
+    out_rows = []
+    for (devices, model), rs in sorted(cases.items()):
+        cells = []
+        for b in budgets:
+            v = [r["best_time_s"] for r in rs if r["budget_s"] == b]
+            cells.append(secs(statistics.median(v)) if v else "—")
+        base = [r["best_baseline_s"] for r in rs if r["best_baseline_s"] is not None]
+        best = min(r["best_time_s"] for r in rs)
+        past = max(r["wall_s"] - r["budget_s"] for r in rs)
+        out_rows.append(
+            [
+                devices,
+                model,
+                rs[0]["batch_size"],
+                secs(statistics.median(base)) if base else "—",
+                *cells,
+                f"{secs(rs[0]['bound_s'])} ({best / rs[0]['bound_s']:.1f}×)",
+                f"{past:+.1f} s / {max(_past_allowance_s(r) for r in rs):+.1f} s",
+            ]
+        )
+    header = ["devices", "model", "batch", "best baseline", *[f"{b:g} s" for b in budgets]]
+    out = table([*header, "bound (best ÷ bound)", "past the budget / past the allowance, max"], out_rows)
+    s = doc["summary"]
+    worse = s["larger_budget_worse"]
+    at_1024 = ", ".join(f"{m} {pct(x)}" for m, x in sorted(s["at_1024_15s_above_best_median"].items())) or "—"
+    at_4096 = s["at_4096_beats_every_baseline"]
+    seeds = ", ".join(str(x) for x in sorted({r["seed"] for r in rows}))
+    load = s["load_average"][0]
+    out.append(
+        f"Best plan's simulated iteration time, median over seeds {seeds}, by budget ({s['runs']} runs, "
+        f"{doc.get('cores', '?')} cores, load average {load:.1f} at the end). "
+        f"A larger budget with the same seed gave a worse plan: {len(worse)} times. "
+        f"At 1024 devices the 15-s plan is slower than the best plan of any budget by (median over seeds): {at_1024}. "
+        f"At 4096 devices the best plan beats every baseline: "
+        f"{sum(at_4096.values())} of {len(at_4096)} runs. The allowance is the budget, or the stages every plan "
+        f"needs (graph, costs, baselines, bound) when they alone take longer."
     )
     return out
 
@@ -618,6 +677,15 @@ SECTIONS = (
         result="plan_quality.json",
         render=plan_quality,
         about="The paper's models and more on the built-in GPU clusters; every candidate's simulated iteration time.",
+    ),
+    Section(
+        key="search-scale",
+        title="Search at scale",
+        script="benchmarks/search_scale.py",
+        result="search_scale.json",
+        render=search_scale,
+        about="`heterog plan` as a whole (graph from the cache, costs, baselines, bound, search) on 16 to 4096 "
+        "GPUs, by budget and seed; the 256- and 4096-GPU clusters are benchmarks/clusters/*.yaml.",
     ),
     Section(
         key="prediction-accuracy",

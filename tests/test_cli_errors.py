@@ -152,6 +152,8 @@ def _invoke(argv: list[str]) -> tuple[int, str]:
             code = run_cli(argv)
         except SystemExit as e:  # nothing should exit this way; record it if it does
             code = e.code if isinstance(e.code, int) else 1
+        sys.stdout.flush()  # the text wrappers may still hold the last line (print's newline)
+        sys.stderr.flush()
         text = out.getvalue().decode() + err.getvalue().decode()
     return code, text
 

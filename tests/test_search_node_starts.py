@@ -11,16 +11,17 @@ from heterog.search.problem import Problem
 from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
 
 
-def _prob(nic_gbs: float) -> Problem:
+def _prob(nic_gbs: float, speeds=(30.0, 15.0, 30.0, 15.0)) -> Problem:
     # parameter-heavy layers (40 MB each): data parallelism across nodes pays their gradients
     g = layered_graph([(1.0, 40, 1.0)] * 8, batch_size=64)
-    c = toy_cluster([30.0, 15.0, 30.0, 15.0], devices_per_node=2, nic_gbs=nic_gbs)
+    c = toy_cluster(list(speeds), devices_per_node=2, nic_gbs=nic_gbs)
     costs = TableCostModel(graph=g, cluster=c)
     return Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 8), batch_size=64)
 
 
-def test_one_speed_proportional_start_per_node_with_several_devices():
-    prob = _prob(10.0)
+def test_one_speed_proportional_start_per_kind_of_node_with_several_devices():
+    assert [s.placements[0].devices for s in node_dp_starts(_prob(10.0))] == [(0, 1)]  # the nodes are alike
+    prob = _prob(10.0, speeds=(30.0, 15.0, 20.0, 10.0))
     starts = node_dp_starts(prob)
     assert [s.placements[0].devices for s in starts] == [(0, 1), (2, 3)]
     for s in starts:

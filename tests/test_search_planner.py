@@ -9,7 +9,7 @@ from heterog.ir.plan import Plan
 from heterog.search.baselines import BASELINE_BUILDERS
 from heterog.search.estimate import estimate
 from heterog.search.grouping import make_groups
-from heterog.search.local_search import anneal
+from heterog.search.local_search import Annealer
 from heterog.search.planner import CANDIDATES, plan_graph
 from heterog.search.problem import Problem
 from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
@@ -75,8 +75,8 @@ def test_search_is_reproducible_with_a_seed():
     g, c, costs = _inputs()
     prob = Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, 8), batch_size=64)
     starts = [b(prob) for b in BASELINE_BUILDERS.values()]
-    a = anneal(prob, starts, budget_s=60, seed=7, max_iters=300)
-    b = anneal(prob, starts, budget_s=60, seed=7, max_iters=300)
+    a = Annealer(prob, 7).run(starts, budget_s=60, max_iters=300)
+    b = Annealer(prob, 7).run(starts, budget_s=60, max_iters=300)
     assert a.best.key() == b.best.key()
     assert a.best_estimate.iteration_time_s == b.best_estimate.iteration_time_s
     assert a.best_estimate.score <= min(estimate(prob, s).score for s in starts)
@@ -185,7 +185,7 @@ def test_the_explanations_claims_are_the_simulations():
     """Busy fractions and a pipeline's stage figures in the notes are read from a simulation
     of the chosen plan, never written as boilerplate."""
     from heterog.search import explain
-    from heterog.search.planner import Candidate
+    from heterog.search.lanes import Candidate
     from heterog.search.problem import Problem
     from heterog.simulate.simulator import simulate
 

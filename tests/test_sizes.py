@@ -20,7 +20,6 @@ ALLOWED_FUNCTIONS = {
     # the search's own rework (budget, anytime search) splits these
     "search/estimate.py": {"estimate"},
     "search/gnn/features.py": {"build_features"},
-    "search/local_search.py": {"propose", "run"},
     "search/planner.py": {"plan_graph"},
 }
 

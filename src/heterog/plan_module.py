@@ -35,7 +35,7 @@ from heterog.errors import ModelError
 from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
-from heterog.search.planner import plan_graph
+from heterog.search.planner import DEFAULT_BUDGET_S, REQUIRED_STAGES, load_code, plan_graph
 
 
 def model_graph(
@@ -104,7 +104,13 @@ def plan(
     profiles ('FILE' or 'FILE:TYPE', a Profile or DeviceProfile, or a list), each for one
     device type: their per-node times replace the analytic estimate for the nodes they
     measured, and a GPU's device profile calibrates its type (cost/calibrated.py); `options`:
-    the search's (search)."""
+    the search's (search). Everything from the capture on happens within `budget_s` (the
+    clock starts here, after the code every plan needs is loaded: search/planner.py
+    load_code); "time_s" says where the time went, "required_s" what no search could skip,
+    "over_budget_s" by how much the call overran."""
+    budget_s = options.pop("budget_s", None)
+    budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
+    load_code(options.get("policy"))
     t0 = time.perf_counter()
     spec, graph = model_graph(
         model,
@@ -119,9 +125,17 @@ def plan(
     t1 = time.perf_counter()
     inputs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, profile=profile, graph=graph)
     t2 = time.perf_counter()
-    result = search(inputs, spec, precision=precision, optimizer=optimizer, **options)
+    result = search(
+        inputs, spec, precision=precision, optimizer=optimizer, budget_s=budget_s, deadline_s=t0 + budget_s, **options
+    )
     out = result.to_dict()
-    out["other_time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["other_time_s"]}
+    before = {"graph": t1 - t0, "cluster_and_costs": t2 - t1}
+    out["other_time_s"] = {**before, **out["other_time_s"]}
+    out["time_s"] = {**before, **out["time_s"]}
+    # what every plan needs before a search can start; when it alone outlasts the budget,
+    # the call ends that much later (plus the simulations in flight at the deadline)
+    out["required_s"] = sum(out["time_s"].get(k, 0.0) for k in REQUIRED_STAGES)
+    out["over_budget_s"] = time.perf_counter() - t0 - budget_s
     out["graph_cache"] = graph.meta.get("graph_cache", "off")
     if strategy is not None:
         out["chosen"] = result.plan_of(strategy).to_dict()

@@ -31,9 +31,6 @@ the groups the capture's edges connect, so the two must agree (test_capture_grap
 
 from __future__ import annotations
 
-import contextlib
-import signal
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,28 +40,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from heterog._signals import signals_deferred as _signals_deferred
 from heterog.capture.flops import is_view_op, op_cost, op_kind, op_name, tensor_nbytes
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends, then deliver them. A KeyboardInterrupt
-    raised inside the torch function mode's Python callback, which torch's C++ dispatcher
-    calls, does not unwind: the process aborts ("terminate called after throwing an instance
-    of pybind11::error_already_set") or the interrupt is lost. The capture lasts seconds."""
-    held: list[int] = []
-    try:
-        old = {s: signal.signal(s, lambda num, _frame: held.append(num)) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: signals are not ours to handle
-        yield
-        return
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        for num in dict.fromkeys(held):
-            signal.raise_signal(num)
 
 
 def conv_geometry(args: tuple) -> dict[str, Any]:

@@ -38,7 +38,16 @@ def _progress_bar(enabled: bool):
     return bar, update
 
 
-_TIME_WORDS = {"graph": "graph", "cluster_and_costs": "cluster and costs", "cut_analysis": "what the executor can cut"}
+_TIME_WORDS = {
+    "graph": "graph",
+    "cluster_and_costs": "cluster and costs",
+    "cut_analysis": "what the executor can cut",
+    "grouping": "grouping",
+    "baselines": "baselines",
+    "bound": "bound",
+    "lanes": "search",
+    "explanation": "explanation",
+}
 
 
 def process_age_s() -> float:
@@ -47,22 +56,33 @@ def process_age_s() -> float:
 
 
 def _time_line(result: dict[str, Any], budget_s: float) -> str:
-    """Where the command's time went: the search (what --budget-s bounds) and the rest."""
-    other = result.get("other_time_s", {})
+    """Where the command's time went, stage by stage, against --budget-s (which bounds them
+    all; start-up and imports come before its clock starts)."""
+    stages = result.get("time_s") or {**result.get("other_time_s", {}), "lanes": result["search_time_s"]}
     parts = []
-    for key, seconds in other.items():
+    for key, seconds in stages.items():
+        if seconds < 0.05 and key not in ("graph", "lanes"):
+            continue
         word = _TIME_WORDS.get(key, key)
         if key == "graph":
             word += f" ({'cached' if result.get('graph_cache') == 'hit' else 'captured'})"
+        elif key == "lanes":
+            lanes = list(result.get("lanes", {}))
+            parallel = result.get("budget_split", {}).get("parallel")
+            if lanes:
+                word += f" ({(' ∥ ' if parallel else ' then ').join(lanes)})"
         parts.append(f"{word} {seconds:.1f} s")
+    planned = sum(stages.values())
+    line = f"planned in {planned:.1f} s of --budget-s {budget_s:g}: " + ", ".join(parts)
     total = result.get("wall_time_s")
     if total is not None:
-        rest = total - result["search_time_s"] - sum(other.values())
-        parts.insert(0, f"start-up and imports {max(rest, 0.0):.1f} s")
-    line = f"searched for {result['search_time_s']:.1f} s (--budget-s {budget_s:g})"
-    if parts:
-        line += "; besides: " + ", ".join(parts)
-    return line + (f"; {total:.1f} s in all" if total is not None else "")
+        line += f"; start-up and imports {max(total - planned, 0.0):.1f} s; {total:.1f} s in all"
+    return line
+
+
+def _above(c: dict[str, Any]) -> str:
+    x = c.get("above_bound")
+    return "—" if x is None or not c["feasible"] else f"+{x * 100:.0f} %"
 
 
 def _show(result: dict[str, Any], budget_s: float) -> None:
@@ -73,20 +93,39 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
             [
                 c["strategy"],
                 human_time(c["iteration_time_s"]) if c["feasible"] else "—",
+                _above(c),
                 "yes" if c["feasible"] else "no (memory)",
                 c["devices_used"],
                 c["num_microbatches"],
                 human_bytes(peak),
             ]
         )
-    print_table("candidates", ["strategy", "iteration", "fits", "devices", "micro-batches", "max peak memory"], rows)
-    best = result["best"]
-    console.print(
-        f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} per iteration"
+    print_table(
+        "candidates",
+        ["strategy", "iteration", "over bound", "fits", "devices", "micro-batches", "max peak memory"],
+        rows,
+        optional=("micro-batches", "over bound"),
     )
+    best = result["best"]
+    line = f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} per iteration"
+    bound = result.get("bound")
+    if bound:
+        t = best["predicted_iteration_time_s"]
+        line += f", within {(t / bound['iteration_time_s'] - 1) * 100:.0f} % of the lower bound "
+        line += human_time(bound["iteration_time_s"])
+    console.print(line)
     console.print(_time_line(result, budget_s))
     for line in best["notes"]:
         console.print(f"  • {line}")
+
+
+BUDGET_HELP = (
+    "Seconds for the whole plan: capture, costs, baselines, bound and search (start-up aside). "
+    "A larger budget with the same --seed never gives a worse plan."
+)
+MAX_ITERS_HELP = (
+    "Cap each search at this many moves: with --seed, the same plan on any machine (the budget is then a safety stop)."
+)
 
 
 def plan_command(
@@ -97,15 +136,9 @@ def plan_command(
     cluster: str = typer.Option(..., "--cluster", help="Cluster YAML file or built-in name (e.g. paper-8gpu)."),
     precision: str = typer.Option("fp32", "--precision", help=precision_help()),
     optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw."),
-    budget_s: float = typer.Option(10.0, "--budget-s", min=0.1, help="Search time budget in seconds."),
+    budget_s: float = typer.Option(10.0, "--budget-s", min=0.1, help=BUDGET_HELP),
     seed: int = typer.Option(0, "--seed", help="Random seed of the search."),
-    max_iters: int | None = typer.Option(
-        None,
-        "--max-iters",
-        min=1,
-        help="Cap each search at this many moves: with --seed, the "
-        "same plan on any machine (the budget is then a safety stop).",
-    ),
+    max_iters: int | None = typer.Option(None, "--max-iters", min=1, help=MAX_ITERS_HELP),
     policy: Path | None = typer.Option(None, "--policy", help="GNN policy file (default: the shipped one)."),
     no_gnn: bool = typer.Option(False, "--no-gnn", help="Skip the GNN policy candidates."),
     finetune_s: float = typer.Option(

@@ -109,15 +109,25 @@ class Cluster:
     def nic(node: str, direction: str) -> str:
         return f"{node}.nic.{direction}"
 
+    @cached_property
+    def _paths(self) -> dict[tuple[str, str], tuple[str, ...]]:
+        return {}  # path() per pair, made once: a parameter server's cost walks a path per member
+
     def path(self, src: str, dst: str) -> tuple[str, ...]:
         """Names of the links a transfer from src to dst occupies, in order."""
+        hit = self._paths.get((src, dst))
+        if hit is not None:
+            return hit
         if src == dst:
             return ()
         a, b = self.node_of[src], self.node_of[dst]
         if a == b:
-            return (self.port(src, "up"), self.port(dst, "down"))
-        core = (self.switch_core,) if self.switch_core else ()
-        return (self.port(src, "up"), self.nic(a, "up"), *core, self.nic(b, "down"), self.port(dst, "down"))
+            hit = (self.port(src, "up"), self.port(dst, "down"))
+        else:
+            core = (self.switch_core,) if self.switch_core else ()
+            hit = (self.port(src, "up"), self.nic(a, "up"), *core, self.nic(b, "down"), self.port(dst, "down"))
+        self._paths[(src, dst)] = hit
+        return hit
 
     def bottleneck_bandwidth_bytes_per_s(self, src: str, dst: str) -> float:
         return min((self.links[link].bandwidth_bytes_per_s for link in self.path(src, dst)), default=float("inf"))

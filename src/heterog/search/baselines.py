@@ -14,7 +14,7 @@ infeasible when they overflow.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -37,8 +37,13 @@ def _dp_devices(prob: Problem) -> list[int]:
 
 
 def single_device(prob: Problem) -> Strategy:
-    best = None
+    """The fastest device that holds the model (one try per device class: a class's devices
+    fit alike), else the fastest."""
+    best, tried = None, set()
     for d in prob.speed_order:
+        if prob.dev_class[d] in tried:
+            continue
+        tried.add(prob.dev_class[d])
         s = _uniform(prob, Placement((d,), (1.0,)))
         if best is None:
             best = s
@@ -71,15 +76,41 @@ def node_dp_starts(prob: Problem) -> list[Strategy]:
     """Speed-proportional data parallelism over the devices of each node that has several:
     starts for the search, not baselines. Leaving out a node behind a slow link (or a small
     device) is then a start, not a chain of moves that annealing must keep
-    (docs/scenarios.md, "What the planner needs for the LM")."""
-    out = []
+    (docs/scenarios.md, "What the planner needs for the LM"). One node of each kind: nodes whose
+    devices are of the same tiers (Problem.tiers) make the same start."""
+    out, kinds = [], set()
+    dp = _dp_devices(prob)
     for node in sorted(set(prob.node_idx.tolist())):
-        devs = [d for d in _dp_devices(prob) if prob.node_idx[d] == node]
-        if 1 < len(devs) < prob.n_devices:
+        devs = [d for d in dp if prob.node_idx[d] == node]
+        kind = tuple(sorted(prob.tier_of[d] for d in devs))
+        if 1 < len(devs) < prob.n_devices and kind not in kinds:
+            kinds.add(kind)
             speed = 1.0 / prob.device_time_per_sample_s[devs]
             shares = tuple(float(x) for x in speed / speed.sum())
             out.append(_uniform(prob, Placement(tuple(devs), shares, SyncMethod.RING)))
     return out
+
+
+def tier_dp_starts(prob: Problem) -> Iterator[Strategy]:
+    """Data parallelism over the fastest k tiers (Problem.tiers), k = 1, 2, …, each with the
+    all-reduce the cost model times fastest for the model's gradients: starts for the search.
+    At a thousand devices the best plan often leaves the slow tiers out (their devices slow
+    every all-reduce more than their samples help), which these reach in one step."""
+    speed = prob.device_time_per_sample_s
+    order = sorted(range(len(prob.tiers)), key=lambda t: (speed[prob.tiers[t][0]], t))
+    grad = float(prob.grad_bytes.sum())
+    for k in range(1, len(order) + 1):
+        devs = sorted(d for t in order[:k] for d in prob.tiers[t])[: prob.batch_size]
+        if len(devs) < 2:
+            continue
+        d, sh = balanced_shares(prob, range(prob.n_groups), devs)
+        if len(d) < 2:
+            continue
+        p = min(
+            (Placement(d, sh, sync) for sync in (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL)),
+            key=lambda q: prob.sync_time_bytes_s(q, grad),
+        )
+        yield _uniform(prob, p)
 
 
 def device_blocks(prob: Problem, k: int) -> list[list[int]]:

@@ -130,14 +130,17 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
         if P[g].recompute:
             t_b[g] = t_b[g] + t_f[g]
     same_as = [[P[p].devices == P[g].devices and P[p].shares == P[g].shares for p in prob.preds[g]] for g in range(G)]
-    xfer_cache: dict[tuple[int, int], tuple[float, dict, dict]] = {}
+    xfer_cache = prob.repartition_cache  # kept across strategies: neighbours share most pairs
+    if len(xfer_cache) > 50_000:
+        xfer_cache.clear()
 
     def xfer(a: int, b: int, nbytes_edge: tuple[int, int]) -> tuple[float, dict, dict]:
         """Re-partition from a's layout into b's of the bytes on group edge `nbytes_edge`."""
-        hit = xfer_cache.get((a, b))
+        key = (P[a], P[b], nbytes_edge, M)
+        hit = xfer_cache.get(key)
         if hit is None:
             hit = _repartition(prob, P[a], P[b], prob.edges[nbytes_edge].at(b_m))
-            xfer_cache[(a, b)] = hit
+            xfer_cache[key] = hit
         return hit
 
     nics = _Nics(prob)

@@ -13,7 +13,8 @@ from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.plan import Plan
 
 if TYPE_CHECKING:
-    from heterog.search.planner import Candidate
+    from heterog.search.bound import Bound
+    from heterog.search.lanes import Candidate
     from heterog.search.problem import Problem
 
 
@@ -112,7 +113,14 @@ def _segment_note(prob: Problem, plan: Plan, a: int, b: int, speed: np.ndarray) 
     return line + "."
 
 
-def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate]) -> list[str]:
+def bound_note(bound: Bound, iteration_time_s: float) -> str:
+    return (
+        f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
+        f"that no plan beats ({bound.what})."
+    )
+
+
+def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate], bound: Bound | None = None) -> list[str]:
     """The plan's explanation. Every claim is computed: times and memory from the candidates'
     scores, busy fractions and pipeline fill from a simulation of the winner."""
     plan = winner.plan
@@ -122,6 +130,8 @@ def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate]) -> 
         f"({'simulated' if winner.scored_by == 'simulator' else 'estimated'}), using "
         f"{len(plan.devices())} of {prob.n_devices} devices."
     ]
+    if bound is not None:
+        out.append(bound_note(bound, winner.iteration_time_s))
     ref = next((c for c in candidates if c.strategy == "even-dp-allreduce"), None)
     if ref is not None and ref.strategy != winner.strategy:
         if ref.feasible:

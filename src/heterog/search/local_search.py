@@ -1,22 +1,18 @@
-"""Combinatorial search over group placements: local moves with simulated annealing.
+"""Combinatorial search over group placements: an anytime annealing chain whose sequence of
+moves depends on the seed alone.
 
-State: a Strategy. A *segment* is a maximal run of consecutive groups with the same
-placement (a data-parallel block, a pipeline stage). Moves (each followed, where devices
-change, by the LP batch-share optimiser on the affected segment):
-  move      – put one group (or a segment) on a single device (model parallelism);
-  merge     – give a group its neighbour's placement (grows a segment);
-  split     – cut a segment and give its tail half the devices (a new pipeline stage);
-  drop/add  – remove a device from, or add one to, a segment's replica set;
-  sync      – change a segment's gradient synchronisation (ring, tree, hierarchical, PS on
-              a chosen device);
-  micro     – change the number of micro-batches, or the schedule (GPipe / 1F1B);
-  recompute – toggle activation recomputation on a segment (trades time for memory);
-  reshare   – re-run the share optimiser on a segment;
-  nudge     – move one or two samples of a micro-batch between two replicas of a segment.
-Scored by `estimate` (estimate.py); a worse move is accepted with probability
-exp(−Δ/(T·score)) (Kirkpatrick et al. 1983), T cooling geometrically with the iteration
-count, so a run is reproducible for a seed and an iteration limit; the wall-clock budget
-only cuts it short. Anytime: `best` is valid whenever it stops.
+A chain scores its starts, walks briefly from each promising one (different basins: data,
+model, pipeline parallelism), then anneals from the best, restarting from its elite when
+stuck. Each proposal draws a segment and a move from the registry (moves.py) by weight; a
+worse strategy is accepted with probability exp(−Δ/(T·score)) (Kirkpatrick et al. 1983), T
+halving every COOLING_MOVES moves. Nothing in the sequence reads a clock: the deadline and
+max_moves only decide where it is cut. So the chain is *monotone* — a larger budget with the
+same seed runs a longer prefix of the same moves, and its best (the minimum over the prefix)
+is never worse — and *anytime*: every new best is reported (on_best) the moment it is found.
+
+At TIER_PHASE_MIN_DEVICES devices and more the chain starts in the tier phase (whole tiers
+of like devices, moves.MoveScope.TIER and ANY) and refines single devices once
+TIER_PHASE_STALE_MOVES moves in a row found nothing better.
 """
 
 from __future__ import annotations
@@ -24,56 +20,45 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
-from heterog.ir.kinds import PipelineSchedule, SyncMethod
 from heterog.search.estimate import Estimate, estimate
-from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
-from heterog.search.shares import balanced_shares
+from heterog.search.moves import MOVES, Move, MoveContext, MoveScope, segments
+from heterog.search.problem import Problem, Strategy
+
+TIER_PHASE_MIN_DEVICES = 64  # below, one device is a step as large as a tier
+TIER_PHASE_STALE_MOVES = 60
+START_MOVES = 20  # the walk from each start within START_WITHIN of the best start
+START_WITHIN = 1.5
+RESTART_STALE_MOVES = 150
+COOLING_MOVES = 300
+T0 = 0.05  # initial temperature, relative to the current score
+ELITE_SIZE = 8
+PROGRESS_MOVES = 20
+
+__all__ = ["Annealer", "SearchResult", "Found", "segments"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Found:
+    """A new best of the chain: after how many moves, by which move ('start' for a start),
+    its score, the strategy."""
+
+    moves: int
+    move: str
+    score: float
+    strategy: Strategy
 
 
 @dataclass(kw_only=True)
 class SearchResult:
     best: Strategy
     best_estimate: Estimate
-    iterations: int
+    iterations: int  # moves proposed
     time_s: float
-    elite: list[tuple[float, Strategy]] = field(default_factory=list)  # best distinct, by score
-
-
-def segments(s: Strategy) -> list[tuple[int, int]]:
-    out, a = [], 0
-    P = s.placements
-    for g in range(1, len(P) + 1):
-        if g == len(P) or P[g] != P[a]:
-            out.append((a, g))
-            a = g
-    return out
-
-
-def _with(s: Strategy, a: int, b: int, p: Placement) -> Strategy:
-    P = list(s.placements)
-    P[a:b] = [p] * (b - a)
-    return Strategy(tuple(P), s.microbatches, s.schedule)
-
-
-def _reshaped(
-    prob: Problem, s: Strategy, a: int, b: int, devices: Sequence[int], sync: str, ps: int | None, recompute: bool
-) -> Strategy:
-    devs, shares = balanced_shares(
-        prob, range(a, b), sorted(set(devices)), microbatches=s.microbatches, recompute=recompute
-    )
-    if len(devs) == 1:
-        sync, ps = SyncMethod.NONE, None
-    else:
-        if sync == SyncMethod.NONE:
-            sync = SyncMethod.RING
-        if sync == SyncMethod.PS and ps not in devs:
-            ps = devs[0]
-        if sync != SyncMethod.PS:
-            ps = None
-    return _with(s, a, b, Placement(devs, shares, sync, ps, recompute))
+    found: list[Found] = field(default_factory=list)  # every new best, in order
+    cut_by: str = "moves"  # what ended the chain: 'moves' (max_moves) or 'deadline'
 
 
 class Annealer:
@@ -82,226 +67,160 @@ class Annealer:
         prob: Problem,
         seed: int = 0,
         *,
-        elite_size: int = 8,
         scorer: Callable[[Problem, Strategy], Estimate] = estimate,
-        verifier: Callable[[Problem, Strategy], Estimate] | None = None,
+        tier_phase: bool | None = None,
     ):
-        """scorer ranks moves; verifier (the simulator, when the scorer is the faster
-        estimate) re-scores every new best, and the result is the best by the verifier."""
+        """scorer: what ranks the moves (the planner passes the simulator when there is one).
+        tier_phase: start with whole-tier moves (default: at TIER_PHASE_MIN_DEVICES devices
+        and more, when some tier has several devices)."""
         self.prob = prob
-        self.verifier = verifier
         self.rng = random.Random(seed)
+        self.ctx = MoveContext(prob=prob, rng=self.rng)
         self.score_fn = scorer
-        self.elite_size = elite_size
-        self.microbatch_choices = [m for m in (1, 2, 4, 8, 16, 32) if prob.batch_size % m == 0]
-        fast = prob.speed_order
-        # devices drawn for single-device moves: faster ones more often (rank-weighted)
-        self.device_weights = [1.0 / (1 + r) ** 0.5 for r in range(len(fast))]
-        self.fast = fast
-        gb = [float(x) for x in prob.grad_bytes]
-        self.grad_weights = gb if sum(gb) > 0 else None
+        big = prob.n_devices >= TIER_PHASE_MIN_DEVICES and len(prob.tiers) < prob.n_devices
+        self.tier_phase = big if tier_phase is None else tier_phase
+        self._moves = {phase: self._table(phase) for phase in (True, False)}
+        self.last_move = "start"
 
-    def _device(self) -> int:
-        return self.rng.choices(self.fast, weights=self.device_weights)[0]
+    @staticmethod
+    def _table(tier_phase: bool) -> tuple[list[Move], list[float]]:
+        """The registry's moves of a phase and their weights, in registration order."""
+        allowed = (MoveScope.TIER, MoveScope.ANY) if tier_phase else tuple(MoveScope)
+        moves = [m for m in MOVES.values() if m.scope in allowed]
+        return moves, [m.weight for m in moves]
 
     def propose(self, s: Strategy) -> Strategy:
-        rng, prob = self.rng, self.prob
-        segs = segments(s)
-        a, b = rng.choice(segs)
-        p = s.placements[a]
-        kind = rng.choices(
-            ("move", "merge", "split", "drop", "add", "sync", "micro", "recompute", "reshare", "nudge"),
-            weights=(3, 3, 2, 2, 2, 2, 1, 1, 1, 1),
-        )[0]
-        if kind == "move":
-            r = rng.random()
-            if r < 0.3:
-                a = rng.randrange(prob.n_groups)
-                b = a + 1
-            elif r < 0.6 and self.grad_weights is not None:
-                # parameter-heavy groups are where leaving data parallelism pays (HeteroG's
-                # VGG result: fully connected layers on one device, convolutions replicated)
-                a = rng.choices(range(prob.n_groups), weights=self.grad_weights)[0]
-                b = a + 1
-            return _reshaped(prob, s, a, b, [self._device()], SyncMethod.NONE, None, s.placements[a].recompute)
-        if kind == "merge":
-            g = rng.randrange(prob.n_groups)
-            nb = g - 1 if (g == prob.n_groups - 1 or (g > 0 and rng.random() < 0.5)) else g + 1
-            if not 0 <= nb < prob.n_groups:
-                return s
-            return _with(s, g, g + 1, s.placements[nb])
-        if kind == "split":
-            if b - a < 2 or len(p.devices) < 2:
-                return s
-            cut = rng.randrange(a + 1, b)
-            devs = list(p.devices)
-            half = rng.randrange(1, len(devs))
-            head, tail = devs[:half], devs[half:]
-            s = _reshaped(prob, s, a, cut, head, p.sync, p.ps, p.recompute)
-            return _reshaped(prob, s, cut, b, tail, p.sync, p.ps, p.recompute)
-        if kind == "drop":
-            if len(p.devices) < 2:
-                return s
-            devs = list(p.devices)
-            devs.remove(rng.choice(devs))
-            return _reshaped(prob, s, a, b, devs, p.sync, p.ps, p.recompute)
-        if kind == "add":
-            free = [d for d in range(prob.n_devices) if d not in p.devices]
-            if not free:
-                return s
-            # add several at once on big clusters, so a block can grow in reasonable time
-            k = 1 if len(free) < 16 else rng.randint(1, max(1, len(free) // 4))
-            add = rng.sample(free, k)
-            return _reshaped(prob, s, a, b, [*p.devices, *add], p.sync, p.ps, p.recompute)
-        if kind == "sync":
-            if len(p.devices) < 2:
-                return s
-            sync = rng.choice(SYNC_CHOICES)
-            ps = rng.choice(p.devices) if sync == SyncMethod.PS else None
-            return _with(s, a, b, replace(p, sync=sync, ps=ps))
-        if kind == "micro":
-            if rng.random() < 0.3:
-                return Strategy(
-                    s.placements,
-                    s.microbatches,
-                    PipelineSchedule.ONE_F_ONE_B if s.schedule == PipelineSchedule.GPIPE else PipelineSchedule.GPIPE,
-                )
-            return Strategy(s.placements, rng.choice(self.microbatch_choices), s.schedule)
-        if kind == "nudge":
-            # the LP balances compute only; moving a few samples between two replicas can pay
-            # off where transfers or memory, which it does not see, differ between devices
-            if len(p.devices) < 2:
-                return s
-            i, j = rng.sample(range(len(p.devices)), 2)
-            mb = prob.batch_size // s.microbatches if prob.batch_size % s.microbatches == 0 else prob.batch_size
-            step = min(p.shares[i], rng.randint(1, 2) / mb)
-            shares = list(p.shares)
-            shares[i] -= step
-            shares[j] += step
-            keep = [k for k in range(len(shares)) if shares[k] > 1e-9]
-            total = sum(shares[k] for k in keep)
-            devs = tuple(p.devices[k] for k in keep)
-            new_p = Placement(
-                devs,
-                tuple(shares[k] / total for k in keep),
-                p.sync if len(devs) > 1 else SyncMethod.NONE,
-                p.ps if len(devs) > 1 and p.ps in devs else None,
-                p.recompute,
-            )
-            if new_p.sync == SyncMethod.PS and new_p.ps is None:
-                new_p = replace(new_p, ps=devs[0])
-            return _with(s, a, b, new_p)
-        if kind == "recompute":
-            return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, not p.recompute)
-        return _reshaped(prob, s, a, b, p.devices, p.sync, p.ps, p.recompute)
+        """A neighbour of `s` (s itself when the drawn move does not apply)."""
+        moves, weights = self._moves[self.tier_phase]
+        a, b = self.rng.choice(segments(s))
+        move = self.rng.choices(moves, weights=weights)[0]
+        self.last_move = move.name
+        return move.apply(self.ctx, s, a, b)
 
     def run(
         self,
-        starts: Sequence[Strategy],
+        starts: Iterable[Strategy],
         *,
-        budget_s: float,
+        deadline_s: float | None = None,
+        budget_s: float | None = None,
         max_iters: int | None = None,
-        t0: float = 0.05,
-        cooling_iters: int = 2000,
-        progress: Callable[[float], None] | None = None,
+        on_best: Callable[[Found], None] | None = None,
+        progress: Callable[[float, int], None] | None = None,
+        known: dict[tuple, float] | None = None,
     ) -> SearchResult:
-        """Anneal from the best of `starts`; restart from the elite when stuck."""
+        """Anneal from `starts` until max_iters moves or the deadline (a time.perf_counter()
+        value; budget_s: that many seconds from now), whichever comes first. The starts are
+        always scored. progress(fraction of the time used, moves) is called every PROGRESS_MOVES;
+        known: scores by strategy key that need not be computed again (the scorer's own)."""
         begin = time.perf_counter()
-        seen: dict[tuple, float] = {}
-        elite: list[tuple[float, Strategy]] = []
-
-        def score(s: Strategy) -> float:
-            k = s.key()
-            v = seen.get(k)
-            if v is None:
-                v = self.score_fn(self.prob, s).score
-                seen[k] = v
-                if len(elite) < self.elite_size or v < elite[-1][0]:
-                    elite.append((v, s))  # keys are unique: only unseen strategies get here
-                    elite.sort(key=lambda e: e[0])
-                    del elite[self.elite_size :]
-            return v
-
-        state = {"it": 0, "best": None, "best_v": math.inf}
-
-        def out_of_time(limit_it: int | None, t_end: float) -> bool:
-            return (limit_it is not None and state["it"] >= limit_it) or time.perf_counter() >= t_end
-
-        def walk(cur: Strategy, cur_v: float, limit_it: int | None, t_end: float, restarts: bool) -> None:
-            """Simulated annealing from `cur` until the iteration limit or the deadline."""
-            stale = 0
-            local = 0
-            while not out_of_time(limit_it, t_end):
-                temp = t0 * 0.5 ** (local / cooling_iters)
-                cand = self.propose(cur)
-                state["it"] += 1
-                local += 1
-                if cand is cur:
-                    continue
-                v = score(cand)
-                if v < cur_v or self.rng.random() < math.exp(-(v - cur_v) / max(temp * cur_v, 1e-30)):
-                    cur, cur_v = cand, v
-                if cur_v < state["best_v"] - 1e-15:
-                    state["best"], state["best_v"], stale = cur, cur_v, 0
-                    check(cur)
-                else:
-                    stale += 1
-                if restarts and stale > 300:  # stuck: restart from a random elite strategy
-                    cur_v, cur = self.rng.choice(elite)
-                    stale = 0
-                if progress is not None and state["it"] % 50 == 0:
-                    progress(min(1.0, (time.perf_counter() - begin) / budget_s))
-
-        verified: list = [math.inf, None]
-
-        spent = [0.0]
-
-        def check(st: Strategy) -> None:
-            # verification may use at most a third of the budget; later new bests go unverified
-            # (the planner still re-scores the elite with the simulator)
-            if self.verifier is not None and (max_iters is not None or spent[0] < budget_s / 3):
-                t = time.perf_counter()
-                v = self.verifier(self.prob, st).score
-                spent[0] += time.perf_counter() - t
-                if v < verified[0]:
-                    verified[0], verified[1] = v, st
-
-        scored = sorted(((score(s), i) for i, s in enumerate(starts)))
-        distinct: list[tuple[float, Strategy]] = []
-        for v, i in scored:
-            if all(starts[i].key() != d[1].key() for d in distinct):
-                distinct.append((v, starts[i]))
-        state["best_v"], state["best"] = distinct[0]
-        for _, s0 in distinct:
-            check(s0)
-        # phase 1: a short anneal from every start (different basins: data, model, pipeline
-        # parallelism), 40% of the budget; phase 2: continue from the best, with restarts
-        deadline = begin + budget_s
-        for k, (v, s0) in enumerate(distinct):
-            frac = 0.4 * (k + 1) / len(distinct)
-            limit = None if max_iters is None else int(max_iters * frac)
-            walk(s0, v, limit, begin + budget_s * frac, restarts=False)
-        walk(state["best"], state["best_v"], max_iters, deadline, restarts=True)
-        best, it = state["best"], state["it"]
-        if verified[1] is not None:
-            best = verified[1]
-            elite.insert(0, (state["best_v"], state["best"]))  # the scorer's own best stays a candidate
+        if deadline_s is None:
+            deadline_s = begin + budget_s if budget_s is not None else math.inf
+        walk = _Walk(self, deadline_s, max_iters, on_best)
+        walk.known = dict(known or {})
+        if progress is not None:
+            span = max(deadline_s - begin, 1e-9)
+            walk.progress = lambda: progress(min(1.0, (time.perf_counter() - begin) / span), walk.moves)
+        try:
+            walk.all(starts)
+        except _Cut as cut:
+            walk.cut_by = cut.by
+        best = walk.best
+        assert best is not None, "a chain needs a start"
         return SearchResult(
             best=best,
             best_estimate=self.score_fn(self.prob, best),
-            iterations=it,
+            iterations=walk.moves,
             time_s=time.perf_counter() - begin,
-            elite=elite,
+            found=walk.found,
+            cut_by=walk.cut_by,
         )
 
 
-def anneal(
-    prob: Problem,
-    starts: Sequence[Strategy],
-    *,
-    budget_s: float,
-    seed: int = 0,
-    max_iters: int | None = None,
-    progress: Callable[[float], None] | None = None,
-) -> SearchResult:
-    return Annealer(prob, seed).run(starts, budget_s=budget_s, max_iters=max_iters, progress=progress)
+class _Cut(Exception):
+    def __init__(self, by: str):
+        self.by = by
+
+
+class _Walk:
+    """One run of a chain: the sequence of moves and what it found."""
+
+    def __init__(self, ann: Annealer, deadline_s: float, max_moves: int | None, on_best):
+        self.ann, self.deadline_s, self.max_moves, self.on_best = ann, deadline_s, max_moves, on_best
+        self.moves = 0
+        self.stale = 0  # moves since the last new best
+        self.seen: dict[tuple, float] = {}
+        self.elite: list[tuple[float, int, Strategy]] = []  # (score, order found, strategy)
+        self.best: Strategy | None = None
+        self.best_v = math.inf
+        self.found: list[Found] = []
+        self.cut_by = "moves"
+        self.progress: Callable[[], None] | None = None
+        self.known: dict[tuple, float] = {}
+
+    def score(self, s: Strategy) -> float:
+        k = s.key()
+        v = self.seen.get(k)
+        if v is None:
+            v = self.known.get(k)
+        if v is None:
+            if self.best is not None and time.perf_counter() >= self.deadline_s:
+                raise _Cut("deadline")
+            v = self.ann.score_fn(self.ann.prob, s).score
+        if k not in self.seen:
+            self.seen[k] = v
+            if len(self.elite) < ELITE_SIZE or v < self.elite[-1][0]:
+                self.elite.append((v, len(self.seen), s))  # keys are unique: only unseen strategies get here
+                self.elite.sort(key=lambda e: (e[0], e[1]))
+                del self.elite[ELITE_SIZE:]
+            if v < self.best_v * (1 - 1e-12):
+                self.best, self.best_v, self.stale = s, v, 0
+                f = Found(moves=self.moves, move=self.ann.last_move, score=v, strategy=s)
+                self.found.append(f)
+                if self.on_best is not None:
+                    self.on_best(f)
+        return v
+
+    def step(self) -> None:
+        if self.max_moves is not None and self.moves >= self.max_moves:
+            raise _Cut("moves")
+        self.moves += 1
+        self.stale += 1
+        if self.progress is not None and self.moves % PROGRESS_MOVES == 0:
+            self.progress()
+        ann = self.ann
+        if ann.tier_phase and self.stale > TIER_PHASE_STALE_MOVES:
+            ann.tier_phase = False  # the tiers have given what they can: refine single devices
+
+    def anneal(self, cur: Strategy, cur_v: float, moves: int | None, restarts: bool) -> None:
+        """Simulated annealing from `cur` for `moves` moves (None: until cut)."""
+        rng, local = self.ann.rng, 0
+        while moves is None or local < moves:
+            self.step()
+            local += 1
+            cand = self.ann.propose(cur)
+            if cand is cur:
+                continue
+            v = self.score(cand)
+            temp = T0 * 0.5 ** (self.moves / COOLING_MOVES)
+            if v < cur_v or rng.random() < math.exp(-(v - cur_v) / max(temp * cur_v, 1e-30)):
+                cur, cur_v = cand, v
+            if restarts and self.stale and self.stale % RESTART_STALE_MOVES == 0:
+                cur_v, _, cur = rng.choice(self.elite)  # stuck: restart from an elite strategy
+
+    def all(self, starts: Iterable[Strategy]) -> None:
+        self.ann.last_move = "start"
+        scored = []
+        for i, s in enumerate(starts):  # the first is scored whatever the time: a chain has a best
+            scored.append((self.score(s), i, s))
+        distinct: list[tuple[float, int, Strategy]] = []
+        keys: set[tuple] = set()
+        for v, i, s in sorted(scored, key=lambda e: (e[0], e[1])):
+            if s.key() not in keys:
+                keys.add(s.key())
+                distinct.append((v, i, s))
+        top = distinct[0][0]
+        self.anneal(distinct[0][2], top, 2 * START_MOVES, restarts=False)
+        for v, _, s in distinct[1:]:
+            if v <= START_WITHIN * top:
+                self.anneal(s, v, START_MOVES, restarts=False)
+        self.anneal(self.best, self.best_v, None, restarts=True)

@@ -1,22 +1,27 @@
-"""The planner: from a model's graph, a cluster and costs to the best Plan and the table
-of every candidate it compared (the capture and the costs before it: heterog/plan_module.py).
+"""The planner: from a model's graph, a cluster and costs to the best Plan, the table of every
+candidate it compared, and a lower bound beside them (the capture and the costs before it:
+heterog/plan_module.py).
 
-Order: group the graph → baselines → the GNN policy's proposals → simulated-annealing search
-from the baselines and, separately, from the GNN's proposals → every candidate scored by the
-simulator (heterog.simulate) → the best feasible one, explained. The best is the minimum over
-all feasible candidates, so it is never worse than a baseline as the simulator scores them.
+Order, every stage within one deadline (the budget): group the graph → baselines, each
+scored by the simulator → the lower bound (bound.py) → search lanes (lanes.py): an annealing
+chain from the baselines ('search') and one from the GNN policy's proposals ('gnn',
+'gnn+search'), side by side in two processes where the machine has two cores, one after the
+other (the GNN lane taking GNN_SHARE of the time) where it has one → the best feasible
+candidate, explained. The best is the minimum over all feasible candidates, so it is never
+worse than a baseline as the simulator scores them; and since a lane's candidate is the best
+of a prefix of its seed's moves, a larger budget never gives a worse plan.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from typing import Any
 
-import numpy as np
-
+from heterog._signals import signals_deferred
 from heterog.cost.model import CostModel
 from heterog.cost.precision import precision_advice
 from heterog.errors import InfeasibleError, PlanError, did_you_mean
@@ -26,13 +31,26 @@ from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
-from heterog.search.baselines import BASELINE_BUILDERS, node_dp_starts, pipeline
+from heterog.search.baselines import BASELINE_BUILDERS, node_dp_starts, pipeline, tier_dp_starts
+from heterog.search.bound import Bound, lower_bound
 from heterog.search.constraints import DEFAULT_CACHE, ConstraintCache, ModelCuts, violations
-from heterog.search.estimate import Estimate, estimate
 from heterog.search.grouping import make_groups
-from heterog.search.local_search import Annealer
+from heterog.search.lanes import (
+    Best,
+    Candidate,
+    Forked,
+    Lane,
+    LaneStats,
+    _simulator,
+    can_fork,
+    finalize,
+    run_lane,
+    simulator_scorer,
+    usable_cores,
+)
 from heterog.search.problem import Problem, Strategy
-from heterog.simulate.priorities import assign_priorities
+
+__all__ = ["CANDIDATES", "Candidate", "PlanResult", "load_code", "plan_graph", "simulator_scorer"]
 
 CANDIDATES = (
     "single-device",
@@ -46,38 +64,22 @@ CANDIDATES = (
     "gnn+search",
 )
 DEFAULT_BUDGET_S = 10.0
-ELITE_RESCORED = 4  # strategies from each search that the simulator re-scores (at most)
-PRIORITY_MAX_DEVICES = 128
-FINAL_SIMULATIONS = 7  # after the search: search, gnn, gnn+search scored twice each, the winner explained
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
-    strategy: str
-    plan: Plan
-    iteration_time_s: float
-    feasible: bool
-    peak_memory_bytes: dict[str, int]
-    scored_by: str  # 'simulator' or 'estimate'
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "iteration_time_s": self.iteration_time_s,
-            "feasible": self.feasible,
-            "peak_memory_bytes": self.peak_memory_bytes,
-            "devices_used": len(self.plan.devices()),
-            "num_microbatches": self.plan.num_microbatches,
-            "scored_by": self.scored_by,
-        }
+GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
+RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
+REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanResult:
     best: Plan
     candidates: tuple[Candidate, ...]
-    search_time_s: float  # what --budget-s bounds
-    other_time_s: dict[str, float] = field(default_factory=dict)  # what else planning took
+    search_time_s: float  # plan_graph from start to end
+    other_time_s: dict[str, float] = field(default_factory=dict)  # what else planning took (graph, costs)
+    time_s: dict[str, float] = field(default_factory=dict)  # where plan_graph's time went, by stage
+    budget_s: float | None = None
+    budget_split: dict[str, Any] = field(default_factory=dict)  # decided before the lanes start
+    bound: Bound | None = None
+    lanes: dict[str, dict[str, Any]] = field(default_factory=dict)  # per lane: moves, new bests, cut by
 
     def plan_of(self, strategy: str) -> Plan:
         """The plan of the candidate named `strategy` (a baseline's or heterog's)."""
@@ -95,101 +97,161 @@ class PlanResult:
             "candidates": [c.to_dict() for c in self.candidates],
             "search_time_s": self.search_time_s,
             "other_time_s": dict(self.other_time_s),
+            "time_s": dict(self.time_s),
+            "budget_s": self.budget_s,
+            "budget_split": dict(self.budget_split),
+            "bound": self.bound.to_dict() if self.bound is not None else None,
+            "lanes": dict(self.lanes),
         }
 
 
-def _simulator() -> Callable | None:
-    try:
-        from heterog.simulate.simulator import simulate
-    except ImportError:
-        return None
-    return simulate
+class _Stages:
+    """Seconds per stage, in the order the stages ran."""
+
+    def __init__(self) -> None:
+        self.time_s: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.time_s[stage] = self.time_s.get(stage, 0.0) + now - self._t
+        self._t = now
 
 
-def score_plan(prob: Problem, plan: Plan, strategy: Strategy) -> tuple[Plan, float, bool, dict[str, int], str]:
-    """(plan, iteration_time_s, feasible, peak bytes per device, scorer), by the simulator when
-    present. The simulator orders groups by the plan's priorities: the plan is scored with
-    HEFT-style priorities (heterog.simulate.priorities) and in plain graph order, and the
-    faster of the two is kept, so the prediction is for the plan exactly as returned."""
-    sim = _simulator()
-    if sim is not None:
-        best = None
-        # ranking a 1024-device plan's nodes costs seconds; large plans keep graph order
-        variants = (
-            (plan,)
-            if prob.n_devices > PRIORITY_MAX_DEVICES
-            else (assign_priorities(prob.graph, prob.cluster, plan, prob.costs, cache=prob.sim_cache), plan)
-        )
-        for p in variants:
-            r = sim(prob.graph, prob.cluster, p, prob.costs, timeline=False, cache=prob.sim_cache)
-            key = (not r.feasible, r.iteration_time_s)
-            if best is None or key < best[0]:
-                best = (key, p, r)
-        _, p, r = best
-        return (
-            p,
-            float(r.iteration_time_s),
-            bool(r.feasible),
-            {d: int(b) for d, b in r.peak_memory_bytes.items()},
-            "simulator",
-        )
-    e = estimate(prob, prob.finalize(strategy))
-    peak = {
-        prob.device_names[i]: int(e.peak_memory_bytes[i]) for i in range(prob.n_devices) if e.peak_memory_bytes[i] > 0
-    }
-    return plan, e.iteration_time_s, e.feasible, peak, "estimate"
-
-
-def _load_policy(policy: Any):
+def _has_policy(policy: Any) -> bool:
+    """Whether the GNN lane runs: a policy given, or the shipped file present (checked without
+    importing torch, which the lane does itself)."""
     if policy is False:
-        return None
-    # torch_geometric takes seconds to import: only when a GNN policy is used
-    from heterog.search.gnn.policy import load_policy
-
-    return load_policy(policy)
+        return False
+    return policy is not None or resources.files("heterog.search.gnn").joinpath("policy.pt").is_file()
 
 
-def simulator_scorer(prob: Problem) -> Callable[[Problem, Strategy], Estimate]:
-    """The simulator as the search's scorer (plans in graph order, no timeline)."""
-    sim = _simulator()
-    assert sim is not None
-    cap = prob.memory_bytes
-
-    def score(p: Problem, s: Strategy) -> Estimate:
-        r = sim(p.graph, p.cluster, p.to_plan(s, "search"), p.costs, timeline=False, cache=p.sim_cache)
-        peak = np.zeros(p.n_devices)
-        for d, b in r.peak_memory_bytes.items():
-            peak[p.cluster.device_index[d]] = b
-        overflow = float(np.max((peak - cap) / cap))
-        return Estimate(
-            iteration_time_s=float(r.iteration_time_s),
-            peak_memory_bytes=peak,
-            overflow=max(0.0, overflow) if not r.feasible else 0.0,
-        )
-
-    return score
+def load_code(policy: Any) -> None:
+    """What a process loads once, before the budget's clock starts, as the command's other
+    imports: the GNN's modules (torch, torch_geometric) and the simulator's compiled code
+    (numba loads it on the first call: a tiny plan is simulated). A lane forked afterwards
+    has them. Seconds the first time, nothing after."""
+    with signals_deferred():  # a stop now is delivered after: see _signals.py
+        if _has_policy(policy):
+            # torch and torch_geometric take seconds: loaded only when a GNN lane runs
+            import heterog.search.gnn.policy  # noqa: F401
+        _simulate_once()
 
 
-def _candidate(prob: Problem, name: str, options: list[Strategy]) -> Candidate:
-    """Score each option (the simulator when present) and keep the best for this name."""
-    best_c = None
-    for s in options:
-        plan, t, ok, peak, how = score_plan(prob, prob.to_plan(s, name), s)
-        c = Candidate(strategy=name, plan=plan, iteration_time_s=t, feasible=ok, peak_memory_bytes=peak, scored_by=how)
-        if best_c is None or (not c.feasible, c.iteration_time_s) < (not best_c.feasible, best_c.iteration_time_s):
-            best_c = c
-    return best_c
+@functools.cache
+def _simulate_once() -> None:
+    # the toy problem's helpers are needed only for this one warm-up call
+    from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
+
+    graph = layered_graph([(0.1, 1, 0.1)] * 4, batch_size=8)
+    cluster = toy_cluster([10.0, 10.0])
+    costs = TableCostModel(graph=graph, cluster=cluster)
+    prob = Problem(
+        graph=graph, cluster=cluster, costs=costs, groups=make_groups(graph, cluster, costs, 2), batch_size=8
+    )
+    finalize(prob, BASELINE_BUILDERS["pipeline"](prob), "warm-up")
 
 
-def _options(best: Strategy, elite: list[tuple[float, Strategy]], limit: int) -> list[Strategy]:
-    out, keys = [best], {best.key()}
-    for _, s in elite:
-        if len(out) > limit:
-            break
-        if s.key() not in keys:
-            keys.add(s.key())
-            out.append(s)
-    return out
+def _gnn_starts(policy: Any, finetune_s: float, seed: int, fallback: Callable[[Problem, float], Iterator[Strategy]]):
+    """The GNN lane's starts: its policy's proposals (after fine-tuning a copy on this very
+    problem for finetune_s, at most half the lane's time)."""
+
+    def make(prob: Problem, deadline_s: float) -> Iterable[Strategy]:
+        # torch_geometric takes seconds to import: only in the lane that uses the policy
+        from heterog.search.gnn.policy import load_policy
+
+        pol = load_policy(policy)
+        if pol is None:
+            return fallback(prob, deadline_s)
+        tune_s = min(finetune_s, max(0.0, deadline_s - time.perf_counter()) / 2)
+        if tune_s > 0:
+            # fine-tuning's modules load only when a fine-tune budget is given
+            import copy
+
+            from heterog.search.gnn.train import TrainConfig, train
+
+            pol = copy.deepcopy(pol)
+            train(pol, [prob], TrainConfig(steps=100_000, seed=seed), budget_s=tune_s)
+        return pol.propose(prob, samples=8, seed=seed)
+
+    return make
+
+
+def _search_starts(baselines: list[Strategy] | None) -> Callable[[Problem, float], Iterator[Strategy]]:
+    """The search lane's starts: the baselines (None: a second chain beside the planner's own,
+    which has scored them, starts from proportional data parallelism instead), data
+    parallelism over the fastest tiers and inside each kind of node, and a 1F1B pipeline (far
+    less activation memory per stage, the way into models that no baseline fits) — made one
+    by one inside the lane, the pipeline (seconds at a thousand devices) only before its
+    deadline."""
+
+    def make(prob: Problem, deadline_s: float) -> Iterator[Strategy]:
+        yield from baselines if baselines is not None else [BASELINE_BUILDERS["proportional-dp"](prob)]
+        yield from tier_dp_starts(prob)
+        yield from node_dp_starts(prob)
+        if time.perf_counter() < deadline_s:
+            yield pipeline(prob, PipelineSchedule.ONE_F_ONE_B)
+
+    return make
+
+
+def _other_lane(policy: Any, seed: int, finetune_s: float, parallel: bool) -> Lane | None:
+    """The lane a forked process runs: the GNN's, or on two cores a second search chain."""
+    if _has_policy(policy):
+        starts = _gnn_starts(policy, finetune_s, seed, _search_starts(None))
+        return Lane(name="gnn+search", seed=seed + 1, starts=starts, start_name="gnn")
+    return Lane(name="search", seed=seed + 1, starts=_search_starts(None)) if parallel else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Baselines:
+    strategies: dict[str, Strategy]
+    candidates: dict[str, Candidate]
+    known: dict[tuple, tuple[float, Candidate]]  # what a chain starting from them need not score
+    per_call_s: float  # one simulation, on average
+
+
+def _baselines(prob: Problem) -> _Baselines:
+    strategies = {name: build(prob) for name, build in BASELINE_BUILDERS.items()}
+    t0 = time.perf_counter()
+    scores: dict[tuple, float] = {}
+    candidates = {name: finalize(prob, s, name, scores) for name, s in strategies.items()}
+    known = {s.key(): (scores[s.key()], candidates[n]) for n, s in strategies.items() if s.key() in scores}
+    return _Baselines(
+        strategies=strategies,
+        candidates=candidates,
+        known=known,
+        per_call_s=(time.perf_counter() - t0) / len(strategies),
+    )
+
+
+def _run_lanes(
+    prob: Problem, mine: Lane, other: Lane | None, forked: Forked | None, end_s: float, *, emit, say, **kw
+) -> tuple[list[LaneStats], dict[str, Any]]:
+    """Run the lanes until end_s and state how the time was split, before they start. With
+    two cores the other lane has run in its forked process from the start, beside this one;
+    with one it runs first and alone for GNN_SHARE of the time. Either way its process is
+    ended at its time, keeping every candidate it sent (the GNN lane may still be importing
+    torch when a small budget ends)."""
+    now = time.perf_counter()
+    left = max(0.0, end_s - now)
+    show = lambda lo, hi: lambda f: say(mine.name, 0.1 + 0.8 * (lo + (hi - lo) * f))  # noqa: E731
+    if other is None:
+        stats = run_lane(prob, mine, deadline_s=end_s, emit=emit, progress=show(0, 1), **kw)
+        return [stats], {"parallel": False, "lanes_s": {mine.name: left}}
+    if forked is not None:
+        stats = run_lane(prob, mine, deadline_s=end_s, emit=emit, progress=show(0, 1), **kw)
+        lanes_s = {mine.name: left, f"{other.name} (second process)": end_s - forked.since_s}
+        return [stats, forked.collect(emit, end_s)], {"parallel": True, "lanes_s": lanes_s}
+    mid = now + GNN_SHARE * left
+    say(other.name, 0.1)
+    child = Forked(prob, other, deadline_s=mid, **kw)
+    try:
+        first = child.collect(emit, mid + 0.1 * (end_s - mid))
+    finally:
+        child.stop()
+    stats = run_lane(prob, mine, deadline_s=end_s, emit=emit, progress=show(GNN_SHARE, 1), **kw)
+    return [first, stats], {"parallel": False, "lanes_s": {other.name: mid - now, mine.name: end_s - mid}}
 
 
 def plan_graph(
@@ -210,131 +272,133 @@ def plan_graph(
     progress: Callable[[str, float], None] | None = None,
     cuts: ModelCuts | None | str = "auto",
     cut_cache: ConstraintCache | None = None,
+    deadline_s: float | None = None,
+    workers: int | None = None,
 ) -> PlanResult:
-    """The best Plan for `graph` on `cluster` within about `budget_s` seconds.
+    """The best Plan for `graph` on `cluster`, ending about `budget_s` seconds after the call
+    (or at `deadline_s`, a time.perf_counter() value, when the caller's clock started earlier).
 
     policy: None loads the shipped pre-trained GNN, a path loads that file, a policy object is
-    used as is, False skips the GNN candidates. max_iters caps each search and makes the run
-    reproducible (no choice then depends on timings; the budget is only a safety stop).
-    scorer: what the search's inner loop calls — 'simulator', 'estimate', or 'auto' (the
-    simulator when one call is cheap enough for a few hundred moves within the budget).
+    used as is, False skips the GNN candidates. max_iters caps each chain's moves and makes the
+    run reproducible on any machine (the deadline is then only a safety stop).
+    scorer: what the chains' moves are scored by — 'simulator', 'estimate', or 'auto' (the
+    simulator when it is installed: with its caches one to five times the estimate's cost per
+    neighbour, and the final word anyway).
     finetune_s: seconds of REINFORCE on this very problem before the GNN proposes (a copy of
-    the policy is tuned; the file is untouched). Taken from the budget.
+    the policy is tuned; the file is untouched), taken from the GNN lane's time.
     cuts: what the executor can cut (search/constraints.py); 'auto' exports `model_spec`'s
     model once per `cut_cache` (the module's default cache when None), None ignores them.
     Groups follow them, and a candidate that breaks them is reported infeasible.
+    workers: processes for the lanes (default: the usable cores, at most 2).
     """
-    started = time.perf_counter()
-    if cuts == "auto":  # before the clock starts: an export (seconds, once per model) is not search time
-        cuts = (cut_cache or DEFAULT_CACHE).get(model_spec) if model_spec is not None else None
-    cuts_s = time.perf_counter() - started
-    assert cuts is None or isinstance(cuts, ModelCuts), cuts
-    # the simulator loaded before the clock too (about a second, cold): the baselines' scoring
-    # times one call to size the search's budget, and an import inside it shrinks the budget
-    _simulator()
+    load_code(policy)
     begin = time.perf_counter()
+    deadline = deadline_s if deadline_s is not None else begin + budget_s
+    stages = _Stages()
+    if cuts == "auto":  # an export, seconds once per model
+        cuts = (cut_cache or DEFAULT_CACHE).get(model_spec) if model_spec is not None else None
+    stages.done("cut_analysis")
+    assert cuts is None or isinstance(cuts, ModelCuts), cuts
     say = progress or (lambda stage, frac: None)
     say("grouping", 0.0)
-    groups = make_groups(graph, cluster, costs, max_groups, cuts)
     prob = Problem(
         graph=graph,
         cluster=cluster,
         costs=costs,
-        groups=groups,
+        groups=make_groups(graph, cluster, costs, max_groups, cuts),
         batch_size=graph.batch_size,
         model_spec=model_spec,
         precision=precision,
         optimizer=optimizer,
         cuts=cuts,
     )
-    strategies: dict[str, Strategy] = {name: build(prob) for name, build in BASELINE_BUILDERS.items()}
-    say("baselines", 0.03)
-    t0 = time.perf_counter()
-    candidates = {name: _candidate(prob, name, [strategies[name]]) for name in BASELINE_BUILDERS}
-    per_call_s = (time.perf_counter() - t0) / (2 * len(BASELINE_BUILDERS))
-    say("baselines", 0.08)
-    pol = _load_policy(policy)
-    gnn_props: list[Strategy] = []
-    if pol is not None:
-        if finetune_s > 0:
-            # torch_geometric takes seconds to import: only when a GNN policy is used
-            from heterog.search.gnn.train import TrainConfig, train
-
-            pol = copy.deepcopy(pol)
-            train(pol, [prob], TrainConfig(steps=100_000, seed=seed), budget_s=finetune_s)
-        gnn_props = pol.propose(prob, samples=8, seed=seed)
-        strategies["gnn"] = min(gnn_props, key=lambda s: estimate(prob, s).score)
-    say("gnn", 0.1)
-    # what must follow the search fits the budget too: scoring its best strategies (twice each,
-    # with and without priorities) and the explanation's simulation of the winner
-    reserve_s = FINAL_SIMULATIONS * per_call_s
-    left = max(0.0, budget_s - (time.perf_counter() - begin) - reserve_s) * 0.8
-    share = 0.5 if gnn_props else 1.0
-    have_sim = _simulator() is not None
-    # with max_iters the run must not depend on the machine's speed: no timing-based choices
-    timed = max_iters is None
-    use_sim = scorer == "simulator" or (scorer == "auto" and timed and have_sim and per_call_s * 2000 <= left * share)
-    score_fn = simulator_scorer(prob) if use_sim else estimate
-    verify = simulator_scorer(prob) if (have_sim and not use_sim and scorer != "estimate") else None
-    # the search also starts from a 1F1B pipeline: far less activation memory per stage, the
-    # way into models that no baseline fits; and from data parallelism inside each node
-    starts = (
-        [strategies[n] for n in BASELINE_BUILDERS]
-        + [pipeline(prob, PipelineSchedule.ONE_F_ONE_B)]
-        + node_dp_starts(prob)
-    )
-    searched = Annealer(prob, seed, scorer=score_fn, verifier=verify).run(
-        starts, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("search", 0.1 + 0.8 * share * f)
-    )
-    strategies["search"] = searched.best
-    pools = {"search": searched.elite}
-    if gnn_props:
-        both = Annealer(prob, seed + 1, scorer=score_fn, verifier=verify).run(
-            gnn_props, budget_s=left * share, max_iters=max_iters, progress=lambda f: say("gnn+search", 0.5 + 0.4 * f)
-        )
-        strategies["gnn+search"] = both.best
-        pools["gnn+search"] = both.elite
+    stages.done("grouping")
+    n_workers = min(2, usable_cores()) if workers is None else workers
+    parallel = n_workers >= 2 and can_fork()
+    other = _other_lane(policy, seed, finetune_s, parallel)
+    use_sim = scorer == "simulator" or (scorer == "auto" and _has_simulator())
+    kw = {"max_iters": max_iters, "use_simulator": use_sim}
+    forked = None
+    try:
+        # on two cores the other lane starts now (the GNN's proposals beside the baselines)
+        if parallel and other is not None:
+            forked = Forked(prob, other, deadline_s=deadline, **kw)
+        say("baselines", 0.03)
+        base = _baselines(prob)
+        stages.done("baselines")
+        say("bound", 0.08)
+        feasible = [c.iteration_time_s for c in base.candidates.values() if c.feasible]
+        bound = lower_bound(prob, upper_s=min(feasible, default=None))
+        stages.done("bound")
+        # kept back for what follows the lanes: the winner's explanation simulates it once
+        reserve_s = RESERVE_SIMULATIONS * base.per_call_s
+        mine = Lane(name="search", seed=seed, starts=_search_starts(list(base.strategies.values())), known=base.known)
+        found = Best()
+        lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
+    finally:
+        if forked is not None:
+            forked.stop()
+    split["reserve_s"] = reserve_s
+    if other is not None and other.start_name and finetune_s > 0:
+        split["finetune_s"] = f"min({finetune_s:g}, half the GNN lane's time)"
+    stages.done("lanes")
     say("scoring", 0.9)
-    # re-score as many of each search's best strategies as the rest of the budget allows
-    left = budget_s - (time.perf_counter() - begin)
-    limit = max(0, min(ELITE_RESCORED, int(left / max(3 * 2 * per_call_s, 1e-9)) - 1)) if timed else ELITE_RESCORED
-    for name in ("search", "gnn", "gnn+search"):
-        if name in strategies:
-            candidates[name] = _candidate(prob, name, _options(strategies[name], pools.get(name, []), limit))
-    cluster_doc = cluster_to_dict(prob.cluster)
-    ordered = [_runnable(prob, candidates[n], cluster_doc) for n in CANDIDATES if n in candidates]
-    feasible = [c for c in ordered if c.feasible]
-    if not feasible:
-        raise InfeasibleError(explain.infeasible_message(prob, ordered))
-    winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
-    best = _finish(prob, winner, ordered)
+    best, ordered = _choose(prob, base.candidates, found, bound)
+    stages.done("explanation")
     say("done", 1.0)
+    lanes: dict[str, dict[str, Any]] = {}
+    for i, r in enumerate(lane_stats):
+        lanes[r.name if r.name not in lanes else f"{r.name} ({i + 1})"] = r.to_dict()
     return PlanResult(
         best=best,
         candidates=tuple(ordered),
         search_time_s=time.perf_counter() - begin,
-        other_time_s={"cut_analysis": cuts_s},
+        other_time_s={"cut_analysis": stages.time_s["cut_analysis"]},
+        time_s=stages.time_s,
+        budget_s=budget_s,
+        budget_split=split,
+        bound=bound,
+        lanes=lanes,
     )
 
 
-def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any]) -> Candidate:
+def _has_simulator() -> bool:
+    return _simulator() is not None
+
+
+def _choose(prob: Problem, baselines: dict[str, Candidate], found: Best, bound: Bound) -> tuple[Plan, list[Candidate]]:
+    """(the best feasible candidate's plan, explained; every candidate, in CANDIDATES order)."""
+    candidates = dict(baselines)
+    for name, c in found.by_name.items():
+        if name not in candidates or c.rank < candidates[name].rank:
+            candidates[name] = c
+    cluster_doc = cluster_to_dict(prob.cluster)
+    ordered = [_runnable(prob, candidates[n], cluster_doc, bound) for n in CANDIDATES if n in candidates]
+    feasible = [c for c in ordered if c.feasible]
+    if not feasible:
+        raise InfeasibleError(explain.infeasible_message(prob, ordered))
+    winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
+    return _finish(prob, winner, ordered, bound), ordered
+
+
+def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any], bound: Bound) -> Candidate:
     """The candidate with its prediction and the cluster spec in its plan, so that any
-    candidate's plan (PlanResult.plan_of, `heterog plan --strategy`) runs as it is; one the
-    executor could not cut (search/constraints.py) is infeasible."""
+    candidate's plan (PlanResult.plan_of, `heterog plan --strategy`) runs as it is, and how far
+    above the bound it is; one the executor could not cut (search/constraints.py) is infeasible."""
     plan = replace(c.plan.with_prediction(c.iteration_time_s, c.peak_memory_bytes), cluster=cluster_doc)
     cuts = prob.cuts
     broken = cuts is not None and violations(
         cuts, {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}, [g.replicas for g in plan.groups]
     )
-    return replace(c, plan=plan, feasible=c.feasible and not broken)
+    return replace(c, plan=plan, feasible=c.feasible and not broken, above_bound=bound.within(c.iteration_time_s))
 
 
-def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate]) -> Plan:
+def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate], bound: Bound) -> Plan:
     """Attach the explanation (prediction and cluster came with _runnable, priorities with
     scoring), and how the devices run the plan's precision (cost/precision.py)."""
     plan = replace(
         winner.plan,
-        notes=tuple(explain.notes(prob, winner, candidates))
+        notes=tuple(explain.notes(prob, winner, candidates, bound))
         + precision_advice(prob.cluster, winner.plan.precision).notes,
     )
     return plan.validate(prob.graph, prob.cluster)

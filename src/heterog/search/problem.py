@@ -11,7 +11,7 @@ groups the activation bytes between them. A `Strategy` is the search's compact p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 import numpy as np
@@ -32,17 +32,25 @@ BUCKET_BYTES = Plan.__dataclass_fields__["bucket_bytes"].default  # gradient buc
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where one group runs: device indices (sorted), each one's share, how gradients sync."""
+    """Where one group runs: device indices (sorted), each one's share, how gradients sync.
+
+    Hashed once, when made: a 1024-device placement is a key of the search's caches and of
+    every strategy's identity, and rehashing its tuples per look-up cost more than scoring."""
 
     devices: tuple[int, ...]
     shares: tuple[float, ...]
     sync: SyncMethod = SyncMethod.NONE
     ps: int | None = None
     recompute: bool = False
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         assert len(self.devices) == len(self.shares) and self.devices, self
         assert abs(sum(self.shares) - 1.0) < 1e-6, self.shares
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +62,31 @@ class Strategy:
     )  # or '1f1b': same bubble, fewer micro-batches in flight per stage
 
     def key(self) -> tuple:
-        """Identity for de-duplication (shares rounded so float noise does not count)."""
-        return (
-            self.microbatches,
-            self.schedule,
-            tuple(
-                (p.devices, tuple(round(s, 4) for s in p.shares), p.sync, p.ps, p.recompute) for p in self.placements
-            ),
+        """Identity for de-duplication: placements compare by value and hash once (Placement)."""
+        return (self.microbatches, self.schedule, self.placements)
+
+
+def device_tiers(cluster: Cluster) -> list[tuple[int, ...]]:
+    """The search's device *tiers*: devices the cost model cannot tell apart (one class,
+    lower/context.device_class_key) on nodes with equal NICs, latencies and device counts, so
+    that transfers between two tiers cost alike whichever of their devices they join. At
+    hundreds of devices the search moves whole tiers first (a 1024-GPU cluster of four types
+    is four tiers), then single devices. Each tier lists its devices node by node, so its
+    first k devices fill whole nodes."""
+    node = {n.name: n for n in cluster.nodes}
+    keys: dict[tuple, list[int]] = {}
+    for i, d in enumerate(cluster.devices):
+        n = node[d.node]
+        k = (
+            device_class_key(cluster, d.name),
+            n.nic_bandwidth_bytes_per_s,
+            n.nic_latency_s,
+            n.intra_latency_s,
+            len(n.devices),
         )
+        keys.setdefault(k, []).append(i)
+    order = {n.name: i for i, n in enumerate(cluster.nodes)}
+    return [tuple(sorted(v, key=lambda i: (order[cluster.devices[i].node], i))) for v in keys.values()]
 
 
 def _fit(t_lo: float, t_hi: float, b_lo: float, b_hi: float) -> Affine:
@@ -103,6 +128,10 @@ class Problem:
         self.node_of_device = [c.node_of[d] for d in self.device_names]
         node_pos = {n.name: i for i, n in enumerate(c.nodes)}
         self.node_idx = np.array([node_pos[x] for x in self.node_of_device], dtype=np.int64)
+        self.tiers = device_tiers(c)
+        self.tier_of = np.zeros(self.n_devices, dtype=np.int64)
+        for t, devs in enumerate(self.tiers):
+            self.tier_of[list(devs)] = t
         # seconds per byte through each node's NIC (one direction); transfers that leave or
         # enter a node share it, which the search's estimate models as one queue per direction
         self.nic_s_per_byte = np.array([1.0 / n.nic_bandwidth_bytes_per_s for n in c.nodes])
@@ -142,8 +171,10 @@ class Problem:
         for a, b in self.edges:
             self.preds[b].append(a)
             self.succs[a].append(b)
-        self._pair_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._pair_cache: dict[tuple, tuple[float, float]] = {}
         self._sync_cache: dict[tuple, float] = {}
+        self._plan_groups: dict[tuple[Placement, int], tuple] = {}  # to_plan's per-placement part
+        self.repartition_cache: dict[tuple, tuple[float, dict, dict]] = {}  # the estimate's transfers
 
     @cached_property
     def fingerprints(self) -> tuple[str, str]:
@@ -171,8 +202,9 @@ class Problem:
 
     # -- communication look-ups (cached) ---------------------------------------------------
     def pair_cost(self, src: int, dst: int) -> tuple[float, float]:
-        """(latency_s, seconds per byte) between two devices, from the cost model."""
-        key = (src, dst)
+        """(latency_s, seconds per byte) between two devices, from the cost model; once per
+        pair of tiers (devices of a tier are alike, and so are their nodes' links)."""
+        key = (self.tier_of[src], self.tier_of[dst], self.node_idx[src] == self.node_idx[dst], src == dst)
         hit = self._pair_cache.get(key)
         if hit is None:
             a, b = self.device_names[src], self.device_names[dst]
@@ -228,19 +260,33 @@ class Problem:
         mb = self.batch_size // m
         return Strategy(tuple(self.integer_placement(p, mb) for p in s.placements), m, s.schedule)
 
+    def _group_fields(self, p: Placement, microbatch_samples: int) -> tuple:
+        """(replicas, sync, ps device, recompute) of a placement in the Plan, made once per
+        placement: neighbouring strategies share all but a few of them."""
+        key = (p, microbatch_samples)
+        hit = self._plan_groups.get(key)
+        if hit is None:
+            q = self.integer_placement(p, microbatch_samples)
+            replicas = tuple(Replica(device=self.device_names[d], share=sh) for d, sh in zip(q.devices, q.shares))
+            hit = (replicas, q.sync, self.device_names[q.ps] if q.sync == SyncMethod.PS else None, q.recompute)
+            if len(self._plan_groups) > 20_000:
+                self._plan_groups.clear()
+            self._plan_groups[key] = hit
+        return hit
+
     def to_plan(self, s: Strategy, strategy_name: str, notes: Sequence[str] = ()) -> Plan:
-        s = self.finalize(s)
+        m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
         groups = []
         for g, (names, p) in enumerate(zip(self.groups, s.placements)):
-            replicas = tuple(Replica(device=self.device_names[d], share=sh) for d, sh in zip(p.devices, p.shares))
+            replicas, sync, ps_device, recompute = self._group_fields(p, self.batch_size // m)
             groups.append(
                 Group(
                     name=f"g{g}",
                     nodes=tuple(names),
                     replicas=replicas,
-                    sync=p.sync,
-                    ps_device=self.device_names[p.ps] if p.sync == SyncMethod.PS else None,
-                    recompute=p.recompute,
+                    sync=sync,
+                    ps_device=ps_device,
+                    recompute=recompute,
                 )
             )
         spec = self.model_spec or ModelSpec(
@@ -252,7 +298,7 @@ class Problem:
             precision=self.precision,
             optimizer=self.optimizer,
             groups=tuple(groups),
-            num_microbatches=s.microbatches,
+            num_microbatches=m,
             schedule=s.schedule,
             notes=tuple(notes),
             graph_fingerprint=self.fingerprints[0],

@@ -49,20 +49,25 @@ def optimal_shares(
     *,
     cap: np.ndarray | None = None,
     extra_s: np.ndarray | None = None,
+    counts: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Continuous shares (summing to 1) minimising the slowest replica's time (the LP above).
+    """Continuous shares minimising the slowest replica's time (the LP above), one per entry.
 
-    When the caps cannot hold the whole batch (Σ cap < 1) no split fits in memory; the shares
-    returned are then proportional to the caps, the split that overflows least.
+    counts: how many identical replicas each entry stands for (devices of one class); then
+    Σ counts_i · s_i = 1 and each of them gets s_i, so a 1024-device segment of four classes
+    is an LP of four shares. When the caps cannot hold the whole batch (Σ cap < 1) no split
+    fits in memory; the shares returned are then proportional to the caps, the split that
+    overflows least.
     """
     n = len(per_sample_s)
+    mult = np.ones(n) if counts is None else np.asarray(counts, dtype=float)
     extra = np.zeros(n) if extra_s is None else np.asarray(extra_s, dtype=float)
     ub = np.ones(n) if cap is None else np.clip(np.asarray(cap, dtype=float), 0.0, 1.0)
     if n == 1:
-        return np.ones(1)
-    if ub.sum() < 1.0 - 1e-9:
+        return np.ones(1) / mult
+    if (ub * mult).sum() < 1.0 - 1e-9:
         w = np.maximum(ub, 1e-9)
-        return w / w.sum()
+        return w / (w * mult).sum()
     # variables: s_1..s_n, T ; minimise T
     c = np.zeros(n + 1)
     c[-1] = 1.0
@@ -71,12 +76,12 @@ def optimal_shares(
     a_ub[:, -1] = -1.0
     b_ub = -(np.asarray(fixed_s, dtype=float) + extra)
     a_eq = np.zeros((1, n + 1))
-    a_eq[0, :n] = 1.0
+    a_eq[0, :n] = mult
     bounds = [(0.0, float(u)) for u in ub] + [(0.0, None)]
     res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[1.0], bounds=bounds, method="highs")
     assert res.status == 0, f"share LP failed unexpectedly: {res.message}"
     s = np.clip(res.x[:n], 0.0, None)
-    return s / s.sum()
+    return s / (s * mult).sum()
 
 
 def integer_samples(
@@ -112,11 +117,17 @@ def balanced_shares(
     recompute: bool = False,
     extra_s: np.ndarray | None = None,
 ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Devices that get samples and their shares, for `groups` replicated on `devices`."""
+    """Devices that get samples and their shares, for `groups` replicated on `devices`.
+    Devices of one class (and equal extra) have equal terms, so the LP has a share per class."""
     fixed, per, free, act = replica_terms(prob, groups, devices, microbatches, recompute)
     batch = prob.batch_size
     cap = np.where(act > 0, free / np.maximum(act * batch, 1e-30), np.where(free >= 0, 1.0, 0.0))
-    shares = optimal_shares(fixed, per, batch, cap=cap, extra_s=extra_s)
+    kind = prob.dev_class[np.asarray(devices, dtype=np.int64)]
+    if extra_s is not None:
+        kind = np.unique(np.stack([kind, np.asarray(extra_s, dtype=float)]), axis=1, return_inverse=True)[1]
+    _, first, inverse, counts = np.unique(kind, return_index=True, return_inverse=True, return_counts=True)
+    extra = None if extra_s is None else np.asarray(extra_s, dtype=float)[first]
+    shares = optimal_shares(fixed[first], per[first], batch, cap=cap[first], extra_s=extra, counts=counts)[inverse]
     mb = batch // microbatches if batch % microbatches == 0 else batch
     counts = integer_samples(shares, mb, fixed / microbatches, per, cap * mb if cap.sum() >= 1 else None)
     keep = [i for i in range(len(devices)) if counts[i] > 0]

@@ -1,0 +1,121 @@
+"""The search at scale: monotone in its budget, within its budget, a bound below every plan,
+moves of whole tiers first and a registry other modules add moves to."""
+
+import time
+
+import pytest
+
+from heterog.search.baselines import BASELINE_BUILDERS, tier_dp_starts
+from heterog.search.bound import lower_bound
+from heterog.search.grouping import make_groups
+from heterog.search.lanes import finalize
+from heterog.search.local_search import Annealer
+from heterog.search.moves import MOVES, Move, MoveScope, register_move, segments
+from heterog.search.planner import plan_graph
+from heterog.search.problem import Problem
+from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
+
+LAYERS = [(1.0, 10, 1.0)] * 12 + [(0.1, 400, 0.01)]  # a CNN-like body and a parameter-heavy head
+
+
+def _prob(speeds, *, per_node=2, batch=64, layers=LAYERS, groups=8) -> Problem:
+    g = layered_graph(layers, batch_size=batch, skip_every=3)
+    c = toy_cluster(list(speeds), devices_per_node=per_node)
+    costs = TableCostModel(graph=g, cluster=c)
+    return Problem(graph=g, cluster=c, costs=costs, groups=make_groups(g, c, costs, groups), batch_size=batch)
+
+
+def test_more_moves_with_the_same_seed_never_give_a_worse_plan():
+    """A chain's moves depend on its seed alone: a longer run repeats the shorter one's new
+    bests first, so its best is never worse; and so is the planner's best."""
+    prob = _prob((40.0, 10.0, 10.0, 10.0))
+    starts = [b(prob) for b in BASELINE_BUILDERS.values()]
+    runs = [Annealer(prob, 5).run(starts, budget_s=120, max_iters=n) for n in (20, 60, 150)]
+    for short, long in zip(runs, runs[1:]):
+        assert [(f.moves, f.score) for f in long.found[: len(short.found)]] == [(f.moves, f.score) for f in short.found]
+        assert long.best_estimate.score <= short.best_estimate.score
+    g, c, costs = prob.graph, prob.cluster, prob.costs
+    times = [
+        plan_graph(
+            g, c, costs, budget_s=120, seed=5, policy=False, max_iters=n, workers=1
+        ).best.predicted_iteration_time_s
+        for n in (10, 40)
+    ]
+    assert times[1] <= times[0]
+
+
+def test_the_bound_is_below_every_candidate():
+    for speeds, batch in (((40.0, 10.0, 10.0, 10.0), 64), ((30.0, 30.0, 8.0, 8.0, 8.0, 8.0), 24)):
+        prob = _prob(speeds, batch=batch)
+        bound = lower_bound(prob)
+        assert bound.iteration_time_s > 0
+        strategies = [b(prob) for b in BASELINE_BUILDERS.values()] + list(tier_dp_starts(prob))
+        ann = Annealer(prob, 1)
+        s = strategies[3]
+        for _ in range(40):  # neighbours of every kind
+            s = ann.propose(s)
+            strategies.append(s)
+        for s in strategies:
+            c = finalize(prob, s, "x")
+            assert bound.iteration_time_s <= c.iteration_time_s * (1 + 1e-9), c.plan.groups[0].replicas
+
+
+def test_the_planner_ends_within_its_budget_on_64_devices():
+    prob = _prob([40.0] * 16 + [20.0] * 16 + [10.0] * 32, per_node=8, batch=256, layers=LAYERS * 2, groups=16)
+    budget = 4.0
+    t = time.perf_counter()
+    r = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=budget, policy=False, cuts=None)
+    wall = time.perf_counter() - t
+    # the stated overhead: the simulations in flight at the deadline and the explanation's
+    assert wall <= budget + 1.0, r.time_s
+    assert r.search_time_s == pytest.approx(wall, abs=0.05)
+    assert set(r.time_s) >= {"baselines", "bound", "lanes", "explanation"}
+    assert r.budget_split["lanes_s"] and r.bound.iteration_time_s <= r.best.predicted_iteration_time_s
+    assert any("lower bound" in n for n in r.best.notes)
+    doc = r.to_dict()
+    assert doc["bound"]["iteration_time_s"] == r.bound.iteration_time_s
+    assert all(c["above_bound"] is not None and c["above_bound"] >= 0 for c in doc["candidates"])
+
+
+def test_big_clusters_move_whole_tiers_first():
+    prob = _prob([40.0] * 32 + [10.0] * 32, per_node=8, batch=128, groups=8)
+    assert [len(t) for t in prob.tiers] == [32, 32]
+    ann = Annealer(prob, 3)
+    assert ann.tier_phase
+    s = next(iter(tier_dp_starts(prob)))
+    assert set(s.placements[0].devices) == set(prob.tiers[0])  # the fast tier alone
+    for _ in range(200):
+        s = ann.propose(s)
+        for p in s.placements:
+            assert abs(sum(p.shares) - 1) < 1e-6 and len(set(p.devices)) == len(p.devices)
+        prob.to_plan(s, "search").validate(prob.graph, prob.cluster)
+        assert ann.last_move in {m.name for m in MOVES.values() if m.scope != MoveScope.DEVICE}
+    assert not Annealer(_prob((40.0, 10.0, 10.0, 10.0)), 0).tier_phase  # a few devices: single ones at once
+
+
+def test_a_registered_move_joins_the_chains():
+    calls = []
+
+    def reverse_stages(ctx, s, a, b):
+        calls.append((a, b))
+        segs = segments(s)
+        return s if len(segs) < 2 else s.__class__(tuple(reversed(s.placements)), s.microbatches, s.schedule)
+
+    register_move(Move(name="test-reverse", weight=50, scope=MoveScope.ANY, apply=reverse_stages))
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            register_move(Move(name="test-reverse", weight=1, scope=MoveScope.ANY, apply=reverse_stages))
+        prob = _prob((40.0, 10.0, 10.0, 10.0))
+        Annealer(prob, 0).run([BASELINE_BUILDERS["pipeline"](prob)], budget_s=60, max_iters=30)
+        assert calls
+    finally:
+        del MOVES["test-reverse"]
+
+
+def test_two_lanes_on_two_processes():
+    prob = _prob((40.0, 10.0, 10.0, 10.0))
+    r = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=6, policy=False, workers=2, cuts=None)
+    assert r.budget_split["parallel"] is True
+    assert len(r.lanes) == 2 and all(v["moves"] > 0 or v["cut_by"] != "moves" for v in r.lanes.values())
+    search = next(c for c in r.candidates if c.strategy == "search")
+    search.plan.validate(prob.graph, prob.cluster)
