@@ -28,6 +28,7 @@ from heterog.errors import ModelError
 from heterog.inputs import model_inputs
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
 from heterog.search import planner
+from heterog.search.objective import DEFAULT_TOLERANCE, Goal
 from heterog.search.planner import plan_graph
 
 
@@ -50,14 +51,23 @@ def plan(
     finetune_s: float = 0.0,
     max_iters: int | None = None,
     progress: Callable[[str, float], None] | None = None,
+    objective: str = "time",
+    max_cost_per_hour: float | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> dict[str, Any]:
     """The best deployment of `model` on `cluster` and the candidates it beat (the CLI's JSON).
+
+    objective: 'time' (the shortest iteration) or 'cost' (the lowest price per sample: the used
+    devices' price per hour × iteration time / batch); max_cost_per_hour: the fastest plan whose
+    used devices cost at most this many US dollars per hour; tolerance: among plans within this
+    fraction of the best, the one on fewer devices, stages and sync methods (search/objective.py).
 
     model: a zoo name or 'path/file.py:factory' (then batch_size is required), or an
     nn.Module (then example_inputs is required: forward's positional arguments, batch first;
     `targets` and `loss_fn(output, targets)` make the loss, as in heterog.capture).
     """
     extra: dict[str, Any] = {"budget_s": budget_s} if budget_s is not None else {}
+    extra["goal"] = Goal(objective=objective, max_cost_per_hour=max_cost_per_hour, tolerance=tolerance)
     if isinstance(model, str):
         if batch_size is None:
             raise ModelError(f"plan({model!r}): give batch_size, the global batch of one iteration.")
