@@ -54,7 +54,7 @@ class Goal:
     """The objective, an optional ceiling on the used devices' price per hour, and the
     tolerance within which a simpler plan is preferred."""
 
-    objective: Objective = Objective.TIME
+    objective: Objective | str = Objective.TIME  # a string is checked and made an Objective
     max_cost_per_hour: float | None = None  # US dollars
     tolerance: float = DEFAULT_TOLERANCE
 
@@ -143,7 +143,7 @@ def subset_strategies(prob: Problem, cost_first: bool = False) -> dict[str, Stra
     orders = [sorted(tiers, key=lambda t: (time_s[prob.tiers[t][0]], t))]
     prices = [prob.cluster.price_per_hour(prob.device_names[t[0]]) for t in prob.tiers]
     if all(p is not None for p in prices):
-        per_sample = [p * time_s[t[0]] for p, t in zip(prices, prob.tiers)]  # type: ignore[operator]
+        per_sample = [p * time_s[t[0]] for p, t in zip(prices, prob.tiers)]
         orders.append(sorted(tiers, key=lambda t: (per_sample[t], t)))
     if cost_first:
         orders.reverse()
