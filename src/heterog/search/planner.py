@@ -2,13 +2,15 @@
 of every candidate it compared, and a lower bound beside them.
 
 Order, every stage within one deadline (the budget): group the graph → baselines, each
-scored by the simulator → the lower bound (bound.py) → search lanes (lanes.py): an annealing
+scored by the simulator → the lower bound (bound.py) → data parallelism on fewer devices
+(objective.py subsets, in SUBSET_SHARE of the lanes' time) → search lanes (lanes.py): an annealing
 chain from the baselines ('search') and one from the GNN policy's proposals ('gnn',
 'gnn+search'), side by side in two processes where the machine has two cores, one after the
 other (the GNN lane taking GNN_SHARE of the time) where it has one → the best feasible
-candidate, explained. The best is the minimum over all feasible candidates, so it is never
-worse than a baseline as the simulator scores them; and since a lane's candidate is the best
-of a prefix of its seed's moves, a larger budget never gives a worse plan.
+candidate by the objective (search/objective.py), explained. The fastest is the minimum over
+all feasible candidates, so it is never worse than a baseline as the simulator scores them;
+and since a lane's candidate is the best of a prefix of its seed's moves, a larger budget
+never gives a worse one. The objective chooses by time or cost, within its tolerance.
 """
 
 from __future__ import annotations
