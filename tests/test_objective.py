@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+import heterog
 from heterog.errors import PlanError
-from heterog.hardware.spec import with_prices
+from heterog.hardware.spec import load_cluster, with_prices
 from heterog.ir.kinds import SyncMethod
+from heterog.ir.plan import Plan
 from heterog.search.grouping import make_groups
 from heterog.search.lanes import Candidate
 from heterog.search.objective import DEFAULT_TOLERANCE, Goal, choose
@@ -18,6 +20,7 @@ from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
 
 FAST, SLOW = "synth-40tf-16g", "synth-10tf-16g"
+QUICK = {"budget_s": 20, "max_iters": 10, "policy": False}
 LAYERS = [(1.0, 1, 1.0)] * 8  # compute-heavy, few parameters: data parallelism scales
 
 
@@ -91,3 +94,12 @@ def test_within_the_tolerance_one_sync_method_is_preferred():
 def test_the_default_tolerance_is_the_cost_models_measured_median_error():
     doc = json.loads((Path(__file__).parents[1] / "benchmarks/results/predict_gpu.json").read_text())
     assert DEFAULT_TOLERANCE == round(doc["summary"]["h200"]["all"]["median_time_error"], 3)
+
+
+def test_the_python_api_takes_the_objective_and_every_candidate_carries_its_cost():
+    cluster = with_prices(load_cluster("emulated-4"), {"cpu": 0.1})
+    r = heterog.plan("mlp", batch_size=8, cluster=cluster, objective="cost", tolerance=0.0, **QUICK)
+    cost = r["best"]["predicted_cost"]
+    assert cost["usd_per_hour"] == pytest.approx(0.1 * len(Plan.from_dict(r["best"]).devices()))
+    assert all(c["cost"]["usd_per_hour"] == pytest.approx(0.1 * c["devices_used"]) for c in r["candidates"])
+    assert min(c["cost"]["usd_per_step"] for c in r["candidates"] if c["feasible"]) == cost["usd_per_step"]

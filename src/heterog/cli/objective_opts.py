@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from heterog.fmt import human_usd
 from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import Objective
 
@@ -88,7 +89,7 @@ def cost_cells(c: dict[str, Any], per_tokens: bool) -> list[str]:
     if not cost:
         return ["—", "—", "—"]
     unit = "usd_per_million_tokens" if per_tokens else "usd_per_million_samples"
-    return [f"${cost['usd_per_hour']:.2f}", f"${cost['usd_per_step']:.5f}", f"${cost[unit]:.2f}"]
+    return [human_usd(cost["usd_per_hour"]), human_usd(cost["usd_per_step"]), human_usd(cost[unit])]
 
 
 def cost_headers(per_tokens: bool) -> list[str]:
@@ -102,4 +103,4 @@ def cost_line(best: dict[str, Any]) -> str:
         return ""
     tokens = "usd_per_million_tokens" in cost
     per = cost["usd_per_million_tokens" if tokens else "usd_per_million_samples"]
-    return f"; ${cost['usd_per_hour']:.2f}/hour, ${per:.2f} per million {'tokens' if tokens else 'samples'}"
+    return f"; {human_usd(cost['usd_per_hour'])}/hour, {human_usd(per)} per million {'tokens' if tokens else 'samples'}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from heterog.cli.output import console, parse_model_args, print_json, print_table, set_wide, write_json
-from heterog.fmt import human_time
+from heterog.fmt import human_time, human_usd
 from heterog.hardware.catalog import precision_help
 
 NOISE = 0.02  # changes within 2 % are not called slower or faster
@@ -18,7 +18,7 @@ def _cost(cost: dict[str, float]) -> list[str]:
     """The plan's price per hour and per million samples; '-' where a used device has no price."""
     if not cost:
         return ["-", "-"]
-    return [f"${cost['usd_per_hour']:.2f}", f"${cost['usd_per_million_samples']:.2f}"]
+    return [human_usd(cost["usd_per_hour"]), human_usd(cost["usd_per_million_samples"])]
 
 
 def _times(x: float | None) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from heterog.fmt import human_bytes, human_time
+from heterog.fmt import human_bytes, human_time, human_usd
 from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 from heterog.report.inputs import Candidate
@@ -157,9 +157,7 @@ def _cost_cells(cost: dict[str, float], priced: bool) -> str:
     if not cost:
         return '<td class="num">—</td>' * 3
     per = cost.get("usd_per_million_tokens", cost["usd_per_million_samples"])
-    return "".join(
-        f'<td class="num">${v:,.{d}f}</td>' for v, d in ((cost["usd_per_hour"], 2), (cost["usd_per_step"], 5), (per, 2))
-    )
+    return "".join(f'<td class="num">{human_usd(v)}</td>' for v in (cost["usd_per_hour"], cost["usd_per_step"], per))
 
 
 def cost_kpis(cost: dict[str, float]) -> list[tuple[str, str]]:
@@ -168,4 +166,4 @@ def cost_kpis(cost: dict[str, float]) -> list[tuple[str, str]]:
         return []
     unit = "tokens" if "usd_per_million_tokens" in cost else "samples"
     per = cost.get("usd_per_million_tokens", cost["usd_per_million_samples"])
-    return [("cost (planned)", f"${cost['usd_per_hour']:,.2f} per hour, ${per:,.2f} per million {unit}")]
+    return [("cost (planned)", f"{human_usd(cost['usd_per_hour'])} per hour, {human_usd(per)} per million {unit}")]

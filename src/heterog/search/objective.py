@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from heterog.errors import PlanError
-from heterog.fmt import human_time
+from heterog.fmt import human_time, human_usd
 from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import Objective, SyncMethod
 from heterog.ir.plan import Plan
@@ -247,7 +247,7 @@ def _affordable(pool: list[Candidate], ceiling: float, notes: list[str]) -> list
     if not ok:
         raise PlanError(
             f"no plan found runs within --max-cost-per-hour ${ceiling:g}: the cheapest, {cheapest.strategy!r} on "
-            f"{_devices(cheapest)}, costs ${_cost(cheapest)['usd_per_hour']:.2f} per hour. "
+            f"{_devices(cheapest)}, costs {human_usd(_cost(cheapest)['usd_per_hour'])} per hour. "
             f"Raise the ceiling, or give the devices' real prices (`--price TYPE=USD`)."
         )
     fastest = min(pool, key=lambda c: c.iteration_time_s)
@@ -255,7 +255,8 @@ def _affordable(pool: list[Candidate], ceiling: float, notes: list[str]) -> list
         notes.append(
             f"within --max-cost-per-hour ${ceiling:g}: the fastest plan overall ({fastest.strategy!r}, "
             f"{human_time(fastest.iteration_time_s)} on {_devices(fastest)}) costs "
-            f"${_cost(fastest)['usd_per_hour']:.2f} per hour, over the ceiling; the devices left idle cost nothing."
+            f"{human_usd(_cost(fastest)['usd_per_hour'])} per hour, over the ceiling; the devices left idle cost "
+            f"nothing."
         )
     return ok
 
@@ -284,14 +285,14 @@ def _tolerance_note(winner: Candidate, best: Candidate, value: Callable[[Candida
 def _cost_note(winner: Candidate, fastest: Candidate) -> str:
     w, f = _cost(winner), _cost(fastest)
     line = (
-        f"objective cost: ${w['usd_per_million_samples']:.2f} per million samples (${w['usd_per_hour']:.2f} per "
-        f"hour for {_devices(winner)})"
+        f"objective cost: {human_usd(w['usd_per_million_samples'])} per million samples "
+        f"({human_usd(w['usd_per_hour'])} per hour for {_devices(winner)})"
     )
     if fastest is winner:
         return line + "; it is also the fastest plan."
     return line + (
         f"; the fastest plan, {fastest.strategy!r} ({human_time(fastest.iteration_time_s)}, "
-        f"{_devices(fastest)}), costs ${f['usd_per_million_samples']:.2f} per million samples "
+        f"{_devices(fastest)}), costs {human_usd(f['usd_per_million_samples'])} per million samples "
         f"({f['usd_per_million_samples'] / w['usd_per_million_samples']:.2f}×) and is "
         f"{winner.iteration_time_s / fastest.iteration_time_s:.2f}× faster."
     )
