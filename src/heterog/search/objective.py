@@ -163,7 +163,8 @@ def subset_strategies(prob: Problem, cost_first: bool = False) -> dict[str, Stra
 def _subset_name(prob: Problem, s: Strategy) -> str:
     counts: dict[str, int] = {}
     for d in s.placements[0].devices:
-        t = prob.cluster.device(prob.device_names[d]).gpu_type
+        dev = prob.cluster.device(prob.device_names[d])
+        t = dev.gpu_type if dev.slowdown == 1.0 else f"{dev.gpu_type}/{dev.slowdown:g}x-slower"  # emulated
         counts[t] = counts.get(t, 0) + 1
     return SUBSET_PREFIX + "+".join(f"{n}x{t}" for t, n in counts.items())
 
