@@ -17,7 +17,7 @@ error and the others still run):
            and peak memory beside both;
   shared   a 2-stage GPT-2 pipeline and a 2-replica hybrid whose two ranks share the one GPU
            (NCCL refuses two ranks on one device: they talk through gloo with host copies,
-           pipeline.run(share_gpus=True)), their parameters after 3 steps against
+           heterog.run(layout=DeviceLayout(share_gpus=True))), their parameters after 3 steps against
            single-process training.
 """
 
@@ -181,7 +181,7 @@ def tests_section(cpu: bool) -> dict[str, Any]:
 
 def check_section(cpu: bool, gpu: str) -> dict[str, Any]:
     from heterog.execute.check import BuildCache
-    from heterog.pipeline import check
+    from heterog.orchestrate import check
 
     cache = BuildCache()
     cluster = one_node(gpu, 2, cpu)
@@ -240,30 +240,28 @@ def plain_step(
 def heterog_step(plan, cpu: bool, models) -> tuple[float, int]:
     """Median step time and peak memory of heterog's executor carrying out the one-device
     plan's Program: the worker's own training loop, as one rank in this process."""
+    from heterog.execute.spec import RankSpec
     from heterog.execute.worker import train
-    from heterog.pipeline import lower
+    from heterog.orchestrate import lower
 
     program = lower(plan)
     device = program.devices[0]
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {
-            "rank": 0,
-            "devices": [device],
-            "program": program.to_dict(),
-            "steps": WARMUP + MEASURED,
-            "timeout_s": 600,
-            "seed": 0,
-            "cuda": not cpu,
-            "cuda_indices": [0],
-            "out_dir": tmp,
-            "gpu_types": {} if cpu else {device: plan.cluster["nodes"][0]["devices"][0]["type"]},
-            "master_addr": "127.0.0.1",
-            "master_port": free_port(),
-            "threads": torch.get_num_threads(),
-        }
+        spec = RankSpec(
+            program=program.to_dict(),
+            devices=(device,),
+            steps=WARMUP + MEASURED,
+            timeout_s=600,
+            threads=torch.get_num_threads(),
+            cuda=not cpu,
+            cuda_indices=(0,),
+            out_dir=tmp,
+            gpu_types={} if cpu else {device: plan.cluster["nodes"][0]["devices"][0]["type"]},
+            master_port=free_port(),
+        )
         result = train(spec, Path(tmp), models=models)
-    times = [s["step_time_s"] for s in result["steps"]]
-    return statistics.median(times[WARMUP:]), result["memory"]["peak_allocated_bytes"]
+    times = [s.step_time_s for s in result.steps]
+    return statistics.median(times[WARMUP:]), result.peak_allocated_bytes
 
 
 def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
@@ -339,7 +337,8 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
 
 def shared_section(cpu: bool, gpu: str) -> dict[str, Any]:
     from heterog.execute.reference import reference_train
-    from heterog.pipeline import run
+    from heterog.ir.run_request import DeviceLayout, Limits, OutputConfig, PredictionConfig
+    from heterog.runs import run
 
     model, args = SMALL["gpt2"]
     cluster = one_node(gpu, 2, cpu)
@@ -347,20 +346,27 @@ def shared_section(cpu: bool, gpu: str) -> dict[str, Any]:
     for kind in ("pipeline",) if cpu else ("pipeline", "hybrid"):
         plan = split_plan(model, args, kind, cluster, batch=6)
         with tempfile.TemporaryDirectory() as tmp:
-            out = run(plan, steps=3, out_dir=tmp, dump_params=True, predict=False, timeout_s=300, share_gpus=True)
+            out = run(
+                plan,
+                steps=3,
+                output=OutputConfig(out_dir=tmp, dump_params=True),
+                prediction=PredictionConfig(predict=False),
+                limits=Limits(timeout_s=300),
+                layout=DeviceLayout(share_gpus=True),
+            )
             ref = reference_train(plan, steps=3)
             worst = 0.0
-            for rank in range(len(out["devices"])):
+            for rank in range(len(out.devices)):
                 for name, value in torch.load(Path(tmp) / f"params_rank{rank}.pt").items():
                     worst = max(worst, ((value - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)).item())
         rows.append(
             {
                 "plan": kind,
-                "backend": out["per_rank"][0]["backend"],
-                "notes": out["notes"],
+                "backend": out.per_rank[0].backend,
+                "notes": list(out.notes),
                 "max_relative_difference": worst,
                 "equal": worst <= 1e-4,
-                "measured_iteration_time_s": out["measured_iteration_time_s"],
+                "measured_iteration_time_s": out.measured_iteration_time_s,
             }
         )
         print(f"shared {kind:8} backend {rows[-1]['backend']}  max relative difference {worst:.1e}", flush=True)

@@ -30,17 +30,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import heterog.lower.lowering as lowering  # noqa: E402
-import heterog.pipeline as pipeline  # noqa: E402
+import heterog.runs.api as api  # noqa: E402
 from heterog import demo as D  # noqa: E402
 from heterog.cli.output import print_table  # noqa: E402
 from heterog.errors import HeterogWarning  # noqa: E402
 from heterog.fmt import human_time  # noqa: E402
+from heterog.ir.run_request import Limits, PredictionConfig, RunOptions, TimingConfig  # noqa: E402
 from heterog.jsonio import write_atomic  # noqa: E402
 
 
 def lowered_in_old_order(index: int):
-    """pipeline._prepare, lowering plan `index` without moving collectives up (the old order)."""
-    prepare, launch_when_ready = pipeline._prepare, lowering._launch_when_ready
+    """runs.api._prepare, lowering plan `index` without moving collectives up (the old order)."""
+    prepare, launch_when_ready = api._prepare, lowering._launch_when_ready
 
     def wrapped(plan, i, *args, **kwargs):
         lowering._launch_when_ready = (lambda *_: None) if i == index else launch_when_ready
@@ -59,7 +60,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is warm-up)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "launch_order_ab.json"))
     args = ap.parse_args()
-    from heterog.search.planner import plan_graph
+    from heterog.plan_module import search
 
     sc = D.SCENARIOS[args.scenario]
     cluster = sc.cluster()
@@ -73,22 +74,21 @@ def main() -> int:
         profile=True,
         say=print,
     )
-    result = plan_graph(setup.graph, setup.cluster, setup.costs, budget_s=5.0, model_spec=setup.spec)
+    result = search(setup.inputs, setup.spec, budget_s=5.0)
     single = min(
         (c for c in result.candidates if c.feasible and len(c.plan.devices()) == 1), key=lambda c: c.iteration_time_s
     )
     runs = {"new order": result.best, "old order": result.best, f"control: {single.strategy}": single.plan}
-    pipeline._prepare = lowered_in_old_order(1)
+    api._prepare = lowered_in_old_order(1)
+    options = RunOptions(
+        steps=args.steps,
+        timing=TimingConfig(repetitions=args.repetitions),
+        prediction=PredictionConfig(),  # the schedule's simulation: the same in either order
+        limits=Limits(timeout_s=120.0),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", HeterogWarning)
-        got = pipeline.run_interleaved(
-            [D.runnable(setup, p) for p in runs.values()],
-            steps=args.steps,
-            repetitions=args.repetitions,
-            predict=False,
-            timeout_s=120.0,
-            inputs=(setup.graph, setup.cluster, setup.costs),
-        )
+        got = api.run_interleaved([D.runnable(setup, p) for p in runs.values()], options, inputs=setup.inputs)
     rows, doc = (
         [],
         {
@@ -98,18 +98,18 @@ def main() -> int:
             "command": "python benchmarks/launch_order_ab.py " + " ".join(sys.argv[1:]),
         },
     )
-    for (label, plan), r in zip(runs.items(), got):
-        if r.error is not None:
-            raise SystemExit(f"{label} failed to run: {r.error}")
-        times = [x["measured_iteration_time_s"] for x in r.repetitions]
-        predicted = D.predict(setup, plan)
+    for label, r in zip(runs, got):
+        if not r.ok:
+            raise SystemExit(f"{label} failed to run: {r.failure}")
+        times = list(r.repetitions_s)
+        predicted = r.predicted_iteration_time_s
         median = statistics.median(times)
         doc["runs"][label] = {
             "predicted_iteration_time_s": predicted,
             "measured_iteration_time_s": median,
             "repetitions_s": times,
             "relative_error": (median - predicted) / predicted,
-            "sync_s": [p["sync_s"] for p in r.repetitions[-1]["per_rank"]],
+            "sync_s": [p.sync_s for p in r.per_rank],
         }
         rows.append(
             [

@@ -35,7 +35,7 @@ CASES = (("bert-large", 32, 128, "paper-8gpu"), ("gpt2", 256, 512, "mixed-64"))
 
 def planned_case(model: str, batch: int, seq_len: int, cluster: str, folder: Path) -> dict:
     from heterog.cli.report_cmd import write_report
-    from heterog.search.planner import plan
+    from heterog.plan_module import plan
 
     t0 = time.perf_counter()
     result = plan(model, batch_size=batch, seq_len=seq_len, cluster=cluster, budget_s=5.0, seed=0, policy=False)

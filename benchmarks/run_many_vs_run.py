@@ -1,5 +1,5 @@
 """Every distinct planner candidate of a model family run for 2 steps: one launch per plan
-(`heterog.pipeline.run`, as the every-candidate test did) against one launch for all of them
+(`heterog.run`, as the every-candidate test did) against one launch for all of them
 (`run_many`), back to back in the same minutes so that the machine's load hits both alike.
 
     .venv/bin/python benchmarks/run_many_vs_run.py cnn gpt2 --out benchmarks/results/run_many_vs_run.json
@@ -20,8 +20,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_every_candidate_runs import distinct_candidates  # noqa: E402
 
+from heterog.ir.run_request import (  # noqa: E402
+    Limits,
+    LinkConfig,
+    PredictionConfig,
+    RunOptions,
+    TimingConfig,
+)
 from heterog.jsonio import write_atomic  # noqa: E402
-from heterog.pipeline import run, run_many  # noqa: E402
+from heterog.runs import run, run_many  # noqa: E402
+
+OPTIONS = RunOptions(
+    steps=2,
+    prediction=PredictionConfig(predict=False),
+    limits=Limits(timeout_s=60),
+    timing=TimingConfig(warmup_steps=0),
+)
 
 
 def one_family(family: str) -> dict:
@@ -34,12 +48,12 @@ def one_family(family: str) -> dict:
     each_failed = []
     for names, plan in candidates:
         try:
-            run(plan, steps=2, predict=False, timeout_s=60, shape_links=False, warmup_steps=0)
+            run(plan, OPTIONS, links=LinkConfig(shape=False))
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             each_failed.append(f"{names[0]}: {type(e).__name__}")
     each_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    outcomes = run_many(plans, steps=2, predict=False, timeout_s=60, warmup_steps=0)
+    outcomes = run_many(plans, OPTIONS)
     many_s = time.perf_counter() - t0
     return {
         "family": family,
@@ -49,7 +63,7 @@ def one_family(family: str) -> dict:
         "run_many_s": round(many_s, 1),
         "speedup": round(each_s / many_s, 2),
         "run_each_failed": each_failed,
-        "run_many_failed": [o.strategy for o in outcomes if o.error is not None],
+        "run_many_failed": [o.strategy for o in outcomes if not o.ok],
         "load_average_1min_before": load_before,
         "load_average_1min_after": os.getloadavg()[0],
     }

@@ -23,7 +23,7 @@ reported over all plans and over those that ran uncontended.
 
 Per scenario: plan; run every distinct feasible candidate for `--steps` steps, interleaved
 (A B C …, then … C B A) for `--repetitions` rounds in one launch of the ranks
-(pipeline.run_interleaved: consecutive plans run seconds apart), so a slow spell of the
+(heterog.run_interleaved: consecutive plans run seconds apart), so a slow spell of the
 shared machine hits all alike; per plan the predicted time (simulator, on this CPU's measured per-node
 times at one thread) and the measured median and spread. heterog's plan is the planner's
 best; the best baseline is the fastest *measured* baseline (single-device, even-dp-*,
@@ -106,27 +106,21 @@ def refused(setup, result) -> dict[str, Any] | None:
         return {"strategy": even.strategy, "failed": True, "message": str(e).split(" Log tail:")[0]}
 
 
-def peak_memory(setup, plan, per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def peak_memory(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per device with an emulated memory cap: the peak of its live tensors measured at every
-    instruction boundary (emulation.py) beside the simulator's predicted peak."""
-    from heterog.simulate.simulator import simulate
-
-    predicted = simulate(setup.graph, setup.cluster, plan, setup.costs, timeline=False).peak_memory_bytes
+    instruction boundary (emulation.py) beside the simulator's predicted peak (the run's
+    RankSummary holds both)."""
     out = {}
     for r in per_rank:
-        if r.get("peak_live_bytes") and predicted.get(r["device"]):
-            p = predicted[r["device"]]
-            out[r["device"]] = {
-                "measured_bytes": r["peak_live_bytes"],
-                "predicted_bytes": p,
-                "ratio": r["peak_live_bytes"] / p,
-            }
+        measured, predicted = r.get("peak_live_bytes"), r.get("predicted_peak_memory_bytes")
+        if measured and predicted:
+            out[r["device"]] = {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted}
     return out
 
 
 def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
+    from heterog.plan_module import search
     from heterog.search.baselines import BASELINE_BUILDERS
-    from heterog.search.planner import plan_graph
 
     t0, load_before = time.perf_counter(), os.getloadavg()
     cluster = sc.cluster()
@@ -140,9 +134,7 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
         optimizer=sc.optimizer,
         say=print,
     )
-    result = plan_graph(
-        setup.graph, setup.cluster, setup.costs, budget_s=args.budget_s, model_spec=setup.spec, optimizer=sc.optimizer
-    )
+    result = search(setup.inputs, setup.spec, budget_s=args.budget_s, optimizer=sc.optimizer)
     plans, same, top = distinct_plans(result)
     out: dict[str, Any] = {
         "scenario": sc.name,
@@ -165,7 +157,7 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
     strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print, failed=failed)
     for label, s in strategies.items():
         s["sharded"] = any(g.shard_stage for g in plans[label].groups)
-        s["memory"] = peak_memory(setup, plans[label], s.pop("per_rank"))
+        s["memory"] = peak_memory(s.pop("per_rank"))
     baselines = [k for k in strategies if k in BASELINE_BUILDERS and k != top]
     best_base = min(baselines, key=lambda k: strategies[k]["measured_iteration_time_s"]) if baselines else None
     even = "even-dp-allreduce" if "even-dp-allreduce" in strategies else same.get("even-dp-allreduce")

@@ -35,9 +35,9 @@ from heterog.capture.cache import capture_cached  # noqa: E402
 from heterog.cli.output import print_table, write_json  # noqa: E402
 from heterog.errors import InfeasibleError  # noqa: E402
 from heterog.ir.plan import ModelSpec  # noqa: E402
+from heterog.plan_module import plan  # noqa: E402
 from heterog.search.baselines import BASELINES  # noqa: E402
 from heterog.search.constraints import DEFAULT_CACHE  # noqa: E402
-from heterog.search.planner import plan  # noqa: E402
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "search_scale.json"

@@ -10,11 +10,12 @@ all in one `run_many` launch, and hands each test its own outcome. A plan that f
 stop the others (run_many starts fresh processes for the rest), and each test still fails on
 its own plan's error.
 
-The module's `BATCH_RUN` dict gives run_many's options (steps, timeout_s, ...).
+The module's `BATCH_RUN` (a RunOptions, from `batch_options`) gives run_many's options.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from collections.abc import Callable
@@ -25,9 +26,17 @@ from typing import Any
 import pytest
 
 from heterog.ir.plan import Plan
-from heterog.pipeline import PlanRun, run_many
+from heterog.ir.run_request import OutputConfig, PredictionConfig, RunOptions
+from heterog.ir.run_result import RunResult
+from heterog.runs import run_many
 
 Builder = Callable[..., "Plan | list[Plan]"]
+
+
+def batch_options(**fields: Any) -> RunOptions:
+    """A module's BATCH_RUN: no prediction and every rank dumping what it ran, unless `fields`
+    (fields of RunOptions) say otherwise."""
+    return RunOptions(prediction=PredictionConfig(predict=False), output=OutputConfig(dump_params=True)).with_(**fields)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,14 +45,12 @@ class BatchedRun:
 
     plan: Plan
     out_dir: Path
-    run: PlanRun
+    run: RunResult
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> RunResult:
         """What `run` returns for the plan; the plan's own error if it failed."""
-        if self.run.error is not None:
-            raise self.run.error
-        assert self.run.result is not None
-        return self.run.result
+        self.run.raise_for_failure()
+        return self.run
 
 
 def _builder_args(builder: Builder, params: dict[str, Any]) -> dict[str, Any]:
@@ -62,10 +69,11 @@ def _key(plan: Plan) -> str:
 class PlanBatch:
     """The module's batched plans, run at the first request for any of them."""
 
-    def __init__(self, items: list[pytest.Item], out_dir: Path, options: dict[str, Any]) -> None:
+    def __init__(self, items: list[pytest.Item], out_dir: Path, options: RunOptions | None) -> None:
         self._items = items
         self._out_dir = out_dir
-        self._options = {"predict": False, "dump_params": True, **options}
+        given = options or batch_options()
+        self._options = given.with_(output=dataclasses.replace(given.output, out_dir=str(out_dir)))
         self._runs: dict[str, BatchedRun] | None = None
 
     def _plans(self) -> list[Plan]:
@@ -79,7 +87,7 @@ class PlanBatch:
 
     def _run_all(self) -> dict[str, BatchedRun]:
         plans = self._plans()
-        runs = run_many(plans, out_dir=self._out_dir, **self._options)
+        runs = run_many(plans, self._options)
         return {
             _key(p): BatchedRun(plan=p, out_dir=self._out_dir / f"plan{i}", run=r)
             for i, (p, r) in enumerate(zip(plans, runs))
@@ -108,4 +116,4 @@ def module_batch(request: pytest.FixtureRequest, out_dir: Path) -> PlanBatch:
         for it in request.session.items
         if getattr(it, "module", None) is request.module and it.get_closest_marker("batched")
     ]
-    return PlanBatch(items, out_dir, getattr(request.module, "BATCH_RUN", {}))
+    return PlanBatch(items, out_dir, getattr(request.module, "BATCH_RUN", None))

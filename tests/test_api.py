@@ -1,5 +1,5 @@
 """The stable Python API (heterog/__init__.py): capture, load_cluster, predict, plan, plan_inputs, lower, simulate,
-run, run_many — callable in a fresh interpreter, after their packages are imported, and on what
+run, run_many, run_interleaved — callable in a fresh interpreter, after their packages are imported, and on what
 heterog's own functions return."""
 
 import subprocess
@@ -67,9 +67,10 @@ assert times == {best["predicted_iteration_time_s"]}, times
 assert heterog.lower(best).plan == heterog.lower("plan.json").plan
 graph, cluster, costs = heterog.plan_inputs(best)
 assert cluster.name == "paper-8gpu" and graph.batch_size == 16
-ran = heterog.run(best, steps=2, emulated=True)     # the planner's dict, trained on local processes
-assert ran["measured_iteration_time_s"] > 0
-assert ran["predicted_iteration_time_s"] == best["predicted_iteration_time_s"]
+from heterog.ir.run_request import DeviceLayout
+ran = heterog.run(best, steps=2, layout=DeviceLayout(emulated=True))  # the planner's dict, on local processes
+assert isinstance(ran, heterog.RunResult) and ran.measured_iteration_time_s > 0
+assert ran.predicted_iteration_time_s == best["predicted_iteration_time_s"]
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)

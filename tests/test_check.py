@@ -22,7 +22,7 @@ from heterog.capture import capture_model
 from heterog.execute import placement
 from heterog.execute.check import BuildCache
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import check
+from heterog.orchestrate import check
 
 SEQ = 8
 FAMILIES = {  # model → (args, batch size)

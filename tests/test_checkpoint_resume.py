@@ -13,7 +13,10 @@ import torch
 from heterog.errors import CheckpointError, RankError
 from heterog.execute.checkpoint import MARKER, CheckpointConfig, find_checkpoint, model_key
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run
+from heterog.ir.run_request import Fault, FaultKind, FaultPhase, Limits, OutputConfig, PredictionConfig, RunOptions
+from heterog.runs import run
+
+QUIET = RunOptions(prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=20))
 
 MODEL = "tests/test_execute_models.py:mlp"
 NODES = ("fc1", "act1", "fc2", "act2", "fc3")
@@ -68,17 +71,22 @@ def interrupted(tmp_path_factory):
     """The uninterrupted reference run, and a checkpoint folder left by a run whose rank 1
     died in the middle of step 5 (after backward, while the others wait in the sync)."""
     root = tmp_path_factory.mktemp("resume")
-    run(three_device_plan(), steps=STEPS, out_dir=root / "full", dump_params=True, predict=False, timeout_s=20)
+    run(
+        three_device_plan(),
+        QUIET,
+        steps=STEPS,
+        output=OutputConfig(out_dir=root / "full", dump_params=True),
+    )
     ckpt = root / "ckpt"
     with pytest.raises(RankError) as info:
         run(
             three_device_plan(),
+            QUIET,
             steps=STEPS,
-            out_dir=root / "cut",
-            predict=False,
-            timeout_s=10,
-            fault={"rank": 1, "kind": "die", "step": 4, "phase": "mid"},
-            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict(),
+            fault=Fault(rank=1, kind=FaultKind.DIE, step=4, phase=FaultPhase.MID),
+            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2),
+            output=OutputConfig(out_dir=root / "cut"),
+            limits=Limits(timeout_s=10),
         )
     assert info.value.rank == 1
     return root, _params(root / "full", 3), ckpt
@@ -99,14 +107,12 @@ def test_resume_under_the_same_plan_equals_the_uninterrupted_run(interrupted):
     root, want, ckpt = interrupted
     out = run(
         three_device_plan(),
+        QUIET,
         steps=STEPS,
-        out_dir=root / "same",
-        dump_params=True,
-        predict=False,
-        timeout_s=20,
-        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+        checkpoint=CheckpointConfig(resume=str(ckpt)),
+        output=OutputConfig(out_dir=root / "same", dump_params=True),
     )
-    assert len(out["losses"]) == STEPS - 4  # steps 5..10: none lost, none repeated
+    assert len(out.losses) == STEPS - 4  # steps 5..10: none lost, none repeated
     _assert_close(_params(root / "same", 3), want, 1e-6)
 
 
@@ -115,14 +121,12 @@ def test_resume_on_one_device_fewer_loads_by_name(interrupted):
     root, want, ckpt = interrupted
     out = run(
         two_device_plan(),
+        QUIET,
         steps=STEPS,
-        out_dir=root / "fewer",
-        dump_params=True,
-        predict=False,
-        timeout_s=20,
-        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+        checkpoint=CheckpointConfig(resume=str(ckpt)),
+        output=OutputConfig(out_dir=root / "fewer", dump_params=True),
     )
-    assert out["devices"] == ["a", "b"] and len(out["losses"]) == STEPS - 4
+    assert out.devices == ("a", "b") and len(out.losses) == STEPS - 4
     _assert_close(_params(root / "fewer", 2), want, 1e-5)
 
 
@@ -139,7 +143,12 @@ def test_resume_beyond_the_requested_steps_is_refused_before_starting_ranks(tmp_
         '{"format": 1, "step": 10, "model": "' + model_key(MODEL) + '", "parameter_names": []}'
     )
     with pytest.raises(CheckpointError, match="already holds 10 completed steps"):
-        run(three_device_plan(), steps=10, predict=False, checkpoint=CheckpointConfig(resume=str(tmp_path)).to_dict())
+        run(
+            three_device_plan(),
+            QUIET,
+            steps=10,
+            checkpoint=CheckpointConfig(resume=str(tmp_path)),
+        )
 
 
 def test_checkpoint_options_are_checked():
@@ -195,37 +204,38 @@ def test_parameter_server_state_is_saved_and_resumes_under_any_sync(tmp_path):
     """A run whose optimizer state lives on parameter servers, killed in step 4: resumed from
     its step-2 checkpoint under the same plan, and under a ring plan (the servers' state was
     saved per parameter), it ends with the uninterrupted run's parameters."""
-    run(server_plan(), steps=PS_STEPS, out_dir=tmp_path / "full", dump_params=True, predict=False, timeout_s=20)
+    run(
+        server_plan(),
+        QUIET,
+        steps=PS_STEPS,
+        output=OutputConfig(out_dir=tmp_path / "full", dump_params=True),
+    )
     want = _params(tmp_path / "full", 3)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(RankError):
         run(
             server_plan(),
+            QUIET,
             steps=PS_STEPS,
-            out_dir=tmp_path / "cut",
-            predict=False,
-            timeout_s=10,
-            fault={"rank": 0, "kind": "die", "step": 3, "phase": "mid"},
-            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2).to_dict(),
+            fault=Fault(rank=0, kind=FaultKind.DIE, step=3, phase=FaultPhase.MID),
+            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2),
+            output=OutputConfig(out_dir=tmp_path / "cut"),
+            limits=Limits(timeout_s=10),
         )
     assert find_checkpoint(ckpt).step == 2
     run(
         server_plan(),
+        QUIET,
         steps=PS_STEPS,
-        out_dir=tmp_path / "same",
-        dump_params=True,
-        predict=False,
-        timeout_s=20,
-        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+        checkpoint=CheckpointConfig(resume=str(ckpt)),
+        output=OutputConfig(out_dir=tmp_path / "same", dump_params=True),
     )
     _assert_close(_params(tmp_path / "same", 3), want, 1e-6)
     run(
         three_device_plan(),
+        QUIET,
         steps=PS_STEPS,
-        out_dir=tmp_path / "ring",
-        dump_params=True,
-        predict=False,
-        timeout_s=20,
-        checkpoint=CheckpointConfig(resume=str(ckpt)).to_dict(),
+        checkpoint=CheckpointConfig(resume=str(ckpt)),
+        output=OutputConfig(out_dir=tmp_path / "ring", dump_params=True),
     )
     _assert_close(_params(tmp_path / "ring", 3), want, 1e-5)

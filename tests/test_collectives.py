@@ -186,8 +186,8 @@ def _program():
         SimpleNamespace(groups=(0,), devices=("d0", "d1"), label="block 0"),
         SimpleNamespace(groups=(1,), devices=("d1", "d2"), label="block 1"),
     )
-    c0 = Collective(block=0, method="ring", members=("d0", "d1"), server=None, nodes=(), nbytes=0.0)
-    c1 = Collective(block=1, method="ps", members=("d1", "d2"), server="d0", nodes=(), nbytes=0.0)
+    c0 = Collective(op=0, block=0, method="ring", members=("d0", "d1"), server=None, nodes=(), nbytes=0.0)
+    c1 = Collective(op=1, block=1, method="ps", members=("d1", "d2"), server="d0", nodes=(), nbytes=0.0)
     instructions = {"d0": (c0, c1), "d1": (c0, c1), "d2": (c1,)}
     return SimpleNamespace(
         devices=devices, blocks=blocks, instructions=instructions, rank_of=lambda: {d: r for r, d in enumerate(devices)}

@@ -10,7 +10,6 @@ from typer.testing import CliRunner
 
 from heterog.capture import capture_model
 from heterog.cli.main import app
-from heterog.cli.run_cmd import _with_repetitions
 from heterog.demo import DEMO_SCENARIO, SCENARIOS, placement, speedup
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 
@@ -63,14 +62,6 @@ def test_placement_lists_the_runs_of_groups_with_one_placement():
     ]
     assert got["segments"][0]["shares"] == {"a/c0": 0.75, "a/c1": 0.25}
     json.dumps(got)  # it goes into the benchmarks' results as it is
-
-
-def test_run_repetitions_summary():
-    result = {"measured_iteration_time_s": 9.0, "predicted_iteration_time_s": 9.0}
-    _with_repetitions(result, [1.0, 1.2, 1.1], 1.0)
-    assert result["measured_iteration_time_s"] == pytest.approx(1.1)
-    assert result["spread"] == pytest.approx(0.2) and result["repetitions_s"] == [1.0, 1.2, 1.1]
-    assert result["relative_error"] == pytest.approx(0.1) and result["predicted_iteration_time_s"] == 1.0
 
 
 @pytest.mark.slow

@@ -22,7 +22,9 @@ from heterog.capture import capture_model
 from heterog.cost import build_cost_model
 from heterog.hardware.spec import cluster_from_dict
 from heterog.ir.plan import ModelSpec
+from heterog.ir.run_request import Limits, OutputConfig, TimingConfig
 from heterog.search.planner import plan_graph
+from tests.plan_batch import batch_options
 
 SEQ = 8
 BATCH = 6
@@ -34,7 +36,9 @@ FAMILIES = {
     "gpt2": ("gpt2", dict(hidden=16, layers=1, heads=2, vocab=64, positions=16, dropout=0.0), SEQ),
     "llama": ("llama", dict(hidden=16, layers=1, heads=2, kv_heads=1, ffn=32, vocab=64, positions=16), SEQ),
 }
-BATCH_RUN = dict(steps=2, predict=False, timeout_s=60, warmup_steps=0, dump_params=False)
+BATCH_RUN = batch_options(
+    steps=2, limits=Limits(timeout_s=60), timing=TimingConfig(warmup_steps=0), output=OutputConfig(dump_params=False)
+)
 CLUSTER = {
     "name": "emulated-3",
     "kind": "emulated",
@@ -103,17 +107,17 @@ def test_every_candidate_runs_two_steps(family, plan_batch):
     assert len(candidates) >= 4, candidates  # baselines differ: single device, DP, pipeline, ...
     outcomes = [done.run for done in plan_batch.get_all(candidate_plans, family=family)]
     failed = [
-        f"{'/'.join(names)}: {type(o.error).__name__}: {str(o.error)[:300]}"
+        f"{'/'.join(names)}: {o.failure.type}: {o.failure.message[:300]}"
         for (names, _), o in zip(candidates, outcomes)
-        if o.error is not None
+        if o.failure is not None
     ]
     assert not failed, "\n".join(failed)
     for o in outcomes:
-        assert o.result is not None and o.result["steps"] == 2 and o.result["measured_iteration_time_s"] > 0
+        assert len(o.losses) == 2 and o.measured_iteration_time_s > 0
     # every candidate trains the same model from the same parameters on the same batches: the
     # same first loss (summed over its ranks in another order), finite, and the same second
     # loss after one step (its parameters equal up to rounding)
-    losses = {"/".join(names): o.result["losses"] for (names, _), o in zip(candidates, outcomes)}
+    losses = {"/".join(names): o.losses for (names, _), o in zip(candidates, outcomes)}
     assert all(len(v) == 2 and all(math.isfinite(x) for x in v) for v in losses.values()), losses
     first = next(iter(losses.values()))
     for name, (loss0, loss1) in losses.items():

@@ -12,7 +12,10 @@ from heterog.cli.main import app
 from heterog.errors import PlanError
 from heterog.hardware.spec import cluster_to_dict, load_cluster, parse_cluster_yaml
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import emulated_slowdowns, rank_devices, run
+from heterog.ir.run_request import DeviceLayout
+from heterog.orchestrate import rank_devices
+from heterog.runs import run
+from heterog.runs.layout import emulated_slowdowns
 
 TWO_NODES = """
 name: two-nodes
@@ -128,7 +131,7 @@ def test_too_many_ranks_for_one_machine_is_a_clear_error():
         ),
     )
     with pytest.raises(PlanError, match="at most 16"):
-        run(plan, steps=1, emulated=True)
+        run(plan, steps=1, layout=DeviceLayout(emulated=True))
 
 
 def test_profiler_times_every_leaf_module_at_two_batches():

@@ -12,7 +12,11 @@ from heterog.execute.emulation import Pacer, pin_to_cores
 from heterog.execute.netns import leftover_namespaces, tbf_args
 from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run
+from heterog.ir.run_request import Limits, OutputConfig, PredictionConfig, RunOptions
+from heterog.ir.run_result import LinkShapingRecord
+from heterog.runs import run
+
+QUIET = RunOptions(prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=60))
 
 
 def _busy(seconds: float) -> None:
@@ -74,10 +78,10 @@ def test_links_between_emulated_nodes_are_shaped(tmp_path):
         ),
     )
     before = set(leftover_namespaces())
-    out = run(plan, steps=3, predict=False, timeout_s=60, out_dir=tmp_path)
-    assert out["link_shaping"]["enabled"], out["link_shaping"]
+    out = run(plan, QUIET, steps=3, output=OutputConfig(out_dir=tmp_path))
+    assert out.link_shaping.enabled, out.link_shaping
     moved_bytes = 2 * 2048 * 32 * 4
-    assert out["measured_iteration_time_s"] >= 0.8 * moved_bytes / 1.25e6, out["measured_iteration_time_s"]
+    assert out.measured_iteration_time_s >= 0.8 * moved_bytes / 1.25e6, out.measured_iteration_time_s
     assert set(leftover_namespaces()) - before == set()
 
 
@@ -105,9 +109,9 @@ def test_without_root_the_run_falls_back_to_unshaped_links_and_says_so(tmp_path,
             ),
         ),
     )
-    out = run(plan, steps=2, predict=False, timeout_s=60, out_dir=tmp_path)
-    assert out["link_shaping"] == {"enabled": False, "reason": "not root: network namespaces and tc need root"}
-    assert any("links not shaped" in n for n in out["notes"])
+    out = run(plan, QUIET, steps=2, output=OutputConfig(out_dir=tmp_path))
+    assert out.link_shaping == LinkShapingRecord(enabled=False, reason="not root: network namespaces and tc need root")
+    assert any("links not shaped" in n for n in out.notes)
 
 
 _FAULTS = """

@@ -13,17 +13,22 @@ import math
 
 import pytest
 import torch
-from plan_batch import BatchedRun
+from plan_batch import BatchedRun, batch_options
 
 from heterog.cut.partition import fx_node_names
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.ir.run_request import Limits, OutputConfig, PredictionConfig, RunOptions
+from heterog.ir.run_result import RunResult
+from heterog.ir.training_config import TrainingConfig
 from heterog.lower.program import Send
-from heterog.pipeline import lower, run
+from heterog.orchestrate import lower
+from heterog.runs import run
 
 MODELS = "tests/test_execute_models.py"
 STEPS = 3
-BATCH_RUN = dict(steps=STEPS, timeout_s=60)
+BATCH_RUN = batch_options(steps=STEPS, limits=Limits(timeout_s=60))
+QUIET = RunOptions(steps=STEPS, prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=60))
 
 
 def make_plan(
@@ -51,24 +56,24 @@ def replicas(*pairs) -> tuple[Replica, ...]:
     return tuple(Replica(device=d, share=s) for d, s in pairs)
 
 
-def check_equal(plan: Plan, tmp_path, data: str | None = None, rel_tol: float = 1e-5) -> dict:
+def check_equal(plan: Plan, tmp_path, data: str | None = None, rel_tol: float = 1e-5) -> RunResult:
     """Run the plan alone (`run`) and check it."""
-    out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60, data=data)
+    out = run(plan, QUIET, output=OutputConfig(out_dir=tmp_path, dump_params=True), training=TrainingConfig(data=data))
     return check_params(plan, out, tmp_path, data=data, rel_tol=rel_tol)
 
 
-def check_batched(done: BatchedRun, rel_tol: float = 1e-5) -> dict:
+def check_batched(done: BatchedRun, rel_tol: float = 1e-5) -> RunResult:
     """Check a plan of the module's batch."""
     return check_params(done.plan, done.result(), done.out_dir, rel_tol=rel_tol)
 
 
-def check_params(plan: Plan, out: dict, out_dir, *, data: str | None = None, rel_tol: float = 1e-5) -> dict:
+def check_params(plan: Plan, out: RunResult, out_dir, *, data: str | None = None, rel_tol: float = 1e-5) -> RunResult:
     """Every rank's parameters after the run (`out`, its files in `out_dir`) equal
     single-process training's."""
     ref_losses: list[float] = []
     ref = reference_train(plan, steps=STEPS, data=data, losses=ref_losses)
     seen: set[str] = set()
-    for rank in range(len(out["devices"])):
+    for rank in range(len(out.devices)):
         params = torch.load(out_dir / f"params_rank{rank}.pt")
         for name, value in params.items():
             want = ref[name]
@@ -79,8 +84,8 @@ def check_params(plan: Plan, out: dict, out_dir, *, data: str | None = None, rel
     # The summed per-rank losses are the global-batch loss of each step: the reference's, up to
     # the summation order (the first step's parameters are identical; later ones equal within
     # rel_tol, as checked above).
-    assert len(out["losses"]) == STEPS
-    for step, (got, want) in enumerate(zip(out["losses"], ref_losses)):
+    assert len(out.losses) == STEPS
+    for step, (got, want) in enumerate(zip(out.losses, ref_losses)):
         assert math.isfinite(got) and got == pytest.approx(want, rel=max(10 * rel_tol, 1e-4)), (step, got, want)
     return out
 
@@ -147,7 +152,7 @@ def test_parameter_server_sync_on_a_device_without_replica_with_user_data(tmp_pa
         ],
     )
     out = check_equal(plan, tmp_path, data=f"{MODELS}:fixed_vectors")
-    assert out["devices"] == ["a", "b", "c"]
+    assert out.devices == ("a", "b", "c")
 
 
 def hybrid_vgg() -> Plan:
@@ -179,9 +184,9 @@ def test_hybrid_vgg_convs_replicated_and_recomputed_linears_on_one_device(plan_b
     # every rank moves exactly what its Program sends, every step: the replicas of the
     # convolutions their activations to the linears' device, which sends their gradients back
     program = lower(done.plan)
-    for r in out["per_rank"]:
-        sends = sum(i.nbytes for i in program.instructions[r["device"]] if isinstance(i, Send))
-        assert sends > 0 and r["sent_bytes_total"] == pytest.approx(STEPS * sends), (r["device"], sends)
+    for r in out.per_rank:
+        sends = sum(i.nbytes for i in program.instructions[r.device] if isinstance(i, Send))
+        assert sends > 0 and r.sent_bytes_total == pytest.approx(STEPS * sends), (r.device, sends)
 
 
 def two_stage_resmlp(schedule: str) -> Plan:
@@ -217,7 +222,7 @@ def test_a_model_the_capture_cannot_take_is_refused_before_any_rank_starts(tmp_p
         ],
     )
     with pytest.raises(ModelError, match="reads tensor values"):
-        run(plan, steps=1, out_dir=tmp_path, predict=False, timeout_s=60)
+        run(plan, QUIET, steps=1, output=OutputConfig(out_dir=tmp_path))
     assert not list(tmp_path.glob("log_rank*"))
 
 
@@ -250,7 +255,7 @@ def test_interleaved_groups_on_overlapping_replicas(plan_batch):
     from heterog.errors import PlanError
 
     with pytest.raises(PlanError, match="cycle among groups"):
-        run(cyclic, steps=1, predict=False, timeout_s=60)
+        run(cyclic, QUIET, steps=1)
 
 
 def llama_data_parallel() -> Plan:

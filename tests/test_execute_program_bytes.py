@@ -20,7 +20,7 @@ from heterog.cut.partition import build_dataflow, program_group_order
 from heterog.execute.runtime import crossing_values
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.lower.program import Phase, Send
-from heterog.pipeline import lower
+from heterog.orchestrate import lower
 from heterog.workload import build_model, resolve_workload
 
 SEQ = 8

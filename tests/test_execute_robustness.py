@@ -16,7 +16,8 @@ import pytest
 from heterog.errors import RankError
 from heterog.execute.netns import leftover_namespaces
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run
+from heterog.ir.run_request import Fault, FaultKind, Limits, OutputConfig, PredictionConfig
+from heterog.runs import run
 
 MODELS = "tests/test_execute_models.py"
 NODES = ("fc1", "act1", "fc2", "act2", "fc3")
@@ -52,10 +53,10 @@ def test_failing_rank_is_named_and_nothing_is_left(tmp_path, kind):
         run(
             _plan(),
             steps=4,
-            timeout_s=timeout_s,
-            out_dir=tmp_path,
-            predict=False,
-            fault={"rank": 1, "kind": kind, "step": 2},
+            limits=Limits(timeout_s=timeout_s),
+            output=OutputConfig(out_dir=tmp_path),
+            prediction=PredictionConfig(predict=False),
+            fault=Fault(rank=1, kind=FaultKind(kind), step=2),
         )
     elapsed = time.monotonic() - start
     assert info.value.rank == 1, str(info.value)
@@ -76,7 +77,8 @@ def test_rank_error_survives_pickling():
 def test_sigint_to_launcher_kills_ranks_and_removes_namespaces(tmp_path):
     """Interrupt a shaped run while a rank hangs: ranks and namespaces must all go."""
     script = textwrap.dedent(f"""
-        from heterog.pipeline import run
+        from heterog.runs import run
+        from heterog.ir.run_request import Fault, Limits, OutputConfig, PredictionConfig
         from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
         from heterog.ir.plan import Group, ModelSpec, Plan, Replica
         c = parse_cluster_yaml('''
@@ -91,8 +93,8 @@ def test_sigint_to_launcher_kills_ranks_and_removes_namespaces(tmp_path):
                                   replicas=(Replica(device="n0/cpu0", share=0.5),
                                             Replica(device="n1/cpu0", share=0.5))),),
                     cluster=cluster_to_dict(c))
-        run(plan, steps=3, timeout_s=120, out_dir={str(tmp_path)!r}, predict=False,
-            fault={{"rank": 0, "kind": "hang", "step": 1}})
+        run(plan, steps=3, limits=Limits(timeout_s=120), output=OutputConfig(out_dir={str(tmp_path)!r}),
+            prediction=PredictionConfig(predict=False), fault=Fault(rank=0, kind="hang", step=1))
     """)
     before = set(leftover_namespaces())
     # as from a terminal: SIGINT handled even when this test runs in a background job (ignored there)

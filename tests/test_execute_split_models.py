@@ -19,15 +19,16 @@ import json
 
 import pytest
 import torch
-from plan_batch import BatchedRun
+from plan_batch import BatchedRun, batch_options
 
 from heterog.capture import capture_model
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.ir.run_request import Limits
 
 STEPS = 3
 SEQ = 8
-BATCH_RUN = dict(steps=STEPS, timeout_s=120)  # every plan of the module in one launch
+BATCH_RUN = batch_options(steps=STEPS, limits=Limits(timeout_s=120))  # every plan of the module in one launch
 MODELS = {
     "gpt2": dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0),
     "bert-large": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32, dropout=0.0),
@@ -92,7 +93,7 @@ def check_equal(done: BatchedRun) -> None:
     out = done.result()
     ref = reference_train(done.plan, steps=STEPS)
     seen: set[str] = set()
-    for rank in range(len(out["devices"])):
+    for rank in range(len(out.devices)):
         for name, value in torch.load(done.out_dir / f"params_rank{rank}.pt").items():
             want = ref[name]
             rel = ((value - want).norm() / want.norm().clamp_min(1e-12)).item()

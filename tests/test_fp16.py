@@ -15,7 +15,8 @@ import torch
 from heterog.capture import capture_model
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run_many
+from heterog.ir.run_request import Fault, FaultKind, Limits, OutputConfig, PredictionConfig, RunOptions
+from heterog.runs import run_many
 
 STEPS = 3
 SEQ = 8
@@ -62,10 +63,14 @@ def runs(tmp_path_factory):
     plans = _plans()
     out = tmp_path_factory.mktemp("fp16")
     names = list(plans)
-    faults = {names.index("ps-overflow"): {"rank": 0, "step": OVERFLOW_STEP, "kind": "overflow"}}
-    done = run_many(
-        list(plans.values()), steps=STEPS, timeout_s=120, predict=False, out_dir=out, dump_params=True, faults=faults
+    faults = {names.index("ps-overflow"): Fault(rank=0, step=OVERFLOW_STEP, kind=FaultKind.OVERFLOW)}
+    options = RunOptions(
+        steps=STEPS,
+        limits=Limits(timeout_s=120),
+        prediction=PredictionConfig(predict=False),
+        output=OutputConfig(out_dir=out, dump_params=True),
     )
+    done = run_many(list(plans.values()), options, faults=faults)
     return {name: (plans[name], r, out / f"plan{i}") for i, (name, r) in enumerate(zip(names, done))}
 
 
@@ -84,17 +89,17 @@ def _compare(plan: Plan, folder, ranks: int, skip: frozenset[int] = frozenset())
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["ring", "ps"])
 def test_fp16_plan_equals_single_process_fp16_with_a_loss_scaler(runs, name):
-    plan, r, folder = runs[name]
-    result = r.result if r.error is None else pytest.fail(str(r.error))
-    assert result["loss_scales"] == [65536.0] * STEPS  # clean steps keep the initial scale
-    assert all(p["skipped_steps"] == 0 for p in result["per_rank"])
-    _compare(plan, folder, len(result["devices"]))
+    plan, result, folder = runs[name]
+    result.raise_for_failure()
+    assert result.last.loss_scales == (65536.0,) * STEPS  # clean steps keep the initial scale
+    assert all(p.skipped_steps == 0 for p in result.per_rank)
+    _compare(plan, folder, len(result.devices))
 
 
 @pytest.mark.timeout(600)
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_halves_the_scale(runs):
-    plan, r, folder = runs["ps-overflow"]
-    result = r.result if r.error is None else pytest.fail(str(r.error))
-    assert result["loss_scales"] == [65536.0, 32768.0, 32768.0]
-    assert [p["skipped_steps"] for p in result["per_rank"]] == [1, 1, 1]
-    _compare(plan, folder, len(result["devices"]), skip=frozenset({OVERFLOW_STEP}))
+    plan, result, folder = runs["ps-overflow"]
+    result.raise_for_failure()
+    assert result.last.loss_scales == (65536.0, 32768.0, 32768.0)
+    assert [p.skipped_steps for p in result.per_rank] == [1, 1, 1]
+    _compare(plan, folder, len(result.devices), skip=frozenset({OVERFLOW_STEP}))

@@ -13,6 +13,9 @@ import torch
 
 from heterog.execute.device import RankDevice, nccl_env, rank_device
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.ir.run_request import DeviceLayout, Limits, OutputConfig, PredictionConfig, RunOptions
+
+QUIET = RunOptions(prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=120))
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 MODELS = "tests/test_execute_models.py"
@@ -74,31 +77,48 @@ def test_cpu_device_defaults():
 @pytest.mark.gpu
 @needs_cuda
 def test_single_gpu_plan_runs_on_cuda(tmp_path):
-    from heterog.pipeline import run
+    from heterog.runs import run
 
-    out = run(_plan(1), steps=3, out_dir=tmp_path, predict=True, timeout_s=120)
-    r = out["per_rank"][0]
-    assert out["measured_iteration_time_s"] > 0 and out["predicted_iteration_time_s"] > 0
-    assert r["peak_allocated_bytes"] > 0
+    out = run(
+        _plan(1),
+        steps=3,
+        output=OutputConfig(out_dir=tmp_path),
+        prediction=PredictionConfig(predict=True),
+        limits=Limits(timeout_s=120),
+    )
+    r = out.per_rank[0]
+    assert out.measured_iteration_time_s > 0 and out.predicted_iteration_time_s > 0
+    assert r.peak_allocated_bytes > 0
+    assert r.predicted_peak_memory_bytes > 0 and out.by_kind()  # measured beside predicted
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_amp_bf16_on_cuda(tmp_path):
-    from heterog.pipeline import run
+    from heterog.runs import run
 
-    out = run(_plan(1, "amp-bf16"), steps=3, out_dir=tmp_path, predict=False, timeout_s=120)
-    assert len(out["losses"]) == 3 and all(x == x for x in out["losses"])
+    out = run(
+        _plan(1, "amp-bf16"),
+        QUIET,
+        steps=3,
+        output=OutputConfig(out_dir=tmp_path),
+    )
+    assert len(out.losses) == 3 and all(x == x for x in out.losses)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_rank_plan_on_two_gpus_equals_single_process(tmp_path):
     from heterog.execute.reference import reference_train
-    from heterog.pipeline import run
+    from heterog.runs import run
 
     plan = _plan(2)
-    run(plan, steps=3, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=120)
+    run(
+        plan,
+        QUIET,
+        steps=3,
+        output=OutputConfig(out_dir=tmp_path, dump_params=True),
+    )
     ref = reference_train(plan, steps=3)
     got = torch.load(tmp_path / "params_rank0.pt", map_location="cpu")
     for k, v in got.items():
@@ -168,7 +188,7 @@ def _split_plan(model: str, kind: str, precision: str = "fp32") -> Plan:
 @pytest.mark.parametrize("kind", ["pipeline", "hybrid"])
 @pytest.mark.parametrize("model", list(LANGUAGE_MODELS))
 def test_language_model_plans_check_on_cuda(model, kind):
-    from heterog.pipeline import check
+    from heterog.orchestrate import check
 
     result = check(_split_plan(model, kind), device="cuda")
     assert result.ok, [r.problem for r in result.ranks]
@@ -183,11 +203,18 @@ def test_language_model_plans_train_on_cuda_as_single_process(tmp_path, model, k
     """Two ranks on two GPUs (NCCL), or sharing one (gloo, host copies): parameters after 3
     steps equal single-process training on the CPU (within GPU-vs-CPU rounding)."""
     from heterog.execute.reference import reference_train
-    from heterog.pipeline import run
+    from heterog.runs import run
 
     plan = _split_plan(model, kind)
-    out = run(plan, steps=3, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=300, share_gpus=True)
-    assert all(r["torch_device"].startswith("cuda") for r in out["per_rank"])
+    out = run(
+        plan,
+        QUIET,
+        steps=3,
+        output=OutputConfig(out_dir=tmp_path, dump_params=True),
+        limits=Limits(timeout_s=300),
+        layout=DeviceLayout(share_gpus=True),
+    )
+    assert all(r.torch_device.startswith("cuda") for r in out.per_rank)
     ref = reference_train(plan, steps=3)
     for rank in range(2):
         for name, value in torch.load(tmp_path / f"params_rank{rank}.pt").items():
@@ -198,10 +225,15 @@ def test_language_model_plans_train_on_cuda_as_single_process(tmp_path, model, k
 @pytest.mark.gpu
 @needs_cuda
 def test_fp16_trains_on_cuda_with_a_loss_scale(tmp_path):
-    from heterog.pipeline import run
+    from heterog.runs import run
 
-    out = run(_plan(1, "fp16"), steps=3, out_dir=tmp_path, predict=False, timeout_s=120)
-    assert out["loss_scales"] == [65536.0] * 3 and all(x == x for x in out["losses"])
+    out = run(
+        _plan(1, "fp16"),
+        QUIET,
+        steps=3,
+        output=OutputConfig(out_dir=tmp_path),
+    )
+    assert out.last.loss_scales == (65536.0,) * 3 and all(x == x for x in out.losses)
 
 
 @pytest.mark.gpu
@@ -211,7 +243,7 @@ def test_a_rank_refuses_a_gpu_of_another_type(tmp_path):
     GPU instead and stops before training, naming both."""
     from heterog.errors import RankError
     from heterog.hardware.spec import cluster_from_dict, cluster_to_dict, parse_cluster_yaml
-    from heterog.pipeline import run
+    from heterog.runs import run
 
     local = _gpu_cluster(1)["nodes"][0]["devices"][0]["type"]
     other = "T4" if local != "T4" else "A100-80GB"
@@ -229,4 +261,4 @@ def test_a_rank_refuses_a_gpu_of_another_type(tmp_path):
         cluster=c,
     ).validate()
     with pytest.raises(RankError, match=f"a {other}, but its GPU cuda:0"):
-        run(plan, steps=1, predict=False, timeout_s=60)
+        run(plan, steps=1, prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=60))

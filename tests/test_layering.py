@@ -71,12 +71,12 @@ def test_imports_inside_functions_say_why():
 
 def test_the_command_line_and_the_planning_api_start_without_torch():
     """What the comments on lazy imports promise: `heterog --help` loads neither numpy nor
-    torch, and the lower/simulate/plan-input API (heterog.pipeline, heterog.inputs) no torch."""
+    torch, and the lower/simulate/plan-input API (heterog.orchestrate, heterog.inputs) no torch."""
     code = (
         "import sys\n"
         "import heterog.cli.main\n"
         "print(sorted(m for m in ('numpy', 'torch', 'scipy') if m in sys.modules))\n"
-        "import heterog.pipeline, heterog.inputs\n"
+        "import heterog.orchestrate, heterog.inputs\n"
         "print(sorted(m for m in ('torch', 'torch_geometric', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -5,7 +5,11 @@
   1F1B, parameter servers);
 - the Program validates, survives JSON, and its validator catches what would hang a run;
 - 1F1B keeps at most p − s micro-batches in flight on stage s;
-- on real gloo processes, what each rank executes, recorded as it runs, is its Program.
+- every instruction has an id (its op and device) that the simulation of its schedule
+  carries on exactly one event;
+- on real gloo processes, what each rank executes, recorded as it runs, is its Program, and
+  every span a rank measures that times an instruction names exactly one instruction of it:
+  each instruction one span per step, joined in the run's result with its prediction.
 """
 
 from __future__ import annotations
@@ -13,15 +17,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections import Counter
 
 import pytest
 
 from heterog.errors import PlanError
 from heterog.ir.kinds import Phase
+from heterog.ir.run_request import Limits, PredictionConfig
 from heterog.lower.lowering import lower, to_program
-from heterog.lower.program import Collective, Compute, Optimizer, Program, Recv, Send
+from heterog.lower.program import Collective, Compute, Optimizer, Program, Recv, Send, instruction_id
 from heterog.lower.schedule import build_schedule
 from heterog.lower.taskgraph import BWD, FWD, OPT, SYNC, XFER
+from heterog.simulate.simulator import time_schedule
+from tests.plan_batch import batch_options
 from tests.simulate_support import TableCosts, chain_graph, cluster, plan
 from tests.test_simulate_properties import _random_plan
 
@@ -148,7 +156,7 @@ def test_every_random_program_validates_and_round_trips_through_json():
     for _ in range(25):
         p = _random_plan(rng, devices, 8, 16)
         prog = lower(g, c, p, TableCosts(g, c))
-        text = json.dumps({"kind": "heterog.Program", "version": 1, **prog.to_dict()})
+        text = json.dumps({"kind": "heterog.Program", "version": 2, **prog.to_dict()})
         again = Program.from_json(text)
         assert again.to_dict() == prog.to_dict()
         for lst in prog.instructions.values():  # sample ranges stay inside micro-batches
@@ -171,7 +179,7 @@ def _two_stage(schedule="gpipe", microbatches=2):
 
 
 def _tamper(prog: Program, device: str, fn) -> dict:
-    doc = {"kind": "heterog.Program", "version": 1, **prog.to_dict()}
+    doc = {"kind": "heterog.Program", "version": 2, **prog.to_dict()}
     doc["instructions"][device] = fn(doc["instructions"][device])
     return doc
 
@@ -221,6 +229,30 @@ def test_one_f_one_b_keeps_at_most_p_minus_s_micro_batches_in_flight():
     assert [i.phase for i in first[:8]] == [Phase.FORWARD] * 8  # GPipe: all forwards first
 
 
+def test_every_instruction_has_one_id_and_one_simulated_event():
+    """An instruction's id (op@device) is unique in its Program, and the simulation of the
+    schedule the Program was written from has exactly one event of that op on that device's
+    track — and no event on a device's track that is not one of its instructions."""
+    from heterog.runs.summary import predicted_spans
+
+    g, c, devices = _setup()
+    rng = random.Random(5)
+    for _ in range(12):
+        p = _random_plan(rng, devices, 8, 16)
+        sched = build_schedule(g, c, p, TableCosts(g, c), merge=False)
+        prog, sim = to_program(sched, c), time_schedule(sched, timeline=False)
+        where = prog.locations()
+        assert len(where) == sum(len(v) for v in prog.instructions.values())  # no id twice
+        events = Counter((e.op, e.track) for e in sim.events if e.track in prog.instructions)
+        want = {(ins.op, d) for d, lst in prog.instructions.items() for ins in lst}
+        assert set(events) == want and set(events.values()) == {1}
+        assert all(ident == instruction_id(d, prog.instructions[d][i].op) for ident, (d, i) in where.items())
+        # as a rank's executor times them: every instruction within the iteration, in order
+        spans = predicted_spans(prog, sim)
+        assert set(spans) == set(where.values())
+        assert all(0.0 <= a <= b <= sim.iteration_time_s + 1e-12 for a, b in spans.values())
+
+
 def test_summary_counts_instructions_bytes_and_the_programs_peak():
     prog = _two_stage(microbatches=2)
     summary = prog.summary()
@@ -237,7 +269,8 @@ def test_summary_counts_instructions_bytes_and_the_programs_peak():
 MODELS = "tests/test_execute_models.py"
 
 
-BATCH_RUN = dict(steps=1, timeout_s=60)  # the random plans below run in one launch
+# the random plans below run in one launch, predicted, so that their results join both sides
+BATCH_RUN = batch_options(steps=2, limits=Limits(timeout_s=60), prediction=PredictionConfig())
 
 
 def _executed_matches_program(done):
@@ -246,7 +279,7 @@ def _executed_matches_program(done):
     p, out, tmp_path = done.plan, done.result(), done.out_dir
     prog = Program.load(tmp_path / "program.json")
     assert Plan.from_dict(prog.plan).groups[0].name == p.groups[0].name
-    for rank, d in enumerate(out["devices"]):
+    for rank, d in enumerate(out.devices):
         ran = [tuple(x) for x in json.loads((tmp_path / f"executed_rank{rank}.json").read_text())]
         want = []
         for i in prog.instructions[d]:
@@ -310,6 +343,42 @@ def random_plan_of_kind(kind: str):
 @pytest.mark.parametrize("kind", ["data", "hybrid", "gpipe", "1f1b", "ps"])
 def test_each_rank_executes_exactly_its_program(plan_batch, kind):
     _executed_matches_program(plan_batch.get(random_plan_of_kind, kind=kind))
+
+
+# the span that times an instruction, by the instruction's kind (and a compute's phase)
+SPAN_OF = {"forward": "forward", "backward": "backward", "send": "transfer", "recv": "transfer"}
+SPAN_OF.update(collective="collective", optimizer="optimizer")
+
+
+@pytest.mark.slow
+@pytest.mark.batched(plan=random_plan_of_kind)
+@pytest.mark.parametrize("kind", ["data", "hybrid", "gpipe", "1f1b", "ps"])
+def test_each_measured_span_is_one_program_instruction(plan_batch, kind):
+    """Every span a rank measured either times exactly one instruction of its Program (index
+    and op agree, the span's category is the instruction's) or is the executor's own (the
+    step, waits for syncs); each instruction has exactly one span per step; and the run's
+    result joins every instruction, by id, with its prediction."""
+    from heterog.execute.spec import RankResult
+    from heterog.ir.run_result import SpanCategory
+
+    done = plan_batch.get(random_plan_of_kind, kind=kind)
+    result, prog = done.result(), Program.load(done.out_dir / "program.json")
+    for rank, d in enumerate(result.devices):
+        ran = RankResult.load(RankResult.path(done.out_dir, rank))
+        lst, per_step = prog.instructions[d], Counter()
+        for s in ran.spans:
+            if s.index is None:
+                assert s.op is None and s.category in (SpanCategory.STEP, SpanCategory.SYNC), s
+                continue
+            ins = lst[s.index]
+            label = str(ins.phase) if isinstance(ins, Compute) else str(ins.kind)
+            assert s.op == ins.op and s.category == SPAN_OF[label], (s, ins)
+            per_step[(s.step, s.index)] += 1
+        assert set(per_step.values()) == {1}
+        assert set(per_step) == {(rec.step, i) for rec in ran.steps for i in range(len(lst))}
+    assert sorted(i.id for i in result.instructions) == sorted(prog.locations())
+    assert all(i.predicted_s is not None and i.measured_s is not None for i in result.instructions)
+    assert {r.kind for r in result.by_kind()} >= {"forward", "backward", "optimizer"}
 
 
 def test_cli_lower_prints_per_device_counts_and_writes_a_program_simulate_accepts(tmp_path):
@@ -476,7 +545,7 @@ def test_a_split_tied_weight_gets_its_own_gradient_all_reduce_over_the_holders()
     prog = to_program(sched, c)
     ties = {d: [i for i in prog.instructions[d] if isinstance(i, Collective) and i.tie] for d in (a, b, e)}
     assert all(len(v) == 1 and v[0].tie == tie.param and set(v[0].members) == {a, b, e} for v in ties.values())
-    Program.from_json(json.dumps({"kind": "heterog.Program", "version": 1, **prog.to_dict()}))
+    Program.from_json(json.dumps({"kind": "heterog.Program", "version": 2, **prog.to_dict()}))
 
 
 def test_a_parameter_server_holds_the_optimizer_state_and_its_replicas_do_not():

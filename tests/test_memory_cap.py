@@ -5,7 +5,6 @@ device) fails on real gloo processes with the device, the cap and the instructio
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 
 import pytest
@@ -14,7 +13,10 @@ import torch
 from heterog.errors import RankError, ResourceError
 from heterog.execute.emulation import LiveBytes, MemoryCap, MemoryCapExceeded, StorageCounter, memory_cap, tensors_in
 from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
-from heterog.pipeline import run
+from heterog.ir.run_request import Limits, LinkConfig, OutputConfig, PredictionConfig, RunOptions
+from heterog.runs import run
+
+UNSHAPED = RunOptions(limits=Limits(timeout_s=120), links=LinkConfig(shape=False))
 
 MIB = 2**20
 CAPPED_YAML = """
@@ -74,13 +76,21 @@ def test_plan_that_fits_runs_and_even_dp_fails_with_the_cap(tmp_path):
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.ir.plan import ModelSpec
+    from heterog.search.objective import Goal
     from heterog.search.planner import plan_graph
 
     cluster = _cluster()
     spec = ModelSpec(name="mlp", args=MODEL_ARGS, batch_size=BATCH)
     graph = capture_model("mlp", MODEL_ARGS, batch_size=BATCH)
     result = plan_graph(
-        graph, cluster, build_cost_model(graph, cluster), budget_s=1.0, model_spec=spec, policy=False, max_iters=50
+        graph,
+        cluster,
+        build_cost_model(graph, cluster),
+        budget_s=1.0,
+        model_spec=spec,
+        policy=False,
+        max_iters=50,
+        goal=Goal(tolerance=0.0),  # the fastest plan, which uses the small device; a tolerance may not
     )
     by_name = {c.strategy: c for c in result.candidates}
     assert not by_name["even-dp-allreduce"].feasible  # the planner's memory model agrees
@@ -91,17 +101,16 @@ def test_plan_that_fits_runs_and_even_dp_fails_with_the_cap(tmp_path):
 
     best = result.best
     assert "n/small" in best.devices()  # it does use the small device
-    fits = run(runnable(best), steps=2, predict=False, timeout_s=60, out_dir=tmp_path / "fits")
-    assert fits["measured_iteration_time_s"] > 0
-    small = next(r for r in range(len(fits["devices"])) if fits["devices"][r] == "n/small")
-    rank = json.loads((tmp_path / "fits" / f"result_rank{small}.json").read_text())
-    assert rank["memory_cap_bytes"] == 64 * MIB
-    assert 0 < rank["peak_live_bytes"] <= 64 * MIB
+    quiet = RunOptions(steps=2, prediction=PredictionConfig(predict=False))
+    fits = run(runnable(best), quiet, limits=Limits(timeout_s=60), output=OutputConfig(out_dir=tmp_path / "fits"))
+    assert fits.measured_iteration_time_s > 0
+    rank = next(r for r in fits.per_rank if r.device == "n/small")
+    assert rank.memory_cap_bytes == 64 * MIB
+    assert 0 < rank.peak_live_bytes <= 64 * MIB
 
     with pytest.raises(RankError) as e:
-        run(
-            runnable(by_name["even-dp-allreduce"].plan), steps=2, predict=False, timeout_s=30, out_dir=tmp_path / "even"
-        )
+        even = runnable(by_name["even-dp-allreduce"].plan)
+        run(even, quiet, limits=Limits(timeout_s=30), output=OutputConfig(out_dir=tmp_path / "even"))
     assert "device n/small exceeded its emulated memory cap of 64 MiB at instruction" in str(e.value)
     assert "MemoryCapExceeded" in str(e.value)
 
@@ -156,11 +165,11 @@ def test_a_pipeline_holds_what_the_memory_model_predicts(tmp_path):
         schedule="gpipe",
         cluster=cluster_to_dict(cluster),
     ).validate()
-    out = run(plan, steps=1, out_dir=tmp_path, timeout_s=120, shape_links=False)
-    for r in out["per_rank"]:
-        live, predicted = r["peak_live_bytes"], r["predicted_peak_memory_bytes"]
-        assert live <= predicted, (r["device"], live / MIB, predicted / MIB)
-        assert live >= 0.6 * predicted, (r["device"], live / MIB, predicted / MIB)
+    out = run(plan, UNSHAPED, steps=1, output=OutputConfig(out_dir=tmp_path))
+    for r in out.per_rank:
+        live, predicted = r.peak_live_bytes, r.predicted_peak_memory_bytes
+        assert live <= predicted, (r.device, live / MIB, predicted / MIB)
+        assert live >= 0.6 * predicted, (r.device, live / MIB, predicted / MIB)
 
 
 @pytest.mark.slow
@@ -192,9 +201,9 @@ def test_a_parameter_server_holds_what_the_memory_model_predicts(tmp_path, serve
         ),
         cluster=cluster_to_dict(cluster),
     ).validate()
-    out = run(plan, steps=3, out_dir=tmp_path, timeout_s=120, shape_links=False)
-    for r in out["per_rank"]:
-        live, predicted = r["peak_live_bytes"], r["predicted_peak_memory_bytes"]
+    out = run(plan, UNSHAPED, steps=3, output=OutputConfig(out_dir=tmp_path))
+    for r in out.per_rank:
+        live, predicted = r.peak_live_bytes, r.predicted_peak_memory_bytes
         # + 1 KiB: AdamW's step counters (a 4-byte tensor per parameter), which the model leaves out
-        assert live <= predicted + 1024, (r["device"], live / MIB, predicted / MIB)
-        assert live >= 0.6 * predicted, (r["device"], live / MIB, predicted / MIB)
+        assert live <= predicted + 1024, (r.device, live / MIB, predicted / MIB)
+        assert live >= 0.6 * predicted, (r.device, live / MIB, predicted / MIB)

@@ -64,6 +64,8 @@ def test_plan_simulate_report_and_run_print_the_same_predicted_time(
         "--max-iters",
         "20",
         "--no-gnn",
+        "--tolerance",
+        "0",  # the fastest plan, a real split; a tolerance may prefer one device
         "--out",
         "plan.json",
     )
@@ -77,3 +79,27 @@ def test_plan_simulate_report_and_run_print_the_same_predicted_time(
     )
     ran = _json(capsys, "run", "plan.json", "--steps", "2", *emulated)
     assert ran["predicted_iteration_time_s"] == pytest.approx(predicted, rel=1e-12)
+
+
+def test_predicting_leaves_the_callers_thread_count_alone(tmp_path):
+    """The `cpu` devices of an emulated cluster are costed at one thread (their ranks run one)
+    without setting this process's thread count: the type records the count of its rates,
+    and the costs computed from it later use that probe."""
+    import torch
+
+    import heterog
+    from heterog.hardware.spec import parse_cluster_yaml
+    from heterog.inputs import device_view
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cluster = parse_cluster_yaml(TWO_CPUS, "<test>")
+        assert device_view(cluster).gpu_types["cpu"].cpu_threads == 1 and torch.get_num_threads() == 2
+        result = heterog.plan("mlp", batch_size=8, cluster=cluster, budget_s=1, max_iters=5, policy=False)
+        at_two = heterog.simulate(result).iteration_time_s
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        assert heterog.simulate(result).iteration_time_s == at_two == result["best"]["predicted_iteration_time_s"]
+    finally:
+        torch.set_num_threads(before)

@@ -31,7 +31,7 @@ def test_plan_an_in_memory_module():
     assert best.model.name == "in-memory:mlp16" and best.batch_size == 12
     assert best.predicted_iteration_time_s > 0 and result["candidates"]
     with pytest.raises(HeterogError, match="in-memory nn.Module"):
-        heterog.run(best, steps=2, predict=False)
+        heterog.run(best, steps=2)
 
 
 def test_plan_by_name_still_works_and_modules_need_inputs():

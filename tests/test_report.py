@@ -18,8 +18,11 @@ import heterog.simulate as sim_pkg
 from heterog.execute.steplog import STEPS_FILE, StepLog, StepRecord, merge, read_records, read_run
 from heterog.execute.trace import RankSpans, SpanCategory, StepRecorder, chrome_trace
 from heterog.hardware.spec import load_cluster
+from heterog.ir.kinds import InstructionKind, Phase
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.report import ReportInputs, build_report
+from heterog.ir.run_request import RunOptions
+from heterog.ir.run_result import InstructionTiming, Repetition, RunResult, Span, StepLine
+from heterog.report import ReportInputs, build_report, tables
 from heterog.report.inputs import Candidate, load_plan_file, load_run
 from heterog.report.svg import Bar, merge_intervals
 from heterog.report.tables import segments
@@ -224,56 +227,93 @@ def test_load_plan_file_reads_plan_and_planner_json(tmp_path):
         load_run(tmp_path / "x.json")
 
 
-def test_measured_run_is_drawn_beside_the_simulated_one(tmp_path):
+def _measured_run(names: list[str]) -> RunResult:
+    """A run of two devices: three steps of spans (the last one the median), and one forward
+    per device joined with its prediction."""
+    spans = []
+    for step, base, length in ((0, 100.0, 0.4), (1, 100.5, 0.3), (2, 101.0, 0.35)):
+        for rank in range(len(names)):
+            spans += [
+                Span(
+                    name=f"step {step}",
+                    category=SpanCategory.STEP,
+                    rank=rank,
+                    step=step,
+                    start_s=base,
+                    end_s=base + length,
+                ),
+                Span(
+                    name="fw",
+                    category=SpanCategory.FORWARD,
+                    rank=rank,
+                    step=step,
+                    start_s=base,
+                    end_s=base + 0.2,
+                    index=0,
+                    op=7,
+                ),
+                Span(
+                    name="sync",
+                    category=SpanCategory.COLLECTIVE,
+                    rank=rank,
+                    step=step,
+                    start_s=base + 0.2,
+                    end_s=base + 0.3,
+                ),
+            ]
+    timing = [
+        InstructionTiming(
+            id=f"7@{d}",
+            device=d,
+            rank=r,
+            index=0,
+            op=7,
+            kind=InstructionKind.COMPUTE,
+            phase=Phase.FORWARD,
+            name="g F mb0",
+            predicted_start_s=0.0,
+            predicted_end_s=0.05 * (1 + r),
+            measured_start_s=0.0,
+            measured_end_s=0.2,
+            measured_s=0.2,
+        )
+        for r, d in enumerate(names)
+    ]
+    return RunResult(
+        strategy="test",
+        model="m",
+        cluster="c",
+        devices=tuple(names),
+        options=RunOptions(steps=3),
+        repetitions=(
+            Repetition(measured_iteration_time_s=0.35, measured_steps=2, losses=(2.3, 2.2, 2.1), per_rank=()),
+        ),
+        predicted_iteration_time_s=0.25,
+        prediction_source="simulator",
+        spans=tuple(spans),
+        shown_step=2,
+        step_lines=(StepLine(step=0, loss=2.3, step_time_s=0.4, slowest_rank=1, slowest_device=names[1]),),
+        instructions=tuple(timing),
+    )
+
+
+def test_measured_run_is_drawn_beside_the_simulated_one_instruction_by_instruction(tmp_path):
     clu = cluster([[1e12, 1e12]])
     names = [d.name for d in clu.devices]
-    spans = []
-    for step, base in ((0, 100.0), (1, 100.5), (2, 101.0)):
-        for rank, d in enumerate(names):
-            spans += [
-                {
-                    "name": f"step {step}",
-                    "category": "step",
-                    "rank": rank,
-                    "step": step,
-                    "device": d,
-                    "start_s": base,
-                    "end_s": base + 0.3,
-                },
-                {
-                    "name": "forward+backward",
-                    "category": "compute",
-                    "rank": rank,
-                    "step": step,
-                    "device": d,
-                    "start_s": base,
-                    "end_s": base + 0.2,
-                },
-                {
-                    "name": "sync",
-                    "category": "sync",
-                    "rank": rank,
-                    "step": step,
-                    "device": d,
-                    "start_s": base + 0.2,
-                    "end_s": base + 0.3,
-                },
-            ]
-    doc = {
-        "measured_iteration_time_s": 0.3,
-        "predicted_iteration_time_s": 0.25,
-        "prediction_source": "simulator",
-        "steps": 3,
-        "spans": spans,
-        "notes": [],
-        "step_lines": [{"step": 0, "loss": 2.3, "step_time_s": 0.3, "slowest_rank": 1, "slowest_device": names[1]}],
-    }
-    (tmp_path / "run.json").write_text(json.dumps(doc))
+    _measured_run(names).save(tmp_path / "run.json")
     html, _, _ = _report(clu, run=load_run(tmp_path / "run.json"))
     p = _Rows()
     p.feed(html)
     assert p.rows["timeline-run"] == names
-    assert "measured: step 1, 300.00 ms" in html
+    assert "measured: step 2, 350.00 ms" in html  # the median step, 2, not the slow first
+    # the same instructions, simulated above measured, each bar naming its instruction
+    assert p.rows["timeline-pairs"] == [names[0], names[0], names[1], names[1]]
+    assert f"<title>7@{names[1]}: g F mb0</title>" in html
+    # per device and kind, the larger miss first: a's forward (predicted 50 ms, 150 ms short)
+    # before b's (predicted 100 ms)
+    table = html[html.index("<table id=by-kind>") : html.index("</table>", html.index("<table id=by-kind>"))]
+    assert table.index(names[0]) < table.index(names[1]) and "+150.00 ms" in table
+    assert "not of this page's plan" in html  # the run names another plan (strategy 'test' of 'm')
 
 
 # -- per-step log and measured trace ------------------------------------------------------------
@@ -384,3 +424,17 @@ def test_above_128_devices_the_timeline_has_a_row_per_node():
         node = [x.name for x in clu.devices if clu.node_of[x.name] == clu.node_of[d]]
         assert result.idle_time_s[d] == min(result.idle_time_s[x] for x in node)
     assert "one row per node (20 nodes, 160 devices)" in html
+
+
+def test_candidates_table_shows_each_priced_candidates_cost():
+    cost = {"usd_per_hour": 2.0, "usd_per_step": 2.0 * 0.1 / 3600, "usd_per_million_samples": 0.87}
+    row = dict(feasible=True, peak_memory_bytes={}, devices_used=1, num_microbatches=1)
+    cands = (
+        Candidate(strategy="test", iteration_time_s=0.1, cost=cost, **row),
+        Candidate(strategy="unpriced", iteration_time_s=0.2, **row),
+    )
+    html = tables.candidates_table(cands, "test")
+    assert "<th>$ per million samples</th>" in html and "$2.00" in html and "$0.87" in html
+    assert html.count('<td class="num">—</td>') == 3  # the unpriced candidate's three cost cells
+    assert tables.cost_kpis(cost) == [("cost (planned)", "$2.00 per hour, $0.87 per million samples")]
+    assert "$ per" not in tables.candidates_table(cands[1:], "unpriced")

@@ -16,7 +16,16 @@ import pytest
 from heterog.capture import capture_model
 from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run_interleaved
+from heterog.ir.run_request import (
+    Fault,
+    FaultKind,
+    Limits,
+    OutputConfig,
+    PredictionConfig,
+    RunOptions,
+    TimingConfig,
+)
+from heterog.runs import run_interleaved
 
 MODEL = """
 import torch
@@ -83,38 +92,37 @@ def _first_span_s(folder) -> float:
 def test_plans_measured_side_by_side_in_one_launch(plans, tmp_path):
     single, split, fails = plans
     out = tmp_path / "inter"
-    got = run_interleaved(
-        [single, split, fails],
+    options = RunOptions(
         steps=2,
-        repetitions=2,
-        warmup_steps=0,
-        predict=False,
-        timeout_s=60,
-        out_dir=out,
-        faults={2: {"rank": 1, "kind": "die", "step": 1}},
+        timing=TimingConfig(warmup_steps=0, repetitions=2),
+        prediction=PredictionConfig(predict=False),
+        limits=Limits(timeout_s=60),
+        output=OutputConfig(out_dir=out),
     )
+    got = run_interleaved([single, split, fails], options, faults={2: Fault(rank=1, kind=FaultKind.DIE, step=1)})
     assert [g.strategy for g in got] == ["single", "split", "fails"]
-    assert got[0].error is None and got[1].error is None
+    assert got[0].ok and got[1].ok
     assert len(got[0].repetitions) == 2 and len(got[1].repetitions) == 2
     # the failing plan: named once, its second round not started
-    error = str(got[2].error)
-    assert got[2].repetitions == () and "died (exit code 17) at step 1" in error and "device b/c0" in error
+    failure = got[2].failure
+    assert got[2].repetitions == () and failure is not None
+    assert "died (exit code 17) at step 1" in failure.message and "device b/c0" in failure.message
     assert not (out / "rep1" / "plan2").exists()
     # each round trains as the plan alone: same losses round to round, and split equals single
-    first = got[0].repetitions[0]["losses"]
-    assert got[0].repetitions[1]["losses"] == first
+    first = got[0].repetitions[0].losses
+    assert got[0].repetitions[1].losses == first
     for rep in got[1].repetitions:
-        assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(rep["losses"], first)), (rep["losses"], first)
+        assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(rep.losses, first)), (rep.losses, first)
     # ranks run in their devices' processes
-    assert [r["device"] for r in got[0].repetitions[0]["per_rank"]] == ["a/c1"]
-    assert [r["device"] for r in got[1].repetitions[0]["per_rank"]] == ["a/c0", "b/c0"]
+    assert [r.device for r in got[0].repetitions[0].per_rank] == ["a/c1"]
+    assert [r.device for r in got[1].repetitions[0].per_rank] == ["a/c0", "b/c0"]
     # rounds alternate their order: single before split, then split before single
     assert _first_span_s(out / "rep0" / "plan0") < _first_span_s(out / "rep0" / "plan1")
     assert _first_span_s(out / "rep1" / "plan1") < _first_span_s(out / "rep1" / "plan0")
-    shaping = got[1].repetitions[0]["link_shaping"]
+    shaping = got[1].link_shaping
     import os
 
     if os.geteuid() == 0:  # as root the two nodes' link is shaped for the whole launch
-        assert shaping["enabled"], shaping
+        assert shaping.enabled, shaping
     else:
-        assert not shaping["enabled"] and shaping["reason"]
+        assert not shaping.enabled and shaping.reason

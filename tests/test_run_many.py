@@ -16,7 +16,16 @@ import pytest
 
 from heterog.capture import capture_model
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run_many
+from heterog.ir.run_request import (
+    Fault,
+    FaultKind,
+    Limits,
+    OutputConfig,
+    PredictionConfig,
+    RunOptions,
+    TimingConfig,
+)
+from heterog.runs import run_many
 
 MODEL = '''
 import torch
@@ -90,24 +99,26 @@ def test_plans_run_in_one_launch_as_alone(plans, tmp_path):
     (the model and its export reused), and after a failing plan in fresh processes: the same
     bits each time; the cut plan matches it within rounding."""
     cut, fails, single = plans
-    outcomes = run_many(
-        [single, cut, single, fails, single],
+    options = RunOptions(
         steps=2,
-        predict=False,
-        timeout_s=60,
-        warmup_steps=0,
-        out_dir=tmp_path / "many",
-        faults={3: {"rank": 1, "kind": "die", "step": 1}},
+        prediction=PredictionConfig(predict=False),
+        limits=Limits(timeout_s=60),
+        timing=TimingConfig(warmup_steps=0),
+        output=OutputConfig(out_dir=tmp_path / "many"),
+    )
+    outcomes = run_many(
+        [single, cut, single, fails, single], options, faults={3: Fault(rank=1, kind=FaultKind.DIE, step=1)}
     )
     assert [o.strategy for o in outcomes] == ["single", "cut-at-dropout", "single", "fails-on-b", "single"]
     for i in (0, 1, 2, 4):
-        assert outcomes[i].error is None, (i, outcomes[i].error)
-    error = str(outcomes[3].error)
-    assert outcomes[3].result is None and "died (exit code 17) at step 1" in error, error
-    assert "rank 1" in error and "device b" in error
-    first = outcomes[0].result["losses"]
-    assert outcomes[2].result["losses"] == first and outcomes[4].result["losses"] == first
-    cut_losses = outcomes[1].result["losses"]
+        assert outcomes[i].ok, (i, outcomes[i].failure)
+    failure = outcomes[3].failure
+    assert failure is not None and outcomes[3].repetitions == ()
+    assert "died (exit code 17) at step 1" in failure.message, failure
+    assert failure.rank == 1 and "rank 1" in str(outcomes[3].exception) and "device b" in failure.message
+    first = outcomes[0].losses
+    assert outcomes[2].losses == first and outcomes[4].losses == first
+    cut_losses = outcomes[1].losses
     assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(cut_losses, first)), (cut_losses, first)
-    assert outcomes[1].result["devices"] == ["a", "b"] and outcomes[0].result["devices"] == ["a"]
-    assert outcomes[0].result["steps"] == 2 and outcomes[0].result["measured_iteration_time_s"] > 0
+    assert outcomes[1].devices == ("a", "b") and outcomes[0].devices == ("a",)
+    assert len(outcomes[0].losses) == 2 and outcomes[0].measured_iteration_time_s > 0

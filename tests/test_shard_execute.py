@@ -15,18 +15,21 @@ import functools
 
 import pytest
 import torch
-from plan_batch import BatchedRun
+from plan_batch import BatchedRun, batch_options
 
 from heterog.capture import capture_model
 from heterog.execute.checkpoint import CheckpointConfig
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run
+from heterog.ir.run_request import Limits, OutputConfig, PredictionConfig, RunOptions
+from heterog.ir.run_result import RunResult
+from heterog.runs import run
 from heterog.workload import ADAMW_LR
 
 STEPS = 3
 SEQ = 8
-BATCH_RUN = dict(steps=STEPS, timeout_s=120)
+BATCH_RUN = batch_options(steps=STEPS, limits=Limits(timeout_s=120))
+QUIET = RunOptions(prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=60))
 MODELS = {
     "gpt2": dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0),
     "llama": dict(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=96, positions=32),
@@ -97,14 +100,14 @@ def zero3_in_1f1b_pipeline() -> Plan:
     )
 
 
-def check_equal(plan: Plan, out: dict, out_dir, steps: int = STEPS) -> None:
+def check_equal(plan: Plan, out: RunResult, out_dir, steps: int = STEPS) -> None:
     """Every rank's parameters after the run equal single-process training's, within 1e-5
     relative. GPT-2's attention key biases (the middle third of c_attn.bias) get an exact
     gradient of 0 — softmax ignores a shift of all scores — so AdamW turns the rounding noise
     of any summation order into steps of ±lr: they are compared to within steps · lr."""
     ref = reference_train(plan, steps=steps)
     seen: set[str] = set()
-    for rank in range(len(out["devices"])):
+    for rank in range(len(out.devices)):
         for name, value in torch.load(out_dir / f"params_rank{rank}.pt").items():
             want = ref[name]
             if name.endswith("attn.c_attn.bias"):
@@ -164,12 +167,15 @@ def _mlp_zero3(replicas) -> Plan:
 def test_zero3_resumes_under_a_plan_with_one_device_fewer(tmp_path):
     """Two steps on three devices, checkpointed; the third on two devices, cut into other
     pieces: the parameters equal three uninterrupted steps (AdamW state restored by name)."""
-    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=2).to_dict()
-    run(_mlp_zero3(UNEVEN), steps=2, out_dir=tmp_path / "cut", predict=False, timeout_s=60, checkpoint=ckpt)
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every_steps=2)
+    run(_mlp_zero3(UNEVEN), QUIET, steps=2, checkpoint=ckpt, output=OutputConfig(out_dir=str(tmp_path / "cut")))
     fewer = _mlp_zero3((("a", 0.6, 0.7), ("b", 0.4, 0.3)))
-    resumed = CheckpointConfig(resume=str(tmp_path / "ckpt")).to_dict()
     out = run(
-        fewer, steps=STEPS, out_dir=tmp_path / "res", dump_params=True, predict=False, timeout_s=60, checkpoint=resumed
+        fewer,
+        QUIET,
+        steps=STEPS,
+        checkpoint=CheckpointConfig(resume=str(tmp_path / "ckpt")),
+        output=OutputConfig(out_dir=str(tmp_path / "res"), dump_params=True),
     )
-    assert out["devices"] == ["a", "b"] and len(out["losses"]) == 1
+    assert out.devices == ("a", "b") and len(out.losses) == 1
     check_equal(fewer, out, tmp_path / "res")

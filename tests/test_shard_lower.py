@@ -224,7 +224,7 @@ def _signatures(sched) -> dict[str, list[tuple]]:
             out.setdefault(names[dst], []).append(("recv", t))
         elif k == SYNC:
             op = tasks.shard_ops.get(t)
-            what = (op.op, op.phase, op.microbatch) if op else ("all-reduce", None, None)
+            what = (op.primitive, op.phase, op.microbatch) if op else ("all-reduce", None, None)
             sig = ("collective", tasks.comm[t][2], *what)
             for d in tasks.comm[t][0]:
                 out.setdefault(names[d], []).append(sig)
@@ -237,7 +237,7 @@ def _signature(i) -> tuple:
     if isinstance(i, Compute):
         return ("compute", i.block, str(i.phase), i.microbatch)
     if isinstance(i, Collective):
-        return ("collective", i.block, str(i.op), str(i.phase) if i.phase else None, i.microbatch)
+        return ("collective", i.block, str(i.primitive), str(i.phase) if i.phase else None, i.microbatch)
     if i.kind in ("send", "recv"):
         return (str(i.kind), i.tag)
     return ("optimizer",)
@@ -283,7 +283,7 @@ def _gathered_parameters_live_until_their_compute_ends(sched) -> None:
     for a, b in zip(src.tolist(), dst.tolist()):
         succ.setdefault(a, []).append(b)
     for t, op in tasks.shard_ops.items():
-        if op.phase is None or op.op != "all-gather":
+        if op.phase is None or op.primitive != "all-gather":
             continue
         nbytes = tasks.comm[t][1]
         served = [c for c in succ.get(t, []) if tasks.kind[c] in (FWD, BWD)]
@@ -321,7 +321,9 @@ def test_validation_finds_a_compute_whose_gather_was_never_launched():
     prog = lower(g, c, p, AdamCosts(g, c))
     doc = {"kind": "heterog.Program", "version": 2, **prog.to_dict()}
     lst = doc["instructions"][devs[0]]
-    k = next(i for i, x in enumerate(lst) if x["kind"] == "collective" and x["op"] == str(CollectiveOp.ALL_GATHER))
+    k = next(
+        i for i, x in enumerate(lst) if x["kind"] == "collective" and x["primitive"] == str(CollectiveOp.ALL_GATHER)
+    )
     lst.append(lst.pop(k))  # launched at the very end, after the compute it serves
     with pytest.raises(PlanError, match="deadlocks.*waiting for its parameters"):
         Program.from_json(json.dumps(doc))

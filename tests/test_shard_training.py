@@ -3,7 +3,8 @@ optimizer (AdamW whose parameter groups are chosen by each tensor's dimension, s
 that holds the end of a weight and a bias must step each with its own weight decay), its
 schedule, gradients clipped to a global norm (each piece's summed gradient counted once),
 2 batches accumulated per step (the stage-3 gathers and reduce-scatters run in the
-accumulating steps too) and an evaluation crossing a stage-3 block (forward gathers only).
+accumulating steps too) and an evaluation crossing a stage-3 block (forward gathers only);
+the run's per-instruction comparison holds every sharded collective.
 
 The plan: the front layer sharded at stage 3 and the output layer at stage 1 over three
 devices with uneven batch shares (0.5 / 0.25 / 0.25) and other shard fractions, so that the
@@ -13,13 +14,20 @@ gloo processes, compared with a plain single-process loop over the same function
 
 from __future__ import annotations
 
+from html import escape
+
 import pytest
 import torch
 import training_model as user
 
 from heterog.execute.evaluation import eval_batches
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run
+from heterog.ir.run_request import Limits, OutputConfig, RunOptions
+from heterog.ir.run_result import RunResult
+from heterog.ir.training_config import TrainingConfig
+from heterog.lower.program import Program
+from heterog.report.instructions import instruction_section
+from heterog.runs import run
 from heterog.workload import build_model, global_batch, resolve_workload
 
 MODEL = "tests/training_model.py:net"
@@ -27,7 +35,7 @@ STEPS = 3
 BATCH = 8
 ACCUMULATE = 2
 MAX_NORM = 0.5
-TRAINING = dict(max_grad_norm=MAX_NORM, accumulate=ACCUMULATE, eval_every=2, eval_batches=2)
+TRAINING = TrainingConfig(max_grad_norm=MAX_NORM, accumulate=ACCUMULATE, eval_every=2, eval_batches=2)
 
 
 def _replicas(shards: tuple[float, ...]) -> tuple[Replica, ...]:
@@ -76,14 +84,21 @@ def _torch_loop(plan: Plan):
 @pytest.mark.timeout(300)
 def test_sharded_groups_step_with_the_model_files_optimizer_clipping_accumulation_and_evaluation(tmp_path):
     plan = _plan()
-    out = run(plan, steps=STEPS, out_dir=tmp_path, dump_params=True, predict=False, timeout_s=60, training=TRAINING)
+    options = RunOptions(
+        steps=STEPS,
+        training=TRAINING,
+        limits=Limits(timeout_s=60),
+        output=OutputConfig(out_dir=str(tmp_path), dump_params=True),
+    )
+    out = run(plan, options)
     want, eval_loss, lrs, norms = _torch_loop(plan)
     assert max(norms) > MAX_NORM, f"the clip never engaged (norms {norms}): the test would not test it"
-    assert out["training"]["optimizer_from"] == "model file"
-    assert [g["weight_decay"] for g in out["training"]["param_groups"]] == [0.1, 0.0]  # as the model holds them
-    assert out["learning_rates"] == lrs and out["grad_norms"] == pytest.approx(norms, rel=1e-5)
-    assert [e["step"] for e in out["evaluations"]] == [2]
-    assert out["evaluations"][0]["eval/loss"] == pytest.approx(eval_loss, rel=1e-5)
+    assert out.training is not None and out.training["optimizer_from"] == "model file"
+    assert [g["weight_decay"] for g in out.training["param_groups"]] == [0.1, 0.0]  # as the model holds them
+    assert out.learning_rates is not None and list(out.learning_rates) == lrs
+    assert out.grad_norms is not None and list(out.grad_norms) == pytest.approx(norms, rel=1e-5)
+    assert [e["step"] for e in out.evaluations] == [2]
+    assert out.evaluations[0]["eval/loss"] == pytest.approx(eval_loss, rel=1e-5)
     seen = set()
     for rank in range(3):
         for name, value in torch.load(tmp_path / f"params_rank{rank}.pt").items():
@@ -91,3 +106,17 @@ def test_sharded_groups_step_with_the_model_files_optimizer_clipping_accumulatio
             assert rel <= 1e-5, f"rank {rank} {name}: relative error {rel:.2e}"
             seen.add(name)
     assert seen == set(want), f"parameters held by no rank: {set(want) - seen}"
+    _check_instructions(out, tmp_path)
+
+
+def _check_instructions(out: RunResult, tmp_path) -> None:
+    """The per-instruction comparison covers the sharded collectives: every instruction of the
+    Program, each stage-3 gather and reduce-scatter with one span per accumulated batch, is
+    predicted and measured, and `heterog report --run` draws them beside their simulation
+    (report/instructions.py)."""
+    prog = Program.load(tmp_path / "program.json")
+    assert sorted(i.id for i in out.instructions) == sorted(prog.locations())
+    assert all(i.predicted_s is not None and i.measured_s is not None for i in out.instructions)
+    sharded = [i for i in out.instructions if "reduce-scatter" in i.name or "all-gather" in i.name]
+    assert {i.device for i in sharded} == set("abc") and any(" mb1" in i.name for i in sharded), sharded
+    assert f"<title>{sharded[0].id}: {escape(sharded[0].name)}</title>" in instruction_section(out)

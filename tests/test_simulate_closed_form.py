@@ -171,7 +171,7 @@ def test_two_transfers_sharing_a_nic_take_twice_as_long_as_one():
         r = simulate(g, c, plan(groups, batch_size=4), TableCosts(g, c))
         fwd = [
             (s, e)
-            for name, cat, track, s, e in r.events
+            for name, cat, track, s, e, _op in r.events
             if cat == "transfer" and track == "link:n0.nic.up" and "→" in name and "n0/d0→" in name
         ]
         return sorted(fwd)
@@ -199,7 +199,7 @@ def test_two_transfers_sharing_a_nic_take_twice_as_long_as_one():
     r = simulate(g, c, plan(groups, batch_size=4), TableCosts(g, c))
     fwd = [
         (s, e)
-        for name, cat, track, s, e in r.events
+        for name, cat, track, s, e, _op in r.events
         if cat == "transfer"
         and track.startswith("link:")
         and track.endswith(".nic.up")
@@ -299,7 +299,7 @@ def test_a_switch_core_carries_transfers_side_by_side_up_to_its_bandwidth(core_n
     r = simulate(g, c, plan(groups, batch_size=4), TableCosts(g, c))
     fwd = sorted(
         (s, e)
-        for name, cat, track, s, e in r.events
+        for name, cat, track, s, e, _op in r.events
         if cat == "transfer" and track in ("n2/d2", "n3/d3") and name.endswith(track)
     )
     t = 4e6 / 1e9

@@ -81,11 +81,11 @@ def test_random_plans_are_consistent():
         r = simulate(g, c, p, costs)
         # a lower bound: the busiest device's compute
         assert r.iteration_time_s >= max(r.compute_time_s.values()) - 1e-12
-        for *_, s, e in r.events:
+        for *_, s, e, _op in r.events:
             assert 0 <= s <= e <= r.iteration_time_s + 1e-12
         # no two compute tasks overlap on a device; no two transfers overlap on a link
         by_track: dict[str, list] = {}
-        for _, cat, track, s, e in r.events:
+        for _, cat, track, s, e, _op in r.events:
             if cat in ("forward", "backward", "optimizer") or track.startswith("link:"):
                 by_track.setdefault(track, []).append((s, e))
         for spans in by_track.values():

@@ -87,9 +87,9 @@ def test_the_model_files_optimizer_must_fit_the_plans_memory_and_take_its_parame
         optimizer="sgd",
     ).validate()
     with pytest.raises(TrainingError, match="re-plan with --optimizer adamw"):
-        check_training(plan, {"max_grad_norm": 1.0}, steps=3)
+        check_training(plan, TrainingConfig(max_grad_norm=1.0), steps=3)
     with pytest.raises(TrainingError, match="sets its own"):
-        check_training(plan, {"lr": 0.1}, steps=3)
+        check_training(plan, TrainingConfig(lr=0.1), steps=3)
     bad = UserTraining(source="f.py", optimizer=lambda params: torch.optim.SGD(params[:1], lr=0.1))
     with pytest.raises(TrainingError, match="exactly the parameters it is given"):
         Recipe(kind="sgd", user=bad).make_optimizer([torch.nn.Parameter(torch.zeros(2)) for _ in range(2)])

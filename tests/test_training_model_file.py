@@ -12,20 +12,24 @@ with a plain single-process loop over the same functions.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from heterog.execute.evaluation import eval_batches
 from heterog.execute.metrics import read_metrics
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
-from heterog.pipeline import run
+from heterog.ir.run_request import Limits, OutputConfig, PredictionConfig, RunOptions
+from heterog.ir.training_config import TrainingConfig
+from heterog.runs import run
 from heterog.workload import build_model, global_batch, resolve_workload
 
 MODEL = "tests/training_model.py:net"
 STEPS = 4
 BATCH = 8
 MAX_NORM = 0.5
-TRAINING = dict(max_grad_norm=MAX_NORM, eval_every=2, eval_batches=2)
+TRAINING = TrainingConfig(max_grad_norm=MAX_NORM, eval_every=2, eval_batches=2)
 
 
 def _plan() -> Plan:
@@ -82,25 +86,25 @@ def test_the_model_files_optimizer_scheduler_and_evaluation_and_tensorboard_even
 
     plan = _plan()
     logs = tmp_path / "logs"
-    out = run(
-        plan,
+    options = RunOptions(
         steps=STEPS,
-        out_dir=tmp_path / "run",
-        dump_params=True,
-        predict=False,
-        timeout_s=60,
-        training={**TRAINING, "log_dir": str(logs)},
+        output=OutputConfig(out_dir=tmp_path / "run", dump_params=True),
+        prediction=PredictionConfig(predict=False),
+        limits=Limits(timeout_s=60),
+        training=dataclasses.replace(TRAINING, log_dir=str(logs)),
     )
+    out = run(plan, options)
     want, evals, lrs, norms = _torch_loop(plan)
     assert max(norms) > MAX_NORM  # the clip engages
-    assert out["training"]["optimizer"] == "AdamW" and out["training"]["optimizer_from"] == "model file"
-    assert [g["weight_decay"] for g in out["training"]["param_groups"]] == [0.1, 0.0]
-    assert out["learning_rates"] == lrs and out["grad_norms"] == pytest.approx(norms)
+    assert out.training is not None and out.learning_rates is not None
+    assert out.training["optimizer"] == "AdamW" and out.training["optimizer_from"] == "model file"
+    assert [g["weight_decay"] for g in out.training["param_groups"]] == [0.1, 0.0]
+    assert list(out.learning_rates) == lrs and out.grad_norms == pytest.approx(norms)
     for rank in range(3):
         for name, value in torch.load(tmp_path / "run" / f"params_rank{rank}.pt").items():
             rel = ((value - want[name]).norm() / want[name].norm()).item()
             assert rel <= 1e-5, f"rank {rank} {name}: relative error {rel:.2e}"
-    got = {e["step"]: e for e in out["evaluations"]}
+    got = {e["step"]: e for e in out.evaluations}
     assert sorted(got) == [2, 4]
     for step, metrics in evals.items():
         for key, value in metrics.items():
@@ -121,4 +125,4 @@ def test_the_model_files_optimizer_scheduler_and_evaluation_and_tensorboard_even
     assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx(
         [evals[2]["eval/loss"], evals[4]["eval/loss"]], rel=1e-5
     )
-    assert [line["train/loss"] for line in train] == pytest.approx(out["losses"], rel=1e-6)
+    assert [line["train/loss"] for line in train] == pytest.approx(out.losses, rel=1e-6)

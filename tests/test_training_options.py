@@ -17,10 +17,12 @@ import functools
 
 import pytest
 import torch
-from plan_batch import BatchedRun
+from plan_batch import BatchedRun, batch_options
 
 from heterog.capture import capture_model
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.ir.run_request import Limits
+from heterog.ir.training_config import TrainingConfig
 from heterog.workload import build_model, global_batch, resolve_workload
 
 STEPS = 3
@@ -29,16 +31,16 @@ ACCUMULATE = 2
 WARMUP = 1
 MAX_NORM = 1.0
 ADAMW = dict(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))
-TRAINING = dict(
+TRAINING = TrainingConfig(
     lr=ADAMW["lr"],
     weight_decay=ADAMW["weight_decay"],
-    betas=list(ADAMW["betas"]),
+    betas=ADAMW["betas"],
     lr_schedule="cosine",
     warmup_steps=WARMUP,
     max_grad_norm=MAX_NORM,
     accumulate=ACCUMULATE,
 )
-BATCH_RUN = dict(steps=STEPS, timeout_s=120, training=TRAINING)
+BATCH_RUN = batch_options(steps=STEPS, limits=Limits(timeout_s=120), training=TRAINING)
 MODELS = {
     "gpt2": dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0),
     "llama": dict(hidden=48, layers=2, heads=4, kv_heads=2, ffn=64, vocab=96, positions=32),
@@ -160,11 +162,12 @@ def test_adamw_cosine_clipping_and_accumulation_equal_a_torch_loop_under_every_p
         want, lrs, norms = torch_loop(done.plan)  # per plan: their global batches differ
         assert max(norms) > MAX_NORM, f"the clip never engaged (norms {norms}): the test would not test it"
         out = done.result()
-        assert out["learning_rates"] == pytest.approx(lrs, rel=1e-12), label
-        assert out["grad_norms"] == pytest.approx(norms, rel=1e-5), label
-        assert out["training"]["optimizer"] == "AdamW" and out["training"]["max_grad_norm"] == MAX_NORM
+        assert out.learning_rates is not None and list(out.learning_rates) == pytest.approx(lrs, rel=1e-12), label
+        assert out.grad_norms is not None and list(out.grad_norms) == pytest.approx(norms, rel=1e-5), label
+        assert out.training is not None
+        assert out.training["optimizer"] == "AdamW" and out.training["max_grad_norm"] == MAX_NORM
         seen = set()
-        for rank in range(len(out["devices"])):
+        for rank in range(len(out.devices)):
             for pname, value in torch.load(done.out_dir / f"params_rank{rank}.pt").items():
                 assert close(value, want[pname]), f"{label} rank {rank} {pname}: {describe(value, want[pname])}"
                 seen.add(pname)

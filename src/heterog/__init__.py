@@ -9,8 +9,11 @@ The stable Python API (the same keys as the CLI's --json output):
     plan_inputs(plan)                    → (graph, cluster, costs) every prediction uses
     lower(plan)                          → Program (per-device instructions)
     simulate(plan)                       → SimResult (or simulate(graph, cluster, plan, costs))
-    run(plan, steps=)                    → measured vs predicted iteration time
-    run_many(plans, steps=)              → one PlanRun per plan, in one launch
+    run(plan, steps=)                    → RunResult: measured beside predicted, per step, rank
+                                           and instruction (options: RunOptions; training
+                                           options: TrainingConfig)
+    run_many(plans, steps=)              → one RunResult per plan, in one launch
+    run_interleaved(plans, timing=)      → one RunResult per plan, rounds interleaved
     whatif(model, batch_size=, cluster=, add=, remove=)  → WhatIf: each change planned, beside even DP
 
 Wherever a plan is taken, a Plan, its dict (a plan result's "best"), a whole plan result, or a
@@ -33,10 +36,15 @@ _API: dict[str, tuple[str, str]] = {
     "predict": ("heterog.cost.predict", "predict"),
     "plan": ("heterog.plan_module", "plan"),
     "plan_inputs": ("heterog.inputs", "plan_inputs"),
-    "lower": ("heterog.pipeline", "lower"),
-    "simulate": ("heterog.pipeline", "simulate"),
-    "run": ("heterog.pipeline", "run"),
-    "run_many": ("heterog.pipeline", "run_many"),
+    "lower": ("heterog.orchestrate", "lower"),
+    "simulate": ("heterog.orchestrate", "simulate"),
+    "run": ("heterog.runs.api", "run"),
+    "run_many": ("heterog.runs.api", "run_many"),
+    "run_interleaved": ("heterog.runs.api", "run_interleaved"),
+    "RunOptions": ("heterog.ir.run_request", "RunOptions"),
+    "RunRequest": ("heterog.ir.run_request", "RunRequest"),
+    "RunResult": ("heterog.ir.run_result", "RunResult"),
+    "TrainingConfig": ("heterog.ir.training_config", "TrainingConfig"),
     "whatif": ("heterog.cluster_change", "whatif"),
     "OpGraph": ("heterog.ir.opgraph", "OpGraph"),
     "Plan": ("heterog.ir.plan", "Plan"),

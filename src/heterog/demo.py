@@ -11,7 +11,8 @@ its declared speed while it gets at least 1/k of a core — three ranks then fit
 2-core machine that others share, and the ratios between devices stay the declared ones.
 
 Predictions use this machine's measured per-node times at one thread (profile/measure.py)
-times each device's slowdown, so predicted and measured times describe the same hardware.
+times each device's slowdown, so predicted and measured times describe the same hardware;
+each is the simulation of the schedule its run carries out (heterog.runs: one lowering).
 """
 
 from __future__ import annotations
@@ -24,21 +25,20 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from heterog.capture.cache import capture_cached
 from heterog.cost.profile import LinkCalibratedCosts
 from heterog.errors import HeterogWarning
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.spec import cluster_to_dict, parse_cluster_yaml
-from heterog.inputs import device_view, model_inputs
+from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.plan import ModelSpec, Plan
-from heterog.pipeline import run, run_interleaved
+from heterog.ir.run_request import Limits, RunOptions, TimingConfig
+from heterog.ir.run_result import RankSummary, RunResult
+from heterog.plan_module import model_graph, search
 from heterog.profile.links import LinkMeasurementError, calibrate_links
-from heterog.profile.measure import measure_profile, profile_batch_sizes
+from heterog.profile.measure import measured_profile
 from heterog.report.tables import segments
+from heterog.runs import run, run_interleaved
 from heterog.search.baselines import BASELINE_BUILDERS
-from heterog.search.planner import plan_graph
-from heterog.simulate.simulator import simulate
-from heterog.workload import resolve_workload
 
 # One emulated cluster shape, varied in speed, links and memory: node a has two devices,
 # node b one behind its own (slow) NIC. Pacing every device at least 3× keeps three ranks at
@@ -211,6 +211,10 @@ class Setup:
     profiled: bool
     links: tuple[dict[str, Any], ...] = ()  # the shaped links as measured (profile/links.py)
 
+    @property
+    def inputs(self) -> PlanInputs:
+        return PlanInputs(self.graph, self.cluster, self.costs)
+
 
 def prepare(
     *,
@@ -224,21 +228,18 @@ def prepare(
     optimizer: str = "sgd",
     say: Callable[[str], None] = lambda s: None,
 ) -> Setup:
-    """Capture the model and build costs as one rank sees this CPU (one thread). With
-    `profile`, per-node times are measured here; with `links` too (as root, on an emulated
-    cluster of several nodes), each shaped link is measured once and the cost model's
-    transfers and collectives use what it carried (cost.profile.LinkCalibratedCosts)."""
-    device_view(cluster)  # one torch thread: every rank runs one, and the profile measures at one
-    spec = ModelSpec(name=model, args=dict(model_args), batch_size=batch_size, seq_len=seq_len)
-    graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
+    """Capture the model and build costs as one rank sees this CPU (one thread): the same
+    steps as heterog.plan (plan_module.py). With `profile`, per-node times are measured here;
+    with `links` too (as root, on an emulated cluster of several nodes), each shaped link is
+    measured once and the cost model's transfers and collectives use what it carried
+    (cost.profile.LinkCalibratedCosts)."""
+    spec, graph = model_graph(model, model_args=model_args, batch_size=batch_size, seq_len=seq_len)
     prof = None
     if profile:
         say("measuring per-node times on this CPU (one thread)")
         # batch 1 catches the per-call overhead that dominates the small per-replica
         # micro-batches of pipelines; the cost model interpolates between the points.
-        prof = measure_profile(
-            resolve_workload(spec), batch_sizes=profile_batch_sizes(batch_size), graph=graph, repeats=9
-        )
+        prof = measured_profile(spec, graph, repeats=9)
     # the inputs heterog plan / simulate / run build (heterog/inputs.py), with this profile
     graph, cluster, costs = model_inputs(spec, cluster, profile=prof, graph=graph, optimizer=optimizer)
     measured: tuple[dict[str, Any], ...] = ()
@@ -266,10 +267,6 @@ def _calibrated_links(costs: Any, cluster: Cluster, say: Callable[[str], None]) 
     )
 
 
-def predict(setup: Setup, plan: Plan) -> float:
-    return float(simulate(setup.graph, setup.cluster, plan, setup.costs, timeline=False).iteration_time_s)
-
-
 def runnable(setup: Setup, plan: Plan) -> Plan:
     """A candidate plan made self-contained: the cluster spec and the model it was made for."""
     return dataclasses.replace(
@@ -277,22 +274,13 @@ def runnable(setup: Setup, plan: Plan) -> Plan:
     )
 
 
-def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Run `plan` and return its predicted and measured iteration times."""
+def measure(setup: Setup, plan: Plan, *, steps: int, timeout_s: float = 120.0) -> RunResult:
+    """Run `plan` once: its measurement beside the prediction of the same schedule."""
     with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
-        out = run(runnable(setup, plan), steps=steps, predict=False, timeout_s=timeout_s)
-    predicted = predict(setup, plan)
-    measured = out["measured_iteration_time_s"]
-    return {
-        "predicted_iteration_time_s": predicted,
-        "measured_iteration_time_s": measured,
-        "relative_error": (measured - predicted) / predicted,
-        "link_shaping": out["link_shaping"],
-        "contention": contention(out["per_rank"]),
-        "per_rank": out["per_rank"],
-        "notes": out["notes"],
-    }
+        return run(
+            runnable(setup, plan), RunOptions(steps=steps, limits=Limits(timeout_s=timeout_s)), inputs=setup.inputs
+        )
 
 
 def placement(plan: Plan) -> dict[str, Any]:
@@ -305,16 +293,16 @@ def placement(plan: Plan) -> dict[str, Any]:
     }
 
 
-def contention(per_rank: list[dict[str, Any]]) -> float:
+def contention(per_rank: tuple[RankSummary, ...]) -> float:
     """How much slower than declared the slowest-running emulated device computed, because
     the shared machine did not give its rank the CPU: pacing (emulation.py) stretches
     compute to slowdown × CPU time, so compute wall time beyond that is contention the pacing
     could not absorb (0: every device ran at its declared speed). The largest over ranks."""
     worst = 0.0
     for r in per_rank:
-        target = r.get("slowdown", 1.0) * r.get("cpu_s", 0.0)
-        if target > 0 and r.get("slowdown", 1.0) > 1.0:
-            worst = max(worst, r.get("compute_s", 0.0) / target - 1.0)
+        target = r.slowdown * r.cpu_s
+        if target > 0 and r.slowdown > 1.0:
+            worst = max(worst, r.compute_s / target - 1.0)
     return max(worst, 0.0)
 
 
@@ -334,47 +322,41 @@ def interleaved(
     failed: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Measure every strategy `repetitions` times, interleaved (A B C, C B A, …) in one launch
-    (pipeline.run_interleaved), so a slow spell of a shared machine hits all of them alike and
+    (heterog.run_interleaved), so a slow spell of a shared machine hits all of them alike and
     consecutive strategies run seconds apart; per strategy the median, the spread and the
-    repetitions themselves. With `failed` given, a plan whose run fails is recorded there
-    (label → the error) and left out; otherwise the error propagates."""
+    repetitions themselves, beside the prediction of the schedule that ran. With `failed`
+    given, a plan whose run fails is recorded there (label → the error) and left out;
+    otherwise the error propagates."""
     labels = list(plans)
     say(
         f"{repetitions} repetitions of {', '.join(f'{k} ({plans[k].strategy})' for k in labels)}, "
         f"{steps} steps each, interleaved in one launch"
     )
+    options = RunOptions(steps=steps, timing=TimingConfig(repetitions=repetitions), limits=Limits(timeout_s=120.0))
     with warnings.catch_warnings():  # the scenario's deliberate slow link / small memory, again
         warnings.simplefilter("ignore", HeterogWarning)
-        got = run_interleaved(
-            [runnable(setup, plans[k]) for k in labels],
-            steps=steps,
-            repetitions=repetitions,
-            predict=False,
-            timeout_s=120.0,
-            inputs=(setup.graph, setup.cluster, setup.costs),
-        )
+        got = run_interleaved([runnable(setup, plans[k]) for k in labels], options, inputs=setup.inputs)
     out = {}
-    for label, runs in zip(labels, got):
-        if runs.error is not None:
+    for label, result in zip(labels, got):
+        if not result.ok:
+            assert result.failure is not None
             if failed is None:
-                raise runs.error
-            failed[label] = str(runs.error).split(" Log tail:")[0]
+                result.raise_for_failure()
+            else:
+                failed[label] = result.failure.message.split(" Log tail:")[0]
             continue
-        rs = runs.repetitions
-        times = [r["measured_iteration_time_s"] for r in rs]
-        median = statistics.median(times)
-        predicted = predict(setup, plans[label])
         out[label] = {
             "strategy": plans[label].strategy,
-            "predicted_iteration_time_s": predicted,
-            "measured_iteration_time_s": median,
-            "repetitions_s": times,
-            "contention": statistics.median(contention(r["per_rank"]) for r in rs),
-            "spread": max(times) / min(times) - 1.0,
-            "relative_error": (median - predicted) / predicted,
-            "link_shaping": rs[0]["link_shaping"],
-            "per_rank": rs[-1]["per_rank"],
-            "notes": rs[0]["notes"],
+            "predicted_iteration_time_s": result.predicted_iteration_time_s,
+            "measured_iteration_time_s": result.measured_iteration_time_s,
+            "repetitions_s": list(result.repetitions_s),
+            "contention": statistics.median(contention(rep.per_rank) for rep in result.repetitions),
+            "spread": result.spread,
+            "relative_error": result.relative_error,
+            "link_shaping": result.link_shaping.to_dict(),
+            "per_rank": [r.to_dict() for r in result.per_rank],
+            "by_kind": [k.to_dict() for k in result.by_kind()],
+            "notes": list(result.notes),
             "placement": placement(plans[label]),
         }
     return out
@@ -421,9 +403,7 @@ def demo(
         say=say,
     )
     say(f"planning for {cluster.name}: {sc.description} (budget {budget_s:g} s)")
-    result = plan_graph(
-        setup.graph, setup.cluster, setup.costs, budget_s=budget_s, model_spec=setup.spec, optimizer=sc.optimizer
-    )
+    result = search(setup.inputs, setup.spec, budget_s=budget_s, optimizer=sc.optimizer)
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
     plans = {"heterog": result.best, "best-baseline": best_baseline(result).plan}
     if even.feasible:

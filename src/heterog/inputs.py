@@ -7,8 +7,8 @@ each is decided here only:
 - the graph: the model captured at the plan's batch and sequence length, read from the
   on-disk cache when that capture was made before (capture/cache.py);
 - the device model: an emulated cluster's `cpu` devices run as one-thread processes, so their
-  rates are this CPU's measured at one thread, whatever thread count the caller had
-  (device_view);
+  rates are this CPU's measured at one thread, whatever thread count the caller has — which
+  is left as it is (device_view);
 - the costs: the analytic model at the plan's precision and optimizer, with the per-node
   times of a measured profile where one is given.
 """
@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 from heterog.capture.cache import capture_cached, in_memory_graph
 from heterog.errors import PlanError
-from heterog.hardware.catalog import get_gpu
 from heterog.hardware.cluster import Cluster
+from heterog.hardware.cpu_probe import cpu_gpu_type
 from heterog.hardware.spec import cluster_from_dict, load_cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
@@ -39,17 +39,17 @@ class PlanInputs(NamedTuple):
     costs: Any  # a CostModel
 
 
+RANK_THREADS = 1  # torch threads of a rank process (execute/worker.py)
+
+
 def device_view(cluster: Cluster) -> Cluster:
     """`cluster` as its ranks see this machine: an emulated cluster's `cpu` type measured at
-    one thread (each rank runs one). It leaves this process at one torch thread, so that the
-    costs the simulator computes later (lazily) use the same rates."""
+    one thread (each rank runs one). The type records that count (GpuType.cpu_threads), so
+    every cost computed from it, now or later, uses the one-thread probe; the caller's own
+    thread count is not touched."""
     if cluster.kind != "emulated" or "cpu" not in cluster.gpu_types:
         return cluster
-    # torch only for an emulated cluster's thread count: the CLI imports this module at start-up
-    import torch
-
-    torch.set_num_threads(1)
-    return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": get_gpu("cpu")})
+    return dataclasses.replace(cluster, gpu_types={**cluster.gpu_types, "cpu": cpu_gpu_type(RANK_THREADS)})
 
 
 def load_cluster_like(cluster: Cluster | str | os.PathLike) -> Cluster:

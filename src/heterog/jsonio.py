@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import tempfile
+import types
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -132,3 +136,107 @@ class Artifact:
     @classmethod
     def from_json(cls, text: str) -> Self:
         return cls.from_dict(parse_artifact(text, cls.KIND, cls.SCHEMA_VERSION, older=cls.OLDER_VERSIONS))
+
+
+# -- records: frozen dataclasses to and from plain JSON ----------------------------------------
+# The run side's records (ir/run_request.py, ir/run_result.py, execute/spec.py) nest small
+# dataclasses, tuples, enums and optional fields; one converter reads and writes them all, and
+# names the offending field when a document does not fit its type.
+def to_plain(value: Any) -> Any:
+    """A dataclass (fields whose metadata says json=False left out), tuple, dict or enum as
+    plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.metadata.get("json", True)
+        }
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def from_plain(cls: Any, doc: Any, where: str) -> Any:
+    """`doc` read as type `cls` (a dataclass, or a type its fields use), checked all the way
+    down; an ArtifactError names the field at fault (`where`, e.g. 'run.json: per_rank[0]')."""
+    origin = typing.get_origin(cls)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(cls)
+        if doc is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return from_plain(option, doc, where)
+            except ArtifactError as e:
+                errors.append(str(e))
+        raise ArtifactError(errors[0] if len(errors) == 1 else f"{where}: {doc!r} fits none of {cls}.")
+    if origin is tuple:
+        args = typing.get_args(cls)
+        if not isinstance(doc, (list, tuple)):
+            raise ArtifactError(f"{where}: expected a list, found {type(doc).__name__}.")
+        kinds = [args[0]] * len(doc) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(kinds) != len(doc):
+            raise ArtifactError(f"{where}: expected {len(kinds)} items, found {len(doc)}.")
+        return tuple(from_plain(k, v, f"{where}[{i}]") for i, (k, v) in enumerate(zip(kinds, doc)))
+    if origin is dict:
+        key_type, value_type = typing.get_args(cls)
+        if not isinstance(doc, dict):
+            raise ArtifactError(f"{where}: expected an object, found {type(doc).__name__}.")
+        return {from_plain(key_type, k, where): from_plain(value_type, v, f"{where}[{k!r}]") for k, v in doc.items()}
+    if dataclasses.is_dataclass(cls):
+        return _dataclass_from_plain(cls, doc, where)
+    return _scalar_from_plain(cls, doc, where)
+
+
+def _dataclass_from_plain(cls: Any, doc: Any, where: str) -> Any:
+    if not isinstance(doc, dict):
+        raise ArtifactError(f"{where}: expected an object ({cls.__name__}), found {type(doc).__name__}.")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or not f.metadata.get("json", True) or f.name not in doc:
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required and f.init:
+                raise ArtifactError(f"{where}: field {f.name!r} is missing.")
+            continue
+        kwargs[f.name] = from_plain(hints[f.name], doc[f.name], f"{where}.{f.name}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ArtifactError(f"{where}: {e}") from None
+
+
+def _scalar_from_plain(cls: Any, doc: Any, where: str) -> Any:
+    if cls is Any:
+        return doc
+    if isinstance(cls, type) and issubclass(cls, enum.Enum):
+        try:
+            return cls(doc)
+        except ValueError:
+            choices = ", ".join(str(m.value) for m in cls)
+            raise ArtifactError(f"{where}: {doc!r} is not one of {choices}.") from None
+    if cls is float and isinstance(doc, (int, float)) and not isinstance(doc, bool):
+        return float(doc)
+    if cls in (int, str, bool) and type(doc) is cls:
+        return doc
+    if cls is type(None) and doc is None:
+        return None
+    raise ArtifactError(f"{where}: expected {getattr(cls, '__name__', cls)}, found {doc!r}.")
+
+
+class Record:
+    """to_dict / from_dict by field types (to_plain / from_plain), for a frozen dataclass whose
+    fields are JSON-able records, tuples, dicts, enums and scalars; mixed with Artifact it is a
+    versioned file too."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_plain(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], source: str = "") -> Self:
+        return from_plain(cls, doc, source or f"<{cls.__name__}>")

@@ -1,12 +1,18 @@
-"""`heterog.plan`: plan a zoo model, a user file, or an in-memory nn.Module.
+"""`heterog.plan`: capture → cost → plan, written once for a zoo model, a user file, or an
+in-memory nn.Module.
 
     heterog.plan("resnet50", batch_size=64, cluster="paper-8gpu")
     heterog.plan(my_module, example_inputs=(x,), targets=y, cluster="paper-8gpu")
 
-A model given by name goes to the planner's entry point unchanged (search/planner.py: plan).
-A module is captured here (heterog.capture, on fake tensors: only shapes are used) and the
-graph handed to the planner's `plan_graph`, the same function the named path ends in; so
-both return the same JSON ({"best", "candidates", "search_time_s"}).
+The three steps are three functions, which `heterog plan`, the Python API and the demo call:
+  model_graph   the model's OpGraph: a named model's capture (read from the on-disk cache when
+                it was made before, capture/cache.py), or a module captured on fake tensors
+                (only shapes are used)
+  inputs.model_inputs
+                the cluster as its ranks see it and the cost model (a measured profile where
+                one is given) — the inputs every prediction of the plan is made from
+  search        the planner over those inputs (search/planner.py plan_graph)
+so that every way in returns the same JSON ({"best", "candidates", "search_time_s"}).
 
 A plan of an in-memory module names its model 'in-memory:NAME'. It can be simulated, lowered
 and reported in the interpreter that planned it (its graph is kept there, by fingerprint), but
@@ -17,18 +23,63 @@ in a file (docs/robustness.md: the user-model convention); the executor says so.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from heterog.capture.cache import remember_in_memory
+from heterog.capture.cache import capture_cached, remember_in_memory
 from heterog.capture.capture import capture
 from heterog.errors import ModelError
-from heterog.inputs import model_inputs
+from heterog.inputs import PlanInputs, model_inputs
+from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
-from heterog.search import planner
-from heterog.search.planner import plan_graph
+from heterog.search.objective import DEFAULT_TOLERANCE, Goal
+from heterog.search.planner import DEFAULT_BUDGET_S, REQUIRED_STAGES, load_code, plan_graph
+
+
+def model_graph(
+    model: str | nn.Module,
+    *,
+    batch_size: int | None = None,
+    model_args: dict[str, Any] | None = None,
+    seq_len: int | None = None,
+    example_inputs: Any = None,
+    targets: Any = None,
+    loss_fn: Callable | None = None,
+    name: str = "module",
+) -> tuple[ModelSpec, OpGraph]:
+    """(the model's spec, its OpGraph). model: a zoo name or 'path/file.py:factory' (then
+    batch_size is required), or an nn.Module (then example_inputs is required: forward's
+    positional arguments, batch first; `targets` and `loss_fn(output, targets)` make the
+    loss, as in heterog.capture)."""
+    if isinstance(model, str):
+        if batch_size is None:
+            raise ModelError(f"plan({model!r}): give batch_size, the global batch of one iteration.")
+        spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
+        return spec, capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"plan() takes a model name or an nn.Module, found {type(model).__name__}.")
+    if example_inputs is None:
+        raise ModelError(
+            "plan(module): give example_inputs=(tensor, ...), forward's positional arguments "
+            "with the global batch along dim 0 (only their shapes are used)."
+        )
+    if model_args:
+        raise ModelError("plan(module): model_args apply to named models; build the module with them instead.")
+    graph = capture(
+        model, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}", seq_len=seq_len
+    )
+    remember_in_memory(graph)  # so heterog.simulate / lower / report of its plan work in this interpreter
+    return ModelSpec(name=graph.model, batch_size=graph.batch_size, seq_len=seq_len), graph
+
+
+def search(inputs: PlanInputs, spec: ModelSpec, *, precision: str = "fp32", optimizer: str = "sgd", **options: Any):
+    """The planner over a model's inputs (search/planner.py plan_graph; `options` are its
+    keywords: budget_s, seed, policy, finetune_s, max_iters, progress, …): a PlanResult."""
+    graph, cluster, costs = inputs
+    return plan_graph(graph, cluster, costs, model_spec=spec, precision=precision, optimizer=optimizer, **options)
 
 
 def plan(
@@ -44,83 +95,57 @@ def plan(
     seq_len: int | None = None,
     precision: str = "fp32",
     optimizer: str = "sgd",
-    budget_s: float | None = None,
-    seed: int = 0,
-    policy: Any = None,
-    finetune_s: float = 0.0,
-    max_iters: int | None = None,
-    progress: Callable[[str, float], None] | None = None,
+    profile: Any = None,
+    strategy: str | None = None,
+    objective: str = "time",
+    max_cost_per_hour: float | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    **options: Any,
 ) -> dict[str, Any]:
-    """The best deployment of `model` on `cluster` and the candidates it beat (the CLI's JSON).
-
-    model: a zoo name or 'path/file.py:factory' (then batch_size is required), or an
-    nn.Module (then example_inputs is required: forward's positional arguments, batch first;
-    `targets` and `loss_fn(output, targets)` make the loss, as in heterog.capture).
-    """
-    extra: dict[str, Any] = {"budget_s": budget_s} if budget_s is not None else {}
-    if isinstance(model, str):
-        if batch_size is None:
-            raise ModelError(f"plan({model!r}): give batch_size, the global batch of one iteration.")
-        return planner.plan(
-            model,
-            model_args=model_args,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            cluster=cluster,
-            precision=precision,
-            optimizer=optimizer,
-            seed=seed,
-            policy=policy,
-            finetune_s=finetune_s,
-            max_iters=max_iters,
-            progress=progress,
-            **extra,
-        )
-    if not isinstance(model, nn.Module):
-        raise ModelError(f"plan() takes a model name or an nn.Module, found {type(model).__name__}.")
-    if example_inputs is None:
-        raise ModelError(
-            "plan(module): give example_inputs=(tensor, ...), forward's positional arguments "
-            "with the global batch along dim 0 (only their shapes are used)."
-        )
-    if model_args:
-        raise ModelError("plan(module): model_args apply to named models; build the module with them instead.")
-    return _plan_module(
+    """The best deployment of `model` on `cluster` and the candidates it beat (the CLI's JSON);
+    with `strategy`, also "chosen": that candidate's plan (a baseline's or heterog's), so any
+    candidate can be run. model and its arguments: see model_graph; profile: measured
+    profiles ('FILE' or 'FILE:TYPE', a Profile or DeviceProfile, or a list), each for one
+    device type: their per-node times replace the analytic estimate for the nodes they
+    measured, and a GPU's device profile calibrates its type (cost/calibrated.py); `options`:
+    the search's (search). Everything from the capture on happens within `budget_s` (the
+    clock starts here, after the code every plan needs is loaded: search/planner.py
+    load_code); "time_s" says where the time went, "required_s" what no search could skip,
+    "over_budget_s" by how much the call overran.
+    objective: 'time' (the shortest iteration) or 'cost' (the lowest price per sample: the used
+    devices' price per hour × iteration time / batch); max_cost_per_hour: the fastest plan whose
+    used devices cost at most this many US dollars per hour; tolerance: among plans within this
+    fraction of the best, the one on fewer devices, stages and sync methods (search/objective.py)."""
+    options.setdefault("goal", Goal(objective=objective, max_cost_per_hour=max_cost_per_hour, tolerance=tolerance))
+    budget_s = options.pop("budget_s", None)
+    budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
+    load_code(options.get("policy"))
+    t0 = time.perf_counter()
+    spec, graph = model_graph(
         model,
-        example_inputs,
+        batch_size=batch_size,
+        model_args=model_args,
+        seq_len=seq_len,
+        example_inputs=example_inputs,
         targets=targets,
         loss_fn=loss_fn,
         name=name,
-        cluster=cluster,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer=optimizer,
-        seed=seed,
-        policy=policy,
-        finetune_s=finetune_s,
-        max_iters=max_iters,
-        progress=progress,
-        **extra,
     )
-
-
-def _plan_module(
-    module: nn.Module,
-    example_inputs: Any,
-    *,
-    targets: Any,
-    loss_fn: Callable | None,
-    name: str,
-    cluster: Any,
-    seq_len: int | None,
-    precision: str,
-    optimizer: str,
-    **search: Any,
-) -> dict[str, Any]:
-    graph = capture(
-        module, example_inputs, loss_fn=loss_fn, targets=targets, name=f"{IN_MEMORY_PREFIX}{name}", seq_len=seq_len
+    t1 = time.perf_counter()
+    inputs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, profile=profile, graph=graph)
+    t2 = time.perf_counter()
+    result = search(
+        inputs, spec, precision=precision, optimizer=optimizer, budget_s=budget_s, deadline_s=t0 + budget_s, **options
     )
-    remember_in_memory(graph)  # so heterog.simulate / lower / report of its plan work in this interpreter
-    spec = ModelSpec(name=graph.model, batch_size=graph.batch_size, seq_len=seq_len)
-    graph, clu, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
-    return plan_graph(graph, clu, costs, model_spec=spec, precision=precision, optimizer=optimizer, **search).to_dict()
+    out = result.to_dict()
+    before = {"graph": t1 - t0, "cluster_and_costs": t2 - t1}
+    out["other_time_s"] = {**before, **out["other_time_s"]}
+    out["time_s"] = {**before, **out["time_s"]}
+    # what every plan needs before a search can start; when it alone outlasts the budget,
+    # the call ends that much later (plus the simulations in flight at the deadline)
+    out["required_s"] = sum(out["time_s"].get(k, 0.0) for k in REQUIRED_STAGES)
+    out["over_budget_s"] = time.perf_counter() - t0 - budget_s
+    out["graph_cache"] = graph.meta.get("graph_cache", "off")
+    if strategy is not None:
+        out["chosen"] = result.plan_of(strategy).to_dict()
+    return out

@@ -1,8 +1,9 @@
 """How the user trains: optimizer, learning-rate schedule, clipping, accumulation, evaluation.
 
-A run carries one `TrainingConfig` (the `heterog run` flags: --lr, --weight-decay,
---momentum, --betas, --warmup-steps, --lr-schedule, --max-grad-norm, --accumulate,
---eval-every, --eval-batches, --log-dir), and a user model file may bring its own functions,
+A run carries one `TrainingConfig` (ir/training_config.py: the `heterog run` flags --data,
+--lr, --weight-decay, --momentum, --betas, --warmup-steps, --lr-schedule, --max-grad-norm,
+--accumulate, --eval-every, --eval-batches, --log-dir; recorded in the run's request), and
+a user model file may bring its own functions,
 found by name beside its model factory (as `loss` is):
 - `optimizer(params) -> torch.optim.Optimizer` over a list of parameters;
 - `scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler`, stepped once per
@@ -33,8 +34,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from enum import StrEnum
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -43,111 +43,12 @@ from torch import nn
 
 from heterog.errors import TrainingError
 from heterog.ir.plan import user_model_file
+from heterog.ir.training_config import LRSchedule, TrainingConfig
 from heterog.userfile import load_user_module
-
-
-class LRSchedule(StrEnum):
-    CONSTANT = "constant"
-    COSINE = "cosine"
-    LINEAR = "linear"
-
 
 # The optimizer each plan's kind gets without flags (the plan's memory model counts its state:
 # cost/memory.py OPTIMIZER_STATE_COPIES).
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainingConfig:
-    """The training options of a run; None: the plan optimizer's default (torch's, and
-    DEFAULT_LR for the learning rate). `decay_steps`: the horizon of a cosine or linear
-    schedule, the run's --steps unless given."""
-
-    lr: float | None = None
-    weight_decay: float | None = None
-    momentum: float | None = None  # sgd only
-    betas: tuple[float, float] | None = None  # adamw only
-    lr_schedule: LRSchedule = LRSchedule.CONSTANT
-    warmup_steps: int = 0
-    decay_steps: int | None = None
-    max_grad_norm: float | None = None
-    accumulate: int = 1
-    eval_every: int = 0
-    eval_batches: int = 4
-    log_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, flag: str, what: str, value: Any) -> None:
-            if not ok:
-                raise TrainingError(f"{flag} must be {what}, found {value!r}.")
-
-        need(self.lr is None or self.lr > 0, "--lr", "a positive learning rate", self.lr)
-        need(self.weight_decay is None or self.weight_decay >= 0, "--weight-decay", "≥ 0", self.weight_decay)
-        need(self.momentum is None or 0 <= self.momentum < 1, "--momentum", "in [0, 1)", self.momentum)
-        if self.betas is not None:
-            object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-            need(
-                len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-                "--betas",
-                "two numbers in [0, 1), e.g. 0.9,0.95",
-                self.betas,
-            )
-        object.__setattr__(self, "lr_schedule", _schedule(self.lr_schedule))
-        need(self.warmup_steps >= 0, "--warmup-steps", "≥ 0", self.warmup_steps)
-        need(self.decay_steps is None or self.decay_steps >= 1, "decay_steps", "≥ 1", self.decay_steps)
-        need(self.max_grad_norm is None or self.max_grad_norm > 0, "--max-grad-norm", "positive", self.max_grad_norm)
-        need(self.accumulate >= 1, "--accumulate", "≥ 1 (batches per optimizer step)", self.accumulate)
-        need(self.eval_every >= 0, "--eval-every", "≥ 0 (0: never)", self.eval_every)
-        need(self.eval_batches >= 1, "--eval-batches", "≥ 1", self.eval_batches)
-
-    @property
-    def clips(self) -> bool:
-        return self.max_grad_norm is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["lr_schedule"] = str(self.lr_schedule)
-        out["betas"] = list(self.betas) if self.betas is not None else None
-        return out
-
-    @staticmethod
-    def from_dict(doc: dict[str, Any] | None) -> TrainingConfig:
-        if not doc:
-            return TrainingConfig()
-        known = {f.name for f in fields(TrainingConfig)}
-        unknown = sorted(set(doc) - known)
-        if unknown:
-            raise TrainingError(f"training options: unknown field(s) {unknown}; known: {sorted(known)}.")
-        return TrainingConfig(**doc)
-
-    def check_for(self, kind: str, user: UserTraining) -> None:
-        """Refuse flags that the plan's optimizer kind, or the user's own optimizer, ignore."""
-        if user.optimizer is not None:
-            given = [f for f, v in (("--lr", self.lr), ("--weight-decay", self.weight_decay)) if v is not None]
-            given += [f for f, v in (("--momentum", self.momentum), ("--betas", self.betas)) if v is not None]
-            if given:
-                raise TrainingError(
-                    f"{', '.join(given)}: the model file defines optimizer(params), which sets its own "
-                    f"hyperparameters; change them there, or remove optimizer() to use the flags."
-                )
-        elif kind == "sgd" and self.betas is not None:
-            raise TrainingError("--betas applies to adamw; the plan's optimizer is sgd (use --momentum).")
-        elif kind == "adamw" and self.momentum is not None:
-            raise TrainingError("--momentum applies to sgd; the plan's optimizer is adamw (use --betas).")
-        if user.scheduler is not None and (self.lr_schedule != LRSchedule.CONSTANT or self.warmup_steps):
-            raise TrainingError(
-                "--lr-schedule/--warmup-steps: the model file defines scheduler(optimizer); "
-                "change the schedule there, or remove scheduler() to use the flags."
-            )
-
-
-def _schedule(value: Any) -> LRSchedule:
-    try:
-        return LRSchedule(value)
-    except ValueError:
-        raise TrainingError(
-            f"--lr-schedule must be one of {', '.join(s.value for s in LRSchedule)}, found {value!r}."
-        ) from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         tensor or graph node pinned elsewhere), and its forward and backward computes run."""
         set_wide(wide)
         # imported when the command runs: `heterog --help` starts without numpy or torch
-        from heterog.pipeline import check, read_plan
+        from heterog.orchestrate import check, read_plan
 
         p = read_plan(plan)
         if not as_json:

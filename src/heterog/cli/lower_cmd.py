@@ -22,7 +22,7 @@ def lower_command(
     collective, optimizer step), the bytes it sends and receives, and the peak memory implied."""
     set_wide(wide)
     # imported when the command runs: `heterog --help` starts without numpy or torch
-    from heterog.pipeline import lower
+    from heterog.orchestrate import lower
 
     program = lower(plan_path)
     if out is not None:

@@ -38,6 +38,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "lower_cmd",
     "simulate_cmd",
     "run_cmd",
+    "demo_cmd",
     "check_cmd",
     "whatif_cmd",
     "report_cmd",

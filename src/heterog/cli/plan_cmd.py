@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,16 @@ import psutil
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from heterog.cli.objective_opts import (
+    MAX_COST_OPTION,
+    OBJECTIVE_OPTION,
+    PRICE_OPTION,
+    TOLERANCE_OPTION,
+    cost_cells,
+    cost_headers,
+    cost_line,
+    objective_inputs,
+)
 from heterog.cli.output import console, parse_model_args, print_json, print_table
 from heterog.cli.report_cmd import report_from_plan_result
 from heterog.cli.stop import raise_if_stopped
@@ -46,6 +55,7 @@ _TIME_WORDS = {
     "grouping": "grouping",
     "baselines": "baselines",
     "bound": "bound",
+    "subsets": "fewer devices",
     "lanes": "search",
     "explanation": "explanation",
 }
@@ -88,6 +98,8 @@ def _above(c: dict[str, Any]) -> str:
 
 def _show(result: dict[str, Any], budget_s: float) -> None:
     rows = []
+    priced = any(c.get("cost") for c in result["candidates"])
+    tokens = bool(result["best"]["model"].get("seq_len"))
     for c in result["candidates"]:
         peak = max(c["peak_memory_bytes"].values(), default=0)
         rows.append(
@@ -99,13 +111,15 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
                 c["devices_used"],
                 c["num_microbatches"],
                 human_bytes(peak),
+                *(cost_cells(c, tokens) if priced else []),
             ]
         )
     print_table(
         "candidates",
-        ["strategy", "iteration", "over bound", "fits", "devices", "micro-batches", "max peak memory"],
+        ["strategy", "iteration", "over bound", "fits", "devices", "micro-batches", "max peak memory"]
+        + (cost_headers(tokens) if priced else []),
         rows,
-        optional=("micro-batches", "over bound"),
+        optional=("micro-batches", "over bound", "$/step", "$/hour", "max peak memory"),
     )
     best = result["best"]
     line = f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} per iteration"
@@ -114,12 +128,17 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
         t = best["predicted_iteration_time_s"]
         line += f", within {(t / bound['iteration_time_s'] - 1) * 100:.0f} % of the lower bound "
         line += human_time(bound["iteration_time_s"])
-    console.print(line)
+    console.print(line + cost_line(best))
     console.print(_time_line(result, budget_s))
     for line in best["notes"]:
         console.print(f"  • {line}")
 
 
+PROFILE_HELP = (
+    "A `heterog profile` file for one device type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
+    "times replace the estimate where they measured, and a GPU's profile calibrates its type; TYPE: the cluster "
+    "type it stands for (default: the type it was measured on)."
+)
 BUDGET_HELP = (
     "Seconds for the whole plan: capture, costs, baselines, bound and search (start-up aside). "
     "A larger budget with the same --seed never gives a worse plan."
@@ -147,15 +166,7 @@ def plan_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Path | None = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
-    profile: list[str] | None = typer.Option(
-        None,
-        "--profile",
-        help="A `heterog profile` file for one device "
-        "type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
-        "times replace the estimate where they measured, and a GPU's "
-        "profile calibrates its type; TYPE: the cluster type it stands for "
-        "(default: the type it was measured on).",
-    ),
+    profile: list[str] | None = typer.Option(None, "--profile", help=PROFILE_HELP),
     strategy: str | None = typer.Option(
         None,
         "--strategy",
@@ -165,12 +176,17 @@ def plan_command(
     report: Path | None = typer.Option(
         None, "--report", help="Also write an HTML report of the plan and every candidate here (see `heterog report`)."
     ),
+    objective: str = OBJECTIVE_OPTION,
+    max_cost_per_hour: float | None = MAX_COST_OPTION,
+    tolerance: float | None = TOLERANCE_OPTION,
+    price: list[str] | None = PRICE_OPTION,
 ) -> None:
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
     # imported when the command runs: `heterog --help` starts without numpy or torch
-    from heterog.search.planner import CANDIDATES, plan
+    from heterog.plan_module import plan
 
-    _check_choices(precision, optimizer, strategy, CANDIDATES)
+    _check_choices(precision, optimizer, strategy)
+    goal, cluster_in = objective_inputs(objective, max_cost_per_hour, tolerance, price, cluster)
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())
     with bar if bar is not None else contextlib.nullcontext():
         result = plan(
@@ -178,7 +194,7 @@ def plan_command(
             model_args=parse_model_args(model_arg),
             batch_size=batch_size,
             seq_len=seq_len,
-            cluster=cluster,
+            cluster=cluster_in,
             precision=precision,
             optimizer=optimizer,
             budget_s=budget_s,
@@ -189,6 +205,7 @@ def plan_command(
             progress=update,
             strategy=strategy,
             profile=profile,
+            goal=goal,
         )
     result["wall_time_s"] = process_age_s()  # start to plan, for the time line (not the report)
     if out is not None:
@@ -205,16 +222,19 @@ def plan_command(
         console.print(f"report written to {report}")
 
 
-def _check_choices(precision: str, optimizer: str, strategy: str | None, candidates: Sequence[str]) -> None:
+def _check_choices(precision: str, optimizer: str, strategy: str | None) -> None:
     """The options with a fixed set of values, checked before the search, not after it."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
+    from heterog.search.planner import CANDIDATES
+
     if precision not in PRECISIONS:
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
     if optimizer not in OPTIMIZERS:
         raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
-    if strategy is not None and strategy not in candidates:
+    if strategy is not None and strategy not in CANDIDATES and not strategy.startswith("subset:"):
         raise typer.BadParameter(
-            f"no strategy {strategy!r}.{did_you_mean(strategy, candidates)} The "
-            f"candidates are {', '.join(candidates)}.",
+            f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
+            f"candidates are {', '.join(CANDIDATES)}.",
             param_hint="--strategy",
         )
 

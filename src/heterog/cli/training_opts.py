@@ -1,31 +1,58 @@
-"""`heterog run`'s training options (heterog/training.py TrainingConfig), declared once here."""
+"""`heterog run`'s training options (ir/training_config.py TrainingConfig), declared once here."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
-LR = typer.Option(None, "--lr", help="Learning rate (default: 0.05 for sgd, 1e-3 for adamw).")
-WEIGHT_DECAY = typer.Option(None, "--weight-decay", help="Weight decay (default: torch's: 0 for sgd, 0.01 for adamw).")
-MOMENTUM = typer.Option(None, "--momentum", help="SGD momentum (sgd plans).")
-BETAS = typer.Option(None, "--betas", help="AdamW betas as B1,B2, e.g. 0.9,0.95 (adamw plans).")
-WARMUP_STEPS = typer.Option(0, "--warmup-steps", min=0, help="Linear learning-rate warm-up over this many steps.")
-LR_SCHEDULE = typer.Option(
-    "constant", "--lr-schedule", help="constant, cosine or linear (decaying to 0 at the last of --steps)."
-)
-MAX_GRAD_NORM = typer.Option(
-    None, "--max-grad-norm", help="Clip gradients to this global norm over all ranks (clip_grad_norm_)."
-)
-ACCUMULATE = typer.Option(
-    1, "--accumulate", min=1, help="Batches per optimizer step: a global batch N times the plan's."
-)
-EVAL_EVERY = typer.Option(
-    0, "--eval-every", min=0, help="Evaluate forward-only under the plan every K steps (0: never)."
-)
-EVAL_BATCHES = typer.Option(4, "--eval-batches", min=1, help="Held-out batches per evaluation.")
-LOG_DIR = typer.Option(
-    None, "--log-dir", help="Write metrics here: metrics.jsonl and TensorBoard event files (tensorboard --logdir)."
+from heterog.ir.training_config import TrainingConfig
+
+Lr = Annotated[float | None, typer.Option("--lr", help="Learning rate (default: 0.05 for sgd, 1e-3 for adamw).")]
+WeightDecay = Annotated[
+    float | None, typer.Option("--weight-decay", help="Weight decay (default: torch's: 0 for sgd, 0.01 for adamw).")
+]
+Momentum = Annotated[float | None, typer.Option("--momentum", help="SGD momentum (sgd plans).")]
+Betas = Annotated[str | None, typer.Option("--betas", help="AdamW betas as B1,B2, e.g. 0.9,0.95 (adamw plans).")]
+WarmupSteps = Annotated[
+    int, typer.Option("--warmup-steps", min=0, help="Linear learning-rate warm-up over this many steps.")
+]
+Schedule = Annotated[
+    str, typer.Option("--lr-schedule", help="constant, cosine or linear (decaying to 0 at the last of --steps).")
+]
+MaxGradNorm = Annotated[
+    float | None,
+    typer.Option("--max-grad-norm", help="Clip gradients to this global norm over all ranks (clip_grad_norm_)."),
+]
+Accumulate = Annotated[
+    int, typer.Option("--accumulate", min=1, help="Batches per optimizer step: a global batch N times the plan's.")
+]
+EvalEvery = Annotated[
+    int, typer.Option("--eval-every", min=0, help="Evaluate forward-only under the plan every K steps (0: never).")
+]
+EvalBatches = Annotated[int, typer.Option("--eval-batches", min=1, help="Held-out batches per evaluation.")]
+LogDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--log-dir", help="Write metrics here: metrics.jsonl and TensorBoard event files (tensorboard --logdir)."
+    ),
+]
+
+# the command's parameters that are TrainingConfig's fields, by the same names
+FLAGS = (
+    "data",
+    "lr",
+    "weight_decay",
+    "momentum",
+    "betas",
+    "warmup_steps",
+    "lr_schedule",
+    "max_grad_norm",
+    "accumulate",
+    "eval_every",
+    "eval_batches",
+    "log_dir",
 )
 
 
@@ -41,12 +68,9 @@ def parse_betas(text: str | None) -> tuple[float, float] | None:
     return b1, b2
 
 
-def training_options(**given: Any) -> dict[str, Any] | None:
-    """The options as TrainingConfig's dict (validated), or None when all are defaults."""
-
+def training_options(params: dict[str, Any]) -> TrainingConfig:
+    """The training options among a command's parsed parameters (click's Context.params),
+    validated: each names its flag when it is out of range."""
+    given = {name: params.get(name) for name in FLAGS if name in params}
     given["betas"] = parse_betas(given.get("betas"))
-    # torch loads only to run: `heterog --help` starts without it
-    from heterog.training import TrainingConfig
-
-    config = TrainingConfig(**given)
-    return None if config == TrainingConfig() else config.to_dict()
+    return TrainingConfig(**{k: v for k, v in given.items() if v is not None})

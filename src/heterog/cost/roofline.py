@@ -204,7 +204,7 @@ class TypeTable:
         # CPU: a floor per output element for dropout (random numbers) and GELU (erf), measured
         self._element_s = np.zeros(len(nodes))
         if self.synchronous and fw:
-            per_element = measure_cpu().element_s
+            per_element = measure_cpu(gpu.cpu_threads).element_s
             for i, n in enumerate(nodes):
                 for key, t in per_element.items():
                     if key in n.module_type.lower():
@@ -264,7 +264,7 @@ def _kind_factor(kind: str, gpu: GpuType, precision: str) -> float:
             return CONV_FACTOR_GPU[precision]
         return KIND_FACTOR_GPU.get(kind, 1.0)
     if kind == "conv":
-        p = measure_cpu()
+        p = measure_cpu(gpu.cpu_threads)
         # oneDNN convolutions vs the same work as GEMM, measured on this machine
         return float(np.clip(p.conv_flops_per_s / p.peak_flops_per_s, 0.25, 2.0))
     return 1.0 if kind == "matmul" else 0.8

@@ -297,7 +297,7 @@ def leaf_call_names(model: nn.Module, example_inputs: tuple[Any, ...]) -> list[s
 def copy_exported(exported: ExportedModel) -> ExportedModel:
     """A copy whose graph can be cut without touching the original (the split rewrites the
     graph in place), sharing its parameters and buffers: one export serves every plan of a
-    model in a multi-plan launch (pipeline.run_many). The node tables follow the copied nodes."""
+    model in a multi-plan launch (heterog.run_many). The node tables follow the copied nodes."""
     graph = copy.deepcopy(exported.module.graph)  # node by node, in order; meta shared
     module = fx.GraphModule(exported.module, graph)
     module.meta.update(exported.module.meta)

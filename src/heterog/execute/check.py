@@ -14,7 +14,7 @@ torch.export can trace it there (else on the CPU, as the worker does, with a not
 every tensor is a shape. On `cuda` each rank's stages go to the GPU in turn and back, so one
 GPU checks every rank of a plan whose ranks would not fit it together; the peak memory each
 rank reached is reported. The check never plans and never lowers: the caller gives the
-Program (heterog.pipeline.check lowers the plan first).
+Program (heterog.orchestrate.check lowers the plan first).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class _NoSync:
 
     runner: _NoRunner = field(default_factory=_NoRunner)
 
-    def launch(self, ins: Any) -> None:
+    def launch(self, ins: Any, index: int | None = None) -> None:
         pass
 
     def finish(self) -> None:

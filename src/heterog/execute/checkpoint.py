@@ -47,40 +47,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from heterog.errors import CheckpointError
 from heterog.ir.plan import file_sha256, user_model_file
+from heterog.ir.run_request import CheckpointConfig
 from heterog.jsonio import write_atomic
 from heterog.userfile import locate
 
 MARKER = "COMPLETE.json"
 STEP_PREFIX = "step-"
 CHECKPOINT_FORMAT = 1
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointConfig:
-    """What a run saves and where it starts. `resume` names a checkpoint directory (its last
-    complete checkpoint is used) or one checkpoint folder."""
-
-    dir: str | None = None
-    every_steps: int = 0  # save after every N-th completed step; 0: never
-    resume: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.every_steps < 0:
-            raise CheckpointError(f"--checkpoint-every must be ≥ 1 (or 0 for never), found {self.every_steps}.")
-        if self.every_steps > 0 and not self.dir:
-            raise CheckpointError("--checkpoint-every needs --checkpoint-dir DIR: where to write the checkpoints.")
-        if self.dir and self.every_steps == 0:
-            raise CheckpointError("--checkpoint-dir needs --checkpoint-every N (save every N steps).")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"dir": self.dir, "every_steps": self.every_steps, "resume": self.resume}
-
-    @staticmethod
-    def from_dict(doc: dict[str, Any] | None) -> CheckpointConfig:
-        return CheckpointConfig(**doc) if doc else CheckpointConfig()
-
-    def saves_after(self, completed_steps: int) -> bool:
-        return self.every_steps > 0 and completed_steps % self.every_steps == 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

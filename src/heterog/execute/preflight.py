@@ -20,6 +20,7 @@ from heterog.capture.cache import capture_cached
 from heterog.errors import HeterogError, PlanError, TrainingError
 from heterog.hardware.spec import cluster_from_dict
 from heterog.ir.plan import Plan, user_model_file
+from heterog.ir.training_config import TrainingConfig
 
 
 def check_plan_fits_model(plan: Plan) -> None:
@@ -100,17 +101,16 @@ def check_inputs(plan: Plan, data: str | None) -> None:
     check_batch_inputs(limits, inputs, model_name=plan.model.name, source=source)
 
 
-def check_training(plan: Plan, training: dict, *, steps: int) -> dict:
+def check_training(plan: Plan, config: TrainingConfig, *, steps: int) -> TrainingConfig:
     """The training options checked against the plan and the user's model file before any
     rank starts; returned as the ranks get them (a decaying schedule's horizon: `steps`).
     The user's optimizer is made over a stand-in parameter and stepped once, so a failing
     factory, or one that keeps more state per parameter than the plan's memory model counts
     for its --optimizer (cost/memory.py), is refused here."""
     # torch only to check inputs: `heterog run` imports this module at start-up
-    from heterog.training import Recipe, TrainingConfig, UserTraining, evaluate_signature_ok
+    from heterog.training import Recipe, UserTraining, evaluate_signature_ok
     from heterog.workload import check_batch, resolve_workload, with_data
 
-    config = TrainingConfig.from_dict(training)
     if config.decay_steps is None:
         config = dataclasses.replace(config, decay_steps=steps)
     user = UserTraining.of_model(plan.model.name)
@@ -129,7 +129,7 @@ def check_training(plan: Plan, training: dict, *, steps: int) -> dict:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise TrainingError(f"--log-dir {config.log_dir}: cannot create it ({e}).") from None
-    return config.to_dict()
+    return config
 
 
 def _check_state_size(plan: Plan, recipe) -> None:

@@ -23,7 +23,11 @@ step. This module runs them one after another with torch:
 - transfers go through the Transport (transport.py): each Send and Recv moves the values
   that cross between its blocks, shaped by the wire table, posted in the sender's order;
 - every instruction is timed with the rank's Clock (a CUDA event on a GPU), and the spans
-  are read after the step (`spans`), so timing adds no synchronisation inside it.
+  are read after the step (`read_timings`), so timing adds no synchronisation inside it.
+  Each instruction has exactly one span per step carrying its index and op (ir/run_result.py
+  Span): a compute its forward or backward, a send its posting, a receive its wait, a
+  collective its run on the lane (the launch is the executor's own), the optimizer
+  instruction its step (the wait for the syncs before it is the executor's own).
 
 Exactness: the loss of a replica's samples is mean-reduced by the zoo entry, so it is scaled
 by samples / global batch; the sum over replicas and micro-batches is the global-batch mean.
@@ -71,7 +75,7 @@ def runs_in(ins: Any, mode: StepMode) -> bool:
     if mode is StepMode.TRAIN:
         return True
     if isinstance(ins, Collective) and ins.phase is not None:
-        return mode is StepMode.ACCUMULATE or (ins.op is CollectiveOp.ALL_GATHER and ins.phase == Phase.FORWARD)
+        return mode is StepMode.ACCUMULATE or (ins.primitive is CollectiveOp.ALL_GATHER and ins.phase == Phase.FORWARD)
     if isinstance(ins, (Collective, Optimizer)):
         return False
     return mode is StepMode.ACCUMULATE or ins.phase == Phase.FORWARD
@@ -167,6 +171,7 @@ class Interpreter:
         self.overflow_hook: Callable[[], None] | None = None  # test hook: an inf into a gradient
         self.clock = self.rank_device.clock()
         self._marks: list[_Mark] = []
+        self._optimizer_index: int | None = None  # fp16: the Optimizer instruction, stepped at the end
         self.trace: list[tuple] = []
         self.samples: list[int] = []  # per forward compute: samples in the tensors it produced
         self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)  # Boundary's
@@ -248,7 +253,7 @@ class Interpreter:
         self.loss_weight = loss_weight
         if new_step:
             self._loss_total = 0.0
-            self._marks = []
+            self._marks, self._optimizer_index = [], None
             self.sync.runner.runs.clear()
             self.stats = StepStats()
             self.trace, self.samples = [], []  # what this step ran
@@ -258,6 +263,9 @@ class Interpreter:
                 continue
             if isinstance(ins, Optimizer):
                 self._optimizer(index)
+            elif isinstance(ins, Collective):  # its span is its run on the lane (sync.py)
+                with self._timing(f"launch {self._describe(ins)[0]}", SpanCategory.SYNC):
+                    self._run(index, ins)
             else:
                 name, category = self._describe(ins)
                 with self._timing(name, category, index):
@@ -320,8 +328,8 @@ class Interpreter:
                 if ok and self.max_grad_norm is not None:
                     self.grad_norm.clip(self.last_norm.norm, self.max_grad_norm)
             self.sync.runner.pull_deferred(ok)
-        if ok and self.optimizer is not None:
-            with self._timing("optimizer step", SpanCategory.OPTIMIZER):
+        with self._timing("optimizer step", SpanCategory.OPTIMIZER, self._optimizer_index):
+            if ok and self.optimizer is not None:
                 self._timed(self.optimizer.step)
         self.skipped_steps += 0 if ok else 1
 
@@ -339,17 +347,13 @@ class Interpreter:
         return timed()
 
     def _describe(self, ins) -> tuple[str, SpanCategory]:
+        name = self.program.describe(ins)
         if isinstance(ins, Compute):
-            forward = ins.phase == Phase.FORWARD
-            return (
-                f"{self.program.blocks[ins.block].label} {'F' if forward else 'B'} mb{ins.microbatch}",
-                SpanCategory.FORWARD if forward else SpanCategory.BACKWARD,
-            )
+            return name, SpanCategory.FORWARD if ins.phase == Phase.FORWARD else SpanCategory.BACKWARD
         if isinstance(ins, (Send, Recv)):
-            return f"{ins.kind} {ins.peer} mb{ins.microbatch}", SpanCategory.TRANSFER
+            return name, SpanCategory.TRANSFER
         if isinstance(ins, Collective):
-            what = f"{ins.method} sync" if ins.op is CollectiveOp.ALL_REDUCE else str(ins.op)
-            return f"{self.program.blocks[ins.block].label} {what}", SpanCategory.SYNC
+            return name, SpanCategory.SYNC
         raise AssertionError(f"no span for {type(ins).__name__}")
 
     def read_timings(self, *, rank: int, step: int, origin: Any, origin_s: float) -> list[Span]:
@@ -357,7 +361,8 @@ class Interpreter:
         plus the clock's seconds since `origin` (a mark taken at the step's start), and the
         step's stats derived from them (`stats`)."""
         runs = [
-            _Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b) for label, a, b in self.sync.runner.runs
+            _Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b, index=i)
+            for label, a, b, i in self.sync.runner.runs
         ]
         spans = [
             Span(
@@ -366,6 +371,7 @@ class Interpreter:
                 rank=rank,
                 step=step,
                 index=m.index,
+                op=None if m.index is None else self.instructions[m.index].op,
                 start_s=origin_s + self.clock.seconds(origin, m.start),
                 end_s=origin_s + self.clock.seconds(origin, m.end),
             )
@@ -395,18 +401,23 @@ class Interpreter:
             self._recv(ins)
         elif isinstance(ins, Collective):
             self.trace.append(("collective", ins.block, str(ins.method), ins.members))
-            self.sync.launch(ins)
+            self.sync.launch(ins, index)
 
     def _optimizer(self, index: int) -> None:
-        """The Optimizer instruction: wait for the syncs (a SYNC span), then step (fp16 steps
-        after the loss-scale check at the end of the step instead)."""
-        with self._timing("gradient sync wait", SpanCategory.SYNC, index):
+        """The Optimizer instruction: wait for the syncs (a SYNC span of the executor's own),
+        then step: the instruction's span (fp16 and a measured gradient norm step after the
+        loss-scale check and clipping at the end of the step instead, under the same
+        instruction)."""
+        with self._timing("gradient sync wait", SpanCategory.SYNC):
             self.transport.wait_all()
             self.sync.finish()
             self.sync.sum_tied_gradients()  # copies of a tied parameter: one gradient for all
         self.trace.append(("optimizer",))
-        if self.optimizer is not None and not self.deferred:
-            with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
+        if self.deferred:
+            self._optimizer_index = index
+            return
+        with self._timing("optimizer step", SpanCategory.OPTIMIZER, index):
+            if self.optimizer is not None:
                 self._timed(self.optimizer.step)
 
     def live_bytes(self, also: Any = ()) -> LiveBytes:
@@ -442,7 +453,12 @@ class Interpreter:
         """With a memory cap: record what autograd saves for backward, so it is counted."""
         if self.memory_cap is None:
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     def _compute(self, index: int, ins: Compute) -> None:
         """A compute, on the parameters gathered for it when its block shards them (stage 3)."""
@@ -493,7 +509,7 @@ class Interpreter:
         a = self.block_of_group[owner]
         if self.run_of[a] == self.run_of[ins.block]:  # same fused run: held here whole
             local = self._value(v, m)
-            pieces = (InputPiece(block=a, lo=ins.lo, hi=ins.hi, src_lo=ins.lo),)
+            pieces: tuple[InputPiece, ...] = (InputPiece(block=a, lo=ins.lo, hi=ins.hi, src_lo=ins.lo),)
             parts = [local]
         else:
             pieces = tuple(p for p in self.pieces_of.get((self.run_of[ins.block], m), ()) if p.block == a)
@@ -589,7 +605,8 @@ class Interpreter:
     def _backward(self, si: int, ins: Compute) -> None:
         call = self._calls.pop((si, ins.microbatch))
         s, m = call.stage, ins.microbatch
-        roots, root_grads = [], []
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor | None] = []
         if call.loss is not None:
             roots.append(call.loss)
             root_grads.append(None)
@@ -611,6 +628,7 @@ class Interpreter:
                     plo = self.range_of[(p.block, m)][0]
                     self._add_grad(v, m, p.lo - plo, p.hi - plo, part)
                 else:
+                    assert p.grad_tag is not None, "a received piece sends its gradient back by its grad_tag"
                     self._outbox[(p.grad_tag, v)] = part
 
     def _values_of(self, s: Stage) -> list[str]:

@@ -45,7 +45,7 @@ from torch import nn
 from heterog.cut.dataflow import Dataflow
 from heterog.errors import PlanError
 from heterog.execute.collectives import ring_all_gather, ring_reduce_scatter
-from heterog.ir.kinds import CollectiveOp, Phase, ShardStage, SyncMethod
+from heterog.ir.kinds import CollectiveOp, Phase, ShardStage
 from heterog.ir.plan import shard_ranges
 from heterog.lower.program import Collective, Program
 from heterog.training import Recipe
@@ -103,16 +103,6 @@ class ShardUnit:
         return self.members[overlap.index(max(overlap))]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Job:
-    """A collective on the sync lane (sync.BucketRunner.submit) that installs its own result."""
-
-    label: str
-    members: tuple[int, ...]
-    method: SyncMethod = SyncMethod.RING
-    buffers: tuple[torch.Tensor, ...] = field(default=(), compare=False)  # what it holds (memory count)
-
-
 def unit_names(flow: Dataflow, groups: Sequence[int]) -> tuple[str, ...]:
     """The parameters a block's groups shard: its gradient bucket's (sync.py)."""
     return tuple(n for g in groups for n in flow.param_names.get(g, ()) if n not in flow.tied and n not in flow.unused)
@@ -123,7 +113,7 @@ def sharded_collectives(program: Program) -> dict[int, Collective]:
     out: dict[int, Collective] = {}
     for device in program.devices:
         for ins in program.instructions.get(device, ()):
-            if isinstance(ins, Collective) and ins.op is not CollectiveOp.ALL_REDUCE:
+            if isinstance(ins, Collective) and ins.primitive is not CollectiveOp.ALL_REDUCE:
                 out.setdefault(ins.block, ins)
     return out
 
@@ -139,7 +129,7 @@ class ShardRunner:
             members = tuple(rank_of[d] for d in ins.members)
             if rank in members:
                 self.units[b] = self._unit(program, flow, b, ins, members)
-        self._deferred: list[Collective] = []
+        self._deferred: list[tuple[Collective, int | None]] = []
 
     @staticmethod
     def _unit(program: Program, flow: Dataflow, b: int, ins: Collective, members: tuple[int, ...]) -> ShardUnit:
@@ -225,28 +215,29 @@ class ShardRunner:
                 )
 
     # -- the collectives ---------------------------------------------------------------------
-    def launch(self, ins: Collective, *, deferred: bool = False) -> None:
-        """A sharded block's reduce-scatter or all-gather as the Program reaches it. With
-        `deferred` (fp16: the optimizer steps at the end of the step, after the loss-scale
-        check) a gather of updated pieces waits for `launch_deferred`."""
+    def launch(self, ins: Collective, index: int | None = None, *, deferred: bool = False) -> None:
+        """A sharded block's reduce-scatter or all-gather as the Program reaches it (at `index`
+        in this rank's list: its run is timed as that instruction). With `deferred` (fp16:
+        the optimizer steps at the end of the step, after the loss-scale check) a gather of
+        updated pieces waits for `launch_deferred`."""
         unit = self.units.get(ins.block)
         if unit is None or not unit.names:
-            return
-        if ins.op is CollectiveOp.REDUCE_SCATTER:
-            self._reduce_scatter(unit)
+            self.runner.nothing_to_run(f"{ins.block} {ins.primitive}", index)
+        elif ins.primitive is CollectiveOp.REDUCE_SCATTER:
+            self._reduce_scatter(unit, index)
         elif ins.phase is not None:
-            self._gather_for(unit, ins.phase, ins.microbatch)
+            self._gather_for(unit, ins.phase, ins.microbatch, index)
         elif deferred:
-            self._deferred.append(ins)
+            self._deferred.append((ins, index))
         else:
-            self.runner.submit(f"{unit.block} all-gather", unit.members, self._all_gather, unit.flat, unit)
+            self.runner.submit(f"{unit.block} all-gather", unit.members, index, self._all_gather, unit.flat, unit)
 
     def launch_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
-        for ins in deferred:
-            self.launch(ins)
+        for ins, index in deferred:
+            self.launch(ins, index)
 
-    def _reduce_scatter(self, unit: ShardUnit) -> None:
+    def _reduce_scatter(self, unit: ShardUnit, index: int | None) -> None:
         grads = [
             (p.grad if p.grad is not None else torch.zeros(s, device=unit.piece.device)).detach().reshape(-1)
             for p, s in zip(unit.params, unit.shapes)
@@ -255,7 +246,7 @@ class ShardRunner:
         if unit.stage >= ShardStage.GRADIENTS:  # the flat copy holds them now
             for p in unit.params:
                 p.grad = None
-        self.runner.submit(f"{unit.block} reduce-scatter", unit.members, self._sum_into_piece, flat, unit)
+        self.runner.submit(f"{unit.block} reduce-scatter", unit.members, index, self._sum_into_piece, flat, unit)
 
     def _sum_into_piece(self, flat: torch.Tensor, unit: ShardUnit) -> None:
         """On the lane: reduce-scatter `flat` and add this rank's summed piece to the piece's
@@ -274,12 +265,12 @@ class ShardRunner:
         ring_all_gather(flat, unit.sizes, unit.members, self.runner.groups.link(unit.members))
         return flat
 
-    def _gather_for(self, unit: ShardUnit, phase: Phase, microbatch: int | None) -> None:
+    def _gather_for(self, unit: ShardUnit, phase: Phase, microbatch: int | None, index: int | None) -> None:
         lo, hi = unit.mine
         full = torch.empty(sum(unit.sizes), dtype=unit.piece.dtype, device=unit.piece.device)
         full[lo:hi].copy_(unit.piece.detach())
         job = self.runner.submit(
-            f"{unit.block} all-gather {phase} mb{microbatch}", unit.members, self._all_gather, full, unit
+            f"{unit.block} all-gather {phase} mb{microbatch}", unit.members, index, self._all_gather, full, unit
         )
         unit.gathered[(phase, microbatch or 0)] = (full, job)
 
@@ -418,3 +409,34 @@ def _fill(target: torch.Tensor, overlap, lo: int, entries: dict[str, torch.Tenso
     for name, shape, at in overlap:
         a, b = max(lo, at), min(hi, at + shape.numel())
         target[a - lo : b - lo].copy_(entries[key.format(name)].reshape(-1)[a - at : b - at])
+
+
+# -- the rank's parameters (execute/worker.py) ---------------------------------------------------
+def rank_parameters(
+    recipe: Recipe, named: list[tuple[str, nn.Parameter]], shards: ShardRunner
+) -> tuple[torch.optim.Optimizer | None, list[nn.Parameter], list[tuple[str, nn.Parameter]]]:
+    """A rank's optimizer (the run's: over its whole parameters and its pieces' cuts,
+    `make_optimizer`), the parameters whose gradients are cleared every step (those, the whole
+    pieces and the sharded blocks' model parameters), and its named parameters held whole
+    between computes (all but stage 3's: what checkpoints and dumps read by name)."""
+    sharded, hidden = shards.sharded_names(), shards.hidden_names()
+    whole = [p for n, p in named if n not in sharded]
+    opt = make_optimizer(recipe, whole, shards)
+    params = whole + shards.pieces() + shards.model_params()
+    return opt, params, [(n, p) for n, p in named if n not in hidden]
+
+
+def as_held(named: list[tuple[str, nn.Parameter]], shards: ShardRunner) -> list[nn.Parameter] | None:
+    """A rank's parameters as the model holds them, for the record's optimizer groups: its
+    sharded blocks' whole, by stand-ins of their shapes (as `make_optimizer` made its
+    optimizer); None when it holds none."""
+    sharded = shards.sharded_names()
+    return [p for n, p in named if n not in sharded] + [st for st, _ in shards.stand_ins(whole=True)] or None
+
+
+def whole_parameters(named: list[tuple[str, nn.Parameter]], shards: ShardRunner) -> dict[str, torch.Tensor]:
+    """A rank's parameters by name, copied to the CPU, with those of its stage-3 blocks that it
+    owns gathered from the members (every member calls this: collective per block)."""
+    gathered = shards.full_state(None, with_params=False)
+    held = {n: p.detach() for n, p in named} | {k.removeprefix("model/"): v for k, v in gathered.items()}
+    return {n: t.to("cpu").clone() for n, t in held.items()}

@@ -1,82 +1,22 @@
 """Per-step records of a run: each rank appends one JSON line per step as it finishes it,
 and the command line merges the ranks' lines into one line per step while the run goes on.
 
-Files (in the run's folder): `steps_rank<R>.jsonl`, one `StepRecord` per line. A line is
-written whole and flushed, so a reader that sees a line sees all of it; a reader skips a
-last line without its newline (being written).
+Files (in the run's folder): `steps_rank<R>.jsonl`, one `StepRecord` (ir/run_result.py) per
+line. A line is written whole and flushed, so a reader that sees a line sees all of it; a
+reader skips a last line without its newline (being written).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from heterog.ir.run_result import StepLine, StepRecord
 from heterog.jsonio import write_atomic
 
 STEPS_FILE = "steps_rank{rank}.jsonl"
 TRACE_FILE = "trace_rank{rank}.json"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepRecord:
-    """What one rank measured in one step (the worker's step dict, with who measured it)."""
-
-    step: int
-    rank: int
-    device: str
-    loss: float  # this rank's part of the global-batch mean loss (0 if none)
-    step_time_s: float
-    compute_s: float = 0.0
-    sync_s: float = 0.0
-    recv_wait_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "rank": self.rank,
-            "device": self.device,
-            "loss": self.loss,
-            "step_time_s": self.step_time_s,
-            "compute_s": self.compute_s,
-            "sync_s": self.sync_s,
-            "recv_wait_s": self.recv_wait_s,
-        }
-
-    @staticmethod
-    def from_dict(doc: dict[str, Any]) -> StepRecord:
-        return StepRecord(
-            step=int(doc["step"]),
-            rank=int(doc["rank"]),
-            device=str(doc["device"]),
-            loss=float(doc["loss"]),
-            step_time_s=float(doc["step_time_s"]),
-            compute_s=float(doc.get("compute_s", 0.0)),
-            sync_s=float(doc.get("sync_s", 0.0)),
-            recv_wait_s=float(doc.get("recv_wait_s", 0.0)),
-        )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepLine:
-    """One step of the whole run: the ranks' records merged."""
-
-    step: int
-    loss: float  # global-batch mean loss (the ranks' parts summed)
-    step_time_s: float  # the slowest rank's step time: the iteration time
-    slowest_rank: int
-    slowest_device: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "loss": self.loss,
-            "step_time_s": self.step_time_s,
-            "slowest_rank": self.slowest_rank,
-            "slowest_device": self.slowest_device,
-        }
 
 
 class StepLog:

@@ -52,7 +52,8 @@ import torch
 from heterog.cut.dataflow import Dataflow
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
-from heterog.execute.shard import Job, ShardRunner, sharded_collectives
+from heterog.execute.lane_jobs import Job, LaneJobs
+from heterog.execute.shard import ShardRunner, sharded_collectives
 from heterog.ir.kinds import CollectiveOp, SyncMethod
 from heterog.lower.program import Collective
 from heterog.training import Recipe
@@ -159,7 +160,7 @@ def make_lane(device: torch.device, host_staging: bool) -> ThreadLane | StreamLa
     return StreamLane(device) if device.type == "cuda" and not host_staging else ThreadLane()
 
 
-class BucketRunner:
+class BucketRunner(LaneJobs):
     """Runs buckets on this rank: gathers gradients, syncs them on the lane, installs."""
 
     def __init__(
@@ -186,7 +187,9 @@ class BucketRunner:
         self.clock = clock
         self._pending: list[tuple[Bucket | Job, Any, bool]] = []
         self._gathered: list[Bucket] = []  # deferred: servers that hold a sum to apply
-        self.runs: list[tuple[str, Any, Any]] = []  # (label, start mark, end mark) of each collective run
+        # each collective's run on the lane: (label, start mark, end mark, the Program
+        # instruction it carries out, or None for a sync the Program does not list)
+        self.runs: list[tuple[str, Any, Any, int | None]] = []
         self.sync_s = 0.0
 
     def kept_buffers(self) -> list[torch.Tensor]:
@@ -222,8 +225,10 @@ class BucketRunner:
     def _holds(self, bucket: Bucket) -> bool:
         return all(p.numel() == self.flow.param_numel[n] for n, p in zip(bucket.names, self._params(bucket)))
 
-    def launch(self, bucket: Bucket) -> None:
+    def launch(self, bucket: Bucket, index: int | None = None) -> None:
+        """Start `bucket`'s sync on the lane; `index`: the Program instruction it carries out."""
         if self.rank not in bucket.members:
+            self.nothing_to_run(bucket.label, index)
             return
         t0 = time.perf_counter()
         params = self._params(bucket) if self._holds(bucket) else None
@@ -238,43 +243,19 @@ class BucketRunner:
                 if bucket.method is SyncMethod.PS and (server is None or server.needs_parameters)
                 else None
             )
-        self._pending.append((bucket, self.lane.submit(self._run, bucket, grad, values), in_place))
+        self._pending.append((bucket, self.lane.submit(self._run, bucket, grad, values, index), in_place))
         self.sync_s += time.perf_counter() - t0
 
-    def submit(self, label: str, members: tuple[int, ...], fn: Callable[..., Any], *args: Any) -> tuple[Job, Any]:
-        """Run fn(*args) on the lane after the collectives launched before it; finish() waits
-        for it. Returns what `wait` takes."""
-        t0 = time.perf_counter()
-        job = Job(label=label, members=members, buffers=tuple(a for a in args if isinstance(a, torch.Tensor)))
-        handle = self.lane.submit(self._timed, label, fn, *args)
-        self._pending.append((job, handle, True))
-        self.sync_s += time.perf_counter() - t0
-        return job, handle
+    def nothing_to_run(self, label: str, index: int | None) -> None:
+        """A collective instruction with nothing to sync here (no parameters of its bucket on
+        this rank): an empty run, so that every instruction has its span."""
+        if self.clock is not None and index is not None:
+            mark = self.clock.mark()
+            self.runs.append((f"{label} (nothing to sync)", mark, mark, index))
 
-    def wait(self, submitted: tuple[Job, Any]) -> Any:
-        """Wait for one submitted job (and so for every collective launched before it)."""
-        t0 = time.perf_counter()
-        out = self._result(*submitted)
-        self.sync_s += time.perf_counter() - t0
-        return out
-
-    def _timed(self, label: str, fn: Callable[..., Any], *args: Any) -> Any:
-        start = self.clock.mark() if self.clock is not None else None
-        out = fn(*args)
-        if self.clock is not None:
-            self.runs.append((label, start, self.clock.mark()))
-        return out
-
-    def in_flight(self) -> list[torch.Tensor]:
-        """The buffers of submitted jobs still running (a reduce-scatter's flat gradients)."""
-        return [
-            t
-            for job, handle, _ in self._pending
-            if isinstance(job, Job) and not (isinstance(handle, Future) and handle.done())
-            for t in job.buffers
-        ]
-
-    def _run(self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None) -> torch.Tensor | None:
+    def _run(
+        self, bucket: Bucket, grad: torch.Tensor, values: torch.Tensor | None, index: int | None
+    ) -> torch.Tensor | None:
         start = self.clock.mark() if self.clock is not None else None
         out: torch.Tensor | None = grad
         if bucket.method is SyncMethod.PS:
@@ -287,7 +268,7 @@ class BucketRunner:
         else:
             allreduce_sum(grad, bucket.members, bucket.method, bucket.nodes, self.groups)
         if self.clock is not None:
-            self.runs.append((f"{bucket.label} {bucket.method}", start, self.clock.mark()))
+            self.runs.append((f"{bucket.label} {bucket.method}", start, self.clock.mark(), index))
         return out
 
     def _result(self, bucket: Bucket | Job, handle: Any) -> Any:
@@ -432,7 +413,7 @@ class ProgramSync:
         seen: dict[int, Any] = {}
         for device in self.program.devices:
             for ins in self.program.instructions.get(device, ()):
-                if isinstance(ins, Collective) and not ins.tie and ins.op is CollectiveOp.ALL_REDUCE:
+                if isinstance(ins, Collective) and not ins.tie and ins.primitive is CollectiveOp.ALL_REDUCE:
                     seen.setdefault(ins.block, ins)
         return [seen[b] for b in sorted(seen)]
 
@@ -460,9 +441,10 @@ class ProgramSync:
             nodes=tuple(tuple(self.rank_of[d] for d in node) for node in ins.nodes) or None,
         )
 
-    def launch(self, ins: Any) -> None:
-        if ins.op is not CollectiveOp.ALL_REDUCE:  # a sharded block's (shard.py)
-            self.shards.launch(ins, deferred=self.deferred)
+    def launch(self, ins: Any, index: int | None = None) -> None:
+        """Start the sync of Collective instruction `ins` (at `index` in this rank's list)."""
+        if ins.primitive is not CollectiveOp.ALL_REDUCE:  # a sharded block's (shard.py)
+            self.shards.launch(ins, index, deferred=self.deferred)
             return
         if ins.tie:  # a tied parameter's copies, where the Program puts it
             bucket = self._tie(ins.tie, tuple(self.rank_of[d] for d in ins.members))
@@ -470,7 +452,9 @@ class ProgramSync:
         else:
             bucket = self._bucket(ins)
         if bucket.names:
-            self.runner.launch(bucket)
+            self.runner.launch(bucket, index)
+        else:
+            self.runner.nothing_to_run(bucket.label, index)
 
     def _tie(self, name: str, members: tuple[int, ...]) -> Bucket:
         """The tie bucket of `name`, in the Program's ring order."""

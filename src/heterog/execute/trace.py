@@ -11,7 +11,9 @@ Times are wall-clock seconds since the epoch (a monotonic clock shifted once to 
 so the ranks of a local run share one time axis without exchanging clocks. Across machines
 they are only as aligned as the machines' clocks; each rank's own spans are exact.
 
-`chrome_trace(recordings)` lays the ranks out as the simulator does (SimResult.to_chrome_trace):
+Spans (ir/run_result.py Span) that time a Program instruction carry its index and op, so a
+span names its instruction as the Program and the simulator do (lower/program.py
+instruction_id). `chrome_trace(recordings)` lays the ranks out as the simulator does (SimResult.to_chrome_trace):
 one process per device with a compute thread and a communication thread, so the measured and
 the simulated trace open side by side in Perfetto and read the same way.
 """
@@ -22,64 +24,12 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
+
+from heterog.ir.run_result import COMPUTE_CATEGORIES, Span, SpanCategory
 
 SCHEMA_VERSION = 1
 KIND = "heterog.MeasuredTrace"
-
-
-class SpanCategory(StrEnum):
-    """What a measured span is; the first four are the simulator's compute kinds."""
-
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"
-    COMPUTE = "compute"  # forward and backward of a whole step, not split further
-    SYNC = "sync"  # launching gradient syncs and waiting for them to finish
-    COLLECTIVE = "collective"  # a gradient sync running on the rank's communication lane
-    TRANSFER = "transfer"  # waiting for point-to-point sends / receives
-    STEP = "step"  # a whole training step (the outer span)
-
-
-COMPUTE_CATEGORIES = frozenset(
-    {SpanCategory.FORWARD, SpanCategory.BACKWARD, SpanCategory.OPTIMIZER, SpanCategory.COMPUTE}
-)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Span:
-    name: str
-    category: SpanCategory
-    rank: int
-    step: int
-    start_s: float  # wall-clock seconds since the epoch
-    end_s: float
-    index: int | None = None  # the Program instruction of the rank it times, if one
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "category": str(self.category),
-            "rank": self.rank,
-            "step": self.step,
-            "start_s": self.start_s,
-            "end_s": self.end_s,
-            "index": self.index,
-        }
-
-    @staticmethod
-    def from_dict(doc: dict[str, Any]) -> Span:
-        index = doc.get("index")
-        return Span(
-            name=doc["name"],
-            category=SpanCategory(doc["category"]),
-            rank=int(doc["rank"]),
-            step=int(doc["step"]),
-            start_s=float(doc["start_s"]),
-            end_s=float(doc["end_s"]),
-            index=None if index is None else int(index),
-        )
 
 
 @dataclass(kw_only=True)
@@ -173,7 +123,7 @@ def chrome_trace(recordings: Iterable[RankSpans]) -> dict[str, Any]:
                     "tid": tid,
                     "ts": (s.start_s - t0) * 1e6,
                     "dur": max(s.end_s - s.start_s, 0.0) * 1e6,
-                    "args": {"step": s.step},
+                    "args": {"step": s.step, "op": s.op},
                 }
             )
     return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"source": "heterog run (measured)"}}

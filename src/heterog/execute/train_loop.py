@@ -12,7 +12,7 @@ the mean.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,16 +20,23 @@ from heterog.execute.clipping import GradientNorm
 from heterog.execute.evaluation import eval_batches, evaluate
 from heterog.execute.metrics import MetricsLog, tokens_in
 from heterog.execute.runtime import Interpreter, StepMode
-from heterog.ir.plan import user_model_file
-from heterog.training import Recipe, TrainingConfig, UserTraining, advance, current_lr
+from heterog.ir.plan import Plan, user_model_file
+from heterog.ir.training_config import TrainingConfig
+from heterog.training import Recipe, UserTraining, advance, current_lr
 from heterog.workload import Workload, global_batch, to_device
 
 
-def recipe_of(spec: dict[str, Any], plan: Any) -> Recipe:
-    """The run's optimizer recipe: the plan's kind, the spec's `training` options and the
-    functions of the user's model file."""
-    config = TrainingConfig.from_dict(spec.get("training"))
-    return Recipe(kind=plan.optimizer, config=config, user=UserTraining.of_model(plan.model.name), steps=spec["steps"])
+def recipe_of(config: TrainingConfig, plan: Plan, steps: int) -> Recipe:
+    """The run's optimizer recipe: the plan's kind, the run's training options and the
+    functions of the user's model file; `steps`: the run's optimizer steps."""
+    return Recipe(kind=plan.optimizer, config=config, user=UserTraining.of_model(plan.model.name), steps=steps)
+
+
+class StepFigures(NamedTuple):
+    """A step's training figures for its record."""
+
+    lr: float | None  # the learning rate the step used
+    grad_norm: float | None  # the global gradient norm before clipping, when measured
 
 
 def needs_norm(config: TrainingConfig) -> bool:
@@ -93,12 +100,12 @@ class TrainingHooks:
 
     def after(
         self, ex: Interpreter, *, step: int, step_time_s: float, batches: list, batch_size: int, work: Workload
-    ) -> dict[str, Any]:
+    ) -> StepFigures:
         """The step's training figures for its record (learning rate, gradient norm), its
-        metrics line, and an evaluation when one is due."""
+        metrics line, and an evaluation when one is due (kept in `evaluations`)."""
         lr = self._lr
         norm = ex.last_norm
-        record: dict[str, Any] = {"lr": lr, "grad_norm": norm.norm if norm is not None else None}
+        figures = StepFigures(lr=lr, grad_norm=norm.norm if norm is not None else None)
         if self.log is not None:
             tokens = tokens_in(batches[0][0])
             samples = batch_size * len(batches)
@@ -107,15 +114,15 @@ class TrainingHooks:
                 {
                     "train/loss": norm.loss if norm is not None else None,
                     "train/lr": lr,
-                    "train/grad_norm": record["grad_norm"],
+                    "train/grad_norm": figures.grad_norm,
                     "train/samples_per_s": samples / step_time_s if step_time_s > 0 else None,
                     "train/tokens_per_s": tokens * len(batches) / step_time_s if tokens and step_time_s > 0 else None,
                 },
             )
         every = self.config.eval_every
         if every and (step + 1) % every == 0:
-            record["eval"] = self.evaluate(ex, step + 1, batch_size, work)
-        return record
+            self.evaluate(ex, step + 1, batch_size, work)
+        return figures
 
     def evaluate(self, ex: Interpreter, done_steps: int, batch_size: int, work: Workload) -> dict[str, float]:
         if self._held_out is None:

@@ -6,10 +6,12 @@ the type by name)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -29,7 +31,7 @@ _PROBE_VERSION = 9
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CpuProbe:
-    """Rates of this machine's CPU under the current torch thread count."""
+    """Rates of this machine's CPU at one torch thread count (its key says which)."""
 
     key: str  # cpu model | threads | torch version
     matmul_flops_per_s: dict[int, float]  # square fp32 size n → achieved FLOP/s
@@ -62,11 +64,27 @@ def _cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _probe_key() -> str:
+def _probe_key(threads: int) -> str:
     # torch only to probe this CPU (once per machine, then cached): the catalog loads without it
     import torch
 
-    return f"{_cpu_model_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}|v{_PROBE_VERSION}"
+    return f"{_cpu_model_name()}|threads={threads}|torch={torch.__version__}|v{_PROBE_VERSION}"
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` for the body; the caller's after it."""
+    # torch only to set the count for a measurement: the catalog loads without it
+    import torch
+
+    before = torch.get_num_threads()
+    if before != threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def cache_dir() -> Path:
@@ -108,7 +126,7 @@ def _run_probe() -> CpuProbe:
     kinds.update(_backward_rates(act))
     fwd_s, bwd_s = _dispatch_times()
     return CpuProbe(
-        key=_probe_key(),
+        key=_probe_key(torch.get_num_threads()),
         matmul_flops_per_s=mm,
         bf16_matmul_flops_per_s=bf16,
         conv_flops_per_s=conv,
@@ -228,7 +246,7 @@ def _dispatch_times() -> tuple[float, float]:
 
 
 @lru_cache(maxsize=4)
-def _measure_cpu_for(key: str) -> CpuProbe:
+def _measure_cpu_for(key: str, threads: int) -> CpuProbe:
     path = cache_dir() / "cpu_probe.json"
     try:
         cached = json.loads(path.read_text())
@@ -242,7 +260,8 @@ def _measure_cpu_for(key: str) -> CpuProbe:
             return CpuProbe(**entry)
         except (TypeError, KeyError, ValueError):
             pass  # a stale or damaged entry: measure again
-    probe = _run_probe()
+    with torch_threads(threads):
+        probe = _run_probe()
     doc = {k: v for k, v in cached.items()} if isinstance(cached, dict) else {}
     body = {f: getattr(probe, f) for f in probe.__dataclass_fields__}
     body["matmul_flops_per_s"] = {str(k): v for k, v in probe.matmul_flops_per_s.items()}
@@ -254,14 +273,27 @@ def _measure_cpu_for(key: str) -> CpuProbe:
     return probe
 
 
-def measure_cpu() -> CpuProbe:
-    """This machine's CPU rates, cached under ~/.cache/heterog (or $HETEROG_CACHE_DIR) and
-    measured again when the CPU model, torch thread count or torch version changes."""
-    return _measure_cpu_for(_probe_key())
+def measure_cpu(threads: int | None = None) -> CpuProbe:
+    """This machine's CPU rates at `threads` torch threads (None: the caller's count), cached
+    under ~/.cache/heterog (or $HETEROG_CACHE_DIR) and measured again when the CPU model,
+    the thread count or torch's version changes. Measuring sets the count for the probe only:
+    the caller's is left as it was."""
+    n = threads or _caller_threads()
+    return _measure_cpu_for(_probe_key(n), n)
 
 
-def cpu_gpu_type() -> GpuType:
-    p = measure_cpu()
+def _caller_threads() -> int:
+    # torch only to read the caller's thread count: the catalog loads without it
+    import torch
+
+    return torch.get_num_threads()
+
+
+def cpu_gpu_type(threads: int | None = None) -> GpuType:
+    """The `cpu` device type: this CPU's rates at `threads` torch threads (None: the caller's
+    count), recorded in the type (`cpu_threads`) so that every cost of it uses the same probe."""
+    n = threads or _caller_threads()
+    p = measure_cpu(n)
     fp32 = p.peak_flops_per_s
     return GpuType(
         name=CPU_TYPE,
@@ -270,6 +302,7 @@ def cpu_gpu_type() -> GpuType:
         memory_bandwidth_bytes_per_s=p.copy_bandwidth_bytes_per_s,
         memory_bytes=p.memory_bytes,
         intra_node_link="loopback",
+        cpu_threads=n,
         # gloo between local processes: shared-memory copies through the loopback interface
         intra_node_bandwidth_bytes_per_s=2e9,
         sources={

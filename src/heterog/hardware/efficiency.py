@@ -104,7 +104,7 @@ def h200_copy_efficiency() -> float:
 def gpu_curve(gpu: GpuType, precision: str) -> Curve:
     """The matmul efficiency curve of `gpu` at a catalog precision (fp32/tf32/fp16/bf16)."""
     if gpu.vendor == "cpu":
-        return cpu_curve()
+        return cpu_curve(gpu.cpu_threads)
     base = h200_curve(precision if precision in _H200_PEAK_FLOPS_PER_S else "fp32")
     if gpu.public is not None:
         ruled = base.scaled(math.sqrt(h200_compute_units() / gpu.public.compute_units))
@@ -127,9 +127,9 @@ def gpu_curve(gpu: GpuType, precision: str) -> Curve:
     )
 
 
-@lru_cache(maxsize=1)
-def cpu_curve() -> Curve:
-    p = measure_cpu()
+@lru_cache(maxsize=4)
+def cpu_curve(threads: int | None = None) -> Curve:
+    p = measure_cpu(threads)
     peak = p.peak_flops_per_s
     sizes = sorted(p.matmul_flops_per_s)
     effs = np.maximum.accumulate(np.array([p.matmul_flops_per_s[n] / peak for n in sizes]))
@@ -160,6 +160,6 @@ def memory_efficiency(gpu: GpuType, kind: str | None = None, phase: Phase = Phas
         return base * kind_factor(e.memory_by_kind, memory_by_kind_default(), kind)
     if kind is None:
         return 1.0
-    p = measure_cpu()
+    p = measure_cpu(gpu.cpu_threads)
     rate = p.kind_bandwidth_bytes_per_s.get(kind if phase == Phase.FORWARD else f"{kind}.bwd")  # the probe's keys
     return 1.0 if rate is None else float(np.clip(rate / p.copy_bandwidth_bytes_per_s, 0.02, 4.0))

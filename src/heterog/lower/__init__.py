@@ -1,7 +1,7 @@
 """lower: Plan → Schedule → Program, every scheduling rule in one place (docs/architecture.md).
 
 `heterog.lower(plan)` — the package called as a function — is the API's lowering of a whole
-plan (heterog.pipeline.lower: inputs, then lowering.lower); the stage's own function is
+plan (heterog.orchestrate.lower: inputs, then lowering.lower); the stage's own function is
 heterog.lower.lowering.lower(graph, cluster, plan, costs).
 """
 

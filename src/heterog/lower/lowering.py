@@ -2,11 +2,12 @@
 
 `lower(graph, cluster, plan, costs)` builds the full schedule (every device its own tasks,
 lower/schedule.py) and writes, walking the reference order once, each task as the
-instruction(s) of the device(s) it involves: a compute on its device, a transfer as a send on
-the producer's device and a receive on the consumer's, a gradient sync as a collective on every
-member, the optimizer step on its device. Each device's list is thus a projection of one
-global order in which every receive follows its send and every collective comes after all
-that its members must do first: the Program cannot deadlock (validate() checks it anyway).
+instruction(s) of the device(s) it involves, each instruction's `op` its task's id: a compute
+on its device, a transfer as a send on the producer's device and a receive on the consumer's,
+a gradient sync as a collective on every member, the optimizer step on its device. Each
+device's list is thus a projection of one global order in which every receive follows its
+send and every collective comes after all that its members must do first: the Program cannot
+deadlock (validate() checks it anyway).
 A collective then moves up on each member to just after that member's own inputs
 (`_launch_when_ready`): its launch does not block, and the simulator starts it when its inputs
 are done, not when a member gets round to it.
@@ -77,6 +78,7 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
             alloc, free = mem.get(d, (0.0, 0.0))
             out[names[d]].append(
                 Compute(
+                    op=t,
                     block=b,
                     phase=Phase.FORWARD if kind == FWD else Phase.BACKWARD,
                     microbatch=m,
@@ -94,7 +96,7 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
         elif kind == OPT:
             d = tasks.dev[t]
             alloc, free = mem.get(d, (0.0, 0.0))
-            out[names[d]].append(Optimizer(alloc_bytes=alloc, free_bytes=free))
+            out[names[d]].append(Optimizer(op=t, alloc_bytes=alloc, free_bytes=free))
         for d in (names[tasks.dev[t]],) if kind in (FWD, BWD, OPT) else out:
             tasks_of[d].extend([t] * (len(out[d]) - len(tasks_of[d])))
     _launch_when_ready(out, tasks_of, tasks)
@@ -191,7 +193,7 @@ def _transfer(out, tasks, t: int, names, ranges: _Ranges, mem) -> None:
     prod, cons = (src, dst) if forward else (dst, src)
     (plo, phi), (clo, chi) = ranges.of(a, m, prod), ranges.of(b, m, cons)
     lo, hi = max(plo, clo), min(phi, chi)
-    common = dict(tag=t, src_block=a, dst_block=b, phase=phase, microbatch=m, lo=lo, hi=hi, nbytes=nbytes)
+    common = dict(op=t, tag=t, src_block=a, dst_block=b, phase=phase, microbatch=m, lo=lo, hi=hi, nbytes=nbytes)
     s_alloc, s_free = mem.get(src, (0.0, 0.0))
     r_alloc, r_free = mem.get(dst, (0.0, 0.0))
     out[names[src]].append(Send(peer=names[dst], alloc_bytes=s_alloc, free_bytes=s_free, **common))
@@ -214,7 +216,7 @@ def _collective(out, tasks, t: int, sched: Schedule, cluster: Cluster, mem) -> N
     shard = tasks.shard_ops.get(t)
     sharded = (
         dict(
-            op=CollectiveOp(shard.op),
+            primitive=CollectiveOp(shard.primitive),
             shards=shard.fractions,
             phase=Phase(shard.phase) if shard.phase else None,
             microbatch=shard.microbatch,
@@ -226,6 +228,7 @@ def _collective(out, tasks, t: int, sched: Schedule, cluster: Cluster, mem) -> N
         alloc, free = mem.get(d, (0.0, 0.0))
         out[names[d]].append(
             Collective(
+                op=t,
                 block=b,
                 method=method,
                 members=members,

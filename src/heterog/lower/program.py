@@ -12,13 +12,18 @@ schedule). Devices are ranks: rank r runs `instructions[devices[r]]` in order. I
               gradient of a tied parameter whose users lie in several groups, summed over
               every device holding a copy (ring); `block` is then its owner's block.
               A sharded block's (lower/shard_tasks.py) are a ring reduce-scatter of its
-              gradients and an all-gather of its parameters (`op`), member i owning the piece
+              gradients and an all-gather of its parameters (`primitive`), member i owning the piece
               `shards[i]` of the flat buffer; with `phase` and `microbatch` set (stage 3) a
               gather serves that one compute of the block — its parameters live until the
               compute ends — and a reduce-scatter that micro-batch's gradients
   Optimizer   the optimizer step over the parameters this device holds
 Each carries its memory effect on its device: bytes allocated when it starts
-(`alloc_bytes`) and freed when it ends (`free_bytes`).
+(`alloc_bytes`) and freed when it ends (`free_bytes`), and `op`, the operation of the
+iteration's schedule it was written from (lower/schedule.py: a task). One operation seen
+from several devices — a transfer's send and receive, a collective's members — is one op, so
+an instruction is named by its device and its op: `instruction_id(device, op)`. The simulator's
+events of an unmerged schedule (the one a Program is written from) and the executor's measured
+spans carry the same op, which is how prediction and measurement of one instruction are joined.
 
 Validated on load (`validate`): every send has exactly one matching receive, collectives
 agree on members, method and order, and no device waits on a peer that waits on it.
@@ -35,7 +40,9 @@ from heterog.ir.kinds import CollectiveOp, InstructionKind, Phase, SyncMethod
 from heterog.jsonio import Artifact
 
 KIND = "heterog.Program"
-SCHEMA_VERSION = 2  # 2: sharded collectives (op, shards, phase, microbatch); shard fields of a block
+SCHEMA_VERSION = (
+    2  # 2: instruction op ids; sharded collectives (primitive, shards, phase, microbatch), shard fields of a block
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,8 +59,15 @@ class InputPiece:
     grad_tag: int | None = None
 
 
+def instruction_id(device: str, op: int) -> str:
+    """The name of device's instruction of operation `op`: unique in a Program (validate
+    checks), the same in its simulation and in the spans its run measured."""
+    return f"{op}@{device}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Compute:
+    op: int
     block: int
     phase: Phase
     microbatch: int
@@ -68,8 +82,9 @@ class Compute:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Transfer:
     """Samples [lo, hi) of a block's outputs (forward) or of their gradients (backward)
-    between this device and `peer`; a send and its receive share the tag."""
+    between this device and `peer`; a send and its receive share the tag (and the op)."""
 
+    op: int
     tag: int
     peer: str
     src_block: int  # the producer block (whose outputs, or their gradients, move)
@@ -95,6 +110,7 @@ class Recv(Transfer):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Collective:
+    op: int
     block: int
     method: SyncMethod
     members: tuple[str, ...]  # ring order
@@ -104,7 +120,7 @@ class Collective:
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
     tie: str | None = None  # a tied parameter's copies, else the block's gradient bucket
-    op: CollectiveOp = CollectiveOp.ALL_REDUCE
+    primitive: CollectiveOp = CollectiveOp.ALL_REDUCE
     shards: tuple[float, ...] = ()  # a sharded block's: each member's piece, in member order
     phase: Phase | None = None  # stage 3: the compute of the block this serves
     microbatch: int | None = None
@@ -114,26 +130,27 @@ class Collective:
     def ident(self) -> tuple[int, str, str, str, int]:
         """Which collective this is: every member's instruction has the same."""
         mb = -1 if self.microbatch is None else self.microbatch
-        return (self.block, self.tie or "", str(self.op), str(self.phase or ""), mb)
+        return (self.block, self.tie or "", str(self.primitive), str(self.phase or ""), mb)
 
     @property
     def serves(self) -> tuple[int, Phase, int] | None:
         """(block, phase, micro-batch) of the compute a stage-3 gather feeds, else None."""
-        if self.op is not CollectiveOp.ALL_GATHER or self.phase is None or self.microbatch is None:
+        if self.primitive is not CollectiveOp.ALL_GATHER or self.phase is None or self.microbatch is None:
             return None
         return (self.block, self.phase, self.microbatch)
 
     def describe(self) -> str:
         if self.tie:
             return f"tied parameter {self.tie!r}"
-        if self.op is CollectiveOp.ALL_REDUCE:
+        if self.primitive is CollectiveOp.ALL_REDUCE:
             return f"block {self.block}"
         at = f" for {self.phase} of micro-batch {self.microbatch}" if self.phase else ""
-        return f"{self.op} of block {self.block}{at}"
+        return f"{self.primitive} of block {self.block}{at}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Optimizer:
+    op: int
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
     kind: InstructionKind = InstructionKind.OPTIMIZER
@@ -165,7 +182,7 @@ class BlockInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Program(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
+class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
     devices: tuple[str, ...]  # rank r ↔ devices[r]
     blocks: tuple[BlockInfo, ...]
     microbatch_sizes: tuple[int, ...]
@@ -175,6 +192,25 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
 
     def rank_of(self) -> dict[str, int]:
         return {d: r for r, d in enumerate(self.devices)}
+
+    def describe(self, ins: Instruction) -> str:
+        """A short name of an instruction, as timelines label it."""
+        if isinstance(ins, Compute):
+            return f"{self.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}"
+        if isinstance(ins, (Send, Recv)):
+            return f"{ins.kind} {ins.peer} mb{ins.microbatch}"
+        if isinstance(ins, Collective):
+            if ins.tie:
+                return f"tied {ins.tie} sync"
+            if ins.primitive is CollectiveOp.ALL_REDUCE:
+                return f"{self.blocks[ins.block].label} {ins.method} sync"
+            at = f" {ins.phase} mb{ins.microbatch}" if ins.phase else ""
+            return f"{self.blocks[ins.block].label} {ins.primitive}{at}"
+        return "optimizer step"
+
+    def locations(self) -> dict[str, tuple[str, int]]:
+        """instruction id → (its device, its index in the device's list)."""
+        return {instruction_id(d, ins.op): (d, i) for d, lst in self.instructions.items() for i, ins in enumerate(lst)}
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per device: instruction counts by kind, bytes sent and received, and the peak
@@ -262,7 +298,7 @@ def _instruction(x: dict[str, Any]) -> Instruction:
         body["method"] = SyncMethod(body["method"])
         body["members"] = tuple(body["members"])
         body["nodes"] = tuple(tuple(n) for n in body["nodes"])
-        body["op"] = CollectiveOp(body.get("op", CollectiveOp.ALL_REDUCE))
+        body["primitive"] = CollectiveOp(body.get("primitive", CollectiveOp.ALL_REDUCE))
         body["shards"] = tuple(body.get("shards", ()))
         body["phase"] = Phase(body["phase"]) if body.get("phase") else None
     return _BY_KIND[kind](**body)
@@ -278,9 +314,25 @@ def validate(prog: Program, source: str = "<program>") -> None:
             f"{source}: instruction lists for {sorted(set(prog.instructions) ^ known)} do "
             f"not match the program's devices; re-create it with `heterog lower`."
         )
+    _check_ops(prog, source)
     _check_pairs(prog, source)
     _check_collectives(prog, source)
-    _check_deadlock(prog, source)
+    from heterog.lower.deadlock import check_deadlock  # it reads this module's instruction types
+
+    check_deadlock(prog, source)
+
+
+def _check_ops(prog: Program, source: str) -> None:
+    """Every instruction's id (device, op) names it alone."""
+    for d, lst in prog.instructions.items():
+        seen: dict[int, int] = {}
+        for i, ins in enumerate(lst):
+            if ins.op in seen:
+                raise PlanError(
+                    f"{source}: device {d!r} has two instructions of op {ins.op} (at {seen[ins.op]} and {i}); "
+                    f"each instruction needs its own id. Re-create the program with `heterog lower`."
+                )
+            seen[ins.op] = i
 
 
 def _check_pairs(prog: Program, source: str) -> None:
@@ -352,113 +404,3 @@ def _check_collectives(prog: Program, source: str) -> None:
                     f"{source}: device {d!r} is a member of the collective of {c.describe()} "
                     f"but never runs it; the other members would wait forever."
                 )
-
-
-class _Lanes:
-    """Each device's lane (execute/sync.py): the collectives it launched, run one after another
-    in launch order; one completes once it heads the lane of every member."""
-
-    def __init__(self, devices: tuple[str, ...], everyone: dict[tuple, set[str]]):
-        self.everyone = everyone
-        self.launched: dict[str, list[tuple]] = defaultdict(list)
-        self.head = dict.fromkeys(devices, 0)  # the first collective not yet completed
-        self.done: set[tuple] = set()
-
-    def drained(self, d: str) -> bool:
-        return self.head[d] == len(self.launched[d])
-
-    def _heads(self, c: tuple, e: str) -> bool:
-        return self.head[e] < len(self.launched[e]) and self.launched[e][self.head[e]] == c
-
-    def run(self) -> bool:
-        """Complete what can complete; whether anything did."""
-        moved = False
-        for d in self.head:
-            while not self.drained(d):
-                c = self.launched[d][self.head[d]]
-                if not all(self._heads(c, e) for e in self.everyone[c]):
-                    break
-                self.done.add(c)
-                for e in self.everyone[c]:
-                    self.head[e] += 1
-                moved = True
-        return moved
-
-
-def _check_deadlock(prog: Program, source: str) -> None:
-    """Run the program abstractly, as the executor does: sends never block, a receive waits
-    for its send, and a collective is launched without waiting onto its device's lane
-    (`_Lanes`). A compute waits for the gather that serves it (a stage-3 sharded block's
-    parameters); the optimizer step, like the end of the step, waits until every collective
-    its device launched has completed. Every device must reach its end."""
-    pos = {d: 0 for d in prog.devices}
-    posted: set[int] = set()
-    lanes = _Lanes(
-        prog.devices,
-        {
-            i.ident: set(i.members) | ({i.server} if i.server else set())
-            for lst in prog.instructions.values()
-            for i in lst
-            if isinstance(i, Collective)
-        },
-    )
-    gather_for = {
-        (d, i.serves): i.ident
-        for d, lst in prog.instructions.items()
-        for i in lst
-        if isinstance(i, Collective) and i.serves is not None
-    }
-    lists = prog.instructions
-
-    def blocked(d: str, i: Instruction) -> bool:
-        if isinstance(i, Recv):
-            return i.tag not in posted
-        if isinstance(i, Optimizer):
-            return not lanes.drained(d)
-        if isinstance(i, Compute):
-            wanted = gather_for.get((d, (i.block, i.phase, i.microbatch)))
-            return wanted is not None and wanted not in lanes.done
-        return False
-
-    progress = True
-    while progress:
-        progress = lanes.run()
-        for d in prog.devices:
-            lst = lists[d]
-            while pos[d] < len(lst) and not blocked(d, lst[pos[d]]):
-                i = lst[pos[d]]
-                if isinstance(i, Collective):
-                    lanes.launched[d].append(i.ident)
-                    lanes.run()
-                elif isinstance(i, Send):
-                    posted.add(i.tag)
-                pos[d] += 1
-                progress = True
-    stuck = {
-        d: lists[d][p] if p < len(lists[d]) else None
-        for d, p in pos.items()
-        if p < len(lists[d]) or not lanes.drained(d)
-    }
-    if stuck:
-        what = "; ".join(
-            f"{d!r} waits at instruction {pos[d]} ({_describe(i)})"
-            if i is not None
-            else f"{d!r} waits at its end for its collectives"
-            for d, i in list(stuck.items())[:4]
-        )
-        raise PlanError(
-            f"{source}: the program deadlocks: {what}. Each waits on a peer that waits "
-            f"on it; re-create the program with `heterog lower` (its order cannot deadlock)."
-        )
-
-
-def _describe(i: Instruction) -> str:
-    if isinstance(i, Recv):
-        return f"receive tag {i.tag} from {i.peer!r}"
-    if isinstance(i, Collective):
-        return f"{i.method} collective of {i.describe()} with {list(i.members)}"
-    if isinstance(i, Optimizer):
-        return "optimizer step, waiting for the collectives this device launched"
-    if isinstance(i, Compute):
-        return f"{i.phase} of block {i.block}, micro-batch {i.microbatch}, waiting for its parameters"
-    return str(i.kind)

@@ -117,7 +117,7 @@ def _shard_task(
     links, load = info.shard_ring(ring, fractions, key)
     t = tasks.add_sync(dur, mb, b, links, load, blk.devices, nbytes, info.shared_bw)
     tasks.shard_ops[t] = ShardOp(
-        op=str(op), members=ring, fractions=fractions, phase=str(phase) if phase else None, microbatch=microbatch
+        primitive=str(op), members=ring, fractions=fractions, phase=str(phase) if phase else None, microbatch=microbatch
     )
     return t
 

@@ -205,7 +205,7 @@ class ShardOp(NamedTuple):
     members (device ids, ring order) with each one's fraction of the flat buffer, and, for a
     stage-3 gather or a per-micro-batch reduce-scatter, the compute it serves (phase, micro-batch)."""
 
-    op: str  # CollectiveOp
+    primitive: str  # CollectiveOp
     members: tuple[int, ...]
     fractions: tuple[float, ...]
     phase: str | None = None  # Phase

@@ -44,7 +44,11 @@ from torch.utils._pytree import tree_map
 
 from heterog.cost.profile import Profile
 from heterog.execute.emulation import keep_freed_memory
-from heterog.workload import Workload, build_model, global_batch
+from heterog.hardware.cpu_probe import torch_threads
+from heterog.inputs import RANK_THREADS
+from heterog.ir.opgraph import OpGraph
+from heterog.ir.plan import ModelSpec
+from heterog.workload import Workload, build_model, global_batch, resolve_workload
 
 
 def _leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -279,11 +283,11 @@ def measure_profile(
     """A Profile of `work`'s leaf modules at `batch_sizes` on this CPU with `threads` threads,
     with freed memory kept for reuse as the ranks keep it (execute/emulation.py)."""
     keep_freed_memory()
-    torch.set_num_threads(threads)
-    model = build_model(work, seed=seed)
-    by_batch = node_times_by_batch(
-        model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed, statistic=statistic, clock=clock
-    )
+    with torch_threads(threads):  # the caller's count afterwards
+        model = build_model(work, seed=seed)
+        by_batch = node_times_by_batch(
+            model, work, tuple(batch_sizes), repeats=repeats, graph=graph, seed=seed, statistic=statistic, clock=clock
+        )
     times: dict[str, dict[str, dict[str, list]]] = {}
     for b, node_times in by_batch.items():
         for node, phases in node_times.items():
@@ -299,4 +303,17 @@ def measure_profile(
         precision="fp32",
         graph_fingerprint=graph.fingerprint() if graph is not None else "",
         times=frozen,
+    )
+
+
+def measured_profile(model: ModelSpec, graph: OpGraph, *, repeats: int = 5) -> Profile:
+    """Per-node times of `model` measured on this CPU at one thread, as its ranks run it (a
+    few seconds), at the batch sizes the cost model interpolates between
+    (profile_batch_sizes) — a profile `inputs.model_inputs` takes."""
+    return measure_profile(
+        resolve_workload(model),
+        graph=graph,
+        batch_sizes=profile_batch_sizes(model.batch_size),
+        repeats=repeats,
+        threads=RANK_THREADS,
     )

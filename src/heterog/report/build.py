@@ -3,12 +3,12 @@
 The page, top to bottom: what was planned and how long it takes; the bottleneck in three
 sentences; a timeline of one iteration per device (simulated, and measured beside it when a
 run is given); memory over the iteration against each device's capacity; the placement;
-the candidates; and, with a run, how its prediction relates to this one.
+the candidates; and, with a run, how its prediction relates to this one and, instruction by
+instruction, where the prediction missed (report/instructions.py).
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
@@ -16,8 +16,10 @@ from html import escape
 from heterog.fmt import human_bytes, human_time
 from heterog.hardware.cluster import Cluster
 from heterog.ir.plan import Plan
+from heterog.ir.run_result import RunResult, SpanCategory
 from heterog.report import bottleneck, page, svg, tables
-from heterog.report.inputs import Candidate, MeasuredRun
+from heterog.report.inputs import Candidate
+from heterog.report.instructions import instruction_section
 from heterog.simulate.result import SimResult
 
 MAX_TIMELINE_ROWS = 128  # above this many devices, the busiest MAX_TIMELINE_ROWS // 2 are drawn
@@ -30,7 +32,7 @@ class ReportInputs:
     sim: SimResult
     cluster: Cluster
     candidates: tuple[Candidate, ...] = ()
-    run: MeasuredRun | None = None
+    run: RunResult | None = None
 
 
 def _rows_shown(inp: ReportInputs) -> tuple[list[str], str]:
@@ -60,7 +62,7 @@ def _rows_shown(inp: ReportInputs) -> tuple[list[str], str]:
 
 def _sim_rows(inp: ReportInputs, devices: Sequence[str]) -> list[svg.Row]:
     bars: dict[str, list[svg.Bar]] = {d: [] for d in devices}
-    for _name, cat, track, s, e in inp.sim.events:
+    for _name, cat, track, s, e, _op in inp.sim.events:
         if track in bars:
             bars[track].append(svg.Bar(kind=cat, start_s=s, end_s=e, lane=0 if cat in COMPUTE_KINDS else 1))
     used = set(inp.plan.devices())
@@ -75,28 +77,26 @@ def _sim_rows(inp: ReportInputs, devices: Sequence[str]) -> list[svg.Row]:
     return rows
 
 
-def _measured_rows(run: MeasuredRun, devices: Sequence[str]) -> tuple[list[svg.Row], float, int]:
-    """The rows of the run's median step (the first step is warm-up when there are others)."""
-    steps = sorted({s.step for s in run.spans})
-    timed = [s for s in steps if s > 0] or steps
-    length = {k: max(s.end_s - s.start_s for s in run.spans if s.step == k and s.category == "step") for k in timed}
-    median = statistics.median_low(sorted(length.values()))
-    step = next(k for k in timed if length[k] == median)
+# a measured span's category → the timeline's kind (its CSS class): the lane's runs are syncs
+_MEASURED_KIND = {SpanCategory.COLLECTIVE: "sync"}
+
+
+def _measured_rows(run: RunResult, devices: Sequence[str]) -> tuple[list[svg.Row], float, int]:
+    """The rows of the run's shown step (the median one; the first step is warm-up when
+    there are others)."""
+    step = run.shown_step if run.shown_step is not None else max(s.step for s in run.spans)
     spans = [s for s in run.spans if s.step == step]
     t0 = min(s.start_s for s in spans)
     t1 = max(s.end_s for s in spans)
     bars: dict[str, list[svg.Bar]] = {d: [] for d in devices}
     for s in spans:
-        if s.category != "step" and s.device in bars:
-            bars[s.device].append(
-                svg.Bar(
-                    kind=s.category,
-                    start_s=s.start_s - t0,
-                    end_s=s.end_s - t0,
-                    lane=0 if s.category in COMPUTE_KINDS else 1,
-                )
+        device = run.devices[s.rank]
+        if s.category is not SpanCategory.STEP and device in bars:
+            kind = _MEASURED_KIND.get(s.category, str(s.category))
+            bars[device].append(
+                svg.Bar(kind=kind, start_s=s.start_s - t0, end_s=s.end_s - t0, lane=0 if kind in COMPUTE_KINDS else 1)
             )
-    ran = {s.device for s in spans}
+    ran = {run.devices[s.rank] for s in spans}
     return (
         [svg.Row(device=d, label=d if d in ran else f"{d} (no rank)", bars=tuple(bars[d])) for d in devices],
         t1 - t0,
@@ -119,6 +119,7 @@ def _summary(inp: ReportInputs) -> str:
         ("devices used", f"{len(p.devices())} of {len(inp.cluster.devices)}"),
         ("groups", str(len(p.groups))),
         ("micro-batches", f"{p.num_microbatches} ({p.schedule})"),
+        *tables.cost_kpis(p.predicted_cost),
     ]
     k = "".join(f"<div>{escape(a)}<b>{escape(b)}</b></div>" for a, b in kpis)
     fits += _recorded_prediction(p, s)
@@ -218,8 +219,8 @@ def _prediction(inp: ReportInputs) -> str:
     )
     lines = "".join(f"<li>{escape(n)}</li>" for n in run.notes)
     steps = "".join(
-        f'<tr><td class="num">{x["step"]}</td><td class="num">{x["loss"]:.4f}</td>'
-        f'<td class="num">{human_time(x["step_time_s"])}</td><td>{escape(x["slowest_device"])}</td></tr>'
+        f'<tr><td class="num">{x.step}</td><td class="num">{x.loss:.4f}</td>'
+        f'<td class="num">{human_time(x.step_time_s)}</td><td>{escape(x.slowest_device)}</td></tr>'
         for x in run.step_lines
     )
     table = (
@@ -230,12 +231,19 @@ def _prediction(inp: ReportInputs) -> str:
         if steps
         else ""
     )
+    other_plan = (run.model, run.strategy) != (inp.plan.model.name, inp.plan.strategy)
+    warn = (
+        f'<p class="bad">This run is of the {escape(run.strategy)} plan of {escape(run.model)}, not of this '
+        f"page's plan: pass the plan the run was made from.</p>"
+        if other_plan
+        else ""
+    )
     return (
-        f"<h2>Measured run</h2><p>median iteration measured {human_time(run.measured_iteration_time_s)} "
-        f"over {run.steps} steps; the run's own prediction: {other}; this report's simulation: "
-        f"{human_time(inp.sim.iteration_time_s)}. The run predicts on the cluster as its ranks see it "
-        f"(an emulated CPU device is re-measured at one thread per rank), so the two differ when the plan was "
-        f"made with another CPU probe or a measured profile.</p><ul>{lines}</ul>{table}"
+        f"<h2>Measured run</h2>{warn}<p>median iteration measured {human_time(run.measured_iteration_time_s)} "
+        f"over {run.measured_steps} of {run.options.steps} steps; the run's own prediction: {other}; "
+        f"this report's simulation: {human_time(inp.sim.iteration_time_s)}. The run predicts on the cluster as "
+        f"its ranks see it (an emulated CPU device is re-measured at one thread per rank), so the two differ when "
+        f"the plan was made with another CPU probe or a measured profile.</p><ul>{lines}</ul>{table}"
     )
 
 
@@ -261,6 +269,7 @@ def build_report(inp: ReportInputs) -> str:
         + "</div><h2>Candidates</h2>"
         + cands
         + _prediction(inp)
+        + instruction_section(inp.run)
         + '<p class="muted">Made by <code>heterog report</code>; self-contained: no scripts, fonts or '
         "network requests.</p>"
     )

@@ -1,8 +1,8 @@
 """What a report is made of, read from the files the other commands write.
 
 A report needs a Plan and the SimResult of that plan; it can also show the planner's
-candidates (in `heterog plan --json` output, not in a plan file) and a measured run
-(`heterog run --json` / `--out` output). Each is checked as it is read, and a file that is
+candidates (in `heterog plan --json` output, not in a plan file) and a measured run (the
+RunResult `heterog run --out` writes). Each is checked as it is read, and a file that is
 not what it should be says so.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 from heterog.errors import ArtifactError
 from heterog.ir.plan import KIND as PLAN_KIND
 from heterog.ir.plan import Plan
+from heterog.ir.run_result import RunResult
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,36 +29,11 @@ class Candidate:
     peak_memory_bytes: dict[str, int]
     devices_used: int
     num_microbatches: int
+    cost: dict[str, float] = field(default_factory=dict)  # search/objective.py cost_figures; {} unpriced
 
     @property
     def max_peak_memory_bytes(self) -> int:
         return max(self.peak_memory_bytes.values(), default=0)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeasuredSpan:
-    """A span that a rank measured (execute/trace.py), times relative to the run's start."""
-
-    device: str
-    rank: int
-    step: int
-    name: str
-    category: str
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeasuredRun:
-    """What the report shows of a run: its median iteration, its steps and its spans."""
-
-    measured_iteration_time_s: float
-    predicted_iteration_time_s: float | None
-    prediction_source: str
-    steps: int
-    step_lines: tuple[dict[str, Any], ...] = ()
-    spans: tuple[MeasuredSpan, ...] = ()
-    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,39 +80,22 @@ def candidate_from_dict(doc: dict[str, Any], where: str) -> Candidate:
             peak_memory_bytes={k: int(v) for k, v in doc.get("peak_memory_bytes", {}).items()},
             devices_used=int(doc.get("devices_used", 0)),
             num_microbatches=int(doc.get("num_microbatches", 1)),
+            cost={str(k): float(v) for k, v in (doc.get("cost") or {}).items()},
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{where}: not a candidate of `heterog plan --json` ({e!r}).") from None
 
 
-def load_run(path: Path) -> MeasuredRun:
-    """The JSON that `heterog run --json` prints (or writes with --out)."""
-    doc = _read_json(path, "output of `heterog run PLAN --json` (or its --out file)")
-    if not isinstance(doc, dict) or "measured_iteration_time_s" not in doc:
+def load_run(path: Path) -> RunResult:
+    """The run result that `heterog run --out RUN.json` writes (or prints with --json)."""
+    try:
+        run = RunResult.load(path)
+    except ArtifactError as e:
         raise ArtifactError(
-            f"{path}: has no 'measured_iteration_time_s', so it is not the output of "
-            f"`heterog run PLAN --json`; write one with `heterog run plan.json --out run.json`."
+            f"{e} --run takes the result of a run: write one with `heterog run plan.json --out run.json`."
+        ) from None
+    if run.failure is not None:
+        raise ArtifactError(
+            f"{path}: the run failed ({run.failure.type}: {run.failure.message}); nothing was measured."
         )
-    raw = doc.get("spans", [])
-    t0 = min((s["start_s"] for s in raw), default=0.0)
-    spans = tuple(
-        MeasuredSpan(
-            device=s["device"],
-            rank=int(s["rank"]),
-            step=int(s["step"]),
-            name=s["name"],
-            category=s["category"],
-            start_s=s["start_s"] - t0,
-            end_s=s["end_s"] - t0,
-        )
-        for s in raw
-    )
-    return MeasuredRun(
-        measured_iteration_time_s=float(doc["measured_iteration_time_s"]),
-        predicted_iteration_time_s=doc.get("predicted_iteration_time_s"),
-        prediction_source=str(doc.get("prediction_source", "")),
-        steps=int(doc.get("steps", 0)),
-        step_lines=tuple(doc.get("step_lines", ())),
-        spans=spans,
-        notes=tuple(doc.get("notes", ())),
-    )
+    return run

@@ -30,7 +30,7 @@ svg text{fill:var(--fg);font:11px system-ui,sans-serif}svg text.label{text-ancho
 svg text.tick{fill:var(--muted);text-anchor:middle}svg .grid{stroke:var(--line);stroke-width:1}
 svg .lane-bg{fill:var(--lane)}svg .k-forward{fill:var(--forward)}svg .k-backward{fill:var(--backward)}
 svg .k-optimizer{fill:var(--optimizer)}svg .k-compute{fill:var(--compute)}svg .k-sync{fill:var(--sync)}
-svg .k-transfer{fill:var(--transfer)}svg .mem{fill:var(--mem);fill-opacity:.55}
+svg .k-transfer{fill:var(--transfer)}svg .k-collective{fill:var(--sync)}svg .mem{fill:var(--mem);fill-opacity:.55}
 svg .mem-over{fill:var(--over);fill-opacity:.6}svg .cap{stroke:var(--fg);stroke-dasharray:3 2}
 svg .memtext.bad{fill:var(--over)}
 .legend span{display:inline-block;margin-right:14px}.legend i{display:inline-block;width:12px;height:10px;

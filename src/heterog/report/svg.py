@@ -30,6 +30,7 @@ class Bar:
     start_s: float
     end_s: float
     lane: int = 0  # 0: compute lane (tall), 1: communication lane (thin)
+    title: str = ""  # its tooltip (an instruction's id); bars merged for size lose theirs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,7 +49,7 @@ def merge_intervals(bars: Iterable[Bar], tolerance_s: float) -> list[Bar]:
         key = (b.kind, b.lane)
         cur = open_.get(key)
         if cur is not None and b.start_s - cur.end_s <= tolerance_s:
-            open_[key] = Bar(kind=cur.kind, lane=cur.lane, start_s=cur.start_s, end_s=max(cur.end_s, b.end_s))
+            open_[key] = Bar(kind=cur.kind, lane=cur.lane, start_s=cur.start_s, end_s=max(cur.end_s, b.end_s), title="")
             continue
         if cur is not None:
             out.append(cur)
@@ -107,7 +108,8 @@ def timeline_svg(rows: Sequence[Row], duration_s: float, *, width_px: int, title
             x = LABEL_PX + b.start_s * scale
             w = max((b.end_s - b.start_s) * scale, 0.6)
             by, bh = (y + 3, 11) if b.lane == 0 else (y + 15, 5)
-            out.append(f'<rect class="k-{b.kind}" x="{x:.1f}" y="{by}" width="{w:.1f}" height="{bh}"/>')
+            end = f"><title>{escape(b.title)}</title></rect>" if b.title else "/>"
+            out.append(f'<rect class="k-{b.kind}" x="{x:.1f}" y="{by}" width="{w:.1f}" height="{bh}"{end}')
         out.append("</g>")
     out.append("</svg>")
     return "".join(out)

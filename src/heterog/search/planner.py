@@ -1,14 +1,17 @@
-"""The planner: from a model (or its graph), a cluster and costs to the best Plan, the table
-of every candidate it compared, and a lower bound beside them.
+"""The planner: from a model's graph, a cluster and costs to the best Plan, the table of every
+candidate it compared, and a lower bound beside them (the capture and the costs before it:
+heterog/plan_module.py).
 
 Order, every stage within one deadline (the budget): group the graph → baselines, each
-scored by the simulator → the lower bound (bound.py) → search lanes (lanes.py): an annealing
+scored by the simulator → the lower bound (bound.py) → data parallelism on fewer devices
+(objective.py subsets, in SUBSET_SHARE of the lanes' time) → search lanes (lanes.py): an annealing
 chain from the baselines ('search') and one from the GNN policy's proposals ('gnn',
 'gnn+search'), side by side in two processes where the machine has two cores, one after the
 other (the GNN lane taking GNN_SHARE of the time) where it has one → the best feasible
-candidate, explained. The best is the minimum over all feasible candidates, so it is never
-worse than a baseline as the simulator scores them; and since a lane's candidate is the best
-of a prefix of its seed's moves, a larger budget never gives a worse plan.
+candidate by the objective (search/objective.py), explained. The fastest is the minimum over
+all feasible candidates, so it is never worse than a baseline as the simulator scores them;
+and since a lane's candidate is the best of a prefix of its seed's moves, a larger budget
+never gives a worse one. The objective chooses by time or cost, within its tolerance.
 """
 
 from __future__ import annotations
@@ -21,13 +24,11 @@ from importlib import resources
 from typing import Any
 
 from heterog._signals import signals_deferred
-from heterog.capture.cache import capture_cached
 from heterog.cost.model import CostModel
 from heterog.cost.precision import precision_advice
 from heterog.errors import InfeasibleError, PlanError, did_you_mean
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.spec import cluster_to_dict
-from heterog.inputs import model_inputs
 from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
@@ -49,9 +50,10 @@ from heterog.search.lanes import (
     simulator_scorer,
     usable_cores,
 )
+from heterog.search.objective import SUBSET_SHARE, Goal, check_priced, choose, subset_candidates
 from heterog.search.problem import Problem, Strategy
 
-__all__ = ["CANDIDATES", "Candidate", "PlanResult", "plan", "plan_graph", "simulator_scorer"]
+__all__ = ["CANDIDATES", "Candidate", "PlanResult", "load_code", "plan_graph", "simulator_scorer"]
 
 CANDIDATES = (*BASELINES, "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
@@ -117,7 +119,7 @@ def _has_policy(policy: Any) -> bool:
     return policy is not None or resources.files("heterog.search.gnn").joinpath("policy.pt").is_file()
 
 
-def _load_code(policy: Any) -> None:
+def load_code(policy: Any) -> None:
     """What a process loads once, before the budget's clock starts, as the command's other
     imports: the GNN's modules (torch, torch_geometric) and the simulator's compiled code
     (numba loads it on the first call: a tiny plan is simulated). A lane forked afterwards
@@ -265,6 +267,7 @@ def plan_graph(
     cut_cache: ConstraintCache | None = None,
     deadline_s: float | None = None,
     workers: int | None = None,
+    goal: Goal | None = None,
 ) -> PlanResult:
     """The best Plan for `graph` on `cluster`, ending about `budget_s` seconds after the call
     (or at `deadline_s`, a time.perf_counter() value, when the caller's clock started earlier).
@@ -281,8 +284,11 @@ def plan_graph(
     model once per `cut_cache` (the module's default cache when None), None ignores them.
     Groups follow them, and a candidate that breaks them is reported infeasible.
     workers: processes for the lanes (default: the usable cores, at most 2).
+    goal: the objective, price ceiling and tolerance of the final choice (search/objective.py).
     """
-    _load_code(policy)
+    goal = goal if goal is not None else Goal()
+    check_priced(cluster, goal)
+    load_code(policy)
     begin = time.perf_counter()
     deadline = deadline_s if deadline_s is not None else begin + budget_s
     stages = _Stages()
@@ -323,6 +329,10 @@ def plan_graph(
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s
+        # data parallelism on fewer devices (search/objective.py), in part of the lanes' time
+        subsets_end = time.perf_counter() + SUBSET_SHARE * max(0.0, deadline - reserve_s - time.perf_counter())
+        subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
+        stages.done("subsets")
         mine = Lane(name="search", seed=seed, starts=_search_starts(list(base.strategies.values())), known=base.known)
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
@@ -334,7 +344,7 @@ def plan_graph(
         split["finetune_s"] = f"min({finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
     say("scoring", 0.9)
-    best, ordered = _choose(prob, base.candidates, found, bound)
+    best, ordered = _choose(prob, {**base.candidates, **subsets}, found, bound, goal)
     stages.done("explanation")
     say("done", 1.0)
     lanes: dict[str, dict[str, Any]] = {}
@@ -357,19 +367,22 @@ def _has_simulator() -> bool:
     return _simulator() is not None
 
 
-def _choose(prob: Problem, baselines: dict[str, Candidate], found: Best, bound: Bound) -> tuple[Plan, list[Candidate]]:
-    """(the best feasible candidate's plan, explained; every candidate, in CANDIDATES order)."""
+def _choose(
+    prob: Problem, baselines: dict[str, Candidate], found: Best, bound: Bound, goal: Goal
+) -> tuple[Plan, list[Candidate]]:
+    """(the winner by `goal`'s objective among the feasible candidates (search/objective.py),
+    explained; every candidate, in CANDIDATES order, then the subsets)."""
     candidates = dict(baselines)
     for name, c in found.by_name.items():
         if name not in candidates or c.rank < candidates[name].rank:
             candidates[name] = c
     cluster_doc = cluster_to_dict(prob.cluster)
-    ordered = [_runnable(prob, candidates[n], cluster_doc, bound) for n in CANDIDATES if n in candidates]
-    feasible = [c for c in ordered if c.feasible]
-    if not feasible:
+    names = [n for n in CANDIDATES if n in candidates] + [n for n in candidates if n not in CANDIDATES]
+    ordered = [_runnable(prob, candidates[n], cluster_doc, bound) for n in names]
+    if not any(c.feasible for c in ordered):
         raise InfeasibleError(explain.infeasible_message(prob, ordered))
-    winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
-    return _finish(prob, winner, ordered, bound), ordered
+    choice = choose(prob, ordered, goal)
+    return _finish(prob, choice.winner, list(choice.candidates), bound, choice.notes), list(choice.candidates)
 
 
 def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any], bound: Bound) -> Candidate:
@@ -384,75 +397,14 @@ def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any], bound: B
     return replace(c, plan=plan, feasible=c.feasible and not broken, above_bound=bound.within(c.iteration_time_s))
 
 
-def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate], bound: Bound) -> Plan:
+def _finish(
+    prob: Problem, winner: Candidate, candidates: list[Candidate], bound: Bound, choice_notes: tuple[str, ...] = ()
+) -> Plan:
     """Attach the explanation (prediction and cluster came with _runnable, priorities with
     scoring), and how the devices run the plan's precision (cost/precision.py)."""
     plan = replace(
         winner.plan,
-        notes=tuple(explain.notes(prob, winner, candidates, bound))
+        notes=tuple(explain.notes(prob, winner, candidates, bound, choice_notes))
         + precision_advice(prob.cluster, winner.plan.precision).notes,
     )
     return plan.validate(prob.graph, prob.cluster)
-
-
-def plan(
-    model: str,
-    *,
-    model_args: dict[str, Any] | None = None,
-    batch_size: int,
-    seq_len: int | None = None,
-    cluster: str | Cluster,
-    precision: str = "fp32",
-    optimizer: str = "sgd",
-    budget_s: float = DEFAULT_BUDGET_S,
-    seed: int = 0,
-    policy: Any = None,
-    finetune_s: float = 0.0,
-    max_iters: int | None = None,
-    progress: Callable[[str, float], None] | None = None,
-    strategy: str | None = None,
-    profile: Any = None,
-) -> dict[str, Any]:
-    """Capture `model`, load `cluster`, build the cost model and plan, all within `budget_s`
-    (the clock starts here). Returns the CLI's JSON: {"best": plan dict, "candidates": [...],
-    "bound", "time_s" (where the time went), "search_time_s", ...}; with `strategy`, also
-    "chosen": that candidate's plan (a baseline's or heterog's), so any candidate can be run.
-    profile: measured profiles ('FILE' or 'FILE:TYPE', a Profile or DeviceProfile, or a list),
-    each for one device type: their per-node times replace the analytic estimate for the nodes
-    they measured, and a GPU's device profile calibrates its type (cost/calibrated.py)."""
-    _load_code(policy)
-    t0 = time.perf_counter()
-    spec = ModelSpec(name=model, args=dict(model_args or {}), batch_size=batch_size, seq_len=seq_len)
-    graph = capture_cached(model, model_args, batch_size=batch_size, seq_len=seq_len)
-    t1 = time.perf_counter()
-    # the inputs simulate, report and run build for the plan (heterog/inputs.py): one prediction
-    graph, clu, costs = model_inputs(
-        spec, cluster, precision=precision, optimizer=optimizer, profile=profile, graph=graph
-    )
-    t2 = time.perf_counter()
-    result = plan_graph(
-        graph,
-        clu,
-        costs,
-        budget_s=budget_s,
-        seed=seed,
-        policy=policy,
-        model_spec=spec,
-        precision=precision,
-        optimizer=optimizer,
-        finetune_s=finetune_s,
-        max_iters=max_iters,
-        progress=progress,
-        deadline_s=t0 + budget_s,
-    )
-    out = result.to_dict()
-    out["other_time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["other_time_s"]}
-    out["time_s"] = {"graph": t1 - t0, "cluster_and_costs": t2 - t1, **out["time_s"]}
-    # what every plan needs before a search can start; when it alone outlasts the budget,
-    # the command ends that much later (plus the simulations in flight at the deadline)
-    out["required_s"] = sum(out["time_s"].get(k, 0.0) for k in REQUIRED_STAGES)
-    out["over_budget_s"] = time.perf_counter() - t0 - budget_s
-    out["graph_cache"] = graph.meta.get("graph_cache", "off")
-    if strategy is not None:
-        out["chosen"] = result.plan_of(strategy).to_dict()
-    return out

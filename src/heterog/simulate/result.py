@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 SCHEMA_VERSION = 1
 KIND = "heterog.SimResult"
+
+
+class SimEvent(NamedTuple):
+    """One piece of the simulated timeline: a task on a device's track or on a link's
+    ('link:<link name>'). `op` is the schedule task it times: in the unmerged schedule that a
+    Program is written from, the op of the device's instruction (lower/program.py
+    instruction_id), so a Program instruction's predicted start and end are the event of its op
+    on its device's track."""
+
+    name: str
+    category: str
+    track: str
+    start_s: float
+    end_s: float
+    op: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,8 +78,8 @@ class SimResult:
         return self._traffic[0]
 
     @property
-    def events(self) -> tuple[tuple[str, str, str, float, float], ...]:
-        """Timeline events (name, category, track, start_s, end_s); track is a device name
+    def events(self) -> tuple[SimEvent, ...]:
+        """Timeline events (name, category, track, start_s, end_s, op); track is a device name
         or 'link:<link name>'."""
         if not self._built:
             src = self.timeline_source
@@ -98,7 +113,8 @@ class SimResult:
         }
         if events:
             out["events"] = [
-                {"name": n, "category": c, "track": tr, "start_s": s, "end_s": e} for n, c, tr, s, e in self.events
+                {"name": n, "category": c, "track": tr, "start_s": s, "end_s": e, "op": op}
+                for n, c, tr, s, e, op in self.events
             ]
         return out
 
@@ -120,8 +136,8 @@ class SimResult:
         link_pid = len(pids) + 1
         trace.append({"ph": "M", "name": "process_name", "pid": link_pid, "args": {"name": "links"}})
         link_tids: dict[str, int] = {}
-        for name, cat, track, s, e in self.events:
-            ev = {"name": name, "cat": cat, "ph": "X", "ts": s * 1e6, "dur": max(e - s, 0.0) * 1e6}
+        for name, cat, track, s, e, op in self.events:
+            ev = {"name": name, "cat": cat, "ph": "X", "ts": s * 1e6, "dur": max(e - s, 0.0) * 1e6, "args": {"op": op}}
             if track.startswith("link:"):
                 link = track[5:]
                 tid = link_tids.get(link)

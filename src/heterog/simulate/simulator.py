@@ -30,7 +30,7 @@ from heterog.lower.context import SimCache
 from heterog.lower.schedule import Schedule, build_schedule
 from heterog.lower.taskgraph import KIND_NAMES, OPT, SYNC, XFER
 from heterog.simulate import engine
-from heterog.simulate.result import SimResult, Traffic
+from heterog.simulate.result import SimEvent, SimResult, Traffic
 
 
 def simulate(
@@ -159,7 +159,7 @@ def _events(tasks, info, start, end):
         s, e = start[t], end[t]
         if k == OPT:
             for d in twins.get(tasks.dev[t], (tasks.dev[t],)):
-                yield ("optimizer step", "optimizer", names[d], s, e)
+                yield SimEvent("optimizer step", "optimizer", names[d], s, e, t)
             continue
         blk = blocks[tasks.block_of(t)]
         if k == XFER:
@@ -169,15 +169,17 @@ def _events(tasks, info, start, end):
             tie, shard = tasks.ties.get(t), tasks.shard_ops.get(t)
             label = f"tied {tie} sync" if tie else f"{blk.label} {blk.sync} sync"
             if shard is not None:  # a sharded block's reduce-scatter or gather (lower/shard_tasks.py)
-                label = f"{blk.label} {shard.op}" + (f" {shard.phase} mb{shard.microbatch}" if shard.phase else "")
+                label = f"{blk.label} {shard.primitive}" + (
+                    f" {shard.phase} mb{shard.microbatch}" if shard.phase else ""
+                )
         else:
             label = f"{blk.label} {'F' if k == 0 else 'B'} mb{tasks.mb[t]}"
         cat = KIND_NAMES[k]
         if tasks.dev[t] >= 0:
             for d in twins.get(tasks.dev[t], (tasks.dev[t],)):
-                yield (label, cat, names[d], s, e)
+                yield SimEvent(label, cat, names[d], s, e, t)
             continue
         for m in tasks.comm[t][0]:
-            yield (label, cat, names[m], s, e)
+            yield SimEvent(label, cat, names[m], s, e, t)
         for link in tasks.links[t]:
-            yield (label, cat, f"link:{links[link]}", s, e)
+            yield SimEvent(label, cat, f"link:{links[link]}", s, e, t)
