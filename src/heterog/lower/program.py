@@ -199,13 +199,11 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
             return f"{self.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}"
         if isinstance(ins, (Send, Recv)):
             return f"{ins.kind} {ins.peer} mb{ins.microbatch}"
-        if isinstance(ins, Collective):
-            if ins.tie:
-                return f"tied {ins.tie} sync"
-            if ins.primitive is CollectiveOp.ALL_REDUCE:
-                return f"{self.blocks[ins.block].label} {ins.method} sync"
-            at = f" {ins.phase} mb{ins.microbatch}" if ins.phase else ""
-            return f"{self.blocks[ins.block].label} {ins.primitive}{at}"
+        if isinstance(ins, Collective) and ins.tie:
+            return f"tied {ins.tie} sync"
+        if isinstance(ins, Collective):  # an all-reduce by its method, a sharded block's by its primitive
+            what = f"{ins.method} sync" if ins.primitive is CollectiveOp.ALL_REDUCE else str(ins.primitive)
+            return f"{self.blocks[ins.block].label} {what}" + (f" {ins.phase} mb{ins.microbatch}" if ins.phase else "")
         return "optimizer step"
 
     def locations(self) -> dict[str, tuple[str, int]]:
