@@ -188,6 +188,32 @@ def _in_bytes(graph: OpGraph, node: str) -> float:
     return sum(e.bytes.per_sample for e in graph.edges if e.dst == node)
 
 
+def _split_linear(n: OpNode, full_per_sample: float, degree: int, **kept: Affine) -> OpNode:
+    """A split linear that moves `full_per_sample` bytes whole: once in forward, twice in
+    backward; its largest transient stays whole-width."""
+    return _divided(
+        n,
+        degree,
+        fwd_bytes=_keep_full(n.fwd_bytes, full_per_sample, degree),
+        bwd_bytes=_keep_full(n.bwd_bytes, 2 * full_per_sample, degree),
+        workspace_bytes=n.workspace_bytes,
+        **kept,
+    )
+
+
+def _column_parallel(graph: OpGraph, name: str, degree: int) -> OpNode:
+    """A linear split by output features: it reads (and saves for backward, Korthikanti et
+    al. 2022 §4.2.2) its whole input, and writes its input's whole gradient."""
+    n = graph.node(name)
+    return _split_linear(n, _in_bytes(graph, name), degree, saved_bytes=n.saved_bytes)
+
+
+def _row_parallel(n: OpNode, degree: int) -> OpNode:
+    """A linear split by input features: each rank writes a whole-width partial output (the
+    all-reduce sums them) and reads its gradient whole in backward."""
+    return _split_linear(n, n.output_bytes.per_sample, degree, output_bytes=n.output_bytes)
+
+
 def split_graph(graph: OpGraph, layout: TensorParallelLayout, degree: int) -> OpGraph:
     """The graph one rank of a `degree`-way tensor-parallel group runs (same node names)."""
     if degree not in DEGREES:
@@ -200,26 +226,10 @@ def split_graph(graph: OpGraph, layout: TensorParallelLayout, degree: int) -> Op
     split_out: set[str] = set()  # nodes whose outputs are divided (their out-edges too)
     for r in layout.regions:
         for c in r.column:
-            n, full = graph.node(c), _in_bytes(graph, c)
-            new[c] = _divided(
-                n,
-                degree,
-                fwd_bytes=_keep_full(n.fwd_bytes, full, degree),
-                bwd_bytes=_keep_full(n.bwd_bytes, 2 * full, degree),  # reads its input, writes its gradient
-                saved_bytes=n.saved_bytes,  # its whole input (Korthikanti et al. 2022 §4.2.2)
-                workspace_bytes=n.workspace_bytes,
-            )
+            new[c] = _column_parallel(graph, c, degree)
         for i in r.inner:
             new[i] = _divided(graph.node(i), degree)
-        n, full = graph.node(r.row), graph.node(r.row).output_bytes.per_sample
-        new[r.row] = _divided(
-            n,
-            degree,
-            fwd_bytes=_keep_full(n.fwd_bytes, full, degree),
-            bwd_bytes=_keep_full(n.bwd_bytes, 2 * full, degree),
-            output_bytes=n.output_bytes,
-            workspace_bytes=n.workspace_bytes,
-        )
+        new[r.row] = _row_parallel(graph.node(r.row), degree)
         split_out.update(r.column + r.inner)
     v = layout.vocab
     if v is not None:
@@ -227,15 +237,7 @@ def split_graph(graph: OpGraph, layout: TensorParallelLayout, degree: int) -> Op
         new[v.embedding] = replace(
             e, param_count=round(e.param_count / degree), param_bytes=round(e.param_bytes / degree)
         )
-        h, full = graph.node(v.head), _in_bytes(graph, v.head)
-        new[v.head] = _divided(
-            h,
-            degree,
-            fwd_bytes=_keep_full(h.fwd_bytes, full, degree),
-            bwd_bytes=_keep_full(h.bwd_bytes, 2 * full, degree),
-            saved_bytes=h.saved_bytes,
-            workspace_bytes=h.workspace_bytes,
-        )
+        new[v.head] = _column_parallel(graph, v.head, degree)  # split by vocabulary rows
         for loss in v.losses:
             new[loss] = _divided(graph.node(loss), degree, output_bytes=graph.node(loss).output_bytes)
         split_out.add(v.head)
