@@ -80,6 +80,10 @@ def test_two_allreduces_of_the_activations_per_block_each_way(graph, cluster):
         mine = [c for c in found if c.phase == phase]
         assert len(mine) == 2 * LAYERS
         assert {c.elements.at(B) * c.element_bytes for c in mine} == {B * S * H * 2}
+    # a vocabulary-parallel embedding and head add one each way; the loss three in forward
+    vocab = group_collectives(graph, megatron_layout(graph), "fp16")
+    assert sum(c.phase == Phase.FORWARD for c in vocab) == 2 * LAYERS + 1 + 3
+    assert sum(c.phase == Phase.BACKWARD for c in vocab) == 2 * LAYERS + 1
     # the row linear's forward pays its all-reduce over its group's own devices
     costs = tp_costs(graph, cluster, 2)
     row, d = "transformer.h.1.mlp.c_proj", "a/gpu0"
@@ -91,9 +95,14 @@ def test_two_allreduces_of_the_activations_per_block_each_way(graph, cluster):
 
 
 @pytest.mark.parametrize("degree", [2, 4])
-def test_split_layers_hold_a_tth_of_their_state_and_activations(graph, degree):
+def test_split_layers_hold_a_tth_of_their_state_and_activations(graph, cluster, degree):
     layout = megatron_layout(graph)
     split = split_graph(graph, layout, degree)
+    # parameters, gradients and Adam's state of a split linear: 1/t on each rank
+    whole = AnalyticCostModel(graph, cluster, precision="fp16", optimizer="adamw")
+    rank = AnalyticCostModel(split, cluster, precision="fp16", optimizer="adamw")
+    fc, d = ["transformer.h.0.mlp.c_fc"], cluster.devices[0].name
+    assert rank.persistent_bytes(fc, d) == pytest.approx(whole.persistent_bytes(fc, d) / degree, rel=1e-3)
     for r in layout.regions:
         for name in (*r.column, r.row):
             assert split.node(name).param_count == pytest.approx(graph.node(name).param_count / degree, abs=1)
