@@ -33,7 +33,9 @@ cross (a node's NIC, for a data-parallel ring across nodes).
 
 Limits: one degree for the whole model; sequence parallelism (reduce-scatter + all-gather
 instead of each all-reduce) is not modelled; only ring collectives between groups; a row
-linear's bias (replicated in Megatron) is counted as split (1/in of its parameters).
+linear's bias (replicated in Megatron) is counted as split (1/in of its parameters); with
+recompute, the forward's all-reduces are not counted again in backward (Megatron's activation
+checkpointing repeats them); an untied embedding and head stay replicated.
 """
 
 from __future__ import annotations
