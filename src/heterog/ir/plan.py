@@ -170,6 +170,9 @@ class ModelSpec:
     file_sha256: str | None = None  # its content hash, when saved to disk
 
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
     strategy: str  # 'even-dp-allreduce', 'search', ... (see search/)
@@ -179,7 +182,7 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
     groups: tuple[Group, ...]
     num_microbatches: int = 1
     schedule: PipelineSchedule = PipelineSchedule.GPIPE
-    bucket_bytes: int = 25 * 2**20  # gradient bucket size for overlapping sync with backward
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient bucket size for overlapping sync with backward
     priorities: dict[str, float] = field(default_factory=dict)  # node → priority; higher first
     cluster: dict[str, Any] = field(default_factory=dict)  # the cluster spec (self-contained)
     graph_fingerprint: str = ""

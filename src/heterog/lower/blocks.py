@@ -14,7 +14,9 @@ so the samples replica i of a producer shares with replica j of a consumer move 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -138,14 +140,17 @@ def sent_once(edges, size) -> list:
     return list(best.values())
 
 
-def overlaps(a: list[int], b: list[int]):
+Amount = TypeVar("Amount", int, float)  # samples (the executor) or shares (the estimate)
+
+
+def overlaps(a: Sequence[Amount], b: Sequence[Amount]) -> Iterator[tuple[int, int, Amount]]:
     """(i, j, n): n samples owned by replica i of one split and replica j of the other,
     when both own contiguous ranges of the same micro-batch in replica order. For a few
     replicas (the search's estimate, the executor's ranges); `overlap_arrays` is the same
     rule over arrays, for blocks of hundreds of replicas (tests hold the two equal)."""
     i = j = 0
     ea, eb = a[0] if a else 0, b[0] if b else 0
-    pos = 0
+    pos: Amount = a[0] - a[0] if a else 0  # zero of the amounts' type
     while i < len(a) and j < len(b):
         end = min(ea, eb)
         if end > pos:

@@ -65,6 +65,7 @@ def single_device(prob: Problem) -> Strategy:
             best = s
         if estimate(prob, s).feasible:
             return s
+    assert best is not None  # a problem has at least one device
     return best
 
 

@@ -167,7 +167,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
         comm_free[dev[g]] = done
         return done
 
-    fin_f = [[None] * M for _ in range(G)]
+    fin_f: list[list[np.ndarray]] = [[np.zeros(0)] * M for _ in range(G)]  # set before read
     for m in range(M):
         for g in range(G):
             ready = np.zeros(len(dev[g]))
@@ -183,7 +183,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             fin = start + t_f[g]
             free[dev[g]] = fin
             fin_f[g][m] = fin
-    fin_b = [[None] * M for _ in range(G)]
+    fin_b: list[list[np.ndarray]] = [[np.zeros(0)] * M for _ in range(G)]  # set before read
     syncs: list[tuple[np.ndarray, float]] = []  # (devices, end of their gradient sync)
 
     def sync(bucket: list[int], m: int) -> None:
@@ -222,17 +222,17 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     for g in range(G):
         end[dev[g]] += prob.opt_time_s[g, cls[g]] * optimizer_fraction(P[g])
     for bucket in closes.values():  # stages 1–2: the updated pieces gathered after the step
-        p = P[bucket[0]]
-        if p.shard and p.shard < ShardStage.PARAMETERS:
+        unit = P[bucket[0]]
+        if unit.shard and unit.shard < ShardStage.PARAMETERS:
             nbytes = float(sum(prob.param_bytes[x] for x in bucket))
-            end[dev[bucket[0]]] = end[dev[bucket[0]]].max() + shard_time_s(prob, p, nbytes, CollectiveOp.ALL_GATHER)
+            end[dev[bucket[0]]] = end[dev[bucket[0]]].max() + shard_time_s(prob, unit, nbytes, CollectiveOp.ALL_GATHER)
     # -- memory ------------------------------------------------------------------------------
     peak = np.zeros(prob.n_devices)
     work = np.zeros(prob.n_devices)
     inflight = np.full(prob.n_devices, float(M))  # GPipe: every micro-batch's activations are live
     if s.schedule == PipelineSchedule.ONE_F_ONE_B and M > 1:  # the lowering's 1F1B window: p − s on stage s
-        for d, limit in stage_limits([tuple(P[g].devices) for g in range(G)]).items():
-            inflight[d] = min(M, limit)
+        for device, limit in stage_limits([tuple(P[g].devices) for g in range(G)]).items():
+            inflight[device] = min(M, limit)
     for g in range(G):
         local = shares[g] * b_m * inflight[dev[g]]
         act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local
@@ -245,9 +245,9 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             others = [d for d in P[g].devices if d != P[g].ps]
             np.add.at(peak, others, prob.grad_bytes[g])
     for bucket in closes.values():  # a sharded unit in use (sharding.unit_bytes)
-        p = P[bucket[0]]
-        if p.shard:
-            np.maximum.at(work, dev[bucket[0]], unit_bytes(prob, bucket, p.shard))
+        unit = P[bucket[0]]
+        if unit.shard:
+            np.maximum.at(work, dev[bucket[0]], unit_bytes(prob, bucket, unit.shard))
     peak += work
     overflow = float(np.max((peak - prob.memory_bytes) / prob.memory_bytes))
     return Estimate(iteration_time_s=float(end.max()), peak_memory_bytes=peak, overflow=max(0.0, overflow))

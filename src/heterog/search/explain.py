@@ -57,7 +57,7 @@ def _busy_note(plan: Plan, sim) -> str:
     busy = {d: sim.compute_time_s.get(d, 0.0) / t for d in plan.devices()} if t > 0 else {}
     if not busy:
         return ""
-    top = max(busy, key=busy.get)
+    top = max(busy, key=busy.__getitem__)
     return (
         f"in the simulated iteration the {len(busy)} device(s) used compute {_percent_range(list(busy.values()))} "
         f"of the time (busiest: {top} at {busy[top] * 100:.0f} %); the rest they wait for inputs, "
@@ -129,9 +129,9 @@ def _shard_note(prob: Problem, plan: Plan, a: int, b: int) -> str:
     g = plan.groups[a]
     idx = tuple(prob.device_names.index(r.device) for r in g.replicas)
     p = Placement(idx, tuple(r.share for r in g.replicas), SyncMethod.RING, None, g.recompute, g.shard_stage, g.shards)
-    held = sum(replica_state_bytes(prob, x, p) for x in range(a, b))
+    held = np.sum([replica_state_bytes(prob, x, p) for x in range(a, b)], axis=0)
     whole = sum(prob.persistent_bytes[x, prob.dev_class[list(idx)]] for x in range(a, b))
-    pieces = ", ".join(f"{r.device} {r.shard * 100:.0f}%" for r in g.replicas[:6]) + (
+    pieces = ", ".join(f"{r.device} {(r.shard or 0.0) * 100:.0f}%" for r in g.replicas[:6]) + (
         " …" if len(g.replicas) > 6 else ""
     )
     tight = int(np.argmax(whole / prob.memory_bytes[list(idx)]))

@@ -223,4 +223,5 @@ class _Walk:
         for v, _, s in distinct[1:]:
             if v <= START_WITHIN * top:
                 self.anneal(s, v, START_MOVES, restarts=False)
+        assert self.best is not None  # the starts above were scored
         self.anneal(self.best, self.best_v, None, restarts=True)

@@ -19,15 +19,15 @@ import numpy as np
 from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
 from heterog.ir.affine import Affine
-from heterog.ir.kinds import Phase, PipelineSchedule, SyncMethod
+from heterog.ir.kinds import Phase, PipelineSchedule, Precision, SyncMethod
 from heterog.ir.opgraph import OpGraph
-from heterog.ir.plan import Group, ModelSpec, Plan, Replica, split_samples
+from heterog.ir.plan import DEFAULT_BUCKET_BYTES, Group, ModelSpec, Plan, Replica, split_samples
 from heterog.lower.context import SimCache, device_class_key
 from heterog.search.constraints import ModelCuts
 from heterog.search.grouping import group_graph
 
 SYNC_CHOICES = (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL, SyncMethod.PS)
-BUCKET_BYTES = Plan.__dataclass_fields__["bucket_bytes"].default  # gradient bucket of the plans we emit
+BUCKET_BYTES = DEFAULT_BUCKET_BYTES  # gradient bucket of the plans we emit
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,11 +172,11 @@ class Problem:
         self.edges = {k: v for k, v in group_graph(self.graph, self.groups).items()}
         self.preds: list[list[int]] = [[] for _ in range(G)]
         self.succs: list[list[int]] = [[] for _ in range(G)]
-        for a, b in self.edges:
-            self.preds[b].append(a)
-            self.succs[a].append(b)
+        for src, dst in self.edges:
+            self.preds[dst].append(src)
+            self.succs[src].append(dst)
         self._pair_cache: dict[tuple, tuple[float, float]] = {}
-        self._sync_cache: dict[tuple, float] = {}
+        self._sync_cache: dict[tuple, tuple[float, float]] = {}  # (fixed s, s per byte)
         self._plan_groups: dict[tuple[Placement, int], tuple] = {}  # to_plan's per-placement part
         self.repartition_cache: dict[tuple, tuple[float, dict, dict]] = {}  # the estimate's transfers
 
@@ -231,6 +231,7 @@ class Problem:
 
             def t(b: float) -> float:
                 if p.sync == SyncMethod.PS:
+                    assert p.ps is not None  # a parameter-server placement names its server
                     return self.costs.ps_sync_time_s(b, names, self.device_names[p.ps])
                 return self.costs.collective_time_s("allreduce", b, names, p.sync)
 
@@ -257,7 +258,8 @@ class Problem:
             sync = SyncMethod.RING
         if sync == SyncMethod.PS and ps is None:
             ps = devs[0]
-        shard, shards = p.shard if len(devs) > 1 else 0, ()
+        shard = p.shard if len(devs) > 1 else 0
+        shards: tuple[float, ...] = ()
         if shard:  # the replicas kept keep their fractions, renormalised
             kept = [p.shards[i] for i in keep]
             total = sum(kept)
@@ -281,7 +283,7 @@ class Problem:
                 Replica(device=self.device_names[d], share=sh, shard=q.shards[i] if q.shard else None)
                 for i, (d, sh) in enumerate(zip(q.devices, q.shares))
             )
-            ps_device = self.device_names[q.ps] if q.sync == SyncMethod.PS else None
+            ps_device = self.device_names[q.ps] if q.sync == SyncMethod.PS and q.ps is not None else None
             hit = (replicas, q.sync, ps_device, q.recompute, q.shard)
             if len(self._plan_groups) > 20_000:
                 self._plan_groups.clear()
@@ -310,7 +312,7 @@ class Problem:
         return Plan(
             strategy=strategy_name,
             model=spec,
-            precision=self.precision,
+            precision=Precision(self.precision),
             optimizer=self.optimizer,
             groups=tuple(groups),
             num_microbatches=m,
