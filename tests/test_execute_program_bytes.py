@@ -17,7 +17,7 @@ import torch
 
 from heterog.capture import capture_model
 from heterog.cut.partition import build_dataflow, program_group_order
-from heterog.execute.runtime import crossing_values
+from heterog.execute.stage_map import crossing_values
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.lower.program import Phase, Send
 from heterog.orchestrate import lower

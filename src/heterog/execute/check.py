@@ -35,7 +35,8 @@ from heterog.errors import HeterogError, PlanError
 from heterog.execute.device import RankDevice
 from heterog.execute.emulation import Pacer
 from heterog.execute.placement import misplaced, place_rank, place_stages, rewrite_stage_devices
-from heterog.execute.runtime import Interpreter, crossing_values
+from heterog.execute.runtime import Interpreter
+from heterog.execute.stage_map import crossing_values
 from heterog.execute.wire import WireSpec, wire_table
 from heterog.ir.kinds import Phase
 from heterog.ir.plan import Plan

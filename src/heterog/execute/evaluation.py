@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from heterog.errors import TrainingError
-from heterog.execute.runtime import StepMode
+from heterog.execute.step_modes import StepMode
 from heterog.workload import global_batch, with_data
 
 EVAL_SEED = 7_777_777  # synthetic held-out batches: seed + EVAL_SEED

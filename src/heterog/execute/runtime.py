@@ -40,81 +40,29 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 
-from heterog.cut.dataflow import INPUT, Dataflow, Stage
+from heterog.cut.dataflow import Dataflow
 from heterog.errors import PlanError
+from heterog.execute.block_calls import BlockCalls, _Call
 from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
-from heterog.execute.graph_cut import Boundary, GradientSlot, Sink, last_reads, transfer_key
+from heterog.execute.graph_cut import GradientSlot, last_reads, transfer_key
 from heterog.execute.shard import ShardRunner
-from heterog.execute.trace import Span, SpanCategory
-from heterog.execute.transport import MAX_VALUES, Transport
-from heterog.ir.kinds import CollectiveOp, Phase, Precision
+from heterog.execute.stage_map import crossing_values, stages_of_blocks
+from heterog.execute.step_modes import StepMode, StepStats, runs_in
+from heterog.execute.step_timing import StepTiming, _Mark
+from heterog.execute.trace import SpanCategory
+from heterog.execute.transport import Transport
+from heterog.ir.kinds import Phase, Precision
 from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
-from heterog.workload import Workload, slice_batch
+from heterog.workload import Workload
 
 
-class StepMode(StrEnum):
-    """What one `Interpreter.step` runs of the rank's instructions."""
-
-    TRAIN = "train"  # every instruction, then the optimizer step
-    ACCUMULATE = "accumulate"  # computes and transfers only: the gradients add up (--accumulate)
-    EVALUATE = "evaluate"  # forward computes and forward transfers only, without autograd
-
-
-def runs_in(ins: Any, mode: StepMode) -> bool:
-    """Whether instruction `ins` runs in a step of `mode`. A stage-3 sharded block's gathers
-    (and, accumulating, its per-micro-batch reduce-scatters, which add into its pieces'
-    gradients) run with the computes they serve (shard.py); no other collective does."""
-    if mode is StepMode.TRAIN:
-        return True
-    if isinstance(ins, Collective) and ins.phase is not None:
-        return mode is StepMode.ACCUMULATE or (ins.primitive is CollectiveOp.ALL_GATHER and ins.phase == Phase.FORWARD)
-    if isinstance(ins, (Collective, Optimizer)):
-        return False
-    return mode is StepMode.ACCUMULATE or ins.phase == Phase.FORWARD
-
-
-@dataclass(kw_only=True)
-class StepStats:
-    compute_s: float = 0.0  # measured forward/backward/optimizer time (before pacing)
-    cpu_s: float = 0.0  # CPU time of that compute (this thread)
-    paced_s: float = 0.0  # waiting added to emulate a slower device
-    recv_wait_s: float = 0.0  # receives: how long this rank waited for its peers' tensors
-    sync_s: float = 0.0  # collective launches and the wait for their results
-    samples: int = 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Mark:
-    """One timed piece of a step: an instruction (index) or a collective's run on the lane."""
-
-    name: str
-    category: SpanCategory
-    start: Any  # Clock marks
-    end: Any
-    index: int | None = None
-
-
-@dataclass(kw_only=True)
-class _Call:
-    """A forward that ran here: what its backward needs."""
-
-    stage: Stage
-    lo: int
-    sinks: dict[str, tuple[GradientSlot, torch.Tensor]] = field(default_factory=dict)  # value → its backward
-    leaves: list[tuple[str, GradientSlot, tuple[InputPiece, ...]]] = field(default_factory=list)
-    loss: torch.Tensor | None = None
-    saved: list[torch.Tensor] = field(default_factory=list)  # what autograd saved (memory cap only)
-
-
-class Interpreter:
+class Interpreter(StepTiming, BlockCalls):
     """Runs this rank's instructions of a Program, one training step per `step()` call."""
 
     def __init__(
@@ -176,7 +124,7 @@ class Interpreter:
         self.samples: list[int] = []  # per forward compute: samples in the tensors it produced
         self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)  # Boundary's
         self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
-        self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
+        self.stages_of, self.first_compute, self.run_of = stages_of_blocks(program, flow, self.instructions)
         if shards is not None:
             shards.check_stages(self.stages_of)
         self.crossing = crossing if crossing is not None else crossing_values(program, flow)
@@ -333,65 +281,6 @@ class Interpreter:
                 self._timed(self.optimizer.step)
         self.skipped_steps += 0 if ok else 1
 
-    def _timing(self, name: str, category: SpanCategory, index: int | None = None):
-        """Mark the start and end of a piece of the step with the rank's clock."""
-
-        @contextlib.contextmanager
-        def timed():
-            start = self.clock.mark()
-            try:
-                yield
-            finally:
-                self._marks.append(_Mark(name=name, category=category, start=start, end=self.clock.mark(), index=index))
-
-        return timed()
-
-    def _describe(self, ins) -> tuple[str, SpanCategory]:
-        name = self.program.describe(ins)
-        if isinstance(ins, Compute):
-            return name, SpanCategory.FORWARD if ins.phase == Phase.FORWARD else SpanCategory.BACKWARD
-        if isinstance(ins, (Send, Recv)):
-            return name, SpanCategory.TRANSFER
-        if isinstance(ins, Collective):
-            return name, SpanCategory.SYNC
-        raise AssertionError(f"no span for {type(ins).__name__}")
-
-    def read_timings(self, *, rank: int, step: int, origin: Any, origin_s: float) -> list[Span]:
-        """After the step (the device synchronised): this step's spans, times as `origin_s`
-        plus the clock's seconds since `origin` (a mark taken at the step's start), and the
-        step's stats derived from them (`stats`)."""
-        runs = [
-            _Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b, index=i)
-            for label, a, b, i in self.sync.runner.runs
-        ]
-        spans = [
-            Span(
-                name=m.name,
-                category=m.category,
-                rank=rank,
-                step=step,
-                index=m.index,
-                op=None if m.index is None else self.instructions[m.index].op,
-                start_s=origin_s + self.clock.seconds(origin, m.start),
-                end_s=origin_s + self.clock.seconds(origin, m.end),
-            )
-            for m in [*self._marks, *runs]
-        ]
-        total = {c: 0.0 for c in SpanCategory}
-        for sp, m in zip(spans, [*self._marks, *runs]):
-            if (
-                m.category is SpanCategory.TRANSFER
-                and m.index is not None
-                and not isinstance(self.instructions[m.index], Recv)
-            ):
-                continue  # a send's posting is the executor's own time
-            total[sp.category] += sp.end_s - sp.start_s
-        compute = total[SpanCategory.FORWARD] + total[SpanCategory.BACKWARD] + total[SpanCategory.OPTIMIZER]
-        self.stats.compute_s = max(compute - self.stats.paced_s, 0.0)
-        self.stats.recv_wait_s = total[SpanCategory.TRANSFER]
-        self.stats.sync_s = total[SpanCategory.SYNC]
-        return spans
-
     def _run(self, index: int, ins) -> None:
         if isinstance(ins, Compute):
             self._compute(index, ins)
@@ -497,149 +386,6 @@ class Interpreter:
             for key in [k for k in self._env if k[1] == m]:
                 del self._env[key]
 
-    def _gather(self, v: str, ins: Compute) -> tuple[Any, tuple[GradientSlot, tuple[InputPiece, ...]] | None]:
-        """Samples [ins.lo, ins.hi) of value v for a stage run by `ins`: (value, where its
-        gradient lands and the pieces it came in, when it takes a gradient; else None). Values
-        from other stages enter through a Boundary: each stage's backward is explicit, and
-        their gradients go back piece by piece."""
-        owner, m = self.flow.owner[v], ins.microbatch
-        if owner == INPUT:
-            lo = self.mb_offsets[m]
-            return slice_batch(self._inputs[v], lo + ins.lo, lo + ins.hi), None
-        a = self.block_of_group[owner]
-        if self.run_of[a] == self.run_of[ins.block]:  # same fused run: held here whole
-            local = self._value(v, m)
-            pieces: tuple[InputPiece, ...] = (InputPiece(block=a, lo=ins.lo, hi=ins.hi, src_lo=ins.lo),)
-            parts = [local]
-        else:
-            pieces = tuple(p for p in self.pieces_of.get((self.run_of[ins.block], m), ()) if p.block == a)
-            parts = []
-            for p in pieces:
-                if p.tag is None:
-                    plo, phi = self.range_of[(a, m)]
-                    local = self._value(v, m)
-                    if len(pieces) == 1 and (plo, phi) == (ins.lo, ins.hi):
-                        parts.append(local)
-                    else:
-                        parts.append(self._slice(local, v, p.lo - plo, p.hi - plo, phi - plo))
-                else:
-                    parts.append(self._inbox.pop((p.tag, v)))
-        if not parts:
-            raise PlanError(
-                f"value {v!r} reaches block {ins.block} from no piece of the program; "
-                f"merge its producer and consumer groups."
-            )
-        if len(parts) == 1 and not isinstance(parts[0], torch.Tensor):
-            return parts[0], None
-        x = (parts[0] if len(parts) == 1 else torch.cat([t.detach() for t in parts])).detach()
-        if x.is_floating_point():
-            slot = GradientSlot(shape=x.shape, dtype=x.dtype, device=x.device)
-            return Boundary.apply(self._anchor, x, slot), (slot, pieces)
-        return x, None
-
-    def _forward(self, si: int, ins: Compute) -> None:
-        s = self.flow.stages[si]
-        args, leaves = [], []
-        for v in s.args:
-            x, grad_in = self._gather(v, ins)
-            args.append(x)
-            if grad_in is not None:
-                leaves.append((v, *grad_in))
-        saved: list[torch.Tensor] = []
-        if self.mode is StepMode.EVALUATE:  # forward only, the stage's evaluation twin
-            # evaluation.py imports this module's StepMode: imported at use, not at the top
-            from heterog.execute.evaluation import eval_forward
-
-            out = eval_forward(self, si, args)
-        else:
-            out = self._train_forward(s, ins, args, saved)
-        self._store_forward(si, s, ins, leaves, saved, out)
-
-    def _train_forward(self, s: Stage, ins: Compute, args: list[Any], saved: list[torch.Tensor]) -> Any:
-        with self.rank_device.autocast(self.precision), self._saving(saved):  # fp32 master weights
-            if self.program.blocks[ins.block].recompute:
-                # activation recomputation: keep only the stage's inputs; re-run forward in backward
-                out = self._timed(
-                    torch.utils.checkpoint.checkpoint, self.call_stage, s.module, *args, use_reentrant=False
-                )
-            else:
-                out = self._timed(self.call_stage, s.module, *args)
-        return out
-
-    def _store_forward(
-        self, si: int, s: Stage, ins: Compute, leaves: list, saved: list[torch.Tensor], out: Any
-    ) -> None:
-        """Keep a forward's outputs (and where their gradients go); the loss where the model's
-        output is made (in an evaluation step: the loss and the user's metrics, no graph)."""
-        m = ins.microbatch
-        self._env[(s.value, m)] = out
-        call = _Call(stage=s, lo=ins.lo, leaves=leaves, saved=saved)
-        for v in self._values_of(s):
-            t = self._value(v, m)
-            if isinstance(t, torch.Tensor):
-                slot = self._slots[(v, m)] = GradientSlot(shape=t.shape, dtype=t.dtype, device=t.device)
-                if t.requires_grad:
-                    call.sinks[v] = (slot, Sink.apply(t, slot))
-        flow = self.flow
-        if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
-            y = self._value(flow.output, m)
-            lo = self.mb_offsets[m]
-            target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
-            if self.mode is StepMode.EVALUATE:
-                # evaluation.py imports this module's StepMode: imported at use, not at the top
-                from heterog.execute.evaluation import take_metrics
-
-                take_metrics(self, y, target, ins.hi - ins.lo)
-                self._calls[(si, m)] = call
-                return
-            with self.rank_device.autocast(self.precision), self._saving(saved):
-                loss = self._timed(self.work.loss, y, target)
-            call.loss = loss.float() * ((ins.hi - ins.lo) / self.batch_size * self.loss_weight)
-            self._loss_total = self._loss_total + call.loss.detach()  # read once, after the step
-            if self.scaler is not None:
-                call.loss = self.scaler.scale_loss(call.loss)
-        self._calls[(si, m)] = call
-        if self.memory_cap is not None:  # the forward's own peak, its outputs and loss beside what it saved
-            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[out, call.loss]).total_bytes)
-
-    def _backward(self, si: int, ins: Compute) -> None:
-        call = self._calls.pop((si, ins.microbatch))
-        s, m = call.stage, ins.microbatch
-        roots: list[torch.Tensor] = []
-        root_grads: list[torch.Tensor | None] = []
-        if call.loss is not None:
-            roots.append(call.loss)
-            root_grads.append(None)
-        for slot, sink in call.sinks.values():
-            if slot.grad is not None:
-                roots.append(sink)
-                root_grads.append(None)
-        if roots:
-            self._timed(torch.autograd.backward, roots, root_grads)
-        if self.memory_cap is not None:  # the backward's own peak: its gradients beside what it saved
-            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[call.saved]).total_bytes)
-        for v in self._values_of(s):  # the outputs' gradients are spent
-            self._slots.pop((v, m), None)
-        for v, slot, pieces in call.leaves:  # input gradients back to their producers
-            g = slot.gradient()
-            for p in pieces:
-                part = g[p.lo - call.lo : p.hi - call.lo]
-                if p.tag is None:
-                    plo = self.range_of[(p.block, m)][0]
-                    self._add_grad(v, m, p.lo - plo, p.hi - plo, part)
-                else:
-                    assert p.grad_tag is not None, "a received piece sends its gradient back by its grad_tag"
-                    self._outbox[(p.grad_tag, v)] = part
-
-    def _values_of(self, s: Stage) -> list[str]:
-        return [s.value] + [v for v, (src, _) in self.flow.projections.items() if src == s.value]
-
-    def _add_grad(self, v: str, m: int, lo: int, hi: int, g: torch.Tensor) -> None:
-        slot = self._slots[(v, m)]
-        if slot.grad is None:
-            slot.grad = slot.zeros()
-        slot.grad[lo:hi] += g
-
     # -- transfers ----------------------------------------------------------------------------
     def _send(self, ins: Send) -> None:
         self.trace.append(("send", str(ins.phase), ins.tag, ins.peer, ins.hi - ins.lo))
@@ -669,56 +415,3 @@ class Interpreter:
 
 def _call(module: torch.nn.Module, *args: Any) -> Any:
     return module(*args)
-
-
-def _stages_of_blocks(program: Program, flow: Dataflow, instructions):
-    """(block → its stages, (stage, phase, micro-batch) → index of the compute that runs it,
-    block → its run). A stage may span several blocks only if they are consecutive and share
-    one placement (a fused run cut into gradient buckets); it runs at the first of their
-    computes in this rank's program, and those blocks form one run."""
-    block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
-    stages_of: dict[int, list[int]] = {}
-    run_of = list(range(len(program.blocks)))
-    for si, s in enumerate(flow.stages):
-        blocks = sorted({block_of[g] for g in (s.groups or (s.group,))})
-        placements = {(program.blocks[b].devices, program.blocks[b].shares) for b in blocks}
-        if len(placements) > 1 or blocks != list(range(blocks[0], blocks[-1] + 1)):
-            raise PlanError(
-                f"stage {s.value!r} of the split model runs groups of blocks {blocks}, which "
-                f"are not one run of a single placement; the model cannot be cut as planned."
-            )
-        for b in blocks:
-            stages_of.setdefault(b, []).append(si)
-            run_of[b] = run_of[blocks[0]]
-    first: dict[tuple[int, Phase, int], int] = {}
-    for index, ins in enumerate(instructions):
-        if isinstance(ins, Compute):
-            for si in stages_of.get(ins.block, ()):
-                first.setdefault((si, ins.phase, ins.microbatch), index)
-    return stages_of, first, run_of
-
-
-def crossing_values(program: Program, flow: Dataflow) -> dict[tuple[int, int], list[str]]:
-    """(producer block, consumer block) → the values that move between them, in a fixed order
-    (the same on every rank: the order of the split's stages and their arguments)."""
-    block_of = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
-    out: dict[tuple[int, int], list[str]] = {}
-    for s in flow.stages:
-        consumers = sorted({block_of[g] for g in (s.groups or (s.group,))})
-        for v in s.args:
-            owner = flow.owner[v]
-            if owner == INPUT:
-                continue
-            a = block_of[owner]
-            for b in consumers:
-                if a == b:
-                    continue
-                lst = out.setdefault((a, b), [])
-                if v not in lst:
-                    if len(lst) >= MAX_VALUES:
-                        raise PlanError(
-                            f"more than {MAX_VALUES} values cross from block {a} to block "
-                            f"{b}; group the model more coarsely."
-                        )
-                    lst.append(v)
-    return out

@@ -19,7 +19,8 @@ import torch
 from heterog.execute.clipping import GradientNorm
 from heterog.execute.evaluation import eval_batches, evaluate
 from heterog.execute.metrics import MetricsLog, tokens_in
-from heterog.execute.runtime import Interpreter, StepMode
+from heterog.execute.runtime import Interpreter
+from heterog.execute.step_modes import StepMode
 from heterog.ir.plan import Plan, user_model_file
 from heterog.ir.training_config import TrainingConfig
 from heterog.training import Recipe, UserTraining, advance, current_lr

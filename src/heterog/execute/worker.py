@@ -44,8 +44,9 @@ from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.faults import inject_fault, overflow_gradient
 from heterog.execute.placement import place_rank, rewrite_stage_devices
-from heterog.execute.runtime import Interpreter, crossing_values
+from heterog.execute.runtime import Interpreter
 from heterog.execute.spec import FailureKind, LaunchSpec, RankFailure, RankResult, RankSpec, read_spec
+from heterog.execute.stage_map import crossing_values
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog
 from heterog.execute.sync import ProgramSync
 from heterog.execute.trace import StepRecorder
