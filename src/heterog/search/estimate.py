@@ -26,6 +26,7 @@ too many per-op events to simulate each time. It is a list schedule at group gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,6 +123,20 @@ def _buckets(prob: Problem, P) -> dict[int, list[int]]:
     return closes
 
 
+def _compute_times(
+    prob: Problem, P: tuple[Placement, ...], cls: list[np.ndarray], shares: list[np.ndarray], b_m: float
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each group's forward and backward time on each of its replicas (a recomputed group's
+    backward runs its forward again)."""
+    G = prob.n_groups
+    t_f = [prob.fwd[g, cls[g], 0] + prob.fwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
+    t_b = [prob.bwd[g, cls[g], 0] + prob.bwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
+    for g in range(G):
+        if P[g].recompute:
+            t_b[g] = t_b[g] + t_f[g]
+    return t_f, t_b
+
+
 def estimate(prob: Problem, s: Strategy) -> Estimate:
     G = prob.n_groups
     M = max(1, s.microbatches)
@@ -130,24 +145,9 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     dev = [np.asarray(p.devices, dtype=np.int64) for p in P]
     shares = [np.asarray(p.shares) for p in P]
     cls = [prob.dev_class[d] for d in dev]
-    t_f = [prob.fwd[g, cls[g], 0] + prob.fwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
-    t_b = [prob.bwd[g, cls[g], 0] + prob.bwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
-    for g in range(G):
-        if P[g].recompute:
-            t_b[g] = t_b[g] + t_f[g]
+    t_f, t_b = _compute_times(prob, P, cls, shares, b_m)
     same_as = [[P[p].devices == P[g].devices and P[p].shares == P[g].shares for p in prob.preds[g]] for g in range(G)]
-    xfer_cache = prob.repartition_cache  # kept across strategies: neighbours share most pairs
-    if len(xfer_cache) > 50_000:
-        xfer_cache.clear()
-
-    def xfer(a: int, b: int, nbytes_edge: tuple[int, int]) -> tuple[float, dict, dict]:
-        """Re-partition from a's layout into b's of the bytes on group edge `nbytes_edge`."""
-        key = (P[a], P[b], nbytes_edge, M)
-        hit = xfer_cache.get(key)
-        if hit is None:
-            hit = _repartition(prob, P[a], P[b], prob.edges[nbytes_edge].at(b_m))
-            xfer_cache[key] = hit
-        return hit
+    xfer = _transfers(prob, P, M, b_m)
 
     nics = _Nics(prob)
     multi_node = [len(set(prob.node_idx[d].tolist())) > 1 for d in dev]
@@ -216,6 +216,44 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             fin_b[g][m] = fin
             if g in closes and (m == M - 1 or fresh):
                 sync(closes[g], m)
+    end = _step_end(prob, P, dev, cls, free, syncs, closes)
+    peak = _peak_memory(prob, s, dev, shares, b_m, closes)
+    overflow = float(np.max((peak - prob.memory_bytes) / prob.memory_bytes))
+    return Estimate(iteration_time_s=float(end.max()), peak_memory_bytes=peak, overflow=max(0.0, overflow))
+
+
+def _transfers(
+    prob: Problem, P: tuple[Placement, ...], M: int, b_m: float
+) -> Callable[[int, int, tuple[int, int]], tuple[float, dict, dict]]:
+    """xfer(a, b, edge): the re-partition from group a's layout into b's of the bytes on group
+    edge `edge` (_repartition), cached on the problem: neighbouring strategies share most pairs."""
+    cache = prob.repartition_cache
+    if len(cache) > 50_000:
+        cache.clear()
+
+    def xfer(a: int, b: int, edge: tuple[int, int]) -> tuple[float, dict, dict]:
+        key = (P[a], P[b], edge, M)
+        hit = cache.get(key)
+        if hit is None:
+            hit = _repartition(prob, P[a], P[b], prob.edges[edge].at(b_m))
+            cache[key] = hit
+        return hit
+
+    return xfer
+
+
+def _step_end(
+    prob: Problem,
+    P: tuple[Placement, ...],
+    dev: list[np.ndarray],
+    cls: list[np.ndarray],
+    free: np.ndarray,
+    syncs: list[tuple[np.ndarray, float]],
+    closes: dict[int, list[int]],
+) -> np.ndarray:
+    """Each device's end of the step: after its last backward and its syncs, its optimizer
+    step, and (ZeRO stages 1–2) the gather of the updated pieces."""
+    G = prob.n_groups
     end = free.copy()
     for d, t in syncs:
         np.maximum.at(end, d, t)
@@ -226,7 +264,15 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
         if unit.shard and unit.shard < ShardStage.PARAMETERS:
             nbytes = float(sum(prob.param_bytes[x] for x in bucket))
             end[dev[bucket[0]]] = end[dev[bucket[0]]].max() + shard_time_s(prob, unit, nbytes, CollectiveOp.ALL_GATHER)
-    # -- memory ------------------------------------------------------------------------------
+    return end
+
+
+def _peak_memory(
+    prob: Problem, s: Strategy, dev: list[np.ndarray], shares: list[np.ndarray], b_m: float, closes: dict
+) -> np.ndarray:
+    """Each device's peak bytes under strategy s: state, live activations (the schedule's
+    micro-batches in flight), the largest workspace or sharded unit in use, servers' sums."""
+    G, M, P = prob.n_groups, max(1, s.microbatches), s.placements
     peak = np.zeros(prob.n_devices)
     work = np.zeros(prob.n_devices)
     inflight = np.full(prob.n_devices, float(M))  # GPipe: every micro-batch's activations are live
@@ -249,5 +295,4 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
         if unit.shard:
             np.maximum.at(work, dev[bucket[0]], unit_bytes(prob, bucket, unit.shard))
     peak += work
-    overflow = float(np.max((peak - prob.memory_bytes) / prob.memory_bytes))
-    return Estimate(iteration_time_s=float(end.max()), peak_memory_bytes=peak, overflow=max(0.0, overflow))
+    return peak

@@ -50,13 +50,12 @@ def group_times_s(prob: Problem, batch: float) -> np.ndarray:
     return prob.fwd[:, :, 0] + prob.bwd[:, :, 0] + (prob.fwd[:, :, 1] + prob.bwd[:, :, 1]) * batch
 
 
-def build_features(prob: Problem) -> Features:
+def _group_features(prob: Problem) -> np.ndarray:
+    """[G, 9] per group: its share of the time, parameters and activations, its position, what
+    syncing it over every device and sending its output cost against its compute, the sizes."""
     G, n = prob.n_groups, prob.n_devices
     B = float(prob.batch_size)
-    even = B / n
-    fast = prob.speed_order[0]
-    fast_cls = prob.dev_class[fast]
-    t_full = group_times_s(prob, B)[:, fast_cls]
+    t_full = group_times_s(prob, B)[:, prob.dev_class[prob.speed_order[0]]]
     total_t = max(t_full.sum(), 1e-30)
     act = prob.act_per_sample[:, 0] * B
     sync_all = np.array(
@@ -69,7 +68,7 @@ def build_features(prob: Problem) -> Features:
     for (a, b), nbytes in prob.edges.items():
         if b == a + 1:
             cross[a] += nbytes.at(B)
-    gf = np.stack(
+    return np.stack(
         [
             t_full / total_t * G,
             prob.param_bytes / max(prob.param_bytes.sum(), 1.0) * G,
@@ -83,6 +82,12 @@ def build_features(prob: Problem) -> Features:
         ],
         axis=1,
     )
+
+
+def _device_features(prob: Problem) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """([n, 6] per device: speed, memory, NIC and local link bandwidth, devices on its node,
+    memory left after every group's state; each device's node index; the nodes' names)."""
+    n = prob.n_devices
     speed = 1.0 / prob.device_time_per_sample_s
     mem = prob.memory_bytes
     node_names = sorted(set(prob.node_of_device), key=prob.node_of_device.index)
@@ -110,14 +115,25 @@ def build_features(prob: Problem) -> Features:
         ],
         axis=1,
     )
+    return df, node_idx, node_names
+
+
+def _pair_features(prob: Problem) -> np.ndarray:
+    """[G, n, 5] per group and device: its time there at an even share against the fastest
+    device's, the memory it and all groups need there, moving its gradient, the device's speed."""
+    G, n = prob.n_groups, prob.n_devices
+    even = float(prob.batch_size) / n
+    fast = prob.speed_order[0]
+    speed = 1.0 / prob.device_time_per_sample_s
+    mem = prob.memory_bytes
     cls = prob.dev_class
     t_even = group_times_s(prob, even)[:, cls]  # [G, n]
-    t_even_fast = group_times_s(prob, even)[:, fast_cls][:, None]
+    t_even_fast = group_times_s(prob, even)[:, prob.dev_class[fast]][:, None]
     need_g = prob.persistent_bytes[:, cls] + (prob.act_per_sample[:, 0] * even)[:, None]
     need_all = need_g.sum(axis=0, keepdims=True)
     per_byte = np.array([prob.pair_cost(d, fast)[1] if d != fast else 0.0 for d in range(n)])
     grad_move = prob.grad_bytes[:, None] * per_byte[None, :] / np.maximum(t_even_fast, 1e-9)
-    pf = np.stack(
+    return np.stack(
         [
             _log_ratio(t_even, 1.0) - _log_ratio(t_even_fast, 1.0),
             need_g / mem[None, :],
@@ -127,6 +143,14 @@ def build_features(prob: Problem) -> Features:
         ],
         axis=2,
     )
+
+
+def build_features(prob: Problem) -> Features:
+    """The policy's inputs for one problem: group, device and (group, device) pair features and
+    the graph's edges both ways."""
+    gf = _group_features(prob)
+    df, node_idx, node_names = _device_features(prob)
+    pf = _pair_features(prob)
     src = [a for (a, b) in prob.edges] + [b for (a, b) in prob.edges]
     dst = [b for (a, b) in prob.edges] + [a for (a, b) in prob.edges]
     f32 = torch.float32
