@@ -138,6 +138,8 @@ def _compute_times(
 
 
 def estimate(prob: Problem, s: Strategy) -> Estimate:
+    """Strategy s's iteration time and per-device peak memory by the lowering's rules on
+    per-group tables: forwards, backwards with their gradient syncs, the optimizer step."""
     G = prob.n_groups
     M = max(1, s.microbatches)
     b_m = prob.batch_size / M
@@ -148,24 +150,11 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     t_f, t_b = _compute_times(prob, P, cls, shares, b_m)
     same_as = [[P[p].devices == P[g].devices and P[p].shares == P[g].shares for p in prob.preds[g]] for g in range(G)]
     xfer = _transfers(prob, P, M, b_m)
-
     nics = _Nics(prob)
-    multi_node = [len(set(prob.node_idx[d].tolist())) > 1 for d in dev]
+    collective = _collectives(prob, dev, nics)
     free = np.zeros(prob.n_devices)
-    comm_free = np.zeros(prob.n_devices)
     closes = _buckets(prob, P)
     gathers = shard_gathers(prob, P, closes)  # stage 3: (group, direction) → its unit's gather
-
-    def collective(g: int, ready_s: float, t: float) -> float:
-        """A collective of g's replicas on their communication queue (and NICs)."""
-        begin = max(ready_s, comm_free[dev[g]].max())
-        if multi_node[g]:  # a collective across nodes occupies their NICs
-            nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
-            done = nics.transfer(begin, t, nodes, nodes)
-        else:
-            done = begin + t
-        comm_free[dev[g]] = done
-        return done
 
     fin_f: list[list[np.ndarray]] = [[np.zeros(0)] * M for _ in range(G)]  # set before read
     for m in range(M):
@@ -240,6 +229,25 @@ def _transfers(
         return hit
 
     return xfer
+
+
+def _collectives(prob: Problem, dev: list[np.ndarray], nics: _Nics) -> Callable[[int, float, float], float]:
+    """collective(g, ready_s, t): the end of a collective of t seconds among group g's replicas,
+    queued on their communication queue (and, across nodes, on their NICs)."""
+    comm_free = np.zeros(prob.n_devices)
+    multi_node = [len(set(prob.node_idx[d].tolist())) > 1 for d in dev]
+
+    def collective(g: int, ready_s: float, t: float) -> float:
+        begin = max(ready_s, comm_free[dev[g]].max())
+        if multi_node[g]:  # a collective across nodes occupies their NICs
+            nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
+            done = nics.transfer(begin, t, nodes, nodes)
+        else:
+            done = begin + t
+        comm_free[dev[g]] = done
+        return done
+
+    return collective
 
 
 def _step_end(
