@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from heterog.errors import CheckpointError
 from heterog.ir.plan import file_sha256, user_model_file
+from heterog.ir.provenance import SavedUnder
 from heterog.ir.run_request import CheckpointConfig
-from heterog.jsonio import write_atomic
+from heterog.jsonio import from_plain, write_atomic
 from heterog.userfile import locate
 
 MARKER = "COMPLETE.json"
@@ -59,6 +60,7 @@ class CheckpointInfo:
     step: int  # completed steps when it was written
     model: str
     parameter_names: tuple[str, ...]
+    saved_under: SavedUnder | None = None  # the plan and cluster that wrote it (older markers: None)
 
 
 def model_key(name: str) -> str:
@@ -123,8 +125,13 @@ def read_marker(folder: Path) -> CheckpointInfo | None:
             f"{folder}: checkpoint format {doc.get('format')!r} is not supported "
             f"(this heterog reads format {CHECKPOINT_FORMAT})."
         )
+    under = doc.get("saved_under")
     return CheckpointInfo(
-        path=folder, step=int(doc["step"]), model=str(doc["model"]), parameter_names=tuple(doc["parameter_names"])
+        path=folder,
+        step=int(doc["step"]),
+        model=str(doc["model"]),
+        parameter_names=tuple(doc["parameter_names"]),
+        saved_under=from_plain(SavedUnder, under, f"{folder / MARKER}: saved_under") if under else None,
     )
 
 
@@ -156,8 +163,11 @@ def _state(
     named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None, servers: Sequence[Any] = ()
 ) -> dict[str, Any]:
     state: dict[str, Any] = {f"model/{name}": p.detach() for name, p in named_params}
+    server_held = {n for served in servers for n in served.names}  # their server's state is the live one
     if opt is not None:
         for name, p in named_params:
+            if name in server_held:
+                continue
             for key, value in opt.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):  # SGD without momentum keeps none
                     state[f"optim/{name}/{key}"] = value
@@ -177,6 +187,7 @@ def save_checkpoint(
     rank: int,
     model: str,
     servers: Sequence[Any] = (),
+    saved_under: SavedUnder | None = None,
 ) -> Path:
     """Every rank calls this after `step` completed steps; returns the checkpoint folder."""
     target = step_dir(root, step)
@@ -197,6 +208,7 @@ def save_checkpoint(
                     "step": step,
                     "model": model_key(model),
                     "parameter_names": sorted({n for per_rank in names for n in per_rank}),
+                    "saved_under": saved_under.to_dict() if saved_under is not None else None,
                 }
             ),
         )
@@ -222,7 +234,12 @@ def load_checkpoint(
     servers: Sequence[Any] = (),
 ) -> None:
     """Load the parameters (in place) and optimizer state this rank holds, by name, and the
-    state of the parameter servers it runs."""
+    state of the parameter servers it runs. `servers` also lists the buckets this rank is a
+    replica of (ProgramSync.ps_buckets): their state goes to their server only, not
+    into the local optimizer, where it would never move and, saved again beside the
+    server's, could be the copy DCP keeps of the two."""
+    server_held = {n for served in servers for n in served.names}
+    local = [(name, p) for name, p in named_params if name not in server_held]
     check_same_model(info.model, model, str(info.path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {}
@@ -242,7 +259,7 @@ def load_checkpoint(
         state[key] = p.detach()
     wanted: list[tuple[str, str, torch.device]] = []  # (name, state key, device)
     if opt is not None:
-        wanted += [(name, key, _state_device(opt, key, p)) for name, p in named_params for key in _keys(meta, name)]
+        wanted += [(name, key, _state_device(opt, key, p)) for name, p in local for key in _keys(meta, name)]
     for served in servers:
         server = served.server
         wanted += (
@@ -259,10 +276,10 @@ def load_checkpoint(
         state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
     dcp.load(state, checkpoint_id=info.path)
     if opt is not None:
-        for name, p in named_params:
+        for name, p in local:
             for key in _keys(meta, name):
                 opt.state[p][key] = state[f"optim/{name}/{key}"]
-    for served in servers:
+    for served in (s for s in servers if s.server.optimizer is not None):  # the ones this rank serves
         served.server.load_state(
             {name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)} for name in served.names},
             served.names,
@@ -314,4 +331,13 @@ def save_if_due(
 ) -> None:
     """Save after every cfg.every_steps-th completed step (all ranks call it, same step)."""
     if cfg.dir and cfg.saves_after(completed_steps):
-        save_checkpoint(cfg.dir, completed_steps, named_params, opt, rank=rank, model=model, servers=servers)
+        save_checkpoint(
+            cfg.dir,
+            completed_steps,
+            named_params,
+            opt,
+            rank=rank,
+            model=model,
+            servers=servers,
+            saved_under=cfg.saved_under,
+        )

@@ -298,7 +298,7 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     cores = pin_to_cores(rank) if spec.pin_cores else None
     setup = build_rank(spec, rank, device, rdev, rank_of, models=models, program=program)
     first_step = checkpoint.resume(
-        spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.served()
+        spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.ps_buckets()
     )
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
@@ -428,7 +428,7 @@ def _train_step(
         setup.optimizer,
         rank=rank,
         model=setup.plan.model.name,
-        servers=setup.sync.served(),
+        servers=setup.sync.ps_buckets(),
     )
     return record
 

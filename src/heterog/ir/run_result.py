@@ -28,6 +28,7 @@ from typing import Any
 
 from heterog.errors import HeterogError
 from heterog.ir.kinds import InstructionKind, Phase
+from heterog.ir.provenance import Replan, ResumePoint
 from heterog.ir.run_request import RunOptions
 from heterog.jsonio import Artifact, Record, from_plain
 
@@ -259,6 +260,8 @@ class RunResult(Artifact, Record, kind=KIND, version=SCHEMA_VERSION):
     link_shaping: LinkShapingRecord = field(default_factory=lambda: LinkShapingRecord(enabled=False))
     notes: tuple[str, ...] = ()
     failure: RunFailure | None = None
+    resumed_from: ResumePoint | None = None  # the checkpoint this run (its first launch) started from
+    replans: tuple[Replan, ...] = ()  # an elastic run's re-plans (runs/elastic.py)
     # the exception itself, for the caller that ran it (not written to the file)
     exception: BaseException | None = field(default=None, compare=False, repr=False, metadata={"json": False})
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
@@ -49,6 +49,7 @@ from heterog.search.lanes import (
     usable_cores,
 )
 from heterog.search.problem import Problem, Strategy
+from heterog.search.warm import warm_start
 
 __all__ = ["CANDIDATES", "Candidate", "PlanResult", "load_code", "plan_graph", "simulator_scorer"]
 
@@ -177,8 +178,11 @@ def _gnn_starts(policy: Any, finetune_s: float, seed: int, fallback: Callable[[P
     return make
 
 
-def _search_starts(baselines: list[Strategy] | None) -> Callable[[Problem, float], Iterator[Strategy]]:
-    """The search lane's starts: the baselines (None: a second chain beside the planner's own,
+def _search_starts(
+    baselines: list[Strategy] | None, warm: Sequence[Strategy] = ()
+) -> Callable[[Problem, float], Iterator[Strategy]]:
+    """The search lane's starts: a warm start's strategies first (search/warm.py: an earlier
+    plan on this cluster's devices), the baselines (None: a second chain beside the planner's own,
     which has scored them, starts from proportional data parallelism instead), data
     parallelism over the fastest tiers and inside each kind of node, and a 1F1B pipeline (far
     less activation memory per stage, the way into models that no baseline fits) — made one
@@ -186,6 +190,7 @@ def _search_starts(baselines: list[Strategy] | None) -> Callable[[Problem, float
     deadline."""
 
     def make(prob: Problem, deadline_s: float) -> Iterator[Strategy]:
+        yield from warm
         yield from baselines if baselines is not None else [BASELINE_BUILDERS["proportional-dp"](prob)]
         yield from tier_dp_starts(prob)
         yield from node_dp_starts(prob)
@@ -274,6 +279,7 @@ def plan_graph(
     cut_cache: ConstraintCache | None = None,
     deadline_s: float | None = None,
     workers: int | None = None,
+    starts: Sequence[Plan] = (),
 ) -> PlanResult:
     """The best Plan for `graph` on `cluster`, ending about `budget_s` seconds after the call
     (or at `deadline_s`, a time.perf_counter() value, when the caller's clock started earlier).
@@ -290,6 +296,8 @@ def plan_graph(
     model once per `cut_cache` (the module's default cache when None), None ignores them.
     Groups follow them, and a candidate that breaks them is reported infeasible.
     workers: processes for the lanes (default: the usable cores, at most 2).
+    starts: earlier plans of the model (another cluster's), each restricted to this cluster's
+    devices and tried first by the search chains (search/warm.py): a warm-started re-plan.
     """
     load_code(policy)
     begin = time.perf_counter()
@@ -316,6 +324,9 @@ def plan_graph(
     n_workers = min(2, usable_cores()) if workers is None else workers
     parallel = n_workers >= 2 and can_fork()
     other = _other_lane(policy, seed, finetune_s, parallel)
+    warm = [w for p in starts if (w := warm_start(prob, p)) is not None]
+    if warm and other is not None and other.start_name is None:  # the second search chain starts warm too
+        other = replace(other, starts=_search_starts(None, warm))
     use_sim = scorer == "simulator" or (scorer == "auto" and _has_simulator())
     kw = {"max_iters": max_iters, "use_simulator": use_sim}
     forked = None
@@ -332,7 +343,9 @@ def plan_graph(
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s
-        mine = Lane(name="search", seed=seed, starts=_search_starts(list(base.strategies.values())), known=base.known)
+        mine = Lane(
+            name="search", seed=seed, starts=_search_starts(list(base.strategies.values()), warm), known=base.known
+        )
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
     finally:
