@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from heterog.cli import elastic_opts as eopt
 from heterog.cli import training_opts as topt
 from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
 from heterog.execute.preflight import check_data, check_plan_fits_model
@@ -272,6 +273,10 @@ def run_command(
     resume: _Resume = None,
     force: _Force = False,
     repetitions: _Repetitions = 1,
+    elastic: eopt.Elastic = False,
+    elastic_devices: eopt.Devices = None,
+    elastic_cluster: eopt.ClusterFile = None,
+    replan_budget_s: eopt.ReplanBudget = 3.0,
     lr: topt.Lr = None,
     weight_decay: topt.WeightDecay = None,
     momentum: topt.Momentum = None,
@@ -317,7 +322,11 @@ def run_command(
             limits=Limits(timeout_s=timeout_s, force=force),
             output=OutputConfig(out_dir=str(folder)),
         )
-        result = _run_following(p, options, folder, say=None if as_json else console.print)
+        say = None if as_json else console.print
+        if elastic:  # cli/elastic_opts.py
+            result = eopt.run(p, options, elastic_devices, elastic_cluster, replan_budget_s, say)
+        else:
+            result = _run_following(p, options, folder, say=say)
         _measured_outputs(result, steps_log, trace)
     doc = {"kind": result.KIND, "version": result.SCHEMA_VERSION, **result.to_dict()}
     if out:
@@ -382,6 +391,8 @@ def _print_result(plan, result: RunResult) -> None:
         console.print(f"evaluation after step {evaluation['step']}: {shown}")
     for n in result.notes:
         console.print(f"note: {n}")
+    for line in result.provenance():  # where it resumed from, its re-plans
+        console.print(line)
 
 
 def _print_torchrun(

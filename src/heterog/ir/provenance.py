@@ -74,7 +74,7 @@ class Replan(Record):
     new: PlanSummary
     replan_s: float  # the warm-started search, with its inputs
     search_budget_s: float
-    resumed_from: ResumePoint
+    resumed_from: ResumePoint | None  # None: lost before the first checkpoint, started again
     recovery_s: float | None = None
 
     def describe(self) -> str:
@@ -87,5 +87,7 @@ class Replan(Record):
         rec = f"; recovered in {self.recovery_s:.1f} s" if self.recovery_s is not None else ""
         return (
             f"re-plan ({self.reason}: {self.detail}): {plan(self.old)} → {plan(self.new)}; searched "
-            f"{self.replan_s:.1f} s; resumed after step {self.resumed_from.step}{rec}"
+            f"{self.replan_s:.1f} s; "
+            + (f"resumed after step {self.resumed_from.step}" if self.resumed_from else "started again")
+            + rec
         )

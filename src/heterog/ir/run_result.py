@@ -323,6 +323,11 @@ class RunResult(Artifact, Record, kind=KIND, version=SCHEMA_VERSION):
     def evaluations(self) -> tuple[dict[str, Any], ...]:
         return self.last.evaluations
 
+    def provenance(self) -> list[str]:
+        """Where the run resumed from, and each re-plan of an elastic run: one line each."""
+        resumed = [self.resumed_from.describe()] if self.resumed_from else []
+        return resumed + [r.describe() for r in self.replans]
+
     def raise_for_failure(self) -> None:
         """Raise what stopped the run (its own exception where this process ran it)."""
         if self.failure is None:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from heterog.errors import CheckpointError, ClusterError, HeterogError, RankError
-from heterog.execute.checkpoint import STEP_PREFIX, find_checkpoint, read_marker
+from heterog.execute.checkpoint import MARKER, STEP_PREFIX, CheckpointInfo, find_checkpoint, read_marker
 from heterog.execute.launcher import RunStopped
 from heterog.execute.steplog import STEPS_FILE, read_records
 from heterog.hardware.cluster import Cluster
@@ -175,14 +175,14 @@ class DeviceWatch:
         return cluster_subset(self.cluster, set(self.devices()))
 
 
-def last_complete_step(root: str | Path) -> int:
-    """The step of the newest complete checkpoint under `root` (-1 if none); reads only the
-    newest folders' markers."""
+def newest_checkpoint(root: str | Path, since_s: float) -> CheckpointInfo | None:
+    """The newest complete checkpoint under `root` written since `since_s` (wall clock: an
+    earlier run's checkpoints in the same folder are not this run's), or None."""
     for folder in sorted(Path(root).glob(f"{STEP_PREFIX}*"), reverse=True):
         info = read_marker(folder)
-        if info is not None:
-            return info.step
-    return -1
+        if info is not None and (folder / MARKER).stat().st_mtime >= since_s:
+            return info
+    return None
 
 
 class _Launch:
@@ -190,8 +190,10 @@ class _Launch:
     the devices change, stop after the next complete checkpoint; note when the first step of
     the launch completes (every rank's step file has a line)."""
 
-    def __init__(self, watch: DeviceWatch, planned_for: frozenset[str], checkpoint_dir: str, folder: Path, ranks: int):
-        self.watch, self.planned_for, self.checkpoint_dir = watch, planned_for, checkpoint_dir
+    def __init__(
+        self, watch: DeviceWatch, planned_for: frozenset[str], checkpoints: Callable[[], int], folder: Path, ranks: int
+    ):
+        self.watch, self.planned_for, self.checkpoints = watch, planned_for, checkpoints  # checkpoints: newest step
         self.folder, self.ranks = folder, ranks
         self.last_poll_s = time.time()
         self.changed_at_s: float | None = None
@@ -210,8 +212,8 @@ class _Launch:
             self.first_step_at_s = now
         if self.changed_at_s is None and self.watch.poll() and self.watch.devices() != self.planned_for:
             self.changed_at_s = now
-            self._since_step = last_complete_step(self.checkpoint_dir)
-        return self.changed_at_s is not None and last_complete_step(self.checkpoint_dir) > self._since_step
+            self._since_step = self.checkpoints()
+        return self.changed_at_s is not None and self.checkpoints() > self._since_step
 
 
 def replan(plan: Plan, cluster: Cluster, budget_s: float, *, graph: OpGraph | None = None, seed: int = 0) -> Plan:
@@ -301,12 +303,28 @@ def run_elastic(
         )
     if options.timing.repetitions != 1:
         raise ElasticError("an elastic run is one run: --repetitions must be 1.")
-    note = say or (lambda text: None)
+    note, since_s = say or (lambda text: None), time.time()
     watch = DeviceWatch(cfg, cluster_of(plan))
+
+    def newest() -> int:  # the step of this run's newest complete checkpoint
+        info = newest_checkpoint(str(ckpt.dir), since_s)
+        return info.step if info is not None else -1
+
+    def resume_point() -> ResumePoint | None:  # this run's newest checkpoint, else the one it started from
+        info = newest_checkpoint(str(ckpt.dir), since_s) or (find_checkpoint(ckpt.resume) if ckpt.resume else None)
+        return (
+            None
+            if info is None
+            else ResumePoint(checkpoint=str(info.path), step=info.step, saved_under=info.saved_under)
+        )
+
     graph = model_inputs(plan.model, cluster_of(plan), precision=plan.precision, optimizer=plan.optimizer).graph
     DEFAULT_CACHE.get(plan.model)  # the model's cut analysis (an export) now, not during a recovery
     replans: list[Replan] = []
     fault, resume = options.fault, ckpt.resume
+    if not set(local_ranks(plan)[1]) <= watch.devices():  # the plan needs a device that is not there now
+        why = _Stop(at_s=since_s, reason=ReplanReason.CLUSTER_CHANGED, detail="the plan's devices are not all there")
+        plan = _replan(plan, resume_point(), watch, why, cfg, graph, replans, note)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_sighup(watch))
         out_dir = options.output.out_dir
@@ -314,7 +332,7 @@ def run_elastic(
         for k in range(cfg.max_replans + 1):
             folder = root / f"launch{k}"
             cluster, devices = local_ranks(plan)
-            launch = _Launch(watch, frozenset(d.name for d in cluster.devices), ckpt.dir, folder, len(devices))
+            launch = _Launch(watch, frozenset(d.name for d in cluster.devices), newest, folder, len(devices))
             opts = dataclasses.replace(
                 options,
                 fault=fault,
@@ -332,21 +350,24 @@ def run_elastic(
             if k == cfg.max_replans:
                 break
             fault = None  # a test's fault hits the first launch only
-            plan, resume = _replan(plan, ckpt.dir, watch, stop, cfg, graph, replans, note)
+            point = resume_point()
+            plan = _replan(plan, point, watch, stop, cfg, graph, replans, note)
+            resume = point.checkpoint if point is not None else None
     raise ElasticError(f"the run stopped {cfg.max_replans + 1} times; giving up (ElasticConfig.max_replans).")
 
 
 def _replan(
     plan: Plan,
-    ckpt_dir: str,
+    point: ResumePoint | None,
     watch: DeviceWatch,
     stop: _Stop,
     cfg: ElasticConfig,
     graph: OpGraph,
     replans: list[Replan],
     note: Callable[[str], None],
-) -> tuple[Plan, str | None]:
-    """The plan for the devices there are now, and the checkpoint to resume from; recorded."""
+) -> Plan:
+    """The plan for the devices there are now, recorded with the checkpoint the run goes on
+    from (`point`; None: from the start)."""
     watch.poll()
     cluster = watch.available()
     old = _summary(plan)
@@ -354,11 +375,6 @@ def _replan(
     t0 = time.perf_counter()
     new_plan = replan(plan, cluster, cfg.replan_budget_s, graph=graph)
     replan_s = time.perf_counter() - t0
-    try:
-        info = find_checkpoint(ckpt_dir)
-        point = ResumePoint(checkpoint=str(info.path), step=info.step, saved_under=info.saved_under)
-    except CheckpointError:  # lost before the first checkpoint: start again
-        point = ResumePoint(checkpoint="", step=0)
     new = _summary(new_plan)
     record = Replan(
         at_s=stop.at_s,
@@ -374,7 +390,7 @@ def _replan(
     )
     replans.append(record)
     note(record.describe())
-    return new_plan, point.checkpoint or None
+    return new_plan
 
 
 def _recovered(replans: list[Replan], launch: _Launch) -> None:
