@@ -633,6 +633,39 @@ def run_many_vs_run(doc: dict[str, Any], short: bool) -> list[str]:
     )
 
 
+def plan_cost(doc: dict[str, Any], short: bool) -> list[str]:
+    rows = []
+    for r in doc["rows"]:
+        f, c = r["fastest"], r["cheapest"]
+        shape = f"{r['batch_size']}" + (f" × {r['seq_len']}" if r["seq_len"] else "")
+        rows.append(
+            [
+                f"{r['model']} ({shape})",
+                r["cluster"],
+                f"{f['strategy']} on {f['devices_used']}",
+                secs(f["iteration_time_s"]),
+                f"${f['usd_per_million_samples']:.2f}",
+                f"{c['strategy']} on {c['devices_used']}",
+                secs(c["iteration_time_s"]),
+                f"${c['usd_per_million_samples']:.2f}",
+                times(r["time_ratio"]),
+                times(r["cost_ratio"]),
+            ]
+        )
+    out = table(
+        ["model (batch)", "cluster", "fastest", "time", "$/M samples", "cheapest", "time", "$/M samples",
+         "cheapest is slower", "fastest costs more"],
+        rows,
+    )  # fmt: skip
+    assumed = {k: v for r in doc["rows"] for k, v in r["assumed_usd_per_hour"].items()}
+    if assumed and not short:
+        out += [
+            "Types without a catalog price, priced here at the median catalog price per peak fp32 TFLOP/s "
+            f"(${doc['usd_per_fp32_tflops']:.4f}): " + ", ".join(f"{k} ${v:.2f}/h" for k, v in assumed.items()) + ".",
+        ]
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class Section:
     key: str
@@ -677,6 +710,15 @@ SECTIONS = (
         result="plan_quality.json",
         render=plan_quality,
         about="The paper's models and more on the built-in GPU clusters; every candidate's simulated iteration time.",
+    ),
+    Section(
+        key="plan-cost",
+        title="Cheapest plan per sample against the fastest",
+        script="benchmarks/plan_cost.py",
+        result="plan_cost.json",
+        render=plan_cost,
+        about="`--objective cost` and `--objective time` (tolerance 0, same seed and move cap) for a CNN and a "
+        "transformer; prices: the catalog's list prices, and an assumed price for each unpriced type.",
     ),
     Section(
         key="search-scale",

@@ -76,13 +76,21 @@ def test_plan_that_fits_runs_and_even_dp_fails_with_the_cap(tmp_path):
     from heterog.capture import capture_model
     from heterog.cost import build_cost_model
     from heterog.ir.plan import ModelSpec
+    from heterog.search.objective import Goal
     from heterog.search.planner import plan_graph
 
     cluster = _cluster()
     spec = ModelSpec(name="mlp", args=MODEL_ARGS, batch_size=BATCH)
     graph = capture_model("mlp", MODEL_ARGS, batch_size=BATCH)
     result = plan_graph(
-        graph, cluster, build_cost_model(graph, cluster), budget_s=1.0, model_spec=spec, policy=False, max_iters=50
+        graph,
+        cluster,
+        build_cost_model(graph, cluster),
+        budget_s=1.0,
+        model_spec=spec,
+        policy=False,
+        max_iters=50,
+        goal=Goal(tolerance=0.0),  # the fastest plan, which uses the small device; a tolerance may not
     )
     by_name = {c.strategy: c for c in result.candidates}
     assert not by_name["even-dp-allreduce"].feasible  # the planner's memory model agrees

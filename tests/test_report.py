@@ -22,7 +22,7 @@ from heterog.ir.kinds import InstructionKind, Phase
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.ir.run_request import RunOptions
 from heterog.ir.run_result import InstructionTiming, Repetition, RunResult, Span, StepLine
-from heterog.report import ReportInputs, build_report
+from heterog.report import ReportInputs, build_report, tables
 from heterog.report.inputs import Candidate, load_plan_file, load_run
 from heterog.report.svg import Bar, merge_intervals
 from heterog.report.tables import segments
@@ -424,3 +424,17 @@ def test_above_128_devices_the_timeline_has_a_row_per_node():
         node = [x.name for x in clu.devices if clu.node_of[x.name] == clu.node_of[d]]
         assert result.idle_time_s[d] == min(result.idle_time_s[x] for x in node)
     assert "one row per node (20 nodes, 160 devices)" in html
+
+
+def test_candidates_table_shows_each_priced_candidates_cost():
+    cost = {"usd_per_hour": 2.0, "usd_per_step": 2.0 * 0.1 / 3600, "usd_per_million_samples": 0.87}
+    row = dict(feasible=True, peak_memory_bytes={}, devices_used=1, num_microbatches=1)
+    cands = (
+        Candidate(strategy="test", iteration_time_s=0.1, cost=cost, **row),
+        Candidate(strategy="unpriced", iteration_time_s=0.2, **row),
+    )
+    html = tables.candidates_table(cands, "test")
+    assert "<th>$ per million samples</th>" in html and "$2.00" in html and "$0.87" in html
+    assert html.count('<td class="num">—</td>') == 3  # the unpriced candidate's three cost cells
+    assert tables.cost_kpis(cost) == [("cost (planned)", "$2.00 per hour, $0.87 per million samples")]
+    assert "$ per" not in tables.candidates_table(cands[1:], "unpriced")

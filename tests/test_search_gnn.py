@@ -63,13 +63,23 @@ def test_shipped_policy_is_small_and_loads():
 
 
 def test_planner_uses_and_fine_tunes_a_policy_without_touching_it():
+    from heterog.search.objective import Goal
     from heterog.search.planner import plan_graph
 
     prob = synthetic_problems(1, seed=4, max_devices=4)[0]
     pol = new_policy(seed=1)
     before = {k: v.clone() for k, v in pol.net.state_dict().items()}
     # the GNN lane runs its 100 moves, however slow the machine, within the budget's safety stop
-    r = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=60, policy=pol, finetune_s=0.5, max_iters=100)
+    r = plan_graph(  # tolerance 0: the fastest candidate (a tolerance may prefer a simpler one)
+        prob.graph,
+        prob.cluster,
+        prob.costs,
+        budget_s=60,
+        policy=pol,
+        finetune_s=0.5,
+        max_iters=100,
+        goal=Goal(tolerance=0),
+    )
     names = {c.strategy for c in r.candidates}
     assert {"gnn", "gnn+search"} <= names
     gnn = next(c for c in r.candidates if c.strategy == "gnn")

@@ -11,6 +11,7 @@ from heterog.search.grouping import make_groups
 from heterog.search.lanes import finalize
 from heterog.search.local_search import Annealer
 from heterog.search.moves import MOVES, Move, MoveScope, register_move, segments
+from heterog.search.objective import Goal
 from heterog.search.planner import plan_graph
 from heterog.search.problem import Problem
 from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
@@ -36,8 +37,8 @@ def test_more_moves_with_the_same_seed_never_give_a_worse_plan():
         assert long.best_estimate.score <= short.best_estimate.score
     g, c, costs = prob.graph, prob.cluster, prob.costs
     times = [
-        plan_graph(
-            g, c, costs, budget_s=120, seed=5, policy=False, max_iters=n, workers=1
+        plan_graph(  # tolerance 0: the fastest candidate (a tolerance may prefer a simpler one)
+            g, c, costs, budget_s=120, seed=5, policy=False, max_iters=n, workers=1, goal=Goal(tolerance=0.0)
         ).best.predicted_iteration_time_s
         for n in (10, 40)
     ]

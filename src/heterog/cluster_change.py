@@ -27,6 +27,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.hardware.spec import _gpu_type_to_dict, cluster_from_dict, cluster_to_dict, load_cluster
 from heterog.ir.plan import Plan
 from heterog.plan_module import plan
+from heterog.search.objective import Goal
 
 EVEN_DP = "even-dp-allreduce"
 
@@ -164,6 +165,12 @@ class Scenario:
     plan: dict[str, Any] = field(repr=False)
 
     @property
+    def plan_cost(self) -> dict[str, float]:
+        """What heterog's plan costs (search/objective.py cost_figures): per hour of its used
+        devices, per step, per million samples; {} where a used device has no price."""
+        return dict(self.plan.get("predicted_cost") or {})
+
+    @property
     def label(self) -> str:
         return " ".join(c.label for c in self.changes) or "(as is)"
 
@@ -176,6 +183,7 @@ class Scenario:
             "plan_strategy": self.plan_strategy,
             "plan_devices_used": self.plan_devices_used,
             "even_dp_time_s": self.even_dp_time_s,
+            "plan_cost": self.plan_cost,
             "plan": self.plan,
         }
 
@@ -249,7 +257,8 @@ def whatif(
         raise PlanError("no change to weigh: give --add TYPE:COUNT and/or --remove TYPE:COUNT.")
     groups = [tuple(changes)] if together else [(c,) for c in changes]
     clusters = [changed_cluster(base, list(g), pool=pool_cluster, nic_gbps=nic_gbps) for g in groups]
-    plan_kw = {"model": model, "batch_size": batch_size, **plan_options}
+    # the fastest plan each cluster allows (no tolerance for simpler plans): what-if weighs time
+    plan_kw = {"model": model, "batch_size": batch_size, "goal": Goal(tolerance=0.0), **plan_options}
     first = _scenario((), base, plan_kw)
     rest = [_scenario(g, c, plan_kw) for g, c in zip(groups, clusters)]
     rest.sort(key=lambda s: (s.plan_time_s is None, s.plan_time_s or 0.0))

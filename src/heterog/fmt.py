@@ -1,4 +1,4 @@
-"""How heterog writes quantities for people: bytes, durations and FLOPs with their units.
+"""How heterog writes quantities for people: bytes, durations, FLOPs and prices with their units.
 
 The command line, the HTML report and the plan explanations all print through these, so a
 time reads the same everywhere; this module imports nothing of heterog, so any layer may use it.
@@ -41,3 +41,11 @@ def human_flops(f: float) -> str:
         if f >= size:
             return f"{f / size:.2f} {unit}"
     return f"{f:.0f} FLOP"
+
+
+def human_usd(usd: float) -> str:
+    """US dollars: cents from $0.01 (thousands grouped), three significant figures below (a
+    step or a small model's million samples can cost a fraction of a cent)."""
+    if usd == 0 or abs(usd) >= 0.01:
+        return f"${usd:,.2f}"
+    return f"${usd:.3g}"

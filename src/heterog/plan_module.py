@@ -35,6 +35,7 @@ from heterog.errors import ModelError
 from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
+from heterog.search.objective import DEFAULT_TOLERANCE, Goal
 from heterog.search.planner import DEFAULT_BUDGET_S, REQUIRED_STAGES, load_code, plan_graph
 
 
@@ -96,6 +97,9 @@ def plan(
     optimizer: str = "sgd",
     profile: Any = None,
     strategy: str | None = None,
+    objective: str = "time",
+    max_cost_per_hour: float | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
     **options: Any,
 ) -> dict[str, Any]:
     """The best deployment of `model` on `cluster` and the candidates it beat (the CLI's JSON);
@@ -107,7 +111,12 @@ def plan(
     the search's (search). Everything from the capture on happens within `budget_s` (the
     clock starts here, after the code every plan needs is loaded: search/planner.py
     load_code); "time_s" says where the time went, "required_s" what no search could skip,
-    "over_budget_s" by how much the call overran."""
+    "over_budget_s" by how much the call overran.
+    objective: 'time' (the shortest iteration) or 'cost' (the lowest price per sample: the used
+    devices' price per hour × iteration time / batch); max_cost_per_hour: the fastest plan whose
+    used devices cost at most this many US dollars per hour; tolerance: among plans within this
+    fraction of the best, the one on fewer devices, stages and sync methods (search/objective.py)."""
+    options.setdefault("goal", Goal(objective=objective, max_cost_per_hour=max_cost_per_hour, tolerance=tolerance))
     budget_s = options.pop("budget_s", None)
     budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
     load_code(options.get("policy"))

@@ -12,6 +12,16 @@ import psutil
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from heterog.cli.objective_opts import (
+    MAX_COST_OPTION,
+    OBJECTIVE_OPTION,
+    PRICE_OPTION,
+    TOLERANCE_OPTION,
+    cost_cells,
+    cost_headers,
+    cost_line,
+    objective_inputs,
+)
 from heterog.cli.output import console, parse_model_args, print_json, print_table
 from heterog.cli.report_cmd import report_from_plan_result
 from heterog.cli.stop import raise_if_stopped
@@ -45,6 +55,7 @@ _TIME_WORDS = {
     "grouping": "grouping",
     "baselines": "baselines",
     "bound": "bound",
+    "subsets": "fewer devices",
     "lanes": "search",
     "explanation": "explanation",
 }
@@ -87,6 +98,8 @@ def _above(c: dict[str, Any]) -> str:
 
 def _show(result: dict[str, Any], budget_s: float) -> None:
     rows = []
+    priced = any(c.get("cost") for c in result["candidates"])
+    tokens = bool(result["best"]["model"].get("seq_len"))
     for c in result["candidates"]:
         peak = max(c["peak_memory_bytes"].values(), default=0)
         rows.append(
@@ -98,13 +111,15 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
                 c["devices_used"],
                 c["num_microbatches"],
                 human_bytes(peak),
+                *(cost_cells(c, tokens) if priced else []),
             ]
         )
     print_table(
         "candidates",
-        ["strategy", "iteration", "over bound", "fits", "devices", "micro-batches", "max peak memory"],
+        ["strategy", "iteration", "over bound", "fits", "devices", "micro-batches", "max peak memory"]
+        + (cost_headers(tokens) if priced else []),
         rows,
-        optional=("micro-batches", "over bound"),
+        optional=("micro-batches", "over bound", "$/step", "$/hour", "max peak memory"),
     )
     best = result["best"]
     line = f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} per iteration"
@@ -113,12 +128,17 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
         t = best["predicted_iteration_time_s"]
         line += f", within {(t / bound['iteration_time_s'] - 1) * 100:.0f} % of the lower bound "
         line += human_time(bound["iteration_time_s"])
-    console.print(line)
+    console.print(line + cost_line(best))
     console.print(_time_line(result, budget_s))
     for line in best["notes"]:
         console.print(f"  • {line}")
 
 
+PROFILE_HELP = (
+    "A `heterog profile` file for one device type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
+    "times replace the estimate where they measured, and a GPU's profile calibrates its type; TYPE: the cluster "
+    "type it stands for (default: the type it was measured on)."
+)
 BUDGET_HELP = (
     "Seconds for the whole plan: capture, costs, baselines, bound and search (start-up aside). "
     "A larger budget with the same --seed never gives a worse plan."
@@ -146,15 +166,7 @@ def plan_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Path | None = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
-    profile: list[str] | None = typer.Option(
-        None,
-        "--profile",
-        help="A `heterog profile` file for one device "
-        "type, FILE or FILE:TYPE (repeatable, one per type): its per-node "
-        "times replace the estimate where they measured, and a GPU's "
-        "profile calibrates its type; TYPE: the cluster type it stands for "
-        "(default: the type it was measured on).",
-    ),
+    profile: list[str] | None = typer.Option(None, "--profile", help=PROFILE_HELP),
     strategy: str | None = typer.Option(
         None,
         "--strategy",
@@ -164,12 +176,17 @@ def plan_command(
     report: Path | None = typer.Option(
         None, "--report", help="Also write an HTML report of the plan and every candidate here (see `heterog report`)."
     ),
+    objective: str = OBJECTIVE_OPTION,
+    max_cost_per_hour: float | None = MAX_COST_OPTION,
+    tolerance: float | None = TOLERANCE_OPTION,
+    price: list[str] | None = PRICE_OPTION,
 ) -> None:
     """Find the fastest deployment of MODEL on CLUSTER that fits in memory; compare it with the baselines."""
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.plan_module import plan
 
     _check_choices(precision, optimizer, strategy)
+    goal, cluster_in = objective_inputs(objective, max_cost_per_hour, tolerance, price, cluster)
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())
     with bar if bar is not None else contextlib.nullcontext():
         result = plan(
@@ -177,7 +194,7 @@ def plan_command(
             model_args=parse_model_args(model_arg),
             batch_size=batch_size,
             seq_len=seq_len,
-            cluster=cluster,
+            cluster=cluster_in,
             precision=precision,
             optimizer=optimizer,
             budget_s=budget_s,
@@ -188,6 +205,7 @@ def plan_command(
             progress=update,
             strategy=strategy,
             profile=profile,
+            goal=goal,
         )
     result["wall_time_s"] = process_age_s()  # start to plan, for the time line (not the report)
     if out is not None:
@@ -213,7 +231,7 @@ def _check_choices(precision: str, optimizer: str, strategy: str | None) -> None
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}.")
     if optimizer not in OPTIMIZERS:
         raise typer.BadParameter(f"--optimizer must be one of {', '.join(OPTIMIZERS)}.")
-    if strategy is not None and strategy not in CANDIDATES:
+    if strategy is not None and strategy not in CANDIDATES and not strategy.startswith("subset:"):
         raise typer.BadParameter(
             f"no strategy {strategy!r}.{did_you_mean(strategy, CANDIDATES)} The "
             f"candidates are {', '.join(CANDIDATES)}.",

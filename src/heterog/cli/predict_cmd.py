@@ -7,7 +7,7 @@ from collections import Counter
 import typer
 
 from heterog.cli.output import WIDE_HELP, console, parse_model_args, print_json, print_table, set_wide
-from heterog.fmt import human_bytes, human_flops, human_time
+from heterog.fmt import human_bytes, human_flops, human_time, human_usd
 from heterog.hardware.catalog import list_gpus, precision_help
 from heterog.hardware.spec import builtin_clusters, load_cluster
 from heterog.ir.kinds import Precision
@@ -93,7 +93,7 @@ def gpus_cmd(
     wide: bool = typer.Option(False, "--wide", help=WIDE_HELP),
     cpu: bool = typer.Option(True, "--cpu/--no-cpu", help="Include the measured 'cpu' type."),
 ) -> None:
-    """List the GPU catalog (dense peaks, memory, links) and their sources."""
+    """List the GPU catalog (dense peaks, memory, links, list price per hour) and their sources."""
     set_wide(wide)
     gpus = list_gpus(include_cpu=cpu)
     if as_json:
@@ -111,6 +111,7 @@ def gpus_cmd(
                     "efficiency_source": g.efficiency.source,
                     "public": None if g.public is None else g.public.to_dict(),
                     "sources": g.sources,
+                    "price": None if g.price is None else g.price.to_dict(),
                 }
                 for g in gpus
             ]
@@ -119,7 +120,19 @@ def gpus_cmd(
     tf = lambda g, p: f"{g.peak_flops_per_s.get(p, 0) / 1e12:.1f}" if g.peak_flops_per_s.get(p) else "—"  # noqa: E731
     print_table(
         "GPU types (dense peak TFLOP/s)",
-        ["type", "fp32", "tf32", "fp16", "bf16", "fast precisions", "memory", "mem GB/s", "link", "link GB/s"],
+        [
+            "type",
+            "fp32",
+            "tf32",
+            "fp16",
+            "bf16",
+            "fast precisions",
+            "memory",
+            "mem GB/s",
+            "link",
+            "link GB/s",
+            "$/hour",
+        ],
         [
             (
                 g.name,
@@ -132,10 +145,11 @@ def gpus_cmd(
                 f"{g.memory_bandwidth_bytes_per_s / 1e9:.0f}",
                 g.intra_node_link,
                 f"{g.intra_node_bandwidth_bytes_per_s / 1e9:.0f}",
+                "—" if g.price is None else human_usd(g.price.usd_per_hour),
             )
             for g in gpus
         ],
-        optional=("link", "fast precisions"),
+        optional=("link", "fast precisions", "$/hour"),
     )
 
 

@@ -8,10 +8,17 @@ from pathlib import Path
 import typer
 
 from heterog.cli.output import console, parse_model_args, print_json, print_table, set_wide, write_json
-from heterog.fmt import human_time
+from heterog.fmt import human_time, human_usd
 from heterog.hardware.catalog import precision_help
 
 NOISE = 0.02  # changes within 2 % are not called slower or faster
+
+
+def _cost(cost: dict[str, float]) -> list[str]:
+    """The plan's price per hour and per million samples; '-' where a used device has no price."""
+    if not cost:
+        return ["-", "-"]
+    return [human_usd(cost["usd_per_hour"]), human_usd(cost["usd_per_million_samples"])]
 
 
 def _times(x: float | None) -> str:
@@ -90,13 +97,15 @@ def _show(result, model: str, batch_size: int) -> None:
             _times(result.speedup(s, "plan")),
             human_time(s.even_dp_time_s) if s.even_dp_time_s is not None else "no fit",
             _times(result.speedup(s, "even_dp")),
+            *_cost(s.plan_cost),
         ]
         for s in (result.base, *result.scenarios)
     ]
     print_table(
         f"what if: {model} (batch {batch_size}) on {result.cluster}; x: speed-up over the cluster as it is",
-        ["change", "devices", "heterog's plan", "uses", "iteration", "x", "even DP", "x "],
+        ["change", "devices", "heterog's plan", "uses", "iteration", "x", "even DP", "x ", "$/hour", "$/M samples"],
         rows,
+        optional=("$/hour", "$/M samples"),
     )
     for s in result.scenarios:
         plan_x, even_x = result.speedup(s, "plan"), result.speedup(s, "even_dp")

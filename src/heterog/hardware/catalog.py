@@ -23,7 +23,7 @@ import yaml
 
 from heterog.errors import ClusterError
 from heterog.hardware.cpu_probe import CPU_TYPE, cpu_gpu_type, measure_cpu
-from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts, PublicFigures
+from heterog.hardware.gputype import PRECISIONS, Efficiency, GpuType, HostCosts, Price, PublicFigures
 from heterog.hardware.public_model import derive
 from heterog.ir.kinds import CATALOG_PRECISION
 
@@ -105,6 +105,17 @@ def _public_from_entry(e: dict[str, Any] | None, sources: dict[str, Any], where:
         raise ClusterError(f"{where}: public figures are malformed ({err}).") from None
 
 
+def _price_from_entry(e: Any, where: str) -> Price | None:
+    if e is None:
+        return None
+    try:
+        return Price.from_dict(e)
+    except KeyError as err:
+        raise ClusterError(f"{where}: price lacks {err.args[0]!r} (usd_per_hour, source, date).") from None
+    except (TypeError, ValueError) as err:
+        raise ClusterError(f"{where}: price is malformed ({err}).") from None
+
+
 def gpu_from_entry(e: dict[str, Any], where: str = "catalog.yaml") -> GpuType:
     """A catalog entry as a GpuType; without an `efficiency` of its own (no measurements),
     its efficiency derived from its public figures (hardware/public_model.py)."""
@@ -132,6 +143,7 @@ def _gpu_type_of(e: dict[str, Any], where: str) -> GpuType:
             efficiency=_efficiency_from_entry(e.get("efficiency"), where),
             host=_host_from_entry(e["host"], where) if e.get("host") else None,
             public=_public_from_entry(e.get("public"), dict(e.get("sources") or {}), where),
+            price=_price_from_entry(e.get("price"), where),
         )
     except KeyError as err:
         raise ClusterError(f"{where} lacks {err.args[0]!r} (see hardware/catalog.yaml for the fields).") from None

@@ -34,6 +34,7 @@ class Device:
     node: str
     slowdown: float = 1.0  # emulated clusters: compute runs this many times slower
     memory_bytes: int | None = None  # override of the type's memory (emulated / partial GPUs)
+    price_per_hour: float | None = None  # US dollars; the cluster file's (hardware/prices.py), else the type's
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,6 +85,15 @@ class Cluster:
 
     def gpu(self, device: str) -> GpuType:
         return self.gpu_types[self.device(device).gpu_type]
+
+    def price_per_hour(self, device: str) -> float | None:
+        """US dollars per hour of `device`: the cluster file's price, else its type's list
+        price (catalog.yaml); None when neither gives one."""
+        d = self.device(device)
+        if d.price_per_hour is not None:
+            return d.price_per_hour
+        price = self.gpu_types[d.gpu_type].price
+        return None if price is None else price.usd_per_hour
 
     def memory_bytes(self, device: str) -> int:
         d = self.device(device)
@@ -160,7 +170,7 @@ def build_cluster(
     """Make a Cluster and its links from plain node descriptions.
 
     Each node dict: name, devices (list of dicts: name, gpu_type, slowdown?, memory_bytes?,
-    intra_bandwidth_bytes_per_s?), nic_bandwidth_bytes_per_s, nic_latency_s, intra_latency_s,
+    intra_bandwidth_bytes_per_s?, price_per_hour?), nic_bandwidth_bytes_per_s, nic_latency_s, intra_latency_s,
     host_speed? (1.0).
     The YAML loader (hardware.spec) validates user input and calls this.
     """
@@ -177,6 +187,7 @@ def build_cluster(
                 node=n["name"],
                 slowdown=d.get("slowdown", 1.0),
                 memory_bytes=d.get("memory_bytes"),
+                price_per_hour=d.get("price_per_hour"),
             )
             devices.append(dev)
             names.append(dev.name)

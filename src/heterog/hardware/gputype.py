@@ -10,11 +10,14 @@ Four records describe a type:
   where the type was measured, else derived from its public figures (hardware/public_model.py);
 - `HostCosts`: what eager PyTorch's host (Python, dispatcher, autograd, autocast) spends per
   op while driving this device. The host is a property of the machine, so every GPU type
-  shares one default unless a calibration (`heterog calibrate`) measured its own.
+  shares one default unless a calibration (`heterog calibrate`) measured its own;
+- `Price`: a list price per GPU-hour, with the page it was read from and the date that page
+  states (a cluster file's `price_per_hour` overrides it: hardware/prices.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -187,6 +190,33 @@ class Efficiency:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Price:
+    """What one device of a type costs per hour, in US dollars: a public on-demand list price,
+    the page it was read from and the date that page states. Prices move; the date says how
+    old a figure is, and a cluster file's own `price_per_hour` replaces it."""
+
+    usd_per_hour: float
+    source: str = ""
+    date: str = ""  # as the source states it (YYYY-MM-DD)
+
+    def __post_init__(self) -> None:
+        if not (self.usd_per_hour >= 0.0 and math.isfinite(self.usd_per_hour)):
+            raise ValueError(f"price.usd_per_hour must be a finite number ≥ 0, found {self.usd_per_hour!r}.")
+
+    def to_dict(self) -> dict:
+        return {"usd_per_hour": self.usd_per_hour, "source": self.source, "date": self.date}
+
+    @staticmethod
+    def from_dict(d: dict) -> Price:
+        """ValueError (KeyError for a missing figure) when malformed."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a price is a mapping {{usd_per_hour, source, date}}, found {d!r}")
+        return Price(
+            usd_per_hour=float(d["usd_per_hour"]), source=str(d.get("source", "")), date=str(d.get("date", ""))
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GpuType:
     name: str  # e.g. 'A100-80GB'
     vendor: str  # 'nvidia', 'amd', 'cpu'
@@ -200,6 +230,7 @@ class GpuType:
     host: HostCosts | None = None  # None: the vendor's default (catalog host_overheads)
     public: PublicFigures | None = None  # None: a custom type with peaks only
     cpu_threads: int | None = None  # the measured `cpu` type: the torch threads its rates are for
+    price: Price | None = None  # None: no public list price found (catalog.yaml says which)
 
     def __post_init__(self) -> None:
         for p in PRECISIONS:
@@ -249,6 +280,8 @@ def gpu_extras_to_dict(g: GpuType) -> dict:
         out["public"] = g.public.to_dict()
     if g.cpu_threads is not None:
         out["cpu_threads"] = g.cpu_threads
+    if g.price is not None:
+        out["price"] = g.price.to_dict()
     return out
 
 
@@ -276,4 +309,9 @@ def gpu_extras_from_dict(d: dict) -> dict:
             raise ValueError(f"public figures lack {e.args[0]!r}") from None
     if d.get("cpu_threads") is not None:
         out["cpu_threads"] = int(d["cpu_threads"])
+    if d.get("price") is not None:
+        try:
+            out["price"] = Price.from_dict(d["price"])
+        except KeyError as e:
+            raise ValueError(f"price lacks {e.args[0]!r}") from None
     return out

@@ -22,6 +22,8 @@ memory_gib or memory_bytes):
     gpu_types: {NAME: {...}}         # optional custom types (cluster_to_dict writes them all)
     catalog: my-catalog.yaml         # optional: catalog files (`heterog calibrate --out`), relative
                                      #   to this file, whose types the devices may name
+    price_per_hour: {T4: 0.35}       # optional: US dollars per device-hour by type; a node's or a
+                                     #   device entry's `price_per_hour` too (hardware/prices.py)
 
 Errors name the file, line and field, and say how to fix them.
 """
@@ -37,7 +39,7 @@ from typing import Any
 import yaml
 
 from heterog.errors import ClusterError, did_you_mean
-from heterog.hardware import catalog
+from heterog.hardware import catalog, prices
 from heterog.hardware import yamlfields as yf
 from heterog.hardware.cluster import Cluster, build_cluster
 from heterog.hardware.gputype import PRECISIONS, GpuType, gpu_extras_from_dict, gpu_extras_to_dict
@@ -47,7 +49,7 @@ DEFAULT_NIC_LATENCY_S = 10e-6  # RDMA/TCP one-way latency order; HeteroG used 12
 DEFAULT_INTRA_LATENCY_S = 3e-6  # NVLink/PCIe peer copy including the launch
 KINDS = ("real", "emulated")
 
-_TOP = {"name", "kind", "description", "switch", "nodes", "gpu_types", "meta", "version", "catalog"}
+_TOP = {"name", "kind", "description", "switch", "nodes", "gpu_types", "meta", "version", "catalog", prices.FIELD}
 _NODE = {
     "name",
     "count",
@@ -60,6 +62,7 @@ _NODE = {
     "intra_latency_us",
     "intra_latency_s",
     "host_speed",
+    prices.FIELD,
 }
 _DEVICE = {
     "type",
@@ -71,6 +74,7 @@ _DEVICE = {
     "intra_bandwidth_gbps",
     "intra_bandwidth_gbytes_per_s",
     "intra_bandwidth_bytes_per_s",
+    prices.FIELD,
 }
 _SWITCH = {
     "core_bandwidth_gbps",
@@ -137,8 +141,10 @@ def _parse(doc: Any, source: str, base_dir: Path | None = None) -> Cluster:
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise ctx.fail("", doc, "nodes", "expected a non-empty list of nodes.")
     reader = _NodeReader(ctx, kind, _custom_types(ctx, doc, base_dir))
+    reader.type_prices = prices.type_prices(ctx, doc, reader.canonical_type)
     for i, n in enumerate(raw_nodes):
         reader.read(f"nodes[{i}]", n)
+    prices.check_types_used(ctx, doc, reader.type_prices, set(reader.gpu_types))
     meta = dict(doc.get("meta") or {})
     if "description" in doc:
         meta["description"] = str(doc["description"])
@@ -190,6 +196,7 @@ class _DeviceEntry:
     slowdown: float
     memory_bytes: int | None
     intra_bandwidth_bytes_per_s: float | None
+    price_per_hour: float | None
 
 
 class _NodeReader:
@@ -199,6 +206,7 @@ class _NodeReader:
     def __init__(self, ctx: yf.Ctx, kind: str, custom: dict[str, GpuType]):
         self.ctx, self.kind, self.custom = ctx, kind, custom
         self.gpu_types: dict[str, GpuType] = {}
+        self.type_prices: dict[str, float] = {}  # the top-level price_per_hour, by type
         self.nodes: list[dict[str, Any]] = []
         self.node_where: dict[str, str] = {}
         self.device_node: dict[str, str] = {}
@@ -236,6 +244,7 @@ class _NodeReader:
         if not isinstance(n["devices"], list) or not n["devices"]:
             raise ctx.fail(where, n, "devices", "expected a non-empty list of devices.")
         entries = [self._entry(f"{where}.devices[{j}]", d) for j, d in enumerate(n["devices"])]
+        node_share = self._node_share(where, n, entries)
         for copy in range(count):
             node_name = str(n["name"]).replace("{i}", str(copy))
             if node_name in self.node_where:
@@ -247,7 +256,7 @@ class _NodeReader:
                     f"node names must be unique.",
                 )
             self.node_where[node_name] = where
-            devices = self._devices(where, n, node_name, entries)
+            devices = self._devices(where, n, node_name, entries, node_share)
             self.nodes.append({"name": node_name, "devices": devices, **links})
 
     def _entry(self, dwhere: str, d: Any) -> _DeviceEntry:
@@ -286,8 +295,28 @@ class _NodeReader:
         )
         intra_bw = yf.bandwidth(ctx, dwhere, d, "intra_bandwidth", None)
         return _DeviceEntry(
-            gpu=gt, count=dcount, slowdown=slowdown, memory_bytes=mem, intra_bandwidth_bytes_per_s=intra_bw
+            gpu=gt,
+            count=dcount,
+            slowdown=slowdown,
+            memory_bytes=mem,
+            intra_bandwidth_bytes_per_s=intra_bw,
+            price_per_hour=prices.read_price(ctx, dwhere, d) if prices.FIELD in d else None,
         )
+
+    def _node_share(self, where: str, n: Any, entries: list[_DeviceEntry]) -> float | None:
+        """Each device's part of the node's `price_per_hour` (an instance's price, split evenly)."""
+        if prices.FIELD not in n:
+            return None
+        if any(e.price_per_hour is not None for e in entries):
+            raise self.ctx.fail(
+                where, n, prices.FIELD, "priced twice: give the node's price or its devices' prices, not both."
+            )
+        count = sum(e.count for e in entries)
+        return prices.read_price(self.ctx, where, n, devices=count) / count
+
+    def canonical_type(self, name: str) -> str:
+        """The type a spelling means here: one of the spec's own types, else the catalog's."""
+        return name if name in self.custom else catalog.get_gpu(name).name
 
     def _gpu_type(self, where: str, m: dict) -> GpuType:
         tname = m["type"]
@@ -300,7 +329,9 @@ class _NodeReader:
         except ClusterError as e:
             raise self.ctx.fail(where, m, "type", str(e)) from None
 
-    def _devices(self, where: str, n: Any, node_name: str, entries: list[_DeviceEntry]) -> list[dict[str, Any]]:
+    def _devices(
+        self, where: str, n: Any, node_name: str, entries: list[_DeviceEntry], node_share: float | None
+    ) -> list[dict[str, Any]]:
         """The devices of one copy of a node: named, or numbered per prefix (gpu0, cpu1, …)."""
         devices: list[dict[str, Any]] = []
         k_by_prefix: dict[str, int] = {}
@@ -328,6 +359,11 @@ class _NodeReader:
                     dev["memory_bytes"] = e.memory_bytes
                 if e.intra_bandwidth_bytes_per_s is not None:
                     dev["intra_bandwidth_bytes_per_s"] = e.intra_bandwidth_bytes_per_s
+                price = next(
+                    (p for p in (e.price_per_hour, node_share, self.type_prices.get(e.gpu.name)) if p is not None), None
+                )
+                if price is not None:
+                    dev["price_per_hour"] = price
                 devices.append(dev)
         return devices
 
@@ -405,6 +441,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             port_bw = cluster.links[Cluster.port(d.name, "up")].bandwidth_bytes_per_s
             if port_bw != gt.intra_node_bandwidth_bytes_per_s:
                 entry["intra_bandwidth_bytes_per_s"] = port_bw
+            if d.price_per_hour is not None:
+                entry[prices.FIELD] = d.price_per_hour
             devices.append(entry)
         node: dict[str, Any] = {
             "name": n.name,
@@ -439,4 +477,18 @@ def with_gpu_type(cluster: Cluster, gpu: GpuType) -> Cluster:
         )
     doc = cluster_to_dict(cluster)
     doc["gpu_types"][gpu.name] = _gpu_type_to_dict(gpu)
+    return cluster_from_dict(doc)
+
+
+def with_prices(cluster: Cluster, usd_per_hour: dict[str, float]) -> Cluster:
+    """`cluster` with each named type's devices priced at usd_per_hour[type] (US dollars per
+    device-hour), as a cluster file's top-level `price_per_hour` would (`heterog plan --price`);
+    the other devices keep their prices."""
+    named = {t if t in cluster.gpu_types else catalog.get_gpu(t).name for t in usd_per_hour}
+    doc = cluster_to_dict(cluster)
+    doc[prices.FIELD] = dict(usd_per_hour)
+    for node in doc["nodes"]:
+        for d in node["devices"]:
+            if d["type"] in named:
+                d.pop(prices.FIELD, None)
     return cluster_from_dict(doc)

@@ -52,3 +52,10 @@ class InstructionKind(StrEnum):
     RECV = "recv"
     COLLECTIVE = "collective"
     OPTIMIZER = "optimizer"
+
+
+class Objective(StrEnum):
+    """What the planner minimises (search/objective.py)."""
+
+    TIME = "time"  # the iteration time
+    COST = "cost"  # the price per sample: the used devices' price per hour × iteration time / batch

@@ -133,6 +133,8 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
     cluster_fingerprint: str = ""
     predicted_iteration_time_s: float | None = None
     predicted_peak_memory_bytes: dict[str, int] = field(default_factory=dict)
+    # usd_per_hour, usd_per_step, usd_per_million_samples (and _tokens): search/objective.py; {} unpriced
+    predicted_cost: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # the explanation: why this plan
 
     def __post_init__(self) -> None:

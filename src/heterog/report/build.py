@@ -119,6 +119,7 @@ def _summary(inp: ReportInputs) -> str:
         ("devices used", f"{len(p.devices())} of {len(inp.cluster.devices)}"),
         ("groups", str(len(p.groups))),
         ("micro-batches", f"{p.num_microbatches} ({p.schedule})"),
+        *tables.cost_kpis(p.predicted_cost),
     ]
     k = "".join(f"<div>{escape(a)}<b>{escape(b)}</b></div>" for a, b in kpis)
     fits += _recorded_prediction(p, s)

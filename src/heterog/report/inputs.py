@@ -29,6 +29,7 @@ class Candidate:
     peak_memory_bytes: dict[str, int]
     devices_used: int
     num_microbatches: int
+    cost: dict[str, float] = field(default_factory=dict)  # search/objective.py cost_figures; {} unpriced
 
     @property
     def max_peak_memory_bytes(self) -> int:
@@ -79,6 +80,7 @@ def candidate_from_dict(doc: dict[str, Any], where: str) -> Candidate:
             peak_memory_bytes={k: int(v) for k, v in doc.get("peak_memory_bytes", {}).items()},
             devices_used=int(doc.get("devices_used", 0)),
             num_microbatches=int(doc.get("num_microbatches", 1)),
+            cost={str(k): float(v) for k, v in (doc.get("cost") or {}).items()},
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{where}: not a candidate of `heterog plan --json` ({e!r}).") from None

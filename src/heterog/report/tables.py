@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from heterog.fmt import human_bytes, human_time
+from heterog.fmt import human_bytes, human_time, human_usd
 from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import Plan
 from heterog.report.inputs import Candidate
@@ -123,6 +123,7 @@ def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
     if ref is None and feasible:
         ref = max(feasible, key=lambda c: c.iteration_time_s or 0.0)
     rows = []
+    priced = any(c.cost for c in cands)
     for c in cands:
         speed = (
             f"{ref.iteration_time_s / c.iteration_time_s:.2f}×"
@@ -135,12 +136,34 @@ def candidates_table(cands: Sequence[Candidate], chosen: str) -> str:
             f'{_t(c.iteration_time_s) if c.feasible else "—"}</td><td class="num">{speed}</td>'
             f"<td>{'yes' if c.feasible else '<b class=bad>no (memory)</b>'}</td>"
             f'<td class="num">{c.devices_used}</td><td class="num">{c.num_microbatches}</td>'
-            f'<td class="num">{human_bytes(c.max_peak_memory_bytes)}</td></tr>'
+            f'<td class="num">{human_bytes(c.max_peak_memory_bytes)}</td>{_cost_cells(c.cost, priced)}</tr>'
         )
     ref_name = ref.strategy if ref is not None else "—"
+    unit = "tokens" if any("usd_per_million_tokens" in c.cost for c in cands) else "samples"
+    cost_head = f"<th>$ per hour</th><th>$ per step</th><th>$ per million {unit}</th>" if priced else ""
     return (
         f'<table class="candidates"><caption>speed-up relative to {escape(ref_name)}; the chosen plan '
         f"is marked</caption><thead><tr><th>strategy</th><th>iteration</th><th>speed-up</th><th>fits</th>"
-        f"<th>devices</th><th>micro-batches</th><th>max peak memory</th></tr></thead>"
+        f"<th>devices</th><th>micro-batches</th><th>max peak memory</th>{cost_head}</tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
+
+
+def _cost_cells(cost: dict[str, float], priced: bool) -> str:
+    """A candidate's price per hour of its used devices, per step, per million samples or
+    tokens (search/objective.py); '—' where a used device has no price."""
+    if not priced:
+        return ""
+    if not cost:
+        return '<td class="num">—</td>' * 3
+    per = cost.get("usd_per_million_tokens", cost["usd_per_million_samples"])
+    return "".join(f'<td class="num">{human_usd(v)}</td>' for v in (cost["usd_per_hour"], cost["usd_per_step"], per))
+
+
+def cost_kpis(cost: dict[str, float]) -> list[tuple[str, str]]:
+    """The plan's cost for the summary's figures (none when unpriced)."""
+    if not cost:
+        return []
+    unit = "tokens" if "usd_per_million_tokens" in cost else "samples"
+    per = cost.get("usd_per_million_tokens", cost["usd_per_million_samples"])
+    return [("cost (planned)", f"{human_usd(cost['usd_per_hour'])} per hour, {human_usd(per)} per million {unit}")]

@@ -98,19 +98,28 @@ def tier_dp_starts(prob: Problem) -> Iterator[Strategy]:
     every all-reduce more than their samples help), which these reach in one step."""
     speed = prob.device_time_per_sample_s
     order = sorted(range(len(prob.tiers)), key=lambda t: (speed[prob.tiers[t][0]], t))
-    grad = float(prob.grad_bytes.sum())
     for k in range(1, len(order) + 1):
         devs = sorted(d for t in order[:k] for d in prob.tiers[t])[: prob.batch_size]
-        if len(devs) < 2:
-            continue
-        d, sh = balanced_shares(prob, range(prob.n_groups), devs)
-        if len(d) < 2:
-            continue
-        p = min(
-            (Placement(d, sh, sync) for sync in (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL)),
-            key=lambda q: prob.sync_time_bytes_s(q, grad),
-        )
-        yield _uniform(prob, p)
+        s = dp_over(prob, devs)
+        if s is not None and len(s.placements[0].devices) > 1:
+            yield s
+
+
+def dp_over(prob: Problem, devs: list[int]) -> Strategy | None:
+    """Data parallelism over `devs` with the batch-share LP's shares and the all-reduce the
+    cost model times fastest for the model's gradients (one device: that device alone); None
+    when the LP gives samples to no device."""
+    d, sh = balanced_shares(prob, range(prob.n_groups), devs)
+    if not d:
+        return None
+    if len(d) == 1:
+        return _uniform(prob, Placement(d, (1.0,)))
+    grad = float(prob.grad_bytes.sum())
+    p = min(
+        (Placement(d, sh, sync) for sync in (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL)),
+        key=lambda q: prob.sync_time_bytes_s(q, grad),
+    )
+    return _uniform(prob, p)
 
 
 def device_blocks(prob: Problem, k: int) -> list[list[int]]:

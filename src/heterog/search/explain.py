@@ -120,9 +120,16 @@ def bound_note(bound: Bound, iteration_time_s: float) -> str:
     )
 
 
-def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate], bound: Bound | None = None) -> list[str]:
+def notes(
+    prob: Problem,
+    winner: Candidate,
+    candidates: Sequence[Candidate],
+    bound: Bound | None = None,
+    choice: Sequence[str] = (),
+) -> list[str]:
     """The plan's explanation. Every claim is computed: times and memory from the candidates'
-    scores, busy fractions and pipeline fill from a simulation of the winner."""
+    scores, busy fractions and pipeline fill from a simulation of the winner; `choice`: how the
+    objective and the tolerance chose it (search/objective.py), right after the first line."""
     plan = winner.plan
     sim = _simulated(prob, plan) if winner.scored_by == "simulator" else None
     out = [
@@ -130,6 +137,7 @@ def notes(prob: Problem, winner: Candidate, candidates: Sequence[Candidate], bou
         f"({'simulated' if winner.scored_by == 'simulator' else 'estimated'}), using "
         f"{len(plan.devices())} of {prob.n_devices} devices."
     ]
+    out += list(choice)
     if bound is not None:
         out.append(bound_note(bound, winner.iteration_time_s))
     ref = next((c for c in candidates if c.strategy == "even-dp-allreduce"), None)

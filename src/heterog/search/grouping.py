@@ -21,6 +21,7 @@ from itertools import accumulate
 
 from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
+from heterog.ir.affine import Affine
 from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpGraph
 from heterog.lower.blocks import sent_once
@@ -98,7 +99,7 @@ def contiguous_groups(graph: OpGraph, weights: Sequence[float], max_groups: int)
     return [tuple(names[a:b]) for a, b in segments]
 
 
-def group_graph(graph: OpGraph, groups: Sequence[Sequence[str]]) -> dict[tuple[int, int], object]:
+def group_graph(graph: OpGraph, groups: Sequence[Sequence[str]]) -> dict[tuple[int, int], Affine]:
     """Edges between groups: (src group, dst group) → Affine bytes that cross, each producer's
     tensor once however many nodes of the consumer group read it (lower.blocks.sent_once)."""
     owner = {name: gi for gi, names in enumerate(groups) for name in names}
@@ -107,7 +108,7 @@ def group_graph(graph: OpGraph, groups: Sequence[Sequence[str]]) -> dict[tuple[i
         a, b = owner[e.src], owner[e.dst]
         if a != b:
             crossing.setdefault((a, b), []).append((e.src, e.bytes))
-    out: dict[tuple[int, int], object] = {}
+    out: dict[tuple[int, int], Affine] = {}
     for key, edges in crossing.items():  # the lowering's rule: a tensor crosses once
         moved = sent_once(edges, lambda b: b.fixed + b.per_sample)
         total = moved[0]

@@ -54,6 +54,7 @@ class Candidate:
             "num_microbatches": self.plan.num_microbatches,
             "scored_by": self.scored_by,
             "above_bound": self.above_bound,
+            "cost": dict(self.plan.predicted_cost),  # search/objective.py; {} unpriced
         }
 
 

@@ -3,13 +3,15 @@ candidate it compared, and a lower bound beside them (the capture and the costs 
 heterog/plan_module.py).
 
 Order, every stage within one deadline (the budget): group the graph → baselines, each
-scored by the simulator → the lower bound (bound.py) → search lanes (lanes.py): an annealing
+scored by the simulator → the lower bound (bound.py) → data parallelism on fewer devices
+(objective.py subsets, in SUBSET_SHARE of the lanes' time) → search lanes (lanes.py): an annealing
 chain from the baselines ('search') and one from the GNN policy's proposals ('gnn',
 'gnn+search'), side by side in two processes where the machine has two cores, one after the
 other (the GNN lane taking GNN_SHARE of the time) where it has one → the best feasible
-candidate, explained. The best is the minimum over all feasible candidates, so it is never
-worse than a baseline as the simulator scores them; and since a lane's candidate is the best
-of a prefix of its seed's moves, a larger budget never gives a worse plan.
+candidate by the objective (search/objective.py), explained. The fastest is the minimum over
+all feasible candidates, so it is never worse than a baseline as the simulator scores them;
+and since a lane's candidate is the best of a prefix of its seed's moves, a larger budget
+never gives a worse one. The objective chooses by time or cost, within its tolerance.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from heterog.search.lanes import (
     simulator_scorer,
     usable_cores,
 )
+from heterog.search.objective import SUBSET_SHARE, Goal, check_priced, choose, subset_candidates
 from heterog.search.problem import Problem, Strategy
 from heterog.search.warm import warm_start
 
@@ -279,6 +282,7 @@ def plan_graph(
     cut_cache: ConstraintCache | None = None,
     deadline_s: float | None = None,
     workers: int | None = None,
+    goal: Goal | None = None,
     starts: Sequence[Plan] = (),
 ) -> PlanResult:
     """The best Plan for `graph` on `cluster`, ending about `budget_s` seconds after the call
@@ -296,9 +300,12 @@ def plan_graph(
     model once per `cut_cache` (the module's default cache when None), None ignores them.
     Groups follow them, and a candidate that breaks them is reported infeasible.
     workers: processes for the lanes (default: the usable cores, at most 2).
+    goal: the objective, price ceiling and tolerance of the final choice (search/objective.py).
     starts: earlier plans of the model (another cluster's), each restricted to this cluster's
     devices and tried first by the search chains (search/warm.py): a warm-started re-plan.
     """
+    goal = goal if goal is not None else Goal()
+    check_priced(cluster, goal)
     load_code(policy)
     begin = time.perf_counter()
     deadline = deadline_s if deadline_s is not None else begin + budget_s
@@ -343,6 +350,10 @@ def plan_graph(
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s
+        # data parallelism on fewer devices (search/objective.py), in part of the lanes' time
+        subsets_end = time.perf_counter() + SUBSET_SHARE * max(0.0, deadline - reserve_s - time.perf_counter())
+        subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
+        stages.done("subsets")
         mine = Lane(
             name="search", seed=seed, starts=_search_starts(list(base.strategies.values()), warm), known=base.known
         )
@@ -356,7 +367,7 @@ def plan_graph(
         split["finetune_s"] = f"min({finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
     say("scoring", 0.9)
-    best, ordered = _choose(prob, base.candidates, found, bound)
+    best, ordered = _choose(prob, {**base.candidates, **subsets}, found, bound, goal)
     stages.done("explanation")
     say("done", 1.0)
     lanes: dict[str, dict[str, Any]] = {}
@@ -379,19 +390,22 @@ def _has_simulator() -> bool:
     return _simulator() is not None
 
 
-def _choose(prob: Problem, baselines: dict[str, Candidate], found: Best, bound: Bound) -> tuple[Plan, list[Candidate]]:
-    """(the best feasible candidate's plan, explained; every candidate, in CANDIDATES order)."""
+def _choose(
+    prob: Problem, baselines: dict[str, Candidate], found: Best, bound: Bound, goal: Goal
+) -> tuple[Plan, list[Candidate]]:
+    """(the winner by `goal`'s objective among the feasible candidates (search/objective.py),
+    explained; every candidate, in CANDIDATES order, then the subsets)."""
     candidates = dict(baselines)
     for name, c in found.by_name.items():
         if name not in candidates or c.rank < candidates[name].rank:
             candidates[name] = c
     cluster_doc = cluster_to_dict(prob.cluster)
-    ordered = [_runnable(prob, candidates[n], cluster_doc, bound) for n in CANDIDATES if n in candidates]
-    feasible = [c for c in ordered if c.feasible]
-    if not feasible:
+    names = [n for n in CANDIDATES if n in candidates] + [n for n in candidates if n not in CANDIDATES]
+    ordered = [_runnable(prob, candidates[n], cluster_doc, bound) for n in names]
+    if not any(c.feasible for c in ordered):
         raise InfeasibleError(explain.infeasible_message(prob, ordered))
-    winner = min(feasible, key=lambda c: (c.iteration_time_s, CANDIDATES.index(c.strategy)))
-    return _finish(prob, winner, ordered, bound), ordered
+    choice = choose(prob, ordered, goal)
+    return _finish(prob, choice.winner, list(choice.candidates), bound, choice.notes), list(choice.candidates)
 
 
 def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any], bound: Bound) -> Candidate:
@@ -406,12 +420,14 @@ def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any], bound: B
     return replace(c, plan=plan, feasible=c.feasible and not broken, above_bound=bound.within(c.iteration_time_s))
 
 
-def _finish(prob: Problem, winner: Candidate, candidates: list[Candidate], bound: Bound) -> Plan:
+def _finish(
+    prob: Problem, winner: Candidate, candidates: list[Candidate], bound: Bound, choice_notes: tuple[str, ...] = ()
+) -> Plan:
     """Attach the explanation (prediction and cluster came with _runnable, priorities with
     scoring), and how the devices run the plan's precision (cost/precision.py)."""
     plan = replace(
         winner.plan,
-        notes=tuple(explain.notes(prob, winner, candidates, bound))
+        notes=tuple(explain.notes(prob, winner, candidates, bound, choice_notes))
         + precision_advice(prob.cluster, winner.plan.precision).notes,
     )
     return plan.validate(prob.graph, prob.cluster)

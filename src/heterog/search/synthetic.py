@@ -240,6 +240,13 @@ class TableCostModel:
     def gradient_bytes(self, nodes: Sequence[str]) -> float:
         return float(sum(self._node[n].param_bytes for n in nodes))
 
+    def recompute_transient_bytes(self, nodes: Sequence[str], batch: float) -> float:
+        # no blocks here: the whole group lives again while its backward runs
+        return self.activation_bytes(nodes, batch, False)
+
+    def tied_copy_bytes(self, param_bytes: float, device: str) -> float:
+        return param_bytes * (2 if self.optimizer == "sgd" else 4)  # as persistent_bytes counts a parameter
+
     def activation_transfer_bytes(self, src: str, dst: str, batch: float) -> float:
         e = self._edge.get((src, dst))
         return e.at(batch) if e is not None else 0.0

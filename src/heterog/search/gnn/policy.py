@@ -108,7 +108,7 @@ def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strateg
     for d, k in enumerate(f.node_of_device.tolist()):
         node_members[k].append(d)
     scores = out.pair_scores.detach()
-    choice: list[tuple[tuple[int, ...], str, str]] = []
+    choice: list[tuple[tuple[int, ...], SyncMethod, str]] = []
     for g in range(prob.n_groups):
         act = int(a.placement[g])
         if act == SAME and g > 0:
@@ -131,15 +131,15 @@ def decode(prob: Problem, f: Features, out: PolicyOutput, a: Actions) -> Strateg
         end = g
         while end + 1 < prob.n_groups and choice[end + 1] == choice[g]:
             end += 1
-        devs, sync, pattern = choice[g]
-        d, sh = pattern_shares(prob, range(g, end + 1), devs, pattern, micro)
-        if len(d) == 1:
-            p = Placement(d, sh)
-        elif sync == SyncMethod.PS:
-            server = max(d, key=lambda i: float(scores[g, i]))
-            p = Placement(d, sh, SyncMethod.PS, server)
+        members, method, pattern = choice[g]
+        used, sh = pattern_shares(prob, range(g, end + 1), members, pattern, micro)
+        if len(used) == 1:
+            p = Placement(used, sh)
+        elif method == SyncMethod.PS:
+            server = max(used, key=lambda i: float(scores[g, i]))
+            p = Placement(used, sh, SyncMethod.PS, server)
         else:
-            p = Placement(d, sh, SyncMethod.RING)
+            p = Placement(used, sh, SyncMethod.RING)
         placements.extend([p] * (end - g + 1))
         g = end + 1
     return Strategy(tuple(placements), micro)
