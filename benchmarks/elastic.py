@@ -79,7 +79,7 @@ def recovery() -> dict:
         say=print,
     )
     return {
-        "scenario": "gpt2 (hidden 32, 2 layers) batch 6 seq 8, AdamW, 3 emulated CPU devices, checkpoint every step; "
+        "scenario": "gpt2 (hidden 32, 2 layers) batch 24 seq 8, devices paced 8×, AdamW, 3 emulated CPU devices, checkpoint every step; "
         "c's rank killed at the start of step 5, c back after step 10; 15 steps; re-plan budget 3 s",
         "wall_s": round(time.perf_counter() - t0, 1),
         "replans": [

@@ -35,6 +35,7 @@ from heterog.search.warm import warm_start
 from heterog.training import DEFAULT_LR
 
 STEPS = 15
+BATCH = 24
 
 GPT2 = dict(hidden=32, layers=2, heads=4, vocab=96, positions=32, dropout=0.0)
 CLUSTER = {
@@ -44,7 +45,9 @@ CLUSTER = {
         {
             "name": "local",
             "nic_bandwidth_gbps": 10,
-            "devices": [{"type": "cpu", "name": d} for d in ("a", "b", "c")],
+            # paced 8×: compute outweighs the all-reduce, so three devices beat two by more than
+            # the planner's tolerance (search/objective.py) and the re-plan takes c back
+            "devices": [{"type": "cpu", "name": d, "slowdown": 8} for d in ("a", "b", "c")],
         }
     ],
 }
@@ -54,11 +57,11 @@ def three_device_plan() -> Plan:
     """Even data parallelism of the small GPT-2 over a, b and c, AdamW (its state must resume)."""
     from heterog.capture import capture_model  # torch-heavy: only where a plan is made
 
-    graph = capture_model("gpt2", GPT2, batch_size=6, seq_len=8)
+    graph = capture_model("gpt2", GPT2, batch_size=BATCH, seq_len=8)
     reps = tuple(Replica(device=d, share=1 / 3) for d in ("a", "b", "c"))
     return Plan(
         strategy="even-dp",
-        model=ModelSpec(name="gpt2", args=GPT2, batch_size=6, seq_len=8),
+        model=ModelSpec(name="gpt2", args=GPT2, batch_size=BATCH, seq_len=8),
         optimizer="adamw",
         groups=(Group(name="all", nodes=tuple(n.name for n in graph.nodes), replicas=reps, sync="ring"),),
         cluster=cluster_to_dict(cluster_from_dict(CLUSTER)),
@@ -119,7 +122,7 @@ def test_a_lost_device_and_its_return_are_replanned_and_training_equals_one_proc
     assert lost.resumed_from.step == 4 and lost.resumed_from.saved_under is not None
     assert lost.resumed_from.saved_under.devices == ("a", "b", "c")
     assert back.reason is ReplanReason.CLUSTER_CHANGED and back.added == ("c",) and not back.lost
-    assert len(back.new.cluster_devices) == 3 and back.resumed_from.step >= 10
+    assert len(back.new.cluster_devices) == 3 and len(back.new.devices) == 3 and back.resumed_from.step >= 10
     assert set(back.resumed_from.saved_under.devices) <= {"a", "b"}
     assert all(r.recovery_s is not None and r.recovery_s > 0 for r in result.replans)
     assert result.resumed_from == back.resumed_from
@@ -158,7 +161,9 @@ def test_warm_start_keeps_the_surviving_replicas(tmp_path):
         {**CLUSTER, "nodes": [{**CLUSTER["nodes"][0], "devices": CLUSTER["nodes"][0]["devices"][:2]}]}
     )
     graph, seen, costs = model_inputs(plan.model, cluster, optimizer="adamw")
-    prob = Problem(graph=graph, cluster=seen, costs=costs, groups=[tuple(n.name for n in graph.nodes)], batch_size=6)
+    prob = Problem(
+        graph=graph, cluster=seen, costs=costs, groups=[tuple(n.name for n in graph.nodes)], batch_size=BATCH
+    )
     start = warm_start(prob, plan)
     assert start is not None
     (p,) = start.placements
