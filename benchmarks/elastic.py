@@ -79,13 +79,14 @@ def recovery() -> dict:
         say=print,
     )
     return {
-        "scenario": "gpt2 (hidden 32, 2 layers) batch 24 seq 8, devices paced 8×, AdamW, 3 emulated CPU devices, checkpoint every step; "
-        "c's rank killed at the start of step 5, c back after step 10; 15 steps; re-plan budget 3 s",
+        "scenario": "gpt2 (hidden 32, 2 layers) batch 24 seq 8, AdamW, 3 emulated CPU devices paced 8×, checkpoint "
+        "every step; c's rank killed at the start of step 5, c back after step 10; 15 steps; re-plan budget 3 s",
         "wall_s": round(time.perf_counter() - t0, 1),
         "replans": [
             {
                 "reason": str(r.reason),
                 "devices": [list(r.old.devices), list(r.new.devices)],
+                "planned_for": list(r.new.cluster_devices),
                 "resumed_after_step": r.resumed_from.step,
                 "replan_s": round(r.replan_s, 2),
                 "recovery_s": None if r.recovery_s is None else round(r.recovery_s, 2),

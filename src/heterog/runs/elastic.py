@@ -340,7 +340,7 @@ def run_elastic(
                 output=dataclasses.replace(options.output, out_dir=str(folder)),
             )
             try:
-                result = _alone(plan, opts, inputs if k == 0 else None, stop=launch)
+                result = _alone(plan, opts, None if replans else inputs, stop=launch)  # inputs: the first plan's
             except (RankError, RunStopped) as e:
                 _recovered(replans, launch)
                 stop = _stopped(e, launch, plan, watch)
