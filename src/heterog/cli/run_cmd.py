@@ -275,7 +275,6 @@ def run_command(
     repetitions: _Repetitions = 1,
     elastic: eopt.Elastic = False,
     elastic_devices: eopt.Devices = None,
-    elastic_cluster: eopt.ClusterFile = None,
     replan_budget_s: eopt.ReplanBudget = 3.0,
     lr: topt.Lr = None,
     weight_decay: topt.WeightDecay = None,
@@ -322,11 +321,7 @@ def run_command(
             limits=Limits(timeout_s=timeout_s, force=force),
             output=OutputConfig(out_dir=str(folder)),
         )
-        say = None if as_json else console.print
-        if elastic:  # cli/elastic_opts.py
-            result = eopt.run(p, options, elastic_devices, elastic_cluster, replan_budget_s, say)
-        else:
-            result = _run_following(p, options, folder, say=say)
+        result = _run_following(p, options, folder, say=None if as_json else console.print, params=ctx.params)
         _measured_outputs(result, steps_log, trace)
     doc = {"kind": result.KIND, "version": result.SCHEMA_VERSION, **result.to_dict()}
     if out:
@@ -337,8 +332,13 @@ def run_command(
     _print_result(p, result)
 
 
-def _run_following(plan, options: RunOptions, folder: Path, say: Callable[[str], None] | None) -> RunResult:
-    """heterog.run, with one line per step printed as the ranks finish it (from `folder`)."""
+def _run_following(
+    plan, options: RunOptions, folder: Path, say: Callable[[str], None] | None, params: dict[str, Any]
+) -> RunResult:
+    """heterog.run, with one line per step printed as the ranks finish it (from `folder`);
+    with --elastic, heterog.run_elastic (cli/elastic_opts.py), which prints its own lines."""
+    if params.get("elastic"):
+        return eopt.run(plan, options, params, say)
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.orchestrate import plan_cluster, rank_devices
     from heterog.runs import run

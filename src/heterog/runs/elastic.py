@@ -2,6 +2,7 @@
 
     heterog.run_elastic(plan, RunOptions(steps=15, checkpoint=…), ElasticConfig(devices_file="devices.txt"))
     heterog run PLAN --elastic --elastic-devices devices.txt --checkpoint-dir D --checkpoint-every 1
+    (--elastic-devices cluster.yaml: a cluster file's devices are the ones available)
 
 The run is a sequence of launches of the rank processes (runs/api.py), one per plan. During a
 launch the supervisor watches two things:
@@ -85,7 +86,7 @@ class ElasticConfig(Record):
 
     def __post_init__(self) -> None:
         if self.devices_file and self.cluster_file:
-            raise ElasticError("give --elastic-devices FILE or --elastic-cluster FILE, not both.")
+            raise ElasticError("watch a device list or a cluster file, not both.")
         if not self.replan_budget_s > 0 or self.max_replans < 1:
             raise ElasticError(
                 f"--replan-budget-s must be > 0 and max_replans ≥ 1, found {self.replan_budget_s} and "
@@ -164,7 +165,7 @@ class DeviceWatch:
             raise ElasticError(
                 f"{self.path}: device(s) {unknown} are not in the plan's cluster {self.base.name!r} (its devices: "
                 f"{', '.join(sorted(known))}); list one of those per line, or watch a cluster file "
-                f"(--elastic-cluster) to bring new devices."
+                f"(--elastic-devices cluster.yaml) to bring new devices."
             )
         return cluster_subset(self.base, set(names))
 
