@@ -23,61 +23,27 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_elastic import STEPS, three_device_plan  # noqa: E402
+from test_elastic import run_scenario  # noqa: E402
 
-from heterog.execute.checkpoint import MARKER, step_dir  # noqa: E402
 from heterog.hardware.spec import load_cluster  # noqa: E402
 from heterog.inputs import model_inputs  # noqa: E402
 from heterog.ir.plan import ModelSpec, Plan  # noqa: E402
-from heterog.ir.run_request import (  # noqa: E402
-    CheckpointConfig,
-    Fault,
-    FaultKind,
-    Limits,
-    OutputConfig,
-    PredictionConfig,
-    RunOptions,
-)
 from heterog.plan_module import search  # noqa: E402
-from heterog.runs.elastic import ElasticConfig, cluster_subset, replan, run_elastic  # noqa: E402
+from heterog.runs.elastic import cluster_subset, replan  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "elastic.json"
 BERT = ModelSpec(name="bert-large", batch_size=32, seq_len=384)
 
 
 def recovery() -> dict:
-    root = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
-    devices = root / "devices.txt"
-    devices.write_text("a\nb\nc\n")
-    ckpt = root / "ckpt"
-
-    def bring_back() -> None:
-        while not (step_dir(ckpt, 10) / MARKER).exists():
-            time.sleep(0.05)
-        devices.write_text("a\nb\nc  # back\n")
-
-    threading.Thread(target=bring_back, daemon=True).start()
     t0 = time.perf_counter()
-    result = run_elastic(
-        three_device_plan(),
-        RunOptions(
-            steps=STEPS,
-            prediction=PredictionConfig(predict=False),
-            limits=Limits(timeout_s=20),
-            checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=1),
-            output=OutputConfig(out_dir=str(root / "run")),
-            fault=Fault(rank=2, kind=FaultKind.DIE, step=4),
-        ),
-        ElasticConfig(devices_file=str(devices), replan_budget_s=3.0),
-        say=print,
-    )
+    result = run_scenario(Path(tempfile.mkdtemp(prefix="elastic-bench-")), replan_budget_s=3.0, say=print)
     return {
         "scenario": "gpt2 (hidden 32, 2 layers) batch 24 seq 8, AdamW, 3 emulated CPU devices paced 8×, checkpoint "
         "every step; c's rank killed at the start of step 5, c back after step 10; 15 steps; re-plan budget 3 s",
@@ -87,7 +53,7 @@ def recovery() -> dict:
                 "reason": str(r.reason),
                 "devices": [list(r.old.devices), list(r.new.devices)],
                 "planned_for": list(r.new.cluster_devices),
-                "resumed_after_step": r.resumed_from.step,
+                "resumed_after_step": r.resumed_from.step if r.resumed_from else 0,
                 "replan_s": round(r.replan_s, 2),
                 "recovery_s": None if r.recovery_s is None else round(r.recovery_s, 2),
             }

@@ -89,16 +89,16 @@ def _params(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def elastic_run(tmp_path_factory) -> tuple[RunResult, Path, Plan]:
-    root = tmp_path_factory.mktemp("elastic")
+def run_scenario(root: Path, *, replan_budget_s: float, say=None) -> RunResult:
+    """The elastic run this file tests (and benchmarks/elastic.py times), in `root`: device c's
+    rank killed at the start of step 5, c's line written anew after step 10, 15 steps; the
+    last launch's parameters in root/run/launch2."""
     devices = root / "devices.txt"
     devices.write_text("a\nb\nc\n")
-    plan = three_device_plan()
     ckpt = root / "ckpt"
     back = _when_step_done(ckpt, 10, lambda: devices.write_text("a\nb\nc  # back after its loss\n"))
     result = run_elastic(
-        plan,
+        three_device_plan(),
         RunOptions(
             steps=STEPS,
             prediction=PredictionConfig(predict=False),
@@ -107,10 +107,17 @@ def elastic_run(tmp_path_factory) -> tuple[RunResult, Path, Plan]:
             output=OutputConfig(out_dir=str(root / "run"), dump_params=True),
             fault=Fault(rank=2, kind=FaultKind.DIE, step=4),  # device c's rank, at the start of step 5
         ),
-        ElasticConfig(devices_file=str(devices), replan_budget_s=2.0),
+        ElasticConfig(devices_file=str(devices), replan_budget_s=replan_budget_s),
+        say=say,
     )
     back.join(timeout=1)
-    return result, root, plan
+    return result
+
+
+@pytest.fixture(scope="module")
+def elastic_run(tmp_path_factory) -> tuple[RunResult, Path, Plan]:
+    root = tmp_path_factory.mktemp("elastic")
+    return run_scenario(root, replan_budget_s=2.0), root, three_device_plan()
 
 
 @pytest.mark.slow
