@@ -4,8 +4,12 @@ For the paper's eight models (typical batch sizes) on paper-8gpu, mixed-16 and m
 cases too large for plain data parallelism on the smallest GPU, and one scale-1024 case for
 search time: the simulated time of each baseline, the search alone, the GNN alone and both,
 the speedup of the best over even data parallelism (ring all-reduce), and the search time.
+The language models people fine-tune with sharded state (gpt2-xl, tinyllama-1.1b, llama-7b;
+AdamW; fp16, which every GPU of the built-in clusters runs on tensor cores, and llama-7b also
+in amp-bf16 on mixed-16) are compared with the sharded baselines fsdp-even and zero-uneven
+too; `--only lm` runs just them and keeps the other rows of the results file.
 
-    .venv/bin/python benchmarks/plan_quality.py [--budget-s 6] [--quick]
+    .venv/bin/python benchmarks/plan_quality.py [--budget-s 6] [--quick] [--only lm]
 
 Writes benchmarks/results/plan_quality.json (atomically) and prints a table.
 """
@@ -30,7 +34,9 @@ from heterog.cost import build_cost_model  # noqa: E402
 from heterog.errors import InfeasibleError  # noqa: E402
 from heterog.hardware.spec import load_cluster  # noqa: E402
 from heterog.ir.plan import ModelSpec  # noqa: E402
+from heterog.search.baselines import BASELINE_BUILDERS  # noqa: E402
 from heterog.search.constraints import DEFAULT_CACHE  # noqa: E402
+from heterog.search.objective import Goal  # noqa: E402
 from heterog.search.planner import CANDIDATES, plan_graph  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "plan_quality.json"
@@ -54,29 +60,49 @@ LARGE_CASES = [
     ("transformer", {"layers": 24, "d_model": 1024, "heads": 16, "ffn": 4096}, 64, 256, "paper-8gpu"),
 ]
 SCALE_CASES = [("resnet50", {}, 2048, None, "scale-1024")]
+# (model, args, batch, seq, cluster, precision), trained with AdamW
+LM_CASES = [
+    (m, {}, 16, s, c, "fp16")
+    for m, s in (("gpt2-xl", 1024), ("tinyllama-1.1b", 2048), ("llama-7b", 2048))
+    for c in PAPER_CLUSTERS
+] + [("llama-7b", {}, 16, 2048, "mixed-16", "amp-bf16")]
+BASELINES = tuple(BASELINE_BUILDERS)
 
 
-def run_case(graph, cluster_name, spec, budget_s, seed, policy=None):
+def run_case(graph, cluster_name, spec, budget_s, seed, policy=None, precision="fp32", optimizer="sgd"):
     cluster = load_cluster(cluster_name)
-    costs = build_cost_model(graph, cluster)
+    costs = build_cost_model(graph, cluster, precision=precision, optimizer=optimizer)
     row = {
         "model": spec.name,
         "model_args": spec.args,
         "batch_size": spec.batch_size,
         "seq_len": spec.seq_len,
         "cluster": cluster_name,
+        "precision": precision,
+        "optimizer": optimizer,
         "devices": len(cluster.devices),
         "budget_s": budget_s,
     }
     t = time.perf_counter()
     try:
-        r = plan_graph(graph, cluster, costs, budget_s=budget_s, seed=seed, model_spec=spec, policy=policy)
+        r = plan_graph(
+            graph,
+            cluster,
+            costs,
+            budget_s=budget_s,
+            seed=seed,
+            model_spec=spec,
+            policy=policy,
+            precision=precision,
+            optimizer=optimizer,
+            goal=Goal(tolerance=0.0),  # the search's own best, compared with the baselines
+        )
     except InfeasibleError as e:
         row.update(feasible=False, error=str(e), search_time_s=time.perf_counter() - t)
         return row
     times = {c.strategy: (c.iteration_time_s if c.feasible else None) for c in r.candidates}
     even = times.get("even-dp-allreduce")
-    baseline_best = min((v for k, v in times.items() if k in CANDIDATES[:6] and v is not None), default=None)
+    baseline_best = min((v for k, v in times.items() if k in BASELINES and v is not None), default=None)
     row.update(
         feasible=True,
         times_s=times,
@@ -85,6 +111,10 @@ def run_case(graph, cluster_name, spec, budget_s, seed, policy=None):
         speedup_vs_even_dp=(even / r.best.predicted_iteration_time_s) if even else None,
         speedup_vs_best_baseline=(baseline_best / r.best.predicted_iteration_time_s) if baseline_best else None,
         search_time_s=r.search_time_s,
+        best_baseline=min(
+            (k for k, v in times.items() if k in BASELINES and v is not None), key=lambda k: times[k], default=None
+        ),
+        sharded_groups=sum(1 for g in r.best.groups if g.shard_stage),
         bound_s=r.bound.iteration_time_s,
         above_bound=r.bound.within(r.best.predicted_iteration_time_s),
         devices_used=len(r.best.devices()),
@@ -92,6 +122,30 @@ def run_case(graph, cluster_name, spec, budget_s, seed, policy=None):
         notes=list(r.best.notes[:2]),
     )
     return row
+
+
+def _case_key(r: dict) -> str:
+    return json.dumps(
+        [r["model"], r["model_args"], r["batch_size"], r["seq_len"], r["cluster"], r.get("precision", "fp32")],
+        sort_keys=True,
+    )
+
+
+def _kept(path: Path, rows: list[dict]) -> list[dict]:
+    """The rows of an earlier results file for cases that `rows` does not hold."""
+    if not path.exists():
+        return []
+    made = {_case_key(r) for r in rows}
+    return [r for r in json.loads(path.read_text())["rows"] if _case_key(r) not in made]
+
+
+def _command(path: Path, argv) -> str:
+    """This run's command; with --only, after the command that made the rows it kept."""
+    this = "python benchmarks/plan_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if "--only" not in this or not path.exists():
+        return this
+    before = json.loads(path.read_text()).get("command", "")
+    return " + ".join(dict.fromkeys(c for c in (*before.split(" + "), this) if c))
 
 
 def _fmt(v):
@@ -106,16 +160,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy", default=None, help="GNN policy file (default: the shipped one)")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON results")
+    ap.add_argument("--only", choices=("lm",), help="run only these cases; keep the file's other rows")
     args = ap.parse_args(argv)
-    cases = [(m, a, b, s, c) for (m, a, b, s) in PAPER_MODELS for c in PAPER_CLUSTERS]
+    cases = [(m, a, b, s, c, "fp32", "sgd") for (m, a, b, s) in PAPER_MODELS for c in PAPER_CLUSTERS]
     if args.quick:
         cases = [x for x in cases if x[4] == "paper-8gpu"]
     else:
-        cases += LARGE_CASES + SCALE_CASES
+        cases += [(*x, "fp32", "sgd") for x in LARGE_CASES + SCALE_CASES]
+        cases += [(*x, "adamw") for x in LM_CASES]
+    if args.only == "lm":
+        cases = [(*x, "adamw") for x in LM_CASES]
     graphs: dict = {}
     rows = []
     begin = time.perf_counter()
-    for m, a, b, s, c in cases:
+    for m, a, b, s, c, precision, optimizer in cases:
         key = (m, json.dumps(a, sort_keys=True), b, s)
         spec = ModelSpec(name=m, args=a, batch_size=b, seq_len=s)
         if key not in graphs:  # the graph and what the executor can cut, before the budget's clock
@@ -124,14 +182,16 @@ def main(argv=None) -> int:
             DEFAULT_CACHE.get(spec)
             print(f"captured {m} (batch {b}) in {time.perf_counter() - t:.1f} s", file=sys.stderr)
         budget = args.scale_budget_s if c == "scale-1024" else args.budget_s
-        row = run_case(graphs[key], c, spec, budget, args.seed, args.policy)
+        row = run_case(graphs[key], c, spec, budget, args.seed, args.policy, precision, optimizer)
         rows.append(row)
         print(
             f"{m:14s} {c:11s} best={row.get('best')} x{row.get('speedup_vs_even_dp') or 0:.2f} "
             f"{row['search_time_s']:.1f}s",
             file=sys.stderr,
         )
-    cols = ["model", "batch", "cluster", *CANDIDATES, "best", "× even-dp", "× best baseline", "search s"]
+    if args.only:  # the rows of the results file this run did not make
+        rows = [*_kept(Path(args.out), rows), *rows]
+    cols = ["model", "batch", "cluster", "precision", *CANDIDATES, "best", "× even-dp", "× best baseline", "search s"]
     table = []
     for r in rows:
         t = r.get("times_s", {})
@@ -143,6 +203,7 @@ def main(argv=None) -> int:
                 label,
                 r["batch_size"],
                 r["cluster"],
+                f"{r.get('precision', 'fp32')}, {r.get('optimizer', 'sgd')}",
                 *[_fmt(t.get(n)) if n in t else "—" for n in CANDIDATES],
                 r.get("best", "infeasible"),
                 f"{r['speedup_vs_even_dp']:.2f}" if r.get("speedup_vs_even_dp") else "even-dp OOM",
@@ -162,9 +223,8 @@ def main(argv=None) -> int:
         "gnn_alone_beats_best_baseline": sum(
             1
             for r in gnn_alone
-            if r["times_s"]["gnn"]
-            < min(v for k, v in r["times_s"].items() if k in CANDIDATES[:6] and v is not None) - 1e-12
-            if any(k in CANDIDATES[:6] and v is not None for k, v in r["times_s"].items())
+            if r["times_s"]["gnn"] < min(v for k, v in r["times_s"].items() if k in BASELINES and v is not None) - 1e-12
+            if any(k in BASELINES and v is not None for k, v in r["times_s"].items())
         ),
         "gnn_plus_search_beats_search": sum(
             1
@@ -187,7 +247,7 @@ def main(argv=None) -> int:
         args.out,
         {
             "benchmark": "plan_quality",
-            "command": "python benchmarks/plan_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": _command(Path(args.out), argv),
             "machine": platform.processor() or platform.machine(),
             "summary": summary,
             "rows": rows,

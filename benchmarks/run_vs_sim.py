@@ -9,7 +9,10 @@ Scenarios (heterog.demo.SCENARIOS): a CNN (toy-cnn with a parameter-heavy classi
 transformer LM (a small GPT-2 with a large tied vocabulary), each on three CPU ranks on two
 emulated nodes, paced 3×/6× and 3× (lm-fast-far: 8×/8× and 6×, its fastest device behind the
 slow link), node b behind a 0.2 Gb/s tc-shaped link; the "small-memory" variants also cap
-b/cpu0 at 64 MiB, enforced at run time (emulation.py).
+b/cpu0 at 64 MiB, enforced at run time (emulation.py); lm-sharded-memory (an untied Llama
+with AdamW) caps every device at 88 MiB, which only plans that shard its state fit. For the
+sharded plans each capped device's measured peak memory (its live tensors at instruction
+boundaries) is printed beside the simulator's.
 
 Costs as measured here: per-node times at one thread with the time outside the hooked
 modules attributed (profile/measure.py), and node b's shaped link measured once per
@@ -24,7 +27,7 @@ Per scenario: plan; run every distinct feasible candidate for `--steps` steps, i
 shared machine hits all alike; per plan the predicted time (simulator, on this CPU's measured per-node
 times at one thread) and the measured median and spread. heterog's plan is the planner's
 best; the best baseline is the fastest *measured* baseline (single-device, even-dp-*,
-proportional-dp, model-parallel, pipeline). Speedups are per-repetition ratios: the median
+proportional-dp, model-parallel, pipeline, fsdp-even, zero-uneven). Speedups are per-repetition ratios: the median
 and the worst repetition's. An even-DP plan the planner finds does not fit is run once to
 show that the emulated memory cap stops it.
 
@@ -61,7 +64,14 @@ def plan_key(plan) -> str:
     """Identical plans (the search often returns a baseline) are run once."""
     return json.dumps(
         [
-            [g.nodes, [(r.device, round(r.share, 6)) for r in g.replicas], g.sync, g.ps_device, g.recompute]
+            [
+                g.nodes,
+                [(r.device, round(r.share, 6), r.shard) for r in g.replicas],
+                g.sync,
+                g.ps_device,
+                g.recompute,
+                g.shard_stage,
+            ]
             for g in plan.groups
         ]
         + [plan.num_microbatches, plan.schedule]
@@ -96,6 +106,18 @@ def refused(setup, result) -> dict[str, Any] | None:
         return {"strategy": even.strategy, "failed": True, "message": str(e).split(" Log tail:")[0]}
 
 
+def peak_memory(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per device with an emulated memory cap: the peak of its live tensors measured at every
+    instruction boundary (emulation.py) beside the simulator's predicted peak (the run's
+    RankSummary holds both)."""
+    out = {}
+    for r in per_rank:
+        measured, predicted = r.get("peak_live_bytes"), r.get("predicted_peak_memory_bytes")
+        if measured and predicted:
+            out[r["device"]] = {"measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted}
+    return out
+
+
 def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
     from heterog.plan_module import search
     from heterog.search.baselines import BASELINE_BUILDERS
@@ -109,9 +131,10 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
         batch_size=sc.batch_size,
         seq_len=sc.seq_len,
         profile=not args.no_profile,
+        optimizer=sc.optimizer,
         say=print,
     )
-    result = search(setup.inputs, setup.spec, budget_s=args.budget_s)
+    result = search(setup.inputs, setup.spec, budget_s=args.budget_s, optimizer=sc.optimizer)
     plans, same, top = distinct_plans(result)
     out: dict[str, Any] = {
         "scenario": sc.name,
@@ -132,8 +155,9 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
         return out
     failed: dict[str, str] = {}
     strategies = D.interleaved(setup, plans, steps=args.steps, repetitions=args.repetitions, say=print, failed=failed)
-    for s in strategies.values():
-        del s["per_rank"]
+    for label, s in strategies.items():
+        s["sharded"] = any(g.shard_stage for g in plans[label].groups)
+        s["memory"] = peak_memory(s.pop("per_rank"))
     baselines = [k for k in strategies if k in BASELINE_BUILDERS and k != top]
     best_base = min(baselines, key=lambda k: strategies[k]["measured_iteration_time_s"]) if baselines else None
     even = "even-dp-allreduce" if "even-dp-allreduce" in strategies else same.get("even-dp-allreduce")
@@ -176,6 +200,7 @@ def print_scenario(r: dict[str, Any]) -> None:
     rows = [
         [
             k
+            + (" (sharded)" if v.get("sharded") else "")
             + (" * heterog" if k == r["heterog_label"] else "")
             + (" ◦ best baseline" if k == r["best_baseline"] else ""),
             human_time(v["predicted_iteration_time_s"]),
@@ -194,6 +219,10 @@ def print_scenario(r: dict[str, Any]) -> None:
     )
     for label, why in r["failed_plans"].items():
         print(f"  {label} failed to run: {why}")
+    for label, v in r["plans"].items():
+        if v.get("sharded") and v.get("memory"):
+            ratios = ", ".join(f"{d} {m['ratio']:.0%}" for d, m in v["memory"].items())
+            print(f"  {label} (sharded): measured peak memory / predicted: {ratios}")
     for name, key in (("even DP", "speedup_vs_even_dp"), ("the best baseline", "speedup_vs_best_baseline")):
         sp = r[key]
         if sp is None:
@@ -288,7 +317,9 @@ def main() -> int:
             "load_average_after": os.getloadavg(),
             "cpu_count": os.cpu_count(),
             "wall_time_s": time.perf_counter() - t0,
-            "command": "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:]),
+            # every command that measured a scenario here, in the order of the scenarios
+            "command": " + ".join(dict.fromkeys(r["command"] for r in every if r.get("command")))
+            or "python benchmarks/run_vs_sim.py " + " ".join(sys.argv[1:]),
         }
 
     for name in names:

@@ -188,6 +188,14 @@ class TableCosts:
         bw = min(self.c.bottleneck_bandwidth_bytes_per_s(order[i], order[(i + 1) % n]) for i in range(n))
         return 2 * (n - 1) / n * nbytes / bw
 
+    def shard_collective_time_s(self, op, nbytes, devices, fractions):
+        n = len(devices)
+        if n <= 1:
+            return 0.0
+        order = self.ring_order(devices)
+        bw = min(self.c.bottleneck_bandwidth_bytes_per_s(order[i], order[(i + 1) % n]) for i in range(n))
+        return (n - 1) * max(fractions) * nbytes / bw  # every step waits for the largest piece
+
     def ps_sync_time_s(self, nbytes, devices, server):
         others = [d for d in devices if d != server]
         if not others:

@@ -26,6 +26,14 @@ PAPER_AND_MORE = [
     "llama",
     "mlp",
     "toy-cnn",
+    # the models people shard, by name (their parameter counts: test_parameter_count_matches_reference)
+    "llama-7b",
+    "llama-3-8b",
+    "llama-2-13b",
+    "mistral-7b",
+    "qwen2-7b",
+    "gpt-neo-2.7b",
+    "opt-1.3b",
 ]
 
 
@@ -103,6 +111,33 @@ def test_full_size_language_model_captures(name):
     graph = capture_model(name, batch_size=1, seq_len=128)
     _check(graph, 1)
     assert graph.num_parameters == ZOO[name].reference_params
+
+
+# The preset families beyond Llama, at reduced width and depth: their attention variants
+# (sliding window, QKV biases, local/global attention, learned positions) capture.
+SMALL = dict(hidden=128, layers=2, heads=4, vocab=500)
+
+
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("mistral-7b", {**SMALL, "kv_heads": 2, "ffn": 256, "window": 16}),
+        ("qwen2-7b", {**SMALL, "kv_heads": 2, "ffn": 256}),
+        ("gpt-neo-2.7b", {**SMALL, "window": 16}),
+        ("opt-1.3b", {**SMALL, "ffn": 256}),
+    ],
+)
+def test_preset_families_capture(name, args):
+    graph = capture_model(name, args, batch_size=2, seq_len=32)
+    _check(graph, 2)
+
+
+def test_a_sequence_longer_than_the_model_takes_is_refused():
+    assert ZOO["llama-7b"].max_seq_len == 2048 and ZOO["qwen2-7b"].max_seq_len == 131072
+    with pytest.raises(ModelError, match="llama-7b' takes at most 2,048 positions.*--seq-len 2048 or less"):
+        get_zoo_model("llama-7b").example_batch(1, 4096, device="meta")
+    inputs, _ = get_zoo_model("llama-7b").example_batch(1, 4096, device="meta", positions=4096)
+    assert inputs[0].shape == (1, 4096)
 
 
 def test_unknown_model_lists_known_ones():

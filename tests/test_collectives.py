@@ -33,6 +33,11 @@ PS_CASES = [  # (name, server, replicas, optimizer)
     ("ps-server-without-replica-sgd", 3, [0, 1, 2], "sgd"),
     ("ps-server-is-replica-adamw", 1, [0, 1, 2, 3], "adamw"),
 ]
+# (name, members in ring order, each member's piece): uneven, one empty, one of a single element
+SHARD_CASES = [
+    ("shards-all", [2, 0, 3, 1], [500, 0, 300, 201]),
+    ("shards-pair", [3, 1], [1, 1000]),
+]
 PS_STEPS = 3
 SKIPPED_STEP = 1  # the deferred server skips this step's update (an fp16 overflow)
 
@@ -49,15 +54,36 @@ def optimizer(kind: str):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
+    from heterog.execute.collectives import (
+        ParameterServer,
+        ProcessGroupCache,
+        allreduce_sum,
+        ring_all_gather,
+        ring_reduce_scatter,
+    )
 
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
     )
     groups = ProcessGroupCache(timeout_s=60)
-    groups.create_all([m for _, _, m, _ in ALLREDUCE_CASES] + [sorted(set(r) | {s}) for _, s, r, _ in PS_CASES])
+    groups.create_all(
+        [m for _, _, m, _ in ALLREDUCE_CASES]
+        + [sorted(set(r) | {s}) for _, s, r, _ in PS_CASES]
+        + [m for _, m, _ in SHARD_CASES]
+    )
     out = {}
+    for name, members, sizes in SHARD_CASES:  # the halves alone, with uneven pieces
+        if rank in members:
+            flat = grad_of(rank, sum(sizes))
+            ring_reduce_scatter(flat, sizes, members, groups.link(members))
+            i = members.index(rank)
+            lo = sum(sizes[:i])
+            out[(name, "piece")] = flat[lo : lo + sizes[i]].clone()
+            gathered = torch.full((sum(sizes),), float("nan"))
+            gathered[lo : lo + sizes[i]] = float(rank)
+            ring_all_gather(gathered, sizes, members, groups.link(members))
+            out[(name, "gathered")] = gathered
     for name, method, members, nodes in ALLREDUCE_CASES:
         if rank in members:
             for size in SIZES:
@@ -115,6 +141,19 @@ def test_allreduce_method_equals_the_plain_sum_on_every_member(results, name, me
         if r not in members:
             assert (name, SIZES[0]) not in results[r]
         assert results[r]["scratch_buffers"] == 1, "receive buffers are reused from call to call"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,members,sizes", SHARD_CASES, ids=[c[0] for c in SHARD_CASES])
+def test_uneven_reduce_scatter_and_all_gather(results, name, members, sizes):
+    """Member i of the ring ends the reduce-scatter with the sum of piece i; the all-gather
+    gives every member every member's piece."""
+    total = sum(grad_of(r, sum(sizes)) for r in sorted(members))
+    want = torch.cat([torch.full((n,), float(r)) for r, n in zip(members, sizes)])
+    for i, r in enumerate(members):
+        lo = sum(sizes[:i])
+        assert torch.allclose(results[r][(name, "piece")], total[lo : lo + sizes[i]], rtol=1e-6, atol=1e-6)
+        assert torch.equal(results[r][(name, "gathered")], want)
 
 
 @pytest.mark.timeout(120)

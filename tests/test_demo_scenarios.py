@@ -24,9 +24,9 @@ def test_scenarios_differ_in_speed_links_and_memory():
         nics = {n.name: n.nic_bandwidth_bytes_per_s for n in cluster.nodes}
         assert nics["b"] == pytest.approx(sc.slow_link_gbps * 1e9 / 8) and nics["b"] < nics["a"]
         capped = [d.name for d in cluster.devices if d.memory_bytes is not None]
-        assert capped == ([sc.capped_device] if sc.memory_gib else [])
-        if sc.memory_gib:
-            assert cluster.memory_bytes(sc.capped_device) == int(sc.memory_gib * 2**30)
+        assert capped == list(sc.capped_devices) and bool(capped) == bool(sc.memory_gib)
+        for d in capped:
+            assert cluster.memory_bytes(d) == int(sc.memory_gib * 2**30)
 
 
 def test_speedup_holds_only_at_the_worst_repetition():

@@ -73,12 +73,20 @@ class Scenario:
     seq_len: int | None = None
     slow_link_gbps: float = 0.2  # node b's NIC
     memory_gib: float | None = None  # the capped device's emulated memory (None: the machine's)
-    capped_device: str = "b/cpu0"
+    capped_device: str = "b/cpu0"  # or "*": every device
     slowdowns: tuple[float, float, float] = (3.0, 6.0, 3.0)  # a/cpu0, a/cpu1, b/cpu0
+    optimizer: str = "sgd"
+
+    @property
+    def capped_devices(self) -> tuple[str, ...]:
+        if not self.memory_gib:
+            return ()
+        return ("a/cpu0", "a/cpu1", "b/cpu0") if self.capped_device == "*" else (self.capped_device,)
 
     @property
     def description(self) -> str:
-        cap = f"; {self.capped_device} holds {self.memory_gib:g} GiB" if self.memory_gib else ""
+        who = "every device" if self.capped_device == "*" else self.capped_device
+        cap = f"; {who} holds {self.memory_gib:g} GiB" if self.memory_gib else ""
         s0, s1, s2 = self.slowdowns
         return (
             f"3 local CPU processes on 2 emulated nodes; slowdowns {s0:g}/{s1:g} and {s2:g}; node b "
@@ -96,7 +104,7 @@ class Scenario:
             s1=self.slowdowns[1],
             s2=self.slowdowns[2],
             **{
-                f"cap{i}": f", memory_gib: {self.memory_gib}" if self.memory_gib and self.capped_device == name else ""
+                f"cap{i}": f", memory_gib: {self.memory_gib}" if name in self.capped_devices else ""
                 for i, name in enumerate(("a/cpu0", "a/cpu1", "b/cpu0"))
             },
         )
@@ -129,6 +137,22 @@ SCENARIOS: dict[str, Scenario] = {
             batch_size=96,
             slowdowns=(3.0, 3.0, 6.0),
             memory_gib=0.0625,
+        ),
+        # A Llama with an untied 32k vocabulary trained with AdamW, every device holding
+        # 88 MiB: the state (~131 MB) fits no device whole, nor does the head's stage with its
+        # logits; sharding the state is the way in (lower/shard_tasks.py).
+        Scenario(
+            name="lm-sharded-memory",
+            family="transformer-lm",
+            model="llama",
+            model_args={"hidden": 128, "layers": 2, "heads": 4, "ffn": 256, "vocab": 32000, "positions": 64},
+            batch_size=16,
+            seq_len=32,
+            slow_link_gbps=0.5,
+            slowdowns=(3.0, 3.0, 6.0),
+            memory_gib=0.0859375,
+            capped_device="*",
+            optimizer="adamw",
         ),
         Scenario(
             name="lm-slow-link",
@@ -201,6 +225,7 @@ def prepare(
     seq_len: int | None = None,
     profile: bool = True,
     links: bool = True,
+    optimizer: str = "sgd",
     say: Callable[[str], None] = lambda s: None,
 ) -> Setup:
     """Capture the model and build costs as one rank sees this CPU (one thread): the same
@@ -216,7 +241,7 @@ def prepare(
         # micro-batches of pipelines; the cost model interpolates between the points.
         prof = measured_profile(spec, graph, repeats=9)
     # the inputs heterog plan / simulate / run build (heterog/inputs.py), with this profile
-    graph, cluster, costs = model_inputs(spec, cluster, profile=prof, graph=graph)
+    graph, cluster, costs = model_inputs(spec, cluster, profile=prof, graph=graph, optimizer=optimizer)
     measured: tuple[dict[str, Any], ...] = ()
     if profile and links:
         costs, measured = _calibrated_links(costs, cluster, say)
@@ -374,10 +399,11 @@ def demo(
         batch_size=sc.batch_size,
         seq_len=sc.seq_len,
         profile=profile,
+        optimizer=sc.optimizer,
         say=say,
     )
     say(f"planning for {cluster.name}: {sc.description} (budget {budget_s:g} s)")
-    result = search(setup.inputs, setup.spec, budget_s=budget_s)
+    result = search(setup.inputs, setup.spec, budget_s=budget_s, optimizer=sc.optimizer)
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
     plans = {"heterog": result.best, "best-baseline": best_baseline(result).plan}
     if even.feasible:

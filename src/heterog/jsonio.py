@@ -60,8 +60,9 @@ def save_artifact(path: str | os.PathLike, kind: str, version: int, body: dict[s
     write_atomic(path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
 
 
-def load_artifact(path: str | os.PathLike, kind: str, version: int) -> dict[str, Any]:
-    """Read an artifact file and check its kind and version; the caller validates the body."""
+def load_artifact(path: str | os.PathLike, kind: str, version: int, *, older: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Read an artifact file and check its kind and version (`version`, or one of the `older`
+    versions the caller still reads); the caller validates the body."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -69,10 +70,12 @@ def load_artifact(path: str | os.PathLike, kind: str, version: int) -> dict[str,
         raise ArtifactError(f"{path}: no such file; check the path.") from None
     except OSError as e:
         raise ArtifactError(f"{path}: cannot be read ({e.strerror}).") from None
-    return parse_artifact(text, kind, version, source=str(path))
+    return parse_artifact(text, kind, version, source=str(path), older=older)
 
 
-def parse_artifact(text: str, kind: str, version: int, *, source: str = "<string>") -> dict[str, Any]:
+def parse_artifact(
+    text: str, kind: str, version: int, *, source: str = "<string>", older: tuple[int, ...] = ()
+) -> dict[str, Any]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
@@ -84,7 +87,7 @@ def parse_artifact(text: str, kind: str, version: int, *, source: str = "<string
         raise ArtifactError(f"{source}: expected a JSON object holding a {kind}, found {type(doc).__name__}.")
     if doc.get("kind") != kind:
         raise ArtifactError(f"{source}: this file holds a {doc.get('kind')!r} artifact, but a {kind!r} was expected.")
-    if doc.get("version") != version:
+    if doc.get("version") != version and doc.get("version") not in older:
         raise ArtifactError(
             f"{source}: {kind} schema version {doc.get('version')!r} is not supported "
             f"(this heterog reads version {version}); re-create the file with this version."
@@ -98,13 +101,15 @@ class Artifact:
     error messages.
 
     A subclass names its kind and schema version in its class statement,
-    `class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION)`, and supplies `to_dict()` (the
+    `class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION)` (with `older=(1,)` for the
+    earlier versions its `from_dict` still reads), and supplies `to_dict()` (the
     body) and `from_dict(doc, source=...)`, which validates the body and names `source` in its
     errors; its default `source` (e.g. "<plan>") stands for a document given as a string."""
 
     __slots__ = ()
     KIND: ClassVar[str]
     SCHEMA_VERSION: ClassVar[int]
+    OLDER_VERSIONS: ClassVar[tuple[int, ...]]
 
     if TYPE_CHECKING:  # what each subclass supplies (as the docstring says)
 
@@ -113,9 +118,9 @@ class Artifact:
         @classmethod
         def from_dict(cls, doc: dict[str, Any], source: str = ...) -> Self: ...
 
-    def __init_subclass__(cls, *, kind: str, version: int, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, kind: str, version: int, older: tuple[int, ...] = (), **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.KIND, cls.SCHEMA_VERSION = kind, version
+        cls.KIND, cls.SCHEMA_VERSION, cls.OLDER_VERSIONS = kind, version, older
 
     def to_json(self) -> str:
         """The whole document (kind, version, body) on one line."""
@@ -126,11 +131,11 @@ class Artifact:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Self:
-        return cls.from_dict(load_artifact(path, cls.KIND, cls.SCHEMA_VERSION), str(path))
+        return cls.from_dict(load_artifact(path, cls.KIND, cls.SCHEMA_VERSION, older=cls.OLDER_VERSIONS), str(path))
 
     @classmethod
     def from_json(cls, text: str) -> Self:
-        return cls.from_dict(parse_artifact(text, cls.KIND, cls.SCHEMA_VERSION))
+        return cls.from_dict(parse_artifact(text, cls.KIND, cls.SCHEMA_VERSION, older=cls.OLDER_VERSIONS))
 
 
 # -- records: frozen dataclasses to and from plain JSON ----------------------------------------

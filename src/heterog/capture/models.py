@@ -24,6 +24,7 @@ class ModelInfo:
     num_parameters: int  # at the default arguments (tested)
     default_batch_size: int = 32
     default_seq_len: int | None = None  # None: the model takes no sequence (images, vectors)
+    max_seq_len: int | None = None  # the most positions it takes at default arguments (None: no limit)
     image_size: int | None = None
     reference_params: int | None = None  # published parameter count at default arguments
     reference_source: str = ""
@@ -42,7 +43,13 @@ def _cnn(name: str, description: str, params: int, source: str = _TV, image_size
 
 
 def _lm(
-    name: str, description: str, params: int | None, seq_len: int, source: str = "", counted: int | None = None
+    name: str,
+    description: str,
+    params: int | None,
+    seq_len: int,
+    source: str = "",
+    counted: int | None = None,
+    max_seq_len: int | None = None,
 ) -> ModelInfo:
     return ModelInfo(
         name=name,
@@ -51,9 +58,13 @@ def _lm(
         num_parameters=params or counted or 0,
         default_batch_size=8,
         default_seq_len=seq_len,
+        max_seq_len=max_seq_len or seq_len,
         reference_params=params,
         reference_source=source,
     )
+
+
+_HF = "HF transformers config of"  # parameter counts of the published configs, built here on meta
 
 
 MODELS: tuple[ModelInfo, ...] = (
@@ -87,12 +98,15 @@ MODELS: tuple[ModelInfo, ...] = (
         reference_source="analytic count of this definition (paper: ≈65 M)",
     ),
     _lm("bert-large", "BERT-large with masked-LM head", 335_174_458, 512, "HF BertForMaskedLM(bert-large-uncased)"),
-    _lm(
-        "xlnet-large",
-        "XLNet-large with LM head",
-        360_300_800,
-        512,
-        "HF XLNetModel(xlnet-large-cased) 360,268,800 + LM-head bias 32,000",
+    ModelInfo(  # relative positions: no limit on the sequence
+        name="xlnet-large",
+        family="lm",
+        description="XLNet-large with LM head",
+        num_parameters=360_300_800,
+        default_batch_size=8,
+        default_seq_len=512,
+        reference_params=360_300_800,
+        reference_source="HF XLNetModel(xlnet-large-cased) 360,268,800 + LM-head bias 32,000",
     ),
     _lm("gpt2", "GPT-2 small (124 M)", 124_439_808, 1024, "HF gpt2"),
     _lm("gpt2-medium", "GPT-2 medium (355 M)", 354_823_168, 1024, "HF gpt2-medium"),
@@ -104,7 +118,48 @@ MODELS: tuple[ModelInfo, ...] = (
         2048,
         "HF TinyLlama/TinyLlama-1.1B",
     ),
-    _lm("llama", "configurable Llama (hidden, layers, heads, kv_heads, ffn, vocab)", None, 512, counted=45_421_056),
+    _lm(
+        "llama",
+        "configurable Llama (hidden, layers, heads, kv_heads, ffn, vocab, positions)",
+        None,
+        512,
+        counted=45_421_056,
+        max_seq_len=4096,
+    ),
+    _lm("llama-7b", "LLaMA 7B (Touvron et al., 2023)", 6_738_415_616, 2048, f"{_HF} huggyllama/llama-7b"),
+    _lm(
+        "llama-3-8b",
+        "Llama 3 8B (GQA: 32 heads, 8 KV heads; vocab 128,256)",
+        8_030_261_248,
+        2048,
+        f"{_HF} meta-llama/Meta-Llama-3-8B",
+        max_seq_len=8192,
+    ),
+    _lm("llama-2-13b", "Llama 2 13B", 13_015_864_320, 2048, f"{_HF} meta-llama/Llama-2-13b-hf", max_seq_len=4096),
+    _lm(
+        "mistral-7b",
+        "Mistral 7B v0.1 (GQA, 4,096-token sliding window)",
+        7_241_732_096,
+        2048,
+        f"{_HF} mistralai/Mistral-7B-v0.1",
+        max_seq_len=32768,
+    ),
+    _lm(
+        "qwen2-7b",
+        "Qwen2 7B (GQA: 28 heads, 4 KV heads; QKV biases)",
+        7_615_616_512,
+        2048,
+        f"{_HF} Qwen/Qwen2-7B",
+        max_seq_len=131072,
+    ),
+    _lm(
+        "gpt-neo-2.7b",
+        "GPT-Neo 2.7B (global and 256-token local attention, eager)",
+        2_651_307_520,
+        2048,
+        f"{_HF} EleutherAI/gpt-neo-2.7B",
+    ),
+    _lm("opt-1.3b", "OPT 1.3B", 1_315_758_080, 2048, f"{_HF} facebook/opt-1.3b"),
     ModelInfo(
         name="mlp",
         family="small",

@@ -128,6 +128,7 @@ def models_command(
             "reference_source": m.reference_source,
             "default_batch_size": m.default_batch_size,
             "default_seq_len": m.default_seq_len,
+            "max_seq_len": m.max_seq_len,
             "image_size": m.image_size,
         }
         for m in MODELS
@@ -137,8 +138,17 @@ def models_command(
         return
     print_table(
         "model zoo (user models: --model path/file.py:factory)",
-        ["name", "parameters", "family", "description"],
-        [[r["name"], f"{r['num_parameters']:,}", r["family"], r["description"]] for r in rows],
+        ["name", "parameters", "family", "max seq", "description"],
+        [
+            [
+                r["name"],
+                f"{r['num_parameters']:,}",
+                r["family"],
+                f"{r['max_seq_len']:,}" if r["max_seq_len"] else "—",
+                r["description"],
+            ]
+            for r in rows
+        ],
     )
 
 

@@ -218,6 +218,11 @@ class AnalyticCostModel:
     def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = SyncMethod.RING) -> float:
         return comm.cached_collective_time_s(self._comm_cache, self.cluster, op, nbytes, devices, method)
 
+    def shard_collective_time_s(
+        self, op: str, nbytes: float, devices: Sequence[str], fractions: Sequence[float]
+    ) -> float:
+        return comm.cached_shard_collective_time_s(self._comm_cache, self.cluster, op, nbytes, devices, fractions)
+
     def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:
         return comm.cached_ps_sync_time_s(self._comm_cache, self.cluster, nbytes, devices, server)
 

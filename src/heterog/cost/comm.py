@@ -10,7 +10,10 @@ across two nodes ends up limited by the NIC rather than by NVLink.
 Formulas (n members, N bytes per member):
 - ring all-reduce: 2(n-1) steps of N/n each — time 2(n-1)/n · N/B + 2(n-1)·α
   (Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005);
-- reduce-scatter, all-gather: (n-1) steps of N/n (Thakur et al. 2005);
+- reduce-scatter, all-gather: (n-1) steps of N/n (Thakur et al. 2005); with uneven pieces
+  (sharded state, member i holding the fraction f_i) every step moves each piece but one,
+  each over its own ring edge, so a step lasts as long as its slowest edge with its piece:
+  Σ_k max_i (α + f_{piece(i,k)} N / B_i) on a ring of equal links (shard_collective_time_s);
 - tree all-reduce: pipelined double binary tree as in NCCL ≥ 2.4 (Sanders, Speck & Träff
   2009): each tree carries N/2 up (reduce) then down (broadcast): ≈ 2·N/B + 2⌈log2 n⌉·α;
 - broadcast / reduce: pipelined binomial tree, N/B + ⌈log2 n⌉·α;
@@ -30,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import SyncMethod
+from heterog.ir.plan import shard_piece
 
 METHODS = (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL)
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -182,6 +186,29 @@ def collective_time_s(
     )
 
 
+def shard_collective_time_s(
+    cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], fractions: Sequence[float]
+) -> float:
+    """A ring reduce-scatter or all-gather of a buffer of `nbytes` whose pieces are uneven: the
+    member devices[i] owns the fraction fractions[i] of it. The members go round in ring order;
+    each of the n−1 steps runs all its transfers at once (step_time_s: shared links divide
+    their bandwidth) and lasts as long as the slowest."""
+    if op not in ("reduce_scatter", "all_gather"):
+        raise PlanError(f"a sharded collective is a reduce_scatter or an all_gather, not {op!r}.")
+    share = dict(zip(devices, fractions))
+    ring = ring_order(cluster, devices)
+    n = len(ring)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    total = 0.0
+    for k in range(n - 1):
+        total += step_time_s(
+            cluster,
+            ((ring[i], ring[(i + 1) % n], share[ring[shard_piece(op, i, k, n)]] * nbytes) for i in range(n)),
+        )
+    return total
+
+
 def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], server: str) -> float:
     """Push every replica's gradient to `server` at once, then pull the parameters back."""
     others = [d for d in dict.fromkeys(devices) if d != server]
@@ -207,6 +234,20 @@ def cached_collective_time_s(
     members = tuple(devices)
     fixed, per_byte = affine_in_bytes(
         cache, ("c", op, method, members), lambda b: collective_time_s(cluster, op, b, members, method)
+    )
+    return fixed + per_byte * nbytes
+
+
+def cached_shard_collective_time_s(
+    cache: dict, cluster: Cluster, op: str, nbytes: float, devices: Sequence[str], fractions: Sequence[float]
+) -> float:
+    if nbytes <= 0 or len(set(devices)) <= 1:
+        return 0.0
+    members, shares = tuple(devices), tuple(fractions)
+    fixed, per_byte = affine_in_bytes(
+        cache,
+        ("shard", op, members, shares),
+        lambda b: shard_collective_time_s(cluster, op, b, members, shares),
     )
     return fixed + per_byte * nbytes
 

@@ -43,6 +43,14 @@ class CostModel(Protocol):
         slowest link it crosses. nbytes is the full buffer size on each member."""
         ...
 
+    def shard_collective_time_s(
+        self, op: Collective, nbytes: float, devices: Sequence[str], fractions: Sequence[float]
+    ) -> float:
+        """A ring 'reduce_scatter' or 'all_gather' of a buffer of nbytes over `devices`, the
+        member devices[i] owning the fraction fractions[i] of it (sharded state: uneven
+        pieces), limited by the slowest link each step crosses."""
+        ...
+
     def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:
         """Parameter server: every replica sends its gradient to `server`, which sums and
         sends the parameters back; limited by the server's links."""

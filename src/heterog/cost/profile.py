@@ -230,5 +230,9 @@ class LinkCalibratedCosts:
         links = self._duplex if len(set(devices)) == 2 else self._one_way
         return comm.cached_collective_time_s(self._cache, links, op, nbytes, devices, method)
 
+    def shard_collective_time_s(self, op: str, nbytes: float, devices, fractions) -> float:
+        links = self._duplex if len(set(devices)) == 2 else self._one_way
+        return comm.cached_shard_collective_time_s(self._cache, links, op, nbytes, devices, fractions)
+
     def ps_sync_time_s(self, nbytes: float, devices, server: str) -> float:
         return comm.cached_ps_sync_time_s(self._cache, self._one_way, nbytes, devices, server)

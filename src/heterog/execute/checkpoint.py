@@ -18,6 +18,11 @@ models have no dropout) and BatchNorm running statistics (buffers, not parameter
 learning-rate schedule is not saved either but moved on to the checkpoint's step
 (train_loop.TrainingHooks.resumed).
 
+A sharded block's state (execute/shard.py) is saved the same way: its members gather each
+parameter and its optimizer state, and the member holding most of a parameter writes it; on
+resume each member reads the parameters overlapping its piece (without the other ranks:
+DCP's `no_dist` read) and keeps its slice, so the pieces may be cut differently than when saved.
+
 A parameter server keeps the optimizer state of the parameters it serves per parameter
 (collectives.ParameterServer: its flat copy seen as one tensor per parameter); it saves that
 state under the same keys a rank-local optimizer writes, so a checkpoint resumes under a plan with another server, or
@@ -160,9 +165,14 @@ def find_checkpoint(path: str | Path) -> CheckpointInfo:
 
 
 def _state(
-    named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None, servers: Sequence[Any] = ()
+    named_params: list[tuple[str, nn.Parameter]],
+    opt: torch.optim.Optimizer | None,
+    servers: Sequence[Any] = (),
+    shards: Any = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {f"model/{name}": p.detach() for name, p in named_params}
+    if shards is not None:  # the pieces of sharded blocks, whole per parameter (every rank calls)
+        state.update(shards.full_state(opt, with_params=False))
     server_held = {n for served in servers for n in served.names}  # their server's state is the live one
     if opt is not None:
         for name, p in named_params:
@@ -187,6 +197,7 @@ def save_checkpoint(
     rank: int,
     model: str,
     servers: Sequence[Any] = (),
+    shards: Any = None,
     saved_under: SavedUnder | None = None,
 ) -> Path:
     """Every rank calls this after `step` completed steps; returns the checkpoint folder."""
@@ -196,9 +207,11 @@ def save_checkpoint(
             shutil.rmtree(target)
         target.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(named_params, opt, servers), checkpoint_id=target)
+    state = _state(named_params, opt, servers, shards)
+    dcp.save(state, checkpoint_id=target)
     names: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(names, [n for n, _ in named_params])  # also: every rank finished writing
+    held = sorted({k.split("/")[1] for k in state if k.startswith("model/")})
+    dist.all_gather_object(names, held)  # also: every rank finished writing
     if rank == 0:
         write_atomic(
             target / MARKER,
@@ -214,6 +227,16 @@ def save_checkpoint(
         )
     dist.barrier()
     return target
+
+
+def _stepped(
+    named_params: list[tuple[str, nn.Parameter]], opt: torch.optim.Optimizer | None
+) -> list[tuple[str, nn.Parameter]]:
+    """The named parameters the optimizer steps itself."""
+    if opt is None:
+        return []
+    ids = {id(p) for group in opt.param_groups for p in group["params"]}
+    return [(name, p) for name, p in named_params if id(p) in ids]
 
 
 def _state_device(opt: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torch.device:
@@ -232,14 +255,14 @@ def load_checkpoint(
     *,
     model: str,
     servers: Sequence[Any] = (),
+    shards: Any = None,
 ) -> None:
-    """Load the parameters (in place) and optimizer state this rank holds, by name, and the
-    state of the parameter servers it runs. `servers` also lists the buckets this rank is a
-    replica of (ProgramSync.ps_buckets): their state goes to their server only, not
-    into the local optimizer, where it would never move and, saved again beside the
-    server's, could be the copy DCP keeps of the two."""
+    """Load the parameters (in place) and optimizer state this rank holds, by name, the
+    state of the parameter servers it runs, and the pieces of its sharded blocks. `servers`
+    also lists the buckets this rank is a replica of (ProgramSync.ps_buckets): their state
+    goes to their server only, not into the local optimizer, where it would never move and,
+    saved again beside the server's, could be the copy DCP keeps of the two."""
     server_held = {n for served in servers for n in served.names}
-    local = [(name, p) for name, p in named_params if name not in server_held]
     check_same_model(info.model, model, str(info.path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {}
@@ -258,8 +281,10 @@ def load_checkpoint(
             )
         state[key] = p.detach()
     wanted: list[tuple[str, str, torch.device]] = []  # (name, state key, device)
+    # a sharded block's parameters: their piece's state; a served one's: its server's
+    stepped = [(name, p) for name, p in _stepped(named_params, opt) if name not in server_held]
     if opt is not None:
-        wanted += [(name, key, _state_device(opt, key, p)) for name, p in local for key in _keys(meta, name)]
+        wanted += [(name, key, _state_device(opt, key, p)) for name, p in stepped for key in _keys(meta, name)]
     for served in servers:
         server = served.server
         wanted += (
@@ -276,13 +301,44 @@ def load_checkpoint(
         state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
     dcp.load(state, checkpoint_id=info.path)
     if opt is not None:
-        for name, p in local:
+        for name, p in stepped:
             for key in _keys(meta, name):
                 opt.state[p][key] = state[f"optim/{name}/{key}"]
     for served in (s for s in servers if s.server.optimizer is not None):  # the ones this rank serves
         served.server.load_state(
             {name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)} for name in served.names},
             served.names,
+        )
+    if shards is not None:
+        _missing_sharded(info, meta, shards)
+        shards.load(
+            _Reader(info.path, meta), opt, lambda key, p: _state_device(opt, key, p) if opt is not None else p.device
+        )
+
+
+class _Reader:
+    """Full per-name tensors from a checkpoint for one rank alone (shard.ShardRunner.load)."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.path, self.meta = path, meta
+
+    def keys_of(self, name: str) -> list[str]:
+        return _keys(self.meta, name)
+
+    def empty(self, key: str, device: torch.device) -> torch.Tensor:
+        m = _tensor_meta(self.meta, key)
+        return torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
+
+    def __call__(self, entries: dict[str, torch.Tensor]) -> None:
+        dcp.load(entries, checkpoint_id=self.path, no_dist=True)
+
+
+def _missing_sharded(info: CheckpointInfo, meta: dict[str, Any], shards: Any) -> None:
+    missing = sorted(n for n in shards.hidden_names() if f"model/{n}" not in meta)
+    if missing:
+        raise CheckpointError(
+            f"{info.path}: holds no parameter {missing[0]!r}; it was written for a different model "
+            f"version (it holds {len(info.parameter_names)} parameters)."
         )
 
 
@@ -310,12 +366,13 @@ def resume(
     *,
     model: str,
     servers: Sequence[Any] = (),
+    shards: Any = None,
 ) -> int:
     """Load cfg.resume's checkpoint when given; return the first step to run (0 without)."""
     if not cfg.resume:
         return 0
     info = find_checkpoint(cfg.resume)
-    load_checkpoint(info, named_params, opt, model=model, servers=servers)
+    load_checkpoint(info, named_params, opt, model=model, servers=servers, shards=shards)
     return info.step
 
 
@@ -328,6 +385,7 @@ def save_if_due(
     rank: int,
     model: str,
     servers: Sequence[Any] = (),
+    shards: Any = None,
 ) -> None:
     """Save after every cfg.every_steps-th completed step (all ranks call it, same step)."""
     if cfg.dir and cfg.saves_after(completed_steps):
@@ -339,5 +397,6 @@ def save_if_due(
             rank=rank,
             model=model,
             servers=servers,
+            shards=shards,
             saved_under=cfg.saved_under,
         )

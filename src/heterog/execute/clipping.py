@@ -9,10 +9,13 @@ counts each parameter once, on one rank (`counted_here`):
 - a group synced by a parameter server: on the server, from the gradient sum it gathered
   (the replicas' own gradients are partial sums). The server's update then waits for the
   norm: the run's syncs are deferred (sync.py), as for fp16's overflow check;
+- a sharded block's parameters (shard.py): each member counts its piece, whose gradient
+  the reduce-scatter summed; the pieces cut the block's parameters apart, so each element
+  is counted once (the model's own gradients there are partial sums, or freed);
 - parameters no forward reads have no gradient, as in one process.
 Each rank adds the squares of what it counts; one all-reduce over all ranks sums them (with
 the step's loss, for the metrics); the square root is the global norm. Clipping multiplies
-every gradient — each rank's local ones and each server's sums — by
+every gradient the optimizers step — each rank's local ones and pieces, each server's sums — by
 max_norm / (norm + 1e-6) when that is below 1, torch's coefficient
 (torch/nn/utils/clip_grad.py `clip_grads_with_norm_`).
 """
@@ -56,6 +59,8 @@ def counted_here(sync) -> tuple[set[str], list[tuple[str, ...]]]:
                     mine.add(name)
             elif block_of[g] in served_blocks:
                 continue  # counted on the server, from its sum
+            elif block.shard_stage:
+                continue  # counted piece by piece, on each member (GradientNorm)
             elif min(holders) == rank:
                 mine.add(name)
     return mine, served
@@ -74,8 +79,9 @@ class GradientNorm:
 
     def __init__(self, sync, named: Sequence[tuple[str, nn.Parameter]], device: torch.device, host_staging: bool):
         names, self.served = counted_here(sync)
-        self.counted = [p for n, p in named if n in names]
-        self.params = [p for _, p in named]
+        pieces, sharded = sync.shards.pieces(), sync.shards.sharded_names()  # its sharded blocks'
+        self.counted = [p for n, p in named if n in names] + pieces
+        self.params = [p for n, p in named if n not in sharded] + pieces  # what the optimizer steps
         self.runner = sync.runner
         self.device, self.host_staging = device, host_staging
 
@@ -100,7 +106,7 @@ class GradientNorm:
         return StepNorm(norm=float(both[0].sqrt()), loss=float(both[1]))
 
     def clip(self, norm: float, max_norm: float) -> None:
-        """Scale every gradient this rank will step with (its own, its servers' sums)."""
+        """Scale every gradient this rank will step with (its own, its pieces, its servers' sums)."""
         coef = max_norm / (norm + 1e-6)
         if coef >= 1.0:
             return

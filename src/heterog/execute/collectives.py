@@ -4,7 +4,10 @@ Every method is written with point-to-point messages (isend/irecv) inside a sub-
 members, so what runs is the algorithm the simulator times, not the backend's choice:
 
 - `ring`: reduce-scatter then all-gather around the ring in the given member order
-  (Patarasuk & Yuan 2009): 2(n−1) steps, each moving 1/n of the bucket to the next member;
+  (Patarasuk & Yuan 2009): 2(n−1) steps, each moving 1/n of the bucket to the next member.
+  The halves run alone, with uneven pieces, for sharded state (`ring_reduce_scatter`,
+  `ring_all_gather`; member i owns piece i, ir/plan.py `shard_piece`): torch's own
+  reduce_scatter_tensor and all_gather_into_tensor take equal pieces only;
 - `tree`: reduce up a binary tree rooted at the first member, then broadcast down it;
 - `hierarchical`: reduce inside each node to its leader (the node's first member), ring
   all-reduce among the leaders, broadcast inside each node;
@@ -37,6 +40,7 @@ import torch.distributed as dist
 
 from heterog.execute.transport import wait_for
 from heterog.ir.kinds import SyncMethod
+from heterog.ir.plan import shard_piece
 
 TAGS_PER_CALL = 1 << 12
 
@@ -177,23 +181,47 @@ def allreduce_sum(
 
 
 def ring_allreduce(flat: torch.Tensor, order: Sequence[int], link: _Link, step0: int = 0) -> int:
-    """Reduce-scatter then all-gather around `order`; returns the next free step number."""
+    """Reduce-scatter then all-gather around `order` (equal pieces); returns the next free
+    step number."""
+    sizes = [len(c) for c in torch.tensor_split(flat, len(order))]
+    step = ring_reduce_scatter(flat, sizes, order, link, step0)
+    return ring_all_gather(flat, sizes, order, link, step)
+
+
+def ring_reduce_scatter(
+    flat: torch.Tensor, sizes: Sequence[int], order: Sequence[int], link: _Link, step0: int = 0
+) -> int:
+    """Sum `flat` over `order` piece by piece: afterwards the member at position i holds the
+    total of piece i (`sizes[i]` elements, in order; pieces may differ and be empty) in
+    place, the rest of its buffer holds partial sums. Returns the next free step number."""
+    return _ring_half(flat, sizes, order, link, step0, "reduce_scatter")
+
+
+def ring_all_gather(flat: torch.Tensor, sizes: Sequence[int], order: Sequence[int], link: _Link, step0: int = 0) -> int:
+    """Every member's piece i (`sizes[i]` elements) of `flat`, held by the member at position
+    i, to every member, in place. Returns the next free step number."""
+    return _ring_half(flat, sizes, order, link, step0, "all_gather")
+
+
+def _ring_half(flat: torch.Tensor, sizes: Sequence[int], order: Sequence[int], link: _Link, step0: int, op: str) -> int:
+    """n − 1 steps around the ring: at step k the member at position i sends piece
+    shard_piece(op, i, k) to its successor and receives its predecessor's, which it adds in
+    (reduce-scatter) or keeps (all-gather)."""
     n = len(order)
+    if n == 1:
+        return step0
     i = order.index(link.rank)
     nxt, prv = order[(i + 1) % n], order[(i - 1) % n]
-    chunks = torch.tensor_split(flat, n)
-    step = step0
-    for k in range(n - 1):  # reduce-scatter: after it, member i owns the sum of chunk i+1
-        send, recv = chunks[(i - k) % n], chunks[(i - k - 1) % n]
-        buf = link.scratch.like(recv)
-        link.exchange(send, nxt, buf, prv, step)
-        recv.add_(buf)
-        step += 1
-    for k in range(n - 1):  # all-gather: pass the finished chunks on
-        send, recv = chunks[(i + 1 - k) % n], chunks[(i - k) % n]
-        link.exchange(send, nxt, recv, prv, step)
-        step += 1
-    return step
+    pieces = torch.split(flat, list(sizes))
+    for k in range(n - 1):
+        send, recv = pieces[shard_piece(op, i, k, n)], pieces[shard_piece(op, i - 1, k, n)]
+        if op == "reduce_scatter":
+            buf = link.scratch.like(recv)
+            link.exchange(send, nxt, buf, prv, step0 + k)
+            recv.add_(buf)
+        else:
+            link.exchange(send, nxt, recv, prv, step0 + k)
+    return step0 + n - 1
 
 
 def tree_allreduce(flat: torch.Tensor, order: Sequence[int], link: _Link, step0: int = 0) -> int:

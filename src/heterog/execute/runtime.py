@@ -52,9 +52,10 @@ from heterog.errors import PlanError
 from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
 from heterog.execute.graph_cut import Boundary, GradientSlot, Sink, last_reads, transfer_key
+from heterog.execute.shard import ShardRunner
 from heterog.execute.trace import Span, SpanCategory
 from heterog.execute.transport import MAX_VALUES, Transport
-from heterog.ir.kinds import Phase, Precision
+from heterog.ir.kinds import CollectiveOp, Phase, Precision
 from heterog.lower.program import Collective, Compute, InputPiece, Optimizer, Program, Recv, Send
 from heterog.workload import Workload, slice_batch
 
@@ -68,9 +69,13 @@ class StepMode(StrEnum):
 
 
 def runs_in(ins: Any, mode: StepMode) -> bool:
-    """Whether instruction `ins` runs in a step of `mode`."""
+    """Whether instruction `ins` runs in a step of `mode`. A stage-3 sharded block's gathers
+    (and, accumulating, its per-micro-batch reduce-scatters, which add into its pieces'
+    gradients) run with the computes they serve (shard.py); no other collective does."""
     if mode is StepMode.TRAIN:
         return True
+    if isinstance(ins, Collective) and ins.phase is not None:
+        return mode is StepMode.ACCUMULATE or (ins.primitive is CollectiveOp.ALL_GATHER and ins.phase == Phase.FORWARD)
     if isinstance(ins, (Collective, Optimizer)):
         return False
     return mode is StepMode.ACCUMULATE or ins.phase == Phase.FORWARD
@@ -129,11 +134,13 @@ class Interpreter:
         precision: str = "fp32",
         memory_cap: MemoryCap | None = None,
         crossing: dict[tuple[int, int], list[str]] | None = None,
+        shards: ShardRunner | None = None,
         scheduler: Any = None,
         grad_norm: Any = None,
         max_grad_norm: float | None = None,
     ):
         self.program, self.flow, self.work = program, flow, work
+        self.shards = shards  # the sharded blocks' pieces (shard.py); None: nothing sharded here
         self.memory_cap = memory_cap  # an emulated device's capacity, checked after every instruction
         self.peak_live_bytes = 0
         self.instructions = program.instructions[device]
@@ -170,6 +177,8 @@ class Interpreter:
         self._anchor = torch.zeros((), requires_grad=True, device=self.rank_device.torch_device)  # Boundary's
         self.block_of_group = {g: b for b, blk in enumerate(program.blocks) for g in blk.groups}
         self.stages_of, self.first_compute, self.run_of = _stages_of_blocks(program, flow, self.instructions)
+        if shards is not None:
+            shards.check_stages(self.stages_of)
         self.crossing = crossing if crossing is not None else crossing_values(program, flow)
         self.range_of: dict[tuple[int, int], tuple[int, int]] = {}
         self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}  # (run, micro-batch) → pieces
@@ -283,6 +292,9 @@ class Interpreter:
             self.sync.finish()  # a server without a replica has collectives but no optimizer step
         if self.deferred:  # every rank, so that all skip an overflowing step alike
             self._deferred_step()
+            if self.shards is not None:  # the updated pieces to every member (shard.py)
+                self.shards.launch_deferred()
+                self.sync.finish()
         for sched in [self.scheduler, *self.sync.runner.schedulers]:  # once per step, as one process does
             if sched is not None:
                 sched.step()
@@ -408,10 +420,11 @@ class Interpreter:
             if self.optimizer is not None:
                 self._timed(self.optimizer.step)
 
-    def live_bytes(self) -> LiveBytes:
+    def live_bytes(self, also: Any = ()) -> LiveBytes:
         """What this rank's live tensors hold now, each storage once: parameters, their
         gradients, optimizer state, and activations (values kept, tensors received or to be
-        sent, gradients in flight, and what autograd saved for the backwards still to run)."""
+        sent, gradients in flight, and what autograd saved for the backwards still to run;
+        `also`: more activations, e.g. what the backward under way saved)."""
         count = StorageCounter()
         params = [p for grp in self.optimizer.param_groups for p in grp["params"]] if self.optimizer else []
         state = list(self.optimizer.state.values()) if self.optimizer else []
@@ -425,13 +438,15 @@ class Interpreter:
             [s.grad for s in self._slots.values()],
             self.transport.in_flight(),
             [(c.saved, c.loss) for c in self._calls.values()],
+            also,
         )
+        sharded = self.shards.model_params() if self.shards is not None else []
         return LiveBytes(
-            parameters_bytes=count.add(params),
-            gradients_bytes=count.add(p.grad for p in params if p.grad is not None),
+            parameters_bytes=count.add([*params, *sharded, *(self.shards.live_tensors() if self.shards else [])]),
+            gradients_bytes=count.add(p.grad for p in [*params, *sharded] if p.grad is not None),
             optimizer_state_bytes=count.add(tensors_in(state)),
             activations_bytes=count.add(tensors_in(held)),
-            buffers_bytes=count.add(self.sync.runner.kept_buffers()),
+            buffers_bytes=count.add([*self.sync.runner.kept_buffers(), *self.sync.runner.in_flight()]),
         )
 
     def _saving(self, saved: list[torch.Tensor]):
@@ -446,6 +461,16 @@ class Interpreter:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     def _compute(self, index: int, ins: Compute) -> None:
+        """A compute, on the parameters gathered for it when its block shards them (stage 3)."""
+        if self.shards is None:
+            return self._compute_here(index, ins)
+        self.shards.materialise(ins.block, ins.phase, ins.microbatch)
+        try:
+            self._compute_here(index, ins)
+        finally:
+            self.shards.release(ins.block, ins.phase, ins.microbatch)
+
+    def _compute_here(self, index: int, ins: Compute) -> None:
         self.trace.append(("compute", ins.block, str(ins.phase), ins.microbatch, ins.hi - ins.lo))
         if ins.lo == ins.hi:
             return
@@ -574,6 +599,8 @@ class Interpreter:
             if self.scaler is not None:
                 call.loss = self.scaler.scale_loss(call.loss)
         self._calls[(si, m)] = call
+        if self.memory_cap is not None:  # the forward's own peak, its outputs and loss beside what it saved
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[out, call.loss]).total_bytes)
 
     def _backward(self, si: int, ins: Compute) -> None:
         call = self._calls.pop((si, ins.microbatch))
@@ -589,6 +616,8 @@ class Interpreter:
                 root_grads.append(None)
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
+        if self.memory_cap is not None:  # the backward's own peak: its gradients beside what it saved
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[call.saved]).total_bytes)
         for v in self._values_of(s):  # the outputs' gradients are spent
             self._slots.pop((v, m), None)
         for v, slot, pieces in call.leaves:  # input gradients back to their producers

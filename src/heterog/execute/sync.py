@@ -34,7 +34,8 @@ it on all of them (collectives.ParameterServer).
 
 `ProgramSync` drives it from a lowered Program: one bucket per Collective instruction (a
 block's parameters, or with `tie` a tied parameter's copies), launched when the rank's
-interpreter reaches the instruction.
+interpreter reaches the instruction; a sharded block's reduce-scatters and all-gathers run
+on the same lane through `ShardRunner` (shard.py).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ import torch
 from heterog.cut.dataflow import Dataflow
 from heterog.errors import RankError
 from heterog.execute.collectives import ParameterServer, ProcessGroupCache, allreduce_sum
-from heterog.ir.kinds import SyncMethod
+from heterog.execute.lane_jobs import Job, LaneJobs
+from heterog.execute.shard import ShardRunner, sharded_collectives
+from heterog.ir.kinds import CollectiveOp, SyncMethod
 from heterog.lower.program import Collective
 from heterog.training import Recipe
 
@@ -157,7 +160,7 @@ def make_lane(device: torch.device, host_staging: bool) -> ThreadLane | StreamLa
     return StreamLane(device) if device.type == "cuda" and not host_staging else ThreadLane()
 
 
-class BucketRunner:
+class BucketRunner(LaneJobs):
     """Runs buckets on this rank: gathers gradients, syncs them on the lane, installs."""
 
     def __init__(
@@ -182,7 +185,7 @@ class BucketRunner:
         self.lane = make_lane(self.device, host_staging)
         self.deferred = deferred
         self.clock = clock
-        self._pending: list[tuple[Bucket, Any, bool]] = []
+        self._pending: list[tuple[Bucket | Job, Any, bool]] = []
         self._gathered: list[Bucket] = []  # deferred: servers that hold a sum to apply
         # each collective's run on the lane: (label, start mark, end mark, the Program
         # instruction it carries out, or None for a sync the Program does not list)
@@ -268,7 +271,7 @@ class BucketRunner:
             self.runs.append((f"{bucket.label} {bucket.method}", start, self.clock.mark(), index))
         return out
 
-    def _result(self, bucket: Bucket, handle: Any) -> Any:
+    def _result(self, bucket: Bucket | Job, handle: Any) -> Any:
         try:
             return self.lane.result(handle)
         except RuntimeError as e:
@@ -285,6 +288,8 @@ class BucketRunner:
         pending, self._pending = self._pending, []
         for bucket, handle, in_place in pending:
             flat = self._result(bucket, handle)
+            if isinstance(bucket, Job):  # it installed its own result
+                continue
             if flat is None:  # deferred: the server's update comes later
                 self._gathered.append(bucket)
             elif self._holds(bucket) and not in_place:  # in place: the gradient holds the sum
@@ -378,11 +383,14 @@ class ProgramSync:
                 ranks_of_group[g] = [self.rank_of[d] for d in block.devices]
         self.ties = tie_buckets(flow, ranks_of_group)
         self._ties_done: set[str] = set()  # tied parameters synced by the Program this step
-        sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties]
+        sharded = [tuple(self.rank_of[d] for d in c.members) for _, c in sorted(sharded_collectives(program).items())]
+        sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties] + sharded
         self.runner.create_groups(
             [Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING) for m in sets]
         )
         self.runner.create_servers([b for c in self._collectives() if (b := self._bucket(c)).names])
+        self.shards = ShardRunner(program=program, flow=flow, rank=rank, rank_of=self.rank_of, runner=self.runner)
+        self.deferred = deferred
 
     def served(self) -> list[Served]:
         """The ps buckets this rank serves, with their servers."""
@@ -410,7 +418,7 @@ class ProgramSync:
         seen: dict[int, Any] = {}
         for device in self.program.devices:
             for ins in self.program.instructions.get(device, ()):
-                if isinstance(ins, Collective) and not ins.tie:
+                if isinstance(ins, Collective) and not ins.tie and ins.primitive is CollectiveOp.ALL_REDUCE:
                     seen.setdefault(ins.block, ins)
         return [seen[b] for b in sorted(seen)]
 
@@ -440,6 +448,9 @@ class ProgramSync:
 
     def launch(self, ins: Any, index: int | None = None) -> None:
         """Start the sync of Collective instruction `ins` (at `index` in this rank's list)."""
+        if ins.primitive is not CollectiveOp.ALL_REDUCE:  # a sharded block's (shard.py)
+            self.shards.launch(ins, index, deferred=self.deferred)
+            return
         if ins.tie:  # a tied parameter's copies, where the Program puts it
             bucket = self._tie(ins.tie, tuple(self.rank_of[d] for d in ins.members))
             self._ties_done.add(ins.tie)

@@ -39,7 +39,7 @@ from heterog.cut.dataflow import Dataflow, detach_unheld
 from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
 from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError, RankError
-from heterog.execute import checkpoint
+from heterog.execute import checkpoint, shard
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.faults import inject_fault, overflow_gradient
@@ -244,8 +244,7 @@ def build_rank(
         clock=rdev.clock(),
     )
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
-    params = [p for _, p in named]
-    opt = recipe.make_optimizer(params)
+    opt, params, named = shard.rank_parameters(recipe, named, sync.shards)  # the optimizer steps the pieces too
     pacer = Pacer(spec.slowdown(device))
     cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)  # emulated devices only
     ex = Interpreter(
@@ -263,6 +262,7 @@ def build_rank(
         precision=plan.precision,
         memory_cap=cap,
         crossing=crossing,
+        shards=sync.shards,
         scheduler=recipe.make_scheduler(opt),  # [train]
         grad_norm=gradient_norm(recipe.config, sync, named, rdev.torch_device, rdev.host_staging),
         max_grad_norm=recipe.config.max_grad_norm,
@@ -298,8 +298,9 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     cores = pin_to_cores(rank) if spec.pin_cores else None
     setup = build_rank(spec, rank, device, rdev, rank_of, models=models, program=program)
     first_step = checkpoint.resume(
-        spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.ps_buckets()
-    )
+        spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.ps_buckets(),
+        shards=setup.sync.shards,
+    )  # fmt: skip
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
     hooks = TrainingHooks.start(setup.recipe, rank=rank, seed=spec.seed, model_name=setup.plan.model.name)
@@ -326,7 +327,7 @@ def _dump(setup: RankSetup, out_dir: Path) -> None:
     ex, rank = setup.interpreter, setup.rank
     write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
     write_atomic(out_dir / f"samples_rank{rank}.json", json.dumps(ex.samples))
-    torch.save({name: p.detach().to("cpu").clone() for name, p in setup.named}, out_dir / f"params_rank{rank}.pt")
+    torch.save(shard.whole_parameters(setup.named, setup.sync.shards), out_dir / f"params_rank{rank}.pt")
 
 
 def _rank_result(
@@ -358,7 +359,7 @@ def _rank_result(
         peak_live_bytes=int(setup.interpreter.peak_live_bytes) if cap else None,
         split=setup.flow.split,
         warnings=tuple(setup.flow.warnings),
-        training=setup.recipe.describe(setup.params or None) if setup.rank == 0 else None,  # [train]
+        training=setup.recipe.describe(shard.as_held(setup.named, setup.sync.shards)) if setup.rank == 0 else None,
         evaluations=tuple(evaluations),
     )
 
@@ -422,14 +423,9 @@ def _train_step(
     )
     step_log.append(record)
     checkpoint.save_if_due(
-        spec.checkpoint,
-        step + 1,
-        setup.named,
-        setup.optimizer,
-        rank=rank,
-        model=setup.plan.model.name,
-        servers=setup.sync.ps_buckets(),
-    )
+        spec.checkpoint, step + 1, setup.named, setup.optimizer, rank=rank, model=setup.plan.model.name,
+        servers=setup.sync.ps_buckets(), shards=setup.sync.shards,
+    )  # fmt: skip
     return record
 
 

@@ -3,7 +3,7 @@ strings, so artifacts keep plain strings in JSON and code compares with the memb
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 
 class Precision(StrEnum):
@@ -34,6 +34,25 @@ class SyncMethod(StrEnum):
     TREE = "tree"
     HIERARCHICAL = "hierarchical"
     PS = "ps"
+
+
+class ShardStage(IntEnum):
+    """What a replicated group shards across its replicas (ZeRO, Rajbhandari et al., SC'20):
+    each stage shards what the one before it does, and more."""
+
+    NONE = 0  # every replica holds all its state
+    OPTIMIZER = 1  # ZeRO-1: optimizer state
+    GRADIENTS = 2  # ZeRO-2: + gradients (reduce-scattered)
+    PARAMETERS = 3  # ZeRO-3 / FSDP: + parameters (all-gathered for each use, freed after)
+
+
+class CollectiveOp(StrEnum):
+    """What a collective computes. Members hold contiguous, possibly uneven pieces of a flat
+    buffer, in ring order, for the two halves of an all-reduce."""
+
+    ALL_REDUCE = "all-reduce"  # every member gets the sum of the whole buffer
+    REDUCE_SCATTER = "reduce-scatter"  # each member gets the sum of its own piece
+    ALL_GATHER = "all-gather"  # every member gets every member's piece
 
 
 class PipelineSchedule(StrEnum):

@@ -4,6 +4,11 @@ Vocabulary (README.md, "Words"): the OpGraph's nodes are partitioned into *group
 *placement*, a tuple of *replicas* (device, share of every micro-batch); a replicated group's
 gradients are synchronised by `sync`. One replica with share 1.0 is model parallelism; all
 devices is data parallelism; a subset is hybrid.
+
+A replicated group may shard its state across its replicas (`shard_stage`, ZeRO-1/2/3): each
+replica then holds the fraction `Replica.shard` of it, chosen apart from its share of the
+batch, so a fast device with little memory can take much of the batch and little of the state
+(Cephalo, ICS'25). Schema version 2 added the shard fields; a version-1 plan loads unsharded.
 """
 
 from __future__ import annotations
@@ -18,11 +23,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from heterog.errors import ArtifactError, PlanError
-from heterog.ir.kinds import PipelineSchedule, Precision, SyncMethod
+from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
 from heterog.jsonio import Artifact
 from heterog.userfile import locate, register_location
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: shard_stage per group, a shard fraction per replica
 KIND = "heterog.Plan"
 
 SYNC_METHODS = tuple(SyncMethod)
@@ -61,6 +66,7 @@ def in_memory_model_error(name: str) -> str | None:
 class Replica:
     device: str
     share: float  # fraction of every micro-batch this replica computes
+    shard: float | None = None  # fraction of the group's sharded state it holds (sharded groups)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +77,7 @@ class Group:
     sync: SyncMethod = SyncMethod.NONE  # how gradients of a replicated group are combined
     ps_device: str | None = None  # the parameter server, when sync is ps
     recompute: bool = False  # recompute activations in backward instead of saving them
+    shard_stage: int = ShardStage.NONE  # ZeRO stage: what the replicas shard (ir/kinds.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sync", _kind(SyncMethod, self.sync, f"group {self.name!r}: sync"))
@@ -78,6 +85,11 @@ class Group:
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(r.device for r in self.replicas)
+
+    @property
+    def shards(self) -> tuple[float, ...]:
+        """Each replica's fraction of the sharded state (empty when the group is not sharded)."""
+        return tuple(r.shard or 0.0 for r in self.replicas) if self.shard_stage else ()
 
     def validate(self) -> None:
         """Check the group alone: nodes, replicas and shares, sync method and server."""
@@ -103,6 +115,47 @@ class Group:
             )
         if self.sync != SyncMethod.PS and self.ps_device is not None:
             raise PlanError(f"{where}: ps_device is set but sync is {str(self.sync)!r}, not 'ps'.")
+        self._validate_shards(where)
+
+    def _validate_shards(self, where: str) -> None:
+        if self.shard_stage not in tuple(ShardStage):
+            raise PlanError(
+                f"{where}: shard_stage {self.shard_stage!r} is not one of 0 (none), 1 (optimizer "
+                f"state), 2 (+ gradients), 3 (+ parameters)."
+            )
+        given = [r.shard is not None for r in self.replicas]
+        if not self.shard_stage:
+            if any(given):
+                raise PlanError(
+                    f"{where}: replicas give shard fractions but shard_stage is 0; set "
+                    f"shard_stage 1-3 to shard the group's state, or drop the fractions."
+                )
+            return
+        if len(self.replicas) < 2:
+            raise PlanError(
+                f"{where}: shard_stage {self.shard_stage} needs at least two replicas to shard "
+                f"across; it has one. Set shard_stage 0."
+            )
+        if self.sync != SyncMethod.RING:
+            raise PlanError(
+                f"{where}: a sharded group synchronises by ring reduce-scatter and all-gather, "
+                f"but its sync is {str(self.sync)!r}; set sync 'ring' (or shard_stage 0)."
+            )
+        if not all(given):
+            missing = [r.device for r in self.replicas if r.shard is None]
+            raise PlanError(
+                f"{where}: shard_stage {self.shard_stage} but replica(s) {missing} give no shard "
+                f"fraction; give every replica the fraction of the state it holds (summing to 1)."
+            )
+        for r in self.replicas:
+            if not (r.shard is not None and r.shard >= 0 and math.isfinite(r.shard)):
+                raise PlanError(f"{where} replica on {r.device!r}: shard must be ≥ 0, found {r.shard}.")
+        total = sum(self.shards)
+        if abs(total - 1.0) > SHARE_TOLERANCE:
+            raise PlanError(
+                f"{where}: replica shard fractions sum to {total:.6g}, not 1; each is the "
+                f"fraction of the group's state that replica holds."
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,7 +171,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
+class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
     strategy: str  # 'even-dp-allreduce', 'search', ... (see search/)
     model: ModelSpec
     precision: Precision = Precision.FP32
@@ -246,10 +299,13 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
                     {
                         "name": g.name,
                         "nodes": list(g.nodes),
-                        "replicas": [[r.device, r.share] for r in g.replicas],
+                        "replicas": [
+                            [r.device, r.share] if r.shard is None else [r.device, r.share, r.shard] for r in g.replicas
+                        ],
                         "sync": g.sync,
                         "ps_device": g.ps_device,
                         "recompute": g.recompute,
+                        "shard_stage": int(g.shard_stage),
                     }
                     for g in v
                 ]
@@ -276,10 +332,11 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
             for i, g in enumerate(doc["groups"]):
                 where = f"{source}: group {i} ({g.get('name', '?')!r})"
                 try:
-                    replicas = tuple(Replica(device=d, share=float(s)) for d, s in g["replicas"])
+                    replicas = tuple(_replica(r) for r in g["replicas"])
                 except (TypeError, ValueError):
                     raise PlanError(
-                        f"{where}: replicas must be [[device, share], ...], found {g.get('replicas')!r}."
+                        f"{where}: replicas must be [[device, share], ...] or, in a sharded group, "
+                        f"[[device, share, shard], ...]; found {g.get('replicas')!r}."
                     ) from None
                 groups.append(
                     Group(
@@ -289,6 +346,7 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
                         sync=g.get("sync", "none"),
                         ps_device=g.get("ps_device"),
                         recompute=bool(g.get("recompute", False)),
+                        shard_stage=int(g.get("shard_stage", 0)),
                     )
                 )
             known = {f.name for f in fields(Plan)}
@@ -310,7 +368,7 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
             )
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}.") from None
-        except (TypeError, AttributeError) as e:
+        except (TypeError, AttributeError, ValueError) as e:
             raise PlanError(f"{source}: malformed plan ({e}).") from None
         except PlanError as e:  # a kind that is not one of its choices
             raise PlanError(f"{source}: {e}") from None
@@ -321,6 +379,14 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION):
             return plan.validate()
         except PlanError as e:
             raise PlanError(f"{source}: {e}") from None
+
+
+def _replica(entry: list) -> Replica:
+    """A replica from its JSON list: [device, share] or [device, share, shard]."""
+    if not 2 <= len(entry) <= 3:
+        raise ValueError(entry)
+    device, share, *shard = entry
+    return Replica(device=device, share=float(share), shard=float(shard[0]) if shard else None)
 
 
 def split_samples(total: int, shares: list[float]) -> list[int]:
@@ -336,6 +402,24 @@ def split_samples(total: int, shares: list[float]) -> list[int]:
     for i in order[:rest]:
         counts[i] += 1
     return counts
+
+
+def shard_ranges(total: int, fractions: tuple[float, ...] | list[float]) -> list[tuple[int, int]]:
+    """[lo, hi) of each member's piece of a flat buffer of `total` elements: contiguous, in
+    ring order, sized by the fractions (largest remainder, as samples are split)."""
+    out, lo = [], 0
+    for n in split_samples(total, list(fractions)) if total else [0] * len(fractions):
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
+def shard_piece(op: str, position: int, step: int, n: int) -> int:
+    """The piece the ring member at `position` sends at `step` (0 … n−2) of a reduce-scatter
+    or all-gather whose member i owns piece i (execute/collectives.py runs the same rule): a
+    reduce-scatter passes on the partial sum of piece i−k−1, so after n−1 steps member i holds
+    the total of piece i; an all-gather passes on piece i−k, its own first."""
+    return (position - step - (1 if op == "reduce_scatter" else 0)) % n
 
 
 # -- portable user-model files -------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Blocks: the units the simulator schedules, and the re-partition between them.
 
 Groups run in a priority-respecting topological order (context.Grouping.order). Consecutive
-groups in that order with the same placement (devices, shares, sync, recompute) that exchange
+groups in that order with the same placement (devices, shares, sync, recompute, sharding) that exchange
 data with other placements only at the run's ends run back to back on every replica with no
 communication between them, so they are fused into one *block*. A replicated block is also
 one gradient bucket: a run is cut, walking backward, wherever its gradients would exceed
@@ -36,6 +36,8 @@ class Block:
     ps_device: int | None
     recompute: bool
     label: str
+    shard_stage: int = 0  # ZeRO stage (ir/kinds.py ShardStage); 0: every replica holds all state
+    shards: tuple[float, ...] = ()  # each replica's fraction of the sharded state (sharded blocks)
 
 
 def make_blocks(
@@ -47,7 +49,7 @@ def make_blocks(
     and sends only at its end, so fusion delays no other device."""
     groups = plan.groups
     places = [cache.placement(g.replicas) for g in groups]
-    keys = [(pl[0], g.sync, g.ps_device, g.recompute) for pl, g in zip(places, groups)]
+    keys = [(pl[0], g.sync, g.ps_device, g.recompute, g.shard_stage, g.shards) for pl, g in zip(places, groups)]
     runs: list[list[int]] = []
     for g in order:
         key = keys[g]
@@ -84,6 +86,8 @@ def make_blocks(
                     ps_device=dev_id[grp.ps_device] if grp.ps_device else None,
                     recompute=grp.recompute,
                     label=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}",
+                    shard_stage=int(grp.shard_stage),
+                    shards=grp.shards,
                 )
             )
     return blocks

@@ -174,6 +174,22 @@ class CostTable:
             hit = comm.affine_in_bytes(self._comm, key, lambda b: float(self.costs.transfer_time_s(b, src, dst)))
         return hit
 
+    def shard_sync_s(self, op: str, nbytes: float, devices: tuple[str, ...], fractions: tuple[float, ...]) -> float:
+        """A ring reduce-scatter or all-gather with uneven pieces (devices[i] owns fractions[i])."""
+        return self._cached(
+            self._comm,
+            (op, nbytes, devices, fractions),
+            lambda: float(self.costs.shard_collective_time_s(op, nbytes, devices, fractions)),
+        )
+
+    def parameter_bytes(self, nodes: tuple[str, ...], device: str) -> float:
+        """The parameters alone: persistent state less gradients and optimizer state."""
+        return (
+            self.persistent_bytes(nodes, device)
+            - self.gradient_bytes(nodes)
+            - self.optimizer_state_bytes(nodes, device)
+        )
+
     def sync_s(self, method: str, nbytes: float, devices: tuple[str, ...], server: str | None) -> float:
         def make() -> float:
             if method == SyncMethod.PS:

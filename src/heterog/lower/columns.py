@@ -81,10 +81,13 @@ def block_columns(
     info: ClusterInfo,
     replica_cache: dict,
     table: CostTable,
+    fresh: bool = False,
 ) -> BlockColumns:
     """The block's columns (BlockColumns) from its replicas' costs (_replica_costs), computed
     once per distinct (device class, samples) and spread with numpy: a 1024-replica block has
-    a handful of distinct ones."""
+    a handful of distinct ones. `fresh`: every micro-batch's backward creates its gradients,
+    as the first one does (a stage-3 sharded block frees them at each reduce-scatter,
+    lower/shard_tasks.py), so the later ones are the first's."""
     kept_cache = table.caches.kept
     key = (size, blk.placement, rep_key)
     kr = kept_cache.get(key)
@@ -108,7 +111,9 @@ def block_columns(
     fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
     fwd_end = _chunk(d, -ws, ws != 0, 0)
     first = np.concatenate((v[:, 0], v[:, 1]))
-    dur = np.concatenate((v[:, 0], v[:, 1] + v[:, 7]))
+    dur = first if fresh else np.concatenate((v[:, 0], v[:, 1] + v[:, 7]))
+    first_at_start = _joined(fwd_start, _chunk(d, peak_first - act, None, n))
+    first_at_end = _joined(fwd_end, _chunk(d, grad - peak_first, None, n))
     return BlockColumns(
         kept=kr.kept,
         kept_dev=d,
@@ -120,10 +125,10 @@ def block_columns(
         kind_array=kr.kind_array,
         first_dur=first.tolist(),
         first_dur_array=first,
-        at_start=_joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
-        at_end=_joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
-        first_at_start=_joined(fwd_start, _chunk(d, peak_first - act, None, n)),
-        first_at_end=_joined(fwd_end, _chunk(d, grad - peak_first, None, n)),
+        at_start=first_at_start if fresh else _joined(fwd_start, _chunk(d, peak_later - act, peak_later != act, n)),
+        at_end=first_at_end if fresh else _joined(fwd_end, _chunk(d, -peak_later, peak_later != 0, n)),
+        first_at_start=first_at_start,
+        first_at_end=first_at_end,
     )
 
 

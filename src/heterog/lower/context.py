@@ -203,6 +203,25 @@ class ClusterInfo:
             self._rings[members] = hit
         return hit
 
+    def shard_ring(
+        self, members: tuple[int, ...], fractions: tuple[float, ...], op: str
+    ) -> tuple[tuple[int, ...], dict[int, float]]:
+        """ring() for a reduce-scatter or all-gather with uneven pieces: `members` in ring order,
+        fractions[i] the piece members[i] owns. Over the n − 1 steps each member sends every
+        piece but one (ir/plan.py shard_piece): a reduce-scatter all but its own, an
+        all-gather all but its successor's."""
+        key = ("shard", members, fractions, op)
+        hit = self._rings.get(key)
+        if hit is None:
+            n = len(members)
+            load: dict[int, float] = {}
+            for i in range(n if n > 1 else 0):
+                kept = fractions[i] if op == "reduce_scatter" else fractions[(i + 1) % n]
+                for link in self.path(members[i], members[(i + 1) % n]):
+                    load[link] = load.get(link, 0.0) + 1.0 - kept
+            hit = self._rings[key] = (tuple(sorted(load)), load)
+        return hit
+
     def ring_order(self, members) -> list[int]:
         """The order of a collective's members: by node, so a ring crosses each NIC once per
         direction (NCCL's topology-aware rings); the executor's collectives follow it."""

@@ -16,7 +16,7 @@ are done, not when a member gets round to it.
 from __future__ import annotations
 
 from heterog.hardware.cluster import Cluster
-from heterog.ir.kinds import Phase, SyncMethod
+from heterog.ir.kinds import CollectiveOp, Phase, SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, overlaps
@@ -109,6 +109,8 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
             ps_device=names[b.ps_device] if b.ps_device is not None else None,
             recompute=b.recompute,
             label=b.label,
+            shard_stage=b.shard_stage,
+            shards=b.shards,
         )
         for b in sched.blocks
     )
@@ -211,6 +213,17 @@ def _collective(out, tasks, t: int, sched: Schedule, cluster: Cluster, mem) -> N
         by_node.setdefault(cluster.node_of[d], []).append(d)
     server = names[blk.ps_device] if blk.ps_device is not None and not tie else None
     method = SyncMethod.RING if tie else SyncMethod(blk.sync)
+    shard = tasks.shard_ops.get(t)
+    sharded = (
+        dict(
+            primitive=CollectiveOp(shard.primitive),
+            shards=shard.fractions,
+            phase=Phase(shard.phase) if shard.phase else None,
+            microbatch=shard.microbatch,
+        )
+        if shard is not None
+        else {}
+    )
     for d in involved:
         alloc, free = mem.get(d, (0.0, 0.0))
         out[names[d]].append(
@@ -225,6 +238,7 @@ def _collective(out, tasks, t: int, sched: Schedule, cluster: Cluster, mem) -> N
                 alloc_bytes=alloc,
                 free_bytes=free,
                 tie=tie,
+                **sharded,
             )
         )
 

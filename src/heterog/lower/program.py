@@ -10,7 +10,12 @@ schedule). Devices are ranks: rank r runs `instructions[devices[r]]` in order. I
   Collective  a gradient bucket (one replicated block) over its members: ring, tree,
               hierarchical or a parameter server; members in ring order. With `tie` set, the
               gradient of a tied parameter whose users lie in several groups, summed over
-              every device holding a copy (ring); `block` is then its owner's block
+              every device holding a copy (ring); `block` is then its owner's block.
+              A sharded block's (lower/shard_tasks.py) are a ring reduce-scatter of its
+              gradients and an all-gather of its parameters (`primitive`), member i owning the piece
+              `shards[i]` of the flat buffer; with `phase` and `microbatch` set (stage 3) a
+              gather serves that one compute of the block — its parameters live until the
+              compute ends — and a reduce-scatter that micro-batch's gradients
   Optimizer   the optimizer step over the parameters this device holds
 Each carries its memory effect on its device: bytes allocated when it starts
 (`alloc_bytes`) and freed when it ends (`free_bytes`), and `op`, the operation of the
@@ -31,11 +36,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from heterog.errors import ArtifactError, PlanError
-from heterog.ir.kinds import InstructionKind, Phase, SyncMethod
+from heterog.ir.kinds import CollectiveOp, InstructionKind, Phase, SyncMethod
 from heterog.jsonio import Artifact
 
 KIND = "heterog.Program"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = (
+    2  # 2: instruction op ids; sharded collectives (primitive, shards, phase, microbatch), shard fields of a block
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,15 +120,32 @@ class Collective:
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
     tie: str | None = None  # a tied parameter's copies, else the block's gradient bucket
+    primitive: CollectiveOp = CollectiveOp.ALL_REDUCE
+    shards: tuple[float, ...] = ()  # a sharded block's: each member's piece, in member order
+    phase: Phase | None = None  # stage 3: the compute of the block this serves
+    microbatch: int | None = None
     kind: InstructionKind = InstructionKind.COLLECTIVE
 
     @property
-    def ident(self) -> tuple[int, str]:
+    def ident(self) -> tuple[int, str, str, str, int]:
         """Which collective this is: every member's instruction has the same."""
-        return (self.block, self.tie or "")
+        mb = -1 if self.microbatch is None else self.microbatch
+        return (self.block, self.tie or "", str(self.primitive), str(self.phase or ""), mb)
+
+    @property
+    def serves(self) -> tuple[int, Phase, int] | None:
+        """(block, phase, micro-batch) of the compute a stage-3 gather feeds, else None."""
+        if self.primitive is not CollectiveOp.ALL_GATHER or self.phase is None or self.microbatch is None:
+            return None
+        return (self.block, self.phase, self.microbatch)
 
     def describe(self) -> str:
-        return f"tied parameter {self.tie!r}" if self.tie else f"block {self.block}"
+        if self.tie:
+            return f"tied parameter {self.tie!r}"
+        if self.primitive is CollectiveOp.ALL_REDUCE:
+            return f"block {self.block}"
+        at = f" for {self.phase} of micro-batch {self.microbatch}" if self.phase else ""
+        return f"{self.primitive} of block {self.block}{at}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,6 +177,8 @@ class BlockInfo:
     ps_device: str | None
     recompute: bool
     label: str
+    shard_stage: int = 0  # ZeRO stage of its groups (ir/kinds.py ShardStage)
+    shards: tuple[float, ...] = ()  # each replica's fraction of the sharded state, in replica order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,8 +199,11 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
             return f"{self.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}"
         if isinstance(ins, (Send, Recv)):
             return f"{ins.kind} {ins.peer} mb{ins.microbatch}"
-        if isinstance(ins, Collective):
-            return f"tied {ins.tie} sync" if ins.tie else f"{self.blocks[ins.block].label} {ins.method} sync"
+        if isinstance(ins, Collective) and ins.tie:
+            return f"tied {ins.tie} sync"
+        if isinstance(ins, Collective):  # an all-reduce by its method, a sharded block's by its primitive
+            what = f"{ins.method} sync" if ins.primitive is CollectiveOp.ALL_REDUCE else str(ins.primitive)
+            return f"{self.blocks[ins.block].label} {what}" + (f" {ins.phase} mb{ins.microbatch}" if ins.phase else "")
         return "optimizer step"
 
     def locations(self) -> dict[str, tuple[str, int]]:
@@ -232,6 +261,7 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
                         "groups": tuple(b["groups"]),
                         "devices": tuple(b["devices"]),
                         "shares": tuple(b["shares"]),
+                        "shards": tuple(b.get("shards", ())),
                         "sync": SyncMethod(b["sync"]),
                     }
                 )
@@ -266,6 +296,9 @@ def _instruction(x: dict[str, Any]) -> Instruction:
         body["method"] = SyncMethod(body["method"])
         body["members"] = tuple(body["members"])
         body["nodes"] = tuple(tuple(n) for n in body["nodes"])
+        body["primitive"] = CollectiveOp(body.get("primitive", CollectiveOp.ALL_REDUCE))
+        body["shards"] = tuple(body.get("shards", ()))
+        body["phase"] = Phase(body["phase"]) if body.get("phase") else None
     return _BY_KIND[kind](**body)
 
 
@@ -282,7 +315,9 @@ def validate(prog: Program, source: str = "<program>") -> None:
     _check_ops(prog, source)
     _check_pairs(prog, source)
     _check_collectives(prog, source)
-    _check_deadlock(prog, source)
+    from heterog.lower.deadlock import check_deadlock  # it reads this module's instruction types
+
+    check_deadlock(prog, source)
 
 
 def _check_ops(prog: Program, source: str) -> None:
@@ -334,8 +369,8 @@ def _check_pairs(prog: Program, source: str) -> None:
 
 
 def _check_collectives(prog: Program, source: str) -> None:
-    seen: dict[tuple[int, str], Collective] = {}
-    order: dict[str, list[tuple[int, str]]] = {}
+    seen: dict[tuple[int, str, str, str, int], Collective] = {}  # by Collective.ident
+    order: dict[str, list[tuple[int, str, str, str, int]]] = {}
     for d, lst in prog.instructions.items():
         for i in lst:
             if not isinstance(i, Collective):
@@ -347,11 +382,16 @@ def _check_collectives(prog: Program, source: str) -> None:
                     f"not one of its members {list(i.members)}."
                 )
             first = seen.setdefault(i.ident, i)
-            if (first.members, first.method, first.server) != (i.members, i.method, i.server):
+            if (first.members, first.method, first.server, first.shards) != (i.members, i.method, i.server, i.shards):
                 raise PlanError(
                     f"{source}: members of the collective of {i.describe()} disagree: {d!r} "
-                    f"has {i.method} over {list(i.members)}, another member "
-                    f"{first.method} over {list(first.members)}."
+                    f"has {i.method} over {list(i.members)} (pieces {list(i.shards)}), another member "
+                    f"{first.method} over {list(first.members)} (pieces {list(first.shards)})."
+                )
+            if i.shards and (len(i.shards) != len(i.members) or abs(sum(i.shards) - 1.0) > 1e-6):
+                raise PlanError(
+                    f"{source}: the collective of {i.describe()} gives {len(i.shards)} pieces summing "
+                    f"to {sum(i.shards):.6g} for {len(i.members)} members; re-create it with `heterog lower`."
                 )
             order.setdefault(d, []).append(i.ident)
     for ident, c in seen.items():
@@ -362,67 +402,3 @@ def _check_collectives(prog: Program, source: str) -> None:
                     f"{source}: device {d!r} is a member of the collective of {c.describe()} "
                     f"but never runs it; the other members would wait forever."
                 )
-
-
-def _check_deadlock(prog: Program, source: str) -> None:
-    """Run the program abstractly, as the executor does: sends never block, a receive waits
-    for its send, a collective is launched without waiting (execute/sync.py: a background
-    thread), and the optimizer step, like the end of the step, waits until every member of
-    each collective its device launched has launched it too. Every device must reach its end."""
-    pos = {d: 0 for d in prog.devices}
-    posted: set[int] = set()
-    arrived: dict[tuple[int, str], set[str]] = defaultdict(set)
-    everyone = {
-        i.ident: set(i.members) | ({i.server} if i.server else set())
-        for lst in prog.instructions.values()
-        for i in lst
-        if isinstance(i, Collective)
-    }
-    launched: dict[str, list[tuple[int, str]]] = defaultdict(list)
-    lists = prog.instructions
-
-    def synced(d: str) -> bool:
-        return all(everyone[c] <= arrived[c] for c in launched[d])
-
-    progress = True
-    while progress:
-        progress = False
-        for d in prog.devices:
-            lst = lists[d]
-            while pos[d] < len(lst):
-                i = lst[pos[d]]
-                if isinstance(i, Recv) and i.tag not in posted:
-                    break
-                if isinstance(i, Optimizer) and not synced(d):
-                    break
-                if isinstance(i, Collective):
-                    arrived[i.ident].add(d)
-                    launched[d].append(i.ident)
-                if isinstance(i, Send):
-                    posted.add(i.tag)
-                pos[d] += 1
-                progress = True
-    stuck = {
-        d: lists[d][p] if p < len(lists[d]) else None for d, p in pos.items() if p < len(lists[d]) or not synced(d)
-    }
-    if stuck:
-        what = "; ".join(
-            f"{d!r} waits at instruction {pos[d]} ({_describe(i)})"
-            if i is not None
-            else f"{d!r} waits at its end for its collectives"
-            for d, i in list(stuck.items())[:4]
-        )
-        raise PlanError(
-            f"{source}: the program deadlocks: {what}. Each waits on a peer that waits "
-            f"on it; re-create the program with `heterog lower` (its order cannot deadlock)."
-        )
-
-
-def _describe(i: Instruction) -> str:
-    if isinstance(i, Recv):
-        return f"receive tag {i.tag} from {i.peer!r}"
-    if isinstance(i, Collective):
-        return f"{i.method} collective of {i.describe()} with {list(i.members)}"
-    if isinstance(i, Optimizer):
-        return "optimizer step, waiting for the collectives this device launched"
-    return str(i.kind)

@@ -7,6 +7,8 @@ One function per rule, applied in this order (each lives in one place):
   expand            per micro-batch and replica: forward, backward, re-partition transfers
                     (sample ranges), gradient sync per bucket, optimizer step; memory effects
   reference_order   the global execution order (GPipe / 1F1B with its in-flight window)
+  compute_gathers   stage-3 sharded blocks: a parameter gather before each compute, placed
+                    by the first order, then the order again (shard_tasks.py)
 The simulator times this schedule (simulate/engine.py); `lowering.to_program` writes it out per
 device as the Program the executor carries out. The two therefore cannot disagree.
 
@@ -30,6 +32,8 @@ from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block, make_blocks
 from heterog.lower.context import ClusterInfo, Grouping, SimCache
 from heterog.lower.order import reference_order
+from heterog.lower.shard_tasks import compute_gathers
+from heterog.lower.sync_tasks import tied_bytes
 from heterog.lower.taskgraph import Tasks
 from heterog.lower.tasks import expand
 
@@ -106,6 +110,14 @@ def cover_graph(plan: Plan, graph: OpGraph) -> Plan:
     return dataclasses.replace(plan, groups=groups)
 
 
+def _order(tasks, n_dev: int, schedule: str) -> np.ndarray | None:
+    """The reference order; None only if the task graph has a cycle."""
+    order = reference_order(tasks, n_dev, schedule)
+    if order is None:  # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
+        order = reference_order(tasks, n_dev, schedule, limit_in_flight=False)
+    return order
+
+
 def build_schedule(
     graph: OpGraph, cluster: Cluster, plan: Plan, costs, *, cache: SimCache | None = None, merge: bool = True
 ) -> Schedule:
@@ -125,10 +137,16 @@ def build_schedule(
     prio = plan.priorities
     group_prio = [max(prio.get(n, 0.0) for n in g.nodes) for g in plan.groups] if prio else [0.0] * len(plan.groups)
     blocks = make_blocks(plan, grp.order(group_prio), grp, info, table, cache)
-    tasks = expand(plan, grp, blocks, info, table, merge=merge)
     n_dev = len(info.devices)
-    order = reference_order(tasks, n_dev, plan.schedule)
-    if order is None:  # the 1F1B admission limit deadlocked (a device in non-adjacent stages)
-        order = reference_order(tasks, n_dev, plan.schedule, limit_in_flight=False)
+    tasks = expand(plan, grp, blocks, info, table, merge=merge)
+    order = _order(tasks, n_dev, plan.schedule)
     assert order is not None, "list scheduling without the admission rule cannot deadlock on a DAG"
+    if compute_gathers(tasks, order, blocks, info, table, tied_bytes(blocks, table)):
+        gathered = _order(tasks, n_dev, plan.schedule)  # the gathers' waits may move work
+        if gathered is None:  # members wait for each other's gathers in a cycle: the safe rule
+            tasks = expand(plan, grp, blocks, info, table, merge=merge)
+            compute_gathers(tasks, order, blocks, info, table, tied_bytes(blocks, table), forward_only=True)
+            gathered = _order(tasks, n_dev, plan.schedule)
+        assert gathered is not None, "gathers placed forward in the first order cannot make a cycle"
+        order = gathered
     return Schedule(plan=plan, info=info, grouping=grp, blocks=blocks, tasks=tasks, order=order, merged=merge)

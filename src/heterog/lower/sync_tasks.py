@@ -1,6 +1,7 @@
 """The once-per-iteration part of the task graph: what each device holds (parameters,
 gradients, optimizer state, the input batch, a server's copy), a gradient sync task per
-replicated block (its collective over the members, or the parameter server), one per tied
+replicated block (its collective over the members, or the parameter server; a sharded
+block's reduce-scatters and gathers, shard_tasks.py), one per tied
 parameter whose users lie in several groups (a ring all-reduce over every device holding a
 copy, as the executor sums the copies' gradients), and each device's optimizer step after its
 backwards and syncs."""
@@ -16,7 +17,8 @@ from heterog.ir.plan import Plan
 from heterog.lower.blocks import Block
 from heterog.lower.caches import CostTable
 from heterog.lower.context import ClusterInfo, id_runs
-from heterog.lower.taskgraph import OPT, SYNC, Tasks, make_room
+from heterog.lower.shard_tasks import parameter_gathers, persistent_state, shard_syncs
+from heterog.lower.taskgraph import OPT, Tasks, make_room
 
 
 def sync_and_step(
@@ -32,14 +34,18 @@ def sync_and_step(
     splits,
     mb_sizes,
 ) -> None:
-    """Persistent state per device, gradient sync per replicated block, optimizer steps."""
+    """Persistent state per device, gradient sync per replicated block (a sharded one's
+    reduce-scatters, shard_tasks.py), optimizer steps, and a sharded block's gather of its
+    updated pieces after them."""
     where = _placement_of_tied_nodes(blocks, table)
-    opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where)
-    _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     split = _split_ties(table, where)
+    tied_out = _tied_bytes(split)
+    opt_time = _persistent_state(tasks, blocks, info, table, rep, bwd_of_dev, where, tied_out)
+    _input_batch(tasks, blocks, table, preds, splits, mb_sizes)
     opt_inputs = OptimizerInputs()
     waits: list[tuple[int, tuple[int, ...]]] = []  # (collective, the blocks it waits for)
-    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
+    _sync_tasks(tasks, plan, blocks, info, table, Bk, rep, tied_out, opt_inputs, waits)
+    shard_syncs(tasks, blocks, info, table, Bk, rep, tied_out, plan.num_microbatches, opt_inputs, waits)
     _tie_syncs(tasks, plan, blocks, info, table, Bk, rep, split, opt_inputs, waits)
     _after_backwards(tasks, Bk, waits)
     opt_preds = opt_inputs.by_device()
@@ -48,8 +54,9 @@ def sync_and_step(
     before: list[np.ndarray] = []
     n_before: list[int] = []
     no_syncs = np.zeros(0, dtype=np.int64)
+    opt_of: dict[int, int] = {}
     for d, bl in bwd_of_dev.items():
-        tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
+        opt_of[d] = tasks.add(OPT, opt_time[d], d, tasks.prio(2, 0, 0), plan.num_microbatches)
         syncs = opt_preds.get(d, no_syncs)
         before += (bl, syncs)
         n_before.append(len(bl) + len(syncs))
@@ -58,6 +65,7 @@ def sync_and_step(
         tasks.edges.add_chunk(
             0, (np.concatenate(before), np.repeat(np.arange(first, len(tasks.kind), dtype=np.int64), n_before))
         )
+    parameter_gathers(tasks, blocks, info, table, rep, tied_out, opt_of, plan.num_microbatches)
 
 
 class OptimizerInputs:
@@ -107,10 +115,12 @@ def _persistent_state(
     rep: list[int],
     bwd_of_dev,
     where: dict[str, tuple[int, int]],
+    tied_out: dict[int, float],
 ) -> dict[int, float]:
     """Parameters, gradients and optimizer state on every device (tasks.persistent_bytes,
     initial_bytes); returns each device's optimizer-step time. A block synced by a parameter
-    server leaves its optimizer state and update to the server (_server_state)."""
+    server leaves its optimizer state and update to the server (_server_state); a sharded
+    block's replicas hold their pieces (shard_tasks.persistent_state)."""
     dclass = info.dev_class
     opt_time: dict[int, float] = {d: 0.0 for d in bwd_of_dev}
     # parameters, gradients and optimizer state: summed per placement first, since blocks
@@ -118,7 +128,12 @@ def _persistent_state(
     per_placement: dict[tuple[int, bool], tuple[dict[str, list[float]], tuple[int, ...]]] = {}
     state_cache = table.caches.state  # (nodes, served) → class → (bytes, optimizer s)
     classes_cache = table.caches.classes  # device set → its devices' classes
-    for blk in blocks:
+    for bi, blk in enumerate(blocks):
+        if blk.shard_stage:
+            for d, t in persistent_state(tasks, blk, info, table, rep, tied_out.get(bi, 0.0)).items():
+                if d in opt_time:
+                    opt_time[d] += t
+            continue
         served = _served(blk)
         acc = per_placement.setdefault((blk.device_set, served), ({}, blk.devices))[0]
         classes = classes_cache.get(blk.device_set)
@@ -194,6 +209,19 @@ def _tied_copies(
             tasks.persistent_bytes[d] += table.costs.tied_copy_bytes(tie.param_bytes, info.devices[d])
 
 
+def _tied_bytes(split) -> dict[int, float]:
+    """block → bytes of the split tied parameters it owns (kept out of its bucket)."""
+    out: dict[int, float] = {}
+    for tie, owner, _ in split:
+        out[owner] = out.get(owner, 0.0) + tie.param_bytes
+    return out
+
+
+def tied_bytes(blocks: list[Block], table: CostTable) -> dict[int, float]:
+    """_tied_bytes of the blocks' split ties, for callers after the expansion."""
+    return _tied_bytes(_split_ties(table, _placement_of_tied_nodes(blocks, table)))
+
+
 def _split_ties(table: CostTable, where: dict[str, tuple[int, int]]) -> list[tuple[object, int, tuple[int, ...]]]:
     """The tied parameters whose users lie in several groups, each with its owner's block and
     the blocks that read it: the executor keeps them out of the owners' gradient buckets and
@@ -262,11 +290,7 @@ def _collective(
     """A gradient collective's task, to run after every backward of the blocks `after`
     (edges added by _after_backwards), with the bytes it pushes through switch cores and its
     link loads (tasks.sync_loads)."""
-    s = tasks.add_comm(SYNC, dur, mbs, block, links, involved, nbytes)
-    for link in info.shared_bw:
-        if link in load:  # a ring crosses the core once per node it leaves
-            tasks.core_bytes[s] = load[link] * nbytes
-    tasks.sync_loads[s] = load
+    s = tasks.add_sync(dur, mbs, block, links, load, involved, nbytes, info.shared_bw)
     waits.append((s, after))
     return s
 
@@ -311,20 +335,18 @@ def _sync_tasks(
     table: CostTable,
     Bk,
     rep: list[int],
-    split,
+    tied_out: dict[int, float],
     opt_inputs: OptimizerInputs,
     waits: list,
 ) -> None:
     """A sync task per replicated block with gradients (after all its backwards), its buffer,
     link loads and the server's copy, and the optimizer steps that wait for it (opt_inputs).
-    Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them)."""
+    Split tied parameters are left out of their owners' buckets (`_tie_syncs` syncs them); a
+    sharded block's gradients are reduce-scattered instead (shard_tasks.shard_syncs)."""
     mbs = plan.num_microbatches
     rep_key = table.caches.rep_id(rep)  # first: it may empty the cache below
     bucket_cache = table.caches.buckets
     grads_of: dict[int, list] = {}
-    tied_out: dict[int, float] = {}
-    for tie, owner, _ in split:
-        tied_out[owner] = tied_out.get(owner, 0.0) + tie.param_bytes
     for bi, blk in enumerate(blocks):
         grad = sum(table.gradient_bytes(nodes) for nodes in blk.nodes)
         if grad > 0:
@@ -332,7 +354,7 @@ def _sync_tasks(
             # the first backward (micro-batch 0, see expand); summed per placement
             grads_of.setdefault(blk.device_set, [blk.devices, 0.0])[1] += grad
         grad_synced = grad - tied_out.get(bi, 0.0)
-        if len(blk.devices) > 1 and blk.sync != SyncMethod.NONE and grad_synced > 0:
+        if len(blk.devices) > 1 and blk.sync != SyncMethod.NONE and grad_synced > 0 and not blk.shard_stage:
             key = (
                 blk.placement,
                 blk.sync,

@@ -47,6 +47,7 @@ class Tasks:
         "sources",
         "xfer_blocks",
         "ties",
+        "shard_ops",
         "mb_stride",
         "link_sets",
         "runs",
@@ -79,6 +80,7 @@ class Tasks:
         self.rep: list[int] = list(range(n_devices))  # device whose tasks stand for this one's
         self.xfer_blocks: dict[int, tuple[int, int]] = {}  # transfer → (producer, consumer block)
         self.ties: dict[int, str] = {}  # sync of a tied parameter's copies → the parameter
+        self.shard_ops: dict[int, ShardOp] = {}  # a sharded block's reduce-scatter or all-gather (shard_tasks.py)
         self.mb_stride = 2 * len(blocks) + 1  # key step of one micro-batch
         self._phase_stride = (num_microbatches + 1) * self.mb_stride
         self._succ_csr: tuple[np.ndarray, np.ndarray] | None = None
@@ -121,6 +123,26 @@ class Tasks:
         t = self.add(kind, dur, -1, -1, mb)
         self.links[t] = links
         self.comm[t] = (members, nbytes, block)
+        return t
+
+    def add_sync(
+        self,
+        dur: float,
+        mb: int,
+        block: int,
+        links: tuple[int, ...],
+        load: dict[int, float],
+        members: tuple[int, ...],
+        nbytes: float,
+        cores,
+    ) -> int:
+        """A collective task holding `links`, with each link's load (bytes per buffer byte)
+        and the bytes it pushes through the switch cores among them (`cores`: ClusterInfo.shared_bw)."""
+        t = self.add_comm(SYNC, dur, mb, block, links, members, nbytes)
+        for link in cores:
+            if link in load:  # a ring crosses the core once per node it leaves
+                self.core_bytes[t] = load[link] * nbytes
+        self.sync_loads[t] = load
         return t
 
     def block_of(self, t: int) -> int:
@@ -172,8 +194,22 @@ class Tasks:
         return a
 
     def seal(self) -> None:
+        """Derive the inputs per task (again, when tasks were added since: shard_tasks.py)."""
+        self._succ_csr, self._arrays = None, {}
         self.npred = np.bincount(self.succ_csr()[1], minlength=len(self.kind)).astype(np.int64)
         self.sources = np.flatnonzero(self.npred == 0).astype(np.int64)  # tasks with no inputs, in id order
+
+
+class ShardOp(NamedTuple):
+    """What a sharded block's collective task does (lower/shard_tasks.py): the operation, its
+    members (device ids, ring order) with each one's fraction of the flat buffer, and, for a
+    stage-3 gather or a per-micro-batch reduce-scatter, the compute it serves (phase, micro-batch)."""
+
+    primitive: str  # CollectiveOp
+    members: tuple[int, ...]
+    fractions: tuple[float, ...]
+    phase: str | None = None  # Phase
+    microbatch: int | None = None
 
 
 class ComputeRun(NamedTuple):

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from heterog.ir.kinds import PipelineSchedule
+from heterog.ir.kinds import PipelineSchedule, ShardStage
 from heterog.ir.plan import Plan, split_samples
 from heterog.lower.blocks import Block, block_edges, stage_limits
 from heterog.lower.caches import CostTable
@@ -51,6 +51,9 @@ def _representatives(blocks, splits, p2p_sets, sizes, n_devices, dclass, merge: 
             for r, d in enumerate(blk.devices):
                 if d not in p2p:
                     sig.setdefault(d, []).append((pid, tuple(sp[r] for sp in per_size)))
+        if blk.shard_stage:  # a replica's piece of a sharded block sets its memory
+            for r, d in enumerate(blk.devices):
+                sig.setdefault(d, []).append(("shard", bi, blk.shard_stage, blk.shards[r]))
         if blk.ps_device is not None:
             sig.setdefault(blk.ps_device, []).append(("ps", bi))
     first: dict[tuple, int] = {}
@@ -154,14 +157,15 @@ def _compute_tasks(
     replica_cache = table.caches.replica
     kinds = tasks.kind
     for bi, blk in enumerate(tasks.blocks):
-        ck = (size, blk.nodes, blk.recompute, blk.placement, rep_key)
+        fresh = blk.shard_stage >= ShardStage.PARAMETERS  # every backward creates its gradients
+        ck = (size, blk.nodes, blk.recompute, blk.placement, rep_key, fresh)
         cols = column_cache.get(ck)
         if cols is None:
             make_room(column_cache, len(blk.devices))
             if rep is None:
                 rep = np.asarray(tasks.rep, dtype=np.int64)
             cols = column_cache[ck] = block_columns(
-                blk, size, splits[(size, blk.placement)], rep, rep_key, info, replica_cache, table
+                blk, size, splits[(size, blk.placement)], rep, rep_key, info, replica_cache, table, fresh
             )
         kept_r = cols.kept
         n_kept = len(kept_r)
@@ -290,6 +294,14 @@ class Backwards:
         self.span: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
         self.cols: list[list] = [[None] * n_blocks for _ in range(n_microbatches)]
         self.copy_of: list[tuple[int, int] | None] = [None] * n_microbatches
+
+    def run_of(self, b: int, m: int) -> tuple[int, int]:
+        """(first id, count) of the kept backwards of block b in micro-batch m."""
+        src = self.copy_of[m]
+        if src is None:
+            return self.span[m][b]
+        first, n = self.span[src[0]][b]
+        return first + src[1], n
 
     def runs(self, blocks) -> list[tuple[int, int]]:
         """(first id, count) of the kept backwards of every micro-batch of `blocks`, by block,

@@ -5,8 +5,8 @@ The join of prediction and measurement is by instruction id (lower/program.py
 instruction_id): a simulated event of op t on device d's track, and the span that rank r
 (running device d) measured for its instruction at index i, whose op is t. Every span that
 times an instruction must name one that exists, and every instruction has exactly one such
-span per step, per accumulated batch for computes and transfers (`instruction_spans` checks
-both); the simulation's events cover every
+span per step, per accumulated batch for computes, transfers and a stage-3 sharded block's
+collectives (`instruction_spans` checks both); the simulation's events cover every
 instruction of the Program it was written with (orchestrate.lowered).
 """
 
@@ -102,7 +102,8 @@ def instruction_spans(
 ) -> dict[tuple[int, int, int], Span]:
     """(rank, step, index) → the span that timed instruction `index` of the rank's list in that
     step. With `passes` batches accumulated per step (--accumulate), computes and transfers
-    run once per batch and the syncs and the optimizer once: the last pass's span (the pass
+    run once per batch (so do a stage-3 sharded block's gathers and reduce-scatters) and the
+    other syncs and the optimizer once: the last pass's span (the pass
     that runs the whole Program, as predicted) stands for the instruction. Raises
     AssertionError when a span names no instruction of the Program (an index past the list,
     another op) or an instruction has another number of spans in a step than that."""
@@ -122,7 +123,9 @@ def instruction_spans(
             out[key] = s
         for rec in r.steps:
             for i, ins in enumerate(lst):
-                want = 1 if isinstance(ins, (Collective, Optimizer)) else passes
+                # a stage-3 sharded block's gathers and reduce-scatters run with its computes
+                once = isinstance(ins, Optimizer) or (isinstance(ins, Collective) and ins.phase is None)
+                want = 1 if once else passes
                 got = count.get((r.rank, rec.step, i), 0)
                 assert got == want, f"rank {r.rank}, step {rec.step}: instruction {i} has {got} spans, not {want}"
     return out

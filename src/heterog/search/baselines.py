@@ -7,9 +7,15 @@
 - proportional-dp: shares proportional to each device's throughput, ring all-reduce;
 - model-parallel: contiguous stages, one device each, balanced by the devices' speeds;
 - pipeline: contiguous stages, each data-parallel over a block of devices, an uneven split of
-  the layers proportional to each block's speed, and GPipe micro-batches.
-Baselines ignore memory, as the systems they stand for do; the planner reports them
-infeasible when they overflow.
+  the layers proportional to each block's speed, and GPipe micro-batches;
+- fsdp-even: FSDP / ZeRO-3 as torch's fully_shard runs it — every device a replica, equal
+  shares, the state sharded evenly (Rajbhandari et al. 2020; Zhao et al., PyTorch FSDP 2023);
+- zero-uneven: Cephalo's rule (ICS'25) — batch shares proportional to speed, ZeRO-3 state
+  shares proportional to the memory each device has free.
+Baselines ignore memory, as the systems they stand for do (but for the sharded two, which
+exist to fit: like their recipes they turn on activation checkpointing and gradient
+accumulation when the model does not fit otherwise); the planner reports them infeasible
+when they overflow.
 """
 
 from __future__ import annotations
@@ -21,9 +27,19 @@ import numpy as np
 from heterog.ir.kinds import PipelineSchedule, SyncMethod
 from heterog.search.estimate import estimate
 from heterog.search.problem import Placement, Problem, Strategy
+from heterog.search.sharding import free_memory_fractions, sharded
 from heterog.search.shares import balanced_shares
 
-BASELINES = ("single-device", "even-dp-allreduce", "even-dp-ps", "proportional-dp", "model-parallel", "pipeline")
+BASELINES = (
+    "single-device",
+    "even-dp-allreduce",
+    "even-dp-ps",
+    "proportional-dp",
+    "model-parallel",
+    "pipeline",
+    "fsdp-even",
+    "zero-uneven",
+)
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
@@ -230,6 +246,55 @@ def pipeline(prob: Problem, schedule: PipelineSchedule = PipelineSchedule.GPIPE)
     return _best(prob, candidates) if candidates else model_parallel(prob)
 
 
+def _fitted(prob: Problem, make: Callable[[bool, int], Strategy], replicas: int = 1) -> Strategy:
+    """The fastest of make(recompute, micro-batches) that fits (estimate), over activation
+    checkpointing on and off and the micro-batch counts that leave every one of `replicas`
+    a sample; else the one that overflows least."""
+    options = [
+        make(recompute, m)
+        for recompute in (False, True)
+        for m in MICROBATCH_CHOICES
+        if prob.batch_size % m == 0 and prob.batch_size // m >= replicas
+    ]
+    scored = [(estimate(prob, prob.finalize(s)), s) for s in options]
+    fits = [(e.iteration_time_s, i) for i, (e, _) in enumerate(scored) if e.feasible]
+    if fits:
+        return scored[min(fits)[1]][1]
+    return min(scored, key=lambda es: es[0].overflow)[1]
+
+
+def fsdp_even(prob: Problem) -> Strategy:
+    """ZeRO-3 with even shards and an even batch over the data-parallel devices."""
+    devs = tuple(_dp_devices(prob))
+    if len(devs) == 1:
+        return single_device(prob)
+    even = tuple([1.0 / len(devs)] * len(devs))
+
+    def make(recompute: bool, m: int) -> Strategy:
+        return _uniform(prob, Placement(devs, even, SyncMethod.RING, None, recompute, 3, even), m)
+
+    return _fitted(prob, make, replicas=len(devs))
+
+
+def zero_uneven(prob: Problem) -> Strategy:
+    """Cephalo's rule: batch ∝ speed, ZeRO-3 state ∝ free memory (sharding.free_memory_fractions)."""
+    devs = _dp_devices(prob)
+    if len(devs) == 1:
+        return single_device(prob)
+    speed = 1.0 / prob.device_time_per_sample_s[devs]
+    shares = tuple(float(x) for x in speed / speed.sum())
+
+    def make(recompute: bool, m: int) -> Strategy:
+        # the replicas left with samples (integer_placement) share the state
+        p = prob.integer_placement(
+            Placement(tuple(devs), shares, SyncMethod.RING, None, recompute), prob.batch_size // m
+        )
+        fractions = free_memory_fractions(prob, range(prob.n_groups), p, 3, m)
+        return _uniform(prob, sharded(p, 3, fractions), m)
+
+    return _fitted(prob, make)
+
+
 BASELINE_BUILDERS: dict[str, Callable[[Problem], Strategy]] = {
     "single-device": single_device,
     "even-dp-allreduce": lambda p: even_dp(p, SyncMethod.RING),
@@ -237,4 +302,6 @@ BASELINE_BUILDERS: dict[str, Callable[[Problem], Strategy]] = {
     "proportional-dp": proportional_dp,
     "model-parallel": model_parallel,
     "pipeline": pipeline,
+    "fsdp-even": fsdp_even,
+    "zero-uneven": zero_uneven,
 }

@@ -16,7 +16,12 @@ too many per-op events to simulate each time. It is a list schedule at group gra
   each device runs its optimizer step;
 - peak memory per device: persistent state (parameters, gradients, optimizer state) of every
   group it holds + activations of all its in-flight micro-batches (GPipe keeps them all until
-  backward) + the largest workspace.
+  backward) + the largest workspace;
+- sharded state (sharding.py, the lowering's rules): a sharded bucket's gradients are
+  reduce-scattered (stage 3 after every micro-batch), the pieces gathered after the optimizer
+  step (stages 1–2), which steps only the replica's piece; a stage-3 unit's parameters are
+  gathered on the communication queue before its forward and its backward; each replica
+  holds its pieces, and a unit in use on top.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from heterog.ir.kinds import PipelineSchedule, SyncMethod
+from heterog.ir.kinds import CollectiveOp, PipelineSchedule, ShardStage, SyncMethod
 from heterog.lower.blocks import gradient_buckets, overlaps, stage_limits
 from heterog.search.problem import BUCKET_BYTES, Placement, Problem, Strategy
+from heterog.search.sharding import optimizer_fraction, replica_state_bytes, shard_gathers, shard_time_s, unit_bytes
 
 INFEASIBLE_PENALTY = 10.0  # score multiplier per unit of relative memory overflow
 
@@ -146,10 +152,27 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     nics = _Nics(prob)
     multi_node = [len(set(prob.node_idx[d].tolist())) > 1 for d in dev]
     free = np.zeros(prob.n_devices)
+    comm_free = np.zeros(prob.n_devices)
+    closes = _buckets(prob, P)
+    gathers = shard_gathers(prob, P, closes)  # stage 3: (group, direction) → its unit's gather
+
+    def collective(g: int, ready_s: float, t: float) -> float:
+        """A collective of g's replicas on their communication queue (and NICs)."""
+        begin = max(ready_s, comm_free[dev[g]].max())
+        if multi_node[g]:  # a collective across nodes occupies their NICs
+            nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
+            done = nics.transfer(begin, t, nodes, nodes)
+        else:
+            done = begin + t
+        comm_free[dev[g]] = done
+        return done
+
     fin_f = [[None] * M for _ in range(G)]
     for m in range(M):
         for g in range(G):
             ready = np.zeros(len(dev[g]))
+            if (g, "forward") in gathers:  # the lowering gathers a stage-3 unit's parameters first
+                ready = np.maximum(ready, collective(g, 0.0, gathers[(g, "forward")]))
             for k, p in enumerate(prob.preds[g]):
                 if same_as[g][k]:
                     ready = np.maximum(ready, fin_f[p][m])
@@ -161,23 +184,19 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             free[dev[g]] = fin
             fin_f[g][m] = fin
     fin_b = [[None] * M for _ in range(G)]
-    comm_free = np.zeros(prob.n_devices)
     syncs: list[tuple[np.ndarray, float]] = []  # (devices, end of their gradient sync)
-    closes = _buckets(prob, P)
 
-    def sync(bucket: list[int]) -> None:
+    def sync(bucket: list[int], m: int) -> None:
         """Synchronise a gradient bucket once its last backward is done (lower.blocks'
-        bucket rule: identically placed groups, filled in backward order)."""
+        bucket rule: identically placed groups, filled in backward order); a sharded one's
+        reduce-scatter (lower/shard_tasks.py: stage 3 after every micro-batch)."""
         g = bucket[0]
-        t_sync = prob.sync_time_bytes_s(P[g], float(sum(prob.grad_bytes[x] for x in bucket)))
-        begin = max(max(float(fin_b[x][M - 1].max()) for x in bucket), comm_free[dev[g]].max())
-        if multi_node[g]:  # a collective across nodes occupies their NICs
-            nodes = {int(n): 0.0 for n in set(prob.node_idx[dev[g]].tolist())}
-            done = nics.transfer(begin, t_sync, nodes, nodes)
+        nbytes = float(sum(prob.grad_bytes[x] for x in bucket))
+        if P[g].shard:
+            t_sync = shard_time_s(prob, P[g], nbytes, CollectiveOp.REDUCE_SCATTER)
         else:
-            done = begin + t_sync
-        comm_free[dev[g]] = done
-        syncs.append((dev[g], done))
+            t_sync = prob.sync_time_bytes_s(P[g], nbytes)
+        syncs.append((dev[g], collective(g, max(float(fin_b[x][m].max()) for x in bucket), t_sync)))
 
     for m in range(M):
         for g in reversed(range(G)):
@@ -188,17 +207,25 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
                 else:
                     own, up, down = xfer(c, g, (g, c))  # the gradient flows back c → g
                     ready = np.maximum(ready, nics.transfer(float(fin_b[c][m].max()), own, up, down))
+            if (g, "backward") in gathers:
+                ready = np.maximum(ready, collective(g, 0.0, gathers[(g, "backward")]))
             start = np.maximum(free[dev[g]], ready)
-            fin = start + (t_b[g] + prob.accumulate_time_s[g, cls[g]] if m else t_b[g])  # the lowering's rule
+            fresh = P[g].shard >= ShardStage.PARAMETERS  # the lowering's rule: no gradients held
+            fin = start + (t_b[g] + prob.accumulate_time_s[g, cls[g]] if m and not fresh else t_b[g])
             free[dev[g]] = fin
             fin_b[g][m] = fin
-            if m == M - 1 and g in closes:
-                sync(closes[g])
+            if g in closes and (m == M - 1 or fresh):
+                sync(closes[g], m)
     end = free.copy()
     for d, t in syncs:
         np.maximum.at(end, d, t)
     for g in range(G):
-        end[dev[g]] += prob.opt_time_s[g, cls[g]]
+        end[dev[g]] += prob.opt_time_s[g, cls[g]] * optimizer_fraction(P[g])
+    for bucket in closes.values():  # stages 1–2: the updated pieces gathered after the step
+        p = P[bucket[0]]
+        if p.shard and p.shard < ShardStage.PARAMETERS:
+            nbytes = float(sum(prob.param_bytes[x] for x in bucket))
+            end[dev[bucket[0]]] = end[dev[bucket[0]]].max() + shard_time_s(prob, p, nbytes, CollectiveOp.ALL_GATHER)
     # -- memory ------------------------------------------------------------------------------
     peak = np.zeros(prob.n_devices)
     work = np.zeros(prob.n_devices)
@@ -209,7 +236,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     for g in range(G):
         local = shares[g] * b_m * inflight[dev[g]]
         act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local
-        np.add.at(peak, dev[g], prob.persistent_bytes[g, cls[g]] + act)
+        np.add.at(peak, dev[g], replica_state_bytes(prob, g, P[g]) + act)
         np.maximum.at(work, dev[g], prob.workspace_per_sample[g] * shares[g] * b_m)
         if P[g].sync == SyncMethod.PS and P[g].ps is not None and len(P[g].devices) > 1:
             # the server holds its copy and the sum (sync_tasks._server_state), each other
@@ -217,6 +244,10 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
             peak[P[g].ps] += 2 * prob.grad_bytes[g]
             others = [d for d in P[g].devices if d != P[g].ps]
             np.add.at(peak, others, prob.grad_bytes[g])
+    for bucket in closes.values():  # a sharded unit in use (sharding.unit_bytes)
+        p = P[bucket[0]]
+        if p.shard:
+            np.maximum.at(work, dev[bucket[0]], unit_bytes(prob, bucket, p.shard))
     peak += work
     overflow = float(np.max((peak - prob.memory_bytes) / prob.memory_bytes))
     return Estimate(iteration_time_s=float(end.max()), peak_memory_bytes=peak, overflow=max(0.0, overflow))

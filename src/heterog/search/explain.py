@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from heterog.fmt import human_bytes, human_time
-from heterog.ir.kinds import PipelineSchedule
+from heterog.ir.kinds import PipelineSchedule, SyncMethod
 from heterog.ir.plan import Plan
+from heterog.search.problem import Placement
+from heterog.search.sharding import replica_state_bytes
 
 if TYPE_CHECKING:
     from heterog.search.bound import Bound
@@ -110,7 +112,34 @@ def _segment_note(prob: Problem, plan: Plan, a: int, b: int, speed: np.ndarray) 
             line += f"; per-replica shares {desc}: the faster a device, the more samples it takes"
         else:
             line += f"; per-replica shares {desc}"
+    if g.shard_stage:
+        line += _shard_note(prob, plan, a, b)
     return line + "."
+
+
+_SHARDED_STATE = {
+    1: "optimizer state",
+    2: "optimizer state and gradients",
+    3: "parameters, gradients and optimizer state",
+}
+
+
+def _shard_note(prob: Problem, plan: Plan, a: int, b: int) -> str:
+    """Why the segment is sharded: what each replica holds of its state, against whole."""
+    g = plan.groups[a]
+    idx = tuple(prob.device_names.index(r.device) for r in g.replicas)
+    p = Placement(idx, tuple(r.share for r in g.replicas), SyncMethod.RING, None, g.recompute, g.shard_stage, g.shards)
+    held = sum(replica_state_bytes(prob, x, p) for x in range(a, b))
+    whole = sum(prob.persistent_bytes[x, prob.dev_class[list(idx)]] for x in range(a, b))
+    pieces = ", ".join(f"{r.device} {r.shard * 100:.0f}%" for r in g.replicas[:6]) + (
+        " …" if len(g.replicas) > 6 else ""
+    )
+    tight = int(np.argmax(whole / prob.memory_bytes[list(idx)]))
+    return (
+        f"; ZeRO-{g.shard_stage} shards its {_SHARDED_STATE[g.shard_stage]} across them (pieces {pieces}): "
+        f"{g.replicas[tight].device} holds {human_bytes(held[tight])} of it instead of {human_bytes(whole[tight])} "
+        f"whole ({human_bytes(prob.cluster.memory_bytes(g.replicas[tight].device))} of memory)"
+    )
 
 
 def bound_note(bound: Bound, iteration_time_s: float) -> str:
@@ -172,6 +201,8 @@ def notes(
         out.append(_microbatch_note(plan, segments, sim))
     if sim is not None and (busy := _busy_note(plan, sim)):
         out.append(busy)
+    if not any(g.shard_stage for g in plan.groups):
+        out += _no_shard_note(winner, candidates)
     if any(g.recompute for g in plan.groups):
         k = sum(g.recompute for g in plan.groups)
         out.append(f"{k} group(s) recompute activations in backward: less activation memory for a second forward pass.")
@@ -181,6 +212,23 @@ def notes(
     for frac, d in tight:
         out.append(f"tightest memory: {d} at {frac * 100:.0f}% of {human_bytes(prob.cluster.memory_bytes(d))}.")
     return out
+
+
+def _no_shard_note(winner: Candidate, candidates: Sequence[Candidate]) -> list[str]:
+    """Why the winner shards nothing: the sharded baselines' times against its own."""
+    sharded = [c for c in candidates if c.strategy in ("fsdp-even", "zero-uneven")]
+    if not sharded:
+        return []
+    parts = [
+        f"{c.strategy} {c.iteration_time_s / winner.iteration_time_s:.2f}× its time"
+        if c.feasible
+        else f"{c.strategy} does not fit"
+        for c in sharded
+    ]
+    return [
+        "no state is sharded: the plan fits without it, and sharding would add gathers and "
+        "reduce-scatters of the state to every step (" + "; ".join(parts) + ")."
+    ]
 
 
 def infeasible_message(prob: Problem, candidates: Sequence[Candidate]) -> str:

@@ -79,14 +79,14 @@ class Annealer:
         self.score_fn = scorer
         big = prob.n_devices >= TIER_PHASE_MIN_DEVICES and len(prob.tiers) < prob.n_devices
         self.tier_phase = big if tier_phase is None else tier_phase
-        self._moves = {phase: self._table(phase) for phase in (True, False)}
+        self._moves = {phase: self._table(prob, phase) for phase in (True, False)}
         self.last_move = "start"
 
     @staticmethod
-    def _table(tier_phase: bool) -> tuple[list[Move], list[float]]:
-        """The registry's moves of a phase and their weights, in registration order."""
+    def _table(prob: Problem, tier_phase: bool) -> tuple[list[Move], list[float]]:
+        """The registry's moves of a phase that apply to `prob`, and their weights, in registration order."""
         allowed = (MoveScope.TIER, MoveScope.ANY) if tier_phase else tuple(MoveScope)
-        moves = [m for m in MOVES.values() if m.scope in allowed]
+        moves = [m for m in MOVES.values() if m.scope in allowed and (m.when is None or m.when(prob))]
         return moves, [m.weight for m in moves]
 
     def propose(self, s: Strategy) -> Strategy:

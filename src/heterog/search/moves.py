@@ -72,6 +72,8 @@ class Move:
     weight: float  # relative probability among the moves of the chain's phase
     scope: MoveScope
     apply: Callable[[MoveContext, Strategy, int, int], Strategy]  # (ctx, s, a, b) over segment [a, b)
+    # the problems it is drawn on (None: all); elsewhere the chain's moves are as without it
+    when: Callable[[Problem], bool] | None = None
 
 
 MOVES: dict[str, Move] = {}
@@ -256,6 +258,8 @@ def sync(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
         return s
     method = ctx.rng.choice(SYNC_CHOICES)
     ps = ctx.rng.choice(p.devices) if method == SyncMethod.PS else None
+    if method != SyncMethod.RING:  # sharded state syncs by ring reduce-scatter and all-gather only
+        p = replace(p, shard=0, shards=())
     return with_placement(s, a, b, replace(p, sync=method, ps=ps))
 
 

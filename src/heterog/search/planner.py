@@ -33,7 +33,7 @@ from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.search import explain
-from heterog.search.baselines import BASELINE_BUILDERS, node_dp_starts, pipeline, tier_dp_starts
+from heterog.search.baselines import BASELINE_BUILDERS, BASELINES, node_dp_starts, pipeline, tier_dp_starts
 from heterog.search.bound import Bound, lower_bound
 from heterog.search.constraints import DEFAULT_CACHE, ConstraintCache, ModelCuts, violations
 from heterog.search.grouping import make_groups
@@ -56,17 +56,7 @@ from heterog.search.warm import warm_start
 
 __all__ = ["CANDIDATES", "Candidate", "PlanResult", "load_code", "plan_graph", "simulator_scorer"]
 
-CANDIDATES = (
-    "single-device",
-    "even-dp-allreduce",
-    "even-dp-ps",
-    "proportional-dp",
-    "model-parallel",
-    "pipeline",
-    "search",
-    "gnn",
-    "gnn+search",
-)
+CANDIDATES = (*BASELINES, "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
 GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
 RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once

@@ -32,7 +32,8 @@ BUCKET_BYTES = Plan.__dataclass_fields__["bucket_bytes"].default  # gradient buc
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where one group runs: device indices (sorted), each one's share, how gradients sync.
+    """Where one group runs: device indices (sorted), each one's share, how gradients sync,
+    and the state its replicas shard (ZeRO stage, each replica's fraction of the state).
 
     Hashed once, when made: a 1024-device placement is a key of the search's caches and of
     every strategy's identity, and rehashing its tuples per look-up cost more than scoring."""
@@ -42,11 +43,14 @@ class Placement:
     sync: SyncMethod = SyncMethod.NONE
     ps: int | None = None
     recompute: bool = False
+    shard: int = 0
+    shards: tuple[float, ...] = ()
     _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         assert len(self.devices) == len(self.shares) and self.devices, self
         assert abs(sum(self.shares) - 1.0) < 1e-6, self.shares
+        assert not self.shard or (len(self.shards) == len(self.devices) and abs(sum(self.shards) - 1.0) < 1e-6), self
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
 
     def __hash__(self) -> int:
@@ -253,7 +257,13 @@ class Problem:
             sync = SyncMethod.RING
         if sync == SyncMethod.PS and ps is None:
             ps = devs[0]
-        return Placement(devs, shares, sync, ps if sync == SyncMethod.PS else None, p.recompute)
+        shard, shards = p.shard if len(devs) > 1 else 0, ()
+        if shard:  # the replicas kept keep their fractions, renormalised
+            kept = [p.shards[i] for i in keep]
+            total = sum(kept)
+            shards = tuple(f / total for f in kept) if total > 0 else tuple([1.0 / len(kept)] * len(kept))
+            sync, ps = SyncMethod.RING, None
+        return Placement(devs, shares, sync, ps if sync == SyncMethod.PS else None, p.recompute, shard, shards)
 
     def finalize(self, s: Strategy) -> Strategy:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
@@ -261,14 +271,18 @@ class Problem:
         return Strategy(tuple(self.integer_placement(p, mb) for p in s.placements), m, s.schedule)
 
     def _group_fields(self, p: Placement, microbatch_samples: int) -> tuple:
-        """(replicas, sync, ps device, recompute) of a placement in the Plan, made once per
+        """(replicas, sync, ps device, recompute, shard stage) of a placement in the Plan, made once per
         placement: neighbouring strategies share all but a few of them."""
         key = (p, microbatch_samples)
         hit = self._plan_groups.get(key)
         if hit is None:
             q = self.integer_placement(p, microbatch_samples)
-            replicas = tuple(Replica(device=self.device_names[d], share=sh) for d, sh in zip(q.devices, q.shares))
-            hit = (replicas, q.sync, self.device_names[q.ps] if q.sync == SyncMethod.PS else None, q.recompute)
+            replicas = tuple(
+                Replica(device=self.device_names[d], share=sh, shard=q.shards[i] if q.shard else None)
+                for i, (d, sh) in enumerate(zip(q.devices, q.shares))
+            )
+            ps_device = self.device_names[q.ps] if q.sync == SyncMethod.PS else None
+            hit = (replicas, q.sync, ps_device, q.recompute, q.shard)
             if len(self._plan_groups) > 20_000:
                 self._plan_groups.clear()
             self._plan_groups[key] = hit
@@ -278,7 +292,7 @@ class Problem:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
         groups = []
         for g, (names, p) in enumerate(zip(self.groups, s.placements)):
-            replicas, sync, ps_device, recompute = self._group_fields(p, self.batch_size // m)
+            replicas, sync, ps_device, recompute, shard_stage = self._group_fields(p, self.batch_size // m)
             groups.append(
                 Group(
                     name=f"g{g}",
@@ -287,6 +301,7 @@ class Problem:
                     sync=sync,
                     ps_device=ps_device,
                     recompute=recompute,
+                    shard_stage=shard_stage,
                 )
             )
         spec = self.model_spec or ModelSpec(

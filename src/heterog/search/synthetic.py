@@ -214,6 +214,15 @@ class TableCostModel:
         steps = 2 * (n - 1) if method == SyncMethod.RING else 2 * max(1, (n - 1).bit_length())
         return steps * lat + factor * nbytes / bw
 
+    def shard_collective_time_s(
+        self, op: str, nbytes: float, devices: Sequence[str], fractions: Sequence[float]
+    ) -> float:
+        n = len(devices)
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bw, lat = self._ring_bandwidth(devices)
+        return (n - 1) * (lat + max(fractions) * nbytes / bw)  # each step waits for the largest piece
+
     def ps_sync_time_s(self, nbytes: float, devices: Sequence[str], server: str) -> float:
         others = [d for d in devices if d != server]
         if not others or nbytes <= 0:

@@ -166,8 +166,12 @@ def _events(tasks, info, start, end):
             a, b = tasks.comm[t][0]
             label = f"{blk.label} mb{tasks.mb[t]} {names[a]}→{names[b]}"
         elif k == SYNC:
-            tie = tasks.ties.get(t)
+            tie, shard = tasks.ties.get(t), tasks.shard_ops.get(t)
             label = f"tied {tie} sync" if tie else f"{blk.label} {blk.sync} sync"
+            if shard is not None:  # a sharded block's reduce-scatter or gather (lower/shard_tasks.py)
+                label = f"{blk.label} {shard.primitive}" + (
+                    f" {shard.phase} mb{shard.microbatch}" if shard.phase else ""
+                )
         else:
             label = f"{blk.label} {'F' if k == 0 else 'B'} mb{tasks.mb[t]}"
         cat = KIND_NAMES[k]

@@ -35,6 +35,7 @@ def _entry(name: str, builder, batch_maker, **extra: Any) -> ZooModel:
         batch_maker=batch_maker,
         default_batch_size=info.default_batch_size,
         default_seq_len=info.default_seq_len,
+        max_seq_len=info.max_seq_len,
         image_size=info.image_size,
         reference_params=info.reference_params,
         reference_source=info.reference_source,
@@ -63,6 +64,27 @@ def _entries() -> list[ZooModel]:
         _entry("gpt2-xl", functools.partial(hf.gpt2, hidden=1600, layers=48, heads=25), token_batch("vocab", 50257)),
         _entry("tinyllama-1.1b", hf.tinyllama, token_batch("vocab", 32000)),
         _entry("llama", hf.llama, token_batch("vocab", 32000)),
+        _entry(
+            "llama-7b",
+            functools.partial(hf.llama, hidden=4096, layers=32, heads=32, ffn=11008, vocab=32000, positions=2048),
+            token_batch("vocab", 32000),
+        ),
+        _entry(
+            "llama-3-8b",
+            functools.partial(
+                hf.llama, hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, positions=8192
+            ),
+            token_batch("vocab", 128256),
+        ),
+        _entry(
+            "llama-2-13b",
+            functools.partial(hf.llama, hidden=5120, layers=40, heads=40, ffn=13824, vocab=32000, positions=4096),
+            token_batch("vocab", 32000),
+        ),
+        _entry("mistral-7b", hf.mistral, token_batch("vocab", 32000)),
+        _entry("qwen2-7b", hf.qwen2, token_batch("vocab", 152064)),
+        _entry("gpt-neo-2.7b", hf.gpt_neo, token_batch("vocab", 50257)),
+        _entry("opt-1.3b", hf.opt, token_batch("vocab", 50272)),
         _entry("mlp", small.mlp, small.vector_batch),
         _entry("toy-cnn", small.toy_cnn, image_batch(32, 10)),
     ]

@@ -36,6 +36,7 @@ class ZooModel:
     loss_fn: Callable[[Any, Any], torch.Tensor] = classification_loss
     default_batch_size: int = 32
     default_seq_len: int | None = None  # None: the model takes no sequence (images, vectors)
+    max_seq_len: int | None = None  # positions it takes at default arguments (a `positions` argument overrides)
     image_size: int | None = None
     reference_params: int | None = None  # published parameter count at default arguments
     reference_source: str = ""
@@ -78,6 +79,17 @@ class ZooModel:
             if seq_len <= 0:
                 raise ModelError(f"model {self.name!r}: seq_len must be positive, found {seq_len}.")
         args = self._check_args(args)
+        limit = args.get("positions", self.max_seq_len)
+        if seq_len is not None and limit is not None and seq_len > limit:
+            raise ModelError(
+                f"model {self.name!r} takes at most {limit:,} positions, but --seq-len is {seq_len:,}; "
+                f"use --seq-len {limit} or less"
+                + (
+                    " (or --model-arg positions=N)."
+                    if "positions" in inspect.signature(self.builder).parameters
+                    else "."
+                )
+            )
         return self.batch_maker(batch_size, seq_len, device, **args)
 
     def loss(self, output: Any, targets: Any) -> torch.Tensor:

@@ -116,22 +116,138 @@ def llama(
     # transformers takes seconds to import: only when a Hugging Face model is built
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
+    return _decoder(LlamaConfig, LlamaForCausalLM, hidden, layers, heads, kv_heads or heads, ffn, vocab, positions, tie)
+
+
+def _decoder(config_cls, model_cls, hidden, layers, heads, kv_heads, ffn, vocab, positions, tie, **extra) -> nn.Module:
+    """A Llama-style decoder of transformers' `model_cls` (Llama, Mistral, Qwen2 share these
+    config fields), SDPA attention, no KV cache."""
+    cfg = config_cls(
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads or heads,
+        num_key_value_heads=kv_heads,
         vocab_size=vocab,
         max_position_embeddings=positions,
         tie_word_embeddings=tie,
         use_cache=False,
         attn_implementation="sdpa",
+        **extra,
     )
-    return _finish(LlamaForCausalLM(cfg))
+    return _finish(model_cls(cfg))
 
 
 def tinyllama() -> nn.Module:
     """TinyLlama-1.1B (Zhang et al., 2024): hidden 2048, FFN 5632, 22 layers, 32 heads,
     4 KV heads, vocab 32000, untied head: 1,100,048,384 parameters (HF model card)."""
     return llama(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, positions=2048)
+
+
+def mistral(
+    hidden: int = 4096,
+    layers: int = 32,
+    heads: int = 32,
+    kv_heads: int = 8,
+    ffn: int = 14336,
+    vocab: int = 32000,
+    positions: int = 32768,
+    window: int | None = 4096,
+) -> nn.Module:
+    """Mistral (Jiang et al., 2023): Llama's blocks with grouped KV heads and sliding-window
+    attention over `window` tokens; defaults: Mistral-7B-v0.1 (HF config)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _decoder(
+        MistralConfig,
+        MistralForCausalLM,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        ffn,
+        vocab,
+        positions,
+        False,
+        sliding_window=window,
+    )
+
+
+def qwen2(
+    hidden: int = 3584,
+    layers: int = 28,
+    heads: int = 28,
+    kv_heads: int = 4,
+    ffn: int = 18944,
+    vocab: int = 152064,
+    positions: int = 131072,
+    tie: bool = False,
+) -> nn.Module:
+    """Qwen2 (Qwen team, 2024): Llama-style blocks with biases on the query, key and value
+    projections and grouped KV heads; defaults: Qwen2-7B (HF config)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _decoder(Qwen2Config, Qwen2ForCausalLM, hidden, layers, heads, kv_heads, ffn, vocab, positions, tie)
+
+
+def gpt_neo(
+    hidden: int = 2560,
+    layers: int = 32,
+    heads: int = 20,
+    vocab: int = 50257,
+    positions: int = 2048,
+    window: int = 256,
+    dropout: float = 0.0,
+) -> nn.Module:
+    """GPT-Neo (Black et al., 2021): GPT-2-style blocks alternating global and local (a
+    `window`-token) attention, head tied to the embedding; defaults: GPT-Neo 2.7B (HF config).
+    transformers runs its attention eagerly (no SDPA path), as training with it does."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    cfg = GPTNeoConfig(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        window_size=window,
+        attention_types=[[["global", "local"], layers // 2]],
+        attention_dropout=0.0,
+        resid_dropout=dropout,
+        embed_dropout=dropout,
+        use_cache=False,
+    )
+    return _finish(GPTNeoForCausalLM(cfg))
+
+
+def opt(
+    hidden: int = 2048,
+    layers: int = 24,
+    heads: int = 32,
+    ffn: int = 8192,
+    vocab: int = 50272,
+    positions: int = 2048,
+    dropout: float = 0.1,
+) -> nn.Module:
+    """OPT (Zhang et al., 2022): pre-norm decoder with learned positions (offset by 2) and the
+    head tied to the embedding; defaults: OPT-1.3B (HF config)."""
+    # transformers takes seconds to import: only when a Hugging Face model is built
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        ffn_dim=ffn,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        word_embed_proj_dim=hidden,
+        dropout=dropout,
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return _finish(OPTForCausalLM(cfg))
