@@ -206,3 +206,20 @@ def test_an_elastic_run_needs_checkpoints():
 
     with pytest.raises(CheckpointError, match="--checkpoint-dir DIR and --checkpoint-every N"):
         run_elastic(three_device_plan(), RunOptions(steps=3), ElasticConfig())
+
+
+def test_a_watched_cluster_file_brings_new_devices(tmp_path):
+    """--elastic-devices cluster.yaml: its devices are the ones available, new ones included."""
+    import yaml
+
+    def write(names):
+        node = {**CLUSTER["nodes"][0], "devices": [{"type": "cpu", "name": n} for n in names]}
+        f.write_text(yaml.safe_dump({**CLUSTER, "nodes": [node]}))
+
+    f = tmp_path / "cluster.yaml"
+    write(["a", "b"])
+    watch = DeviceWatch(ElasticConfig(cluster_file=str(f)), cluster_from_dict(CLUSTER))
+    assert watch.devices() == {"a", "b"}
+    write(["a", "b", "d"])
+    assert watch.poll() and watch.devices() == {"a", "b", "d"}
+    assert {d.name for d in watch.available().devices} == {"a", "b", "d"}
