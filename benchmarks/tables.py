@@ -688,6 +688,45 @@ def resume_after_fault(doc: dict[str, Any], short: bool) -> list[str]:
     return out
 
 
+def elastic(doc: dict[str, Any], short: bool) -> list[str]:
+    out: list[str] = []
+    if "recovery" in doc:
+        rec = doc["recovery"]
+        out += table(
+            ["re-plan", "devices before → after", "resumed after step", "search", "loss to next step"],
+            [
+                [
+                    r["reason"],
+                    " → ".join(", ".join(d) for d in r["devices"]),
+                    r["resumed_after_step"],
+                    secs(r["replan_s"]),
+                    secs(r["recovery_s"]),
+                ]
+                for r in rec["replans"]
+            ],
+        )
+        out.append(f"{rec['scenario']}; the whole run {secs(rec['wall_s'])}.")
+        out.append("")
+    if "replan" in doc:
+        q = doc["replan"]
+        rows = [
+            [name, secs(q[key]["wall_s"]), q[key]["devices"], secs(q[key]["predicted_s"])]
+            for name, key in (
+                ("warm start, 3-s budget", "warm_3s"),
+                ("cold, 3 s", "cold_3s"),
+                ("cold, 60 s", "cold_60s"),
+            )
+        ]
+        out += table(["re-plan", "wall time", "devices used", "predicted iteration"], rows)
+        out.append(
+            f"{q['scenario']} ({', '.join(q['removed'])}). Warm start vs the cold 60-s search: "
+            f"{pct(q['warm_vs_cold_60s'], signed=True)}; cold 3 s vs cold 60 s: "
+            f"{pct(q['cold_3s_vs_cold_60s'], signed=True)}."
+        )
+    out.append(f"Measured on {doc.get('machine', 'this machine')}.")
+    return out
+
+
 def run_many_vs_run(doc: dict[str, Any], short: bool) -> list[str]:
     return table(
         ["family", "plans", "one launch per plan", "one launch (run_many)", "speedup"],
@@ -906,6 +945,15 @@ SECTIONS = (
         render=resume_after_fault,
         about="A run whose rank is killed, resumed from its last checkpoint with the same plan and with one "
         "device fewer, against an uninterrupted run.",
+    ),
+    Section(
+        key="elastic",
+        title="Elastic runs: recovery and the warm-started re-plan",
+        script="benchmarks/elastic.py",
+        result="elastic.json",
+        render=elastic,
+        about="A 3-device run that loses a device and gets it back, and a re-plan on mixed-64 after losing "
+        "four devices: warm-started with 3 s against cold searches.",
     ),
     Section(
         key="run-many",

@@ -12,6 +12,7 @@ import torch
 
 from heterog.errors import CheckpointError, RankError
 from heterog.execute.checkpoint import MARKER, CheckpointConfig, find_checkpoint, model_key
+from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.ir.run_request import Fault, FaultKind, FaultPhase, Limits, OutputConfig, PredictionConfig, RunOptions
 from heterog.runs import run
@@ -239,3 +240,29 @@ def test_parameter_server_state_is_saved_and_resumes_under_any_sync(tmp_path):
         output=OutputConfig(out_dir=tmp_path / "ring", dump_params=True),
     )
     _assert_close(_params(tmp_path / "ring", 3), want, 1e-5)
+
+
+@pytest.mark.slow
+def test_a_resumed_server_plan_saves_the_servers_state_not_its_replicas_stale_copy(tmp_path):
+    """Resumed under a plan with parameter servers, a replica of a served bucket must not keep
+    the checkpoint's optimizer state in its local optimizer: that copy never moves, and saved
+    again beside the server's, DCP could keep it. Ring (2 steps) → servers (to step 3, saved)
+    → ring (to step 4) equals four steps of one process."""
+    first, second = tmp_path / "ring", tmp_path / "ps"
+    run(three_device_plan(), QUIET, steps=2, checkpoint=CheckpointConfig(dir=str(first), every_steps=2))
+    run(
+        server_plan(),
+        QUIET,
+        steps=3,
+        checkpoint=CheckpointConfig(dir=str(second), every_steps=1, resume=str(first)),
+    )
+    out = run(
+        three_device_plan(),
+        QUIET,
+        steps=4,
+        checkpoint=CheckpointConfig(resume=str(second)),
+        output=OutputConfig(out_dir=tmp_path / "last", dump_params=True),
+    )
+    assert out.resumed_from is not None and out.resumed_from.step == 3
+    assert out.resumed_from.saved_under is not None and out.resumed_from.saved_under.devices == ("a", "b", "c")
+    _assert_close(_params(tmp_path / "last", 3), reference_train(three_device_plan(), steps=4), 1e-5)

@@ -14,6 +14,7 @@ The stable Python API (the same keys as the CLI's --json output):
                                            options: TrainingConfig)
     run_many(plans, steps=)              → one RunResult per plan, in one launch
     run_interleaved(plans, timing=)      → one RunResult per plan, rounds interleaved
+    run_elastic(plan, options, ElasticConfig(devices_file=))  → RunResult with its re-plans
     whatif(model, batch_size=, cluster=, add=, remove=)  → WhatIf: each change planned, beside even DP
 
 Wherever a plan is taken, a Plan, its dict (a plan result's "best"), a whole plan result, or a
@@ -41,6 +42,8 @@ _API: dict[str, tuple[str, str]] = {
     "run": ("heterog.runs.api", "run"),
     "run_many": ("heterog.runs.api", "run_many"),
     "run_interleaved": ("heterog.runs.api", "run_interleaved"),
+    "run_elastic": ("heterog.runs.elastic", "run_elastic"),
+    "ElasticConfig": ("heterog.runs.elastic", "ElasticConfig"),
     "RunOptions": ("heterog.ir.run_request", "RunOptions"),
     "RunRequest": ("heterog.ir.run_request", "RunRequest"),
     "RunResult": ("heterog.ir.run_result", "RunResult"),

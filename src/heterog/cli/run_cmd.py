@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from heterog.cli import elastic_opts as eopt
 from heterog.cli import training_opts as topt
 from heterog.cli.output import WIDE_HELP, console, print_json, print_table, set_wide, write_json
 from heterog.execute.preflight import check_data, check_plan_fits_model
@@ -272,6 +273,9 @@ def run_command(
     resume: _Resume = None,
     force: _Force = False,
     repetitions: _Repetitions = 1,
+    elastic: eopt.Elastic = False,
+    elastic_devices: eopt.Devices = None,
+    replan_budget_s: eopt.ReplanBudget = 3.0,
     lr: topt.Lr = None,
     weight_decay: topt.WeightDecay = None,
     momentum: topt.Momentum = None,
@@ -317,7 +321,7 @@ def run_command(
             limits=Limits(timeout_s=timeout_s, force=force),
             output=OutputConfig(out_dir=str(folder)),
         )
-        result = _run_following(p, options, folder, say=None if as_json else console.print)
+        result = _run_following(p, options, folder, say=None if as_json else console.print, params=ctx.params)
         _measured_outputs(result, steps_log, trace)
     doc = {"kind": result.KIND, "version": result.SCHEMA_VERSION, **result.to_dict()}
     if out:
@@ -328,8 +332,13 @@ def run_command(
     _print_result(p, result)
 
 
-def _run_following(plan, options: RunOptions, folder: Path, say: Callable[[str], None] | None) -> RunResult:
-    """heterog.run, with one line per step printed as the ranks finish it (from `folder`)."""
+def _run_following(
+    plan, options: RunOptions, folder: Path, say: Callable[[str], None] | None, params: dict[str, Any]
+) -> RunResult:
+    """heterog.run, with one line per step printed as the ranks finish it (from `folder`);
+    with --elastic, heterog.run_elastic (cli/elastic_opts.py), which prints its own lines."""
+    if params.get("elastic"):
+        return eopt.run(plan, options, params, say)
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.orchestrate import plan_cluster, rank_devices
     from heterog.runs import run
@@ -382,6 +391,8 @@ def _print_result(plan, result: RunResult) -> None:
         console.print(f"evaluation after step {evaluation['step']}: {shown}")
     for n in result.notes:
         console.print(f"note: {n}")
+    for line in result.provenance():  # where it resumed from, its re-plans
+        console.print(line)
 
 
 def _print_torchrun(

@@ -47,8 +47,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from heterog.errors import CheckpointError
 from heterog.ir.plan import file_sha256, user_model_file
+from heterog.ir.provenance import SavedUnder
 from heterog.ir.run_request import CheckpointConfig
-from heterog.jsonio import write_atomic
+from heterog.jsonio import from_plain, write_atomic
 from heterog.userfile import locate
 
 MARKER = "COMPLETE.json"
@@ -64,6 +65,7 @@ class CheckpointInfo:
     step: int  # completed steps when it was written
     model: str
     parameter_names: tuple[str, ...]
+    saved_under: SavedUnder | None = None  # the plan and cluster that wrote it (older markers: None)
 
 
 def model_key(name: str) -> str:
@@ -128,8 +130,13 @@ def read_marker(folder: Path) -> CheckpointInfo | None:
             f"{folder}: checkpoint format {doc.get('format')!r} is not supported "
             f"(this heterog reads format {CHECKPOINT_FORMAT})."
         )
+    under = doc.get("saved_under")
     return CheckpointInfo(
-        path=folder, step=int(doc["step"]), model=str(doc["model"]), parameter_names=tuple(doc["parameter_names"])
+        path=folder,
+        step=int(doc["step"]),
+        model=str(doc["model"]),
+        parameter_names=tuple(doc["parameter_names"]),
+        saved_under=from_plain(SavedUnder, under, f"{folder / MARKER}: saved_under") if under else None,
     )
 
 
@@ -166,8 +173,11 @@ def _state(
     state: dict[str, Any] = {f"model/{name}": p.detach() for name, p in named_params}
     if shards is not None:  # the pieces of sharded blocks, whole per parameter (every rank calls)
         state.update(shards.full_state(opt, with_params=False))
+    server_held = {n for served in servers for n in served.names}  # their server's state is the live one
     if opt is not None:
         for name, p in named_params:
+            if name in server_held:
+                continue
             for key, value in opt.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):  # SGD without momentum keeps none
                     state[f"optim/{name}/{key}"] = value
@@ -188,6 +198,7 @@ def save_checkpoint(
     model: str,
     servers: Sequence[Any] = (),
     shards: Any = None,
+    saved_under: SavedUnder | None = None,
 ) -> Path:
     """Every rank calls this after `step` completed steps; returns the checkpoint folder."""
     target = step_dir(root, step)
@@ -210,6 +221,7 @@ def save_checkpoint(
                     "step": step,
                     "model": model_key(model),
                     "parameter_names": sorted({n for per_rank in names for n in per_rank}),
+                    "saved_under": saved_under.to_dict() if saved_under is not None else None,
                 }
             ),
         )
@@ -246,7 +258,11 @@ def load_checkpoint(
     shards: Any = None,
 ) -> None:
     """Load the parameters (in place) and optimizer state this rank holds, by name, the
-    state of the parameter servers it runs, and the pieces of its sharded blocks."""
+    state of the parameter servers it runs, and the pieces of its sharded blocks. `servers`
+    also lists the buckets this rank is a replica of (ProgramSync.ps_buckets): their state
+    goes to their server only, not into the local optimizer, where it would never move and,
+    saved again beside the server's, could be the copy DCP keeps of the two."""
+    server_held = {n for served in servers for n in served.names}
     check_same_model(info.model, model, str(info.path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {}
@@ -265,7 +281,8 @@ def load_checkpoint(
             )
         state[key] = p.detach()
     wanted: list[tuple[str, str, torch.device]] = []  # (name, state key, device)
-    stepped = _stepped(named_params, opt)  # a sharded block's parameters: their piece's state
+    # a sharded block's parameters: their piece's state; a served one's: its server's
+    stepped = [(name, p) for name, p in _stepped(named_params, opt) if name not in server_held]
     if opt is not None:
         wanted += [(name, key, _state_device(opt, key, p)) for name, p in stepped for key in _keys(meta, name)]
     for served in servers:
@@ -287,7 +304,7 @@ def load_checkpoint(
         for name, p in stepped:
             for key in _keys(meta, name):
                 opt.state[p][key] = state[f"optim/{name}/{key}"]
-    for served in servers:
+    for served in (s for s in servers if s.server.optimizer is not None):  # the ones this rank serves
         served.server.load_state(
             {name: {key: state[f"optim/{name}/{key}"] for key in _keys(meta, name)} for name in served.names},
             served.names,
@@ -373,5 +390,13 @@ def save_if_due(
     """Save after every cfg.every_steps-th completed step (all ranks call it, same step)."""
     if cfg.dir and cfg.saves_after(completed_steps):
         save_checkpoint(
-            cfg.dir, completed_steps, named_params, opt, rank=rank, model=model, servers=servers, shards=shards
+            cfg.dir,
+            completed_steps,
+            named_params,
+            opt,
+            rank=rank,
+            model=model,
+            servers=servers,
+            shards=shards,
+            saved_under=cfg.saved_under,
         )

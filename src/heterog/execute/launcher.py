@@ -32,12 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from heterog.errors import CheckpointError, PlanError, RankError
+from heterog.errors import CheckpointError, HeterogError, PlanError, RankError
 from heterog.execute import stale
 from heterog.execute.checkpoint import check_same_model, find_checkpoint
 from heterog.execute.emulation import KEEP_FREED_MEMORY_ENV
@@ -57,10 +57,16 @@ class LaunchConfig:
     wrap: dict[int, list[str]] = field(default_factory=dict)  # rank → command prefix (netns)
     env: dict[int, dict[str, str]] = field(default_factory=dict)  # rank → extra environment
     force: bool = False
+    # polled while the ranks run (every 50 ms, before each look at them): True ends them (RunStopped)
+    stop: Callable[[], bool] | None = None
 
     @property
     def devices(self) -> tuple[str, ...]:  # rank → device
         return self.spec.devices
+
+
+class RunStopped(HeterogError):
+    """The caller's `stop` asked the ranks to end (an elastic run's supervisor); they were killed."""
 
 
 def free_port() -> int:
@@ -380,16 +386,19 @@ def _watch(procs: list[subprocess.Popen], logs: list[Path], work: Path, cfg: Lau
             f"the run exceeded its overall deadline; rank(s) {stuck} still running at "
             f"step(s) {[_progress(work, r) for r in stuck]}; killed.",
         ),
+        cfg.stop,
     ):
         return
     _grace(procs, cfg.spec.timeout_s)
     raise _culprit(procs, logs, work, cfg.devices, cfg.spec.timeout_s)
 
 
-def _wait_all(procs: list[subprocess.Popen], deadline: float, overdue) -> bool:
+def _wait_all(procs: list[subprocess.Popen], deadline: float, overdue, stop: Callable[[], bool] | None = None) -> bool:
     """True when every process exits 0; False as soon as one fails; past the deadline, raise
-    `overdue(ranks still running)`."""
+    `overdue(ranks still running)`; when `stop()` says so, raise RunStopped."""
     while True:
+        if stop is not None and stop():
+            raise RunStopped("the run was asked to stop; its ranks were ended")
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return True

@@ -393,12 +393,17 @@ class ProgramSync:
         self.deferred = deferred
 
     def served(self) -> list[Served]:
-        """The ps buckets this rank serves, with their servers (for checkpoints)."""
+        """The ps buckets this rank serves, with their servers."""
+        return [s for s in self.ps_buckets() if s.server.server == self.rank]
+
+    def ps_buckets(self) -> list[Served]:
+        """Every ps bucket this rank serves or is a replica of, with its server: a checkpoint
+        saves and loads their optimizer state through the server only (execute/checkpoint.py)."""
         out = []
         for c in self._collectives():
             b = self._bucket(c)
             server = self.runner.servers.get(b.names)
-            if server is not None and server.server == self.rank and b.names:
+            if server is not None and b.names:
                 out.append(
                     Served(names=b.names, server=server, shapes=tuple(self.flow.param_shape[n] for n in b.names))
                 )

@@ -299,7 +299,7 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     cores = pin_to_cores(rank) if spec.pin_cores else None
     setup = build_rank(spec, rank, device, rdev, rank_of, models=models, program=program)
     first_step = checkpoint.resume(
-        spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.served(),
+        spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.ps_buckets(),
         shards=setup.sync.shards,
     )  # fmt: skip
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
@@ -425,7 +425,7 @@ def _train_step(
     step_log.append(record)
     checkpoint.save_if_due(
         spec.checkpoint, step + 1, setup.named, setup.optimizer, rank=rank, model=setup.plan.model.name,
-        servers=setup.sync.served(), shards=setup.sync.shards,
+        servers=setup.sync.ps_buckets(), shards=setup.sync.shards,
     )  # fmt: skip
     return record
 

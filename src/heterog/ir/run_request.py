@@ -29,6 +29,7 @@ from typing import Any
 
 from heterog.errors import CheckpointError, PlanError
 from heterog.ir.plan import Plan
+from heterog.ir.provenance import SavedUnder
 from heterog.ir.training_config import TrainingConfig
 from heterog.jsonio import Artifact, Record, from_plain
 
@@ -52,6 +53,7 @@ class CheckpointConfig(Record):
     dir: str | None = None
     every_steps: int = 0  # save after every N-th completed step; 0: never
     resume: str | None = None
+    saved_under: SavedUnder | None = None  # the run's plan and cluster, for the markers (filled by the runner)
 
     def __post_init__(self) -> None:
         _as_text(self, "dir", "resume")

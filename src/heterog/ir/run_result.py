@@ -28,6 +28,7 @@ from typing import Any
 
 from heterog.errors import HeterogError
 from heterog.ir.kinds import InstructionKind, Phase
+from heterog.ir.provenance import Replan, ResumePoint
 from heterog.ir.run_request import RunOptions
 from heterog.jsonio import Artifact, Record, from_plain
 
@@ -259,6 +260,8 @@ class RunResult(Artifact, Record, kind=KIND, version=SCHEMA_VERSION):
     link_shaping: LinkShapingRecord = field(default_factory=lambda: LinkShapingRecord(enabled=False))
     notes: tuple[str, ...] = ()
     failure: RunFailure | None = None
+    resumed_from: ResumePoint | None = None  # the checkpoint this run (its first launch) started from
+    replans: tuple[Replan, ...] = ()  # an elastic run's re-plans (runs/elastic.py)
     # the exception itself, for the caller that ran it (not written to the file)
     exception: BaseException | None = field(default=None, compare=False, repr=False, metadata={"json": False})
 
@@ -319,6 +322,11 @@ class RunResult(Artifact, Record, kind=KIND, version=SCHEMA_VERSION):
     @property
     def evaluations(self) -> tuple[dict[str, Any], ...]:
         return self.last.evaluations
+
+    def provenance(self) -> list[str]:
+        """Where the run resumed from, and each re-plan of an elastic run: one line each."""
+        resumed = [self.resumed_from.describe()] if self.resumed_from else []
+        return resumed + [r.describe() for r in self.replans]
 
     def raise_for_failure(self) -> None:
         """Raise what stopped the run (its own exception where this process ran it)."""

@@ -217,7 +217,7 @@ def _prediction(inp: ReportInputs) -> str:
         if run.predicted_iteration_time_s is not None
         else "none"
     )
-    lines = "".join(f"<li>{escape(n)}</li>" for n in run.notes)
+    lines = "".join(f"<li>{escape(n)}</li>" for n in (*run.provenance(), *run.notes))  # resumed from, re-plans
     steps = "".join(
         f'<tr><td class="num">{x.step}</td><td class="num">{x.loss:.4f}</td>'
         f'<td class="num">{human_time(x.step_time_s)}</td><td>{escape(x.slowest_device)}</td></tr>'

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import json
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -41,6 +41,7 @@ from heterog.ir.run_result import LinkShapingRecord, RunFailure, RunResult, comb
 from heterog.ir.training_config import TrainingConfig
 from heterog.orchestrate import Lowered, lowered
 from heterog.runs.layout import emulated_slowdowns, local_ranks, rank_layout, shape_links
+from heterog.runs.provenance import pinned_resume
 from heterog.runs.summary import run_result
 
 
@@ -155,9 +156,12 @@ def checked_training(plan: Plan, config: TrainingConfig, steps: int) -> Training
     return check_training(plan, config, steps=steps)
 
 
-def _alone(plan: Plan, options: RunOptions, inputs: Any) -> RunResult:
-    """Each repetition of `plan` in its own launch; one result with every repetition."""
+def _alone(plan: Plan, options: RunOptions, inputs: Any, stop: Callable[[], bool] | None = None) -> RunResult:
+    """Each repetition of `plan` in its own launch; one result with every repetition, and the
+    checkpoint it resumed from (runs/provenance.py). stop: polled while the ranks run; True
+    ends them (launcher.RunStopped; an elastic run's supervisor)."""
     cluster, devices = local_ranks(plan)
+    options, resumed = pinned_resume(plan, cluster, devices, options)
     training = checked_training(plan, options.training, options.steps)
     check_inputs(plan, training.data)  # the first batch within the model's sequence limit and vocabulary
     pred = options.prediction
@@ -190,11 +194,11 @@ def _alone(plan: Plan, options: RunOptions, inputs: Any) -> RunResult:
                 master_addr=links.master_addr,
             )
             env = {r: {**links.env.get(r, {}), **layout.env.get(r, {})} for r in range(len(devices))}
-            cfg = LaunchConfig(spec=spec, wrap=links.wrap, env=env, force=options.limits.force)
+            cfg = LaunchConfig(spec=spec, wrap=links.wrap, env=env, force=options.limits.force, stop=stop)
             results = launch_local(plan, cfg, out_dir)
         notes = [*layout.notes, *([links.note] if links.note else [])]
         reps.append(run_result(lw, devices, cluster.name, results, options, shaping=links.record, notes=notes))
-    return combine_repetitions(reps)
+    return dataclasses.replace(combine_repetitions(reps), resumed_from=resumed)
 
 
 @dataclass(frozen=True, kw_only=True)

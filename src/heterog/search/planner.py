@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
@@ -52,6 +52,7 @@ from heterog.search.lanes import (
 )
 from heterog.search.objective import SUBSET_SHARE, Goal, check_priced, choose, subset_candidates
 from heterog.search.problem import Problem, Strategy
+from heterog.search.warm import warm_start
 
 __all__ = ["CANDIDATES", "Candidate", "PlanResult", "load_code", "plan_graph", "simulator_scorer"]
 
@@ -170,8 +171,11 @@ def _gnn_starts(policy: Any, finetune_s: float, seed: int, fallback: Callable[[P
     return make
 
 
-def _search_starts(baselines: list[Strategy] | None) -> Callable[[Problem, float], Iterator[Strategy]]:
-    """The search lane's starts: the baselines (None: a second chain beside the planner's own,
+def _search_starts(
+    baselines: list[Strategy] | None, warm: Sequence[Strategy] = ()
+) -> Callable[[Problem, float], Iterator[Strategy]]:
+    """The search lane's starts: a warm start's strategies first (search/warm.py: an earlier
+    plan on this cluster's devices), the baselines (None: a second chain beside the planner's own,
     which has scored them, starts from proportional data parallelism instead), data
     parallelism over the fastest tiers and inside each kind of node, and a 1F1B pipeline (far
     less activation memory per stage, the way into models that no baseline fits) — made one
@@ -179,6 +183,7 @@ def _search_starts(baselines: list[Strategy] | None) -> Callable[[Problem, float
     deadline."""
 
     def make(prob: Problem, deadline_s: float) -> Iterator[Strategy]:
+        yield from warm
         yield from baselines if baselines is not None else [BASELINE_BUILDERS["proportional-dp"](prob)]
         yield from tier_dp_starts(prob)
         yield from node_dp_starts(prob)
@@ -268,6 +273,7 @@ def plan_graph(
     deadline_s: float | None = None,
     workers: int | None = None,
     goal: Goal | None = None,
+    starts: Sequence[Plan] = (),
 ) -> PlanResult:
     """The best Plan for `graph` on `cluster`, ending about `budget_s` seconds after the call
     (or at `deadline_s`, a time.perf_counter() value, when the caller's clock started earlier).
@@ -285,6 +291,8 @@ def plan_graph(
     Groups follow them, and a candidate that breaks them is reported infeasible.
     workers: processes for the lanes (default: the usable cores, at most 2).
     goal: the objective, price ceiling and tolerance of the final choice (search/objective.py).
+    starts: earlier plans of the model (another cluster's), each restricted to this cluster's
+    devices and tried first by the search chains (search/warm.py): a warm-started re-plan.
     """
     goal = goal if goal is not None else Goal()
     check_priced(cluster, goal)
@@ -313,6 +321,9 @@ def plan_graph(
     n_workers = min(2, usable_cores()) if workers is None else workers
     parallel = n_workers >= 2 and can_fork()
     other = _other_lane(policy, seed, finetune_s, parallel)
+    warm = [w for p in starts if (w := warm_start(prob, p)) is not None]
+    if warm and other is not None and other.start_name is None:  # the second search chain starts warm too
+        other = replace(other, starts=_search_starts(None, warm))
     use_sim = scorer == "simulator" or (scorer == "auto" and _has_simulator())
     kw = {"max_iters": max_iters, "use_simulator": use_sim}
     forked = None
@@ -333,7 +344,9 @@ def plan_graph(
         subsets_end = time.perf_counter() + SUBSET_SHARE * max(0.0, deadline - reserve_s - time.perf_counter())
         subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
         stages.done("subsets")
-        mine = Lane(name="search", seed=seed, starts=_search_starts(list(base.strategies.values())), known=base.known)
+        mine = Lane(
+            name="search", seed=seed, starts=_search_starts(list(base.strategies.values()), warm), known=base.known
+        )
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
     finally:
