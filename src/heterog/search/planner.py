@@ -300,11 +300,11 @@ def plan_graph(
     begin = time.perf_counter()
     deadline = deadline_s if deadline_s is not None else begin + budget_s
     stages = _Stages()
+    say = progress or (lambda stage, frac: None)
     if cuts == "auto":  # an export, seconds once per model
         cuts = (cut_cache or DEFAULT_CACHE).get(model_spec) if model_spec is not None else None
     stages.done("cut_analysis")
     assert cuts is None or isinstance(cuts, ModelCuts), cuts
-    say = progress or (lambda stage, frac: None)
     say("grouping", 0.0)
     prob = Problem(
         graph=graph,
@@ -318,13 +318,51 @@ def plan_graph(
         cuts=cuts,
     )
     stages.done("grouping")
-    n_workers = min(2, usable_cores()) if workers is None else workers
+    lanes = _LaneOptions(policy=policy, seed=seed, finetune_s=finetune_s, workers=workers, scorer=scorer)
+    best, ordered, bound, lane_stats, split = _search(prob, lanes, max_iters, starts, goal, deadline, stages, say)
+    return PlanResult(
+        best=best,
+        candidates=tuple(ordered),
+        search_time_s=time.perf_counter() - begin,
+        other_time_s={"cut_analysis": stages.time_s["cut_analysis"]},
+        time_s=stages.time_s,
+        budget_s=budget_s,
+        budget_split=split,
+        bound=bound,
+        lanes=_lane_table(lane_stats),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _LaneOptions:
+    """How plan_graph's lanes run (its arguments of the same names)."""
+
+    policy: Any
+    seed: int
+    finetune_s: float
+    workers: int | None
+    scorer: str
+
+
+def _search(
+    prob: Problem,
+    o: _LaneOptions,
+    max_iters: int | None,
+    starts: Iterable[Plan],
+    goal: Goal,
+    deadline: float,
+    stages: _Stages,
+    say: Callable[[str, float], None],
+) -> tuple[Plan, list[Candidate], Bound, list[LaneStats], dict[str, Any]]:
+    """Baselines, bound, subsets and the lanes, all before `deadline`; then the choice by
+    `goal`: (the chosen plan, every candidate, the bound, the lanes' stats, the time split)."""
+    n_workers = min(2, usable_cores()) if o.workers is None else o.workers
     parallel = n_workers >= 2 and can_fork()
-    other = _other_lane(policy, seed, finetune_s, parallel)
+    other = _other_lane(o.policy, o.seed, o.finetune_s, parallel)
     warm = [w for p in starts if (w := warm_start(prob, p)) is not None]
     if warm and other is not None and other.start_name is None:  # the second search chain starts warm too
         other = replace(other, starts=_search_starts(None, warm))
-    use_sim = scorer == "simulator" or (scorer == "auto" and _has_simulator())
+    use_sim = o.scorer == "simulator" or (o.scorer == "auto" and _has_simulator())
     kw = {"max_iters": max_iters, "use_simulator": use_sim}
     forked = None
     try:
@@ -345,7 +383,7 @@ def plan_graph(
         subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
         stages.done("subsets")
         mine = Lane(
-            name="search", seed=seed, starts=_search_starts(list(base.strategies.values()), warm), known=base.known
+            name="search", seed=o.seed, starts=_search_starts(list(base.strategies.values()), warm), known=base.known
         )
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
@@ -353,27 +391,22 @@ def plan_graph(
         if forked is not None:
             forked.stop()
     split["reserve_s"] = reserve_s
-    if other is not None and other.start_name and finetune_s > 0:
-        split["finetune_s"] = f"min({finetune_s:g}, half the GNN lane's time)"
+    if other is not None and other.start_name and o.finetune_s > 0:
+        split["finetune_s"] = f"min({o.finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
     say("scoring", 0.9)
     best, ordered = _choose(prob, {**base.candidates, **subsets}, found, bound, goal)
     stages.done("explanation")
     say("done", 1.0)
+    return best, ordered, bound, lane_stats, split
+
+
+def _lane_table(lane_stats: list[LaneStats]) -> dict[str, dict[str, Any]]:
+    """Each lane's figures by its name (a second lane of the same name numbered)."""
     lanes: dict[str, dict[str, Any]] = {}
     for i, r in enumerate(lane_stats):
         lanes[r.name if r.name not in lanes else f"{r.name} ({i + 1})"] = r.to_dict()
-    return PlanResult(
-        best=best,
-        candidates=tuple(ordered),
-        search_time_s=time.perf_counter() - begin,
-        other_time_s={"cut_analysis": stages.time_s["cut_analysis"]},
-        time_s=stages.time_s,
-        budget_s=budget_s,
-        budget_split=split,
-        bound=bound,
-        lanes=lanes,
-    )
+    return lanes
 
 
 def _has_simulator() -> bool:
