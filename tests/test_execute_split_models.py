@@ -98,9 +98,8 @@ def check_equal(done: BatchedRun) -> None:
             want = ref[name]
             rel = ((value - want).norm() / want.norm().clamp_min(1e-12)).item()
             worst = (value - want).abs().max().item()
-            # Attention key biases get a gradient of exactly 0 in exact arithmetic (softmax
-            # ignores a shift of all scores), so they stay at rounding noise around 0:
-            # there, compare absolutely.
+            # The exact gradient of an attention key bias is 0 (softmax is unchanged by a
+            # shift of all scores): its values are rounding noise around 0, compared absolutely.
             assert rel <= 1e-5 or worst <= 1e-7, (
                 f"rank {rank} {name}: relative error {rel:.2e}, largest difference {worst:.2e}"
             )
