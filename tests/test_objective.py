@@ -103,3 +103,8 @@ def test_the_python_api_takes_the_objective_and_every_candidate_carries_its_cost
     assert cost["usd_per_hour"] == pytest.approx(0.1 * len(Plan.from_dict(r["best"]).devices()))
     assert all(c["cost"]["usd_per_hour"] == pytest.approx(0.1 * c["devices_used"]) for c in r["candidates"])
     assert min(c["cost"]["usd_per_step"] for c in r["candidates"] if c["feasible"]) == cost["usd_per_step"]
+
+
+def test_a_goal_and_the_separate_objective_arguments_together_are_refused():
+    with pytest.raises(PlanError, match="both goal= and objective"):
+        heterog.plan("mlp", batch_size=8, cluster="emulated-4", goal=Goal(), tolerance=0.0, **QUICK)

@@ -31,7 +31,7 @@ from torch import nn
 
 from heterog.capture.cache import capture_cached, remember_in_memory
 from heterog.capture.capture import capture
-from heterog.errors import ModelError
+from heterog.errors import ModelError, PlanError
 from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
@@ -116,6 +116,12 @@ def plan(
     devices' price per hour × iteration time / batch); max_cost_per_hour: the fastest plan whose
     used devices cost at most this many US dollars per hour; tolerance: among plans within this
     fraction of the best, the one on fewer devices, stages and sync methods (search/objective.py)."""
+    separate = objective != "time" or max_cost_per_hour is not None or tolerance != DEFAULT_TOLERANCE
+    if "goal" in options and separate:
+        raise PlanError(
+            "plan() was given both goal= and objective/max_cost_per_hour/tolerance: pass one of them "
+            "(a Goal holds all three)"
+        )
     options.setdefault("goal", Goal(objective=objective, max_cost_per_hour=max_cost_per_hour, tolerance=tolerance))
     budget_s = options.pop("budget_s", None)
     budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
