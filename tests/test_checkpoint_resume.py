@@ -1,7 +1,9 @@
 """Fault test on real gloo processes: a rank killed in the middle of step 5 of a 10-step run
 that checkpoints every 2 steps; the run resumes from the last complete checkpoint (after 4
 steps) and ends with the parameters of an uninterrupted 10-step run — under the same plan,
-and under a plan for one device fewer (same global batch), loading by parameter name."""
+and under a plan for one device fewer (same global batch), loading by parameter name. These
+runs follow a cosine schedule with warm-up, which a checkpoint does not hold: a resumed run
+moves it on to the checkpoint's step, or its parameters would differ."""
 
 from __future__ import annotations
 
@@ -15,9 +17,15 @@ from heterog.execute.checkpoint import MARKER, CheckpointConfig, find_checkpoint
 from heterog.execute.reference import reference_train
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.ir.run_request import Fault, FaultKind, FaultPhase, Limits, OutputConfig, PredictionConfig, RunOptions
+from heterog.ir.training_config import LRSchedule, TrainingConfig
 from heterog.runs import run
 
 QUIET = RunOptions(prediction=PredictionConfig(predict=False), limits=Limits(timeout_s=20))
+SCHEDULED = RunOptions(
+    prediction=QUIET.prediction,
+    limits=QUIET.limits,
+    training=TrainingConfig(lr=0.05, lr_schedule=LRSchedule.COSINE, warmup_steps=2),
+)
 
 MODEL = "tests/test_execute_models.py:mlp"
 NODES = ("fc1", "act1", "fc2", "act2", "fc3")
@@ -74,7 +82,7 @@ def interrupted(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     run(
         three_device_plan(),
-        QUIET,
+        SCHEDULED,
         steps=STEPS,
         output=OutputConfig(out_dir=root / "full", dump_params=True),
     )
@@ -82,7 +90,7 @@ def interrupted(tmp_path_factory):
     with pytest.raises(RankError) as info:
         run(
             three_device_plan(),
-            QUIET,
+            SCHEDULED,
             steps=STEPS,
             fault=Fault(rank=1, kind=FaultKind.DIE, step=4, phase=FaultPhase.MID),
             checkpoint=CheckpointConfig(dir=str(ckpt), every_steps=2),
@@ -108,7 +116,7 @@ def test_resume_under_the_same_plan_equals_the_uninterrupted_run(interrupted):
     root, want, ckpt = interrupted
     out = run(
         three_device_plan(),
-        QUIET,
+        SCHEDULED,
         steps=STEPS,
         checkpoint=CheckpointConfig(resume=str(ckpt)),
         output=OutputConfig(out_dir=root / "same", dump_params=True),
@@ -122,7 +130,7 @@ def test_resume_on_one_device_fewer_loads_by_name(interrupted):
     root, want, ckpt = interrupted
     out = run(
         two_device_plan(),
-        QUIET,
+        SCHEDULED,
         steps=STEPS,
         checkpoint=CheckpointConfig(resume=str(ckpt)),
         output=OutputConfig(out_dir=root / "fewer", dump_params=True),
