@@ -112,6 +112,17 @@ def test_the_repository_speaks_of_itself_alone():
     assert not found, "\n".join(found)
 
 
+def test_no_merge_conflict_is_left_in_the_text():
+    marker = re.compile(r"^(<{7}|>{7}) ")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in [*_files(), ROOT / "CHANGELOG.md"]
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if marker.match(line)
+    ]
+    assert not found, f"conflict markers at {found}"
+
+
 def _run_sh(line: str, folder: Path, where: str) -> None:
     args = shlex.split(line, comments=True)
     if not args:

@@ -158,14 +158,21 @@ def test_token_ids_past_the_vocabulary_fail_at_plan_time_and_before_ranks_start(
         check_inputs(plan, f"{path}:data")
 
 
-def test_the_evaluation_twin_of_an_exported_stage_has_no_dropout_and_shares_its_parameters():
+def test_the_evaluation_twin_of_an_exported_stage_runs_as_eval_mode_and_shares_its_parameters():
     from torch import nn
 
     from heterog.execute.evaluation import eval_module
 
-    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)).train()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2)).train()
     x = torch.randn(3, 4)
-    stage = torch.export.export(model, (x,), strict=False).module()  # a training graph: dropout on
+    stage = torch.export.export(model, (x,), strict=False).module()  # a training graph: dropout, batch stats
+    with torch.no_grad():
+        for _ in range(3):  # running statistics away from their initial 0 / 1
+            stage(torch.randn(3, 4) * 3 + 1)
+        model[1].load_state_dict({k.split(".", 1)[1]: v for k, v in stage.state_dict().items() if k.startswith("1.")})
     twin = eval_module(stage)
-    assert torch.equal(twin(x), model.eval()(x))
+    stats = [b.clone() for b in stage.buffers()]
+    assert torch.allclose(twin(x), model.eval()(x), atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(stats[:2], list(stage.buffers())[:2]))  # not updated
     assert {id(p) for p in twin.parameters()} == {id(p) for p in stage.parameters()}

@@ -16,10 +16,13 @@ batches), else synthetic batches drawn under a seed apart from training's (EVAL_
 with `--data`, the loader's first batches.
 
 The stages are training graphs (torch.export of the model in training mode): their dropout
-calls carry train=True. `eval_module` makes each stage a twin whose dropout is off, sharing
-the stage's parameters. BatchNorm keeps using batch statistics in the twin (the training
-graph computes them); its running statistics are put back after the evaluation, so
-evaluating does not change training.
+calls carry train=True and their batch norms training=True. `eval_module` makes each stage a
+twin as `model.eval()` would run it — dropout off, batch norm normalising with its running
+statistics and not updating them — sharing the stage's parameters and buffers. Each replica
+holds the running statistics of the samples it trained on (as under DDP without SyncBatchNorm),
+so a batch-normalised model's evaluation differs between replicas by as much as those do. What
+a graph changes in its buffers during evaluation anyway (the batch-norm counter) is put back
+afterwards, so evaluating does not change training.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from heterog.workload import global_batch, with_data
 EVAL_SEED = 7_777_777  # synthetic held-out batches: seed + EVAL_SEED
 
 _DROPOUT = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default}
+# aten.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
+_BATCH_NORM, _BN_TRAINING = torch.ops.aten.batch_norm.default, 5
 
 
 def eval_module(module: nn.Module) -> nn.Module:
-    """A forward-only twin of a stage: dropout calls with train=False; the same parameters
-    and buffers (an fx.GraphModule over a copy of the graph). Other modules are switched to
-    eval() in a shallow copy."""
+    """A forward-only twin of a stage: dropout calls with train=False, batch norms with
+    training=False (their running statistics); the same parameters and buffers (an
+    fx.GraphModule over a copy of the graph). Other modules are switched to eval() in a
+    shallow copy."""
     if not isinstance(module, fx.GraphModule):
         twin = copy.copy(module)
         twin.eval()
@@ -56,6 +62,9 @@ def eval_module(module: nn.Module) -> nn.Module:
             changed = True
         elif node.op == "call_function" and node.target in _DROPOUT and "train" in node.kwargs:
             node.kwargs = {**node.kwargs, "train": False}
+            changed = True
+        elif node.op == "call_function" and node.target is _BATCH_NORM and len(node.args) > _BN_TRAINING:
+            node.args = (*node.args[:_BN_TRAINING], False, *node.args[_BN_TRAINING + 1 :])
             changed = True
     if not changed:
         return module
