@@ -51,6 +51,9 @@ class BlockCalls:
         batch_size: int
         loss_weight: float
         peak_live_bytes: int
+        stages_of: dict[int, list[int]]
+        _gradient_hooks: list[Any]
+        _backward_saved: Any
         mb_offsets: list[int]
         block_of_group: dict[int, int]
         run_of: list[int]
@@ -71,6 +74,30 @@ class BlockCalls:
         def _slice(self, local: Any, v: str, start: int, stop: int, held: int) -> torch.Tensor: ...
         def _saving(self, saved: list[torch.Tensor]) -> Any: ...
         def live_bytes(self, also: Any = ...) -> Any: ...
+
+    def _watch_gradients(self) -> None:
+        """An emulated device with a memory cap also counts, inside a backward, the moment a
+        parameter's new gradient exists beside the one it is about to be added into (a later
+        micro-batch's, or an accumulation step's): a transient of the parameter's size that no
+        instruction boundary sees and a GPU allocator's peak would. Hooks on the parameters of
+        the stages this rank runs, registered once."""
+        if self._gradient_hooks:
+            return
+        seen: set[int] = set()
+        for stages in self.stages_of.values():
+            for si in stages:
+                for param in self.flow.stages[si].module.parameters():
+                    if param.requires_grad and id(param) not in seen:
+                        seen.add(id(param))
+                        self._gradient_hooks.append(param.register_hook(self._arrival_hook(param)))
+
+    def _arrival_hook(self, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def arrives(grad: torch.Tensor) -> None:
+            if param.grad is not None and self._backward_saved is not None:
+                live = self.live_bytes(also=[self._backward_saved, grad])
+                self.peak_live_bytes = max(self.peak_live_bytes, live.total_bytes)
+
+        return arrives
 
     def _gather(self, v: str, ins: Compute) -> tuple[Any, tuple[GradientSlot, tuple[InputPiece, ...]] | None]:
         """Samples [ins.lo, ins.hi) of value v for a stage run by `ins`: (value, where its
@@ -183,9 +210,13 @@ class BlockCalls:
             if slot.grad is not None:
                 roots.append(sink)
                 root_grads.append(None)
+        if self.memory_cap is not None:
+            self._watch_gradients()
+            self._backward_saved = call.saved
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
         if self.memory_cap is not None:  # the backward's own peak: its gradients beside what it saved
+            self._backward_saved = None
             self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[call.saved]).total_bytes)
         for v in self._values_of(s):  # the outputs' gradients are spent
             self._slots.pop((v, m), None)

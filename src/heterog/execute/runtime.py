@@ -91,6 +91,8 @@ class Interpreter(StepTiming, BlockCalls):
         self.shards = shards  # the sharded blocks' pieces (shard.py); None: nothing sharded here
         self.memory_cap = memory_cap  # an emulated device's capacity, checked after every instruction
         self.peak_live_bytes = 0
+        self._gradient_hooks: list[Any] = []  # memory cap: gradient arrivals counted (block_calls.py)
+        self._backward_saved: Any = None  # what the backward under way saved, for those counts
         self.instructions = program.instructions[device]
         self.transport, self.pacer, self.sync = transport, pacer, sync
         self.batch_size, self.rank_of = batch_size, rank_of
