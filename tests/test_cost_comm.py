@@ -137,19 +137,21 @@ def test_cost_model_collectives_match_the_formulas_at_any_size():
     assert np.isfinite(m.collective_time_s("allreduce", 1e9, members, "hierarchical"))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_uneven_shard_rings_are_timed_as_their_steps_one_by_one(seed):
-    """shard_collective_time_s computes every step at once; here each step's transfers go
-    through step_time_s one by one (the definition), on random members of mixed-64 — some
-    owning nothing — for both collectives."""
+@pytest.mark.parametrize("name", ["paper-8gpu", "mixed-64", "scale-1024"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_uneven_shard_rings_are_timed_as_their_steps_one_by_one(name, seed):
+    """shard_collective_time_s finds each step's busiest link without walking the steps;
+    here each step's transfers go through step_time_s one by one (the definition), on random
+    members — some owning nothing — of clusters whose rings share no link (paper-8gpu,
+    scale-1024) or share one among several edges (mixed-64), for both collectives."""
     import random
 
     from heterog.hardware.spec import load_cluster
     from heterog.ir.plan import shard_piece
 
-    c = load_cluster("mixed-64")
+    c = load_cluster(name)
     rng = random.Random(seed)
-    members = rng.sample(sorted(c.device_index), rng.randint(2, 40))
+    members = rng.sample(sorted(c.device_index), rng.randint(2, min(len(c.device_index), 60)))
     weights = [rng.random() if rng.random() > 0.2 else 0.0 for _ in members]
     fractions = [w / (sum(weights) or 1.0) for w in weights]
     share = dict(zip(members, fractions))
@@ -163,3 +165,18 @@ def test_uneven_shard_rings_are_timed_as_their_steps_one_by_one(seed):
             for k in range(n - 1)
         )
         assert comm.shard_collective_time_s(c, op, nbytes, members, fractions) == pytest.approx(want, rel=1e-12)
+
+
+def test_the_ring_maximum_over_runs_of_edges_equals_the_plain_maximum():
+    import random
+
+    import numpy as np
+
+    rng = random.Random(3)
+    for n in (2, 3, 5, 16, 33):
+        for _ in range(30):
+            values = np.array([rng.choice([0.0, 1.0, rng.random()]) for _ in range(n)])
+            weight = np.array([rng.choice([0.0, 0.5, 2.0]) for _ in range(n)])
+            lag = rng.randint(0, 1)
+            want = [max(values[(i - k - lag) % n] * weight[i] for i in range(n)) for k in range(n - 1)]
+            assert np.allclose(comm._ring_max(values, weight, lag), want, rtol=0, atol=0)

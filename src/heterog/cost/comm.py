@@ -37,6 +37,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import shard_piece
 
+RUN_BLOCK = 256  # _ring_max: runs of one bandwidth class handled together (arrays of runs × steps)
 METHODS = (SyncMethod.RING, SyncMethod.TREE, SyncMethod.HIERARCHICAL)
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
@@ -206,9 +207,11 @@ def shard_collective_coefficients(
 ) -> tuple[float, float]:
     """(fixed s, s per byte of the buffer) of shard_collective_time_s: every step's loads are
     proportional to the buffer, so its latency and its busiest link's time per byte add up.
-    The steps are one array operation — the ring's edges keep their paths, only the piece
-    each sends changes (ir/plan.py shard_piece) — so a ring of a thousand members costs tens
-    of milliseconds, not the seconds of n² path walks."""
+    At step k ring edge i sends piece shard_piece(i, k); its edges keep their paths. When no
+    link carries two edges (a ring that leaves each node once: the usual case), a step's
+    busiest link is its edge with the largest piece × 1 / bandwidth, found per bandwidth class
+    by scanning the pieces largest first (`_ring_max`) — linear in the members in practice,
+    where arrays of every step × edge take seconds and gigabytes at 4096 members."""
     if op not in ("reduce_scatter", "all_gather"):
         raise PlanError(f"a sharded collective is a reduce_scatter or an all_gather, not {op!r}.")
     share = dict(zip(devices, fractions))
@@ -217,28 +220,90 @@ def shard_collective_coefficients(
     if n <= 1:
         return 0.0, 0.0
     owned = np.array([share[d] for d in ring], dtype=float)
-    sent = owned[shard_piece(op, np.arange(n)[None, :], np.arange(n - 1)[:, None], n)]  # [step, edge]
+    if not (owned > 0).any():
+        return 0.0, 0.0
+    paths = [cluster.path(ring[i], ring[(i + 1) % n]) for i in range(n)]
+    edge_latency_s = np.array([sum(cluster.links[link].latency_s for link in path) for path in paths])
+    # edge i sends piece (i − k − lag) mod n at step k (ir/plan.py shard_piece)
+    lag = (-int(shard_piece(op, 0, 0, n))) % n
+    # every piece is sent at every step (the edges send a permutation of them): a step with
+    # any non-empty piece waits for the slowest edge that sends one
+    latency_s = _ring_max((owned > 0).astype(float), edge_latency_s, lag)
+    uses = [link for path in paths for link in path]
+    if len(set(uses)) == len(uses):  # no link carries two edges
+        inverse_bw = np.array(
+            [max((1.0 / cluster.links[link].bandwidth_bytes_per_s for link in p), default=0.0) for p in paths]
+        )
+        per_byte_s = _ring_max(owned, inverse_bw, lag)
+    else:
+        per_byte_s = _shared_link_steps(cluster, owned, paths, lag)
+    return float(latency_s.sum()), float(per_byte_s.sum())
+
+
+def _ring_max(values: np.ndarray, weight: np.ndarray, lag: int) -> np.ndarray:
+    """For every step k of n − 1: max over edges i of values[(i − k − lag) mod n] · weight[i].
+    Per distinct weight, its edges form runs of consecutive ring positions (a node's devices
+    are consecutive, so a few hundred runs at 4096 members); a run [a, a + L) sends the pieces
+    of one circular window [a − k − lag, a − k − lag + L), whose maximum a sparse table gives
+    for every step at once."""
+    n = len(values)
+    steps = np.arange(n - 1)
+    table = [np.concatenate([values, values])]  # table[p][x]: max of the doubled values[x : x + 2^p]
+    while 2 ** len(table) <= n:
+        prev, half = table[-1], 2 ** (len(table) - 1)
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    out = np.zeros(n - 1)
+    for w in np.unique(weight[weight > 0]):
+        starts, lengths = _runs(weight == w)
+        for a0 in range(0, len(starts), RUN_BLOCK):  # a block of runs at a time: bounded memory
+            a, length = starts[a0 : a0 + RUN_BLOCK, None], lengths[a0 : a0 + RUN_BLOCK, None]
+            level = np.log2(length).astype(np.int64)  # floor(log2 L): two windows of 2^level cover L
+            first = (a - steps[None, :] - lag) % n
+            last = first + length - (1 << level)
+            best = np.zeros((len(a), n - 1))
+            for p in np.unique(level):
+                rows = np.flatnonzero(level[:, 0] == p)
+                best[rows] = np.maximum(table[p][first[rows]], table[p][last[rows]])
+            np.maximum(out, best.max(axis=0) * w, out=out)
+    return out
+
+
+def _runs(member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of the maximal runs of True in a circular boolean array."""
+    n = len(member)
+    if member.all():
+        return np.array([0]), np.array([n])
+    edges = np.diff(member.astype(np.int8), prepend=member[-1].astype(np.int8))
+    starts = np.flatnonzero(edges == 1)
+    ends = np.flatnonzero(edges == -1)
+    ends = np.where(ends < starts[0], ends + n, ends) if len(starts) else ends
+    ends = np.sort(ends)
+    return starts, (ends - starts)
+
+
+def _shared_link_steps(cluster: Cluster, owned: np.ndarray, paths: Sequence[Sequence[str]], lag: int) -> np.ndarray:
+    """Per step, the busiest link's seconds per byte when links carry several edges: each
+    link's load summed over its edges, a block of steps at a time (bounded memory)."""
+    n = len(owned)
     link_ids: dict[str, int] = {}
     edge_of_use, link_of_use = [], []
-    edge_latency_s = np.zeros(n)
-    for i in range(n):
-        path = cluster.path(ring[i], ring[(i + 1) % n])
-        edge_latency_s[i] = sum(cluster.links[link].latency_s for link in path)
+    for i, path in enumerate(paths):
         for link in path:
             edge_of_use.append(i)
             link_of_use.append(link_ids.setdefault(link, len(link_ids)))
-    if not link_of_use:
-        return 0.0, 0.0
-    # [link, step]: the shares every edge through a link sends, summed (uses grouped by link)
     by_link = np.argsort(np.array(link_of_use, dtype=np.int64), kind="stable")
     links_sorted = np.array(link_of_use, dtype=np.int64)[by_link]
+    edges_sorted = np.array(edge_of_use, dtype=np.int64)[by_link]
     starts = np.flatnonzero(np.r_[True, links_sorted[1:] != links_sorted[:-1]])
-    load = np.add.reduceat(sent.T[np.array(edge_of_use, dtype=np.int64)[by_link]], starts, axis=0)
-    bandwidth = np.array([cluster.links[link].bandwidth_bytes_per_s for link in link_ids])[links_sorted[starts]]
-    busy = load.max(axis=0) > 0  # a step whose pieces are all empty takes no time
-    latency_s = np.where(sent > 0, edge_latency_s[None, :], 0.0).max(axis=1)
-    per_byte_s = (load / bandwidth[:, None]).max(axis=0)
-    return float(latency_s[busy].sum()), float(per_byte_s[busy].sum())
+    inverse_bw = 1.0 / np.array([cluster.links[link].bandwidth_bytes_per_s for link in link_ids])[links_sorted[starts]]
+    out = np.zeros(n - 1)
+    chunk = max(1, 2**22 // max(len(edges_sorted), 1))
+    for k0 in range(0, n - 1, chunk):
+        ks = np.arange(k0, min(n - 1, k0 + chunk))
+        sent = owned[(edges_sorted[None, :] - ks[:, None] - lag) % n]  # [step, use]
+        load = np.add.reduceat(sent, starts, axis=1)  # [step, link]
+        out[ks] = (load * inverse_bw[None, :]).max(axis=1)
+    return out
 
 
 def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], server: str) -> float:
