@@ -317,7 +317,7 @@ def fit(runs: list[dict[str, Any]]) -> dict[str, Any]:
     cv = {f"leave one {axis} out": _held_out(points, measured, done, lambda p, a=axis: p[a]) for axis in AXES}
     for axis, top in EXTRAPOLATIONS:
         cv[f"{axis} ≤ {top} → {axis} > {top}"] = _held_out(
-            points, measured, done, lambda p, a=axis, t=top: "test" if p[a] > t else None
+            points, measured, done, lambda p, a=axis, t=top: f"fitted on {a} ≤ {t}" if p[a] > t else None
         )
     return {
         **_figures(chosen),

@@ -424,6 +424,28 @@ def _pcie_calibration(cal: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _held_out_table(cal: dict[str, Any] | None) -> list[str]:
+    """Per cross-validation family: the held-out error and what each fold's fit chose."""
+    if not cal:
+        return []
+    in_sample = cal["in_sample"]
+    rows = [
+        [
+            "in-sample (fitted on all)",
+            in_sample["runs"],
+            pct(in_sample["median_abs_error"]),
+            "—",
+            f"{cal['bandwidth_gbytes_per_s']:.1f} GB/s, {cal['latency_us']:.0f} µs",
+        ]
+    ]
+    for name, v in cal["cross_validation"].items():
+        chosen = "; ".join(
+            f"{k}: {f['bandwidth_gbytes_per_s']:.1f} GB/s, {f['latency_us']:.0f} µs" for k, f in v["fits"].items()
+        )
+        rows.append([name, v["runs"], pct(v["median_abs_error"]), pct(v["worst_abs_error"]), chosen])
+    return table(["T4 PCIe calibration scored", "runs", "median error", "worst", "fitted figures"], rows)
+
+
 def amp_iterations(doc: dict[str, Any], short: bool) -> list[str]:
     s = doc["summary"]
     rows = doc["rows"]
@@ -482,13 +504,14 @@ def amp_iterations(doc: dict[str, Any], short: bool) -> list[str]:
         [
             "measured runs",
             "configurations",
-            "as DeepSpeed runs it: median (worst) |error|",
+            "as DeepSpeed runs it: median (worst) error",
             "heterog's own schedule",
             "AMP's model",
         ],
         [[name, f["configurations"], errs(f, "one_reduce"), errs(f, None), errs(f, "amp")] for name, f in families],
     )
     out += _pcie_calibration(s.get("calibration"))
+    out += _held_out_table(s.get("calibration"))
     out.append(
         f"Runs that failed (out of memory or an error): {s['failed_runs']}, "
         f"{s['failed_runs_predicted_not_to_fit']} of them predicted not to fit; runs predicted not to fit that "

@@ -3,11 +3,12 @@ link rate is not what NCCL reaches.
 
 The catalog gives each type the nominal rate of its intra-node link (a T4: PCIe Gen3 x16,
 15.75 GB/s per direction). On servers whose GPUs meet only through the CPU's PCIe host bridge
-(`nvidia-smi topo -m` PHB between every pair, as on AWS g4dn.12xlarge's four T4s) NCCL does
-not use peer-to-peer copies at that distance: every ring step is staged through host memory
-(its SHM transport), crossing PCIe twice and waking a proxy thread, so a collective inside
-such a node runs at a fraction of the nominal rate and each step carries a fixed cost far
-above a peer copy's few microseconds. Those two figures — an effective per-direction
+(`nvidia-smi topo -m` PHB between every pair, as on AWS g4dn.12xlarge's four T4s) every ring
+step goes through the CPU — peer-to-peer across the host bridge (NCCL_P2P_LEVEL=PHB: "traffic
+will go through the CPU", NCCL's documentation) or staged through host memory by NCCL's SHM
+transport where peer-to-peer is not allowed — so a collective inside such a node runs at a
+fraction of the nominal rate and each step carries a fixed cost far above a peer copy's few
+microseconds. Those two figures — an effective per-direction
 bandwidth of a device's port and a fixed time per transfer across the node — cannot be seen
 on one GPU; they are fitted on whole measured multi-GPU iterations
 (`cost/data/pcie_links.json`, with its source and cross-validated error).
