@@ -135,3 +135,31 @@ def test_cost_model_collectives_match_the_formulas_at_any_size():
         )
     assert m.collective_time_s("allreduce", 0.0, members) == 0.0
     assert np.isfinite(m.collective_time_s("allreduce", 1e9, members, "hierarchical"))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_uneven_shard_rings_are_timed_as_their_steps_one_by_one(seed):
+    """shard_collective_time_s computes every step at once; here each step's transfers go
+    through step_time_s one by one (the definition), on random members of mixed-64 — some
+    owning nothing — for both collectives."""
+    import random
+
+    from heterog.hardware.spec import load_cluster
+    from heterog.ir.plan import shard_piece
+
+    c = load_cluster("mixed-64")
+    rng = random.Random(seed)
+    members = rng.sample(sorted(c.device_index), rng.randint(2, 40))
+    weights = [rng.random() if rng.random() > 0.2 else 0.0 for _ in members]
+    fractions = [w / (sum(weights) or 1.0) for w in weights]
+    share = dict(zip(members, fractions))
+    ring = comm.ring_order(c, members)
+    n, nbytes = len(ring), 3e8
+    for op in ("reduce_scatter", "all_gather"):
+        want = sum(
+            comm.step_time_s(
+                c, ((ring[i], ring[(i + 1) % n], share[ring[shard_piece(op, i, k, n)]] * nbytes) for i in range(n))
+            )
+            for k in range(n - 1)
+        )
+        assert comm.shard_collective_time_s(c, op, nbytes, members, fractions) == pytest.approx(want, rel=1e-12)

@@ -86,3 +86,10 @@ def test_the_benchmark_check_predicts_one_run_per_tensor_parallel_degree():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert [line.split()[1] for line in out.stdout.splitlines() if line.startswith("tp ")] == ["1", "2", "4"]
+
+
+def test_a_sharded_collective_on_t4s_runs_at_the_calibrated_figures():
+    cal = pcie.calibrations()["T4"]
+    c = parse_cluster_yaml(node_of("T4"))
+    even = comm.shard_collective_time_s(c, "all_gather", N, names(c), [0.25] * 4)
+    assert even == pytest.approx(3 * (cal.latency_s + N / 4 / cal.bandwidth_bytes_per_s))

@@ -327,3 +327,16 @@ def test_validation_finds_a_compute_whose_gather_was_never_launched():
     lst.append(lst.pop(k))  # launched at the very end, after the compute it serves
     with pytest.raises(PlanError, match="deadlocks.*waiting for its parameters"):
         Program.from_json(json.dumps(doc))
+
+
+def test_each_member_receives_at_most_the_largest_piece_but_its_predecessors():
+    import random
+
+    from heterog.lower.shard_tasks import largest_received
+
+    rng = random.Random(0)
+    for n in (1, 2, 3, 7, 40):
+        for _ in range(20):
+            fr = tuple(rng.choice([0.0, 0.25, rng.random()]) for _ in range(n))
+            want = [max((fr[j] for j in range(n) if j != (i - 1) % n), default=0.0) for i in range(n)]
+            assert largest_received(fr) == want

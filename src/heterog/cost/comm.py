@@ -34,6 +34,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
+
 from heterog.cost.pcie import link_rate
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
@@ -204,20 +206,50 @@ def shard_collective_time_s(
     member devices[i] owns the fraction fractions[i] of it. The members go round in ring order;
     each of the n−1 steps runs all its transfers at once (step_time_s: shared links divide
     their bandwidth) and lasts as long as the slowest."""
+    if nbytes <= 0:
+        return 0.0
+    fixed_s, per_byte_s = shard_collective_coefficients(cluster, op, devices, fractions)
+    return fixed_s + per_byte_s * nbytes
+
+
+def shard_collective_coefficients(
+    cluster: Cluster, op: str, devices: Sequence[str], fractions: Sequence[float]
+) -> tuple[float, float]:
+    """(fixed s, s per byte of the buffer) of shard_collective_time_s: every step's loads are
+    proportional to the buffer, so its latency and its busiest link's time per byte add up.
+    The steps are one array operation — the ring's edges keep their paths, only the piece
+    each sends changes (ir/plan.py shard_piece) — so a ring of a thousand members costs tens
+    of milliseconds, not the seconds of n² path walks."""
     if op not in ("reduce_scatter", "all_gather"):
         raise PlanError(f"a sharded collective is a reduce_scatter or an all_gather, not {op!r}.")
     share = dict(zip(devices, fractions))
     ring = ring_order(cluster, devices)
     n = len(ring)
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    total = 0.0
-    for k in range(n - 1):
-        total += step_time_s(
-            cluster,
-            ((ring[i], ring[(i + 1) % n], share[ring[shard_piece(op, i, k, n)]] * nbytes) for i in range(n)),
-        )
-    return total
+    if n <= 1:
+        return 0.0, 0.0
+    owned = np.array([share[d] for d in ring], dtype=float)
+    sent = owned[shard_piece(op, np.arange(n)[None, :], np.arange(n - 1)[:, None], n)]  # [step, edge]
+    link_ids: dict[str, int] = {}
+    edge_of_use, link_of_use = [], []
+    edge_latency_s = np.zeros(n)
+    for i in range(n):
+        path = cluster.path(ring[i], ring[(i + 1) % n])
+        edge_latency_s[i] = sum(link_rate(cluster, link)[1] for link in path)
+        for link in path:
+            edge_of_use.append(i)
+            link_of_use.append(link_ids.setdefault(link, len(link_ids)))
+    if not link_of_use:
+        return 0.0, 0.0
+    # [link, step]: the shares every edge through a link sends, summed (uses grouped by link)
+    by_link = np.argsort(np.array(link_of_use, dtype=np.int64), kind="stable")
+    links_sorted = np.array(link_of_use, dtype=np.int64)[by_link]
+    starts = np.flatnonzero(np.r_[True, links_sorted[1:] != links_sorted[:-1]])
+    load = np.add.reduceat(sent.T[np.array(edge_of_use, dtype=np.int64)[by_link]], starts, axis=0)
+    bandwidth = np.array([link_rate(cluster, link)[0] for link in link_ids])[links_sorted[starts]]
+    busy = load.max(axis=0) > 0  # a step whose pieces are all empty takes no time
+    latency_s = np.where(sent > 0, edge_latency_s[None, :], 0.0).max(axis=1)
+    per_byte_s = (load / bandwidth[:, None]).max(axis=0)
+    return float(latency_s[busy].sum()), float(per_byte_s[busy].sum())
 
 
 def ps_sync_time_s(cluster: Cluster, nbytes: float, devices: Sequence[str], server: str) -> float:
@@ -254,13 +286,11 @@ def cached_shard_collective_time_s(
 ) -> float:
     if nbytes <= 0 or len(set(devices)) <= 1:
         return 0.0
-    members, shares = tuple(devices), tuple(fractions)
-    fixed, per_byte = affine_in_bytes(
-        cache,
-        ("shard", op, members, shares),
-        lambda b: shard_collective_time_s(cluster, op, b, members, shares),
-    )
-    return fixed + per_byte * nbytes
+    key = ("shard", op, tuple(devices), tuple(fractions))
+    coeffs = cache.get(key)
+    if coeffs is None:
+        coeffs = cache[key] = shard_collective_coefficients(cluster, op, devices, fractions)
+    return coeffs[0] + coeffs[1] * nbytes
 
 
 def cached_ps_sync_time_s(cache: dict, cluster: Cluster, nbytes: float, devices: Sequence[str], server: str) -> float:

@@ -417,11 +417,12 @@ def shard_ranges(total: int, fractions: tuple[float, ...] | list[float]) -> list
     return out
 
 
-def shard_piece(op: str, position: int, step: int, n: int) -> int:
+def shard_piece(op: str, position: Any, step: Any, n: int) -> Any:
     """The piece the ring member at `position` sends at `step` (0 … n−2) of a reduce-scatter
     or all-gather whose member i owns piece i (execute/collectives.py runs the same rule): a
     reduce-scatter passes on the partial sum of piece i−k−1, so after n−1 steps member i holds
-    the total of piece i; an all-gather passes on piece i−k, its own first."""
+    the total of piece i; an all-gather passes on piece i−k, its own first. Ints give an int;
+    integer arrays (cost/comm.py: every member at every step at once) give the array."""
     return (position - step - (1 if op == "reduce_scatter" else 0)) % n
 
 

@@ -181,10 +181,19 @@ def receive_bytes(blk: Block, info: ClusterInfo, nbytes: float) -> dict[int, flo
     """Per member, the largest piece a reduce-scatter of `nbytes` sends it (every piece but
     its predecessor's, ir/plan.py shard_piece): the receive buffer the ring adds into."""
     ring, fractions = ring_fractions(blk, info)
-    n = len(ring)
-    return {
-        d: nbytes * max((fractions[j] for j in range(n) if j != (i - 1) % n), default=0.0) for i, d in enumerate(ring)
-    }
+    return {d: nbytes * f for d, f in zip(ring, largest_received(fractions))}
+
+
+def largest_received(fractions: tuple[float, ...]) -> list[float]:
+    """For each ring position i, the largest of the fractions but its predecessor's (i − 1):
+    the largest, or the second largest where the predecessor owns the largest — linear in
+    the members, as rings of a thousand are common."""
+    n = len(fractions)
+    if n <= 1:
+        return [0.0] * n
+    top = max(range(n), key=lambda j: fractions[j])
+    second = max(fractions[j] for j in range(n) if j != top)
+    return [second if (i - 1) % n == top else fractions[top] for i in range(n)]
 
 
 def table_grad_bytes(blk: Block, table: CostTable) -> float:
