@@ -408,7 +408,45 @@ def predict_gpu(doc: dict[str, Any], short: bool) -> list[str]:
     return out
 
 
-def predict_iterations(doc: dict[str, Any], short: bool) -> list[str]:
+def _pcie_calibration(cal: dict[str, Any] | None) -> list[str]:
+    """What the T4 PCIe calibration (cost/pcie.py) is, and its in-sample and held-out errors."""
+    if not cal:
+        return ["Nothing is calibrated on these runs: the T4's PCIe ports run at the catalog's rate.", ""]
+    cv = cal["cross_validation"]
+    held = "; ".join(f"{k}: {pct(v['median_abs_error'])}" for k, v in cv.items())
+    return [
+        f"The T4's PCIe port as NCCL reaches it ({cal['bandwidth_gbytes_per_s']:.1f} GB/s per direction, "
+        f"{cal['latency_us']:.0f} µs per transfer; heterog/cost/data/pcie_links.json) is fitted on these runs: "
+        f"median |error| {pct(cal['in_sample']['median_abs_error'])} in-sample, "
+        f"{pct(max(v['median_abs_error'] for v in cv.values()))} at worst held out by configuration family "
+        f"(median |error| of each run predicted by the fit without its family — {held}).",
+        "",
+    ]
+
+
+def _held_out_table(cal: dict[str, Any] | None) -> list[str]:
+    """Per cross-validation family: the held-out error and what each fold's fit chose."""
+    if not cal:
+        return []
+    in_sample = cal["in_sample"]
+    rows = [
+        [
+            "in-sample (fitted on all)",
+            in_sample["runs"],
+            pct(in_sample["median_abs_error"]),
+            "—",
+            f"{cal['bandwidth_gbytes_per_s']:.1f} GB/s, {cal['latency_us']:.0f} µs",
+        ]
+    ]
+    for name, v in cal["cross_validation"].items():
+        chosen = "; ".join(
+            f"{k}: {f['bandwidth_gbytes_per_s']:.1f} GB/s, {f['latency_us']:.0f} µs" for k, f in v["fits"].items()
+        )
+        rows.append([name, v["runs"], pct(v["median_abs_error"]), pct(v["worst_abs_error"]), chosen])
+    return table(["T4 PCIe calibration scored", "runs", "median error", "worst", "fitted figures"], rows)
+
+
+def amp_iterations(doc: dict[str, Any], short: bool) -> list[str]:
     s = doc["summary"]
     rows = doc["rows"]
 
@@ -421,7 +459,7 @@ def predict_iterations(doc: dict[str, Any], short: bool) -> list[str]:
         return table(
             ["GPT-2 345M on 16 T4s (DeepSpeed)", "configurations", "heterog: median (worst) error", "AMP's own model"],
             [[name, f["configurations"], errs(f, "one_reduce"), errs(f, "amp")] for name, f in families],
-        )
+        ) + _pcie_calibration(s.get("calibration"))
 
     def err(r: dict[str, Any], key: str) -> str:
         return "—" if r["measured_s"] is None else pct(r[key] / r["measured_s"] - 1, signed=True)
@@ -466,21 +504,14 @@ def predict_iterations(doc: dict[str, Any], short: bool) -> list[str]:
         [
             "measured runs",
             "configurations",
-            "as DeepSpeed runs it: median (worst) |error|",
+            "as DeepSpeed runs it: median (worst) error",
             "heterog's own schedule",
             "AMP's model",
         ],
         [[name, f["configurations"], errs(f, "one_reduce"), errs(f, None), errs(f, "amp")] for name, f in families],
     )
-    gap = s.get("tp_shortfall_over_allreduce") or {}
-    out.append("")
-    if gap.get("median") is not None:
-        out.append(
-            f"With tensor parallelism, measured minus predicted (DeepSpeed's schedule) is {gap['median']:.1f}× "
-            f"(from {gap['min']:.1f}× to {gap['max']:.1f}×) the first stage's predicted tensor-parallel all-reduce "
-            "time, run by run (a diagnostic; nothing is corrected by it)."
-        )
-        out.append("")
+    out += _pcie_calibration(s.get("calibration"))
+    out += _held_out_table(s.get("calibration"))
     out.append(
         f"Runs that failed (out of memory or an error): {s['failed_runs']}, "
         f"{s['failed_runs_predicted_not_to_fit']} of them predicted not to fit; runs predicted not to fit that "
@@ -853,12 +884,12 @@ SECTIONS = (
     Section(
         key="iteration-accuracy",
         title="Whole multi-GPU iterations",
-        script="benchmarks/predict_iterations.py",
-        result="predict_iterations.json",
-        render=predict_iterations,
+        script="benchmarks/amp_iterations.py",
+        result="amp_iterations.json",
+        render=amp_iterations,
         about="Public measured iterations of GPT-2 345M on 16 T4s in 4 nodes (AMP's DeepSpeed runs), each "
         "configuration planned on the same devices (a tensor-parallel group as one rank of Megatron's split, "
-        "cost/tensor_parallel.py) and simulated; nothing is fitted to them.",
+        "cost/tensor_parallel.py) and simulated; the T4's PCIe figures are fitted on them and cross-validated.",
     ),
     Section(
         key="cpu-accuracy",

@@ -39,7 +39,7 @@ def _json(capsys: pytest.CaptureFixture, *args: str) -> dict:
 
 @pytest.mark.parametrize(
     ("yaml", "model", "batch", "emulated"),
-    [(TWO_CPUS, "toy-cnn", 32, []), (TWO_GPUS, "toy-cnn", 256, ["--emulated"])],
+    [(TWO_CPUS, "toy-cnn", 32, []), (TWO_GPUS, "toy-cnn", 1024, ["--emulated"])],
     ids=["emulated-cluster", "gpu-cluster"],
 )
 def test_plan_simulate_report_and_run_print_the_same_predicted_time(

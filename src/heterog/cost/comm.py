@@ -22,6 +22,10 @@ Formulas (n members, N bytes per member):
   (the two-level scheme of Horovod/NCCL "hierarchical allreduce");
 - parameter server: every other replica pushes N to the server, then pulls N back; the
   server's port and NIC carry (n-1)·N each way (Li et al., OSDI 2014).
+
+Every link's bandwidth and latency are read through `pcie.link_rate`: the cluster's figures,
+except a calibrated GPU type's PCIe port, which runs at what NCCL was measured to reach
+through it (cost/pcie.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from heterog.cost.pcie import link_rate
 from heterog.errors import PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import SyncMethod
@@ -57,11 +62,17 @@ def affine_in_bytes(cache: dict, key: tuple, time_s: Callable[[float], float]) -
     return coeffs
 
 
+def path_latency_s(cluster: Cluster, src: str, dst: str) -> float:
+    """The summed latency of the links from `src` to `dst` (pcie.link_rate)."""
+    return sum(link_rate(cluster, link)[1] for link in cluster.path(src, dst))
+
+
 def p2p_time_s(cluster: Cluster, nbytes: float, src: str, dst: str) -> float:
     """latency + bytes / bottleneck bandwidth over Cluster.path (0 on the same device)."""
     if src == dst or nbytes <= 0:
         return 0.0
-    return cluster.latency_s(src, dst) + nbytes / cluster.bottleneck_bandwidth_bytes_per_s(src, dst)
+    rates = [link_rate(cluster, link) for link in cluster.path(src, dst)]
+    return sum(lat for _, lat in rates) + nbytes / min(bw for bw, _ in rates)
 
 
 def step_time_s(cluster: Cluster, transfers: Iterable[tuple[str, str, float]]) -> float:
@@ -74,10 +85,10 @@ def step_time_s(cluster: Cluster, transfers: Iterable[tuple[str, str, float]]) -
         path = cluster.path(src, dst)
         for link in path:
             load[link] += nbytes
-        latency = max(latency, sum(cluster.links[link].latency_s for link in path))
+        latency = max(latency, path_latency_s(cluster, src, dst))
     if not load:
         return 0.0
-    return latency + max(b / cluster.links[link].bandwidth_bytes_per_s for link, b in load.items())
+    return latency + max(b / link_rate(cluster, link)[0] for link, b in load.items())
 
 
 def ring_order(cluster: Cluster, devices: Sequence[str]) -> list[str]:
@@ -138,7 +149,7 @@ def tree_collective_time_s(cluster: Cluster, op: str, nbytes: float, devices: Se
     per_edge = nbytes / 2 if op == "allreduce" else nbytes
     down = step_time_s(cluster, ((p, c, per_edge) for p, c in edges))
     up = step_time_s(cluster, ((c, p, per_edge) for p, c in edges))
-    max_lat = max(cluster.latency_s(p, c) for p, c in edges)
+    max_lat = max(path_latency_s(cluster, p, c) for p, c in edges)
     bw_down, bw_up = down - max_lat, up - max_lat
     if op == "allreduce":
         return bw_up + bw_down + 2 * depth * max_lat
@@ -223,7 +234,7 @@ def shard_collective_coefficients(
     if not (owned > 0).any():
         return 0.0, 0.0
     paths = [cluster.path(ring[i], ring[(i + 1) % n]) for i in range(n)]
-    edge_latency_s = np.array([sum(cluster.links[link].latency_s for link in path) for path in paths])
+    edge_latency_s = np.array([sum(link_rate(cluster, link)[1] for link in path) for path in paths])
     # edge i sends piece (i − k − lag) mod n at step k (ir/plan.py shard_piece)
     lag = (-int(shard_piece(op, 0, 0, n))) % n
     # every piece is sent at every step (the edges send a permutation of them): a step with
@@ -231,9 +242,7 @@ def shard_collective_coefficients(
     latency_s = _ring_max((owned > 0).astype(float), edge_latency_s, lag)
     uses = [link for path in paths for link in path]
     if len(set(uses)) == len(uses):  # no link carries two edges
-        inverse_bw = np.array(
-            [max((1.0 / cluster.links[link].bandwidth_bytes_per_s for link in p), default=0.0) for p in paths]
-        )
+        inverse_bw = np.array([max((1.0 / link_rate(cluster, link)[0] for link in p), default=0.0) for p in paths])
         per_byte_s = _ring_max(owned, inverse_bw, lag)
     else:
         per_byte_s = _shared_link_steps(cluster, owned, paths, lag)
@@ -295,7 +304,7 @@ def _shared_link_steps(cluster: Cluster, owned: np.ndarray, paths: Sequence[Sequ
     links_sorted = np.array(link_of_use, dtype=np.int64)[by_link]
     edges_sorted = np.array(edge_of_use, dtype=np.int64)[by_link]
     starts = np.flatnonzero(np.r_[True, links_sorted[1:] != links_sorted[:-1]])
-    inverse_bw = 1.0 / np.array([cluster.links[link].bandwidth_bytes_per_s for link in link_ids])[links_sorted[starts]]
+    inverse_bw = 1.0 / np.array([link_rate(cluster, link)[0] for link in link_ids])[links_sorted[starts]]
     out = np.zeros(n - 1)
     chunk = max(1, 2**22 // max(len(edges_sorted), 1))
     for k0 in range(0, n - 1, chunk):
