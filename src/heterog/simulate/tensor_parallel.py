@@ -1,0 +1,117 @@
+"""A tensor-parallel plan as the simulator prices it: one rank of each tensor-parallel replica.
+
+A replica with `tp_devices` splits its group's transformer blocks Megatron-style over its
+members (ir/plan.py). Its members run the same slice of every node at the same time, so the
+iteration is simulated on the first ranks, priced by `TensorParallelCostModel`
+(cost/tensor_parallel.py): one rank's split graph, the per-block all-reduces over the
+members' own links added to the node they follow (Megatron v1 runs them on the compute stream),
+gradient syncs and stage-to-stage sends as the t sibling rings (or sends) that run at once.
+Every member's memory and compute time is its first rank's: the slices are alike.
+
+Limits: one degree for the whole plan (the cost model's); the per-block all-reduces are part
+of a compute task's time, not tasks of their own; the analytic cost model prices the slices
+(a measured profile of the unsplit nodes does not describe them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from heterog.cost.analytic import AnalyticCostModel
+from heterog.cost.tensor_parallel import TensorParallelCostModel, megatron_layout
+from heterog.errors import GraphError, PlanError
+from heterog.hardware.cluster import Cluster
+from heterog.ir.opgraph import OpGraph
+from heterog.ir.plan import Plan
+from heterog.simulate.result import SimResult
+
+
+def check_tensor_parallel(graph: OpGraph, plan: Plan) -> None:
+    """Refuse a plan whose tensor-parallel groups the graph cannot split: no transformer
+    block of Megatron's pattern, or a block's split region cut between groups."""
+    if not plan.tensor_parallel:
+        return
+    try:
+        layout = megatron_layout(graph)
+    except GraphError as e:
+        raise PlanError(f"the plan splits groups by tensor parallelism, but {e}") from None
+    owner = {n: g.name for g in plan.groups for n in g.nodes}
+    for r in layout.regions:
+        names = (r.norm, *r.column, *r.inner, r.row)
+        held = sorted({owner[n] for n in names[1:] if n in owner})
+        if len(held) > 1 and any(g.tp_degree > 1 for g in plan.groups if g.name in held):
+            raise PlanError(
+                f"the split region from {r.column[0]!r} to {r.row!r} lies in groups {held}; a tensor-parallel "
+                f"group must hold each column-parallel linear with its row-parallel partner. Put a block's "
+                f"nodes in one group."
+            )
+
+
+def tensor_parallel_inputs(
+    graph: OpGraph, cluster: Cluster, plan: Plan, costs
+) -> tuple[OpGraph, Plan, TensorParallelCostModel]:
+    """The split graph, the plan on its first ranks and the cost model of one rank per replica."""
+    plan.validate(graph, cluster)
+    degrees = sorted({g.tp_degree for g in plan.groups})
+    if len(degrees) > 1:
+        raise PlanError(
+            f"the plan's groups have tensor-parallel degrees {degrees}; the simulator prices one degree for "
+            f"the whole plan. Give every group the same degree."
+        )
+    if type(costs) is not AnalyticCostModel:
+        raise PlanError(
+            f"a tensor-parallel plan is priced by the analytic cost model of its slices, but the costs given "
+            f"are a {type(costs).__name__} (measured profiles of the unsplit nodes); simulate it without profiles."
+        )
+    groups: dict[str, tuple[str, ...]] = {}
+    for g in plan.groups:
+        for r in g.replicas:
+            if groups.setdefault(r.device, r.members) != r.members:
+                raise PlanError(
+                    f"device {r.device!r} leads two tensor-parallel sets ({list(groups[r.device])} and "
+                    f"{list(r.members)}); a device's set must be the same in every group."
+                )
+    tp = TensorParallelCostModel(
+        graph,
+        cluster,
+        degree=degrees[0],
+        groups=groups,
+        precision=plan.precision,
+        optimizer=plan.optimizer,
+    )
+    return tp.graph, first_ranks(plan, tp.graph), tp
+
+
+def first_ranks(plan: Plan, split: OpGraph) -> Plan:
+    """The plan on each replica's first rank, for the split graph."""
+    groups = tuple(
+        dataclasses.replace(g, replicas=tuple(dataclasses.replace(r, tp_devices=()) for r in g.replicas))
+        for g in plan.groups
+    )
+    return dataclasses.replace(plan, groups=groups, graph_fingerprint=split.fingerprint())
+
+
+def mirror_members(result: SimResult, plan: Plan, capacity_bytes: dict[str, int]) -> SimResult:
+    """`result` (simulated on first ranks) with every member given its first rank's memory and
+    compute time, and the feasibility of each member's own memory."""
+    peak, persistent = dict(result.peak_memory_bytes), dict(result.persistent_memory_bytes)
+    compute, capacity = dict(result.compute_time_s), dict(result.memory_capacity_bytes)
+    for g in plan.groups:
+        for r in g.replicas:
+            for m in r.tp_devices:
+                peak[m] = peak.get(r.device, 0)
+                persistent[m] = persistent.get(r.device, 0)
+                compute[m] = compute.get(r.device, 0.0)
+                capacity[m] = capacity_bytes[m]
+    over = [(peak[d] - capacity[d], d) for d in peak if peak[d] > capacity[d]]
+    worst = max(over) if over else None
+    return dataclasses.replace(
+        result,
+        peak_memory_bytes=peak,
+        persistent_memory_bytes=persistent,
+        compute_time_s=compute,
+        memory_capacity_bytes=capacity,
+        feasible=not over,
+        overflow_device=result.overflow_device or (worst[1] if worst else None),
+        overflow_bytes=result.overflow_bytes or (int(worst[0]) if worst else 0),
+    )
