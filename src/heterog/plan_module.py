@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -32,11 +33,14 @@ from torch import nn
 from heterog.capture.cache import capture_cached, remember_in_memory
 from heterog.capture.capture import capture
 from heterog.errors import ModelError, PlanError
+from heterog.hardware.spec import cluster_to_dict
 from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.opgraph import OpGraph
-from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
+from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
 from heterog.search.objective import DEFAULT_TOLERANCE, Goal
 from heterog.search.planner import DEFAULT_BUDGET_S, REQUIRED_STAGES, load_code, plan_graph
+from heterog.search.three_d import megatron_3d
+from heterog.simulate.simulator import simulate
 
 
 def model_graph(
@@ -155,3 +159,48 @@ def plan(
     if strategy is not None:
         out["chosen"] = result.plan_of(strategy).to_dict()
     return out
+
+
+def plan_3d(
+    model: str,
+    *,
+    cluster: Any,
+    tp: int,
+    pp: int,
+    dp: int,
+    batch_size: int | None = None,
+    model_args: dict[str, Any] | None = None,
+    seq_len: int | None = None,
+    stage_layers: list[int] | None = None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    zero: int = 0,
+    devices: list[str] | None = None,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+) -> Plan:
+    """The Megatron/DeepSpeed-style tp × pp × dp plan of transformer `model` on `cluster`
+    (search/three_d.py: its blocks in `pp` stages, `dp` equal replicas of each, each a
+    `tp`-way tensor-parallel set, ranks in Megatron's order or `devices`), with the
+    simulator's prediction and the cluster spec in it, as `heterog plan --strategy 3d` writes."""
+    spec, graph = model_graph(model, batch_size=batch_size, model_args=model_args, seq_len=seq_len)
+    graph, seen, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
+    made = megatron_3d(
+        graph,
+        seen,
+        model_spec=spec,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        stage_layers=stage_layers,
+        microbatches=microbatches,
+        schedule=schedule,
+        zero=zero,
+        devices=devices,
+        precision=precision,
+        optimizer=optimizer,
+    )
+    sim = simulate(graph, seen, made, costs, timeline=False)
+    fits = "fits" if sim.feasible else f"does not fit: {sim.overflow_device} over by {sim.overflow_bytes} bytes"
+    made = replace(made, cluster=cluster_to_dict(seen), notes=(*made.notes, f"simulated: it {fits}."))
+    return made.with_prediction(sim.iteration_time_s, sim.peak_memory_bytes)

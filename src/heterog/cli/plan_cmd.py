@@ -25,6 +25,19 @@ from heterog.cli.objective_opts import (
 from heterog.cli.output import console, parse_model_args, print_json, print_table
 from heterog.cli.report_cmd import report_from_plan_result
 from heterog.cli.stop import raise_if_stopped
+from heterog.cli.three_d_opts import (
+    DEVICES_OPTION,
+    DP_OPTION,
+    MICROBATCHES_OPTION,
+    PP_OPTION,
+    SCHEDULE_OPTION,
+    STAGE_LAYERS_OPTION,
+    STRATEGY,
+    TP_OPTION,
+    ZERO_OPTION,
+    check_3d_options,
+    write_3d,
+)
 from heterog.errors import did_you_mean
 from heterog.fmt import human_bytes, human_time
 from heterog.hardware.catalog import precision_help
@@ -171,8 +184,17 @@ def plan_command(
         None,
         "--strategy",
         help="Write this candidate's plan to --out instead of "
-        "the best (a name from the candidates table, e.g. even-dp-allreduce).",
+        "the best (a name from the candidates table, e.g. even-dp-allreduce); or 3d: "
+        "write the Megatron-style plan of --tp/--pp/--dp without a search.",
     ),
+    tp: int | None = TP_OPTION,
+    pp: int | None = PP_OPTION,
+    dp: int | None = DP_OPTION,
+    stage_layers: str | None = STAGE_LAYERS_OPTION,
+    microbatches: int = MICROBATCHES_OPTION,
+    schedule: str = SCHEDULE_OPTION,
+    zero: int = ZERO_OPTION,
+    devices: str | None = DEVICES_OPTION,
     report: Path | None = typer.Option(
         None, "--report", help="Also write an HTML report of the plan and every candidate here (see `heterog report`)."
     ),
@@ -185,6 +207,33 @@ def plan_command(
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.plan_module import plan
 
+    check_3d_options(
+        strategy, {"--tp": tp, "--pp": pp, "--dp": dp, "--stage-layers": stage_layers, "--devices": devices}
+    )
+    if strategy == STRATEGY and tp is not None and pp is not None and dp is not None:
+        _check_choices(precision, optimizer, None)
+        inputs = {
+            "model": model,
+            "cluster": cluster,
+            "batch_size": batch_size,
+            "model_args": parse_model_args(model_arg),
+            "seq_len": seq_len,
+            "precision": precision,
+            "optimizer": optimizer,
+        }
+        options = {"microbatches": microbatches, "schedule": schedule, "zero": zero}
+        write_3d(
+            inputs,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            stage_layers=stage_layers,
+            devices=devices,
+            options=options,
+            out=out,
+            as_json=as_json,
+        )
+        return
     _check_choices(precision, optimizer, strategy)
     goal, cluster_in = objective_inputs(objective, max_cost_per_hour, tolerance, price, cluster)
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())

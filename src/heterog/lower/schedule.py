@@ -36,6 +36,7 @@ from heterog.lower.shard_tasks import compute_gathers
 from heterog.lower.sync_tasks import tied_bytes
 from heterog.lower.taskgraph import Tasks
 from heterog.lower.tasks import expand
+from heterog.lower.tensor_parallel import refuse_tensor_parallel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +54,7 @@ class Schedule:
 
 def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
     """Validate `plan` against graph and cluster; cheap on repeated calls (cached pieces)."""
+    refuse_tensor_parallel(plan, "the schedule of whole tasks per device")
     cache.validate(plan)
     info = cache.cluster_info(cluster)
     for g in plan.groups:

@@ -47,7 +47,7 @@ def simulate(
         split, on_split, tp_costs = tensor_parallel_inputs(graph, cluster, plan, costs)
         result = simulate(split, cluster, on_split, tp_costs, timeline=timeline)
         capacity = {d: cluster.memory_bytes(d) for d in plan.devices()}
-        return mirror_members(result, plan, capacity)
+        return mirror_members(result, plan, tp_costs, capacity)
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -23,7 +23,7 @@ from heterog.errors import GraphError, PlanError
 from heterog.hardware.cluster import Cluster
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
-from heterog.simulate.result import SimResult
+from heterog.simulate.result import SimEvent, SimResult, Traffic
 
 
 def check_tensor_parallel(graph: OpGraph, plan: Plan) -> None:
@@ -91,27 +91,53 @@ def first_ranks(plan: Plan, split: OpGraph) -> Plan:
     return dataclasses.replace(plan, groups=groups, graph_fingerprint=split.fingerprint())
 
 
-def mirror_members(result: SimResult, plan: Plan, capacity_bytes: dict[str, int]) -> SimResult:
-    """`result` (simulated on first ranks) with every member given its first rank's memory and
-    compute time, and the feasibility of each member's own memory."""
-    peak, persistent = dict(result.peak_memory_bytes), dict(result.persistent_memory_bytes)
-    compute, capacity = dict(result.compute_time_s), dict(result.memory_capacity_bytes)
+def tensor_parallel_time_s(plan: Plan, costs: TensorParallelCostModel) -> dict[str, float]:
+    """Per first rank, the time of its per-block all-reduces in one iteration (part of its
+    compute time: Megatron runs them on the compute stream)."""
+    out: dict[str, float] = {}
     for g in plan.groups:
-        for r in g.replicas:
-            for m in r.tp_devices:
-                peak[m] = peak.get(r.device, 0)
-                persistent[m] = persistent.get(r.device, 0)
-                compute[m] = compute.get(r.device, 0.0)
-                capacity[m] = capacity_bytes[m]
+        for m in range(plan.num_microbatches):
+            for r, samples in zip(g.replicas, plan.replica_samples(g, m), strict=True):
+                t = costs.group_collectives_time_s(g.nodes, r.device, samples)
+                out[r.device] = out.get(r.device, 0.0) + t
+    return out
+
+
+def mirror_members(
+    result: SimResult, plan: Plan, costs: TensorParallelCostModel, capacity: dict[str, int]
+) -> SimResult:
+    """`result` (simulated on first ranks) with every member given its first rank's memory,
+    compute, idle and communication time (the last with its per-block all-reduces) and
+    timeline, and the feasibility of each member's own memory."""
+    first = {m: r.device for g in plan.groups for r in g.replicas for m in r.members}
+    peak = {d: result.peak_memory_bytes[first[d]] for d in first}
     over = [(peak[d] - capacity[d], d) for d in peak if peak[d] > capacity[d]]
     worst = max(over) if over else None
+    tp_time = tensor_parallel_time_s(plan, costs)
+
+    def traffic() -> Traffic:
+        t = result._traffic_of()
+        comm = {d: t.communication_time_s.get(first[d], 0.0) + tp_time.get(first[d], 0.0) for d in first}
+        return dataclasses.replace(t, communication_time_s=comm)
+
+    def events() -> list[SimEvent]:
+        out = list(result.events)
+        for e in result.events:
+            out += [e._replace(track=m) for m, lead in first.items() if lead == e.track and m != lead]
+        return out
+
     return dataclasses.replace(
         result,
         peak_memory_bytes=peak,
-        persistent_memory_bytes=persistent,
-        compute_time_s=compute,
-        memory_capacity_bytes=capacity,
+        persistent_memory_bytes={d: result.persistent_memory_bytes[first[d]] for d in first},
+        compute_time_s={d: result.compute_time_s[first[d]] for d in first},
+        idle_time_s={d: result.idle_time_s[first[d]] for d in first},
+        memory_capacity_bytes={d: capacity[d] for d in first},
         feasible=not over,
-        overflow_device=result.overflow_device or (worst[1] if worst else None),
-        overflow_bytes=result.overflow_bytes or (int(worst[0]) if worst else 0),
+        overflow_device=worst[1] if worst else None,
+        overflow_bytes=int(worst[0]) if worst else 0,
+        timeline_source=events,
+        traffic_source=traffic,
+        _built=[],
+        _traffic=[],
     )

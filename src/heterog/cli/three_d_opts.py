@@ -1,0 +1,94 @@
+"""`heterog plan --strategy 3d`: the options of the Megatron/DeepSpeed-style plan and its writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from heterog.cli.output import console, print_json
+from heterog.fmt import human_bytes, human_time
+
+STRATEGY = "3d"  # search/three_d.py STRATEGY (not imported: `heterog --help` starts without numpy)
+
+TP_OPTION = typer.Option(None, "--tp", min=1, help="--strategy 3d: tensor-parallel degree (1, 2, 4 or 8).")
+PP_OPTION = typer.Option(None, "--pp", min=1, help="--strategy 3d: pipeline stages.")
+DP_OPTION = typer.Option(None, "--dp", min=1, help="--strategy 3d: data-parallel replicas of each stage.")
+STAGE_LAYERS_OPTION = typer.Option(
+    None, "--stage-layers", help="--strategy 3d: blocks per stage, e.g. 7,9,9,9 (default: an even split)."
+)
+MICROBATCHES_OPTION = typer.Option(1, "--microbatches", min=1, help="--strategy 3d: micro-batches per iteration.")
+SCHEDULE_OPTION = typer.Option("1f1b", "--schedule", help="--strategy 3d: pipeline schedule, gpipe or 1f1b.")
+ZERO_OPTION = typer.Option(0, "--zero", min=0, max=3, help="--strategy 3d: ZeRO stage across the dp replicas.")
+DEVICES_OPTION = typer.Option(
+    None, "--devices", help="--strategy 3d: the tp·pp·dp devices in rank order (default: Megatron's order)."
+)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(
+            f"give comma-separated whole numbers, e.g. 7,9,9,9; found {text!r}.", param_hint=flag
+        ) from None
+
+
+def check_3d_options(strategy: str | None, given: dict[str, Any]) -> None:
+    """The 3d options belong to --strategy 3d, which needs --tp, --pp and --dp."""
+    used = [k for k, v in given.items() if v is not None]
+    if strategy != STRATEGY and used:
+        raise typer.BadParameter(
+            f"{', '.join(used)} describe a Megatron-style plan; add --strategy 3d (with --tp, --pp and --dp)."
+        )
+    if strategy == STRATEGY:
+        missing = [k for k in ("--tp", "--pp", "--dp") if given.get(k) is None]
+        if missing:
+            raise typer.BadParameter(f"--strategy 3d needs {', '.join(missing)} (e.g. --tp 2 --pp 4 --dp 2).")
+
+
+def write_3d(
+    inputs: dict[str, Any],
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    stage_layers: str | None,
+    devices: str | None,
+    options: dict[str, Any],
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    """Build the 3d plan (heterog.plan_3d), write it to `out` and show its prediction."""
+    from heterog.plan_module import plan_3d
+
+    plan = plan_3d(
+        inputs["model"],
+        cluster=inputs["cluster"],
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        batch_size=inputs["batch_size"],
+        model_args=inputs["model_args"],
+        seq_len=inputs["seq_len"],
+        stage_layers=_ints(stage_layers, "--stage-layers") if stage_layers else None,
+        devices=[d.strip() for d in devices.split(",")] if devices else None,
+        precision=inputs["precision"],
+        optimizer=inputs["optimizer"],
+        **options,
+    )
+    if out is not None:
+        plan.save(out)
+    if as_json:
+        print_json(plan.to_dict())
+        return
+    peak = max(plan.predicted_peak_memory_bytes.values())
+    console.print(
+        f"[bold]3d plan[/bold] tp {tp} × pp {pp} × dp {dp} of {plan.model.name}: "
+        f"{human_time(plan.predicted_iteration_time_s or 0.0)} per iteration, peak memory {human_bytes(peak)}"
+    )
+    for note in plan.notes:
+        console.print(f"  {note}")
+    if out is not None:
+        console.print(f"plan written to {out}")
