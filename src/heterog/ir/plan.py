@@ -246,14 +246,16 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
         seen: dict[str, None] = {}
         for g in self.groups:
             for r in g.replicas:
-                for d in r.members:
+                seen.setdefault(r.device, None)
+                for d in r.tp_devices:
                     seen.setdefault(d, None)
         return tuple(seen)
 
     @property
     def tensor_parallel(self) -> bool:
-        """True when some replica splits its blocks over several devices."""
-        return any(r.tp_devices for g in self.groups for r in g.replicas)
+        """True when some group splits its blocks over several devices (a group's replicas
+        share one degree, Group.validate; reading the first keeps this cheap at 1024 replicas)."""
+        return any(g.replicas and g.replicas[0].tp_devices for g in self.groups)
 
     def microbatch_size(self, index: int) -> int:
         """Samples in micro-batch `index`; the batch is split as evenly as integers allow."""
@@ -324,10 +326,6 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
                     f"{len(missing)} graph node(s) belong to no group, e.g. {missing[:3]}; "
                     f"every node must be in exactly one group."
                 )
-            if self.tensor_parallel:  # the split needs the graph's transformer blocks
-                from heterog.simulate.tensor_parallel import check_tensor_parallel
-
-                check_tensor_parallel(graph, self)
             if self.graph_fingerprint and self.graph_fingerprint != graph.fingerprint():
                 raise PlanError(
                     f"the plan was made for a different model graph (fingerprint "

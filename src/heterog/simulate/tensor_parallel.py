@@ -52,6 +52,7 @@ def tensor_parallel_inputs(
 ) -> tuple[OpGraph, Plan, TensorParallelCostModel]:
     """The split graph, the plan on its first ranks and the cost model of one rank per replica."""
     plan.validate(graph, cluster)
+    check_tensor_parallel(graph, plan)
     degrees = sorted({g.tp_degree for g in plan.groups})
     if len(degrees) > 1:
         raise PlanError(
