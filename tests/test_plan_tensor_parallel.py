@@ -190,3 +190,24 @@ def test_cli_writes_3d_plans_and_check_refuses_them(tmp_path):
     assert res.exit_code != 0 and isinstance(res.exception, PlanError) and "tensor parallelism" in str(res.exception)
     res = CliRunner().invoke(app, [*base, "--cluster", "paper-8gpu", "--tp", "2"])
     assert res.exit_code != 0 and "add --strategy 3d" in res.output + str(res.exception)
+
+
+def test_stages_of_different_degrees(small):
+    """A small Llama (untied head) with a 4-way first stage and a 2-way second: each stage's
+    ranks hold their own slice, so the second stage holds what it holds in the uniform 2-way
+    plan on the same devices, the first half of that; a tied embedding and head across stages
+    of different degrees are refused."""
+    spec = ModelSpec(name="llama", batch_size=B, seq_len=S)
+    graph = capture_model("llama", {}, batch_size=B, seq_len=S)
+    inputs = model_inputs(spec, load_cluster("paper-8gpu"), graph=graph)
+    gtx = ["gtx0/gpu0", "gtx0/gpu1", "gtx1/gpu0", "gtx1/gpu1"]
+    mixed = _3d(inputs, spec=spec, tp=[4, 2], pp=2, dp=1, devices=[*gtx, "p100/gpu0", "p100/gpu1"])
+    uniform = _3d(inputs, spec=spec, tp=2, pp=2, dp=1, devices=[*gtx[:2], "p100/gpu0", "p100/gpu1"])
+    assert [g.tp_degree for g in mixed.groups] == [4, 2]
+    sim, ref = simulate(*inputs[:2], mixed, inputs[2]), simulate(*inputs[:2], uniform, inputs[2])
+    assert sim.feasible and len(sim.peak_memory_bytes) == 6
+    held, ref_held = sim.persistent_memory_bytes, ref.persistent_memory_bytes
+    assert held["p100/gpu1"] == ref_held["p100/gpu1"]
+    assert held["gtx1/gpu1"] == held["gtx0/gpu0"] < ref_held["gtx0/gpu0"]
+    with pytest.raises(PlanError, match="must share a tensor-parallel degree"):
+        simulate(*small[:2], _3d(small, tp=[2, 1], pp=2, dp=1), small[2])

@@ -132,12 +132,19 @@ def _stage_of_node(graph: OpGraph, starts: list[int], layers: list[int]) -> list
     return out
 
 
+def _schedule(name: str) -> PipelineSchedule:
+    try:
+        return PipelineSchedule(name)
+    except ValueError:
+        raise PlanError(f"--schedule {name!r} is not one of {', '.join(PipelineSchedule)}.") from None
+
+
 def megatron_3d(
     graph: OpGraph,
     cluster: Cluster,
     *,
     model_spec: ModelSpec,
-    tp: int,
+    tp: int | Sequence[int],
     pp: int,
     dp: int,
     stage_layers: Sequence[int] | None = None,
@@ -148,10 +155,16 @@ def megatron_3d(
     precision: str = Precision.FP32,
     optimizer: str = "sgd",
 ) -> Plan:
-    """The 3d plan (module docstring), validated against graph and cluster."""
+    """The 3d plan (module docstring), validated against graph and cluster. `tp`: one degree,
+    or one per stage (stages on different GPU types); a stage's ranks follow the earlier
+    stages' in the same order."""
     if dp < 1:
         raise PlanError(f"--dp must be ≥ 1, found {dp}.")
-    _check_divides(graph, model_spec, tp)
+    tps = [tp] * pp if isinstance(tp, int) else list(tp)
+    if len(tps) != pp:
+        raise PlanError(f"tp gives {len(tps)} degrees for {pp} stages; give one degree, or one per stage.")
+    for t in sorted(set(tps)):
+        _check_divides(graph, model_spec, t)
     if model_spec.batch_size % (microbatches * dp):
         raise PlanError(
             f"batch size {model_spec.batch_size} is not a multiple of microbatches × dp = {microbatches} × {dp}; "
@@ -159,7 +172,7 @@ def megatron_3d(
         )
     if zero and dp < 2:
         raise PlanError(f"--zero {zero} shards state across data-parallel replicas; it needs --dp ≥ 2.")
-    names = _devices(cluster, tp * pp * dp, devices)
+    names = _devices(cluster, sum(tps) * dp, devices)
     if pp > 1:
         starts = block_starts(graph)
         stages = _stage_of_node(graph, starts, _stage_layers(len(starts), pp, stage_layers))
@@ -168,13 +181,14 @@ def megatron_3d(
         if stage_layers is not None:
             _stage_layers(len(block_starts(graph)), pp, stage_layers)
     groups = []
-    for s in range(pp):
+    for s, t in enumerate(tps):
+        first = dp * sum(tps[:s])  # the stage's first rank: earlier stages fill dp · tp each
         replicas = tuple(
             Replica(
-                device=names[(s * dp + j) * tp],
+                device=names[first + j * t],
                 share=1.0 / dp,
                 shard=1.0 / dp if zero else None,
-                tp_devices=tuple(names[(s * dp + j) * tp + 1 : (s * dp + j + 1) * tp]),
+                tp_devices=tuple(names[first + j * t + 1 : first + (j + 1) * t]),
             )
             for j in range(dp)
         )
@@ -190,15 +204,16 @@ def megatron_3d(
     plan = Plan(
         strategy=STRATEGY,
         model=model_spec,
-        precision=precision,
+        precision=Precision(precision),
         optimizer=optimizer,
         groups=tuple(groups),
         num_microbatches=microbatches,
-        schedule=schedule,
+        schedule=_schedule(schedule),
         graph_fingerprint=graph.fingerprint(),
         cluster_fingerprint=cluster.fingerprint(),
         notes=(
-            f"Megatron-style 3d plan: tp {tp} × pp {pp} × dp {dp} on {len(names)} devices, ranks in order "
+            f"Megatron-style 3d plan: tp {tp if isinstance(tp, int) else tps} × pp {pp} × dp {dp} on "
+            f"{len(names)} devices, ranks in order "
             f"tensor, data, pipeline; {microbatches} micro-batch(es), {schedule}"
             + (f", ZeRO stage {zero}" if zero else "")
             + ".",

@@ -8,9 +8,12 @@ members' own links added to the node they follow (Megatron v1 runs them on the c
 gradient syncs and stage-to-stage sends as the t sibling rings (or sends) that run at once.
 Every member's memory and compute time is its first rank's: the slices are alike.
 
-Limits: one degree for the whole plan (the cost model's); the per-block all-reduces are part
-of a compute task's time, not tasks of their own; the analytic cost model prices the slices
-(a measured profile of the unsplit nodes does not describe them).
+Stages may differ in degree (the cost model splits each node at its group's degree; a send
+between sets of different sizes gives every rank of the larger set a whole copy).
+
+Limits: the per-block all-reduces are part of a compute task's time, not tasks of their own;
+the analytic cost model prices the slices (a measured profile of the unsplit nodes does not
+describe them).
 """
 
 from __future__ import annotations
@@ -54,11 +57,6 @@ def tensor_parallel_inputs(
     plan.validate(graph, cluster)
     check_tensor_parallel(graph, plan)
     degrees = sorted({g.tp_degree for g in plan.groups})
-    if len(degrees) > 1:
-        raise PlanError(
-            f"the plan's groups have tensor-parallel degrees {degrees}; the simulator prices one degree for "
-            f"the whole plan. Give every group the same degree."
-        )
     if type(costs) is not AnalyticCostModel:
         raise PlanError(
             f"a tensor-parallel plan is priced by the analytic cost model of its slices, but the costs given "
@@ -75,10 +73,11 @@ def tensor_parallel_inputs(
     tp = TensorParallelCostModel(
         graph,
         cluster,
-        degree=degrees[0],
+        degree=degrees[-1],
         groups=groups,
         precision=plan.precision,
         optimizer=plan.optimizer,
+        node_degrees={n: g.tp_degree for g in plan.groups for n in g.nodes} if len(degrees) > 1 else None,
     )
     return tp.graph, first_ranks(plan, tp.graph), tp
 
