@@ -61,6 +61,7 @@ def write_3d(
     as_json: bool,
 ) -> None:
     """Build the 3d plan (heterog.plan_3d), write it to `out` and show its prediction."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.plan_module import plan_3d
 
     plan = plan_3d(

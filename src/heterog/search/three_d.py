@@ -46,7 +46,7 @@ def block_starts(graph: OpGraph) -> list[int]:
 def attention_heads(spec: ModelSpec) -> dict[str, int]:
     """The zoo model's attention heads (and key/value heads) as its builder receives them;
     {} for a user model (the capture does not record them)."""
-    from heterog.capture.zoo import ZOO
+    from heterog.capture.zoo import ZOO  # the zoo's builders load torch: only a 3d plan asks for heads
 
     entry = ZOO.get(spec.name)
     if entry is None:
