@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -18,7 +19,7 @@ from heterog.hardware.spec import load_cluster
 from heterog.inputs import model_inputs
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.lower.tensor_parallel import refuse_tensor_parallel
-from heterog.search.three_d import megatron_3d
+from heterog.search.three_d import best_uniform, grid, megatron_3d
 from heterog.simulate.simulator import simulate
 
 B, S = 8, 32
@@ -211,3 +212,27 @@ def test_stages_of_different_degrees(small):
     assert held["gtx1/gpu1"] == held["gtx0/gpu0"] < ref_held["gtx0/gpu0"]
     with pytest.raises(PlanError, match="must share a tensor-parallel degree"):
         simulate(*small[:2], _3d(small, tp=[2, 1], pp=2, dp=1), small[2])
+
+
+def test_megatron_grid_enumerates_what_megatron_allows_and_ranks_by_the_simulator(small):
+    """gpt2 with 12 heads and 4 blocks on 4 nodes × 2 GPUs: tp 1 or 2 (4 would leave a node,
+    8 does not divide the heads), pp dividing 4 blocks, dp the rest of 8 devices."""
+    graph, cluster, costs = small
+    points = grid(graph, cluster, SMALL)
+    assert {(tp, pp, dp) for tp, pp, dp, _ in points} == {
+        (1, 1, 8),
+        (1, 2, 4),
+        (1, 4, 2),
+        (2, 1, 4),
+        (2, 2, 2),
+        (2, 4, 1),
+    }
+    assert all(m == 1 for tp, pp, dp, m in points if pp == 1) and (2, 4, 1, 8) in points
+    ranked = best_uniform(
+        graph, cluster, costs, SMALL, deadline_s=time.perf_counter() + 60, precision="fp32", optimizer="sgd"
+    )
+    assert len(ranked) == len(points) and ranked[0].feasible
+    assert ranked[0].iteration_time_s == min(p.iteration_time_s for p in ranked if p.feasible)
+    best = ranked[0]
+    again = _3d(small, tp=best.tp, pp=best.pp, dp=best.dp, microbatches=best.microbatches)
+    assert simulate(graph, cluster, again, costs).iteration_time_s == best.iteration_time_s

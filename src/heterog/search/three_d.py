@@ -15,7 +15,9 @@ block's end (final norm, head, loss) the last, as Megatron's pre_process / post_
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from heterog.cost.tensor_parallel import DEGREES, megatron_layout
 from heterog.errors import GraphError, PlanError
@@ -23,6 +25,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.simulate.simulator import simulate
 
 STRATEGY = "3d"
 REGIONS_PER_BLOCK = 2  # Megatron splits a block's attention and its MLP: two regions
@@ -220,3 +223,83 @@ def megatron_3d(
         ),
     )
     return plan.validate(graph, cluster)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GridPoint:
+    """One uniform Megatron configuration of the grid and its simulated iteration."""
+
+    tp: int
+    pp: int
+    dp: int
+    microbatches: int
+    plan: Plan
+    iteration_time_s: float
+    feasible: bool
+
+
+def grid(graph: OpGraph, cluster: Cluster, spec: ModelSpec) -> list[tuple[int, int, int, int]]:
+    """Every uniform (tp, pp, dp, micro-batches) on all the cluster's devices as Megatron
+    allows it: tp one of 1, 2, 4, 8 dividing the heads and features and a node's devices (a
+    tensor-parallel set never leaves a node), pp dividing the blocks, dp the rest, and a
+    number of micro-batches (a power of two; 1 without a pipeline) dividing batch / dp."""
+    n = len(cluster.devices)
+    per_node = min(len(node.devices) for node in cluster.nodes)
+    try:
+        blocks = len(block_starts(graph))
+    except PlanError:
+        blocks = 1
+    out = []
+    for tp in DEGREES:
+        if per_node % tp or n % tp:
+            continue
+        try:
+            _check_divides(graph, spec, tp)
+        except (PlanError, GraphError):
+            continue
+        for pp in (p for p in range(1, blocks + 1) if blocks % p == 0 and n % (tp * p) == 0):
+            dp = n // (tp * pp)
+            if spec.batch_size % dp:
+                continue
+            m = 1
+            while spec.batch_size % (m * dp) == 0 and (m == 1 or pp > 1):
+                out.append((tp, pp, dp, m))
+                m *= 2
+    return out
+
+
+def best_uniform(
+    graph: OpGraph, cluster: Cluster, costs, spec: ModelSpec, *, deadline_s: float, precision: str, optimizer: str
+) -> list[GridPoint]:
+    """The grid's configurations scored by the simulator until `deadline_s` (cheapest-looking
+    first: fewest pipeline stages and micro-batches, the way a Megatron user tries them),
+    best first: fitting ones by iteration time, then the others."""
+    scored = []
+    for tp, pp, dp, m in sorted(grid(graph, cluster, spec), key=lambda c: (c[1], c[3], c[0])):
+        if time.perf_counter() > deadline_s and scored:
+            break
+        made = megatron_3d(
+            graph,
+            cluster,
+            model_spec=spec,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            microbatches=m,
+            precision=precision,
+            optimizer=optimizer,
+        )
+        sim = simulate(graph, cluster, made, costs, timeline=False)
+        made = replace(made, strategy="megatron-3d").with_prediction(sim.iteration_time_s, sim.peak_memory_bytes)
+        scored.append(
+            GridPoint(
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                microbatches=m,
+                plan=made,
+                iteration_time_s=sim.iteration_time_s,
+                feasible=sim.feasible,
+            )
+        )
+    return sorted(scored, key=lambda g: (not g.feasible, g.iteration_time_s))
