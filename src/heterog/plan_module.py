@@ -39,8 +39,7 @@ from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
 from heterog.search.objective import DEFAULT_TOLERANCE, Goal
 from heterog.search.planner import DEFAULT_BUDGET_S, REQUIRED_STAGES, load_code, plan_graph
-from heterog.search.three_d import megatron_3d
-from heterog.simulate.simulator import simulate
+from heterog.search.three_d import simulated_3d
 
 
 def model_graph(
@@ -185,9 +184,10 @@ def plan_3d(
     simulator's prediction and the cluster spec in it, as `heterog plan --strategy 3d` writes."""
     spec, graph = model_graph(model, batch_size=batch_size, model_args=model_args, seq_len=seq_len)
     graph, seen, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
-    made = megatron_3d(
+    made, _ = simulated_3d(
         graph,
         seen,
+        costs,
         model_spec=spec,
         tp=tp,
         pp=pp,
@@ -200,7 +200,4 @@ def plan_3d(
         precision=precision,
         optimizer=optimizer,
     )
-    sim = simulate(graph, seen, made, costs, timeline=False)
-    fits = "fits" if sim.feasible else f"does not fit: {sim.overflow_device} over by {sim.overflow_bytes} bytes"
-    made = replace(made, cluster=cluster_to_dict(seen), notes=(*made.notes, f"simulated: it {fits}."))
-    return made.with_prediction(sim.iteration_time_s, sim.peak_memory_bytes)
+    return replace(made, cluster=cluster_to_dict(seen))

@@ -250,6 +250,11 @@ def split_graph(graph: OpGraph, layout: TensorParallelLayout, degree: int) -> Op
     ties = tuple(
         replace(t, param_bytes=round(t.param_bytes / degree)) if tied & set(t.nodes) else t for t in graph.ties
     )
+    return _with_nodes(graph, nodes, edges, ties, degree)
+
+
+def _with_nodes(graph: OpGraph, nodes: tuple, edges: tuple, ties: tuple, degree: int) -> OpGraph:
+    """`graph` with one rank's nodes, edges and ties, its parameters counted again."""
     return replace(
         graph,
         nodes=nodes,
@@ -278,14 +283,7 @@ def split_graph_by_node(graph: OpGraph, layout: TensorParallelLayout, degrees: M
     nodes = tuple(by[degrees.get(n.name, 1)].nodes[i] for i, n in enumerate(graph.nodes))
     edges = tuple(by[degrees.get(e.src, 1)].edges[i] for i, e in enumerate(graph.edges))
     ties = by[degrees.get(v.embedding, 1)].ties if v is not None else graph.ties
-    return replace(
-        graph,
-        nodes=nodes,
-        edges=edges,
-        ties=ties,
-        num_parameters=sum(n.param_count for n in nodes),
-        meta={**graph.meta, "tensor_parallel_degree": found[-1]},
-    )
+    return _with_nodes(graph, nodes, edges, ties, found[-1])
 
 
 def group_collectives(graph: OpGraph, layout: TensorParallelLayout, precision: str) -> tuple[GroupCollective, ...]:

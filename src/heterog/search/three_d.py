@@ -18,6 +18,7 @@ import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from heterog.cost.tensor_parallel import DEGREES, megatron_layout
 from heterog.errors import GraphError, PlanError
@@ -25,6 +26,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.simulate.result import SimResult
 from heterog.simulate.simulator import simulate
 
 STRATEGY = "3d"
@@ -225,6 +227,15 @@ def megatron_3d(
     return plan.validate(graph, cluster)
 
 
+def simulated_3d(graph: OpGraph, cluster: Cluster, costs, **options: Any) -> tuple[Plan, SimResult]:
+    """`megatron_3d(graph, cluster, **options)` with the simulator's prediction in it."""
+    made = megatron_3d(graph, cluster, **options)
+    sim = simulate(graph, cluster, made, costs, timeline=False)
+    fits = "fits" if sim.feasible else f"does not fit: {sim.overflow_device} over by {sim.overflow_bytes} bytes"
+    made = replace(made, notes=(*made.notes, f"simulated: it {fits}."))
+    return made.with_prediction(sim.iteration_time_s, sim.peak_memory_bytes), sim
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GridPoint:
     """One uniform Megatron configuration of the grid and its simulated iteration."""
@@ -278,9 +289,10 @@ def best_uniform(
     for tp, pp, dp, m in sorted(grid(graph, cluster, spec), key=lambda c: (c[1], c[3], c[0])):
         if time.perf_counter() > deadline_s and scored:
             break
-        made = megatron_3d(
+        made, sim = simulated_3d(
             graph,
             cluster,
+            costs,
             model_spec=spec,
             tp=tp,
             pp=pp,
@@ -289,17 +301,14 @@ def best_uniform(
             precision=precision,
             optimizer=optimizer,
         )
-        sim = simulate(graph, cluster, made, costs, timeline=False)
-        made = replace(made, strategy="megatron-3d").with_prediction(sim.iteration_time_s, sim.peak_memory_bytes)
-        scored.append(
-            GridPoint(
-                tp=tp,
-                pp=pp,
-                dp=dp,
-                microbatches=m,
-                plan=made,
-                iteration_time_s=sim.iteration_time_s,
-                feasible=sim.feasible,
-            )
+        point = GridPoint(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            microbatches=m,
+            plan=replace(made, strategy="megatron-3d"),
+            iteration_time_s=sim.iteration_time_s,
+            feasible=sim.feasible,
         )
+        scored.append(point)
     return sorted(scored, key=lambda g: (not g.feasible, g.iteration_time_s))
