@@ -285,7 +285,7 @@ def best_uniform(
     """The grid's configurations scored by the simulator until `deadline_s` (cheapest-looking
     first: fewest pipeline stages and micro-batches, the way a Megatron user tries them),
     best first: fitting ones by iteration time, then the others."""
-    scored = []
+    scored: list[GridPoint] = []
     for tp, pp, dp, m in sorted(grid(graph, cluster, spec), key=lambda c: (c[1], c[3], c[0])):
         if time.perf_counter() > deadline_s and scored:
             break
