@@ -187,10 +187,19 @@ def test_cli_writes_3d_plans_and_check_refuses_them(tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert Plan.load(out).groups[1].tp_degree == 2
+    res = CliRunner().invoke(app, ["simulate", str(out)])  # every member's row, its all-reduces in comm
+    assert res.exit_code == 0, res.output
+    assert "v100/gpu1" in res.output and "p100/gpu1" in res.output
     res = CliRunner().invoke(app, ["check", str(out)])
     assert res.exit_code != 0 and isinstance(res.exception, PlanError) and "tensor parallelism" in str(res.exception)
     res = CliRunner().invoke(app, [*base, "--cluster", "paper-8gpu", "--tp", "2"])
     assert res.exit_code != 0 and "add --strategy 3d" in res.output + str(res.exception)
+    grid_out = tmp_path / "grid.json"
+    res = CliRunner().invoke(
+        app, [*base, "--cluster", "paper-8gpu", "--strategy", "megatron-3d", "--out", str(grid_out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert Plan.load(grid_out).strategy == "megatron-3d" and "megatron-3d: best of" in " ".join(res.output.split())
 
 
 def test_stages_of_different_degrees(small):

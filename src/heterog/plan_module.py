@@ -39,7 +39,7 @@ from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
 from heterog.search.objective import DEFAULT_TOLERANCE, Goal
 from heterog.search.planner import DEFAULT_BUDGET_S, REQUIRED_STAGES, load_code, plan_graph
-from heterog.search.three_d import simulated_3d
+from heterog.search.three_d import best_uniform, simulated_3d
 
 
 def model_graph(
@@ -201,3 +201,32 @@ def plan_3d(
         optimizer=optimizer,
     )
     return replace(made, cluster=cluster_to_dict(seen))
+
+
+def plan_megatron_3d(
+    model: str,
+    *,
+    cluster: Any,
+    batch_size: int | None = None,
+    model_args: dict[str, Any] | None = None,
+    seq_len: int | None = None,
+    budget_s: float = DEFAULT_BUDGET_S,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+) -> Plan:
+    """The `megatron-3d` baseline: the best uniform (tp, pp, dp, micro-batches) plan on all of
+    `cluster`'s devices, the grid Megatron allows enumerated and scored by the simulator for
+    about `budget_s` seconds (search/three_d.py best_uniform), as `heterog plan --strategy
+    megatron-3d` writes it."""
+    t0 = time.perf_counter()
+    spec, graph = model_graph(model, batch_size=batch_size, model_args=model_args, seq_len=seq_len)
+    graph, seen, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
+    ranked = best_uniform(graph, seen, costs, spec, deadline_s=t0 + budget_s, precision=precision, optimizer=optimizer)
+    if not ranked:
+        raise PlanError(f"{spec.name}: no uniform tp × pp × dp configuration covers the {len(seen.devices)} devices.")
+    best = ranked[0]
+    note = (
+        f"megatron-3d: best of {len(ranked)} uniform configurations scored: tp {best.tp}, pp {best.pp}, "
+        f"dp {best.dp}, {best.microbatches} micro-batch(es)."
+    )
+    return replace(best.plan, cluster=cluster_to_dict(seen), notes=(*best.plan.notes, note))

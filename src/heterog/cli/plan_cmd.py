@@ -28,6 +28,7 @@ from heterog.cli.stop import raise_if_stopped
 from heterog.cli.three_d_opts import (
     DEVICES_OPTION,
     DP_OPTION,
+    GRID,
     MICROBATCHES_OPTION,
     PP_OPTION,
     SCHEDULE_OPTION,
@@ -37,6 +38,7 @@ from heterog.cli.three_d_opts import (
     ZERO_OPTION,
     check_3d_options,
     write_3d,
+    write_grid,
 )
 from heterog.errors import did_you_mean
 from heterog.fmt import human_bytes, human_time
@@ -185,7 +187,8 @@ def plan_command(
         "--strategy",
         help="Write this candidate's plan to --out instead of "
         "the best (a name from the candidates table, e.g. even-dp-allreduce); or 3d: "
-        "write the Megatron-style plan of --tp/--pp/--dp without a search.",
+        "write the Megatron-style plan of --tp/--pp/--dp without a search; or megatron-3d: the best "
+        "uniform tp × pp × dp plan within --budget-s.",
     ),
     tp: int | None = TP_OPTION,
     pp: int | None = PP_OPTION,
@@ -210,7 +213,7 @@ def plan_command(
     check_3d_options(
         strategy, {"--tp": tp, "--pp": pp, "--dp": dp, "--stage-layers": stage_layers, "--devices": devices}
     )
-    if strategy == STRATEGY and tp is not None and pp is not None and dp is not None:
+    if strategy in (STRATEGY, GRID):
         _check_choices(precision, optimizer, None)
         inputs = {
             "model": model,
@@ -221,18 +224,13 @@ def plan_command(
             "precision": precision,
             "optimizer": optimizer,
         }
+        if strategy == GRID:
+            write_grid(inputs, budget_s=budget_s, out=out, as_json=as_json)
+            return
+        assert tp is not None and pp is not None and dp is not None  # check_3d_options
         options = {"microbatches": microbatches, "schedule": schedule, "zero": zero}
-        write_3d(
-            inputs,
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            stage_layers=stage_layers,
-            devices=devices,
-            options=options,
-            out=out,
-            as_json=as_json,
-        )
+        sizes = {"tp": tp, "pp": pp, "dp": dp}
+        write_3d(inputs, **sizes, stage_layers=stage_layers, devices=devices, options=options, out=out, as_json=as_json)
         return
     _check_choices(precision, optimizer, strategy)
     goal, cluster_in = objective_inputs(objective, max_cost_per_hour, tolerance, price, cluster)

@@ -11,6 +11,7 @@ from heterog.cli.output import console, print_json
 from heterog.fmt import human_bytes, human_time
 
 STRATEGY = "3d"  # search/three_d.py STRATEGY (not imported: `heterog --help` starts without numpy)
+GRID = "megatron-3d"  # the best uniform tp × pp × dp plan, scored by the simulator
 
 TP_OPTION = typer.Option(None, "--tp", min=1, help="--strategy 3d: tensor-parallel degree (1, 2, 4 or 8).")
 PP_OPTION = typer.Option(None, "--pp", min=1, help="--strategy 3d: pipeline stages.")
@@ -48,6 +49,31 @@ def check_3d_options(strategy: str | None, given: dict[str, Any]) -> None:
             raise typer.BadParameter(f"--strategy 3d needs {', '.join(missing)} (e.g. --tp 2 --pp 4 --dp 2).")
 
 
+def write_grid(inputs: dict[str, Any], *, budget_s: float, out: Path | None, as_json: bool) -> None:
+    """The megatron-3d baseline (heterog.plan_megatron_3d), written to `out` and shown."""
+    # imported when the command runs: `heterog --help` starts without numpy or torch
+    from heterog.plan_module import plan_megatron_3d
+
+    _show(plan_megatron_3d(inputs.pop("model"), budget_s=budget_s, **inputs), out, as_json)
+
+
+def _show(plan, out: Path | None, as_json: bool) -> None:
+    if out is not None:
+        plan.save(out)
+    if as_json:
+        print_json(plan.to_dict())
+        return
+    peak = max(plan.predicted_peak_memory_bytes.values())
+    console.print(
+        f"[bold]{plan.strategy} plan[/bold] of {plan.model.name}: "
+        f"{human_time(plan.predicted_iteration_time_s or 0.0)} per iteration, peak memory {human_bytes(peak)}"
+    )
+    for note in plan.notes:
+        console.print(f"  {note}")
+    if out is not None:
+        console.print(f"plan written to {out}")
+
+
 def write_3d(
     inputs: dict[str, Any],
     *,
@@ -79,17 +105,4 @@ def write_3d(
         optimizer=inputs["optimizer"],
         **options,
     )
-    if out is not None:
-        plan.save(out)
-    if as_json:
-        print_json(plan.to_dict())
-        return
-    peak = max(plan.predicted_peak_memory_bytes.values())
-    console.print(
-        f"[bold]3d plan[/bold] tp {tp} × pp {pp} × dp {dp} of {plan.model.name}: "
-        f"{human_time(plan.predicted_iteration_time_s or 0.0)} per iteration, peak memory {human_bytes(peak)}"
-    )
-    for note in plan.notes:
-        console.print(f"  {note}")
-    if out is not None:
-        console.print(f"plan written to {out}")
+    _show(plan, out, as_json)
