@@ -77,7 +77,10 @@ def _check_divides(graph: OpGraph, spec: ModelSpec, tp: int) -> None:
                 f"{spec.name}: --tp {tp} does not divide its {value} attention {key.replace('_', '-')}; "
                 f"Megatron gives each tensor rank whole heads. Use a tp that divides {value}."
             )
-    layout = megatron_layout(graph)
+    try:
+        layout = megatron_layout(graph)
+    except GraphError as e:
+        raise PlanError(f"{e} Use --tp 1 (pipeline and data parallelism only).") from None
     per_token = 4.0 * (graph.seq_len or 1)  # fp32 capture sizes (cost/tensor_parallel.py)
     for r in layout.regions:
         for c in r.column:
