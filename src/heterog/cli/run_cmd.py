@@ -295,8 +295,7 @@ def run_command(
     Checks first that the plan fits the model, its cluster, the data and this machine's
     memory; --checkpoint-dir/--checkpoint-every save, --resume continues (docs/robustness.md)."""
     set_wide(wide)
-    p = Plan.load(plan)
-    refuse_tensor_parallel(p, "heterog run")  # before any rank starts
+    p = refuse_tensor_parallel(Plan.load(plan), "heterog run")  # before any rank starts
     training = topt.training_options(ctx.params)  # --data and the training flags (cli/training_opts.py)
     ckpt = CheckpointConfig(
         dir=str(checkpoint_dir) if checkpoint_dir else None,

@@ -13,6 +13,13 @@ from heterog.fmt import human_bytes, human_time
 STRATEGY = "3d"  # search/three_d.py STRATEGY (not imported: `heterog --help` starts without numpy)
 GRID = "megatron-3d"  # the best uniform tp × pp × dp plan, scored by the simulator
 
+STRATEGY_OPTION = typer.Option(
+    None,
+    "--strategy",
+    help="Write this candidate's plan to --out instead of the best (a name from the candidates table, e.g. "
+    "even-dp-allreduce); or 3d: write the Megatron-style plan of --tp/--pp/--dp without a search; or "
+    "megatron-3d: the best uniform tp × pp × dp plan within --budget-s.",
+)
 TP_OPTION = typer.Option(None, "--tp", min=1, help="--strategy 3d: tensor-parallel degree (1, 2, 4 or 8).")
 PP_OPTION = typer.Option(None, "--pp", min=1, help="--strategy 3d: pipeline stages.")
 DP_OPTION = typer.Option(None, "--dp", min=1, help="--strategy 3d: data-parallel replicas of each stage.")
@@ -36,17 +43,27 @@ def _ints(text: str, flag: str) -> list[int]:
         ) from None
 
 
-def check_3d_options(strategy: str | None, given: dict[str, Any]) -> None:
+def check_3d_options(strategy: str | None, shape: dict[str, Any]) -> None:
     """The 3d options belong to --strategy 3d, which needs --tp, --pp and --dp."""
-    used = [k for k, v in given.items() if v is not None]
+    used = [f"--{k.replace('_', '-')}" for k, v in shape.items() if v is not None]
     if strategy != STRATEGY and used:
         raise typer.BadParameter(
             f"{', '.join(used)} describe a Megatron-style plan; add --strategy 3d (with --tp, --pp and --dp)."
         )
     if strategy == STRATEGY:
-        missing = [k for k in ("--tp", "--pp", "--dp") if given.get(k) is None]
+        missing = [f"--{k}" for k in ("tp", "pp", "dp") if shape.get(k) is None]
         if missing:
             raise typer.BadParameter(f"--strategy 3d needs {', '.join(missing)} (e.g. --tp 2 --pp 4 --dp 2).")
+
+
+def write_fixed(
+    strategy: str, inputs: dict[str, Any], shape: dict[str, Any], *, budget_s: float, out: Path | None, as_json: bool
+) -> None:
+    """--strategy 3d (the plan `shape` gives) or megatron-3d (the best uniform one)."""
+    if strategy == GRID:
+        write_grid(inputs, budget_s=budget_s, out=out, as_json=as_json)
+    else:
+        write_3d(inputs, shape=shape, out=out, as_json=as_json)
 
 
 def write_grid(inputs: dict[str, Any], *, budget_s: float, out: Path | None, as_json: bool) -> None:
@@ -74,35 +91,15 @@ def _show(plan, out: Path | None, as_json: bool) -> None:
         console.print(f"plan written to {out}")
 
 
-def write_3d(
-    inputs: dict[str, Any],
-    *,
-    tp: int,
-    pp: int,
-    dp: int,
-    stage_layers: str | None,
-    devices: str | None,
-    options: dict[str, Any],
-    out: Path | None,
-    as_json: bool,
-) -> None:
-    """Build the 3d plan (heterog.plan_3d), write it to `out` and show its prediction."""
+def write_3d(inputs: dict[str, Any], *, shape: dict[str, Any], out: Path | None, as_json: bool) -> None:
+    """Build the 3d plan (heterog.plan_3d) of `shape` (--tp … --zero), write it to `out` and show it."""
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.plan_module import plan_3d
 
-    plan = plan_3d(
-        inputs["model"],
-        cluster=inputs["cluster"],
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        batch_size=inputs["batch_size"],
-        model_args=inputs["model_args"],
-        seq_len=inputs["seq_len"],
-        stage_layers=_ints(stage_layers, "--stage-layers") if stage_layers else None,
-        devices=[d.strip() for d in devices.split(",")] if devices else None,
-        precision=inputs["precision"],
-        optimizer=inputs["optimizer"],
-        **options,
-    )
-    _show(plan, out, as_json)
+    layers, devices = shape["stage_layers"], shape["devices"]
+    options = {
+        **shape,
+        "stage_layers": _ints(layers, "--stage-layers") if layers else None,
+        "devices": [d.strip() for d in devices.split(",")] if devices else None,
+    }
+    _show(plan_3d(inputs.pop("model"), **inputs, **options), out, as_json)

@@ -19,9 +19,7 @@ version 3 added it; older plans load with every replica on one device.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
@@ -30,8 +28,10 @@ from typing import Any, TypeVar
 
 from heterog.errors import ArtifactError, PlanError
 from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
+from heterog.ir.model_file import file_sha256 as file_sha256  # re-exported: callers import it from here
+from heterog.ir.model_file import portable_model, register_model_file, resolve_model
+from heterog.ir.model_file import user_model_file as user_model_file
 from heterog.jsonio import Artifact
-from heterog.userfile import locate, register_location
 
 SCHEMA_VERSION = 3  # 2: shard_stage per group, a shard fraction per replica; 3: tensor-parallel members
 KIND = "heterog.Plan"
@@ -483,71 +483,3 @@ def shard_piece(op: str, position: int, step: int, n: int) -> int:
     reduce-scatter passes on the partial sum of piece i−k−1, so after n−1 steps member i holds
     the total of piece i; an all-gather passes on piece i−k, its own first."""
     return (position - step - (1 if op == "reduce_scatter" else 0)) % n
-
-
-# -- portable user-model files -------------------------------------------------------------------
-# A user model is named 'path/file.py:factory', as typed when planning (the graph fingerprint is
-# computed from that name, so it is kept). A saved plan also records `file`, the model file's
-# path relative to the plan file, and its SHA-256; loading finds the file there and registers
-# it for the typed name (userfile.register_location), so `heterog simulate/run plan.json` work
-# from any folder, and on any node holding the file at the same place relative to the plan.
-# In memory (and in the spec the ranks get) `file` is absolute.
-
-
-def user_model_file(name: str) -> tuple[str, str] | None:
-    """(path, factory) of a user model name, None for a zoo name."""
-    path, sep, attr = name.rpartition(":")
-    return (path, attr) if sep and path.endswith(".py") else None
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def portable_model(model: ModelSpec, plan_dir: Path) -> ModelSpec:
-    """The ModelSpec as a plan file in `plan_dir` records it."""
-    user = user_model_file(model.name)
-    if user is None:
-        return model
-    found = Path(model.file) if model.file else locate(user[0])
-    if not found.is_file():
-        raise PlanError(
-            f"model file {str(found)!r} does not exist, so the plan cannot record it; save the "
-            f"plan from the folder the model path is relative to."
-        )
-    rel = os.path.relpath(found.resolve(), plan_dir.resolve())
-    return replace(model, file=rel, file_sha256=file_sha256(found))
-
-
-def resolve_model(model: ModelSpec, plan_dir: Path, *, source: str) -> ModelSpec:
-    """The ModelSpec of a loaded plan, its model file found next to the plan, checked against
-    the recorded hash (missing or changed → PlanError saying what to do) and registered."""
-    user = user_model_file(model.name)
-    if user is None:
-        return model
-    if model.file is None:  # written before plans recorded the file: the name as typed
-        return model
-    found = Path(model.file) if os.path.isabs(model.file) else plan_dir / model.file
-    if not found.is_file():
-        raise PlanError(
-            f"{source}: the plan's model file {model.file!r} (relative to the plan's folder "
-            f"{plan_dir}) is missing; put the model file there — every node that runs the "
-            f"plan needs it — or re-plan."
-        )
-    if model.file_sha256 is not None:
-        now = file_sha256(found)
-        if now != model.file_sha256:
-            raise PlanError(
-                f"{source}: the model file {found} changed since the plan was made "
-                f"(sha256 {model.file_sha256[:12]}… then, {now[:12]}… now); the plan may not fit "
-                f"the model any more. Re-plan, or restore the file the plan was made for."
-            )
-    register_location(user[0], found.resolve())
-    return replace(model, file=str(found.resolve()))
-
-
-def register_model_file(model: ModelSpec) -> None:
-    """In a process that got the plan as a dict (a rank): open the model file the plan found."""
-    user = user_model_file(model.name)
-    if user is not None and model.file and os.path.isabs(model.file):
-        register_location(user[0], Path(model.file))

@@ -13,10 +13,10 @@ from heterog.errors import PlanError
 from heterog.ir.plan import Plan
 
 
-def refuse_tensor_parallel(plan: Plan, what: str) -> None:
-    """Raise a PlanError when `plan` splits a group by tensor parallelism: `what` cannot use it."""
+def refuse_tensor_parallel(plan: Plan, what: str) -> Plan:
+    """`plan`, or a PlanError when it splits a group by tensor parallelism: `what` cannot use it."""
     if not plan.tensor_parallel:
-        return
+        return plan
     split = ", ".join(f"{g.name} (tp {g.tp_degree})" for g in plan.groups if g.tp_degree > 1)
     raise PlanError(
         f"the plan splits groups by tensor parallelism ({split}), and {what} cannot use it yet: the "

@@ -128,13 +128,16 @@ def _devices(cluster: Cluster, n: int, devices: Sequence[str] | None) -> list[st
     return given
 
 
-def _stage_of_node(graph: OpGraph, starts: list[int], layers: list[int]) -> list[int]:
+def _stage_of_node(graph: OpGraph, pp: int, stage_layers: Sequence[int] | None) -> list[int]:
     """The stage of every node in graph order: nodes before block 0 with stage 0."""
-    first_block = [sum(layers[:s]) for s in range(len(layers))]
-    stage_start = [starts[b] for b in first_block]
+    if pp == 1 and stage_layers is None:
+        return [0] * len(graph.nodes)  # no blocks needed (any model)
+    starts = block_starts(graph)
+    layers = _stage_layers(len(starts), pp, stage_layers)
+    stage_start = [starts[sum(layers[:s])] for s in range(pp)]
     out, s = [], 0
     for i in range(len(graph.nodes)):
-        while s + 1 < len(stage_start) and i >= stage_start[s + 1]:
+        while s + 1 < pp and i >= stage_start[s + 1]:
             s += 1
         out.append(s)
     return out
@@ -181,13 +184,7 @@ def megatron_3d(
     if zero and dp < 2:
         raise PlanError(f"--zero {zero} shards state across data-parallel replicas; it needs --dp ≥ 2.")
     names = _devices(cluster, sum(tps) * dp, devices)
-    if pp > 1:
-        starts = block_starts(graph)
-        stages = _stage_of_node(graph, starts, _stage_layers(len(starts), pp, stage_layers))
-    else:
-        stages = [0] * len(graph.nodes)
-        if stage_layers is not None:
-            _stage_layers(len(block_starts(graph)), pp, stage_layers)
+    stages = _stage_of_node(graph, pp, stage_layers)
     groups = []
     for s, t in enumerate(tps):
         first = dp * sum(tps[:s])  # the stage's first rank: earlier stages fill dp · tp each
