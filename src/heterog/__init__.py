@@ -36,6 +36,8 @@ _API: dict[str, tuple[str, str]] = {
     "load_cluster": ("heterog.hardware.spec", "load_cluster"),
     "predict": ("heterog.cost.predict", "predict"),
     "plan": ("heterog.plan_module", "plan"),
+    "plan_3d": ("heterog.plan_module", "plan_3d"),
+    "plan_megatron_3d": ("heterog.plan_module", "plan_megatron_3d"),
     "plan_inputs": ("heterog.inputs", "plan_inputs"),
     "lower": ("heterog.orchestrate", "lower"),
     "simulate": ("heterog.orchestrate", "simulate"),

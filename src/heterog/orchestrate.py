@@ -29,6 +29,7 @@ from heterog.ir.plan import Plan
 from heterog.lower.lowering import program_devices, to_program
 from heterog.lower.program import Program, validate
 from heterog.lower.schedule import build_schedule, cover_graph
+from heterog.lower.tensor_parallel import refuse_tensor_parallel
 from heterog.simulate.result import SimResult
 from heterog.simulate.simulator import simulate as simulate_schedule
 from heterog.simulate.simulator import time_schedule
@@ -149,6 +150,7 @@ def lowered(
     own tasks), so that the run carries out what is predicted and each Program instruction
     has its simulated start and end. graph: the model's capture, when the caller has it;
     inputs: the (graph, cluster, costs) the caller predicts with (a profiled cost model)."""
+    refuse_tensor_parallel(plan, "lowering to a Program (heterog lower, check, run)")
     got = inputs if inputs is not None else plan_inputs(plan, cluster, profile=profile, graph=graph)
     got = PlanInputs(*got)
     covered = cover_graph(plan, got.graph)

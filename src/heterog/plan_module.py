@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -32,11 +33,13 @@ from torch import nn
 from heterog.capture.cache import capture_cached, remember_in_memory
 from heterog.capture.capture import capture
 from heterog.errors import ModelError, PlanError
+from heterog.hardware.spec import cluster_to_dict
 from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.opgraph import OpGraph
-from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec
+from heterog.ir.plan import IN_MEMORY_PREFIX, ModelSpec, Plan
 from heterog.search.objective import DEFAULT_TOLERANCE, Goal
 from heterog.search.planner import DEFAULT_BUDGET_S, REQUIRED_STAGES, load_code, plan_graph
+from heterog.search.three_d import best_uniform, simulated_3d
 
 
 def model_graph(
@@ -155,3 +158,75 @@ def plan(
     if strategy is not None:
         out["chosen"] = result.plan_of(strategy).to_dict()
     return out
+
+
+def plan_3d(
+    model: str,
+    *,
+    cluster: Any,
+    tp: int,
+    pp: int,
+    dp: int,
+    batch_size: int | None = None,
+    model_args: dict[str, Any] | None = None,
+    seq_len: int | None = None,
+    stage_layers: list[int] | None = None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    zero: int = 0,
+    devices: list[str] | None = None,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+) -> Plan:
+    """The Megatron/DeepSpeed-style tp × pp × dp plan of transformer `model` on `cluster`
+    (search/three_d.py: its blocks in `pp` stages, `dp` equal replicas of each, each a
+    `tp`-way tensor-parallel set, ranks in Megatron's order or `devices`), with the
+    simulator's prediction and the cluster spec in it, as `heterog plan --strategy 3d` writes."""
+    spec, graph = model_graph(model, batch_size=batch_size, model_args=model_args, seq_len=seq_len)
+    graph, seen, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
+    made, _ = simulated_3d(
+        graph,
+        seen,
+        costs,
+        model_spec=spec,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        stage_layers=stage_layers,
+        microbatches=microbatches,
+        schedule=schedule,
+        zero=zero,
+        devices=devices,
+        precision=precision,
+        optimizer=optimizer,
+    )
+    return replace(made, cluster=cluster_to_dict(seen))
+
+
+def plan_megatron_3d(
+    model: str,
+    *,
+    cluster: Any,
+    batch_size: int | None = None,
+    model_args: dict[str, Any] | None = None,
+    seq_len: int | None = None,
+    budget_s: float = DEFAULT_BUDGET_S,
+    precision: str = "fp32",
+    optimizer: str = "sgd",
+) -> Plan:
+    """The `megatron-3d` baseline: the best uniform (tp, pp, dp, micro-batches) plan on all of
+    `cluster`'s devices, the grid Megatron allows enumerated and scored by the simulator for
+    about `budget_s` seconds (search/three_d.py best_uniform), as `heterog plan --strategy
+    megatron-3d` writes it."""
+    t0 = time.perf_counter()
+    spec, graph = model_graph(model, batch_size=batch_size, model_args=model_args, seq_len=seq_len)
+    graph, seen, costs = model_inputs(spec, cluster, precision=precision, optimizer=optimizer, graph=graph)
+    ranked = best_uniform(graph, seen, costs, spec, deadline_s=t0 + budget_s, precision=precision, optimizer=optimizer)
+    if not ranked:
+        raise PlanError(f"{spec.name}: no uniform tp × pp × dp configuration covers the {len(seen.devices)} devices.")
+    best = ranked[0]
+    note = (
+        f"megatron-3d: best of {len(ranked)} uniform configurations scored: tp {best.tp}, pp {best.pp}, "
+        f"dp {best.dp}, {best.microbatches} micro-batch(es)."
+    )
+    return replace(best.plan, cluster=cluster_to_dict(seen), notes=(*best.plan.notes, note))

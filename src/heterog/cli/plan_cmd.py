@@ -25,6 +25,21 @@ from heterog.cli.objective_opts import (
 from heterog.cli.output import console, parse_model_args, print_json, print_table
 from heterog.cli.report_cmd import report_from_plan_result
 from heterog.cli.stop import raise_if_stopped
+from heterog.cli.three_d_opts import (
+    DEVICES_OPTION,
+    DP_OPTION,
+    GRID,
+    MICROBATCHES_OPTION,
+    PP_OPTION,
+    SCHEDULE_OPTION,
+    STAGE_LAYERS_OPTION,
+    STRATEGY,
+    STRATEGY_OPTION,
+    TP_OPTION,
+    ZERO_OPTION,
+    check_3d_options,
+    write_fixed,
+)
 from heterog.errors import did_you_mean
 from heterog.fmt import human_bytes, human_time
 from heterog.hardware.catalog import precision_help
@@ -143,6 +158,12 @@ BUDGET_HELP = (
     "Seconds for the whole plan: capture, costs, baselines, bound and search (start-up aside). "
     "A larger budget with the same --seed never gives a worse plan."
 )
+FINETUNE_OPTION = typer.Option(
+    0.0, "--finetune-s", min=0.0, help="Fine-tune the GNN on this problem for this many seconds first."
+)
+REPORT_OPTION = typer.Option(
+    None, "--report", help="Also write an HTML report of the plan and every candidate here (see `heterog report`)."
+)
 MAX_ITERS_HELP = (
     "Cap each search at this many moves: with --seed, the same plan on any machine (the budget is then a safety stop)."
 )
@@ -161,21 +182,20 @@ def plan_command(
     max_iters: int | None = typer.Option(None, "--max-iters", min=1, help=MAX_ITERS_HELP),
     policy: Path | None = typer.Option(None, "--policy", help="GNN policy file (default: the shipped one)."),
     no_gnn: bool = typer.Option(False, "--no-gnn", help="Skip the GNN policy candidates."),
-    finetune_s: float = typer.Option(
-        0.0, "--finetune-s", min=0.0, help="Fine-tune the GNN on this problem for this many seconds first."
-    ),
+    finetune_s: float = FINETUNE_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document, no progress bar."),
     out: Path | None = typer.Option(None, "--out", help="Write the best plan here (heterog simulate/run read it)."),
     profile: list[str] | None = typer.Option(None, "--profile", help=PROFILE_HELP),
-    strategy: str | None = typer.Option(
-        None,
-        "--strategy",
-        help="Write this candidate's plan to --out instead of "
-        "the best (a name from the candidates table, e.g. even-dp-allreduce).",
-    ),
-    report: Path | None = typer.Option(
-        None, "--report", help="Also write an HTML report of the plan and every candidate here (see `heterog report`)."
-    ),
+    strategy: str | None = STRATEGY_OPTION,
+    tp: int | None = TP_OPTION,
+    pp: int | None = PP_OPTION,
+    dp: int | None = DP_OPTION,
+    stage_layers: str | None = STAGE_LAYERS_OPTION,
+    microbatches: int = MICROBATCHES_OPTION,
+    schedule: str = SCHEDULE_OPTION,
+    zero: int = ZERO_OPTION,
+    devices: str | None = DEVICES_OPTION,
+    report: Path | None = REPORT_OPTION,
     objective: str = OBJECTIVE_OPTION,
     max_cost_per_hour: float | None = MAX_COST_OPTION,
     tolerance: float | None = TOLERANCE_OPTION,
@@ -185,6 +205,14 @@ def plan_command(
     # imported when the command runs: `heterog --help` starts without numpy or torch
     from heterog.plan_module import plan
 
+    shape = {"tp": tp, "pp": pp, "dp": dp, "stage_layers": stage_layers, "devices": devices}
+    check_3d_options(strategy, shape)
+    if strategy in (STRATEGY, GRID):
+        _check_choices(precision, optimizer, None)
+        inputs = {"model": model, "cluster": cluster, "batch_size": batch_size, "seq_len": seq_len}
+        inputs |= {"model_args": parse_model_args(model_arg), "precision": precision, "optimizer": optimizer}
+        shape |= {"microbatches": microbatches, "schedule": schedule, "zero": zero}
+        return write_fixed(strategy, inputs, shape, budget_s=budget_s, out=out, as_json=as_json)
     _check_choices(precision, optimizer, strategy)
     goal, cluster_in = objective_inputs(objective, max_cost_per_hour, tolerance, price, cluster)
     bar, update = _progress_bar(not as_json and sys.stdout.isatty())

@@ -31,11 +31,12 @@ them on the compute stream, not overlapped), and times the plan's collectives an
 between groups as the t sibling rings (or sends) that run at once, sharing whatever links they
 cross (a node's NIC, for a data-parallel ring across nodes).
 
-Limits: one degree for the whole model; sequence parallelism (reduce-scatter + all-gather
-instead of each all-reduce) is not modelled; only ring collectives between groups; a row
-linear's bias (replicated in Megatron) is counted as split (1/in of its parameters); with
-recompute, the forward's all-reduces are not counted again in backward (Megatron's activation
-checkpointing repeats them); an untied embedding and head stay replicated.
+Limits: one degree per node (`node_degrees`: pipeline stages may differ); sequence
+parallelism (reduce-scatter + all-gather instead of each all-reduce) is not modelled; only
+ring collectives between groups; a row linear's bias (replicated in Megatron) is counted as
+split (1/in of its parameters); with recompute, the forward's all-reduces are not counted
+again in backward (Megatron's activation checkpointing repeats them); an untied embedding and
+head stay replicated.
 """
 
 from __future__ import annotations
@@ -249,6 +250,11 @@ def split_graph(graph: OpGraph, layout: TensorParallelLayout, degree: int) -> Op
     ties = tuple(
         replace(t, param_bytes=round(t.param_bytes / degree)) if tied & set(t.nodes) else t for t in graph.ties
     )
+    return _with_nodes(graph, nodes, edges, ties, degree)
+
+
+def _with_nodes(graph: OpGraph, nodes: tuple, edges: tuple, ties: tuple, degree: int) -> OpGraph:
+    """`graph` with one rank's nodes, edges and ties, its parameters counted again."""
     return replace(
         graph,
         nodes=nodes,
@@ -257,6 +263,27 @@ def split_graph(graph: OpGraph, layout: TensorParallelLayout, degree: int) -> Op
         num_parameters=sum(n.param_count for n in nodes),
         meta={**graph.meta, "tensor_parallel_degree": degree},
     )
+
+
+def split_graph_by_node(graph: OpGraph, layout: TensorParallelLayout, degrees: Mapping[str, int]) -> OpGraph:
+    """The graph of one rank where node n is split `degrees[n]` ways (pipeline stages of
+    different degrees): each node and its out-edges as `split_graph` at its own degree."""
+    found = sorted({degrees.get(n.name, 1) for n in graph.nodes})
+    if len(found) == 1:
+        return split_graph(graph, layout, found[0])
+    v = layout.vocab
+    if v is not None and degrees.get(v.embedding, 1) != degrees.get(v.head, 1):
+        raise PlanError(
+            f"{graph.model}: the embedding {v.embedding!r} (split {degrees.get(v.embedding, 1)} ways) and the "
+            f"output head tied to it {v.head!r} (split {degrees.get(v.head, 1)} ways) must share a "
+            f"tensor-parallel degree: the tied weight is split by vocabulary rows alike. Give their stages "
+            f"the same degree."
+        )
+    by = {d: split_graph(graph, layout, d) for d in found}  # nodes and edges in graph's order
+    nodes = tuple(by[degrees.get(n.name, 1)].nodes[i] for i, n in enumerate(graph.nodes))
+    edges = tuple(by[degrees.get(e.src, 1)].edges[i] for i, e in enumerate(graph.edges))
+    ties = by[degrees.get(v.embedding, 1)].ties if v is not None else graph.ties
+    return _with_nodes(graph, nodes, edges, ties, found[-1])
 
 
 def group_collectives(graph: OpGraph, layout: TensorParallelLayout, precision: str) -> tuple[GroupCollective, ...]:
@@ -306,7 +333,9 @@ def sibling_ring_time_s(cluster: Cluster, op: str, nbytes: float, rings: Sequenc
 class TensorParallelCostModel(AnalyticCostModel):
     """The analytic cost model of one tensor-parallel rank (module docstring). `groups` maps
     each device a plan places work on to the devices of its tensor-parallel group, itself
-    first, in rank order; every group has `degree` devices."""
+    first, in rank order; every group has `degree` devices. With `node_degrees` (pipeline
+    stages of different degrees), node n is split node_degrees[n] ways (1 where absent) and
+    a group has as many devices as the degree of the nodes placed on it."""
 
     def __init__(
         self,
@@ -319,20 +348,28 @@ class TensorParallelCostModel(AnalyticCostModel):
         precision: str = "fp32",
         optimizer: str = "sgd",
         recompute: bool = False,
+        node_degrees: Mapping[str, int] | None = None,
     ):
         layout = megatron_layout(graph, vocab_parallel=vocab_parallel)
-        super().__init__(
-            split_graph(graph, layout, degree), cluster, precision=precision, optimizer=optimizer, recompute=recompute
+        split = (
+            split_graph(graph, layout, degree)
+            if node_degrees is None
+            else split_graph_by_node(graph, layout, node_degrees)
         )
+        super().__init__(split, cluster, precision=precision, optimizer=optimizer, recompute=recompute)
+        sizes = {degree} if node_degrees is None else {*node_degrees.values(), 1}
         for device, members in groups.items():
-            if len(members) != degree or members[0] != device:
+            if len(members) not in sizes or members[0] != device:
                 raise PlanError(
-                    f"tensor-parallel group of {device!r} is {list(members)}; it must list {degree} devices, "
-                    f"{device!r} first."
+                    f"tensor-parallel group of {device!r} is {list(members)}; it must list "
+                    f"{' or '.join(map(str, sorted(sizes)))} devices, {device!r} first."
                 )
             for m in members:
                 cluster.device(m)  # an unknown device is a ClusterError naming it
         self.degree = degree
+        # a rank's times depend on its group's links, not only its type: no class sharing
+        # (lower/context.py ClusterInfo)
+        self.own_class_devices = frozenset(groups)
         self.layout = layout
         self.groups = {d: tuple(m) for d, m in groups.items()}
         self.collectives = group_collectives(graph, layout, precision)
@@ -389,7 +426,11 @@ class TensorParallelCostModel(AnalyticCostModel):
         """Each rank sends its whole copy to its counterpart in the other group, all at once."""
         if src == dst or nbytes <= 0:
             return 0.0
-        pairs = zip(self.group_of(src), self.group_of(dst), strict=True)
+        a, b = self.group_of(src), self.group_of(dst)
+        if len(a) == len(b):
+            pairs = list(zip(a, b, strict=True))
+        else:  # stages of different degrees: every rank of the larger set gets a whole copy
+            pairs = [(a[k % len(a)], b[k % len(b)]) for k in range(max(len(a), len(b)))]
         return comm.step_time_s(self.cluster, ((s, d, nbytes) for s, d in pairs))
 
     def collective_time_s(self, op: str, nbytes: float, devices: Sequence[str], method: str = SyncMethod.RING) -> float:
@@ -400,7 +441,10 @@ class TensorParallelCostModel(AnalyticCostModel):
         if nbytes <= 0 or len(set(devices)) <= 1:
             return 0.0
         ring = comm.ring_order(self.cluster, devices)
-        rings = [[self.group_of(d)[k] for d in ring] for k in range(self.degree)]
+        sets = [self.group_of(d) for d in ring]
+        # one ring per tensor rank; between sets of different sizes (a tie across stages of
+        # different degrees) a smaller set's ranks join several rings
+        rings = [[m[k % len(m)] for m in sets] for k in range(max(map(len, sets)))]
         fixed, per_byte = comm.affine_in_bytes(
             self._comm_cache,
             ("tp-siblings", op, tuple(ring)),
@@ -421,4 +465,5 @@ __all__ = [
     "group_collectives",
     "megatron_layout",
     "split_graph",
+    "split_graph_by_node",
 ]

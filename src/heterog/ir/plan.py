@@ -9,13 +9,17 @@ A replicated group may shard its state across its replicas (`shard_stage`, ZeRO-
 replica then holds the fraction `Replica.shard` of it, chosen apart from its share of the
 batch, so a fast device with little memory can take much of the batch and little of the state
 (Cephalo, ICS'25). Schema version 2 added the shard fields; a version-1 plan loads unsharded.
+
+A replica may be a tensor-parallel set of devices (`Replica.tp_devices`: the members beside
+`device`, in rank order): Megatron-LM's split of the group's transformer blocks over 2, 4 or 8
+devices (cost/tensor_parallel.py), `device` its first rank. Every replica of a group has the
+same degree (its data-parallel sync runs among same-rank members); groups may differ. Schema
+version 3 added it; older plans load with every replica on one device.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
@@ -24,10 +28,12 @@ from typing import Any, TypeVar
 
 from heterog.errors import ArtifactError, PlanError
 from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
+from heterog.ir.model_file import file_sha256 as file_sha256  # re-exported: callers import it from here
+from heterog.ir.model_file import portable_model, register_model_file, resolve_model
+from heterog.ir.model_file import user_model_file as user_model_file
 from heterog.jsonio import Artifact
-from heterog.userfile import locate, register_location
 
-SCHEMA_VERSION = 2  # 2: shard_stage per group, a shard fraction per replica
+SCHEMA_VERSION = 3  # 2: shard_stage per group, a shard fraction per replica; 3: tensor-parallel members
 KIND = "heterog.Plan"
 
 SYNC_METHODS = tuple(SyncMethod)
@@ -35,6 +41,7 @@ SCHEDULES = tuple(PipelineSchedule)
 PRECISIONS = tuple(Precision)
 OPTIMIZERS = ("sgd", "adamw")
 SHARE_TOLERANCE = 1e-6
+TP_DEGREES = (1, 2, 4, 8)  # Megatron's degrees within a node (cost/tensor_parallel.py DEGREES)
 IN_MEMORY_PREFIX = "in-memory:"  # the model name of a plan made from an nn.Module object
 
 
@@ -67,6 +74,16 @@ class Replica:
     device: str
     share: float  # fraction of every micro-batch this replica computes
     shard: float | None = None  # fraction of the group's sharded state it holds (sharded groups)
+    tp_devices: tuple[str, ...] = ()  # the other members of its tensor-parallel set, in rank order
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Every device of the replica, its first rank (`device`) first."""
+        return (self.device, *self.tp_devices)
+
+    @property
+    def tp_degree(self) -> int:
+        return 1 + len(self.tp_devices)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,6 +104,11 @@ class Group:
         return tuple(r.device for r in self.replicas)
 
     @property
+    def tp_degree(self) -> int:
+        """The tensor-parallel degree of its replicas (validate: all alike)."""
+        return self.replicas[0].tp_degree if self.replicas else 1
+
+    @property
     def shards(self) -> tuple[float, ...]:
         """Each replica's fraction of the sharded state (empty when the group is not sharded)."""
         return tuple(r.shard or 0.0 for r in self.replicas) if self.shard_stage else ()
@@ -98,9 +120,10 @@ class Group:
             raise PlanError(f"{where}: holds no nodes.")
         if not self.replicas:
             raise PlanError(f"{where}: has no replicas; place it on at least one device.")
-        devs = [r.device for r in self.replicas]
+        devs = [d for r in self.replicas for d in r.members]
         if len(set(devs)) != len(devs):
             raise PlanError(f"{where}: a device appears twice in its replicas ({devs}).")
+        self._validate_tensor_parallel(where)
         for r in self.replicas:
             if not (r.share > 0 and math.isfinite(r.share)):
                 raise PlanError(f"{where} replica on {r.device!r}: share must be > 0, found {r.share}.")
@@ -116,6 +139,23 @@ class Group:
         if self.sync != SyncMethod.PS and self.ps_device is not None:
             raise PlanError(f"{where}: ps_device is set but sync is {str(self.sync)!r}, not 'ps'.")
         self._validate_shards(where)
+
+    def _validate_tensor_parallel(self, where: str) -> None:
+        degrees = sorted({r.tp_degree for r in self.replicas})
+        if len(degrees) > 1:
+            raise PlanError(
+                f"{where}: its replicas have tensor-parallel degrees {degrees}; give every replica of a "
+                f"group the same degree (the gradient sync runs among same-rank members), or split the group."
+            )
+        if degrees[0] not in TP_DEGREES:
+            raise PlanError(
+                f"{where}: tensor-parallel degree {degrees[0]} is not supported; use one of {TP_DEGREES} "
+                f"(1 + the number of tp_devices of each replica)."
+            )
+        if degrees[0] > 1 and self.sync == SyncMethod.PS:
+            raise PlanError(
+                f"{where}: a parameter server between tensor-parallel replicas is not modelled; sync them by 'ring'."
+            )
 
     def _validate_shards(self, where: str) -> None:
         if self.shard_stage not in tuple(ShardStage):
@@ -174,7 +214,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb
 
 
 @dataclass(frozen=True, kw_only=True)
-class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
+class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
     strategy: str  # 'even-dp-allreduce', 'search', ... (see search/)
     model: ModelSpec
     precision: Precision = Precision.FP32
@@ -207,7 +247,15 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
         for g in self.groups:
             for r in g.replicas:
                 seen.setdefault(r.device, None)
+                for d in r.tp_devices:
+                    seen.setdefault(d, None)
         return tuple(seen)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """True when some group splits its blocks over several devices (a group's replicas
+        share one degree, Group.validate; reading the first keeps this cheap at 1024 replicas)."""
+        return any(g.replicas and g.replicas[0].tp_devices for g in self.groups)
 
     def microbatch_size(self, index: int) -> int:
         """Samples in micro-batch `index`; the batch is split as evenly as integers allow."""
@@ -253,7 +301,8 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
         if cluster is not None:
             known = set(cluster.device_index)
             for g in self.groups:
-                for d in [*g.devices, *([g.ps_device] if g.ps_device else [])]:
+                members = [d for r in g.replicas for d in r.members]
+                for d in [*members, *([g.ps_device] if g.ps_device else [])]:
                     if d not in known:
                         raise PlanError(f"group {g.name!r}: device {d!r} is not in cluster {cluster.name!r}.")
             if self.cluster_fingerprint and self.cluster_fingerprint != cluster.fingerprint():
@@ -309,6 +358,7 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
                         "ps_device": g.ps_device,
                         "recompute": g.recompute,
                         "shard_stage": int(g.shard_stage),
+                        **({"tp_devices": [list(r.tp_devices) for r in g.replicas]} if g.tp_degree > 1 else {}),
                     }
                     for g in v
                 ]
@@ -335,11 +385,12 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1,)):
             for i, g in enumerate(doc["groups"]):
                 where = f"{source}: group {i} ({g.get('name', '?')!r})"
                 try:
-                    replicas = tuple(_replica(r) for r in g["replicas"])
+                    replicas = _with_members(tuple(_replica(r) for r in g["replicas"]), g.get("tp_devices"))
                 except (TypeError, ValueError):
                     raise PlanError(
                         f"{where}: replicas must be [[device, share], ...] or, in a sharded group, "
-                        f"[[device, share, shard], ...]; found {g.get('replicas')!r}."
+                        f"[[device, share, shard], ...], and tp_devices (when given) one list of "
+                        f"device names per replica; found {g.get('replicas')!r}, {g.get('tp_devices')!r}."
                     ) from None
                 groups.append(
                     Group(
@@ -392,6 +443,15 @@ def _replica(entry: list) -> Replica:
     return Replica(device=device, share=float(share), shard=float(shard[0]) if shard else None)
 
 
+def _with_members(replicas: tuple[Replica, ...], tp_devices: list | None) -> tuple[Replica, ...]:
+    """The replicas with their tensor-parallel members from the group's `tp_devices` list."""
+    if tp_devices is None:
+        return replicas
+    if len(tp_devices) != len(replicas) or not all(isinstance(m, list) for m in tp_devices):
+        raise ValueError(tp_devices)
+    return tuple(replace(r, tp_devices=tuple(str(d) for d in m)) for r, m in zip(replicas, tp_devices, strict=True))
+
+
 def split_samples(total: int, shares: list[float]) -> list[int]:
     """Integer parts of `total` proportional to `shares`, summing to `total` (largest remainder).
 
@@ -424,71 +484,3 @@ def shard_piece(op: str, position: Any, step: Any, n: int) -> Any:
     the total of piece i; an all-gather passes on piece i−k, its own first. Ints give an int;
     integer arrays (cost/comm.py: every member at every step at once) give the array."""
     return (position - step - (1 if op == "reduce_scatter" else 0)) % n
-
-
-# -- portable user-model files -------------------------------------------------------------------
-# A user model is named 'path/file.py:factory', as typed when planning (the graph fingerprint is
-# computed from that name, so it is kept). A saved plan also records `file`, the model file's
-# path relative to the plan file, and its SHA-256; loading finds the file there and registers
-# it for the typed name (userfile.register_location), so `heterog simulate/run plan.json` work
-# from any folder, and on any node holding the file at the same place relative to the plan.
-# In memory (and in the spec the ranks get) `file` is absolute.
-
-
-def user_model_file(name: str) -> tuple[str, str] | None:
-    """(path, factory) of a user model name, None for a zoo name."""
-    path, sep, attr = name.rpartition(":")
-    return (path, attr) if sep and path.endswith(".py") else None
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def portable_model(model: ModelSpec, plan_dir: Path) -> ModelSpec:
-    """The ModelSpec as a plan file in `plan_dir` records it."""
-    user = user_model_file(model.name)
-    if user is None:
-        return model
-    found = Path(model.file) if model.file else locate(user[0])
-    if not found.is_file():
-        raise PlanError(
-            f"model file {str(found)!r} does not exist, so the plan cannot record it; save the "
-            f"plan from the folder the model path is relative to."
-        )
-    rel = os.path.relpath(found.resolve(), plan_dir.resolve())
-    return replace(model, file=rel, file_sha256=file_sha256(found))
-
-
-def resolve_model(model: ModelSpec, plan_dir: Path, *, source: str) -> ModelSpec:
-    """The ModelSpec of a loaded plan, its model file found next to the plan, checked against
-    the recorded hash (missing or changed → PlanError saying what to do) and registered."""
-    user = user_model_file(model.name)
-    if user is None:
-        return model
-    if model.file is None:  # written before plans recorded the file: the name as typed
-        return model
-    found = Path(model.file) if os.path.isabs(model.file) else plan_dir / model.file
-    if not found.is_file():
-        raise PlanError(
-            f"{source}: the plan's model file {model.file!r} (relative to the plan's folder "
-            f"{plan_dir}) is missing; put the model file there — every node that runs the "
-            f"plan needs it — or re-plan."
-        )
-    if model.file_sha256 is not None:
-        now = file_sha256(found)
-        if now != model.file_sha256:
-            raise PlanError(
-                f"{source}: the model file {found} changed since the plan was made "
-                f"(sha256 {model.file_sha256[:12]}… then, {now[:12]}… now); the plan may not fit "
-                f"the model any more. Re-plan, or restore the file the plan was made for."
-            )
-    register_location(user[0], found.resolve())
-    return replace(model, file=str(found.resolve()))
-
-
-def register_model_file(model: ModelSpec) -> None:
-    """In a process that got the plan as a dict (a rank): open the model file the plan found."""
-    user = user_model_file(model.name)
-    if user is not None and model.file and os.path.isabs(model.file):
-        register_location(user[0], Path(model.file))

@@ -118,7 +118,9 @@ class ClusterInfo:
     node times are computed once per class, which keeps a 1024-device plan cheap.
     """
 
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster: Cluster, own_class: frozenset[str] = frozenset()):
+        """own_class: devices each in a class of its own (a cost model whose times depend on
+        more than the device's type: a tensor-parallel rank's on its group's links)."""
         self.cluster = cluster
         self.devices = [d.name for d in cluster.devices]
         self.dev_id = {n: i for i, n in enumerate(self.devices)}
@@ -136,7 +138,8 @@ class ClusterInfo:
         rep: dict[tuple, str] = {}
         self.dev_class: list[str] = []
         for d in cluster.devices:
-            self.dev_class.append(rep.setdefault(device_class_key(cluster, d.name), d.name))
+            key = (d.name,) if d.name in own_class else device_class_key(cluster, d.name)
+            self.dev_class.append(rep.setdefault(key, d.name))
         self.class_names = list(dict.fromkeys(self.dev_class))  # one name per class
         index = {c: i for i, c in enumerate(self.class_names)}
         self.class_index = np.array([index[c] for c in self.dev_class], dtype=np.int64)
@@ -347,8 +350,8 @@ class SimCache:
             hit = cache[key] = (owners, make())
         return hit[1]
 
-    def cluster_info(self, cluster: Cluster) -> ClusterInfo:
-        return self._get("cluster", id(cluster), (cluster,), lambda: ClusterInfo(cluster))
+    def cluster_info(self, cluster: Cluster, own_class: frozenset[str] = frozenset()) -> ClusterInfo:
+        return self._get("cluster", (id(cluster), own_class), (cluster,), lambda: ClusterInfo(cluster, own_class))
 
     def grouping(self, graph: OpGraph, names: Sequence[str], nodes: Sequence[tuple[str, ...]]) -> Grouping:
         """The grouping of these node sets; found first by the identity of the node tuples

@@ -36,6 +36,7 @@ from heterog.lower.shard_tasks import compute_gathers
 from heterog.lower.sync_tasks import tied_bytes
 from heterog.lower.taskgraph import Tasks
 from heterog.lower.tasks import expand
+from heterog.lower.tensor_parallel import refuse_tensor_parallel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,10 +52,12 @@ class Schedule:
     merged: bool  # symmetric devices simulated once (tasks.rep), micro-batches copied
 
 
-def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache):
-    """Validate `plan` against graph and cluster; cheap on repeated calls (cached pieces)."""
+def check_plan(graph: OpGraph, cluster: Cluster, plan: Plan, cache: SimCache, costs=None):
+    """Validate `plan` against graph and cluster; cheap on repeated calls (cached pieces).
+    A cost model may name devices whose costs are their own (`own_class_devices`)."""
+    refuse_tensor_parallel(plan, "the schedule of whole tasks per device")
     cache.validate(plan)
-    info = cache.cluster_info(cluster)
+    info = cache.cluster_info(cluster, getattr(costs, "own_class_devices", frozenset()))
     for g in plan.groups:
         if cache.placement(g.replicas)[3] in info.known_device_sets:
             continue  # this device set was checked against this cluster before
@@ -125,7 +128,7 @@ def build_schedule(
     equal micro-batches share tasks (the simulator's shortcut; results are equal); the Program
     needs every device's own instructions (merge=False)."""
     cache = cache if cache is not None else SimCache()
-    info, grp = check_plan(graph, cluster, plan, cache)
+    info, grp = check_plan(graph, cluster, plan, cache, costs)
     table = cache.cost_table(graph, costs)
     for g in plan.groups:
         if len(g.replicas) > 1 and g.sync == SyncMethod.NONE and table.gradient_bytes(g.nodes) > 0:

@@ -34,7 +34,7 @@ def node_weights_s(
 ) -> dict[str, float]:
     """w(n): mean forward + backward time of each node over its group's replicas."""
     cache = cache if cache is not None else SimCache()
-    info, _ = check_plan(graph, cluster, plan, cache)
+    info, _ = check_plan(graph, cluster, plan, cache, costs)
     table = cache.cost_table(graph, costs)
     out: dict[str, float] = {}
     for g in plan.groups:
@@ -55,7 +55,7 @@ def edge_costs_s(
     """c(u, v) for edges between differently placed groups: the slowest of the transfers the
     re-partition of that edge makes (replicas own contiguous sample ranges)."""
     cache = cache if cache is not None else SimCache()
-    info, grp = check_plan(graph, cluster, plan, cache)
+    info, grp = check_plan(graph, cluster, plan, cache, costs)
     table = cache.cost_table(graph, costs)
     size = plan.microbatch_size(0)
     out: dict[tuple[str, str], float] = {}

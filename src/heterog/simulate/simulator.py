@@ -31,6 +31,7 @@ from heterog.lower.schedule import Schedule, build_schedule
 from heterog.lower.taskgraph import KIND_NAMES, OPT, SYNC, XFER
 from heterog.simulate import engine
 from heterog.simulate.result import SimEvent, SimResult, Traffic
+from heterog.simulate.tensor_parallel import mirror_members, tensor_parallel_inputs
 
 
 def simulate(
@@ -41,6 +42,11 @@ def simulate(
     calls that share graph, cluster and costs (the search's); a fresh one otherwise."""
     # The task graph is tens of thousands of small acyclic lists, freed by reference counting;
     # the cyclic collector would scan them (and the caches) over and over: ~30% of the time.
+    if plan.tensor_parallel:  # simulated on first ranks (simulate/tensor_parallel.py)
+        split, on_split, tp_costs = tensor_parallel_inputs(graph, cluster, plan, costs)
+        result = simulate(split, cluster, on_split, tp_costs, timeline=timeline)
+        capacity = {d: cluster.memory_bytes(d) for d in plan.devices()}
+        return mirror_members(result, plan, tp_costs, capacity)
     enabled = gc.isenabled()
     gc.disable()
     try:
