@@ -53,7 +53,7 @@ class BlockCalls:
         peak_live_bytes: int
         stages_of: dict[int, list[int]]
         _gradient_hooks: list[Any]
-        _backward_saved: Any
+        _arrival_bytes: int
         mb_offsets: list[int]
         block_of_group: dict[int, int]
         run_of: list[int]
@@ -80,7 +80,9 @@ class BlockCalls:
         parameter's new gradient exists beside the one it is about to be added into (a later
         micro-batch's, or an accumulation step's): a transient of the parameter's size that no
         instruction boundary sees and a GPU allocator's peak would. Hooks on the parameters of
-        the stages this rank runs, registered once."""
+        the stages this rank runs (registered once) note the largest such gradient; after the
+        backward, what is live then — every gradient held, what the backward saved — plus that
+        one is the peak. The hooks only read a size, so the timed backward stays as it was."""
         if self._gradient_hooks:
             return
         seen: set[int] = set()
@@ -93,9 +95,8 @@ class BlockCalls:
 
     def _arrival_hook(self, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
         def arrives(grad: torch.Tensor) -> None:
-            if param.grad is not None and self._backward_saved is not None:
-                live = self.live_bytes(also=[self._backward_saved, grad])
-                self.peak_live_bytes = max(self.peak_live_bytes, live.total_bytes)
+            if param.grad is not None:
+                self._arrival_bytes = max(self._arrival_bytes, grad.numel() * grad.element_size())
 
         return arrives
 
@@ -212,12 +213,12 @@ class BlockCalls:
                 root_grads.append(None)
         if self.memory_cap is not None:
             self._watch_gradients()
-            self._backward_saved = call.saved
+            self._arrival_bytes = 0
         if roots:
             self._timed(torch.autograd.backward, roots, root_grads)
         if self.memory_cap is not None:  # the backward's own peak: its gradients beside what it saved
-            self._backward_saved = None
-            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[call.saved]).total_bytes)
+            live = self.live_bytes(also=[call.saved]).total_bytes + self._arrival_bytes
+            self.peak_live_bytes = max(self.peak_live_bytes, live)
         for v in self._values_of(s):  # the outputs' gradients are spent
             self._slots.pop((v, m), None)
         for v, slot, pieces in call.leaves:  # input gradients back to their producers

@@ -92,7 +92,7 @@ class Interpreter(StepTiming, BlockCalls):
         self.memory_cap = memory_cap  # an emulated device's capacity, checked after every instruction
         self.peak_live_bytes = 0
         self._gradient_hooks: list[Any] = []  # memory cap: gradient arrivals counted (block_calls.py)
-        self._backward_saved: Any = None  # what the backward under way saved, for those counts
+        self._arrival_bytes = 0  # the largest gradient that arrived beside a held one, this backward
         self.instructions = program.instructions[device]
         self.transport, self.pacer, self.sync = transport, pacer, sync
         self.batch_size, self.rank_of = batch_size, rank_of
