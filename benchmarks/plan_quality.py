@@ -7,7 +7,10 @@ the speedup of the best over even data parallelism (ring all-reduce), and the se
 The language models people fine-tune with sharded state (gpt2-xl, tinyllama-1.1b, llama-7b;
 AdamW; fp16, which every GPU of the built-in clusters runs on tensor cores, and llama-7b also
 in amp-bf16 on mixed-16) are compared with the sharded baselines fsdp-even and zero-uneven
-too; `--only lm` runs just them and keeps the other rows of the results file.
+too, and with megatron-3d (the best uniform tp × pp × dp grid plan the planner scores within
+its budget, search/tp_moves.py), where heterog's search may split groups by tensor
+parallelism; the summary gives the geometric-mean gain over the best baseline on them.
+`--only lm` runs just them and keeps the other rows of the results file.
 
     .venv/bin/python benchmarks/plan_quality.py [--budget-s 6] [--quick] [--only lm]
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -38,6 +42,7 @@ from heterog.search.baselines import BASELINE_BUILDERS  # noqa: E402
 from heterog.search.constraints import DEFAULT_CACHE  # noqa: E402
 from heterog.search.objective import Goal  # noqa: E402
 from heterog.search.planner import CANDIDATES, plan_graph  # noqa: E402
+from heterog.search.tp_moves import GRID_NAME  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "plan_quality.json"
 
@@ -66,7 +71,7 @@ LM_CASES = [
     for m, s in (("gpt2-xl", 1024), ("tinyllama-1.1b", 2048), ("llama-7b", 2048))
     for c in PAPER_CLUSTERS
 ] + [("llama-7b", {}, 16, 2048, "mixed-16", "amp-bf16")]
-BASELINES = tuple(BASELINE_BUILDERS)
+BASELINES = (*BASELINE_BUILDERS, GRID_NAME)
 
 
 def run_case(graph, cluster_name, spec, budget_s, seed, policy=None, precision="fp32", optimizer="sgd"):
@@ -115,6 +120,8 @@ def run_case(graph, cluster_name, spec, budget_s, seed, policy=None, precision="
             (k for k, v in times.items() if k in BASELINES and v is not None), key=lambda k: times[k], default=None
         ),
         sharded_groups=sum(1 for g in r.best.groups if g.shard_stage),
+        tensor_parallel_groups=sum(1 for g in r.best.groups if g.tp_degree > 1),
+        megatron_3d=r.budget_split.get(GRID_NAME),
         bound_s=r.bound.iteration_time_s,
         above_bound=r.bound.within(r.best.predicted_iteration_time_s),
         devices_used=len(r.best.devices()),
@@ -146,6 +153,22 @@ def _command(path: Path, argv) -> str:
         return this
     before = json.loads(path.read_text()).get("command", "")
     return " + ".join(dict.fromkeys(c for c in (*before.split(" + "), this) if c))
+
+
+def _lm_summary(rows: list[dict]) -> dict:
+    """The language-model cases against their best baseline (megatron-3d among them): the
+    geometric mean of heterog's speedup, and whether heterog was never slower than megatron-3d."""
+    lm = {
+        _case_key({**dict(zip(("model", "model_args", "batch_size", "seq_len", "cluster"), c)), "precision": c[5]})
+        for c in LM_CASES
+    }
+    gains = [r["speedup_vs_best_baseline"] for r in rows if _case_key(r) in lm and r.get("speedup_vs_best_baseline")]
+    grid = [(r["best_time_s"], r["times_s"].get(GRID_NAME)) for r in rows if _case_key(r) in lm and r.get("feasible")]
+    return {
+        "lm_cases": len(gains),
+        "lm_geomean_gain_over_best_baseline": math.exp(sum(map(math.log, gains)) / len(gains)) if gains else None,
+        "lm_never_worse_than_megatron_3d": all(m is None or best <= m + 1e-12 for best, m in grid),
+    }
 
 
 def _fmt(v):
@@ -241,6 +264,7 @@ def main(argv=None) -> int:
             and r["times_s"]["search"] < r["times_s"]["gnn+search"] - 1e-12
         ),
         "total_time_s": time.perf_counter() - begin,
+        **_lm_summary(rows),
     }
     print(json.dumps(summary, indent=1))
     write_json(

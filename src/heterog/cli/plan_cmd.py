@@ -35,6 +35,7 @@ from heterog.cli.three_d_opts import (
     STAGE_LAYERS_OPTION,
     STRATEGY,
     STRATEGY_OPTION,
+    TENSOR_PARALLEL_OPTION,
     TP_OPTION,
     ZERO_OPTION,
     check_3d_options,
@@ -195,6 +196,7 @@ def plan_command(
     schedule: str = SCHEDULE_OPTION,
     zero: int = ZERO_OPTION,
     devices: str | None = DEVICES_OPTION,
+    tensor_parallel: bool = TENSOR_PARALLEL_OPTION,
     report: Path | None = REPORT_OPTION,
     objective: str = OBJECTIVE_OPTION,
     max_cost_per_hour: float | None = MAX_COST_OPTION,
@@ -234,6 +236,7 @@ def plan_command(
             strategy=strategy,
             profile=profile,
             goal=goal,
+            tensor_parallel=tensor_parallel,
         )
     result["wall_time_s"] = process_age_s()  # start to plan, for the time line (not the report)
     if out is not None:

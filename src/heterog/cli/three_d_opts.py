@@ -29,6 +29,12 @@ STAGE_LAYERS_OPTION = typer.Option(
 MICROBATCHES_OPTION = typer.Option(1, "--microbatches", min=1, help="--strategy 3d: micro-batches per iteration.")
 SCHEDULE_OPTION = typer.Option("1f1b", "--schedule", help="--strategy 3d: pipeline schedule, gpipe or 1f1b.")
 ZERO_OPTION = typer.Option(0, "--zero", min=0, max=3, help="--strategy 3d: ZeRO stage across the dp replicas.")
+TENSOR_PARALLEL_OPTION = typer.Option(
+    True,
+    "--tensor-parallel/--no-tensor-parallel",
+    help="Let the search split groups by tensor parallelism (the megatron-3d candidate too). `heterog run` "
+    "cannot run such plans yet: plan with --no-tensor-parallel for a plan to run.",
+)
 DEVICES_OPTION = typer.Option(
     None, "--devices", help="--strategy 3d: the tp·pp·dp devices in rank order (default: Megatron's order)."
 )

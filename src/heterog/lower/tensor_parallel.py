@@ -13,6 +13,13 @@ from heterog.errors import PlanError
 from heterog.ir.plan import Plan
 
 
+def executor_runs_tensor_parallel() -> bool:
+    """Whether the executor runs tensor-parallel plans: the one switch that planning for a run
+    (the demo, an elastic run's re-plans, benchmarks/run_vs_sim.py) consults, so that it never
+    chooses a plan this module refuses. False until the executor splits modules."""
+    return False
+
+
 def refuse_tensor_parallel(plan: Plan, what: str) -> Plan:
     """`plan`, or a PlanError when it splits a group by tensor parallelism: `what` cannot use it."""
     if not plan.tensor_parallel:

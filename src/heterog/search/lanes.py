@@ -10,6 +10,7 @@ larger budget, the same seed) never gives a worse one.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import signal
@@ -25,6 +26,7 @@ import numpy as np
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.local_search import Annealer, Found
 from heterog.search.problem import Problem, Strategy
+from heterog.search.tp_scoring import simulated, tp_conflict
 from heterog.simulate.priorities import assign_priorities
 
 PRIORITY_MAX_DEVICES = 128  # ranking a larger plan's nodes (HEFT) costs seconds: graph order
@@ -102,11 +104,13 @@ def finalize(prob: Problem, s: Strategy, name: str, scores: dict | None = None) 
             scored_by="estimate",
         )
     variants = [plan]
-    if prob.n_devices <= PRIORITY_MAX_DEVICES:  # first: on a tie the plan keeps its priorities
+    # first: on a tie the plan keeps its priorities (a tensor-parallel plan's nodes are ranked
+    # by the split graph's costs, which the priorities do not read: graph order)
+    if prob.n_devices <= PRIORITY_MAX_DEVICES and not plan.tensor_parallel:
         variants.insert(0, assign_priorities(prob.graph, prob.cluster, plan, prob.costs, cache=prob.sim_cache))
     best: Candidate | None = None
     for p in variants:
-        r = sim(prob.graph, prob.cluster, p, prob.costs, timeline=False, cache=prob.sim_cache)
+        r = simulated(prob, p, sim)
         if p is plan and scores is not None:
             scores[s.key()] = _as_estimate(prob, r).score
         c = Candidate(
@@ -129,8 +133,9 @@ def simulator_scorer(prob: Problem) -> Callable[[Problem, Strategy], Estimate]:
     assert sim is not None
 
     def score(p: Problem, s: Strategy) -> Estimate:
-        r = sim(p.graph, p.cluster, p.to_plan(s, "search"), p.costs, timeline=False, cache=p.sim_cache)
-        return _as_estimate(p, r)
+        if tp_conflict(p, s) is not None:  # a neighbour the simulator refuses: never accepted
+            return Estimate(iteration_time_s=math.inf, peak_memory_bytes=np.zeros(p.n_devices), overflow=0.0)
+        return _as_estimate(p, simulated(p, p.to_plan(s, "search"), sim))
 
     return score
 

@@ -52,13 +52,15 @@ from heterog.search.lanes import (
 )
 from heterog.search.objective import SUBSET_SHARE, Goal, check_priced, choose, subset_candidates
 from heterog.search.problem import Problem, Strategy
+from heterog.search.tp_moves import GRID_NAME, GridBaseline, megatron_baseline, whole_regions
 from heterog.search.warm import warm_start
 
 __all__ = ["CANDIDATES", "Candidate", "PlanResult", "load_code", "plan_graph", "simulator_scorer"]
 
-CANDIDATES = (*BASELINES, "search", "gnn", "gnn+search")
+CANDIDATES = (*BASELINES, GRID_NAME, "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
 GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
+GRID_SHARE = 0.2  # the megatron-3d grid's part of the time left after the bound (tp_moves.py)
 RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 
@@ -274,6 +276,7 @@ def plan_graph(
     workers: int | None = None,
     goal: Goal | None = None,
     starts: Sequence[Plan] = (),
+    tensor_parallel: bool = True,
 ) -> PlanResult:
     """The best Plan for `graph` on `cluster`, ending about `budget_s` seconds after the call
     (or at `deadline_s`, a time.perf_counter() value, when the caller's clock started earlier).
@@ -293,6 +296,9 @@ def plan_graph(
     goal: the objective, price ceiling and tolerance of the final choice (search/objective.py).
     starts: earlier plans of the model (another cluster's), each restricted to this cluster's
     devices and tried first by the search chains (search/warm.py): a warm-started re-plan.
+    tensor_parallel: whether the chains and the megatron-3d candidate may split groups by
+    tensor parallelism (search/tp_moves.py); off where the plan is to be run until the
+    executor splits modules (lower/tensor_parallel.py executor_runs_tensor_parallel).
     """
     goal = goal if goal is not None else Goal()
     check_priced(cluster, goal)
@@ -306,16 +312,20 @@ def plan_graph(
     stages.done("cut_analysis")
     assert cuts is None or isinstance(cuts, ModelCuts), cuts
     say("grouping", 0.0)
+    groups = make_groups(graph, cluster, costs, max_groups, cuts)
+    use_sim = scorer == "simulator" or (scorer == "auto" and _has_simulator())
+    tensor_parallel = tensor_parallel and use_sim  # the estimate does not price a split
     prob = Problem(
         graph=graph,
         cluster=cluster,
         costs=costs,
-        groups=make_groups(graph, cluster, costs, max_groups, cuts),
+        groups=whole_regions(graph, costs, groups) if tensor_parallel else groups,
         batch_size=graph.batch_size,
         model_spec=model_spec,
         precision=precision,
         optimizer=optimizer,
         cuts=cuts,
+        tensor_parallel=tensor_parallel,
     )
     stages.done("grouping")
     lanes = _LaneOptions(policy=policy, seed=seed, finetune_s=finetune_s, workers=workers, scorer=scorer)
@@ -378,27 +388,39 @@ def _search(
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s
+        grid = _grid(prob, deadline - reserve_s, base.per_call_s)
+        stages.done(GRID_NAME)
         # data parallelism on fewer devices (search/objective.py), in part of the lanes' time
         subsets_end = time.perf_counter() + SUBSET_SHARE * max(0.0, deadline - reserve_s - time.perf_counter())
         subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
         stages.done("subsets")
-        mine = Lane(
-            name="search", seed=o.seed, starts=_search_starts(list(base.strategies.values()), warm), known=base.known
-        )
+        lane_starts = [*base.strategies.values(), *([grid.start] if grid.start is not None else [])]
+        mine = Lane(name="search", seed=o.seed, starts=_search_starts(lane_starts, warm), known=base.known)
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
     finally:
         if forked is not None:
             forked.stop()
     split["reserve_s"] = reserve_s
+    if grid.report:
+        split[GRID_NAME] = grid.report
     if other is not None and other.start_name and o.finetune_s > 0:
         split["finetune_s"] = f"min({o.finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
     say("scoring", 0.9)
-    best, ordered = _choose(prob, {**base.candidates, **subsets}, found, bound, goal)
+    made = {GRID_NAME: grid.candidate} if grid.candidate is not None else {}
+    best, ordered = _choose(prob, {**base.candidates, **made, **subsets}, found, bound, goal)
     stages.done("explanation")
     say("done", 1.0)
     return best, ordered, bound, lane_stats, split
+
+
+def _grid(prob: Problem, end_s: float, per_call_s: float) -> GridBaseline:
+    """The megatron-3d baseline (tp_moves.py) in GRID_SHARE of the time left before `end_s`
+    (nothing, and nothing to report, for a model without transformer blocks)."""
+    until_s = time.perf_counter() + GRID_SHARE * max(0.0, end_s - time.perf_counter())
+    made = megatron_baseline(prob, until_s, per_call_s)
+    return made if made is not None else GridBaseline(candidate=None, start=None, report={})
 
 
 def _lane_table(lane_stats: list[LaneStats]) -> dict[str, dict[str, Any]]:

@@ -33,7 +33,9 @@ BUCKET_BYTES = DEFAULT_BUCKET_BYTES  # gradient bucket of the plans we emit
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where one group runs: device indices (sorted), each one's share, how gradients sync,
-    and the state its replicas shard (ZeRO stage, each replica's fraction of the state).
+    the state its replicas shard (ZeRO stage, each replica's fraction of the state), and
+    each replica's tensor-parallel members beside it (`tp`: empty, or one tuple of device
+    indices per replica, all of one length; search/tp_moves.py).
 
     Hashed once, when made: a 1024-device placement is a key of the search's caches and of
     every strategy's identity, and rehashing its tuples per look-up cost more than scoring."""
@@ -45,16 +47,22 @@ class Placement:
     recompute: bool = False
     shard: int = 0
     shards: tuple[float, ...] = ()
+    tp: tuple[tuple[int, ...], ...] = ()
     _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         assert len(self.devices) == len(self.shares) and self.devices, self
         assert abs(sum(self.shares) - 1.0) < 1e-6, self.shares
         assert not self.shard or (len(self.shards) == len(self.devices) and abs(sum(self.shards) - 1.0) < 1e-6), self
+        assert not self.tp or (len(self.tp) == len(self.devices) and len({len(m) for m in self.tp}) == 1), self
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
 
     def __hash__(self) -> int:
         return self._hash
+
+    @property
+    def tp_degree(self) -> int:
+        return 1 + len(self.tp[0]) if self.tp else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,7 @@ class Problem:
     optimizer: str = "sgd"
     extra: dict = field(default_factory=dict)
     cuts: ModelCuts | None = None  # what the executor can cut (search/constraints.py)
+    tensor_parallel: bool = False  # whether the search may split groups by tensor parallelism (tp_moves.py)
     sim_cache: SimCache = field(default_factory=SimCache)  # the simulator's, kept across candidates
 
     def __post_init__(self) -> None:
@@ -259,13 +268,14 @@ class Problem:
         if sync == SyncMethod.PS and ps is None:
             ps = devs[0]
         shard = p.shard if len(devs) > 1 else 0
+        tp = tuple(p.tp[i] for i in keep) if p.tp else ()
         shards: tuple[float, ...] = ()
         if shard:  # the replicas kept keep their fractions, renormalised
             kept = [p.shards[i] for i in keep]
             total = sum(kept)
             shards = tuple(f / total for f in kept) if total > 0 else tuple([1.0 / len(kept)] * len(kept))
             sync, ps = SyncMethod.RING, None
-        return Placement(devs, shares, sync, ps if sync == SyncMethod.PS else None, p.recompute, shard, shards)
+        return Placement(devs, shares, sync, ps if sync == SyncMethod.PS else None, p.recompute, shard, shards, tp)
 
     def finalize(self, s: Strategy) -> Strategy:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
@@ -280,7 +290,12 @@ class Problem:
         if hit is None:
             q = self.integer_placement(p, microbatch_samples)
             replicas = tuple(
-                Replica(device=self.device_names[d], share=sh, shard=q.shards[i] if q.shard else None)
+                Replica(
+                    device=self.device_names[d],
+                    share=sh,
+                    shard=q.shards[i] if q.shard else None,
+                    tp_devices=tuple(self.device_names[m] for m in q.tp[i]) if q.tp else (),
+                )
                 for i, (d, sh) in enumerate(zip(q.devices, q.shares))
             )
             ps_device = self.device_names[q.ps] if q.sync == SyncMethod.PS and q.ps is not None else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,7 +65,7 @@ def attention_heads(spec: ModelSpec) -> dict[str, int]:
     return out
 
 
-def _check_divides(graph: OpGraph, spec: ModelSpec, tp: int) -> None:
+def check_divides(graph: OpGraph, spec: ModelSpec, tp: int) -> None:
     """tp must divide the heads and every split linear's output features (Megatron asserts both)."""
     if tp not in DEGREES:
         raise PlanError(f"--tp {tp} is not supported; use one of {DEGREES} (devices of one node).")
@@ -175,7 +175,7 @@ def megatron_3d(
     if len(tps) != pp:
         raise PlanError(f"tp gives {len(tps)} degrees for {pp} stages; give one degree, or one per stage.")
     for t in sorted(set(tps)):
-        _check_divides(graph, model_spec, t)
+        check_divides(graph, model_spec, t)
     if model_spec.batch_size % (microbatches * dp):
         raise PlanError(
             f"batch size {model_spec.batch_size} is not a multiple of microbatches × dp = {microbatches} × {dp}; "
@@ -249,11 +249,13 @@ class GridPoint:
     feasible: bool
 
 
-def grid(graph: OpGraph, cluster: Cluster, spec: ModelSpec) -> list[tuple[int, int, int, int]]:
+def grid(
+    graph: OpGraph, cluster: Cluster, spec: ModelSpec, *, degrees: Sequence[int] = DEGREES
+) -> list[tuple[int, int, int, int]]:
     """Every uniform (tp, pp, dp, micro-batches) on all the cluster's devices as Megatron
-    allows it: tp one of 1, 2, 4, 8 dividing the heads and features and a node's devices (a
-    tensor-parallel set never leaves a node), pp dividing the blocks, dp the rest, and a
-    number of micro-batches (a power of two; 1 without a pipeline) dividing batch / dp."""
+    allows it: tp one of `degrees` (1, 2, 4, 8) dividing the heads and features and a node's
+    devices (a tensor-parallel set never leaves a node), pp dividing the blocks, dp the rest,
+    and a number of micro-batches (a power of two; 1 without a pipeline) dividing batch / dp."""
     n = len(cluster.devices)
     per_node = min(len(node.devices) for node in cluster.nodes)
     try:
@@ -261,11 +263,11 @@ def grid(graph: OpGraph, cluster: Cluster, spec: ModelSpec) -> list[tuple[int, i
     except PlanError:
         blocks = 1
     out = []
-    for tp in DEGREES:
+    for tp in degrees:
         if per_node % tp or n % tp:
             continue
         try:
-            _check_divides(graph, spec, tp)
+            check_divides(graph, spec, tp)
         except (PlanError, GraphError):
             continue
         for pp in (p for p in range(1, blocks + 1) if blocks % p == 0 and n % (tp * p) == 0):
@@ -279,14 +281,34 @@ def grid(graph: OpGraph, cluster: Cluster, spec: ModelSpec) -> list[tuple[int, i
     return out
 
 
+def _state_fits(graph: OpGraph, cluster: Cluster, costs) -> Callable[[tuple[int, int, int, int]], bool]:
+    """Whether a configuration's model state (parameters, gradients, optimizer state: 1/(tp·pp)
+    of the whole on each device, as Megatron divides it) fits the smallest device's memory."""
+    smallest = min(cluster.devices, key=lambda d: cluster.memory_bytes(d.name)).name
+    state = costs.persistent_bytes([n.name for n in graph.nodes], smallest)
+    memory = cluster.memory_bytes(smallest)
+    return lambda c: state / (c[0] * c[1]) < memory
+
+
 def best_uniform(
-    graph: OpGraph, cluster: Cluster, costs, spec: ModelSpec, *, deadline_s: float, precision: str, optimizer: str
+    graph: OpGraph,
+    cluster: Cluster,
+    costs,
+    spec: ModelSpec,
+    *,
+    deadline_s: float,
+    precision: str,
+    optimizer: str,
+    degrees: Sequence[int] = DEGREES,
 ) -> list[GridPoint]:
-    """The grid's configurations scored by the simulator until `deadline_s` (cheapest-looking
-    first: fewest pipeline stages and micro-batches, the way a Megatron user tries them),
-    best first: fitting ones by iteration time, then the others."""
+    """The grid's configurations scored by the simulator until `deadline_s` (those whose model
+    state fits the devices first; then the cheapest-looking: fewest pipeline stages and
+    micro-batches, the way a Megatron user tries them), best first: fitting ones by iteration
+    time, then the others. At least one is scored, whatever the deadline."""
     scored: list[GridPoint] = []
-    for tp, pp, dp, m in sorted(grid(graph, cluster, spec), key=lambda c: (c[1], c[3], c[0])):
+    fits = _state_fits(graph, cluster, costs)
+    configurations = sorted(grid(graph, cluster, spec, degrees=degrees), key=lambda c: (not fits(c), c[1], c[3], c[0]))
+    for tp, pp, dp, m in configurations:
         if time.perf_counter() > deadline_s and scored:
             break
         made, sim = simulated_3d(

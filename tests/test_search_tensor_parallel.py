@@ -1,0 +1,153 @@
+"""Tensor parallelism in the search: the tp move's plans are ones the simulator accepts and
+prices as simulate() does, refused neighbours are never accepted, the planner splits a small
+transformer's groups on a node of NVLink GPUs where that is fastest, and planning for a run
+(the executor cannot split modules yet) never does."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from heterog.capture import capture_model
+from heterog.cli.main import app
+from heterog.hardware.spec import load_cluster, parse_cluster_yaml
+from heterog.inputs import model_inputs
+from heterog.ir.kinds import SyncMethod
+from heterog.ir.plan import ModelSpec
+from heterog.lower.tensor_parallel import executor_runs_tensor_parallel
+from heterog.runs.elastic import replan
+from heterog.search.baselines import BASELINE_BUILDERS
+from heterog.search.grouping import make_groups
+from heterog.search.lanes import simulator_scorer
+from heterog.search.moves import MoveContext, segments, with_placement
+from heterog.search.planner import plan_graph
+from heterog.search.problem import Placement, Problem
+from heterog.search.tp_moves import GRID_NAME, tp_applies, tp_move, whole_regions
+from heterog.search.tp_scoring import simulated, split_groups, tp_conflict
+from heterog.simulate.simulator import simulate
+
+SMALL = ModelSpec(name="gpt2", args={"layers": 4}, batch_size=8, seq_len=32)
+# one sample: data parallelism and pipelines cannot use a second GPU, tensor parallelism can
+ONE = ModelSpec(name="gpt2", args={"layers": 2}, batch_size=1, seq_len=512)
+NVLINK_NODE = """
+name: nvlink-4
+kind: real
+description: one node of 4x A100-80GB (NVLink)
+nodes:
+  - name: a100
+    nic_bandwidth_gbps: 100
+    devices:
+      - {type: A100-80GB, count: 4}
+"""
+
+
+def _problem(spec: ModelSpec, cluster, max_groups: int = 32, *, whole: bool = True) -> Problem:
+    graph = capture_model(spec.name, dict(spec.args), batch_size=spec.batch_size, seq_len=spec.seq_len)
+    graph, cluster, costs = model_inputs(spec, cluster, graph=graph)
+    groups = make_groups(graph, cluster, costs, max_groups)
+    return Problem(
+        graph=graph,
+        cluster=cluster,
+        costs=costs,
+        groups=whole_regions(graph, costs, groups) if whole else groups,
+        batch_size=spec.batch_size,
+        model_spec=spec,
+        tensor_parallel=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """gpt2 with 4 blocks on mixed-16: nodes of 4 A100s, 4 V100s and 8 T4s."""
+    return _problem(SMALL, load_cluster("mixed-16"))
+
+
+def test_grouping_keeps_split_regions_whole(mixed):
+    plain = _problem(SMALL, mixed.cluster, 12, whole=False)
+    assert split_groups(plain), "the plain grouping cuts some block's split region"
+    whole = _problem(SMALL, mixed.cluster, 12)
+    assert not split_groups(whole) and tp_applies(whole)
+    assert [n for g in whole.groups for n in g] == [n.name for n in whole.graph.nodes]  # still contiguous
+
+
+def test_tp_move_gives_plans_the_simulator_accepts_and_prices_alike(mixed):
+    ctx = MoveContext(prob=mixed, rng=random.Random(0))
+    degrees, undone = set(), 0
+    for name in ("proportional-dp", "pipeline", "zero-uneven"):
+        s = BASELINE_BUILDERS[name](mixed)
+        for _ in range(6):
+            a, b = ctx.rng.choice(segments(s))
+            n = tp_move(ctx, s, a, b)
+            if n is s:
+                continue
+            plan = mixed.to_plan(n, "search").validate(mixed.graph, mixed.cluster)
+            assert tp_conflict(mixed, n) is None
+            for g in plan.groups:
+                for r in g.replicas:  # a set stays inside one node, on one GPU type
+                    assert len({mixed.cluster.node_of[m] for m in r.members}) == 1
+                    assert len({mixed.cluster.device(m).gpu_type for m in r.members}) == 1
+            kept = simulated(mixed, plan, simulate)  # the search's cached split inputs
+            fresh = simulate(mixed.graph, mixed.cluster, plan, mixed.costs, timeline=False)
+            assert kept.iteration_time_s == pytest.approx(fresh.iteration_time_s, rel=1e-9)
+            assert kept.peak_memory_bytes == fresh.peak_memory_bytes
+            degrees.add(n.placements[a].tp_degree)
+            undone += s.placements[a].tp_degree > 1 and n.placements[a].tp_degree == 1
+            s = n
+    assert {2, 4} <= degrees and undone, (degrees, undone)
+
+
+def test_neighbours_the_simulator_refuses_are_rejected(mixed):
+    ctx = MoveContext(prob=mixed, rng=random.Random(1))
+    s = BASELINE_BUILDERS["proportional-dp"](mixed)
+    n = s
+    while n is s or n.placements[0].tp_degree == 1:
+        n = tp_move(ctx, s, 0, mixed.n_groups)
+    p = n.placements[0]
+    member = p.tp[0][0]
+    alone = with_placement(n, 0, 1, Placement((member,), (1.0,)))  # a set's member also alone
+    by_ps = with_placement(n, 0, mixed.n_groups, dataclasses.replace(p, sync=SyncMethod.PS, ps=p.devices[0]))
+    score = simulator_scorer(mixed)
+    for bad, why in ((alone, "two tensor-parallel sets"), (by_ps, "not ring")):
+        assert why in tp_conflict(mixed, bad)
+        assert math.isinf(score(mixed, bad).score)
+    assert math.isfinite(score(mixed, n).score)
+
+
+@pytest.fixture(scope="module")
+def one_sample():
+    spec = ONE
+    graph = capture_model(spec.name, dict(spec.args), batch_size=spec.batch_size, seq_len=spec.seq_len)
+    return spec, model_inputs(spec, parse_cluster_yaml(NVLINK_NODE), graph=graph)
+
+
+def test_planner_splits_blocks_on_nvlink_only_where_the_plan_is_not_run(one_sample):
+    spec, (graph, cluster, costs) = one_sample
+    kw = {"budget_s": 3, "policy": False, "max_iters": 100, "model_spec": spec, "cuts": None}
+    r = plan_graph(graph, cluster, costs, **kw)
+    assert r.best.tensor_parallel, [(c.strategy, c.iteration_time_s) for c in r.candidates]
+    grid = next(c for c in r.candidates if c.strategy == GRID_NAME)
+    assert grid.plan.tensor_parallel and r.best.predicted_iteration_time_s <= grid.iteration_time_s
+    assert r.budget_split[GRID_NAME]["scored"] >= 1
+    unsplit = min(c.iteration_time_s for c in r.candidates if not c.plan.tensor_parallel)
+    assert r.best.predicted_iteration_time_s < 0.8 * unsplit  # one sample over four GPUs, not one
+    # planning for a run: the switch (False until the executor splits modules)
+    run_bound = plan_graph(graph, cluster, costs, tensor_parallel=executor_runs_tensor_parallel(), **kw)
+    assert not any(c.plan.tensor_parallel for c in run_bound.candidates)
+    again = replan(r.best, cluster, 3.0, graph=graph)  # an elastic run's re-plan, warm from the TP plan
+    assert not again.tensor_parallel
+
+
+def test_cli_no_tensor_parallel(tmp_path):
+    path = tmp_path / "nvlink.yaml"
+    path.write_text(NVLINK_NODE)
+    args = ["plan", "--model", "gpt2", "--model-arg", "layers=2", "--batch-size", "1", "--seq-len", "512"]
+    args += ["--cluster", str(path), "--budget-s", "3", "--no-gnn", "--max-iters", "60", "--json"]
+    res = CliRunner().invoke(app, [*args, "--no-tensor-parallel"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert "tp_devices" not in json.dumps(doc["best"])
