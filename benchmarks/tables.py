@@ -215,18 +215,33 @@ def plan_quality(doc: dict[str, Any], short: bool) -> list[str]:
         f"in {s['gnn_alone_beats_best_baseline']}, GNN + search beats search alone in "
         f"{s['gnn_plus_search_beats_search']}."
     )
+    if s.get("lm_geomean_gain_over_best_baseline"):
+        out[-1] += (
+            f" On the {s['lm_cases']} language-model cases (AdamW, fp16/bf16) heterog's plan is "
+            f"{times(s['lm_geomean_gain_over_best_baseline'])} faster than the best baseline (geometric mean; "
+            f"megatron-3d, the best uniform tp × pp × dp plan, among them)."
+        )
     return out
 
 
 def plan_quality_lm(doc: dict[str, Any], short: bool) -> list[str]:
-    """The language models trained with AdamW: heterog's plan against the sharded baselines
-    and the best baseline (the cases the planner finds nothing for are left out)."""
+    """The language models trained with AdamW: heterog's plan against the sharded baselines,
+    megatron-3d (the planner's, and the whole grid scored outside the budget) and the best
+    baseline (the cases the planner finds nothing for are left out)."""
     rows = [r for r in doc["rows"] if r.get("optimizer") == "adamw" and r.get("feasible")]
     if not rows:
         return ["(no language-model cases in the results: `python benchmarks/plan_quality.py --only lm`)", ""]
 
     def of(r: dict, k: str) -> float | None:
         return r["times_s"].get(k)
+
+    def full_grid(r: dict) -> str:
+        g = r.get("megatron_3d_full_grid")
+        if not g:
+            return "—"
+        if g.get("best_time_s") is None:
+            return f"none of {g['configurations']} fits"
+        return "{} (tp {}, pp {}, dp {}, {} mb)".format(secs(g["best_time_s"]), *g["tp_pp_dp_microbatches"])
 
     out = table(
         [
@@ -235,8 +250,11 @@ def plan_quality_lm(doc: dict[str, Any], short: bool) -> list[str]:
             "precision",
             "heterog's plan",
             "sharded groups",
+            "tensor-parallel groups",
             "fsdp-even",
             "zero-uneven",
+            "megatron-3d",
+            "megatron-3d, whole grid",
             "best baseline",
             "over the best baseline",
             "over fsdp-even",
@@ -248,8 +266,11 @@ def plan_quality_lm(doc: dict[str, Any], short: bool) -> list[str]:
                 r["precision"],
                 f"{r['best']}, {secs(r['best_time_s'])}",
                 r.get("sharded_groups", 0),
+                r.get("tensor_parallel_groups", 0),
                 secs(of(r, "fsdp-even")),
                 secs(of(r, "zero-uneven")),
+                secs(of(r, "megatron-3d")),
+                full_grid(r),
                 r.get("best_baseline") or "—",
                 times(r.get("speedup_vs_best_baseline")),
                 times(of(r, "fsdp-even") / r["best_time_s"]) if of(r, "fsdp-even") else "does not fit",
@@ -264,6 +285,15 @@ def plan_quality_lm(doc: dict[str, Any], short: bool) -> list[str]:
     ]
     if missing:
         out += [f"No plan fits {', '.join(missing)}.", ""]
+    summary = doc.get("summary", {})
+    if summary.get("lm_geomean_gain_over_best_baseline"):
+        out += [
+            f"Geometric-mean gain of heterog's plan over the best baseline (megatron-3d among them): "
+            f"{times(summary['lm_geomean_gain_over_best_baseline'])}; over Megatron's whole uniform grid: "
+            f"{times(summary.get('lm_geomean_gain_over_megatron_3d_full_grid'))}, never slower than it: "
+            f"{'yes' if summary.get('lm_never_worse_than_megatron_3d_full_grid') else 'no'}.",
+            "",
+        ]
     return out
 
 
@@ -853,7 +883,8 @@ SECTIONS = (
         result="plan_quality.json",
         render=plan_quality_lm,
         about="gpt2-xl, tinyllama-1.1b and llama-7b trained with AdamW (batch 16) on the built-in GPU clusters, "
-        "against the sharded baselines fsdp-even (ZeRO-3, even) and zero-uneven (Cephalo's rule); simulated.",
+        "against the sharded baselines fsdp-even (ZeRO-3, even) and zero-uneven (Cephalo's rule) and megatron-3d "
+        "(the best uniform tp × pp × dp plan: the planner's within its budget, and the whole grid); simulated.",
     ),
     Section(
         key="plan-cost",

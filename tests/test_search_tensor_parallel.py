@@ -130,6 +130,7 @@ def test_planner_splits_blocks_on_nvlink_only_where_the_plan_is_not_run(one_samp
     kw = {"budget_s": 3, "policy": False, "max_iters": 100, "model_spec": spec, "cuts": None}
     r = plan_graph(graph, cluster, costs, **kw)
     assert r.best.tensor_parallel, [(c.strategy, c.iteration_time_s) for c in r.candidates]
+    assert any("Megatron-style" in n for n in r.best.notes), r.best.notes
     grid = next(c for c in r.candidates if c.strategy == GRID_NAME)
     assert grid.plan.tensor_parallel and r.best.predicted_iteration_time_s <= grid.iteration_time_s
     assert r.budget_split[GRID_NAME]["scored"] >= 1

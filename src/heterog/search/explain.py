@@ -92,11 +92,15 @@ def _microbatch_note(plan: Plan, segments: list[tuple[int, int]], sim) -> str:
 def _segment_note(prob: Problem, plan: Plan, a: int, b: int, speed: np.ndarray) -> str:
     g = plan.groups[a]
     span = f"groups g{a}–g{b - 1}" if b - a > 1 else f"group g{a}"
+    if len(g.replicas) == 1 and g.tp_degree > 1:
+        members = ", ".join(g.replicas[0].members)
+        return f"{span}: split Megatron-style over {members} (tensor parallelism, degree {g.tp_degree})."
     if len(g.replicas) == 1:
         return f"{span}: on {g.replicas[0].device} alone (model parallel; no gradient sync)."
     types = Counter(_kind(prob, r.device) for r in g.replicas)
     kinds = ", ".join(f"{k}×{t}" for t, k in types.items())
-    line = f"{span}: data parallel on {len(g.replicas)} devices ({kinds}), sync {g.sync}"
+    tp = f", each a tensor-parallel set of {g.tp_degree} (blocks split Megatron-style)" if g.tp_degree > 1 else ""
+    line = f"{span}: data parallel on {len(g.replicas)} devices ({kinds}){tp}, sync {g.sync}"
     if g.ps_device:
         line += f" via a parameter server on {g.ps_device}"
     idx = [prob.device_names.index(r.device) for r in g.replicas] if prob.n_devices <= 64 else None

@@ -60,7 +60,7 @@ __all__ = ["CANDIDATES", "Candidate", "PlanResult", "load_code", "plan_graph", "
 CANDIDATES = (*BASELINES, GRID_NAME, "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
 GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
-GRID_SHARE = 0.2  # the megatron-3d grid's part of the time left after the bound (tp_moves.py)
+GRID_SHARE = 0.3  # the megatron-3d grid's part of the time left after the bound (tp_moves.py)
 RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 

@@ -26,6 +26,7 @@ from heterog.hardware.cluster import Cluster
 from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.lower.context import SimCache
 from heterog.simulate.result import SimResult
 from heterog.simulate.simulator import simulate
 
@@ -227,10 +228,13 @@ def megatron_3d(
     return plan.validate(graph, cluster)
 
 
-def simulated_3d(graph: OpGraph, cluster: Cluster, costs, **options: Any) -> tuple[Plan, SimResult]:
-    """`megatron_3d(graph, cluster, **options)` with the simulator's prediction in it."""
+def simulated_3d(
+    graph: OpGraph, cluster: Cluster, costs, *, score: Callable[[Plan], SimResult] | None = None, **options: Any
+) -> tuple[Plan, SimResult]:
+    """`megatron_3d(graph, cluster, **options)` with the simulator's prediction in it (`score`:
+    the simulator with the caller's caches; a plain simulation by default)."""
     made = megatron_3d(graph, cluster, **options)
-    sim = simulate(graph, cluster, made, costs, timeline=False)
+    sim = score(made) if score is not None else simulate(graph, cluster, made, costs, timeline=False)
     fits = "fits" if sim.feasible else f"does not fit: {sim.overflow_device} over by {sim.overflow_bytes} bytes"
     made = replace(made, notes=(*made.notes, f"simulated: it {fits}."))
     return made.with_prediction(sim.iteration_time_s, sim.peak_memory_bytes), sim
@@ -300,11 +304,17 @@ def best_uniform(
     precision: str,
     optimizer: str,
     degrees: Sequence[int] = DEGREES,
+    score: Callable[[Plan], SimResult] | None = None,
 ) -> list[GridPoint]:
     """The grid's configurations scored by the simulator until `deadline_s` (those whose model
     state fits the devices first; then the cheapest-looking: fewest pipeline stages and
     micro-batches, the way a Megatron user tries them), best first: fitting ones by iteration
-    time, then the others. At least one is scored, whatever the deadline."""
+    time, then the others. At least one is scored, whatever the deadline. `score`: the
+    simulator with the caller's caches (default: one SimCache for the whole grid, which its
+    configurations of one shape and another number of micro-batches share)."""
+    if score is None:
+        cache = SimCache()
+        score = lambda plan: simulate(graph, cluster, plan, costs, timeline=False, cache=cache)  # noqa: E731
     scored: list[GridPoint] = []
     fits = _state_fits(graph, cluster, costs)
     configurations = sorted(grid(graph, cluster, spec, degrees=degrees), key=lambda c: (not fits(c), c[1], c[3], c[0]))
@@ -322,6 +332,7 @@ def best_uniform(
             microbatches=m,
             precision=precision,
             optimizer=optimizer,
+            score=score,
         )
         point = GridPoint(
             tp=tp,

@@ -36,10 +36,10 @@ from heterog.search.moves import Move, MoveContext, MoveScope, register_move, re
 from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
 from heterog.search.three_d import best_uniform, check_divides, grid
-from heterog.search.tp_scoring import graph_region_spans, memo, region_spans, split_groups
+from heterog.search.tp_scoring import graph_region_spans, memo, region_spans, simulated, split_groups
+from heterog.simulate.simulator import simulate
 
 GRID_NAME = "megatron-3d"
-GRID_MIN_CALLS = 3  # the grid runs when this many simulations (at a baseline's cost) fit its share
 # the tp move's weight beside the registry's others (29 in all, moves.py): about one move in eight
 TP_MOVE_WEIGHT = 4.0
 
@@ -192,9 +192,9 @@ def megatron_baseline(prob: Problem, until_s: float, per_call_s: float) -> GridB
     """Megatron's best uniform tp × pp × dp plan (three_d.best_uniform: its grid scored by the
     simulator until `until_s`, configurations whose state fits first; tensor parallelism only
     where the problem allows it), as a candidate and as a start of the search. None for a
-    model without transformer blocks (or without its spec); skipped, saying so, when
-    GRID_MIN_CALLS simulations of a baseline's cost (`per_call_s`) do not fit before
-    `until_s` (a thousand devices at a small budget)."""
+    model without transformer blocks (or without its spec); skipped, saying so, when one
+    simulation at a baseline's cost (`per_call_s`) does not fit before `until_s` (a thousand
+    devices at a small budget)."""
     if prob.model_spec is None or not region_spans(prob):
         return None
     degrees = (1, *tp_view(prob).degrees) if tp_applies(prob) else (1,)
@@ -202,9 +202,8 @@ def megatron_baseline(prob: Problem, until_s: float, per_call_s: float) -> GridB
     if not every:
         return None
     t0 = time.perf_counter()
-    if until_s - t0 < GRID_MIN_CALLS * per_call_s:
-        need_s = GRID_MIN_CALLS * per_call_s
-        why = f"skipped: {GRID_MIN_CALLS} simulations ({need_s:.2g} s) exceed its share of the budget"
+    if until_s - t0 < per_call_s:
+        why = f"skipped: a simulation ({per_call_s:.2g} s) exceeds its share of the budget ({until_s - t0:.2g} s)"
         return GridBaseline(candidate=None, start=None, report={"of": len(every), "skipped": why})
     ranked = best_uniform(
         prob.graph,
@@ -215,6 +214,7 @@ def megatron_baseline(prob: Problem, until_s: float, per_call_s: float) -> GridB
         precision=prob.precision,
         optimizer=prob.optimizer,
         degrees=degrees,
+        score=lambda plan: simulated(prob, plan, simulate),
     )
     best = ranked[0]
     made = Candidate(
