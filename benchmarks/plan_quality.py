@@ -148,7 +148,7 @@ def run_case(
         megatron_3d=r.budget_split.get(GRID_NAME),
         megatron_3d_full_grid=_full_grid(graph, cluster, costs, spec, precision, optimizer) if full_grid else None,
         bound_s=r.bound.iteration_time_s,
-        above_bound=r.bound.within(r.best.predicted_iteration_time_s),
+        above_bound=None if r.best.tensor_parallel else r.bound.within(r.best.predicted_iteration_time_s),
         devices_used=len(r.best.devices()),
         scored_by=r.candidates[0].scored_by,
         notes=list(r.best.notes[:2]),

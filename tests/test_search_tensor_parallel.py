@@ -111,8 +111,13 @@ def test_neighbours_the_simulator_refuses_are_rejected(mixed):
     member = p.tp[0][0]
     alone = with_placement(n, 0, 1, Placement((member,), (1.0,)))  # a set's member also alone
     by_ps = with_placement(n, 0, mixed.n_groups, dataclasses.replace(p, sync=SyncMethod.PS, ps=p.devices[0]))
+    head, embedding = (
+        next(g for g, names in enumerate(mixed.groups) if n in names) for n in ("lm_head", "transformer.wte")
+    )
+    untied = with_placement(n, head, head + 1, Placement((p.devices[0],), (1.0,), tp=(p.tp[0],)))
+    untied = with_placement(untied, embedding, embedding + 1, Placement((p.devices[0],), (1.0,)))  # unsplit
     score = simulator_scorer(mixed)
-    for bad, why in ((alone, "two tensor-parallel sets"), (by_ps, "not ring")):
+    for bad, why in ((alone, "two tensor-parallel sets"), (by_ps, "not ring"), (untied, "different degrees")):
         assert why in tp_conflict(mixed, bad)
         assert math.isinf(score(mixed, bad).score)
     assert math.isfinite(score(mixed, n).score)
@@ -131,6 +136,8 @@ def test_planner_splits_blocks_on_nvlink_only_where_the_plan_is_not_run(one_samp
     r = plan_graph(graph, cluster, costs, **kw)
     assert r.best.tensor_parallel, [(c.strategy, c.iteration_time_s) for c in r.candidates]
     assert any("Megatron-style" in n for n in r.best.notes), r.best.notes
+    assert any("holds for plans without tensor parallelism" in n for n in r.best.notes)  # the bound does not split
+    assert all(c.above_bound is None for c in r.candidates if c.plan.tensor_parallel)
     grid = next(c for c in r.candidates if c.strategy == GRID_NAME)
     assert grid.plan.tensor_parallel and r.best.predicted_iteration_time_s <= grid.iteration_time_s
     assert r.budget_split[GRID_NAME]["scored"] >= 1

@@ -171,7 +171,12 @@ def notes(
         f"{len(plan.devices())} of {prob.n_devices} devices."
     ]
     out += list(choice)
-    if bound is not None:
+    if bound is not None and plan.tensor_parallel:
+        out.append(
+            f"the lower bound, {human_time(bound.iteration_time_s)}, holds for plans without tensor parallelism "
+            f"(it does not model a split block), so it bounds this plan's alternatives, not this plan."
+        )
+    elif bound is not None:
         out.append(bound_note(bound, winner.iteration_time_s))
     ref = next((c for c in candidates if c.strategy == "even-dp-allreduce"), None)
     if ref is not None and ref.strategy != winner.strategy:

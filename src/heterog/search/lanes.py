@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from heterog.errors import PlanError
 from heterog.search.estimate import Estimate, estimate
 from heterog.search.local_search import Annealer, Found
 from heterog.search.problem import Problem, Strategy
@@ -133,9 +134,16 @@ def simulator_scorer(prob: Problem) -> Callable[[Problem, Strategy], Estimate]:
     assert sim is not None
 
     def score(p: Problem, s: Strategy) -> Estimate:
+        rejected = Estimate(iteration_time_s=math.inf, peak_memory_bytes=np.zeros(p.n_devices), overflow=0.0)
         if tp_conflict(p, s) is not None:  # a neighbour the simulator refuses: never accepted
-            return Estimate(iteration_time_s=math.inf, peak_memory_bytes=np.zeros(p.n_devices), overflow=0.0)
-        return _as_estimate(p, simulated(p, p.to_plan(s, "search"), sim))
+            return rejected
+        plan = p.to_plan(s, "search")
+        try:
+            return _as_estimate(p, simulated(p, plan, sim))
+        except PlanError:
+            if not plan.tensor_parallel:
+                raise
+            return rejected  # a refusal tp_conflict does not foresee rejects the neighbour, not the search
 
     return score
 
