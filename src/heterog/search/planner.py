@@ -296,9 +296,8 @@ def plan_graph(
     goal: the objective, price ceiling and tolerance of the final choice (search/objective.py).
     starts: earlier plans of the model (another cluster's), each restricted to this cluster's
     devices and tried first by the search chains (search/warm.py): a warm-started re-plan.
-    tensor_parallel: whether the chains and the megatron-3d candidate may split groups by
-    tensor parallelism (search/tp_moves.py); off where the plan is to be run until the
-    executor splits modules (lower/tensor_parallel.py executor_runs_tensor_parallel).
+    tensor_parallel: whether the search may split groups by tensor parallelism (tp_moves.py);
+    off where the plan is run (lower/tensor_parallel.py executor_runs_tensor_parallel).
     """
     goal = goal if goal is not None else Goal()
     check_priced(cluster, goal)
@@ -312,21 +311,9 @@ def plan_graph(
     stages.done("cut_analysis")
     assert cuts is None or isinstance(cuts, ModelCuts), cuts
     say("grouping", 0.0)
-    groups = make_groups(graph, cluster, costs, max_groups, cuts)
-    use_sim = scorer == "simulator" or (scorer == "auto" and _has_simulator())
-    tensor_parallel = tensor_parallel and use_sim  # the estimate does not price a split
-    prob = Problem(
-        graph=graph,
-        cluster=cluster,
-        costs=costs,
-        groups=whole_regions(graph, costs, groups) if tensor_parallel else groups,
-        batch_size=graph.batch_size,
-        model_spec=model_spec,
-        precision=precision,
-        optimizer=optimizer,
-        cuts=cuts,
-        tensor_parallel=tensor_parallel,
-    )
+    may_split = tensor_parallel and _uses_simulator(scorer)  # the estimate does not price a split
+    fields = {"model_spec": model_spec, "precision": precision, "optimizer": optimizer, "cuts": cuts}
+    prob = _problem(graph, cluster, costs, max_groups, tensor_parallel=may_split, **fields)
     stages.done("grouping")
     lanes = _LaneOptions(policy=policy, seed=seed, finetune_s=finetune_s, workers=workers, scorer=scorer)
     best, ordered, bound, lane_stats, split = _search(prob, lanes, max_iters, starts, goal, deadline, stages, say)
@@ -341,6 +328,16 @@ def plan_graph(
         bound=bound,
         lanes=_lane_table(lane_stats),
     )
+
+
+def _problem(graph: OpGraph, cluster: Cluster, costs: CostModel, max_groups: int, **kw: Any) -> Problem:
+    """The search's problem: the graph grouped (each block's split region in one group where
+    the search may split groups by tensor parallelism, tp_moves.py) and its cost tables; `kw`:
+    Problem's fields model_spec, precision, optimizer, cuts and tensor_parallel."""
+    groups = make_groups(graph, cluster, costs, max_groups, kw["cuts"])
+    if kw["tensor_parallel"]:
+        groups = whole_regions(graph, costs, groups)
+    return Problem(graph=graph, cluster=cluster, costs=costs, groups=groups, batch_size=graph.batch_size, **kw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -372,8 +369,7 @@ def _search(
     warm = [w for p in starts if (w := warm_start(prob, p)) is not None]
     if warm and other is not None and other.start_name is None:  # the second search chain starts warm too
         other = replace(other, starts=_search_starts(None, warm))
-    use_sim = o.scorer == "simulator" or (o.scorer == "auto" and _has_simulator())
-    kw = {"max_iters": max_iters, "use_simulator": use_sim}
+    kw = {"max_iters": max_iters, "use_simulator": _uses_simulator(o.scorer)}
     forked = None
     try:
         # on two cores the other lane starts now (the GNN's proposals beside the baselines)
@@ -433,6 +429,11 @@ def _lane_table(lane_stats: list[LaneStats]) -> dict[str, dict[str, Any]]:
 
 def _has_simulator() -> bool:
     return _simulator() is not None
+
+
+def _uses_simulator(scorer: str) -> bool:
+    """Whether the chains' moves are scored by the simulator (plan_graph's `scorer`)."""
+    return scorer == "simulator" or (scorer == "auto" and _has_simulator())
 
 
 def _choose(
