@@ -115,6 +115,7 @@ class Interpreter(StepTiming, BlockCalls):
         self.mode = StepMode.TRAIN
         self.loss_weight = 1.0
         self._loss_total: Any = 0.0
+        self.reports_loss = True  # False on tensor-parallel members after the first (same loss)
         self.eval_sums: dict[str, float] = {}  # evaluation: metric × samples, summed here
         self.eval_modules: dict[int, Any] = {}  # stage → its forward-only twin (evaluation.py)
         self.evaluate_fn: Callable[[Any, Any], Any] | None = None

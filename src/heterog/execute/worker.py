@@ -49,6 +49,8 @@ from heterog.execute.spec import FailureKind, LaunchSpec, RankFailure, RankResul
 from heterog.execute.stage_map import crossing_values
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog
 from heterog.execute.sync import ProgramSync
+from heterog.execute.tp_rank import TensorParallelState, join_sets, sibling_ranks
+from heterog.execute.tp_split import ParameterSlice, TensorParallelRank, split_model
 from heterog.execute.trace import StepRecorder
 from heterog.execute.train_loop import TrainingHooks, gradient_norm, needs_norm, recipe_of
 from heterog.execute.transport import Channels, Transport, transfer_pairs
@@ -59,6 +61,7 @@ from heterog.ir.run_request import FaultKind, FaultPhase
 from heterog.ir.run_result import Span, SpanCategory, StepRecord
 from heterog.jsonio import write_atomic
 from heterog.lower.program import Program
+from heterog.lower.tensor_parallel import member_view
 from heterog.training import Recipe
 from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device, with_data
 
@@ -111,6 +114,7 @@ class _Built:
     initial: dict[str, torch.Tensor]  # parameters and buffers as built
     rng_state: torch.Tensor  # the CPU generator right after the build
     exported: ExportedModel | None  # None: torch.export refused the model
+    cut: dict[str, ParameterSlice]  # tensor parallelism: how the split cut each parameter
 
 
 @dataclass(kw_only=True)
@@ -122,23 +126,34 @@ class ModelCache:
 
     built: dict[str, _Built] = field(default_factory=dict)
 
-    def get(self, work: Workload, plan: Plan, seed: int) -> tuple[nn.Module, ExportedModel | None]:
-        key = json.dumps([plan.to_dict()["model"], plan.batch_size, seed], sort_keys=True, default=str)
+    def get(
+        self, work: Workload, plan: Plan, seed: int, tp: TensorParallelRank | None = None
+    ) -> tuple[nn.Module, ExportedModel | None, dict[str, ParameterSlice]]:
+        key = json.dumps([plan.to_dict()["model"], plan.batch_size, seed, str(tp)], sort_keys=True, default=str)
         entry = self.built.get(key)
         if entry is None:
-            model = build_model(work, seed=seed)
+            model, cut = _built_model(work, seed, tp)
             rng_state = torch.get_rng_state()
             try:
                 exported = export_plan_model(model, plan)
             except PlanError:
                 exported = None  # build_dataflow says why, or runs the model whole
             initial = {k: t.detach().clone() for k, t in [*model.named_parameters(), *model.named_buffers()]}
-            entry = self.built[key] = _Built(model=model, initial=initial, rng_state=rng_state, exported=exported)
+            entry = self.built[key] = _Built(
+                model=model, initial=initial, rng_state=rng_state, exported=exported, cut=cut
+            )
         for name, t in [*entry.model.named_parameters(), *entry.model.named_buffers()]:
             t.data = entry.initial[name].clone()
             t.grad = None
         torch.set_rng_state(entry.rng_state)
-        return entry.model, (copy_exported(entry.exported) if entry.exported is not None else None)
+        return entry.model, (copy_exported(entry.exported) if entry.exported is not None else None), entry.cut
+
+
+def _built_model(work: Workload, seed: int, tp: TensorParallelRank | None) -> tuple[nn.Module, dict]:
+    """The model as built for `seed`, split for this member of a tensor-parallel set (before the
+    export: the graph the stages are cut from is the split one); how its parameters were cut."""
+    model = build_model(work, seed=seed)
+    return model, (split_model(model, tp) if tp is not None else {})
 
 
 @dataclass(kw_only=True)
@@ -161,6 +176,7 @@ class RankSetup:
     pacer: Pacer
     cap: Any
     recipe: Recipe  # the run's optimizer, schedule and training options
+    tp: TensorParallelState | None = None  # a member of a tensor-parallel set: its slices
 
 
 def _split_for_rank(
@@ -212,14 +228,18 @@ def build_rank(
     """Split the model for the Program (the spec's, when not given loaded), place this rank's
     stages on its device and check them (placement.py), derive the wire table (wire.py), and
     make the transport, the syncs, the optimizer and the interpreter."""
-    program = program or spec.load_program()
-    plan = Plan.from_dict(program.plan)
+    whole = program or spec.load_program()
+    program, plan, place = member_view(whole, device)  # a tensor-parallel member: its sibling's part
+    tp = join_sets(Plan.from_dict(whole.plan), place, rank_of, spec.timeout_s)
     work = with_data(resolve_workload(plan.model), spec.training.data)
     seed = spec.seed
-    model, exported = models.get(work, plan, seed) if models is not None else (build_model(work, seed=seed), None)
+    if models is not None:
+        model, exported, cut = models.get(work, plan, seed, tp)
+    else:
+        (model, cut), exported = _built_model(work, seed, tp), None
     placed = _Placed(rank=rank, device=device, rdev=rdev, rank_of=rank_of, seed=seed)
     flow, held, crossing, wire = _split_for_rank(program, plan, work, model, exported, placed)
-    channels = Channels(transfer_pairs(program, rank_of), spec.timeout_s)
+    channels = Channels(transfer_pairs(whole, rank_of), spec.timeout_s)  # every sibling's, on every rank
     transport = Transport(
         rank=rank,
         device=rdev.torch_device,
@@ -243,7 +263,9 @@ def build_rank(
         host_staging=rdev.host_staging,
         deferred=plan.precision == Precision.FP16 or needs_norm(recipe.config),
         clock=rdev.clock(),
+        mirrors=sibling_ranks(place, rank_of),
     )
+    tp_state = TensorParallelState(tp=tp, cut=cut) if tp is not None else None
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     opt, params, named = shard.rank_parameters(recipe, named, sync.shards)  # the optimizer steps the pieces too
     pacer = Pacer(spec.slowdown(device))
@@ -265,12 +287,21 @@ def build_rank(
         crossing=crossing,
         shards=sync.shards,
         scheduler=recipe.make_scheduler(opt),  # [train]
-        grad_norm=gradient_norm(recipe.config, sync, named, rdev.torch_device, rdev.host_staging),
+        grad_norm=gradient_norm(
+            recipe.config,
+            sync,
+            named,
+            rdev.torch_device,
+            rdev.host_staging,
+            only=tp_state.counted if tp_state else None,
+        ),
         max_grad_norm=recipe.config.max_grad_norm,
     )
+    ex.reports_loss = tp_state is None or tp_state.first
     return RankSetup(
         rank=rank, device=device, plan=plan, work=work, flow=flow, held=held, params=params, named=named,
         optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap, recipe=recipe,
+        tp=tp_state,
     )  # fmt: skip
 
 
@@ -328,7 +359,10 @@ def _dump(setup: RankSetup, out_dir: Path) -> None:
     ex, rank = setup.interpreter, setup.rank
     write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
     write_atomic(out_dir / f"samples_rank{rank}.json", json.dumps(ex.samples))
-    torch.save(shard.whole_parameters(setup.named, setup.sync.shards), out_dir / f"params_rank{rank}.pt")
+    params = shard.whole_parameters(setup.named, setup.sync.shards)
+    if setup.tp is not None:  # a tensor-parallel member's slices, whole (collective over its set)
+        params = {name: setup.tp.whole(name, value) for name, value in params.items()}
+    torch.save(params, out_dir / f"params_rank{rank}.pt")
 
 
 def _rank_result(

@@ -77,6 +77,7 @@ def tensor_parallel_inputs(
         groups=groups,
         precision=plan.precision,
         optimizer=plan.optimizer,
+        vocab_parallel=False,  # the executor keeps the embedding and head whole (execute/tp_split.py)
         node_degrees={n: g.tp_degree for g in plan.groups for n in g.nodes} if len(degrees) > 1 else None,
     )
     return tp.graph, first_ranks(plan, tp.graph), tp
@@ -104,12 +105,14 @@ def tensor_parallel_time_s(plan: Plan, costs: TensorParallelCostModel) -> dict[s
 
 
 def mirror_members(
-    result: SimResult, plan: Plan, costs: TensorParallelCostModel, capacity: dict[str, int]
+    result: SimResult, plan: Plan, costs: TensorParallelCostModel, capacity: dict[str, int], *, op_stride: int = 0
 ) -> SimResult:
     """`result` (simulated on first ranks) with every member given its first rank's memory,
     compute, idle and communication time (the last with its per-block all-reduces) and
-    timeline, and the feasibility of each member's own memory."""
+    timeline, and the feasibility of each member's own memory. op_stride: member k's events
+    carry op + k × op_stride, as its Program instructions do (lower/tensor_parallel.py)."""
     first = {m: r.device for g in plan.groups for r in g.replicas for m in r.members}
+    index = {m: k for g in plan.groups for r in g.replicas for k, m in enumerate(r.members)}
     peak = {d: result.peak_memory_bytes[first[d]] for d in first}
     over = [(peak[d] - capacity[d], d) for d in peak if peak[d] > capacity[d]]
     worst = max(over) if over else None
@@ -123,7 +126,11 @@ def mirror_members(
     def events() -> list[SimEvent]:
         out = list(result.events)
         for e in result.events:
-            out += [e._replace(track=m) for m, lead in first.items() if lead == e.track and m != lead]
+            out += [
+                e._replace(track=m, op=e.op + index[m] * op_stride if e.op is not None and e.op >= 0 else e.op)
+                for m, lead in first.items()
+                if lead == e.track and m != lead
+            ]
         return out
 
     return dataclasses.replace(
