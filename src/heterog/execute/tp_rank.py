@@ -76,8 +76,8 @@ class TensorParallelState:
         """`value` (this member's slice of parameter `name`, or a state tensor shaped like it)
         made whole from every member's (collective over the set)."""
         sl = self.cut.get(name)
-        if sl is None or value.shape != _sliced_shape(value, sl, self.tp.degree):
-            return value
+        if sl is None or value.dim() <= sl.dim or value.shape[sl.dim] != sl.full // self.tp.degree:
+            return value  # not cut (whole, or a scalar such as AdamW's step)
         parts = [torch.empty_like(value) for _ in range(self.tp.degree)]
         dist.all_gather(parts, value.contiguous(), group=self.group())
         return sl.assemble(parts)
@@ -85,7 +85,7 @@ class TensorParallelState:
     def mine(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This member's slice of the whole `name` (or of a state tensor shaped like it)."""
         sl = self.cut.get(name)
-        if sl is None or whole.shape[sl.dim] != sl.full:
+        if sl is None or whole.dim() <= sl.dim or whole.shape[sl.dim] != sl.full:
             return whole
         return sl.take(whole, self.tp.index, self.tp.degree)
 
@@ -95,9 +95,3 @@ class TensorParallelState:
             return shape
         return tuple(sl.full if i == sl.dim else s for i, s in enumerate(shape))
 
-
-def _sliced_shape(value: torch.Tensor, sl: ParameterSlice, degree: int) -> torch.Size:
-    shape = list(value.shape)
-    if shape:
-        shape[sl.dim] = sl.full // degree
-    return torch.Size(shape)

@@ -331,7 +331,7 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     setup = build_rank(spec, rank, device, rdev, rank_of, models=models, program=program)
     first_step = checkpoint.resume(
         spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.ps_buckets(),
-        shards=setup.sync.shards,
+        shards=setup.sync.shards, tp=setup.tp,
     )  # fmt: skip
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
@@ -459,7 +459,7 @@ def _train_step(
     step_log.append(record)
     checkpoint.save_if_due(
         spec.checkpoint, step + 1, setup.named, setup.optimizer, rank=rank, model=setup.plan.model.name,
-        servers=setup.sync.ps_buckets(), shards=setup.sync.shards,
+        servers=setup.sync.ps_buckets(), shards=setup.sync.shards, tp=setup.tp,
     )  # fmt: skip
     return record
 
