@@ -94,4 +94,3 @@ class TensorParallelState:
         if sl is None:
             return shape
         return tuple(sl.full if i == sl.dim else s for i, s in enumerate(shape))
-

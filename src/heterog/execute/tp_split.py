@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -86,7 +87,8 @@ class _Region:
     attention: str = ""  # the attention module, whose widths may need setting
 
 
-def _child(module: nn.Module, path: str) -> nn.Module | None:
+def _child(module: nn.Module, path: str) -> Any:
+    """The sub-module at `path`, or None (typed Any: families read their own attributes)."""
     try:
         return module.get_submodule(path)
     except AttributeError:
@@ -94,18 +96,20 @@ def _child(module: nn.Module, path: str) -> nn.Module | None:
 
 
 def _gpt2_regions(path: str, block: nn.Module) -> list[_Region] | None:
-    attn, mlp = _child(block, "attn"), _child(block, "mlp")
-    if not all(_child(block, p) is not None for p in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc")):
+    if not all(
+        _child(block, n) is not None for n in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+    ):
         return None
-    if getattr(attn, "is_cross_attention", False) or _child(mlp, "c_proj") is None:
+    attn, mlp = _child(block, "attn"), _child(block, "mlp")
+    if getattr(attn, "is_cross_attention", False):
         return None
     p = f"{path}." if path else ""
     return [
         _Region(
             norm=f"{p}ln_1", columns=(f"{p}attn.c_attn",), row=f"{p}attn.c_proj", fused=3,
-            heads=attn.num_heads, attention=f"{p}attn",
+            heads=int(attn.num_heads), attention=f"{p}attn",
         ),
-        _Region(norm=f"{p}ln_2", columns=(f"{p}mlp.c_fc",), row=f"{p}mlp.c_proj", fused=1, heads=mlp.c_fc.nf),
+        _Region(norm=f"{p}ln_2", columns=(f"{p}mlp.c_fc",), row=f"{p}mlp.c_proj", fused=1, heads=int(mlp.c_fc.nf)),
     ]  # fmt: skip
 
 
@@ -115,16 +119,16 @@ def _llama_regions(path: str, block: nn.Module) -> list[_Region] | None:
     if not all(_child(block, n) is not None for n in names):
         return None
     p = f"{path}." if path else ""
-    attn = block.self_attn
-    head_dim = attn.head_dim
+    attn, mlp = _child(block, "self_attn"), _child(block, "mlp")
+    head_dim = int(attn.head_dim)
     return [
         _Region(
             norm=f"{p}input_layernorm",
             columns=(f"{p}self_attn.q_proj", f"{p}self_attn.k_proj", f"{p}self_attn.v_proj"),
             row=f"{p}self_attn.o_proj",
             fused=1,
-            heads=attn.q_proj.out_features // head_dim,
-            kv_heads=attn.k_proj.out_features // head_dim,
+            heads=int(attn.q_proj.out_features) // head_dim,
+            kv_heads=int(attn.k_proj.out_features) // head_dim,
             attention=f"{p}self_attn",
         ),
         _Region(
@@ -132,7 +136,7 @@ def _llama_regions(path: str, block: nn.Module) -> list[_Region] | None:
             columns=(f"{p}mlp.gate_proj", f"{p}mlp.up_proj"),
             row=f"{p}mlp.down_proj",
             fused=1,
-            heads=block.mlp.gate_proj.out_features,
+            heads=int(mlp.gate_proj.out_features),
         ),
     ]
 
@@ -159,9 +163,10 @@ def split_regions(model: nn.Module) -> list[_Region]:
     return out
 
 
-def region_pairs(model: nn.Module) -> list[tuple[tuple[str, ...], str]]:
-    """(column linears, row linear) of every region, by module name: what the split pairs."""
-    return [(r.columns, r.row) for r in split_regions(model)]
+def region_pairs(model: nn.Module) -> list[tuple[str, tuple[str, ...], str]]:
+    """(norm, column linears, row linear) of every region, by module name: what the split pairs
+    (the capture names a leaf module's node by its module path)."""
+    return [(r.norm, r.columns, r.row) for r in split_regions(model)]
 
 
 def split_model(model: nn.Module, tp: TensorParallelRank) -> dict[str, ParameterSlice]:
@@ -182,7 +187,7 @@ def split_model(model: nn.Module, tp: TensorParallelRank) -> dict[str, Parameter
         cut.update(_split_row(model, region.row, tp))
         _copy_after(model.get_submodule(region.norm), tp.group)
         if region.attention and region.fused > 1:  # GPT-2: q, k, v widths in the fused output
-            attn = model.get_submodule(region.attention)
+            attn: Any = model.get_submodule(region.attention)
             attn.split_size //= tp.degree
             attn.num_heads //= tp.degree
     return cut
@@ -190,7 +195,8 @@ def split_model(model: nn.Module, tp: TensorParallelRank) -> dict[str, Parameter
 
 def _is_conv1d(m: nn.Module) -> bool:
     """Hugging Face's Conv1D: a linear whose weight is (in, out), width in `nf`."""
-    return hasattr(m, "nf") and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 2
+    weight = getattr(m, "weight", None)
+    return hasattr(m, "nf") and isinstance(weight, nn.Parameter) and weight.dim() == 2
 
 
 def _set(m: nn.Module, attr: str, value: Tensor) -> None:
@@ -199,7 +205,7 @@ def _set(m: nn.Module, attr: str, value: Tensor) -> None:
 
 
 def _split_column(model: nn.Module, name: str, fused: int, tp: TensorParallelRank) -> dict[str, ParameterSlice]:
-    m = model.get_submodule(name)
+    m: Any = model.get_submodule(name)
     conv = _is_conv1d(m)
     dim = 1 if conv else 0  # output features
     out = {f"{name}.weight": ParameterSlice(dim=dim, full=m.weight.shape[dim], parts=fused)}
@@ -215,7 +221,7 @@ def _split_column(model: nn.Module, name: str, fused: int, tp: TensorParallelRan
 
 
 def _split_row(model: nn.Module, name: str, tp: TensorParallelRank) -> dict[str, ParameterSlice]:
-    m = model.get_submodule(name)
+    m: Any = model.get_submodule(name)
     conv = _is_conv1d(m)
     dim = 0 if conv else 1  # input features
     sl = ParameterSlice(dim=dim, full=m.weight.shape[dim])
@@ -238,7 +244,7 @@ def _split_row(model: nn.Module, name: str, tp: TensorParallelRank) -> dict[str,
     return {f"{name}.weight": sl}
 
 
-def _copy_after(norm: nn.Module, group: str) -> None:
+def _copy_after(norm: Any, group: str) -> None:
     inner = norm.forward
 
     def forward(*args, **kwargs):

@@ -26,7 +26,7 @@ import resource
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,13 +36,14 @@ import torch.distributed as dist
 from torch import nn
 
 from heterog.cut.dataflow import Dataflow, detach_unheld
-from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
-from heterog.cut.split_export import ExportedModel, copy_exported
-from heterog.errors import PlanError, RankError
+from heterog.cut.partition import build_dataflow, program_group_order
+from heterog.cut.split_export import ExportedModel
+from heterog.errors import RankError
 from heterog.execute import checkpoint, shard
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.faults import inject_fault, overflow_gradient
+from heterog.execute.model_cache import ModelCache, built_model
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter
 from heterog.execute.spec import FailureKind, LaunchSpec, RankFailure, RankResult, RankSpec, read_spec
@@ -50,7 +51,6 @@ from heterog.execute.stage_map import crossing_values
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog
 from heterog.execute.sync import ProgramSync
 from heterog.execute.tp_rank import TensorParallelState, join_sets, sibling_ranks
-from heterog.execute.tp_split import ParameterSlice, TensorParallelRank, split_model
 from heterog.execute.trace import StepRecorder
 from heterog.execute.train_loop import TrainingHooks, gradient_norm, needs_norm, recipe_of
 from heterog.execute.transport import Channels, Transport, transfer_pairs
@@ -63,7 +63,7 @@ from heterog.jsonio import write_atomic
 from heterog.lower.program import Program
 from heterog.lower.tensor_parallel import member_view
 from heterog.training import Recipe
-from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device, with_data
+from heterog.workload import Workload, global_batch, resolve_workload, to_device, with_data
 
 
 def _init(spec: RankSpec, store: Any = None) -> tuple[int, int, str, RankDevice]:
@@ -106,54 +106,6 @@ def _activate(rdev: RankDevice, spec: RankSpec, device: str, rank: int) -> None:
         expected = spec.gpu_types.get(device)
         if expected:
             check_gpu_type(rdev, expected, device=device, rank=rank)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Built:
-    model: nn.Module
-    initial: dict[str, torch.Tensor]  # parameters and buffers as built
-    rng_state: torch.Tensor  # the CPU generator right after the build
-    exported: ExportedModel | None  # None: torch.export refused the model
-    cut: dict[str, ParameterSlice]  # tensor parallelism: how the split cut each parameter
-
-
-@dataclass(kw_only=True)
-class ModelCache:
-    """The model and its export per model spec (and seed), for the plans of one multi-plan
-    launch: exporting takes seconds, more than a 2-step run. Before each plan the parameters,
-    the buffers and the random generator are put back as a fresh build leaves them, and the
-    plan cuts its own copy of the export (the split rewrites the graph it is given)."""
-
-    built: dict[str, _Built] = field(default_factory=dict)
-
-    def get(
-        self, work: Workload, plan: Plan, seed: int, tp: TensorParallelRank | None = None
-    ) -> tuple[nn.Module, ExportedModel | None, dict[str, ParameterSlice]]:
-        key = json.dumps([plan.to_dict()["model"], plan.batch_size, seed, str(tp)], sort_keys=True, default=str)
-        entry = self.built.get(key)
-        if entry is None:
-            model, cut = _built_model(work, seed, tp)
-            rng_state = torch.get_rng_state()
-            try:
-                exported = export_plan_model(model, plan)
-            except PlanError:
-                exported = None  # build_dataflow says why, or runs the model whole
-            initial = {k: t.detach().clone() for k, t in [*model.named_parameters(), *model.named_buffers()]}
-            entry = self.built[key] = _Built(
-                model=model, initial=initial, rng_state=rng_state, exported=exported, cut=cut
-            )
-        for name, t in [*entry.model.named_parameters(), *entry.model.named_buffers()]:
-            t.data = entry.initial[name].clone()
-            t.grad = None
-        torch.set_rng_state(entry.rng_state)
-        return entry.model, (copy_exported(entry.exported) if entry.exported is not None else None), entry.cut
-
-
-def _built_model(work: Workload, seed: int, tp: TensorParallelRank | None) -> tuple[nn.Module, dict]:
-    """The model as built for `seed`, split for this member of a tensor-parallel set (before the
-    export: the graph the stages are cut from is the split one); how its parameters were cut."""
-    model = build_model(work, seed=seed)
-    return model, (split_model(model, tp) if tp is not None else {})
 
 
 @dataclass(kw_only=True)
@@ -236,7 +188,7 @@ def build_rank(
     if models is not None:
         model, exported, cut = models.get(work, plan, seed, tp)
     else:
-        (model, cut), exported = _built_model(work, seed, tp), None
+        (model, cut), exported = built_model(work, seed, tp), None
     placed = _Placed(rank=rank, device=device, rdev=rdev, rank_of=rank_of, seed=seed)
     flow, held, crossing, wire = _split_for_rank(program, plan, work, model, exported, placed)
     channels = Channels(transfer_pairs(whole, rank_of), spec.timeout_s)  # every sibling's, on every rank
