@@ -19,15 +19,33 @@ from heterog.ir.plan import ModelSpec
 from heterog.workload import build_model, global_batch, resolve_workload
 
 
+ARGS = {**MODELS, "bert-large": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32, dropout=0.0)}
+
+
 def _model(name: str) -> nn.Module:
-    return build_model(resolve_workload(ModelSpec(name=name, args=MODELS[name], batch_size=2, seq_len=SEQ)), seed=0)
+    return build_model(resolve_workload(ModelSpec(name=name, args=ARGS[name], batch_size=2, seq_len=SEQ)), seed=0)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_module_pairs_agree_with_the_cost_models_layout(name):
-    graph = capture_model(name, MODELS[name], batch_size=2, seq_len=SEQ)
+    graph = capture_model(name, ARGS[name], batch_size=2, seq_len=SEQ)
     layout = megatron_layout(graph, vocab_parallel=False)
     assert region_pairs(_model(name)) == [(r.norm, r.column, r.row) for r in layout.regions]
+
+
+def test_only_the_regions_the_cost_model_split_are_split():
+    """BERT's first attention reads the embeddings' norm through a dropout, so the graph's layout
+    leaves it whole; given the layout's regions (the Program's tp_regions) the executor leaves
+    it whole too, and a region it cannot find is refused."""
+    graph = capture_model("bert-large", ARGS["bert-large"], batch_size=2, seq_len=SEQ)
+    regions = tuple((r.norm, r.column, r.row) for r in megatron_layout(graph, vocab_parallel=False).regions)
+    model = _model("bert-large")
+    assert len(region_pairs(model)) == len(regions) + 1
+    cut = split_model(model, TensorParallelRank(index=0, degree=2, group=NO_COMMUNICATION), regions)
+    assert "bert.encoder.layer.0.attention.self.query.weight" not in cut
+    assert "bert.encoder.layer.1.attention.self.query.weight" in cut
+    with pytest.raises(PlanError, match="does not find.*--tp 1"):
+        split_model(_model("gpt2"), TensorParallelRank(index=0, degree=2, group="g"), regions)
 
 
 def test_a_fused_slice_is_taken_and_assembled_back():

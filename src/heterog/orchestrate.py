@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from heterog.cost.analytic import AnalyticCostModel
+from heterog.cost.tensor_parallel import megatron_layout
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.spec import cluster_from_dict
 from heterog.inputs import PlanInputs, as_plan
@@ -174,7 +175,8 @@ def _lowered_tensor_parallel(plan: Plan, covered: Plan, got: PlanInputs, predict
     split, first, costs = tensor_parallel_inputs(got.graph, got.cluster, covered, got.costs)
     sched = build_schedule(split, got.cluster, first, costs, merge=False)
     firsts = to_program(sched, got.cluster)
-    program = member_program(firsts, covered, program_devices(covered, got.cluster))
+    regions = tuple((r.norm, r.column, r.row) for r in megatron_layout(got.graph, vocab_parallel=False).regions)
+    program = member_program(firsts, covered, program_devices(covered, got.cluster), regions)
     validate(program, f"program of plan for {plan.model.name!r}")
     sim = None
     if predict:

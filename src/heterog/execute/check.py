@@ -39,7 +39,7 @@ from heterog.execute.placement import misplaced, place_rank, place_stages, rewri
 from heterog.execute.runtime import Interpreter
 from heterog.execute.stage_map import crossing_values
 from heterog.execute.tp_ops import NO_COMMUNICATION
-from heterog.execute.tp_split import TensorParallelRank, split_model
+from heterog.execute.tp_split import Regions, TensorParallelRank, split_model
 from heterog.execute.wire import WireSpec, wire_table
 from heterog.ir.kinds import Phase
 from heterog.ir.plan import Plan
@@ -225,13 +225,18 @@ class BuildCache:
 
 
 def _build(
-    work: Workload, plan: Plan, target: torch.device, cache: BuildCache | None, tp: TensorParallelRank | None = None
+    work: Workload,
+    plan: Plan,
+    target: torch.device,
+    cache: BuildCache | None,
+    tp: TensorParallelRank | None = None,
+    regions: Regions = (),
 ) -> tuple[nn.Module, ExportedModel, str | None]:
     """The model, its export and a note: built and exported on the CPU, exactly as a rank
     does (so the check proves the rank's own placement); when checking on meta a model of
     more than META_BUILD_BYTES of parameters is built and exported on meta instead, which
     needs no memory, if torch.export can trace it there. tp: split for that member first."""
-    key = json.dumps([plan.to_dict()["model"], target.type == "meta", str(tp)], sort_keys=True, default=str)
+    key = json.dumps([plan.to_dict()["model"], target.type == "meta", str(tp), regions], sort_keys=True, default=str)
     if cache is not None and key in cache.built:
         model, exported, note = cache.built[key]
         return model, copy_exported(exported), note
@@ -241,7 +246,7 @@ def _build(
         with torch.device("meta"):
             meta_model = work.build()
         if tp is not None:
-            split_model(meta_model, tp)
+            split_model(meta_model, tp, regions)
         nbytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
         if nbytes > META_BUILD_BYTES:
             meta_model.train()
@@ -254,7 +259,7 @@ def _build(
     if built is None:
         model = build_model(work, seed=0)
         if tp is not None:
-            split_model(model, tp)
+            split_model(model, tp, regions)
         built = (model, export_plan_model(model, plan))
     if cache is not None:
         cache.built[key] = (built[0], built[1], note)
@@ -294,7 +299,7 @@ def _check_sibling(
     """check_program on `ranks` of a Program, the model split for `tp` (a member index) or whole."""
     t0 = time.perf_counter()
     work = resolve_workload(plan.model)
-    model, exported, note = _build(work, plan, target, cache, tp)
+    model, exported, note = _build(work, plan, target, cache, tp, program.tp_regions)
     inputs, targets = global_batch(work, plan.batch_size, seed=0, step=0)
     inputs, targets = to_device(inputs, target), to_device(targets, target)
     flow = build_dataflow(model, plan, len(inputs), group_order=program_group_order(program), exported=exported)

@@ -12,7 +12,7 @@ from torch import nn
 from heterog.cut.partition import export_plan_model
 from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError
-from heterog.execute.tp_split import ParameterSlice, TensorParallelRank, split_model
+from heterog.execute.tp_split import ParameterSlice, Regions, TensorParallelRank, split_model
 from heterog.ir.plan import Plan
 from heterog.workload import Workload, build_model
 
@@ -36,12 +36,14 @@ class ModelCache:
     built: dict[str, _Built] = field(default_factory=dict)
 
     def get(
-        self, work: Workload, plan: Plan, seed: int, tp: TensorParallelRank | None = None
+        self, work: Workload, plan: Plan, seed: int, tp: TensorParallelRank | None = None, regions: Regions = ()
     ) -> tuple[nn.Module, ExportedModel | None, dict[str, ParameterSlice]]:
-        key = json.dumps([plan.to_dict()["model"], plan.batch_size, seed, str(tp)], sort_keys=True, default=str)
+        key = json.dumps(
+            [plan.to_dict()["model"], plan.batch_size, seed, str(tp), regions], sort_keys=True, default=str
+        )
         entry = self.built.get(key)
         if entry is None:
-            model, cut = built_model(work, seed, tp)
+            model, cut = built_model(work, seed, tp, regions)
             rng_state = torch.get_rng_state()
             try:
                 exported = export_plan_model(model, plan)
@@ -58,8 +60,10 @@ class ModelCache:
         return entry.model, (copy_exported(entry.exported) if entry.exported is not None else None), entry.cut
 
 
-def built_model(work: Workload, seed: int, tp: TensorParallelRank | None) -> tuple[nn.Module, dict]:
+def built_model(
+    work: Workload, seed: int, tp: TensorParallelRank | None, regions: Regions = ()
+) -> tuple[nn.Module, dict]:
     """The model as built for `seed`, split for this member of a tensor-parallel set (before the
     export: the graph the stages are cut from is the split one); how its parameters were cut."""
     model = build_model(work, seed=seed)
-    return model, (split_model(model, tp) if tp is not None else {})
+    return model, (split_model(model, tp, regions) if tp is not None else {})

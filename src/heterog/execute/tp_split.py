@@ -5,9 +5,9 @@ attention (query/key/value column-parallel, divided by heads; the output project
 row-parallel) and the MLP (the first linear(s) column-parallel, divided by hidden units; the
 last row-parallel). Member i of t keeps its rows of heads or hidden units of every column
 linear (bias sliced alike) and its columns of the row linear, whose bias is added once, after
-the sum. Megatron's f (`tp_ops.tp_copy`) follows the norm that feeds a region — the norm's
-output is read by the region's column linears alone in these blocks, so one all-reduce of the
-gradient serves them all — and g (`tp_ops.tp_reduce`) ends the row linear.
+the sum. Megatron's f (`tp_ops.tp_copy`) follows the norm that feeds a region — in pre-norm
+blocks the norm's output is read by the region's column linears alone, so one all-reduce of
+the gradient serves them all — and g (`tp_ops.tp_reduce`) ends the row linear.
 
 The operators go inside leaf modules (the norm's and the row linear's forward), never into a
 parent's own code: the cut maps graph nodes to the capture's by leaf module and by the runs of
@@ -20,7 +20,10 @@ pairs the linears as `megatron_layout` does on the captured graph):
 - GPT-2 (`ln_1`, `attn.c_attn`, `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`; Conv1D
   weights are (in, out), `c_attn` fuses q, k, v),
 - Llama and its relatives (Mistral, Qwen2: `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
-  `post_attention_layernorm`, `mlp.{gate,up,down}_proj`; nn.Linear weights are (out, in)).
+  `post_attention_layernorm`, `mlp.{gate,up,down}_proj`; nn.Linear weights are (out, in)),
+- BERT (`attention.self.{query,key,value}`, `attention.output.dense`, `intermediate.dense`,
+  `output.dense`): post-norm, so f stands before each column linear instead (the norm's
+  output also feeds the residual, whose gradient every member holds whole).
 A model without such blocks is refused with the reason. The vocabulary embedding and the
 output head stay whole on every member (Megatron splits them by vocabulary; the cost model is
 told: `cost/tensor_parallel.py` `vocab_parallel=False`).
@@ -78,7 +81,7 @@ class ParameterSlice:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Region:
-    norm: str  # the module whose output feeds the columns (f after it)
+    norm: str  # the module whose output feeds the columns alone (f after it); "" for post-norm blocks
     columns: tuple[str, ...]
     row: str  # g after it
     fused: int  # segments of each column's output (GPT-2's c_attn: q, k, v)
@@ -141,7 +144,35 @@ def _llama_regions(path: str, block: nn.Module) -> list[_Region] | None:
     ]
 
 
-_FAMILIES: tuple[Callable[[str, nn.Module], list[_Region] | None], ...] = (_gpt2_regions, _llama_regions)
+def _bert_regions(path: str, block: nn.Module) -> list[_Region] | None:
+    """A post-norm block: the norm before a region also feeds its residual path, so f stands
+    before each column linear (their input gradients are summed over the set one by one)."""
+    names = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+             "intermediate.dense", "output.dense")  # fmt: skip
+    if not all(_child(block, n) is not None for n in names):
+        return None
+    p = f"{path}." if path else ""
+    attn = _child(block, "attention.self")
+    return [
+        _Region(
+            norm="",
+            columns=(f"{p}attention.self.query", f"{p}attention.self.key", f"{p}attention.self.value"),
+            row=f"{p}attention.output.dense",
+            fused=1,
+            heads=int(attn.num_attention_heads),
+            attention=f"{p}attention.self",
+        ),
+        _Region(
+            norm="",
+            columns=(f"{p}intermediate.dense",),
+            row=f"{p}output.dense",
+            fused=1,
+            heads=int(_child(block, "intermediate.dense").out_features),
+        ),
+    ]
+
+
+_FAMILIES: tuple[Callable[[str, nn.Module], list[_Region] | None], ...] = (_gpt2_regions, _llama_regions, _bert_regions)
 
 
 def split_regions(model: nn.Module) -> list[_Region]:
@@ -156,8 +187,9 @@ def split_regions(model: nn.Module) -> list[_Region]:
     if not out:
         raise PlanError(
             f"the executor cannot split {type(model).__name__} by tensor parallelism: it finds no transformer "
-            f"block of a known layout (GPT-2's ln_1/attn.c_attn/attn.c_proj/ln_2/mlp, or Llama's "
-            f"input_layernorm/self_attn.q,k,v,o_proj/post_attention_layernorm/mlp.gate,up,down_proj). "
+            f"block of a known layout (GPT-2's ln_1/attn.c_attn/attn.c_proj/ln_2/mlp, Llama's "
+            f"input_layernorm/self_attn.q,k,v,o_proj/post_attention_layernorm/mlp.gate,up,down_proj, or BERT's "
+            f"attention.self.query,key,value/attention.output.dense/intermediate.dense/output.dense). "
             f"Plan it without tensor parallelism (--tp 1)."
         )
     return out
@@ -169,13 +201,29 @@ def region_pairs(model: nn.Module) -> list[tuple[str, tuple[str, ...], str]]:
     return [(r.norm, r.columns, r.row) for r in split_regions(model)]
 
 
-def split_model(model: nn.Module, tp: TensorParallelRank) -> dict[str, ParameterSlice]:
+Regions = tuple[tuple[str, tuple[str, ...], str], ...]  # (norm, column linears, row linear) by name
+
+
+def split_model(model: nn.Module, tp: TensorParallelRank, regions: Regions | None = None) -> dict[str, ParameterSlice]:
     """Cut `model` in place to member `tp.index` of `tp.degree`; how each cut parameter was cut,
-    by its name in the model."""
+    by its name in the model. regions: split exactly these (the Program's `tp_regions`, what the
+    cost model priced split: a block it left whole stays whole); None: every one found."""
     if tp.degree == 1:
         return {}
+    found = split_regions(model)
+    if regions is not None:
+        wanted = {(c, r) for _, c, r in regions}
+        missing = wanted - {(r.columns, r.row) for r in found}
+        if missing:
+            columns, row = sorted(missing)[0]
+            raise PlanError(
+                f"the plan splits the region from {columns[0]!r} to {row!r} by tensor parallelism, which the "
+                f"executor does not find among {type(model).__name__}'s modules ({len(missing)} such region(s)); "
+                f"plan it without tensor parallelism (--tp 1)."
+            )
+        found = [r for r in found if (r.columns, r.row) in wanted]
     cut: dict[str, ParameterSlice] = {}
-    for region in split_regions(model):
+    for region in found:
         for units, what in ((region.heads, "heads"), (region.kv_heads, "key/value heads")):
             if units and units % tp.degree:
                 raise PlanError(
@@ -185,7 +233,11 @@ def split_model(model: nn.Module, tp: TensorParallelRank) -> dict[str, Parameter
         for name in region.columns:
             cut.update(_split_column(model, name, region.fused, tp))
         cut.update(_split_row(model, region.row, tp))
-        _copy_after(model.get_submodule(region.norm), tp.group)
+        if region.norm:
+            _copy_after(model.get_submodule(region.norm), tp.group)
+        else:
+            for name in region.columns:
+                _copy_before(model.get_submodule(name), tp.group)
         if region.attention and region.fused > 1:  # GPT-2: q, k, v widths in the fused output
             attn: Any = model.get_submodule(region.attention)
             attn.split_size //= tp.degree
@@ -242,6 +294,15 @@ def _split_row(model: nn.Module, name: str, tp: TensorParallelRank) -> dict[str,
 
     m.forward = forward
     return {f"{name}.weight": sl}
+
+
+def _copy_before(linear: Any, group: str) -> None:
+    inner = linear.forward
+
+    def forward(x: Tensor) -> Tensor:
+        return inner(tp_copy(x, group))
+
+    linear.forward = forward
 
 
 def _copy_after(norm: Any, group: str) -> None:

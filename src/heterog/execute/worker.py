@@ -186,9 +186,9 @@ def build_rank(
     work = with_data(resolve_workload(plan.model), spec.training.data)
     seed = spec.seed
     if models is not None:
-        model, exported, cut = models.get(work, plan, seed, tp)
+        model, exported, cut = models.get(work, plan, seed, tp, whole.tp_regions)
     else:
-        (model, cut), exported = built_model(work, seed, tp), None
+        (model, cut), exported = built_model(work, seed, tp, whole.tp_regions), None
     placed = _Placed(rank=rank, device=device, rdev=rdev, rank_of=rank_of, seed=seed)
     flow, held, crossing, wire = _split_for_rank(program, plan, work, model, exported, placed)
     channels = Channels(transfer_pairs(whole, rank_of), spec.timeout_s)  # every sibling's, on every rank

@@ -103,9 +103,13 @@ def op_stride(first: Program) -> int:
     return 1 + max((i.op for lst in first.instructions.values() for i in lst), default=0)
 
 
-def member_program(first: Program, plan: Plan, devices: tuple[str, ...]) -> Program:
+def member_program(
+    first: Program, plan: Plan, devices: tuple[str, ...], regions: tuple[tuple[str, tuple[str, ...], str], ...]
+) -> Program:
     """The Program of every member: `first` (written for the first ranks) and, for each sibling
-    k > 0, its copy on the k-th members. devices: every rank's device, in rank order."""
+    k > 0, its copy on the k-th members. devices: every rank's device, in rank order; regions:
+    the split regions the cost model priced (norm, column linears, row linear), which the
+    executor splits and no other."""
     runnable(plan, "the executor")
     maps = sibling_maps(plan)
     nb = len(first.blocks)
@@ -131,6 +135,7 @@ def member_program(first: Program, plan: Plan, devices: tuple[str, ...]) -> Prog
         instructions={d: instructions[d] for d in devices},
         initial_bytes={d: initial.get(d, 0.0) for d in devices},
         plan=plan.to_dict(),
+        tp_regions=regions,
     )
 
 
