@@ -124,6 +124,8 @@ def test_simulator_prices_a_tp_plan_as_the_cost_model_of_its_first_ranks(small):
     unsplit = simulate(graph, cluster, _3d(small, tp=1, pp=2, dp=2, microbatches=2), costs)
     assert sim.peak_memory_bytes["v100/gpu0"] < unsplit.peak_memory_bytes["v100/gpu0"]  # a slice of the blocks
     assert {e.track for e in sim.events} >= set(plan.devices())
+    tp_events = [e for e in sim.events if e.category == "tp"]  # each compute's all-reduces, on every member
+    assert {e.track for e in tp_events} == set(plan.devices()) and all(e.end_s > e.start_s for e in tp_events)
     assert sim.communication_time_s["v100/gpu1"] > ref.communication_time_s["v100/gpu0"]  # + its all-reduces
 
 

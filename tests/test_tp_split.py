@@ -18,7 +18,6 @@ from heterog.execute.tp_split import ParameterSlice, TensorParallelRank, region_
 from heterog.ir.plan import ModelSpec
 from heterog.workload import build_model, global_batch, resolve_workload
 
-
 ARGS = {**MODELS, "bert-large": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32, dropout=0.0)}
 
 

@@ -35,7 +35,7 @@ from heterog.lower.tensor_parallel import member_program, op_stride, runnable
 from heterog.simulate.result import SimResult
 from heterog.simulate.simulator import simulate as simulate_schedule
 from heterog.simulate.simulator import time_schedule
-from heterog.simulate.tensor_parallel import mirror_members, tensor_parallel_inputs
+from heterog.simulate.tensor_parallel import collective_events, mirror_members, tensor_parallel_inputs
 
 
 def plan_cluster(plan: Plan) -> Cluster | None:
@@ -182,5 +182,7 @@ def _lowered_tensor_parallel(plan: Plan, covered: Plan, got: PlanInputs, predict
     if predict:
         capacity = {d: got.cluster.memory_bytes(d) for d in covered.devices()}
         timed = time_schedule(sched, timeline=False)
-        sim = mirror_members(timed, covered, costs, capacity, op_stride=op_stride(firsts))
+        sim = mirror_members(
+            timed, covered, costs, capacity, op_stride=op_stride(firsts), collectives=collective_events(sched, costs)
+        )
     return Lowered(plan=plan, covered=covered, inputs=got, program=program, sim=sim)

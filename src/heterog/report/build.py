@@ -167,7 +167,8 @@ def _timelines(inp: ReportInputs) -> str:
         "lane, gaps are idle." + (f" {escape(cut)}." if cut else "") + "</p>"
     )
     timelines = f'<div class="side scroll">{"".join(parts)}</div>'
-    return f"<h2>Timeline of one iteration</h2>{head}{page.legend(len(parts) > 1)}{timelines}"
+    legend = page.legend(len(parts) > 1, tensor_parallel=inp.plan.tensor_parallel)
+    return f"<h2>Timeline of one iteration</h2>{head}{legend}{timelines}"
 
 
 def _memory(inp: ReportInputs) -> str:
