@@ -122,6 +122,7 @@ class Interpreter(StepTiming, BlockCalls):
         self.overflow_hook: Callable[[], None] | None = None  # test hook: an inf into a gradient
         self.clock = self.rank_device.clock()
         self._marks: list[_Mark] = []
+        self.tp_marks: list[tuple[Any, Any]] = []  # tensor parallelism: tp_ops.time_with fills it
         self._optimizer_index: int | None = None  # fp16: the Optimizer instruction, stepped at the end
         self.trace: list[tuple] = []
         self.samples: list[int] = []  # per forward compute: samples in the tensors it produced

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
+_TIMING: list = []  # [clock, marks]: when set (time_with), each all-reduce's start and end marks
 NO_COMMUNICATION = "check"  # the group of `heterog check`, which runs computes without communication
 
 
@@ -43,10 +44,19 @@ def group_of(name: str) -> dist.ProcessGroup:
         ) from None
 
 
+def time_with(clock, marks: list) -> None:
+    """Mark every all-reduce's start and end with the rank's clock (execute/device.py Clock: CUDA
+    events on a GPU, so the marks cost no synchronisation) into `marks`, read after the step."""
+    _TIMING[:] = [clock, marks]
+
+
 def _sum_over(x: Tensor, group: str) -> Tensor:
     out = x.contiguous().clone()
     if group != NO_COMMUNICATION:
+        start = _TIMING[0].mark() if _TIMING else None
         dist.all_reduce(out, group=group_of(group))
+        if _TIMING:
+            _TIMING[1].append((start, _TIMING[0].mark()))
     return out
 
 

@@ -50,6 +50,7 @@ from heterog.execute.spec import FailureKind, LaunchSpec, RankFailure, RankResul
 from heterog.execute.stage_map import crossing_values
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog
 from heterog.execute.sync import ProgramSync
+from heterog.execute.tp_ops import time_with
 from heterog.execute.tp_rank import TensorParallelState, join_sets, sibling_ranks
 from heterog.execute.trace import StepRecorder
 from heterog.execute.train_loop import TrainingHooks, gradient_norm, needs_norm, recipe_of
@@ -250,6 +251,8 @@ def build_rank(
         max_grad_norm=recipe.config.max_grad_norm,
     )
     ex.reports_loss = tp_state is None or tp_state.first
+    if tp_state is not None:
+        time_with(ex.clock, ex.tp_marks)  # each all-reduce of the split blocks, a span of the step
     return RankSetup(
         rank=rank, device=device, plan=plan, work=work, flow=flow, held=held, params=params, named=named,
         optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap, recipe=recipe,
@@ -370,6 +373,7 @@ def _train_step(
     dist.barrier()
     for p in setup.params:
         p.grad = None
+    ex.tp_marks.clear()  # an evaluation's all-reduces are not the step's
     origin, origin_s = ex.clock.mark(), rec.now_s()
     if spec.fault is not None and spec.fault.kind is FaultKind.OVERFLOW:
         ex.overflow_hook = lambda: overflow_gradient(spec.fault, rank, step, setup.params)

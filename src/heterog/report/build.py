@@ -78,7 +78,7 @@ def _sim_rows(inp: ReportInputs, devices: Sequence[str]) -> list[svg.Row]:
 
 
 # a measured span's category → the timeline's kind (its CSS class): the lane's runs are syncs
-_MEASURED_KIND = {SpanCategory.COLLECTIVE: "sync"}
+_MEASURED_KIND = {SpanCategory.COLLECTIVE: "sync", SpanCategory.TENSOR_PARALLEL: "tp"}
 
 
 def _measured_rows(run: RunResult, devices: Sequence[str]) -> tuple[list[svg.Row], float, int]:

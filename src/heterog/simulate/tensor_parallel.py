@@ -182,6 +182,7 @@ def mirror_members(
         result,
         peak_memory_bytes=peak,
         persistent_memory_bytes={d: result.persistent_memory_bytes[first[d]] for d in first},
+        memory_timeline={d: result.memory_timeline[first[d]] for d in first if first[d] in result.memory_timeline},
         compute_time_s={d: result.compute_time_s[first[d]] for d in first},
         idle_time_s={d: result.idle_time_s[first[d]] for d in first},
         memory_capacity_bytes={d: capacity[d] for d in first},
