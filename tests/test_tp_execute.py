@@ -79,7 +79,13 @@ def check_batched(done: BatchedRun) -> None:
 @pytest.mark.batched(plan=tp2)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_tp2_trains_exactly(plan_batch, name):
-    check_batched(plan_batch.get(tp2, name=name))
+    done = plan_batch.get(tp2, name=name)
+    check_batched(done)
+    # each all-reduce is a measured span: 2 blocks × 2 regions × (g forward, f backward) × 2 micro-batches
+    for rank in (0, 1):
+        for step in range(STEPS):
+            spans = [s for s in done.run.spans if s.rank == rank and s.step == step and s.category == "tp"]
+            assert len(spans) == 16 and all(s.end_s >= s.start_s for s in spans)
 
 
 @pytest.mark.timeout(600)
