@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import pytest
 from plan_batch import BatchedRun, batch_options
-from test_shard_execute import MODELS, SEQ, STEPS, check_equal, node_names
+from test_shard_execute import STEPS, check_equal, make_plan, node_names
 
 from heterog.execute.checkpoint import CheckpointConfig
 from heterog.execute.reference import reference_train
-from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+from heterog.ir.plan import Group, Plan, Replica
 from heterog.ir.run_request import Limits, OutputConfig, PredictionConfig, RunOptions
 from heterog.runs import run
 
 BATCH_RUN = batch_options(steps=STEPS, limits=Limits(timeout_s=180))
-
-
-def make_plan(name: str, groups: list[Group], *, microbatches: int = 2, schedule: str = "gpipe") -> Plan:
-    return Plan(
-        strategy="test",
-        model=ModelSpec(name=name, args=MODELS[name], batch_size=10, seq_len=SEQ),
-        groups=tuple(groups),
-        num_microbatches=microbatches,
-        schedule=schedule,
-        optimizer="adamw",
-        bucket_bytes=1,  # every group its own gradient bucket
-    ).validate()
 
 
 def tp2(name: str) -> Plan:
