@@ -90,7 +90,7 @@ class GradientNorm:
         if only is not None:  # a tensor-parallel member after the first: its slices alone
             names &= only
         pieces, sharded = sync.shards.pieces(), sync.shards.sharded_names()  # its sharded blocks'
-        self.counted = [p for n, p in named if n in names] + pieces
+        self.counted = [p for n, p in named if n in names] + sync.shards.pieces(only)
         self.params = [p for n, p in named if n not in sharded] + pieces  # what the optimizer steps
         self.runner = sync.runner
         self.device, self.host_staging = device, host_staging
