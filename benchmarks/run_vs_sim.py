@@ -119,7 +119,7 @@ def peak_memory(per_rank: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
-    from heterog.lower.tensor_parallel import executor_runs_tensor_parallel
+    from heterog.lower.tensor_parallel import executor_tensor_parallel
     from heterog.plan_module import search
     from heterog.search.baselines import BASELINE_BUILDERS
 
@@ -136,7 +136,7 @@ def run_scenario(sc: D.Scenario, args) -> dict[str, Any]:
         say=print,
     )
     # every candidate is run: none may split groups the executor cannot split yet
-    tp = executor_runs_tensor_parallel()
+    tp = executor_tensor_parallel()
     result = search(setup.inputs, setup.spec, budget_s=args.budget_s, optimizer=sc.optimizer, tensor_parallel=tp)
     plans, same, top = distinct_plans(result)
     out: dict[str, Any] = {

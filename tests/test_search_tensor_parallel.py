@@ -1,7 +1,7 @@
 """Tensor parallelism in the search: the tp move's plans are ones the simulator accepts and
 prices as simulate() does, refused neighbours are never accepted, the planner splits a small
 transformer's groups on a node of NVLink GPUs where that is fastest, and planning for a run
-(the executor cannot split modules yet) never does."""
+keeps to what the switch allows (lower/tensor_parallel.py executor_tensor_parallel)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from heterog.hardware.spec import load_cluster, parse_cluster_yaml
 from heterog.inputs import model_inputs
 from heterog.ir.kinds import SyncMethod
 from heterog.ir.plan import ModelSpec
-from heterog.lower.tensor_parallel import executor_runs_tensor_parallel
+from heterog.lower.tensor_parallel import TensorParallelSupport, executor_tensor_parallel, runnable
 from heterog.runs.elastic import replan
 from heterog.search.baselines import BASELINE_BUILDERS
 from heterog.search.grouping import make_groups
@@ -57,7 +57,7 @@ def _problem(spec: ModelSpec, cluster, max_groups: int = 32, *, whole: bool = Tr
         groups=whole_regions(graph, costs, groups) if whole else groups,
         batch_size=spec.batch_size,
         model_spec=spec,
-        tensor_parallel=True,
+        tensor_parallel=TensorParallelSupport.ANY,
     )
 
 
@@ -111,13 +111,8 @@ def test_neighbours_the_simulator_refuses_are_rejected(mixed):
     member = p.tp[0][0]
     alone = with_placement(n, 0, 1, Placement((member,), (1.0,)))  # a set's member also alone
     by_ps = with_placement(n, 0, mixed.n_groups, dataclasses.replace(p, sync=SyncMethod.PS, ps=p.devices[0]))
-    head, embedding = (
-        next(g for g, names in enumerate(mixed.groups) if n in names) for n in ("lm_head", "transformer.wte")
-    )
-    untied = with_placement(n, head, head + 1, Placement((p.devices[0],), (1.0,), tp=(p.tp[0],)))
-    untied = with_placement(untied, embedding, embedding + 1, Placement((p.devices[0],), (1.0,)))  # unsplit
     score = simulator_scorer(mixed)
-    for bad, why in ((alone, "two tensor-parallel sets"), (by_ps, "not ring"), (untied, "different degrees")):
+    for bad, why in ((alone, "two tensor-parallel sets"), (by_ps, "not ring")):
         assert why in tp_conflict(mixed, bad)
         assert math.isinf(score(mixed, bad).score)
     assert math.isfinite(score(mixed, n).score)
@@ -130,7 +125,7 @@ def one_sample():
     return spec, model_inputs(spec, parse_cluster_yaml(NVLINK_NODE), graph=graph)
 
 
-def test_planner_splits_blocks_on_nvlink_only_where_the_plan_is_not_run(one_sample):
+def test_planner_splits_blocks_on_nvlink_and_planning_for_a_run_keeps_to_what_runs(one_sample):
     spec, (graph, cluster, costs) = one_sample
     kw = {"budget_s": 3, "policy": False, "max_iters": 100, "model_spec": spec, "cuts": None}
     r = plan_graph(graph, cluster, costs, **kw)
@@ -142,12 +137,17 @@ def test_planner_splits_blocks_on_nvlink_only_where_the_plan_is_not_run(one_samp
     assert grid.plan.tensor_parallel and r.best.predicted_iteration_time_s <= grid.iteration_time_s
     assert r.budget_split[GRID_NAME]["scored"] >= 1
     unsplit = min(c.iteration_time_s for c in r.candidates if not c.plan.tensor_parallel)
-    assert r.best.predicted_iteration_time_s < 0.8 * unsplit  # one sample over four GPUs, not one
-    # planning for a run: the switch (False until the executor splits modules)
-    run_bound = plan_graph(graph, cluster, costs, tensor_parallel=executor_runs_tensor_parallel(), **kw)
-    assert not any(c.plan.tensor_parallel for c in run_bound.candidates)
+    assert r.best.predicted_iteration_time_s < 0.9 * unsplit  # one sample over four GPUs, not one
+    # planning for a run: the switch; the executor runs one degree for every group (runnable)
+    for support in {executor_tensor_parallel(), TensorParallelSupport.UNIFORM}:
+        run_bound = plan_graph(graph, cluster, costs, tensor_parallel=support, **kw)
+        for c in run_bound.candidates:
+            assert support != TensorParallelSupport.NONE or not c.plan.tensor_parallel
+            runnable(c.plan, "a run")
+        if support == TensorParallelSupport.UNIFORM:
+            assert run_bound.best.tensor_parallel
     again = replan(r.best, cluster, 3.0, graph=graph)  # an elastic run's re-plan, warm from the TP plan
-    assert not again.tensor_parallel
+    assert executor_tensor_parallel() != TensorParallelSupport.NONE or not again.tensor_parallel
 
 
 def test_cli_no_tensor_parallel(tmp_path):

@@ -33,7 +33,7 @@ from heterog.inputs import PlanInputs, model_inputs
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.ir.run_request import Limits, RunOptions, TimingConfig
 from heterog.ir.run_result import RankSummary, RunResult
-from heterog.lower.tensor_parallel import executor_runs_tensor_parallel
+from heterog.lower.tensor_parallel import executor_tensor_parallel
 from heterog.plan_module import model_graph, search
 from heterog.profile.links import LinkMeasurementError, calibrate_links
 from heterog.profile.measure import measured_profile
@@ -405,7 +405,7 @@ def demo(
     )
     say(f"planning for {cluster.name}: {sc.description} (budget {budget_s:g} s)")
     # the plans are run: none may split groups the executor cannot split yet
-    tp = executor_runs_tensor_parallel()
+    tp = executor_tensor_parallel()
     result = search(setup.inputs, setup.spec, budget_s=budget_s, optimizer=sc.optimizer, tensor_parallel=tp)
     even = next(c for c in result.candidates if c.strategy == "even-dp-allreduce")
     plans = {"heterog": result.best, "best-baseline": best_baseline(result).plan}

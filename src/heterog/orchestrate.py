@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from heterog.cost.analytic import AnalyticCostModel
+from heterog.cost.tensor_parallel import megatron_layout
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.spec import cluster_from_dict
 from heterog.inputs import PlanInputs, as_plan
@@ -29,10 +31,11 @@ from heterog.ir.plan import Plan
 from heterog.lower.lowering import program_devices, to_program
 from heterog.lower.program import Program, validate
 from heterog.lower.schedule import build_schedule, cover_graph
-from heterog.lower.tensor_parallel import refuse_tensor_parallel
+from heterog.lower.tensor_parallel import member_program, op_stride, runnable
 from heterog.simulate.result import SimResult
 from heterog.simulate.simulator import simulate as simulate_schedule
 from heterog.simulate.simulator import time_schedule
+from heterog.simulate.tensor_parallel import collective_events, mirror_members, tensor_parallel_inputs
 
 
 def plan_cluster(plan: Plan) -> Cluster | None:
@@ -150,12 +153,36 @@ def lowered(
     own tasks), so that the run carries out what is predicted and each Program instruction
     has its simulated start and end. graph: the model's capture, when the caller has it;
     inputs: the (graph, cluster, costs) the caller predicts with (a profiled cost model)."""
-    refuse_tensor_parallel(plan, "lowering to a Program (heterog lower, check, run)")
+    runnable(plan, "lowering to a Program (heterog lower, check, run)")
+    if plan.tensor_parallel and (profile or (inputs is not None and type(inputs[2]) is not AnalyticCostModel)):
+        profile, inputs = False, None  # priced by the analytic model of its slices (simulate/tensor_parallel.py)
     got = inputs if inputs is not None else plan_inputs(plan, cluster, profile=profile, graph=graph)
     got = PlanInputs(*got)
     covered = cover_graph(plan, got.graph)
+    if covered.tensor_parallel:
+        return _lowered_tensor_parallel(plan, covered, got, predict)
     sched = build_schedule(got.graph, got.cluster, covered, got.costs, merge=False)
     program = to_program(sched, got.cluster)
     validate(program, f"program of plan for {plan.model.name!r}")
     sim = time_schedule(sched, timeline=False) if predict else None
+    return Lowered(plan=plan, covered=covered, inputs=got, program=program, sim=sim)
+
+
+def _lowered_tensor_parallel(plan: Plan, covered: Plan, got: PlanInputs, predict: bool) -> Lowered:
+    """A tensor-parallel plan's Program: the schedule of its first ranks (priced by the
+    tensor-parallel cost model), its Program copied for every member (lower/tensor_parallel.py);
+    the prediction mirrored onto the members, each event carrying its member's op."""
+    split, first, costs = tensor_parallel_inputs(got.graph, got.cluster, covered, got.costs)
+    sched = build_schedule(split, got.cluster, first, costs, merge=False)
+    firsts = to_program(sched, got.cluster)
+    regions = tuple((r.norm, r.column, r.row) for r in megatron_layout(got.graph, vocab_parallel=False).regions)
+    program = member_program(firsts, covered, program_devices(covered, got.cluster), regions)
+    validate(program, f"program of plan for {plan.model.name!r}")
+    sim = None
+    if predict:
+        capacity = {d: got.cluster.memory_bytes(d) for d in covered.devices()}
+        timed = time_schedule(sched, timeline=False)
+        sim = mirror_members(
+            timed, covered, costs, capacity, op_stride=op_stride(firsts), collectives=collective_events(sched, costs)
+        )
     return Lowered(plan=plan, covered=covered, inputs=got, program=program, sim=sim)

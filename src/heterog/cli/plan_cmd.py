@@ -236,7 +236,7 @@ def plan_command(
             strategy=strategy,
             profile=profile,
             goal=goal,
-            tensor_parallel=tensor_parallel,
+            tensor_parallel="any" if tensor_parallel else "none",
         )
     result["wall_time_s"] = process_age_s()  # start to plan, for the time line (not the report)
     if out is not None:

@@ -33,7 +33,7 @@ from heterog.ir.run_request import (
 )
 from heterog.ir.run_result import RankSummary, RunResult
 from heterog.ir.training_config import TrainingConfig
-from heterog.lower.tensor_parallel import refuse_tensor_parallel
+from heterog.lower.tensor_parallel import runnable
 
 
 class _StepFollower:
@@ -295,7 +295,7 @@ def run_command(
     Checks first that the plan fits the model, its cluster, the data and this machine's
     memory; --checkpoint-dir/--checkpoint-every save, --resume continues (docs/robustness.md)."""
     set_wide(wide)
-    p = refuse_tensor_parallel(Plan.load(plan), "heterog run")  # before any rank starts
+    p = runnable(Plan.load(plan), "heterog run")  # before any rank starts
     training = topt.training_options(ctx.params)  # --data and the training flags (cli/training_opts.py)
     ckpt = CheckpointConfig(
         dir=str(checkpoint_dir) if checkpoint_dir else None,

@@ -399,15 +399,13 @@ class TensorParallelCostModel(AnalyticCostModel):
             for c in found
         )
 
-    def group_collectives_time_s(self, nodes: Sequence[str], device: str, batch: float) -> float:
-        """The tensor-parallel all-reduces of `nodes` at `batch`, forward and backward: the part
-        of their compute time that is communication within `device`'s group."""
+    def group_collectives_time_s(
+        self, nodes: Sequence[str], device: str, batch: float, phases: Sequence[Phase] = (Phase.FORWARD, Phase.BACKWARD)
+    ) -> float:
+        """The tensor-parallel all-reduces of `nodes` at `batch` in `phases` (both by default):
+        the part of their compute time that is communication within `device`'s group."""
         index = self.graph.index
-        return sum(
-            self._group_time_s(index[n], device, batch, phase)
-            for n in nodes
-            for phase in (Phase.FORWARD, Phase.BACKWARD)
-        )
+        return sum(self._group_time_s(index[n], device, batch, phase) for n in nodes for phase in phases)
 
     def compute_time_s(self, node: str, device: str, batch: float, phase: Phase) -> float:
         return super().compute_time_s(node, device, batch, phase) + self._group_time_s(

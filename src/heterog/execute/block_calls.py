@@ -68,6 +68,7 @@ class BlockCalls:
         _inbox: dict[tuple[int, str], torch.Tensor]
         _outbox: dict[tuple[int, str], torch.Tensor]
         _loss_total: Any
+        reports_loss: bool
 
         def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
         def _value(self, v: str, m: int) -> Any: ...
@@ -186,13 +187,15 @@ class BlockCalls:
             lo = self.mb_offsets[m]
             target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
             if self.mode is StepMode.EVALUATE:
-                take_metrics(self, y, target, ins.hi - ins.lo)
+                if self.reports_loss:
+                    take_metrics(self, y, target, ins.hi - ins.lo)
                 self._calls[(si, m)] = call
                 return
             with self.rank_device.autocast(self.precision), self._saving(saved):
                 loss = self._timed(self.work.loss, y, target)
             call.loss = loss.float() * ((ins.hi - ins.lo) / self.batch_size * self.loss_weight)
-            self._loss_total = self._loss_total + call.loss.detach()  # read once, after the step
+            if self.reports_loss:  # a tensor-parallel member after the first: its set's first reports it
+                self._loss_total = self._loss_total + call.loss.detach()  # read once, after the step
             if self.scaler is not None:
                 call.loss = self.scaler.scale_loss(call.loss)
         self._calls[(si, m)] = call

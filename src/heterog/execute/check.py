@@ -19,6 +19,7 @@ Program (heterog.orchestrate.check lowers the plan first).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import traceback
@@ -37,10 +38,13 @@ from heterog.execute.emulation import Pacer
 from heterog.execute.placement import misplaced, place_rank, place_stages, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter
 from heterog.execute.stage_map import crossing_values
+from heterog.execute.tp_ops import NO_COMMUNICATION
+from heterog.execute.tp_split import Regions, TensorParallelRank, split_model
 from heterog.execute.wire import WireSpec, wire_table
 from heterog.ir.kinds import Phase
 from heterog.ir.plan import Plan
 from heterog.lower.program import Compute, Program, Recv, Send
+from heterog.lower.tensor_parallel import member_view, sibling_maps
 from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device
 
 KIND = "heterog.CheckResult"
@@ -221,13 +225,18 @@ class BuildCache:
 
 
 def _build(
-    work: Workload, plan: Plan, target: torch.device, cache: BuildCache | None
+    work: Workload,
+    plan: Plan,
+    target: torch.device,
+    cache: BuildCache | None,
+    tp: TensorParallelRank | None = None,
+    regions: Regions = (),
 ) -> tuple[nn.Module, ExportedModel, str | None]:
     """The model, its export and a note: built and exported on the CPU, exactly as a rank
     does (so the check proves the rank's own placement); when checking on meta a model of
     more than META_BUILD_BYTES of parameters is built and exported on meta instead, which
-    needs no memory, if torch.export can trace it there."""
-    key = json.dumps([plan.to_dict()["model"], target.type == "meta"], sort_keys=True, default=str)
+    needs no memory, if torch.export can trace it there. tp: split for that member first."""
+    key = json.dumps([plan.to_dict()["model"], target.type == "meta", str(tp), regions], sort_keys=True, default=str)
     if cache is not None and key in cache.built:
         model, exported, note = cache.built[key]
         return model, copy_exported(exported), note
@@ -236,6 +245,8 @@ def _build(
     if target.type == "meta":
         with torch.device("meta"):
             meta_model = work.build()
+        if tp is not None:
+            split_model(meta_model, tp, regions)
         nbytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
         if nbytes > META_BUILD_BYTES:
             meta_model.train()
@@ -247,6 +258,8 @@ def _build(
                 note = f"built on the CPU: torch.export could not trace the model on meta ({str(e)[:160]})"
     if built is None:
         model = build_model(work, seed=0)
+        if tp is not None:
+            split_model(model, tp, regions)
         built = (model, export_plan_model(model, plan))
     if cache is not None:
         cache.built[key] = (built[0], built[1], note)
@@ -265,8 +278,28 @@ def check_program(
     if target.type == "cuda" and not torch.cuda.is_available():
         raise PlanError("--device cuda: this machine has no CUDA device; check on meta (no GPU needed) or on cpu.")
     t0 = time.perf_counter()
+    if plan.tensor_parallel:  # each sibling with its members' split (lower/tensor_parallel.py)
+        maps = sibling_maps(plan)
+        parts = []
+        for k, m in enumerate(maps):
+            view, sibling, place = member_view(program, next(iter(m.values())))
+            tp = TensorParallelRank(index=k, degree=len(maps), group=NO_COMMUNICATION)
+            ranks = [r for r, d in enumerate(program.devices) if d in set(m.values())]
+            parts.append(_check_sibling(sibling, view, target, cache, tp, ranks))
+        ranks_checked = tuple(sorted((r for part in parts for r in part.ranks), key=lambda r: r.rank))
+        notes = tuple(dict.fromkeys(n for part in parts for n in part.notes))
+        return dataclasses.replace(parts[0], strategy=plan.strategy, ranks=ranks_checked, notes=notes,
+                                   time_s=time.perf_counter() - t0)  # fmt: skip
+    return _check_sibling(plan, program, target, cache, None, range(len(program.devices)))
+
+
+def _check_sibling(
+    plan: Plan, program: Program, target: torch.device, cache: BuildCache | None, tp, ranks
+) -> CheckResult:
+    """check_program on `ranks` of a Program, the model split for `tp` (a member index) or whole."""
+    t0 = time.perf_counter()
     work = resolve_workload(plan.model)
-    model, exported, note = _build(work, plan, target, cache)
+    model, exported, note = _build(work, plan, target, cache, tp, program.tp_regions)
     inputs, targets = global_batch(work, plan.batch_size, seed=0, step=0)
     inputs, targets = to_device(inputs, target), to_device(targets, target)
     flow = build_dataflow(model, plan, len(inputs), group_order=program_group_order(program), exported=exported)
@@ -274,7 +307,7 @@ def check_program(
     rdev = RankDevice(kind=target.type, index=target.index or 0)
     rewrite_stage_devices(flow.stages, target)
     # a node the rewrite could not move is the rank's problem before anything runs
-    problems = {r: _pinned_nodes(plan, program, flow, r, target) for r in range(len(program.devices))}
+    problems = {r: _pinned_nodes(plan, program, flow, r, target) for r in ranks}
     try:
         wire = wire_table(
             flow,
@@ -296,7 +329,7 @@ def check_program(
         _check_rank(plan, program, flow, work, rank, rdev, wire, crossing, inputs, targets)
         if problems[rank] is None
         else _refused(plan, program, flow, rank, str(problems[rank]))
-        for rank in range(len(program.devices))
+        for rank in ranks
     )
     return CheckResult(
         strategy=plan.strategy,

@@ -169,6 +169,7 @@ def _state(
     opt: torch.optim.Optimizer | None,
     servers: Sequence[Any] = (),
     shards: Any = None,
+    tp: Any = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {f"model/{name}": p.detach() for name, p in named_params}
     if shards is not None:  # the pieces of sharded blocks, whole per parameter (every rank calls)
@@ -185,7 +186,14 @@ def _state(
         for name, pieces in served.server.state_by_name(served.names, served.shapes).items():
             for key, value in pieces.items():
                 state[f"optim/{name}/{key}"] = value
+    if tp is not None:  # a tensor-parallel member's slices, whole (collective over its set, in one order)
+        state = {k: tp.whole(_name_of(k), v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return state
+
+
+def _name_of(key: str) -> str:
+    """The parameter name of a state entry: 'model/<name>' or 'optim/<name>/<state key>'."""
+    return key.split("/")[1]
 
 
 def save_checkpoint(
@@ -199,6 +207,7 @@ def save_checkpoint(
     servers: Sequence[Any] = (),
     shards: Any = None,
     saved_under: SavedUnder | None = None,
+    tp: Any = None,
 ) -> Path:
     """Every rank calls this after `step` completed steps; returns the checkpoint folder."""
     target = step_dir(root, step)
@@ -207,7 +216,7 @@ def save_checkpoint(
             shutil.rmtree(target)
         target.mkdir(parents=True)
     dist.barrier()
-    state = _state(named_params, opt, servers, shards)
+    state = _state(named_params, opt, servers, shards, tp)
     dcp.save(state, checkpoint_id=target)
     names: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     held = sorted({k.split("/")[1] for k in state if k.startswith("model/")})
@@ -256,16 +265,19 @@ def load_checkpoint(
     model: str,
     servers: Sequence[Any] = (),
     shards: Any = None,
+    tp: Any = None,
 ) -> None:
     """Load the parameters (in place) and optimizer state this rank holds, by name, the
     state of the parameter servers it runs, and the pieces of its sharded blocks. `servers`
     also lists the buckets this rank is a replica of (ProgramSync.ps_buckets): their state
     goes to their server only, not into the local optimizer, where it would never move and,
-    saved again beside the server's, could be the copy DCP keeps of the two."""
+    saved again beside the server's, could be the copy DCP keeps of the two. `tp`: a
+    tensor-parallel member's slices (tp_rank.TensorParallelState), read whole and cut."""
     server_held = {n for served in servers for n in served.names}
     check_same_model(info.model, model, str(info.path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = {}
+    sliced: list[tuple[str, nn.Parameter]] = []  # tensor parallelism: parameters read whole
     for name, p in named_params:
         key = f"model/{name}"
         if key not in meta:
@@ -274,12 +286,17 @@ def load_checkpoint(
                 f"different model version (it holds {len(info.parameter_names)} parameters)."
             )
         saved = _tensor_meta(meta, key)
-        if tuple(saved.size) != tuple(p.shape):
+        whole = tp.whole_shape(name, tuple(p.shape)) if tp is not None else tuple(p.shape)
+        if tuple(saved.size) != whole:
             raise CheckpointError(
                 f"{info.path}: parameter {name!r} has shape {tuple(saved.size)} in the "
-                f"checkpoint but {tuple(p.shape)} in the model; check --model-arg values."
+                f"checkpoint but {whole} in the model; check --model-arg values."
             )
-        state[key] = p.detach()
+        if whole == tuple(p.shape):
+            state[key] = p.detach()
+        else:  # a member's slice: read whole, cut below
+            state[key] = torch.empty(whole, dtype=p.dtype, device=p.device)
+            sliced.append((name, p))
     wanted: list[tuple[str, str, torch.device]] = []  # (name, state key, device)
     # a sharded block's parameters: their piece's state; a served one's: its server's
     stepped = [(name, p) for name, p in _stepped(named_params, opt) if name not in server_held]
@@ -300,6 +317,11 @@ def load_checkpoint(
         m = _tensor_meta(meta, f"optim/{name}/{key}")
         state[f"optim/{name}/{key}"] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
     dcp.load(state, checkpoint_id=info.path)
+    if tp is not None:  # the whole tensors read for this member's slices: its slice
+        with torch.no_grad():
+            for name, p in sliced:
+                p.copy_(tp.mine(name, state[f"model/{name}"]))
+        state = {k: tp.mine(_name_of(k), v).contiguous() if k.startswith("optim/") else v for k, v in state.items()}
     if opt is not None:
         for name, p in stepped:
             for key in _keys(meta, name):
@@ -312,25 +334,36 @@ def load_checkpoint(
     if shards is not None:
         _missing_sharded(info, meta, shards)
         shards.load(
-            _Reader(info.path, meta), opt, lambda key, p: _state_device(opt, key, p) if opt is not None else p.device
+            _Reader(info.path, meta, tp),
+            opt,
+            lambda key, p: _state_device(opt, key, p) if opt is not None else p.device,
         )
 
 
 class _Reader:
     """Full per-name tensors from a checkpoint for one rank alone (shard.ShardRunner.load)."""
 
-    def __init__(self, path: Path, meta: dict[str, Any]):
-        self.path, self.meta = path, meta
+    def __init__(self, path: Path, meta: dict[str, Any], tp: Any = None):
+        self.path, self.meta, self.tp = path, meta, tp
 
     def keys_of(self, name: str) -> list[str]:
         return _keys(self.meta, name)
 
     def empty(self, key: str, device: torch.device) -> torch.Tensor:
+        """A tensor of what this rank holds of entry `key` (a member's slice: its shape)."""
         m = _tensor_meta(self.meta, key)
-        return torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
+        whole = torch.empty(tuple(m.size), dtype=m.properties.dtype, device="meta")
+        shape = self.tp.mine(_name_of(key), whole).shape if self.tp is not None else whole.shape
+        return torch.empty(shape, dtype=m.properties.dtype, device=device)
 
     def __call__(self, entries: dict[str, torch.Tensor]) -> None:
-        dcp.load(entries, checkpoint_id=self.path, no_dist=True)
+        if self.tp is None:
+            dcp.load(entries, checkpoint_id=self.path, no_dist=True)
+            return
+        wholes = {k: torch.empty(tuple(_tensor_meta(self.meta, k).size), dtype=v.dtype) for k, v in entries.items()}
+        dcp.load(wholes, checkpoint_id=self.path, no_dist=True)
+        for k, v in entries.items():
+            v.copy_(self.tp.mine(_name_of(k), wholes[k]))
 
 
 def _missing_sharded(info: CheckpointInfo, meta: dict[str, Any], shards: Any) -> None:
@@ -367,12 +400,13 @@ def resume(
     model: str,
     servers: Sequence[Any] = (),
     shards: Any = None,
+    tp: Any = None,
 ) -> int:
     """Load cfg.resume's checkpoint when given; return the first step to run (0 without)."""
     if not cfg.resume:
         return 0
     info = find_checkpoint(cfg.resume)
-    load_checkpoint(info, named_params, opt, model=model, servers=servers, shards=shards)
+    load_checkpoint(info, named_params, opt, model=model, servers=servers, shards=shards, tp=tp)
     return info.step
 
 
@@ -386,6 +420,7 @@ def save_if_due(
     model: str,
     servers: Sequence[Any] = (),
     shards: Any = None,
+    tp: Any = None,
 ) -> None:
     """Save after every cfg.every_steps-th completed step (all ranks call it, same step)."""
     if cfg.dir and cfg.saves_after(completed_steps):
@@ -399,4 +434,5 @@ def save_if_due(
             servers=servers,
             shards=shards,
             saved_under=cfg.saved_under,
+            tp=tp,
         )

@@ -77,10 +77,20 @@ class StepNorm:
 class GradientNorm:
     """This rank's part of the global gradient norm, and clipping (module docstring)."""
 
-    def __init__(self, sync, named: Sequence[tuple[str, nn.Parameter]], device: torch.device, host_staging: bool):
+    def __init__(
+        self,
+        sync,
+        named: Sequence[tuple[str, nn.Parameter]],
+        device: torch.device,
+        host_staging: bool,
+        *,
+        only: set[str] | None = None,
+    ):
         names, self.served = counted_here(sync)
+        if only is not None:  # a tensor-parallel member after the first: its slices alone
+            names &= only
         pieces, sharded = sync.shards.pieces(), sync.shards.sharded_names()  # its sharded blocks'
-        self.counted = [p for n, p in named if n in names] + pieces
+        self.counted = [p for n, p in named if n in names] + sync.shards.pieces(only)
         self.params = [p for n, p in named if n not in sharded] + pieces  # what the optimizer steps
         self.runner = sync.runner
         self.device, self.host_staging = device, host_staging

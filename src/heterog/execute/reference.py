@@ -18,12 +18,14 @@ def reference_train(
     data: str | None = None,
     skip_steps: frozenset[int] = frozenset(),
     losses: list[float] | None = None,
+    max_grad_norm: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Parameters after `steps` optimizer steps of the whole model on the whole batch, under
     the plan's precision (autocast on the CPU for amp-bf16 and fp16; fp16 with torch's own
     GradScaler at the executor's initial scale). `skip_steps`: fp16 steps to skip as an
     overflow would (no update, the scale halved). `losses`, when given, receives each step's
-    global-batch loss (before that step's update), as a run reports them."""
+    global-batch loss (before that step's update), as a run reports them. `max_grad_norm`:
+    gradients clipped to that global norm before each step (torch's clip_grad_norm_)."""
     torch.set_num_threads(1)
     work = with_data(resolve_workload(plan.model), data)
     model = build_model(work, seed=seed)
@@ -40,11 +42,16 @@ def reference_train(
             losses.append(float(loss.detach().float()))
         if scaler is None:
             loss.float().backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             opt.step()
         elif step in skip_steps:
             scaler.update(scaler.get_scale() * 0.5)
         else:
             scaler.scale(loss.float()).backward()
+            if max_grad_norm is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             scaler.step(opt)
             scaler.update()
     return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -115,12 +115,14 @@ class Interpreter(StepTiming, BlockCalls):
         self.mode = StepMode.TRAIN
         self.loss_weight = 1.0
         self._loss_total: Any = 0.0
+        self.reports_loss = True  # False on tensor-parallel members after the first (same loss)
         self.eval_sums: dict[str, float] = {}  # evaluation: metric × samples, summed here
         self.eval_modules: dict[int, Any] = {}  # stage → its forward-only twin (evaluation.py)
         self.evaluate_fn: Callable[[Any, Any], Any] | None = None
         self.overflow_hook: Callable[[], None] | None = None  # test hook: an inf into a gradient
         self.clock = self.rank_device.clock()
         self._marks: list[_Mark] = []
+        self.tp_marks: list[tuple[Any, Any]] = []  # tensor parallelism: tp_ops.time_with fills it
         self._optimizer_index: int | None = None  # fp16: the Optimizer instruction, stepped at the end
         self.trace: list[tuple] = []
         self.samples: list[int] = []  # per forward compute: samples in the tensors it produced

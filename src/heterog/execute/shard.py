@@ -165,9 +165,15 @@ class ShardRunner:
         return unit
 
     # -- what the rest of the rank needs ------------------------------------------------------
-    def pieces(self) -> list[nn.Parameter]:
-        """What the optimizer steps: each piece cut where its parameters meet."""
-        return [sub for u in self.units.values() for sub in u.subs]
+    def pieces(self, only: set[str] | None = None) -> list[nn.Parameter]:
+        """What the optimizer steps: each piece cut where its parameters meet (`only`: the cuts
+        of these parameters)."""
+        return [
+            sub
+            for u in self.units.values()
+            for sub, (i, _, _) in zip(u.subs, u.cuts)
+            if only is None or u.names[i] in only
+        ]
 
     def stand_ins(self, *, whole: bool = False) -> list[tuple[nn.Parameter, nn.Parameter | None]]:
         """Per cut of a piece: a stand-in of its parameter as the model holds it (its shape and

@@ -36,6 +36,7 @@ class StepTiming:
     sync: Any
     stats: Any
     _marks: list[_Mark]
+    tp_marks: list[tuple[Any, Any]]  # tensor-parallel all-reduces inside computes (tp_ops.time_with)
 
     def _timing(self, name: str, category: SpanCategory, index: int | None = None):
         """Mark the start and end of a piece of the step with the rank's clock."""
@@ -67,7 +68,11 @@ class StepTiming:
         runs = [
             _Mark(name=label, category=SpanCategory.COLLECTIVE, start=a, end=b, index=i)
             for label, a, b, i in self.sync.runner.runs
+        ] + [
+            _Mark(name="tp all-reduce", category=SpanCategory.TENSOR_PARALLEL, start=a, end=b, index=None)
+            for a, b in self.tp_marks
         ]
+        self.tp_marks.clear()
         spans = [
             Span(
                 name=m.name,

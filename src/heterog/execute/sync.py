@@ -364,7 +364,11 @@ class ProgramSync:
         host_staging: bool = False,
         deferred: bool = False,
         clock: Any = None,
+        mirrors: Sequence[dict[int, int]] = (),
     ):
+        """mirrors: a tensor-parallel member's map of its sibling's ranks to every sibling's
+        (tp_rank.sibling_ranks): the sub-groups of every sibling are created, in one order on
+        every rank."""
         self.program, self.flow, self.rank = program, flow, rank
         self.rank_of = program.rank_of()
         self.runner = BucketRunner(
@@ -385,6 +389,8 @@ class ProgramSync:
         self._ties_done: set[str] = set()  # tied parameters synced by the Program this step
         sharded = [tuple(self.rank_of[d] for d in c.members) for _, c in sorted(sharded_collectives(program).items())]
         sets = [self._bucket(c).members for c in self._collectives()] + [b.members for b in self.ties] + sharded
+        if mirrors:  # each sibling lists its devices in its own order: sort, to agree on every rank
+            sets = sorted({tuple(sorted(m[r] for r in s)) for m in mirrors for s in sets})
         self.runner.create_groups(
             [Bucket(label="", names=(), numel=0, members=m, method=SyncMethod.RING) for m in sets]
         )

@@ -45,8 +45,12 @@ def needs_norm(config: TrainingConfig) -> bool:
     return config.clips or config.log_dir is not None
 
 
-def gradient_norm(config: TrainingConfig, sync: Any, named: list, device: torch.device, host_staging: bool):
-    return GradientNorm(sync, named, device, host_staging) if needs_norm(config) else None
+def gradient_norm(
+    config: TrainingConfig, sync: Any, named: list, device: torch.device, host_staging: bool, only: set | None = None
+):
+    """The rank's part of the global gradient norm, when the options need it; `only`: count
+    just these parameters (a tensor-parallel member after the first: its slices)."""
+    return GradientNorm(sync, named, device, host_staging, only=only) if needs_norm(config) else None
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ import resource
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,19 +36,22 @@ import torch.distributed as dist
 from torch import nn
 
 from heterog.cut.dataflow import Dataflow, detach_unheld
-from heterog.cut.partition import build_dataflow, export_plan_model, program_group_order
-from heterog.cut.split_export import ExportedModel, copy_exported
-from heterog.errors import PlanError, RankError
+from heterog.cut.partition import build_dataflow, program_group_order
+from heterog.cut.split_export import ExportedModel
+from heterog.errors import RankError
 from heterog.execute import checkpoint, shard
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.faults import inject_fault, overflow_gradient
+from heterog.execute.model_cache import ModelCache, built_model
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter
 from heterog.execute.spec import FailureKind, LaunchSpec, RankFailure, RankResult, RankSpec, read_spec
 from heterog.execute.stage_map import crossing_values
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog
 from heterog.execute.sync import ProgramSync
+from heterog.execute.tp_ops import time_with
+from heterog.execute.tp_rank import TensorParallelState, join_sets, sibling_ranks
 from heterog.execute.trace import StepRecorder
 from heterog.execute.train_loop import TrainingHooks, gradient_norm, needs_norm, recipe_of
 from heterog.execute.transport import Channels, Transport, transfer_pairs
@@ -59,8 +62,9 @@ from heterog.ir.run_request import FaultKind, FaultPhase
 from heterog.ir.run_result import Span, SpanCategory, StepRecord
 from heterog.jsonio import write_atomic
 from heterog.lower.program import Program
+from heterog.lower.tensor_parallel import member_view
 from heterog.training import Recipe
-from heterog.workload import Workload, build_model, global_batch, resolve_workload, to_device, with_data
+from heterog.workload import Workload, global_batch, resolve_workload, to_device, with_data
 
 
 def _init(spec: RankSpec, store: Any = None) -> tuple[int, int, str, RankDevice]:
@@ -105,42 +109,6 @@ def _activate(rdev: RankDevice, spec: RankSpec, device: str, rank: int) -> None:
             check_gpu_type(rdev, expected, device=device, rank=rank)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Built:
-    model: nn.Module
-    initial: dict[str, torch.Tensor]  # parameters and buffers as built
-    rng_state: torch.Tensor  # the CPU generator right after the build
-    exported: ExportedModel | None  # None: torch.export refused the model
-
-
-@dataclass(kw_only=True)
-class ModelCache:
-    """The model and its export per model spec (and seed), for the plans of one multi-plan
-    launch: exporting takes seconds, more than a 2-step run. Before each plan the parameters,
-    the buffers and the random generator are put back as a fresh build leaves them, and the
-    plan cuts its own copy of the export (the split rewrites the graph it is given)."""
-
-    built: dict[str, _Built] = field(default_factory=dict)
-
-    def get(self, work: Workload, plan: Plan, seed: int) -> tuple[nn.Module, ExportedModel | None]:
-        key = json.dumps([plan.to_dict()["model"], plan.batch_size, seed], sort_keys=True, default=str)
-        entry = self.built.get(key)
-        if entry is None:
-            model = build_model(work, seed=seed)
-            rng_state = torch.get_rng_state()
-            try:
-                exported = export_plan_model(model, plan)
-            except PlanError:
-                exported = None  # build_dataflow says why, or runs the model whole
-            initial = {k: t.detach().clone() for k, t in [*model.named_parameters(), *model.named_buffers()]}
-            entry = self.built[key] = _Built(model=model, initial=initial, rng_state=rng_state, exported=exported)
-        for name, t in [*entry.model.named_parameters(), *entry.model.named_buffers()]:
-            t.data = entry.initial[name].clone()
-            t.grad = None
-        torch.set_rng_state(entry.rng_state)
-        return entry.model, (copy_exported(entry.exported) if entry.exported is not None else None)
-
-
 @dataclass(kw_only=True)
 class RankSetup:
     """Everything a rank builds before step 1 (`build_rank`): the split placed on its device,
@@ -161,6 +129,7 @@ class RankSetup:
     pacer: Pacer
     cap: Any
     recipe: Recipe  # the run's optimizer, schedule and training options
+    tp: TensorParallelState | None = None  # a member of a tensor-parallel set: its slices
 
 
 def _split_for_rank(
@@ -212,14 +181,18 @@ def build_rank(
     """Split the model for the Program (the spec's, when not given loaded), place this rank's
     stages on its device and check them (placement.py), derive the wire table (wire.py), and
     make the transport, the syncs, the optimizer and the interpreter."""
-    program = program or spec.load_program()
-    plan = Plan.from_dict(program.plan)
+    whole = program or spec.load_program()
+    program, plan, place = member_view(whole, device)  # a tensor-parallel member: its sibling's part
+    tp = join_sets(Plan.from_dict(whole.plan), place, rank_of, spec.timeout_s)
     work = with_data(resolve_workload(plan.model), spec.training.data)
     seed = spec.seed
-    model, exported = models.get(work, plan, seed) if models is not None else (build_model(work, seed=seed), None)
+    if models is not None:
+        model, exported, cut = models.get(work, plan, seed, tp, whole.tp_regions)
+    else:
+        (model, cut), exported = built_model(work, seed, tp, whole.tp_regions), None
     placed = _Placed(rank=rank, device=device, rdev=rdev, rank_of=rank_of, seed=seed)
     flow, held, crossing, wire = _split_for_rank(program, plan, work, model, exported, placed)
-    channels = Channels(transfer_pairs(program, rank_of), spec.timeout_s)
+    channels = Channels(transfer_pairs(whole, rank_of), spec.timeout_s)  # every sibling's, on every rank
     transport = Transport(
         rank=rank,
         device=rdev.torch_device,
@@ -243,7 +216,9 @@ def build_rank(
         host_staging=rdev.host_staging,
         deferred=plan.precision == Precision.FP16 or needs_norm(recipe.config),
         clock=rdev.clock(),
+        mirrors=sibling_ranks(place, rank_of),
     )
+    tp_state = TensorParallelState(tp=tp, cut=cut) if tp is not None else None
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     opt, params, named = shard.rank_parameters(recipe, named, sync.shards)  # the optimizer steps the pieces too
     pacer = Pacer(spec.slowdown(device))
@@ -265,12 +240,23 @@ def build_rank(
         crossing=crossing,
         shards=sync.shards,
         scheduler=recipe.make_scheduler(opt),  # [train]
-        grad_norm=gradient_norm(recipe.config, sync, named, rdev.torch_device, rdev.host_staging),
+        grad_norm=gradient_norm(
+            recipe.config,
+            sync,
+            named,
+            rdev.torch_device,
+            rdev.host_staging,
+            only=tp_state.counted if tp_state else None,
+        ),
         max_grad_norm=recipe.config.max_grad_norm,
     )
+    ex.reports_loss = tp_state is None or tp_state.first
+    if tp_state is not None:
+        time_with(ex.clock, ex.tp_marks)  # each all-reduce of the split blocks, a span of the step
     return RankSetup(
         rank=rank, device=device, plan=plan, work=work, flow=flow, held=held, params=params, named=named,
         optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap, recipe=recipe,
+        tp=tp_state,
     )  # fmt: skip
 
 
@@ -300,7 +286,7 @@ def train(spec: RankSpec, out_dir: Path, *, store: Any = None, models: ModelCach
     setup = build_rank(spec, rank, device, rdev, rank_of, models=models, program=program)
     first_step = checkpoint.resume(
         spec.checkpoint, setup.named, setup.optimizer, model=setup.plan.model.name, servers=setup.sync.ps_buckets(),
-        shards=setup.sync.shards,
+        shards=setup.sync.shards, tp=setup.tp,
     )  # fmt: skip
     rec = StepRecorder(rank=rank, device=device)  # measured spans → trace_rank<R>.json
     step_log = StepLog(out_dir / STEPS_FILE.format(rank=rank))  # one line per step, as it ends
@@ -328,7 +314,10 @@ def _dump(setup: RankSetup, out_dir: Path) -> None:
     ex, rank = setup.interpreter, setup.rank
     write_atomic(out_dir / f"executed_rank{rank}.json", json.dumps(ex.trace))
     write_atomic(out_dir / f"samples_rank{rank}.json", json.dumps(ex.samples))
-    torch.save(shard.whole_parameters(setup.named, setup.sync.shards), out_dir / f"params_rank{rank}.pt")
+    params = shard.whole_parameters(setup.named, setup.sync.shards)
+    if setup.tp is not None:  # a tensor-parallel member's slices, whole (collective over its set)
+        params = {name: setup.tp.whole(name, value) for name, value in params.items()}
+    torch.save(params, out_dir / f"params_rank{rank}.pt")
 
 
 def _rank_result(
@@ -384,6 +373,7 @@ def _train_step(
     dist.barrier()
     for p in setup.params:
         p.grad = None
+    ex.tp_marks.clear()  # an evaluation's all-reduces are not the step's
     origin, origin_s = ex.clock.mark(), rec.now_s()
     if spec.fault is not None and spec.fault.kind is FaultKind.OVERFLOW:
         ex.overflow_hook = lambda: overflow_gradient(spec.fault, rank, step, setup.params)
@@ -425,7 +415,7 @@ def _train_step(
     step_log.append(record)
     checkpoint.save_if_due(
         spec.checkpoint, step + 1, setup.named, setup.optimizer, rank=rank, model=setup.plan.model.name,
-        servers=setup.sync.ps_buckets(), shards=setup.sync.shards,
+        servers=setup.sync.ps_buckets(), shards=setup.sync.shards, tp=setup.tp,
     )  # fmt: skip
     return record
 

@@ -46,6 +46,7 @@ class SpanCategory(StrEnum):
     SYNC = "sync"  # launching gradient syncs and waiting for them to finish
     COLLECTIVE = "collective"  # a gradient sync running on the rank's communication lane
     TRANSFER = "transfer"  # waiting for point-to-point sends / receives
+    TENSOR_PARALLEL = "tp"  # a tensor-parallel all-reduce inside a compute (Megatron's f or g)
     STEP = "step"  # a whole training step (the outer span)
 
 

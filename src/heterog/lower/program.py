@@ -189,6 +189,9 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
     instructions: dict[str, tuple[Instruction, ...]]  # device → its instructions, in order
     initial_bytes: dict[str, float]  # memory in use when the iteration starts
     plan: dict[str, Any] = field(default_factory=dict)  # the Plan it was lowered from (to_dict)
+    # tensor parallelism: the split regions (norm, column linears, row linear) by capture node
+    # name — exactly those the cost model priced split (lower/tensor_parallel.py)
+    tp_regions: tuple[tuple[str, tuple[str, ...], str], ...] = ()
 
     def rank_of(self) -> dict[str, int]:
         return {d: r for r, d in enumerate(self.devices)}
@@ -249,6 +252,7 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
             "initial_bytes": self.initial_bytes,
             "instructions": {d: [ins(i) for i in lst] for d, lst in self.instructions.items()},
             "plan": self.plan,
+            **({"tp_regions": [[n, list(c), r] for n, c, r in self.tp_regions]} if self.tp_regions else {}),
         }
 
     @staticmethod
@@ -275,6 +279,7 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
                 instructions=instructions,
                 initial_bytes={k: float(v) for k, v in doc["initial_bytes"].items()},
                 plan=doc.get("plan", {}),
+                tp_regions=tuple((n, tuple(c), r) for n, c, r in doc.get("tp_regions", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(

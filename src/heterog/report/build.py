@@ -78,7 +78,7 @@ def _sim_rows(inp: ReportInputs, devices: Sequence[str]) -> list[svg.Row]:
 
 
 # a measured span's category → the timeline's kind (its CSS class): the lane's runs are syncs
-_MEASURED_KIND = {SpanCategory.COLLECTIVE: "sync"}
+_MEASURED_KIND = {SpanCategory.COLLECTIVE: "sync", SpanCategory.TENSOR_PARALLEL: "tp"}
 
 
 def _measured_rows(run: RunResult, devices: Sequence[str]) -> tuple[list[svg.Row], float, int]:
@@ -167,7 +167,8 @@ def _timelines(inp: ReportInputs) -> str:
         "lane, gaps are idle." + (f" {escape(cut)}." if cut else "") + "</p>"
     )
     timelines = f'<div class="side scroll">{"".join(parts)}</div>'
-    return f"<h2>Timeline of one iteration</h2>{head}{page.legend(len(parts) > 1)}{timelines}"
+    legend = page.legend(len(parts) > 1, tensor_parallel=inp.plan.tensor_parallel)
+    return f"<h2>Timeline of one iteration</h2>{head}{legend}{timelines}"
 
 
 def _memory(inp: ReportInputs) -> str:

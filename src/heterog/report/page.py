@@ -8,10 +8,10 @@ from html import escape
 CSS = """
 :root{color-scheme:light dark;--bg:#fff;--fg:#1b1f24;--muted:#57606a;--line:#d0d7de;--lane:#f3f4f6;
 --forward:#2f6fdb;--backward:#8250df;--optimizer:#1a7f37;--compute:#2f6fdb;--sync:#cf222e;
---transfer:#bc4c00;--mem:#2f6fdb;--over:#cf222e;--share:#2f6fdb;--chosen:#fff8c5}
+--transfer:#bc4c00;--tp:#9a6700;--mem:#2f6fdb;--over:#cf222e;--share:#2f6fdb;--chosen:#fff8c5}
 @media (prefers-color-scheme:dark){:root{--bg:#0d1117;--fg:#e6edf3;--muted:#9198a1;--line:#30363d;
 --lane:#161b22;--forward:#4c8dff;--backward:#a371f7;--optimizer:#3fb950;--compute:#4c8dff;
---sync:#ff7b72;--transfer:#f0883e;--mem:#4c8dff;--over:#ff7b72;--share:#4c8dff;--chosen:#3d3000}}
+--sync:#ff7b72;--transfer:#f0883e;--tp:#d29922;--mem:#4c8dff;--over:#ff7b72;--share:#4c8dff;--chosen:#3d3000}}
 body{background:var(--bg);color:var(--fg);font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;
 margin:24px auto;max-width:1180px;padding:0 16px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid var(--line)}
@@ -30,7 +30,8 @@ svg text{fill:var(--fg);font:11px system-ui,sans-serif}svg text.label{text-ancho
 svg text.tick{fill:var(--muted);text-anchor:middle}svg .grid{stroke:var(--line);stroke-width:1}
 svg .lane-bg{fill:var(--lane)}svg .k-forward{fill:var(--forward)}svg .k-backward{fill:var(--backward)}
 svg .k-optimizer{fill:var(--optimizer)}svg .k-compute{fill:var(--compute)}svg .k-sync{fill:var(--sync)}
-svg .k-transfer{fill:var(--transfer)}svg .k-collective{fill:var(--sync)}svg .mem{fill:var(--mem);fill-opacity:.55}
+svg .k-transfer{fill:var(--transfer)}svg .k-tp{fill:var(--tp)}
+svg .k-collective{fill:var(--sync)}svg .mem{fill:var(--mem);fill-opacity:.55}
 svg .mem-over{fill:var(--over);fill-opacity:.6}svg .cap{stroke:var(--fg);stroke-dasharray:3 2}
 svg .memtext.bad{fill:var(--over)}
 .legend span{display:inline-block;margin-right:14px}.legend i{display:inline-block;width:12px;height:10px;
@@ -46,14 +47,15 @@ LEGEND_KINDS = (
     ("compute", "forward + backward (measured)"),
     ("sync", "gradient sync"),
     ("transfer", "transfers (lower lane)"),
+    ("tp", "tensor-parallel all-reduces (inside computes)"),
 )
 
 
-def legend(measured: bool) -> str:
+def legend(measured: bool, tensor_parallel: bool = False) -> str:
     items = "".join(
         f'<span><i style="background:var(--{k})"></i>{label}</span>'
         for k, label in LEGEND_KINDS
-        if measured or k != "compute"
+        if (measured or k != "compute") and (tensor_parallel or k != "tp")
     )
     return f'<p class="legend">{items}<span>gaps: idle</span></p>'
 

@@ -37,7 +37,8 @@ class Segment:
 def segments(plan: Plan) -> list[Segment]:
     out: list[Segment] = []
     for i, g in enumerate(plan.groups):
-        key = ({r.device: r.share for r in g.replicas}, g.sync, g.ps_device, g.recompute)
+        # a tensor-parallel set's members each compute the replica's samples (their slice of it)
+        key = ({m: r.share for r in g.replicas for m in r.members}, g.sync, g.ps_device, g.recompute)
         prev = out[-1] if out else None
         if prev is not None and (prev.shares, prev.sync, prev.ps_device, prev.recompute) == key:
             out[-1] = Segment(

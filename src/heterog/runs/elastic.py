@@ -59,7 +59,7 @@ from heterog.ir.provenance import PlanSummary, Replan, ReplanReason, ResumePoint
 from heterog.ir.run_request import RunOptions
 from heterog.ir.run_result import RunResult
 from heterog.jsonio import Record
-from heterog.lower.tensor_parallel import executor_runs_tensor_parallel
+from heterog.lower.tensor_parallel import executor_tensor_parallel
 from heterog.orchestrate import cluster_of
 from heterog.plan_module import search
 from heterog.runs.api import _alone
@@ -234,7 +234,7 @@ def replan(plan: Plan, cluster: Cluster, budget_s: float, *, graph: OpGraph | No
         starts=[plan],
         policy=False,
         seed=seed,
-        tensor_parallel=executor_runs_tensor_parallel(),  # the re-plan is run at once
+        tensor_parallel=executor_tensor_parallel(),  # the re-plan is run at once
     )
     return result.best
 

@@ -32,6 +32,7 @@ from heterog.hardware.spec import cluster_to_dict
 from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
+from heterog.lower.tensor_parallel import TensorParallelSupport
 from heterog.search import explain
 from heterog.search.baselines import BASELINE_BUILDERS, BASELINES, node_dp_starts, pipeline, tier_dp_starts
 from heterog.search.bound import Bound, lower_bound
@@ -276,7 +277,7 @@ def plan_graph(
     workers: int | None = None,
     goal: Goal | None = None,
     starts: Sequence[Plan] = (),
-    tensor_parallel: bool = True,
+    tensor_parallel: str | bool = TensorParallelSupport.ANY,
 ) -> PlanResult:
     """The best Plan for `graph` on `cluster`, ending about `budget_s` seconds after the call
     (or at `deadline_s`, a time.perf_counter() value, when the caller's clock started earlier).
@@ -296,8 +297,9 @@ def plan_graph(
     goal: the objective, price ceiling and tolerance of the final choice (search/objective.py).
     starts: earlier plans of the model (another cluster's), each restricted to this cluster's
     devices and tried first by the search chains (search/warm.py): a warm-started re-plan.
-    tensor_parallel: whether the search may split groups by tensor parallelism (tp_moves.py);
-    off where the plan is run (lower/tensor_parallel.py executor_runs_tensor_parallel).
+    tensor_parallel: how far the search may split groups by tensor parallelism (tp_moves.py):
+    'any', 'uniform' (one degree for every group) or 'none' (also True / False); where the plan
+    is run, what the executor runs (lower/tensor_parallel.py executor_tensor_parallel).
     """
     goal = goal if goal is not None else Goal()
     check_priced(cluster, goal)
@@ -311,7 +313,8 @@ def plan_graph(
     stages.done("cut_analysis")
     assert cuts is None or isinstance(cuts, ModelCuts), cuts
     say("grouping", 0.0)
-    may_split = tensor_parallel and _uses_simulator(scorer)  # the estimate does not price a split
+    # the estimate does not price a split: tensor parallelism only where the simulator scores
+    may_split = _support(tensor_parallel) if _uses_simulator(scorer) else TensorParallelSupport.NONE
     fields = {"model_spec": model_spec, "precision": precision, "optimizer": optimizer, "cuts": cuts}
     prob = _problem(graph, cluster, costs, max_groups, tensor_parallel=may_split, **fields)
     stages.done("grouping")
@@ -330,12 +333,24 @@ def plan_graph(
     )
 
 
+def _support(tensor_parallel: str | bool) -> TensorParallelSupport:
+    """plan_graph's tensor_parallel as a TensorParallelSupport (True: any, False: none)."""
+    if isinstance(tensor_parallel, bool):
+        return TensorParallelSupport.ANY if tensor_parallel else TensorParallelSupport.NONE
+    try:
+        return TensorParallelSupport(tensor_parallel)
+    except ValueError:
+        raise PlanError(
+            f"tensor_parallel={tensor_parallel!r}: give one of {', '.join(TensorParallelSupport)} (or True / False)."
+        ) from None
+
+
 def _problem(graph: OpGraph, cluster: Cluster, costs: CostModel, max_groups: int, **kw: Any) -> Problem:
     """The search's problem: the graph grouped (each block's split region in one group where
     the search may split groups by tensor parallelism, tp_moves.py) and its cost tables; `kw`:
     Problem's fields model_spec, precision, optimizer, cuts and tensor_parallel."""
     groups = make_groups(graph, cluster, costs, max_groups, kw["cuts"])
-    if kw["tensor_parallel"]:
+    if kw["tensor_parallel"] != TensorParallelSupport.NONE:
         groups = whole_regions(graph, costs, groups)
     return Problem(graph=graph, cluster=cluster, costs=costs, groups=groups, batch_size=graph.batch_size, **kw)
 

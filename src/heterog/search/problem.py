@@ -23,6 +23,7 @@ from heterog.ir.kinds import Phase, PipelineSchedule, Precision, SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import DEFAULT_BUCKET_BYTES, Group, ModelSpec, Plan, Replica, split_samples
 from heterog.lower.context import SimCache, device_class_key
+from heterog.lower.tensor_parallel import TensorParallelSupport
 from heterog.search.constraints import ModelCuts
 from heterog.search.grouping import group_graph
 
@@ -121,7 +122,8 @@ class Problem:
     optimizer: str = "sgd"
     extra: dict = field(default_factory=dict)
     cuts: ModelCuts | None = None  # what the executor can cut (search/constraints.py)
-    tensor_parallel: bool = False  # whether the search may split groups by tensor parallelism (tp_moves.py)
+    # how far the search may split groups by tensor parallelism (tp_moves.py)
+    tensor_parallel: TensorParallelSupport = TensorParallelSupport.NONE
     sim_cache: SimCache = field(default_factory=SimCache)  # the simulator's, kept across candidates
 
     def __post_init__(self) -> None:

@@ -6,8 +6,9 @@ The move (`tp`, registered with moves.register_move) turns a segment's replicas 
 degree 2, 4 or 8 over devices of one node and one class — Megatron keeps a tensor-parallel
 group inside a node, where the links are fastest (Narayanan et al., SC'21, §3.3) — or
 changes a set's degree, or undoes it; the batch-share LP (shares.py) re-balances the set
-leaders. It is drawn only where the problem allows tensor parallelism (`Problem.tensor_parallel`,
-off where the plan is to be run: lower/tensor_parallel.py `executor_runs_tensor_parallel`),
+leaders. It is drawn only where the problem allows tensor parallelism (`Problem.tensor_parallel`:
+where the plan is to be run, what lower/tensor_parallel.py `executor_tensor_parallel` says; one
+degree for every group moves every segment at once),
 the graph has Megatron's pattern, the costs are the analytic model whose split the simulator
 prices, and some node has two like devices. Its neighbours are scored by the simulator only
 (tp_scoring.py; the group-level estimate does not model the split).
@@ -31,8 +32,9 @@ from heterog.errors import GraphError, PlanError
 from heterog.ir.kinds import SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
+from heterog.lower.tensor_parallel import TensorParallelSupport
 from heterog.search.lanes import Candidate
-from heterog.search.moves import Move, MoveContext, MoveScope, register_move, reshaped, with_placement
+from heterog.search.moves import Move, MoveContext, MoveScope, register_move, reshaped, segments, with_placement
 from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
 from heterog.search.three_d import best_uniform, check_divides, grid
@@ -102,7 +104,8 @@ def _divides(prob: Problem, degree: int) -> bool:
 
 def tp_applies(prob: Problem) -> bool:
     """The tp move's problems (module docstring)."""
-    if not prob.tensor_parallel or prob.model_spec is None or type(prob.costs) is not AnalyticCostModel:
+    allowed = prob.tensor_parallel != TensorParallelSupport.NONE
+    if not allowed or prob.model_spec is None or type(prob.costs) is not AnalyticCostModel:
         return False
     if not region_spans(prob):
         return False
@@ -128,17 +131,29 @@ def tp_sets(prob: Problem, devices: Sequence[int], degree: int, busy: set[int]) 
 
 def tp_move(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
     """The segment [a, b) split by tensor parallelism at another degree, or not split (its
-    members become replicas); shares from the LP over the sets' first devices."""
+    members become replicas); where the problem allows one degree only, every segment alike."""
     prob, p = ctx.prob, s.placements[a]
-    if any(g in split_groups(prob) for g in range(a, b)):
-        return s
-    members = [m for i, d in enumerate(p.devices) for m in ((d, *p.tp[i]) if p.tp else (d,))]
     choices = [t for t in tp_view(prob).degrees if t != p.tp_degree] + ([1] if p.tp else [])
     if not choices:
         return s
     degree = ctx.rng.choice(choices)
+    if prob.tensor_parallel != TensorParallelSupport.UNIFORM:
+        return at_degree(prob, s, a, b, degree)
+    out = s
+    for lo, hi in segments(s):
+        out = at_degree(prob, out, lo, hi, degree)
+    return out if all(q.tp_degree == degree for q in out.placements) else s
+
+
+def at_degree(prob: Problem, s: Strategy, a: int, b: int, degree: int) -> Strategy:
+    """The segment [a, b) as tensor-parallel sets of `degree` over its members (1: the members
+    as replicas); shares from the LP over the sets' first devices; `s` where no set forms."""
+    p = s.placements[a]
+    if any(g in split_groups(prob) for g in range(a, b)):
+        return s
+    members = [m for i, d in enumerate(p.devices) for m in ((d, *p.tp[i]) if p.tp else (d,))]
     if degree == 1:
-        return reshaped(prob, s, a, b, members, SyncMethod.RING, None, p.recompute)
+        return reshaped(prob, s, a, b, members, SyncMethod.RING, None, p.recompute) if p.tp else s
     busy = {
         d
         for g, q in enumerate(s.placements)

@@ -24,6 +24,7 @@ from heterog.ir.kinds import SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan
 from heterog.lower.context import SimCache
+from heterog.lower.tensor_parallel import TensorParallelSupport
 from heterog.search.problem import Problem, Strategy
 from heterog.simulate.tensor_parallel import mirror_members, tensor_parallel_inputs
 
@@ -75,34 +76,17 @@ def split_groups(prob: Problem) -> frozenset[int]:
     return memo(prob, "_tp_split_groups", make)
 
 
-def vocab_groups(prob: Problem) -> tuple[int, int] | None:
-    """The groups of the tied embedding and output head that Megatron splits by vocabulary
-    rows (cost/tensor_parallel.py VocabSplit), or None when the model has no such pair."""
-
-    def make() -> tuple[int, int] | tuple[()]:
-        try:
-            vocab = megatron_layout(prob.graph).vocab
-        except GraphError:
-            return ()
-        if vocab is None:
-            return ()
-        owner = {n: g for g, names in enumerate(prob.groups) for n in names}
-        return (owner[vocab.embedding], owner[vocab.head])
-
-    return memo(prob, "_tp_vocab_groups", make) or None
-
-
 def tp_conflict(prob: Problem, s: Strategy) -> str | None:
-    """Why the simulator would refuse strategy `s` as a tensor-parallel plan, or None (also
-    for a strategy without tensor parallelism): a split group that shares a block's region
-    with another group, a tied embedding and head at different degrees, a sync other than
-    ring (sibling rings are all the cost model prices between sets), or a device in two
-    different sets (or in a set and alone)."""
+    """Why strategy `s` cannot be a tensor-parallel plan of this problem, or None (also for a
+    strategy without tensor parallelism): a split group that shares a block's region with
+    another group, a sync other than ring (sibling rings are all the cost model prices
+    between sets), a device in two different sets (or in a set and alone) — the simulator
+    refuses these — or, where the problem allows one degree only (a plan to be run:
+    lower/tensor_parallel.py runnable), groups at different degrees."""
     if not any(p.tp for p in s.placements):
         return None
-    tied = vocab_groups(prob)
-    if tied is not None and s.placements[tied[0]].tp_degree != s.placements[tied[1]].tp_degree:
-        return "the tied embedding and output head are split at different degrees"
+    if prob.tensor_parallel == TensorParallelSupport.UNIFORM and len({p.tp_degree for p in s.placements}) > 1:
+        return "the groups have different tensor-parallel degrees, and a run takes one degree for every group"
     cut = split_groups(prob)
     sets: dict[int, tuple[int, ...]] = {}
     for g, p in enumerate(s.placements):

@@ -31,7 +31,7 @@ from heterog.lower.schedule import Schedule, build_schedule
 from heterog.lower.taskgraph import KIND_NAMES, OPT, SYNC, XFER
 from heterog.simulate import engine
 from heterog.simulate.result import SimEvent, SimResult, Traffic
-from heterog.simulate.tensor_parallel import mirror_members, tensor_parallel_inputs
+from heterog.simulate.tensor_parallel import collective_events, mirror_members, tensor_parallel_inputs
 
 
 def simulate(
@@ -44,9 +44,10 @@ def simulate(
     # the cyclic collector would scan them (and the caches) over and over: ~30% of the time.
     if plan.tensor_parallel:  # simulated on first ranks (simulate/tensor_parallel.py)
         split, on_split, tp_costs = tensor_parallel_inputs(graph, cluster, plan, costs)
-        result = simulate(split, cluster, on_split, tp_costs, timeline=timeline)
+        sched = build_schedule(split, cluster, on_split, tp_costs)
+        result = time_schedule(sched, timeline=timeline)
         capacity = {d: cluster.memory_bytes(d) for d in plan.devices()}
-        return mirror_members(result, plan, tp_costs, capacity)
+        return mirror_members(result, plan, tp_costs, capacity, collectives=collective_events(sched, tp_costs))
     enabled = gc.isenabled()
     gc.disable()
     try:

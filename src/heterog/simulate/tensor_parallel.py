@@ -11,7 +11,12 @@ Every member's memory and compute time is its first rank's: the slices are alike
 Stages may differ in degree (the cost model splits each node at its group's degree; a send
 between sets of different sizes gives every rank of the larger set a whole copy).
 
-Limits: the per-block all-reduces are part of a compute task's time, not tasks of their own;
+The per-block all-reduces are part of a compute task's time, not tasks of their own (Megatron
+runs them on the compute stream, inside the forward and backward); the timeline shows them as
+`tp all-reduce` events at the end of each compute they belong to (`collective_events`), in
+the communication lane.
+
+Limits:
 the analytic cost model prices the slices (a measured profile of the unsplit nodes does not
 describe them).
 """
@@ -19,13 +24,15 @@ describe them).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 from heterog.cost.analytic import AnalyticCostModel
 from heterog.cost.tensor_parallel import TensorParallelCostModel, megatron_layout
 from heterog.errors import GraphError, PlanError
 from heterog.hardware.cluster import Cluster
+from heterog.ir.kinds import Phase
 from heterog.ir.opgraph import OpGraph
-from heterog.ir.plan import Plan
+from heterog.ir.plan import Plan, split_samples
 from heterog.simulate.result import SimEvent, SimResult, Traffic
 
 
@@ -77,6 +84,7 @@ def tensor_parallel_inputs(
         groups=groups,
         precision=plan.precision,
         optimizer=plan.optimizer,
+        vocab_parallel=False,  # the executor keeps the embedding and head whole (execute/tp_split.py)
         node_degrees={n: g.tp_degree for g in plan.groups for n in g.nodes} if len(degrees) > 1 else None,
     )
     return tp.graph, first_ranks(plan, tp.graph), tp
@@ -103,13 +111,52 @@ def tensor_parallel_time_s(plan: Plan, costs: TensorParallelCostModel) -> dict[s
     return out
 
 
+def collective_events(sched, costs: TensorParallelCostModel) -> Callable[[Sequence[SimEvent]], list[SimEvent]]:
+    """From a first-rank schedule's events, each compute's tensor-parallel all-reduces as an
+    event of their own: the last part of the compute (op −1: no Program instruction of its own)."""
+    tasks, plan, names = sched.tasks, sched.plan, sched.info.devices
+    ids = {n: i for i, n in enumerate(names)}
+    sizes = [plan.microbatch_size(m) for m in range(plan.num_microbatches)]
+
+    def events(computed: Sequence[SimEvent]) -> list[SimEvent]:
+        out = []
+        for e in computed:
+            if e.category not in (Phase.FORWARD, Phase.BACKWARD) or e.op < 0 or e.track not in ids:
+                continue
+            blk = tasks.blocks[tasks.block_of(e.op)]
+            if ids[e.track] not in blk.devices:
+                continue
+            samples = split_samples(sizes[tasks.mb[e.op]], list(blk.shares))[blk.devices.index(ids[e.track])]
+            phases = (Phase(e.category),)
+            t = sum(costs.group_collectives_time_s(nodes, e.track, samples, phases) for nodes in blk.nodes)
+            if t > 0:
+                out.append(
+                    SimEvent(f"{e.name} tp all-reduce", TP_CATEGORY, e.track, max(e.start_s, e.end_s - t), e.end_s, -1)
+                )
+        return out
+
+    return events
+
+
+TP_CATEGORY = "tp"  # the timeline's category of a compute's tensor-parallel all-reduces
+
+
 def mirror_members(
-    result: SimResult, plan: Plan, costs: TensorParallelCostModel, capacity: dict[str, int]
+    result: SimResult,
+    plan: Plan,
+    costs: TensorParallelCostModel,
+    capacity: dict[str, int],
+    *,
+    op_stride: int = 0,
+    collectives: Callable[[Sequence[SimEvent]], list[SimEvent]] | None = None,
 ) -> SimResult:
     """`result` (simulated on first ranks) with every member given its first rank's memory,
     compute, idle and communication time (the last with its per-block all-reduces) and
-    timeline, and the feasibility of each member's own memory."""
+    timeline, and the feasibility of each member's own memory. op_stride: member k's events
+    carry op + k × op_stride, as its Program instructions do (lower/tensor_parallel.py);
+    collectives: the first ranks' tensor-parallel all-reduce events (collective_events)."""
     first = {m: r.device for g in plan.groups for r in g.replicas for m in r.members}
+    index = {m: k for g in plan.groups for r in g.replicas for k, m in enumerate(r.members)}
     peak = {d: result.peak_memory_bytes[first[d]] for d in first}
     over = [(peak[d] - capacity[d], d) for d in peak if peak[d] > capacity[d]]
     worst = max(over) if over else None
@@ -121,15 +168,21 @@ def mirror_members(
         return dataclasses.replace(t, communication_time_s=comm)
 
     def events() -> list[SimEvent]:
-        out = list(result.events)
-        for e in result.events:
-            out += [e._replace(track=m) for m, lead in first.items() if lead == e.track and m != lead]
+        firsts = list(result.events) + (collectives(result.events) if collectives is not None else [])
+        out = list(firsts)
+        for e in firsts:
+            out += [
+                e._replace(track=m, op=e.op + index[m] * op_stride if e.op >= 0 else e.op)
+                for m, lead in first.items()
+                if lead == e.track and m != lead
+            ]
         return out
 
     return dataclasses.replace(
         result,
         peak_memory_bytes=peak,
         persistent_memory_bytes={d: result.persistent_memory_bytes[first[d]] for d in first},
+        memory_timeline={d: result.memory_timeline[first[d]] for d in first if first[d] in result.memory_timeline},
         compute_time_s={d: result.compute_time_s[first[d]] for d in first},
         idle_time_s={d: result.idle_time_s[first[d]] for d in first},
         memory_capacity_bytes={d: capacity[d] for d in first},
