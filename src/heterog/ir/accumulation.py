@@ -14,7 +14,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # ir/plan.py imports this module
-    from heterog.ir.plan import Plan, Replica
+    from heterog.ir.plan import Group, Plan, Replica
+
+
+def accumulate_field(g: Group) -> dict[str, list[int]]:
+    """A group's JSON field `accumulate`, present only when some count is not 1."""
+    counts = [r.accumulate for r in g.replicas]
+    return {"accumulate": counts} if any(k != 1 for k in counts) else {}
 
 
 def with_accumulation(replicas: tuple[Replica, ...], counts: list | None) -> tuple[Replica, ...]:

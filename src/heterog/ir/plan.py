@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from heterog.errors import ArtifactError, PlanError
-from heterog.ir.accumulation import accumulation_error, with_accumulation
+from heterog.ir.accumulation import accumulate_field, accumulation_error, with_accumulation
 from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
 from heterog.ir.model_file import file_sha256 as file_sha256  # re-exported: callers import it from here
 from heterog.ir.model_file import portable_model, register_model_file, resolve_model
@@ -367,7 +367,7 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
                         "recompute": g.recompute,
                         "shard_stage": int(g.shard_stage),
                         **({"tp_devices": [list(r.tp_devices) for r in g.replicas]} if g.tp_degree > 1 else {}),
-                        **_accumulate_field(g),
+                        **accumulate_field(g),
                     }
                     for g in v
                 ]
@@ -444,11 +444,6 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
             return plan.validate()
         except PlanError as e:
             raise PlanError(f"{source}: {e}") from None
-
-
-def _accumulate_field(g: Group) -> dict[str, Any]:
-    counts = [r.accumulate for r in g.replicas]
-    return {"accumulate": counts} if any(k != 1 for k in counts) else {}
 
 
 def _replica(entry: list) -> Replica:
