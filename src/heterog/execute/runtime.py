@@ -130,15 +130,8 @@ class Interpreter(StepTiming, BlockCalls):
         if shards is not None:
             shards.check_stages(self.stages_of)
         self.crossing = crossing if crossing is not None else crossing_values(program, flow)
-        # keyed by unit_of: the micro-batch, or a later piece of a replica that accumulates
         self.n_microbatches = len(program.microbatch_sizes)
-        self.range_of: dict[tuple[int, int], tuple[int, int]] = {}
-        self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}  # (run, unit) → pieces
-        for ins in self.instructions:
-            if isinstance(ins, Compute) and ins.phase == Phase.FORWARD:
-                unit = unit_of(ins, self.n_microbatches)
-                self.range_of[(ins.block, unit)] = (ins.lo, ins.hi)
-                self.pieces_of.setdefault((self.run_of[ins.block], unit), []).extend(ins.inputs)
+        self.range_of, self.pieces_of = self._own_ranges()
         offsets = [0]
         for n in program.microbatch_sizes:
             offsets.append(offsets[-1] + n)
@@ -148,6 +141,18 @@ class Interpreter(StepTiming, BlockCalls):
         )
 
     # -- helpers --------------------------------------------------------------------------
+    def _own_ranges(self) -> tuple[dict[tuple[int, int], tuple[int, int]], dict[tuple[int, int], list[InputPiece]]]:
+        """(block, unit) → the samples its forward here computes; (run, unit) → its input
+        pieces. Keyed by unit_of: the micro-batch, or a later piece of a replica that accumulates."""
+        range_of: dict[tuple[int, int], tuple[int, int]] = {}
+        pieces_of: dict[tuple[int, int], list[InputPiece]] = {}
+        for ins in self.instructions:
+            if isinstance(ins, Compute) and ins.phase == Phase.FORWARD:
+                unit = unit_of(ins, self.n_microbatches)
+                range_of[(ins.block, unit)] = (ins.lo, ins.hi)
+                pieces_of.setdefault((self.run_of[ins.block], unit), []).extend(ins.inputs)
+        return range_of, pieces_of
+
     def _timed(self, fn, *args, **kwargs):
         """Run compute; pace it on an emulated device (emulation.py: on CPU time). Its time
         is the instruction's span (`_timing`); the CPU time is kept for the pacing figures."""

@@ -91,3 +91,13 @@ def accumulation_pieces(samples: int, count: int) -> list[tuple[int, int]]:
     base, extra = divmod(samples, count)
     bounds = [j * base + min(j, extra) for j in range(count + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def without_stray_counts(plan: Plan) -> Plan:
+    """The plan with every count 1 where its counts are not well defined (accumulation_error):
+    the search's moves change one segment's placement at a time, and a count that no longer
+    stands on the whole model's one placement would make an invalid plan."""
+    if accumulation_error(plan) is None:
+        return plan
+    groups = tuple(replace(g, replicas=tuple(replace(r, accumulate=1) for r in g.replicas)) for g in plan.groups)
+    return replace(plan, groups=groups)
