@@ -286,6 +286,18 @@ def _step_end(
     return end
 
 
+def _input_batch_bytes(prob: Problem, dev: list[np.ndarray], shares: list[np.ndarray]) -> np.ndarray:
+    """The input batch each device holds for the whole step: its samples of every micro-batch,
+    where it runs a group that reads the input (lower/sync_tasks.py `_input_batch`)."""
+    held = np.zeros(prob.n_devices)
+    inp = prob.graph.input_bytes
+    if inp.fixed or inp.per_sample:
+        for g in range(prob.n_groups):
+            if not prob.preds[g]:
+                np.maximum.at(held, dev[g], inp.fixed + inp.per_sample * shares[g] * prob.batch_size)
+    return held
+
+
 def _peak_memory(
     prob: Problem, s: Strategy, dev: list[np.ndarray], shares: list[np.ndarray], b_m: float, closes: dict
 ) -> np.ndarray:
@@ -309,6 +321,7 @@ def _peak_memory(
             peak[P[g].ps] += 2 * prob.grad_bytes[g]
             others = [d for d in P[g].devices if d != P[g].ps]
             np.add.at(peak, others, prob.grad_bytes[g])
+    peak += _input_batch_bytes(prob, dev, shares)
     for bucket in closes.values():  # a sharded unit in use (sharding.unit_bytes)
         unit = P[bucket[0]]
         if unit.shard:

@@ -229,6 +229,8 @@ def fitting_counts(prob: Problem, p: Placement, microbatches: int) -> tuple[int,
     per_sample = prob.act_per_sample[list(groups), 1 if p.recompute else 0].sum() * max(microbatches, 1)
     per_sample += float(prob.workspace_per_sample.max(initial=0.0))
     samples = np.rint(np.asarray(p.shares) * prob.batch_size / max(microbatches, 1))
+    inp = prob.graph.input_bytes  # the input batch, held the whole step (estimate.py)
+    state = state + inp.fixed + inp.per_sample * np.asarray(p.shares) * prob.batch_size
     room = np.maximum(prob.memory_bytes[dev] - state, 0.0)
     largest = np.maximum(np.floor(room / max(per_sample, 1e-9)), 1.0)  # samples of the largest piece
     counts = np.clip(np.ceil(samples / largest), 1, np.maximum(samples, 1)).astype(int)
