@@ -221,7 +221,7 @@ def fitting_counts(prob: Problem, p: Placement, microbatches: int) -> tuple[int,
     every count is 1. A replica that cannot fit even one sample a piece gets one per piece."""
     groups = range(prob.n_groups)
     dev = np.asarray(p.devices, dtype=np.int64)
-    state = sum(replica_state_bytes(prob, g, p) for g in groups)
+    state: np.ndarray = np.sum([replica_state_bytes(prob, g, p) for g in groups], axis=0)
     if p.shard == ShardStage.GRADIENTS:  # accumulating, it holds every gradient whole (estimate.py)
         state = state + unit_bytes(prob, groups, p.shard)
     elif p.shard:
@@ -255,11 +255,11 @@ def accumulate_move(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
     if ctx.rng.random() < 0.5:
         counts = fitting_counts(ctx.prob, p, s.microbatches)
     else:
-        counts = list(p.accumulate or [1] * len(p.devices))
-        i = ctx.rng.randrange(len(counts))
-        counts[i] = max(1, counts[i] + ctx.rng.choice((-1, 1)))
-        counts = tuple(counts) if any(k > 1 for k in counts) else ()
-    return with_placement(s, 0, len(s.placements), replace(p, accumulate=tuple(counts)))
+        each = list(p.accumulate or [1] * len(p.devices))
+        i = ctx.rng.randrange(len(each))
+        each[i] = max(1, each[i] + ctx.rng.choice((-1, 1)))
+        counts = tuple(each) if any(k > 1 for k in each) else ()
+    return with_placement(s, 0, len(s.placements), replace(p, accumulate=counts))
 
 
 register_move(
