@@ -21,8 +21,9 @@ from heterog.lower.taskgraph import BWD, FWD, make_room
 
 class BlockColumns(NamedTuple):
     """What expand adds for one block in one micro-batch, cached: it depends only on the
-    block, its samples and the merged devices. Task i is the forward of kept replica i, task
-    n + i its backward (n kept replicas); chunks hold task ids relative to the first."""
+    block, its samples and the merged devices. Task i is the forward of entry i (a kept
+    replica, or a piece of one that accumulates), task n + i its backward (n entries); chunks
+    hold task ids relative to the first."""
 
     kept: list[int]  # each entry's replica: those simulated (the others are merged devices)
     kept_dev: np.ndarray  # their devices
