@@ -1,6 +1,6 @@
 """Per-replica gradient accumulation, run against its prediction on an emulated cluster.
 
-A four-layer MLP (1024 wide, AdamW, fp32, batch 4096) in data parallelism over two one-thread
+A three-layer MLP (1024 wide, AdamW, fp32, batch 4096) in data parallelism over two one-thread
 CPU devices at equal shares, the first capped at 64 MiB (execute/emulation.py MemoryCap: the
 run fails if its live tensors pass the cap after an instruction). The capped replica runs its
 2048 samples in 1, 2 or 4 pieces (`Replica.accumulate`); for reference, the whole batch in two
