@@ -18,6 +18,7 @@ from heterog.cut.dataflow import INPUT, Dataflow, Stage
 from heterog.errors import PlanError
 from heterog.execute.evaluation import eval_forward, take_metrics
 from heterog.execute.graph_cut import Boundary, GradientSlot, Sink
+from heterog.execute.stage_map import unit_of
 from heterog.execute.step_modes import StepMode
 from heterog.lower.program import Compute, InputPiece, Program
 from heterog.workload import Workload, slice_batch
@@ -106,9 +107,9 @@ class BlockCalls:
         gradient lands and the pieces it came in, when it takes a gradient; else None). Values
         from other stages enter through a Boundary: each stage's backward is explicit, and
         their gradients go back piece by piece."""
-        owner, m = self.flow.owner[v], ins.microbatch
+        owner, m = self.flow.owner[v], unit_of(ins, len(self.mb_offsets) - 1)
         if owner == INPUT:
-            lo = self.mb_offsets[m]
+            lo = self.mb_offsets[ins.microbatch]
             return slice_batch(self._inputs[v], lo + ins.lo, lo + ins.hi), None
         a = self.block_of_group[owner]
         if self.run_of[a] == self.run_of[ins.block]:  # same fused run: held here whole
@@ -172,7 +173,7 @@ class BlockCalls:
     ) -> None:
         """Keep a forward's outputs (and where their gradients go); the loss where the model's
         output is made (in an evaluation step: the loss and the user's metrics, no graph)."""
-        m = ins.microbatch
+        m = unit_of(ins, len(self.mb_offsets) - 1)
         self._env[(s.value, m)] = out
         call = _Call(stage=s, lo=ins.lo, leaves=leaves, saved=saved)
         for v in self._values_of(s):
@@ -184,7 +185,7 @@ class BlockCalls:
         flow = self.flow
         if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
             y = self._value(flow.output, m)
-            lo = self.mb_offsets[m]
+            lo = self.mb_offsets[ins.microbatch]
             target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
             if self.mode is StepMode.EVALUATE:
                 if self.reports_loss:
@@ -203,8 +204,9 @@ class BlockCalls:
             self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes(also=[out, call.loss]).total_bytes)
 
     def _backward(self, si: int, ins: Compute) -> None:
-        call = self._calls.pop((si, ins.microbatch))
-        s, m = call.stage, ins.microbatch
+        m = unit_of(ins, len(self.mb_offsets) - 1)
+        call = self._calls.pop((si, m))
+        s = call.stage
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor | None] = []
         if call.loss is not None:

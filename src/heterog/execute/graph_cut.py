@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from heterog.cut.dataflow import INPUT, Dataflow
+from heterog.execute.stage_map import unit_of
 from heterog.ir.kinds import Phase
 from heterog.lower.program import Compute, Recv, Send
 
@@ -79,8 +80,9 @@ def last_reads(
     stages_of: dict[int, list[int]],
     first_compute: dict[tuple[int, Phase, int], int],
     crossing: dict[tuple[int, int], list[str]],
+    n_microbatches: int,
 ) -> dict[int, list[tuple[str, int]]]:
-    """Instruction index → the values (stage output, micro-batch) it is the last to read: a
+    """Instruction index → the values (stage output, unit_of) it is the last to read: a
     stage's outputs are read by the forward that makes them (the loss, the sample count), by
     the forwards of stages that take them here and by the forward sends that carry them."""
     last: dict[tuple[str, int], int] = {}
@@ -91,7 +93,7 @@ def last_reads(
     for index, ins in enumerate(instructions):
         if not isinstance(ins, (Compute, Send)) or ins.phase != Phase.FORWARD:
             continue
-        m = ins.microbatch
+        m = unit_of(ins, n_microbatches) if isinstance(ins, Compute) else ins.microbatch
         if isinstance(ins, Compute):
             for si in stages_of.get(ins.block, ()):
                 if first_compute[(si, Phase.FORWARD, m)] != index:

@@ -52,7 +52,7 @@ from heterog.execute.device import LossScaler, RankDevice
 from heterog.execute.emulation import LiveBytes, MemoryCap, Pacer, StorageCounter, tensors_in
 from heterog.execute.graph_cut import GradientSlot, last_reads, transfer_key
 from heterog.execute.shard import ShardRunner
-from heterog.execute.stage_map import crossing_values, stages_of_blocks
+from heterog.execute.stage_map import crossing_values, stages_of_blocks, unit_of
 from heterog.execute.step_modes import StepMode, StepStats, runs_in
 from heterog.execute.step_timing import StepTiming, _Mark
 from heterog.execute.trace import SpanCategory
@@ -132,19 +132,29 @@ class Interpreter(StepTiming, BlockCalls):
         if shards is not None:
             shards.check_stages(self.stages_of)
         self.crossing = crossing if crossing is not None else crossing_values(program, flow)
-        self.range_of: dict[tuple[int, int], tuple[int, int]] = {}
-        self.pieces_of: dict[tuple[int, int], list[InputPiece]] = {}  # (run, micro-batch) → pieces
-        for ins in self.instructions:
-            if isinstance(ins, Compute) and ins.phase == Phase.FORWARD:
-                self.range_of[(ins.block, ins.microbatch)] = (ins.lo, ins.hi)
-                self.pieces_of.setdefault((self.run_of[ins.block], ins.microbatch), []).extend(ins.inputs)
+        self.n_microbatches = len(program.microbatch_sizes)
+        self.range_of, self.pieces_of = self._own_ranges()
         offsets = [0]
         for n in program.microbatch_sizes:
             offsets.append(offsets[-1] + n)
         self.mb_offsets = offsets
-        self.drop_after = last_reads(self.instructions, flow, self.stages_of, self.first_compute, self.crossing)
+        self.drop_after = last_reads(
+            self.instructions, flow, self.stages_of, self.first_compute, self.crossing, self.n_microbatches
+        )
 
     # -- helpers --------------------------------------------------------------------------
+    def _own_ranges(self) -> tuple[dict[tuple[int, int], tuple[int, int]], dict[tuple[int, int], list[InputPiece]]]:
+        """(block, unit) → the samples its forward here computes; (run, unit) → its input
+        pieces. Keyed by unit_of: the micro-batch, or a later piece of a replica that accumulates."""
+        range_of: dict[tuple[int, int], tuple[int, int]] = {}
+        pieces_of: dict[tuple[int, int], list[InputPiece]] = {}
+        for ins in self.instructions:
+            if isinstance(ins, Compute) and ins.phase == Phase.FORWARD:
+                unit = unit_of(ins, self.n_microbatches)
+                range_of[(ins.block, unit)] = (ins.lo, ins.hi)
+                pieces_of.setdefault((self.run_of[ins.block], unit), []).extend(ins.inputs)
+        return range_of, pieces_of
+
     def _timed(self, fn, *args, **kwargs):
         """Run compute; pace it on an emulated device (emulation.py: on CPU time). Its time
         is the instruction's span (`_timing`); the CPU time is kept for the pacing figures."""
@@ -369,12 +379,13 @@ class Interpreter(StepTiming, BlockCalls):
             return
         stages = self.stages_of.get(ins.block, ())
         counted = -1
+        unit = unit_of(ins, self.n_microbatches)
         for si in stages if ins.phase == Phase.FORWARD else reversed(stages):
-            if self.first_compute[(si, ins.phase, ins.microbatch)] != index:
+            if self.first_compute[(si, ins.phase, unit)] != index:
                 continue  # this stage ran at an earlier block of its fused run
             if ins.phase == Phase.FORWARD:
                 self._forward(si, ins)
-                out = self._env[(self.flow.stages[si].value, ins.microbatch)]
+                out = self._env[(self.flow.stages[si].value, unit)]
                 first = out[0] if isinstance(out, (tuple, list)) else out
                 counted = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else -1
             else:
@@ -382,10 +393,11 @@ class Interpreter(StepTiming, BlockCalls):
         if ins.phase == Phase.FORWARD and self.stages_of.get(ins.block):
             self.samples.append(counted)
         if ins.phase == Phase.BACKWARD:
-            self._free(ins.microbatch)
+            self._free(unit)
 
     def _free(self, m: int) -> None:
-        """Drop a micro-batch's values once none of its forwards awaits a backward here."""
+        """Drop a micro-batch's (a piece's: unit_of) values once none of its forwards awaits a
+        backward here."""
         if not any(k[1] == m for k in self._calls):
             for key in [k for k in self._env if k[1] == m]:
                 del self._env[key]

@@ -11,8 +11,16 @@ from heterog.ir.kinds import Phase
 from heterog.lower.program import Compute, Program
 
 
+def unit_of(ins: Compute, n_microbatches: int) -> int:
+    """The key of what a compute runs on: its micro-batch, or for a later piece of a replica
+    that accumulates (ir/accumulation.py) a number of its own past the micro-batches, so each
+    piece keeps its own values, gradient slots and saved calls. Piece 0 is its micro-batch,
+    the number transfers use."""
+    return ins.microbatch + ins.piece * n_microbatches
+
+
 def stages_of_blocks(program: Program, flow: Dataflow, instructions):
-    """(block → its stages, (stage, phase, micro-batch) → index of the compute that runs it,
+    """(block → its stages, (stage, phase, unit_of) → index of the compute that runs it,
     block → its run). A stage may span several blocks only if they are consecutive and share
     one placement (a fused run cut into gradient buckets); it runs at the first of their
     computes in this rank's program, and those blocks form one run."""
@@ -30,11 +38,11 @@ def stages_of_blocks(program: Program, flow: Dataflow, instructions):
         for b in blocks:
             stages_of.setdefault(b, []).append(si)
             run_of[b] = run_of[blocks[0]]
-    first: dict[tuple[int, Phase, int], int] = {}
+    first: dict[tuple[int, Phase, int], int] = {}  # (stage, phase, unit_of) → compute index
     for index, ins in enumerate(instructions):
         if isinstance(ins, Compute):
             for si in stages_of.get(ins.block, ()):
-                first.setdefault((si, ins.phase, ins.microbatch), index)
+                first.setdefault((si, ins.phase, unit_of(ins, len(program.microbatch_sizes))), index)
     return stages_of, first, run_of
 
 

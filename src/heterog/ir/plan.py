@@ -15,6 +15,9 @@ A replica may be a tensor-parallel set of devices (`Replica.tp_devices`: the mem
 devices (cost/tensor_parallel.py), `device` its first rank. Every replica of a group has the
 same degree (its data-parallel sync runs among same-rank members); groups may differ. Schema
 version 3 added it; older plans load with every replica on one device.
+
+A replica may run its share of every micro-batch as `Replica.accumulate` sequential pieces
+(ir/accumulation.py); a group's optional JSON field `accumulate`, written when some count ≠ 1.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from heterog.errors import ArtifactError, PlanError
+from heterog.ir.accumulation import accumulate_field, accumulation_error, with_accumulation
 from heterog.ir.kinds import PipelineSchedule, Precision, ShardStage, SyncMethod
 from heterog.ir.model_file import file_sha256 as file_sha256  # re-exported: callers import it from here
 from heterog.ir.model_file import portable_model, register_model_file, resolve_model
@@ -75,6 +79,7 @@ class Replica:
     share: float  # fraction of every micro-batch this replica computes
     shard: float | None = None  # fraction of the group's sharded state it holds (sharded groups)
     tp_devices: tuple[str, ...] = ()  # the other members of its tensor-parallel set, in rank order
+    accumulate: int = 1  # sequential pieces its share of every micro-batch runs in, gradients added
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -284,6 +289,9 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
             )
         if not self.groups:
             raise PlanError("the plan has no groups; every graph node must belong to one group.")
+        why = accumulation_error(self)
+        if why:
+            raise PlanError(why)
         names: set[str] = set()
         for g in self.groups:
             if g.name in names:
@@ -359,6 +367,7 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
                         "recompute": g.recompute,
                         "shard_stage": int(g.shard_stage),
                         **({"tp_devices": [list(r.tp_devices) for r in g.replicas]} if g.tp_degree > 1 else {}),
+                        **accumulate_field(g),
                     }
                     for g in v
                 ]
@@ -386,11 +395,13 @@ class Plan(Artifact, kind=KIND, version=SCHEMA_VERSION, older=(1, 2)):
                 where = f"{source}: group {i} ({g.get('name', '?')!r})"
                 try:
                     replicas = _with_members(tuple(_replica(r) for r in g["replicas"]), g.get("tp_devices"))
+                    replicas = with_accumulation(replicas, g.get("accumulate"))
                 except (TypeError, ValueError):
                     raise PlanError(
                         f"{where}: replicas must be [[device, share], ...] or, in a sharded group, "
-                        f"[[device, share, shard], ...], and tp_devices (when given) one list of "
-                        f"device names per replica; found {g.get('replicas')!r}, {g.get('tp_devices')!r}."
+                        f"[[device, share, shard], ...], tp_devices (when given) one list of device "
+                        f"names per replica, and accumulate (when given) one integer ≥ 1 per replica; "
+                        f"found {g.get('replicas')!r}, {g.get('tp_devices')!r}, {g.get('accumulate')!r}."
                     ) from None
                 groups.append(
                     Group(

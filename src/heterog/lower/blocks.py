@@ -40,6 +40,7 @@ class Block:
     label: str
     shard_stage: int = 0  # ZeRO stage (ir/kinds.py ShardStage); 0: every replica holds all state
     shards: tuple[float, ...] = ()  # each replica's fraction of the sharded state (sharded blocks)
+    pieces: tuple[int, ...] = ()  # each replica's accumulation count (ir/accumulation.py); () when all 1
 
 
 def make_blocks(
@@ -90,9 +91,15 @@ def make_blocks(
                     label=names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}",
                     shard_stage=int(grp.shard_stage),
                     shards=grp.shards,
+                    pieces=tuple(r.accumulate for r in grp.replicas) if accumulates(grp) else (),
                 )
             )
     return blocks
+
+
+def accumulates(group) -> bool:
+    """True when some replica of the group runs its share in several pieces."""
+    return any(r.accumulate != 1 for r in group.replicas)
 
 
 def gradient_buckets(run: list[int], grad_bytes: list[float], limit: float) -> list[list[int]]:

@@ -1,6 +1,11 @@
 """A block's compute tasks in one micro-batch as cached columns (BlockColumns): durations,
 devices and memory effects of its kept replicas' forwards and backwards, from the cost model's
-answers per distinct (device class, samples)."""
+answers per distinct (device class, samples).
+
+A replica that accumulates (ir/accumulation.py) has one *entry* per piece, its pieces' entries
+consecutive: each entry a forward and a backward at the piece's samples, and only piece 0's
+backward creates the gradients (in micro-batch 0, or in every micro-batch of a `fresh` block);
+the later pieces add into them, as a later micro-batch does."""
 
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ from heterog.lower.taskgraph import BWD, FWD, make_room
 
 class BlockColumns(NamedTuple):
     """What expand adds for one block in one micro-batch, cached: it depends only on the
-    block, its samples and the merged devices. Task i is the forward of kept replica i, task
-    n + i its backward (n kept replicas); chunks hold task ids relative to the first."""
+    block, its samples and the merged devices. Task i is the forward of entry i (a kept
+    replica, or a piece of one that accumulates), task n + i its backward (n entries); chunks
+    hold task ids relative to the first."""
 
-    kept: list[int]  # replicas simulated (the others are merged devices)
+    kept: list[int]  # each entry's replica: those simulated (the others are merged devices)
     kept_dev: np.ndarray  # their devices
-    position: list  # replica → its index among the kept (-1 if merged)
+    piece: np.ndarray  # each entry's piece of its replica's samples (KeptReplicas)
+    position: list  # replica → the index of its first entry (-1 if merged)
     dev: list[int]  # device of each task
     dur: list[float]  # duration of each task (backwards adding into held gradients)
     dev_array: np.ndarray  # the same as arrays (Tasks.array), and the tasks' kinds
@@ -37,11 +44,13 @@ class BlockColumns(NamedTuple):
 
 class KeptReplicas(NamedTuple):
     """What a block's columns share with every block of its placement at one micro-batch size
-    and merged-device map (cached: data parallelism has one placement for all blocks)."""
+    and merged-device map (cached: data parallelism has one placement for all blocks). One
+    entry per kept replica, or per piece of one that accumulates."""
 
-    kept: list[int]  # replicas simulated (the others are merged devices)
+    kept: list[int]  # each entry's replica (the others are merged devices)
     devices: np.ndarray  # their devices
-    position: list  # replica → its index among the kept (-1 if merged)
+    piece: np.ndarray  # each entry's piece of its replica's samples (0 unless it accumulates)
+    position: list  # replica → the index of its first entry (-1 if merged)
     costs_of: list[tuple[str, int]]  # distinct (device class, samples) of the kept
     which: np.ndarray  # kept replica → its index in costs_of
     dev: list[int]  # the tasks' devices (forwards, then backwards)
@@ -52,17 +61,21 @@ class KeptReplicas(NamedTuple):
 def _kept_replicas(blk: Block, samples: list[int], rep: np.ndarray, info: ClusterInfo) -> KeptReplicas:
     devs_all = info.device_array(blk.devices)
     kept_r = np.flatnonzero(rep[devs_all] == devs_all)
+    smp = np.asarray(samples, dtype=np.int64)[kept_r]
+    piece = np.zeros(len(kept_r), dtype=np.int64)
+    if blk.pieces:
+        kept_r, smp, piece = _pieces(kept_r, smp, np.asarray(blk.pieces, dtype=np.int64)[kept_r])
     d = devs_all[kept_r]
     n = len(d)
-    smp = np.asarray(samples, dtype=np.int64)[kept_r]
     base = int(smp.max()) + 1 if n else 1
     distinct, which = _distinct(info.class_index[d] * base + smp)
     position = np.full(len(devs_all), -1, dtype=np.int64)
-    position[kept_r] = np.arange(n)
+    position[kept_r[piece == 0]] = np.flatnonzero(piece == 0)
     devs = d.tolist()
     return KeptReplicas(
         kept=kept_r.tolist(),
         devices=d,
+        piece=piece,
         position=position.tolist(),
         costs_of=[(info.class_names[k // base], k % base) for k in distinct.tolist()],
         which=which,
@@ -70,6 +83,17 @@ def _kept_replicas(blk: Block, samples: list[int], rep: np.ndarray, info: Cluste
         dev_array=np.concatenate((d, d)),
         kind_array=np.repeat(np.array([FWD, BWD], dtype=np.int64), n),
     )
+
+
+def _pieces(kept: np.ndarray, samples: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(replica, samples, piece) of every entry: a replica with count k becomes k entries, its
+    samples split as ir/accumulation.py `accumulation_pieces` splits them (the first pieces
+    one sample more)."""
+    replica = np.repeat(kept, counts)
+    per = np.repeat(counts, counts)
+    piece = np.arange(len(replica), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    base, extra = np.divmod(np.repeat(samples, counts), per)
+    return replica, base + (piece < extra), piece
 
 
 def block_columns(
@@ -107,16 +131,20 @@ def block_columns(
     v = np.array(rows, dtype=np.float64).reshape(-1, 8)[kr.which]
     act, ws, peak_later, peak_first, grad = v[:, 2], v[:, 3], v[:, 4], v[:, 5], v[:, 6]  # see _replica_costs
     # forward: its activations and workspace; backward: up to its peak, then down to nothing;
-    # micro-batch 0's backward peaks at peak_first and leaves the gradients behind
+    # micro-batch 0's backward (its first piece's) peaks at peak_first and leaves the gradients
     fwd_start = _chunk(d, act + ws, (act != 0) | (ws != 0), 0)
     fwd_end = _chunk(d, -ws, ws != 0, 0)
-    first = np.concatenate((v[:, 0], v[:, 1]))
+    creates = kr.piece == 0  # the later pieces add into the gradients their first piece made
+    first = np.concatenate((v[:, 0], np.where(creates, v[:, 1], v[:, 1] + v[:, 7])))
     dur = first if fresh else np.concatenate((v[:, 0], v[:, 1] + v[:, 7]))
-    first_at_start = _joined(fwd_start, _chunk(d, peak_first - act, None, n))
-    first_at_end = _joined(fwd_end, _chunk(d, grad - peak_first, None, n))
+    first_at_start = _joined(
+        fwd_start, _chunk(d, np.where(creates, peak_first, peak_later) - act, creates | (peak_later != act), n)
+    )
+    first_at_end = _joined(fwd_end, _chunk(d, np.where(creates, grad - peak_first, -peak_later), None, n))
     return BlockColumns(
         kept=kr.kept,
         kept_dev=d,
+        piece=kr.piece,
         position=kr.position,
         dev=kr.dev,
         dur=dur.tolist(),

@@ -407,6 +407,8 @@ class SimCache:
             self.placement_ids.clear()
         names = tuple(r.device for r in replicas)
         shares = tuple(r.share for r in replicas)
-        out = (self._number((names, shares)), names, shares, self._number(names))
+        counts = tuple(r.accumulate for r in replicas)  # accumulation pieces: another placement
+        key = (names, shares) if all(k == 1 for k in counts) else (names, shares, counts)
+        out = (self._number(key), names, shares, self._number(names))
         cache[id(replicas)] = (replicas, out)
         return out

@@ -15,7 +15,10 @@ are done, not when a member gets round to it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from heterog.hardware.cluster import Cluster
+from heterog.ir.accumulation import accumulation_pieces
 from heterog.ir.kinds import CollectiveOp, Phase, SyncMethod
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import Plan, split_samples
@@ -68,6 +71,7 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
     pieces = _input_pieces(sched, ranges)
     out: dict[str, list[Instruction]] = {d: [] for d in program_devices(plan, cluster)}
     tasks_of: dict[str, list[int]] = {d: [] for d in out}  # the task of each instruction
+    piece_of = _pieces_of(sched)
     for t in sched.order.tolist():
         kind = tasks.kind[t]
         mem = _memory(tasks, t)
@@ -75,6 +79,12 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
             d = tasks.dev[t]
             b, m = tasks.block_of(t), tasks.mb[t]
             lo, hi = ranges.of(b, m, d)
+            inputs = pieces.get((b, m, d), ())
+            j = piece_of.get(t, 0)
+            if sched.blocks[b].pieces:  # the replica's piece j of its range, and of its inputs
+                k = sched.blocks[b].pieces[sched.blocks[b].devices.index(d)]
+                lo, hi = (lo + x for x in accumulation_pieces(hi - lo, k)[j])
+                inputs = _cut(inputs, lo, hi)
             alloc, free = mem.get(d, (0.0, 0.0))
             out[names[d]].append(
                 Compute(
@@ -84,9 +94,10 @@ def to_program(sched: Schedule, cluster: Cluster) -> Program:
                     microbatch=m,
                     lo=lo,
                     hi=hi,
-                    inputs=pieces.get((b, m, d), ()),
+                    inputs=inputs,
                     alloc_bytes=alloc,
                     free_bytes=free,
+                    piece=j,
                 )
             )
         elif kind == XFER:
@@ -171,6 +182,34 @@ class _Ranges:
 
     def of(self, b: int, m: int, device: int) -> tuple[int, int]:
         return self.all(b, m)[self.blocks[b].devices.index(device)]
+
+
+def _pieces_of(sched: Schedule) -> dict[int, int]:
+    """Compute task → its piece, in blocks whose replicas accumulate: a replica's entries are
+    consecutive, piece by piece (lower/columns.py), so in id order its forwards (and its
+    backwards) of one block and micro-batch come piece 0, 1, …"""
+    tasks = sched.tasks
+    if not any(b.pieces for b in sched.blocks):
+        return {}
+    seen: dict[tuple[int, int, int, int], int] = {}
+    out: dict[int, int] = {}
+    for t, kind in enumerate(tasks.kind):
+        if kind in (FWD, BWD) and sched.blocks[b := tasks.block_of(t)].pieces:
+            key = (b, tasks.mb[t], tasks.dev[t], kind)
+            out[t] = seen[key] = seen.get(key, -1) + 1
+    return out
+
+
+def _cut(inputs: tuple[InputPiece, ...], lo: int, hi: int) -> tuple[InputPiece, ...]:
+    """The parts of a compute's input pieces within [lo, hi): a piece's inputs from blocks of
+    its own placement, which ran the same piece (ir/accumulation.py: no transfer reaches a
+    replica that accumulates)."""
+    out = []
+    for p in inputs:
+        a, b = max(p.lo, lo), min(p.hi, hi)
+        if a < b:
+            out.append(replace(p, lo=a, hi=b, src_lo=a))
+    return tuple(out)
 
 
 def _memory(tasks, t: int) -> dict[int, tuple[float, float]]:

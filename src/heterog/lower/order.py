@@ -3,7 +3,8 @@
 List scheduling over the iteration's task graph (lower/tasks.py): each device runs, among its
 ready compute tasks, the one with the smallest key (schedule phase, micro-batch, block order
 from the plan's priorities); communication takes no time here. GPipe: a device starts backward
-only when all its forwards are done. 1F1B: backward first, and a device admits a new
+only when all its forwards are done (but the later pieces of a replica that accumulates, which
+each wait for the backward of the piece before). 1F1B: backward first, and a device admits a new
 micro-batch only while fewer than its stage limit are in flight (stage s of p keeps at most
 p - s, PipeDream-Flush). The result is the global order in which each device runs its compute
 and each link serves its transfers; its projection on a device is that device's program
@@ -76,7 +77,8 @@ def _list_schedule(
     ev_task = np.empty(n_devices + 1, dtype=np.int64)
     n_ev = 0
     busy = np.zeros(n_devices, dtype=np.bool_)
-    fwd_left = _forward_counts(kind, dev, n, n_devices) if gpipe else np.zeros(n_devices, dtype=np.int64)
+    gated = _gating_forwards(kind, succ_ptr, succ_idx, n)
+    fwd_left = _forward_counts(gated, dev, n, n_devices) if gpipe else np.zeros(n_devices, dtype=np.int64)
     in_flight = np.zeros((n_devices, bwd_left.shape[1]), dtype=np.bool_)
     n_in_flight = np.zeros(n_devices, dtype=np.int64)
     order = np.empty(n, dtype=np.int64)
@@ -117,7 +119,7 @@ def _list_schedule(
         d = dev[t]
         busy[d] = False
         k = kind[t]
-        if gpipe and k == FWD:
+        if gpipe and gated[t]:
             fwd_left[d] -= 1
         elif one_f1b and k == BWD:
             bwd_left[d, mb[t]] -= 1
@@ -146,11 +148,26 @@ def _device_heaps(dev, n, n_devices):
 
 
 @njit(cache=True, nogil=True)
-def _forward_counts(kind, dev, n, n_devices):
-    """Forward tasks per device (GPipe holds a device's backwards until they are done)."""
+def _gating_forwards(kind, succ_ptr, succ_idx, n):
+    """The forwards GPipe's rule waits for: all but those that follow a backward — a later
+    piece of a replica that accumulates (lower/tasks.py `_one_piece_at_a_time`), which must
+    wait for its piece before it."""
+    gated = np.zeros(n, dtype=np.bool_)
+    for t in range(n):
+        gated[t] = kind[t] == FWD
+    for t in range(n):
+        if kind[t] == BWD:
+            for j in range(succ_ptr[t], succ_ptr[t + 1]):
+                gated[succ_idx[j]] = False
+    return gated
+
+
+@njit(cache=True, nogil=True)
+def _forward_counts(gated, dev, n, n_devices):
+    """Gating forward tasks per device (GPipe holds a device's backwards until they are done)."""
     fwd_left = np.zeros(n_devices, dtype=np.int64)
     for t in range(n):
-        if kind[t] == FWD:
+        if gated[t]:
             fwd_left[dev[t]] += 1
     return fwd_left
 

@@ -77,6 +77,7 @@ class Compute:
     alloc_bytes: float = 0.0
     free_bytes: float = 0.0
     kind: InstructionKind = InstructionKind.COMPUTE
+    piece: int = 0  # which sequential piece of the replica's share [lo, hi) is (ir/accumulation.py)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,7 +200,10 @@ class Program(Artifact, kind=KIND, version=SCHEMA_VERSION):
     def describe(self, ins: Instruction) -> str:
         """A short name of an instruction, as timelines label it."""
         if isinstance(ins, Compute):
-            return f"{self.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}"
+            piece = f".{ins.piece}" if ins.piece else ""
+            return (
+                f"{self.blocks[ins.block].label} {'F' if ins.phase == Phase.FORWARD else 'B'} mb{ins.microbatch}{piece}"
+            )
         if isinstance(ins, (Send, Recv)):
             return f"{ins.kind} {ins.peer} mb{ins.microbatch}"
         if isinstance(ins, Collective) and ins.tie:

@@ -184,12 +184,24 @@ def _compute_tasks(
             tasks.runs.append(
                 (f0, b0 + n_kept, ComputeRun(cols.dur_array, cols.dev_array, cols.kind_array, key_f, key_b, m))
             )
+        if blk.pieces:
+            _one_piece_at_a_time(tasks, f0, n_kept, cols.piece)
         chunks = (tasks.mem_start.add_chunk(f0, cols.at_start), tasks.mem_end.add_chunk(f0, cols.at_end))
         if m == 0:
             first_bwd.append((f0, chunks, cols))
         Bk.span[m][bi] = (b0, n_kept)
         Bk.cols[m][bi] = cols
     _forward_before_backward(tasks, Bk.span[m])
+
+
+def _one_piece_at_a_time(tasks: Tasks, f0: int, n: int, piece: np.ndarray) -> None:
+    """A replica that accumulates runs its pieces one after another: the forward of piece
+    j + 1 waits for the backward of piece j (entries f0 + i forward, f0 + n + i backward). Over
+    the identity edges between the blocks of its one placement, piece j + 1 starts only once
+    piece j has run back through every block."""
+    nxt = np.flatnonzero(piece[1:] > 0)  # entry i + 1 is the next piece of entry i's replica
+    if len(nxt):
+        tasks.edges.add_chunk(f0, (nxt + n, nxt + 1))
 
 
 def _forward_before_backward(tasks: Tasks, spans: list[tuple[int, int]]) -> None:

@@ -70,7 +70,7 @@ def pair_moves(blocks: list[Block], preds, sizes: list[int], splits, info: Clust
                         and mv.count == len(blk.devices)
                         and not ends
                         and bool((mv.i == np.arange(mv.count)).all() and (mv.j == mv.i).all())
-                    )
+                    ) or (bool(src.pieces) and src.placement == blk.placement and not ends)  # piece j feeds piece j
                     hit = move_cache[ck] = PairMoves(None if ident else mv, ends, {})
                 moves[(size, a, bi)] = hit
                 if hit.ends:

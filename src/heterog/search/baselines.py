@@ -11,7 +11,8 @@
 - fsdp-even: FSDP / ZeRO-3 as torch's fully_shard runs it — every device a replica, equal
   shares, the state sharded evenly (Rajbhandari et al. 2020; Zhao et al., PyTorch FSDP 2023);
 - zero-uneven: Cephalo's rule (ICS'25) — batch shares proportional to speed, ZeRO-3 state
-  shares proportional to the memory each device has free.
+  shares proportional to the memory each device has free; or ZeRO-2 with gradient
+  accumulation per replica, each count the smallest that fits its activations.
 Baselines ignore memory, as the systems they stand for do (but for the sharded two, which
 exist to fit: like their recipes they turn on activation checkpointing and gradient
 accumulation when the model does not fit otherwise); the planner reports them infeasible
@@ -21,13 +22,15 @@ when they overflow.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
-from heterog.ir.kinds import PipelineSchedule, SyncMethod
+from heterog.ir.kinds import PipelineSchedule, ShardStage, SyncMethod
 from heterog.search.estimate import estimate
 from heterog.search.problem import Placement, Problem, Strategy
-from heterog.search.sharding import free_memory_fractions, sharded
+from heterog.search.sharding import fitting_counts, free_memory_fractions, sharded
 from heterog.search.shares import balanced_shares
 
 BASELINES = (
@@ -247,12 +250,13 @@ def pipeline(prob: Problem, schedule: PipelineSchedule = PipelineSchedule.GPIPE)
     return _best(prob, candidates) if candidates else model_parallel(prob)
 
 
-def _fitted(prob: Problem, make: Callable[[bool, int], Strategy], replicas: int = 1) -> Strategy:
-    """The fastest of make(recompute, micro-batches) that fits (estimate), over activation
-    checkpointing on and off and the micro-batch counts that leave every one of `replicas`
-    a sample; else the one that overflows least."""
+def _fitted(prob: Problem, *makes: Callable[[bool, int], Strategy], replicas: int = 1) -> Strategy:
+    """The fastest of make(recompute, micro-batches) that fits (estimate), over each of
+    `makes`, activation checkpointing on and off and the micro-batch counts that leave every
+    one of `replicas` a sample; else the one that overflows least."""
     options = [
         make(recompute, m)
+        for make in makes
         for recompute in (False, True)
         for m in MICROBATCH_CHOICES
         if prob.batch_size % m == 0 and prob.batch_size // m >= replicas
@@ -278,22 +282,26 @@ def fsdp_even(prob: Problem) -> Strategy:
 
 
 def zero_uneven(prob: Problem) -> Strategy:
-    """Cephalo's rule: batch ∝ speed, ZeRO-3 state ∝ free memory (sharding.free_memory_fractions)."""
+    """Cephalo's rule: batch ∝ speed, state ∝ free memory (sharding.free_memory_fractions):
+    ZeRO-3, or ZeRO-2 with each replica's accumulation count set so its activations fit
+    (sharding.fitting_counts; counts are defined up to stage 2, ir/accumulation.py)."""
     devs = _dp_devices(prob)
     if len(devs) == 1:
         return single_device(prob)
     speed = 1.0 / prob.device_time_per_sample_s[devs]
     shares = tuple(float(x) for x in speed / speed.sum())
 
-    def make(recompute: bool, m: int) -> Strategy:
+    def make(stage: int, recompute: bool, m: int) -> Strategy:
         # the replicas left with samples (integer_placement) share the state
         p = prob.integer_placement(
             Placement(tuple(devs), shares, SyncMethod.RING, None, recompute), prob.batch_size // m
         )
-        fractions = free_memory_fractions(prob, range(prob.n_groups), p, 3, m)
-        return _uniform(prob, sharded(p, 3, fractions), m)
+        q = sharded(p, stage, free_memory_fractions(prob, range(prob.n_groups), p, stage, m))
+        if stage < ShardStage.PARAMETERS:
+            q = replace(q, accumulate=fitting_counts(prob, q, m))
+        return _uniform(prob, q, m)
 
-    return _fitted(prob, make)
+    return _fitted(prob, partial(make, ShardStage.PARAMETERS), partial(make, ShardStage.GRADIENTS))
 
 
 BASELINE_BUILDERS: dict[str, Callable[[Problem], Strategy]] = {

@@ -34,7 +34,15 @@ import numpy as np
 from heterog.ir.kinds import CollectiveOp, PipelineSchedule, ShardStage, SyncMethod
 from heterog.lower.blocks import gradient_buckets, overlaps, stage_limits
 from heterog.search.problem import BUCKET_BYTES, Placement, Problem, Strategy
-from heterog.search.sharding import optimizer_fraction, replica_state_bytes, shard_gathers, shard_time_s, unit_bytes
+from heterog.search.sharding import (
+    optimizer_fraction,
+    piece_counts,
+    piece_samples,
+    replica_state_bytes,
+    shard_gathers,
+    shard_time_s,
+    unit_bytes,
+)
 
 INFEASIBLE_PENALTY = 10.0  # score multiplier per unit of relative memory overflow
 
@@ -129,11 +137,14 @@ def _compute_times(
     """Each group's forward and backward time on each of its replicas (a recomputed group's
     backward runs its forward again)."""
     G = prob.n_groups
-    t_f = [prob.fwd[g, cls[g], 0] + prob.fwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
-    t_b = [prob.bwd[g, cls[g], 0] + prob.bwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
+    k = [piece_counts(P[g]) for g in range(G)]  # a replica that accumulates pays each piece's fixed cost
+    t_f = [prob.fwd[g, cls[g], 0] * k[g] + prob.fwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
+    t_b = [prob.bwd[g, cls[g], 0] * k[g] + prob.bwd[g, cls[g], 1] * shares[g] * b_m for g in range(G)]
     for g in range(G):
         if P[g].recompute:
             t_b[g] = t_b[g] + t_f[g]
+        if P[g].accumulate:  # its later pieces add into the gradients (the lowering's rule)
+            t_b[g] = t_b[g] + (k[g] - 1) * prob.accumulate_time_s[g, cls[g]]
     return t_f, t_b
 
 
@@ -275,6 +286,18 @@ def _step_end(
     return end
 
 
+def _input_batch_bytes(prob: Problem, dev: list[np.ndarray], shares: list[np.ndarray]) -> np.ndarray:
+    """The input batch each device holds for the whole step: its samples of every micro-batch,
+    where it runs a group that reads the input (lower/sync_tasks.py `_input_batch`)."""
+    held = np.zeros(prob.n_devices)
+    inp = prob.graph.input_bytes
+    if inp.fixed or inp.per_sample:
+        for g in range(prob.n_groups):
+            if not prob.preds[g]:
+                np.maximum.at(held, dev[g], inp.fixed + inp.per_sample * shares[g] * prob.batch_size)
+    return held
+
+
 def _peak_memory(
     prob: Problem, s: Strategy, dev: list[np.ndarray], shares: list[np.ndarray], b_m: float, closes: dict
 ) -> np.ndarray:
@@ -288,19 +311,25 @@ def _peak_memory(
         for device, limit in stage_limits([tuple(P[g].devices) for g in range(G)]).items():
             inflight[device] = min(M, limit)
     for g in range(G):
-        local = shares[g] * b_m * inflight[dev[g]]
-        act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * local
+        samples = piece_samples(P[g], shares[g] * b_m)  # a replica that accumulates: its largest piece
+        act = prob.act_per_sample[g, 1 if P[g].recompute else 0] * samples * inflight[dev[g]]
         np.add.at(peak, dev[g], replica_state_bytes(prob, g, P[g]) + act)
-        np.maximum.at(work, dev[g], prob.workspace_per_sample[g] * shares[g] * b_m)
+        np.maximum.at(work, dev[g], prob.workspace_per_sample[g] * samples)
         if P[g].sync == SyncMethod.PS and P[g].ps is not None and len(P[g].devices) > 1:
             # the server holds its copy and the sum (sync_tasks._server_state), each other
             # replica the buffer the parameters come back in
             peak[P[g].ps] += 2 * prob.grad_bytes[g]
             others = [d for d in P[g].devices if d != P[g].ps]
             np.add.at(peak, others, prob.grad_bytes[g])
+    peak += _input_batch_bytes(prob, dev, shares)
     for bucket in closes.values():  # a sharded unit in use (sharding.unit_bytes)
         unit = P[bucket[0]]
         if unit.shard:
-            np.maximum.at(work, dev[bucket[0]], unit_bytes(prob, bucket, unit.shard))
+            held = bucket
+            if unit.shard == ShardStage.GRADIENTS and (M > 1 or unit.accumulate):
+                # the first micro-batch (or piece) creates every gradient of the placement, and
+                # the reduce-scatters wait for the last (lower/shard_tasks.py): all held whole
+                held = [g for g in range(G) if P[g] == unit]
+            np.maximum.at(work, dev[bucket[0]], unit_bytes(prob, held, unit.shard))
     peak += work
     return peak

@@ -146,6 +146,21 @@ def _shard_note(prob: Problem, plan: Plan, a: int, b: int) -> str:
     )
 
 
+def accumulation_note(plan: Plan) -> str:
+    """Which replicas run their share in sequential pieces (ir/accumulation.py), and the
+    samples of a piece; '' when none does."""
+    g = plan.groups[0]
+    counted = [(r, n) for r, n in zip(g.replicas, plan.replica_samples(g, 0)) if r.accumulate > 1]
+    if not counted:
+        return ""
+    each = ", ".join(f"{r.device} {n} samples in {r.accumulate} pieces" for r, n in counted[:6])
+    more = " …" if len(counted) > 6 else ""
+    return (
+        f"gradient accumulation per replica: {each}{more} (of each micro-batch): each piece runs forward and back "
+        f"before the next, adding into the gradients, so its activations are a piece's, not its share's."
+    )
+
+
 def bound_note(bound: Bound, iteration_time_s: float) -> str:
     return (
         f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
@@ -212,6 +227,8 @@ def notes(
         out.append(busy)
     if not any(g.shard_stage for g in plan.groups):
         out += _no_shard_note(winner, candidates)
+    if note := accumulation_note(plan):
+        out.append(note)
     if any(g.recompute for g in plan.groups):
         k = sum(g.recompute for g in plan.groups)
         out.append(f"{k} group(s) recompute activations in backward: less activation memory for a second forward pass.")

@@ -18,6 +18,7 @@ import numpy as np
 
 from heterog.cost.model import CostModel
 from heterog.hardware.cluster import Cluster
+from heterog.ir.accumulation import without_stray_counts
 from heterog.ir.affine import Affine
 from heterog.ir.kinds import Phase, PipelineSchedule, Precision, SyncMethod
 from heterog.ir.opgraph import OpGraph
@@ -48,6 +49,7 @@ class Placement:
     recompute: bool = False
     shard: int = 0
     shards: tuple[float, ...] = ()
+    accumulate: tuple[int, ...] = ()  # each replica's accumulation pieces (ir/accumulation.py); () all 1
     tp: tuple[tuple[int, ...], ...] = ()
     _hash: int = field(init=False, repr=False, compare=False, default=0)
 
@@ -55,6 +57,7 @@ class Placement:
         assert len(self.devices) == len(self.shares) and self.devices, self
         assert abs(sum(self.shares) - 1.0) < 1e-6, self.shares
         assert not self.shard or (len(self.shards) == len(self.devices) and abs(sum(self.shards) - 1.0) < 1e-6), self
+        assert not self.accumulate or len(self.accumulate) == len(self.devices), self
         assert not self.tp or (len(self.tp) == len(self.devices) and len({len(m) for m in self.tp}) == 1), self
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
 
@@ -277,7 +280,12 @@ class Problem:
             total = sum(kept)
             shards = tuple(f / total for f in kept) if total > 0 else tuple([1.0 / len(kept)] * len(kept))
             sync, ps = SyncMethod.RING, None
-        return Placement(devs, shares, sync, ps if sync == SyncMethod.PS else None, p.recompute, shard, shards, tp)
+        # the replicas kept keep their counts, at most their samples
+        pieces = tuple(min(p.accumulate[i], counts[i]) for i in keep) if p.accumulate else ()
+        pieces = pieces if any(k > 1 for k in pieces) else ()
+        return Placement(
+            devs, shares, sync, ps if sync == SyncMethod.PS else None, p.recompute, shard, shards, pieces, tp
+        )
 
     def finalize(self, s: Strategy) -> Strategy:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
@@ -296,6 +304,7 @@ class Problem:
                     device=self.device_names[d],
                     share=sh,
                     shard=q.shards[i] if q.shard else None,
+                    accumulate=q.accumulate[i] if q.accumulate else 1,
                     tp_devices=tuple(self.device_names[m] for m in q.tp[i]) if q.tp else (),
                 )
                 for i, (d, sh) in enumerate(zip(q.devices, q.shares))
@@ -326,15 +335,17 @@ class Problem:
         spec = self.model_spec or ModelSpec(
             name=self.graph.model, batch_size=self.batch_size, seq_len=self.graph.seq_len
         )
-        return Plan(
-            strategy=strategy_name,
-            model=spec,
-            precision=Precision(self.precision),
-            optimizer=self.optimizer,
-            groups=tuple(groups),
-            num_microbatches=m,
-            schedule=s.schedule,
-            notes=tuple(notes),
-            graph_fingerprint=self.fingerprints[0],
-            cluster_fingerprint=self.fingerprints[1],
+        return without_stray_counts(
+            Plan(
+                strategy=strategy_name,
+                model=spec,
+                precision=Precision(self.precision),
+                optimizer=self.optimizer,
+                groups=tuple(groups),
+                num_microbatches=m,
+                schedule=s.schedule,
+                notes=tuple(notes),
+                graph_fingerprint=self.fingerprints[0],
+                cluster_fingerprint=self.fingerprints[1],
+            )
         )

@@ -1,5 +1,7 @@
 """Sharded state (ZeRO-1/2/3) in the search: what a sharded placement holds and moves, the
-shard fractions, and the move that changes them.
+shard fractions, and the move that changes them; and per-replica accumulation counts (what a
+replica's activations are when it runs its share in pieces, the counts that fit them, and
+the move that sets them).
 
 What a replica holds and when the pieces move are the lowering's rules (lower/shard_tasks.py);
 the estimate (estimate.py) reads them through `replica_state_bytes` and times the uneven ring
@@ -19,6 +21,7 @@ part, its activations at its share, the gathered units) and M_i its memory. Ceph
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 from scipy.optimize import linprog
@@ -34,6 +37,7 @@ GATHERED_UNITS = 2  # stage 3: the unit computing and the one prefetched (shard_
 # others (weights 29 in all, moves.py)
 SHARD_MOVE_WEIGHT = 5.0
 MEMORY_BOUND = 0.25  # ... that is, where the whole state takes more than this share of a device
+ACCUMULATE_MOVE_WEIGHT = 3.0  # the accumulation move, where the activations press on memory
 
 
 def group_state(prob: Problem, g: int, cls: int) -> ShardedState:
@@ -126,13 +130,26 @@ def _held_besides(prob: Problem, groups: Sequence[int], p: Placement, stage: int
     for g in gs:
         st = [group_state(prob, g, int(c)) for c in cls]
         held += np.array([peak_bytes(stage, 0.0, x) for x in st])
-    act = prob.act_per_sample[gs, 1 if p.recompute else 0].sum() * prob.batch_size / max(microbatches, 1)
-    held += act * np.asarray(p.shares) * (microbatches if microbatches > 1 else 1)
+    act = prob.act_per_sample[gs, 1 if p.recompute else 0].sum()
+    samples = piece_samples(p, np.asarray(p.shares) * prob.batch_size / max(microbatches, 1))
+    held += act * samples * (microbatches if microbatches > 1 else 1)
     if stage >= ShardStage.PARAMETERS:
         held += GATHERED_UNITS * float(prob.param_bytes[gs].max(initial=0.0)) + float(
             prob.grad_bytes[gs].max(initial=0.0)
         )
     return held
+
+
+def piece_counts(p: Placement) -> np.ndarray | float:
+    """Each replica's accumulation count (1.0 when none accumulates)."""
+    return np.asarray(p.accumulate, dtype=float) if p.accumulate else 1.0
+
+
+def piece_samples(p: Placement, samples: np.ndarray) -> np.ndarray:
+    """The samples of each replica's largest piece (its samples when it does not accumulate):
+    what its activations and workspace follow (ir/accumulation.py splits as evenly as integers
+    allow)."""
+    return np.ceil(samples / piece_counts(p) - 1e-9) if p.accumulate else samples
 
 
 def _shardable(prob: Problem, groups: Sequence[int], stage: int, cls: int) -> float:
@@ -195,6 +212,65 @@ def shard_move(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
 
 
 register_move(Move(name="shard", weight=SHARD_MOVE_WEIGHT, scope=MoveScope.ANY, apply=shard_move, when=memory_bound))
+
+
+def fitting_counts(prob: Problem, p: Placement, microbatches: int) -> tuple[int, ...]:
+    """Each replica's smallest accumulation count whose activations (of its largest piece, for
+    every micro-batch GPipe keeps in flight) and workspace fit in the memory its state leaves
+    (Cephalo's rule: a replica's memory, not its batch share, sets its activations); () when
+    every count is 1. A replica that cannot fit even one sample a piece gets one per piece."""
+    groups = range(prob.n_groups)
+    dev = np.asarray(p.devices, dtype=np.int64)
+    state: np.ndarray = np.sum([replica_state_bytes(prob, g, p) for g in groups], axis=0)
+    if p.shard == ShardStage.GRADIENTS:  # accumulating, it holds every gradient whole (estimate.py)
+        state = state + unit_bytes(prob, groups, p.shard)
+    elif p.shard:
+        state = state + max(unit_bytes(prob, [g], p.shard) for g in groups)
+    per_sample = prob.act_per_sample[list(groups), 1 if p.recompute else 0].sum() * max(microbatches, 1)
+    per_sample += float(prob.workspace_per_sample.max(initial=0.0))
+    samples = np.rint(np.asarray(p.shares) * prob.batch_size / max(microbatches, 1))
+    inp = prob.graph.input_bytes  # the input batch, held the whole step (estimate.py)
+    state = state + inp.fixed + inp.per_sample * np.asarray(p.shares) * prob.batch_size
+    room = np.maximum(prob.memory_bytes[dev] - state, 0.0)
+    largest = np.maximum(np.floor(room / max(per_sample, 1e-9)), 1.0)  # samples of the largest piece
+    counts = np.clip(np.ceil(samples / largest), 1, np.maximum(samples, 1)).astype(int)
+    return tuple(int(k) for k in counts) if (counts > 1).any() else ()
+
+
+def activations_bound(prob: Problem) -> bool:
+    """Whether accumulation may pay: one sample's activations of the whole model, times the
+    batch, take more than MEMORY_BOUND of the smallest device (elsewhere a replica's share
+    fits without pieces, and the search spends no moves on them)."""
+    whole = float(prob.act_per_sample[:, 0].sum()) * prob.batch_size
+    return whole > MEMORY_BOUND * float(prob.memory_bytes.min())
+
+
+def accumulate_move(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
+    """The search's move on data parallelism over the whole model (the only placement where
+    counts are defined, ir/accumulation.py): each replica's count set so its activations fit
+    (fitting_counts), or one replica's count one up or down. Elsewhere it changes nothing."""
+    p = s.placements[0]
+    if any(q != p for q in s.placements) or p.shard >= ShardStage.PARAMETERS:
+        return s
+    if ctx.rng.random() < 0.5:
+        counts = fitting_counts(ctx.prob, p, s.microbatches)
+    else:
+        each = list(p.accumulate or [1] * len(p.devices))
+        i = ctx.rng.randrange(len(each))
+        each[i] = max(1, each[i] + ctx.rng.choice((-1, 1)))
+        counts = tuple(each) if any(k > 1 for k in each) else ()
+    return with_placement(s, 0, len(s.placements), replace(p, accumulate=counts))
+
+
+register_move(
+    Move(
+        name="accumulate",
+        weight=ACCUMULATE_MOVE_WEIGHT,
+        scope=MoveScope.ANY,
+        apply=accumulate_move,
+        when=activations_bound,
+    )
+)
 
 
 def optimizer_fraction(p: Placement) -> np.ndarray | float:
