@@ -18,14 +18,18 @@ from heterog.execute.tp_split import ParameterSlice, TensorParallelRank, region_
 from heterog.ir.plan import ModelSpec
 from heterog.workload import build_model, global_batch, resolve_workload
 
-ARGS = {**MODELS, "bert-large": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32, dropout=0.0)}
+ARGS = {
+    **MODELS,
+    "bert-large": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, positions=32, dropout=0.0),
+    "opt-1.3b": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=96, dropout=0.0),
+}
 
 
 def _model(name: str) -> nn.Module:
     return build_model(resolve_workload(ModelSpec(name=name, args=ARGS[name], batch_size=2, seq_len=SEQ)), seed=0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt-1.3b"])
 def test_module_pairs_agree_with_the_cost_models_layout(name):
     graph = capture_model(name, ARGS[name], batch_size=2, seq_len=SEQ)
     layout = megatron_layout(graph, vocab_parallel=False)

@@ -21,6 +21,7 @@ pairs the linears as `megatron_layout` does on the captured graph):
   weights are (in, out), `c_attn` fuses q, k, v),
 - Llama and its relatives (Mistral, Qwen2: `input_layernorm`, `self_attn.{q,k,v,o}_proj`,
   `post_attention_layernorm`, `mlp.{gate,up,down}_proj`; nn.Linear weights are (out, in)),
+- OPT (`self_attn_layer_norm`, `self_attn.{q,k,v,out}_proj`, `final_layer_norm`, `fc1`, `fc2`),
 - BERT (`attention.self.{query,key,value}`, `attention.output.dense`, `intermediate.dense`,
   `output.dense`): post-norm, so f stands before each column linear instead (the norm's
   output also feeds the residual, whose gradient every member holds whole).
@@ -34,6 +35,7 @@ checkpoint writes it whole (gathered from the members) and a run of another degr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +146,34 @@ def _llama_regions(path: str, block: nn.Module) -> list[_Region] | None:
     ]
 
 
+def _opt_regions(path: str, block: nn.Module) -> list[_Region] | None:
+    """OPT: pre-norm unless `do_layer_norm_before` is off (then f before each column linear);
+    its attention reads `num_heads` (set to the slice's)."""
+    names = ("self_attn_layer_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+             "self_attn.out_proj", "final_layer_norm", "fc1", "fc2")  # fmt: skip
+    if not all(_child(block, n) is not None for n in names):
+        return None
+    p = f"{path}." if path else ""
+    attn, pre = _child(block, "self_attn"), bool(getattr(block, "do_layer_norm_before", True))
+    return [
+        _Region(
+            norm=f"{p}self_attn_layer_norm" if pre else "",
+            columns=(f"{p}self_attn.q_proj", f"{p}self_attn.k_proj", f"{p}self_attn.v_proj"),
+            row=f"{p}self_attn.out_proj",
+            fused=1,
+            heads=int(attn.num_heads),
+            attention=f"{p}self_attn",
+        ),
+        _Region(
+            norm=f"{p}final_layer_norm" if pre else "",
+            columns=(f"{p}fc1",),
+            row=f"{p}fc2",
+            fused=1,
+            heads=int(_child(block, "fc1").out_features),
+        ),
+    ]
+
+
 def _bert_regions(path: str, block: nn.Module) -> list[_Region] | None:
     """A post-norm block: the norm before a region also feeds its residual path, so f stands
     before each column linear (their input gradients are summed over the set one by one)."""
@@ -172,7 +202,12 @@ def _bert_regions(path: str, block: nn.Module) -> list[_Region] | None:
     ]
 
 
-_FAMILIES: tuple[Callable[[str, nn.Module], list[_Region] | None], ...] = (_gpt2_regions, _llama_regions, _bert_regions)
+_FAMILIES: tuple[Callable[[str, nn.Module], list[_Region] | None], ...] = (
+    _gpt2_regions,
+    _llama_regions,
+    _opt_regions,
+    _bert_regions,
+)
 
 
 def split_regions(model: nn.Module) -> list[_Region]:
@@ -221,7 +256,14 @@ def split_model(model: nn.Module, tp: TensorParallelRank, regions: Regions | Non
                 f"executor does not find among {type(model).__name__}'s modules ({len(missing)} such region(s)); "
                 f"plan it without tensor parallelism (--tp 1)."
             )
-        found = [r for r in found if (r.columns, r.row) in wanted]
+        norms = {(c, r): n for n, c, r in regions}
+        # f after the norm only where the graph says that norm feeds the region; else before
+        # each column linear, which is right whatever else reads the region's input
+        found = [
+            r if norms[(r.columns, r.row)] == r.norm else dataclasses.replace(r, norm="")
+            for r in found
+            if (r.columns, r.row) in wanted
+        ]
     cut: dict[str, ParameterSlice] = {}
     for region in found:
         for units, what in ((region.heads, "heads"), (region.kv_heads, "key/value heads")):
@@ -238,10 +280,12 @@ def split_model(model: nn.Module, tp: TensorParallelRank, regions: Regions | Non
         else:
             for name in region.columns:
                 _copy_before(model.get_submodule(name), tp.group)
-        if region.attention and region.fused > 1:  # GPT-2: q, k, v widths in the fused output
+        if region.attention:  # widths the attention reads from itself (GPT-2's fused split, OPT's heads)
             attn: Any = model.get_submodule(region.attention)
-            attn.split_size //= tp.degree
-            attn.num_heads //= tp.degree
+            if region.fused > 1:
+                attn.split_size //= tp.degree
+            if hasattr(attn, "num_heads"):
+                attn.num_heads //= tp.degree
     return cut
 
 

@@ -69,7 +69,8 @@ def runnable(plan: Plan, what: str) -> Plan:
         raise PlanError(
             f"the plan's groups have tensor-parallel degrees {degrees} ({split}), and {what} runs one degree for "
             f"every group: the members of a set run a whole sibling plan each. `heterog simulate` and `heterog "
-            f"report` price it; to run, give every stage the same --tp."
+            f"report` price it; to run, give every stage the same --tp (--strategy 3d) or plan with "
+            f"--no-tensor-parallel."
         )
     ps = [g.name for g in plan.groups if g.ps_device]
     if ps:
