@@ -95,6 +95,8 @@ def tp_view(prob: Problem) -> TpView:
 
 def _divides(prob: Problem, degree: int) -> bool:
     """Whether `degree` divides the model's heads and split features (three_d.check_divides)."""
+    if prob.model_spec is None:  # the heads are read from the model's spec: without one, no split
+        return False
     try:
         check_divides(prob.graph, prob.model_spec, degree)
     except (PlanError, GraphError):
