@@ -239,6 +239,11 @@ def plan_command(
             tensor_parallel="any" if tensor_parallel else "none",
         )
     result["wall_time_s"] = process_age_s()  # start to plan, for the time line (not the report)
+    _deliver(result, budget_s, out=out, report=report, profile=profile, as_json=as_json, strategy=strategy)
+
+
+def _deliver(result: dict, budget_s: float, *, out, report, profile, as_json: bool, strategy: str | None) -> None:
+    """The plan written (--out), its report (--report), then the result shown or printed as JSON."""
     if out is not None:
         Plan.from_dict(result.get("chosen", result["best"])).save(out)
     if report is not None:

@@ -276,27 +276,7 @@ def load_checkpoint(
     server_held = {n for served in servers for n in served.names}
     check_same_model(info.model, model, str(info.path))
     meta = dcp.FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
-    state: dict[str, Any] = {}
-    sliced: list[tuple[str, nn.Parameter]] = []  # tensor parallelism: parameters read whole
-    for name, p in named_params:
-        key = f"model/{name}"
-        if key not in meta:
-            raise CheckpointError(
-                f"{info.path}: holds no parameter {name!r}; it was written for a "
-                f"different model version (it holds {len(info.parameter_names)} parameters)."
-            )
-        saved = _tensor_meta(meta, key)
-        whole = tp.whole_shape(name, tuple(p.shape)) if tp is not None else tuple(p.shape)
-        if tuple(saved.size) != whole:
-            raise CheckpointError(
-                f"{info.path}: parameter {name!r} has shape {tuple(saved.size)} in the "
-                f"checkpoint but {whole} in the model; check --model-arg values."
-            )
-        if whole == tuple(p.shape):
-            state[key] = p.detach()
-        else:  # a member's slice: read whole, cut below
-            state[key] = torch.empty(whole, dtype=p.dtype, device=p.device)
-            sliced.append((name, p))
+    state, sliced = _parameter_entries(info, meta, named_params, tp)
     wanted: list[tuple[str, str, torch.device]] = []  # (name, state key, device)
     # a sharded block's parameters: their piece's state; a served one's: its server's
     stepped = [(name, p) for name, p in _stepped(named_params, opt) if name not in server_held]
@@ -338,6 +318,36 @@ def load_checkpoint(
             opt,
             lambda key, p: _state_device(opt, key, p) if opt is not None else p.device,
         )
+
+
+def _parameter_entries(
+    info: CheckpointInfo, meta: dict[str, Any], named_params: list[tuple[str, nn.Parameter]], tp: Any
+) -> tuple[dict[str, Any], list[tuple[str, nn.Parameter]]]:
+    """Where each parameter is read to (itself; a tensor-parallel member's slice: a whole
+    tensor, cut after the read), and the parameters read whole; a CheckpointError naming a
+    parameter the checkpoint lacks or holds in another shape."""
+    state: dict[str, Any] = {}
+    sliced: list[tuple[str, nn.Parameter]] = []
+    for name, p in named_params:
+        key = f"model/{name}"
+        if key not in meta:
+            raise CheckpointError(
+                f"{info.path}: holds no parameter {name!r}; it was written for a "
+                f"different model version (it holds {len(info.parameter_names)} parameters)."
+            )
+        saved = _tensor_meta(meta, key)
+        whole = tp.whole_shape(name, tuple(p.shape)) if tp is not None else tuple(p.shape)
+        if tuple(saved.size) != whole:
+            raise CheckpointError(
+                f"{info.path}: parameter {name!r} has shape {tuple(saved.size)} in the "
+                f"checkpoint but {whole} in the model; check --model-arg values."
+            )
+        if whole == tuple(p.shape):
+            state[key] = p.detach()
+        else:  # a member's slice: read whole, cut below
+            state[key] = torch.empty(whole, dtype=p.dtype, device=p.device)
+            sliced.append((name, p))
+    return state, sliced
 
 
 class _Reader:

@@ -12,6 +12,7 @@ from torch import nn
 from heterog.cut.partition import export_plan_model
 from heterog.cut.split_export import ExportedModel, copy_exported
 from heterog.errors import PlanError
+from heterog.execute.tp_rank import TensorParallelState
 from heterog.execute.tp_split import ParameterSlice, Regions, TensorParallelRank, split_model
 from heterog.ir.plan import Plan
 from heterog.workload import Workload, build_model
@@ -67,3 +68,15 @@ def built_model(
     export: the graph the stages are cut from is the split one); how its parameters were cut."""
     model = build_model(work, seed=seed)
     return model, (split_model(model, tp, regions) if tp is not None else {})
+
+
+def rank_model(
+    models: ModelCache | None, work: Workload, plan: Plan, seed: int, tp: TensorParallelRank | None, regions: Regions
+) -> tuple[nn.Module, ExportedModel | None, TensorParallelState | None]:
+    """The rank's model and its export (from `models` when given; without, exported by the cut),
+    and for a tensor-parallel member its slices."""
+    if models is not None:
+        model, exported, cut = models.get(work, plan, seed, tp, regions)
+    else:
+        (model, cut), exported = built_model(work, seed, tp, regions), None
+    return model, exported, (TensorParallelState(tp=tp, cut=cut) if tp is not None else None)

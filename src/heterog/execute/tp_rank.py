@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from heterog.execute.tp_ops import group_of, register_group
+from heterog.execute.tp_ops import group_of, register_group, time_with
 from heterog.execute.tp_split import ParameterSlice, TensorParallelRank
 from heterog.ir.plan import Plan
 from heterog.lower.tensor_parallel import MemberPlace
@@ -62,6 +62,12 @@ class TensorParallelState:
     @property
     def first(self) -> bool:
         return self.tp.index == 0
+
+    def attach(self, interpreter) -> None:
+        """Make the rank's interpreter a member's: the loss reported by the first member alone,
+        each all-reduce of the split blocks a measured span of the step."""
+        interpreter.reports_loss = self.first
+        time_with(interpreter.clock, interpreter.tp_marks)
 
     @property
     def counted(self) -> set[str] | None:

@@ -43,14 +43,13 @@ from heterog.execute import checkpoint, shard
 from heterog.execute.device import RankDevice, check_gpu_type, rank_device
 from heterog.execute.emulation import Pacer, memory_cap, pin_to_cores
 from heterog.execute.faults import inject_fault, overflow_gradient
-from heterog.execute.model_cache import ModelCache, built_model
+from heterog.execute.model_cache import ModelCache, rank_model
 from heterog.execute.placement import place_rank, rewrite_stage_devices
 from heterog.execute.runtime import Interpreter
 from heterog.execute.spec import FailureKind, LaunchSpec, RankFailure, RankResult, RankSpec, read_spec
 from heterog.execute.stage_map import crossing_values
 from heterog.execute.steplog import STEPS_FILE, TRACE_FILE, StepLog
 from heterog.execute.sync import ProgramSync
-from heterog.execute.tp_ops import time_with
 from heterog.execute.tp_rank import TensorParallelState, join_sets, sibling_ranks
 from heterog.execute.trace import StepRecorder
 from heterog.execute.train_loop import TrainingHooks, gradient_norm, needs_norm, recipe_of
@@ -186,10 +185,7 @@ def build_rank(
     tp = join_sets(Plan.from_dict(whole.plan), place, rank_of, spec.timeout_s)
     work = with_data(resolve_workload(plan.model), spec.training.data)
     seed = spec.seed
-    if models is not None:
-        model, exported, cut = models.get(work, plan, seed, tp, whole.tp_regions)
-    else:
-        (model, cut), exported = built_model(work, seed, tp, whole.tp_regions), None
+    model, exported, tp_state = rank_model(models, work, plan, seed, tp, whole.tp_regions)
     placed = _Placed(rank=rank, device=device, rdev=rdev, rank_of=rank_of, seed=seed)
     flow, held, crossing, wire = _split_for_rank(program, plan, work, model, exported, placed)
     channels = Channels(transfer_pairs(whole, rank_of), spec.timeout_s)  # every sibling's, on every rank
@@ -218,11 +214,11 @@ def build_rank(
         clock=rdev.clock(),
         mirrors=sibling_ranks(place, rank_of),
     )
-    tp_state = TensorParallelState(tp=tp, cut=cut) if tp is not None else None
     named = [(n, p) for g in sorted(held) for n, p in flow.params_of_group.get(g, [])]
     opt, params, named = shard.rank_parameters(recipe, named, sync.shards)  # the optimizer steps the pieces too
     pacer = Pacer(spec.slowdown(device))
     cap = None if rdev.kind != "cpu" else memory_cap(plan.cluster, device)  # emulated devices only
+    counted = tp_state.counted if tp_state is not None else None  # tensor parallelism: a member's slices
     ex = Interpreter(
         program=program,
         device=device,
@@ -240,19 +236,11 @@ def build_rank(
         crossing=crossing,
         shards=sync.shards,
         scheduler=recipe.make_scheduler(opt),  # [train]
-        grad_norm=gradient_norm(
-            recipe.config,
-            sync,
-            named,
-            rdev.torch_device,
-            rdev.host_staging,
-            only=tp_state.counted if tp_state else None,
-        ),
+        grad_norm=gradient_norm(recipe.config, sync, named, rdev.torch_device, rdev.host_staging, only=counted),
         max_grad_norm=recipe.config.max_grad_norm,
     )
-    ex.reports_loss = tp_state is None or tp_state.first
     if tp_state is not None:
-        time_with(ex.clock, ex.tp_marks)  # each all-reduce of the split blocks, a span of the step
+        tp_state.attach(ex)
     return RankSetup(
         rank=rank, device=device, plan=plan, work=work, flow=flow, held=held, params=params, named=named,
         optimizer=opt, transport=transport, sync=sync, interpreter=ex, pacer=pacer, cap=cap, recipe=recipe,

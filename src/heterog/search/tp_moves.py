@@ -67,6 +67,10 @@ def whole_regions(graph: OpGraph, costs, groups: Sequence[Sequence[str]]) -> lis
     out: list[list[str]] = [[] for _ in groups]
     for i, node in enumerate(graph.nodes):
         out[owner[i]].append(node.name)
+    # groups the cut's rules made non-contiguous (a data-free node runs with its consumers, such
+    # as Llama's rotary tables) can turn an edge backward when a span moves: keep them as they were
+    if any(owner[index[s]] < owner[i] for i, n in enumerate(graph.nodes) for s in graph.successors[n.name]):
+        return [tuple(g) for g in groups]
     return [tuple(g) for g in out if g]
 
 
