@@ -45,9 +45,15 @@ def test_more_moves_with_the_same_seed_never_give_a_worse_plan():
     assert times[1] <= times[0]
 
 
+HEAVY = [(0.5, 400, 40.0)] * 10  # moving a layer's gradient or a sample's activations costs more than computing it
+
+
 def test_the_bound_is_below_every_candidate():
-    for speeds, batch in (((40.0, 10.0, 10.0, 10.0), 64), ((30.0, 30.0, 8.0, 8.0, 8.0, 8.0), 24)):
-        prob = _prob(speeds, batch=batch)
+    """The bound against the simulator on baselines and random neighbours, also where moving
+    activations between devices and splitting micro-batches cost most (its chain and port rows)."""
+    cases = (((40.0, 10.0, 10.0, 10.0), 64, LAYERS), ((30.0, 30.0, 8.0, 8.0, 8.0, 8.0), 24, LAYERS))
+    for speeds, batch, layers in (*cases, ((20.0, 16.0, 5.0, 4.0), 16, HEAVY)):
+        prob = _prob(speeds, batch=batch, layers=layers)
         bound = lower_bound(prob)
         assert bound.iteration_time_s > 0
         strategies = [b(prob) for b in BASELINE_BUILDERS.values()] + list(tier_dp_starts(prob))

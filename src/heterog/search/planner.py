@@ -61,6 +61,23 @@ DEFAULT_BUDGET_S = 10.0
 GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
 RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
+# the order the baselines are built and simulated in, and the search lane's starts among them:
+# data parallelism first (quick, and often the best of them), the pipeline next (the best for
+# the language models at a thousand devices, where its stage split takes a second or two), then
+# the rest; a small budget ends the stage after a prefix (_baselines)
+BASELINE_ORDER = (
+    "proportional-dp",
+    "even-dp-allreduce",
+    "pipeline",
+    "model-parallel",
+    "even-dp-ps",
+    "fsdp-even",
+    "zero-uneven",
+    "single-device",
+)
+assert sorted(BASELINE_ORDER) == sorted(BASELINE_BUILDERS), "every baseline has its place in BASELINE_ORDER"
+BASELINE_SHARE = 0.5  # of the time left after grouping: the baselines past the first
+BOUND_SHARE = 0.3  # of the time left after the baselines: the bound's bisection (a looser bound after)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,7 +189,7 @@ def _gnn_starts(policy: Any, finetune_s: float, seed: int, fallback: Callable[[P
 
 
 def _search_starts(
-    baselines: list[Strategy] | None, warm: Sequence[Strategy] = ()
+    baselines: dict[str, Strategy] | None, warm: Sequence[Strategy] = ()
 ) -> Callable[[Problem, float], Iterator[Strategy]]:
     """The search lane's starts: a warm start's strategies first (search/warm.py: an earlier
     plan on this cluster's devices), the baselines (None: a second chain beside the planner's own,
@@ -184,7 +201,14 @@ def _search_starts(
 
     def make(prob: Problem, deadline_s: float) -> Iterator[Strategy]:
         yield from warm
-        yield from baselines if baselines is not None else [BASELINE_BUILDERS["proportional-dp"](prob)]
+        if baselines is None:
+            yield BASELINE_BUILDERS["proportional-dp"](prob)
+        else:  # in one order whatever the budget, those the baselines' stage had no time for built here
+            for name in BASELINE_ORDER:
+                if name in baselines:
+                    yield baselines[name]
+                elif time.perf_counter() < deadline_s:
+                    yield BASELINE_BUILDERS[name](prob)
         yield from tier_dp_starts(prob)
         yield from node_dp_starts(prob)
         if time.perf_counter() < deadline_s:
@@ -207,19 +231,31 @@ class _Baselines:
     candidates: dict[str, Candidate]
     known: dict[tuple, tuple[float, Candidate]]  # what a chain starting from them need not score
     per_call_s: float  # one simulation, on average
+    skipped: tuple[str, ...]  # not built before the stage's end
 
 
-def _baselines(prob: Problem) -> _Baselines:
-    strategies = {name: build(prob) for name, build in BASELINE_BUILDERS.items()}
-    t0 = time.perf_counter()
+def _baselines(prob: Problem, until_s: float) -> _Baselines:
+    """The baselines in BASELINE_ORDER, each built and simulated while it would end, at the
+    average time of those before it, by until_s (the first always): a larger budget scores a
+    longer prefix of the same list."""
+    strategies: dict[str, Strategy] = {}
+    candidates: dict[str, Candidate] = {}
     scores: dict[tuple, float] = {}
-    candidates = {name: finalize(prob, s, name, scores) for name, s in strategies.items()}
+    simulating_s, begin = 0.0, time.perf_counter()
+    for name in BASELINE_ORDER:
+        if strategies and time.perf_counter() + (time.perf_counter() - begin) / len(strategies) > until_s:
+            break
+        strategies[name] = BASELINE_BUILDERS[name](prob)
+        t0 = time.perf_counter()
+        candidates[name] = finalize(prob, strategies[name], name, scores)
+        simulating_s += time.perf_counter() - t0
     known = {s.key(): (scores[s.key()], candidates[n]) for n, s in strategies.items() if s.key() in scores}
     return _Baselines(
         strategies=strategies,
         candidates=candidates,
         known=known,
-        per_call_s=(time.perf_counter() - t0) / len(strategies),
+        per_call_s=simulating_s / len(strategies),
+        skipped=tuple(n for n in BASELINE_ORDER if n not in strategies),
     )
 
 
@@ -370,11 +406,11 @@ def _search(
         if parallel and other is not None:
             forked = Forked(prob, other, deadline_s=deadline, **kw)
         say("baselines", 0.03)
-        base = _baselines(prob)
+        base = _baselines(prob, _share_of(deadline, BASELINE_SHARE))
         stages.done("baselines")
         say("bound", 0.08)
         feasible = [c.iteration_time_s for c in base.candidates.values() if c.feasible]
-        bound = lower_bound(prob, upper_s=min(feasible, default=None))
+        bound = lower_bound(prob, upper_s=min(feasible, default=None), deadline_s=_share_of(deadline, BOUND_SHARE))
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s
@@ -382,15 +418,14 @@ def _search(
         subsets_end = time.perf_counter() + SUBSET_SHARE * max(0.0, deadline - reserve_s - time.perf_counter())
         subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
         stages.done("subsets")
-        mine = Lane(
-            name="search", seed=o.seed, starts=_search_starts(list(base.strategies.values()), warm), known=base.known
-        )
+        mine = Lane(name="search", seed=o.seed, starts=_search_starts(base.strategies, warm), known=base.known)
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
     finally:
         if forked is not None:
             forked.stop()
     split["reserve_s"] = reserve_s
+    split["baselines_skipped"] = list(base.skipped)
     if other is not None and other.start_name and o.finetune_s > 0:
         split["finetune_s"] = f"min({o.finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
@@ -399,6 +434,12 @@ def _search(
     stages.done("explanation")
     say("done", 1.0)
     return best, ordered, bound, lane_stats, split
+
+
+def _share_of(deadline_s: float, share: float) -> float:
+    """The clock time `share` of the way from now to the deadline."""
+    now = time.perf_counter()
+    return now + share * max(0.0, deadline_s - now)
 
 
 def _lane_table(lane_stats: list[LaneStats]) -> dict[str, dict[str, Any]]:
