@@ -77,7 +77,7 @@ BASELINE_ORDER = (
 )
 assert sorted(BASELINE_ORDER) == sorted(BASELINE_BUILDERS), "every baseline has its place in BASELINE_ORDER"
 BASELINE_SHARE = 0.5  # of the time left after grouping: the baselines past the first
-BOUND_SHARE = 0.3  # of the time left after the baselines: the bound's bisection (a looser bound after)
+BOUND_SHARE = 0.5  # of the time left after the baselines: the bound's bisection (a looser bound after)
 
 
 @dataclass(frozen=True, kw_only=True)
