@@ -12,7 +12,7 @@ from heterog.search.lanes import finalize
 from heterog.search.local_search import Annealer
 from heterog.search.moves import MOVES, Move, MoveScope, register_move, segments
 from heterog.search.objective import Goal
-from heterog.search.planner import plan_graph
+from heterog.search.planner import BASELINE_ORDER, plan_graph
 from heterog.search.problem import Problem
 from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
 
@@ -82,6 +82,18 @@ def test_the_planner_ends_within_its_budget_on_64_devices():
     doc = r.to_dict()
     assert doc["bound"]["iteration_time_s"] == r.bound.iteration_time_s
     assert all(c["above_bound"] is not None and c["above_bound"] >= 0 for c in doc["candidates"])
+
+
+def test_a_budget_too_small_for_the_baselines_scores_a_prefix_of_them():
+    """At a budget already spent the planner still returns a plan: the first baseline only
+    (the rest named as skipped), and the bound falls back on one sample's chain, still below."""
+    prob = _prob([40.0] * 16 + [20.0] * 16 + [10.0] * 32, per_node=8, batch=256, layers=LAYERS * 2, groups=16)
+    r = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=1e-3, policy=False, cuts=None, workers=1)
+    scored = [c.strategy for c in r.candidates if c.strategy in BASELINE_ORDER]
+    assert scored == [BASELINE_ORDER[0]]
+    assert r.budget_split["baselines_skipped"] == list(BASELINE_ORDER[1:])
+    assert 0 < r.bound.iteration_time_s <= r.best.predicted_iteration_time_s
+    assert r.bound.iteration_time_s < lower_bound(prob).iteration_time_s  # the full bisection is tighter
 
 
 def test_big_clusters_move_whole_tiers_first():

@@ -3,7 +3,8 @@ candidate it compared, and a lower bound beside them (the capture and the costs 
 heterog/plan_module.py).
 
 Order, every stage within one deadline (the budget): group the graph → baselines, each
-scored by the simulator → the lower bound (bound.py) → data parallelism on fewer devices
+scored by the simulator, in BASELINE_ORDER while BASELINE_SHARE of the time lasts → the lower
+bound (bound.py; its bisection stops after BOUND_SHARE of what is left) → data parallelism on fewer devices
 (objective.py subsets, in SUBSET_SHARE of the lanes' time) → search lanes (lanes.py): an annealing
 chain from the baselines ('search') and one from the GNN policy's proposals ('gnn',
 'gnn+search'), side by side in two processes where the machine has two cores, one after the
@@ -77,7 +78,7 @@ BASELINE_ORDER = (
 )
 assert sorted(BASELINE_ORDER) == sorted(BASELINE_BUILDERS), "every baseline has its place in BASELINE_ORDER"
 BASELINE_SHARE = 0.5  # of the time left after grouping: the baselines past the first
-BOUND_SHARE = 0.5  # of the time left after the baselines: the bound's bisection (a looser bound after)
+BOUND_SHARE = 0.25  # of the time left after the baselines: the bound's bisection (a looser bound after)
 
 
 @dataclass(frozen=True, kw_only=True)
