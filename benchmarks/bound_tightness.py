@@ -12,7 +12,8 @@ not the plan, is what is loose (it admits splits of the groups over the devices,
 without a bubble, that real pipelines do not reach).
 
     python benchmarks/bound_tightness.py                        # the bound now, and the plans
-    PYTHONPATH=<an earlier heterog's src> python benchmarks/bound_tightness.py --label before --bound-only --merge
+    PYTHONPATH=<an earlier heterog's src> python benchmarks/bound_tightness.py --label before --bound-only --merge \
+        --about "what that bound is"
 
 Writes benchmarks/results/bound_tightness.json (atomically; --merge keeps the rows of other
 labels) and prints a table.
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="after", help="names this version of the bound in the rows")
     ap.add_argument("--bound-only", action="store_true", help="the bound and dp_compute_s, no planning")
     ap.add_argument("--merge", action="store_true", help="keep --out's rows of other labels")
+    ap.add_argument("--about", default="this tree's", help="what the label's bound is (kept in the results file)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     begin = time.perf_counter()
@@ -128,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model}: bound {row['bound_s'] * 1e3:.2f} ms in {row['bound_time_s']:.2f} s", file=sys.stderr)
     out = Path(args.out)
     command = "python benchmarks/bound_tightness.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    commands = []
+    commands, labels = [], {}
     if args.merge and out.exists():
         old = json.loads(out.read_text())
+        labels = {k: v for k, v in old.get("labels", {}).items() if k != args.label}
         rows = [r for r in old["rows"] if r["label"] != args.label] + rows
         commands = [c for c in old["command"].split(" + ") if c.strip() != command.strip()]
     best = {r["model"]: r for r in rows if "best_s" in r}
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "summary": summary,
+            "labels": {**labels, args.label: args.about},
             "rows": rows,
         },
     )
