@@ -14,7 +14,7 @@ entry per device *tier* and group (Problem.tiers; devices of a tier are intercha
           Σ_g z[t,g] + opt[t,g]·w[t,g] ≤ n_t·T      (a tier's devices are busy at most T each)
 
 h is a convex function below one replica's forward + backward time at b samples (the cost
-model at b = 1, 2, 4, …, B; see _under), so k·h(x/k) ≤ what k calls sharing x samples take
+model at the sizes of _sizes; see _under), so k·h(x/k) ≤ what k calls sharing x samples take
 whatever the split (Jensen). b_max(T) is the most samples one device computes in T. Per-kernel
 fixed costs make a device's first sample dear, so the LP chooses how many devices and calls.
 
@@ -255,7 +255,7 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
     )
 
 
-def _tangents(knots: np.ndarray, vals: np.ndarray, edges: np.ndarray) -> list[tuple[float, float]]:
+def _tangents(knots: np.ndarray, edges: np.ndarray) -> list[tuple[float, float]]:
     """Lines below the perspective k·φ(x/k) of φ(b) = b·h(b), as (coefficient of x, of k):
     φ is convex where h is convex and non-decreasing, so at any b0 and any slope m of h there,
     k·φ(x/k) ≥ (h(b0) + b0·m)·x − b0²·m·k (the tangent of φ at b0, scaled by k). Taken at
@@ -361,14 +361,14 @@ class _Programme:
         device's part fits its window, and its calls' part of the average sample's chain is
         c ≥ Σ_calls (m/B)·h(m) ≥ (x/B)·h(x/k) (Jensen again, on φ)."""
         x, y, z, k, c = (self.v(kind, t, g) for kind in (0, 1, 2, 4, 5))
-        knots, vals, edges = self.tb.under[t][g]
+        knots, _, edges = self.tb.under[t][g]
         for q, m in edges:
             self.row([(k, q), (x, m), (z, -1.0)], 0.0)  # z ≥ k·h(x/k), one edge of h at a time
         self.row([(y, 1.0), (k, -1.0)], 0.0)
         self.row([(k, 1.0), (x, -1.0)], 0.0)
         self.cap_entries.append((len(self.entries) + 1, t, g))
         self.row([(x, 1.0), (y, 0.0)], 0.0)
-        for on_x, on_k in _tangents(knots, vals, edges):
+        for on_x, on_k in _tangents(knots, edges):
             self.row([(x, on_x), (k, on_k), (c, -float(self.tb.batch))], 0.0)
 
     def feasible(self, T: float) -> bool:
