@@ -96,6 +96,19 @@ def test_a_budget_too_small_for_the_baselines_scores_a_prefix_of_them():
     assert r.bound.iteration_time_s < lower_bound(prob).iteration_time_s  # the full bisection is tighter
 
 
+def test_a_spent_budget_scores_baselines_until_one_fits():
+    """A model that data parallelism cannot hold still gets a plan at a budget already spent:
+    the baselines are scored in their order until one fits in memory."""
+    g = layered_graph([(1.0, 2000, 1.0)] * 8, batch_size=16)
+    c = toy_cluster([10.0] * 8, memory_gib=10.0)  # 16 GB of parameters: no device holds them
+    r = plan_graph(g, c, TableCostModel(graph=g, cluster=c), budget_s=1e-3, policy=False, cuts=None, workers=1)
+    scored = {x.strategy: x for x in r.candidates if x.strategy in BASELINE_ORDER}
+    first, *_ = BASELINE_ORDER
+    assert not scored[first].feasible and any(x.feasible for x in scored.values())
+    assert list(BASELINE_ORDER)[: len(scored)] == [n for n in BASELINE_ORDER if n in scored]  # a prefix
+    assert sorted([*scored, *r.budget_split["baselines_skipped"]]) == sorted(BASELINE_ORDER)
+
+
 def test_big_clusters_move_whole_tiers_first():
     prob = _prob([40.0] * 32 + [10.0] * 32, per_node=8, batch=128, groups=8)
     assert [len(t) for t in prob.tiers] == [32, 32]

@@ -238,15 +238,17 @@ class _Baselines:
 
 def _baselines(prob: Problem, until_s: float) -> _Baselines:
     """The baselines in BASELINE_ORDER, each built and simulated while it would end by until_s
-    at the time per unit of cost of those before it (the first always): a larger budget scores
-    a longer prefix of the same list."""
+    at the time per unit of cost of those before it, and until one fits in memory whatever the
+    time (a model too large for data parallelism still gets a plan): a larger budget scores a
+    longer prefix of the same list."""
     strategies: dict[str, Strategy] = {}
     candidates: dict[str, Candidate] = {}
     scores: dict[tuple, float] = {}
     simulating_s, units, begin = 0.0, 0.0, time.perf_counter()
     for name, cost in BASELINE_ORDER.items():
         now = time.perf_counter()
-        if strategies and now + (now - begin) / units * cost > until_s:
+        fits = any(c.feasible for c in candidates.values())
+        if fits and now + (now - begin) / units * cost > until_s:
             break
         units += cost
         strategies[name] = BASELINE_BUILDERS[name](prob)
