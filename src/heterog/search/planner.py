@@ -18,6 +18,7 @@ never gives a worse one. The objective chooses by time or cost, within its toler
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -232,7 +233,7 @@ class _Baselines:
     strategies: dict[str, Strategy]
     candidates: dict[str, Candidate]
     known: dict[tuple, tuple[float, Candidate]]  # what a chain starting from them need not score
-    per_call_s: float  # one simulation, on average
+    per_call_s: float  # one simulation, the median
     skipped: tuple[str, ...]  # not built before the stage's end
 
 
@@ -244,7 +245,8 @@ def _baselines(prob: Problem, until_s: float) -> _Baselines:
     strategies: dict[str, Strategy] = {}
     candidates: dict[str, Candidate] = {}
     scores: dict[tuple, float] = {}
-    simulating_s, units, begin = 0.0, 0.0, time.perf_counter()
+    simulations_s: list[float] = []
+    units, begin = 0.0, time.perf_counter()
     for name, cost in BASELINE_ORDER.items():
         now = time.perf_counter()
         fits = any(c.feasible for c in candidates.values())
@@ -254,13 +256,13 @@ def _baselines(prob: Problem, until_s: float) -> _Baselines:
         strategies[name] = BASELINE_BUILDERS[name](prob)
         t0 = time.perf_counter()
         candidates[name] = finalize(prob, strategies[name], name, scores)
-        simulating_s += time.perf_counter() - t0
+        simulations_s.append(time.perf_counter() - t0)
     known = {s.key(): (scores[s.key()], candidates[n]) for n, s in strategies.items() if s.key() in scores}
     return _Baselines(
         strategies=strategies,
         candidates=candidates,
         known=known,
-        per_call_s=simulating_s / len(strategies),
+        per_call_s=statistics.median(simulations_s),  # the first also fills the simulator's caches
         skipped=tuple(n for n in BASELINE_ORDER if n not in strategies),
     )
 
