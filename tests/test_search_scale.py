@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from heterog.search.baseline_stage import BASELINE_ORDER
 from heterog.search.baselines import BASELINE_BUILDERS, tier_dp_starts
 from heterog.search.bound import lower_bound
 from heterog.search.grouping import make_groups
@@ -45,9 +46,15 @@ def test_more_moves_with_the_same_seed_never_give_a_worse_plan():
     assert times[1] <= times[0]
 
 
+HEAVY = [(0.5, 400, 40.0)] * 10  # moving a layer's gradient or a sample's activations costs more than computing it
+
+
 def test_the_bound_is_below_every_candidate():
-    for speeds, batch in (((40.0, 10.0, 10.0, 10.0), 64), ((30.0, 30.0, 8.0, 8.0, 8.0, 8.0), 24)):
-        prob = _prob(speeds, batch=batch)
+    """The bound against the simulator on baselines and random neighbours, also where moving
+    activations between devices and splitting micro-batches cost most (its chain and port rows)."""
+    cases = (((40.0, 10.0, 10.0, 10.0), 64, LAYERS), ((30.0, 30.0, 8.0, 8.0, 8.0, 8.0), 24, LAYERS))
+    for speeds, batch, layers in (*cases, ((20.0, 16.0, 5.0, 4.0), 16, HEAVY)):
+        prob = _prob(speeds, batch=batch, layers=layers)
         bound = lower_bound(prob)
         assert bound.iteration_time_s > 0
         strategies = [b(prob) for b in BASELINE_BUILDERS.values()] + list(tier_dp_starts(prob))
@@ -76,6 +83,31 @@ def test_the_planner_ends_within_its_budget_on_64_devices():
     doc = r.to_dict()
     assert doc["bound"]["iteration_time_s"] == r.bound.iteration_time_s
     assert all(c["above_bound"] is not None and c["above_bound"] >= 0 for c in doc["candidates"])
+
+
+def test_a_budget_too_small_for_the_baselines_scores_a_prefix_of_them():
+    """At a budget already spent the planner still returns a plan: the first baseline only
+    (the rest named as skipped), and the bound falls back on one sample's chain, still below."""
+    prob = _prob([40.0] * 16 + [20.0] * 16 + [10.0] * 32, per_node=8, batch=256, layers=LAYERS * 2, groups=16)
+    r = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=1e-3, policy=False, cuts=None, workers=1)
+    first, *rest = BASELINE_ORDER
+    assert [c.strategy for c in r.candidates if c.strategy in BASELINE_ORDER] == [first]
+    assert r.budget_split["baselines_skipped"] == rest
+    assert 0 < r.bound.iteration_time_s <= r.best.predicted_iteration_time_s
+    assert r.bound.iteration_time_s < lower_bound(prob).iteration_time_s  # the full bisection is tighter
+
+
+def test_a_spent_budget_scores_baselines_until_one_fits():
+    """A model that data parallelism cannot hold still gets a plan at a budget already spent:
+    the baselines are scored in their order until one fits in memory."""
+    g = layered_graph([(1.0, 2000, 1.0)] * 8, batch_size=16)
+    c = toy_cluster([10.0] * 8, memory_gib=10.0)  # 16 GB of parameters: no device holds them
+    r = plan_graph(g, c, TableCostModel(graph=g, cluster=c), budget_s=1e-3, policy=False, cuts=None, workers=1)
+    scored = {x.strategy: x for x in r.candidates if x.strategy in BASELINE_ORDER}
+    first, *_ = BASELINE_ORDER
+    assert not scored[first].feasible and any(x.feasible for x in scored.values())
+    assert list(BASELINE_ORDER)[: len(scored)] == [n for n in BASELINE_ORDER if n in scored]  # a prefix
+    assert sorted([*scored, *r.budget_split["baselines_skipped"]]) == sorted(BASELINE_ORDER)
 
 
 def test_big_clusters_move_whole_tiers_first():

@@ -7,15 +7,27 @@ split exists, found by bisection over T on a linear programme (HiGHS via scipy),
 entry per device *tier* and group (Problem.tiers; devices of a tier are interchangeable):
 
   x[t,g]  samples of group g that tier t computes   Σ_t x[t,g] = B
-  y[t,g]  devices of tier t that compute group g    0 ≤ y ≤ n_t, y ≤ x (a sample each at least)
-  z[t,g]  their compute time                        z ≥ y·h(x/y), x ≤ y·b_max(T)
+  y[t,g]  devices of tier t that compute group g    0 ≤ y ≤ n_t, x ≤ y·b_max(T)
+  k[t,g]  their calls (a replica's micro-batches)   y ≤ k ≤ x (a sample each at least)
+  z[t,g]  their compute time                        z ≥ k·h(x/k)
   w[t,g]  the part of g's optimizer step on tier t  Σ_t w[t,g] = 1
           Σ_g z[t,g] + opt[t,g]·w[t,g] ≤ n_t·T      (a tier's devices are busy at most T each)
 
 h is a convex function below one replica's forward + backward time at b samples (the cost
-model at b = 1, 2, 4, …, B; see _under), so y·h(x/y) ≤ what y devices sharing x samples take
+model at the sizes of _sizes; see _under), so k·h(x/k) ≤ what k calls sharing x samples take
 whatever the split (Jensen). b_max(T) is the most samples one device computes in T. Per-kernel
-fixed costs make a device's first sample dear, so the LP chooses how many devices to use.
+fixed costs make a device's first sample dear, so the LP chooses how many devices and calls.
+
+The chain: every sample passes the groups of a path P through the group DAG forward and back,
+each time in one call (a task of the simulator: lower/blocks.py), so T is at least the
+average sample's chain, Σ_{g∈P} Σ_calls (m/B)·h(m) ≥ Σ_{g∈P} Σ_t c[t,g], where
+c[t,g] ≥ (x/B)·h(x/k) (Jensen on φ(b) = b·h(b), by its tangents: _tangents): many small
+calls shorten the chain and cost fixed costs; few large ones the reverse.
+
+Activations: a sample whose producer group a and consumer group b run on different devices
+sends a's tensor that b reads forward and its gradient back (lower/transfers.py); at most
+min(x[t,a], x[t,b]) of tier t's samples stay on it, and the others' bytes leave through its
+devices' ports within T (and through all ports together, with the gradients below).
 
 Communication every such plan must do: a group on y devices all-reduces its S gradient bytes,
 which sends at least (y − 1)·S bytes in all (each replica sends all but its own part of the
@@ -26,8 +38,11 @@ sum; ring, tree, hierarchical and parameter servers all do), through the devices
   u_g ≥ Σ_t y[t,g] / D_t − 1, u_g ≥ 0.
 
 Compute and communication may overlap, so they bound T side by side, not summed. Left out,
-so the bound stays below every plan: activation transfers between stages, pipeline fill and
-drain, latencies, recomputation, and memory (a split the bound uses may not fit).
+so the bound stays below every plan: the time activation transfers add to a sample's chain,
+pipeline fill and drain beyond one sample's, latencies, recomputation, and memory (a split
+the bound uses may not fit). Where it is loose: a tier's devices count as one (activations
+between them are free) and y, k are fractional, so a bubble-free pipeline of small
+micro-batches over the groups looks possible where per-kernel costs make real pipelines slow.
 
 Assumptions about the cost model, both true of heterog's (cost/efficiency.py): a group's time
 never falls as its samples grow, and its time per sample never rises (kernel efficiency grows
@@ -38,6 +53,7 @@ second does not hold between two sizes only the first is used there.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,15 +65,20 @@ from heterog.hardware.cluster import Link
 from heterog.search.problem import Problem
 
 REL_TOL = 1e-2  # bisection stops when the bracket is this narrow, relative
+EVERY_SIZE_UP_TO = 16  # replicas of a few samples: where per-kernel costs make h bend most
+SIZE_STEP = 1.5
+# the dual simplex decides most programmes in a tenth of a second but can stall near the
+# boundary of feasibility, where the interior-point method still decides in about one
+SOLVERS = (("highs-ds", 0.3), ("highs-ipm", 5.0))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Bound:
     iteration_time_s: float
     what: str = (
-        "every device busy until the end: samples split to finish at once, per-kernel costs and optimizer "
-        "steps counted, gradient bytes through ports and NICs; activation transfers, pipeline fill, "
-        "latencies and memory left out"
+        "every device busy until the end: samples split to finish at once, per-kernel costs per call, "
+        "optimizer steps, the average sample's chain through the model, gradient and activation bytes "
+        "through ports and NICs counted; pipeline fill, latencies and memory left out"
     )
 
     def within(self, iteration_time_s: float) -> float:
@@ -69,11 +90,13 @@ class Bound:
 
 
 def _sizes(batch: int) -> list[int]:
-    out, b = [], 1
-    while b < batch:
-        out.append(b)
-        b *= 2
-    return [*out, batch]
+    """The batch sizes the cost model is asked at: every one up to EVERY_SIZE_UP_TO, then
+    SIZE_STEP apart. Between two of them h falls back on the weaker rule of _under, which
+    at powers of two alone left a replica of 4 samples 11 % below its time (resnet200)."""
+    out = list(range(1, min(batch, EVERY_SIZE_UP_TO) + 1))
+    while out[-1] < batch:
+        out.append(min(batch, max(out[-1] + 1, int(out[-1] * SIZE_STEP))))
+    return out
 
 
 def _under(sizes: list[int], times: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -124,6 +147,9 @@ class _Tables:
     batch: int
     before_s: np.ndarray  # [g] the least time before any forward of group g can start
     after_s: np.ndarray  # [g] the least time after any backward of group g ends
+    path: tuple[int, ...]  # the groups of a longest path through the group DAG (one sample, fastest tier)
+    act_edges: tuple[tuple[int, int, float], ...]  # (producer, consumer, bytes per sample only it reads)
+    port_by_tier: np.ndarray  # [t] its devices' send ports together (inf: not modelled)
 
 
 def _suffix_min(x: np.ndarray) -> np.ndarray:
@@ -137,46 +163,83 @@ def _total_bandwidth(links: list[Link | None]) -> float:
     return sum(link.bandwidth_bytes_per_s for link in links if link is not None)
 
 
-def _chains(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _chains(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """Per group, the longest path over its ancestors of one sample's forward times (nothing
     of group g computes before one sample has passed them) and of its backward times (after
-    g's backward of a sample, its ancestors' must follow); fastest tier's times."""
+    g's backward of a sample, its ancestors' must follow); fastest tier's times. And the
+    groups of the longest path by one sample's forward + backward, which every sample takes."""
     before, after = np.zeros(prob.n_groups), np.zeros(prob.n_groups)
+    through, came_from = fwd1 + bwd1, [-1] * prob.n_groups
     for g in range(prob.n_groups):  # groups are in topological order
         for p in prob.preds[g]:
             before[g] = max(before[g], before[p] + fwd1[p])
             after[g] = max(after[g], after[p] + bwd1[p])
-    return before, after
+            if through[p] + fwd1[g] + bwd1[g] > through[g]:
+                through[g], came_from[g] = through[p] + fwd1[g] + bwd1[g], p
+    path, g = [], int(np.argmax(through))
+    while g >= 0:
+        path.append(g)
+        g = came_from[g]
+    return before, after, tuple(reversed(path))
 
 
-def _tables(prob: Problem) -> _Tables:
+def _exclusive_activations(prob: Problem) -> tuple[tuple[int, int, float], ...]:
+    """Per pair of groups (a, b), the bytes per sample of a's tensors that b alone (of the
+    other groups) reads: a sample whose a and b run on different devices sends them forward,
+    and their gradient comes back (lower/transfers.py). Tensors read by several groups may
+    cross once for all of them (lower/blocks.sent_once), so they are left out."""
+    owner = {name: g for g, names in enumerate(prob.groups) for name in names}
+    readers: dict[str, dict[int, float]] = {}
+    for e in prob.graph.edges:
+        a, b = owner[e.src], owner[e.dst]
+        if a != b:
+            mine = readers.setdefault(e.src, {})
+            mine[b] = max(mine.get(b, 0.0), float(e.bytes.per_sample))
+    out: dict[tuple[int, int], float] = {}
+    for src, by_group in readers.items():
+        if len(by_group) == 1:
+            ((b, nbytes),) = by_group.items()
+            out[(owner[src], b)] = out.get((owner[src], b), 0.0) + nbytes
+    return tuple((a, b, nbytes) for (a, b), nbytes in sorted(out.items()) if nbytes > 0)
+
+
+def _one_sample(prob: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Per group, one sample's forward and backward time on the fastest device class."""
+    table = prob.sim_cache.cost_table(prob.graph, prob.costs)
+    one = np.array([[table.times_s(tuple(names), rep, 1) for names in prob.groups] for rep in prob.class_rep])
+    return one[:, :, 0].min(axis=0), one[:, :, 1].min(axis=0)
+
+
+def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float) -> _Tables | None:
+    """The programme's inputs; None when deadline_s passes first (a second or two at a
+    thousand devices: the cost model at every size, per class and group)."""
     c = prob.cluster
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     sizes = _sizes(prob.batch_size)
     by_class: dict[int, list] = {}
-    under, opt = [], np.zeros((len(prob.tiers), prob.n_groups))
-    fwd1 = np.full(prob.n_groups, np.inf)
-    bwd1 = np.full(prob.n_groups, np.inf)
-    for t, devs in enumerate(prob.tiers):
+    tiers = prob.tiers
+    under, opt = [], np.zeros((len(tiers), prob.n_groups))
+    for t, devs in enumerate(tiers):
         rep = prob.device_names[devs[0]]
         cls = int(prob.dev_class[devs[0]])
         if cls not in by_class:
-            rows = []
-            for g, names in enumerate(prob.groups):
-                one = table.times_s(tuple(names), rep, 1)
-                fwd1[g], bwd1[g] = min(fwd1[g], one[0]), min(bwd1[g], one[1])
-                times = [sum(table.times_s(tuple(names), rep, b)) for b in sizes]
-                rows.append(_under(sizes, times))
-            by_class[cls] = rows
+            if time.perf_counter() >= deadline_s:
+                return None
+            by_class[cls] = [
+                _under(sizes, [sum(table.times_s(tuple(names), rep, b)) for b in sizes]) for names in prob.groups
+            ]
         under.append(by_class[cls])
         opt[t] = [table.optimizer_s(tuple(names), rep) for names in prob.groups]
-    before, after = _chains(prob, fwd1, bwd1)
+    before, after, path = _chains(prob, fwd1, bwd1)
     node = {n.name: n for n in c.nodes}
-    per_node = np.array([len(node[c.devices[devs[0]].node].devices) for devs in prob.tiers], dtype=float)
+    per_node = np.array([len(node[c.devices[devs[0]].node].devices) for devs in tiers], dtype=float)
     port = _total_bandwidth([c.links.get(c.port(d.name, "up")) for d in c.devices])
+    port_by_tier = np.array(
+        [_total_bandwidth([c.links.get(c.port(c.devices[d].name, "up")) for d in devs]) for devs in tiers]
+    )
     nic = _total_bandwidth([c.links.get(c.nic(n.name, "up")) for n in c.nodes])
     return _Tables(
-        n=np.array([len(d) for d in prob.tiers], dtype=float),
+        n=np.array([len(d) for d in tiers], dtype=float),
         per_node=per_node,
         under=under,
         opt_s=opt,
@@ -186,72 +249,128 @@ def _tables(prob: Problem) -> _Tables:
         batch=prob.batch_size,
         before_s=before,
         after_s=after,
+        path=path,
+        act_edges=_exclusive_activations(prob),
+        port_by_tier=port_by_tier,
     )
+
+
+def _tangents(knots: np.ndarray, edges: np.ndarray) -> list[tuple[float, float]]:
+    """Lines below the perspective k·φ(x/k) of φ(b) = b·h(b), as (coefficient of x, of k):
+    φ is convex where h is convex and non-decreasing, so at any b0 and any slope m of h there,
+    k·φ(x/k) ≥ (h(b0) + b0·m)·x − b0²·m·k (the tangent of φ at b0, scaled by k). Taken at
+    the knots and inside each edge, where φ is quadratic."""
+    out: list[tuple[float, float]] = []
+    for i, (q, m) in enumerate(edges):
+        lo = float(knots[i]) if len(knots) > 1 else float(knots[0])
+        hi = float(knots[i + 1]) if len(knots) > 1 else lo
+        for b0 in np.unique([lo, 0.5 * (lo + hi), hi]):
+            out.append(((q + m * b0) + b0 * m, -b0 * b0 * m))
+    return out
 
 
 class _Programme:
     """The LP of the module docstring, built once; feasible(T) sets what depends on T (each
-    device's most samples, the tiers' and links' capacities) and solves it."""
+    device's most samples, the tiers' and links' capacities, the chain's length) and solves it."""
+
+    KINDS = 6  # x, y, z, w, k (calls), c (the part of the average sample's chain) per (t, g)
 
     def __init__(self, tb: _Tables):
         self.tb = tb
         n_t, n_g = tb.opt_s.shape
-        self.nv = nv = 4 * n_t * n_g + n_g  # x, y, z, w per (t, g), then u per g
-
-        def v(kind: int, t: int, g: int) -> int:
-            return (kind * n_t + t) * n_g + g
-
-        rows: list[int] = []
-        cols: list[int] = []
-        data: list[float] = []
-        rhs: list[float] = []
-
-        def row(entries: list[tuple[int, float]], bound: float) -> int:
-            for col, val in entries:
-                rows.append(len(rhs))
-                cols.append(col)
-                data.append(val)
-            rhs.append(bound)
-            return len(rhs) - 1
-
+        self.stay0 = self.KINDS * n_t * n_g + n_g  # after u per g: samples that stay per (t, edge)
+        self.nv = nv = self.stay0 + n_t * len(tb.act_edges)
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.entries: list[float] = []
+        self.bounds: list[float] = []
         self.cap_entries: list[tuple[int, int, int]] = []  # (index into data, t, g) of −b_max(T)
         self.tier_rows: list[int] = []
         self.late_rows: list[tuple[int, int, int]] = []  # (row, tier, group)
         for t in range(n_t):
             for g in range(n_g):
-                x, y, z = v(0, t, g), v(1, t, g), v(2, t, g)
-                for q, m in tb.under[t][g][2]:
-                    row([(y, q), (x, m), (z, -1.0)], 0.0)  # z ≥ y·h(x/y), one edge of h at a time
-                row([(y, 1.0), (x, -1.0)], 0.0)
-                self.cap_entries.append((len(data) + 1, t, g))
-                row([(x, 1.0), (y, 0.0)], 0.0)
-            entries = [(v(2, t, g), 1.0) for g in range(n_g)] + [(v(3, t, g), tb.opt_s[t, g]) for g in range(n_g)]
-            self.tier_rows.append(row(entries, 0.0))
+                self._split_rows(t, g)
+            work = [(self.v(2, t, g), 1.0) for g in range(n_g)] + [
+                (self.v(3, t, g), tb.opt_s[t, g]) for g in range(n_g)
+            ]
+            self.tier_rows.append(self.row(work, 0.0))
             # a device's work on groups g, g+1, … lies between the least of their before_s and
             # the end less the least of their after_s
             for g in range(1, n_g):
-                self.late_rows.append((row([(v(2, t, k), 1.0) for k in range(g, n_g)], 0.0), t, g))
+                self.late_rows.append((self.row([(self.v(2, t, k), 1.0) for k in range(g, n_g)], 0.0), t, g))
+        self.chain_row = self.row([(self.v(5, t, g), 1.0) for t in range(n_t) for g in tb.path], 0.0)
+        self.tier_port_rows = self._activation_rows()
         S = tb.grad_bytes
         self.port_row = self.nic_row = None
         if np.isfinite(tb.port_bytes_per_s):
-            self.port_row = row([(v(1, t, g), S[g]) for t in range(n_t) for g in range(n_g)], 0.0)
+            per_s = 1.0 / tb.port_bytes_per_s  # rows in seconds, not bytes: HiGHS stalls on 1e9 coefficients
+            stays = [(self.stay0 + i, -2.0 * a * per_s) for i, (t, (_, _, a)) in enumerate(self._stays())]
+            grads = [(self.v(1, t, g), S[g] * per_s) for t in range(n_t) for g in range(n_g)]
+            self.port_row = self.row(grads + stays, 0.0)
         if np.isfinite(tb.nic_bytes_per_s):
-            u0 = 4 * n_t * n_g
+            u0 = self.KINDS * n_t * n_g
             for g in range(n_g):
-                row([(v(1, t, g), 1.0 / tb.per_node[t]) for t in range(n_t)] + [(u0 + g, -1.0)], 1.0)
-            self.nic_row = row([(u0 + g, S[g]) for g in range(n_g)], 0.0)
-        self.rows, self.cols = np.array(rows), np.array(cols)
-        self.data, self.rhs = np.array(data), np.array(rhs)
+                self.row([(self.v(1, t, g), 1.0 / tb.per_node[t]) for t in range(n_t)] + [(u0 + g, -1.0)], 1.0)
+            self.nic_row = self.row([(u0 + g, S[g] / tb.nic_bytes_per_s) for g in range(n_g)], 0.0)
+        self.data, self.rhs = np.array(self.entries), np.array(self.bounds)
         eq_rows = [g for _ in range(n_t) for g in range(n_g)]
-        eq_cols_x = [v(0, t, g) for t in range(n_t) for g in range(n_g)]
-        eq_cols_w = [v(3, t, g) for t in range(n_t) for g in range(n_g)]
+        eq_cols_x = [self.v(0, t, g) for t in range(n_t) for g in range(n_g)]
+        eq_cols_w = [self.v(3, t, g) for t in range(n_t) for g in range(n_g)]
         self.a_eq = coo_matrix(
             ([1.0] * (2 * n_t * n_g), (eq_rows + [n_g + g for g in eq_rows], eq_cols_x + eq_cols_w)),
             shape=(2 * n_g, nv),
         )
         self.b_eq = [float(tb.batch)] * n_g + [1.0] * n_g
-        self.y = [v(1, t, g) for t in range(n_t) for g in range(n_g)]
+        self.y = [self.v(1, t, g) for t in range(n_t) for g in range(n_g)]
         self.w = eq_cols_w
+
+    def v(self, kind: int, t: int, g: int) -> int:
+        n_t, n_g = self.tb.opt_s.shape
+        return (kind * n_t + t) * n_g + g
+
+    def row(self, entries: list[tuple[int, float]], bound: float) -> int:
+        """One row Σ coefficient·variable ≤ bound; returns its index."""
+        for col, val in entries:
+            self.rows.append(len(self.bounds))
+            self.cols.append(col)
+            self.entries.append(val)
+        self.bounds.append(bound)
+        return len(self.bounds) - 1
+
+    def _stays(self) -> list[tuple[int, tuple[int, int, float]]]:
+        return [(t, e) for t in range(self.tb.opt_s.shape[0]) for e in self.tb.act_edges]
+
+    def _activation_rows(self) -> list[int]:
+        """Activations that must cross: of the samples of edge (a, b), those whose a and b run on
+        one device stay, at most min(x[t,a], x[t,b]) on entry t; the others send the edge's bytes
+        forward from a's device and their gradient back from b's, through the senders' ports.
+        Returns each entry's port row (−1 where its ports are not modelled)."""
+        tb = self.tb
+        sends: dict[int, list[tuple[int, float]]] = {}
+        for i, (t, (a, b, nbytes)) in enumerate(self._stays()):
+            stay = self.stay0 + i
+            self.row([(stay, 1.0), (self.v(0, t, a), -1.0)], 0.0)
+            self.row([(stay, 1.0), (self.v(0, t, b), -1.0)], 0.0)
+            per_s = nbytes / tb.port_by_tier[t]  # seconds per sample through the entry's ports
+            sends.setdefault(t, []).extend([(self.v(0, t, a), per_s), (self.v(0, t, b), per_s), (stay, -2.0 * per_s)])
+        n_t = tb.opt_s.shape[0]
+        return [self.row(sends[t], 0.0) if t in sends and np.isfinite(tb.port_by_tier[t]) else -1 for t in range(n_t)]
+
+    def _split_rows(self, t: int, g: int) -> None:
+        """The rows of tier t's part of group g: its k calls (one per replica and micro-batch,
+        each of one sample at least, on y ≤ k devices) cost z ≥ k·h(x/k) in all (Jensen), each
+        device's part fits its window, and its calls' part of the average sample's chain is
+        c ≥ Σ_calls (m/B)·h(m) ≥ (x/B)·h(x/k) (Jensen again, on φ)."""
+        x, y, z, k, c = (self.v(kind, t, g) for kind in (0, 1, 2, 4, 5))
+        knots, _, edges = self.tb.under[t][g]
+        for q, m in edges:
+            self.row([(k, q), (x, m), (z, -1.0)], 0.0)  # z ≥ k·h(x/k), one edge of h at a time
+        self.row([(y, 1.0), (k, -1.0)], 0.0)
+        self.row([(k, 1.0), (x, -1.0)], 0.0)
+        self.cap_entries.append((len(self.entries) + 1, t, g))
+        self.row([(x, 1.0), (y, 0.0)], 0.0)
+        for on_x, on_k in _tangents(knots, edges):
+            self.row([(x, on_x), (k, on_k), (c, -float(self.tb.batch))], 0.0)
 
     def feasible(self, T: float) -> bool:
         """Is there a split that finishes within T?"""
@@ -266,23 +385,37 @@ class _Programme:
             data[i] = -cap
             bounds[col] = (0.0, 0.0 if cap == 0 else float(tb.n[t]))
         rhs[self.tier_rows] = tb.n * T
+        rhs[self.chain_row] = T
         wait = _suffix_min(tb.before_s) + _suffix_min(tb.after_s)
         for r, t, g in self.late_rows:
             rhs[r] = tb.n[t] * (T - wait[g])
+        rhs[[r for r in self.tier_port_rows if r >= 0]] = T
         if self.port_row is not None:
-            rhs[self.port_row] = T * tb.port_bytes_per_s + tb.grad_bytes.sum()
+            crossing = 2.0 * tb.batch * sum(a for _, _, a in tb.act_edges)  # if no sample stayed
+            rhs[self.port_row] = T + (tb.grad_bytes.sum() - crossing) / tb.port_bytes_per_s
         if self.nic_row is not None:
-            rhs[self.nic_row] = T * tb.nic_bytes_per_s
-        a_ub = coo_matrix((data, (self.rows, self.cols)), shape=(len(rhs), self.nv))
-        res = linprog(
-            np.zeros(self.nv), A_ub=a_ub, b_ub=rhs, A_eq=self.a_eq, b_eq=self.b_eq, bounds=bounds, method="highs"
-        )
-        return res.status != 2  # 2: infeasible; anything else counts as feasible, so the bound stays low
+            rhs[self.nic_row] = T
+        a_ub = coo_matrix((data, (np.array(self.rows), np.array(self.cols))), shape=(len(rhs), self.nv))
+        for method, limit_s in SOLVERS:
+            res = linprog(
+                np.zeros(self.nv),
+                A_ub=a_ub,
+                b_ub=rhs,
+                A_eq=self.a_eq,
+                b_eq=self.b_eq,
+                bounds=bounds,
+                method=method,
+                options={"time_limit": limit_s},
+            )
+            if res.status in (0, 2):
+                return res.status == 0
+        return True  # undecided counts as feasible, so the bound stays low
 
 
-def _bisect(lp: _Programme, hi: float) -> float:
-    lo = 0.0
-    while hi - lo > REL_TOL * hi:
+def _bisect(lp: _Programme, lo: float, hi: float, deadline_s: float) -> float:
+    """The least T at which the programme is feasible, to REL_TOL, or as far as the bisection
+    got by deadline_s (a perf_counter time): every infeasible T is a bound."""
+    while hi - lo > REL_TOL * hi and time.perf_counter() < deadline_s:
         mid = 0.5 * (lo + hi)
         if lp.feasible(mid):
             hi = mid
@@ -291,12 +424,21 @@ def _bisect(lp: _Programme, hi: float) -> float:
     return lo  # infeasible below lo: lo is a bound, hi is not
 
 
-def lower_bound(prob: Problem, upper_s: float | None = None) -> Bound:
+def lower_bound(prob: Problem, upper_s: float | None = None, deadline_s: float = float("inf")) -> Bound:
     """The bound of the module docstring for `prob`. upper_s: the iteration time of a plan
-    already known (the best baseline's), where the bisection starts."""
-    tb = _tables(prob)
+    already known (the best baseline's), where the bisection starts. At deadline_s (a
+    perf_counter time) the bisection stops with the best bound it has: at least one sample's
+    time through the longest path, forward and back."""
+    fwd1, bwd1 = _one_sample(prob)
+    before, after, _ = _chains(prob, fwd1, bwd1)
+    one_sample = float(np.max(before + after + fwd1 + bwd1))
+    tb = _tables(prob, fwd1, bwd1, deadline_s) if time.perf_counter() < deadline_s else None
+    if tb is None:
+        return Bound(iteration_time_s=one_sample)
     # one device of the fastest tier doing everything is always a feasible split
     hi = min(sum(float(tb.under[t][g][1][-1]) + tb.opt_s[t, g] for g in range(prob.n_groups)) for t in range(len(tb.n)))
     if upper_s is not None and upper_s > 0:
         hi = min(hi, upper_s)
-    return Bound(iteration_time_s=_bisect(_Programme(tb), hi))
+    if one_sample >= hi:
+        return Bound(iteration_time_s=hi)
+    return Bound(iteration_time_s=_bisect(_Programme(tb), one_sample, hi, deadline_s))

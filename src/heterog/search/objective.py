@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from heterog.errors import PlanError
@@ -134,10 +134,11 @@ def check_priced(cluster: Cluster, goal: Goal) -> None:
 # -- more candidates: data parallelism on fewer devices -------------------------------------------
 
 
-def subset_strategies(prob: Problem, cost_first: bool = False) -> dict[str, Strategy]:
+def subset_strategies(prob: Problem, cost_first: bool = False) -> Iterator[tuple[str, Strategy]]:
     """Data parallelism over the first k device tiers, k = 1, 2, …, the tiers sorted by speed
     and (every device priced) by price per sample; and the device cheapest per sample alone.
-    Whole-cluster sets are left out (the baselines have them). Named by what they use."""
+    Whole-cluster sets are left out (the baselines have them). Named by what they use; made
+    one at a time (pricing a thousand devices' all-reduce takes a tenth of a second)."""
     time_s = prob.device_time_per_sample_s
     tiers = list(range(len(prob.tiers)))
     orders = [sorted(tiers, key=lambda t: (time_s[prob.tiers[t][0]], t))]
@@ -152,12 +153,12 @@ def subset_strategies(prob: Problem, cost_first: bool = False) -> dict[str, Stra
         sets.update((tuple(sorted(d for t in order[:k] for d in prob.tiers[t])), None) for k in range(1, len(order)))
     if len(orders) > 1:  # the device cheapest per sample, alone
         sets[(prob.tiers[orders[0 if cost_first else 1][0]][0],)] = None
-    out: dict[str, Strategy] = {}
+    names: set[str] = set()
     for devs in list(sets)[:MAX_SUBSETS]:
         s = dp_over(prob, list(devs[: prob.batch_size]))
-        if s is not None:
-            out.setdefault(_subset_name(prob, s), s)
-    return out
+        if s is not None and (name := _subset_name(prob, s)) not in names:
+            names.add(name)
+            yield name, s
 
 
 def _subset_name(prob: Problem, s: Strategy) -> str:
@@ -177,13 +178,14 @@ def subset_candidates(
     milliseconds each at tens of devices, a second at a thousand. For the cost objective the
     subsets cheapest per sample come first."""
     seen = {s.key() for s in known}
-    subsets = subset_strategies(prob, cost_first=goal.objective == Objective.COST)
     out: dict[str, Candidate] = {}
-    for name, s in subsets.items():
-        if time.perf_counter() >= deadline_s:
-            break
+    if time.perf_counter() >= deadline_s:
+        return out
+    for name, s in subset_strategies(prob, cost_first=goal.objective == Objective.COST):
         if s.key() not in seen:
             out[name] = finalize(prob, s, name)
+        if time.perf_counter() >= deadline_s:
+            break
     return out
 
 

@@ -3,7 +3,8 @@ candidate it compared, and a lower bound beside them (the capture and the costs 
 heterog/plan_module.py).
 
 Order, every stage within one deadline (the budget): group the graph → baselines, each
-scored by the simulator → the lower bound (bound.py) → data parallelism on fewer devices
+scored by the simulator, in BASELINE_ORDER while BASELINE_SHARE of the time lasts → the lower
+bound (bound.py; its bisection stops after BOUND_SHARE of what is left) → data parallelism on fewer devices
 (objective.py subsets, in SUBSET_SHARE of the lanes' time) → search lanes (lanes.py): an annealing
 chain from the baselines ('search') and one from the GNN policy's proposals ('gnn',
 'gnn+search'), side by side in two processes where the machine has two cores, one after the
@@ -29,12 +30,12 @@ from heterog.cost.precision import precision_advice
 from heterog.errors import InfeasibleError, PlanError, did_you_mean
 from heterog.hardware.cluster import Cluster
 from heterog.hardware.spec import cluster_to_dict
-from heterog.ir.kinds import PipelineSchedule
 from heterog.ir.opgraph import OpGraph
 from heterog.ir.plan import ModelSpec, Plan
 from heterog.lower.tensor_parallel import TensorParallelSupport
 from heterog.search import explain
-from heterog.search.baselines import BASELINE_BUILDERS, BASELINES, node_dp_starts, pipeline, tier_dp_starts
+from heterog.search.baseline_stage import BASELINE_SHARE, score_baselines, search_starts
+from heterog.search.baselines import BASELINE_BUILDERS, BASELINES
 from heterog.search.bound import Bound, lower_bound
 from heterog.search.constraints import DEFAULT_CACHE, ConstraintCache, ModelCuts, violations
 from heterog.search.grouping import make_groups
@@ -64,6 +65,7 @@ GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, 
 GRID_SHARE = 0.2  # the megatron-3d grid's part of the time left after the bound (tp_moves.py)
 RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
+BOUND_SHARE = 0.25  # of the time left after the baselines: the bound's bisection (a looser bound after)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,56 +176,12 @@ def _gnn_starts(policy: Any, finetune_s: float, seed: int, fallback: Callable[[P
     return make
 
 
-def _search_starts(
-    baselines: list[Strategy] | None, warm: Sequence[Strategy] = ()
-) -> Callable[[Problem, float], Iterator[Strategy]]:
-    """The search lane's starts: a warm start's strategies first (search/warm.py: an earlier
-    plan on this cluster's devices), the baselines (None: a second chain beside the planner's own,
-    which has scored them, starts from proportional data parallelism instead), data
-    parallelism over the fastest tiers and inside each kind of node, and a 1F1B pipeline (far
-    less activation memory per stage, the way into models that no baseline fits) — made one
-    by one inside the lane, the pipeline (seconds at a thousand devices) only before its
-    deadline."""
-
-    def make(prob: Problem, deadline_s: float) -> Iterator[Strategy]:
-        yield from warm
-        yield from baselines if baselines is not None else [BASELINE_BUILDERS["proportional-dp"](prob)]
-        yield from tier_dp_starts(prob)
-        yield from node_dp_starts(prob)
-        if time.perf_counter() < deadline_s:
-            yield pipeline(prob, PipelineSchedule.ONE_F_ONE_B)
-
-    return make
-
-
 def _other_lane(policy: Any, seed: int, finetune_s: float, parallel: bool) -> Lane | None:
     """The lane a forked process runs: the GNN's, or on two cores a second search chain."""
     if _has_policy(policy):
-        starts = _gnn_starts(policy, finetune_s, seed, _search_starts(None))
+        starts = _gnn_starts(policy, finetune_s, seed, search_starts(None))
         return Lane(name="gnn+search", seed=seed + 1, starts=starts, start_name="gnn")
-    return Lane(name="search", seed=seed + 1, starts=_search_starts(None)) if parallel else None
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Baselines:
-    strategies: dict[str, Strategy]
-    candidates: dict[str, Candidate]
-    known: dict[tuple, tuple[float, Candidate]]  # what a chain starting from them need not score
-    per_call_s: float  # one simulation, on average
-
-
-def _baselines(prob: Problem) -> _Baselines:
-    strategies = {name: build(prob) for name, build in BASELINE_BUILDERS.items()}
-    t0 = time.perf_counter()
-    scores: dict[tuple, float] = {}
-    candidates = {name: finalize(prob, s, name, scores) for name, s in strategies.items()}
-    known = {s.key(): (scores[s.key()], candidates[n]) for n, s in strategies.items() if s.key() in scores}
-    return _Baselines(
-        strategies=strategies,
-        candidates=candidates,
-        known=known,
-        per_call_s=(time.perf_counter() - t0) / len(strategies),
-    )
+    return Lane(name="search", seed=seed + 1, starts=search_starts(None)) if parallel else None
 
 
 def _run_lanes(
@@ -383,7 +341,7 @@ def _search(
     other = _other_lane(o.policy, o.seed, o.finetune_s, parallel)
     warm = [w for p in starts if (w := warm_start(prob, p)) is not None]
     if warm and other is not None and other.start_name is None:  # the second search chain starts warm too
-        other = replace(other, starts=_search_starts(None, warm))
+        other = replace(other, starts=search_starts(None, warm))
     kw = {"max_iters": max_iters, "use_simulator": _uses_simulator(o.scorer)}
     forked = None
     try:
@@ -391,11 +349,11 @@ def _search(
         if parallel and other is not None:
             forked = Forked(prob, other, deadline_s=deadline, **kw)
         say("baselines", 0.03)
-        base = _baselines(prob)
+        base = score_baselines(prob, _share_of(deadline, BASELINE_SHARE))
         stages.done("baselines")
         say("bound", 0.08)
         feasible = [c.iteration_time_s for c in base.candidates.values() if c.feasible]
-        bound = lower_bound(prob, upper_s=min(feasible, default=None))
+        bound = lower_bound(prob, upper_s=min(feasible, default=None), deadline_s=_share_of(deadline, BOUND_SHARE))
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s
@@ -405,8 +363,10 @@ def _search(
         subsets_end = time.perf_counter() + SUBSET_SHARE * max(0.0, deadline - reserve_s - time.perf_counter())
         subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
         stages.done("subsets")
-        lane_starts = [*base.strategies.values(), *([grid.start] if grid.start is not None else [])]
-        mine = Lane(name="search", seed=o.seed, starts=_search_starts(lane_starts, warm), known=base.known)
+        grid_start = [grid.start] if grid.start is not None else []
+        mine = Lane(
+            name="search", seed=o.seed, starts=search_starts(base.strategies, warm, grid_start), known=base.known
+        )
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
     finally:
@@ -415,6 +375,7 @@ def _search(
     split["reserve_s"] = reserve_s
     if grid.report:
         split[GRID_NAME] = grid.report
+    split["baselines_skipped"] = list(base.skipped)
     if other is not None and other.start_name and o.finetune_s > 0:
         split["finetune_s"] = f"min({o.finetune_s:g}, half the GNN lane's time)"
     stages.done("lanes")
@@ -429,9 +390,14 @@ def _search(
 def _grid(prob: Problem, end_s: float, per_call_s: float) -> GridBaseline:
     """The megatron-3d baseline (tp_moves.py) in GRID_SHARE of the time left before `end_s`
     (nothing, and nothing to report, for a model without transformer blocks)."""
-    until_s = time.perf_counter() + GRID_SHARE * max(0.0, end_s - time.perf_counter())
-    made = megatron_baseline(prob, until_s, per_call_s)
+    made = megatron_baseline(prob, _share_of(end_s, GRID_SHARE), per_call_s)
     return made if made is not None else GridBaseline(candidate=None, start=None, report={})
+
+
+def _share_of(deadline_s: float, share: float) -> float:
+    """The clock time `share` of the way from now to the deadline."""
+    now = time.perf_counter()
+    return now + share * max(0.0, deadline_s - now)
 
 
 def _lane_table(lane_stats: list[LaneStats]) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,188 @@
+"""The lower bound's tightness on paper-8gpu's CNNs: the bound, the best plan, and the least
+compute time of data parallelism, per model.
+
+For the five CNNs of plan_quality at its batch sizes on paper-8gpu: the bound
+(search/bound.py, its bisection run to the end) and the seconds it took; the best plan the
+planner finds (seed 0, a 6-s budget, tolerance 0: plan_quality's setting) and how far above
+the bound it is; and `dp_compute_s`, the least time any data-parallel plan spends computing
+(every used device runs the whole model on its share, shares continuous, communication free:
+the cost model's times under the same convex hull the bound uses). A plan near `dp_compute_s`
+is near the best data parallelism can do, however far it is from the bound: then the bound,
+not the plan, is what is loose (it admits splits of the groups over the devices, pipelines
+without a bubble, that real pipelines do not reach).
+
+    python benchmarks/bound_tightness.py                        # the bound now, and the plans
+    PYTHONPATH=<an earlier heterog's src> python benchmarks/bound_tightness.py --label before --bound-only --merge \
+        --about "what that bound is"
+
+Writes benchmarks/results/bound_tightness.json (atomically; --merge keeps the rows of other
+labels) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from heterog.capture import capture_model  # noqa: E402
+from heterog.cli.output import print_table, write_json  # noqa: E402
+from heterog.cost import build_cost_model  # noqa: E402
+from heterog.hardware.spec import load_cluster  # noqa: E402
+from heterog.ir.plan import ModelSpec  # noqa: E402
+from heterog.search.bound import _b_max, _sizes, _under, lower_bound  # noqa: E402
+from heterog.search.constraints import DEFAULT_CACHE  # noqa: E402
+from heterog.search.grouping import make_groups  # noqa: E402
+from heterog.search.objective import Goal  # noqa: E402
+from heterog.search.planner import plan_graph  # noqa: E402
+from heterog.search.problem import Problem  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "bound_tightness.json"
+CLUSTER = "paper-8gpu"
+MODELS = [("vgg19", 64), ("resnet200", 32), ("inception_v3", 64), ("mobilenet_v2", 128), ("nasnet", 32)]
+BUDGET_S = 6.0
+
+
+def dp_compute_s(prob: Problem) -> float:
+    """The least T such that the devices, each computing at most the samples the whole model's
+    hull allows in T less its optimizer step, hold the batch (bisection to 0.1 %)."""
+    table = prob.sim_cache.cost_table(prob.graph, prob.costs)
+    sizes = _sizes(prob.batch_size)
+    per_class = []
+    for c, rep in enumerate(prob.class_rep):
+        times = [sum(sum(table.times_s(tuple(n), rep, b)) for n in prob.groups) for b in sizes]
+        knots, vals, _ = _under(sizes, times)
+        opt = sum(table.optimizer_s(tuple(n), rep) for n in prob.groups)
+        per_class.append((int(np.sum(prob.dev_class == c)), knots, vals, opt))
+
+    def holds(t: float) -> bool:
+        return sum(n * _b_max(k, v, t - opt) for n, k, v, opt in per_class) >= prob.batch_size
+
+    lo, hi = 0.0, min(float(v[-1]) + opt for _, _, v, opt in per_class)
+    while hi - lo > 1e-3 * hi:
+        lo, hi = (lo, (lo + hi) / 2) if holds((lo + hi) / 2) else ((lo + hi) / 2, hi)
+    return hi
+
+
+def run_model(model: str, batch: int, bound_only: bool) -> dict:
+    graph = capture_model(model, None, batch_size=batch)
+    spec = ModelSpec(name=model, args={}, batch_size=batch, seq_len=None)
+    cuts = DEFAULT_CACHE.get(spec)
+    cluster = load_cluster(CLUSTER)
+    costs = build_cost_model(graph, cluster, precision="fp32", optimizer="sgd")
+    prob = Problem(
+        graph=graph,
+        cluster=cluster,
+        costs=costs,
+        groups=make_groups(graph, cluster, costs, 32, cuts),
+        batch_size=batch,
+        model_spec=spec,
+        cuts=cuts,
+    )
+    t = time.perf_counter()
+    bound = lower_bound(prob)
+    row = {
+        "model": model,
+        "batch_size": batch,
+        "cluster": CLUSTER,
+        "bound_s": bound.iteration_time_s,
+        "bound_time_s": time.perf_counter() - t,
+    }
+    if not bound_only:
+        row["dp_compute_s"] = float(dp_compute_s(prob))
+        r = plan_graph(graph, cluster, costs, budget_s=BUDGET_S, seed=0, model_spec=spec, goal=Goal(tolerance=0.0))
+        best = r.best.predicted_iteration_time_s
+        row.update(
+            best_s=best,
+            best=r.best.strategy,
+            above_bound=best / bound.iteration_time_s - 1,
+            above_dp_compute=best / row["dp_compute_s"] - 1,
+        )
+    return row
+
+
+def _pct(v) -> str:
+    return "—" if v is None else f"{100 * v:.1f} %"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", default="after", help="names this version of the bound in the rows")
+    ap.add_argument("--bound-only", action="store_true", help="the bound and dp_compute_s, no planning")
+    ap.add_argument("--merge", action="store_true", help="keep --out's rows of other labels")
+    ap.add_argument("--about", default="this tree's", help="what the label's bound is (kept in the results file)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    begin = time.perf_counter()
+    rows = []
+    for model, batch in MODELS:
+        row = {"label": args.label, **run_model(model, batch, args.bound_only)}
+        rows.append(row)
+        print(f"{model}: bound {row['bound_s'] * 1e3:.2f} ms in {row['bound_time_s']:.2f} s", file=sys.stderr)
+    out = Path(args.out)
+    command = "python benchmarks/bound_tightness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    commands, labels = [], {}
+    if args.merge and out.exists():
+        old = json.loads(out.read_text())
+        labels = {k: v for k, v in old.get("labels", {}).items() if k != args.label}
+        rows = [r for r in old["rows"] if r["label"] != args.label] + rows
+        commands = [c for c in old["command"].split(" + ") if c.strip() != command.strip()]
+    best = {r["model"]: r for r in rows if "best_s" in r}
+    table = []
+    for r in rows:
+        plan = best.get(r["model"])
+        above = plan["best_s"] / r["bound_s"] - 1 if plan else None
+        table.append(
+            [r["label"], r["model"], r["batch_size"], f"{r['bound_s'] * 1e3:.2f}", f"{r['bound_time_s']:.2f}"]
+            + [f"{plan['best_s'] * 1e3:.2f}" if plan else "—", _pct(above)]
+            + [f"{r['dp_compute_s'] * 1e3:.2f}" if "dp_compute_s" in r else "—"]
+            + [_pct(r["above_dp_compute"]) if "above_dp_compute" in r else "—"]
+        )
+    cols = [
+        "bound",
+        "model",
+        "batch",
+        "bound ms",
+        "bound s",
+        "best plan ms",
+        "above bound",
+        "dp compute ms",
+        "above dp",
+    ]
+    print_table(f"the lower bound on {CLUSTER}", cols, table)
+    summary = {
+        "within_10_percent": {
+            r["model"]: bool(best[r["model"]]["best_s"] / r["bound_s"] - 1 <= 0.10)
+            for r in rows
+            if r["model"] in best and r["label"] == args.label
+        },
+        "total_time_s": time.perf_counter() - begin,
+        "load_average": os.getloadavg(),
+    }
+    write_json(
+        out,
+        {
+            "benchmark": "bound_tightness",
+            "command": " + ".join([*commands, command]),
+            "machine": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "summary": summary,
+            "labels": {**labels, args.label: args.about},
+            "rows": rows,
+        },
+    )
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
