@@ -146,6 +146,11 @@ def _llama_regions(path: str, block: nn.Module) -> list[_Region] | None:
     ]
 
 
+def _mlp(norm: str, column: str, row: str, hidden: int) -> _Region:
+    """An MLP's region: one column linear of `hidden` units, then the row linear."""
+    return _Region(norm=norm, columns=(column,), row=row, fused=1, heads=hidden)
+
+
 def _opt_regions(path: str, block: nn.Module) -> list[_Region] | None:
     """OPT: pre-norm unless `do_layer_norm_before` is off (then f before each column linear);
     its attention reads `num_heads` (set to the slice's)."""
@@ -164,13 +169,7 @@ def _opt_regions(path: str, block: nn.Module) -> list[_Region] | None:
             heads=int(attn.num_heads),
             attention=f"{p}self_attn",
         ),
-        _Region(
-            norm=f"{p}final_layer_norm" if pre else "",
-            columns=(f"{p}fc1",),
-            row=f"{p}fc2",
-            fused=1,
-            heads=int(_child(block, "fc1").out_features),
-        ),
+        _mlp(f"{p}final_layer_norm" if pre else "", f"{p}fc1", f"{p}fc2", int(_child(block, "fc1").out_features)),
     ]
 
 
@@ -192,13 +191,7 @@ def _bert_regions(path: str, block: nn.Module) -> list[_Region] | None:
             heads=int(attn.num_attention_heads),
             attention=f"{p}attention.self",
         ),
-        _Region(
-            norm="",
-            columns=(f"{p}intermediate.dense",),
-            row=f"{p}output.dense",
-            fused=1,
-            heads=int(_child(block, "intermediate.dense").out_features),
-        ),
+        _mlp("", f"{p}intermediate.dense", f"{p}output.dense", int(_child(block, "intermediate.dense").out_features)),
     ]
 
 
