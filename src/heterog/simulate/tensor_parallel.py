@@ -169,12 +169,15 @@ def mirror_members(
 
     def events() -> list[SimEvent]:
         firsts = list(result.events) + (collectives(result.events) if collectives is not None else [])
+        others: dict[str, list[str]] = {}  # each first rank's other members
+        for m, lead in first.items():
+            if m != lead:
+                others.setdefault(lead, []).append(m)
         out = list(firsts)
         for e in firsts:
             out += [
                 e._replace(track=m, op=e.op + index[m] * op_stride if e.op >= 0 else e.op)
-                for m, lead in first.items()
-                if lead == e.track and m != lead
+                for m in others.get(e.track, ())
             ]
         return out
 
