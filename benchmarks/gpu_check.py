@@ -17,8 +17,13 @@ error and the others still run):
            and peak memory beside both;
   shared   a 2-stage GPT-2 pipeline and a 2-replica hybrid whose two ranks share the one GPU
            (NCCL refuses two ranks on one device: they talk through gloo with host copies,
-           heterog.run(layout=DeviceLayout(share_gpus=True))), their parameters after 3 steps against
-           single-process training.
+           heterog.run(layout=DeviceLayout(share_gpus=True))), and tensor-parallel plans (GPT-2 at
+           degree 2; Llama at degree 2 × two uneven ZeRO-1 replicas, 4 ranks), their parameters
+           after 3 steps against single-process training.
+
+`--sections tests,check,shared,steps` runs only those (env always). `--deadline-s S` (default
+540): a case that would start after S seconds is skipped and listed under its section's
+`skipped`, so the JSON comes back whole from a machine lent for minutes.
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ from heterog.jsonio import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP, MEASURED = 3, 7
+START = time.perf_counter()
+DEADLINE_S = [540.0]  # set by --deadline-s
+
+
+def past_deadline() -> bool:
+    return time.perf_counter() - START > DEADLINE_S[0]
+
+
 SEQ = 8
 SMALL = {  # family → (zoo model, small args): the check's configurations
     "cnn": ("mobilenet_v2", dict(num_classes=10)),
@@ -137,6 +150,34 @@ def split_plan(
     ).validate()
 
 
+def tp_plan(model: str, args: dict, cluster: dict, *, replicas: int = 1):
+    """Tensor parallelism of degree 2 over the whole model: one set, or two sets whose
+    replicas take uneven batch shares (0.6 / 0.4) with ZeRO-1 shards unlike them (0.3 / 0.7)."""
+    from heterog.hardware.spec import cluster_from_dict
+    from heterog.ir.plan import Group, ModelSpec, Plan, Replica
+
+    devs = [d.name for d in cluster_from_dict(cluster).devices]
+    shares, shards = ((1.0,), (None,)) if replicas == 1 else ((0.6, 0.4), (0.3, 0.7))
+    group = Group(
+        name="all",
+        nodes=tuple(node_names(model, args, SEQ)),
+        sync="ring",
+        shard_stage=0 if replicas == 1 else 1,
+        replicas=tuple(
+            Replica(device=devs[2 * i], share=share, shard=shard, tp_devices=(devs[2 * i + 1],))
+            for i, (share, shard) in enumerate(zip(shares, shards))
+        ),
+    )
+    return Plan(
+        strategy="tensor-parallel",
+        model=ModelSpec(name=model, args=args, batch_size=6, seq_len=SEQ),
+        groups=(group,),
+        num_microbatches=2,
+        optimizer="sgd",
+        cluster=cluster,
+    ).validate()
+
+
 # -- sections ------------------------------------------------------------------------------------------
 def env_section(cpu: bool) -> dict[str, Any]:
     from heterog import _jit
@@ -186,9 +227,12 @@ def check_section(cpu: bool, gpu: str) -> dict[str, Any]:
     cache = BuildCache()
     cluster = one_node(gpu, 2, cpu)
     families = {"gpt2": SMALL["gpt2"]} if cpu else SMALL
-    rows = []
+    rows, skipped = [], []
     for family, (model, args) in families.items():
         for kind in ("pipeline", "hybrid"):
+            if past_deadline():
+                skipped.append(f"{family} {kind}")
+                continue
             seq = None if family == "cnn" else SEQ
             result = check(
                 split_plan(model, args, kind, cluster, seq_len=seq), device="cpu" if cpu else "cuda", cache=cache
@@ -203,7 +247,7 @@ def check_section(cpu: bool, gpu: str) -> dict[str, Any]:
                 }
             )
             print(f"check {family:8} {kind:8} {'ok' if result.ok else 'FAILED: ' + str(result.ranks)}", flush=True)
-    return {"rows": rows, "all_ok": all(r["ok"] for r in rows)}
+    return {"rows": rows, "skipped": skipped, "all_ok": all(r["ok"] for r in rows)}
 
 
 def plain_step(
@@ -271,11 +315,14 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
 
     cluster = one_node(gpu, 1, cpu)
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
-    rows = []
+    rows, skipped = [], []
     models = ModelCache()
     for model, args, batches, seq_len, optimizer in CPU_STEP_CASES if cpu else STEP_CASES:
         for batch in batches:
             for precision in ("fp32",) if cpu else ("fp32", "amp-bf16"):
+                if past_deadline():
+                    skipped.append(f"{model} b{batch} {precision}")
+                    continue
                 plan = Plan(
                     strategy="one-device",
                     model=ModelSpec(name=model, args=args, batch_size=batch, seq_len=seq_len),
@@ -327,6 +374,7 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
     overheads = [r["overhead"] for r in rows]
     return {
         "rows": rows,
+        "skipped": skipped,
         "median_overhead": statistics.median(overheads),
         "median_abs_step_prediction_error": statistics.median(abs(r["step_prediction_error"]) for r in rows),
         "median_abs_memory_prediction_error": statistics.median(
@@ -336,45 +384,69 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
 
 
 def shared_section(cpu: bool, gpu: str) -> dict[str, Any]:
+    from heterog.ir.training_config import TrainingConfig
+
+    model, args = SMALL["gpt2"]
+    cases: list[tuple[str, Any, TrainingConfig]] = [
+        (kind, split_plan(model, args, kind, one_node(gpu, 2, cpu), batch=6), TrainingConfig())
+        for kind in (("pipeline",) if cpu else ("pipeline", "hybrid"))
+    ]
+    if not cpu:  # gradients clipped so that a slice counted twice in the global norm would show
+        clip = TrainingConfig(max_grad_norm=0.5)
+        cases.append(("gpt2 tp2", tp_plan(model, args, one_node(gpu, 2, cpu)), clip))
+        llama, llama_args = SMALL["llama"]
+        cases.append(("llama tp2 x zero1 dp2", tp_plan(llama, llama_args, one_node(gpu, 4, cpu), replicas=2), clip))
+    rows, skipped = [], []
+    for name, plan, training in cases:
+        if past_deadline():
+            skipped.append(name)
+            continue
+        rows.append(shared_row(name, plan, training))
+        print(
+            f"shared {name:22} backend {rows[-1]['backend']}  max relative difference "
+            f"{rows[-1]['max_relative_difference']:.1e}",
+            flush=True,
+        )
+    return {"rows": rows, "skipped": skipped, "all_equal": all(r["equal"] for r in rows)}
+
+
+def shared_row(name: str, plan, training) -> dict[str, Any]:
+    """Run `plan` for 3 steps with its ranks on the one GPU; every rank's parameters (made
+    whole over a tensor-parallel set) against single-process training."""
     from heterog.execute.reference import reference_train
     from heterog.ir.run_request import DeviceLayout, Limits, OutputConfig, PredictionConfig
     from heterog.runs import run
 
-    model, args = SMALL["gpt2"]
-    cluster = one_node(gpu, 2, cpu)
-    rows = []
-    for kind in ("pipeline",) if cpu else ("pipeline", "hybrid"):
-        plan = split_plan(model, args, kind, cluster, batch=6)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = run(
-                plan,
-                steps=3,
-                output=OutputConfig(out_dir=tmp, dump_params=True),
-                prediction=PredictionConfig(predict=False),
-                limits=Limits(timeout_s=300),
-                layout=DeviceLayout(share_gpus=True),
-            )
-            ref = reference_train(plan, steps=3)
-            worst = 0.0
-            for rank in range(len(out.devices)):
-                for name, value in torch.load(Path(tmp) / f"params_rank{rank}.pt").items():
-                    worst = max(worst, ((value - ref[name]).norm() / ref[name].norm().clamp_min(1e-12)).item())
-        rows.append(
-            {
-                "plan": kind,
-                "backend": out.per_rank[0].backend,
-                "notes": list(out.notes),
-                "max_relative_difference": worst,
-                "equal": worst <= 1e-4,
-                "measured_iteration_time_s": out.measured_iteration_time_s,
-            }
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run(
+            plan,
+            steps=3,
+            output=OutputConfig(out_dir=tmp, dump_params=True),
+            prediction=PredictionConfig(predict=False),
+            limits=Limits(timeout_s=300),
+            layout=DeviceLayout(share_gpus=True),
+            training=training,
         )
-        print(f"shared {kind:8} backend {rows[-1]['backend']}  max relative difference {worst:.1e}", flush=True)
-    return {"rows": rows, "all_equal": all(r["equal"] for r in rows)}
+        ref = reference_train(plan, steps=3, max_grad_norm=training.max_grad_norm)
+        worst = 0.0
+        for rank in range(len(out.devices)):
+            for key, value in torch.load(Path(tmp) / f"params_rank{rank}.pt").items():
+                worst = max(worst, ((value - ref[key]).norm() / ref[key].norm().clamp_min(1e-12)).item())
+    return {
+        "plan": name,
+        "ranks": len(out.devices),
+        "backend": out.per_rank[0].backend,
+        "notes": list(out.notes),
+        "max_relative_difference": worst,
+        "equal": worst <= 1e-4,
+        "measured_iteration_time_s": out.measured_iteration_time_s,
+    }
 
 
 def main(argv: list[str]) -> int:
     cpu = "--cpu" in argv
+    if "--deadline-s" in argv:
+        DEADLINE_S[0] = float(argv[argv.index("--deadline-s") + 1])
     out_path = Path(argv[argv.index("--out") + 1]) if "--out" in argv else ROOT / "benchmarks/results/gpu_check.json"
     if not cpu and not torch.cuda.is_available():
         print("no CUDA GPU visible: run this on a GPU machine, or with --cpu for the smoke version.", file=sys.stderr)
@@ -389,9 +461,12 @@ def main(argv: list[str]) -> int:
     sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("tests", lambda: tests_section(cpu)),
         ("check", lambda: check_section(cpu, gpu)),
-        ("steps", lambda: steps_section(cpu, gpu)),
         ("shared", lambda: shared_section(cpu, gpu)),
+        ("steps", lambda: steps_section(cpu, gpu)),
     ]
+    if "--sections" in argv:  # e.g. --sections steps: a later call for what an earlier one left
+        wanted = argv[argv.index("--sections") + 1].split(",")
+        sections = [(name, fn) for name, fn in sections if name in wanted]
     failed = False
     for name, fn in sections:
         t0 = time.perf_counter()

@@ -873,6 +873,51 @@ def plan_cost(doc: dict[str, Any], short: bool) -> list[str]:
     return out
 
 
+def gpu_check(doc: dict[str, Any], short: bool) -> list[str]:
+    sec = doc["sections"]
+    env, tests, check, shared, steps = (sec[k] for k in ("env", "tests", "check", "shared", "steps"))
+    after = tests.get("after_fix", {}).get("summary", "")
+    checks = sum(r["ok"] for r in check["rows"])
+    worst = max(r["max_relative_difference"] for r in shared["rows"])
+    by = {p: [r for r in steps["rows"] if r["precision"] == p] for p in ("fp32", "amp-bf16")}
+
+    def med(rows: list[dict], key: str) -> str:
+        return pct(statistics.median(abs(r[key]) if key != "overhead" else r[key] for r in rows), key == "overhead")
+
+    out = table(
+        ["what ran on " + env["gpu_name"], "result"],
+        [
+            ["gpu-marked tests", tests["summary"] + (f"; the failed ones after the fix: {after}" if after else "")],
+            ["`heterog check --device cuda`, 6 families × pipeline / hybrid", f"{checks} of {len(check['rows'])} ok"],
+            ["ranks sharing the GPU (gloo): " + ", ".join(r["plan"] for r in shared["rows"]),
+             f"parameters after 3 steps within {worst:.1e} of single-process training"],
+            *[[f"training steps, {p} ({len(rows)} cases): heterog's executor over a plain loop; prediction's error on "
+               "step time, peak memory", f"{med(rows, 'overhead')}; {med(rows, 'step_prediction_error')}, "
+               f"{med(rows, 'memory_prediction_error')} (medians)"] for p, rows in by.items() if rows],
+        ],
+    )  # fmt: skip
+    if short:
+        return out
+    out += table(
+        ["model", "batch", "precision", "plain loop", "heterog", "overhead", "predicted", "error", "peak",
+         "predicted peak", "error"],
+        [
+            [r["model"], r["batch_size"], r["precision"], secs(r["plain_step_s"]), secs(r["heterog_step_s"]),
+             pct(r["overhead"], True), secs(r["predicted_step_s"]), pct(r["step_prediction_error"], True),
+             mib(r["plain_peak_bytes"]), mib(r["predicted_peak_bytes"]), pct(r["memory_prediction_error"], True)]
+            for r in steps["rows"]
+        ],
+    )  # fmt: skip
+    skipped = [*check.get("skipped", []), *shared.get("skipped", []), *steps.get("skipped", [])]
+    notes = [f"{env['gpu_name']}, torch {env['torch']}, CUDA {env['cuda']}."]
+    if "before_fix" in check:
+        b = check["before_fix"]
+        notes.append(f"Before the fix ({b['fix']}) the checks of {', '.join(b['failed'])} failed: {b['problem']}.")
+    if skipped:
+        notes.append(f"Past the run's deadline, not measured: {', '.join(skipped)}.")
+    return out + [" ".join(notes)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Section:
     key: str
@@ -954,6 +999,16 @@ SECTIONS = (
         render=bound_tightness,
         about="The lower bound (search/bound.py) on paper-8gpu's CNNs, before and after its chain and per-call "
         "terms, against the best plan and the least compute of data parallelism.",
+    ),
+    Section(
+        key="gpu-check",
+        title="One GPU",
+        script="benchmarks/gpu_check.py",
+        result="gpu_check.json",
+        render=gpu_check,
+        about="The one script run first on a GPU machine: the gpu-marked tests, `heterog check` on CUDA, plans "
+        "whose ranks share the GPU (tensor parallelism among them) against single-process training, and "
+        "training steps through heterog's executor beside a plain PyTorch loop and the cost model's prediction.",
     ),
     Section(
         key="prediction-accuracy",

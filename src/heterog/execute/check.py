@@ -277,6 +277,8 @@ def check_program(
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise PlanError("--device cuda: this machine has no CUDA device; check on meta (no GPU needed) or on cpu.")
+    if target.type == "cuda" and target.index is None:  # tensors made on "cuda" say cuda:<n>, and an
+        target = torch.device("cuda", torch.cuda.current_device())  # export's guards compare the names
     t0 = time.perf_counter()
     if plan.tensor_parallel:  # each sibling with its members' split (lower/tensor_parallel.py)
         maps = sibling_maps(plan)
