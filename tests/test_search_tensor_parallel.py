@@ -22,6 +22,7 @@ from heterog.ir.plan import ModelSpec
 from heterog.lower.tensor_parallel import TensorParallelSupport, executor_tensor_parallel, runnable
 from heterog.runs.elastic import replan
 from heterog.search.baselines import BASELINE_BUILDERS
+from heterog.search.bound import lower_bound
 from heterog.search.grouping import make_groups
 from heterog.search.lanes import simulator_scorer
 from heterog.search.moves import MoveContext, segments, with_placement
@@ -77,6 +78,8 @@ def test_grouping_keeps_split_regions_whole(mixed):
 
 def test_tp_move_gives_plans_the_simulator_accepts_and_prices_alike(mixed):
     ctx = MoveContext(prob=mixed, rng=random.Random(0))
+    bound = lower_bound(mixed)
+    assert bound.tensor_parallel
     degrees, undone = set(), 0
     for name in ("proportional-dp", "pipeline", "zero-uneven"):
         s = BASELINE_BUILDERS[name](mixed)
@@ -93,6 +96,7 @@ def test_tp_move_gives_plans_the_simulator_accepts_and_prices_alike(mixed):
                     assert len({mixed.cluster.device(m).gpu_type for m in r.members}) == 1
             kept = simulated(mixed, plan, simulate)  # the search's cached split inputs
             fresh = simulate(mixed.graph, mixed.cluster, plan, mixed.costs, timeline=False)
+            assert fresh.iteration_time_s >= bound.iteration_time_s  # the bound holds for split plans
             assert kept.iteration_time_s == pytest.approx(fresh.iteration_time_s, rel=1e-9)
             assert kept.peak_memory_bytes == fresh.peak_memory_bytes
             degrees.add(n.placements[a].tp_degree)
@@ -131,8 +135,8 @@ def test_planner_splits_blocks_on_nvlink_and_planning_for_a_run_keeps_to_what_ru
     r = plan_graph(graph, cluster, costs, **kw)
     assert r.best.tensor_parallel, [(c.strategy, c.iteration_time_s) for c in r.candidates]
     assert any("Megatron-style" in n for n in r.best.notes), r.best.notes
-    assert any("holds for plans without tensor parallelism" in n for n in r.best.notes)  # the bound does not split
-    assert all(c.above_bound is None for c in r.candidates if c.plan.tensor_parallel)
+    assert r.bound.tensor_parallel and any("of a lower bound" in n for n in r.best.notes), r.best.notes
+    assert all(c.above_bound >= -1e-9 for c in r.candidates if c.feasible)  # split plans above it too
     grid = next(c for c in r.candidates if c.strategy == GRID_NAME)
     assert grid.plan.tensor_parallel and r.best.predicted_iteration_time_s <= grid.iteration_time_s
     assert r.budget_split[GRID_NAME]["scored"] >= 1

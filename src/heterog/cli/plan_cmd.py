@@ -140,8 +140,8 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
     best = result["best"]
     line = f"[bold]best: {best['strategy']}[/bold] — {human_time(best['predicted_iteration_time_s'])} per iteration"
     bound = result.get("bound")
-    if bound and any("tp_devices" in g for g in best["groups"]):  # the bound does not model a split
-        line += " (no lower bound: the bound does not model tensor parallelism)"
+    if bound and not bound.get("tensor_parallel") and any("tp_devices" in g for g in best["groups"]):
+        line += " (no lower bound: it was computed for plans without tensor parallelism)"
     elif bound:
         t = best["predicted_iteration_time_s"]
         line += f", within {(t / bound['iteration_time_s'] - 1) * 100:.0f} % of the lower bound "

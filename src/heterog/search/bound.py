@@ -44,6 +44,10 @@ the bound uses may not fit). Where it is loose: a tier's devices count as one (a
 between them are free) and y, k are fractional, so a bubble-free pipeline of small
 micro-batches over the groups looks possible where per-kernel costs make real pipelines slow.
 
+Where the problem allows tensor parallelism, the rows are relaxed so that the bound holds for
+plans whose replicas are tensor-parallel sets too (bound_tp.py: a group split d ways runs in
+1/d of its time on each member; a set's d devices make its calls and sync as one replica).
+
 Assumptions about the cost model, both true of heterog's (cost/efficiency.py): a group's time
 never falls as its samples grow, and its time per sample never rises (kernel efficiency grows
 with size) — so splitting a replica's samples into micro-batches never makes it faster, and
@@ -61,7 +65,9 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
+from heterog.cost.tensor_parallel import DEGREES
 from heterog.hardware.cluster import Link
+from heterog.search.bound_tp import TpRelaxation, member_times, tp_relaxation
 from heterog.search.problem import Problem
 
 REL_TOL = 1e-2  # bisection stops when the bracket is this narrow, relative
@@ -72,9 +78,13 @@ SIZE_STEP = 1.5
 SOLVERS = (("highs-ds", 0.3), ("highs-ipm", 5.0))
 
 
+TP_WHAT = "; tensor-parallel sets counted as splitting their blocks perfectly"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Bound:
     iteration_time_s: float
+    tensor_parallel: bool = False  # the rows relaxed so that it holds for tensor-parallel plans too
     what: str = (
         "every device busy until the end: samples split to finish at once, per-kernel costs per call, "
         "optimizer steps, the average sample's chain through the model, gradient and activation bytes "
@@ -86,7 +96,8 @@ class Bound:
         return iteration_time_s / self.iteration_time_s - 1.0 if self.iteration_time_s > 0 else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"iteration_time_s": self.iteration_time_s, "what": self.what}
+        what = self.what + (TP_WHAT if self.tensor_parallel else "")
+        return {"iteration_time_s": self.iteration_time_s, "what": what, "tensor_parallel": self.tensor_parallel}
 
 
 def _sizes(batch: int) -> list[int]:
@@ -135,6 +146,12 @@ def _b_max(knots: np.ndarray, vals: np.ndarray, budget_s: float) -> float:
     return float(np.interp(budget_s, vals, knots))  # h is non-decreasing along its knots
 
 
+def _per_device(member: dict[int, tuple], window_s: float) -> float:
+    """The most samples per device when a replica has window_s for the group: b_max, or, where
+    a set of d devices may split the group, b_max of a member's hull over d, at the best d."""
+    return max(_b_max(knots, vals, window_s) / d for d, (knots, vals, _) in member.items())
+
+
 @dataclass(frozen=True, slots=True)
 class _Tables:
     n: np.ndarray  # devices per tier
@@ -150,6 +167,8 @@ class _Tables:
     path: tuple[int, ...]  # the groups of a longest path through the group DAG (one sample, fastest tier)
     act_edges: tuple[tuple[int, int, float], ...]  # (producer, consumer, bytes per sample only it reads)
     port_by_tier: np.ndarray  # [t] its devices' send ports together (inf: not modelled)
+    set_deg: np.ndarray  # [t] the widest tensor-parallel set on the tier (bound_tp.py; 1: none)
+    member: list  # [t][g] → {degree d: h's hull on a member of a set splitting g d ways} (d = 1: under)
 
 
 def _suffix_min(x: np.ndarray) -> np.ndarray:
@@ -203,32 +222,52 @@ def _exclusive_activations(prob: Problem) -> tuple[tuple[int, int, float], ...]:
     return tuple((a, b, nbytes) for (a, b), nbytes in sorted(out.items()) if nbytes > 0)
 
 
-def _one_sample(prob: Problem) -> tuple[np.ndarray, np.ndarray]:
-    """Per group, one sample's forward and backward time on the fastest device class."""
+def _one_sample(prob: Problem, tp: TpRelaxation) -> tuple[np.ndarray, np.ndarray]:
+    """Per group, one sample's forward and backward time on the fastest device class, on a
+    member of the widest set that may split it (bound_tp.member_times)."""
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
-    one = np.array([[table.times_s(tuple(names), rep, 1) for names in prob.groups] for rep in prob.class_rep])
+    widest = tp.split_deg.max(axis=0)
+    one = np.array(
+        [
+            [
+                member_times(table.times_s(tuple(names), rep, 1), table.times_s(split, rep, 1) if split else (0, 0), d)
+                for names, split, d in zip(prob.groups, tp.split_nodes, widest)
+            ]
+            for rep in prob.class_rep
+        ]
+    )
     return one[:, :, 0].min(axis=0), one[:, :, 1].min(axis=0)
 
 
-def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float) -> _Tables | None:
+def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float, tp: TpRelaxation) -> _Tables | None:
     """The programme's inputs; None when deadline_s passes first (a second or two at a
-    thousand devices: the cost model at every size, per class and group)."""
+    thousand devices: the cost model at every size, per class and group). fwd1, bwd1: one
+    sample's times per group, on a member where a set may split the group."""
     c = prob.cluster
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     sizes = _sizes(prob.batch_size)
-    by_class: dict[int, list] = {}
+    hulls: dict[tuple[int, int, int], tuple] = {}  # (class, group, degree) → h's hull on a member
     tiers = prob.tiers
-    under, opt = [], np.zeros((len(tiers), prob.n_groups))
+    under, member, opt = [], [], np.zeros((len(tiers), prob.n_groups))
+
+    def times(names: tuple[str, ...], rep: str) -> list[float]:
+        return [sum(table.times_s(names, rep, b)) for b in sizes]
+
     for t, devs in enumerate(tiers):
         rep = prob.device_names[devs[0]]
         cls = int(prob.dev_class[devs[0]])
-        if cls not in by_class:
-            if time.perf_counter() >= deadline_s:
-                return None
-            by_class[cls] = [
-                _under(sizes, [sum(table.times_s(tuple(names), rep, b)) for b in sizes]) for names in prob.groups
-            ]
-        under.append(by_class[cls])
+        if time.perf_counter() >= deadline_s and (cls, 0, 1) not in hulls:
+            return None
+        mine = []
+        for g, names in enumerate(prob.groups):
+            if (cls, g, 1) not in hulls:
+                hulls[cls, g, 1] = _under(sizes, whole := times(tuple(names), rep))
+                split = times(tp.split_nodes[g], rep) if tp.split_nodes[g] else None
+                for d in (d for d in DEGREES if d > 1 and split is not None and d <= tp.split_deg[:, g].max()):
+                    hulls[cls, g, d] = _under(sizes, member_times(whole, split, d))
+            mine.append({d: hulls[cls, g, d] for d in DEGREES if d <= tp.split_deg[t, g]})
+        under.append([m[1] for m in mine])
+        member.append(mine)
         opt[t] = [table.optimizer_s(tuple(names), rep) for names in prob.groups]
     before, after, path = _chains(prob, fwd1, bwd1)
     node = {n.name: n for n in c.nodes}
@@ -252,6 +291,8 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
         path=path,
         act_edges=_exclusive_activations(prob),
         port_by_tier=port_by_tier,
+        set_deg=tp.set_deg,
+        member=member,
     )
 
 
@@ -305,7 +346,7 @@ class _Programme:
         if np.isfinite(tb.port_bytes_per_s):
             per_s = 1.0 / tb.port_bytes_per_s  # rows in seconds, not bytes: HiGHS stalls on 1e9 coefficients
             stays = [(self.stay0 + i, -2.0 * a * per_s) for i, (t, (_, _, a)) in enumerate(self._stays())]
-            grads = [(self.v(1, t, g), S[g] * per_s) for t in range(n_t) for g in range(n_g)]
+            grads = [(self.v(1, t, g), S[g] * per_s / tb.set_deg[t]) for t in range(n_t) for g in range(n_g)]
             self.port_row = self.row(grads + stays, 0.0)
         if np.isfinite(tb.nic_bytes_per_s):
             u0 = self.KINDS * n_t * n_g
@@ -365,11 +406,12 @@ class _Programme:
         knots, _, edges = self.tb.under[t][g]
         for q, m in edges:
             self.row([(k, q), (x, m), (z, -1.0)], 0.0)  # z ≥ k·h(x/k), one edge of h at a time
-        self.row([(y, 1.0), (k, -1.0)], 0.0)
+        self.row([(y, 1.0), (k, -self.tb.set_deg[t])], 0.0)  # a set's devices make its calls together
         self.row([(k, 1.0), (x, -1.0)], 0.0)
         self.cap_entries.append((len(self.entries) + 1, t, g))
         self.row([(x, 1.0), (y, 0.0)], 0.0)
-        for on_x, on_k in _tangents(knots, edges):
+        widest = self.tb.member[t][g][max(self.tb.member[t][g])]  # a call on the widest set's member
+        for on_x, on_k in _tangents(widest[0], widest[2]):
             self.row([(x, on_x), (k, on_k), (c, -float(self.tb.batch))], 0.0)
 
     def feasible(self, T: float) -> bool:
@@ -380,8 +422,7 @@ class _Programme:
         for col in self.w:
             bounds[col] = (0.0, 1.0)
         for (i, t, g), col in zip(self.cap_entries, self.y):
-            knots, vals, _ = tb.under[t][g]
-            cap = _b_max(knots, vals, T - tb.before_s[g] - tb.after_s[g])  # a replica's window for g
+            cap = _per_device(tb.member[t][g], T - tb.before_s[g] - tb.after_s[g])
             data[i] = -cap
             bounds[col] = (0.0, 0.0 if cap == 0 else float(tb.n[t]))
         rhs[self.tier_rows] = tb.n * T
@@ -429,16 +470,18 @@ def lower_bound(prob: Problem, upper_s: float | None = None, deadline_s: float =
     already known (the best baseline's), where the bisection starts. At deadline_s (a
     perf_counter time) the bisection stops with the best bound it has: at least one sample's
     time through the longest path, forward and back."""
-    fwd1, bwd1 = _one_sample(prob)
+    relax = tp_relaxation(prob)
+    tp = relax.allowed
+    fwd1, bwd1 = _one_sample(prob, relax)
     before, after, _ = _chains(prob, fwd1, bwd1)
     one_sample = float(np.max(before + after + fwd1 + bwd1))
-    tb = _tables(prob, fwd1, bwd1, deadline_s) if time.perf_counter() < deadline_s else None
+    tb = _tables(prob, fwd1, bwd1, deadline_s, relax) if time.perf_counter() < deadline_s else None
     if tb is None:
-        return Bound(iteration_time_s=one_sample)
+        return Bound(iteration_time_s=one_sample, tensor_parallel=tp)
     # one device of the fastest tier doing everything is always a feasible split
     hi = min(sum(float(tb.under[t][g][1][-1]) + tb.opt_s[t, g] for g in range(prob.n_groups)) for t in range(len(tb.n)))
     if upper_s is not None and upper_s > 0:
         hi = min(hi, upper_s)
     if one_sample >= hi:
-        return Bound(iteration_time_s=hi)
-    return Bound(iteration_time_s=_bisect(_Programme(tb), one_sample, hi, deadline_s))
+        return Bound(iteration_time_s=hi, tensor_parallel=tp)
+    return Bound(iteration_time_s=_bisect(_Programme(tb), one_sample, hi, deadline_s), tensor_parallel=tp)

@@ -186,10 +186,10 @@ def notes(
         f"{len(plan.devices())} of {prob.n_devices} devices."
     ]
     out += list(choice)
-    if bound is not None and plan.tensor_parallel:
+    if bound is not None and plan.tensor_parallel and not bound.tensor_parallel:
         out.append(
             f"the lower bound, {human_time(bound.iteration_time_s)}, holds for plans without tensor parallelism "
-            f"(it does not model a split block), so it bounds this plan's alternatives, not this plan."
+            f"(the problem did not allow it), so it bounds this plan's alternatives, not this plan."
         )
     elif bound is not None:
         out.append(bound_note(bound, winner.iteration_time_s))

@@ -444,8 +444,8 @@ def _runnable(prob: Problem, c: Candidate, cluster_doc: dict[str, Any], bound: B
     broken = cuts is not None and violations(
         cuts, {n: gi for gi, g in enumerate(plan.groups) for n in g.nodes}, [g.replicas for g in plan.groups]
     )
-    # the bound (bound.py) does not model a split block: it bounds plans without tensor parallelism
-    above = None if plan.tensor_parallel else bound.within(c.iteration_time_s)
+    # a bound computed without tensor parallelism (the problem does not allow it) does not bound a split plan
+    above = None if plan.tensor_parallel and not bound.tensor_parallel else bound.within(c.iteration_time_s)
     return replace(c, plan=plan, feasible=c.feasible and not broken, above_bound=above)
 
 
