@@ -42,15 +42,15 @@ def simulate(
     calls that share graph, cluster and costs (the search's); a fresh one otherwise."""
     # The task graph is tens of thousands of small acyclic lists, freed by reference counting;
     # the cyclic collector would scan them (and the caches) over and over: ~30% of the time.
-    if plan.tensor_parallel:  # simulated on first ranks (simulate/tensor_parallel.py)
-        split, on_split, tp_costs = tensor_parallel_inputs(graph, cluster, plan, costs)
-        sched = build_schedule(split, cluster, on_split, tp_costs)
-        result = time_schedule(sched, timeline=timeline)
-        capacity = {d: cluster.memory_bytes(d) for d in plan.devices()}
-        return mirror_members(result, plan, tp_costs, capacity, collectives=collective_events(sched, tp_costs))
     enabled = gc.isenabled()
     gc.disable()
     try:
+        if plan.tensor_parallel:  # simulated on first ranks (simulate/tensor_parallel.py)
+            split, on_split, tp_costs = tensor_parallel_inputs(graph, cluster, plan, costs)
+            sched = build_schedule(split, cluster, on_split, tp_costs)
+            result = time_schedule(sched, timeline=timeline)
+            capacity = {d: cluster.memory_bytes(d) for d in plan.devices()}
+            return mirror_members(result, plan, tp_costs, capacity, collectives=collective_events(sched, tp_costs))
         sched = build_schedule(graph, cluster, plan, costs, cache=cache)
         return time_schedule(sched, timeline=timeline)
     finally:
