@@ -246,7 +246,9 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
     c = prob.cluster
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     sizes = _sizes(prob.batch_size)
-    hulls: dict[tuple[int, int, int], tuple] = {}  # (class, group, degree) → h's hull on a member
+    hulls: dict[tuple, tuple] = {}  # (class, group, 1) or (…, degree, links) → h's hull on a member
+    whole: dict[tuple[int, int], list[float]] = {}  # (class, group) → its time per size
+    split: dict[tuple[int, int], list[float] | None] = {}  # … of its split nodes
     tiers = prob.tiers
     under, member, opt = [], [], np.zeros((len(tiers), prob.n_groups))
 
@@ -261,11 +263,17 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
         mine = []
         for g, names in enumerate(prob.groups):
             if (cls, g, 1) not in hulls:
-                hulls[cls, g, 1] = _under(sizes, whole := times(tuple(names), rep))
-                split = times(tp.split_nodes[g], rep) if tp.split_nodes[g] else None
-                for d in (d for d in DEGREES if d > 1 and split is not None and d <= tp.split_deg[:, g].max()):
-                    hulls[cls, g, d] = _under(sizes, member_times(whole, split, d))
-            mine.append({d: hulls[cls, g, d] for d in DEGREES if d <= tp.split_deg[t, g]})
+                whole[cls, g] = times(tuple(names), rep)
+                hulls[cls, g, 1] = _under(sizes, whole[cls, g])
+                split[cls, g] = times(tp.split_nodes[g], rep) if tp.split_nodes[g] else None
+            at = tp.link[t] if tp.link else None  # a member's hull depends on its links too
+            for d in (d for d in DEGREES if 1 < d <= tp.split_deg[t, g] and split[cls, g] is not None):
+                if (cls, g, d, at) not in hulls:
+                    ar = tp.allreduce_s(t, g, d, sizes)
+                    hulls[cls, g, d, at] = _under(sizes, member_times(whole[cls, g], split[cls, g], d, ar))
+            mine.append(
+                {d: hulls[(cls, g, 1) if d == 1 else (cls, g, d, at)] for d in DEGREES if d <= tp.split_deg[t, g]}
+            )
         under.append([m[1] for m in mine])
         member.append(mine)
         opt[t] = [table.optimizer_s(tuple(names), rep) for names in prob.groups]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from heterog.cost.tensor_parallel import group_collectives, megatron_layout
 from heterog.search.problem import Problem
 from heterog.search.tp_moves import tp_applies, tp_view
 from heterog.search.tp_scoring import region_spans, split_groups
@@ -37,6 +38,20 @@ class TpRelaxation:
     set_deg: np.ndarray  # [t] the widest set on tier t (1: none)
     split_deg: np.ndarray  # [t, g] the widest degree that may split group g there (1: none)
     split_nodes: tuple[tuple[str, ...], ...]  # per group, its nodes inside split regions (the rest stays whole)
+    # per group, its split regions' all-reduces per call: (how many, their bytes: fixed, per sample)
+    allreduces: tuple[tuple[int, float, float], ...] = ()
+    link: tuple[tuple[float, float], ...] = ()  # per tier, (latency s, s per byte) between two devices of a node
+
+    def allreduce_s(self, t: int, g: int, degree: int, samples: list[int]) -> list[float]:
+        """Per size, the least time a member spends in group g's all-reduces split `degree` ways
+        on tier t: each a ring of 2(d − 1) steps, each step at least one link's latency and
+        1/d of the bytes (cost/tensor_parallel.py prices the same rings over the set's links)."""
+        if degree <= 1 or not self.allreduces or not self.allreduces[g][0]:
+            return [0.0] * len(samples)
+        count, fixed, per_sample = self.allreduces[g]
+        latency, per_byte = self.link[t]
+        steps = 2 * (degree - 1)
+        return [steps * (count * latency + (fixed + per_sample * m) / degree * per_byte) for m in samples]
 
     @property
     def allowed(self) -> bool:
@@ -62,10 +77,44 @@ def tp_relaxation(prob: Problem) -> TpRelaxation:
         () if g in shared else tuple(n for n in group if n in in_region) for g, group in enumerate(prob.groups)
     )
     splits = np.array([bool(nodes) for nodes in split_nodes])
-    return TpRelaxation(sets, np.where(splits[None, :], sets[:, None], 1.0), split_nodes)
+    return TpRelaxation(
+        sets,
+        np.where(splits[None, :], sets[:, None], 1.0),
+        split_nodes,
+        allreduces=_allreduces(prob, split_nodes),
+        link=tuple(_inside_node(prob, devs) for devs in tiers),
+    )
 
 
-def member_times(whole: list[float], split: list[float], degree: float) -> list[float]:
+def _allreduces(prob: Problem, split_nodes: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, float, float], ...]:
+    """Per group, the all-reduces a split adds per call (cost/tensor_parallel.group_collectives,
+    vocabulary whole as heterog's plans keep it): how many, and their bytes, affine in samples."""
+    layout = megatron_layout(prob.graph, vocab_parallel=False)
+    precision = getattr(prob.costs, "precision", "fp32")
+    owner = {n: g for g, nodes in enumerate(split_nodes) for n in nodes}
+    out = [[0, 0.0, 0.0] for _ in split_nodes]
+    for c in group_collectives(prob.graph, layout, precision):
+        g = owner.get(c.node)
+        if g is not None:
+            out[g][0] += 1
+            out[g][1] += c.elements.fixed * c.element_bytes
+            out[g][2] += c.elements.per_sample * c.element_bytes
+    return tuple((int(n), f, p) for n, f, p in out)
+
+
+def _inside_node(prob: Problem, devs: tuple[int, ...]) -> tuple[float, float]:
+    """(latency, seconds per byte) between two devices of one of the tier's nodes; (0, 0)
+    where no node holds two of them (no set there)."""
+    by_node: dict[int, int] = {}
+    for d in devs:
+        if int(prob.node_idx[d]) in by_node:
+            return prob.pair_cost(by_node[int(prob.node_idx[d])], d)
+        by_node[int(prob.node_idx[d])] = d
+    return 0.0, 0.0
+
+
+def member_times(whole, split, degree: float, allreduce=None) -> list[float]:
     """A member's time of a group split `degree` ways, at least: the whole nodes' time plus
-    1/degree of the split nodes' (each list per batch size)."""
-    return [w - s + s / degree for w, s in zip(whole, split)]
+    1/degree of the split nodes' plus its all-reduces (each a list per batch size)."""
+    extra = allreduce if allreduce is not None else [0.0] * len(whole)
+    return [w - s + s / degree + a for w, s, a in zip(whole, split, extra)]
