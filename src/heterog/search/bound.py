@@ -78,7 +78,7 @@ SIZE_STEP = 1.5
 SOLVERS = (("highs-ds", 0.3), ("highs-ipm", 5.0))
 
 
-TP_WHAT = "; tensor-parallel sets counted as splitting their blocks perfectly"
+TP_WHAT = "; a tensor-parallel member: its split nodes at 1/d of their time, the all-reduces at their least"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -164,7 +164,7 @@ def accumulation_note(plan: Plan) -> str:
 def bound_note(bound: Bound, iteration_time_s: float) -> str:
     return (
         f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
-        f"that no plan beats ({bound.what})."
+        f"that no plan beats ({bound.to_dict()['what']})."
     )
 
 
