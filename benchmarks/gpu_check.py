@@ -28,6 +28,7 @@ error and the others still run):
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import socket
@@ -252,6 +253,16 @@ def check_section(cpu: bool, gpu: str) -> dict[str, Any]:
     return {"rows": rows, "skipped": skipped, "all_ok": all(r["ok"] for r in rows)}
 
 
+def released(device: torch.device) -> int:
+    """Free what earlier measurements left (collected objects, the allocator's cache) and
+    return the bytes still allocated on the GPU: a peak measured next includes them."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated(device))
+
+
 def plain_step(
     model: str, args: dict, batch: int, seq_len: int | None, optimizer: str, precision: str, device: torch.device
 ) -> tuple[float, int]:
@@ -318,7 +329,6 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
     cluster = one_node(gpu, 1, cpu)
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
     rows, skipped = [], []
-    models = ModelCache()
     for model, args, batches, seq_len, optimizer in CPU_STEP_CASES if cpu else STEP_CASES:
         for batch in batches:
             for precision in ("fp32",) if cpu else ("fp32", "amp-bf16"):
@@ -339,8 +349,12 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
                     precision=precision,
                     cluster=cluster,
                 ).validate()
+                resident = released(device)
                 t_plain, m_plain = plain_step(model, args, batch, seq_len, optimizer, precision, device)
-                t_het, m_het = heterog_step(plan, cpu, models)
+                resident = max(resident, released(device))
+                # a fresh model cache per case: a cached model stays on the GPU and would count in
+                # the next case's peaks
+                t_het, m_het = heterog_step(plan, cpu, ModelCache())
                 pred = predict(
                     model,
                     model_args=args,
@@ -358,6 +372,7 @@ def steps_section(cpu: bool, gpu: str) -> dict[str, Any]:
                     "plain_step_s": t_plain,
                     "heterog_step_s": t_het,
                     "overhead": t_het / t_plain - 1,
+                    "resident_bytes_before": resident,  # allocated before the measurements began
                     "plain_peak_bytes": m_plain,
                     "heterog_peak_bytes": m_het,
                     "predicted_step_s": pred["iteration_time_s"],

@@ -884,6 +884,9 @@ def gpu_check(doc: dict[str, Any], short: bool) -> list[str]:
     def med(rows: list[dict], key: str) -> str:
         return pct(statistics.median(abs(r[key]) if key != "overhead" else r[key] for r in rows), key == "overhead")
 
+    def memory(rows: list[dict]) -> str:  # a run whose peaks held other cases' models says so
+        return "not comparable (see below)" if "memory_note" in steps else med(rows, "memory_prediction_error")
+
     out = table(
         ["what ran on " + env["gpu_name"], "result"],
         [
@@ -893,9 +896,13 @@ def gpu_check(doc: dict[str, Any], short: bool) -> list[str]:
              f"parameters after 3 steps within {worst:.1e} of single-process training"],
             *[[f"training steps, {p} ({len(rows)} cases): heterog's executor over a plain loop; prediction's error on "
                "step time, peak memory", f"{med(rows, 'overhead')}; {med(rows, 'step_prediction_error')}, "
-               f"{med(rows, 'memory_prediction_error')} (medians)"] for p, rows in by.items() if rows],
+               f"{memory(rows)} (medians)"] for p, rows in by.items() if rows],
         ],
     )  # fmt: skip
+    if "memory_note" in steps and short:
+        out.append("Peak memory: this run's peaks also held earlier cases' models (the script's cache, since fixed).")
+    elif "memory_note" in steps:
+        out.append(f"Peak memory in this run: {steps['memory_note']}")
     if short:
         return out
     out += table(
