@@ -218,6 +218,17 @@ def slice_batch(value: Any, start: int, stop: int) -> Any:
     return value
 
 
+def own_slice(value: Any, start: int, stop: int, device: torch.device) -> Any:
+    """Samples [start, stop) of a batch copied onto `device` as storage of their own (a copy
+    on the CPU too): a rank holds on its device only the samples an instruction computes, and
+    an input autograd saves for backward does not keep the whole batch alive (the memory model
+    counts a replica's share, not the global batch)."""
+    return tree_map(
+        lambda x: x.to(device, copy=True, non_blocking=True) if isinstance(x, torch.Tensor) else x,
+        slice_batch(value, start, stop),
+    )
+
+
 # The optimizer every rank and the reference share without training options; plans name only
 # the kind (heterog/training.py holds the recipe with the user's options).
 SGD_LR = DEFAULT_LR["sgd"]

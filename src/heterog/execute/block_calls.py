@@ -21,7 +21,7 @@ from heterog.execute.graph_cut import Boundary, GradientSlot, Sink
 from heterog.execute.stage_map import unit_of
 from heterog.execute.step_modes import StepMode
 from heterog.lower.program import Compute, InputPiece, Program
-from heterog.workload import Workload, slice_batch
+from heterog.workload import Workload, own_slice
 
 
 @dataclass(kw_only=True)
@@ -110,7 +110,7 @@ class BlockCalls:
         owner, m = self.flow.owner[v], unit_of(ins, len(self.mb_offsets) - 1)
         if owner == INPUT:
             lo = self.mb_offsets[ins.microbatch]
-            return slice_batch(self._inputs[v], lo + ins.lo, lo + ins.hi), None
+            return own_slice(self._inputs[v], lo + ins.lo, lo + ins.hi, self.rank_device.torch_device), None
         a = self.block_of_group[owner]
         if self.run_of[a] == self.run_of[ins.block]:  # same fused run: held here whole
             local = self._value(v, m)
@@ -186,7 +186,7 @@ class BlockCalls:
         if flow.projections.get(flow.output, (flow.output,))[0] == s.value:
             y = self._value(flow.output, m)
             lo = self.mb_offsets[ins.microbatch]
-            target = slice_batch(self._targets, lo + ins.lo, lo + ins.hi)
+            target = own_slice(self._targets, lo + ins.lo, lo + ins.hi, self.rank_device.torch_device)
             if self.mode is StepMode.EVALUATE:
                 if self.reports_loss:
                     take_metrics(self, y, target, ins.hi - ins.lo)

@@ -89,10 +89,11 @@ class TrainingHooks:
         for sched in [ex.scheduler, *ex.sync.runner.schedulers]:
             advance(sched, first_step)
 
-    def batches(self, work: Workload, batch_size: int, step: int, device: torch.device) -> list:
-        """The global batches of optimizer step `step`, on the rank's device."""
+    def batches(self, work: Workload, batch_size: int, step: int) -> list:
+        """The global batches of optimizer step `step`, on the host: each compute copies the
+        samples it reads onto the rank's device (workload.own_slice), not the whole batch."""
         n = self.config.accumulate
-        return [to_device(global_batch(work, batch_size, seed=self.seed, step=step * n + j), device) for j in range(n)]
+        return [global_batch(work, batch_size, seed=self.seed, step=step * n + j) for j in range(n)]
 
     def train(self, ex: Interpreter, batches: list) -> float:
         """One optimizer step over the batches; this rank's share of the mean loss."""

@@ -357,7 +357,7 @@ def _train_step(
     rank, ex = setup.rank, setup.interpreter
     progress.write_text(str(step))
     inject_fault(spec.fault, rank, step, spec.timeout_s)
-    batches = hooks.batches(setup.work, setup.plan.batch_size, step, rdev.torch_device)  # [train] --accumulate
+    batches = hooks.batches(setup.work, setup.plan.batch_size, step)  # [train] --accumulate
     dist.barrier()
     for p in setup.params:
         p.grad = None
