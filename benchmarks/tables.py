@@ -900,7 +900,7 @@ def gpu_check(doc: dict[str, Any], short: bool) -> list[str]:
         ],
     )  # fmt: skip
     if "memory_note" in steps and short:
-        out.append("Peak memory: this run's peaks also held earlier cases' models (the script's cache, since fixed).")
+        out.append("Peak memory: this run's peaks include earlier cases' models, kept on the GPU by its cache.")
     elif "memory_note" in steps:
         out.append(f"Peak memory in this run: {steps['memory_note']}")
     if short:
