@@ -125,7 +125,7 @@ def _buffers(ex: Any) -> list[torch.Tensor]:
     return [b for st in ex.flow.stages for b in st.module.buffers()]
 
 
-def evaluate(ex: Any, batches: list, evaluate_fn: Any, to_device: Any) -> dict[str, float]:
+def evaluate(ex: Any, batches: list, evaluate_fn: Any) -> dict[str, float]:
     """Run the batches forward-only through the interpreter `ex` (every rank at once) and
     return the metrics' means over their samples (the same on every rank)."""
     saved = [b.detach().clone() for b in _buffers(ex)]
@@ -133,7 +133,7 @@ def evaluate(ex: Any, batches: list, evaluate_fn: Any, to_device: Any) -> dict[s
     with ex.aside():
         try:
             for inputs, targets in batches:
-                ex.step(*to_device((inputs, targets)), mode=StepMode.EVALUATE)
+                ex.step(inputs, targets, mode=StepMode.EVALUATE)  # on the host: computes copy their samples
         finally:
             with torch.no_grad():
                 for buf, kept in zip(_buffers(ex), saved):

@@ -24,7 +24,7 @@ from heterog.execute.step_modes import StepMode
 from heterog.ir.plan import Plan, user_model_file
 from heterog.ir.training_config import TrainingConfig
 from heterog.training import Recipe, UserTraining, advance, current_lr
-from heterog.workload import Workload, global_batch, to_device
+from heterog.workload import Workload, global_batch
 
 
 def recipe_of(config: TrainingConfig, plan: Plan, steps: int) -> Recipe:
@@ -135,8 +135,7 @@ class TrainingHooks:
             self._held_out = eval_batches(
                 work, self.eval_loader, batch_size, seed=self.seed, count=self.config.eval_batches
             )
-        device = ex.rank_device.torch_device
-        metrics = evaluate(ex, self._held_out, self.recipe.user.evaluate, lambda b: to_device(b, device))
+        metrics = evaluate(ex, self._held_out, self.recipe.user.evaluate)
         self.evaluations.append({"step": done_steps, **metrics})
         if self.log is not None:
             self.log.record(done_steps, metrics, kind="eval")
