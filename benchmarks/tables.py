@@ -366,6 +366,7 @@ def bound_tightness(doc: dict[str, Any], short: bool) -> list[str]:
             "best plan",
             "above the bound",
             "data parallelism's compute",
+            "… in whole samples",
         ],
         [
             [
@@ -380,6 +381,9 @@ def bound_tightness(doc: dict[str, Any], short: bool) -> list[str]:
                     if r["model"] == m and r["label"] == x
                 ),
                 f"{secs(p['dp_compute_s'])} (the plan {pct(p['above_dp_compute'])} above)",
+                f"{secs(p['dp_whole_samples_s'])} (the plan {pct(p['above_dp_whole_samples'], True)})"
+                if "dp_whole_samples_s" in p
+                else "—",
             ]
             for m, p in plans.items()
         ],
@@ -388,7 +392,8 @@ def bound_tightness(doc: dict[str, Any], short: bool) -> list[str]:
         "The lower bound printed beside every plan, and the best plan of a 6-s search (seed 0), on paper-8gpu. "
         "Data parallelism's compute: the least time any data-parallel plan spends computing (shares continuous, "
         "communication free) — a plan near it is near what data parallelism can do, and the rest of the gap is "
-        "the bound's. Bounds: "
+        "the bound's; in whole samples: each device a whole number of samples and every replica its whole "
+        "optimizer step (the plan's time against it: below zero, the plan beats data parallelism). Bounds: "
         + "; ".join(f"{k}, {v}" for k, v in doc.get("labels", {}).items())
         + f". Load average {doc['summary']['load_average'][0]:.1f} at the end."
     )
