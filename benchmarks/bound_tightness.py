@@ -8,8 +8,8 @@ the bound it is; and `dp_compute_s`, the least time any data-parallel plan spend
 (every used device runs the whole model on its share, shares continuous, communication free:
 the cost model's times under the same convex hull the bound uses), and `dp_whole_samples_s`,
 the same with a whole number of samples per device and every replica stepping its whole
-optimizer (what plain data parallelism computes: at 4 samples per device one sample more is a
-quarter more time). A plan near `dp_compute_s`
+optimizer (search/dp_floor.py, the floor `heterog plan` prints beside the bound: at 4 samples
+per device one sample more is a quarter more time). A plan near `dp_compute_s`
 is near the best data parallelism can do, however far it is from the bound: then the bound,
 not the plan, is what is loose (it admits splits of the groups over the devices, pipelines
 without a bubble, that real pipelines do not reach).
@@ -44,6 +44,7 @@ from heterog.hardware.spec import load_cluster  # noqa: E402
 from heterog.ir.plan import ModelSpec  # noqa: E402
 from heterog.search.bound import _b_max, _sizes, _under, lower_bound  # noqa: E402
 from heterog.search.constraints import DEFAULT_CACHE  # noqa: E402
+from heterog.search.dp_floor import plain_data_parallel_s  # noqa: E402
 from heterog.search.grouping import make_groups  # noqa: E402
 from heterog.search.objective import Goal  # noqa: E402
 from heterog.search.planner import plan_graph  # noqa: E402
@@ -76,27 +77,6 @@ def dp_compute_s(prob: Problem) -> float:
     return hi
 
 
-def dp_whole_samples_s(prob: Problem) -> float:
-    """The least T such that the devices, each computing a whole number of samples of the
-    whole model (the cost model at that size, not its hull) and then the whole optimizer step
-    (every replica steps its own copy), hold the batch; communication free (bisection to
-    0.1 %). What a data-parallel plan without sharded state computes, sample by sample."""
-    table = prob.sim_cache.cost_table(prob.graph, prob.costs)
-    per_class = []
-    for c, rep in enumerate(prob.class_rep):
-        times = [sum(sum(table.times_s(tuple(n), rep, b)) for n in prob.groups) for b in range(1, prob.batch_size + 1)]
-        opt = sum(table.optimizer_s(tuple(n), rep) for n in prob.groups)
-        per_class.append((int(np.sum(prob.dev_class == c)), np.asarray(times) + opt))
-
-    def holds(t: float) -> bool:
-        return sum(n * int(np.sum(np.maximum.accumulate(step) <= t)) for n, step in per_class) >= prob.batch_size
-
-    lo, hi = 0.0, min(float(step[-1]) for _, step in per_class)
-    while hi - lo > 1e-3 * hi:
-        lo, hi = (lo, (lo + hi) / 2) if holds((lo + hi) / 2) else ((lo + hi) / 2, hi)
-    return hi
-
-
 def run_model(model: str, batch: int, bound_only: bool) -> dict:
     graph = capture_model(model, None, batch_size=batch)
     spec = ModelSpec(name=model, args={}, batch_size=batch, seq_len=None)
@@ -123,7 +103,7 @@ def run_model(model: str, batch: int, bound_only: bool) -> dict:
     }
     if not bound_only:
         row["dp_compute_s"] = float(dp_compute_s(prob))
-        row["dp_whole_samples_s"] = float(dp_whole_samples_s(prob))
+        row["dp_whole_samples_s"] = float(plain_data_parallel_s(prob) or 0.0)
         r = plan_graph(graph, cluster, costs, budget_s=BUDGET_S, seed=0, model_spec=spec, goal=Goal(tolerance=0.0))
         best = r.best.predicted_iteration_time_s
         row.update(

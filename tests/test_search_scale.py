@@ -5,16 +5,18 @@ import time
 
 import pytest
 
+from heterog.ir.kinds import SyncMethod
 from heterog.search.baseline_stage import BASELINE_ORDER
 from heterog.search.baselines import BASELINE_BUILDERS, tier_dp_starts
 from heterog.search.bound import lower_bound
+from heterog.search.dp_floor import plain_data_parallel_s
 from heterog.search.grouping import make_groups
 from heterog.search.lanes import finalize
 from heterog.search.local_search import Annealer
 from heterog.search.moves import MOVES, Move, MoveScope, register_move, segments
 from heterog.search.objective import Goal
 from heterog.search.planner import plan_graph
-from heterog.search.problem import Problem
+from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.synthetic import TableCostModel, layered_graph, toy_cluster
 
 LAYERS = [(1.0, 10, 1.0)] * 12 + [(0.1, 400, 0.01)]  # a CNN-like body and a parameter-heavy head
@@ -66,6 +68,30 @@ def test_the_bound_is_below_every_candidate():
         for s in strategies:
             c = finalize(prob, s, "x")
             assert bound.iteration_time_s <= c.iteration_time_s * (1 + 1e-9), c.plan.groups[0].replicas
+
+
+def test_no_plain_data_parallel_plan_beats_its_floor():
+    """The floor against the simulator: every data-parallel plan of whole samples on any subset
+    of the devices, with micro-batches and accumulation too, takes at least the floor; and
+    where a device's samples are few, the floor is above the bound (the bound's samples are
+    continuous) and the planner says so."""
+    prob = _prob((40.0, 10.0, 10.0, 10.0), batch=10, layers=[(1.0, 0.01, 1.0)] * 12, groups=4)  # little to sync
+    floor = plain_data_parallel_s(prob)
+    bound = lower_bound(prob)
+    assert floor is not None and floor > bound.iteration_time_s * 1.05
+    splits = [(10, 0, 0, 0), (7, 1, 1, 1), (6, 2, 1, 1), (5, 2, 2, 1), (4, 2, 2, 2), (3, 3, 2, 2), (1, 3, 3, 3)]
+    times = []
+    for counts in splits:
+        devs = tuple(d for d, n in enumerate(counts) if n)
+        shares = tuple(counts[d] / prob.batch_size for d in devs)
+        for micro, pieces in ((1, ()), (2, ()), (1, tuple(min(2, counts[d]) for d in devs))):
+            p = Placement(devs, shares, SyncMethod.RING if len(devs) > 1 else SyncMethod.NONE, accumulate=pieces)
+            c = finalize(prob, Strategy(tuple(p for _ in range(prob.n_groups)), micro), "dp")
+            times.append(c.iteration_time_s)
+    assert floor <= min(times) * (1 + 1e-9) and min(times) <= floor * 1.05  # (7, 1, 1, 1): within its syncs
+    r = plan_graph(prob.graph, prob.cluster, prob.costs, budget_s=60, policy=False, max_iters=10, workers=1)
+    assert r.bound.plain_data_parallel_s == pytest.approx(floor)
+    assert any("No plain data-parallel plan beats" in n for n in r.best.notes)
 
 
 def test_the_planner_ends_within_its_budget_on_64_devices():

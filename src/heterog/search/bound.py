@@ -85,6 +85,7 @@ TP_WHAT = "; a tensor-parallel member: its split nodes at 1/d of their time, the
 class Bound:
     iteration_time_s: float
     tensor_parallel: bool = False  # the rows relaxed so that it holds for tensor-parallel plans too
+    plain_data_parallel_s: float | None = None  # no plain data-parallel plan is faster (dp_floor.py)
     what: str = (
         "every device busy until the end: samples split to finish at once, per-kernel costs per call, "
         "optimizer steps, the average sample's chain through the model, gradient and activation bytes "
@@ -97,7 +98,8 @@ class Bound:
 
     def to_dict(self) -> dict[str, Any]:
         what = self.what + (TP_WHAT if self.tensor_parallel else "")
-        return {"iteration_time_s": self.iteration_time_s, "what": what, "tensor_parallel": self.tensor_parallel}
+        out = {"iteration_time_s": self.iteration_time_s, "what": what, "tensor_parallel": self.tensor_parallel}
+        return {**out, "plain_data_parallel_s": self.plain_data_parallel_s}
 
 
 def _sizes(batch: int) -> list[int]:

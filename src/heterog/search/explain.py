@@ -162,10 +162,19 @@ def accumulation_note(plan: Plan) -> str:
 
 
 def bound_note(bound: Bound, iteration_time_s: float) -> str:
-    return (
+    out = (
         f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
         f"that no plan beats ({bound.to_dict()['what']})."
     )
+    floor = bound.plain_data_parallel_s
+    if floor is not None and floor > bound.iteration_time_s:
+        gap = iteration_time_s / floor - 1.0
+        where = f"{gap * 100:.1f} % above it" if gap >= 0 else f"{-gap * 100:.1f} % below it: it beats data parallelism"
+        out += (
+            f" No plain data-parallel plan beats {human_time(floor)} (each device the whole model on whole samples, "
+            f"then its whole optimizer step, communication free); this plan is {where}."
+        )
+    return out
 
 
 def notes(

@@ -38,6 +38,7 @@ from heterog.search.baseline_stage import BASELINE_SHARE, score_baselines, searc
 from heterog.search.baselines import BASELINE_BUILDERS, BASELINES
 from heterog.search.bound import Bound, lower_bound
 from heterog.search.constraints import DEFAULT_CACHE, ConstraintCache, ModelCuts, violations
+from heterog.search.dp_floor import plain_data_parallel_s
 from heterog.search.grouping import make_groups
 from heterog.search.lanes import (
     Best,
@@ -66,6 +67,7 @@ GRID_SHARE = 0.2  # the megatron-3d grid's part of the time left after the bound
 RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 BOUND_SHARE = 0.25  # of the time left after the baselines: the bound's bisection (a looser bound after)
+FLOOR_SHARE = 0.05  # of the time left after the bound: plain data parallelism's floor (dp_floor.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,6 +356,7 @@ def _search(
         say("bound", 0.08)
         feasible = [c.iteration_time_s for c in base.candidates.values() if c.feasible]
         bound = lower_bound(prob, upper_s=min(feasible, default=None), deadline_s=_share_of(deadline, BOUND_SHARE))
+        bound = replace(bound, plain_data_parallel_s=plain_data_parallel_s(prob, _share_of(deadline, FLOOR_SHARE)))
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s

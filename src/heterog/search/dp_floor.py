@@ -1,0 +1,63 @@
+"""The least iteration time of any plain data-parallel plan: a second yardstick beside the
+lower bound, for the plan family most users compare against.
+
+The lower bound (bound.py) holds for every plan, so it must allow what no real plan reaches
+(continuous samples, pipelines without a bubble); on small clusters of small batches that
+leaves the best plans 10–30 % above it even where they are as good as data parallelism can be
+(benchmarks/bound_tightness.py). This floor is exact about the one family: in plain data
+parallelism every used device computes the whole model on a whole number of samples (the
+cost model's time at that size, not a hull below it) and then steps its whole optimizer (no
+sharded state); communication is left out. So no plain data-parallel plan — any shares,
+micro-batches or gradient accumulation (pieces never run faster than their sum: the cost
+model's time per sample never rises with the size) — finishes sooner. A plan near it is near
+the best data parallelism can do; a plan below it beats data parallelism.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from heterog.search.problem import Problem
+
+REL_TOL = 1e-3
+
+
+def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> float | None:
+    """The least T at which the devices, each computing at most the whole samples the whole
+    model and its optimizer step fit in T, hold the batch (bisection to REL_TOL: the largest T
+    found where they do not, so no plain data-parallel plan is faster); None when deadline_s
+    (a perf_counter time) passes first."""
+    table = prob.sim_cache.cost_table(prob.graph, prob.costs)
+    groups = [tuple(names) for names in prob.groups]
+    per_class: list[tuple[int, dict[int, float], str, float]] = []
+    for c, rep in enumerate(prob.class_rep):
+        opt = sum(table.optimizer_s(names, rep) for names in groups)
+        per_class.append((int(np.sum(prob.dev_class == c)), {}, rep, opt))
+
+    def step_s(times: dict[int, float], rep: str, opt: float, b: int) -> float:
+        if b not in times:
+            times[b] = sum(sum(table.times_s(names, rep, b)) for names in groups) + opt
+        return times[b]
+
+    def most(times: dict[int, float], rep: str, opt: float, t: float) -> int:
+        """The most whole samples one device of the class computes and steps within t (the
+        cost model's time never falls as the samples grow: a binary search)."""
+        lo, hi = 0, prob.batch_size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if step_s(times, rep, opt, mid) <= t else (lo, mid - 1)
+        return lo
+
+    def holds(t: float) -> bool:
+        return sum(n * most(times, rep, opt, t) for n, times, rep, opt in per_class) >= prob.batch_size
+
+    hi = min(step_s(times, rep, opt, prob.batch_size) for _, times, rep, opt in per_class)
+    lo = 0.0
+    while hi - lo > REL_TOL * hi:
+        if time.perf_counter() >= deadline_s:
+            return None
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return lo
