@@ -24,11 +24,16 @@ from heterog.search.problem import Problem
 REL_TOL = 1e-3
 
 
+class _Late(Exception):
+    """The deadline passed while the cost model was asked for a size."""
+
+
 def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> float | None:
     """The least T at which the devices, each computing at most the whole samples the whole
     model and its optimizer step fit in T, hold the batch (bisection to REL_TOL: the largest T
     found where they do not, so no plain data-parallel plan is faster); None when deadline_s
-    (a perf_counter time) passes first."""
+    (a perf_counter time) passes first — checked before every size the cost model is asked
+    for, since at a thousand devices one size of a large model costs a tenth of a second."""
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     groups = [tuple(names) for names in prob.groups]
     per_class: list[tuple[int, dict[int, float], str, float]] = []
@@ -38,6 +43,8 @@ def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> fl
 
     def step_s(times: dict[int, float], rep: str, opt: float, b: int) -> float:
         if b not in times:
+            if time.perf_counter() >= deadline_s:
+                raise _Late
             times[b] = sum(sum(table.times_s(names, rep, b)) for names in groups) + opt
         return times[b]
 
@@ -53,11 +60,12 @@ def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> fl
     def holds(t: float) -> bool:
         return sum(n * most(times, rep, opt, t) for n, times, rep, opt in per_class) >= prob.batch_size
 
-    hi = min(step_s(times, rep, opt, prob.batch_size) for _, times, rep, opt in per_class)
-    lo = 0.0
-    while hi - lo > REL_TOL * hi:
-        if time.perf_counter() >= deadline_s:
-            return None
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    try:
+        hi = min(step_s(times, rep, opt, prob.batch_size) for _, times, rep, opt in per_class)
+        lo = 0.0
+        while hi - lo > REL_TOL * hi:
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    except _Late:
+        return None
     return lo
