@@ -22,6 +22,7 @@ import numpy as np
 from heterog.search.problem import Problem
 
 REL_TOL = 1e-3
+FREE_SIZES = 8  # per class, asked even past the deadline: a share's few sizes, cached by the bound
 
 
 class _Late(Exception):
@@ -33,25 +34,33 @@ def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> fl
     model and its optimizer step fit in T, hold the batch (bisection to REL_TOL: the largest T
     found where they do not, so no plain data-parallel plan is faster); None when deadline_s
     (a perf_counter time) passes first — checked before every size the cost model is asked
-    for, since at a thousand devices one size of a large model costs a tenth of a second."""
+    for past a class's first FREE_SIZES (at a thousand devices one size of the whole model
+    costs milliseconds when the bound has not asked for it)."""
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     groups = [tuple(names) for names in prob.groups]
     per_class: list[tuple[int, dict[int, float], str, float]] = []
-    for c, rep in enumerate(prob.class_rep):
+    # each class's device as the bound named it (its first tier's), so the sizes it asked are cached
+    tier_rep = {int(prob.dev_class[devs[0]]): prob.device_names[devs[0]] for devs in reversed(prob.tiers)}
+    for c in range(len(prob.class_rep)):
+        rep = tier_rep.get(c, prob.class_rep[c])
         opt = sum(table.optimizer_s(names, rep) for names in groups)
         per_class.append((int(np.sum(prob.dev_class == c)), {}, rep, opt))
 
     def step_s(times: dict[int, float], rep: str, opt: float, b: int) -> float:
         if b not in times:
-            if time.perf_counter() >= deadline_s:
+            if len(times) >= FREE_SIZES and time.perf_counter() >= deadline_s:
                 raise _Late
             times[b] = sum(sum(table.times_s(names, rep, b)) for names in groups) + opt
         return times[b]
 
     def most(times: dict[int, float], rep: str, opt: float, t: float) -> int:
         """The most whole samples one device of the class computes and steps within t (the
-        cost model's time never falls as the samples grow: a binary search)."""
-        lo, hi = 0, prob.batch_size
+        cost model's time never falls as the samples grow: a search doubling from one sample,
+        then halving — a device's share is small on a large cluster, and the bound has asked
+        the cost model at every size up to 16 already)."""
+        lo, hi = 0, 1
+        while hi < prob.batch_size and step_s(times, rep, opt, hi) <= t:
+            lo, hi = hi, min(2 * hi, prob.batch_size)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if step_s(times, rep, opt, mid) <= t else (lo, mid - 1)
@@ -61,7 +70,10 @@ def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> fl
         return sum(n * most(times, rep, opt, t) for n, times, rep, opt in per_class) >= prob.batch_size
 
     try:
-        hi = min(step_s(times, rep, opt, prob.batch_size) for _, times, rep, opt in per_class)
+        # every device at an even share holds the batch: the bisection starts there, so it asks
+        # the cost model at a share's few sizes, not at the whole batch's
+        even = -(-prob.batch_size // int(sum(n for n, *_ in per_class)))
+        hi = max(step_s(times, rep, opt, even) for _, times, rep, opt in per_class)
         lo = 0.0
         while hi - lo > REL_TOL * hi:
             mid = 0.5 * (lo + hi)

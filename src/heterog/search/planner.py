@@ -64,10 +64,10 @@ CANDIDATES = (*BASELINES, GRID_NAME, "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
 GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
 GRID_SHARE = 0.2  # the megatron-3d grid's part of the time left after the bound (tp_moves.py)
-RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once
+RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once, and the
+# floor of plain data parallelism beside the bound (dp_floor.py) takes what the other leaves, so the lanes keep theirs
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 BOUND_SHARE = 0.25  # of the time left after the baselines: the bound's bisection (a looser bound after)
-FLOOR_SHARE = 0.05  # of the time left after the bound: plain data parallelism's floor (dp_floor.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,7 +356,6 @@ def _search(
         say("bound", 0.08)
         feasible = [c.iteration_time_s for c in base.candidates.values() if c.feasible]
         bound = lower_bound(prob, upper_s=min(feasible, default=None), deadline_s=_share_of(deadline, BOUND_SHARE))
-        bound = replace(bound, plain_data_parallel_s=plain_data_parallel_s(prob, _share_of(deadline, FLOOR_SHARE)))
         stages.done("bound")
         # kept back for what follows the lanes: the winner's explanation simulates it once
         reserve_s = RESERVE_SIMULATIONS * base.per_call_s
@@ -384,6 +383,8 @@ def _search(
     stages.done("lanes")
     say("scoring", 0.9)
     made = {GRID_NAME: grid.candidate} if grid.candidate is not None else {}
+    floor = plain_data_parallel_s(prob, deadline_s=deadline - base.per_call_s)  # None where time ran out
+    bound = replace(bound, plain_data_parallel_s=floor)
     best, ordered = _choose(prob, {**base.candidates, **made, **subsets}, found, bound, goal)
     stages.done("explanation")
     say("done", 1.0)
