@@ -64,8 +64,9 @@ CANDIDATES = (*BASELINES, GRID_NAME, "search", "gnn", "gnn+search")
 DEFAULT_BUDGET_S = 10.0
 GNN_SHARE = 0.4  # on one core: the GNN lane's part of the search time (policy, proposals, chain)
 GRID_SHARE = 0.2  # the megatron-3d grid's part of the time left after the bound (tp_moves.py)
-RESERVE_SIMULATIONS = 2  # kept back from the lanes: the winner's explanation simulates it once, and the
-# floor of plain data parallelism beside the bound (dp_floor.py) takes what the other leaves, so the lanes keep theirs
+# kept back from the lanes: the winner's explanation simulates it once; plain data parallelism's
+# floor (dp_floor.py) has the other, so the lanes keep their time
+RESERVE_SIMULATIONS = 2
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 BOUND_SHARE = 0.25  # of the time left after the baselines: the bound's bisection (a looser bound after)
 
