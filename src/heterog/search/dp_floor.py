@@ -22,7 +22,6 @@ import numpy as np
 from heterog.search.problem import Problem
 
 REL_TOL = 1e-3
-FREE_SIZES = 8  # per class, asked even past the deadline: a share's few sizes, cached by the bound
 
 
 class _Late(Exception):
@@ -34,8 +33,8 @@ def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> fl
     model and its optimizer step fit in T, hold the batch (bisection to REL_TOL: the largest T
     found where they do not, so no plain data-parallel plan is faster); None when deadline_s
     (a perf_counter time) passes first — checked before every size the cost model is asked
-    for past a class's first FREE_SIZES (at a thousand devices one size of the whole model
-    costs milliseconds when the bound has not asked for it)."""
+    for (at a thousand devices one size of the whole model costs milliseconds where the bound
+    has not asked for it, microseconds where it has)."""
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     groups = [tuple(names) for names in prob.groups]
     per_class: list[tuple[int, dict[int, float], str, float]] = []
@@ -48,7 +47,7 @@ def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> fl
 
     def step_s(times: dict[int, float], rep: str, opt: float, b: int) -> float:
         if b not in times:
-            if len(times) >= FREE_SIZES and time.perf_counter() >= deadline_s:
+            if time.perf_counter() >= deadline_s:
                 raise _Late
             times[b] = sum(sum(table.times_s(names, rep, b)) for names in groups) + opt
         return times[b]

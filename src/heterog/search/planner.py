@@ -67,6 +67,7 @@ GRID_SHARE = 0.2  # the megatron-3d grid's part of the time left after the bound
 # kept back from the lanes: the winner's explanation simulates it once; plain data parallelism's
 # floor (dp_floor.py) has the other, so the lanes keep their time
 RESERVE_SIMULATIONS = 2
+FLOOR_MIN_S = 0.05
 REQUIRED_STAGES = ("graph", "cluster_and_costs", "cut_analysis", "grouping", "baselines", "bound")
 BOUND_SHARE = 0.25  # of the time left after the baselines: the bound's bisection (a looser bound after)
 
@@ -384,7 +385,8 @@ def _search(
     stages.done("lanes")
     say("scoring", 0.9)
     made = {GRID_NAME: grid.candidate} if grid.candidate is not None else {}
-    floor = plain_data_parallel_s(prob, deadline_s=deadline - base.per_call_s)  # None where time ran out
+    # None where time ran out; FLOOR_MIN_S even when the lanes ran late (at the sizes the bound asked, it takes 1-25 ms)
+    floor = plain_data_parallel_s(prob, deadline_s=max(deadline - base.per_call_s, time.perf_counter() + FLOOR_MIN_S))
     bound = replace(bound, plain_data_parallel_s=floor)
     best, ordered = _choose(prob, {**base.candidates, **made, **subsets}, found, bound, goal)
     stages.done("explanation")
