@@ -39,9 +39,10 @@ def plain_data_parallel_s(prob: Problem, deadline_s: float = float("inf")) -> fl
     groups = [tuple(names) for names in prob.groups]
     per_class: list[tuple[int, dict[int, float], str, float]] = []
     # each class's device as the bound named it (its first tier's), so the sizes it asked are cached
-    tier_rep = {int(prob.dev_class[devs[0]]): prob.device_names[devs[0]] for devs in reversed(prob.tiers)}
-    for c in range(len(prob.class_rep)):
-        rep = tier_rep.get(c, prob.class_rep[c])
+    rep_of = list(prob.class_rep)
+    for devs in reversed(prob.tiers):  # the first tier of a class names it last
+        rep_of[int(prob.dev_class[devs[0]])] = prob.device_names[devs[0]]
+    for c, rep in enumerate(rep_of):
         opt = sum(table.optimizer_s(names, rep) for names in groups)
         per_class.append((int(np.sum(prob.dev_class == c)), {}, rep, opt))
 
