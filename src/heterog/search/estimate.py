@@ -33,7 +33,7 @@ import numpy as np
 
 from heterog.ir.kinds import CollectiveOp, PipelineSchedule, ShardStage, SyncMethod
 from heterog.lower.blocks import gradient_buckets, overlaps, stage_limits
-from heterog.search.problem import BUCKET_BYTES, Placement, Problem, Strategy
+from heterog.search.problem import Placement, Problem, Strategy
 from heterog.search.sharding import (
     optimizer_fraction,
     piece_counts,
@@ -110,7 +110,7 @@ class _Nics:
         return end
 
 
-def _buckets(prob: Problem, P) -> dict[int, list[int]]:
+def _buckets(prob: Problem, P, bucket_bytes: int) -> dict[int, list[int]]:
     """group → the gradient bucket whose last backward it is (its first group): runs of
     identically placed replicated groups with gradients, cut by lower.blocks.gradient_buckets."""
     closes: dict[int, list[int]] = {}
@@ -118,7 +118,7 @@ def _buckets(prob: Problem, P) -> dict[int, list[int]]:
 
     def cut() -> None:
         if run:
-            for bucket in gradient_buckets(run, [float(prob.grad_bytes[g]) for g in run], BUCKET_BYTES):
+            for bucket in gradient_buckets(run, [float(prob.grad_bytes[g]) for g in run], bucket_bytes):
                 closes[bucket[0]] = bucket
             run.clear()
 
@@ -164,7 +164,7 @@ def estimate(prob: Problem, s: Strategy) -> Estimate:
     nics = _Nics(prob)
     collective = _collectives(prob, dev, nics)
     free = np.zeros(prob.n_devices)
-    closes = _buckets(prob, P)
+    closes = _buckets(prob, P, s.bucket_bytes)
     gathers = shard_gathers(prob, P, closes)  # stage 3: (group, direction) → its unit's gather
 
     fin_f: list[list[np.ndarray]] = [[np.zeros(0)] * M for _ in range(G)]  # set before read

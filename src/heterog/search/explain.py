@@ -10,7 +10,7 @@ import numpy as np
 
 from heterog.fmt import human_bytes, human_time
 from heterog.ir.kinds import PipelineSchedule, SyncMethod
-from heterog.ir.plan import Plan
+from heterog.ir.plan import DEFAULT_BUCKET_BYTES, Plan
 from heterog.search.problem import Placement
 from heterog.search.sharding import replica_state_bytes
 
@@ -161,6 +161,24 @@ def accumulation_note(plan: Plan) -> str:
     )
 
 
+def bucket_note(plan: Plan) -> str:
+    """The gradient bucket size, where the search chose another than DDP's default (a user who
+    syncs with their own DDP sets bucket_cap_mb to it)."""
+    syncs = any(len(g.replicas) > 1 and g.sync != SyncMethod.NONE for g in plan.groups)
+    if not syncs or plan.bucket_bytes == DEFAULT_BUCKET_BYTES:
+        return ""
+    smaller = plan.bucket_bytes < DEFAULT_BUCKET_BYTES
+    why = (
+        "the sync of the last layers' gradients starts earlier in the backward and less of it is left after"
+        if smaller
+        else "fewer collectives, each paying its latency once"
+    )
+    return (
+        f"gradients sync in buckets of up to {human_bytes(plan.bucket_bytes)} (DDP's default is "
+        f"{human_bytes(DEFAULT_BUCKET_BYTES)}): {why}."
+    )
+
+
 def bound_note(bound: Bound, iteration_time_s: float) -> str:
     out = (
         f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
@@ -237,6 +255,8 @@ def notes(
     if not any(g.shard_stage for g in plan.groups):
         out += _no_shard_note(winner, candidates)
     if note := accumulation_note(plan):
+        out.append(note)
+    if note := bucket_note(plan):
         out.append(note)
     if any(g.recompute for g in plan.groups):
         k = sum(g.recompute for g in plan.groups)

@@ -11,7 +11,8 @@ four types is four tiers), then refines single devices:
   TIER   – tier-set, tier-add, tier-drop, tier-resize, tier-split: a segment's devices as
            whole tiers, or a tier's count halved or doubled (whole nodes first);
   DEVICE – move, split, drop, add, nudge, reshare: single devices and samples;
-  ANY    – shift (a stage boundary by one group), sync, micro, recompute.
+  ANY    – shift (a stage boundary by one group), sync, micro, recompute, bucket (the
+           gradient bucket size).
 Where devices change, the batch-share LP (shares.py) re-balances the segment.
 
 Other modules add moves with `register_move` (its weight is relative to the others'); the
@@ -30,6 +31,10 @@ from heterog.search.problem import SYNC_CHOICES, Placement, Problem, Strategy
 from heterog.search.shares import balanced_shares
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
+# gradient bucket sizes (MiB) the bucket move steps along; DDP's 25 among them. Smaller buckets
+# start syncing the last layers' gradients while the backward still runs, at one collective's
+# latency each; a bucket never splits a group, so a model has at most one per group.
+BUCKET_CHOICES_MIB = (0.5, 1, 2, 4, 8, 16, 25, 64)
 
 
 class MoveScope(StrEnum):
@@ -104,7 +109,7 @@ def segments(s: Strategy) -> list[tuple[int, int]]:
 def with_placement(s: Strategy, a: int, b: int, p: Placement) -> Strategy:
     P = list(s.placements)
     P[a:b] = [p] * (b - a)
-    return Strategy(tuple(P), s.microbatches, s.schedule)
+    return replace(s, placements=tuple(P))
 
 
 def reshaped(
@@ -266,12 +271,24 @@ def sync(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
 def micro(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
     """The number of micro-batches, or the schedule (GPipe / 1F1B)."""
     if ctx.rng.random() < 0.3:
-        return Strategy(
-            s.placements,
-            s.microbatches,
-            PipelineSchedule.ONE_F_ONE_B if s.schedule == PipelineSchedule.GPIPE else PipelineSchedule.GPIPE,
-        )
-    return Strategy(s.placements, ctx.rng.choice(ctx.microbatch_choices), s.schedule)
+        flipped = PipelineSchedule.ONE_F_ONE_B if s.schedule == PipelineSchedule.GPIPE else PipelineSchedule.GPIPE
+        return replace(s, schedule=flipped)
+    return replace(s, microbatches=ctx.rng.choice(ctx.microbatch_choices))
+
+
+def bucket(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
+    """The gradient bucket size: mostly the next size up or down, sometimes any (the time is
+    not monotone in it: a bucket boundary that moves past a group's backward can cost)."""
+    sizes = [int(mib * 2**20) for mib in BUCKET_CHOICES_MIB]
+    if s.bucket_bytes in sizes and ctx.rng.random() < 0.7:
+        i = sizes.index(s.bucket_bytes) + ctx.rng.choice((-1, 1))
+        return replace(s, bucket_bytes=sizes[min(max(i, 0), len(sizes) - 1)])
+    return replace(s, bucket_bytes=ctx.rng.choice(sizes))
+
+
+def _syncs(prob: Problem) -> bool:
+    """Whether the problem has gradients to synchronise between devices (the bucket move's)."""
+    return len(prob.device_names) > 1 and float(prob.grad_bytes.sum()) > 0
 
 
 def recompute(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
@@ -366,6 +383,7 @@ for _move in (
     Move(name="sync", weight=2, scope=MoveScope.ANY, apply=sync),
     Move(name="micro", weight=1, scope=MoveScope.ANY, apply=micro),
     Move(name="recompute", weight=1, scope=MoveScope.ANY, apply=recompute),
+    Move(name="bucket", weight=1, scope=MoveScope.ANY, apply=bucket, when=_syncs),
     Move(name="move", weight=3, scope=MoveScope.DEVICE, apply=move),
     Move(name="split", weight=2, scope=MoveScope.DEVICE, apply=split),
     Move(name="drop", weight=2, scope=MoveScope.DEVICE, apply=drop),

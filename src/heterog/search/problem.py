@@ -11,7 +11,7 @@ groups the activation bytes between them. A `Strategy` is the search's compact p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
 import numpy as np
@@ -76,10 +76,13 @@ class Strategy:
     schedule: PipelineSchedule = (
         PipelineSchedule.GPIPE
     )  # or '1f1b': same bubble, fewer micro-batches in flight per stage
+    # gradient bucket (lower/blocks.gradient_buckets): small ones start the sync of the last
+    # layers' gradients early in the backward and leave the least after it; each is a collective
+    bucket_bytes: int = BUCKET_BYTES
 
     def key(self) -> tuple:
         """Identity for de-duplication: placements compare by value and hash once (Placement)."""
-        return (self.microbatches, self.schedule, self.placements)
+        return (self.microbatches, self.schedule, self.bucket_bytes, self.placements)
 
 
 def device_tiers(cluster: Cluster) -> list[tuple[int, ...]]:
@@ -290,7 +293,7 @@ class Problem:
     def finalize(self, s: Strategy) -> Strategy:
         m = s.microbatches if self.batch_size % s.microbatches == 0 else 1
         mb = self.batch_size // m
-        return Strategy(tuple(self.integer_placement(p, mb) for p in s.placements), m, s.schedule)
+        return replace(s, placements=tuple(self.integer_placement(p, mb) for p in s.placements), microbatches=m)
 
     def _group_fields(self, p: Placement, microbatch_samples: int) -> tuple:
         """(replicas, sync, ps device, recompute, shard stage) of a placement in the Plan, made once per
@@ -344,6 +347,7 @@ class Problem:
                 groups=tuple(groups),
                 num_microbatches=m,
                 schedule=s.schedule,
+                bucket_bytes=s.bucket_bytes,
                 notes=tuple(notes),
                 graph_fingerprint=self.fingerprints[0],
                 cluster_fingerprint=self.fingerprints[1],

@@ -34,7 +34,7 @@ from heterog.search.problem import Placement, Problem, Strategy
 
 GATHERED_UNITS = 2  # stage 3: the unit computing and the one prefetched (shard_tasks.PREFETCH_UNITS + 1)
 # the search's shard move, where memory binds: about 15 % of the moves beside the registry's
-# others (weights 29 in all, moves.py)
+# others (weights 30 in all, moves.py)
 SHARD_MOVE_WEIGHT = 5.0
 MEMORY_BOUND = 0.25  # ... that is, where the whole state takes more than this share of a device
 ACCUMULATE_MOVE_WEIGHT = 3.0  # the accumulation move, where the activations press on memory

@@ -195,7 +195,7 @@ def strategy_of(prob: Problem, plan: Plan) -> Strategy:
         sync = SyncMethod.RING if len(devs) > 1 else SyncMethod.NONE
         placements.append(Placement(devs, tuple(r.share for r in replicas), sync, None, group.recompute, tp=tp))
     m = plan.num_microbatches if prob.batch_size % plan.num_microbatches == 0 else 1
-    return Strategy(tuple(placements), m, plan.schedule)
+    return Strategy(tuple(placements), m, plan.schedule, plan.bucket_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

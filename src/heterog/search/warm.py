@@ -33,7 +33,7 @@ def warm_start(prob: Problem, plan: Plan) -> Strategy | None:
         old = next((g for g in plan.groups if g.name == votes.most_common(1)[0][0]), None) if votes else None
         placements.append(_restricted(old, index, fallback))
     m = plan.num_microbatches if prob.batch_size % plan.num_microbatches == 0 else 1
-    return Strategy(tuple(placements), m, plan.schedule)
+    return Strategy(tuple(placements), m, plan.schedule, plan.bucket_bytes)
 
 
 def _restricted(old: Group | None, index: dict[str, int], fallback: int) -> Placement:
