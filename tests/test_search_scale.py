@@ -9,8 +9,9 @@ import pytest
 from heterog.ir.kinds import SyncMethod
 from heterog.search.baseline_stage import BASELINE_ORDER
 from heterog.search.baselines import BASELINE_BUILDERS, tier_dp_starts
-from heterog.search.bound import _sizes, _under, lower_bound
+from heterog.search.bound import Bound, _sizes, _under, lower_bound
 from heterog.search.dp_floor import plain_data_parallel_s
+from heterog.search.explain import bound_note
 from heterog.search.grouping import make_groups
 from heterog.search.lanes import finalize
 from heterog.search.local_search import Annealer
@@ -90,6 +91,17 @@ def test_the_bounds_time_of_a_call_is_below_every_whole_size_and_exact_where_it_
     sizes = _sizes(16)
     knots, vals, _ = _under(sizes, [convex(b) for b in sizes])
     assert [np.interp(b, knots, vals) for b in sizes] == pytest.approx([convex(b) for b in sizes])
+
+
+def test_the_floor_is_told_only_where_it_is_above_the_bound():
+    """The plan's notes and `heterog plan`'s summary line (from the JSON) apply one rule."""
+    bound = Bound(iteration_time_s=0.070, plain_data_parallel_s=0.0875)
+    assert Bound.from_dict(bound.to_dict()) == bound
+    assert bound.floor_s == 0.0875
+    assert "No plain data-parallel plan beats 87.50 ms" in bound_note(bound, 0.0880)
+    below = Bound(iteration_time_s=0.070, plain_data_parallel_s=0.065)
+    assert Bound.from_dict(below.to_dict()).floor_s is None
+    assert "No plain" not in bound_note(below, 0.0880)
 
 
 def test_no_plain_data_parallel_plan_beats_its_floor():

@@ -146,8 +146,9 @@ def _show(result: dict[str, Any], budget_s: float) -> None:
         t = best["predicted_iteration_time_s"]
         line += f", within {(t / bound['iteration_time_s'] - 1) * 100:.0f} % of the lower bound "
         line += human_time(bound["iteration_time_s"])
-        floor = bound.get("plain_data_parallel_s")
-        if floor and floor > bound["iteration_time_s"]:
+        from heterog.search.bound import Bound  # here: the search's imports stay out of the CLI's start
+
+        if (floor := Bound.from_dict(bound).floor_s) is not None:
             line += f" ({(t / floor - 1) * 100:+.0f} % against plain data parallelism's floor {human_time(floor)})"
     console.print(line + cost_line(best))
     console.print(_time_line(result, budget_s))

@@ -97,6 +97,21 @@ class Bound:
         """How far above the bound a plan is, as a fraction (0.05: 5 % slower than the bound)."""
         return iteration_time_s / self.iteration_time_s - 1.0 if self.iteration_time_s > 0 else float("inf")
 
+    @property
+    def floor_s(self) -> float | None:
+        """Plain data parallelism's floor where it says more than the bound (is above it)."""
+        floor = self.plain_data_parallel_s
+        return floor if floor is not None and floor > self.iteration_time_s else None
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Bound:
+        """The bound of a plan result's JSON (to_dict); `what` is this version's."""
+        return cls(
+            iteration_time_s=float(doc["iteration_time_s"]),
+            tensor_parallel=bool(doc.get("tensor_parallel", False)),
+            plain_data_parallel_s=doc.get("plain_data_parallel_s"),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         what = self.what + (TP_WHAT if self.tensor_parallel else "")
         out = {"iteration_time_s": self.iteration_time_s, "what": what, "tensor_parallel": self.tensor_parallel}

@@ -184,8 +184,7 @@ def bound_note(bound: Bound, iteration_time_s: float) -> str:
         f"within {bound.within(iteration_time_s) * 100:.1f} % of a lower bound, {human_time(bound.iteration_time_s)}, "
         f"that no plan beats ({bound.to_dict()['what']})."
     )
-    floor = bound.plain_data_parallel_s
-    if floor is not None and floor > bound.iteration_time_s:
+    if (floor := bound.floor_s) is not None:
         gap = iteration_time_s / floor - 1.0
         where = f"{gap * 100:.1f} % above it" if gap >= 0 else f"{-gap * 100:.1f} % below it: it beats data parallelism"
         out += (
