@@ -128,6 +128,15 @@ def test_no_plain_data_parallel_plan_beats_its_floor():
     assert any("No plain data-parallel plan beats" in n for n in r.best.notes)
 
 
+def test_a_chain_that_has_seen_all_its_neighbours_still_stops_at_its_deadline():
+    """On one device every move gives the start or a strategy scored already, so no new
+    score ever reads the clock: the chain's own step must (it drew moves without end)."""
+    prob = _prob((10.0,), per_node=1, batch=8, groups=4)
+    t = time.perf_counter()
+    r = Annealer(prob, 0).run([BASELINE_BUILDERS["single-device"](prob)], budget_s=0.5, max_iters=200_000)
+    assert r.cut_by == "deadline" and time.perf_counter() - t < 1.5
+
+
 def test_the_planner_ends_within_its_budget_on_64_devices():
     prob = _prob([40.0] * 16 + [20.0] * 16 + [10.0] * 32, per_node=8, batch=256, layers=LAYERS * 2, groups=16)
     budget = 4.0

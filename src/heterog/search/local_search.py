@@ -183,6 +183,10 @@ class _Walk:
     def step(self) -> None:
         if self.max_moves is not None and self.moves >= self.max_moves:
             raise _Cut("moves")
+        # here too, not only where a new strategy is scored: a chain whose neighbours have all
+        # been scored (a small problem, late in a long budget) draws them without end
+        if self.best is not None and time.perf_counter() >= self.deadline_s:
+            raise _Cut("deadline")
         self.moves += 1
         self.stale += 1
         if self.progress is not None and self.moves % PROGRESS_MOVES == 0:
