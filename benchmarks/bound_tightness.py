@@ -42,7 +42,8 @@ from heterog.cli.output import print_table, write_json  # noqa: E402
 from heterog.cost import build_cost_model  # noqa: E402
 from heterog.hardware.spec import load_cluster  # noqa: E402
 from heterog.ir.plan import ModelSpec  # noqa: E402
-from heterog.search.bound import _b_max, _sizes, _under, lower_bound  # noqa: E402
+from heterog.search.bound import lower_bound  # noqa: E402
+from heterog.search.call_hull import b_max, sizes, under  # noqa: E402
 from heterog.search.constraints import DEFAULT_CACHE  # noqa: E402
 from heterog.search.dp_floor import plain_data_parallel_s  # noqa: E402
 from heterog.search.grouping import make_groups  # noqa: E402
@@ -60,16 +61,16 @@ def dp_compute_s(prob: Problem) -> float:
     """The least T such that the devices, each computing at most the samples the whole model's
     hull allows in T less its optimizer step, hold the batch (bisection to 0.1 %)."""
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
-    sizes = _sizes(prob.batch_size)
+    asked = sizes(prob.batch_size)
     per_class = []
     for c, rep in enumerate(prob.class_rep):
-        times = [sum(sum(table.times_s(tuple(n), rep, b)) for n in prob.groups) for b in sizes]
-        knots, vals, _ = _under(sizes, times)
+        times = [sum(sum(table.times_s(tuple(n), rep, b)) for n in prob.groups) for b in asked]
+        knots, vals, _ = under(asked, times)
         opt = sum(table.optimizer_s(tuple(n), rep) for n in prob.groups)
         per_class.append((int(np.sum(prob.dev_class == c)), knots, vals, opt))
 
     def holds(t: float) -> bool:
-        return sum(n * _b_max(k, v, t - opt) for n, k, v, opt in per_class) >= prob.batch_size
+        return sum(n * b_max(k, v, t - opt) for n, k, v, opt in per_class) >= prob.batch_size
 
     lo, hi = 0.0, min(float(v[-1]) + opt for _, _, v, opt in per_class)
     while hi - lo > 1e-3 * hi:

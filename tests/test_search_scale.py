@@ -9,7 +9,8 @@ import pytest
 from heterog.ir.kinds import SyncMethod
 from heterog.search.baseline_stage import BASELINE_ORDER
 from heterog.search.baselines import BASELINE_BUILDERS, tier_dp_starts
-from heterog.search.bound import Bound, _sizes, _under, lower_bound
+from heterog.search.bound import Bound, lower_bound
+from heterog.search.call_hull import sizes, under
 from heterog.search.dp_floor import plain_data_parallel_s
 from heterog.search.explain import bound_note
 from heterog.search.grouping import make_groups
@@ -84,13 +85,13 @@ def test_the_bounds_time_of_a_call_is_below_every_whole_size_and_exact_where_it_
         return 3.0 + 0.2 * b + 0.01 * b * b
 
     batch = 40
-    sizes = _sizes(batch)  # every size up to 16, then apart
-    knots, vals, _ = _under(sizes, [concave(b) for b in sizes])
+    asked = sizes(batch)  # every size up to 16, then apart
+    knots, vals, _ = under(asked, [concave(b) for b in asked])
     assert np.all(np.diff(np.diff(vals) / np.diff(knots)) >= -1e-12)  # convex
     assert all(np.interp(b, knots, vals) <= concave(b) + 1e-12 for b in range(1, batch + 1))
-    sizes = _sizes(16)
-    knots, vals, _ = _under(sizes, [convex(b) for b in sizes])
-    assert [np.interp(b, knots, vals) for b in sizes] == pytest.approx([convex(b) for b in sizes])
+    asked = sizes(16)
+    knots, vals, _ = under(asked, [convex(b) for b in asked])
+    assert [np.interp(b, knots, vals) for b in asked] == pytest.approx([convex(b) for b in asked])
 
 
 def test_the_floor_is_told_only_where_it_is_above_the_bound():

@@ -14,9 +14,10 @@ entry per device *tier* and group (Problem.tiers; devices of a tier are intercha
           Σ_g z[t,g] + opt[t,g]·w[t,g] ≤ n_t·T      (a tier's devices are busy at most T each)
 
 h is a convex function below one replica's forward + backward time at every whole number b
-of samples (a call computes whole samples; the cost model at the sizes of _sizes; see
-_under), so k·h(x/k) ≤ what k calls sharing x samples take whatever the split (Jensen). b_max(T) is the most samples one device computes in T. Per-kernel
-fixed costs make a device's first sample dear, so the LP chooses how many devices and calls.
+of samples (a call computes whole samples; call_hull.py), so k·h(x/k) ≤ what k calls sharing
+x samples take whatever the split (Jensen). b_max(T) is the most samples one device computes
+in T. Per-kernel fixed costs make a device's first sample dear, so the LP chooses how many
+devices and calls.
 
 The chain: every sample passes the groups of a path P through the group DAG forward and back,
 each time in one call (a task of the simulator: lower/blocks.py), so T is at least the
@@ -50,14 +51,12 @@ plans whose replicas are tensor-parallel sets too (bound_tp.py: a group split d 
 
 Assumptions about the cost model, both true of heterog's (cost/efficiency.py): a group's time
 never falls as its samples grow, and its time per sample never rises (kernel efficiency grows
-with size) — so splitting a replica's samples into micro-batches never makes it faster, and
-between two measured sizes the time is at least max(t(b_k), b·t(b_k+1)/b_k+1). Where the
-second does not hold between two sizes only the first is used there.
+with size) — so splitting a replica's samples into micro-batches never makes it faster
+(call_hull.py reads the second between the sizes it asks).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -69,11 +68,10 @@ from scipy.sparse import coo_matrix
 from heterog.cost.tensor_parallel import DEGREES
 from heterog.hardware.cluster import Link
 from heterog.search.bound_tp import TpRelaxation, member_times, tp_relaxation
+from heterog.search.call_hull import b_max, sizes, tangents, under
 from heterog.search.problem import Problem
 
 REL_TOL = 1e-2  # bisection stops when the bracket is this narrow, relative
-EVERY_SIZE_UP_TO = 16  # replicas of a few samples: where per-kernel costs make h bend most
-SIZE_STEP = 1.5
 # the dual simplex decides most programmes in a tenth of a second but can stall near the
 # boundary of feasibility, where the interior-point method still decides in about one
 SOLVERS = (("highs-ds", 0.3), ("highs-ipm", 5.0))
@@ -118,67 +116,10 @@ class Bound:
         return {**out, "plain_data_parallel_s": self.plain_data_parallel_s}
 
 
-def _sizes(batch: int) -> list[int]:
-    """The batch sizes the cost model is asked at: every one up to EVERY_SIZE_UP_TO, then
-    SIZE_STEP apart. Between two of them h falls back on the weaker rule of _under, which
-    at powers of two alone left a replica of 4 samples 11 % below its time (resnet200)."""
-    out = list(range(1, min(batch, EVERY_SIZE_UP_TO) + 1))
-    while out[-1] < batch:
-        out.append(min(batch, max(out[-1] + 1, int(out[-1] * SIZE_STEP))))
-    return out
-
-
-def _under(sizes: list[int], times: list[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A convex piecewise-linear h ≤ t at every whole b in [1, B] from t at `sizes`. A call
-    computes whole samples (ir/plan.py split_samples, ir/accumulation.py), so h is the lower
-    hull of points at whole sizes only: at the sizes asked, and between two that are not
-    neighbours, where t(b) ≥ max(t(b_k), b·t(b_k+1)/b_k+1) (only t(b_k) where the time per
-    sample rose), at the whole sizes either side of that function's corner. (A hull through
-    the corner itself, at a fractional size, left resnet200's 4-sample replica 5 % below its
-    time.) Returns (knots b, h at the knots, [intercept, slope] of each hull edge)."""
-    pts = [(float(b), t) for b, t in zip(sizes, times)]
-    for (b0, t0), (b1, t1) in zip(zip(sizes, times), zip(sizes[1:], times[1:])):
-        if b1 - b0 < 2:
-            continue  # no whole size between them
-        per = t1 / b1
-        if per > 0 and per <= t0 / b0:
-            corner = t0 / per  # in [b0, b1]: t0 up to it, b·per after
-            lo, hi = math.floor(corner), math.ceil(corner)
-            pts += [(float(lo), t0)] if b0 < lo < b1 else []
-            pts += [(float(hi), hi * per)] if b0 < hi < b1 else []
-        else:
-            pts.append((float(b1 - 1), t0))
-    hull: list[tuple[float, float]] = []
-    for p in sorted(pts):
-        while len(hull) >= 2:
-            (x1, y1), (x2, y2) = hull[-2], hull[-1]
-            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) <= 0:  # hull[-1] on or above the chord
-                hull.pop()
-            else:
-                break
-        if hull and hull[-1][0] == p[0]:
-            continue  # equal b: the lower point came first
-        hull.append(p)
-    knots = np.array([x for x, _ in hull])
-    vals = np.array([y for _, y in hull])
-    slopes = np.diff(vals) / np.maximum(np.diff(knots), 1e-300)
-    edges = np.column_stack([vals[:-1] - slopes * knots[:-1], slopes]) if len(hull) > 1 else np.array([[vals[0], 0.0]])
-    return knots, vals, edges
-
-
-def _b_max(knots: np.ndarray, vals: np.ndarray, budget_s: float) -> float:
-    """The largest b in [1, B] with h(b) ≤ budget_s (0 when even one sample takes longer)."""
-    if vals[0] > budget_s:
-        return 0.0
-    if vals[-1] <= budget_s:
-        return float(knots[-1])
-    return float(np.interp(budget_s, vals, knots))  # h is non-decreasing along its knots
-
-
 def _per_device(member: dict[int, tuple], window_s: float) -> float:
     """The most samples per device when a replica has window_s for the group: b_max, or, where
     a set of d devices may split the group, b_max of a member's hull over d, at the best d."""
-    return max(_b_max(knots, vals, window_s) / d for d, (knots, vals, _) in member.items())
+    return max(b_max(knots, vals, window_s) / d for d, (knots, vals, _) in member.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,15 +215,15 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
     sample's times per group, on a member where a set may split the group."""
     c = prob.cluster
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
-    sizes = _sizes(prob.batch_size)
+    asked = sizes(prob.batch_size)
     hulls: dict[tuple, tuple] = {}  # (class, group, 1) or (…, degree, links) → h's hull on a member
     whole: dict[tuple[int, int], list[float]] = {}  # (class, group) → its time per size
     split: dict[tuple[int, int], list[float] | None] = {}  # … of its split nodes
     tiers = prob.tiers
-    under, member, opt = [], [], np.zeros((len(tiers), prob.n_groups))
+    unsplit, member, opt = [], [], np.zeros((len(tiers), prob.n_groups))
 
     def times(names: tuple[str, ...], rep: str) -> list[float]:
-        return [sum(table.times_s(names, rep, b)) for b in sizes]
+        return [sum(table.times_s(names, rep, b)) for b in asked]
 
     for t, devs in enumerate(tiers):
         rep = prob.device_names[devs[0]]
@@ -293,17 +234,17 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
         for g, names in enumerate(prob.groups):
             if (cls, g, 1) not in hulls:
                 whole[cls, g] = times(tuple(names), rep)
-                hulls[cls, g, 1] = _under(sizes, whole[cls, g])
+                hulls[cls, g, 1] = under(asked, whole[cls, g])
                 split[cls, g] = times(tp.split_nodes[g], rep) if tp.split_nodes[g] else None
             at = tp.link[t] if tp.link else None  # a member's hull depends on its links too
             for d in (d for d in DEGREES if 1 < d <= tp.split_deg[t, g] and split[cls, g] is not None):
                 if (cls, g, d, at) not in hulls:
-                    ar = tp.allreduce_s(t, g, d, sizes)
-                    hulls[cls, g, d, at] = _under(sizes, member_times(whole[cls, g], split[cls, g], d, ar))
+                    ar = tp.allreduce_s(t, g, d, asked)
+                    hulls[cls, g, d, at] = under(asked, member_times(whole[cls, g], split[cls, g], d, ar))
             mine.append(
                 {d: hulls[(cls, g, 1) if d == 1 else (cls, g, d, at)] for d in DEGREES if d <= tp.split_deg[t, g]}
             )
-        under.append([m[1] for m in mine])
+        unsplit.append([m[1] for m in mine])
         member.append(mine)
         opt[t] = [table.optimizer_s(tuple(names), rep) for names in prob.groups]
     before, after, path = _chains(prob, fwd1, bwd1)
@@ -317,7 +258,7 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
     return _Tables(
         n=np.array([len(d) for d in tiers], dtype=float),
         per_node=per_node,
-        under=under,
+        under=unsplit,
         opt_s=opt,
         grad_bytes=np.asarray(prob.grad_bytes, dtype=float),
         port_bytes_per_s=port,
@@ -331,20 +272,6 @@ def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float
         set_deg=tp.set_deg,
         member=member,
     )
-
-
-def _tangents(knots: np.ndarray, edges: np.ndarray) -> list[tuple[float, float]]:
-    """Lines below the perspective k·φ(x/k) of φ(b) = b·h(b), as (coefficient of x, of k):
-    φ is convex where h is convex and non-decreasing, so at any b0 and any slope m of h there,
-    k·φ(x/k) ≥ (h(b0) + b0·m)·x − b0²·m·k (the tangent of φ at b0, scaled by k). Taken at
-    the knots and inside each edge, where φ is quadratic."""
-    out: list[tuple[float, float]] = []
-    for i, (q, m) in enumerate(edges):
-        lo = float(knots[i]) if len(knots) > 1 else float(knots[0])
-        hi = float(knots[i + 1]) if len(knots) > 1 else lo
-        for b0 in np.unique([lo, 0.5 * (lo + hi), hi]):
-            out.append(((q + m * b0) + b0 * m, -b0 * b0 * m))
-    return out
 
 
 class _Programme:
@@ -448,7 +375,7 @@ class _Programme:
         self.cap_entries.append((len(self.entries) + 1, t, g))
         self.row([(x, 1.0), (y, 0.0)], 0.0)
         widest = self.tb.member[t][g][max(self.tb.member[t][g])]  # a call on the widest set's member
-        for on_x, on_k in _tangents(widest[0], widest[2]):
+        for on_x, on_k in tangents(widest[0], widest[2]):
             self.row([(x, on_x), (k, on_k), (c, -float(self.tb.batch))], 0.0)
 
     def feasible(self, T: float) -> bool:
