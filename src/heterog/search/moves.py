@@ -35,6 +35,7 @@ MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 # start syncing the last layers' gradients while the backward still runs, at one collective's
 # latency each; a bucket never splits a group, so a model has at most one per group.
 BUCKET_CHOICES_MIB = (0.5, 1, 2, 4, 8, 16, 25, 64)
+BUCKET_CHOICES = tuple(int(mib * 2**20) for mib in BUCKET_CHOICES_MIB)  # in bytes, as Strategy holds them
 
 
 class MoveScope(StrEnum):
@@ -279,16 +280,15 @@ def micro(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
 def bucket(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
     """The gradient bucket size: mostly the next size up or down, sometimes any (the time is
     not monotone in it: a bucket boundary that moves past a group's backward can cost)."""
-    sizes = [int(mib * 2**20) for mib in BUCKET_CHOICES_MIB]
-    if s.bucket_bytes in sizes and ctx.rng.random() < 0.7:
-        i = sizes.index(s.bucket_bytes) + ctx.rng.choice((-1, 1))
-        return replace(s, bucket_bytes=sizes[min(max(i, 0), len(sizes) - 1)])
-    return replace(s, bucket_bytes=ctx.rng.choice(sizes))
+    if s.bucket_bytes in BUCKET_CHOICES and ctx.rng.random() < 0.7:
+        i = BUCKET_CHOICES.index(s.bucket_bytes) + ctx.rng.choice((-1, 1))
+        return replace(s, bucket_bytes=BUCKET_CHOICES[min(max(i, 0), len(BUCKET_CHOICES) - 1)])
+    return replace(s, bucket_bytes=ctx.rng.choice(BUCKET_CHOICES))
 
 
 def _syncs(prob: Problem) -> bool:
     """Whether the problem has gradients to synchronise between devices (the bucket move's)."""
-    return len(prob.device_names) > 1 and float(prob.grad_bytes.sum()) > 0
+    return prob.n_devices > 1 and float(prob.grad_bytes.sum()) > 0
 
 
 def recompute(ctx: MoveContext, s: Strategy, a: int, b: int) -> Strategy:
