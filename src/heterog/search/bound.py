@@ -22,13 +22,23 @@ devices and calls.
 The chain: every sample passes the groups of a path P through the group DAG forward and back,
 each time in one call (a task of the simulator: lower/blocks.py), so T is at least the
 average sample's chain, Σ_{g∈P} Σ_calls (m/B)·h(m) ≥ Σ_{g∈P} Σ_t c[t,g], where
-c[t,g] ≥ (x/B)·h(x/k) (Jensen on φ(b) = b·h(b), by its tangents: _tangents): many small
-calls shorten the chain and cost fixed costs; few large ones the reverse.
+c[t,g] ≥ (x/B)·h(x/k) (Jensen on φ(b) = b·h(b), by its tangents: call_hull.tangents): many
+small calls shorten the chain and cost fixed costs; few large ones the reverse.
+
+Queues on the chain (_queue_rows): a device computes its calls of a group one after another,
+so the average one of its samples starts g's forward behind half of the device's others and
+ends g's backward as long before the end. Each group g of P gives a row: the chain from g's
+forward to its backward, with that queue, fits in T less one sample's way to g and back. One
+large group on few devices must wait for itself; spread, it costs calls and crossings.
 
 Activations: a sample whose producer group a and consumer group b run on different devices
 sends a's tensor that b reads forward and its gradient back (lower/transfers.py); at most
 min(x[t,a], x[t,b]) of tier t's samples stay on it, and the others' bytes leave through its
-devices' ports within T (and through all ports together, with the gradients below).
+devices' ports within T (and through all ports together, with the gradients below). Where a
+tier's nodes hold no other tier's devices, those bytes leave through its nodes' NICs too, and
+where every tier's do, all of them pass the NICs with the gradients, and each crossing sample
+of an edge of P adds its bytes over the fastest NIC, and a NIC's latency, each way, to the
+chain.
 
 Communication every such plan must do: a group on y devices all-reduces its S gradient bytes,
 which sends at least (y − 1)·S bytes in all (each replica sends all but its own part of the
@@ -39,11 +49,13 @@ sum; ring, tree, hierarchical and parameter servers all do), through the devices
   u_g ≥ Σ_t y[t,g] / D_t − 1, u_g ≥ 0.
 
 Compute and communication may overlap, so they bound T side by side, not summed. Left out,
-so the bound stays below every plan: the time activation transfers add to a sample's chain,
-pipeline fill and drain beyond one sample's, latencies, recomputation, and memory (a split
-the bound uses may not fit). Where it is loose: a tier's devices count as one (activations
-between them are free) and y, k are fractional, so a bubble-free pipeline of small
-micro-batches over the groups looks possible where per-kernel costs make real pipelines slow.
+so the bound stays below every plan: a crossing's time on the chain beyond one sample's bytes
+(a transfer carries a call's samples), within a tier and where nodes hold two tiers, pipeline
+fill and drain beyond one sample's and the queues, recomputation, and memory (a split the bound
+uses may not fit). Where it is loose: a tier's devices count as one (activations between them
+are free) and y, k are fractional, so a bubble-free pipeline of small micro-batches that hops
+between tiers from group to group looks possible; plans shaped like the programme's optimum
+simulate several times slower (their devices wait on each other's transfers).
 
 Where the problem allows tensor parallelism, the rows are relaxed so that the bound holds for
 plans whose replicas are tensor-parallel sets too (bound_tp.py: a group split d ways runs in
@@ -65,16 +77,16 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from heterog.cost.tensor_parallel import DEGREES
-from heterog.hardware.cluster import Link
-from heterog.search.bound_tp import TpRelaxation, member_times, tp_relaxation
-from heterog.search.call_hull import b_max, sizes, tangents, under
+from heterog.search.bound_tables import Tables, chains, one_sample_times, tables
+from heterog.search.bound_tp import tp_relaxation
+from heterog.search.call_hull import b_max, sizes, tangents
 from heterog.search.problem import Problem
 
 REL_TOL = 1e-2  # bisection stops when the bracket is this narrow, relative
 # the dual simplex decides most programmes in a tenth of a second but can stall near the
 # boundary of feasibility, where the interior-point method still decides in about one
 SOLVERS = (("highs-ds", 0.3), ("highs-ipm", 5.0))
+QUEUE_TANGENTS_AT = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # samples a device where the queue rows touch x²/y
 
 
 TP_WHAT = "; a tensor-parallel member: its split nodes at 1/d of their time, the all-reduces at their least"
@@ -116,162 +128,14 @@ class Bound:
         return {**out, "plain_data_parallel_s": self.plain_data_parallel_s}
 
 
-def _per_device(member: dict[int, tuple], window_s: float) -> float:
-    """The most samples per device when a replica has window_s for the group: b_max, or, where
-    a set of d devices may split the group, b_max of a member's hull over d, at the best d."""
-    return max(b_max(knots, vals, window_s) / d for d, (knots, vals, _) in member.items())
-
-
-@dataclass(frozen=True, slots=True)
-class _Tables:
-    n: np.ndarray  # devices per tier
-    per_node: np.ndarray  # devices per node of each tier
-    under: list  # [t][g] → (knots, values, edges)
-    opt_s: np.ndarray  # [t, g]
-    grad_bytes: np.ndarray  # [g]
-    port_bytes_per_s: float  # all devices' ports together
-    nic_bytes_per_s: float  # all nodes' NICs together
-    batch: int
-    before_s: np.ndarray  # [g] the least time before any forward of group g can start
-    after_s: np.ndarray  # [g] the least time after any backward of group g ends
-    path: tuple[int, ...]  # the groups of a longest path through the group DAG (one sample, fastest tier)
-    act_edges: tuple[tuple[int, int, float], ...]  # (producer, consumer, bytes per sample only it reads)
-    port_by_tier: np.ndarray  # [t] its devices' send ports together (inf: not modelled)
-    set_deg: np.ndarray  # [t] the widest tensor-parallel set on the tier (bound_tp.py; 1: none)
-    member: list  # [t][g] → {degree d: h's hull on a member of a set splitting g d ways} (d = 1: under)
-
-
 def _suffix_min(x: np.ndarray) -> np.ndarray:
     return np.minimum.accumulate(x[::-1])[::-1]
 
 
-def _total_bandwidth(links: list[Link | None]) -> float:
-    """The links' summed bandwidth; unbounded when any of them is missing (not modelled)."""
-    if any(link is None for link in links):
-        return float("inf")
-    return sum(link.bandwidth_bytes_per_s for link in links if link is not None)
-
-
-def _chains(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    """Per group, the longest path over its ancestors of one sample's forward times (nothing
-    of group g computes before one sample has passed them) and of its backward times (after
-    g's backward of a sample, its ancestors' must follow); fastest tier's times. And the
-    groups of the longest path by one sample's forward + backward, which every sample takes."""
-    before, after = np.zeros(prob.n_groups), np.zeros(prob.n_groups)
-    through, came_from = fwd1 + bwd1, [-1] * prob.n_groups
-    for g in range(prob.n_groups):  # groups are in topological order
-        for p in prob.preds[g]:
-            before[g] = max(before[g], before[p] + fwd1[p])
-            after[g] = max(after[g], after[p] + bwd1[p])
-            if through[p] + fwd1[g] + bwd1[g] > through[g]:
-                through[g], came_from[g] = through[p] + fwd1[g] + bwd1[g], p
-    path, g = [], int(np.argmax(through))
-    while g >= 0:
-        path.append(g)
-        g = came_from[g]
-    return before, after, tuple(reversed(path))
-
-
-def _exclusive_activations(prob: Problem) -> tuple[tuple[int, int, float], ...]:
-    """Per pair of groups (a, b), the bytes per sample of a's tensors that b alone (of the
-    other groups) reads: a sample whose a and b run on different devices sends them forward,
-    and their gradient comes back (lower/transfers.py). Tensors read by several groups may
-    cross once for all of them (lower/blocks.sent_once), so they are left out."""
-    owner = {name: g for g, names in enumerate(prob.groups) for name in names}
-    readers: dict[str, dict[int, float]] = {}
-    for e in prob.graph.edges:
-        a, b = owner[e.src], owner[e.dst]
-        if a != b:
-            mine = readers.setdefault(e.src, {})
-            mine[b] = max(mine.get(b, 0.0), float(e.bytes.per_sample))
-    out: dict[tuple[int, int], float] = {}
-    for src, by_group in readers.items():
-        if len(by_group) == 1:
-            ((b, nbytes),) = by_group.items()
-            out[(owner[src], b)] = out.get((owner[src], b), 0.0) + nbytes
-    return tuple((a, b, nbytes) for (a, b), nbytes in sorted(out.items()) if nbytes > 0)
-
-
-def _one_sample(prob: Problem, tp: TpRelaxation) -> tuple[np.ndarray, np.ndarray]:
-    """Per group, one sample's forward and backward time on the fastest device class, on a
-    member of the widest set that may split it (bound_tp.member_times)."""
-    table = prob.sim_cache.cost_table(prob.graph, prob.costs)
-    widest = tp.split_deg.max(axis=0)
-    one = np.array(
-        [
-            [
-                member_times(table.times_s(tuple(names), rep, 1), table.times_s(split, rep, 1) if split else (0, 0), d)
-                for names, split, d in zip(prob.groups, tp.split_nodes, widest)
-            ]
-            for rep in prob.class_rep
-        ]
-    )
-    return one[:, :, 0].min(axis=0), one[:, :, 1].min(axis=0)
-
-
-def _tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float, tp: TpRelaxation) -> _Tables | None:
-    """The programme's inputs; None when deadline_s passes first (a second or two at a
-    thousand devices: the cost model at every size, per class and group). fwd1, bwd1: one
-    sample's times per group, on a member where a set may split the group."""
-    c = prob.cluster
-    table = prob.sim_cache.cost_table(prob.graph, prob.costs)
-    asked = sizes(prob.batch_size)
-    hulls: dict[tuple, tuple] = {}  # (class, group, 1) or (…, degree, links) → h's hull on a member
-    whole: dict[tuple[int, int], list[float]] = {}  # (class, group) → its time per size
-    split: dict[tuple[int, int], list[float] | None] = {}  # … of its split nodes
-    tiers = prob.tiers
-    unsplit, member, opt = [], [], np.zeros((len(tiers), prob.n_groups))
-
-    def times(names: tuple[str, ...], rep: str) -> list[float]:
-        return [sum(table.times_s(names, rep, b)) for b in asked]
-
-    for t, devs in enumerate(tiers):
-        rep = prob.device_names[devs[0]]
-        cls = int(prob.dev_class[devs[0]])
-        if time.perf_counter() >= deadline_s and (cls, 0, 1) not in hulls:
-            return None
-        mine = []
-        for g, names in enumerate(prob.groups):
-            if (cls, g, 1) not in hulls:
-                whole[cls, g] = times(tuple(names), rep)
-                hulls[cls, g, 1] = under(asked, whole[cls, g])
-                split[cls, g] = times(tp.split_nodes[g], rep) if tp.split_nodes[g] else None
-            at = tp.link[t] if tp.link else None  # a member's hull depends on its links too
-            for d in (d for d in DEGREES if 1 < d <= tp.split_deg[t, g] and split[cls, g] is not None):
-                if (cls, g, d, at) not in hulls:
-                    ar = tp.allreduce_s(t, g, d, asked)
-                    hulls[cls, g, d, at] = under(asked, member_times(whole[cls, g], split[cls, g], d, ar))
-            mine.append(
-                {d: hulls[(cls, g, 1) if d == 1 else (cls, g, d, at)] for d in DEGREES if d <= tp.split_deg[t, g]}
-            )
-        unsplit.append([m[1] for m in mine])
-        member.append(mine)
-        opt[t] = [table.optimizer_s(tuple(names), rep) for names in prob.groups]
-    before, after, path = _chains(prob, fwd1, bwd1)
-    node = {n.name: n for n in c.nodes}
-    per_node = np.array([len(node[c.devices[devs[0]].node].devices) for devs in tiers], dtype=float)
-    port = _total_bandwidth([c.links.get(c.port(d.name, "up")) for d in c.devices])
-    port_by_tier = np.array(
-        [_total_bandwidth([c.links.get(c.port(c.devices[d].name, "up")) for d in devs]) for devs in tiers]
-    )
-    nic = _total_bandwidth([c.links.get(c.nic(n.name, "up")) for n in c.nodes])
-    return _Tables(
-        n=np.array([len(d) for d in tiers], dtype=float),
-        per_node=per_node,
-        under=unsplit,
-        opt_s=opt,
-        grad_bytes=np.asarray(prob.grad_bytes, dtype=float),
-        port_bytes_per_s=port,
-        nic_bytes_per_s=nic,
-        batch=prob.batch_size,
-        before_s=before,
-        after_s=after,
-        path=path,
-        act_edges=_exclusive_activations(prob),
-        port_by_tier=port_by_tier,
-        set_deg=tp.set_deg,
-        member=member,
-    )
+def _per_device(member: dict[int, tuple], window_s: float) -> float:
+    """The most samples per device when a replica has window_s for the group: b_max, or, where
+    a set of d devices may split the group, b_max of a member's hull over d, at the best d."""
+    return max(b_max(knots, vals, window_s) / d for d, (knots, vals, _) in member.items())
 
 
 class _Programme:
@@ -280,11 +144,12 @@ class _Programme:
 
     KINDS = 6  # x, y, z, w, k (calls), c (the part of the average sample's chain) per (t, g)
 
-    def __init__(self, tb: _Tables):
+    def __init__(self, tb: Tables):
         self.tb = tb
         n_t, n_g = tb.opt_s.shape
         self.stay0 = self.KINDS * n_t * n_g + n_g  # after u per g: samples that stay per (t, edge)
-        self.nv = nv = self.stay0 + n_t * len(tb.act_edges)
+        self.queue0 = self.stay0 + n_t * len(tb.act_edges)  # then (e, q) per (t, group of the path)
+        self.nv = nv = self.queue0 + 3 * n_t * len(tb.path)  # (e, q) per tier, and r, per group of the path
         self.rows: list[int] = []
         self.cols: list[int] = []
         self.entries: list[float] = []
@@ -303,7 +168,7 @@ class _Programme:
             # the end less the least of their after_s
             for g in range(1, n_g):
                 self.late_rows.append((self.row([(self.v(2, t, k), 1.0) for k in range(g, n_g)], 0.0), t, g))
-        self.chain_row = self.row([(self.v(5, t, g), 1.0) for t in range(n_t) for g in tb.path], 0.0)
+        self.chain_rows = self._queue_rows()
         self.tier_port_rows = self._activation_rows()
         S = tb.grad_bytes
         self.port_row = self.nic_row = None
@@ -316,7 +181,8 @@ class _Programme:
             u0 = self.KINDS * n_t * n_g
             for g in range(n_g):
                 self.row([(self.v(1, t, g), 1.0 / tb.per_node[t]) for t in range(n_t)] + [(u0 + g, -1.0)], 1.0)
-            self.nic_row = self.row([(u0 + g, S[g] / tb.nic_bytes_per_s) for g in range(n_g)], 0.0)
+            grads = [(u0 + g, S[g] / tb.nic_bytes_per_s) for g in range(n_g)]
+            self.nic_row = self.row(grads + self._nic_stays(), 0.0)
         self.data, self.rhs = np.array(self.entries), np.array(self.bounds)
         eq_rows = [g for _ in range(n_t) for g in range(n_g)]
         eq_cols_x = [self.v(0, t, g) for t in range(n_t) for g in range(n_g)]
@@ -342,6 +208,13 @@ class _Programme:
         self.bounds.append(bound)
         return len(self.bounds) - 1
 
+    def _nic_stays(self) -> list[tuple[int, float]]:
+        """Where no node holds two tiers, every activation that leaves a tier leaves its node:
+        the samples that stay, against all crossing (feasible's right-hand side), in NIC seconds."""
+        if not np.all(np.isfinite(self.tb.nic_by_tier)):
+            return []
+        return [(self.stay0 + i, -2.0 * a / self.tb.nic_bytes_per_s) for i, (t, (_, _, a)) in enumerate(self._stays())]
+
     def _stays(self) -> list[tuple[int, tuple[int, int, float]]]:
         return [(t, e) for t in range(self.tb.opt_s.shape[0]) for e in self.tb.act_edges]
 
@@ -356,10 +229,53 @@ class _Programme:
             stay = self.stay0 + i
             self.row([(stay, 1.0), (self.v(0, t, a), -1.0)], 0.0)
             self.row([(stay, 1.0), (self.v(0, t, b), -1.0)], 0.0)
-            per_s = nbytes / tb.port_by_tier[t]  # seconds per sample through the entry's ports
-            sends.setdefault(t, []).extend([(self.v(0, t, a), per_s), (self.v(0, t, b), per_s), (stay, -2.0 * per_s)])
-        n_t = tb.opt_s.shape[0]
-        return [self.row(sends[t], 0.0) if t in sends and np.isfinite(tb.port_by_tier[t]) else -1 for t in range(n_t)]
+            out_of_t = [(self.v(0, t, a), nbytes), (self.v(0, t, b), nbytes), (stay, -2.0 * nbytes)]
+            sends.setdefault(t, []).extend(out_of_t)
+        out = []
+        for t, entries in sends.items():  # in seconds: through the tier's ports, and its nodes' NICs
+            for per_s in (1.0 / tb.port_by_tier[t], 1.0 / tb.nic_by_tier[t]):
+                if per_s > 0:
+                    out.append(self.row([(col, val * per_s) for col, val in entries], 0.0))
+        return out
+
+    def _queue_rows(self) -> list[tuple[int, float]]:
+        """The average sample's chain with the queue it meets: a device computes its calls of a
+        group g one after another, so of its x_d samples the average one starts g's forward
+        after ρ_f·(x_d² − Σ m²)/(2·x_d) of the others' forwards (and ends g's backward as long
+        before the others' backwards end), ρ the least time per sample. For each g on the
+        path P, every sample's time from g's forward to g's backward, plus its queues there,
+        fits in T less before_s[g] and after_s[g]:
+          Σ_{g' after g on P} Σ_t c[t,g'] + Σ_t e[t,g] ≤ T − before_s[g] − after_s[g],
+          e ≥ c[t,g],  e ≥ c[t,g]/2 + q,  q ≥ ρ·x²/(2·B·y)  (Σ_d x_d² ≥ x²/y; its tangents),
+        where g's own calls and queue, Σ_i (m_i/B)·h(m_i) + ρ·(x_d² − Σ_i m_i²)/(2B), are at
+        least half its calls plus ρ·x_d²/(2B) as h(m) ≥ ρ·m. Returns (row, before + after) per g."""
+        tb = self.tb
+        n_t, n_p = tb.opt_s.shape[0], len(tb.path)
+        edge_at = {(a, b): j for j, (a, b, _) in enumerate(tb.act_edges)}
+        later = self.queue0 + 2 * n_t * n_p  # r_i ≥ what follows P[i] on the chain: r_i ≥ crossing_i + c(P[i+1]) + r_i+1
+        out = []
+        for i, g in enumerate(tb.path):
+            if i + 1 < n_p:
+                rest = [(self.v(5, t, tb.path[i + 1]), 1.0) for t in range(n_t)] + [(later + i, -1.0)]
+                rest += [(later + i + 1, 1.0)] if i + 2 < n_p else []
+                j = edge_at.get((g, tb.path[i + 1]))
+                crossing = tb.cross_s[j] if j is not None else 0.0  # a sample that leaves its tier leaves its node
+                if crossing > 0:
+                    rest += [(self.stay0 + t * len(tb.act_edges) + j, -crossing / tb.batch) for t in range(n_t)]
+                self.row(rest, -crossing)
+            mine = [(later + i, 1.0)] if i + 1 < n_p else []
+            for t in range(n_t):
+                e, q = self.queue0 + 2 * (t * n_p + i), self.queue0 + 2 * (t * n_p + i) + 1
+                c, x, y = self.v(5, t, g), self.v(0, t, g), self.v(1, t, g)
+                self.row([(c, 1.0), (e, -1.0)], 0.0)
+                self.row([(c, 0.5), (q, 1.0), (e, -1.0)], 0.0)
+                knots, vals, _ = tb.member[t][g][max(tb.member[t][g])]
+                rho = float(np.min(vals / knots)) / (2.0 * tb.batch)
+                for a in QUEUE_TANGENTS_AT:  # x²/y ≥ 2a·x − a²·y, a samples a device
+                    self.row([(x, 2.0 * a * rho), (y, -a * a * rho), (q, -1.0)], 0.0)
+                mine.append((e, 1.0))
+            out.append((self.row(mine, 0.0), float(tb.before_s[g] + tb.after_s[g])))
+        return out
 
     def _split_rows(self, t: int, g: int) -> None:
         """The rows of tier t's part of group g: its k calls (one per replica and micro-batch,
@@ -390,16 +306,19 @@ class _Programme:
             data[i] = -cap
             bounds[col] = (0.0, 0.0 if cap == 0 else float(tb.n[t]))
         rhs[self.tier_rows] = tb.n * T
-        rhs[self.chain_row] = T
+        for r, wait_s in self.chain_rows:
+            rhs[r] = T - wait_s
         wait = _suffix_min(tb.before_s) + _suffix_min(tb.after_s)
         for r, t, g in self.late_rows:
             rhs[r] = tb.n[t] * (T - wait[g])
-        rhs[[r for r in self.tier_port_rows if r >= 0]] = T
+        rhs[self.tier_port_rows] = T
         if self.port_row is not None:
             crossing = 2.0 * tb.batch * sum(a for _, _, a in tb.act_edges)  # if no sample stayed
             rhs[self.port_row] = T + (tb.grad_bytes.sum() - crossing) / tb.port_bytes_per_s
         if self.nic_row is not None:
-            rhs[self.nic_row] = T
+            leaves = np.all(np.isfinite(tb.nic_by_tier))  # every activation that leaves a tier leaves its node
+            crossing = 2.0 * tb.batch * sum(a for _, _, a in tb.act_edges) if leaves else 0.0
+            rhs[self.nic_row] = T - crossing / tb.nic_bytes_per_s
         a_ub = coo_matrix((data, (np.array(self.rows), np.array(self.cols))), shape=(len(rhs), self.nv))
         for method, limit_s in SOLVERS:
             res = linprog(
@@ -436,10 +355,10 @@ def lower_bound(prob: Problem, upper_s: float | None = None, deadline_s: float =
     time through the longest path, forward and back."""
     relax = tp_relaxation(prob)
     tp = relax.allowed
-    fwd1, bwd1 = _one_sample(prob, relax)
-    before, after, _ = _chains(prob, fwd1, bwd1)
+    fwd1, bwd1 = one_sample_times(prob, relax)
+    before, after, _ = chains(prob, fwd1, bwd1)
     one_sample = float(np.max(before + after + fwd1 + bwd1))
-    tb = _tables(prob, fwd1, bwd1, deadline_s, relax) if time.perf_counter() < deadline_s else None
+    tb = tables(prob, fwd1, bwd1, deadline_s, relax) if time.perf_counter() < deadline_s else None
     if tb is None:
         return Bound(iteration_time_s=one_sample, tensor_parallel=tp)
     # one device of the fastest tier doing everything is always a feasible split
