@@ -11,7 +11,7 @@ from heterog.capture import capture_model
 from heterog.cost import build_cost_model
 from heterog.hardware.spec import load_cluster
 from heterog.ir.kinds import SyncMethod
-from heterog.search.baseline_stage import BASELINE_ORDER
+from heterog.search.baseline_stage import BASELINE_ORDER, LANE_MARGIN, search_starts
 from heterog.search.baselines import BASELINE_BUILDERS, tier_dp_starts
 from heterog.search.bound import Bound, _Programme, lower_bound
 from heterog.search.bound_tables import one_sample_times, tables
@@ -215,6 +215,23 @@ def test_a_budget_too_small_for_the_baselines_scores_a_prefix_of_them():
     assert r.budget_split["baselines_skipped"] == rest
     assert 0 < r.bound.iteration_time_s <= r.best.predicted_iteration_time_s
     assert r.bound.iteration_time_s < lower_bound(prob).iteration_time_s  # the full bisection is tighter
+
+
+def test_the_lane_builds_a_skipped_baseline_only_where_twice_its_cost_fits():
+    """A baseline the stage had no time for is built among the search lane's starts only where
+    LANE_MARGIN times its cost (BASELINE_ORDER units at the stage's time per unit) ends before
+    the lane's deadline: at 4096 devices zero-uneven took twice its share and ran the command
+    2.7 s past a 15-s budget."""
+    prob = _prob((40.0, 10.0, 10.0, 10.0))
+    scored = {name: BASELINE_BUILDERS[name](prob) for name in BASELINE_ORDER if name != "zero-uneven"}
+    ten_s = time.perf_counter() + 10.0
+    unit_s = 10.0 / (LANE_MARGIN * BASELINE_ORDER["zero-uneven"])  # twice zero-uneven's cost: just past 10 s
+    assert (
+        len(list(search_starts(scored, unit_s=0.9 * unit_s)(prob, ten_s)))
+        == len(list(search_starts(scored, unit_s=1.1 * unit_s)(prob, ten_s))) + 1
+    )
+    zero = BASELINE_BUILDERS["zero-uneven"](prob).key()
+    assert zero in {s.key() for s in search_starts(scored, unit_s=0.9 * unit_s)(prob, ten_s)}
 
 
 def test_a_spent_budget_scores_baselines_until_one_fits():

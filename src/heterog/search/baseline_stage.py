@@ -32,33 +32,44 @@ BASELINE_ORDER = {
 }
 assert sorted(BASELINE_ORDER) == sorted(BASELINE_BUILDERS), "every baseline has its place in BASELINE_ORDER"
 BASELINE_SHARE = 0.5  # of the time left after grouping: the baselines past the first
+# the costs above are measured at 1024 devices; at 4096 zero-uneven took twice its share (8.2 s
+# against 4.1): a lane builds a skipped baseline only where twice its cost fits
+LANE_MARGIN = 2.0
 
 
 def search_starts(
-    baselines: dict[str, Strategy] | None, warm: Sequence[Strategy] = (), extra: Sequence[Strategy] = ()
+    baselines: dict[str, Strategy] | None,
+    warm: Sequence[Strategy] = (),
+    extra: Sequence[Strategy] = (),
+    unit_s: float = 0.0,
 ) -> Callable[[Problem, float], Iterator[Strategy]]:
     """The search lane's starts: a warm start's strategies first (search/warm.py: an earlier
     plan on this cluster's devices), the baselines (None: a second chain beside the planner's own,
     which has scored them, starts from proportional data parallelism instead), data
     parallelism over the fastest tiers and inside each kind of node, and a 1F1B pipeline (far
     less activation memory per stage, the way into models that no baseline fits) — made one
-    by one inside the lane, the pipeline (seconds at a thousand devices) only before its
-    deadline."""
+    by one inside the lane; a baseline the stage skipped and the pipeline (seconds at a
+    thousand devices) only where they would be built and scored by the lane's deadline at
+    LANE_MARGIN × unit_s per unit of their cost in BASELINE_ORDER (the baselines stage's
+    figure)."""
+
+    def fits(cost: float, deadline_s: float) -> bool:
+        return time.perf_counter() + LANE_MARGIN * unit_s * cost < deadline_s
 
     def make(prob: Problem, deadline_s: float) -> Iterator[Strategy]:
         yield from warm
         if baselines is None:
             yield BASELINE_BUILDERS["proportional-dp"](prob)
         else:  # in one order whatever the budget, those the baselines' stage had no time for built here
-            for name in BASELINE_ORDER:
+            for name, cost in BASELINE_ORDER.items():
                 if name in baselines:
                     yield baselines[name]
-                elif time.perf_counter() < deadline_s:
+                elif fits(cost, deadline_s):
                     yield BASELINE_BUILDERS[name](prob)
         yield from extra  # the megatron-3d grid's plan
         yield from tier_dp_starts(prob)
         yield from node_dp_starts(prob)
-        if time.perf_counter() < deadline_s:
+        if fits(BASELINE_ORDER["pipeline"], deadline_s):
             yield pipeline(prob, PipelineSchedule.ONE_F_ONE_B)
 
     return make
@@ -70,6 +81,7 @@ class Baselines:
     candidates: dict[str, Candidate]
     known: dict[tuple, tuple[float, Candidate]]  # what a chain starting from them need not score
     per_call_s: float  # one simulation, the median
+    unit_s: float  # building and simulating one unit of cost in BASELINE_ORDER
     skipped: tuple[str, ...]  # not built before the stage's end
 
 
@@ -99,5 +111,6 @@ def score_baselines(prob: Problem, until_s: float) -> Baselines:
         candidates=candidates,
         known=known,
         per_call_s=statistics.median(simulations_s),  # the first also fills the simulator's caches
+        unit_s=(time.perf_counter() - begin) / units,
         skipped=tuple(n for n in BASELINE_ORDER if n not in strategies),
     )

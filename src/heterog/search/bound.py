@@ -79,7 +79,7 @@ from scipy.sparse import coo_matrix
 
 from heterog.search.bound_tables import Tables, chains, one_sample_times, tables
 from heterog.search.bound_tp import tp_relaxation
-from heterog.search.call_hull import b_max, sizes, tangents
+from heterog.search.call_hull import b_max, tangents
 from heterog.search.problem import Problem
 
 REL_TOL = 1e-2  # bisection stops when the bracket is this narrow, relative
@@ -245,14 +245,17 @@ class _Programme:
         before the others' backwards end), ρ the least time per sample. For each g on the
         path P, every sample's time from g's forward to g's backward, plus its queues there,
         fits in T less before_s[g] and after_s[g]:
-          Σ_{g' after g on P} Σ_t c[t,g'] + Σ_t e[t,g] ≤ T − before_s[g] − after_s[g],
+          r + Σ_t e[t,g] ≤ T − before_s[g] − after_s[g],
           e ≥ c[t,g],  e ≥ c[t,g]/2 + q,  q ≥ ρ·x²/(2·B·y)  (Σ_d x_d² ≥ x²/y; its tangents),
         where g's own calls and queue, Σ_i (m_i/B)·h(m_i) + ρ·(x_d² − Σ_i m_i²)/(2B), are at
-        least half its calls plus ρ·x_d²/(2B) as h(m) ≥ ρ·m. Returns (row, before + after) per g."""
+        least half its calls plus ρ·x_d²/(2B) as h(m) ≥ ρ·m, and r is the chain after g: the
+        calls of the groups after it on P and the time crossing samples of P's edges from g on
+        spend between nodes (Tables.cross_s), summed backwards along P one group at a time
+        (one row each, not one row of them all per g). Returns (row, before + after) per g."""
         tb = self.tb
         n_t, n_p = tb.opt_s.shape[0], len(tb.path)
         edge_at = {(a, b): j for j, (a, b, _) in enumerate(tb.act_edges)}
-        later = self.queue0 + 2 * n_t * n_p  # r_i ≥ what follows P[i] on the chain: r_i ≥ crossing_i + c(P[i+1]) + r_i+1
+        later = self.queue0 + 2 * n_t * n_p  # r_i: the chain after P[i], r_i ≥ crossing_i + c(P[i+1]) + r_i+1
         out = []
         for i, g in enumerate(tb.path):
             if i + 1 < n_p:

@@ -369,7 +369,10 @@ def _search(
         stages.done("subsets")
         grid_start = [grid.start] if grid.start is not None else []
         mine = Lane(
-            name="search", seed=o.seed, starts=search_starts(base.strategies, warm, grid_start), known=base.known
+            name="search",
+            seed=o.seed,
+            starts=search_starts(base.strategies, warm, grid_start, base.unit_s),
+            known=base.known,
         )
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
