@@ -4,7 +4,7 @@ their simulation with the split inputs kept between neighbours.
 A tensor-parallel plan is simulated on its first ranks with a cost model of the split graph
 (simulate/tensor_parallel.py). Building that model and its caches takes tens of
 milliseconds, while neighbouring strategies mostly keep the same tensor-parallel sets; so
-the split graph, its cost model and a SimCache are kept per (sets, degree of each group).
+the split graph, its cost model and a SimCache are kept per (sets, degree of each node).
 
 What the simulator refuses, a strategy of the search may still reach by an ordinary move
 (another group's `add` taking a tensor-parallel member, a `sync` move to a parameter
@@ -109,9 +109,12 @@ def simulated(prob: Problem, plan: Plan, sim: Callable) -> Any:
     if not plan.tensor_parallel:
         return sim(prob.graph, prob.cluster, plan, prob.costs, timeline=False, cache=prob.sim_cache)
     kept: dict[tuple, tuple] = memo(prob, "_tp_inputs", dict)
+    degrees = sorted({g.tp_degree for g in plan.groups})
     key = (
         tuple(sorted({r.members for g in plan.groups for r in g.replicas})),
-        tuple(g.tp_degree for g in plan.groups),
+        # what tensor_parallel_inputs reads: the widest degree, and each node's where they differ
+        # (not each group's: the megatron-3d grid's plan and the search's have other groups)
+        degrees[-1] if len(degrees) == 1 else tuple(sorted((n, g.tp_degree) for g in plan.groups for n in g.nodes)),
     )
     hit = kept.get(key)
     if hit is None:
