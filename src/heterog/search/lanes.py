@@ -69,8 +69,9 @@ def _simulator() -> Callable | None:
     return simulate
 
 
-def _as_estimate(prob: Problem, r) -> Estimate:
-    """A simulation as the chains' score: its time, inflated when memory overflows."""
+def as_estimate(prob: Problem, r) -> Estimate:
+    """A simulation (or a Candidate: its time, peaks and fit) as the chains' score: its time,
+    inflated when memory overflows."""
     peak = np.zeros(prob.n_devices)
     for d, b in r.peak_memory_bytes.items():
         peak[prob.cluster.device_index[d]] = b
@@ -113,7 +114,7 @@ def finalize(prob: Problem, s: Strategy, name: str, scores: dict | None = None) 
     for p in variants:
         r = simulated(prob, p, sim)
         if p is plan and scores is not None:
-            scores[s.key()] = _as_estimate(prob, r).score
+            scores[s.key()] = as_estimate(prob, r).score
         c = Candidate(
             strategy=name,
             plan=p,
@@ -139,7 +140,7 @@ def simulator_scorer(prob: Problem) -> Callable[[Problem, Strategy], Estimate]:
             return rejected
         plan = p.to_plan(s, "search")
         try:
-            return _as_estimate(p, simulated(p, plan, sim))
+            return as_estimate(p, simulated(p, plan, sim))
         except PlanError:
             if not plan.tensor_parallel:
                 raise

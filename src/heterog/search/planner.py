@@ -47,6 +47,7 @@ from heterog.search.lanes import (
     Lane,
     LaneStats,
     _simulator,
+    as_estimate,
     can_fork,
     finalize,
     run_lane,
@@ -368,11 +369,14 @@ def _search(
         subsets = subset_candidates(prob, goal, subsets_end, base.strategies.values())
         stages.done("subsets")
         grid_start = [grid.start] if grid.start is not None else []
+        known = dict(base.known)
+        if grid.start is not None and grid.candidate is not None:  # simulated already: not again in the lane
+            known[grid.start.key()] = (as_estimate(prob, grid.candidate).score, grid.candidate)
         mine = Lane(
             name="search",
             seed=o.seed,
             starts=search_starts(base.strategies, warm, grid_start, base.unit_s),
-            known=base.known,
+            known=known,
         )
         found = Best()
         lane_stats, split = _run_lanes(prob, mine, other, forked, deadline - reserve_s, emit=found, say=say, **kw)
