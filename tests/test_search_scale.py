@@ -85,7 +85,7 @@ def test_the_bound_is_below_every_candidate():
 
 
 class _ChainWithoutQueues(_Programme):
-    """The programme as it was before the queues: one row for the average sample's chain."""
+    """The programme without the queues: one row for the average sample's chain."""
 
     def _queue_rows(self):
         n_t = self.tb.opt_s.shape[0]
@@ -220,8 +220,8 @@ def test_a_budget_too_small_for_the_baselines_scores_a_prefix_of_them():
 def test_the_lane_builds_a_skipped_baseline_only_where_twice_its_cost_fits():
     """A baseline the stage had no time for is built among the search lane's starts only where
     LANE_MARGIN times its cost (BASELINE_ORDER units at the stage's time per unit) ends before
-    the lane's deadline: at 4096 devices zero-uneven took twice its share and ran the command
-    2.7 s past a 15-s budget."""
+    the lane's deadline: at 4096 devices zero-uneven takes twice its share, and built on the
+    clock alone it ends a 15-s plan 2.7 s past its budget."""
     prob = _prob((40.0, 10.0, 10.0, 10.0))
     scored = {name: BASELINE_BUILDERS[name](prob) for name in BASELINE_ORDER if name != "zero-uneven"}
     ten_s = time.perf_counter() + 10.0

@@ -32,7 +32,7 @@ BASELINE_ORDER = {
 }
 assert sorted(BASELINE_ORDER) == sorted(BASELINE_BUILDERS), "every baseline has its place in BASELINE_ORDER"
 BASELINE_SHARE = 0.5  # of the time left after grouping: the baselines past the first
-# the costs above are measured at 1024 devices; at 4096 zero-uneven took twice its share (8.2 s
+# the costs above are measured at 1024 devices; at 4096 zero-uneven takes twice its share (8.2 s
 # against 4.1): a lane builds a skipped baseline only where twice its cost fits
 LANE_MARGIN = 2.0
 
