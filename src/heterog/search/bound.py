@@ -99,8 +99,9 @@ class Bound:
     plain_data_parallel_s: float | None = None  # no plain data-parallel plan is faster (dp_floor.py)
     what: str = (
         "every device busy until the end: samples split to finish at once, per-kernel costs per call, "
-        "optimizer steps, the average sample's chain through the model, gradient and activation bytes "
-        "through ports and NICs counted; pipeline fill, latencies and memory left out"
+        "optimizer steps, the average sample's chain through the model with its queues at each device, "
+        "gradient and activation bytes through ports and NICs counted; pipeline fill beyond one sample, "
+        "most latencies and memory left out"
     )
 
     def within(self, iteration_time_s: float) -> float:
