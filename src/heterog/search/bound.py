@@ -170,6 +170,9 @@ class _Programme:
             for g in range(1, n_g):
                 self.late_rows.append((self.row([(self.v(2, t, k), 1.0) for k in range(g, n_g)], 0.0), t, g))
         self.chain_rows = self._queue_rows()
+        # where no node holds two tiers, every activation that leaves a tier leaves its node
+        self.leaves_nodes = bool(np.all(np.isfinite(tb.nic_by_tier)))
+        self.crossing_bytes = 2.0 * tb.batch * sum(a for _, _, a in tb.act_edges)  # if no sample stayed
         self.tier_port_rows = self._activation_rows()
         S = tb.grad_bytes
         self.port_row = self.nic_row = None
@@ -210,9 +213,9 @@ class _Programme:
         return len(self.bounds) - 1
 
     def _nic_stays(self) -> list[tuple[int, float]]:
-        """Where no node holds two tiers, every activation that leaves a tier leaves its node:
-        the samples that stay, against all crossing (feasible's right-hand side), in NIC seconds."""
-        if not np.all(np.isfinite(self.tb.nic_by_tier)):
+        """Where every activation that leaves a tier leaves its node: the samples that stay,
+        against all crossing (feasible's right-hand side), in NIC seconds."""
+        if not self.leaves_nodes:
             return []
         return [(self.stay0 + i, -2.0 * a / self.tb.nic_bytes_per_s) for i, (t, (_, _, a)) in enumerate(self._stays())]
 
@@ -222,8 +225,9 @@ class _Programme:
     def _activation_rows(self) -> list[int]:
         """Activations that must cross: of the samples of edge (a, b), those whose a and b run on
         one device stay, at most min(x[t,a], x[t,b]) on entry t; the others send the edge's bytes
-        forward from a's device and their gradient back from b's, through the senders' ports.
-        Returns each entry's port row (−1 where its ports are not modelled)."""
+        forward from a's device and their gradient back from b's, through the senders' ports and,
+        where the tier holds its nodes alone, their NICs. Returns those rows (one per tier and
+        link kind that is modelled)."""
         tb = self.tb
         sends: dict[int, list[tuple[int, float]]] = {}
         for i, (t, (a, b, nbytes)) in enumerate(self._stays()):
@@ -269,7 +273,8 @@ class _Programme:
                 self.row(rest, -crossing)
             mine = [(later + i, 1.0)] if i + 1 < n_p else []
             for t in range(n_t):
-                e, q = self.queue0 + 2 * (t * n_p + i), self.queue0 + 2 * (t * n_p + i) + 1
+                e = self.queue0 + 2 * (t * n_p + i)
+                q = e + 1
                 c, x, y = self.v(5, t, g), self.v(0, t, g), self.v(1, t, g)
                 self.row([(c, 1.0), (e, -1.0)], 0.0)
                 self.row([(c, 0.5), (q, 1.0), (e, -1.0)], 0.0)
@@ -317,12 +322,10 @@ class _Programme:
             rhs[r] = tb.n[t] * (T - wait[g])
         rhs[self.tier_port_rows] = T
         if self.port_row is not None:
-            crossing = 2.0 * tb.batch * sum(a for _, _, a in tb.act_edges)  # if no sample stayed
-            rhs[self.port_row] = T + (tb.grad_bytes.sum() - crossing) / tb.port_bytes_per_s
+            rhs[self.port_row] = T + (tb.grad_bytes.sum() - self.crossing_bytes) / tb.port_bytes_per_s
         if self.nic_row is not None:
-            leaves = np.all(np.isfinite(tb.nic_by_tier))  # every activation that leaves a tier leaves its node
-            crossing = 2.0 * tb.batch * sum(a for _, _, a in tb.act_edges) if leaves else 0.0
-            rhs[self.nic_row] = T - crossing / tb.nic_bytes_per_s
+            through_nics = self.crossing_bytes if self.leaves_nodes else 0.0
+            rhs[self.nic_row] = T - through_nics / tb.nic_bytes_per_s
         a_ub = coo_matrix((data, (np.array(self.rows), np.array(self.cols))), shape=(len(rhs), self.nv))
         for method, limit_s in SOLVERS:
             res = linprog(
