@@ -17,12 +17,13 @@ from heterog.capture import capture_model
 from heterog.cli.main import app
 from heterog.hardware.spec import load_cluster, parse_cluster_yaml
 from heterog.inputs import model_inputs
-from heterog.ir.kinds import SyncMethod
+from heterog.ir.kinds import Phase, SyncMethod
 from heterog.ir.plan import ModelSpec
 from heterog.lower.tensor_parallel import TensorParallelSupport, executor_tensor_parallel, runnable
 from heterog.runs.elastic import replan
 from heterog.search.baselines import BASELINE_BUILDERS
 from heterog.search.bound import lower_bound
+from heterog.search.bound_tp import tp_relaxation
 from heterog.search.grouping import make_groups
 from heterog.search.lanes import simulator_scorer
 from heterog.search.moves import MoveContext, segments, with_placement
@@ -31,6 +32,7 @@ from heterog.search.problem import Placement, Problem
 from heterog.search.tp_moves import GRID_NAME, tp_applies, tp_move, whole_regions
 from heterog.search.tp_scoring import simulated, split_groups, tp_conflict
 from heterog.simulate.simulator import simulate
+from heterog.simulate.tensor_parallel import tensor_parallel_inputs
 
 SMALL = ModelSpec(name="gpt2", args={"layers": 4}, batch_size=8, seq_len=32)
 # one sample: data parallelism and pipelines cannot use a second GPU, tensor parallelism can
@@ -105,6 +107,30 @@ def test_tp_move_gives_plans_the_simulator_accepts_and_prices_alike(mixed):
     assert {2, 4} <= degrees and undone, (degrees, undone)
 
 
+def test_the_bound_times_a_member_as_the_simulator_does(mixed):
+    """A set's member in the bound (bound_tp.member_s) costs what the simulator's cost model of
+    that plan gives it, at every size: the split GEMMs at their own size, the all-reduces over
+    the set's links."""
+    relax = tp_relaxation(mixed)
+    ctx = MoveContext(prob=mixed, rng=random.Random(2))
+    s = BASELINE_BUILDERS["proportional-dp"](mixed)
+    checked = set()
+    for _ in range(40):
+        n = tp_move(ctx, s, *ctx.rng.choice(segments(s)))
+        plan = mixed.to_plan(n, "search")
+        for g, (placement, group) in enumerate(zip(n.placements, plan.groups)):
+            if placement.tp_degree == 1 or g in checked:
+                continue
+            _, _, costs = tensor_parallel_inputs(mixed.graph, mixed.cluster, plan, mixed.costs)
+            lead = group.replicas[0].device
+            t = mixed.tier_of[mixed.device_names.index(lead)]
+            for b, (fwd, bwd) in zip((1, 3, 8), relax.member_s(mixed, t, g, placement.tp_degree, [1, 3, 8])):
+                assert fwd == pytest.approx(costs.group_time_s(group.nodes, lead, b, Phase.FORWARD), rel=1e-9)
+                assert bwd == pytest.approx(costs.group_time_s(group.nodes, lead, b, Phase.BACKWARD), rel=1e-9)
+            checked.add(g)
+    assert len(checked) >= 2, checked
+
+
 def test_neighbours_the_simulator_refuses_are_rejected(mixed):
     ctx = MoveContext(prob=mixed, rng=random.Random(1))
     s = BASELINE_BUILDERS["proportional-dp"](mixed)
@@ -137,6 +163,7 @@ def test_planner_splits_blocks_on_nvlink_and_planning_for_a_run_keeps_to_what_ru
     assert any("Megatron-style" in n for n in r.best.notes), r.best.notes
     assert r.bound.tensor_parallel and any("of a lower bound" in n for n in r.best.notes), r.best.notes
     assert all(c.above_bound >= -1e-9 for c in r.candidates if c.feasible)  # split plans above it too
+    assert r.bound.within(r.best.predicted_iteration_time_s) < 0.10  # members timed as the simulator does
     grid = next(c for c in r.candidates if c.strategy == GRID_NAME)
     assert grid.plan.tensor_parallel and r.best.predicted_iteration_time_s <= grid.iteration_time_s
     assert r.budget_split[GRID_NAME]["scored"] >= 1

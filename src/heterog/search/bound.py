@@ -58,8 +58,9 @@ between tiers from group to group looks possible; plans shaped like the programm
 simulate several times slower (their devices wait on each other's transfers).
 
 Where the problem allows tensor parallelism, the rows are relaxed so that the bound holds for
-plans whose replicas are tensor-parallel sets too (bound_tp.py: a group split d ways runs in
-1/d of its time on each member; a set's d devices make its calls and sync as one replica).
+plans whose replicas are tensor-parallel sets too (bound_tp.py: a group split d ways runs on
+each member in its slice's time as the simulator prices it, and the chains and windows take
+the quickest degree at each size; a set's d devices make its calls and sync as one replica).
 
 Assumptions about the cost model, both true of heterog's (cost/efficiency.py): a group's time
 never falls as its samples grow, and its time per sample never rises (kernel efficiency grows
@@ -89,7 +90,7 @@ SOLVERS = (("highs-ds", 0.3), ("highs-ipm", 5.0))
 QUEUE_TANGENTS_AT = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # samples a device where the queue rows touch x²/y
 
 
-TP_WHAT = "; a tensor-parallel member: its split nodes at 1/d of their time, the all-reduces at their least"
+TP_WHAT = "; a tensor-parallel member: its slice of each split node and its all-reduces, as the cost model prices them"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -278,7 +279,7 @@ class _Programme:
                 c, x, y = self.v(5, t, g), self.v(0, t, g), self.v(1, t, g)
                 self.row([(c, 1.0), (e, -1.0)], 0.0)
                 self.row([(c, 0.5), (q, 1.0), (e, -1.0)], 0.0)
-                knots, vals, _ = tb.member[t][g][max(tb.member[t][g])]
+                knots, vals, _ = tb.fastest[t][g]
                 rho = float(np.min(vals / knots)) / (2.0 * tb.batch)
                 for a in QUEUE_TANGENTS_AT:  # x²/y ≥ 2a·x − a²·y, a samples a device
                     self.row([(x, 2.0 * a * rho), (y, -a * a * rho), (q, -1.0)], 0.0)
@@ -299,8 +300,8 @@ class _Programme:
         self.row([(k, 1.0), (x, -1.0)], 0.0)
         self.cap_entries.append((len(self.entries) + 1, t, g))
         self.row([(x, 1.0), (y, 0.0)], 0.0)
-        widest = self.tb.member[t][g][max(self.tb.member[t][g])]  # a call on the widest set's member
-        for on_x, on_k in tangents(widest[0], widest[2]):
+        quickest = self.tb.fastest[t][g]  # a call on a member of a set of the quickest degree at its size
+        for on_x, on_k in tangents(quickest[0], quickest[2]):
             self.row([(x, on_x), (k, on_k), (c, -float(self.tb.batch))], 0.0)
 
     def feasible(self, T: float) -> bool:

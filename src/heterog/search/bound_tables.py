@@ -12,7 +12,7 @@ import numpy as np
 
 from heterog.cost.tensor_parallel import DEGREES
 from heterog.hardware.cluster import Link
-from heterog.search.bound_tp import TpRelaxation, member_times
+from heterog.search.bound_tp import TpRelaxation
 from heterog.search.call_hull import sizes, under
 from heterog.search.problem import Problem
 
@@ -36,6 +36,7 @@ class Tables:
     cross_s: np.ndarray  # [edge of act_edges] least time of a sample's tensor and gradient between nodes (0: unknown)
     set_deg: np.ndarray  # [t] the widest tensor-parallel set on the tier (bound_tp.py; 1: none)
     member: list  # [t][g] → {degree d: h's hull on a member of a set splitting g d ways} (d = 1: under)
+    fastest: list  # [t][g] → the hull under a member's least time at each size over those degrees (its calls)
 
 
 def total_bandwidth(links: list[Link | None]) -> float:
@@ -86,20 +87,15 @@ def exclusive_activations(prob: Problem) -> tuple[tuple[int, int, float], ...]:
 
 
 def one_sample_times(prob: Problem, tp: TpRelaxation) -> tuple[np.ndarray, np.ndarray]:
-    """Per group, one sample's forward and backward time on the fastest device class, on a
-    member of the widest set that may split it (bound_tp.member_times)."""
-    table = prob.sim_cache.cost_table(prob.graph, prob.costs)
-    widest = tp.split_deg.max(axis=0)
-    one = np.array(
-        [
-            [
-                member_times(table.times_s(tuple(names), rep, 1), table.times_s(split, rep, 1) if split else (0, 0), d)
-                for names, split, d in zip(prob.groups, tp.split_nodes, widest)
-            ]
-            for rep in prob.class_rep
-        ]
-    )
-    return one[:, :, 0].min(axis=0), one[:, :, 1].min(axis=0)
+    """Per group, one sample's least forward and backward time: over the tiers, on a member of
+    a set of any degree the tier allows (bound_tp.TpRelaxation.member_s; 1: unsplit)."""
+    fwd, bwd = np.full(prob.n_groups, np.inf), np.full(prob.n_groups, np.inf)
+    for t in range(len(prob.tiers)):
+        for g in range(prob.n_groups):
+            for d in tp.degrees(t, g):
+                ((f, b),) = tp.member_s(prob, t, g, d, [1])
+                fwd[g], bwd[g] = min(fwd[g], f), min(bwd[g], b)
+    return fwd, bwd
 
 
 def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float, tp: TpRelaxation) -> Tables | None:
@@ -109,36 +105,31 @@ def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float,
     c = prob.cluster
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     asked = sizes(prob.batch_size)
-    hulls: dict[tuple, tuple] = {}  # (class, group, 1) or (…, degree, links) → h's hull on a member
-    whole: dict[tuple[int, int], list[float]] = {}  # (class, group) → its time per size
-    split: dict[tuple[int, int], list[float] | None] = {}  # … of its split nodes
+    hulls: dict[tuple, tuple] = {}  # (class, group, degree, the set's links) → h's hull on a member
+    least: dict[tuple, list[float]] = {}  # … → the least of its times per size over the degrees up to it
     tiers = prob.tiers
-    unsplit, member, opt = [], [], np.zeros((len(tiers), prob.n_groups))
-
-    def times(names: tuple[str, ...], rep: str) -> list[float]:
-        return [sum(table.times_s(names, rep, b)) for b in asked]
-
+    unsplit, member, quick, opt = [], [], [], np.zeros((len(tiers), prob.n_groups))
     for t, devs in enumerate(tiers):
         rep = prob.device_names[devs[0]]
         cls = int(prob.dev_class[devs[0]])
-        if time.perf_counter() >= deadline_s and (cls, 0, 1) not in hulls:
+        at = tp.sets[t] if tp.sets else ()  # a member's time depends on its set's links too
+        if time.perf_counter() >= deadline_s and (cls, 0, 1, None) not in hulls:
             return None
-        mine = []
-        for g, names in enumerate(prob.groups):
-            if (cls, g, 1) not in hulls:
-                whole[cls, g] = times(tuple(names), rep)
-                hulls[cls, g, 1] = under(asked, whole[cls, g])
-                split[cls, g] = times(tp.split_nodes[g], rep) if tp.split_nodes[g] else None
-            at = tp.link[t] if tp.link else None  # a member's hull depends on its links too
-            for d in (d for d in DEGREES if 1 < d <= tp.split_deg[t, g] and split[cls, g] is not None):
-                if (cls, g, d, at) not in hulls:
-                    ar = tp.allreduce_s(t, g, d, asked)
-                    hulls[cls, g, d, at] = under(asked, member_times(whole[cls, g], split[cls, g], d, ar))
-            mine.append(
-                {d: hulls[(cls, g, 1) if d == 1 else (cls, g, d, at)] for d in DEGREES if d <= tp.split_deg[t, g]}
-            )
+        mine, quickest = [], []
+        for g in range(prob.n_groups):
+            best = None
+            for d in tp.degrees(t, g):
+                key = (cls, g, d, None if d == 1 else at)
+                if key not in hulls:
+                    times = [f + b for f, b in tp.member_s(prob, t, g, d, asked)]
+                    hulls[key] = under(asked, times)
+                    least[key] = times
+                best = least[key] if best is None else [min(a, b) for a, b in zip(best, least[key])]
+            mine.append({d: hulls[cls, g, d, None if d == 1 else at] for d in tp.degrees(t, g)})
+            quickest.append(mine[-1][1] if len(mine[-1]) == 1 else under(asked, best))
         unsplit.append([m[1] for m in mine])
         member.append(mine)
+        quick.append(quickest)
         opt[t] = [table.optimizer_s(tuple(names), rep) for names in prob.groups]
     before, after, path = chains(prob, fwd1, bwd1)
     node = {n.name: n for n in c.nodes}
@@ -179,4 +170,5 @@ def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float,
         nic_by_tier=nic_by_tier,
         set_deg=tp.set_deg,
         member=member,
+        fastest=quick,
     )

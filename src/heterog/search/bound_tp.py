@@ -1,17 +1,20 @@
 """What tensor parallelism may do, for the lower bound (bound.py): per device tier, the widest
-tensor-parallel set the search may form there; per tier and group, the degree that may split
-the group's compute; and which of the group's nodes a split divides.
+tensor-parallel set the search may form there and the devices of one such set; per tier and
+group, the degree that may split the group's compute; which of the group's nodes a split
+divides; and a member's time as the simulator prices it.
 
 Where the problem allows tensor parallelism (tp_moves.tp_applies: Megatron's pattern, the
 analytic costs, like devices in a node), a replica may be a set of d devices of one class in
 one node (tp_moves.tp_sets). The bound then has to hold for such plans too, which it does by
 relaxing what a set changes (bound.py's rows take these degrees):
 
-- a group holding a whole split region runs on each member in at least its whole nodes' time
-  plus 1/d of its split nodes' (the split GEMMs are priced at the efficiency of their own,
-  smaller size, cost/roofline.py; norms, embeddings, the head and the loss stay whole), which
-  the one-sample chains, the average sample's chain and a replica's window use, while the
-  devices' summed time stays at least the unsplit time (d members × 1/d of the split part);
+- a group split d ways runs on each member in its slice's time: the cost model of one rank
+  (cost/tensor_parallel.TensorParallelCostModel, as simulate/tensor_parallel.py builds it) on
+  a set of the tier, its smaller GEMMs at their own efficiency and its per-block all-reduces
+  over the set's links — the time the simulator gives that member's calls. The one-sample
+  chains, the average sample's chain and a replica's window take the least of it over the
+  degrees a tier allows (one of them 1, unsplit), while the devices' summed time stays at
+  least the unsplit time (d members, each at least 1/d of the split part);
 - any group inside a set is computed by d devices per replica: a replica's calls may be
   fewer than the devices computing the group (y ≤ d·k), and its gradient all-reduce runs
   over the replicas, not the devices (at least (y/d − 1)·S bytes: the d sibling rings carry
@@ -27,10 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from heterog.cost.tensor_parallel import group_collectives, megatron_layout
+from heterog.cost.tensor_parallel import DEGREES, TensorParallelCostModel
+from heterog.ir.kinds import Phase
 from heterog.search.problem import Problem
 from heterog.search.tp_moves import tp_applies, tp_view
-from heterog.search.tp_scoring import region_spans, split_groups
+from heterog.search.tp_scoring import memo, region_spans, split_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,24 +42,46 @@ class TpRelaxation:
     set_deg: np.ndarray  # [t] the widest set on tier t (1: none)
     split_deg: np.ndarray  # [t, g] the widest degree that may split group g there (1: none)
     split_nodes: tuple[tuple[str, ...], ...]  # per group, its nodes inside split regions (the rest stays whole)
-    # per group, its split regions' all-reduces per call: (how many, their bytes: fixed, per sample)
-    allreduces: tuple[tuple[int, float, float], ...] = ()
-    link: tuple[tuple[float, float], ...] = ()  # per tier, (latency s, s per byte) between two devices of a node
-
-    def allreduce_s(self, t: int, g: int, degree: int, samples: list[int]) -> list[float]:
-        """Per size, the least time a member spends in group g's all-reduces split `degree` ways
-        on tier t: each a ring of 2(d − 1) steps, each step at least one link's latency and
-        1/d of the bytes (cost/tensor_parallel.py prices the same rings over the set's links)."""
-        if degree <= 1 or not self.allreduces or not self.allreduces[g][0]:
-            return [0.0] * len(samples)
-        count, fixed, per_sample = self.allreduces[g]
-        latency, per_byte = self.link[t]
-        steps = 2 * (degree - 1)
-        return [steps * (count * latency + (fixed + per_sample * m) / degree * per_byte) for m in samples]
+    sets: tuple[tuple[str, ...], ...] = ()  # per tier, the devices of a widest set in one of its nodes, rank order
 
     @property
     def allowed(self) -> bool:
         return bool(self.set_deg.max() > 1)
+
+    def degrees(self, t: int, g: int) -> list[int]:
+        """The degrees a replica of group g may have on tier t, 1 (unsplit) first."""
+        return [d for d in DEGREES if d <= self.split_deg[t, g]]
+
+    def member_s(self, prob: Problem, t: int, g: int, degree: int, samples: list[int]) -> list[tuple[float, float]]:
+        """Per size, (forward, backward) of group g on a member of a tier-t set splitting it
+        `degree` ways: one rank's slice with its all-reduces (the module docstring); the
+        problem's own times where degree is 1."""
+        names = prob.groups[g]
+        if degree == 1:
+            table = prob.sim_cache.cost_table(prob.graph, prob.costs)
+            rep = prob.device_names[prob.tiers[t][0]]
+            return [table.times_s(tuple(names), rep, b) for b in samples]
+        # a tier's devices are alike and so are its nodes' links (Problem.pair_cost): one set serves
+        members = self.sets[t][:degree]
+        costs = memo(prob, "_bound_tp:" + ",".join(members), lambda: _rank_costs(prob, members))
+        return [
+            (costs.group_time_s(names, members[0], b, Phase.FORWARD), costs.group_time_s(names, members[0], b, Phase.BACKWARD))
+            for b in samples
+        ]
+
+
+def _rank_costs(prob: Problem, members: tuple[str, ...]) -> TensorParallelCostModel:
+    """The cost model of the first rank of the set `members`, as simulate/tensor_parallel.py
+    builds it for a plan (the vocabulary whole, the problem's precision and optimizer)."""
+    return TensorParallelCostModel(
+        prob.graph,
+        prob.cluster,
+        degree=len(members),
+        groups={members[0]: members},
+        precision=prob.precision,
+        optimizer=prob.optimizer,
+        vocab_parallel=False,
+    )
 
 
 def tp_relaxation(prob: Problem) -> TpRelaxation:
@@ -81,40 +107,17 @@ def tp_relaxation(prob: Problem) -> TpRelaxation:
         sets,
         np.where(splits[None, :], sets[:, None], 1.0),
         split_nodes,
-        allreduces=_allreduces(prob, split_nodes),
-        link=tuple(_inside_node(prob, devs) for devs in tiers),
+        sets=tuple(_widest_set(prob, devs, int(d)) for devs, d in zip(tiers, sets)),
     )
 
 
-def _allreduces(prob: Problem, split_nodes: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, float, float], ...]:
-    """Per group, the all-reduces a split adds per call (cost/tensor_parallel.group_collectives,
-    vocabulary whole as heterog's plans keep it): how many, and their bytes, affine in samples."""
-    layout = megatron_layout(prob.graph, vocab_parallel=False)
-    precision = getattr(prob.costs, "precision", "fp32")
-    owner = {n: g for g, nodes in enumerate(split_nodes) for n in nodes}
-    out = [[0, 0.0, 0.0] for _ in split_nodes]
-    for c in group_collectives(prob.graph, layout, precision):
-        g = owner.get(c.node)
-        if g is not None:
-            out[g][0] += 1
-            out[g][1] += c.elements.fixed * c.element_bytes
-            out[g][2] += c.elements.per_sample * c.element_bytes
-    return tuple((int(n), f, p) for n, f, p in out)
-
-
-def _inside_node(prob: Problem, devs: tuple[int, ...]) -> tuple[float, float]:
-    """(latency, seconds per byte) between two devices of one of the tier's nodes; (0, 0)
-    where no node holds two of them (no set there)."""
-    by_node: dict[int, int] = {}
+def _widest_set(prob: Problem, devs: tuple[int, ...], degree: int) -> tuple[str, ...]:
+    """`degree` devices of the tier in its first node that has them (tp_moves.tp_sets keeps a
+    set inside one node), in index order; none where degree is 1."""
+    if degree <= 1:
+        return ()
+    by_node: dict[int, list[int]] = {}
     for d in devs:
-        if int(prob.node_idx[d]) in by_node:
-            return prob.pair_cost(by_node[int(prob.node_idx[d])], d)
-        by_node[int(prob.node_idx[d])] = d
-    return 0.0, 0.0
-
-
-def member_times(whole, split, degree: float, allreduce=None) -> list[float]:
-    """A member's time of a group split `degree` ways, at least: the whole nodes' time plus
-    1/degree of the split nodes' plus its all-reduces (each a list per batch size)."""
-    extra = allreduce if allreduce is not None else [0.0] * len(whole)
-    return [w - s + s / degree + a for w, s, a in zip(whole, split, extra)]
+        by_node.setdefault(int(prob.node_idx[d]), []).append(d)
+    pool = next(sorted(p) for p in by_node.values() if len(p) >= degree)
+    return tuple(prob.device_names[d] for d in pool[:degree])
