@@ -113,14 +113,14 @@ def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float,
         rep = prob.device_names[devs[0]]
         cls = int(prob.dev_class[devs[0]])
         at = tp.sets[t] if tp.sets else ()  # a member's time depends on its set's links too
-        if time.perf_counter() >= deadline_s and (cls, 0, 1, None) not in hulls:
-            return None
         mine, quickest = [], []
         for g in range(prob.n_groups):
             best = None
             for d in tp.degrees(t, g):
                 key = (cls, g, d, None if d == 1 else at)
                 if key not in hulls:
+                    if time.perf_counter() >= deadline_s:
+                        return None
                     times = [f + b for f, b in tp.member_s(prob, t, g, d, asked)]
                     hulls[key] = under(asked, times)
                     least[key] = times

@@ -63,21 +63,22 @@ class TpRelaxation:
             return [table.times_s(tuple(names), rep, b) for b in samples]
         # a tier's devices are alike and so are its nodes' links (Problem.pair_cost): one set serves
         members = self.sets[t][:degree]
-        costs = memo(prob, "_bound_tp:" + ",".join(members), lambda: _rank_costs(prob, members))
+        costs = memo(prob, f"_bound_tp:{degree}", lambda: _rank_costs(prob, [s[:degree] for s in self.sets if len(s) >= degree]))
         return [
             (costs.group_time_s(names, members[0], b, Phase.FORWARD), costs.group_time_s(names, members[0], b, Phase.BACKWARD))
             for b in samples
         ]
 
 
-def _rank_costs(prob: Problem, members: tuple[str, ...]) -> TensorParallelCostModel:
-    """The cost model of the first rank of the set `members`, as simulate/tensor_parallel.py
-    builds it for a plan (the vocabulary whole, the problem's precision and optimizer)."""
+def _rank_costs(prob: Problem, sets: list[tuple[str, ...]]) -> TensorParallelCostModel:
+    """The cost model of the first ranks of `sets` (all of one degree), as
+    simulate/tensor_parallel.py builds it for a plan (the vocabulary whole, the problem's
+    precision and optimizer): one split graph for every tier."""
     return TensorParallelCostModel(
         prob.graph,
         prob.cluster,
-        degree=len(members),
-        groups={members[0]: members},
+        degree=len(sets[0]),
+        groups={members[0]: members for members in sets},
         precision=prob.precision,
         optimizer=prob.optimizer,
         vocab_parallel=False,
