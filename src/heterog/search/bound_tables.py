@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from heterog.cost.tensor_parallel import DEGREES
 from heterog.hardware.cluster import Link
 from heterog.search.bound_tp import TpRelaxation
 from heterog.search.call_hull import sizes, under
@@ -106,7 +105,7 @@ def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float,
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     asked = sizes(prob.batch_size)
     hulls: dict[tuple, tuple] = {}  # (class, group, degree, the set's links) → h's hull on a member
-    least: dict[tuple, list[float]] = {}  # … → the least of its times per size over the degrees up to it
+    sized: dict[tuple, list[float]] = {}  # … → its times at the sizes asked
     tiers = prob.tiers
     unsplit, member, quick, opt = [], [], [], np.zeros((len(tiers), prob.n_groups))
     for t, devs in enumerate(tiers):
@@ -115,7 +114,7 @@ def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float,
         at = tp.sets[t] if tp.sets else ()  # a member's time depends on its set's links too
         mine, quickest = [], []
         for g in range(prob.n_groups):
-            best = None
+            per_degree = []  # a member's times per size, one list per degree
             for d in tp.degrees(t, g):
                 key = (cls, g, d, None if d == 1 else at)
                 if key not in hulls:
@@ -123,10 +122,10 @@ def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float,
                         return None
                     times = [f + b for f, b in tp.member_s(prob, t, g, d, asked)]
                     hulls[key] = under(asked, times)
-                    least[key] = times
-                best = least[key] if best is None else [min(a, b) for a, b in zip(best, least[key])]
+                    sized[key] = times
+                per_degree.append(sized[key])
             mine.append({d: hulls[cls, g, d, None if d == 1 else at] for d in tp.degrees(t, g)})
-            quickest.append(mine[-1][1] if len(mine[-1]) == 1 else under(asked, best))
+            quickest.append(mine[-1][1] if len(per_degree) == 1 else under(asked, [min(c) for c in zip(*per_degree)]))
         unsplit.append([m[1] for m in mine])
         member.append(mine)
         quick.append(quickest)

@@ -63,9 +63,14 @@ class TpRelaxation:
             return [table.times_s(tuple(names), rep, b) for b in samples]
         # a tier's devices are alike and so are its nodes' links (Problem.pair_cost): one set serves
         members = self.sets[t][:degree]
-        costs = memo(prob, f"_bound_tp:{degree}", lambda: _rank_costs(prob, [s[:degree] for s in self.sets if len(s) >= degree]))
+        costs = memo(
+            prob, f"_bound_tp:{degree}", lambda: _rank_costs(prob, [s[:degree] for s in self.sets if len(s) >= degree])
+        )
         return [
-            (costs.group_time_s(names, members[0], b, Phase.FORWARD), costs.group_time_s(names, members[0], b, Phase.BACKWARD))
+            (
+                costs.group_time_s(names, members[0], b, Phase.FORWARD),
+                costs.group_time_s(names, members[0], b, Phase.BACKWARD),
+            )
             for b in samples
         ]
 
