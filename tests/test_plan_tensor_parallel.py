@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import time
+import types
 
 import pytest
 from typer.testing import CliRunner
@@ -21,6 +22,7 @@ from heterog.ir.plan import Group, ModelSpec, Plan, Replica
 from heterog.lower.program import Compute
 from heterog.lower.tensor_parallel import runnable
 from heterog.orchestrate import lowered
+from heterog.search import three_d
 from heterog.search.three_d import best_uniform, grid, megatron_3d
 from heterog.simulate.simulator import simulate
 
@@ -267,3 +269,22 @@ def test_megatron_grid_enumerates_what_megatron_allows_and_ranks_by_the_simulato
     best = ranked[0]
     again = _3d(small, tp=best.tp, pp=best.pp, dp=best.dp, microbatches=best.microbatches)
     assert simulate(graph, cluster, again, costs).iteration_time_s == best.iteration_time_s
+
+
+def test_the_grid_starts_a_configuration_only_where_the_last_ones_time_is_left(small, monkeypatch):
+    """best_uniform scores one configuration whatever its deadline, and another only where
+    as long as the last one took is left (a split plan's scoring costs several simulations):
+    on a clock that each scoring moves by one second."""
+    graph, cluster, costs = small
+    clock = [0.0]
+    monkeypatch.setattr(three_d, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def one_second(plan):
+        clock[0] += 1.0
+        return simulate(graph, cluster, plan, costs, timeline=False)
+
+    kw = {"precision": "fp32", "optimizer": "sgd", "score": one_second}
+    for deadline, scored in ((0.5, 1), (1.5, 1), (3.0, 3)):
+        clock[0] = 0.0
+        assert len(best_uniform(graph, cluster, costs, SMALL, deadline_s=deadline, **kw)) == scored
+        assert clock[0] <= max(deadline, 1.0)

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import random
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -29,7 +30,14 @@ from heterog.search.lanes import simulator_scorer
 from heterog.search.moves import MoveContext, segments, with_placement
 from heterog.search.planner import plan_graph
 from heterog.search.problem import Placement, Problem
-from heterog.search.tp_moves import GRID_NAME, tp_applies, tp_move, whole_regions
+from heterog.search.tp_moves import (
+    GRID_NAME,
+    SPLIT_PLAN_CALLS,
+    megatron_baseline,
+    tp_applies,
+    tp_move,
+    whole_regions,
+)
 from heterog.search.tp_scoring import simulated, split_groups, tp_conflict
 from heterog.simulate.simulator import simulate
 from heterog.simulate.tensor_parallel import tensor_parallel_inputs
@@ -129,6 +137,12 @@ def test_the_bound_times_a_member_as_the_simulator_does(mixed):
                 assert bwd == pytest.approx(costs.group_time_s(group.nodes, lead, b, Phase.BACKWARD), rel=1e-9)
             checked.add(g)
     assert len(checked) >= 2, checked
+
+
+def test_the_grid_is_skipped_where_a_split_plans_first_simulation_does_not_fit(mixed):
+    now = time.perf_counter()
+    skipped = megatron_baseline(mixed, now + (SPLIT_PLAN_CALLS - 1) * 0.5, 0.5)
+    assert skipped.candidate is None and "split plan's first simulation" in skipped.report["skipped"]
 
 
 def test_neighbours_the_simulator_refuses_are_rejected(mixed):

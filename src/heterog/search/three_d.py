@@ -306,7 +306,8 @@ def best_uniform(
     degrees: Sequence[int] = DEGREES,
     score: Callable[[Plan], SimResult] | None = None,
 ) -> list[GridPoint]:
-    """The grid's configurations scored by the simulator until `deadline_s` (those whose model
+    """The grid's configurations scored by the simulator before `deadline_s`, each started only
+    where the last one's time is left (those whose model
     state fits the devices first; then the cheapest-looking: fewest pipeline stages and
     micro-batches, the way a Megatron user tries them), best first: fitting ones by iteration
     time, then the others. At least one is scored, whatever the deadline. `score`: the
@@ -318,8 +319,10 @@ def best_uniform(
     scored: list[GridPoint] = []
     fits = _state_fits(graph, cluster, costs)
     configurations = sorted(grid(graph, cluster, spec, degrees=degrees), key=lambda c: (not fits(c), c[1], c[3], c[0]))
+    last_s = 0.0  # the last configuration's scoring: the next one is not started unless as much is left
     for tp, pp, dp, m in configurations:
-        if time.perf_counter() > deadline_s and scored:
+        start = time.perf_counter()
+        if scored and start + last_s > deadline_s:
             break
         made, sim = simulated_3d(
             graph,
@@ -344,4 +347,5 @@ def best_uniform(
             feasible=sim.feasible,
         )
         scored.append(point)
+        last_s = time.perf_counter() - start
     return sorted(scored, key=lambda g: (not g.feasible, g.iteration_time_s))
