@@ -55,7 +55,9 @@ fill and drain beyond one sample's and the queues, recomputation, and memory (a 
 uses may not fit). Where it is loose: a tier's devices count as one (activations between them
 are free) and y, k are fractional, so a bubble-free pipeline of small micro-batches that hops
 between tiers from group to group looks possible; plans shaped like the programme's optimum
-simulate several times slower (their devices wait on each other's transfers).
+simulate several times slower: their devices wait on each other's pieces of a micro-batch,
+which averages over samples and a tier's devices do not see (resnet200's stay above twice the
+bound with every link near-free).
 
 Where the problem allows tensor parallelism, the rows are relaxed so that the bound holds for
 plans whose replicas are tensor-parallel sets too (bound_tp.py: a group split d ways runs on

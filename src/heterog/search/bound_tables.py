@@ -104,28 +104,26 @@ def tables(prob: Problem, fwd1: np.ndarray, bwd1: np.ndarray, deadline_s: float,
     c = prob.cluster
     table = prob.sim_cache.cost_table(prob.graph, prob.costs)
     asked = sizes(prob.batch_size)
-    hulls: dict[tuple, tuple] = {}  # (class, group, degree, the set's links) → h's hull on a member
-    sized: dict[tuple, list[float]] = {}  # … → its times at the sizes asked
+    made: dict[tuple, tuple] = {}  # (class, group, 1) or (tier, group, degree) → (times at the sizes asked, their hull)
     tiers = prob.tiers
     unsplit, member, quick, opt = [], [], [], np.zeros((len(tiers), prob.n_groups))
     for t, devs in enumerate(tiers):
         rep = prob.device_names[devs[0]]
         cls = int(prob.dev_class[devs[0]])
-        at = tp.sets[t] if tp.sets else ()  # a member's time depends on its set's links too
         mine, quickest = [], []
         for g in range(prob.n_groups):
-            per_degree = []  # a member's times per size, one list per degree
-            for d in tp.degrees(t, g):
-                key = (cls, g, d, None if d == 1 else at)
-                if key not in hulls:
+            # a set's member depends on the set's links: its entry is the tier's
+            keys = {d: (cls, g, 1) if d == 1 else (t, g, d) for d in tp.degrees(t, g)}
+            for d, key in keys.items():
+                if key not in made:
                     if time.perf_counter() >= deadline_s:
                         return None
                     times = [f + b for f, b in tp.member_s(prob, t, g, d, asked)]
-                    hulls[key] = under(asked, times)
-                    sized[key] = times
-                per_degree.append(sized[key])
-            mine.append({d: hulls[cls, g, d, None if d == 1 else at] for d in tp.degrees(t, g)})
-            quickest.append(mine[-1][1] if len(per_degree) == 1 else under(asked, [min(c) for c in zip(*per_degree)]))
+                    made[key] = (times, under(asked, times))
+            by_degree = {d: made[key] for d, key in keys.items()}
+            mine.append({d: hull for d, (_, hull) in by_degree.items()})
+            least = [min(c) for c in zip(*(times for times, _ in by_degree.values()))]
+            quickest.append(mine[-1][1] if len(by_degree) == 1 else under(asked, least))
         unsplit.append([m[1] for m in mine])
         member.append(mine)
         quick.append(quickest)
