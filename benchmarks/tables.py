@@ -367,6 +367,7 @@ def bound_tightness(doc: dict[str, Any], short: bool) -> list[str]:
             "above the bound",
             "data parallelism's compute",
             "… in whole samples",
+            "… with one optimizer step",
         ],
         [
             [
@@ -384,6 +385,7 @@ def bound_tightness(doc: dict[str, Any], short: bool) -> list[str]:
                 f"{secs(p['dp_whole_samples_s'])} (the plan {pct(p['above_dp_whole_samples'], True)})"
                 if "dp_whole_samples_s" in p
                 else "—",
+                secs(p["dp_one_step_s"]) if "dp_one_step_s" in p else "—",
             ]
             for m, p in plans.items()
         ],
@@ -393,7 +395,10 @@ def bound_tightness(doc: dict[str, Any], short: bool) -> list[str]:
         "Data parallelism's compute: the least time any data-parallel plan spends computing (shares continuous, "
         "communication free) — a plan near it is near what data parallelism can do, and the rest of the gap is "
         "the bound's; in whole samples: each device a whole number of samples and every replica its whole "
-        "optimizer step (the plan's time against it: below zero, the plan beats data parallelism). Bounds: "
+        "optimizer step (the plan's time against it: below zero, the plan beats data parallelism); with one "
+        "optimizer step: continuous shares, and the optimizer stepped once in all, a part on each device, as the "
+        "bound allows (sharded state with free collectives) — between it and the bound lies what splitting the "
+        "groups over the devices would gain. Bounds: "
         + "; ".join(f"{k}, {v}" for k, v in doc.get("labels", {}).items())
         + f". Load average {doc['summary']['load_average'][0]:.1f} at the end."
     )
