@@ -179,7 +179,7 @@ def _pct(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="after", help="names this version of the bound in the rows")
-    ap.add_argument("--bound-only", action="store_true", help="the bound and dp_compute_s, no planning")
+    ap.add_argument("--bound-only", action="store_true", help="the bound only: no planning, no data-parallel columns")
     ap.add_argument("--merge", action="store_true", help="keep --out's rows of other labels")
     ap.add_argument("--about", default="this tree's", help="what the label's bound is (kept in the results file)")
     ap.add_argument("--out", default=str(RESULTS))
