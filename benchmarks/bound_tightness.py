@@ -83,23 +83,22 @@ def _least(holds, hi: float) -> float:
     return hi
 
 
-def dp_compute_s(prob: Problem) -> float:
-    """The least T such that the devices, each computing at most the samples the whole model's
-    hull allows in T less its optimizer step, hold the batch."""
-    per_class = _whole_model(prob)
+def dp_compute_s(per_class: list, batch: int) -> float:
+    """The least T such that the devices (per class: _whole_model), each computing at most the
+    samples the whole model's hull allows in T less its optimizer step, hold the batch."""
 
     def holds(t: float) -> bool:
-        return sum(n * b_max(k, v, t - opt) for n, k, v, _, opt in per_class) >= prob.batch_size
+        return sum(n * b_max(k, v, t - opt) for n, k, v, _, opt in per_class) >= batch
 
     return _least(holds, min(float(v[-1]) + opt for _, _, v, _, opt in per_class))
 
 
-def dp_one_step_s(prob: Problem) -> float:
-    """dp_compute_s with the optimizer stepped once in all, each device a part of it (what
-    sharded state would do with collectives for free; the bound lets a plan do the same):
+def dp_one_step_s(per_class: list, batch: int, hi: float) -> float:
+    """dp_compute_s (hi: its value, where this holds too) with the optimizer stepped once in
+    all, each device a part of it (what sharded state would do with collectives for free; the
+    bound lets a plan do the same):
     per class, u devices compute x samples (q·u + m·x ≤ T·u for each hull edge (q, m)) and its
     n devices also step a part w of the optimizer within n·T; Σ x = batch, Σ w = 1 (HiGHS)."""
-    per_class = _whole_model(prob)
     n_c = len(per_class)
     a_eq = np.zeros((2, 3 * n_c))
     a_eq[0, 1::3] = 1.0  # x: samples
@@ -121,13 +120,13 @@ def dp_one_step_s(prob: Problem) -> float:
             A_ub=np.array(rows),
             b_ub=rhs,
             A_eq=a_eq,
-            b_eq=[prob.batch_size, 1.0],
+            b_eq=[batch, 1.0],
             bounds=bounds,
             method="highs",
         )
         return res.status == 0
 
-    return _least(holds, dp_compute_s(prob))
+    return _least(holds, hi)
 
 
 def run_model(model: str, batch: int, bound_only: bool) -> dict:
@@ -155,8 +154,9 @@ def run_model(model: str, batch: int, bound_only: bool) -> dict:
         "bound_time_s": time.perf_counter() - t,
     }
     if not bound_only:
-        row["dp_compute_s"] = float(dp_compute_s(prob))
-        row["dp_one_step_s"] = float(dp_one_step_s(prob))
+        per_class = _whole_model(prob)
+        row["dp_compute_s"] = float(dp_compute_s(per_class, batch))
+        row["dp_one_step_s"] = float(dp_one_step_s(per_class, batch, row["dp_compute_s"]))
         floor = plain_data_parallel_s(prob)  # no deadline: never None
         assert floor is not None
         row["dp_whole_samples_s"] = floor
